@@ -1,0 +1,3 @@
+from dflash_ops.cli import main
+
+main()

@@ -1,0 +1,589 @@
+"""Run-directory helper: runs inside the container (python3.8+, stdlib only).
+
+Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
+
+  runs.py list BASE [--run ID]
+  runs.py follow PATH --offset N [--tail-lines N] [--follow] [--poll S] [--until-final RUNDIR]
+  runs.py control RUNDIR checkpoint|stop
+  runs.py start --base BASE --run-id ID --config FILE|- --release-root DIR --python PY
+                [--resume latest|STEP] [--gpus 0,1] [--env KEY=VALUE ...] [--wait S]
+  runs.py signal RUNDIR TERM|KILL
+  runs.py checkpoints RUNDIR
+  runs.py hash-files ROOT PATH...
+
+Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start.
+Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+FINAL_STATES = ("stopped", "failed", "done")
+LOG_TAIL_LINES = 40
+CHUNK = 1 << 20
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")
+
+
+class Refused(Exception):
+    def __init__(self, message, code=2, **extra):
+        super().__init__(message)
+        self.code = code
+        self.extra = extra
+
+
+def print_json(obj):
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- reading a run directory
+
+def read_json(path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def pid_start_time(pid):
+    """Field 22 of /proc/<pid>/stat, or None when the pid is gone or a zombie."""
+    try:
+        with open("/proc/%d/stat" % int(pid), "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except (OSError, ValueError, TypeError):
+        return None
+    rest = stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parens
+    if not rest or rest[0] == "Z":
+        return None
+    return int(rest[19])
+
+
+def process_matches(pid, pid_start):
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    start = pid_start_time(pid)
+    if start is None:
+        return False
+    return pid_start is None or start == pid_start
+
+
+def run_process(run_dir, status):
+    """(pid, pid_start) of the run: status.json first, then ops' launch.json."""
+    for doc in (status, read_json(os.path.join(run_dir, "launch.json"))):
+        if doc and isinstance(doc.get("pid"), int):
+            return doc["pid"], doc.get("pid_start")
+    return None, None
+
+
+def tail_lines(path, n):
+    """Start offset and text of the last n lines of a file ("" when missing)."""
+    try:
+        with open(path, "rb") as f:
+            start = start_of_last_lines(f, n)
+            f.seek(start)
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def start_of_last_lines(f, n, end=None):
+    """Byte offset where the last n complete lines before `end` begin."""
+    if end is None:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+    if n <= 0:
+        return end
+    pos = end
+    newlines = 0
+    skip_final = True  # the newline that ends the last line does not start one
+    while pos > 0:
+        size = min(65536, pos)
+        pos -= size
+        f.seek(pos)
+        block = f.read(size)
+        i = len(block)
+        while True:
+            i = block.rfind(b"\n", 0, i)
+            if i < 0:
+                break
+            if skip_final and pos + i == end - 1:
+                skip_final = False
+                continue
+            skip_final = False
+            newlines += 1
+            if newlines == n:
+                return pos + i + 1
+    return 0
+
+
+def complete_checkpoints(run_dir):
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = re.match(r"^step_(\d+)$", name)
+        if not m or not os.path.isdir(os.path.join(root, name)):
+            continue
+        manifest = read_json(os.path.join(root, name, "manifest.json"))
+        found.append({"step": int(m.group(1)), "path": "checkpoints/" + name, "manifest": manifest})
+    found.sort(key=lambda c: c["step"])
+    return found
+
+
+def describe_run(run_dir, now):
+    status = read_json(os.path.join(run_dir, "status.json"))
+    info = dict(status or {})
+    info["run_id"] = os.path.basename(run_dir)
+    info["has_status"] = status is not None
+    pid, pid_start = run_process(run_dir, status)
+    alive = pid is not None and process_matches(pid, pid_start)
+    info["alive"] = alive
+    heartbeat = info.get("heartbeat")
+    info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
+    try:
+        with open(os.path.join(run_dir, "release"), "rb") as f:
+            info["release"] = f.read().decode("utf-8", "replace").strip() or None
+    except OSError:
+        info["release"] = None
+    checkpoints = complete_checkpoints(run_dir)
+    info["checkpoints"] = [c["step"] for c in checkpoints]
+    if not info.get("last_checkpoint") and checkpoints:
+        info["last_checkpoint"] = checkpoints[-1]["path"]
+    state = info.get("state")
+    info["reason"] = None
+    info["log_tail"] = None
+    if state in FINAL_STATES:
+        info["effective_state"] = state
+    elif alive:
+        info["effective_state"] = state or "starting"
+    else:
+        info["effective_state"] = "failed"
+        info["reason"] = ("process died without saying so" if status is not None
+                          else "no status.json and no live process")
+        info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
+    if state == "failed":
+        info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
+    return info
+
+
+def run_dirs(base):
+    root = os.path.join(base, "runs")
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in names
+            if not n.startswith(".") and os.path.isdir(os.path.join(root, n))]
+
+
+def cmd_list(args):
+    now = time.time()
+    if args.run:
+        run_dir = os.path.join(args.base, "runs", args.run)
+        if not os.path.isdir(run_dir):
+            raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
+        runs = [describe_run(run_dir, now)]
+    else:
+        runs = [describe_run(d, now) for d in run_dirs(args.base)]
+    print_json({"version": 1, "time": now, "runs": runs})
+
+
+# ---------------------------------------------------------------- following a file
+
+def run_is_over(run_dir):
+    status = read_json(os.path.join(run_dir, "status.json"))
+    if status is None:
+        pid, pid_start = run_process(run_dir, None)
+        return pid is not None and not process_matches(pid, pid_start)
+    if status.get("state") in FINAL_STATES:
+        return True
+    pid, pid_start = run_process(run_dir, status)
+    return not process_matches(pid, pid_start)
+
+
+def cmd_follow(args):
+    """Stream raw bytes of complete lines; the first line is `#offset <start>`.
+
+    Only whole lines are sent while following (a line still being written waits), so the
+    client's offset is always `start + bytes of complete lines received`. When the stream
+    ends for good (no --follow, or the run is over) a final unterminated fragment is sent.
+    """
+    out = sys.stdout.buffer
+    f = None
+    while f is None:
+        try:
+            f = open(args.path, "rb")
+        except FileNotFoundError:
+            if not args.follow or (args.until_final and run_is_over(args.until_final)):
+                if args.follow:
+                    out.write(b"#offset %d\n" % args.offset)
+                    out.flush()
+                    return 0
+                raise Refused("no such file: %s" % args.path)
+            time.sleep(args.poll)
+    with f:
+        start = args.offset
+        if args.tail_lines is not None:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(0)
+            data_end = complete_end(f, size)
+            start = start_of_last_lines(f, args.tail_lines, data_end)
+        out.write(b"#offset %d\n" % start)
+        out.flush()
+        f.seek(start)
+        pending = b""
+        while True:
+            chunk = f.read(CHUNK)
+            if chunk:
+                data = pending + chunk
+                cut = data.rfind(b"\n") + 1
+                if cut:
+                    out.write(data[:cut])
+                    out.flush()
+                pending = data[cut:]
+                continue
+            if not args.follow:
+                break
+            if args.until_final and run_is_over(args.until_final):
+                rest = f.read()
+                if rest:
+                    pending += rest
+                    cut = pending.rfind(b"\n") + 1
+                    out.write(pending[:cut])
+                    pending = pending[cut:]
+                break
+            time.sleep(args.poll)
+        if pending:
+            out.write(pending)
+        out.flush()
+    return 0
+
+
+def complete_end(f, size):
+    """Offset just past the last newline of the file (0 when none)."""
+    pos = size
+    while pos > 0:
+        n = min(65536, pos)
+        pos -= n
+        f.seek(pos)
+        i = f.read(n).rfind(b"\n")
+        if i >= 0:
+            return pos + i + 1
+    return 0
+
+
+# ---------------------------------------------------------------- control requests
+
+def cmd_control(args):
+    """Create control/<kind> atomically; a request already pending is reused (its id printed)."""
+    control = os.path.join(args.run_dir, "control")
+    if not os.path.isdir(args.run_dir):
+        raise Refused("no run directory %s" % args.run_dir)
+    os.makedirs(control, exist_ok=True)
+    request_id = uuid.uuid4().hex[:12]
+    tmp = os.path.join(control, ".%s.%s.tmp" % (args.kind, request_id))
+    final = os.path.join(control, args.kind)
+    write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pending = read_json(final)
+        if pending and pending.get("id"):
+            request_id = pending["id"]
+        else:
+            os.replace(tmp, final)
+            tmp = None
+    finally:
+        if tmp:
+            os.unlink(tmp)
+    sys.stdout.write(request_id + "\n")
+    return 0
+
+
+def write_file_synced(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path, data):
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    write_file_synced(tmp, data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- starting a run
+
+def parse_gpus(text):
+    if text is None or text == "":
+        return []
+    try:
+        return sorted({int(g) for g in text.split(",")})
+    except ValueError:
+        raise Refused("--gpus must be comma-separated integers, got %r" % text)
+
+
+def run_gpus(run_dir, status):
+    launch = read_json(os.path.join(run_dir, "launch.json")) or {}
+    gpus = launch.get("gpus") if launch.get("gpus") else (status or {}).get("gpus")
+    return [g for g in (gpus or []) if isinstance(g, int)]
+
+
+def gpu_conflicts(base, wanted, own_run_dir):
+    conflicts = []
+    for run_dir in run_dirs(base):
+        if os.path.abspath(run_dir) == os.path.abspath(own_run_dir):
+            continue
+        status = read_json(os.path.join(run_dir, "status.json"))
+        if status and status.get("state") in FINAL_STATES:
+            continue
+        pid, pid_start = run_process(run_dir, status)
+        if pid is None or not process_matches(pid, pid_start):
+            continue
+        held = sorted(set(run_gpus(run_dir, status)) & set(wanted))
+        if held:
+            conflicts.append({"run_id": os.path.basename(run_dir), "pid": pid, "gpus": held})
+    return conflicts
+
+
+def release_hash(release_root):
+    doc = read_json(os.path.join(release_root, ".dflash-release.json"))
+    if doc and isinstance(doc.get("hash"), str) and doc["hash"]:
+        return doc["hash"]
+    return "dev"
+
+
+def child_env(python, gpus, extra):
+    env = {
+        "PATH": os.path.dirname(os.path.abspath(python)) + ":" + CHILD_PATH_TAIL,
+        "HOME": os.environ.get("HOME") or "/root",
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+    }
+    for key in PASSED_THROUGH_ENV:
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise Refused("--env wants KEY=VALUE, got %r" % item)
+        env[key] = value
+    return env
+
+
+def cmd_start(args):
+    if not RUN_ID_RE.match(args.run_id):
+        raise Refused("bad run id %r (letters, digits, '.', '_', '-')" % args.run_id)
+    release_root = os.path.realpath(args.release_root)
+    if not os.path.isdir(release_root):
+        raise Refused("release root %s does not exist" % args.release_root)
+    runs_root = os.path.join(args.base, "runs")
+    run_dir = os.path.join(runs_root, args.run_id)
+    gpus = parse_gpus(args.gpus)
+    conflicts = gpu_conflicts(args.base, gpus, run_dir)
+    if conflicts:
+        names = ", ".join("%s (pid %d) holds GPU %s" % (c["run_id"], c["pid"], ",".join(map(str, c["gpus"])))
+                          for c in conflicts)
+        raise Refused("GPUs busy: " + names, code=3, conflicts=conflicts)
+
+    config_input = os.path.join(run_dir, "config.input.yaml")
+    config_bytes = None
+    if args.config is not None:
+        config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
+    if args.resume is None:
+        if config_bytes is None:
+            raise Refused("--config is required to start a fresh run")
+        os.makedirs(runs_root, exist_ok=True)
+        try:
+            os.mkdir(run_dir)
+        except FileExistsError:
+            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3)
+        write_atomic(config_input, config_bytes)
+    else:
+        if not os.path.isdir(run_dir):
+            raise Refused("no run %s to resume" % args.run_id)
+        status = read_json(os.path.join(run_dir, "status.json"))
+        pid, pid_start = run_process(run_dir, status)
+        if pid is not None and process_matches(pid, pid_start):
+            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=3, running_pid=pid)
+        if config_bytes is not None:
+            write_atomic(config_input, config_bytes)
+        if not os.path.exists(config_input):
+            config_input = os.path.join(run_dir, "config.yaml")
+    write_atomic(os.path.join(run_dir, "release"), (release_hash(release_root) + "\n").encode())
+
+    argv = [args.python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
+    if args.resume is not None:
+        argv += ["--resume", args.resume]
+    log_path = os.path.join(run_dir, "train.log")
+    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+        log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
+        log.flush()
+        child = subprocess.Popen(argv, cwd=release_root, env=child_env(args.python, gpus, args.env),
+                                 stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
+                                 close_fds=True, start_new_session=True)
+    launch = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
+              "release_root": release_root, "time": time.time(), "resume": args.resume}
+    write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(launch, sort_keys=True).encode())
+
+    status_path = os.path.join(run_dir, "status.json")
+    status_before = read_json(status_path) if args.resume is not None else None
+    deadline = time.time() + args.wait
+    while time.time() < deadline:
+        code = child.poll()
+        status = read_json(status_path)
+        if status is not None and status != status_before and status.get("pid") == child.pid:
+            break
+        if code is not None:
+            tail = tail_lines(log_path, LOG_TAIL_LINES)
+            raise Refused("trainer exited with status %d before writing status.json" % code, code=4,
+                          exit_code=code, log_tail=tail, run_id=args.run_id)
+        time.sleep(0.02)
+    print_json({"run_id": args.run_id, "pid": child.pid, "run_dir": run_dir,
+                "state": (read_json(status_path) or {}).get("state", "starting")})
+    return 0
+
+
+def read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise Refused("cannot read %s: %s" % (path, e.strerror))
+
+
+# ---------------------------------------------------------------- signals, checkpoints, hashes
+
+def cmd_signal(args):
+    status = read_json(os.path.join(args.run_dir, "status.json"))
+    pid, pid_start = run_process(args.run_dir, status)
+    if pid is None or not process_matches(pid, pid_start):
+        print_json({"sent": False, "pid": pid, "reason": "not running"})
+        return 0
+    os.kill(pid, signal.SIGTERM if args.signal == "TERM" else signal.SIGKILL)
+    print_json({"sent": True, "pid": pid, "signal": args.signal})
+    return 0
+
+
+def cmd_checkpoints(args):
+    if not os.path.isdir(args.run_dir):
+        raise Refused("no run directory %s" % args.run_dir)
+    print_json(complete_checkpoints(args.run_dir))
+    return 0
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(CHUNK)
+            if not block:
+                break
+            size += len(block)
+            h.update(block)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def cmd_hash_files(args):
+    result = {}
+    for rel in args.paths:
+        try:
+            result[rel] = sha256_file(os.path.join(args.root, rel))
+        except OSError as e:
+            result[rel] = {"error": e.strerror or str(e)}
+    print_json(result)
+    return 0
+
+
+# ---------------------------------------------------------------- argument parsing
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="runs.py")
+    sub = p.add_subparsers(dest="command")
+    sub.required = True
+
+    s = sub.add_parser("list")
+    s.add_argument("base")
+    s.add_argument("--run")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("follow")
+    s.add_argument("path")
+    s.add_argument("--offset", type=int, default=0)
+    s.add_argument("--tail-lines", type=int)
+    s.add_argument("--follow", action="store_true")
+    s.add_argument("--poll", type=float, default=0.2)
+    s.add_argument("--until-final", metavar="RUNDIR")
+    s.set_defaults(func=cmd_follow)
+
+    s = sub.add_parser("control")
+    s.add_argument("run_dir")
+    s.add_argument("kind", choices=("checkpoint", "stop"))
+    s.set_defaults(func=cmd_control)
+
+    s = sub.add_parser("start")
+    s.add_argument("--base", required=True)
+    s.add_argument("--run-id", required=True)
+    s.add_argument("--config")
+    s.add_argument("--release-root", required=True)
+    s.add_argument("--python", required=True)
+    s.add_argument("--resume")
+    s.add_argument("--gpus")
+    s.add_argument("--env", action="append", default=[])
+    s.add_argument("--wait", type=float, default=30.0)
+    s.set_defaults(func=cmd_start)
+
+    s = sub.add_parser("signal")
+    s.add_argument("run_dir")
+    s.add_argument("signal", choices=("TERM", "KILL"))
+    s.set_defaults(func=cmd_signal)
+
+    s = sub.add_parser("checkpoints")
+    s.add_argument("run_dir")
+    s.set_defaults(func=cmd_checkpoints)
+
+    s = sub.add_parser("hash-files")
+    s.add_argument("root")
+    s.add_argument("paths", nargs="+")
+    s.set_defaults(func=cmd_hash_files)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except Refused as e:
+        doc = {"error": str(e)}
+        doc.update(e.extra)
+        print_json(doc)
+        sys.stderr.write("runs.py %s: %s\n" % (args.command, e))
+        return e.code
+    except BrokenPipeError:
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

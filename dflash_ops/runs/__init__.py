@@ -1,0 +1,29 @@
+"""Run lifecycle on a container: start, list, follow, control, stop, resume, pull.
+
+Transport-agnostic: every function takes a `container` (dflash_ops.container.Container or
+anything with the same exec/helper/push/pull/base_dir/target) and talks to the stdlib
+helper `dflash_ops/helpers/runs.py` inside it. Protocol: docs/run-lifecycle.md.
+"""
+
+from dflash_ops.runs.follow import ConnectionLost, follow_file
+from dflash_ops.runs.info import FINAL_STATES, GpusBusy, RunError, RunInfo, RunNotFound, RunRefused
+from dflash_ops.runs.lifecycle import (
+    list_runs,
+    new_run_id,
+    request,
+    resume_run,
+    run_status,
+    signal_run,
+    start_run,
+    stop_run,
+    wait_for_checkpoint,
+    wait_until_final,
+)
+from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
+
+__all__ = [
+    "FINAL_STATES", "ConnectionLost", "GpusBusy", "RunError", "RunInfo", "RunNotFound", "RunRefused",
+    "find_checkpoint", "follow_file", "list_runs", "new_run_id", "pull_checkpoint", "request",
+    "resume_run", "run_status", "signal_run", "start_run", "stop_run", "wait_for_checkpoint",
+    "wait_until_final",
+]

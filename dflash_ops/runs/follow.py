@@ -1,0 +1,107 @@
+"""Following train.log / metrics.jsonl by byte offset, resuming after a dropped connection.
+
+The `runs follow` helper answers with one header line `#offset <start>\\n`, then the file's raw
+bytes from <start>, complete lines only until the stream ends for good. So the offset of the
+end of every complete line received is `start + bytes so far`; after a ConnectionLost we ask
+again from the last complete line's end: no line is lost and none is repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from dflash_ops.runs.helper import call, run_dir
+from dflash_ops.runs.info import RunError
+
+try:
+    from dflash_ops.transport.base import ConnectionLost
+except ImportError:  # transports (#2) not merged yet; the real class replaces this at merge
+
+    class ConnectionLost(Exception):  # type: ignore[no-redef]
+        """Stand-in for dflash_ops.transport.base.ConnectionLost."""
+
+
+FOLLOWABLE = ("train.log", "metrics.jsonl")
+HEADER_PREFIX = b"#offset "
+
+
+class _Stream:
+    """Turns the helper's stdout lines into delivered lines and an exact offset."""
+
+    def __init__(self, on_line: Callable[[bytes], None], expected_start: int | None):
+        self.on_line = on_line
+        self.expected_start = expected_start
+        self.offset: int | None = None
+        self.partial = b""
+
+    def feed(self, line: bytes) -> None:
+        if not line.endswith(b"\n"):
+            self.partial = line  # counts only if the stream then ends normally
+        elif self.offset is None:
+            self._header(line)
+        else:
+            self.offset += len(line)
+            self.on_line(line)
+
+    def _header(self, line: bytes) -> None:
+        if not (line.startswith(HEADER_PREFIX) and line.endswith(b"\n")):
+            raise RunError(f"follow helper sent no offset header (got {line[:60]!r})")
+        start = int(line[len(HEADER_PREFIX):])
+        if self.expected_start is not None and start != self.expected_start:
+            raise RunError(f"follow helper started at {start}, asked for {self.expected_start}")
+        self.offset = start
+
+
+def follow_file(
+    container,
+    run_id: str,
+    name: str,
+    on_line: Callable[[bytes], None],
+    *,
+    tail_lines: int | None = None,
+    offset: int = 0,
+    follow: bool = False,
+    reconnect: bool = True,
+    max_reconnects: int = 20,
+    poll: float = 0.2,
+    backoff: float = 0.5,
+) -> int:
+    """Deliver each line of runs/<run_id>/<name> (bytes, with its b"\\n") to on_line.
+
+    Starts at byte `offset`, or at the last `tail_lines` complete lines. With follow=True it
+    keeps going until the run is over (final state or process gone) and the file is drained.
+    A final unterminated fragment is delivered only when the stream ends normally. Returns
+    the offset just past the last complete line delivered (pass it back in to continue).
+    `max_reconnects` counts consecutive drops without progress.
+    """
+    if name not in FOLLOWABLE:
+        raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
+    directory = run_dir(container, run_id)
+    position: int | None = None
+    drops_without_progress = 0
+    while True:
+        args = ["follow", f"{directory}/{name}", "--offset", str(position if position is not None else offset)]
+        if position is None and tail_lines is not None:
+            args += ["--tail-lines", str(tail_lines)]
+        if follow:
+            args += ["--follow", "--poll", str(poll), "--until-final", directory]
+        stream = _Stream(on_line, expected_start=position)
+        try:
+            call(container, args, on_line=stream.feed)
+        except ConnectionLost:
+            if stream.offset is not None and stream.offset != position:
+                drops_without_progress = 0
+            else:
+                drops_without_progress += 1
+            if stream.offset is not None:
+                position = stream.offset
+            if not reconnect or drops_without_progress > max_reconnects:
+                raise
+            time.sleep(min(backoff * drops_without_progress, 5.0))
+            continue
+        if stream.offset is None:
+            raise RunError(f"follow helper for {name} of {run_id} sent nothing")
+        if stream.partial and stream.offset is not None:
+            on_line(stream.partial)
+        return stream.offset

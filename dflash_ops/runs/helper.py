@@ -1,0 +1,48 @@
+"""Calling the `runs` helper script and the remote paths of a run."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from typing import Any
+
+from dflash_ops.runs.info import GpusBusy, RunError, RunNotFound, RunRefused
+
+HELPER = "runs"
+EXIT_NOT_FOUND = 2
+EXIT_REFUSED = 3
+EXIT_DIED_AT_START = 4
+
+
+def runs_root(container) -> str:
+    return posixpath.join(container.base_dir, "runs")
+
+
+def run_dir(container, run_id: str) -> str:
+    return posixpath.join(runs_root(container), run_id)
+
+
+def call(container, args: list[str], **kwargs):
+    """Run the helper; on failure raise RunError carrying its JSON error document."""
+    result = container.helper(HELPER, args, **kwargs)
+    if result.ok:
+        return result
+    details = _error_document(result.stdout)
+    message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"
+    error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused}
+    raise error_type.get(result.exit_code, RunError)(message, details)
+
+
+def call_json(container, args: list[str], **kwargs) -> Any:
+    return json.loads(call(container, args, **kwargs).stdout)
+
+
+def _error_document(stdout: str) -> dict[str, Any]:
+    for line in reversed(stdout.splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return {}

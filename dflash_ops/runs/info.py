@@ -1,0 +1,71 @@
+"""What ops knows about one run: status.json (docs/run-directory.md) plus fields the helper derives."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+FINAL_STATES = ("stopped", "failed", "done")
+
+
+class RunError(Exception):
+    """A run operation failed; `details` is the helper's JSON error document (may be empty)."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+class RunNotFound(RunError):
+    pass
+
+
+class RunRefused(RunError):
+    """The helper refused (exit 3): the run exists already, is still running, or GPUs are busy."""
+
+
+class GpusBusy(RunRefused):
+    """Refused: a live run holds a requested GPU (details["conflicts"] names them)."""
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    state: str | None = None
+    effective_state: str = "unknown"
+    alive: bool = False
+    reason: str | None = None
+    log_tail: str | None = None
+    release: str | None = None
+    heartbeat_age: float | None = None
+    checkpoints: list[int] = field(default_factory=list)
+    has_status: bool = False
+    version: int | None = None
+    pid: int | None = None
+    pid_start: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    started: float | None = None
+    heartbeat: float | None = None
+    loss: float | None = None
+    acc: float | None = None
+    tokens_per_s: float | None = None
+    gpus: list[int] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    recompiles: int | None = None
+    error: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def final(self) -> bool:
+        return self.effective_state in FINAL_STATES
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any] | str) -> "RunInfo":
+        """Build from the helper's per-run document; unknown keys stay in `raw` only."""
+        if isinstance(doc, str):
+            doc = json.loads(doc)
+        known = {f.name for f in fields(cls)} - {"raw"}
+        values = {k: v for k, v in doc.items() if k in known and v is not None}
+        return cls(**values, raw=dict(doc))

@@ -33,9 +33,13 @@ class _Stream:
         self.on_line = on_line
         self.expected_start = expected_start
         self.offset: int | None = None
+        self.start: int | None = None
         self.partial = b""
+        self.unexpected: bytes | None = None
 
     def feed(self, line: bytes) -> None:
+        if self.unexpected is not None:
+            return
         if not line.endswith(b"\n"):
             self.partial = line  # counts only if the stream then ends normally
         elif self.offset is None:
@@ -45,12 +49,17 @@ class _Stream:
             self.on_line(line)
 
     def _header(self, line: bytes) -> None:
-        if not (line.startswith(HEADER_PREFIX) and line.endswith(b"\n")):
-            raise RunError(f"follow helper sent no offset header (got {line[:60]!r})")
-        start = int(line[len(HEADER_PREFIX):])
-        if self.expected_start is not None and start != self.expected_start:
-            raise RunError(f"follow helper started at {start}, asked for {self.expected_start}")
-        self.offset = start
+        """Never raises: the helper's error document (if any) is reported after it exits."""
+        if line.startswith(HEADER_PREFIX) and line[len(HEADER_PREFIX):-1].isdigit():
+            self.start = self.offset = int(line[len(HEADER_PREFIX):])
+        else:
+            self.unexpected = line
+
+    def check(self, name: str) -> None:
+        if self.unexpected is not None or self.offset is None:
+            raise RunError(f"follow helper for {name} sent no offset header (got {self.unexpected!r})")
+        if self.expected_start is not None and self.start != self.expected_start:
+            raise RunError(f"follow helper started {name} at {self.start}, asked for {self.expected_start}")
 
 
 def follow_file(
@@ -90,6 +99,8 @@ def follow_file(
         try:
             call(container, args, on_line=stream.feed)
         except ConnectionLost:
+            if stream.offset is not None:
+                stream.check(name)
             if stream.offset is not None and stream.offset != position:
                 drops_without_progress = 0
             else:
@@ -100,8 +111,7 @@ def follow_file(
                 raise
             time.sleep(min(backoff * drops_without_progress, 5.0))
             continue
-        if stream.offset is None:
-            raise RunError(f"follow helper for {name} of {run_id} sent nothing")
+        stream.check(name)
         if stream.partial and stream.offset is not None:
             on_line(stream.partial)
         return stream.offset

@@ -1,0 +1,136 @@
+"""Following by byte offset: the helper's framing and follow_file's resume after drops."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import runs
+from dflash_ops.runs import ConnectionLost, RunNotFound
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runs_double import HELPERS, Drop, LocalHelperContainer, make_release  # noqa: E402
+
+RUNS_HELPER = str(HELPERS / "runs.py")
+
+
+@pytest.fixture
+def container(tmp_path):
+    base = tmp_path / "base"
+    (base / "runs" / "r1").mkdir(parents=True)
+    return LocalHelperContainer(base)
+
+
+def log_path(container) -> Path:
+    return container.base / "runs" / "r1" / "train.log"
+
+
+def helper_follow(*args: str) -> bytes:
+    return subprocess.run([sys.executable, RUNS_HELPER, "follow", *args], capture_output=True, check=True).stdout
+
+
+def numbered(n: int, start: int = 0) -> bytes:
+    return b"".join(b"line %d %s\n" % (i, b"x" * (i % 7)) for i in range(start, start + n))
+
+
+def test_header_and_raw_bytes_from_offset(tmp_path):
+    f = tmp_path / "log"
+    f.write_bytes(b"alpha\nbeta\ngamma\n")
+    assert helper_follow(str(f), "--offset", "6") == b"#offset 6\nbeta\ngamma\n"
+    assert helper_follow(str(f), "--offset", "0", "--tail-lines", "2") == b"#offset 6\nbeta\ngamma\n"
+    assert helper_follow(str(f), "--offset", "0", "--tail-lines", "9") == b"#offset 0\nalpha\nbeta\ngamma\n"
+    assert helper_follow(str(f), "--offset", "0", "--tail-lines", "0") == b"#offset 17\n"
+
+
+def test_tail_counts_complete_lines_only(tmp_path):
+    f = tmp_path / "log"
+    f.write_bytes(b"a\nb\nc\npartial")
+    # the unfinished line is not one of the last 2 lines, but it is sent last as a fragment
+    assert helper_follow(str(f), "--offset", "0", "--tail-lines", "2") == b"#offset 2\nb\nc\npartial"
+
+
+def test_tail_across_read_blocks(tmp_path):
+    f = tmp_path / "log"
+    data = numbered(30000)
+    f.write_bytes(data)
+    lines = data.splitlines(keepends=True)
+    start = len(data) - sum(len(l) for l in lines[-12345:])
+    out = helper_follow(str(f), "--offset", "0", "--tail-lines", "12345")
+    assert out == b"#offset %d\n" % start + data[start:]
+
+
+def test_follow_file_tail_and_returned_offset(container):
+    data = numbered(50)
+    log_path(container).write_bytes(data)
+    got: list[bytes] = []
+    end = runs.follow_file(container, "r1", "train.log", got.append, tail_lines=5)
+    assert got == data.splitlines(keepends=True)[-5:]
+    assert end == len(data)
+    log_path(container).write_bytes(data + b"more\n")
+    got.clear()
+    assert runs.follow_file(container, "r1", "train.log", got.append, offset=end) == len(data) + 5
+    assert got == [b"more\n"]
+
+
+@pytest.mark.parametrize("mid_line", [False, True])
+def test_drops_lose_and_repeat_nothing(container, mid_line):
+    data = numbered(2000)
+    log_path(container).write_bytes(data)
+    container.drops = [Drop(0, mid_line), Drop(1, mid_line), Drop(137, mid_line), Drop(1, mid_line), Drop(901, mid_line)]
+    got: list[bytes] = []
+    end = runs.follow_file(container, "r1", "train.log", got.append, tail_lines=1500, backoff=0)
+    assert b"".join(got) == data[len(data) - len(b"".join(data.splitlines(keepends=True)[-1500:])):]
+    assert len(got) == 1500 and end == len(data)
+    assert container.drops == []
+    offsets = [c[c.index("--offset") + 1] for c in container.calls]
+    assert offsets[:2] == ["0", "0"]  # no header received yet: ask for the tail again
+    assert len(set(offsets)) == 4
+
+
+def test_no_reconnect_raises(container):
+    log_path(container).write_bytes(numbered(10))
+    container.drops = [Drop(3)]
+    with pytest.raises(ConnectionLost):
+        runs.follow_file(container, "r1", "train.log", lambda line: None, reconnect=False)
+
+
+def test_missing_file_without_follow_is_not_found(container):
+    with pytest.raises(RunNotFound, match="no such file"):
+        runs.follow_file(container, "r1", "metrics.jsonl", lambda line: None)
+
+
+def test_follow_live_run_to_the_end_through_drops(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    make_release(base)
+    c = LocalHelperContainer(base)
+    config = tmp_path / "c.yaml"
+    config.write_text("total_steps: 300\nlog_lines: 5\nstep_seconds: 0.002\n")
+    run_id = runs.start_run(c, config, run_id="live")
+    c.drops = [Drop(40, True), Drop(200), Drop(3, True)]
+    got: list[bytes] = []
+    end = runs.follow_file(c, run_id, "train.log", got.append, follow=True, poll=0.01, backoff=0)
+    final = (base / "runs" / run_id / "train.log").read_bytes()
+    assert b"".join(got) == final and end == len(final)
+    assert got[-1] == b"done\n"
+    metrics: list[bytes] = []
+    runs.follow_file(c, run_id, "metrics.jsonl", metrics.append, follow=True, poll=0.01)
+    assert len(metrics) == 303  # start, 300 steps, checkpoint, stop
+
+
+def test_follow_waits_for_the_file_and_stops_when_run_is_over(container):
+    run_dir = container.base / "runs" / "r1"
+    (run_dir / "status.json").write_text('{"state": "stopped", "pid": 1}')
+    got: list[bytes] = []
+    assert runs.follow_file(container, "r1", "metrics.jsonl", got.append, follow=True, poll=0.01) == 0
+    assert got == []
+
+
+def test_unterminated_last_line_is_handed_on_only_at_a_normal_end(container):
+    log_path(container).write_bytes(b"one\ntwo\nthr")
+    got: list[bytes] = []
+    assert runs.follow_file(container, "r1", "train.log", got.append) == 8
+    assert got == [b"one\n", b"two\n", b"thr"]

@@ -448,12 +448,11 @@ def cmd_start(args):
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(launch, sort_keys=True).encode())
 
     status_path = os.path.join(run_dir, "status.json")
-    status_before = read_json(status_path) if args.resume is not None else None
     deadline = time.time() + args.wait
     while time.time() < deadline:
         code = child.poll()
         status = read_json(status_path)
-        if status is not None and status != status_before and status.get("pid") == child.pid:
+        if status is not None and status.get("pid") == child.pid:
             break
         if code is not None:
             tail = tail_lines(log_path, LOG_TAIL_LINES)

@@ -8,6 +8,7 @@ again from the last complete line's end: no line is lost and none is repeated.
 
 from __future__ import annotations
 
+import posixpath
 import time
 from collections.abc import Callable
 
@@ -90,7 +91,7 @@ def follow_file(
     position: int | None = None
     drops_without_progress = 0
     while True:
-        args = ["follow", f"{directory}/{name}", "--offset", str(position if position is not None else offset)]
+        args = ["follow", posixpath.join(directory, name), "--offset", str(position if position is not None else offset)]
         if position is None and tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
         if follow:
@@ -99,19 +100,16 @@ def follow_file(
         try:
             call(container, args, on_line=stream.feed)
         except ConnectionLost:
+            progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:
                 stream.check(name)
-            if stream.offset is not None and stream.offset != position:
-                drops_without_progress = 0
-            else:
-                drops_without_progress += 1
-            if stream.offset is not None:
                 position = stream.offset
+            drops_without_progress = 0 if progressed else drops_without_progress + 1
             if not reconnect or drops_without_progress > max_reconnects:
                 raise
             time.sleep(min(backoff * drops_without_progress, 5.0))
             continue
         stream.check(name)
-        if stream.partial and stream.offset is not None:
+        if stream.partial:
             on_line(stream.partial)
         return stream.offset

@@ -1,0 +1,120 @@
+"""The command layer through a real OpenSSH sshd on 127.0.0.1 (fixture `sshd_node`)."""
+
+import json
+import subprocess
+
+import pytest
+from hypothesis import given, settings
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
+from dflash_ops.container import Container
+from dflash_ops.errors import ConnectionLost, TransportError
+from dflash_ops.inventory import load_inventory
+from dflash_ops.transport.ssh import SSHTransport
+from tests import container_checks as checks
+
+pytestmark = pytest.mark.sshd
+
+
+@pytest.fixture(scope="module")
+def container(sshd_node):
+    target = load_inventory(sshd_node.inventory).target("host200")
+    c = Container(target, SSHTransport(target.node))
+    yield c
+    c.transport.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(checks.argv_strategy())
+def test_argv_arrives_byte_for_byte(container, argv):
+    checks.assert_argv_round_trip(container, argv)
+
+
+def test_big_argument(container):
+    checks.assert_argv_round_trip(container, [checks.BIG_ARGUMENT, "{i}: {lines[i]}"])
+
+
+def test_one_connection_for_many_execs(sshd_node, container):
+    container.exec(["true"], check=True)
+    logins, opened, runs = sshd_node.accepted_logins(), container.transport.connections_opened, container.transport.commands_run
+    for i in range(10):
+        assert container.exec(["echo", str(i)]).stdout == f"{i}\n"
+    assert checks.run_concurrently(container, 4) == [f"{i}\n" for i in range(4)]
+    assert sshd_node.accepted_logins() == logins
+    assert container.transport.connections_opened == opened
+    assert container.transport.commands_run - runs == 14
+
+
+def test_lines_stream_before_the_command_ends(container, tmp_path):
+    checks.assert_lines_stream_before_exit(container, tmp_path / "flag")
+
+
+def test_binary_stdin(container):
+    checks.assert_binary_stdin_round_trip(container)
+
+
+def test_stopped_container_refuses_exec(container):
+    checks.assert_stopped_container_refuses(container)
+
+
+def test_push_pull_verified(container, tmp_path):
+    checks.assert_push_pull_verified(container, tmp_path)
+
+
+def test_push_tree(container, tmp_path):
+    checks.assert_push_tree(container, tmp_path)
+
+
+def test_helper_installed_once(container):
+    checks.assert_helper_installed_once(container)
+
+
+def test_exec_check(container):
+    checks.assert_exec_check_raises(container)
+
+
+def test_dropped_connection_mid_stream_then_reconnect(sshd_node, tmp_path):
+    target = load_inventory(sshd_node.inventory).target("host200")
+    transport = SSHTransport(target.node)
+    c = Container(target, transport)
+    try:
+        c.exec(["true"], check=True)
+        with pytest.raises(ConnectionLost):
+            c.exec(["sh", "-c", "echo first; sleep 60"], on_line=lambda line: sshd_node.kill_sessions(), timeout=120)
+        assert c.exec(["echo", "again"]).stdout == "again\n"
+        assert transport.connections_opened == 2
+    finally:
+        transport.close()
+
+
+def _node_with_known_hosts(sshd_node, text, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text(text)
+    inv = sshd_node.inventory.read_text().replace(str(sshd_node.known_hosts), str(known))
+    path = tmp_path / "inv.yaml"
+    path.write_text(inv)
+    return load_inventory(path).target("host200").node
+
+
+def test_host_key_mismatch_is_refused(sshd_node, tmp_path):
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    kind, blob = (tmp_path / "other_key.pub").read_text().split()[:2]
+    node = _node_with_known_hosts(sshd_node, f"[127.0.0.1]:{sshd_node.port} {kind} {blob}\n", tmp_path)
+    with pytest.raises(TransportError, match="does not match known_hosts"):
+        SSHTransport(node).run("true")
+
+
+def test_unknown_host_is_refused(sshd_node, tmp_path):
+    node = _node_with_known_hosts(sshd_node, "", tmp_path)
+    with pytest.raises(TransportError, match="not found in known_hosts"):
+        SSHTransport(node).run("true")
+
+
+def test_cli_exec_through_sshd(sshd_node):
+    args = ["it's", "$(id)", "{i}: {lines[i]}"]
+    result = CliRunner().invoke(app, ["exec", "--inventory", str(sshd_node.inventory), "host200", "--", "python3",
+                                      "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == args

@@ -1,0 +1,85 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+import dflash_ops
+from dflash_ops.cli import app
+
+runner = CliRunner()
+ARGS = ["it's", "$(id)", "{i}: {lines[i]}"]
+CODE = "import json,sys; print(json.dumps(sys.argv[1:]))"
+
+
+def test_exec_round_trips_argv(sim_inventory):
+    result = runner.invoke(app, ["exec", "--inventory", str(sim_inventory), "host200", "--", "python3", "-c", CODE, *ARGS])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == ARGS
+
+
+def test_exec_without_separator_and_exit_status(sim_inventory):
+    result = runner.invoke(app, ["exec", "--inventory", str(sim_inventory), "host200", "sh", "-c", "echo hi; exit 9"])
+    assert (result.exit_code, result.stdout) == (9, "hi\n")
+
+
+def test_print_command_shows_every_layer_and_runs_nothing(sim_inventory, tmp_path):
+    marker = tmp_path / "ran"
+    result = runner.invoke(app, ["exec", "--inventory", str(sim_inventory), "--print-command", "host200", "--",
+                                 "touch", str(marker), "it's"])
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0] == "container argv: " + repr(["touch", str(marker), "it's"])
+    assert lines[2].startswith("node command (sent over SSH): ") and lines[2].endswith(
+        f"exec 200 -- touch {marker} 'it'\"'\"'s'")
+    assert not marker.exists()
+
+
+def test_env_var_inventory_and_timeout(sim_inventory):
+    result = runner.invoke(app, ["exec", "--timeout", "0.5", "host200", "--", "sleep", "30"],
+                           env={"DFLASH_OPS_INVENTORY": str(sim_inventory)})
+    assert result.exit_code == 124 and "timed out" in result.stderr
+
+
+def test_inventory_typo_is_one_clean_line(tmp_path):
+    bad = tmp_path / "hosts.yaml"
+    bad.write_text("nodes:\n  n: {transport: local, pct: simulated}\ntargets:\n  t:\n    node: n\n    ctdi: 200\n    base_dir: /x\n")
+    result = runner.invoke(app, ["hosts", "--inventory", str(bad)])
+    assert result.exit_code == 1
+    assert result.stderr == f"dflash-ops: error: {bad}:6: target 't': unknown key 'ctdi' (did you mean 'ctid'?)\n"
+
+
+def test_hosts_table(sim_inventory):
+    result = runner.invoke(app, ["hosts", "--inventory", str(sim_inventory)])
+    assert result.exit_code == 0
+    row = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("host200")][0]
+    assert row[:3] == ["host200", "sim", "200"] and row[-1] == "running"
+
+
+def test_inspect_source(sim_inventory):
+    result = runner.invoke(app, ["inspect-source", "--inventory", str(sim_inventory), "host200", "json.decoder",
+                                 "--lines", "2:3"])
+    assert result.exit_code == 0
+    out = result.stdout.splitlines()
+    assert out[0].startswith("# ") and out[0].endswith("json/decoder.py")
+    source = Path(out[0][2:]).read_text().splitlines()
+    assert out[1:] == [f"2  {source[1]}", f"3  {source[2]}"]
+    bad = runner.invoke(app, ["inspect-source", "--inventory", str(sim_inventory), "host200", "no_such_mod_q"])
+    assert bad.exit_code == 3 and "no module named 'no_such_mod_q'" in bad.stderr
+    bad_range = runner.invoke(app, ["inspect-source", "--inventory", str(sim_inventory), "host200", "json",
+                                    "--lines", "9:3"])
+    assert bad_range.exit_code == 2 and "bad --lines" in bad_range.stderr
+
+
+def test_python_dash_m_subprocess(sim_inventory):
+    env = dict(os.environ, PYTHONPATH=str(Path(dflash_ops.__file__).resolve().parent.parent),
+               DFLASH_OPS_INVENTORY=str(sim_inventory))
+    proc = subprocess.run([sys.executable, "-m", "dflash_ops", "exec", "host200", "--", "python3", "-c", CODE, *ARGS],
+                          env=env, capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ARGS
+    proc = subprocess.run([sys.executable, "-m", "dflash_ops", "exec", "nohost", "--", "true"], env=env,
+                          capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

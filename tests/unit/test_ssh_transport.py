@@ -1,0 +1,122 @@
+"""SSHTransport against a Paramiko-level double (no network)."""
+
+import paramiko
+import pytest
+
+from dflash_ops.container import Container
+from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError
+from dflash_ops.inventory import Node, Target, load_inventory
+from dflash_ops.transport.ssh import SSHTransport, fabric_connection
+from tests import container_checks as checks
+from tests.conftest import write_sim_inventory
+from tests.unit.fake_ssh import FakeServer
+
+
+@pytest.fixture
+def server():
+    return FakeServer()
+
+
+@pytest.fixture
+def ssh(server):
+    node = Node(name="fake", transport="ssh", pct=("pct",), address="10.0.0.1", keepalive=7)
+    return SSHTransport(node, connection_factory=server.connection)
+
+
+@pytest.fixture
+def container(tmp_path, server):
+    """The sim node's pct behind the fake SSH: the same node command a real sshd would get."""
+    sim = load_inventory(write_sim_inventory(tmp_path / "n")).target("host200")
+    node = Node(name="fake", transport="ssh", pct=sim.node.pct, address="10.0.0.1")
+    target = Target(name="host200", node=node, ctid=200, base_dir=sim.base_dir)
+    return Container(target, SSHTransport(node, connection_factory=server.connection))
+
+
+def test_exit_codes_output_and_keepalive(ssh, server):
+    result = ssh.run("echo out; echo err >&2; exit 5")
+    assert (result.exit_code, result.stdout, result.stderr, result.ok) == (5, "out\n", "err\n", False)
+    assert server.connections[0].client.transport.keepalive == 7
+
+
+def test_one_connection_for_many_commands(ssh, server):
+    for i in range(5):
+        assert ssh.run(f"echo {i}").stdout == f"{i}\n"
+    assert len(server.connections) == 1 and ssh.connections_opened == 1 and ssh.commands_run == 5
+
+
+def test_stdin_streams_binary_in_chunks(ssh):
+    data = bytes(range(256)) * 2000
+    assert ssh.run("cat", stdin=data).stdout_bytes == data
+
+
+def test_line_callbacks_get_bytes_with_newlines(ssh):
+    out, err = [], []
+    ssh.run("printf 'a\\nb\\377\\nc'; printf 'e1\\ne2' >&2", on_line=out.append, on_stderr_line=err.append)
+    assert out == [b"a\n", b"b\xff\n", b"c"] and err == [b"e1\n", b"e2"]
+
+
+def test_lines_stream_before_exit(container, tmp_path):
+    checks.assert_lines_stream_before_exit(container, tmp_path / "flag")
+
+
+def test_timeout_closes_the_channel(ssh, server):
+    with pytest.raises(CommandTimeout):
+        ssh.run("sleep 30", timeout=0.3)
+    chan = server.connections[0].client.transport.channels[-1]
+    assert chan.closed
+    chan.proc.wait(5)
+    assert ssh.run("echo still").stdout == "still\n"
+
+
+def test_dead_connection_reconnects_once_transparently(ssh, server):
+    ssh.run("true")
+    server.connections[0].client.transport.drop()
+    assert ssh.run("echo back").stdout == "back\n"
+    assert len(server.connections) == 2 and ssh.connections_opened == 2
+
+
+def test_drop_mid_stream_raises_connection_lost_then_next_command_reconnects(ssh, server):
+    def drop_after_first_line(line):
+        server.connections[-1].client.transport.drop()
+
+    with pytest.raises(ConnectionLost):
+        ssh.run("echo first; sleep 30", on_line=drop_after_first_line)
+    assert ssh.run("echo next").stdout == "next\n"
+    assert len(server.connections) == 2
+
+
+def test_connect_failure_is_a_transport_error(ssh, server):
+    key = paramiko.RSAKey.generate(1024)
+    server.refuse_with = paramiko.BadHostKeyException("10.0.0.1", key, key)
+    with pytest.raises(TransportError, match="does not match known_hosts"):
+        ssh.run("true")
+    server.refuse_with = OSError("Connection refused")
+    with pytest.raises(TransportError, match="cannot connect"):
+        ssh.run("true")
+
+
+def test_container_over_fake_ssh(container):
+    checks.assert_argv_round_trip(container, ["it's", "$(id)", "{i}: {lines[i]}", "a\nb", ""])
+    checks.assert_binary_stdin_round_trip(container)
+    checks.assert_exec_check_raises(container)
+
+
+def test_push_pull_over_fake_ssh(container, tmp_path):
+    checks.assert_push_pull_verified(container, tmp_path)
+
+
+def test_concurrent_commands_share_one_connection(container, server):
+    assert checks.run_concurrently(container, 6) == [f"{i}\n" for i in range(6)]
+    assert len(server.connections) == 1
+
+
+def test_fabric_connection_rejects_unknown_hosts_unless_disabled(tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    strict = Node(name="n", transport="ssh", pct=("pct",), address="h", known_hosts=str(known))
+    lax = Node(name="n", transport="ssh", pct=("pct",), address="h", strict_host_key_checking=False)
+    assert isinstance(fabric_connection(strict).client._policy, paramiko.RejectPolicy)
+    assert isinstance(fabric_connection(lax).client._policy, paramiko.WarningPolicy)
+    missing_key = Node(name="n", transport="ssh", pct=("pct",), address="h", identity_file=str(tmp_path / "nokey"))
+    with pytest.raises(TransportError, match="identity_file"):
+        fabric_connection(missing_key)

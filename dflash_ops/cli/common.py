@@ -29,7 +29,8 @@ InventoryOption = Annotated[
 ]
 
 # Commands that take a remote argv after TARGET: everything after TARGET (or after `--`) is argv.
-ARGV_CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+# Our options may stand anywhere before `--`; everything after `--` is the remote argv, untouched.
+ARGV_CONTEXT = {"allow_interspersed_args": True, "ignore_unknown_options": True}
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -37,6 +37,15 @@ def test_print_command_shows_every_layer_and_runs_nothing(sim_inventory, tmp_pat
     assert not marker.exists()
 
 
+def test_options_after_target_are_ours_and_argv_after_separator_is_untouched(sim_inventory, tmp_path):
+    marker = tmp_path / "ran"
+    result = runner.invoke(app, ["exec", "host200", "--inventory", str(sim_inventory), "--print-command", "--",
+                                 "touch", str(marker), "--print-command"])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[0] == "container argv: " + repr(["touch", str(marker), "--print-command"])
+    assert not marker.exists()
+
+
 def test_env_var_inventory_and_timeout(sim_inventory):
     result = runner.invoke(app, ["exec", "--timeout", "0.5", "host200", "--", "sleep", "30"],
                            env={"DFLASH_OPS_INVENTORY": str(sim_inventory)})

@@ -1,0 +1,238 @@
+"""A container on a node: exec / push / pull / helpers, through `pct`, over any Transport."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+import tempfile
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+from dflash_ops import render
+from dflash_ops.errors import DflashOpsError, RemoteCommandError, TransferError
+from dflash_ops.inventory import Target
+from dflash_ops.render import Rendered
+from dflash_ops.transport.base import LineCallback, Result, Stdin, Transport
+
+HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
+_HELPER_MISSING = b"dflash-ops: helper not installed\n"
+_HELPER_MISSING_STATUS = 127
+
+
+class Container:
+    def __init__(self, target: Target, transport: Transport):
+        self._target = target
+        self.transport = transport
+        self._installed_helpers: set[str] = set()
+
+    @property
+    def target(self) -> Target:
+        return self._target
+
+    @property
+    def base_dir(self) -> str:
+        return self._target.base_dir
+
+    def render(self, argv: list[str]) -> Rendered:
+        return render.pct_exec(self._target.node.pct, self._target.ctid, argv)
+
+    def exec(
+        self,
+        argv: list[str],
+        *,
+        stdin: Stdin = None,
+        on_line: LineCallback | None = None,
+        on_stderr_line: LineCallback | None = None,
+        timeout: float | None = None,
+        check: bool = False,
+    ) -> Result:
+        result = self.transport.run(
+            self.render(argv).command,
+            stdin=stdin,
+            on_line=on_line,
+            on_stderr_line=on_stderr_line,
+            timeout=timeout,
+        )
+        if check and not result.ok:
+            raise RemoteCommandError(list(argv), result.exit_code, result.stderr)
+        return result
+
+    def _pct(self, subcommand: str, *args: str) -> list[str]:
+        return list(render.pct_argv(self._target.node.pct, subcommand, self._target.ctid, *args))
+
+    def push(self, local: Path, remote: str) -> None:
+        """Copy a local file to `remote` in the container (parent must exist), verified by sha256."""
+        _require_absolute(remote)
+        want = _sha256_file(Path(local))
+        node_tmp = _node_temp_path()
+        self.transport.put(Path(local), node_tmp)
+        result = self.transport.run(
+            render.node_sequence(
+                self._pct("push", node_tmp, remote),
+                self._pct("exec", "--", "sha256sum", "--", remote),
+                always=["rm", "-f", node_tmp],
+            ).command
+        )
+        got = _parse_sha256(result)
+        if got != want:
+            raise TransferError(f"push {local} -> {self._target.name}:{remote} failed: {_why(result, want, got)}")
+
+    def pull(self, remote: str, local: Path) -> None:
+        """Copy `remote` from the container to a local file, verified by sha256."""
+        _require_absolute(remote)
+        node_tmp = _node_temp_path()
+        try:
+            result = self.transport.run(
+                render.node_sequence(
+                    self._pct("pull", remote, node_tmp),
+                    self._pct("exec", "--", "sha256sum", "--", remote),
+                ).command
+            )
+            want = _parse_sha256(result)
+            if want is None:
+                raise TransferError(f"pull {self._target.name}:{remote} failed: {_why(result, None, None)}")
+            self.transport.get(node_tmp, Path(local))
+        finally:
+            self.transport.run(render.node_command(["rm", "-f", node_tmp]))
+        got = _sha256_file(Path(local))
+        if got != want:
+            Path(local).unlink(missing_ok=True)
+            raise TransferError(f"pull {self._target.name}:{remote} -> {local}: checksum mismatch")
+
+    def push_tree(self, local_dir: Path, remote_dir: str, files: list[str] | None = None) -> int:
+        """Send a tree (or the listed relative files) as one tar stream; returns bytes sent."""
+        local_dir = Path(local_dir)
+        if files is None:
+            files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file() or p.is_symlink())
+        with tempfile.SpooledTemporaryFile(max_size=16 << 20) as spool:
+            with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for rel in files:
+                    tar.add(local_dir / rel, arcname=rel, recursive=False)
+            spool.seek(0)
+            return self.push_tar(spool, remote_dir)
+
+    def push_tar(self, tar_stream: BinaryIO, remote_dir: str) -> int:
+        """Unpack a prepared tar stream into `remote_dir` (created if missing); returns bytes sent."""
+        _require_absolute(remote_dir)
+        counted = _CountingReader(tar_stream)
+        self.exec(
+            render.script(["mkdir", "-p", "--", remote_dir], ["tar", "-x", "-f", "-", "-C", remote_dir]),
+            stdin=counted,
+            check=True,
+        )
+        return counted.count
+
+    def helper(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        stdin: Stdin = None,
+        on_line: LineCallback | None = None,
+        on_stderr_line: LineCallback | None = None,
+        timeout: float | None = None,
+        check: bool = False,
+    ) -> Result:
+        """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash.
+
+        Known installed: one pct exec. Otherwise the first call tries to run it and reports a
+        missing file in the same exec; only then is it sent (one exec) and run.
+        """
+        source = HELPERS_DIR / (name.replace("-", "_") + ".py")
+        if not source.is_file() or source.name == "__init__.py":
+            raise DflashOpsError(f"unknown helper {name!r} (no {source})")
+        content = source.read_bytes()
+        remote = self.helper_path(name, content)
+        argv = [self._target.python, remote, *args]
+        kwargs = dict(on_line=on_line, timeout=timeout, check=check)
+        if remote in self._installed_helpers:
+            return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
+        if stdin is None:
+            probe = ["sh", "-c", 'if [ -f "$1" ]; then shift; exec "$@"; fi; printf %s "$0" >&2; exit 127',
+                     _HELPER_MISSING.decode(), remote, *argv]
+            result = self.exec(probe, on_stderr_line=_without_marker(on_stderr_line), check=False,
+                               on_line=on_line, timeout=timeout)
+            if not (result.exit_code == _HELPER_MISSING_STATUS and result.stderr_bytes == _HELPER_MISSING):
+                self._installed_helpers.add(remote)
+                if check and not result.ok:
+                    raise RemoteCommandError(argv, result.exit_code, result.stderr)
+                return result
+        self._install_helper(content, remote)
+        self._installed_helpers.add(remote)
+        return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
+
+    def helper_path(self, name: str, content: bytes | None = None) -> str:
+        source = HELPERS_DIR / (name.replace("-", "_") + ".py")
+        digest = hashlib.sha256(content if content is not None else source.read_bytes()).hexdigest()[:16]
+        return f"{self.base_dir}/helpers/{digest}/{source.name}"
+
+    def _install_helper(self, content: bytes, remote: str) -> None:
+        directory, _, filename = remote.rpartition("/")
+        tmp = f"{directory}/.{filename}.{uuid.uuid4().hex[:8]}.tmp"
+        result = self.exec(
+            render.script(
+                ["mkdir", "-p", "--", directory],
+                ["dd", f"of={tmp}", "status=none"],
+                ["sha256sum", "--", tmp],
+                ["mv", "-f", "--", tmp, remote],
+            ),
+            stdin=content,
+        )
+        if _parse_sha256(result) != hashlib.sha256(content).hexdigest():
+            raise TransferError(f"installing helper {remote} on {self._target.name} failed: {result.stderr.strip()}")
+
+
+class _CountingReader:
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+
+def _without_marker(callback: LineCallback | None) -> LineCallback | None:
+    if callback is None:
+        return None
+
+    def filtered(line: bytes) -> None:
+        if line != _HELPER_MISSING:
+            callback(line)
+
+    return filtered
+
+
+def _require_absolute(path: str) -> None:
+    if not path.startswith("/"):
+        raise DflashOpsError(f"container path must be absolute: {path!r}")
+
+
+def _node_temp_path() -> str:
+    return f"/tmp/dflash-ops-{uuid.uuid4().hex}"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _parse_sha256(result: Result) -> str | None:
+    if not result.ok:
+        return None
+    first = result.stdout.split(maxsplit=1)
+    return first[0] if first and len(first[0]) == 64 else None
+
+
+def _why(result: Result, want: str | None, got: str | None) -> str:
+    said = (result.stderr.strip() or result.stdout.strip()).splitlines()[-3:]
+    detail = " | ".join(said) if said else f"exit status {result.exit_code}"
+    if got is not None and want is not None:
+        return f"checksum mismatch ({detail})"
+    return detail

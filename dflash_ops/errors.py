@@ -1,0 +1,48 @@
+"""Errors the command line reports as one clean line (no traceback)."""
+
+from __future__ import annotations
+
+
+class DflashOpsError(Exception):
+    """Base of every error dflash-ops expects and reports to the user as one line."""
+
+
+class InventoryError(DflashOpsError):
+    """The inventory file is missing, unreadable or does not match the schema."""
+
+
+class TransportError(DflashOpsError):
+    """Bytes could not reach the node (connect failed, channel broke, ...)."""
+
+
+class ConnectionLost(TransportError):
+    """The connection dropped while a command was running; its outcome is unknown.
+
+    Callers that follow a stream (logs) reconnect by running their next command: the
+    transport reconnects transparently when a command starts on a dead connection.
+    """
+
+
+class CommandTimeout(TransportError):
+    """A command ran past its timeout; it was killed (local) or its channel closed (SSH)."""
+
+    def __init__(self, command: str, timeout: float):
+        super().__init__(f"command timed out after {timeout:g}s: {command[:200]}")
+        self.command = command
+        self.timeout = timeout
+
+
+class RemoteCommandError(DflashOpsError):
+    """A command ran in the container and exited non-zero (raised when check=True)."""
+
+    def __init__(self, argv: list[str], exit_code: int, stderr: str):
+        tail = stderr.strip().splitlines()[-5:]
+        detail = (": " + " | ".join(tail)) if tail else ""
+        super().__init__(f"{argv!r} exited with status {exit_code}{detail}")
+        self.argv = argv
+        self.exit_code = exit_code
+        self.stderr = stderr
+
+
+class TransferError(DflashOpsError):
+    """A file transfer did not arrive intact (checksum mismatch, pct push/pull failed)."""

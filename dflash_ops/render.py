@@ -1,0 +1,125 @@
+"""The ONLY place where command strings are built from argvs.
+
+Layers, innermost first::
+
+    container argv   ["python3", "-c", code]
+    (optional)       ["bash", "-c", script]      script() - only for cd / env / redirection / &
+    pct layer        [*pct, "exec", "200", "--", *argv]
+    node command     shlex.join(pct_argv)         the one string sshd hands to the login shell
+
+Everything else in dflash_ops passes lists of strings around and calls these functions.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Every layer of one command, so --print-command can show each exactly."""
+
+    argv: tuple[str, ...]  # what the container process receives as its argv
+    pct_argv: tuple[str, ...]  # what runs on the node
+    command: str  # what goes over the wire: the node's login shell parses this string
+
+    def layers(self) -> list[tuple[str, str]]:
+        return [
+            ("container argv", repr(list(self.argv))),
+            ("pct layer", repr(list(self.pct_argv))),
+            ("node command (sent over SSH)", self.command),
+        ]
+
+
+def _check_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(argv, str):
+        raise TypeError("an argv is a list of strings, not a string")
+    if not argv:
+        raise ValueError("empty argv")
+    for arg in argv:
+        if not isinstance(arg, str):
+            raise TypeError(f"argv element {arg!r} is not a string")
+        if "\0" in arg:
+            raise ValueError("an argument cannot contain a NUL byte")
+    return tuple(argv)
+
+
+def node_command(argv: Sequence[str]) -> str:
+    """The string a POSIX login shell turns back into exactly `argv`."""
+    return shlex.join(_check_argv(argv))
+
+
+def pct_argv(pct: Sequence[str], subcommand: str, ctid: int | str, *args: str) -> tuple[str, ...]:
+    """`pct SUBCOMMAND CTID ARGS...` with the node's pct prefix (e.g. ("sudo", "pct"))."""
+    return _check_argv([*pct, subcommand, str(ctid), *args])
+
+
+def pct_exec(pct: Sequence[str], ctid: int | str, argv: Sequence[str]) -> Rendered:
+    """`pct exec CTID -- ARGV`: argv reaches the container process untouched (no shell there)."""
+    argv = _check_argv(argv)
+    node_argv = pct_argv(pct, "exec", ctid, "--", *argv)
+    return Rendered(argv=argv, pct_argv=node_argv, command=node_command(node_argv))
+
+
+def node_only(argv: Sequence[str]) -> Rendered:
+    """A command that runs on the node itself (pct push/pull/status, rm of a temp file)."""
+    argv = _check_argv(argv)
+    return Rendered(argv=argv, pct_argv=argv, command=node_command(argv))
+
+
+def script(
+    *steps: Sequence[str],
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: str | None = None,
+    stderr: str | None = None,
+    append: bool = False,
+    background: bool = False,
+) -> list[str]:
+    """`["bash", "-c", SCRIPT]` running `steps` (argvs) one after another, stopping at the first failure.
+
+    cwd: `cd` there first; env: exported before the steps; stdout/stderr: files the whole
+    sequence writes to (stderr may be "&1"); append: >> instead of >; background: detach with
+    setsid nohup, stdin from /dev/null, and print the pid of the detached process.
+    """
+    if not steps:
+        raise ValueError("script() needs at least one step")
+    body = " && ".join(shlex.join(_check_argv(step)) for step in steps)
+    if len(steps) > 1 or background:
+        body = "{ " + body + "; }"
+    redirect = ">>" if append else ">"
+    if stdout is not None:
+        body += f" {redirect} {shlex.quote(stdout)}"
+    if stderr is not None:
+        body += " 2>&1" if stderr == "&1" else f" 2{redirect} {shlex.quote(stderr)}"
+    if background:
+        inner = body
+        if stdout is None:
+            inner += " > /dev/null"
+        if stderr is None:
+            inner += " 2> /dev/null"
+        body = "setsid nohup bash -c " + shlex.quote(inner) + " < /dev/null > /dev/null 2>&1 & echo $!"
+    lines = []
+    for name, value in (env or {}).items():
+        if not name.isidentifier():
+            raise ValueError(f"not an environment variable name: {name!r}")
+        lines.append(f"export {name}={shlex.quote(value)}")
+    if cwd is not None:
+        lines.append(f"cd {shlex.quote(cwd)}")
+    lines.append(body)
+    return ["bash", "-c", " && ".join(lines)]
+
+
+def node_sequence(*argvs: Sequence[str], always: Sequence[str] | None = None) -> Rendered:
+    """Several node-level commands in one round trip: `A && B`, then `always` whatever happened.
+
+    The exit status is that of the `&&` chain, so cleanup (`rm -f TMP`) never hides a failure.
+    """
+    chain = " && ".join(node_command(a) for a in argvs)
+    if always is None:
+        command = chain
+    else:
+        command = "{ " + chain + "; }; status=$?; " + node_command(always) + "; exit $status"
+    return Rendered(argv=tuple(argvs[-1]), pct_argv=tuple(argvs[-1]), command=command)

@@ -1,0 +1,127 @@
+"""The transport interface: run a node-level command string, move files to and from the node.
+
+`command` is always the string a login shell on the node parses (render.node_command's
+output), so the local and SSH transports test the very same rendering.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+LineCallback = Callable[[bytes], None]
+Stdin = bytes | BinaryIO | None
+CHUNK = 64 * 1024
+
+
+@dataclass
+class Result:
+    exit_code: int
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Transport(Protocol):
+    commands_run: int  # node-level commands started (one per run())
+    connections_opened: int  # SSH connections made (0 for local)
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: Stdin = None,
+        on_line: LineCallback | None = None,
+        on_stderr_line: LineCallback | None = None,
+        timeout: float | None = None,
+    ) -> Result: ...
+
+    def put(self, local: Path, remote: str) -> None: ...
+
+    def get(self, remote: str, local: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LineSplitter:
+    """Collects a byte stream and hands each complete line (with its b"\\n") to a callback.
+
+    A final partial line is delivered by `finish()` without a newline. Bytes are never
+    re-encoded, so a reader can count byte offsets from what it receives.
+    """
+
+    def __init__(self, callback: LineCallback | None):
+        self.callback = callback
+        self.chunks: list[bytes] = []
+        self._pending = b""
+
+    def feed(self, data: bytes) -> None:
+        self.chunks.append(data)
+        if self.callback is None:
+            return
+        self._pending += data
+        start = 0
+        while True:
+            end = self._pending.find(b"\n", start)
+            if end < 0:
+                break
+            self.callback(self._pending[start : end + 1])
+            start = end + 1
+        self._pending = self._pending[start:]
+
+    def finish(self) -> bytes:
+        if self.callback is not None and self._pending:
+            self.callback(self._pending)
+            self._pending = b""
+        return b"".join(self.chunks)
+
+
+def iter_stdin(stdin: Stdin):
+    """Yield stdin as binary chunks: bytes as-is, a file object read CHUNK bytes at a time."""
+    if stdin is None:
+        return
+    if isinstance(stdin, (bytes, bytearray, memoryview)):
+        data = bytes(stdin)
+        for i in range(0, len(data), CHUNK):
+            yield data[i : i + CHUNK]
+        return
+    while True:
+        chunk = stdin.read(CHUNK)
+        if not chunk:
+            return
+        if isinstance(chunk, str):
+            raise TypeError("stdin must be bytes or a binary file object")
+        yield chunk
+
+
+class BackgroundCall:
+    """Run a function in a daemon thread, keeping the exception it raised (if any)."""
+
+    def __init__(self, func: Callable[[], None], name: str):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(func,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, func: Callable[[], None]) -> None:
+        try:
+            func()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()

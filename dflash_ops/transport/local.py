@@ -1,0 +1,117 @@
+"""The node is this machine: run the node command with /bin/sh -c, as sshd would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from dflash_ops.errors import CommandTimeout, TransportError
+from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
+
+
+class LocalTransport:
+    def __init__(self) -> None:
+        self.commands_run = 0
+        self.connections_opened = 0
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: Stdin = None,
+        on_line: LineCallback | None = None,
+        on_stderr_line: LineCallback | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        self.commands_run += 1
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a timeout kills the whole process group
+        )
+        out, err = LineSplitter(on_line), LineSplitter(on_stderr_line)
+        readers = [
+            BackgroundCall(lambda: _pump(proc.stdout, out), "local-stdout"),
+            BackgroundCall(lambda: _pump(proc.stderr, err), "local-stderr"),
+        ]
+        writer = None
+        if stdin is not None:
+            writer = BackgroundCall(lambda: _feed(proc.stdin, stdin), "local-stdin")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            proc.wait(timeout=timeout)
+            for reader in readers:
+                reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if not reader.join(0):
+                    raise subprocess.TimeoutExpired(command, timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise CommandTimeout(command, timeout) from None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        if writer is not None:
+            writer.join()
+            if writer.error is not None and not isinstance(writer.error, BrokenPipeError):
+                raise writer.error
+        for reader in readers:
+            if reader.error is not None:
+                raise reader.error
+        code = proc.returncode
+        return Result(exit_code=128 - code if code < 0 else code, stdout_bytes=out.finish(), stderr_bytes=err.finish())
+
+    def put(self, local: Path, remote: str) -> None:
+        _copy_atomically(Path(local), Path(remote))
+
+    def get(self, remote: str, local: Path) -> None:
+        _copy_atomically(Path(remote), Path(local))
+
+    def close(self) -> None:
+        pass
+
+
+def _pump(stream, splitter: LineSplitter) -> None:
+    fd = stream.fileno()
+    try:
+        while True:
+            data = os.read(fd, CHUNK)
+            if not data:
+                return
+            splitter.feed(data)
+    finally:
+        stream.close()
+
+
+def _feed(stream, stdin: Stdin) -> None:
+    try:
+        for chunk in iter_stdin(stdin):
+            stream.write(chunk)
+    finally:
+        try:
+            stream.close()
+        except BrokenPipeError:
+            pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _copy_atomically(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise TransportError(f"copy {src} -> {dst} failed: {e.strerror or e}") from None

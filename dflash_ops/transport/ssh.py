@@ -1,0 +1,219 @@
+"""The node over SSH: one cached Fabric Connection per node, a raw Paramiko channel per command.
+
+Why a raw channel: Fabric's `in_stream` reads stdin one byte per 10 ms and decodes it as
+text (invoke#774). Here stdin is sent in binary chunks with `sendall`, stdout and stderr are
+read concurrently before `recv_exit_status`, and a timeout closes the channel.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import paramiko
+
+from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError
+from dflash_ops.inventory import Node
+from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
+
+_STATUS_POLL = 0.2
+
+
+def fabric_connection(node: Node):
+    """A not-yet-opened Fabric Connection for `node`, honouring ~/.ssh/config and the agent."""
+    import fabric
+
+    connect_kwargs: dict = {}
+    if node.identity_file:
+        key = os.path.expanduser(node.identity_file)
+        if not os.path.isfile(key):
+            raise TransportError(f"node {node.name!r}: identity_file {node.identity_file} does not exist")
+        connect_kwargs["key_filename"] = [key]
+    conn = fabric.Connection(
+        host=node.address,
+        user=node.user,
+        port=node.port,
+        connect_timeout=int(node.connect_timeout),
+        connect_kwargs=connect_kwargs,
+    )
+    client = conn.client
+    if node.strict_host_key_checking:
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    else:
+        client.set_missing_host_key_policy(paramiko.WarningPolicy())
+    known_hosts = os.path.expanduser(node.known_hosts or "~/.ssh/known_hosts")
+    if node.known_hosts:
+        client.get_host_keys().clear()
+    if os.path.isfile(known_hosts):
+        client.load_host_keys(known_hosts)
+    return conn
+
+
+class SSHTransport:
+    def __init__(self, node: Node, connection_factory: Callable[[Node], object] = fabric_connection):
+        self.node = node
+        self._factory = connection_factory
+        self._conn = None
+        self._lock = threading.Lock()
+        self.commands_run = 0
+        self.connections_opened = 0
+
+    def connection(self):
+        """The open Fabric Connection, (re)connecting once if there is none or it died."""
+        with self._lock:
+            if self._conn is not None and _alive(self._conn):
+                return self._conn
+            if self._conn is not None:
+                _quietly_close(self._conn)
+                self._conn = None
+            conn = self._factory(self.node)
+            try:
+                conn.open()
+            except paramiko.BadHostKeyException as e:
+                raise TransportError(
+                    f"node {self.node.name!r}: host key for {e.hostname} does not match known_hosts - refusing to connect"
+                ) from None
+            except paramiko.SSHException as e:
+                raise TransportError(f"node {self.node.name!r}: cannot connect to {self._where()}: {e}") from None
+            except (OSError, EOFError) as e:
+                raise TransportError(f"node {self.node.name!r}: cannot connect to {self._where()}: {e}") from None
+            if self.node.keepalive:
+                conn.client.get_transport().set_keepalive(self.node.keepalive)
+            self.connections_opened += 1
+            self._conn = conn
+            return conn
+
+    def _where(self) -> str:
+        user = f"{self.node.user}@" if self.node.user else ""
+        port = f":{self.node.port}" if self.node.port else ""
+        return f"{user}{self.node.address}{port}"
+
+    def _open_channel(self):
+        conn = self.connection()
+        try:
+            return conn.client.get_transport().open_session(timeout=self.node.connect_timeout)
+        except (paramiko.SSHException, OSError, EOFError, AttributeError):
+            with self._lock:
+                _quietly_close(conn)
+                self._conn = None
+            conn = self.connection()
+            try:
+                return conn.client.get_transport().open_session(timeout=self.node.connect_timeout)
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise ConnectionLost(f"node {self.node.name!r}: cannot open a channel: {e}") from None
+
+    def run(
+        self,
+        command: str,
+        *,
+        stdin: Stdin = None,
+        on_line: LineCallback | None = None,
+        on_stderr_line: LineCallback | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        self.commands_run += 1
+        chan = self._open_channel()
+        transport = chan.get_transport()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out, err = LineSplitter(on_line), LineSplitter(on_stderr_line)
+        try:
+            chan.exec_command(command)
+            readers = [
+                BackgroundCall(lambda: _pump(chan.recv, out), "ssh-stdout"),
+                BackgroundCall(lambda: _pump(chan.recv_stderr, err), "ssh-stderr"),
+            ]
+            writer = BackgroundCall(lambda: _send(chan, stdin), "ssh-stdin")
+            for call in (*readers, writer):
+                while not call.join(_STATUS_POLL):
+                    _check_deadline(deadline, chan, command, timeout)
+                    if not transport.is_active():
+                        raise _lost(self.node, command)
+            while not chan.status_event.wait(_STATUS_POLL):
+                _check_deadline(deadline, chan, command, timeout)
+                if not transport.is_active():
+                    raise _lost(self.node, command)
+            if not transport.is_active() and not _exit_status_received(chan):
+                raise _lost(self.node, command)
+            for call in readers:  # a stdin write error only means the command stopped reading
+                if call.error is not None:
+                    raise TransportError(f"node {self.node.name!r}: channel error: {call.error}")
+            code = chan.recv_exit_status()
+        except (paramiko.SSHException, EOFError, socket.error) as e:
+            if not transport.is_active():
+                raise _lost(self.node, command) from None
+            raise TransportError(f"node {self.node.name!r}: {e}") from None
+        finally:
+            chan.close()
+        if code == -1:  # killed by a signal (exit-signal) or closed without a status
+            code = 255
+        return Result(exit_code=code, stdout_bytes=out.finish(), stderr_bytes=err.finish())
+
+    def put(self, local: Path, remote: str) -> None:
+        try:
+            self._sftp().put(str(local), remote)
+        except (OSError, paramiko.SSHException, EOFError) as e:
+            raise TransportError(f"node {self.node.name!r}: upload {local} -> {remote} failed: {e}") from None
+
+    def get(self, remote: str, local: Path) -> None:
+        local = Path(local)
+        tmp = local.with_name(f".{local.name}.tmp-{os.getpid()}")
+        try:
+            self._sftp().get(remote, str(tmp))
+            os.replace(tmp, local)
+        except (OSError, paramiko.SSHException, EOFError) as e:
+            tmp.unlink(missing_ok=True)
+            raise TransportError(f"node {self.node.name!r}: download {remote} -> {local} failed: {e}") from None
+
+    def _sftp(self):
+        conn = self.connection()
+        return conn.sftp()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                _quietly_close(self._conn)
+                self._conn = None
+
+
+def _alive(conn) -> bool:
+    transport = conn.client.get_transport()
+    return transport is not None and transport.is_active()
+
+
+def _quietly_close(conn) -> None:
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - already broken
+        pass
+
+
+def _pump(recv, splitter: LineSplitter) -> None:
+    while True:
+        data = recv(CHUNK)
+        if not data:
+            return
+        splitter.feed(data)
+
+
+def _send(chan, stdin: Stdin) -> None:
+    for chunk in iter_stdin(stdin):
+        chan.sendall(chunk)
+    chan.shutdown_write()
+
+
+def _exit_status_received(chan) -> bool:
+    return chan.exit_status != -1
+
+
+def _check_deadline(deadline: float | None, chan, command: str, timeout: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        chan.close()
+        raise CommandTimeout(command, timeout)
+
+
+def _lost(node: Node, command: str) -> ConnectionLost:
+    return ConnectionLost(f"node {node.name!r}: connection lost while running: {command[:200]}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, sha256_file, stream_size
+from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, stream_size
 from dflash_ops.venvs import VenvSpec
 
 HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
@@ -58,9 +58,14 @@ class DeploySummary:
         return asdict(self)
 
 
-def helper_files() -> list[tuple[str, Path]]:
-    """Every helper as (`helpers/<content-hash>/<file>`, local path)."""
-    return [(f"helpers/{sha256_file(p)[:16]}/{p.name}", p) for p in sorted(HELPERS_DIR.glob("*.py"))]
+def helper_files(container) -> list[tuple[str, Path]]:
+    """Every helper as (`helpers/<content-hash>/<file>` relative to base_dir, local path)."""
+    prefix = container.base_dir.rstrip("/") + "/"
+    found = []
+    for path in sorted(HELPERS_DIR.glob("*.py")):
+        if path.name != "__init__.py":
+            found.append((container.helper_path(path.stem).removeprefix(prefix), path))
+    return found
 
 
 def _commands_run(container) -> int:
@@ -100,7 +105,7 @@ def deploy_target(
     summary = DeploySummary(target=container.target.name, dry_run=dry_run)
     venv_rel = venv.rel_path() if venv else None
     release = collect(extra_paths, source=source, venv=venv_rel)
-    helpers = helper_files()
+    helpers = helper_files(container)
     summary.release, summary.venv, summary.files_total = release.hash, venv_rel, len(release.files)
 
     query = ["query", base, "--release", release.hash]

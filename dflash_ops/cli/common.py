@@ -1,0 +1,76 @@
+"""Options and helpers every CLI area shares: --inventory, one-line errors, opening a target.
+
+Exit statuses: 1 for a dflash-ops error, 124 for a timeout, 255 when the node is unreachable
+or the connection dropped; otherwise commands pass the remote exit status through.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+from dflash_ops.container import Container
+from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
+from dflash_ops.inventory import ENV_VAR, Inventory, load_inventory
+
+InventoryOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--inventory",
+        envvar=ENV_VAR,
+        show_envvar=True,
+        help="Inventory YAML (default: the repository's inventory/hosts.yaml, the simulated node).",
+    ),
+]
+
+# Commands that take a remote argv after TARGET: everything after TARGET (or after `--`) is argv.
+ARGV_CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print one clean error line (no traceback) and exit non-zero."""
+    typer.echo(f"dflash-ops: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def clean_errors() -> Iterator[None]:
+    try:
+        yield
+    except CommandTimeout as e:
+        fail(str(e), 124)  # like timeout(1)
+    except TransportError as e:
+        fail(str(e), 255)  # like ssh(1) when the connection fails
+    except DflashOpsError as e:
+        fail(str(e))
+
+
+def load(inventory: Path | None) -> Inventory:
+    with clean_errors():
+        return load_inventory(inventory)
+
+
+def open_target(inventory: Path | None, target: str) -> Container:
+    from dflash_ops.connect import open_container
+
+    with clean_errors():
+        return open_container(load_inventory(inventory), target)
+
+
+def strip_separator(argv: list[str]) -> list[str]:
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def write_stdout(line: bytes) -> None:
+    sys.stdout.buffer.write(line)
+    sys.stdout.buffer.flush()
+
+
+def write_stderr(line: bytes) -> None:
+    sys.stderr.buffer.write(line)
+    sys.stderr.buffer.flush()

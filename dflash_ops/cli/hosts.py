@@ -1,0 +1,86 @@
+"""`dflash-ops hosts`, `exec`, `inspect-source`: the command layer on the command line."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_ops.cli.common import (
+    ARGV_CONTEXT, InventoryOption, clean_errors, fail, load, open_target, strip_separator,
+    write_stderr, write_stdout,
+)
+
+
+def hosts(inventory: InventoryOption = None) -> None:
+    """List targets with their node, ctid, base_dir and state (running/stopped/unreachable)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_ops.hosts import target_states
+
+    inv = load(inventory)
+    table = Table("target", "node", "ctid", "base_dir", "state", box=None)
+    with clean_errors():
+        for s in target_states(inv):
+            state = s.state if not s.detail else f"{s.state} ({s.detail})"
+            table.add_row(s.target.name, s.target.node.name, str(s.target.ctid), s.target.base_dir, state)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=1000)
+    console.print(table)
+
+
+def exec_(
+    target: Annotated[str, typer.Argument(help="Target name from the inventory.")],
+    argv: Annotated[list[str], typer.Argument(help="The command inside the container, after `--`.")],
+    inventory: InventoryOption = None,
+    print_command: Annotated[bool, typer.Option("--print-command", help="Print every rendered layer; run nothing.")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Kill the command after this many seconds.")] = None,
+) -> None:
+    """Run ARGV in TARGET's container, byte for byte: `dflash-ops exec host200 -- python3 -c ...`.
+
+    Streams stdout/stderr live and exits with the remote exit status.
+    """
+    argv = strip_separator(argv)
+    if not argv:
+        fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
+    container = open_target(inventory, target)
+    if print_command:
+        with clean_errors():
+            rendered = container.render(argv)
+        for label, value in rendered.layers():
+            typer.echo(f"{label}: {value}")
+        typer.echo(f"transport: {_describe_transport(container.target.node)}")
+        return
+    with clean_errors():
+        result = container.exec(argv, on_line=write_stdout, on_stderr_line=write_stderr, timeout=timeout)
+    raise typer.Exit(result.exit_code)
+
+
+def inspect_source(
+    target: Annotated[str, typer.Argument(help="Target name from the inventory.")],
+    module: Annotated[str, typer.Argument(help="Dotted module name, e.g. torch._dynamo.eval_frame.")],
+    lines: Annotated[str, typer.Option("--lines", help="Line range A:B (1-based, inclusive).")] = "1:",
+    inventory: InventoryOption = None,
+) -> None:
+    """Print numbered source lines of MODULE as the container's python finds it."""
+    container = open_target(inventory, target)
+    with clean_errors():
+        result = container.helper("inspect-source", [module, "--lines", lines], on_line=write_stdout,
+                                  on_stderr_line=write_stderr)
+    raise typer.Exit(result.exit_code)
+
+
+def _describe_transport(node) -> str:
+    if node.transport == "local":
+        return f"local node {node.name!r}: /bin/sh -c NODE_COMMAND"
+    user = f"{node.user}@" if node.user else ""
+    port = f" port {node.port}" if node.port else ""
+    return f"ssh {user}{node.address}{port} (node {node.name!r}): NODE_COMMAND is the SSH exec request"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("hosts")(hosts)
+    app.command("exec", context_settings=ARGV_CONTEXT)(exec_)
+    app.command("inspect-source")(inspect_source)

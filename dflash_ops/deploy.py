@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, stream_size
+from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, stream_size, trainer_dir
 from dflash_ops.venvs import VenvSpec
 
 HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
@@ -156,6 +156,22 @@ def _finish(summary: DeploySummary, container, started: float, calls_before: int
     summary.seconds = round(time.monotonic() - started, 3)
     summary.pct_calls = _commands_run(container) - calls_before
     return summary
+
+
+def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
+                   no_venv: bool = False) -> dict[str, Any]:
+    """deploy_target keyword arguments for an inventory target.
+
+    Reads the target's optional `extra_paths`, `venv` (a mapping, or false for none) and
+    `keep_releases` when the inventory provides them; relative paths resolve against the
+    project root (the directory holding `trainer/`). Explicit arguments add to / override them.
+    """
+    root = trainer_dir().parent
+    paths = [Path(p) if Path(p).is_absolute() else root / p for p in getattr(target, "extra_paths", ()) or ()]
+    venv_config = getattr(target, "venv", None)
+    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config or {}, base=root)
+    keep = keep or getattr(target, "keep_releases", None) or DEFAULT_KEEP
+    return {"extra_paths": [*paths, *extra_paths], "venv": venv, "keep": keep}
 
 
 def deploy_many(

@@ -162,6 +162,7 @@ class _Parser:
     def mapping(self, value: Any, line: int, what: str) -> _Mapping:
         if not isinstance(value, _Mapping):
             raise self.fail(line, f"{what} must be a mapping, got {type(value).__name__}")
+        value.line = line  # report a missing key at the line naming the entry
         return value
 
     def check_keys(self, m: _Mapping, allowed: set[str], required: set[str], what: str) -> None:

@@ -1,0 +1,196 @@
+"""Start a throw-away OpenSSH sshd on 127.0.0.1 whose `pct` is the stand-in (integration tier, bench).
+
+    node = start_sshd(workdir)         # generated host + client keys, known_hosts, inventory
+    load_inventory(node.inventory)     # target host200 (ctid 200) on node 'sshd' over real SSH
+    node.stop()
+
+Requirements: /usr/sbin/sshd and ssh-keygen. sshd sanitises the session environment, so the
+node's pct is an absolute-path wrapper script that runs the stand-in by file path with this
+interpreter (the stand-in is stdlib only and needs no PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+SSHD = "/usr/sbin/sshd"
+PCT_SCRIPT = Path(__file__).resolve().parent.parent / "simnode" / "pct.py"
+
+
+def sshd_unavailable_reason() -> str | None:
+    if not os.access(SSHD, os.X_OK):
+        return f"{SSHD} not found (install openssh-server)"
+    if shutil.which("ssh-keygen") is None:
+        return "ssh-keygen not found (install openssh-client)"
+    return None
+
+
+@dataclass
+class SshdNode:
+    workdir: Path
+    port: int
+    user: str
+    inventory: Path  # inventory file: node 'sshd', target 'host200' (ctid 200)
+    known_hosts: Path
+    client_key: Path
+    host_key: Path
+    sim_root: Path
+    base_dir: Path
+    log: Path
+    proc: subprocess.Popen
+    ctids: tuple[int, ...] = field(default=(200,))
+
+    def accepted_logins(self) -> int:
+        """SSH connections authenticated so far (sshd logs one 'Accepted publickey' line each)."""
+        return self.log.read_text(errors="replace").count("Accepted publickey")
+
+    def session_pids(self) -> list[int]:
+        """Per-connection sshd processes (children of the listener)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def kill_sessions(self) -> int:
+        """SIGKILL every per-connection sshd process, dropping all client connections."""
+        pids = self.session_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def stop(self) -> None:
+        self.kill_sessions()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+
+
+def _write(path: Path, text: str, mode: int = 0o600) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _wait_for_banner(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                if s.recv(4).startswith(b"SSH-"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"sshd did not answer on port {port}: {log.read_text(errors='replace')[-2000:]}")
+
+
+def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    reason = sshd_unavailable_reason()
+    if reason:
+        raise RuntimeError(reason)
+    host_key, client_key = workdir / "ssh_host_ed25519_key", workdir / "client_ed25519_key"
+    for key in (host_key, client_key):
+        if not key.exists():
+            _keygen(key)
+    _write(workdir / "authorized_keys", (workdir / "client_ed25519_key.pub").read_text())
+    port = _free_port()
+    host_pub = (workdir / "ssh_host_ed25519_key.pub").read_text().split()
+    known_hosts = workdir / "known_hosts"
+    _write(known_hosts, f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
+    user = getpass.getuser()
+    if os.geteuid() == 0:
+        Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
+    config = workdir / "sshd_config"
+    _write(config, "\n".join([
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {host_key}",
+        f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
+        f"PidFile {workdir / 'sshd.pid'}",
+        "UsePAM no",
+        "StrictModes no",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PermitRootLogin prohibit-password",
+        f"AllowUsers {user}",
+        "Subsystem sftp internal-sftp",
+        "MaxSessions 64",
+        "MaxStartups 64",
+        "LogLevel VERBOSE",
+        "",
+    ]))
+    sim_root = workdir / "sim"
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    pct = bin_dir / "pct"
+    _write(pct, "#!/bin/sh\nexec " + shlex.join([sys.executable, str(PCT_SCRIPT), "--state-root", str(sim_root)])
+           + ' "$@"\n', mode=0o755)
+    base_dir = workdir / "ct200" / "opt" / "dflash"
+    inventory = workdir / "inventory.yaml"
+    targets = {
+        ("host200" if ctid == 200 else f"host{ctid}"): {
+            "node": "sshd", "ctid": ctid, "base_dir": str(workdir / f"ct{ctid}" / "opt" / "dflash"),
+            "python": "python3", "gpus": [],
+        }
+        for ctid in ctids
+    }
+    _write(inventory, yaml.safe_dump({
+        "nodes": {"sshd": {
+            "transport": "ssh", "address": "127.0.0.1", "port": port, "user": user,
+            "identity_file": str(client_key), "known_hosts": str(known_hosts),
+            "strict_host_key_checking": True, "pct": [str(pct)],
+        }},
+        "targets": targets,
+    }, sort_keys=False), mode=0o644)
+    log = workdir / "sshd.log"
+    with open(log, "ab") as log_file:
+        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=log_file, stderr=log_file,
+                                stdin=subprocess.DEVNULL)
+    try:
+        _wait_for_banner(port, proc, log)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return SshdNode(workdir=workdir, port=port, user=user, inventory=inventory, known_hosts=known_hosts,
+                    client_key=client_key, host_key=host_key, sim_root=sim_root, base_dir=base_dir, log=log,
+                    proc=proc, ctids=tuple(ctids))

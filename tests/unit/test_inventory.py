@@ -1,0 +1,94 @@
+from pathlib import Path
+
+import pytest
+
+import dflash_ops
+from dflash_ops.errors import InventoryError
+from dflash_ops.inventory import default_inventory_path, load_inventory
+
+REPO = Path(dflash_ops.__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hosts.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """\
+nodes:
+  pve1:
+    transport: ssh
+    address: 10.1.2.6
+    pct: sudo pct
+targets:
+  host200:
+    node: pve1
+    ctid: 200
+    base_dir: /opt/dflash
+    gpus: [0, 1]
+"""
+
+
+def test_default_inventory_is_the_simulated_node(monkeypatch):
+    monkeypatch.delenv("DFLASH_OPS_INVENTORY", raising=False)
+    assert default_inventory_path() == REPO / "inventory" / "hosts.yaml"
+    target = load_inventory().target("host200")
+    assert target.ctid == 200 and target.node.transport == "local" and target.node.sim_root
+    assert target.base_dir.startswith(str(Path.home()))
+
+
+def test_packaged_copy_matches_repository_inventory():
+    assert (REPO / "dflash_ops" / "data" / "hosts.yaml").read_text() == (REPO / "inventory" / "hosts.yaml").read_text()
+
+
+def test_example_proxmox_inventory_loads():
+    inv = load_inventory(REPO / "inventory" / "example-proxmox.yaml")
+    target = inv.target("host200")
+    assert target.node.address == "10.1.2.6" and target.node.pct == ("pct",)
+    assert target.gpus == (0, 1, 2, 3, 4, 5, 6, 7) and target.node.strict_host_key_checking
+
+
+def test_env_var_overrides_default(tmp_path, monkeypatch):
+    path = write(tmp_path, GOOD)
+    monkeypatch.setenv("DFLASH_OPS_INVENTORY", str(path))
+    inv = load_inventory()
+    assert inv.path == path and inv.target("host200").node.pct == ("sudo", "pct")
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("    ctid: 200", "    ctdi: 200", "hosts.yaml:9: target 'host200': unknown key 'ctdi' (did you mean 'ctid'?)"),
+        ("    ctid: 200\n", "", "hosts.yaml:7: target 'host200': missing required key 'ctid'"),
+        ("transport: ssh", "transport: rsh", "hosts.yaml:3: node 'pve1': transport must be 'ssh' or 'local', got 'rsh'"),
+        ("    node: pve1", "    node: pve2", "hosts.yaml:8: target 'host200': unknown node 'pve2' (did you mean 'pve1'?)"),
+        ("    address: 10.1.2.6\n", "", "hosts.yaml:2: node 'pve1': missing required key 'address' (ssh nodes)"),
+        ("base_dir: /opt/dflash", "base_dir: opt/dflash", "hosts.yaml:10: target 'host200': base_dir must be an absolute path"),
+        ("ctid: 200", "ctid: 12", "hosts.yaml:9: target 'host200': ctid must be an integer from 100"),
+        ("gpus: [0, 1]", "gpus: [a]", "hosts.yaml:11: target 'host200': gpus must be a list of GPU indices"),
+        ("    pct: sudo pct", "    pct: simulated", "hosts.yaml:5: node 'pve1': pct 'simulated' needs transport 'local'"),
+        ("    ctid: 200", "    ctid: 200\n    ctid: 201", "hosts.yaml:10: duplicate key 'ctid'"),
+        ("gpus: [0, 1]", "gpus: [0, 1", "hosts.yaml:12: invalid YAML"),
+        ("targets:", "target:", "hosts.yaml:6: inventory: unknown key 'target' (did you mean 'targets'?)"),
+    ],
+)
+def test_errors_name_file_line_and_problem(tmp_path, old, new, message):
+    assert old in GOOD
+    path = write(tmp_path, GOOD.replace(old, new))
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    text = str(info.value)
+    assert text.startswith(str(tmp_path)) and message in text
+    assert "\n" not in text
+
+
+def test_unknown_target_suggests(tmp_path):
+    inv = load_inventory(write(tmp_path, GOOD))
+    with pytest.raises(InventoryError, match=r"no target 'host20' \(did you mean 'host200'\?\)"):
+        inv.target("host20")
+
+
+def test_missing_file_is_one_line(tmp_path):
+    with pytest.raises(InventoryError, match="cannot read inventory"):
+        load_inventory(tmp_path / "nope.yaml")

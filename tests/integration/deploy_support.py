@@ -1,44 +1,34 @@
-"""Shared set-up for deploy tests: a simulated node with one container, and a source tree."""
+"""Shared set-up for deploy tests: containers on either tier, and a small source package."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
-from dflash_ops.connect import Container
+from dflash_ops.container import Container
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport.local import LocalTransport
-
-INVENTORY = """\
-nodes:
-  sim:
-    transport: local
-    pct: simulated
-    sim_root: {root}/sim
-targets:
-  host200:
-    node: sim
-    ctid: 200
-    base_dir: {root}/ct200/opt/dflash
-  host201:
-    node: sim
-    ctid: 201
-    base_dir: {root}/ct201/opt/dflash
-"""
+from tests.conftest import write_sim_inventory
 
 
-def write_inventory(root: Path) -> Path:
-    path = root / "hosts.yaml"
-    path.write_text(INVENTORY.format(root=root))
-    return path
-
-
-def sim_container(root: Path, name: str = "host200") -> Container:
-    inventory = load_inventory(write_inventory(root))
+def sim_container(root: Path, name: str = "host200", ctids: tuple[int, ...] = (200,)) -> Container:
+    """A container on a fresh simulated node under `root`, with its own transport (own counter)."""
+    inventory = load_inventory(write_sim_inventory(root / "simnode", ctids))
     return Container(inventory.target(name), LocalTransport())
 
 
+def sshd_container(node) -> Container:
+    """host200 behind the session's real sshd, emptied first (the node outlives one test)."""
+    from dflash_ops.transport.ssh import SSHTransport
+
+    shutil.rmtree(node.base_dir, ignore_errors=True)
+    target = load_inventory(node.inventory).target("host200")
+    return Container(target, SSHTransport(target.node))
+
+
 def make_package(root: Path, files: int = 5) -> Path:
-    """A package dir `root/trainer` with `files` small modules and a requirements.txt."""
+    """A package dir `root/src/trainer` with `files` small modules and a requirements.txt."""
     package = root / "src" / "trainer"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -54,8 +44,6 @@ def make_package(root: Path, files: int = 5) -> Path:
 
 def _deploy_and_report(root: Path, package: Path) -> None:
     """Subprocess entry for the SIGKILL test: print 'streaming' once the tar is on its way."""
-    import sys
-
     from dflash_ops.deploy import deploy_target
 
     said = []
@@ -70,7 +58,5 @@ def _deploy_and_report(root: Path, package: Path) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1] == "deploy":
         _deploy_and_report(Path(sys.argv[2]), Path(sys.argv[3]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_support import make_package, sim_container
+from tests.integration.deploy_support import make_package, sim_container, sshd_container
 from dflash_ops.deploy import DeployError, deploy_target
 from dflash_ops.venvs import VenvSpec
 
@@ -28,13 +28,26 @@ def current(base: Path) -> str:
 
 @pytest.fixture
 def env(tmp_path):
+    """Simulated node only (tests that reach into the container's files in detail)."""
     package = make_package(tmp_path, files=20)
     container = sim_container(tmp_path)
     return container, package, Path(container.base_dir)
 
 
-def test_first_deploy_builds_release_and_current_then_sends_nothing(env):
-    container, package, base = env
+@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+def tier_env(request, tmp_path):
+    """The same deploy on the simulated node and through a real sshd."""
+    package = make_package(tmp_path, files=20)
+    if request.param == "sim":
+        container = sim_container(tmp_path)
+    else:
+        container = sshd_container(request.getfixturevalue("sshd_node"))
+    yield container, package, Path(container.base_dir)
+    container.transport.close()
+
+
+def test_first_deploy_builds_release_and_current_then_sends_nothing(tier_env):
+    container, package, base = tier_env
     first = deploy_target(container, source=package, venv=NO_VENV)
     assert first.action == "build" and first.files_sent == first.files_total == 22
     assert current(base) == f"releases/{first.release}"
@@ -50,8 +63,8 @@ def test_first_deploy_builds_release_and_current_then_sends_nothing(env):
     assert second.release == first.release and second.pct_calls <= 3
 
 
-def test_changing_one_file_sends_only_it(env):
-    container, package, base = env
+def test_changing_one_file_sends_only_it(tier_env):
+    container, package, base = tier_env
     first = deploy_target(container, source=package, venv=NO_VENV)
     (package / "part4" / "mod4.py").write_text("VALUE = 'changed'\n")
     second = deploy_target(container, source=package, venv=NO_VENV)
@@ -64,8 +77,8 @@ def test_changing_one_file_sends_only_it(env):
     assert meta["parent"] == first.release and len(meta["files"]) == 22
 
 
-def test_failure_before_swap_leaves_previous_release_and_next_deploy_cleans(env, monkeypatch):
-    container, package, base = env
+def test_failure_before_swap_leaves_previous_release_and_next_deploy_cleans(tier_env, monkeypatch):
+    container, package, base = tier_env
     first = deploy_target(container, source=package, venv=NO_VENV)
     (package / "part1" / "mod1.py").write_text("VALUE = 'new'\n")
     real_helper = container.helper
@@ -111,10 +124,9 @@ def test_sigkill_mid_stream_leaves_previous_release_serving(tmp_path):
     base = Path(container.base_dir)
     first = deploy_target(container, source=package, venv=NO_VENV)
     big.write_bytes(os.urandom(96 << 20))  # large enough that the stream is still running when killed
-    script = Path(__file__).with_name("deploy_support.py")
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
-        [sys.executable, str(script), "deploy", str(tmp_path), str(package)],
+        [sys.executable, "-m", "tests.integration.deploy_support", "deploy", str(tmp_path), str(package)],
         env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, start_new_session=True)
     assert proc.stdout.readline() == b"streaming\n"
     os.killpg(proc.pid, signal.SIGKILL)
@@ -144,8 +156,8 @@ def test_prune_keeps_n_and_never_the_live_runs_release(env):
     assert releases(base) == sorted([hashes[3], last])
 
 
-def test_dry_run_changes_nothing(env):
-    container, package, base = env
+def test_dry_run_changes_nothing(tier_env):
+    container, package, base = tier_env
     first = deploy_target(container, source=package, venv=NO_VENV)
     (package / "part1" / "mod1.py").write_text("VALUE = 'new'\n")
     before = sorted(str(p) for p in base.rglob("*") if "helpers" not in p.parts)

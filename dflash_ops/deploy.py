@@ -138,7 +138,8 @@ def deploy_target(
         summary.venv_action = "built-pip" if built.get("pip") else "built"
 
     if summary.action == "build" or missing_helpers:
-        with release_tar(release, to_send, missing_helpers) as tar:
+        parent_manifest = state["current_files"] if summary.action == "build" and state["current"] else None
+        with release_tar(release, to_send, missing_helpers, parent_manifest) as tar:
             total = stream_size(tar)
             reader = tar if on_progress is None else ProgressReader(tar, lambda n: on_progress("send", n, total))
             args = ["apply", base, release.hash, "--keep", str(keep)]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
 RELEASE_META = ".dflash-release.json"
+RELEASE_DELTA = ".dflash-delta.json"
 HELPER_STAGE = ".helpers"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
@@ -134,13 +135,21 @@ def build_tar(entries: Iterable[tuple[str, Path]], extra: Iterable[tuple[str, by
     return spool
 
 
-def release_tar(release: LocalRelease, rels: Iterable[str],
-                helpers: Iterable[tuple[str, Path]] = ()) -> BinaryIO:
-    """The apply stream: manifest, the given files, and helpers staged under `.helpers/`."""
-    meta = json.dumps(release.meta(), sort_keys=True).encode()
+def release_tar(release: LocalRelease, rels: Iterable[str], helpers: Iterable[tuple[str, Path]] = (),
+                parent_manifest: dict[str, str] | None = None) -> BinaryIO:
+    """The apply stream: the given files, helpers staged under `.helpers/`, and the manifest:
+    whole, or as a delta against `parent_manifest` (the release the container builds on)."""
+    rels = list(rels)
+    if parent_manifest is None:
+        meta = (RELEASE_META, json.dumps(release.meta(), sort_keys=True).encode())
+    else:
+        delta = {"hash": release.hash, "venv": release.venv,
+                 "changed": {rel: release.manifest[rel] for rel in rels},
+                 "removed": sorted(set(parent_manifest) - set(release.manifest))}
+        meta = (RELEASE_DELTA, json.dumps(delta, sort_keys=True).encode())
     entries = [(rel, release.files[rel]) for rel in rels]
     entries += [(f"{HELPER_STAGE}/{rel.split('/', 1)[1]}", path) for rel, path in helpers]
-    return build_tar(entries, extra=[(RELEASE_META, meta)])
+    return build_tar(entries, extra=[meta])
 
 
 def stream_size(stream: BinaryIO) -> int:

@@ -34,6 +34,7 @@ import tarfile
 import time
 
 RELEASE_META = ".dflash-release.json"
+RELEASE_DELTA = ".dflash-delta.json"
 HELPER_STAGE = ".helpers"
 FINAL_STATES = ("stopped", "failed", "done")
 
@@ -259,7 +260,7 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
         shutil.rmtree(tmp)
         return {"built": False, "received": len(sent), "linked": 0, "cleaned": cleaned,
                 "helpers_installed": helpers}
-    meta = read_meta(tmp)
+    meta = compose_meta(tmp, releases_dir, parent)
     if meta is None or meta.get("hash") != release:
         raise SystemExit(f"release tar: missing or wrong {RELEASE_META} for {release}")
     files = meta["files"]
@@ -281,6 +282,35 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
     fsync_dir(releases_dir)
     return {"built": True, "received": len(sent), "linked": linked, "cleaned": cleaned,
             "helpers_installed": helpers}
+
+
+def release_hash(files: dict, venv) -> str:
+    """Must equal dflash_ops.releases.release_hash (same JSON, same digest)."""
+    blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def compose_meta(tmp: str, releases_dir: str, parent: str | None) -> dict | None:
+    """The new release's metadata: sent whole, or as a delta against the parent's manifest.
+
+    A delta (`{"hash", "venv", "changed": {rel: sha}, "removed": [rel]}`) keeps a one-file
+    redeploy of a large tree small; the composed manifest must hash to the promised hash.
+    """
+    delta_path = os.path.join(tmp, RELEASE_DELTA)
+    if not os.path.exists(delta_path):
+        return read_meta(tmp)
+    with open(delta_path) as f:
+        delta = json.load(f)
+    os.unlink(delta_path)
+    parent_meta = read_meta(os.path.join(releases_dir, parent)) if parent else None
+    if parent_meta is None:
+        raise SystemExit(f"release delta needs parent release {parent}, which is missing")
+    files = {rel: digest for rel, digest in parent_meta["files"].items() if rel not in set(delta["removed"])}
+    files.update(delta["changed"])
+    files = dict(sorted(files.items()))
+    if release_hash(files, delta["venv"]) != delta["hash"]:
+        raise SystemExit("release delta does not compose to the promised hash")
+    return {"version": 1, "hash": delta["hash"], "venv": delta["venv"], "files": files}
 
 
 def verify_tree(root: str, files: dict) -> None:

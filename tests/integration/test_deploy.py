@@ -191,3 +191,15 @@ def test_failed_pip_leaves_no_venv_and_keeps_current(env):
         deploy_target(container, source=package, venv=VenvSpec(requirements=package / "requirements.txt", index=False, uv="never"))
     assert current(base) == f"releases/{first.release}"
     assert list((base / "venvs").iterdir()) == []
+
+
+def test_removed_file_is_absent_from_the_next_release(env):
+    container, package, base = env
+    deploy_target(container, source=package, venv=NO_VENV)
+    (package / "part5" / "mod5.py").unlink()
+    second = deploy_target(container, source=package, venv=NO_VENV)
+    assert second.action == "build" and second.files_sent == 0
+    assert not (base / "current" / "trainer" / "part5" / "mod5.py").exists()
+    assert (base / "current" / "trainer" / "part6" / "mod6.py").exists()
+    meta = json.loads((base / "current" / ".dflash-release.json").read_text())
+    assert "trainer/part5/mod5.py" not in meta["files"] and meta["hash"] == second.release

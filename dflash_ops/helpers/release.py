@@ -161,6 +161,7 @@ def fsync_write_json(path: str, obj: dict) -> None:
 
 
 def swap_current(base: str, release: str) -> None:
+    clean_stale_tmp(base)
     link_tmp = os.path.join(base, f".tmp-current-{os.getpid()}")
     if os.path.lexists(link_tmp):
         os.unlink(link_tmp)

@@ -168,10 +168,10 @@ def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int 
     project root (the directory holding `trainer/`). Explicit arguments add to / override them.
     """
     root = trainer_dir().parent
-    paths = [Path(p) if Path(p).is_absolute() else root / p for p in getattr(target, "extra_paths", ()) or ()]
-    venv_config = getattr(target, "venv", None)
+    paths = [Path(p) if Path(p).is_absolute() else root / p for p in target.extra_paths]
+    venv_config = target.venv_config
     venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config or {}, base=root)
-    keep = keep or getattr(target, "keep_releases", None) or DEFAULT_KEEP
+    keep = keep or target.keep_releases or DEFAULT_KEEP
     return {"extra_paths": [*paths, *extra_paths], "venv": venv, "keep": keep}
 
 

@@ -60,6 +60,13 @@ class Target:
     base_dir: str
     python: str = "python3"
     gpus: tuple[int, ...] = ()
+    extra_paths: tuple[str, ...] = ()  # deployed beside trainer/, relative to the project root
+    venv: "tuple[tuple[str, Any], ...] | bool | None" = None  # venv: mapping (as items), or False for none
+    keep_releases: int | None = None
+
+    @property
+    def venv_config(self) -> "dict[str, Any] | bool | None":
+        return dict(self.venv) if isinstance(self.venv, tuple) else self.venv
 
 
 @dataclass
@@ -144,7 +151,8 @@ _NODE_KEYS = {
     "transport", "address", "port", "user", "identity_file", "known_hosts",
     "strict_host_key_checking", "pct", "connect_timeout", "keepalive", "sim_root",
 }
-_TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus"}
+_TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus", "extra_paths", "venv", "keep_releases"}
+_VENV_KEYS = {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
 
 
 def _suggest(word: str, choices) -> str:
@@ -267,4 +275,25 @@ class _Parser:
         gpus = m.get("gpus", [])
         if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
             raise self.fail(at("gpus"), f"{what}: gpus must be a list of GPU indices, got {gpus!r}")
-        return Target(name=name, node=node, ctid=ctid, base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(gpus))
+        extra_paths = m.get("extra_paths", [])
+        if not isinstance(extra_paths, list) or not all(isinstance(p, str) and p for p in extra_paths):
+            raise self.fail(at("extra_paths"), f"{what}: extra_paths must be a list of paths, got {extra_paths!r}")
+        keep = m.get("keep_releases")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise self.fail(at("keep_releases"), f"{what}: keep_releases must be a whole number >= 1, got {keep!r}")
+        return Target(name=name, node=node, ctid=ctid, base_dir=base_dir.rstrip("/") or "/", python=python,
+                      gpus=tuple(gpus), extra_paths=tuple(extra_paths), venv=self.venv(m, at, what),
+                      keep_releases=keep)
+
+    def venv(self, m: _Mapping, at, what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
+        if "venv" not in m or m["venv"] is None:
+            return None
+        if m["venv"] is False:
+            return False
+        v = self.mapping(m["venv"], at("venv"), f"{what}: venv")
+        self.check_keys(v, _VENV_KEYS, set(), f"{what}: venv")
+        if not all(isinstance(v.get(k, True), bool) for k in ("system_site_packages", "index")):
+            raise self.fail(at("venv"), f"{what}: venv: system_site_packages and index must be true or false")
+        if v.get("uv", "auto") not in ("auto", "always", "never"):
+            raise self.fail(v.key_lines["uv"], f"{what}: venv: uv must be auto, always or never, got {v['uv']!r}")
+        return tuple(sorted(dict(v).items()))

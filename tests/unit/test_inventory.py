@@ -71,6 +71,12 @@ def test_env_var_overrides_default(tmp_path, monkeypatch):
         ("    ctid: 200", "    ctid: 200\n    ctid: 201", "hosts.yaml:10: duplicate key 'ctid'"),
         ("gpus: [0, 1]", "gpus: [0, 1", "hosts.yaml:12: invalid YAML"),
         ("targets:", "target:", "hosts.yaml:6: inventory: unknown key 'target' (did you mean 'targets'?)"),
+        ("gpus: [0, 1]", "gpus: [0, 1]\n    venv: {requirments: r.txt}",
+         "hosts.yaml:12: target 'host200': venv: unknown key 'requirments' (did you mean 'requirements'?)"),
+        ("gpus: [0, 1]", "gpus: [0, 1]\n    venv:\n      uv: sometimes",
+         "hosts.yaml:13: target 'host200': venv: uv must be auto, always or never"),
+        ("gpus: [0, 1]", "gpus: [0, 1]\n    keep_releases: 0",
+         "hosts.yaml:12: target 'host200': keep_releases must be a whole number >= 1"),
     ],
 )
 def test_errors_name_file_line_and_problem(tmp_path, old, new, message):
@@ -81,6 +87,16 @@ def test_errors_name_file_line_and_problem(tmp_path, old, new, message):
     text = str(info.value)
     assert text.startswith(str(tmp_path)) and message in text
     assert "\n" not in text
+
+
+def test_deploy_options_of_a_target(tmp_path):
+    text = GOOD.replace("gpus: [0, 1]", "gpus: [0, 1]\n    extra_paths: [docs]\n    keep_releases: 2\n"
+                        "    venv: {requirements: trainer/requirements.txt, system_site_packages: false}")
+    target = load_inventory(write(tmp_path, text)).target("host200")
+    assert target.extra_paths == ("docs",) and target.keep_releases == 2
+    assert target.venv_config == {"requirements": "trainer/requirements.txt", "system_site_packages": False}
+    no_venv = load_inventory(write(tmp_path, GOOD.replace("gpus: [0, 1]", "gpus: [0, 1]\n    venv: false")))
+    assert no_venv.target("host200").venv_config is False
 
 
 def test_unknown_target_suggests(tmp_path):

@@ -206,15 +206,22 @@ def cmd_list(args):
 
 # ---------------------------------------------------------------- following a file
 
+EXIT_GRACE_S = 30
+
+
 def run_is_over(run_dir):
+    """True once the trainer process is gone. A final status.json alone is not enough, since
+    the trainer still writes its last log lines after it; but a final state whose process
+    cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
     status = read_json(os.path.join(run_dir, "status.json"))
-    if status is None:
-        pid, pid_start = run_process(run_dir, None)
-        return pid is not None and not process_matches(pid, pid_start)
-    if status.get("state") in FINAL_STATES:
-        return True
     pid, pid_start = run_process(run_dir, status)
-    return not process_matches(pid, pid_start)
+    if pid is not None and not process_matches(pid, pid_start):
+        return True
+    if not status or status.get("state") not in FINAL_STATES:
+        return False
+    heartbeat = status.get("heartbeat")
+    stale = not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > EXIT_GRACE_S
+    return pid is None or pid_start is None or stale
 
 
 def cmd_follow(args):

@@ -19,6 +19,7 @@ app = typer.Typer(
 )
 
 _AREAS: list[str] = [
+    "dash",
 ]
 
 

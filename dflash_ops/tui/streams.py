@@ -84,7 +84,7 @@ def follow_forever(
     on_state: Callable[[LinkState], None],
     tail_lines: int,
     backoff: Backoff | None = None,
-    idle_s: float = 0.5,
+    idle_s: float = 2.0,
 ) -> None:
     """Follow one run file until `stop`, reconnecting with backoff where the offset left off."""
     backoff = backoff or Backoff()

@@ -39,6 +39,11 @@ class FrozenClock:
 
 
 @pytest.fixture
+def frozen_clock():
+    return FrozenClock()
+
+
+@pytest.fixture
 def static_run(tmp_path):
     """A run that has done 30 steps and then sits still (files no longer change)."""
     sim = SimulatedRun(tmp_path, "tiny-run", total_steps=100, clock=FrozenClock(FROZEN - 5))

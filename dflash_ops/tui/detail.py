@@ -55,6 +55,7 @@ class RunDetailScreen(Screen):
         self._plotted_version = -1
         self._stop = threading.Event()
         self._full_log: Log | None = None
+        self._samples_applied = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="summary")
@@ -91,7 +92,10 @@ class RunDetailScreen(Screen):
     def tick(self) -> None:
         metrics, _ = self.metrics_sink.drain()
         lines, dropped = self.log_sink.drain()
-        self.history.apply_host_samples(self.app.host_gpus.get(self.target), self._row_gpus())
+        samples = self.app.host_gpus.get(self.target)
+        if samples is not self._samples_applied:  # a new poll result, not the same one again
+            self._samples_applied = samples
+            self.history.apply_host_samples(samples, self._row_gpus())
         self.history.feed(metrics)
         self.dropped += dropped
         if lines:

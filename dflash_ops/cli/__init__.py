@@ -22,6 +22,7 @@ _AREAS: list[str] = [
     "hosts",
     "deploy",
     "play",
+    "dash",
 ]
 
 

@@ -1,0 +1,180 @@
+"""What the run detail shows, built from metrics.jsonl lines; plus small text renderers.
+
+Pure data, no Textual: the screens feed lines in and read series out, tests do the same.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+
+from dflash_ops.tui.source import GpuSample
+
+SERIES_POINTS = 5000  # per series; older points are dropped
+GPU_HISTORY = 40  # samples of busy% kept per GPU
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+@dataclass
+class GpuTrack:
+    """One GPU: its role in the run and a short busy% history.
+
+    The trainer's own per-step `gpus` entries win over host samples for busy% (they know
+    the role and measure per step); host samples fill in memory totals, and busy% for GPUs
+    the trainer does not report.
+    """
+
+    index: int
+    role: str = "?"
+    busy: float | None = None
+    mem_gb: float | None = None
+    mem_total_gb: float | None = None
+    history: deque = field(default_factory=lambda: deque(maxlen=GPU_HISTORY))
+    from_trainer: bool = False
+
+    def record(self, busy: float | None) -> None:
+        self.busy = busy
+        if busy is not None:
+            self.history.append(busy)
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: str
+    seconds: float | None
+    request: str | None
+
+
+class RunHistory:
+    """Accumulates metrics.jsonl events for one run."""
+
+    def __init__(self) -> None:
+        self.loss_steps: deque[int] = deque(maxlen=SERIES_POINTS)
+        self.loss: deque[float] = deque(maxlen=SERIES_POINTS)
+        self.tps_steps: deque[int] = deque(maxlen=SERIES_POINTS)
+        self.tps: deque[float] = deque(maxlen=SERIES_POINTS)
+        self.gpus: dict[int, GpuTrack] = {}
+        self.checkpoints: list[Checkpoint] = []
+        self.warmup: dict | None = None
+        self.recompiles = 0
+        self.tau: float | None = None
+        self.eval_acc: float | None = None
+        self.last_step: dict | None = None
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+        self.bad_lines = 0
+        self.version = 0  # bumps on every change, so screens redraw only when needed
+
+    def feed(self, lines: list[str]) -> None:
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                self.bad_lines += 1
+                continue
+            if isinstance(event, dict):
+                self._apply(event)
+        if lines:
+            self.version += 1
+
+    def _apply(self, event: dict) -> None:
+        kind = event.get("event")
+        step = event.get("step", 0)
+        if kind == "step":
+            self.last_step = event
+            if isinstance(event.get("loss"), (int, float)):
+                self.loss_steps.append(step)
+                self.loss.append(float(event["loss"]))
+            if isinstance(event.get("tokens_per_s"), (int, float)):
+                self.tps_steps.append(step)
+                self.tps.append(float(event["tokens_per_s"]))
+            if isinstance(event.get("recompiles"), int):
+                self.recompiles = event["recompiles"]
+            for gpu in event.get("gpus") or ():
+                self._apply_trainer_gpu(gpu)
+        elif kind == "warmup":
+            self.warmup = {"shapes": event.get("shapes"), "seconds": event.get("seconds")}
+        elif kind == "eval":
+            self.tau = event.get("tau")
+            self.eval_acc = event.get("acc")
+        elif kind == "checkpoint":
+            self.checkpoints.append(
+                Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request"))
+            )
+        elif kind == "stop":
+            self.stop_reason = event.get("reason")
+        elif kind == "error":
+            self.error = event.get("message")
+
+    def _apply_trainer_gpu(self, gpu: dict) -> None:
+        try:
+            index = int(gpu["index"])
+        except (KeyError, TypeError, ValueError):
+            return
+        track = self.gpus.setdefault(index, GpuTrack(index))
+        track.from_trainer = True
+        track.role = str(gpu.get("role") or track.role)
+        track.mem_gb = gpu.get("mem_gb", track.mem_gb)
+        busy = gpu.get("busy")
+        if isinstance(busy, (int, float)):
+            # the trainer may report a 0..1 fraction or a percentage
+            track.record(float(busy) * 100 if busy <= 1 else float(busy))
+
+    def apply_host_samples(self, samples: list[GpuSample] | None, held: tuple[int, ...] = ()) -> None:
+        """Merge host-side samples; `held` limits them to the run's GPUs when known."""
+        for sample in samples or ():
+            if held and sample.index not in held:
+                continue
+            track = self.gpus.setdefault(sample.index, GpuTrack(sample.index))
+            track.mem_total_gb = sample.mem_total_gb
+            if not track.from_trainer:
+                track.mem_gb = sample.mem_gb
+                track.record(sample.busy)
+        if samples:
+            self.version += 1
+
+
+def bar(percent: float | None, width: int = 20) -> str:
+    if percent is None:
+        return "·" * width
+    filled = round(max(0.0, min(100.0, percent)) / 100 * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def sparkline(values, width: int = GPU_HISTORY) -> str:
+    values = list(values)[-width:]
+    chars = [_SPARK[min(len(_SPARK) - 1, int(max(0.0, v) / 100 * len(_SPARK)))] for v in values]
+    return "".join(chars).rjust(width)
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def fmt_num(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def downsample(xs, ys, points: int = 400) -> tuple[list, list]:
+    """Every k-th point (always keeping the last), so a plot stays cheap to draw."""
+    xs, ys = list(xs), list(ys)
+    if len(xs) <= points:
+        return xs, ys
+    k = -(-len(xs) // points)
+    keep = list(range(len(xs) - 1, -1, -k))[::-1]
+    return [xs[i] for i in keep], [ys[i] for i in keep]

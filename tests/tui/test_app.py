@@ -1,0 +1,121 @@
+"""Pilot tests: the dashboard driven against run directories a writer keeps updating."""
+
+import json
+
+import pytest
+
+from dflash_ops.tui.app import DashApp
+from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
+from dflash_ops.tui.source import LocalDirSource
+
+pytestmark = pytest.mark.anyio
+
+
+def _app(tmp_path, **kwargs):
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpu_probe=None), poll_s=0.05, **kwargs)
+
+
+async def test_table_fills_and_detail_plots_grow_while_the_run_writes(tmp_path, live_run, wait_for):
+    app = _app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+        await pilot.press("enter")
+        assert isinstance(app.screen, RunDetailScreen)
+        detail = app.screen
+        await wait_for(pilot, lambda: len(detail.history.loss) >= 3, "loss points")
+        first = len(detail.history.loss)
+        await wait_for(pilot, lambda: len(detail.history.loss) >= first + 5, "the loss plot to grow")
+        assert {t.role for t in detail.history.gpus.values()} == {"target", "drafter"}
+        await wait_for(pilot, lambda: detail.lines_shown > 0, "log lines shown")
+        assert app.rows["sim/live-run"].step > 0
+
+
+async def test_checkpoint_key_drops_a_request_the_run_serves(tmp_path, live_run, wait_for):
+    app = _app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+        await pilot.press("enter")
+        detail = app.screen
+        await pilot.press("c")
+        await wait_for(pilot, lambda: detail.history.checkpoints, "a checkpoint event")
+        served = detail.history.checkpoints[-1]
+        assert served.request and (live_run.dir / served.path / "manifest.json").exists()
+
+
+async def test_checkpoint_and_confirmed_stop_write_control_files(tmp_path, static_run, wait_for):
+    control = static_run.dir / "control"
+    app = _app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+        await pilot.press("c")
+        await wait_for(pilot, lambda: (control / "checkpoint").exists(), "control/checkpoint")
+        assert set(json.loads((control / "checkpoint").read_text())) == {"id", "time"}
+        await pilot.press("s")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.press("s", "y")
+        await wait_for(pilot, lambda: (control / "stop").exists(), "control/stop")
+    assert sorted(p.name for p in control.iterdir()) == ["checkpoint", "stop"]
+
+
+async def test_filter_shows_only_matching_log_lines(tmp_path, static_run, wait_for):
+    static_run.log("needle here", "hay", "another NEEDLE")
+    app = _app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+        await pilot.press("enter")
+        detail = app.screen
+        await wait_for(pilot, lambda: "hay" in detail.lines, "the log tail")
+        await pilot.press("slash", *"needle", "enter")
+        log = detail.query_one("#log")
+        assert list(log.lines) == ["needle here", "another NEEDLE"]
+        await pilot.press("l")
+        full = app.screen.query_one("#full-log")
+        assert list(full.lines) == ["needle here", "another NEEDLE"]
+
+
+class DroppingSource(LocalDirSource):
+    """A local source whose links can be cut: follow and list_runs raise while `down`."""
+
+    down = False
+
+    def follow(self, target, run_id, name, on_lines, stop, start=None, tail_lines=200):
+        if self.down:
+            raise ConnectionResetError("ssh link lost")
+
+        def guarded(lines, end):
+            if self.down:
+                raise ConnectionResetError("ssh link lost")
+            on_lines(lines, end)
+
+        super().follow(target, run_id, name, guarded, stop, start, tail_lines)
+
+    def list_runs(self, target):
+        if self.down:
+            raise ConnectionResetError("ssh link lost")
+        return super().list_runs(target)
+
+
+async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines(tmp_path, live_run, wait_for):
+    source = DroppingSource({"sim": tmp_path}, gpu_probe=None)
+    app = DashApp(source, poll_s=0.05)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+        await pilot.press("enter")
+        detail = app.screen
+        await wait_for(pilot, lambda: len(detail.lines) > 5, "log lines")
+        source.down = True
+        await wait_for(pilot, lambda: not detail.links["train.log"].connected, "log stream marked down")
+        await wait_for(pilot, lambda: not app.links["sim"].connected, "target marked down")
+        await wait_for(pilot, lambda: "disconnected" in str(detail.query_one("#summary").render()), "shown")
+        source.down = False
+        await wait_for(pilot, lambda: app.links["sim"].connected, "target back")
+        seen = len(detail.lines)
+        await wait_for(pilot, lambda: len(detail.lines) > seen + 4, "log lines flowing again")
+        assert detail.links["train.log"].connected
+        lines = [line for line in detail.lines if line.startswith("step ")]
+        assert len(lines) == len(set(lines))  # nothing repeated
+        steps = sorted({int(line.split()[1]) for line in lines})
+        assert steps == list(range(steps[0], steps[-1] + 1))  # nothing lost

@@ -1,0 +1,40 @@
+"""Two pictures of the dashboard, frozen: a static run, a fixed clock (heartbeat age 5s)."""
+
+from dflash_ops.tui.app import DashApp
+from dflash_ops.tui.demo import SimulatedRun
+from dflash_ops.tui.source import LocalDirSource
+
+from dflash_ops.tui.detail import RunDetailScreen
+
+SIZE = (140, 45)
+
+
+def _app(tmp_path, frozen_clock):
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpu_probe=None), clock=frozen_clock, poll_s=0.05)
+
+
+def test_runs_table(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
+    done = SimulatedRun(tmp_path, "finished-run", total_steps=5, clock=frozen_clock)
+    done.begin()
+    while done.advance():
+        pass
+
+    async def loaded(pilot):
+        await wait_for(pilot, lambda: len(pilot.app.rows) == 2, "both runs")
+        await pilot.pause()
+
+    assert snap_compare(_app(tmp_path, frozen_clock), terminal_size=SIZE, run_before=loaded)
+
+
+def test_run_detail(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
+    async def detail_loaded(pilot):
+        await wait_for(pilot, lambda: "sim/tiny-run" in pilot.app.rows, "the run")
+        await pilot.press("enter")
+        screen = pilot.app.screen
+        assert isinstance(screen, RunDetailScreen)
+        await wait_for(pilot, lambda: len(screen.history.loss) == 30 and screen.lines, "history")
+        await wait_for(pilot, lambda: screen._plotted_version == screen.history.version, "plots")
+        screen.render_summary()
+        await pilot.pause()
+
+    assert snap_compare(_app(tmp_path, frozen_clock), terminal_size=SIZE, run_before=detail_loaded)

@@ -83,6 +83,7 @@ class DataConfig:
     num_anchors: int = 512  # draft blocks sampled per sequence
     token_budget: int = 3072  # padded tokens per micro-batch
     bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3072])  # length bucket upper bounds
+    pad_multiple: int = 64  # batches are padded to a multiple of this length (fewer distinct shapes)
     seed: int = 0  # data order and anchor sampling seed
 
 
@@ -125,6 +126,7 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between periodic checkpoints (0 = only on stop/done)
     keep_checkpoints: int = 3  # most recent checkpoints kept on disk
     heartbeat_s: float = 5.0  # seconds between status.json heartbeats (contract: <= 10)
+    warmup_shapes: int = 4  # largest batch shapes (one per bucket) run once before training
     threads: int | None = None  # torch CPU threads; default torch's choice
     seed: int = 0  # model initialisation seed
     wandb: WandbConfig | None = None  # also log to wandb when set and installed

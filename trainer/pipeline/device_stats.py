@@ -38,6 +38,7 @@ class MetricAccumulator:
         ]
         self._free = deque(range(ring))
         self._pending: deque = deque()  # (slot, event, steps, host_time)
+        self._ready: list[dict] = []
         self._lock = threading.Lock()
 
     def add(self, vector: torch.Tensor) -> None:
@@ -66,19 +67,25 @@ class MetricAccumulator:
             self._pending.append((slot, event, steps, time.time()))
 
     def _wait_oldest(self) -> None:
-        slot, event, steps, when = self._pending[0]
+        """Move the oldest window to host values, freeing its slot (the host is `ring` windows ahead)."""
+        slot, event, steps, when = self._pending.popleft()
         if event is not None:
-            event.synchronize()  # only when the host is `ring` windows ahead of the device
+            event.synchronize()
+        self._ready.append(self._values(slot, steps, when))
+        self._free.append(slot)
+
+    def _values(self, slot: int, steps: int, when: float) -> dict:
+        values = dict(zip(self.names, self._slots[slot].tolist()))
+        values["step"] = steps
+        values["time"] = when
+        return values
 
     def completed(self) -> list[dict]:
-        out = []
         with self._lock:
+            out, self._ready = self._ready, []
             while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
                 slot, _, steps, when = self._pending.popleft()
-                values = dict(zip(self.names, self._slots[slot].tolist()))
-                values["steps"] = steps
-                values["time"] = when
-                out.append(values)
+                out.append(self._values(slot, steps, when))
                 self._free.append(slot)
         return out
 

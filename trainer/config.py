@@ -148,7 +148,7 @@ class PipelineConfig:
     kind: str = "reference"  # reference | threaded (trainer/pipeline: a thread per device role)
     prefetch: int = 4  # micro-batches built ahead per target worker (bounded queue)
     queue_depth: int = 2  # packed feature batches queued per target->drafter pair
-    pad_to_warm_shapes: str = "auto"  # auto (on when the drafter runs compiled flex) | on | off
+    pad_to_warm_shapes: str = "auto"  # auto (when the drafter runs compiled flex) | always | never
 
 
 @dataclass
@@ -323,8 +323,8 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.pipeline.kind in ("reference", "threaded"), ("pipeline", "kind"), "must be reference or threaded")
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
-    check(c.pipeline.pad_to_warm_shapes in ("auto", "on", "off"), ("pipeline", "pad_to_warm_shapes"),
-          "must be auto, on or off")
+    check(c.pipeline.pad_to_warm_shapes in ("auto", "always", "never"), ("pipeline", "pad_to_warm_shapes"),
+          "must be auto, always or never")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
     check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")

@@ -31,9 +31,13 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
     return [FeatureSlot(i, torch.zeros(numel, dtype=dtype, device=device)) for i in range(count)]
 
 
-def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                           layer_ids: list[int], out: torch.Tensor) -> torch.Tensor:
-    """Like `trainer.target.target_context_features`, but writes the concatenation into `out`."""
+    """Like `trainer.target.target_context_features`, but writes the concatenation into `out`.
+
+    The pipeline passes attention_mask=None: batches are right-padded and attention is causal,
+    so a real position never sees padding and its features are the same; without a mask the
+    model takes the plain causal path, which has no data-dependent mask checks (host syncs)."""
     hidden = base_model(target)(
         input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
     ).hidden_states

@@ -82,9 +82,8 @@ class ThreadedTrainer(Trainer):
         cfg, c = self.cfg, self.c
         remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
         self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
-        self.pad = cfg.pipeline.pad_to_warm_shapes
-        if self.pad == "auto":
-            self.pad = "on" if self.backend == "flex" else "off"
+        mode = cfg.pipeline.pad_to_warm_shapes
+        self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
         shapes = self.warm.shapes()
         self.guard = CompileGuard()
         self.rd.update(state="warmup")
@@ -143,7 +142,7 @@ class ThreadedTrainer(Trainer):
                                   c.gamma, c.drafter.config.mask_token_id, self.anchor_rng)
 
         prefetcher = BatchPrefetcher(c.train_data.next_batch, prepare, data_state, self.target_inputs, stop, count, M,
-                                     first, self.warm.shape_for if self.pad == "on" else None,
+                                     first, self.warm.shape_for if self.pad else None,
                                      pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
         build = prefetcher.build
 
@@ -158,7 +157,7 @@ class ThreadedTrainer(Trainer):
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * c.target.config.hidden_size
         max_numel = max(b * s for b, s in self.warm.shapes()) * width
-        if self.pad != "on":
+        if not self.pad:
             max_numel = max(max_numel, cfg.data.token_budget * width)
         target_dtype = next(c.target.parameters()).dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R

@@ -74,9 +74,8 @@ class TargetWorker:
                     if slot.released is not None:
                         stream.wait_event(slot.released)
                     ids = mb.input_ids.to(self.device, non_blocking=True)
-                    attn = mb.attention_mask.to(self.device, non_blocking=True)
                     out = slot.view(ids.shape[0], ids.shape[1], self.width)
-                    pack_context_features(self.target, ids, attn, self.layer_ids, out)
+                    pack_context_features(self.target, ids, None, self.layer_ids, out)
                     ready = record_event(stream)
                 self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
 

@@ -20,14 +20,14 @@ class WarmShapes:
     def __init__(self, dataset, micro_batches_needed: int, max_shapes: int):
         rows: dict[int, set[int]] = {}
         lengths: dict[int, int] = {}
-        epoch, cursor, seen = dataset.epoch, dataset.cursor, 0
-        while seen < micro_batches_needed:
+        epoch, seen = dataset.epoch, -dataset.cursor
+        while seen < micro_batches_needed:  # whole epochs: every batch the run can meet
             batches, bucket_ids = dataset.plan_epoch(epoch)
-            for indices, bucket in list(zip(batches, bucket_ids))[cursor:]:
+            for indices, bucket in zip(batches, bucket_ids):
                 rows.setdefault(bucket, set()).add(len(indices))
                 lengths[bucket] = max(lengths.get(bucket, 0), dataset.padded_length(indices))
-                seen += 1
-            epoch, cursor = epoch + 1, 0
+            seen += len(batches)
+            epoch += 1
         if sum(len(r) for r in rows.values()) > max(max_shapes, len(rows)):
             rows = {b: {max(r)} for b, r in rows.items()}
         self.rows = {b: sorted(r) for b, r in rows.items()}

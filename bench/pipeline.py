@@ -64,6 +64,7 @@ class SyncCounter:
 
     def __enter__(self):
         self._old = warnings.showwarning
+        self._filters = warnings.filters[:]
         warnings.simplefilter("always")
 
         def show(message, category, filename, lineno, file=None, line=None):
@@ -84,6 +85,7 @@ class SyncCounter:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = self._old
+        warnings.filters[:] = self._filters
 
 
 def random_dataset(n, min_len, max_len, vocab, budget, seed=0):

@@ -180,6 +180,8 @@ def _plain(node: yaml.Node) -> Any:
         items, lines = {}, {}
         for key_node, value_node in node.value:
             key = key_node.value
+            if key in items:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
             items[key] = _plain(value_node)
             lines[key] = key_node.start_mark.line + 1
         return _Located(items, lines)
@@ -271,7 +273,10 @@ def parse_config(text: str, source: str = "<config>") -> TrainerConfig:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{source}{line}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    raw = _plain(node) if node is not None else _Located({}, {})
+    try:
+        raw = _plain(node) if node is not None else _Located({}, {})
+    except ConfigError as exc:
+        raise ConfigError(f"{source}:{str(exc)[len('line '):]}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the config must be a mapping of sections")
     config = _build(TrainerConfig, raw, "", source)

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from trainer.masks import (block_attention, dense_attention, dense_mask, flex_attention_fn, loss_decay,
@@ -38,6 +39,7 @@ def test_dense_mask_matches_hand_written_reference():
     assert not got[0, 0, 12:16].any()  # padding block sees nothing
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_equals_dense_attention_including_padding_blocks():
     torch.manual_seed(0)
     anchors = torch.tensor([[1, 4, 9, 0], [0, 6, 0, 0]])

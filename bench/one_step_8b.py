@@ -1,0 +1,152 @@
+"""One-GPU DFlash training step at Qwen3-8B shape: peak memory, step time, target vs drafter split, MFU.
+
+    python bench/one_step_8b.py                 # cuda: 8B-shaped bf16 target + 5-layer drafter
+    python bench/one_step_8b.py --steps 8 --seq 3072 --anchors 512
+    python bench/one_step_8b.py --tiny          # CPU smoke run with a tiny target
+
+Random weights and random tokens: this measures speed and memory, not learning.
+Run from the repository (or release) root so `trainer` is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from trainer.config import OptimConfig, TinyTargetConfig, default_gamma  # noqa: E402
+from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from trainer.loop import autocast_for  # noqa: E402
+from trainer.masks import prepare_blocks, resolve_backend  # noqa: E402
+from trainer.objective import drafter_loss_sums  # noqa: E402
+from trainer.optim import build_optimizer, clip_gradients  # noqa: E402
+from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,  # noqa: E402
+                            random_8b_shape_target, target_context_features, tiny_target)
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def flops_estimate(target, drafter: DFlashDrafter, batch: int, seq: int, anchors: int, block: int) -> tuple[float, float]:
+    """(target forward FLOPs, drafter train-step FLOPs), matmul terms only (2·params·tokens per pass)."""
+    t = target.config
+    target_fwd = 2 * (count(target) - t.vocab_size * t.hidden_size * 2) * batch * seq
+    target_fwd += 4 * t.num_hidden_layers * t.num_attention_heads * t.head_dim * batch * seq * seq / 2
+    c = drafter.config
+    q_tokens = batch * anchors * block
+    kv_per_layer = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
+    layer_params = count(drafter.layers[0])
+    fwd = 2 * layer_params * c.num_hidden_layers * q_tokens  # block tokens through every layer
+    fwd += 2 * (drafter.fc.weight.numel() + kv_per_layer * c.num_hidden_layers) * batch * seq  # context
+    fwd += 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * q_tokens * (seq / 2 + block)  # attention (mask ~ half)
+    head = 2 * c.hidden_size * c.vocab_size * batch * anchors * (block - 1)
+    return float(target_fwd), float(3 * fwd + 2 * head + 2 * head)  # head: fwd + input-grad (frozen), recomputed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6, help="timed steps after warm-up (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
+    p.add_argument("--seq", type=int, default=3072, help="sequence length")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=512, help="draft blocks per sequence")
+    p.add_argument("--block", type=int, default=16, help="block size")
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
+    p.add_argument("--device", default=None, help="default cuda:0, or cpu with --tiny")
+    p.add_argument("--tiny", action="store_true", help="tiny target on CPU (smoke test)")
+    args = p.parse_args()
+
+    device = args.device or ("cpu" if args.tiny else "cuda:0")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device; use --tiny for a CPU smoke run", file=sys.stderr)
+        return 2
+    if args.tiny:
+        target = freeze(tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                                     intermediate=128), 1000, device))
+        mask_id, dtype = 999, "fp32"
+        args.seq, args.anchors = min(args.seq, 256), min(args.anchors, 32)
+    else:
+        began = time.perf_counter()
+        target = freeze(random_8b_shape_target(device))
+        sync(device)
+        print(f"built 8B-shaped bf16 target on {device} in {time.perf_counter() - began:.1f}s "
+              f"({count(target) / 1e9:.2f}B params)")
+        mask_id, dtype = QWEN3_8B_MASK_TOKEN_ID, "bf16"
+    layer_ids = default_target_layer_ids(target.config.num_hidden_layers, 5 if not args.tiny else 2)
+    dcfg = DrafterConfig.from_target(target.config, args.drafter_layers, args.block, mask_id, layer_ids)
+    torch.manual_seed(0)
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg).float().train()
+    head = FrozenHead.from_target(target, device)
+    optimizer = build_optimizer(drafter.parameters(), OptimConfig())
+    backend = resolve_backend(args.attention, device, needs_grad=True)
+    print(f"drafter {count(drafter) / 1e6:.1f}M params, {args.drafter_layers} layers, target layers {layer_ids}, "
+          f"attention {backend}, batch {args.batch} x seq {args.seq}, {args.anchors} anchors x {args.block}")
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    ids = torch.randint(0, min(vocab, 150000), (args.batch, args.seq), generator=gen)
+    attn = torch.ones_like(ids)
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[:, : args.seq // 8] = False  # a prompt without loss
+    gamma = default_gamma(args.block)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+    target_times, drafter_times, step_times = [], [], []
+    for step in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        feats = target_context_features(target, ids.to(device), attn.to(device), layer_ids)
+        sync(device)
+        t1 = time.perf_counter()
+        blocks = prepare_blocks(ids, loss_mask, args.anchors, args.block, gamma, mask_id, gen).to(device)
+        with autocast_for(device, dtype):
+            loss_sum, weight_sum, correct_sum = drafter_loss_sums(drafter, head, feats, blocks, backend)
+        (loss_sum / weight_sum).backward()
+        clip_gradients(drafter.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        t2 = time.perf_counter()
+        loss = float(loss_sum.detach() / weight_sum)
+        tag = "warm-up" if step < args.warmup else "timed"
+        print(f"step {step + 1} ({tag}): loss {loss:.3f} target {1e3 * (t1 - t0):.1f} ms, "
+              f"drafter {1e3 * (t2 - t1):.1f} ms")
+        if step >= args.warmup:
+            target_times.append(t1 - t0)
+            drafter_times.append(t2 - t1)
+            step_times.append(t2 - t0)
+
+    med_t, med_d, med_s = (statistics.median(x) for x in (target_times, drafter_times, step_times))
+    target_flops, drafter_flops = flops_estimate(target, drafter, args.batch, args.seq, args.anchors, args.block)
+    achieved = (target_flops + drafter_flops) / med_s / 1e12
+    print("---")
+    print(f"median step {1e3 * med_s:.1f} ms = target forward {1e3 * med_t:.1f} ms ({100 * med_t / med_s:.0f}%) "
+          f"+ drafter step {1e3 * med_d:.1f} ms ({100 * med_d / med_s:.0f}%)  [median of {len(step_times)}]")
+    print(f"tokens/s {args.batch * args.seq / med_s:.0f}; est. TFLOP/step target {target_flops / 1e12:.2f}, "
+          f"drafter {drafter_flops / 1e12:.2f}; achieved {achieved:.1f} TFLOP/s")
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"peak memory {peak:.1f} GiB; MFU {100 * achieved / H200_BF16_DENSE_TFLOPS:.1f}% "
+              f"of {H200_BF16_DENSE_TFLOPS:.0f} TFLOP/s (H200 bf16 dense)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

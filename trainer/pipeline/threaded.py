@@ -10,7 +10,6 @@ import copy
 import queue
 import threading
 import time
-import traceback
 
 import torch
 
@@ -302,39 +301,17 @@ class ThreadedTrainer(Trainer):
             raise PipelineFailed(self.stop.error)
         return self.stop.reason
 
-    def run(self, resume: str | None) -> int:
-        self.control.install_sigterm()
-        self.rd.start_heartbeat(self.cfg.run.heartbeat_s)
-        try:
-            self.setup(resume)
-            self.build_replicas()
-            self.warmup()
-            self.rd.update(state="running", gpus=sorted({d.index or 0 for d in self.busy_devices() if is_cuda(d)}))
-            reason = self.train_steps()
-            if reason:
-                self.rd.event("stop", self.step, reason=reason)
-                self.rd.update(state="stopped")
-                self.rd.log(f"stopped at step {self.step} ({reason})")
-                return 0
-            self.evaluate()
-            self.save(None)
-            self.rd.event("stop", self.step, reason="done")
-            self.rd.update(state="done")
-            self.rd.log(f"done: {self.step} steps")
-            return 0
-        except BaseException as exc:  # noqa: BLE001 - every failure must land in status.json
-            if isinstance(exc, PipelineFailed):
-                e = exc.error
-                error = {"message": e.message, "traceback": e.traceback, "thread": e.thread}
-            else:
-                error = {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                         "thread": threading.current_thread().name}
-            self.rd.event("error", self.step, **error)
-            self.rd.update(state="failed", error=error)
-            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}\n{error['traceback']}")
-            return 1
-        finally:
-            self.rd.close()
+    def setup(self, resume: str | None):
+        rel = super().setup(resume)
+        self.build_replicas()
+        self.rd.update(gpus=sorted({d.index or 0 for d in self.busy_devices() if is_cuda(d)}))
+        return rel
+
+    def error_record(self, exc: BaseException) -> dict:
+        if isinstance(exc, PipelineFailed):
+            e = exc.error
+            return {"message": e.message, "traceback": e.traceback, "thread": e.thread}
+        return super().error_record(exc)
 
     def busy_devices(self):
         return list(dict.fromkeys(self.target_devices + self.drafter_devices))

@@ -36,9 +36,14 @@ def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, atte
     """Like `trainer.target.target_context_features`, but writes the concatenation into `out`.
 
     The pipeline passes attention_mask=None: batches are right-padded and attention is causal,
-    so a real position never sees padding and its features are the same; without a mask the
-    model takes the plain causal path, which has no data-dependent mask checks (host syncs)."""
-    hidden = base_model(target)(
+    so a real position never sees padding and its features are the same. Then the mask is handed
+    over as a prebuilt per-layer-type mapping of None, so SDPA runs with is_causal=True and
+    transformers' mask builder (whose packed-sequence and all-ones checks each cost a host sync)
+    is skipped."""
+    model = base_model(target)
+    if attention_mask is None:
+        attention_mask = {kind: None for kind in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+    hidden = model(
         input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
     ).hidden_states
     return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)

@@ -23,6 +23,13 @@ from trainer.rundir import RunDir, atomic_write
 from trainer.target import target_context_features
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has produced so far in this process (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def autocast_for(device: str, dtype: str):
     kind = torch.device(device).type
     if kind == "cuda" and dtype == "bf16":
@@ -99,6 +106,7 @@ class Trainer:
             loss.backward()
         self.c.drafter.zero_grad(set_to_none=True)
         seconds = time.time() - began
+        self.graphs_after_warmup = compiled_graphs()
         self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
         self.rd.log(f"warm-up on {len(shapes)} shapes {shapes} took {seconds:.1f}s")
 
@@ -203,8 +211,10 @@ class Trainer:
                 break
             m = self.train_step()
             if self.step % self.cfg.run.log_every == 0 or self.step == total:
-                self.rd.event("step", self.step, recompiles=0, **m)
-                self.rd.update(step=self.step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"])
+                recompiles = compiled_graphs() - self.graphs_after_warmup
+                self.rd.event("step", self.step, recompiles=recompiles, **m)
+                self.rd.update(step=self.step, recompiles=recompiles, loss=m["loss"], acc=m["acc"],
+                               tokens_per_s=m["tokens_per_s"])
                 self.rd.log(f"step {self.step}/{total} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                             f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
                 if self.wandb is not None:

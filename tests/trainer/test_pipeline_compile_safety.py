@@ -13,20 +13,6 @@ from trainer.pipeline.compile_safety import (
 
 
 @pytest.fixture
-def trace_log(monkeypatch):
-    """Names of the threads that ran an FX trace (make_fx, AOTAutograd, eager flex with grad)."""
-    log = []
-    original = torch.fx._symbolic_trace.Tracer.trace
-
-    def recording_trace(self, *args, **kwargs):
-        log.append(threading.current_thread().name)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.fx._symbolic_trace.Tracer, "trace", recording_trace)
-    return log
-
-
-@pytest.fixture
 def guard():
     g = CompileGuard()
     yield g
@@ -66,17 +52,17 @@ def _train_step(model):
     return step
 
 
-def test_after_warmup_and_freeze_worker_threads_never_trace(trace_log, guard):
+def test_after_warmup_and_freeze_worker_threads_never_trace(fx_trace_threads, guard):
     shapes = [(2, 16), (5, 16)]
     models = {name: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
               for name in ("cpu:a", "cpu:b")}
     compiled = {name: torch.compile(m, backend="aot_eager", dynamic=False) for name, m in models.items()}
     for name, fn in compiled.items():
         guard.warm_up(name, shapes, _train_step(fn))
-    assert trace_log, "warm-up must have traced (forward and backward) on the main thread"
-    assert set(trace_log) == {threading.current_thread().name}
+    assert fx_trace_threads, "warm-up must have traced (forward and backward) on the main thread"
+    assert set(fx_trace_threads) == {threading.current_thread().name}
     guard.freeze()
-    trace_log.clear()
+    fx_trace_threads.clear()
 
     errors = []
 
@@ -94,17 +80,17 @@ def test_after_warmup_and_freeze_worker_threads_never_trace(trace_log, guard):
     for t in threads:
         t.join()
     assert errors == []
-    assert trace_log == []
+    assert fx_trace_threads == []
     assert guard.recompiles() == 0
 
 
-def test_unwarmed_shape_after_freeze_is_a_named_error_not_a_trace(trace_log, guard):
+def test_unwarmed_shape_after_freeze_is_a_named_error_not_a_trace(fx_trace_threads, guard):
     fn = torch.compile(torch.nn.Linear(8, 3), backend="aot_eager", dynamic=False)
     guard.warm_up("cpu:0", [(4, 8)], _train_step(fn))
     guard.freeze()
-    trace_log.clear()
+    fx_trace_threads.clear()
     with pytest.raises(LateRecompileError, match=r"cpu:0: shape \(7, 8\) was not warmed up"):
         with guard.expect_warmed("cpu:0", (7, 8)):
             _train_step(fn)((7, 8))
-    assert trace_log == []
+    assert fx_trace_threads == []
     assert guard.recompiles() == 1

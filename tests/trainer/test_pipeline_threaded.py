@@ -3,7 +3,6 @@ import json
 import threading
 
 import pytest
-import torch
 
 from trainer.config import parse_config
 from trainer.loop import train
@@ -45,22 +44,9 @@ def status(run_dir):
     return json.loads((run_dir / "status.json").read_text())
 
 
-@pytest.fixture
-def trace_threads(monkeypatch):
-    names = []
-    original = torch.fx._symbolic_trace.Tracer.trace
-
-    def recording(self, *args, **kwargs):
-        names.append(threading.current_thread().name)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.fx._symbolic_trace.Tracer, "trace", recording)
-    return names
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pad", ["never", "always"])
-def test_threaded_pipeline_matches_reference_loop(tmp_path, pad, trace_threads):
+def test_threaded_pipeline_matches_reference_loop(tmp_path, pad, fx_trace_threads):
     assert train(config(kind="reference", targets="cpu", drafters="cpu"), tmp_path / "ref") == 0
     assert train(config(pad=pad), tmp_path / "thr") == 0
     ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
@@ -72,7 +58,7 @@ def test_threaded_pipeline_matches_reference_loop(tmp_path, pad, trace_threads):
         assert set(b["queues"]) >= {"prefetch->target0", "target1->drafter1"}
         assert {g["role"] for g in b["gpus"]} == {"cpu"}
     assert status(tmp_path / "thr")["state"] == "done"
-    assert not [n for n in trace_threads if n.startswith(("target", "drafter", "prefetch"))]
+    assert not [n for n in fx_trace_threads if n.startswith(("target", "drafter", "prefetch"))]
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +105,6 @@ class DrafterWorker:
         self.on_step_end = on_step_end  # (step_done, last MicroBatch) -> None, replica 0 only
         self.stream = stream
         self.key = str(self.device) if replicas == 1 else f"{self.device}#drafter{rank}"
-        self.step_tokens = 0
-        self._tokens_lock = threading.Lock()
 
     def my_indices(self, step: int) -> list[int]:
         base = (step - self.s.first_step) * self.s.micro_batches

@@ -20,6 +20,8 @@ app = typer.Typer(
 
 _AREAS: list[str] = [
     "hosts",
+    "deploy",
+    "play",
 ]
 
 

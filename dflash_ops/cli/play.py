@@ -1,0 +1,65 @@
+"""`dflash-ops play PLAYBOOK TARGET...`: run a YAML playbook on targets, in parallel."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_ops.cli.common import InventoryOption, clean_errors, fail, load
+
+
+def play(
+    playbook: Annotated[Path, typer.Argument(help="Playbook YAML, e.g. playbooks/deploy.yaml.")],
+    targets: Annotated[list[str], typer.Argument(help="Target names from the inventory.")],
+    inventory: InventoryOption = None,
+    var: Annotated[Optional[list[str]], typer.Option("--var", help="Override a playbook variable: k=v (repeatable).")] = None,
+    check_only: Annotated[bool, typer.Option("--check", help="Validate the playbook; run nothing.")] = False,
+) -> None:
+    """Validate the whole playbook, then run its steps in order on every target."""
+    from dflash_ops.connect import open_container
+    from dflash_ops.playbook import load_playbook, run_playbook
+
+    overrides = {}
+    for item in var or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--var {item!r}: expected k=v", 2)
+        overrides[key] = value
+    with clean_errors():
+        book = load_playbook(playbook, overrides)
+    if check_only:
+        typer.echo(f"{playbook}: {len(book.steps)} steps OK")
+        return
+    inv = load(inventory)
+    with clean_errors():
+        for name in targets:
+            inv.target(name)
+    lock = threading.Lock()
+
+    def say_for(name: str):
+        def say(text: str) -> None:
+            with lock:
+                typer.echo(f"{name}: {text}")
+
+        return say
+
+    from dflash_ops.deploy import deploy_many
+
+    results = deploy_many(targets, lambda name: open_container(inv, name),
+                          lambda container, name: run_playbook(book, container, say=say_for(name)))
+    failed = 0
+    for r in results:
+        if r.ok:
+            typer.echo(f"{r.target}: {book.name}: {r.steps_done}/{len(book.steps)} steps OK in {r.seconds:.2f}s")
+        else:
+            failed += 1
+            typer.echo(f"{r.target}: {book.name}: FAILED: {r.error}", err=True)
+    if failed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("play")(play)

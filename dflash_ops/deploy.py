@@ -1,0 +1,200 @@
+"""`deploy`: make a container's code, helpers and venv exact, versioned and fast to refresh.
+
+One deploy of one target is at most:
+  1. `release.py query`   what the container holds (current release manifest, venv, helpers);
+  2. `venv.py ensure`     only when the venv for this lock hash is missing;
+  3. `release.py apply`   one tar stream with only the new/changed files (+ missing helpers),
+                          finalized inside the container: link unchanged files from the
+                          current release, verify all sha256, rename, swap `current`, prune.
+Nothing is sent when the release already exists and `current` points at it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from dflash_ops.errors import DflashOpsError
+from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, stream_size, trainer_dir
+from dflash_ops.venvs import VenvSpec
+
+HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
+DEFAULT_KEEP = 5
+
+ProgressCallback = Callable[[str, int, int], None]  # (phase, bytes_done_increment, total)
+
+
+class DeployError(DflashOpsError):
+    """A deploy step failed inside the container; `current` still serves the old release."""
+
+
+@dataclass
+class DeploySummary:
+    target: str
+    release: str | None = None
+    previous: str | None = None
+    action: str = ""  # "none" (already current), "switch", "build", or "" when failed early
+    files_total: int = 0
+    files_sent: int = 0
+    bytes_sent: int = 0
+    helpers_sent: int = 0
+    venv: str | None = None  # venvs/<lock-hash>
+    venv_action: str | None = None  # "reused", "built", "built-pip"
+    pruned: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    pct_calls: int = 0
+    dry_run: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def helper_files(container) -> list[tuple[str, Path]]:
+    """Every helper as (`helpers/<content-hash>/<file>` relative to base_dir, local path)."""
+    prefix = container.base_dir.rstrip("/") + "/"
+    found = []
+    for path in sorted(HELPERS_DIR.glob("*.py")):
+        if path.name != "__init__.py":
+            found.append((container.helper_path(path.stem).removeprefix(prefix), path))
+    return found
+
+
+def _commands_run(container) -> int:
+    transport = getattr(container, "transport", None)
+    return int(getattr(transport, "commands_run", 0))
+
+
+def _helper_json(container, name: str, args: list[str], *, stdin=None) -> dict:
+    result = container.helper(name, args, stdin=stdin)
+    if not result.ok:
+        tail = " | ".join(result.stderr.strip().splitlines()[-5:])
+        raise DeployError(f"{name}.py {args[0]} failed (exit {result.exit_code}): {tail}")
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise DeployError(f"{name}.py {args[0]}: unexpected output {result.stdout[-200:]!r}") from None
+
+
+def deploy_target(
+    container,
+    *,
+    extra_paths: Iterable[str | Path] = (),
+    venv: VenvSpec | None = VenvSpec(),
+    keep: int = DEFAULT_KEEP,
+    dry_run: bool = False,
+    source: Path | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> DeploySummary:
+    """Deploy the trainer (or `source`, a package dir) plus `extra_paths` into `container`.
+
+    `venv=None` deploys without a venv (runs use the target's python). Raises DeployError or
+    a transport error; the container's `current` release is untouched by any failure.
+    """
+    started = time.monotonic()
+    calls_before = _commands_run(container)
+    base = container.base_dir
+    summary = DeploySummary(target=container.target.name, dry_run=dry_run)
+    venv_rel = venv.rel_path() if venv else None
+    release = collect(extra_paths, source=source, venv=venv_rel)
+    helpers = helper_files(container)
+    summary.release, summary.venv, summary.files_total = release.hash, venv_rel, len(release.files)
+
+    query = ["query", base, "--release", release.hash]
+    query += ["--venv", venv_rel] if venv_rel else []
+    for rel, _path in helpers:
+        query += ["--helper", rel]
+    state = _helper_json(container, "release", query)
+    summary.previous = state["current"]
+
+    present = set(state["helpers_present"])
+    missing_helpers = [(rel, path) for rel, path in helpers if rel not in present]
+    if state["has_release"]:
+        to_send: list[str] = []
+        summary.action = "none" if state["current"] == release.hash else "switch"
+    else:
+        to_send = changed_files(release, state["current_files"])
+        summary.action = "build"
+    summary.files_sent = len(to_send)
+    summary.helpers_sent = len(missing_helpers)
+    summary.venv_action = None if venv is None else ("reused" if state["venv_ready"] else "build")
+
+    if dry_run:
+        summary.bytes_sent = release.size(to_send) + sum(p.stat().st_size for _r, p in missing_helpers)
+        return _finish(summary, container, started, calls_before)
+
+    if venv is not None and not state["venv_ready"]:
+        with venv.tar() as stream:
+            summary.bytes_sent += stream_size(stream)
+            built = _helper_json(container, "venv", venv.helper_args(base), stdin=stream)
+        summary.venv_action = "built-pip" if built.get("pip") else "built"
+
+    if summary.action == "build" or missing_helpers:
+        parent_manifest = state["current_files"] if summary.action == "build" and state["current"] else None
+        with release_tar(release, to_send, missing_helpers, parent_manifest) as tar:
+            total = stream_size(tar)
+            reader = tar if on_progress is None else ProgressReader(tar, lambda n: on_progress("send", n, total))
+            args = ["apply", base, release.hash, "--keep", str(keep)]
+            if state["current"] and summary.action == "build":
+                args += ["--parent", state["current"]]
+            done = _helper_json(container, "release", args, stdin=reader)
+            summary.bytes_sent += total
+        summary.pruned = done.get("pruned", [])
+    elif summary.action == "switch":
+        summary.pruned = _helper_json(container, "release", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
+    return _finish(summary, container, started, calls_before)
+
+
+def _finish(summary: DeploySummary, container, started: float, calls_before: int) -> DeploySummary:
+    summary.seconds = round(time.monotonic() - started, 3)
+    summary.pct_calls = _commands_run(container) - calls_before
+    return summary
+
+
+def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
+                   no_venv: bool = False) -> dict[str, Any]:
+    """deploy_target keyword arguments for an inventory target.
+
+    Reads the target's optional `extra_paths`, `venv` (a mapping, or false for none) and
+    `keep_releases` when the inventory provides them; relative paths resolve against the
+    project root (the directory holding `trainer/`). Explicit arguments add to / override them.
+    """
+    root = trainer_dir().parent
+    paths = [Path(p) if Path(p).is_absolute() else root / p for p in getattr(target, "extra_paths", ()) or ()]
+    venv_config = getattr(target, "venv", None)
+    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config or {}, base=root)
+    keep = keep or getattr(target, "keep_releases", None) or DEFAULT_KEEP
+    return {"extra_paths": [*paths, *extra_paths], "venv": venv, "keep": keep}
+
+
+def deploy_many(
+    names: Sequence[str],
+    open_container: Callable[[str], Any],
+    deploy: Callable[[Any, str], DeploySummary],
+) -> list[DeploySummary]:
+    """Deploy every target in parallel threads; a failing target never stops the others.
+
+    `open_container(name)` gives the target's Container, `deploy(container, name)` runs the
+    deploy; a raised error becomes that target's summary.error.
+    """
+
+    def one(name: str) -> DeploySummary:
+        started = time.monotonic()
+        try:
+            return deploy(open_container(name), name)
+        except Exception as e:  # noqa: BLE001 - reported per target
+            return DeploySummary(target=name, error=f"{type(e).__name__}: {e}",
+                                 seconds=round(time.monotonic() - started, 3))
+
+    if len(names) == 1:
+        return [one(names[0])]
+    with ThreadPoolExecutor(max_workers=min(len(names), 16)) as pool:
+        return list(pool.map(one, names))

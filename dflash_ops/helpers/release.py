@@ -1,0 +1,401 @@
+"""Release store inside a container (stdlib only; runs on the GPU host's python).
+
+Subcommands (each prints one JSON object on stdout):
+
+  query BASE --release HASH [--venv venvs/<lock>] [--helper helpers/<hash>/<file>]...
+      What the container holds: the current release and its manifest, whether HASH is
+      already complete, whether the venv is built, which helper paths exist. Read-only.
+
+  apply BASE HASH [--parent HASH] [--keep N]     (stdin: tar stream)
+      Extract the tar (changed files + .dflash-release.json, optionally .helpers/...) into
+      releases/.tmp-HASH-PID, fill the unchanged files from the parent release (hardlink,
+      else copy), verify every file's sha256 against the manifest, rename into
+      releases/HASH, swap `current` atomically, prune to the newest N releases.
+
+  switch BASE HASH [--keep N]
+      Point `current` at an existing complete release, then prune.
+
+  prune BASE [--keep N]
+
+A failure or a kill at any point leaves `current` and every complete release untouched:
+new trees are built under names starting with ".tmp-" that nothing reads and the next
+apply removes (when the pid in their name is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import time
+
+RELEASE_META = ".dflash-release.json"
+RELEASE_DELTA = ".dflash-delta.json"
+HELPER_STAGE = ".helpers"
+FINAL_STATES = ("stopped", "failed", "done")
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_meta(release_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(release_dir, RELEASE_META)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def current_hash(base: str) -> str | None:
+    try:
+        return os.path.basename(os.readlink(os.path.join(base, "current")))
+    except OSError:
+        return None
+
+
+def is_complete(base: str, release: str) -> bool:
+    meta = read_meta(os.path.join(base, "releases", release))
+    return meta is not None and meta.get("hash") == release
+
+
+def pid_alive(pid: int) -> bool:
+    return pid > 0 and os.path.exists(f"/proc/{pid}")
+
+
+def pid_start(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_is_live(run_dir: str) -> bool:
+    """A run counts as live unless its status.json says final or its process is gone.
+
+    A run with a `release` file but no status.json yet is starting: it counts as live.
+    """
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            status = json.load(f)
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return True
+    if status.get("state") in FINAL_STATES:
+        return False
+    pid = status.get("pid")
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    expected = status.get("pid_start")
+    return expected is None or pid_start(pid) == expected
+
+
+def live_run_releases(base: str) -> set[str]:
+    runs = os.path.join(base, "runs")
+    found = set()
+    try:
+        names = os.listdir(runs)
+    except OSError:
+        return found
+    for name in names:
+        run_dir = os.path.join(runs, name)
+        try:
+            with open(os.path.join(run_dir, "release")) as f:
+                release = f.read().strip()
+        except OSError:
+            continue
+        if release and run_is_live(run_dir):
+            found.add(release)
+    return found
+
+
+def tmp_pid(name: str) -> int | None:
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def clean_stale_tmp(parent: str) -> list[str]:
+    """Remove `.tmp-*` entries whose builder process is gone (never one being built now)."""
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(".tmp-"):
+            continue
+        pid = tmp_pid(name)
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        removed.append(name)
+    return removed
+
+
+def fsync_write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def swap_current(base: str, release: str) -> None:
+    link_tmp = os.path.join(base, f".tmp-current-{os.getpid()}")
+    if os.path.lexists(link_tmp):
+        os.unlink(link_tmp)
+    os.symlink(os.path.join("releases", release), link_tmp)
+    os.replace(link_tmp, os.path.join(base, "current"))
+    fsync_dir(base)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune(base: str, keep: int) -> list[str]:
+    releases_dir = os.path.join(base, "releases")
+    protected = live_run_releases(base)
+    cur = current_hash(base)
+    if cur:
+        protected.add(cur)
+    complete = []
+    for name in os.listdir(releases_dir):
+        if name.startswith("."):
+            continue
+        meta = read_meta(os.path.join(releases_dir, name))
+        created = meta.get("created", 0.0) if meta else 0.0
+        complete.append((created, name))
+    complete.sort(reverse=True)
+    removed = []
+    for created, name in complete[keep:]:
+        if name in protected:
+            continue
+        shutil.rmtree(os.path.join(releases_dir, name), ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def extract(stream, dest: str) -> list[str]:
+    names = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            if not (member.isfile() or member.isdir()):
+                raise SystemExit(f"release tar: refusing non-regular entry {member.name!r}")
+            parts = member.name.split("/")
+            if member.name.startswith("/") or ".." in parts:
+                raise SystemExit(f"release tar: refusing path {member.name!r}")
+            if hasattr(tarfile, "data_filter"):
+                tar.extract(member, dest, filter="data")
+            else:
+                tar.extract(member, dest)
+            if member.isfile():
+                names.append(member.name)
+    return names
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def install_staged_helpers(base: str, stage: str) -> list[str]:
+    """Move `.helpers/<hash>/<file>` from the extracted tree to BASE/helpers, atomically each."""
+    installed = []
+    if not os.path.isdir(stage):
+        return installed
+    helpers = os.path.join(base, "helpers")
+    for digest in os.listdir(stage):
+        final = os.path.join(helpers, digest)
+        if os.path.isdir(final):
+            continue
+        os.makedirs(helpers, exist_ok=True)
+        tmp = os.path.join(helpers, f".tmp-{digest}-{os.getpid()}")
+        shutil.copytree(os.path.join(stage, digest), tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        installed.append(digest)
+    shutil.rmtree(stage)
+    return installed
+
+
+def build_release(base: str, release: str, parent: str | None, stream) -> dict:
+    releases_dir = os.path.join(base, "releases")
+    os.makedirs(releases_dir, exist_ok=True)
+    cleaned = clean_stale_tmp(releases_dir)
+    tmp = os.path.join(releases_dir, f".tmp-{release}-{os.getpid()}")
+    os.mkdir(tmp)
+    sent = extract(stream, tmp)
+    helpers = install_staged_helpers(base, os.path.join(tmp, HELPER_STAGE))
+    if is_complete(base, release):
+        shutil.rmtree(tmp)
+        return {"built": False, "received": len(sent), "linked": 0, "cleaned": cleaned,
+                "helpers_installed": helpers}
+    meta = compose_meta(tmp, releases_dir, parent)
+    if meta is None or meta.get("hash") != release:
+        raise SystemExit(f"release tar: missing or wrong {RELEASE_META} for {release}")
+    files = meta["files"]
+    parent_dir = os.path.join(releases_dir, parent) if parent else None
+    linked = 0
+    for rel in files:
+        dst = os.path.join(tmp, rel)
+        if os.path.exists(dst):
+            continue
+        if parent_dir is None:
+            raise SystemExit(f"release {release}: {rel} was not sent and there is no parent")
+        link_or_copy(os.path.join(parent_dir, rel), dst)
+        linked += 1
+    verify_tree(tmp, files)
+    meta["created"] = time.time()
+    meta["parent"] = parent
+    fsync_write_json(os.path.join(tmp, RELEASE_META), meta)
+    os.rename(tmp, os.path.join(releases_dir, release))
+    fsync_dir(releases_dir)
+    return {"built": True, "received": len(sent), "linked": linked, "cleaned": cleaned,
+            "helpers_installed": helpers}
+
+
+def release_hash(files: dict, venv) -> str:
+    """Must equal dflash_ops.releases.release_hash (same JSON, same digest)."""
+    blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def compose_meta(tmp: str, releases_dir: str, parent: str | None) -> dict | None:
+    """The new release's metadata: sent whole, or as a delta against the parent's manifest.
+
+    A delta (`{"hash", "venv", "changed": {rel: sha}, "removed": [rel]}`) keeps a one-file
+    redeploy of a large tree small; the composed manifest must hash to the promised hash.
+    """
+    delta_path = os.path.join(tmp, RELEASE_DELTA)
+    if not os.path.exists(delta_path):
+        return read_meta(tmp)
+    with open(delta_path) as f:
+        delta = json.load(f)
+    os.unlink(delta_path)
+    parent_meta = read_meta(os.path.join(releases_dir, parent)) if parent else None
+    if parent_meta is None:
+        raise SystemExit(f"release delta needs parent release {parent}, which is missing")
+    files = {rel: digest for rel, digest in parent_meta["files"].items() if rel not in set(delta["removed"])}
+    files.update(delta["changed"])
+    files = dict(sorted(files.items()))
+    if release_hash(files, delta["venv"]) != delta["hash"]:
+        raise SystemExit("release delta does not compose to the promised hash")
+    return {"version": 1, "hash": delta["hash"], "venv": delta["venv"], "files": files}
+
+
+def verify_tree(root: str, files: dict) -> None:
+    present = set()
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            if rel != RELEASE_META:
+                present.add(rel)
+    extra = sorted(present - set(files))
+    missing = sorted(set(files) - present)
+    if extra or missing:
+        raise SystemExit(f"release tree mismatch: missing {missing[:5]} extra {extra[:5]}")
+    bad = [rel for rel, digest in files.items() if sha256_file(os.path.join(root, rel)) != digest]
+    if bad:
+        raise SystemExit(f"release tree: sha256 mismatch for {bad[:5]}")
+
+
+def cmd_query(args) -> dict:
+    base = args.base
+    cur = current_hash(base)
+    meta = read_meta(os.path.join(base, "releases", cur)) if cur else None
+    venv_ready = None
+    if args.venv:
+        venv_ready = os.path.exists(os.path.join(base, args.venv, ".dflash-venv.json"))
+    return {
+        "current": cur if meta else None,
+        "current_files": meta.get("files") if meta else None,
+        "current_venv": meta.get("venv") if meta else None,
+        "has_release": is_complete(base, args.release),
+        "venv_ready": venv_ready,
+        "helpers_present": [p for p in args.helper if os.path.exists(os.path.join(base, p))],
+    }
+
+
+def cmd_apply(args) -> dict:
+    os.makedirs(args.base, exist_ok=True)
+    result = build_release(args.base, args.release, args.parent, sys.stdin.buffer)
+    if not is_complete(args.base, args.release):
+        raise SystemExit(f"release {args.release} is not complete after apply")
+    if args.fail_before_swap:
+        raise SystemExit("injected failure before swapping current")
+    swap_current(args.base, args.release)
+    result["pruned"] = prune(args.base, args.keep)
+    result["current"] = args.release
+    return result
+
+
+def cmd_switch(args) -> dict:
+    if not is_complete(args.base, args.release):
+        raise SystemExit(f"release {args.release} is not a complete release in {args.base}")
+    swap_current(args.base, args.release)
+    return {"current": args.release, "pruned": prune(args.base, args.keep)}
+
+
+def cmd_prune(args) -> dict:
+    return {"pruned": prune(args.base, args.keep)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="release.py")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("query")
+    q.add_argument("base")
+    q.add_argument("--release", required=True)
+    q.add_argument("--venv")
+    q.add_argument("--helper", action="append", default=[])
+    a = sub.add_parser("apply")
+    a.add_argument("base")
+    a.add_argument("release")
+    a.add_argument("--parent")
+    a.add_argument("--keep", type=int, default=5)
+    a.add_argument("--fail-before-swap", action="store_true", help="for tests: die after building")
+    s = sub.add_parser("switch")
+    s.add_argument("base")
+    s.add_argument("release")
+    s.add_argument("--keep", type=int, default=5)
+    p = sub.add_parser("prune")
+    p.add_argument("base")
+    p.add_argument("--keep", type=int, default=5)
+    args = parser.parse_args(argv)
+    handler = {"query": cmd_query, "apply": cmd_apply, "switch": cmd_switch, "prune": cmd_prune}
+    print(json.dumps(handler[args.cmd](args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,235 @@
+"""Build one venv per requirements lock inside a container (stdlib only).
+
+  ensure BASE LOCK_HASH [--system-site-packages] [--uv auto|always|never] [--index|--no-index]
+      stdin: a tar holding `requirements.txt` and, for hosts without internet, `wheels/*`.
+      Reuses BASE/venvs/LOCK_HASH when it is complete. Otherwise builds the venv in
+      BASE/venvs/.tmp-LOCK_HASH-PID, installs the requirements (skipping pip entirely when the
+      system packages already satisfy every one), checks the venv's python can import them,
+      writes .dflash-venv.json and renames it into place. A failed install leaves nothing.
+
+  satisfied REQUIREMENTS_FILE
+      Run by the venv's own python: exit 0 when every requirement is installed (no network).
+
+Why the rename is safe: `python -m venv` makes bin/python a symlink to the base interpreter and
+pyvenv.cfg names that interpreter's directory, so the venv's python works from any path. Only
+the generated bin/ scripts (activate, pip, ...) carry the build path; ops never calls them and
+always runs `<venv>/bin/python -m pip`.
+
+When the container's python is itself a venv, `--system-site-packages` would only expose the
+*base* interpreter's packages, so a .pth file in the new venv adds the parent venv's
+site-packages directories too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+
+VENV_META = ".dflash-venv.json"
+PARENT_PTH = "_dflash_parent_site.pth"
+_REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)$")
+_SPEC = re.compile(r"^\s*(==|>=|<=|!=|~=|>|<)\s*([0-9][0-9A-Za-z.*+!-]*)\s*$")
+
+
+def parse_requirements(text: str) -> list[str]:
+    lines = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            lines.append(line)
+    return lines
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+", 1)[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def _spec_holds(installed: str, op: str, wanted: str) -> bool:
+    if wanted.endswith(".*") and op in ("==", "!="):
+        prefix = _version_tuple(wanted[:-2])
+        same = _version_tuple(installed)[: len(prefix)] == prefix
+        return same if op == "==" else not same
+    have, want = _version_tuple(installed), _version_tuple(wanted)
+    width = max(len(have), len(want))
+    have, want = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
+    if op == "~=":
+        upper = _version_tuple(wanted)[:-1]
+        return have >= want and have[: len(upper)] == upper
+    return {"==": have == want, "!=": have != want, ">=": have >= want, "<=": have <= want,
+            ">": have > want, "<": have < want}[op]
+
+
+def requirement_satisfied(line: str) -> bool:
+    """True when `line` (name[extras] spec,spec) is installed at a matching version.
+
+    Anything this small parser does not understand (markers, URLs, options) counts as not
+    satisfied, so pip decides.
+    """
+    from importlib import metadata
+
+    m = _REQ.match(line)
+    if not m or ";" in line or "@" in line or line.startswith("-"):
+        return False
+    name, _extras, specs = m.groups()
+    try:
+        installed = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    for spec in filter(None, (s.strip() for s in specs.split(","))):
+        sm = _SPEC.match(spec)
+        if not sm or not _spec_holds(installed, sm.group(1), sm.group(2)):
+            return False
+    return True
+
+
+def parent_site_dirs() -> list[str]:
+    """site-packages of the python running this helper when it is itself a venv."""
+    if sys.prefix == sys.base_prefix:
+        return []
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    dirs += [d for d in site.getsitepackages() if d.startswith(sys.prefix)]
+    return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
+
+def find_uv(mode: str) -> str | None:
+    if mode == "never":
+        return None
+    uv = shutil.which("uv", path=os.environ.get("PATH", "") + ":/usr/local/bin:/root/.local/bin")
+    if mode == "always" and uv is None:
+        raise SystemExit("venv: uv: always, but no uv found in the container")
+    return uv
+
+
+def run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, stdout=sys.stderr, stderr=sys.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"venv: command failed with exit {proc.returncode}: {argv}")
+
+
+def venv_site_packages(venv_python: str) -> str:
+    out = subprocess.run([venv_python, os.path.abspath(__file__), "purelib"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def check_satisfied(venv_python: str, requirements: str) -> bool:
+    return subprocess.run([venv_python, os.path.abspath(__file__), "satisfied", requirements],
+                          stdout=subprocess.DEVNULL).returncode == 0
+
+
+def build(base: str, lock: str, args, stream) -> dict:
+    venvs = os.path.join(base, "venvs")
+    os.makedirs(venvs, exist_ok=True)
+    final = os.path.join(venvs, lock)
+    if os.path.exists(os.path.join(final, VENV_META)):
+        return {"venv": f"venvs/{lock}", "built": False, "pip": False}
+    clean_stale(venvs)
+    started = time.time()
+    tmp = os.path.join(venvs, f".tmp-{lock}-{os.getpid()}")
+    stage = os.path.join(venvs, f".tmp-input-{lock}-{os.getpid()}")
+    try:
+        os.makedirs(stage)
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for member in tar:
+                if not member.isfile() or member.name.startswith("/") or ".." in member.name.split("/"):
+                    raise SystemExit(f"venv tar: refusing entry {member.name!r}")
+                tar.extract(member, stage)
+        requirements = os.path.join(stage, "requirements.txt")
+        uv = find_uv(args.uv)
+        if uv:
+            cmd = [uv, "venv", "--python", sys.executable, tmp]
+            run(cmd + ["--system-site-packages"] if args.system_site_packages else cmd)
+        else:
+            cmd = [sys.executable, "-m", "venv", "--without-pip", tmp]
+            run(cmd + ["--system-site-packages"] if args.system_site_packages else cmd)
+        venv_python = os.path.join(tmp, "bin", "python")
+        if args.system_site_packages:
+            parents = parent_site_dirs()
+            if parents:
+                with open(os.path.join(venv_site_packages(venv_python), PARENT_PTH), "w") as f:
+                    f.write("".join(d + "\n" for d in parents))
+        used_pip = not check_satisfied(venv_python, requirements)
+        if used_pip:
+            install = ["-r", requirements]
+            wheels = os.path.join(stage, "wheels")
+            if os.path.isdir(wheels):
+                install = ["--no-index", "--find-links", wheels] + install
+            elif not args.index:
+                install = ["--no-index"] + install
+            if uv:
+                run([uv, "pip", "install", "--python", venv_python] + install)
+            else:
+                run([venv_python, "-m", "ensurepip", "--default-pip"])
+                run([venv_python, "-m", "pip", "install", "--disable-pip-version-check", "-q"] + install)
+            if not check_satisfied(venv_python, requirements):
+                raise SystemExit("venv: requirements still unsatisfied after install")
+        with open(requirements) as f:
+            meta = {"version": 1, "lock": lock, "created": time.time(), "pip": used_pip,
+                    "uv": bool(uv), "requirements": parse_requirements(f.read())}
+        with open(os.path.join(tmp, VENV_META), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if not check_satisfied(os.path.join(final, "bin", "python"), "-"):
+        shutil.rmtree(final, ignore_errors=True)
+        raise SystemExit("venv: python does not start after the rename")
+    return {"venv": f"venvs/{lock}", "built": True, "pip": used_pip,
+            "seconds": round(time.time() - started, 3)}
+
+
+def clean_stale(parent: str) -> None:
+    for name in os.listdir(parent):
+        if not name.startswith(".tmp-"):
+            continue
+        pid = name.rsplit("-", 1)[-1]
+        if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+            continue
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="venv.py")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("ensure")
+    e.add_argument("base")
+    e.add_argument("lock")
+    e.add_argument("--system-site-packages", action="store_true")
+    e.add_argument("--uv", choices=["auto", "always", "never"], default="auto")
+    e.add_argument("--no-index", dest="index", action="store_false")
+    s = sub.add_parser("satisfied")
+    s.add_argument("requirements", help="a requirements file, or '-' to only check python starts")
+    sub.add_parser("purelib", help="print this python's site-packages directory")
+    args = parser.parse_args(argv)
+    if args.cmd == "purelib":
+        print(sysconfig.get_paths()["purelib"])
+        return 0
+    if args.cmd == "satisfied":
+        if args.requirements == "-":
+            return 0
+        with open(args.requirements) as f:
+            return 0 if all(requirement_satisfied(r) for r in parse_requirements(f.read())) else 1
+    print(json.dumps(build(args.base, args.lock, args, sys.stdin.buffer)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,184 @@
+"""Local side of a code release: which files, their sha256 manifest, the release hash, the tar.
+
+A release is the trainer package tree (`trainer/...`) plus any extra paths, keyed by their
+path relative to the project root. Its hash covers the manifest and the venv it runs with, so
+the same hash always means the same code and the same environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
+
+RELEASE_META = ".dflash-release.json"
+RELEASE_DELTA = ".dflash-delta.json"
+HELPER_STAGE = ".helpers"
+_SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+SPOOL_BYTES = 64 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def trainer_dir() -> Path:
+    """The `trainer` package directory, wherever it is imported from."""
+    import trainer
+
+    locations = list(getattr(trainer, "__path__", []))
+    if not locations:
+        raise RuntimeError("cannot locate the trainer package")
+    return Path(locations[0]).resolve()
+
+
+@dataclass
+class LocalRelease:
+    """What one deploy would put into `releases/<hash>/`."""
+
+    root: Path
+    files: dict[str, Path]
+    manifest: dict[str, str]
+    venv: str | None
+    hash: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hash = release_hash(self.manifest, self.venv)
+
+    def size(self, rels: Iterable[str]) -> int:
+        return sum(self.files[r].stat().st_size for r in rels)
+
+    def meta(self) -> dict:
+        return {"version": 1, "hash": self.hash, "created": None, "parent": None,
+                "venv": self.venv, "files": self.manifest}
+
+
+def release_hash(manifest: dict[str, str], venv: str | None) -> str:
+    blob = json.dumps({"files": manifest, "venv": venv}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _walk(path: Path) -> Iterable[Path]:
+    if path.is_file():
+        yield path
+        return
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(_SKIP_SUFFIXES):
+                yield Path(dirpath) / name
+
+
+def collect(extra_paths: Iterable[str | Path] = (), *, source: Path | None = None,
+            venv: str | None = None) -> LocalRelease:
+    """Hash the trainer tree (or `source`, a package directory) plus `extra_paths`.
+
+    Paths are keyed relative to the package's parent directory (the project root); an extra
+    path outside it is keyed by its own name.
+    """
+    package = (source or trainer_dir()).resolve()
+    root = package.parent
+    files: dict[str, Path] = {}
+    for top in [package, *(Path(p).resolve() for p in extra_paths)]:
+        if not top.exists():
+            raise FileNotFoundError(f"release path does not exist: {top}")
+        anchor = root if top.is_relative_to(root) else top.parent
+        for path in _walk(top):
+            files[path.relative_to(anchor).as_posix()] = path
+    manifest = {rel: sha256_file(path) for rel, path in sorted(files.items())}
+    return LocalRelease(root=root, files=dict(sorted(files.items())), manifest=manifest, venv=venv)
+
+
+def changed_files(release: LocalRelease, remote_manifest: dict[str, str] | None) -> list[str]:
+    """Relpaths whose content the container's current release does not already hold."""
+    remote = remote_manifest or {}
+    return [rel for rel, digest in release.manifest.items() if remote.get(rel) != digest]
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _add_file(tar: tarfile.TarFile, name: str, path: Path) -> None:
+    st = path.stat()
+    info = tarfile.TarInfo(name)
+    info.size = st.st_size
+    info.mode = 0o755 if st.st_mode & 0o111 else 0o644
+    info.mtime = int(st.st_mtime)
+    with open(path, "rb") as f:
+        tar.addfile(info, f)
+
+
+def build_tar(entries: Iterable[tuple[str, Path]], extra: Iterable[tuple[str, bytes]] = ()) -> BinaryIO:
+    """One uncompressed tar (in memory, spilling to disk past 64 MiB), rewound for reading."""
+    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in extra:
+            _add_bytes(tar, name, data)
+        for name, path in entries:
+            _add_file(tar, name, path)
+    spool.seek(0)
+    return spool
+
+
+def release_tar(release: LocalRelease, rels: Iterable[str], helpers: Iterable[tuple[str, Path]] = (),
+                parent_manifest: dict[str, str] | None = None) -> BinaryIO:
+    """The apply stream: the given files, helpers staged under `.helpers/`, and the manifest:
+    whole, or as a delta against `parent_manifest` (the release the container builds on)."""
+    rels = list(rels)
+    if parent_manifest is None:
+        meta = (RELEASE_META, json.dumps(release.meta(), sort_keys=True).encode())
+    else:
+        delta = {"hash": release.hash, "venv": release.venv,
+                 "changed": {rel: release.manifest[rel] for rel in rels},
+                 "removed": sorted(set(parent_manifest) - set(release.manifest))}
+        meta = (RELEASE_DELTA, json.dumps(delta, sort_keys=True).encode())
+    entries = [(rel, release.files[rel]) for rel in rels]
+    entries += [(f"{HELPER_STAGE}/{rel.split('/', 1)[1]}", path) for rel, path in helpers]
+    return build_tar(entries, extra=[meta])
+
+
+def stream_size(stream: BinaryIO) -> int:
+    pos = stream.tell()
+    stream.seek(0, os.SEEK_END)
+    size = stream.tell()
+    stream.seek(pos)
+    return size
+
+
+class ProgressReader(io.RawIOBase):
+    """A readable wrapper that reports every chunk handed to the transport."""
+
+    def __init__(self, inner: BinaryIO, on_bytes: Callable[[int], None]):
+        self._inner = inner
+        self._on_bytes = on_bytes
+        self.sent = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._inner.read(size)
+        self.sent += len(data)
+        if data:
+            self._on_bytes(len(data))
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)

@@ -1,0 +1,58 @@
+"""`dflash-ops deploy` and `dflash-ops play` on the simulated node, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
+from dflash_ops.container import Container
+from dflash_ops.inventory import load_inventory
+from dflash_ops.playbook import load_playbook, run_playbook
+from dflash_ops.transport.local import LocalTransport
+from tests.conftest import write_sim_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_multi_target_one_failing_exits_nonzero_while_the_other_completes(tmp_path):
+    inventory = write_sim_inventory(tmp_path, ctids=(200, 201))
+    lxc = tmp_path / "sim" / "lxc"
+    lxc.mkdir(parents=True)
+    (lxc / "201.conf").write_text("status: stopped\n")
+    result = CliRunner().invoke(app, ["deploy", "host200", "host201", "--json", "--inventory", str(inventory)])
+    assert result.exit_code == 1, result.output
+    ok, failed = json.loads(result.stdout)
+    assert ok["target"] == "host200" and ok["error"] is None and ok["action"] == "build"
+    assert failed["target"] == "host201" and "not running" in failed["error"]
+    base = tmp_path / "ct200" / "opt" / "dflash"
+    assert os.readlink(base / "current") == f"releases/{ok['release']}"
+
+    again = CliRunner().invoke(app, ["deploy", "host200", "--inventory", str(inventory)])
+    assert again.exit_code == 0 and "nothing to send" in again.stdout
+
+
+def test_deploy_playbook_runs_and_exposes_the_release_python(tmp_path):
+    inventory = load_inventory(write_sim_inventory(tmp_path))
+    container = Container(inventory.target("host200"), LocalTransport())
+    said = []
+    result = run_playbook(load_playbook(REPO / "playbooks" / "deploy.yaml"), container, say=said.append)
+    assert result.ok, result.error
+    assert result.steps_done == 3
+    venv = result.results[0]["venv"]
+    assert result.variables["release_python"] == f"{container.base_dir}/{venv}/bin/python"
+    assert any(line.startswith("Python 3") for line in said)
+    assert "requirements.txt" in said
+
+
+def test_failing_step_stops_the_play_and_names_its_file_and_line(tmp_path):
+    inventory = write_sim_inventory(tmp_path)
+    book = tmp_path / "book.yaml"
+    book.write_text("steps:\n  - echo: one\n  - name: fails\n    exec: [sh, -c, 'exit 3']\n  - echo: never\n")
+    result = CliRunner().invoke(app, ["play", str(book), "host200", "--inventory", str(inventory)])
+    assert result.exit_code == 1
+    assert f"{book}:3: step 2 (fails) failed:" in result.stderr and "status 3" in result.stderr
+    assert "host200: one" in result.stdout and "never" not in result.stdout

@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from trainer.config import TinyTargetConfig
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.target import FrozenHead, default_target_layer_ids, freeze, tiny_target
+
+VOCAB = 97
+MASK_ID = 96
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """A tiny random Qwen3 target, its frozen head and a 2-layer drafter (block size 8)."""
+    torch.manual_seed(0)
+    target = freeze(tiny_target(TinyTargetConfig(layers=4, hidden=32, heads=4, kv_heads=2, head_dim=8,
+                                                 intermediate=64), VOCAB))
+    layer_ids = default_target_layer_ids(4, 2)
+    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                    target_layer_ids=layer_ids)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg)
+    return target, FrozenHead.from_target(target, "cpu"), drafter, layer_ids

@@ -1,0 +1,143 @@
+"""The reference loop against the run-directory contract: resume, control, SIGTERM, crash-safe saves."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer
+from trainer import checkpoint as ckpt
+from trainer.config import parse_config
+from trainer.loop import train
+
+CONFIG = """
+model:
+  target:
+    tiny: {{layers: 2, hidden: 32, heads: 4, kv_heads: 2, head_dim: 8, intermediate: 64, fit_steps: {fit}}}
+  drafter_layers: 1
+  block_size: 4
+  num_target_layers: 2
+  dtype: fp32
+data:
+  synthetic: {{n_train: 64, n_eval: 2, min_len: 6, max_len: 20}}
+  max_length: 64
+  num_anchors: 8
+  token_budget: 256
+  bucket_edges: [32, 64]
+  pad_multiple: 16
+optim:
+  total_steps: {steps}
+  micro_batches: 2
+run:
+  log_every: 1
+  checkpoint_every: {every}
+  keep_checkpoints: {keep}
+  threads: 1
+eval:
+  samples: 2
+  max_new_tokens: 8
+"""
+
+
+def config(steps=6, every=3, keep=5, fit=3):
+    return parse_config(CONFIG.format(steps=steps, every=every, keep=keep, fit=fit))
+
+
+def events(run_dir, kind):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def status(run_dir):
+    return json.loads((Path(run_dir) / "status.json").read_text())
+
+
+def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path):
+    run = tmp_path / "run"
+    assert train(config(), run) == 0
+    straight = {e["step"]: e["loss"] for e in events(run, "step")}
+    assert status(run)["state"] == "done" and status(run)["last_checkpoint"] == "checkpoints/step_6"
+    assert [e["step"] for e in events(run, "checkpoint")] == [3, 6]
+    assert events(run, "stop")[-1]["reason"] == "done"
+    assert train(config(), run, resume="3") == 0
+    resumed = {e["step"]: e["loss"] for e in events(run, "step")[len(straight):]}
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == straight[s] for s in resumed)
+    assert events(run, "start")[-1]["resumed_from"] == "checkpoints/step_3"
+    manifest = ckpt.verify(run / "checkpoints" / "step_6")
+    assert manifest["step"] == 6 and "drafter.safetensors" in manifest["files"]
+
+
+def test_control_checkpoint_and_stop_are_honoured(tmp_path):
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    for kind, rid in (("checkpoint", "c-1"), ("stop", "s-1")):
+        (run / "control" / f".{kind}.{rid}.tmp").write_text(json.dumps({"id": rid, "time": time.time()}))
+        os.rename(run / "control" / f".{kind}.{rid}.tmp", run / "control" / kind)
+    assert train(config(steps=50, every=0, fit=0), run) == 0
+    assert status(run)["state"] == "stopped"
+    assert [e["request"] for e in events(run, "checkpoint")] == ["c-1", "s-1"]
+    assert events(run, "stop")[-1]["reason"] == "control"
+    assert not (run / "control" / "stop").exists() and not (run / "control" / "checkpoint").exists()
+    assert train(config(steps=2, every=0, fit=0), run, resume="latest") == 0  # the stop was consumed
+    assert status(run)["state"] == "done"
+
+
+def test_keeps_only_the_last_k_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    assert train(config(steps=4, every=1, keep=2, fit=0), run) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_4"]
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    manager = ckpt.CheckpointManager(tmp_path, keep=3)
+    manager.save(1, model, {"x": 1}, opt, sched, {"data": {}})
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    real_write = ckpt._write_bytes
+
+    def dies_after_config(path, data):
+        if path.name == ckpt.OPTIM_FILE:
+            raise KeyboardInterrupt("killed while saving")
+        real_write(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_bytes", dies_after_config)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(2, model, {"x": 1}, opt, sched, {"data": {}})
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert any(n.startswith(".tmp-step_2-") for n in leftovers) and "step_2" not in leftovers
+    latest = manager.resolve("latest")
+    assert latest.name == "step_1"
+    assert torch.equal(ckpt.load(latest)["model"]["weight"], before)
+
+
+def test_sigterm_checkpoints_and_stops(tmp_path):
+    run = tmp_path / "run"
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(CONFIG.format(steps=100000, every=0, keep=2, fit=0))
+    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg_path), "--run-dir", str(run)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            while proc.poll() is None and not ((run / "status.json").exists() and status(run)["step"] >= 2):
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    st = status(run)
+    assert st["state"] == "stopped" and st["last_checkpoint"] == f"checkpoints/step_{st['step']}"
+    assert events(run, "stop")[-1]["reason"] == "signal"
+    assert "step 1/100000" in (run / "train.log").read_text()

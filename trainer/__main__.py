@@ -1,0 +1,65 @@
+"""python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP]
+python -m trainer synth --out FILE --n N [--seed S]
+python -m trainer export --checkpoint DIR --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Train a DFlash drafter.")
+    p.add_argument("--config", required=True, help="trainer YAML config")
+    p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
+    p.add_argument("--resume", default=None, help="'latest' or a checkpoint step number")
+    args = p.parse_args(argv)
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    from trainer.loop import train
+
+    return train(cfg, args.run_dir, args.resume)
+
+
+def _synth(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer synth", description="Write synthetic conversations (JSONL).")
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-len", type=int, default=12)
+    p.add_argument("--max-len", type=int, default=40)
+    args = p.parse_args(argv)
+    from trainer.synth import synthetic_conversations, write_jsonl
+
+    path = write_jsonl(synthetic_conversations(args.n, args.seed, args.min_len, args.max_len), args.out)
+    print(f"wrote {args.n} conversations to {path}")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer export", description="Export a checkpoint as a DFlash draft.")
+    p.add_argument("--checkpoint", required=True, help="checkpoints/step_N directory")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    args = p.parse_args(argv)
+    from trainer.export import export_checkpoint
+
+    print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"synth": _synth, "export": _export}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return _train(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

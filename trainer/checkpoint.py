@@ -1,0 +1,165 @@
+"""Complete, crash-safe checkpoints: checkpoints/.tmp-step_N-<pid>/ -> fsync -> checkpoints/step_N/.
+
+A checkpoint holds the drafter (fp32 master weights, safetensors), the optimizer moments and
+scheduler (torch.save), the trainer state (step, data position, RNG states) and
+manifest.json {"step", "files": {name: {"size", "sha256"}}} written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MODEL_FILE = "drafter.safetensors"
+DRAFTER_CONFIG_FILE = "drafter_config.json"
+OPTIM_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep: int):
+        self.dir = Path(run_dir) / "checkpoints"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints (names starting with '.' are in progress: ignored)."""
+        found = []
+        for p in self.dir.iterdir():
+            if p.name.startswith("step_") and (p / MANIFEST).exists():
+                try:
+                    found.append(int(p.name[len("step_"):]))
+                except ValueError:
+                    continue
+        return sorted(found)
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step_{step}"
+
+    def save(self, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer, scheduler,
+             trainer_state: dict) -> tuple[Path, float]:
+        """Write step_N completely, then prune old ones. Returns (path, seconds)."""
+        began = time.time()
+        final = self.path(step)
+        tmp = self.dir / f".tmp-step_{step}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
+        save_file(weights, str(tmp / MODEL_FILE))
+        with open(tmp / MODEL_FILE, "rb+") as f:
+            os.fsync(f.fileno())
+        _write_bytes(tmp / DRAFTER_CONFIG_FILE, json.dumps(drafter_config, indent=1).encode())
+        _write_bytes(tmp / OPTIM_FILE, _torch_bytes({"optimizer": optimizer.state_dict(),
+                                                    "scheduler": scheduler.state_dict()}))
+        _write_bytes(tmp / STATE_FILE, _torch_bytes({**trainer_state, "step": step}))
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        _write_bytes(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():
+            self._discard(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        self.prune()
+        return final, time.time() - began
+
+    def _discard(self, path: Path) -> None:
+        trash = self.dir / f".trash-{path.name}-{os.getpid()}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def prune(self) -> None:
+        for step in self.steps()[: -self.keep]:
+            self._discard(self.path(step))
+
+    def resolve(self, which: str) -> Path:
+        """'latest' or a step number -> a complete checkpoint directory."""
+        steps = self.steps()
+        if which == "latest":
+            if not steps:
+                raise CheckpointError(f"no complete checkpoint in {self.dir}")
+            return self.path(steps[-1])
+        try:
+            step = int(which)
+        except ValueError:
+            raise CheckpointError(f"--resume takes 'latest' or a step number, got {which!r}") from None
+        if step not in steps:
+            raise CheckpointError(f"no complete checkpoint step_{step} in {self.dir} (have: {steps})")
+        return self.path(step)
+
+
+def verify(path: Path) -> dict:
+    """Check every file against manifest.json; returns the manifest."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.exists() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{f}: does not match manifest.json")
+    return manifest
+
+
+def load(path: str | Path, map_location="cpu") -> dict:
+    """Everything in a checkpoint: model weights, drafter config, optimizer+scheduler, trainer state."""
+    path = Path(path)
+    verify(path)
+    return {
+        "model": load_file(str(path / MODEL_FILE), device=str(map_location)),
+        "drafter_config": json.loads((path / DRAFTER_CONFIG_FILE).read_text()),
+        "optim": torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=False),
+        "state": torch.load(path / STATE_FILE, map_location="cpu", weights_only=False),
+    }

@@ -1,0 +1,130 @@
+"""Build everything a run needs from its config: tokenizer, data, target, drafter, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.config import TrainerConfig, default_gamma
+from trainer.data import PreloadedDataset, build_dataset, read_conversations
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.synth import synthetic_conversations, synthetic_words, write_jsonl
+from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
+                            freeze, load_target, num_layers, random_8b_shape_target, tiny_target)
+from trainer.tokenizer import synthetic_tokenizer
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Components:
+    tokenizer: object
+    target: torch.nn.Module
+    head: FrozenHead
+    drafter: DFlashDrafter
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_data: PreloadedDataset
+    eval_conversations: list[dict]
+    eval_data: PreloadedDataset
+    gamma: float
+    target_device: str
+    drafter_device: str
+
+
+def build_tokenizer(cfg: TrainerConfig):
+    if cfg.model.target.path is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.target.path, local_files_only=True)
+    return synthetic_tokenizer(synthetic_words())
+
+
+def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Training and held-out conversations; synthetic ones are (re)generated into run_dir/data/."""
+    s = cfg.data.synthetic
+    if s is not None:
+        train = synthetic_conversations(s.n_train, s.seed, s.min_len, s.max_len)
+        held_out = synthetic_conversations(s.n_eval, s.seed + 1, s.min_len, s.max_len)
+        write_jsonl(train, run_dir / "data" / "train.jsonl")
+        write_jsonl(held_out, run_dir / "data" / "eval.jsonl")
+        return train, held_out
+    train = read_conversations(cfg.data.train_path)
+    return train, read_conversations(cfg.data.eval_path) if cfg.data.eval_path else []
+
+
+def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, run_dir: Path, log) -> torch.nn.Module:
+    """The frozen target. A tiny target with fit_steps > 0 is fitted once and kept in run_dir/target/."""
+    t, device = cfg.model.target, cfg.devices.target[0]
+    dtype = TORCH_DTYPES[cfg.model.dtype]
+    if t.path is not None:
+        return freeze(load_target(t.path, device, dtype))
+    if t.random_8b_shape:
+        return freeze(random_8b_shape_target(device, dtype))
+    model = tiny_target(t.tiny, len(tokenizer), device)
+    if t.tiny.fit_steps > 0:
+        saved = run_dir / "target" / "model.safetensors"
+        if saved.exists():
+            model.load_state_dict(load_file(str(saved), device=device))
+        else:
+            batches = []
+            for _ in range(min(t.tiny.fit_steps, 64)):
+                b = train_data.next_batch()
+                batches.append((b.input_ids.to(device), b.attention_mask.to(device)))
+            train_data.load_state_dict({**train_data.state_dict(), "epoch": 0, "cursor": 0})
+            fit_tiny_target(model, batches, t.tiny.fit_steps, t.tiny.fit_lr, log)
+            saved.parent.mkdir(exist_ok=True)
+            tmp = saved.with_name(".model.safetensors.tmp")
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+            tmp.rename(saved)
+    return freeze(model.to(dtype).eval())
+
+
+def resolve_mask_token_id(cfg: TrainerConfig, tokenizer) -> int:
+    if cfg.model.mask_token_id is not None:
+        return cfg.model.mask_token_id
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    if cfg.model.target.random_8b_shape:
+        return QWEN3_8B_MASK_TOKEN_ID
+    raise ValueError("model.mask_token_id: the tokenizer has no mask token; set one in the config")
+
+
+def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
+    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(num_layers(target), cfg.model.num_target_layers)
+    for i in layer_ids:
+        if not 0 <= i < num_layers(target):
+            raise ValueError(f"model.target_layer_ids: {i} is not a layer of the {num_layers(target)}-layer target")
+    dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
+                                     mask_token_id, layer_ids)
+    torch.manual_seed(cfg.run.seed)
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg)
+    return drafter.float().train()
+
+
+def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
+    tokenizer = build_tokenizer(cfg)
+    train_conv, eval_conv = load_conversations(cfg, run_dir)
+
+    def dataset(conversations, seed):
+        return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
+                             cfg.data.token_budget, seed, cfg.data.pad_multiple)
+
+    train_data = dataset(train_conv, cfg.data.seed)
+    eval_data = dataset(eval_conv or train_conv[:8], cfg.data.seed + 1)
+    target = build_target(cfg, tokenizer, train_data, run_dir, log)
+    drafter_device = cfg.devices.drafter[0]
+    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer), drafter_device)
+    optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    return Components(
+        tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,
+        optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.optim), train_data=train_data,
+        eval_conversations=eval_conv, eval_data=eval_data,
+        gamma=cfg.model.gamma or default_gamma(cfg.model.block_size),
+        target_device=cfg.devices.target[0], drafter_device=drafter_device,
+    )

@@ -1,0 +1,332 @@
+"""Trainer configuration: dataclasses loaded from YAML, validated with file:line errors.
+
+Every field is documented in its dataclass. Unknown keys are rejected with a near-miss
+suggestion; wrong types and out-of-range values name the YAML file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the YAML location when one is known."""
+
+
+@dataclass
+class TinyTargetConfig:
+    """A small random-weight Qwen3 target built in code (tests, CPU demo)."""
+
+    layers: int = 4  # decoder layers of the target
+    hidden: int = 64  # hidden size
+    heads: int = 4  # attention heads
+    kv_heads: int = 2  # key/value heads
+    head_dim: int = 16  # per-head width
+    intermediate: int = 128  # MLP width
+    seed: int = 0  # weight-initialisation seed
+    fit_steps: int = 0  # LM steps on the training data before drafting, so greedy outputs are learnable
+    fit_lr: float = 3e-3  # learning rate of that fit
+
+
+@dataclass
+class TargetConfig:
+    """Where the frozen target comes from: exactly one of `path`, `tiny`, `random_8b_shape`."""
+
+    path: str | None = None  # local Hugging Face model directory (nothing is downloaded)
+    tiny: TinyTargetConfig | None = None  # build a tiny random Qwen3 in code
+    random_8b_shape: bool = False  # build a Qwen3-8B-shaped random bf16 target on the device
+
+
+@dataclass
+class ModelConfig:
+    """The target and the DFlash drafter."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter_layers: int = 5  # decoder layers of the drafter (5 for a Qwen3-8B target)
+    block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
+    num_target_layers: int = 5  # how many target layers feed the context features
+    target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else 151669 for 8B shape
+    attention: str = "auto"  # auto | flex | sdpa (auto: flex on cuda, sdpa dense mask on cpu)
+    dtype: str = "bf16"  # bf16 | fp32: target dtype and drafter autocast dtype
+    gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
+    loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Generate synthetic conversations into the run directory (no data files needed)."""
+
+    n_train: int = 2000  # training conversations
+    n_eval: int = 32  # held-out conversations
+    seed: int = 0  # generator seed
+    min_len: int = 12  # shortest assistant answer (tokens)
+    max_len: int = 40  # longest assistant answer (tokens)
+
+
+@dataclass
+class DataConfig:
+    """Conversations and batching."""
+
+    train_path: str | None = None  # JSONL of {"messages": [{role, content}, ...]}
+    eval_path: str | None = None  # held-out JSONL in the same format
+    synthetic: SyntheticDataConfig | None = None  # generate data instead of reading files
+    max_length: int = 3072  # longer conversations are truncated
+    num_anchors: int = 512  # draft blocks sampled per sequence
+    token_budget: int = 3072  # padded tokens per micro-batch
+    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3072])  # length bucket upper bounds
+    pad_multiple: int = 64  # batches are padded to a multiple of this length (fewer distinct shapes)
+    seed: int = 0  # data order and anchor sampling seed
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with cosine decay after a linear warm-up."""
+
+    lr: float = 6e-4  # peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_ratio: float = 0.04  # share of total_steps spent warming up
+    min_lr_ratio: float = 0.0  # final lr as a share of lr
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    total_steps: int = 1000  # optimizer steps in the whole run
+    micro_batches: int = 1  # micro-batches per optimizer step (loss normalised over all of them)
+
+
+@dataclass
+class DevicesConfig:
+    """Device strings ("cpu", "cuda:0", ...). Part 1's loop uses the first of each."""
+
+    target: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding target replicas
+    drafter: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding drafter replicas
+
+
+@dataclass
+class WandbConfig:
+    """Optional Weights & Biases logging (only if the package is installed)."""
+
+    project: str = "dflash"  # wandb project name
+    name: str | None = None  # run name; default the run directory's name
+
+
+@dataclass
+class RunConfig:
+    """Logging, checkpointing and the process."""
+
+    log_every: int = 1  # steps between `step` metrics lines
+    checkpoint_every: int = 0  # steps between periodic checkpoints (0 = only on stop/done)
+    keep_checkpoints: int = 3  # most recent checkpoints kept on disk
+    heartbeat_s: float = 5.0  # seconds between status.json heartbeats (contract: <= 10)
+    warmup_shapes: int = 4  # largest batch shapes (one per bucket) run once before training
+    threads: int | None = None  # torch CPU threads; default torch's choice
+    seed: int = 0  # model initialisation seed
+    wandb: WandbConfig | None = None  # also log to wandb when set and installed
+
+
+@dataclass
+class EvalConfig:
+    """Speculative-decoding evaluation on held-out conversations."""
+
+    every: int = 0  # steps between evaluations (0 = only at the end)
+    samples: int = 16  # held-out conversations decoded
+    max_new_tokens: int = 64  # tokens generated per conversation
+
+
+@dataclass
+class TrainerConfig:
+    """The whole trainer configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+class _Located(dict):
+    """A mapping that remembers the YAML line of each key."""
+
+    def __init__(self, items, lines):
+        super().__init__(items)
+        self.lines = lines
+
+
+def _plain(node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        items, lines = {}, {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in items:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}")
+            items[key] = _plain(value_node)
+            lines[key] = key_node.start_mark.line + 1
+        return _Located(items, lines)
+    if isinstance(node, yaml.SequenceNode):
+        return [_plain(n) for n in node.value]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def _where(source: str, mapping: Any, key: str) -> str:
+    line = getattr(mapping, "lines", {}).get(key)
+    return f"{source}:{line}" if line else source
+
+
+def _allowed(tp: Any) -> tuple[Any, ...]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _convert(value: Any, tp: Any, name: str, where: str) -> Any:
+    options = _allowed(tp)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where}: {name} must not be empty")
+    for option in options:
+        if option is type(None):
+            continue
+        if dataclasses.is_dataclass(option):
+            if isinstance(value, dict):
+                return _build(option, value, name, where_source=where.rsplit(":", 1)[0])
+            continue
+        origin = typing.get_origin(option)
+        if origin is list:
+            if isinstance(value, list):
+                (item_tp,) = typing.get_args(option)
+                return [_convert(v, item_tp, f"{name}[{i}]", where) for i, v in enumerate(value)]
+            continue
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option in (str, bool) and isinstance(value, option):
+            return value
+    wanted = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"{where}: {name} must be {wanted}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, raw: dict, prefix: str, where_source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        where = _where(where_source, raw, key)
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f" (known: {', '.join(names)})"
+            raise ConfigError(f"{where}: unknown key {full!r}{hint}")
+        kwargs[key] = _convert(value, hints[key], full, where)
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path) -> TrainerConfig:
+    """Read, convert and validate a trainer YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    return parse_config(text, str(path))
+
+
+def parse_config(text: str, source: str = "<config>") -> TrainerConfig:
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}{line}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    try:
+        raw = _plain(node) if node is not None else _Located({}, {})
+    except ConfigError as exc:
+        raise ConfigError(f"{source}:{str(exc)[len('line '):]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a mapping of sections")
+    config = _build(TrainerConfig, raw, "", source)
+    _validate(config, raw, source)
+    return config
+
+
+def _section_where(raw: Any, source: str, *keys: str) -> str:
+    mapping = raw
+    for key in keys[:-1]:
+        mapping = mapping.get(key, {}) if isinstance(mapping, dict) else {}
+    return _where(source, mapping, keys[-1])
+
+
+def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
+    def check(ok: bool, keys: tuple[str, ...], message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{_section_where(raw, source, *keys)}: {'.'.join(keys)} {message}")
+
+    t = c.model.target
+    chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
+    check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
+    check(c.model.attention in ("auto", "flex", "sdpa"), ("model", "attention"), "must be auto, flex or sdpa")
+    check(c.model.dtype in ("bf16", "fp32"), ("model", "dtype"), "must be bf16 or fp32")
+    check(c.model.block_size >= 2, ("model", "block_size"), "must be at least 2")
+    check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
+    check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
+    check(c.model.loss_chunk >= 1, ("model", "loss_chunk"), "must be positive")
+    if c.model.target_layer_ids is not None:
+        check(len(c.model.target_layer_ids) == c.model.num_target_layers, ("model", "target_layer_ids"),
+              "must list num_target_layers ids")
+    check(c.data.synthetic is not None or c.data.train_path is not None, ("data",),
+          "needs train_path or synthetic")
+    check(c.data.max_length >= c.model.block_size, ("data", "max_length"), "must be at least block_size")
+    check(c.data.num_anchors >= 1, ("data", "num_anchors"), "must be positive")
+    check(c.data.token_budget >= c.data.max_length, ("data", "token_budget"), "must be at least max_length")
+    check(c.data.bucket_edges == sorted(c.data.bucket_edges) and len(c.data.bucket_edges) > 0,
+          ("data", "bucket_edges"), "must be a non-empty increasing list")
+    check(c.optim.lr > 0, ("optim", "lr"), "must be positive")
+    check(0 <= c.optim.warmup_ratio < 1, ("optim", "warmup_ratio"), "must be in [0, 1)")
+    check(c.optim.total_steps >= 1, ("optim", "total_steps"), "must be at least 1")
+    check(c.optim.micro_batches >= 1, ("optim", "micro_batches"), "must be at least 1")
+    check(len(c.optim.betas) == 2, ("optim", "betas"), "must hold two numbers")
+    for role in ("target", "drafter"):
+        devices = getattr(c.devices, role)
+        check(len(devices) >= 1, ("devices", role), "must list at least one device")
+        for d in devices:
+            check(d == "cpu" or d.startswith("cuda"), ("devices", role), f"has unknown device {d!r}")
+    check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
+    check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
+    check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")
+
+
+def config_to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: TrainerConfig) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay constant of the DFlash recipe: 7 for block 16, 5 for 10, 4 for 8."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 16 * 7.0))

@@ -1,0 +1,95 @@
+"""Greedy speculative decoding with target + drafter, reporting the mean acceptance length τ.
+
+This is the inference path, written independently of the training forward: one block is
+drafted in a single `draft_block` call after the context of all accepted tokens, the target
+verifies it, and the matching prefix plus the target's bonus token are kept. The target is
+re-run on the whole sequence each round (no KV cache): simple and exact, fine for evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.drafter import DFlashDrafter
+from trainer.target import FrozenHead
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated tokens (prompt excluded)
+    acceptance_lengths: list[int]  # tokens produced per verification round (accepted drafts + 1)
+
+
+def _target_pass(target, ids: list[int], device, layer_ids):
+    x = torch.tensor([ids], device=device)
+    out = target(input_ids=x, output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return out.logits[0].argmax(dim=-1).tolist(), feats
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter: DFlashDrafter, head: FrozenHead, prompt: list[int],
+                         max_new_tokens: int, stop_ids: set[int]) -> Generation:
+    c = drafter.config
+    tdev = next(target.parameters()).device
+    ddev = head.embed_weight.device
+    greedy, feats = _target_pass(target, prompt, tdev, c.target_layer_ids)
+    seq = list(prompt) + [greedy[-1]]
+    lengths: list[int] = []
+    while len(seq) - len(prompt) < max_new_tokens and seq[-1] not in stop_ids:
+        start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
+        block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
+        hidden = drafter.draft_block(feats[:, :start].to(ddev), head.embed(block), start)
+        drafts = head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+        greedy, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
+        posterior = greedy[start:]  # posterior[i] = target's choice for position start+i+1
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
+            accepted += 1
+        new = drafts[:accepted] + [posterior[accepted]]
+        for i, tok in enumerate(new):
+            if tok in stop_ids:
+                new = new[: i + 1]
+                break
+        new = new[: max_new_tokens - (len(seq) - len(prompt))]
+        seq += new
+        lengths.append(len(new))
+    return Generation(seq[len(prompt):], lengths)
+
+
+@torch.no_grad()
+def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
+    dev = next(target.parameters()).device
+    seq = list(prompt)
+    while len(seq) - len(prompt) < max_new_tokens:
+        tok = int(target(input_ids=torch.tensor([seq], device=dev), use_cache=False).logits[0, -1].argmax())
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return seq[len(prompt):]
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Everything before the last assistant turn, with the generation prompt."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def mean_acceptance_length(target, drafter, head, tokenizer, conversations: list[dict],
+                           max_new_tokens: int) -> tuple[float, int]:
+    """τ over held-out conversations: total produced tokens / verification rounds."""
+    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    rounds, produced = 0, 0
+    was_training = drafter.training
+    drafter.eval()
+    for conv in conversations:
+        gen = speculative_generate(target, drafter, head, prompt_ids(tokenizer, conv["messages"]),
+                                   max_new_tokens, stop_ids)
+        rounds += len(gen.acceptance_lengths)
+        produced += sum(gen.acceptance_lengths)
+    drafter.train(was_training)
+    return (produced / rounds if rounds else 0.0), len(conversations)

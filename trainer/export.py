@@ -1,0 +1,66 @@
+"""Export a checkpoint as a published-format DFlash draft (config.json + model.safetensors).
+
+The directory has the layout of z-lab's drafts (e.g. Qwen3-8B-DFlash-b16): a Qwen3 config
+with `dflash_config` {mask_token_id, target_layer_ids}, `block_size` and `num_target_layers`,
+and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from trainer import checkpoint as ckpt
+
+
+def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_attention_heads": d["num_attention_heads"],
+        "num_key_value_heads": d["num_key_value_heads"],
+        "head_dim": d["head_dim"],
+        "vocab_size": d["vocab_size"],
+        "max_position_embeddings": d["max_position_embeddings"],
+        "rms_norm_eps": d["rms_norm_eps"],
+        "rope_theta": d["rope_theta"],
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "initializer_range": 0.02,
+        "torch_dtype": dtype,
+        "block_size": d["block_size"],
+        "num_target_layers": d["num_target_layers"],
+        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"])},
+    }
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write out_dir (atomically: built beside it, then renamed) from a trainer checkpoint."""
+    state = ckpt.load(checkpoint_dir)
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out

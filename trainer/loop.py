@@ -1,0 +1,249 @@
+"""The single-threaded reference training loop, writing the run-directory contract."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.components import Components, build_components
+from trainer.config import TrainerConfig, dump_config
+from trainer.control import ControlPoller, Request
+from trainer.data import select_target_warmup_shapes
+from trainer.evaluate import mean_acceptance_length
+from trainer.masks import Blocks, prepare_blocks, resolve_backend
+from trainer.objective import drafter_loss_sums
+from trainer.optim import clip_gradients
+from trainer.rundir import RunDir, atomic_write
+from trainer.target import target_context_features
+
+
+def autocast_for(device: str, dtype: str):
+    kind = torch.device(device).type
+    if kind == "cuda" and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, run_dir: str | Path):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.rd = RunDir(self.run_dir, cfg.optim.total_steps)
+        self.control = ControlPoller(self.run_dir)
+        self.checkpoints = ckpt.CheckpointManager(self.run_dir, cfg.run.keep_checkpoints)
+        self.step = 0
+        self.anchor_rng = torch.Generator().manual_seed(cfg.data.seed)
+        self.c: Components | None = None
+        self.wandb = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, resume: str | None) -> str | None:
+        cfg = self.cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
+        resumed_from = self.checkpoints.resolve(resume) if resume else None
+        self.c = build_components(cfg, self.run_dir, self.rd.log)
+        self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
+        if resumed_from is not None:
+            self.load(resumed_from)
+        gpus = sorted({torch.device(d).index or 0 for d in cfg.devices.target[:1] + cfg.devices.drafter[:1]
+                       if d.startswith("cuda")})
+        self.rd.update(step=self.step, gpus=gpus)
+        n_params = sum(p.numel() for p in self.c.drafter.parameters())
+        rel = str(resumed_from.relative_to(self.run_dir)) if resumed_from else None
+        self.rd.event("start", self.step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
+            "drafter_params": n_params, "drafter_layers": cfg.model.drafter_layers,
+            "block_size": cfg.model.block_size, "target_layer_ids": self.c.drafter.config.target_layer_ids,
+            "attention": self.backend, "devices": {"target": cfg.devices.target[0], "drafter": cfg.devices.drafter[0]},
+        })
+        self.rd.log(f"drafter {n_params / 1e6:.2f}M params, {len(self.c.train_data)} training conversations, "
+                    f"attention {self.backend}" + (f", resumed from {rel}" if rel else ""))
+        if cfg.run.wandb is not None and importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.run.wandb.project, name=cfg.run.wandb.name or self.run_dir.name,
+                                    config=dump_config(cfg))
+        return rel
+
+    def load(self, path: Path) -> None:
+        state = ckpt.load(path, map_location=self.c.drafter_device)
+        self.c.drafter.load_state_dict(state["model"])
+        self.c.optimizer.load_state_dict(state["optim"]["optimizer"])
+        self.c.scheduler.load_state_dict(state["optim"]["scheduler"])
+        s = state["state"]
+        self.step = s["step"]
+        self.c.train_data.load_state_dict(s["data"])
+        self.anchor_rng.set_state(s["anchor_rng"])
+        ckpt.set_rng_state(s["rng"])
+
+    def warmup(self) -> None:
+        """Run each bucket's largest shape once, so kernels are compiled before the timed loop."""
+        data = self.c.train_data
+        batches, bucket_ids = data.plan_epoch(data.epoch)
+        shapes = select_target_warmup_shapes(data, batches, bucket_ids, self.cfg.run.warmup_shapes)
+        self.rd.update(state="warmup")
+        began = time.time()
+        gen = torch.Generator().manual_seed(12345)
+        for b, seq in shapes:
+            ids = torch.randint(0, self.c.drafter.config.vocab_size, (b, seq), generator=gen)
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            blocks = self._blocks(ids, mask, gen)
+            loss, _, _ = self._forward(ids, torch.ones_like(ids), blocks)
+            loss.backward()
+        self.c.drafter.zero_grad(set_to_none=True)
+        seconds = time.time() - began
+        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
+        self.rd.log(f"warm-up on {len(shapes)} shapes {shapes} took {seconds:.1f}s")
+
+    # ------------------------------------------------------------------ one step
+    def _blocks(self, input_ids, loss_mask, generator) -> Blocks:
+        m = self.cfg.model
+        return prepare_blocks(input_ids, loss_mask, self.cfg.data.num_anchors, m.block_size, self.c.gamma,
+                              self.c.drafter.config.mask_token_id, generator).to(self.c.drafter_device)
+
+    def _forward(self, input_ids, attention_mask, blocks):
+        c = self.c
+        feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),
+                                        c.drafter.config.target_layer_ids).to(c.drafter_device, non_blocking=True)
+        with autocast_for(c.drafter_device, self.cfg.model.dtype):
+            return drafter_loss_sums(c.drafter, c.head, feats, blocks, self.backend, self.cfg.model.loss_chunk)
+
+    def train_step(self) -> dict:
+        """One optimizer step over `micro_batches` micro-batches, normalised by the step's total weight.
+
+        Loss weights do not depend on the model, so Σw of the whole step is known before any
+        forward; each micro-batch backpropagates loss_sum / Σw_step (no per-micro-batch mean).
+        """
+        c = self.c
+        began = time.time()
+        micro = []
+        for _ in range(self.cfg.optim.micro_batches):
+            batch = c.train_data.next_batch()
+            micro.append((batch, self._blocks(batch.input_ids, batch.loss_mask, self.anchor_rng)))
+        weight_total = sum(blocks.weights[:, :, 1:].sum() for _, blocks in micro).clamp(min=1e-6)
+        loss_total = torch.zeros((), device=c.drafter_device)
+        correct_total = torch.zeros((), device=c.drafter_device)
+        tokens = 0
+        for batch, blocks in micro:
+            loss_sum, _, correct_sum = self._forward(batch.input_ids, batch.attention_mask, blocks)
+            (loss_sum / weight_total).backward()
+            loss_total += loss_sum.detach()
+            correct_total += correct_sum
+            tokens += batch.tokens
+        grad_norm = clip_gradients(c.drafter.parameters(), self.cfg.optim.grad_clip)
+        lr = c.scheduler.get_last_lr()[0]
+        c.optimizer.step()
+        c.scheduler.step()
+        c.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        seconds = max(time.time() - began, 1e-9)
+        return {"loss": float(loss_total / weight_total), "acc": float(correct_total / weight_total), "lr": lr,
+                "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds}
+
+    # ------------------------------------------------------------------ evaluation, checkpoints
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        c, e = self.c, self.cfg.eval
+        tau, samples = mean_acceptance_length(c.target, c.drafter, c.head, c.tokenizer,
+                                              c.eval_conversations[: e.samples], e.max_new_tokens)
+        data = c.eval_data
+        batches, _ = data.plan_epoch(0)
+        gen = torch.Generator().manual_seed(0)
+        weight, correct = 0.0, 0.0
+        c.drafter.eval()
+        for indices in batches[:8]:
+            batch = data.collate(indices)
+            _, w, k = self._forward(batch.input_ids, batch.attention_mask, self._blocks(batch.input_ids, batch.loss_mask, gen))
+            weight, correct = weight + float(w), correct + float(k)
+        c.drafter.train()
+        result = {"tau": tau, "acc": correct / max(weight, 1e-6), "samples": samples}
+        self.rd.event("eval", self.step, **result)
+        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length), acc {result['acc']:.3f}, "
+                    f"{samples} held-out conversations")
+        return result
+
+    def save(self, request_id: str | None) -> None:
+        c = self.c
+        self.rd.update(state="checkpointing")
+        state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state(), "rng": ckpt.rng_state()}
+        path, seconds = self.checkpoints.save(self.step, c.drafter, c.drafter.config.to_dict(), c.optimizer,
+                                              c.scheduler, state)
+        rel = str(path.relative_to(self.run_dir))
+        self.rd.event("checkpoint", self.step, path=rel, seconds=round(seconds, 3), request=request_id)
+        self.rd.update(state="running", last_checkpoint=rel)
+        self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s")
+
+    def _serve(self, requests: list[Request]) -> str | None:
+        """Serve control requests; returns the stop reason when the run must stop."""
+        for r in requests:
+            if r.kind == "checkpoint":
+                self.save(r.id)
+                self.control.done(r)
+        for r in requests:
+            if r.kind == "stop":
+                self.save(r.id)
+                self.control.done(r)
+                return r.reason
+        return None
+
+    # ------------------------------------------------------------------ the run
+    def run(self, resume: str | None) -> int:
+        self.control.install_sigterm()
+        self.rd.start_heartbeat(self.cfg.run.heartbeat_s)
+        try:
+            self.setup(resume)
+            self.warmup()
+            self.rd.update(state="running")
+            total, stop_reason = self.cfg.optim.total_steps, None
+            while self.step < total:
+                stop_reason = self._serve(self.control.poll())
+                if stop_reason:
+                    break
+                m = self.train_step()
+                if self.step % self.cfg.run.log_every == 0 or self.step == total:
+                    self.rd.event("step", self.step, recompiles=0, **m)
+                    self.rd.update(step=self.step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"])
+                    self.rd.log(f"step {self.step}/{total} loss {m['loss']:.4f} acc {m['acc']:.3f} "
+                                f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
+                    if self.wandb is not None:
+                        self.wandb.log(m, step=self.step)
+                else:
+                    self.rd.update(step=self.step)
+                if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
+                    self.save(None)
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
+                    self.evaluate()
+            if stop_reason is None:
+                stop_reason = self._serve(self.control.poll())
+            if stop_reason:
+                self.rd.event("stop", self.step, reason=stop_reason)
+                self.rd.update(state="stopped")
+                self.rd.log(f"stopped at step {self.step} ({stop_reason})")
+                return 0
+            self.evaluate()
+            self.save(None)
+            self.rd.event("stop", self.step, reason="done")
+            self.rd.update(state="done")
+            self.rd.log(f"done: {self.step} steps")
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - every failure must land in status.json
+            error = {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
+            self.rd.event("error", self.step, **error)
+            self.rd.update(state="failed", error=error)
+            self.rd.log(f"FAILED: {error['message']}\n{error['traceback']}")
+            return 1
+        finally:
+            self.rd.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def train(cfg: TrainerConfig, run_dir: str | Path, resume: str | None = None) -> int:
+    return Trainer(cfg, run_dir).run(resume)

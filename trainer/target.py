@@ -1,0 +1,155 @@
+"""The frozen target: building or loading it, and extracting DFlash context features."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from trainer.config import TinyTargetConfig
+
+QWEN3_8B_DIMS = dict(
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+QWEN3_8B_MASK_TOKEN_ID = 151669
+
+
+def default_target_layer_ids(num_layers: int, count: int) -> list[int]:
+    """`count` layer ids spaced evenly from 1 to num_layers-3 (36 layers, 5 -> 1, 9, 17, 25, 33)."""
+    if count == 1:
+        return [num_layers // 2]
+    start = 1
+    end = min(num_layers - 1, max(num_layers - 3, start + count - 1))
+    return [int(round(start + (end - start) * i / (count - 1))) for i in range(count)]
+
+
+def tiny_target(cfg: TinyTargetConfig, vocab_size: int, device: str = "cpu") -> Qwen3ForCausalLM:
+    """A small random-weight Qwen3ForCausalLM of the real architecture, built in code."""
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(cfg.seed)
+    return Qwen3ForCausalLM(config).to(device).eval()
+
+
+def random_8b_shape_target(device: str, dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
+    """A Qwen3-8B-shaped random target allocated directly on `device` in `dtype` (no CPU fp32 copy)."""
+    config = Qwen3Config(**QWEN3_8B_DIMS)
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def load_target(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A Hugging Face causal LM from a local directory (nothing is downloaded)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+    )
+    return model.to(device).eval()
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def num_layers(target: torch.nn.Module) -> int:
+    return int(target.config.num_hidden_layers)
+
+
+def base_model(target: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack without the LM head (no vocab logits are computed for features)."""
+    return getattr(target, target.base_model_prefix)
+
+
+@torch.no_grad()
+def target_context_features(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layer_ids: list[int],
+) -> torch.Tensor:
+    """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
+
+    Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
+    embedding), as the published DFlash drafts expect.
+    """
+    out = base_model(target)(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+    )
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+class FrozenHead(torch.nn.Module):
+    """The target's input embedding and LM head, frozen, on the drafter's device."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("embed_weight", embed_weight, persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+
+    @classmethod
+    def from_target(cls, target: torch.nn.Module, device: str | torch.device) -> "FrozenHead":
+        embed = target.get_input_embeddings().weight.detach().to(device)
+        head = target.get_output_embeddings().weight.detach().to(device)
+        return cls(embed, head)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head_weight.to(hidden.dtype).t()
+
+
+def fit_tiny_target(
+    target: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    lr: float,
+    log=print,
+) -> None:
+    """Briefly train a tiny random target as a language model on the training conversations.
+
+    A random-weight target's greedy continuations are noise, so a drafter could not match
+    them and τ would say nothing. After this fit the target continues the synthetic patterns,
+    and the drafter is measured against the target's own greedy outputs.
+    """
+    target.train()
+    for p in target.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(target.parameters(), lr=lr, weight_decay=0.0)
+    for step in range(steps):
+        input_ids, attention_mask = batches[step % len(batches)]
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        loss = target(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"target fit step {step + 1}/{steps} lm_loss {loss.item():.3f}")
+    freeze(target).eval()

@@ -27,6 +27,12 @@ def _hint(text: str) -> None:
     typer.echo(text, err=True)
 
 
+def _announce(run_id: str, verb: str, target: str) -> None:
+    """The run id alone on stdout (for scripts), the follow hint on stderr."""
+    typer.echo(run_id)
+    _hint(f"{verb} {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
+
+
 def _parse_gpus(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -51,8 +57,7 @@ def start(
     container = open_target(inventory, target)
     with clean_errors():
         run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
-    typer.echo(run_id)
-    _hint(f"started {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
+    _announce(run_id, "started", target)
 
 
 def list_(
@@ -151,8 +156,7 @@ def resume(
     container = open_target(inventory, target)
     with clean_errors():
         run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
-    typer.echo(run_id)
-    _hint(f"resumed {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
+    _announce(run_id, "resumed", target)
 
 
 def logs(

@@ -27,7 +27,7 @@ from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
 
 __all__ = [
     "FINAL_STATES", "ConnectionLost", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound",
-    "RunRefused", "checkpoint_run", "find_checkpoint", "follow_file", "latest_run", "list_runs", "new_run_id", "pull_checkpoint", "request",
-    "resolve_run", "resume_run", "run_status", "signal_run", "start_run", "stop_run", "wait_for_checkpoint",
-    "wait_until_final",
+    "RunRefused", "checkpoint_run", "find_checkpoint", "follow_file", "latest_run", "list_runs",
+    "new_run_id", "pull_checkpoint", "request", "resolve_run", "resume_run", "run_status",
+    "signal_run", "start_run", "stop_run", "wait_for_checkpoint", "wait_until_final",
 ]

@@ -151,13 +151,16 @@ def wait_for_checkpoint(container, run_id: str, request_id: str, timeout: float 
 
 
 def wait_until_final(container, run_id: str, timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
+    """Wait for a final state AND the trainer's exit (it writes `stopped` before it tears down),
+    so that a resume right after never finds the run still running."""
     deadline = time.monotonic() + timeout
     while True:
         info = run_status(container, run_id)
-        if info.final:
+        if info.final and not info.alive:
             return info
         if time.monotonic() > deadline:
-            raise TimeoutError(f"run {run_id} still {info.effective_state} after {timeout:g}s")
+            still = f"{info.effective_state} but pid {info.pid} has not exited" if info.final else info.effective_state
+            raise TimeoutError(f"run {run_id} still {still} after {timeout:g}s")
         time.sleep(poll)
 
 
@@ -183,13 +186,13 @@ def stop_run(container, run_id: str, now: bool = False, kill: bool = False, wait
     longer answers; the run then reads as failed).
     """
     info = run_status(container, run_id)
-    if info.final:
+    if info.final and not info.alive:
         return info
     if kill:
         signal_run(container, run_id, "KILL")
     elif now:
         signal_run(container, run_id, "TERM")
-    else:
+    elif not info.final:
         request(container, run_id, "stop")
     if not wait:
         return run_status(container, run_id)

@@ -15,13 +15,7 @@ from collections.abc import Callable
 from dflash_ops.runs.helper import call, run_dir
 from dflash_ops.runs.info import RunError
 
-try:
-    from dflash_ops.transport.base import ConnectionLost
-except ImportError:  # transports (#2) not merged yet; the real class replaces this at merge
-
-    class ConnectionLost(Exception):  # type: ignore[no-redef]
-        """Stand-in for dflash_ops.transport.base.ConnectionLost."""
-
+from dflash_ops.errors import ConnectionLost
 
 FOLLOWABLE = ("train.log", "metrics.jsonl")
 HEADER_PREFIX = b"#offset "
@@ -76,6 +70,7 @@ def follow_file(
     max_reconnects: int = 20,
     poll: float = 0.2,
     backoff: float = 0.5,
+    timeout: float | None = None,
 ) -> int:
     """Deliver each line of runs/<run_id>/<name> (bytes, with its b"\\n") to on_line.
 
@@ -83,13 +78,15 @@ def follow_file(
     keeps going until the run is over (final state or process gone) and the file is drained.
     A final unterminated fragment is delivered only when the stream ends normally. Returns
     the offset just past the last complete line delivered (pass it back in to continue).
-    `max_reconnects` counts consecutive drops without progress.
+    `max_reconnects` counts consecutive drops without progress. `timeout` bounds the whole
+    call (CommandTimeout when it runs out).
     """
     if name not in FOLLOWABLE:
         raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
     directory = run_dir(container, run_id)
     position: int | None = None
     drops_without_progress = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         args = ["follow", posixpath.join(directory, name), "--offset", str(position if position is not None else offset)]
         if position is None and tail_lines is not None:
@@ -98,7 +95,8 @@ def follow_file(
             args += ["--follow", "--poll", str(poll), "--until-final", directory]
         stream = _Stream(on_line, expected_start=position)
         try:
-            call(container, args, on_line=stream.feed)
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            call(container, args, on_line=stream.feed, timeout=remaining)
         except ConnectionLost:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:

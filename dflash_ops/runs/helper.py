@@ -6,12 +6,13 @@ import json
 import posixpath
 from typing import Any
 
-from dflash_ops.runs.info import GpusBusy, RunError, RunNotFound, RunRefused
+from dflash_ops.runs.info import GpusBusy, NotDeployed, RunError, RunNotFound, RunRefused
 
 HELPER = "runs"
 EXIT_NOT_FOUND = 2
 EXIT_REFUSED = 3
 EXIT_DIED_AT_START = 4
+EXIT_NOT_DEPLOYED = 5
 
 
 def runs_root(container) -> str:
@@ -29,7 +30,8 @@ def call(container, args: list[str], **kwargs):
         return result
     details = _error_document(result.stdout)
     message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"
-    error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused}
+    error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused,
+                  EXIT_NOT_DEPLOYED: NotDeployed}
     raise error_type.get(result.exit_code, RunError)(message, details)
 
 

@@ -26,10 +26,10 @@ from trainer.loop import autocast_for  # noqa: E402
 from trainer.masks import prepare_blocks, resolve_backend  # noqa: E402
 from trainer.objective import drafter_loss_sums  # noqa: E402
 from trainer.optim import build_optimizer, clip_gradients  # noqa: E402
+from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops  # noqa: E402
 from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,  # noqa: E402
                             random_8b_shape_target, target_context_features, tiny_target)
 
-H200_BF16_DENSE_TFLOPS = 989.0
 
 
 def sync(device: str) -> None:
@@ -39,22 +39,6 @@ def sync(device: str) -> None:
 
 def count(module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def flops_estimate(target, drafter: DFlashDrafter, batch: int, seq: int, anchors: int, block: int) -> tuple[float, float]:
-    """(target forward FLOPs, drafter train-step FLOPs), matmul terms only (2·params·tokens per pass)."""
-    t = target.config
-    target_fwd = 2 * (count(target) - t.vocab_size * t.hidden_size * 2) * batch * seq
-    target_fwd += 4 * t.num_hidden_layers * t.num_attention_heads * t.head_dim * batch * seq * seq / 2
-    c = drafter.config
-    q_tokens = batch * anchors * block
-    kv_per_layer = 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
-    layer_params = count(drafter.layers[0])
-    fwd = 2 * layer_params * c.num_hidden_layers * q_tokens  # block tokens through every layer
-    fwd += 2 * (drafter.fc.weight.numel() + kv_per_layer * c.num_hidden_layers) * batch * seq  # context
-    fwd += 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * q_tokens * (seq / 2 + block)  # attention (mask ~ half)
-    head = 2 * c.hidden_size * c.vocab_size * batch * anchors * (block - 1)
-    return float(target_fwd), float(3 * fwd + 2 * head + 2 * head)  # head: fwd + input-grad (frozen), recomputed
 
 
 def main() -> int:
@@ -134,17 +118,20 @@ def main() -> int:
             step_times.append(t2 - t0)
 
     med_t, med_d, med_s = (statistics.median(x) for x in (target_times, drafter_times, step_times))
-    target_flops, drafter_flops = flops_estimate(target, drafter, args.batch, args.seq, args.anchors, args.block)
+    target_flops = target_forward_flops(target.config, args.batch, args.seq)
+    drafter_flops = drafter_step_flops(dcfg, args.batch, args.seq, args.anchors)
     achieved = (target_flops + drafter_flops) / med_s / 1e12
     print("---")
     print(f"median step {1e3 * med_s:.1f} ms = target forward {1e3 * med_t:.1f} ms ({100 * med_t / med_s:.0f}%) "
           f"+ drafter step {1e3 * med_d:.1f} ms ({100 * med_d / med_s:.0f}%)  [median of {len(step_times)}]")
     print(f"tokens/s {args.batch * args.seq / med_s:.0f}; est. TFLOP/step target {target_flops / 1e12:.2f}, "
-          f"drafter {drafter_flops / 1e12:.2f}; achieved {achieved:.1f} TFLOP/s")
+          f"drafter {drafter_flops / 1e12:.2f} (trainer.pipeline.flops); achieved {achieved:.1f} TFLOP/s")
     if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
-        print(f"peak memory {peak:.1f} GiB; MFU {100 * achieved / H200_BF16_DENSE_TFLOPS:.1f}% "
-              f"of {H200_BF16_DENSE_TFLOPS:.0f} TFLOP/s (H200 bf16 dense)")
+        peak = peak_tflops(torch.cuda.get_device_name(device))
+        print(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+        if peak:
+            print(f"MFU {100 * achieved / peak:.1f}% (target {100 * target_flops / med_t / 1e12 / peak:.1f}%, "
+                  f"drafter {100 * drafter_flops / med_d / 1e12 / peak:.1f}%) of {peak:.0f} TFLOP/s bf16 dense")
     return 0
 
 

@@ -29,6 +29,7 @@ from trainer.data import Batch, PreloadedDataset  # noqa: E402
 from trainer.masks import resolve_backend  # noqa: E402
 from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
+from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedTrainer  # noqa: E402
 from trainer.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
 
@@ -131,7 +132,9 @@ def sync_all(devices):
 
 
 def stage_alone(tr, which, n_micro):
-    """Run one stage on already-built micro-batches, in one thread, as fast as it goes."""
+    """Run one stage on already-built micro-batches, in one thread, as fast as it goes.
+
+    Returns (real tokens/s, model FLOP/s of the padded shapes computed, per trainer.pipeline.flops)."""
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features
@@ -155,6 +158,7 @@ def stage_alone(tr, which, n_micro):
     slot = allocate_slots(1, numel, next(c.target.parameters()).dtype, tdev)[0]
     tokens = sum(m.tokens for m in mbs)
     if which == "target":
+        flops = sum(target_forward_flops(c.target.config, *m.shape) for m in mbs)
         sync_all([tdev])
         began = time.perf_counter()
         with torch.inference_mode():
@@ -162,7 +166,9 @@ def stage_alone(tr, which, n_micro):
                 ids = mb.input_ids.to(tdev, non_blocking=True)
                 pack_context_features(c.target, ids, None, layer_ids, slot.view(*ids.shape, width))
         sync_all([tdev])
-        return tokens / (time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        return tokens / seconds, flops / seconds
+    flops = sum(drafter_step_flops(c.drafter.config, *m.shape, cfg.data.num_anchors) for m in mbs)
     with torch.inference_mode():
         feats = []
         for mb in mbs[:2]:
@@ -192,7 +198,8 @@ def stage_alone(tr, which, n_micro):
             w.micro_step(Features(mb, feats[i % 2][: mb.shape[0], : mb.shape[1]], None, slot, Owner))
             w.optimizer_step()
     sync_all([ddev])
-    return tokens / (time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    return tokens / seconds, flops / seconds
 
 
 def naive(tr, steps):
@@ -271,8 +278,9 @@ def main():
         "recompiles_after_warmup": windows[-1]["recompiles"] + compiled_frames() - frames_after_warmup,
         "host_syncs_total": syncs.count, "host_syncs_per_step": round(syncs.count / max(tr.step, 1), 3),
         "sync_sites": syncs.where, "loss": [round(w["loss"], 4) for w in windows]})
-    target_alone = stage_alone(tr, "target", args.stage_micro)
-    drafter_alone = stage_alone(tr, "drafter", args.stage_micro)
+    target_alone, target_flops = stage_alone(tr, "target", args.stage_micro)
+    drafter_alone, drafter_flops = stage_alone(tr, "drafter", args.stage_micro)
+    peak = peak_tflops(results.get("gpu"))
     emit("target_alone_tokens_per_s", round(target_alone, 1))
     emit("drafter_alone_tokens_per_s", round(drafter_alone, 1))
     tr.guard.unfreeze()
@@ -291,7 +299,8 @@ def main():
         "bound": "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage",
         "speedup_over_naive": round(pipe / results["naive_tokens_per_s"], 3),
         "ideal_speedup_over_naive": round((1 / target_alone + 1 / drafter_alone) / (1 / slowest), 3),
-        "drafter_mfu_alone": round(drafter_alone * 2.44e10 / 989e12, 3) if not args.tiny else None})
+        "target_mfu_alone": round(target_flops / (peak * 1e12), 3) if peak else None,
+        "drafter_mfu_alone": round(drafter_flops / (peak * 1e12), 3) if peak else None})
 
 
 if __name__ == "__main__":

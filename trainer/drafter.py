@@ -62,6 +62,42 @@ class DrafterConfig:
         return asdict(self)
 
 
+# Pointwise pieces run as one fused kernel each (forward and backward) on CUDA via torch.compile
+# while training (grad enabled); eagerly elsewhere: CPU tests need no compiler, and inference
+# (evaluation, drafting) meets a new context length at every call. Static shapes: the pipeline
+# warms each shape once on one thread before its workers start (trainer.pipeline.compile_safety).
+COMPILE_POINTWISE = True  # bench/drafter_mfu.py turns it off for its baseline
+_compiled: dict[Callable, Callable] = {}
+
+
+def pointwise(fn: Callable) -> Callable:
+    def call(x: torch.Tensor, *args, compiled: bool | None = None):
+        if compiled is None:
+            compiled = torch.is_grad_enabled()
+        if not (compiled and COMPILE_POINTWISE and x.is_cuda):
+            return fn(x, *args)
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn, dynamic=False)
+        return _compiled[fn](x, *args)
+
+    call.__wrapped__ = fn
+    return call
+
+
+@pointwise
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in fp32; returned in x's dtype (the fp32 master weight is cast, not x upcast)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(dtype) * x.to(dtype)
+
+
+@pointwise
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -69,10 +105,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +116,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
+@pointwise
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to x [B, heads, T, D] with cos/sin [B, T, D]."""
     half = x.shape[-1] // 2
@@ -126,7 +160,7 @@ class DrafterMLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DrafterLayer(nn.Module):

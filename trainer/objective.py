@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.drafter import DFlashDrafter
+from trainer.drafter import DFlashDrafter, pointwise
 from trainer.masks import Blocks, block_attention
 from trainer.target import FrozenHead
 
@@ -41,6 +41,64 @@ def chunked_weighted_ce(hidden, lm_head_weight, labels, weights, chunk: int):
     return loss_sum, correct_sum
 
 
+@pointwise
+def _ce_and_grad(logits, labels, weights):
+    """Σ w·CE, Σ w·correct and d(Σ w·CE)/d logits for one chunk (one fused pass on CUDA)."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    picked = logits32.gather(1, labels[:, None]).squeeze(1)
+    correct = (logits32.argmax(dim=-1) == labels).float()
+    grad = torch.exp(logits32 - lse[:, None]) * weights[:, None]
+    grad = grad.scatter_add(1, labels[:, None], -weights[:, None])
+    return ((lse - picked) * weights).sum(), (correct * weights).sum(), grad.to(logits.dtype)
+
+
+class _HeadCE(torch.autograd.Function):
+    """Σ w·CE through a frozen LM head, with d/d hidden computed chunk by chunk in the forward.
+
+    The loss is a scalar, so its gradient is grad_output x (the gradient computed here): the
+    backward is one multiply, the [positions, vocab] logits never outlive their chunk, and the
+    LM-head matmul runs twice (logits, grad of hidden), not three times as under checkpointing.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk: int, need_grad: bool):
+        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else hidden.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = lm_head_weight.to(dtype)
+            loss_sum = hidden.new_zeros((), dtype=torch.float32)
+            correct_sum = hidden.new_zeros((), dtype=torch.float32)
+            grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if need_grad else None
+            for start in range(0, hidden.shape[0], chunk):
+                sl = slice(start, start + chunk)
+                logits = hidden[sl].to(dtype) @ w.t()
+                l, c, grad_logits = _ce_and_grad(logits, labels[sl], weights[sl], compiled=need_grad)
+                loss_sum += l
+                correct_sum += c
+                if need_grad:
+                    torch.matmul(grad_logits, w, out=grad_hidden[sl])
+        ctx.save_for_backward(grad_hidden)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(correct_sum)
+        return loss_sum, correct_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None, None
+
+
+def fused_weighted_ce(hidden, lm_head_weight, labels, weights, chunk: int):
+    """Same sums as `chunked_weighted_ce`, without recomputing the LM head in backward."""
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    loss_sum, correct_sum = _HeadCE.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad)
+    return loss_sum, correct_sum.detach()
+
+
+WEIGHTED_CE = {"fused": fused_weighted_ce, "checkpoint": chunked_weighted_ce}
+
+
 def drafter_loss_sums(
     drafter: DFlashDrafter,
     head: FrozenHead,
@@ -48,12 +106,14 @@ def drafter_loss_sums(
     blocks: Blocks,
     backend: str,
     chunk: int = 2048,
+    ce: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training forward of the drafter on one micro-batch.
 
     ctx_features: [B, L, n*H] from `target_context_features`; blocks: from
     `trainer.masks.prepare_blocks` (on the drafter's device). Returns (loss_sum, weight_sum,
     correct_sum) as 0-d fp32 tensors (loss_sum differentiable); no host sync happens here.
+    ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and the bench).
     """
     b, a, bs = blocks.input_ids.shape
     ctx_len = ctx_features.shape[1]
@@ -63,5 +123,5 @@ def drafter_loss_sums(
     hidden = hidden.view(b, a, bs, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])  # slot 0 carries no loss
     labels = blocks.labels[:, :, 1:].reshape(-1)
     weights = blocks.weights[:, :, 1:].reshape(-1)
-    loss_sum, correct_sum = chunked_weighted_ce(hidden, head.lm_head_weight, labels, weights, chunk)
+    loss_sum, correct_sum = WEIGHTED_CE[ce](hidden, head.lm_head_weight, labels, weights, chunk)
     return loss_sum, weights.sum(), correct_sum

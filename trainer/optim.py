@@ -9,10 +9,13 @@ import torch
 from trainer.config import OptimConfig
 
 
-def build_optimizer(params, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(params, cfg: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
+    """fused (default: when every parameter is on CUDA) runs the update as one kernel per group."""
     params = [p for p in params if p.requires_grad]
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, fused=fused or None)
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:

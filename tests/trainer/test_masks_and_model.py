@@ -5,7 +5,7 @@ import torch
 
 from trainer.masks import (block_attention, dense_attention, dense_mask, flex_attention_fn, loss_decay,
                            make_blocks, sample_anchors)
-from trainer.objective import drafter_loss_sums
+from trainer.objective import chunked_weighted_ce, drafter_loss_sums, fused_weighted_ce
 from trainer.target import target_context_features
 
 VOCAB, MASK_ID = 97, 96  # as in conftest.py
@@ -127,3 +127,24 @@ def test_loss_sums_normalise_over_micro_batches_and_gradients_flow(tiny):
     whole[0].backward()
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
     drafter.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_fused_head_ce_matches_checkpointed_ce_in_value_and_gradient(chunk):
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(23, 16, generator=gen, requires_grad=True)
+    head = torch.randn(40, 16, generator=gen)
+    labels = torch.randint(0, 40, (23,), generator=gen)
+    weights = torch.rand(23, generator=gen) * (torch.arange(23) % 4 != 0)
+    sums, grads = [], []
+    for ce in (chunked_weighted_ce, fused_weighted_ce):
+        hidden.grad = None
+        loss_sum, correct_sum = ce(hidden, head, labels, weights, chunk)
+        (loss_sum * 0.37).backward()  # a scaled loss, as after normalising by the step's weight
+        sums.append((loss_sum.detach(), correct_sum))
+        grads.append(hidden.grad.clone())
+    assert torch.allclose(sums[0][0], sums[1][0]) and torch.equal(sums[0][1], sums[1][1])
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert grads[1].abs().sum() > 0
+    with torch.no_grad():
+        assert torch.allclose(fused_weighted_ce(hidden, head, labels, weights, chunk)[0], sums[0][0])

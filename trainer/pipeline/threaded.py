@@ -242,7 +242,7 @@ class ThreadedTrainer(Trainer):
         cfg, c = self.cfg, self.c
         b, seq = self.warm.shapes()[0]
         mb = cfg.optim.micro_batches
-        return (mb * target_forward_flops(c.target.config, b, seq, max(c.drafter.config.target_layer_ids) + 1),
+        return (mb * target_forward_flops(c.target.config, b, seq),
                 mb * drafter_step_flops(c.drafter.config, b, seq, cfg.data.num_anchors))
 
     def _write_window(self, w: dict, since: tuple[int, float]) -> tuple[int, float]:

@@ -134,18 +134,20 @@ class Container:
         on_stderr_line: LineCallback | None = None,
         timeout: float | None = None,
         check: bool = False,
+        python: str | None = None,
     ) -> Result:
         """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash.
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
-        missing file in the same exec; only then is it sent (one exec) and run.
+        missing file in the same exec; only then is it sent (one exec) and run. `python`
+        (default: the target's) runs it, e.g. a release's venv python.
         """
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
         if not source.is_file() or source.name == "__init__.py":
             raise DflashOpsError(f"unknown helper {name!r} (no {source})")
         content = source.read_bytes()
         remote = self.helper_path(name, content)
-        argv = [self._target.python, remote, *args]
+        argv = [python or self._target.python, remote, *args]
         kwargs = dict(on_line=on_line, timeout=timeout, check=check)
         if remote in self._installed_helpers:
             return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)

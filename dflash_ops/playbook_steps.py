@@ -139,3 +139,5 @@ for _library_function, _slot in RUN_STEP_SLOTS.values():
 def bind_run_step(name: str, run: StepRun) -> None:
     """Give a run-lifecycle slot its implementation, keeping its declared parameters."""
     register_step(replace(STEP_TYPES[name], run=run), replace_existing=True)
+
+import dflash_ops.runs.steps  # noqa: E402,F401  (registers start/follow/wait/checkpoint/stop; needs the names above)

@@ -142,6 +142,16 @@ class EvalConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """How steps are executed: the single-threaded reference loop or the threaded pipeline."""
+
+    kind: str = "reference"  # reference | threaded (trainer/pipeline: a thread per device role)
+    prefetch: int = 4  # micro-batches built ahead per target worker (bounded queue)
+    queue_depth: int = 2  # packed feature batches queued per target->drafter pair
+    pad_to_warm_shapes: str = "auto"  # auto (when the drafter runs compiled flex) | always | never
+
+
+@dataclass
 class TrainerConfig:
     """The whole trainer configuration."""
 
@@ -151,6 +161,7 @@ class TrainerConfig:
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -314,6 +325,11 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
         check(len(devices) >= 1, ("devices", role), "must list at least one device")
         for d in devices:
             check(d == "cpu" or d.startswith("cuda"), ("devices", role), f"has unknown device {d!r}")
+    check(c.pipeline.kind in ("reference", "threaded"), ("pipeline", "kind"), "must be reference or threaded")
+    check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
+    check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
+    check(c.pipeline.pad_to_warm_shapes in ("auto", "always", "never"), ("pipeline", "pad_to_warm_shapes"),
+          "must be auto, always or never")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
     check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")

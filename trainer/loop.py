@@ -202,6 +202,35 @@ class Trainer:
         return None
 
     # ------------------------------------------------------------------ the run
+    def train_steps(self) -> str | None:
+        """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
+        total, stop_reason = self.cfg.optim.total_steps, None
+        while self.step < total:
+            stop_reason = self._serve(self.control.poll())
+            if stop_reason:
+                break
+            m = self.train_step()
+            if self.step % self.cfg.run.log_every == 0 or self.step == total:
+                recompiles = compiled_graphs() - self.graphs_after_warmup
+                self.rd.event("step", self.step, recompiles=recompiles, **m)
+                self.rd.update(step=self.step, recompiles=recompiles, loss=m["loss"], acc=m["acc"],
+                               tokens_per_s=m["tokens_per_s"])
+                self.rd.log(f"step {self.step}/{total} loss {m['loss']:.4f} acc {m['acc']:.3f} "
+                            f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
+                if self.wandb is not None:
+                    self.wandb.log(m, step=self.step)
+            else:
+                self.rd.update(step=self.step)
+            if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
+                self.save(None)
+            if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
+                self.evaluate()
+        return stop_reason
+
+    def error_record(self, exc: BaseException) -> dict:
+        """status.json's `error` for a failure that reached run()."""
+        return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
+
     def run(self, resume: str | None) -> int:
         self.control.install_sigterm()
         self.rd.start_heartbeat(self.cfg.run.heartbeat_s)
@@ -209,26 +238,7 @@ class Trainer:
             self.setup(resume)
             self.warmup()
             self.rd.update(state="running")
-            total, stop_reason = self.cfg.optim.total_steps, None
-            while self.step < total:
-                stop_reason = self._serve(self.control.poll())
-                if stop_reason:
-                    break
-                m = self.train_step()
-                if self.step % self.cfg.run.log_every == 0 or self.step == total:
-                    recompiles = compiled_graphs() - self.graphs_after_warmup
-                    self.rd.event("step", self.step, recompiles=recompiles, **m)
-                    self.rd.update(step=self.step, recompiles=recompiles, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"])
-                    self.rd.log(f"step {self.step}/{total} loss {m['loss']:.4f} acc {m['acc']:.3f} "
-                                f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
-                    if self.wandb is not None:
-                        self.wandb.log(m, step=self.step)
-                else:
-                    self.rd.update(step=self.step)
-                if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
-                    self.save(None)
-                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
-                    self.evaluate()
+            stop_reason = self.train_steps()
             if stop_reason is None:
                 stop_reason = self._serve(self.control.poll())
             if stop_reason:
@@ -243,10 +253,10 @@ class Trainer:
             self.rd.log(f"done: {self.step} steps")
             return 0
         except BaseException as exc:  # noqa: BLE001 - every failure must land in status.json
-            error = {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
+            error = self.error_record(exc)
             self.rd.event("error", self.step, **error)
             self.rd.update(state="failed", error=error)
-            self.rd.log(f"FAILED: {error['message']}\n{error['traceback']}")
+            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}\n{error['traceback']}")
             return 1
         finally:
             self.rd.close()
@@ -255,4 +265,8 @@ class Trainer:
 
 
 def train(cfg: TrainerConfig, run_dir: str | Path, resume: str | None = None) -> int:
+    if cfg.pipeline.kind == "threaded":
+        from trainer.pipeline.threaded import ThreadedTrainer
+
+        return ThreadedTrainer(cfg, run_dir).run(resume)
     return Trainer(cfg, run_dir).run(resume)

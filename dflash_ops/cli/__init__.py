@@ -22,6 +22,8 @@ _AREAS: list[str] = [
     "hosts",
     "deploy",
     "play",
+    "runs",
+    "patch",
     "dash",
 ]
 

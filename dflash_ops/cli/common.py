@@ -41,9 +41,11 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @contextmanager
 def clean_errors() -> Iterator[None]:
+    """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
+    timeouts (exit 124) and transport failures (exit 255)."""
     try:
         yield
-    except CommandTimeout as e:
+    except (CommandTimeout, TimeoutError) as e:
         fail(str(e), 124)  # like timeout(1)
     except TransportError as e:
         fail(str(e), 255)  # like ssh(1) when the connection fails

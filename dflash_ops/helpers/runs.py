@@ -8,12 +8,16 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py control RUNDIR checkpoint|stop
   runs.py start --base BASE --run-id ID --config FILE|- --release-root DIR --python PY
                 [--resume latest|STEP] [--gpus 0,1] [--env KEY=VALUE ...] [--wait S]
+      PY is the fallback: the release's venv python (BASE/<venv>/bin/python from
+      .dflash-release.json) is used when the release names one.
   runs.py signal RUNDIR TERM|KILL
   runs.py checkpoints RUNDIR
   runs.py hash-files ROOT PATH...
 
 Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
-5 a follow reached --max-seconds (the run goes on; ask again from the offset reached).
+Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
+5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
+again from the offset reached).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 """
 
@@ -156,6 +160,8 @@ def describe_run(run_dir, now):
     pid, pid_start = run_process(run_dir, status)
     alive = pid is not None and process_matches(pid, pid_start)
     info["alive"] = alive
+    launch = read_json(os.path.join(run_dir, "launch.json")) or {}
+    info["launched"] = launch.get("time")
     heartbeat = info.get("heartbeat")
     info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
     try:
@@ -209,7 +215,7 @@ def cmd_list(args):
 # ---------------------------------------------------------------- following a file
 
 EXIT_GRACE_S = 30
-EXIT_TIME_UP = 5
+EXIT_TIME_UP = 6
 
 
 def run_is_over(run_dir):
@@ -394,6 +400,19 @@ def release_hash(release_root):
     return "dev"
 
 
+def release_python(base, release_root, fallback):
+    """The release's venv python (docs/container-layout.md), else the given python."""
+    doc = read_json(os.path.join(release_root, ".dflash-release.json")) or {}
+    venv = doc.get("venv")
+    if isinstance(venv, str) and venv:
+        python = os.path.join(base, venv, "bin", "python")
+        if not os.path.exists(python):
+            raise Refused("release %s names venv %s but %s is missing; redeploy" % (
+                doc.get("hash"), venv, python), code=5)
+        return python
+    return fallback
+
+
 def child_env(python, gpus, extra):
     env = {
         "PATH": os.path.dirname(os.path.abspath(python)) + ":" + CHILD_PATH_TAIL,
@@ -420,7 +439,8 @@ def cmd_start(args):
         raise Refused("bad run id %r (letters, digits, '.', '_', '-')" % args.run_id)
     release_root = os.path.realpath(args.release_root)
     if not os.path.isdir(release_root):
-        raise Refused("release root %s does not exist" % args.release_root)
+        raise Refused("nothing deployed: %s does not exist" % args.release_root, code=5, not_deployed=True)
+    python = release_python(args.base, release_root, args.python)
     runs_root = os.path.join(args.base, "runs")
     run_dir = os.path.join(runs_root, args.run_id)
     gpus = parse_gpus(args.gpus)
@@ -441,7 +461,7 @@ def cmd_start(args):
         try:
             os.mkdir(run_dir)
         except FileExistsError:
-            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3)
+            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True)
         write_atomic(config_input, config_bytes)
     else:
         if not os.path.isdir(run_dir):
@@ -456,18 +476,18 @@ def cmd_start(args):
             config_input = os.path.join(run_dir, "config.yaml")
     write_atomic(os.path.join(run_dir, "release"), (release_hash(release_root) + "\n").encode())
 
-    argv = [args.python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
+    argv = [python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
     if args.resume is not None:
         argv += ["--resume", args.resume]
     log_path = os.path.join(run_dir, "train.log")
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
         log.flush()
-        child = subprocess.Popen(argv, cwd=release_root, env=child_env(args.python, gpus, args.env),
+        child = subprocess.Popen(argv, cwd=release_root, env=child_env(python, gpus, args.env),
                                  stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
                                  close_fds=True, start_new_session=True)
     launch = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
-              "release_root": release_root, "time": time.time(), "resume": args.resume}
+              "release_root": release_root, "release": release_hash(release_root), "time": time.time(), "resume": args.resume}
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(launch, sort_keys=True).encode())
 
     status_path = os.path.join(run_dir, "status.json")

@@ -5,12 +5,16 @@ anything with the same exec/helper/push/pull/base_dir/target) and talks to the s
 helper `dflash_ops/helpers/runs.py` inside it. Protocol: docs/run-lifecycle.md.
 """
 
-from dflash_ops.runs.follow import ConnectionLost, follow_file
-from dflash_ops.runs.info import FINAL_STATES, GpusBusy, RunError, RunInfo, RunNotFound, RunRefused
+from dflash_ops.errors import ConnectionLost
+from dflash_ops.runs.follow import follow_file
+from dflash_ops.runs.info import FINAL_STATES, GpusBusy, NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
 from dflash_ops.runs.lifecycle import (
+    checkpoint_run,
+    latest_run,
     list_runs,
     new_run_id,
     request,
+    resolve_run,
     resume_run,
     run_status,
     signal_run,
@@ -22,8 +26,8 @@ from dflash_ops.runs.lifecycle import (
 from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
 
 __all__ = [
-    "FINAL_STATES", "ConnectionLost", "GpusBusy", "RunError", "RunInfo", "RunNotFound", "RunRefused",
-    "find_checkpoint", "follow_file", "list_runs", "new_run_id", "pull_checkpoint", "request",
-    "resume_run", "run_status", "signal_run", "start_run", "stop_run", "wait_for_checkpoint",
-    "wait_until_final",
+    "FINAL_STATES", "ConnectionLost", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound",
+    "RunRefused", "checkpoint_run", "find_checkpoint", "follow_file", "latest_run", "list_runs",
+    "new_run_id", "pull_checkpoint", "request", "resolve_run", "resume_run", "run_status",
+    "signal_run", "start_run", "stop_run", "wait_for_checkpoint", "wait_until_final",
 ]

@@ -20,13 +20,7 @@ from collections.abc import Callable
 from dflash_ops.runs.helper import EXIT_TIME_UP, call, run_dir
 from dflash_ops.runs.info import RunError
 
-try:
-    from dflash_ops.transport.base import ConnectionLost
-except ImportError:  # transports (#2) not merged yet; the real class replaces this at merge
-
-    class ConnectionLost(Exception):  # type: ignore[no-redef]
-        """Stand-in for dflash_ops.transport.base.ConnectionLost."""
-
+from dflash_ops.errors import ConnectionLost
 
 FOLLOWABLE = ("train.log", "metrics.jsonl")
 HEADER_PREFIX = b"#offset "
@@ -97,6 +91,7 @@ def follow_file(
     stop: threading.Event | None = None,
     on_start: Callable[[int], None] | None = None,
     stop_check_s: float = 1.0,
+    timeout: float | None = None,
 ) -> int:
     """Deliver each line of runs/<run_id>/<name> (bytes, with its b"\\n") to on_line.
 
@@ -104,7 +99,8 @@ def follow_file(
     keeps going until the run is over (final state or process gone) and the file is drained.
     A final unterminated fragment is delivered only when the stream ends normally. Returns
     the offset just past the last complete line delivered (pass it back in to continue).
-    `max_reconnects` counts consecutive drops without progress.
+    `max_reconnects` counts consecutive drops without progress. `timeout` bounds the whole
+    call (CommandTimeout when it runs out).
 
     `stop`: once set, no further line is delivered and follow_file returns the offset past
     the last delivered line (no fragment), within about `stop_check_s` even when the file is
@@ -116,6 +112,7 @@ def follow_file(
     directory = run_dir(container, run_id)
     position: int | None = None
     drops_without_progress = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
 
     def stopped() -> bool:
         return stop is not None and stop.is_set()
@@ -132,7 +129,8 @@ def follow_file(
                 args += ["--max-seconds", str(stop_check_s)]
         stream = _Stream(on_line, expected_start=position, stop=stop, on_start=on_start if position is None else None)
         try:
-            result = call(container, args, on_line=stream.feed, also_ok=(EXIT_TIME_UP,))
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            result = call(container, args, on_line=stream.feed, timeout=remaining, also_ok=(EXIT_TIME_UP,))
         except ConnectionLost:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:

@@ -6,13 +6,14 @@ import json
 import posixpath
 from typing import Any
 
-from dflash_ops.runs.info import GpusBusy, RunError, RunNotFound, RunRefused
+from dflash_ops.runs.info import GpusBusy, NotDeployed, RunError, RunNotFound, RunRefused
 
 HELPER = "runs"
 EXIT_NOT_FOUND = 2
 EXIT_REFUSED = 3
 EXIT_DIED_AT_START = 4
-EXIT_TIME_UP = 5
+EXIT_NOT_DEPLOYED = 5
+EXIT_TIME_UP = 6
 
 
 def runs_root(container) -> str:
@@ -32,7 +33,8 @@ def call(container, args: list[str], *, also_ok: tuple[int, ...] = (), **kwargs)
         return result
     details = _error_document(result.stdout)
     message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"
-    error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused}
+    error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused,
+                  EXIT_NOT_DEPLOYED: NotDeployed}
     raise error_type.get(result.exit_code, RunError)(message, details)
 
 

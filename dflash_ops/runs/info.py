@@ -6,10 +6,12 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dflash_ops.errors import DflashOpsError
+
 FINAL_STATES = ("stopped", "failed", "done")
 
 
-class RunError(Exception):
+class RunError(DflashOpsError):
     """A run operation failed; `details` is the helper's JSON error document (may be empty)."""
 
     def __init__(self, message: str, details: dict[str, Any] | None = None):
@@ -29,6 +31,10 @@ class GpusBusy(RunRefused):
     """Refused: a live run holds a requested GPU (details["conflicts"] names them)."""
 
 
+class NotDeployed(RunError):
+    """The target has no `current` release to run."""
+
+
 @dataclass
 class RunInfo:
     run_id: str
@@ -39,6 +45,7 @@ class RunInfo:
     log_tail: str | None = None
     release: str | None = None
     heartbeat_age: float | None = None
+    launched: float | None = None
     checkpoints: list[int] = field(default_factory=list)
     has_status: bool = False
     version: int | None = None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, run_dir
-from dflash_ops.runs.info import RunError, RunInfo, RunNotFound
+from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
 
 REQUEST_KINDS = ("checkpoint", "stop")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
@@ -27,10 +27,27 @@ def run_status(container, run_id: str) -> RunInfo:
     return RunInfo.from_json(doc["runs"][0])
 
 
+def latest_run(runs: list[RunInfo]) -> RunInfo | None:
+    """The run launched last (launch.json time, else its status' start time, else its id)."""
+    if not runs:
+        return None
+    return max(runs, key=lambda r: (r.launched or r.started or 0.0, r.run_id))
+
+
+def resolve_run(container, run_id: str | None) -> RunInfo:
+    """The status of run_id, or of the target's latest run when run_id is None."""
+    if run_id is not None:
+        return run_status(container, run_id)
+    latest = latest_run(list_runs(container))
+    if latest is None:
+        raise RunNotFound(f"no runs on {container.target.name} yet: start one with `dflash-ops run start`")
+    return latest
+
+
 def new_run_id(name: str | None = None, now: float | None = None) -> str:
     prefix = name or "run"
     if not NAME_RE.match(prefix):
-        raise ValueError(f"run name {prefix!r}: use letters, digits, '.', '_' and '-'")
+        raise RunError(f"run name {prefix!r}: use letters, digits, '.', '_' and '-'")
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 
 
@@ -48,7 +65,12 @@ def _start(container, run_id: str, extra: list[str], stdin: bytes | None, gpus: 
     args = ["start", "--base", container.base_dir, "--run-id", run_id,
             "--release-root", _release_root(container), "--python", container.target.python,
             *extra, *_gpu_args(container, gpus)]
-    return call_json(container, args, stdin=stdin)
+    try:
+        return call_json(container, args, stdin=stdin)
+    except NotDeployed as e:
+        name = container.target.name
+        what = f"nothing is deployed on {name} yet (no {_release_root(container)})" if e.details.get("not_deployed") else str(e)
+        raise NotDeployed(f"{what}: run `dflash-ops deploy {name}` first", e.details) from None
 
 
 def start_run(container, config_path_local: Path | str, name: str | None = None,
@@ -64,11 +86,20 @@ def start_run(container, config_path_local: Path | str, name: str | None = None,
     config = Path(config_path_local).read_bytes()
     if resume is not None and run_id is None:
         raise ValueError("resuming with a new config needs the run_id of the run to resume")
-    run_id = run_id or new_run_id(name)
     extra = ["--config", "-"]
     if resume is not None:
         extra += ["--resume", str(resume)]
-    return _start(container, run_id, extra, config, gpus)["run_id"]
+    if run_id is not None:
+        return _start(container, run_id, extra, config, gpus)["run_id"]
+    base_id = new_run_id(name)
+    for attempt in range(1, 10):
+        candidate = base_id if attempt == 1 else f"{base_id}-{attempt}"
+        try:
+            return _start(container, candidate, extra, config, gpus)["run_id"]
+        except RunRefused as e:
+            if not e.details.get("exists"):
+                raise
+    raise RunRefused(f"run ids {base_id}..-9 all exist; pass a run id or --name")
 
 
 def resume_run(container, run_id: str, from_step: int | None = None, gpus: list[int] | None = None) -> str:
@@ -120,23 +151,48 @@ def wait_for_checkpoint(container, run_id: str, request_id: str, timeout: float 
 
 
 def wait_until_final(container, run_id: str, timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
+    """Wait for a final state AND the trainer's exit (it writes `stopped` before it tears down),
+    so that a resume right after never finds the run still running."""
     deadline = time.monotonic() + timeout
     while True:
         info = run_status(container, run_id)
-        if info.final:
+        if info.final and not info.alive:
             return info
         if time.monotonic() > deadline:
-            raise TimeoutError(f"run {run_id} still {info.effective_state} after {timeout:g}s")
+            still = f"{info.effective_state} but pid {info.pid} has not exited" if info.final else info.effective_state
+            raise TimeoutError(f"run {run_id} still {still} after {timeout:g}s")
         time.sleep(poll)
 
 
-def stop_run(container, run_id: str, now: bool = False, wait: bool = True,
+def checkpoint_run(container, run_id: str, wait: bool = False, timeout: float = 600.0,
+                   poll: float = 1.0) -> tuple[str, str | None]:
+    """Ask a live run for a checkpoint; returns (request id, checkpoint path when waited for)."""
+    info = run_status(container, run_id)
+    if info.final:
+        raise RunError(f"run {run_id} is {info.effective_state}; only a live run can checkpoint")
+    request_id = request(container, run_id, "checkpoint")
+    if not wait:
+        return request_id, None
+    return request_id, wait_for_checkpoint(container, run_id, request_id, timeout=timeout, poll=poll)
+
+
+def stop_run(container, run_id: str, now: bool = False, kill: bool = False, wait: bool = True,
              timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
-    """Stop a run: by a `stop` request (final checkpoint, state stopped), or with now=True by
-    SIGKILL of the verified pid (no checkpoint; for a trainer that no longer answers)."""
-    if now:
+    """Stop a run and (by default) wait until its state is final.
+
+    Default: a `stop` request, served at the next step boundary (final checkpoint, `stopped`).
+    now=True: SIGTERM to the verified pid; the trainer checkpoints and stops at once, without
+    waiting for the control poll. kill=True: SIGKILL (no checkpoint; for a trainer that no
+    longer answers; the run then reads as failed).
+    """
+    info = run_status(container, run_id)
+    if info.final and not info.alive:
+        return info
+    if kill:
         signal_run(container, run_id, "KILL")
-    else:
+    elif now:
+        signal_run(container, run_id, "TERM")
+    elif not info.final:
         request(container, run_id, "stop")
     if not wait:
         return run_status(container, run_id)

@@ -21,3 +21,19 @@ def tiny():
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg)
     return target, FrozenHead.from_target(target, "cpu"), drafter, layer_ids
+
+
+@pytest.fixture
+def fx_trace_threads(monkeypatch):
+    """Names of the threads that ran an FX trace (make_fx, AOTAutograd, eager flex with grad)."""
+    import threading
+
+    names = []
+    original = torch.fx._symbolic_trace.Tracer.trace
+
+    def recording_trace(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx._symbolic_trace.Tracer, "trace", recording_trace)
+    return names

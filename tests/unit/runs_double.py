@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash_ops.runs import ConnectionLost
+from dflash_ops.errors import ConnectionLost
 
 HELPERS = Path(__file__).resolve().parents[2] / "dflash_ops" / "helpers"
 FAKE_TRAINER = Path(__file__).resolve().parents[1] / "fake_trainer.py"

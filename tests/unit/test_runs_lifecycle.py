@@ -148,10 +148,58 @@ def test_signal_never_hits_a_reused_pid(container):
     assert not info.alive and info.effective_state == "failed"
 
 
-def test_stop_now_kills_without_checkpoint(container, tmp_path):
+def test_stop_kill_without_checkpoint(container, tmp_path):
     run_id = start(container, tmp_path, LONG, run_id="hung")
-    info = runs.stop_run(container, run_id, now=True, poll=0.02)
+    info = runs.stop_run(container, run_id, kill=True, poll=0.02)
     assert info.effective_state == "failed" and info.checkpoints == []
+
+
+def test_stop_now_is_sigterm_checkpoint_and_stopped(container, tmp_path):
+    run_id = start(container, tmp_path, LONG, run_id="term")
+    info = runs.stop_run(container, run_id, now=True, poll=0.02)
+    assert info.effective_state == "stopped" and info.checkpoints == [info.step]
+    events = [json.loads(l) for l in (container.base / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stop" and events[-1]["reason"] == "signal"
+    assert runs.stop_run(container, run_id).effective_state == "stopped"  # already final: nothing sent
+
+
+def test_start_without_release_says_deploy_first(tmp_path):
+    base = tmp_path / "empty"
+    base.mkdir()
+    with pytest.raises(runs.NotDeployed, match="run `dflash-ops deploy local` first"):
+        start(LocalHelperContainer(base), tmp_path, LONG)
+
+
+def test_generated_run_ids_never_collide(container, tmp_path):
+    first = start(container, tmp_path, "total_steps: 1\n", name="same")
+    second = start(container, tmp_path, "total_steps: 1\n", name="same")
+    assert first != second and second.startswith("same-")
+
+
+def test_latest_run_and_checkpoint_of_a_final_run(container, tmp_path):
+    start(container, tmp_path, "total_steps: 2\n", run_id="older")
+    time.sleep(0.01)
+    start(container, tmp_path, "total_steps: 2\n", run_id="newer")
+    assert runs.resolve_run(container, None).run_id == "newer"
+    runs.wait_until_final(container, "newer", poll=0.02)
+    with pytest.raises(RunError, match="only a live run can checkpoint"):
+        runs.checkpoint_run(container, "newer")
+
+
+def test_start_uses_the_release_venv_python(tmp_path):
+    base = tmp_path / "venvbase"
+    base.mkdir()
+    root = make_release(base)
+    venv_bin = base / "venvs" / "lock1" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(sys.executable)
+    meta = json.loads((root / ".dflash-release.json").read_text())
+    (root / ".dflash-release.json").write_text(json.dumps(dict(meta, venv="venvs/lock1")))
+    c = LocalHelperContainer(base)
+    run_id = start(c, tmp_path, "total_steps: 1\n", run_id="v")
+    launch = json.loads((base / "runs" / run_id / "launch.json").read_text())
+    assert launch["argv"][0] == str(venv_bin / "python")
+    runs.wait_until_final(c, run_id, poll=0.02)
 
 
 def test_run_status_of_missing_run(container):

@@ -1,0 +1,266 @@
+"""`dflash-ops run start|list|status|checkpoint|stop|resume`, `logs`, `metrics`, `pull`.
+
+A thin skin over dflash_ops.runs: every command is one library call (or two, when RUN is left
+out and the latest run is looked up first). Run ids go to stdout; hints go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_ops.cli.common import InventoryOption, clean_errors, fail, open_target, write_stdout
+
+run_app = typer.Typer(help="Start, inspect, checkpoint, stop and resume training runs.", no_args_is_help=True)
+
+Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
+Run = Annotated[str, typer.Argument(help="Run id (see `dflash-ops run list TARGET`).")]
+OptionalRun = Annotated[Optional[str], typer.Argument(help="Run id; default: the target's latest run.")]
+Timeout = Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds.")]
+
+
+def _hint(text: str) -> None:
+    typer.echo(text, err=True)
+
+
+def _announce(run_id: str, verb: str, target: str) -> None:
+    """The run id alone on stdout (for scripts), the follow hint on stderr."""
+    typer.echo(run_id)
+    _hint(f"{verb} {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
+
+
+def _parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        fail(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1", 2)
+
+
+def start(
+    target: Target,
+    config: Annotated[Path, typer.Option("--config", help="Trainer config YAML (local file), e.g. trainer/configs/tiny-cpu.yaml.")],
+    name: Annotated[Optional[str], typer.Option("--name", help="Run id prefix (default: run).")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    inventory: InventoryOption = None,
+) -> None:
+    """Start the trainer detached from TARGET's current release; prints the run id."""
+    from dflash_ops.runs import start_run
+
+    if not config.is_file():
+        fail(f"--config {config}: no such file", 2)
+    container = open_target(inventory, target)
+    with clean_errors():
+        run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
+    _announce(run_id, "started", target)
+
+
+def list_(
+    target: Target,
+    inventory: InventoryOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the helper's documents as JSON.")] = False,
+) -> None:
+    """Every run of TARGET (one pct invocation): state, step, loss, tokens/s, heartbeat age, release."""
+    from dflash_ops.runs import list_runs
+
+    container = open_target(inventory, target)
+    with clean_errors():
+        runs = list_runs(container)
+    if as_json:
+        typer.echo(json.dumps([r.raw for r in runs], indent=1, sort_keys=True))
+        return
+    if not runs:
+        _hint(f"no runs on {target} yet")
+        return
+    _print_table(runs)
+
+
+def status(
+    target: Target,
+    run: OptionalRun = None,
+    inventory: InventoryOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the helper's document as JSON.")] = False,
+) -> None:
+    """One run's state (default: the latest run); a failed run shows why and the tail of its log."""
+    from dflash_ops.runs import resolve_run
+    from dflash_ops.runs.report import status_detail
+
+    container = open_target(inventory, target)
+    with clean_errors():
+        info = resolve_run(container, run)
+    if as_json:
+        typer.echo(json.dumps(info.raw, indent=1, sort_keys=True))
+        return
+    _print_table([info])
+    for line in status_detail(info):
+        typer.echo(line)
+
+
+def checkpoint(
+    target: Target,
+    run: Run,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the trainer has written it.")] = False,
+    timeout: Timeout = 600.0,
+    inventory: InventoryOption = None,
+) -> None:
+    """Ask a live run for a checkpoint at its next step boundary."""
+    from dflash_ops.runs import checkpoint_run
+
+    container = open_target(inventory, target)
+    with clean_errors():
+        request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
+    if path is None:
+        typer.echo(f"checkpoint requested ({request_id}); wait for it with --wait")
+    else:
+        typer.echo(f"checkpoint {path} written (request {request_id})")
+
+
+def stop(
+    target: Target,
+    run: Run,
+    now: Annotated[bool, typer.Option("--now", help="SIGTERM: the trainer checkpoints and stops at once.")] = False,
+    kill: Annotated[bool, typer.Option("--kill", help="SIGKILL: no checkpoint (a trainer that no longer answers).")] = False,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Return once asked; do not wait for the final state.")] = False,
+    timeout: Timeout = 600.0,
+    inventory: InventoryOption = None,
+) -> None:
+    """Stop a run: a final checkpoint, then state `stopped` (resume it with `run resume`)."""
+    from dflash_ops.runs import stop_run
+
+    if now and kill:
+        fail("--now and --kill exclude each other", 2)
+    container = open_target(inventory, target)
+    with clean_errors():
+        info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
+    typer.echo(f"{info.run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}; "
+               f"last checkpoint {info.last_checkpoint or 'none'}")
+    if info.effective_state == "failed" and not kill:
+        raise typer.Exit(1)
+
+
+def resume(
+    target: Target,
+    run: Run,
+    from_step: Annotated[Optional[int], typer.Option("--from", help="Checkpoint step to resume from (default: latest).")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    inventory: InventoryOption = None,
+) -> None:
+    """Restart a stopped (or failed) run from its checkpoint on the current release; the step count continues."""
+    from dflash_ops.runs import resume_run
+
+    container = open_target(inventory, target)
+    with clean_errors():
+        run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
+    _announce(run_id, "resumed", target)
+
+
+def logs(
+    target: Target,
+    run: OptionalRun = None,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")] = False,
+    lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N lines (default: all).")] = None,
+    inventory: InventoryOption = None,
+) -> None:
+    """Print a run's train.log, byte for byte; with -f follow it, resuming after a dropped connection."""
+    _follow_cli(target, run, "train.log", follow, lines, inventory, write_stdout)
+
+
+def metrics(
+    target: Target,
+    run: OptionalRun = None,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")] = False,
+    lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N events (default: all).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The raw JSON lines of metrics.jsonl.")] = False,
+    inventory: InventoryOption = None,
+) -> None:
+    """A compact line per metrics event (step: loss, acc, lr, grad norm, tokens/s; eval: tau)."""
+    if as_json:
+        _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, write_stdout)
+        return
+    _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, _MetricPrinter().line)
+
+
+class _MetricPrinter:
+    def __init__(self):
+        self.total_steps: int | None = None
+
+    def line(self, raw: bytes) -> None:
+        from dflash_ops.runs.report import metric_line
+
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            write_stdout(raw)
+            return
+        if event.get("event") == "start":
+            self.total_steps = event.get("total_steps")
+        write_stdout((metric_line(event, self.total_steps) + "\n").encode())
+
+
+def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
+    from dflash_ops.runs import follow_file, resolve_run, run_status
+
+    container = open_target(inventory, target)
+    try:
+        with clean_errors():
+            run_id = run if run is not None else resolve_run(container, None).run_id
+            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow)
+            if not follow:
+                return
+            info = run_status(container, run_id)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    _hint(f"{run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}")
+    if info.effective_state == "failed":
+        raise typer.Exit(1)
+
+
+def pull(
+    target: Target,
+    run: Run,
+    dest: Annotated[Path, typer.Argument(help="Local directory; the checkpoint lands in DEST/step_N.")],
+    checkpoint_: Annotated[str, typer.Option("--checkpoint", help="'latest' or a step number.")] = "latest",
+    inventory: InventoryOption = None,
+) -> None:
+    """Copy a checkpoint out, each file verified against its manifest; a second pull resumes."""
+    from dflash_ops.runs import pull_checkpoint
+
+    if checkpoint_ != "latest" and not checkpoint_.isdigit():
+        fail(f"--checkpoint {checkpoint_!r}: expected 'latest' or a step number", 2)
+    container = open_target(inventory, target)
+    with clean_errors():
+        local = pull_checkpoint(container, run, checkpoint_, dest)
+    manifest = json.loads((local / "manifest.json").read_text())
+    size = sum(f["size"] for f in manifest["files"].values())
+    typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")
+
+
+def _print_table(runs) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_ops.runs.report import STATUS_COLUMNS, status_row
+
+    table = Table(*STATUS_COLUMNS, box=None)
+    for info in runs:
+        table.add_row(*status_row(info))
+    console = Console() if sys.stdout.isatty() else Console(width=1000)
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    run_app.command("start")(start)
+    run_app.command("list")(list_)
+    run_app.command("status")(status)
+    run_app.command("checkpoint")(checkpoint)
+    run_app.command("stop")(stop)
+    run_app.command("resume")(resume)
+    app.add_typer(run_app, name="run")
+    app.command("logs")(logs)
+    app.command("metrics")(metrics)
+    app.command("pull")(pull)

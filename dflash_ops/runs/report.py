@@ -1,0 +1,84 @@
+"""Text for people: one compact line per metrics event, and the fields of a run's status row."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dflash_ops.runs.info import RunInfo
+
+
+def _num(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _rate(value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
+    """One metrics.jsonl event as a short line, e.g. `step 40/300 loss 2.3456 acc 0.412 ...`."""
+    kind = event.get("event", "?")
+    step = event.get("step")
+    if kind == "step":
+        of = f"/{total_steps}" if total_steps else ""
+        text = (f"step {step}{of}  loss {_num(event.get('loss'), '.4f')}  acc {_num(event.get('acc'), '.3f')}"
+                f"  lr {_num(event.get('lr'), '.2e')}  gnorm {_num(event.get('grad_norm'), '.3g')}"
+                f"  {_rate(event.get('tokens_per_s'))} tok/s")
+        if event.get("recompiles"):
+            text += f"  recompiles {event['recompiles']}"
+        return text
+    if kind == "start":
+        resumed = event.get("resumed_from")
+        return f"start at step {step} of {event.get('total_steps')}" + (f" (resumed from {resumed})" if resumed else "")
+    if kind == "eval":
+        return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}"
+                f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}")
+    if kind == "checkpoint":
+        request = f" (request {event['request']})" if event.get("request") else ""
+        return f"checkpoint at step {step}: {event.get('path')} in {_num(event.get('seconds'), '.1f')}s{request}"
+    if kind == "stop":
+        return f"stop at step {step}: {event.get('reason')}"
+    if kind == "error":
+        return f"error at step {step} in {event.get('thread')}: {event.get('message')}"
+    if kind == "warmup":
+        return f"warmup: {len(event.get('shapes') or [])} shapes in {_num(event.get('seconds'), '.1f')}s"
+    extra = {k: v for k, v in event.items() if k not in ("event", "time", "step")}
+    return f"{kind} at step {step}: {json.dumps(extra, sort_keys=True)}"
+
+
+STATUS_COLUMNS = ("run", "state", "step", "loss", "tok/s", "heartbeat", "release")
+
+
+def status_row(info: RunInfo) -> tuple[str, ...]:
+    step = "-" if info.step is None else (f"{info.step}/{info.total_steps}" if info.total_steps else str(info.step))
+    return (info.run_id, info.effective_state, step, _num(info.loss, ".4f"), _rate(info.tokens_per_s),
+            _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
+
+
+def status_detail(info: RunInfo) -> list[str]:
+    """The lines `run status TARGET RUN` prints below the row: why it failed, checkpoints, log tail."""
+    lines = []
+    if info.reason:
+        lines.append(f"reason: {info.reason}")
+    if info.error:
+        lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
+    lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
+    if info.gpus:
+        lines.append(f"gpus: {','.join(map(str, info.gpus))}")
+    if info.effective_state == "failed" and info.log_tail:
+        lines.append("log tail:")
+        lines += ["  " + line for line in info.log_tail.rstrip("\n").splitlines()]
+    return lines

@@ -1,0 +1,215 @@
+"""The run lifecycle and guarded patches through the CLI, on the simulated node and a real sshd.
+
+The release is a small `trainer` package: the fake trainer as __main__ (steps in milliseconds)
+plus the sample module the field's patches were written against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import dflash_ops.cli.runs as cli_runs
+from dflash_ops import runs
+from dflash_ops.cli import app
+from dflash_ops.container import Container
+from dflash_ops.deploy import deploy_target
+from dflash_ops.inventory import load_inventory
+from dflash_ops.transport.local import LocalTransport
+from tests.conftest import write_sim_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = REPO / "tests" / "fixtures" / "patches"
+LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
+
+
+def fake_package(root: Path) -> Path:
+    package = root / "src" / "trainer"
+    shutil.copytree(PATCHES / "release" / "trainer", package)
+    shutil.copyfile(REPO / "tests" / "fake_trainer.py", package / "__main__.py")
+    return package
+
+
+class Tier:
+    def __init__(self, inventory: Path, container: Container):
+        self.inventory = inventory
+        self.container = container
+        self.base = Path(container.base_dir)
+
+    def cli(self, *args: str, code: int | None = 0):
+        result = CliRunner().invoke(app, [*args, "--inventory", str(self.inventory)])
+        if code is not None:
+            assert result.exit_code == code, (result.stdout, result.stderr, result.exception)
+        return result
+
+
+@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+def tier(request, tmp_path):
+    if request.param == "sim":
+        inventory = write_sim_inventory(tmp_path / "simnode")
+        transport = LocalTransport()
+    else:
+        from dflash_ops.transport.ssh import SSHTransport
+
+        node = request.getfixturevalue("sshd_node")
+        shutil.rmtree(node.base_dir, ignore_errors=True)
+        inventory = node.inventory
+        transport = SSHTransport(load_inventory(inventory).target("host200").node)
+    container = Container(load_inventory(inventory).target("host200"), transport)
+    t = Tier(inventory, container)
+    t.package = fake_package(tmp_path)
+    yield t
+    for info in runs.list_runs(container):
+        if info.alive:
+            runs.signal_run(container, info.run_id, "KILL")
+    transport.close()
+
+
+def deployed(tier: Tier) -> str:
+    return deploy_target(tier.container, source=tier.package, venv=None).release
+
+
+def config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def metrics_events(tier: Tier, run_id: str) -> list[dict]:
+    return [json.loads(line) for line in (tier.base / "runs" / run_id / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_start_before_deploy_says_deploy_first(tier, tmp_path):
+    result = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), code=1)
+    assert "nothing is deployed on host200 yet" in result.stderr
+    assert "run `dflash-ops deploy host200` first" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path):
+    release = deployed(tier)
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--name", "cycle",
+                      "--gpus", "0,1").stdout.strip()
+    assert run_id.startswith("cycle-")
+    busy = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--gpus", "1", code=1)
+    assert f"GPUs busy: {run_id}" in busy.stderr and "holds GPU 1" in busy.stderr
+
+    written = tier.cli("run", "checkpoint", "host200", run_id, "--wait").stdout
+    assert written.startswith("checkpoint checkpoints/step_") and " written (request " in written
+    listed = tier.cli("run", "list", "host200").stdout
+    assert run_id in listed and "running" in listed and release in listed
+
+    stopped = tier.cli("run", "stop", "host200", run_id).stdout
+    status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
+    assert status["effective_state"] == "stopped" and f"stopped at step {status['step']}" in stopped
+    stopped_at = status["step"]
+
+    assert tier.cli("run", "resume", "host200", run_id).stdout.strip() == run_id
+    info = runs.stop_run(tier.container, run_id, now=True, poll=0.05)  # --now: SIGTERM, checkpoint
+    assert info.effective_state == "stopped" and info.step >= stopped_at
+    starts = [e for e in metrics_events(tier, run_id) if e["event"] == "start"]
+    assert [s["step"] for s in starts] == [0, stopped_at]  # the step count continues
+    assert starts[1]["resumed_from"] == f"checkpoints/step_{stopped_at}"
+
+    log = (tier.base / "runs" / run_id / "train.log").read_bytes()
+    assert tier.cli("logs", "host200", run_id, "-f").stdout_bytes == log  # final run: -f returns
+    assert tier.cli("logs", "host200", "-n", "2").stdout_bytes == b"".join(log.splitlines(keepends=True)[-2:])
+    pretty = tier.cli("metrics", "host200", run_id).stdout.splitlines()
+    assert pretty[0] == "start at step 0 of 1000000" and pretty[-1].startswith(f"stop at step {info.step}: signal")
+
+    dest = tmp_path / "pulled"
+    pulled = tier.cli("pull", "host200", run_id, str(dest)).stdout
+    assert "sha256 verified" in pulled
+    remote = tier.base / "runs" / run_id / "checkpoints" / f"step_{info.step}"
+    for rel in ("state.bin", "optim/adam.bin", "manifest.json"):
+        assert (dest / f"step_{info.step}" / rel).read_bytes() == (remote / rel).read_bytes()
+
+
+def test_dead_run_is_failed_with_its_log_tail(tier, tmp_path):
+    deployed(tier)
+    run_id = tier.cli("run", "start", "host200", "--config",
+                      config(tmp_path, "total_steps: 100000\nvanish_at_step: 20\n")).stdout.strip()
+    for _ in range(500):
+        status = json.loads(tier.cli("run", "status", "host200", "--json").stdout)
+        if not status["alive"]:
+            break
+        time.sleep(0.02)
+    shown = tier.cli("run", "status", "host200").stdout
+    assert run_id in shown and "failed" in shown and "process died without saying so" in shown
+    assert "step 19 line 0" in shown  # the log tail
+    assert tier.cli("logs", "host200", run_id, "-f", code=1).stderr.strip() == f"{run_id}: failed at step 19"
+
+
+@pytest.mark.sshd
+def test_logs_follow_survives_dropped_connections(sshd_node, tmp_path, monkeypatch):
+    """Kill every SSH session mid-stream, twice, while `logs -f` follows a live run: the
+    received bytes must equal train.log exactly (no line lost, none repeated)."""
+    from dflash_ops.transport.ssh import SSHTransport
+
+    shutil.rmtree(sshd_node.base_dir, ignore_errors=True)
+    target = load_inventory(sshd_node.inventory).target("host200")
+    tier = Tier(sshd_node.inventory, Container(target, SSHTransport(target.node)))
+    tier.package = fake_package(tmp_path)
+    deployed(tier)
+    tier.container.transport.close()
+    run_id = tier.cli("run", "start", "host200", "--config",
+                      config(tmp_path, "total_steps: 400\nstep_seconds: 0.005\nlog_lines: 3\n")).stdout.strip()
+    received: list[bytes] = []
+    kills = []
+
+    def record(line: bytes) -> None:
+        received.append(line)
+        if len(received) in (100, 500):
+            kills.append(sshd_node.kill_sessions())
+
+    monkeypatch.setattr(cli_runs, "write_stdout", record)
+    tier.cli("logs", "host200", run_id, "-f")
+    assert len(kills) == 2 and all(kills)
+    assert b"".join(received) == (tier.base / "runs" / run_id / "train.log").read_bytes()
+    assert received[-1] == b"done\n"
+
+
+def test_patch_check_refuses_broken_accepts_fixed_then_release_and_rollback(tier, tmp_path):
+    first = deployed(tier)
+    broken = tier.cli("patch", "host200", str(PATCHES / "broken_warmup_inside_class.diff"), "--check", code=1)
+    assert "patch REFUSED" in broken.stdout
+    assert "BatchPrefetcher.__iter__ (was line 34) → select_target_warmup_shapes.__iter__" in broken.stdout
+    assert "select_target_warmup_shapes.__iter__ is unreachable" in broken.stdout
+    assert "refused by the structural guard" in broken.stderr
+
+    fixed = str(PATCHES / "fixed_warmup_at_module_level.diff")
+    checked = tier.cli("patch", "host200", fixed, "--check").stdout
+    assert "patch OK" in checked and "import trainer.data: ok" in checked and "nothing changed" in checked
+    assert os.readlink(tier.base / "current") == f"releases/{first}"
+    assert not list((tier.base / "patches").iterdir())  # the scratch copy is gone
+
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()
+    applied = tier.cli("patch", "host200", fixed, "--restart", run_id).stdout
+    new = os.readlink(tier.base / "current").removeprefix("releases/")
+    assert new != first and f"release {new} (parent {first}) is current" in applied
+    meta = json.loads((tier.base / "current" / ".dflash-release.json").read_text())
+    assert meta["parent"] == first
+    assert "def select_target_warmup_shapes" in (tier.base / "current" / "trainer" / "data.py").read_text()
+    assert (tier.base / "runs" / run_id / "release").read_text().strip() == new  # resumed on the new release
+    starts = [e for e in metrics_events(tier, run_id) if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed_from"] is not None
+
+    assert tier.cli("rollback", "host200").stdout.strip() == f"host200: current {new} -> {first}"
+    assert os.readlink(tier.base / "current") == f"releases/{first}"
+    assert "no parent" in tier.cli("rollback", "host200", code=1).stderr
+
+
+def test_patch_that_does_not_import_is_refused(tier, tmp_path):
+    first = deployed(tier)
+    diff = tmp_path / "bad-import.diff"
+    diff.write_text("--- a/trainer/data.py\n+++ b/trainer/data.py\n@@ -1,1 +1,2 @@\n"
+                    "+import no_such_module_anywhere\n"
+                    f" {(tier.package / 'data.py').read_text().splitlines()[0]}\n")
+    refused = tier.cli("patch", "host200", str(diff), code=1)
+    assert "import trainer.data: FAILED: trainer/data.py:1: ModuleNotFoundError" in refused.stdout
+    assert os.readlink(tier.base / "current") == f"releases/{first}"

@@ -1,0 +1,102 @@
+"""The threaded pipeline on CPU: same numbers as the reference loop, prompt failure, clean stop."""
+import json
+import threading
+
+import pytest
+
+from trainer.config import parse_config
+from trainer.loop import train
+
+CONFIG = """
+model:
+  target:
+    tiny: {layers: 4, hidden: 32, heads: 4, kv_heads: 2, head_dim: 8, intermediate: 64, fit_steps: 0}
+  drafter_layers: 1
+  block_size: 4
+  num_target_layers: 2
+  dtype: fp32
+  loss_chunk: 256
+data:
+  synthetic: {n_train: 200, n_eval: 4, seed: 0, min_len: 8, max_len: 30}
+  max_length: 64
+  num_anchors: 8
+  token_budget: 256
+  bucket_edges: [32, 64]
+  pad_multiple: 16
+optim: {lr: 0.003, total_steps: 4, micro_batches: 3}
+devices: {target: [%(targets)s], drafter: [%(drafters)s]}
+run: {log_every: 1, threads: 1}
+eval: {samples: 2, max_new_tokens: 4}
+pipeline: {kind: %(kind)s, pad_to_warm_shapes: %(pad)s}
+"""
+
+
+def config(kind="threaded", targets="cpu, cpu", drafters="cpu, cpu", pad="auto"):
+    return parse_config(CONFIG % dict(kind=kind, targets=targets, drafters=drafters, pad=pad))
+
+
+def events(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def status(run_dir):
+    return json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pad", ["never", "always"])
+def test_threaded_pipeline_matches_reference_loop(tmp_path, pad, fx_trace_threads):
+    assert train(config(kind="reference", targets="cpu", drafters="cpu"), tmp_path / "ref") == 0
+    assert train(config(pad=pad), tmp_path / "thr") == 0
+    ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
+    assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3, 4]
+    for a, b in zip(ref, thr):
+        for key in ("loss", "acc", "grad_norm", "lr"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+        assert b["recompiles"] == 0
+        assert set(b["queues"]) >= {"prefetch->target0", "target1->drafter1"}
+        assert {g["role"] for g in b["gpus"]} == {"cpu"}
+    assert status(tmp_path / "thr")["state"] == "done"
+    assert not [n for n in fx_trace_threads if n.startswith(("target", "drafter", "prefetch"))]
+
+
+@pytest.mark.slow
+def test_a_failing_stage_stops_every_thread_and_lands_in_status(tmp_path, monkeypatch):
+    import trainer.pipeline.workers as workers
+
+    calls = {"n": 0}
+    real = workers.pack_context_features
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("target exploded on purpose")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "pack_context_features", flaky)
+    before = {t.name for t in threading.enumerate()}
+    assert train(config(), tmp_path / "run") == 1
+    st = status(tmp_path / "run")
+    assert st["state"] == "failed"
+    assert st["error"]["message"] == "RuntimeError: target exploded on purpose"
+    assert st["error"]["thread"] in ("target0", "target1")
+    assert "flaky" in st["error"]["traceback"]
+    assert events(tmp_path / "run", "error")
+    leftover = {t.name for t in threading.enumerate() if t.is_alive()} - before
+    assert not leftover & {"prefetch", "target0", "target1", "drafter0", "drafter1"}
+
+
+@pytest.mark.slow
+def test_control_stop_checkpoints_and_stops_cleanly(tmp_path):
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    (run / "control" / "stop").write_text(json.dumps({"id": "req-1", "time": 0}))
+    assert train(config(), run) == 0
+    st = status(run)
+    assert st["state"] == "stopped" and st["step"] == 1
+    assert st["last_checkpoint"] == "checkpoints/step_1"
+    assert (run / "checkpoints" / "step_1" / "manifest.json").exists()
+    assert [e["request"] for e in events(run, "checkpoint")] == ["req-1"]
+    assert events(run, "stop")[0]["reason"] == "control"
+    assert not (run / "control" / "stop").exists()

@@ -1,0 +1,33 @@
+"""The human lines of `metrics` and `run status`."""
+
+from dflash_ops.runs import RunInfo, latest_run
+from dflash_ops.runs.report import metric_line, status_detail, status_row
+
+
+def test_step_event_is_one_compact_line():
+    line = metric_line({"event": "step", "time": 1.0, "step": 40, "loss": 2.34567, "acc": 0.4123, "lr": 0.003,
+                        "grad_norm": 1.234, "tokens_per_s": 23932.0}, total_steps=300)
+    assert line == "step 40/300  loss 2.3457  acc 0.412  lr 3.00e-03  gnorm 1.23  23.9k tok/s"
+
+
+def test_other_events():
+    assert metric_line({"event": "eval", "step": 300, "tau": 6.59375, "acc": 0.957, "samples": 16}) == \
+        "eval at step 300: acceptance length tau 6.594  acc 0.957  samples 16"
+    assert metric_line({"event": "start", "step": 202, "total_steps": 3000, "resumed_from": "checkpoints/step_202"}) == \
+        "start at step 202 of 3000 (resumed from checkpoints/step_202)"
+    assert metric_line({"event": "stop", "step": 9, "reason": "signal"}) == "stop at step 9: signal"
+    assert metric_line({"event": "future", "step": 1, "x": 2}) == 'future at step 1: {"x": 2}'
+
+
+def test_status_row_and_failed_detail():
+    info = RunInfo.from_json({"run_id": "r1", "state": "running", "effective_state": "failed", "step": 5,
+                              "total_steps": 10, "loss": 0.5, "tokens_per_s": 800.0, "release": "abc",
+                              "reason": "process died without saying so", "log_tail": "a\nb\n", "checkpoints": [4]})
+    assert status_row(info) == ("r1", "failed", "5/10", "0.5000", "800", "-", "abc")
+    assert status_detail(info) == ["reason: process died without saying so", "checkpoints: step_4", "log tail:",
+                                   "  a", "  b"]
+
+
+def test_latest_run_prefers_launch_time():
+    runs = [RunInfo(run_id="b", launched=1.0), RunInfo(run_id="a", launched=2.0), RunInfo(run_id="c")]
+    assert latest_run(runs).run_id == "a" and latest_run([]) is None

@@ -1,0 +1,95 @@
+"""Gradients of drafter replicas in one flat buffer each, summed across replicas in-process.
+
+Each replica's trainable parameters get `.grad` views into one flat buffer, followed by STAT
+slots (loss_sum, weight_sum, correct_sum). Backward runs on the *unnormalised* loss sum, so one
+all-reduce of the flat buffers gives the gradient of (sum of losses) and the total weight of the
+whole step (all micro-batches, all replicas); `finish_step` then divides by that weight and clips,
+all on the device (the grad norm stays a tensor: no `.item()`).
+
+Across CUDA replicas the sum is `torch.cuda.nccl.all_reduce` on each replica's own stream (so it
+is ordered after that replica's backward without a host wait); on CPU it is a plain sum.
+"""
+from __future__ import annotations
+
+import torch
+
+from .stopping import StopAwareBarrier, StopSignal
+
+STATS = ("loss_sum", "weight_sum", "correct_sum")
+
+
+class FlatGrads:
+    """One replica's gradient buffer: `.grad` of every trainable parameter is a view into it."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("no trainable parameters")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"trainable parameters must share one dtype and device, got {dtypes} {devices}")
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.device = params[0].device
+        self.flat = torch.zeros(self.numel + len(STATS), dtype=params[0].dtype, device=self.device)
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.grads = self.flat[: self.numel]
+        self.stats = self.flat[self.numel :]
+
+    def add_stats(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor, correct_sum: torch.Tensor) -> None:
+        values = torch.stack([loss_sum.detach().float(), weight_sum.float(), correct_sum.float()])
+        self.stats.add_(values.to(self.flat.dtype))
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def check_views(self) -> None:
+        """Raise if something replaced a `.grad` (e.g. `optimizer.zero_grad(set_to_none=True)`)."""
+        for p in self.params:
+            if p.grad is None or p.grad.untyped_storage().data_ptr() != self.flat.untyped_storage().data_ptr():
+                raise RuntimeError("a parameter's .grad is no longer a view of the flat buffer")
+
+    def finish_step(self, max_norm: float | None) -> torch.Tensor:
+        """Normalise by the step's total weight, clip; returns the (pre-clip) grad norm tensor."""
+        weight = self.stats[1].clamp(min=1.0)
+        self.grads.div_(weight)
+        norm = torch.linalg.vector_norm(self.grads.float())
+        if max_norm is not None and max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            self.grads.mul_(coef.to(self.grads.dtype))
+        return norm
+
+
+class ReplicaAllReduce:
+    """Sum the flat buffers of all replicas; every replica thread calls `all_reduce(rank)`."""
+
+    def __init__(self, replicas: list[FlatGrads], streams: list, stop: StopSignal) -> None:
+        self.replicas = replicas
+        self.streams = streams
+        self._barrier = StopAwareBarrier(len(replicas), stop)
+        devices = [r.device for r in replicas]
+        self.mode = "none" if len(replicas) == 1 else "local"
+        if len(replicas) > 1 and all(d.type == "cuda" for d in devices):
+            if len(set(devices)) != len(devices):
+                raise ValueError(f"drafter replicas must be on distinct GPUs, got {devices}")
+            self.mode = "nccl"
+        elif len({d.type for d in devices}) > 1:
+            raise ValueError(f"drafter replicas mix device types: {devices}")
+
+    def all_reduce(self, rank: int) -> None:
+        if self.mode == "none":
+            return
+        self._barrier.wait()  # every replica has enqueued its backward
+        if rank == 0:
+            flats = [r.flat for r in self.replicas]
+            if self.mode == "nccl":
+                torch.cuda.nccl.all_reduce(flats, streams=self.streams)
+            else:
+                total = torch.stack(flats).sum(0)
+                for f in flats:
+                    f.copy_(total)
+        self._barrier.wait()  # the sum is enqueued (CUDA) or done (CPU) for everyone

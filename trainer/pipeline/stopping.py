@@ -1,0 +1,149 @@
+"""Shared stop signal and bounded, stop-aware queues between pipeline stages.
+
+Every blocking wait in the pipeline is a short timeout loop that re-checks the stop signal, so a
+crash in any thread (or a stop request) ends every other thread promptly instead of hanging it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+
+POLL_SECONDS = 0.05
+
+
+class PipelineStopped(Exception):
+    """Raised inside a stage when the run is stopping; the stage should just return."""
+
+
+@dataclass(frozen=True)
+class ThreadError:
+    thread: str
+    message: str
+    traceback: str
+
+
+class StopSignal:
+    """A stop event plus the first error that caused it (if any)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.error: ThreadError | None = None
+        self.reason: str | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+        self._event.set()
+
+    def fail(self, exc: BaseException, thread: str | None = None) -> None:
+        """Record the first error (later ones are usually consequences) and stop everyone."""
+        name = thread or threading.current_thread().name
+        with self._lock:
+            if self.error is None:
+                tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+                self.error = ThreadError(name, f"{type(exc).__name__}: {exc}", tb)
+            if self.reason is None:
+                self.reason = "error"
+        self._event.set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+    def check(self) -> None:
+        if self._event.is_set():
+            raise PipelineStopped(self.reason)
+
+
+class StageQueue:
+    """A bounded queue (backpressure) whose put/get give up when the run stops."""
+
+    def __init__(self, name: str, maxsize: int, stop: StopSignal) -> None:
+        if maxsize < 1:
+            raise ValueError(f"queue {name!r}: maxsize must be >= 1, got {maxsize}")
+        self.name = name
+        self.maxsize = maxsize
+        self._q: queue.Queue = queue.Queue(maxsize)
+        self._stop = stop
+
+    def put(self, item) -> None:
+        while True:
+            self._stop.check()
+            try:
+                self._q.put(item, timeout=POLL_SECONDS)
+                return
+            except queue.Full:
+                continue
+
+    def get(self):
+        while True:
+            self._stop.check()
+            try:
+                return self._q.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
+
+    def depth(self) -> int:
+        return self._q.qsize()
+
+
+class StageThread(threading.Thread):
+    """A daemon thread running `body()`; any exception fails the whole run via the stop signal."""
+
+    def __init__(self, name: str, body, stop: StopSignal) -> None:
+        super().__init__(name=name, daemon=True)
+        self._body = body
+        self._stop_signal = stop
+
+    def run(self) -> None:
+        try:
+            self._body()
+        except PipelineStopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach status.json
+            self._stop_signal.fail(exc, self.name)
+
+
+def join_all(threads: list[threading.Thread], stop: StopSignal, grace_seconds: float = 30.0) -> list[str]:
+    """Join threads; returns the names of any that did not finish within the grace period."""
+    import time
+
+    stopped_at = None
+    for t in threads:
+        while t.is_alive():
+            t.join(POLL_SECONDS)
+            if stop.is_set():
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > grace_seconds:
+                    break
+    return [t.name for t in threads if t.is_alive()]
+
+
+class StopAwareBarrier:
+    """A reusable barrier for `parties` threads whose wait gives up when the run stops."""
+
+    def __init__(self, parties: int, stop: StopSignal) -> None:
+        self.parties = parties
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._count = 0
+        self._generation = 0
+
+    def wait(self) -> None:
+        with self._cond:
+            generation = self._generation
+            self._count += 1
+            if self._count == self.parties:
+                self._count = 0
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            while generation == self._generation:
+                self._stop.check()
+                self._cond.wait(POLL_SECONDS)

@@ -1,0 +1,323 @@
+"""The threaded trainer: prefetcher -> target workers -> drafter replicas, one thread per device role.
+
+Reuses the reference `Trainer` for setup, resume, evaluation and the final checkpoint; replaces
+the step loop. See trainer/pipeline/__init__.py for the stages and compile_safety.py for why the
+warm-up happens on one thread before any worker starts.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.loop import Trainer, autocast_for
+from trainer.masks import prepare_blocks
+from trainer.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.target import FrozenHead, target_context_features
+
+from .compile_safety import CompileGuard
+from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
+from .features import allocate_slots
+from .flops import drafter_step_flops, peak_tflops, target_forward_flops
+from .grad_sync import FlatGrads, ReplicaAllReduce
+from .prefetch import BatchPrefetcher
+from .shapes import WarmShapes
+from .stopping import StageQueue, StageThread, StopSignal, join_all
+from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
+
+
+class _StateOnly:
+    """Stands in for a module/optimizer/scheduler in CheckpointManager.save: a CPU snapshot."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class ThreadedTrainer(Trainer):
+    # ------------------------------------------------------------------ replicas
+    def build_replicas(self) -> None:
+        cfg, c = self.cfg, self.c
+        self.target_devices = [torch.device(d) for d in cfg.devices.target]
+        self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
+        self.targets = [c.target if d == torch.device(c.target_device) else copy.deepcopy(c.target).to(d)
+                        for d in self.target_devices]
+        self.drafters, self.heads, self.optimizers, self.schedulers = [c.drafter], [c.head], [c.optimizer], [c.scheduler]
+        for d in self.drafter_devices[1:]:
+            replica = copy.deepcopy(c.drafter).to(d)
+            opt = build_optimizer(replica.parameters(), cfg.optim)
+            opt.load_state_dict(c.optimizer.state_dict())
+            sched = build_scheduler(opt, cfg.optim)
+            sched.load_state_dict(c.scheduler.state_dict())
+            self.drafters.append(replica)
+            self.heads.append(c.head if d == torch.device(c.drafter_device) else FrozenHead.from_target(c.target, d))
+            self.optimizers.append(opt)
+            self.schedulers.append(sched)
+        self.flats = [FlatGrads(list(m.parameters())) for m in self.drafters]
+        self.replica_keys = [str(d) if len(self.drafter_devices) == 1 else f"{d}#drafter{r}"
+                             for r, d in enumerate(self.drafter_devices)]
+        self.autocast_dtype = {d: (torch.bfloat16 if d.type == "cuda" and cfg.model.dtype == "bf16" else None)
+                               for d in self.drafter_devices}
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self) -> None:
+        """Every drafter device, every warm shape, forward + backward, on this one thread; then freeze."""
+        cfg, c = self.cfg, self.c
+        remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
+        self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
+        mode = cfg.pipeline.pad_to_warm_shapes
+        self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
+        shapes = self.warm.shapes()
+        self.guard = CompileGuard()
+        self.rd.update(state="warmup")
+        began = time.time()
+        gen = torch.Generator().manual_seed(12345)
+        layer_ids = c.drafter.config.target_layer_ids
+        for rank, device in enumerate(self.drafter_devices):
+            def step(shape, rank=rank, device=device):
+                b, seq = shape
+                ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
+                blocks = prepare_blocks(ids, torch.ones_like(ids, dtype=torch.bool), cfg.data.num_anchors,
+                                        cfg.model.block_size, c.gamma, c.drafter.config.mask_token_id, gen).to(device)
+                with torch.inference_mode():
+                    feats = target_context_features(self.targets[0], ids.to(self.target_devices[0]),
+                                                    torch.ones_like(ids).to(self.target_devices[0]), layer_ids)
+                feats = feats.clone().to(device)
+                with autocast_for(str(device), cfg.model.dtype):
+                    from trainer.objective import drafter_loss_sums
+
+                    loss, _, _ = drafter_loss_sums(self.drafters[rank], self.heads[rank], feats, blocks,
+                                                   self.backend, cfg.model.loss_chunk)
+                    loss.backward()
+
+            self.guard.warm_up(self.replica_keys[rank], shapes, step)
+        for flat in self.flats:
+            flat.zero()
+        for device in set(self.target_devices + self.drafter_devices):
+            if is_cuda(device):
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+        self.guard.freeze()
+        seconds = time.time() - began
+        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
+        self.rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
+                    f"took {seconds:.1f}s; compiles frozen")
+
+    # ------------------------------------------------------------------ the threaded loop
+    def _build_pipeline(self):
+        cfg, c = self.cfg, self.c
+        M, T, R = cfg.optim.micro_batches, len(self.target_devices), len(self.drafter_devices)
+        first = self.step
+        count = (cfg.optim.total_steps - first) * M
+        stop = self.stop = StopSignal()
+        p = cfg.pipeline
+        self.target_inputs = [StageQueue(f"prefetch->target{t}", p.prefetch, stop) for t in range(T)]
+        self.feature_queues = [[StageQueue(f"target{t}->drafter{r}", p.queue_depth, stop) for t in range(T)]
+                               for r in range(R)]
+        self.data_states: dict[int, dict] = {}
+        self.step_tokens: dict[int, int] = {}
+
+        def data_state():
+            return {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
+
+        def prepare(batch):
+            return prepare_blocks(batch.input_ids, batch.loss_mask, cfg.data.num_anchors, cfg.model.block_size,
+                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng)
+
+        prefetcher = BatchPrefetcher(c.train_data.next_batch, prepare, data_state, self.target_inputs, stop, count, M,
+                                     first, self.warm.shape_for if self.pad else None,
+                                     pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
+        build = prefetcher.build
+
+        def build_and_record(index):
+            mb = build(index)
+            self.data_states[index] = mb.data_state
+            self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
+            return mb
+
+        prefetcher.build = build_and_record
+        self.busy = {d: BusyMeter(d) for d in dict.fromkeys(self.target_devices + self.drafter_devices)}
+        layer_ids = c.drafter.config.target_layer_ids
+        width = len(layer_ids) * c.target.config.hidden_size
+        max_numel = max(b * s for b, s in self.warm.shapes()) * width
+        if not self.pad:
+            max_numel = max(max_numel, cfg.data.token_budget * width)
+        target_dtype = next(c.target.parameters()).dtype
+        route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
+        self.target_workers = [
+            TargetWorker(t, self.targets[t], d, layer_ids, width, self.target_inputs[t],
+                         [self.feature_queues[r][t] for r in range(R)],
+                         allocate_slots(p.queue_depth * R + 2, max_numel, target_dtype, d), stop, self.busy[d],
+                         len(range(t, count, T)), route)
+            for t, d in enumerate(self.target_devices)]
+        streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
+        reducer = ReplicaAllReduce(self.flats, streams, stop)
+        self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
+        self.served: set = set()
+        self.writer_q: queue.Queue = queue.Queue()
+        self.drafter_workers = []
+        for r, d in enumerate(self.drafter_devices):
+            settings = DrafterSettings(self.backend, cfg.model.loss_chunk, self.autocast_dtype[d], cfg.optim.grad_clip,
+                                       first, cfg.optim.total_steps, M, cfg.run.log_every)
+            self.drafter_workers.append(DrafterWorker(
+                r, R, d, self.drafters[r], self.heads[r], self.optimizers[r], self.schedulers[r], self.flats[r],
+                reducer, self.feature_queues[r], settings, stop, self.busy[d], self.guard,
+                self.metrics if r == 0 else None, self._on_step_end if r == 0 else None, streams[r]))
+        threads = [StageThread("prefetch", prefetcher.run, stop)]
+        threads += [StageThread(f"target{t}", w.run, stop) for t, w in enumerate(self.target_workers)]
+        threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
+        return threads
+
+    def _snapshot(self, step: int, request) -> None:
+        """On drafter 0's thread at a step boundary: copy state to the CPU (the only stall), write later."""
+        M = self.cfg.optim.micro_batches
+        last_index = (step - self.first_step) * M - 1
+        state = {**self.data_states[last_index], "rng": ckpt.rng_state()}
+        self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
+                           copy.deepcopy(self.schedulers[0].state_dict()), state, request))
+
+    def _on_step_end(self, step: int, _last) -> None:
+        self.step = step
+        for old in [i for i in self.data_states if i < (step - self.first_step - 1) * self.cfg.optim.micro_batches]:
+            self.data_states.pop(old, None)
+        requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
+        for r in requests:
+            self.served.add((r.kind, r.id, r.reason))
+        for r in requests:
+            if r.kind == "checkpoint":
+                self._snapshot(step, r)
+        stops = [r for r in requests if r.kind == "stop"]
+        if stops:
+            self._snapshot(step, stops[0])
+            self.stop.stop(stops[0].reason)
+            return
+        every = self.cfg.run.checkpoint_every
+        if every and step % every == 0 and step < self.cfg.optim.total_steps:
+            self._snapshot(step, None)
+
+    def _write_checkpoints(self) -> None:
+        while True:
+            item = self.writer_q.get()
+            if item is None:
+                return
+            step, model, optim, sched, state, request = item
+            path, seconds = self.checkpoints.save(step, _StateOnly(model), self.c.drafter.config.to_dict(),
+                                                  _StateOnly(optim), _StateOnly(sched), state)
+            rel = str(path.relative_to(self.run_dir))
+            self.rd.event("checkpoint", step, path=rel, seconds=round(seconds, 3),
+                          request=request.id if request else None)
+            self.rd.update(last_checkpoint=rel)
+            self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s (in the background)")
+            if request is not None:
+                self.control.done(request)
+
+    # ------------------------------------------------------------------ metrics
+    def _gpu_entries(self, busy: dict) -> list[dict]:
+        out = []
+        for i, d in enumerate(self.busy):
+            roles = [name for name, devs in (("target", self.target_devices), ("drafter", self.drafter_devices))
+                     if d in devs]
+            out.append({"index": d.index or 0 if is_cuda(d) else i, "role": "+".join(roles) if is_cuda(d) else "cpu",
+                        "busy": None if busy[d] is None else round(busy[d], 4), "mem_gb": peak_memory_gb(d)})
+        return out
+
+    def _flops_per_step(self) -> tuple[float, float]:
+        """Target and drafter FLOPs of one optimizer step at the padded warm shape mix (estimate)."""
+        cfg, c = self.cfg, self.c
+        b, seq = self.warm.shapes()[0]
+        mb = cfg.optim.micro_batches
+        return (mb * target_forward_flops(c.target.config, b, seq, max(c.drafter.config.target_layer_ids) + 1),
+                mb * drafter_step_flops(c.drafter.config, b, seq, cfg.data.num_anchors))
+
+    def _write_window(self, w: dict, since: tuple[int, float]) -> tuple[int, float]:
+        cfg = self.cfg
+        step, now = int(w["step"]), w["time"]
+        prev_step, prev_time = since
+        seconds = max(now - prev_time, 1e-9)
+        tokens = sum(self.step_tokens.get(s, 0) for s in range(prev_step, step))
+        weight = max(w["weight_sum"], 1e-6)
+        busy = {d: m.busy_fraction() for d, m in self.busy.items()}
+        m = {"loss": w["loss_sum"] / weight, "acc": w["correct_sum"] / weight,
+             "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
+             "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
+             "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
+             "queues": {q.name: q.depth() for q in self.target_inputs + [q for row in self.feature_queues for q in row]}}
+        peak = peak_tflops(torch.cuda.get_device_name(self.drafter_devices[0]) if is_cuda(self.drafter_devices[0]) else None)
+        if peak:
+            tf, df = self._flops_per_step()
+            steps = step - prev_step
+            m["mfu"] = {"target": round(tf * steps / seconds / (peak * 1e12 * len(self.target_devices)), 4),
+                        "drafter": round(df * steps / seconds / (peak * 1e12 * len(self.drafter_devices)), 4)}
+        self.rd.event("step", step, **m)
+        self.rd.update(step=step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"],
+                       recompiles=m["recompiles"])
+        self.rd.log(f"step {step}/{cfg.optim.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
+                    f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} "
+                    f"busy {[g['busy'] for g in m['gpus']]}")
+        return step, now
+
+    # ------------------------------------------------------------------ the run
+    def train_steps(self) -> str | None:
+        """Run the threads until done or stopped; returns the stop reason (None when done)."""
+        self.first_step = self.step
+        threads = self._build_pipeline()
+        writer = threading.Thread(target=self._write_checkpoints, name="checkpoint-writer", daemon=True)
+        writer.start()
+        since = (self.step, time.time())
+        for t in threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in threads) and not self.stop.is_set():
+                self.stop.wait(0.2)
+                for w in self.metrics.completed():
+                    since = self._write_window(w, since)
+            lingering = join_all(threads, self.stop)
+            if lingering:
+                self.rd.log(f"threads still running after stop: {lingering}")
+            if self.stop.error is None:
+                for w in self.metrics.drain():
+                    since = self._write_window(w, since)
+        finally:
+            self.writer_q.put(None)
+            writer.join()
+            self.guard.unfreeze()
+        if self.stop.error is not None:
+            raise PipelineFailed(self.stop.error)
+        return self.stop.reason
+
+    def setup(self, resume: str | None):
+        rel = super().setup(resume)
+        self.build_replicas()
+        self.rd.update(gpus=sorted({d.index or 0 for d in self.busy_devices() if is_cuda(d)}))
+        return rel
+
+    def error_record(self, exc: BaseException) -> dict:
+        if isinstance(exc, PipelineFailed):
+            e = exc.error
+            return {"message": e.message, "traceback": e.traceback, "thread": e.thread}
+        return super().error_record(exc)
+
+    def busy_devices(self):
+        return list(dict.fromkeys(self.target_devices + self.drafter_devices))
+
+
+class PipelineFailed(RuntimeError):
+    def __init__(self, error):
+        super().__init__(error.message)
+        self.error = error

@@ -15,7 +15,6 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py hash-files ROOT PATH...
 
 Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
-Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
 5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
 again from the offset reached).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from dflash_ops.inventory import load_inventory
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.detail import RunDetailScreen
 from dflash_ops.tui.remote import RemoteSource
-from tests.unit.runs_double import make_release
+from tests.unit.runs_double import eventually, make_release
 
 TARGET = "host200"
 SLOW_RUN = "total_steps: 1000000\nstep_seconds: 0.02\n"
@@ -63,13 +62,6 @@ def remote(request, tmp_path):
     yield remote
     remote.close()
 
-
-def eventually(predicate, what: str, tries: int = 3000) -> None:
-    for _ in range(tries):
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"gave up waiting for: {what}")
 
 
 class Follower:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from dflash_ops.runs import ConnectionLost, RunNotFound
 from dflash_ops.runs.helper import EXIT_TIME_UP
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, Drop, LocalHelperContainer, make_release  # noqa: E402
+from runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release  # noqa: E402
 
 RUNS_HELPER = str(HELPERS / "runs.py")
 
@@ -140,13 +139,6 @@ def test_unterminated_last_line_is_handed_on_only_at_a_normal_end(container):
 
 
 # ---------------------------------------------------------------- cancelling a follow (stop)
-
-def eventually(predicate, what: str, tries: int = 2000) -> None:
-    for _ in range(tries):
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"gave up waiting for: {what}")
 
 
 def test_helper_max_seconds_ends_a_live_follow_after_its_last_complete_line(tmp_path):

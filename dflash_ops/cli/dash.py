@@ -10,25 +10,26 @@ from typing import Annotated, Optional
 
 import typer
 
+from dflash_ops.cli.common import InventoryOption, clean_errors, load
 from dflash_ops.tui.source import DashSource, LocalDirSource
 
 
 def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
-    """The DashSource for inventory targets.
+    """A RemoteSource over the inventory's targets (all of them when none are named).
 
-    COORDINATOR: this is the one place to wire once `cmd` (inventory, Container, cli.common)
-    and `guard` (dflash_ops.runs) are merged; the code below is written against their
-    branches as of this commit and falls back to a clear error while they are absent.
+    The inventory and the target names are checked here, up front (clean one-line errors);
+    containers are opened later, in the dashboard's worker threads, with the plain library
+    call, so an unreachable node shows as "disconnected: ..." on its target and is retried.
     """
-    try:
-        from dflash_ops.cli.common import load, open_target
-        from dflash_ops.tui.remote import RemoteSource
-    except ImportError as exc:
-        raise typer.BadParameter(
-            f"inventory targets need the command layer ({exc}); use --local NAME=DIR or --demo"
-        ) from None
-    names = targets or sorted(load(inventory).targets)
-    return RemoteSource({name: (lambda name=name: open_target(inventory, name)) for name in names})
+    from dflash_ops.connect import open_container
+    from dflash_ops.tui.remote import RemoteSource
+
+    loaded = load(inventory)
+    names = targets or sorted(loaded.targets)
+    with clean_errors():
+        for name in names:
+            loaded.target(name)
+    return RemoteSource({name: (lambda name=name: open_container(loaded, name)) for name in names})
 
 
 def parse_local(specs: list[str]) -> dict[str, Path]:
@@ -45,7 +46,7 @@ def register(app: typer.Typer) -> None:
     @app.command("dash")
     def dash(
         targets: Annotated[Optional[list[str]], typer.Argument(help="Targets to follow (default: all)")] = None,
-        inventory: Annotated[Optional[Path], typer.Option("--inventory", help="Inventory YAML")] = None,
+        inventory: InventoryOption = None,
         local: Annotated[
             Optional[list[str]],
             typer.Option("--local", help="NAME=BASE_DIR: follow BASE_DIR/runs/* on this machine (repeatable)"),

@@ -4,6 +4,7 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
 
   runs.py list BASE [--run ID]
   runs.py follow PATH --offset N [--tail-lines N] [--follow] [--poll S] [--until-final RUNDIR]
+                 [--max-seconds S]
   runs.py control RUNDIR checkpoint|stop
   runs.py start --base BASE --run-id ID --config FILE|- --release-root DIR --python PY
                 [--resume latest|STEP] [--gpus 0,1] [--env KEY=VALUE ...] [--wait S]
@@ -14,7 +15,8 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py hash-files ROOT PATH...
 
 Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
-5 nothing deployed (no release root).
+5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
+again from the offset reached).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 """
 
@@ -212,6 +214,7 @@ def cmd_list(args):
 # ---------------------------------------------------------------- following a file
 
 EXIT_GRACE_S = 30
+EXIT_TIME_UP = 6
 
 
 def run_is_over(run_dir):
@@ -235,8 +238,11 @@ def cmd_follow(args):
     Only whole lines are sent while following (a line still being written waits), so the
     client's offset is always `start + bytes of complete lines received`. When the stream
     ends for good (no --follow, or the run is over) a final unterminated fragment is sent.
+    With --max-seconds a follow that is not over by then exits EXIT_TIME_UP after its last
+    complete line (no fragment), so a client can stop following promptly or ask again.
     """
     out = sys.stdout.buffer
+    deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
     f = None
     while f is None:
         try:
@@ -248,6 +254,10 @@ def cmd_follow(args):
                     out.flush()
                     return 0
                 raise Refused("no such file: %s" % args.path)
+            if time_is_up(deadline):
+                out.write(b"#offset %d\n" % args.offset)
+                out.flush()
+                return EXIT_TIME_UP
             time.sleep(args.poll)
     with f:
         start = args.offset
@@ -262,6 +272,8 @@ def cmd_follow(args):
         f.seek(start)
         pending = b""
         while True:
+            if args.follow and time_is_up(deadline):
+                return EXIT_TIME_UP
             chunk = f.read(CHUNK)
             if chunk:
                 data = pending + chunk
@@ -286,6 +298,10 @@ def cmd_follow(args):
             out.write(pending)
         out.flush()
     return 0
+
+
+def time_is_up(deadline):
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def complete_end(f, size):
@@ -561,6 +577,7 @@ def build_parser():
     s.add_argument("--follow", action="store_true")
     s.add_argument("--poll", type=float, default=0.2)
     s.add_argument("--until-final", metavar="RUNDIR")
+    s.add_argument("--max-seconds", type=float)
     s.set_defaults(func=cmd_follow)
 
     s = sub.add_parser("control")

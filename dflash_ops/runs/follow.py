@@ -4,15 +4,20 @@ The `runs follow` helper answers with one header line `#offset <start>\\n`, then
 bytes from <start>, complete lines only until the stream ends for good. So the offset of the
 end of every complete line received is `start + bytes so far`; after a ConnectionLost we ask
 again from the last complete line's end: no line is lost and none is repeated.
+
+A follow that can be cancelled (`stop`) asks the helper to give up after `stop_check_s`
+(exit EXIT_TIME_UP after its last complete line) and asks again from the exact offset while
+`stop` is unset, so a quiet follow notices `stop` within about `stop_check_s`.
 """
 
 from __future__ import annotations
 
 import posixpath
+import threading
 import time
 from collections.abc import Callable
 
-from dflash_ops.runs.helper import call, run_dir
+from dflash_ops.runs.helper import EXIT_TIME_UP, call, run_dir
 from dflash_ops.runs.info import RunError
 
 from dflash_ops.errors import ConnectionLost
@@ -24,18 +29,29 @@ HEADER_PREFIX = b"#offset "
 class _Stream:
     """Turns the helper's stdout lines into delivered lines and an exact offset."""
 
-    def __init__(self, on_line: Callable[[bytes], None], expected_start: int | None):
+    def __init__(
+        self,
+        on_line: Callable[[bytes], None],
+        expected_start: int | None,
+        stop: threading.Event | None = None,
+        on_start: Callable[[int], None] | None = None,
+    ):
         self.on_line = on_line
         self.expected_start = expected_start
+        self.stop = stop
+        self.on_start = on_start
         self.offset: int | None = None
         self.start: int | None = None
         self.partial = b""
         self.unexpected: bytes | None = None
+        self.halted = False  # `stop` was seen: nothing more is delivered or counted
 
     def feed(self, line: bytes) -> None:
-        if self.unexpected is not None:
+        if self.unexpected is not None or self.halted:
             return
-        if not line.endswith(b"\n"):
+        if self.offset is not None and self.stop is not None and self.stop.is_set():
+            self.halted = True
+        elif not line.endswith(b"\n"):
             self.partial = line  # counts only if the stream then ends normally
         elif self.offset is None:
             self._header(line)
@@ -47,6 +63,8 @@ class _Stream:
         """Never raises: the helper's error document (if any) is reported after it exits."""
         if line.startswith(HEADER_PREFIX) and line[len(HEADER_PREFIX):-1].isdigit():
             self.start = self.offset = int(line[len(HEADER_PREFIX):])
+            if self.on_start is not None:
+                self.on_start(self.start)
         else:
             self.unexpected = line
 
@@ -70,6 +88,9 @@ def follow_file(
     max_reconnects: int = 20,
     poll: float = 0.2,
     backoff: float = 0.5,
+    stop: threading.Event | None = None,
+    on_start: Callable[[int], None] | None = None,
+    stop_check_s: float = 1.0,
     timeout: float | None = None,
 ) -> int:
     """Deliver each line of runs/<run_id>/<name> (bytes, with its b"\\n") to on_line.
@@ -80,6 +101,11 @@ def follow_file(
     the offset just past the last complete line delivered (pass it back in to continue).
     `max_reconnects` counts consecutive drops without progress. `timeout` bounds the whole
     call (CommandTimeout when it runs out).
+
+    `stop`: once set, no further line is delivered and follow_file returns the offset past
+    the last delivered line (no fragment), within about `stop_check_s` even when the file is
+    quiet. `on_start(offset)` is called once, before any line, with the offset the first
+    line starts at (useful with `tail_lines`, to count exact offsets per line).
     """
     if name not in FOLLOWABLE:
         raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
@@ -87,16 +113,24 @@ def follow_file(
     position: int | None = None
     drops_without_progress = 0
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def stopped() -> bool:
+        return stop is not None and stop.is_set()
+
     while True:
+        if stopped():
+            return position if position is not None else offset
         args = ["follow", posixpath.join(directory, name), "--offset", str(position if position is not None else offset)]
         if position is None and tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
         if follow:
             args += ["--follow", "--poll", str(poll), "--until-final", directory]
-        stream = _Stream(on_line, expected_start=position)
+            if stop is not None:
+                args += ["--max-seconds", str(stop_check_s)]
+        stream = _Stream(on_line, expected_start=position, stop=stop, on_start=on_start if position is None else None)
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            call(container, args, on_line=stream.feed, timeout=remaining)
+            result = call(container, args, on_line=stream.feed, timeout=remaining, also_ok=(EXIT_TIME_UP,))
         except ConnectionLost:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:
@@ -105,9 +139,17 @@ def follow_file(
             drops_without_progress = 0 if progressed else drops_without_progress + 1
             if not reconnect or drops_without_progress > max_reconnects:
                 raise
-            time.sleep(min(backoff * drops_without_progress, 5.0))
+            delay = min(backoff * drops_without_progress, 5.0)
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
             continue
         stream.check(name)
+        if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
+            position = stream.offset
+            drops_without_progress = 0
+            continue
         if stream.partial:
             on_line(stream.partial)
         return stream.offset

@@ -13,6 +13,7 @@ EXIT_NOT_FOUND = 2
 EXIT_REFUSED = 3
 EXIT_DIED_AT_START = 4
 EXIT_NOT_DEPLOYED = 5
+EXIT_TIME_UP = 6
 
 
 def runs_root(container) -> str:
@@ -23,10 +24,12 @@ def run_dir(container, run_id: str) -> str:
     return posixpath.join(runs_root(container), run_id)
 
 
-def call(container, args: list[str], **kwargs):
-    """Run the helper; on failure raise RunError carrying its JSON error document."""
+def call(container, args: list[str], *, also_ok: tuple[int, ...] = (), **kwargs):
+    """Run the helper; on failure raise RunError carrying its JSON error document.
+
+    Exit statuses in `also_ok` are answers, not failures (the caller reads `exit_code`)."""
     result = container.helper(HELPER, args, **kwargs)
-    if result.ok:
+    if result.ok or result.exit_code in also_ok:
         return result
     details = _error_document(result.stdout)
     message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"

@@ -175,7 +175,7 @@ class DashApp(App):
             return
         for key in wanted:
             for column, value in zip(COLUMNS, self._cells(self.rows[key])):
-                table.update_cell(key, column, value)
+                table.update_cell(key, column, value, update_width=True)  # "0/300" grows to "75/300"
 
     # -- selection and actions -------------------------------------------------------------
     def selected_key(self) -> str | None:

@@ -13,10 +13,6 @@ from typing import Callable
 from dflash_ops.tui.source import GpuSample, OnLines, RunRow, gpu_samples_from_json
 
 
-class _Stopped(Exception):
-    """Raised from inside a line callback to leave a remote follow when `stop` is set."""
-
-
 def run_row_from_info(target: str, info) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
@@ -59,37 +55,31 @@ class RemoteSource:
         return [run_row_from_info(target, info) for info in runs.list_runs(self._container(target))]
 
     def follow(self, target, run_id, name, on_lines: OnLines, stop, start=None, tail_lines=200) -> None:
-        """Tail (one short call, to learn the offset), then follow from that exact offset.
+        """One cancellable `follow_file`: the tail (start=None) or byte `start`, then live lines.
 
         `reconnect=False`: a drop raises, and the dashboard's own loop shows it and resumes
-        at the last offset handed to `on_lines`.
+        at the last offset handed to `on_lines`. Returns when `stop` is set or the run is over.
         """
         from dflash_ops.runs import follow_file
 
-        container = self._container(target)
-        if start is None:
-            tail: list[str] = []
-            start = follow_file(
-                container, run_id, name, lambda line: tail.append(line.decode("utf-8", "replace").rstrip("\n")),
-                tail_lines=tail_lines, follow=False, reconnect=False,
-            )
-            if tail:
-                on_lines(tail, start)
         position = start
+
+        def on_start(offset: int) -> None:
+            nonlocal position
+            position = offset
 
         def on_line(line: bytes) -> None:
             nonlocal position
-            if stop.is_set():
-                raise _Stopped
             if not line.endswith(b"\n"):
                 return  # a final fragment; it is re-read whole next time
             position += len(line)
             on_lines([line[:-1].decode("utf-8", "replace")], position)
 
-        try:
-            follow_file(container, run_id, name, on_line, offset=start, follow=True, reconnect=False)
-        except _Stopped:
-            return
+        follow_file(
+            self._container(target), run_id, name, on_line,
+            offset=start or 0, tail_lines=tail_lines if start is None else None,
+            follow=True, reconnect=False, stop=stop, on_start=on_start,
+        )
 
     def request(self, target: str, run_id: str, kind: str) -> str:
         from dflash_ops import runs

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,3 +118,12 @@ def make_release(base: Path, release_hash: str = "abc123") -> Path:
     (root / ".dflash-release.json").write_text(json.dumps({"version": 1, "hash": release_hash}))
     (base / "current").symlink_to(root.relative_to(base))
     return root
+
+
+def eventually(predicate, what: str, tries: int = 3000) -> None:
+    """Poll `predicate` every 10 ms; fail (not hang) after `tries` polls."""
+    for _ in range(tries):
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"gave up waiting for: {what}")

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from dflash_ops import runs
 from dflash_ops.runs import ConnectionLost, RunNotFound
+from dflash_ops.runs.helper import EXIT_TIME_UP
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, Drop, LocalHelperContainer, make_release  # noqa: E402
+from runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release  # noqa: E402
 
 RUNS_HELPER = str(HELPERS / "runs.py")
 
@@ -134,3 +136,84 @@ def test_unterminated_last_line_is_handed_on_only_at_a_normal_end(container):
     got: list[bytes] = []
     assert runs.follow_file(container, "r1", "train.log", got.append) == 8
     assert got == [b"one\n", b"two\n", b"thr"]
+
+
+# ---------------------------------------------------------------- cancelling a follow (stop)
+
+
+def test_helper_max_seconds_ends_a_live_follow_after_its_last_complete_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # no status.json: the run is not over
+    log = run_dir / "train.log"
+    log.write_bytes(b"a\nb\nhalf")
+    done = subprocess.run(
+        [sys.executable, RUNS_HELPER, "follow", str(log), "--offset", "0", "--follow", "--poll", "0.01",
+         "--until-final", str(run_dir), "--max-seconds", "0.2"],
+        capture_output=True,
+    )
+    assert done.returncode == EXIT_TIME_UP
+    assert done.stdout == b"#offset 0\na\nb\n"  # the fragment waits for the next call
+
+
+def test_helper_max_seconds_while_waiting_for_the_file(tmp_path):
+    done = subprocess.run(
+        [sys.executable, RUNS_HELPER, "follow", str(tmp_path / "train.log"), "--offset", "7", "--follow",
+         "--poll", "0.01", "--until-final", str(tmp_path), "--max-seconds", "0.1"],
+        capture_output=True,
+    )
+    assert (done.returncode, done.stdout) == (EXIT_TIME_UP, b"#offset 7\n")
+
+
+def test_stop_ends_a_quiet_follow_and_reissues_keep_exact_offsets(container):
+    first = numbered(30)
+    log_path(container).write_bytes(first)
+    got: list[bytes] = []
+    starts: list[int] = []
+    stop = threading.Event()
+    result: list[int] = []
+    follower = threading.Thread(target=lambda: result.append(runs.follow_file(
+        container, "r1", "train.log", got.append, tail_lines=10, follow=True, poll=0.01,
+        stop=stop, on_start=starts.append, stop_check_s=0.1)))
+    follower.start()
+    try:
+        eventually(lambda: len(got) == 10, "the tail")
+        eventually(lambda: len(container.calls) >= 3, "the follow to be asked again")
+        with open(log_path(container), "ab") as f:
+            f.write(numbered(5, start=30) + b"unfinished")
+        eventually(lambda: len(got) == 15, "the appended lines")
+        eventually(lambda: len(container.calls) >= 6, "more re-issued follows")
+    finally:
+        stop.set()
+        follower.join(60)
+    assert not follower.is_alive()
+    tail_start = len(first) - len(b"".join(first.splitlines(keepends=True)[-10:]))
+    assert starts == [tail_start]
+    assert b"".join(got) == first[tail_start:] + numbered(5, start=30)
+    assert result == [len(first) + len(numbered(5, start=30))]
+    offsets = [int(c[c.index("--offset") + 1]) for c in container.calls]
+    assert offsets[0] == 0 and set(offsets[1:]) <= {len(first), result[0]}
+    assert all("--max-seconds" in c and c.count("--tail-lines") == (i == 0) for i, c in enumerate(container.calls))
+
+
+def test_stop_delivers_nothing_more_and_returns_the_delivered_offset(container):
+    data = numbered(100)
+    log_path(container).write_bytes(data)
+    stop = threading.Event()
+    got: list[bytes] = []
+
+    def take(line: bytes) -> None:
+        got.append(line)
+        if len(got) == 7:
+            stop.set()
+
+    end = runs.follow_file(container, "r1", "train.log", take, stop=stop)
+    assert got == data.splitlines(keepends=True)[:7]
+    assert end == len(b"".join(got))
+
+
+def test_stop_already_set_returns_the_start_offset(container):
+    log_path(container).write_bytes(numbered(3))
+    stop = threading.Event()
+    stop.set()
+    assert runs.follow_file(container, "r1", "train.log", lambda line: None, offset=6, follow=True, stop=stop) == 6
+    assert container.calls == []

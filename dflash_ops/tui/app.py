@@ -85,12 +85,16 @@ class DashApp(App):
 
     # -- layout ------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        yield Static(id="targets")
-        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        # Kept as attributes: App.query_one searches the active screen, which is the run
+        # detail while one is open, and pollers keep updating the runs table underneath.
+        self._targets = Static(id="targets")
+        self._table = DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield self._targets
+        yield self._table
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one("#runs", DataTable)
+        table = self._table
         for name in COLUMNS:
             table.add_column(name, key=name)
         self._render_targets()
@@ -143,7 +147,7 @@ class DashApp(App):
             mark, style = ("●", "green") if link.connected else ("✖", "red") if link.error else ("○", "yellow")
             text = f"{mark} {target}: {link.describe()}, {runs} run{'s' if runs != 1 else ''}"
             parts.append((text, style))
-        self.query_one("#targets", Static).update(Text("   ").join(Text(t, style=s) for t, s in parts))
+        self._targets.update(Text("   ").join(Text(t, style=s) for t, s in parts))
 
     def _cells(self, row: RunRow) -> tuple:
         stale = not self.links.get(row.target, LinkState(False)).connected
@@ -163,7 +167,7 @@ class DashApp(App):
         )
 
     def _render_rows(self) -> None:
-        table = self.query_one("#runs", DataTable)
+        table = self._table
         wanted = list(self.rows)
         if [key.value for key in table.rows] != wanted:
             selected = self.selected_key()
@@ -179,7 +183,7 @@ class DashApp(App):
 
     # -- selection and actions -------------------------------------------------------------
     def selected_key(self) -> str | None:
-        table = self.query_one("#runs", DataTable)
+        table = self._table
         if not table.row_count:
             return None
         return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value

@@ -42,11 +42,13 @@ run:
 eval:
   samples: 2
   max_new_tokens: 8
+pipeline:
+  kind: {kind}
 """
 
 
-def config(steps=6, every=3, keep=5, fit=3):
-    return parse_config(CONFIG.format(steps=steps, every=every, keep=keep, fit=fit))
+def config(steps=6, every=3, keep=5, fit=3, kind="reference"):
+    return parse_config(CONFIG.format(steps=steps, every=every, keep=keep, fit=fit, kind=kind))
 
 
 def events(run_dir, kind):
@@ -58,14 +60,15 @@ def status(run_dir):
     return json.loads((Path(run_dir) / "status.json").read_text())
 
 
-def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("kind", ["reference", "threaded"])
+def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path, kind):
     run = tmp_path / "run"
-    assert train(config(), run) == 0
+    assert train(config(kind=kind), run) == 0
     straight = {e["step"]: e["loss"] for e in events(run, "step")}
     assert status(run)["state"] == "done" and status(run)["last_checkpoint"] == "checkpoints/step_6"
     assert [e["step"] for e in events(run, "checkpoint")] == [3, 6]
     assert events(run, "stop")[-1]["reason"] == "done"
-    assert train(config(), run, resume="3") == 0
+    assert train(config(kind=kind), run, resume="3") == 0
     resumed = {e["step"]: e["loss"] for e in events(run, "step")[len(straight):]}
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[s] == straight[s] for s in resumed)
@@ -124,7 +127,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
 def test_sigterm_checkpoints_and_stops(tmp_path):
     run = tmp_path / "run"
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(CONFIG.format(steps=100000, every=0, keep=2, fit=0))
+    cfg_path.write_text(CONFIG.format(steps=100000, every=0, keep=2, fit=0, kind="reference"))
     env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
     with open(tmp_path / "out.log", "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg_path), "--run-dir", str(run)],

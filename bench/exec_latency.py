@@ -20,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_ops import render  # noqa: E402
 from dflash_ops.container import Container  # noqa: E402
 from dflash_ops.inventory import load_inventory  # noqa: E402
 from dflash_ops.testing.sshd import start_sshd  # noqa: E402

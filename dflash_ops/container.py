@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 import tempfile
 import uuid
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from dflash_ops import render
+from dflash_ops.hashing import sha256_file
 from dflash_ops.errors import DflashOpsError, RemoteCommandError, TransferError
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
@@ -65,7 +65,7 @@ class Container:
     def push(self, local: Path, remote: str) -> None:
         """Copy a local file to `remote` in the container (parent must exist), verified by sha256."""
         _require_absolute(remote)
-        want = _sha256_file(Path(local))
+        want = sha256_file(Path(local))
         node_tmp = _node_temp_path()
         self.transport.put(Path(local), node_tmp)
         result = self.transport.run(
@@ -96,7 +96,7 @@ class Container:
             self.transport.get(node_tmp, Path(local))
         finally:
             self.transport.run(render.node_command(["rm", "-f", node_tmp]))
-        got = _sha256_file(Path(local))
+        got = sha256_file(Path(local))
         if got != want:
             Path(local).unlink(missing_ok=True)
             raise TransferError(f"pull {self._target.name}:{remote} -> {local}: checksum mismatch")
@@ -215,14 +215,6 @@ def _require_absolute(path: str) -> None:
 
 def _node_temp_path() -> str:
     return f"/tmp/dflash-ops-{uuid.uuid4().hex}"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _parse_sha256(result: Result) -> str | None:

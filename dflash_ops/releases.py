@@ -17,20 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
+from dflash_ops.hashing import sha256_file
+
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
 HELPER_STAGE = ".helpers"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 SPOOL_BYTES = 64 << 20
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def trainer_dir() -> Path:

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path, PurePosixPath
 
+from dflash_ops.hashing import sha256_file
 from dflash_ops.runs.helper import call_json, run_dir
 from dflash_ops.runs.info import RunError, RunNotFound
 
 ATTEMPTS_PER_FILE = 2
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _matches(path: Path, expected: dict) -> bool:
-    return path.is_file() and path.stat().st_size == expected["size"] and sha256_of(path) == expected["sha256"]
+    return path.is_file() and path.stat().st_size == expected["size"] and sha256_file(path) == expected["sha256"]
 
 
 def _safe_relpath(rel: str) -> PurePosixPath:

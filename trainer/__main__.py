@@ -24,7 +24,7 @@ def _train(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
         return 2
     from trainer.loop import train
 

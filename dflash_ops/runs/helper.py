@@ -24,6 +24,9 @@ def run_dir(container, run_id: str) -> str:
     return posixpath.join(runs_root(container), run_id)
 
 
+START_TAIL_SHOWN = 8  # log lines shown when the trainer dies before it says anything
+
+
 def call(container, args: list[str], *, also_ok: tuple[int, ...] = (), **kwargs):
     """Run the helper; on failure raise RunError carrying its JSON error document.
 
@@ -33,9 +36,17 @@ def call(container, args: list[str], *, also_ok: tuple[int, ...] = (), **kwargs)
         return result
     details = _error_document(result.stdout)
     message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"
+    if details.get("log_tail"):
+        message += "; the end of its train.log:\n" + _last_lines(details["log_tail"], START_TAIL_SHOWN)
     error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused,
                   EXIT_NOT_DEPLOYED: NotDeployed}
     raise error_type.get(result.exit_code, RunError)(message, details)
+
+
+def _last_lines(text: str, n: int) -> str:
+    """The last n log lines, skipping ops' own `# dflash-ops start` banners."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("# dflash-ops")]
+    return "\n".join("  " + line for line in lines[-n:])
 
 
 def call_json(container, args: list[str], **kwargs) -> Any:

@@ -81,6 +81,8 @@ def test_start_reports_trainer_dying_before_status(container, tmp_path):
         start(container, tmp_path, "exit_before_status: 1\n", run_id="bad")
     assert died.value.details["exit_code"] == 5
     assert "refusing to start" in died.value.details["log_tail"]
+    assert "refusing to start" in str(died.value)  # the user sees why, not only an exit status
+    assert "# dflash-ops start" not in str(died.value)
     info = runs.run_status(container, "bad")
     assert info.effective_state == "failed" and not info.has_status
 

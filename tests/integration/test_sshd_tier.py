@@ -118,3 +118,32 @@ def test_cli_exec_through_sshd(sshd_node):
                                       "-c", "import json,sys; print(json.dumps(sys.argv[1:]))", *args])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == args
+
+
+@pytest.mark.parametrize("alias", ["pve-alias", "pve-jump"])
+def test_ssh_config_alias_and_proxyjump(sshd_node, tmp_path, monkeypatch, alias):
+    """A node that names only a ~/.ssh/config alias connects like `ssh alias` would, ProxyJump included."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    entry = (f"  HostName 127.0.0.1\n  Port {sshd_node.port}\n  User {sshd_node.user}\n"
+             f"  IdentityFile {sshd_node.client_key}\n  IdentitiesOnly yes\n")
+    (home / ".ssh" / "config").write_text(
+        f"Host pve-alias\n{entry}Host pve-jump\n{entry}  ProxyJump pve-alias\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(
+        "nodes:\n"
+        f"  pve1: {{transport: ssh, address: {alias}, known_hosts: {sshd_node.known_hosts}, "
+        f"pct: {json.dumps(load_inventory(sshd_node.inventory).target('host200').node.pct[0])}}}\n"
+        "targets:\n"
+        f"  host200: {{node: pve1, ctid: 200, base_dir: {sshd_node.base_dir}}}\n")
+    target = load_inventory(inventory).target("host200")
+    assert target.node.port is None and target.node.user is None and target.node.identity_file is None
+    logins = sshd_node.accepted_logins()
+    transport = SSHTransport(target.node)
+    try:
+        assert Container(target, transport).exec(["echo", "via", alias], check=True).stdout == f"via {alias}\n"
+    finally:
+        transport.close()
+    assert sshd_node.accepted_logins() - logins == (2 if alias == "pve-jump" else 1)

@@ -77,7 +77,7 @@ def _describe_transport(node) -> str:
         return f"local node {node.name!r}: /bin/sh -c NODE_COMMAND"
     user = f"{node.user}@" if node.user else ""
     port = f" port {node.port}" if node.port else ""
-    return f"ssh {user}{node.address}{port} (node {node.name!r}): NODE_COMMAND is the SSH exec request"
+    return f"SSH exec request to {user}{node.address}{port} (node {node.name!r}) carries NODE_COMMAND"
 
 
 def register(app: typer.Typer) -> None:

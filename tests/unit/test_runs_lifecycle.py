@@ -253,3 +253,11 @@ def _wait(get, done, tries=2000):
             return value
         time.sleep(0.01)
     raise AssertionError(f"condition never met; last value {value!r}")
+
+
+def test_a_done_run_resumes_only_from_an_explicit_step(container, tmp_path):
+    run_id = start(container, tmp_path, "total_steps: 3\n", run_id="short")
+    assert runs.wait_until_final(container, run_id, timeout=60, poll=0.02).effective_state == "done"
+    with pytest.raises(runs.RunRefused, match="is done: nothing to resume"):
+        runs.resume_run(container, run_id)
+    assert runs.run_status(container, run_id).effective_state == "done"

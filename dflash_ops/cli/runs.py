@@ -148,14 +148,21 @@ def resume(
     run: Run,
     from_step: Annotated[Optional[int], typer.Option("--from", help="Checkpoint step to resume from (default: latest).")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="A new trainer config for the rest of the run (default: the run's own).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Restart a stopped (or failed) run from its checkpoint on the current release; the step count continues."""
-    from dflash_ops.runs import resume_run
+    from dflash_ops.runs import resume_run, start_run
 
+    if config is not None and not config.is_file():
+        fail(f"--config {config}: no such file", 2)
     container = open_target(inventory, target)
     with clean_errors():
-        run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
+        if config is None:
+            run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
+        else:
+            run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
+                               gpus=_parse_gpus(gpus), run_id=run)
     _announce(run_id, "resumed", target)
 
 

@@ -108,7 +108,7 @@ def resume_run(container, run_id: str, from_step: int | None = None, gpus: list[
     A run that finished (`done`) resumes only from an explicit step: from its latest
     checkpoint there is nothing left to train."""
     if from_step is None and run_status(container, run_id).effective_state == "done":
-        raise RunRefused(f"run {run_id} is done: nothing to resume (pass --from STEP to train again from a checkpoint)")
+        raise RunRefused(f"run {run_id} is done: nothing to resume (pass --from STEP, or --config with more steps)")
     extra = ["--resume", "latest" if from_step is None else str(from_step)]
     return _start(container, run_id, extra, None, gpus)["run_id"]
 

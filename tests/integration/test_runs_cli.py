@@ -213,3 +213,16 @@ def test_patch_that_does_not_import_is_refused(tier, tmp_path):
     refused = tier.cli("patch", "host200", str(diff), code=1)
     assert "import trainer.data: FAILED: trainer/data.py:1: ModuleNotFoundError" in refused.stdout
     assert os.readlink(tier.base / "current") == f"releases/{first}"
+
+
+def test_resume_with_a_new_config(tier, tmp_path):
+    deployed(tier)
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()
+    tier.cli("run", "stop", "host200", run_id)
+    longer = tmp_path / "longer.yaml"
+    longer.write_text("total_steps: 2000000\nstep_seconds: 0.005\n")
+    assert tier.cli("run", "resume", "host200", run_id, "--config", str(longer)).stdout.strip() == run_id
+    info = runs.stop_run(tier.container, run_id, poll=0.05)
+    assert info.effective_state == "stopped" and info.total_steps == 2_000_000
+    assert (tier.base / "runs" / run_id / "config.input.yaml").read_bytes() == longer.read_bytes()
+    tier.cli("run", "resume", "host200", run_id, "--config", str(tmp_path / "missing.yaml"), code=2)

@@ -173,6 +173,7 @@ class Trainer:
         c.drafter.train()
         result = {"tau": tau, "acc": correct / max(weight, 1e-6), "samples": samples}
         self.rd.event("eval", self.step, **result)
+        self.rd.update(tau=tau)
         self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length), acc {result['acc']:.3f}, "
                     f"{samples} held-out conversations")
         return result

@@ -45,7 +45,7 @@ class RunDir:
         self.status = {
             "version": CONTRACT_VERSION, "run_id": self.root.name, "state": "starting", "pid": pid,
             "pid_start": process_start_ticks(pid), "step": 0, "total_steps": total_steps,
-            "started": time.time(), "heartbeat": time.time(), "loss": None, "acc": None,
+            "started": time.time(), "heartbeat": time.time(), "loss": None, "acc": None, "tau": None,
             "tokens_per_s": None, "gpus": [], "last_checkpoint": None, "recompiles": 0, "error": None,
         }
         self._log_copy = None if self._stdout_is_train_log() else open(self.root / "train.log", "a")

@@ -57,6 +57,7 @@ class RunInfo:
     heartbeat: float | None = None
     loss: float | None = None
     acc: float | None = None
+    tau: float | None = None
     tokens_per_s: float | None = None
     gpus: list[int] = field(default_factory=list)
     last_checkpoint: str | None = None

@@ -59,12 +59,13 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
     return f"{kind} at step {step}: {json.dumps(extra, sort_keys=True)}"
 
 
-STATUS_COLUMNS = ("run", "state", "step", "loss", "tok/s", "heartbeat", "release")
+STATUS_COLUMNS = ("run", "state", "step", "loss", "tau", "tok/s", "heartbeat", "release")
 
 
 def status_row(info: RunInfo) -> tuple[str, ...]:
     step = "-" if info.step is None else (f"{info.step}/{info.total_steps}" if info.total_steps else str(info.step))
-    return (info.run_id, info.effective_state, step, _num(info.loss, ".4f"), _rate(info.tokens_per_s),
+    return (info.run_id, info.effective_state, step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
+            _rate(info.tokens_per_s),
             _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
 
 

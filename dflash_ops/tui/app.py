@@ -22,7 +22,7 @@ from dflash_ops.tui.model import fmt_age, fmt_num
 from dflash_ops.tui.source import FINAL_STATES, DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
 
-COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tok/s", "heartbeat", "release")
+COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
 STATE_STYLE = {
     "running": "green",
     "warmup": "yellow",
@@ -161,6 +161,7 @@ class DashApp(App):
             f"{row.step}{total}",
             fmt_num(row.loss, 4),
             fmt_num(row.acc, 3),
+            fmt_num(row.tau, 3),
             fmt_num(row.tokens_per_s, 4),
             fmt_age(age) if row.state not in FINAL_STATES else "-",
             row.release or "-",

@@ -58,7 +58,7 @@ class SimulatedRun:
         self.last_checkpoint: str | None = None
         self._random = random.Random(seed)
         self._started = clock()
-        self._loss = self._acc = self._tps = None
+        self._loss = self._acc = self._tps = self._tau = None
 
     # -- files -----------------------------------------------------------------------
     def _event(self, event: str, **fields) -> None:
@@ -83,6 +83,7 @@ class SimulatedRun:
             "heartbeat": self.clock(),
             "loss": self._loss,
             "acc": self._acc,
+            "tau": self._tau,
             "tokens_per_s": self._tps,
             "gpus": sorted(self.gpus),
             "last_checkpoint": self.last_checkpoint,
@@ -135,7 +136,8 @@ class SimulatedRun:
             for i in range(self.log_lines_per_step)
         ))
         if self.step % 50 == 0:
-            self._event("eval", tau=round(1.5 + self.step / 100, 2), acc=self._acc, samples=64)
+            self._tau = round(1.5 + self.step / 100, 2)
+            self._event("eval", tau=self._tau, acc=self._acc, samples=64)
         self._serve_control()
         if self.state == "running" and self.step >= self.total_steps:
             self.state = "done"

@@ -24,6 +24,7 @@ def run_row_from_info(target: str, info) -> RunRow:
         total_steps=info.total_steps,
         loss=info.loss,
         acc=info.acc,
+        tau=info.tau,
         tokens_per_s=info.tokens_per_s,
         heartbeat=info.heartbeat,
         release=info.release,

@@ -38,6 +38,7 @@ class RunRow:
     total_steps: int | None = None
     loss: float | None = None
     acc: float | None = None
+    tau: float | None = None
     tokens_per_s: float | None = None
     heartbeat: float | None = None
     release: str | None = None
@@ -103,6 +104,7 @@ def run_row_from_status(target: str, run_id: str, status: dict, release: str | N
         total_steps=status.get("total_steps"),
         loss=status.get("loss"),
         acc=status.get("acc"),
+        tau=status.get("tau"),
         tokens_per_s=status.get("tokens_per_s"),
         heartbeat=status.get("heartbeat"),
         release=release,

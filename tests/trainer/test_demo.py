@@ -17,7 +17,8 @@ def test_tiny_cpu_demo_learns_and_drafts_accepted_blocks(tmp_path):
     assert losses[-1] < losses[0] / 3
     (evaluation,) = [e for e in lines if e["event"] == "eval"]
     assert evaluation["tau"] > 2.0
-    assert json.loads((tmp_path / "demo" / "status.json").read_text())["state"] == "done"
+    status = json.loads((tmp_path / "demo" / "status.json").read_text())
+    assert status["state"] == "done" and status["tau"] == evaluation["tau"]
 
 
 def test_shipped_configs_are_valid():

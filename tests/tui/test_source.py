@@ -73,7 +73,10 @@ def test_list_runs_reads_status_release_and_flags_dead_processes(tmp_path, stati
     assert rows["tiny-run"].state == "running"
     assert rows["tiny-run"].step == 30 and rows["tiny-run"].release == "dev"
     assert rows["no-status-yet"].state == "unknown"
+    assert rows["tiny-run"].tau is None  # no evaluation yet
     status = json.loads((static_run.dir / "status.json").read_text())
+    (static_run.dir / "status.json").write_text(json.dumps({**status, "tau": 3.25}))
+    assert {row.run_id: row for row in source.list_runs("t")}["tiny-run"].tau == 3.25
     status["pid_start"] = status["pid_start"] + 1  # a reused pid: not our trainer
     (static_run.dir / "status.json").write_text(json.dumps(status))
     dead = {row.run_id: row for row in source.list_runs("t")}["tiny-run"]

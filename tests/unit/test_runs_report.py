@@ -21,9 +21,9 @@ def test_other_events():
 
 def test_status_row_and_failed_detail():
     info = RunInfo.from_json({"run_id": "r1", "state": "running", "effective_state": "failed", "step": 5,
-                              "total_steps": 10, "loss": 0.5, "tokens_per_s": 800.0, "release": "abc",
+                              "total_steps": 10, "loss": 0.5, "tau": 3.456, "tokens_per_s": 800.0, "release": "abc",
                               "reason": "process died without saying so", "log_tail": "a\nb\n", "checkpoints": [4]})
-    assert status_row(info) == ("r1", "failed", "5/10", "0.5000", "800", "-", "abc")
+    assert status_row(info) == ("r1", "failed", "5/10", "0.5000", "3.46", "800", "-", "abc")
     assert status_detail(info) == ["reason: process died without saying so", "checkpoints: step_4", "log tail:",
                                    "  a", "  b"]
 

@@ -115,8 +115,11 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
         return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
                              cfg.data.token_budget, seed, cfg.data.pad_multiple)
 
+    if not eval_conv:
+        log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
+        eval_conv = train_conv[:8]
     train_data = dataset(train_conv, cfg.data.seed)
-    eval_data = dataset(eval_conv or train_conv[:8], cfg.data.seed + 1)
+    eval_data = dataset(eval_conv, cfg.data.seed + 1)
     target = build_target(cfg, tokenizer, train_data, run_dir, log)
     drafter_device = cfg.devices.drafter[0]
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer), drafter_device)

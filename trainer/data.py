@@ -49,14 +49,31 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> t
         if m.get("role") != "assistant":
             continue
         prefix, upto = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (text.startswith(prefix) and text.startswith(upto) and len(upto) > len(prefix)):
+        end = len(upto) if text.startswith(upto) else _turn_end_in(text, len(prefix), upto, m.get("content"))
+        if not (text.startswith(prefix) and end is not None and end > len(prefix)):
             raise DataError("the chat template does not render conversations as growing prefixes; "
                             "cannot locate assistant spans")
-        spans.append((len(prefix), len(upto)))
+        spans.append((len(prefix), end))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"][:max_length]
     mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"][:max_length]]
     return ids, mask
+
+
+def _turn_end_in(text: str, start: int, upto: str, content) -> int | None:
+    """End of an assistant turn whose rendering as the last message differs from its rendering
+    inside the whole conversation (Qwen3 adds an empty think block to the final turn only).
+
+    The turn's content is found verbatim after `start`, before any end-of-turn text (so not in a
+    later turn), and followed by the end-of-turn text that follows it in `upto`; None when that
+    cannot be established."""
+    if not isinstance(content, str) or not content or content not in upto:
+        return None
+    tail = upto[upto.rfind(content) + len(content):]
+    at = text.find(content, start)
+    if at < 0 or not tail.strip() or tail.strip() in text[start:at] or not text.startswith(tail, at + len(content)):
+        return None
+    return at + len(content) + len(tail)
 
 
 @dataclass

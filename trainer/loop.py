@@ -175,7 +175,7 @@ class Trainer:
         self.rd.event("eval", self.step, **result)
         self.rd.update(tau=tau)
         self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length), acc {result['acc']:.3f}, "
-                    f"{samples} held-out conversations")
+                    f"{samples} conversations")
         return result
 
     def save(self, request_id: str | None) -> None:

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from trainer.data import PreloadedDataset, build_dataset, select_target_warmup_shapes, tokenize_conversation
+from trainer.data import DataError, PreloadedDataset, build_dataset, select_target_warmup_shapes, tokenize_conversation
 from trainer.synth import synthetic_conversations, synthetic_words
 from trainer.tokenizer import synthetic_tokenizer
 
@@ -47,3 +48,25 @@ def test_select_target_warmup_shapes_picks_the_worst_case_per_bucket():
     planned, ids = ds.plan_epoch(0)
     got = select_target_warmup_shapes(ds, planned, ids, 4)
     assert max(b * s for b, s in got) == max(len(x) * ds.padded_length(x) for x in planned)
+
+
+def test_loss_mask_with_a_template_that_renders_the_last_assistant_turn_differently():
+    """Qwen3's template adds an empty think block to the final assistant turn only, so an earlier
+    turn rendered as the last message is not a prefix of the whole conversation."""
+    tok = synthetic_tokenizer(synthetic_words())
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think> </think>\n{% endif %}"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "step1 v3"}, {"role": "assistant", "content": "v4 v5"},
+            {"role": "user", "content": "step3 v0"}, {"role": "assistant", "content": "v3 v6 v9"}]
+    ids, mask = tokenize_conversation(tok, msgs, 100)
+    on = [t for t, m in zip(tok.convert_ids_to_tokens(ids), mask) if m]
+    assert on == ["v4", "v5", "<|im_end|>", "<unk>", "<unk>", "v3", "v6", "v9", "<|im_end|>"]
+    # a turn whose content the template rewrites is refused, not matched against a later turn
+    msgs[1]["content"] = "v3 v6 v9"
+    tok.chat_template = tok.chat_template.replace("{{ m['content'] }}", "{{ m['content'] if loop.last else 'v0' }}")
+    with pytest.raises(DataError):
+        tokenize_conversation(tok, msgs, 100)

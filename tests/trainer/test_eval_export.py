@@ -37,3 +37,27 @@ def test_export_writes_the_published_draft_layout(tiny, tmp_path):
     assert weights["fc.weight"].dtype == torch.bfloat16
     assert weights["fc.weight"].shape == (32, 64)
     assert torch.allclose(weights["fc.weight"].float(), drafter.fc.weight.detach(), atol=1e-2)
+
+
+def test_without_an_eval_file_tau_is_measured_not_reported_as_zero(tmp_path):
+    """train_path alone: the evaluation falls back to the same conversations for τ as for accuracy."""
+    from trainer.components import build_components
+    from trainer.config import parse_config
+    from trainer.evaluate import mean_acceptance_length
+    from trainer.synth import synthetic_conversations, write_jsonl
+
+    train = write_jsonl(synthetic_conversations(16, 0, 6, 12), tmp_path / "train.jsonl")
+    cfg = parse_config(f"""
+model:
+  target:
+    tiny: {{layers: 2, hidden: 32, heads: 4, kv_heads: 2, head_dim: 8, intermediate: 64}}
+  drafter_layers: 1
+  block_size: 4
+  num_target_layers: 2
+  dtype: fp32
+data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, bucket_edges: [64], pad_multiple: 16}}
+""")
+    c = build_components(cfg, tmp_path, lambda *_: None)
+    assert c.eval_conversations
+    tau, samples = mean_acceptance_length(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:2], 4)
+    assert samples == 2 and tau >= 1.0

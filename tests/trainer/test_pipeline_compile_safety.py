@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from trainer.pipeline.compile_safety import (
     CompileGuard,
     LateRecompileError,
+    configure_compile_for_thread,
     fx_tracing_flag_is_process_global,
 )
 
@@ -67,6 +68,7 @@ def test_after_warmup_and_freeze_worker_threads_never_trace(fx_trace_threads, gu
     errors = []
 
     def worker(name):
+        configure_compile_for_thread()  # as every pipeline worker does: dynamo guards on the thread's config
         try:
             for i in range(20):
                 with guard.expect_warmed(name, shapes[i % 2]):

@@ -113,3 +113,33 @@ def test_padding_to_a_warm_shape_adds_rows_without_blocks_or_loss():
     assert p_attn[2].tolist() == [1] + [0] * 31  # never an all-masked row
     with pytest.raises(ValueError, match="larger than its warm shape"):
         pad_rows_and_length(ids, attn, blocks, (1, 32), pad_id=0)
+
+
+def test_forgetting_old_data_states_is_safe_while_the_prefetcher_inserts():
+    """Drafter 0 prunes the checkpoint data positions while the prefetch thread adds new ones."""
+    import sys
+
+    from trainer.pipeline.threaded import forget_states_before
+
+    states: dict[int, dict] = {}
+    done = threading.Event()
+
+    def prefetcher():
+        i = 0
+        while not done.is_set():
+            states[i] = {}
+            i += 1
+            if i % 64 == 0:
+                forget_states_before(states, i - 32)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as possible, to expose the race
+    writer = threading.Thread(target=prefetcher)
+    writer.start()
+    try:
+        for _ in range(200_000):
+            forget_states_before(states, 0)
+    finally:
+        done.set()
+        writer.join()
+        sys.setswitchinterval(interval)

@@ -50,6 +50,16 @@ def _to_cpu(obj):
     return copy.deepcopy(obj)
 
 
+def forget_states_before(states: dict, first_kept: int) -> None:
+    """Drop the entries with an index below first_kept.
+
+    The prefetch thread inserts into `states` meanwhile; iterating a dict in Python while another
+    thread adds to it raises "dictionary changed size during iteration", so the keys are copied
+    first with list(), which does not give up the GIL part-way."""
+    for old in [i for i in list(states) if i < first_kept]:
+        states.pop(old, None)
+
+
 class ThreadedTrainer(Trainer):
     # ------------------------------------------------------------------ replicas
     def build_replicas(self) -> None:
@@ -194,8 +204,7 @@ class ThreadedTrainer(Trainer):
 
     def _on_step_end(self, step: int, _last) -> None:
         self.step = step
-        for old in [i for i in self.data_states if i < (step - self.first_step - 1) * self.cfg.optim.micro_batches]:
-            self.data_states.pop(old, None)
+        forget_states_before(self.data_states, (step - self.first_step - 1) * self.cfg.optim.micro_batches)
         requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
         for r in requests:
             self.served.add((r.kind, r.id, r.reason))

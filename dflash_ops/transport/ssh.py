@@ -7,6 +7,7 @@ read concurrently before `recv_exit_status`, and a timeout closes the channel.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,12 @@ from dflash_ops.inventory import Node
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
 
 _STATUS_POLL = 0.2
+
+# Paramiko's transport thread logs failures (e.g. a bad banner) with a traceback; with no
+# handler anywhere logging's last resort prints it to stderr. Every such failure reaches
+# the caller as a TransportError anyway, so give paramiko a handler that drops them
+# (records still propagate to handlers an application configures).
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def fabric_connection(node: Node):

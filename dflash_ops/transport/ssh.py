@@ -137,6 +137,7 @@ class SSHTransport:
             for call in (*readers, writer):
                 while not call.join(_STATUS_POLL):
                     _check_deadline(deadline, chan, command, timeout)
+                    _check_stdin(writer)
                     if not transport.is_active():
                         raise _lost(self.node, command)
             while not chan.status_event.wait(_STATUS_POLL):
@@ -145,10 +146,13 @@ class SSHTransport:
                     raise _lost(self.node, command)
             if not transport.is_active() and not _exit_status_received(chan):
                 raise _lost(self.node, command)
-            for call in readers:  # a stdin write error only means the command stopped reading
+            _check_stdin(writer)
+            for call in readers:
                 if call.error is not None:
                     raise TransportError(f"node {self.node.name!r}: channel error: {call.error}")
             code = chan.recv_exit_status()
+        except _StdinFailed as e:
+            raise e.args[0] from None
         except (paramiko.SSHException, EOFError, socket.error) as e:
             if not transport.is_active():
                 raise _lost(self.node, command) from None
@@ -207,9 +211,26 @@ def _pump(recv, splitter: LineSplitter) -> None:
 
 
 def _send(chan, stdin: Stdin) -> None:
+    """Stream stdin, then EOF. A failed send only means the command stopped reading (or ended);
+    an error reading the local stdin propagates: the command must not wait for the rest."""
     for chunk in iter_stdin(stdin):
-        chan.sendall(chunk)
-    chan.shutdown_write()
+        try:
+            chan.sendall(chunk)
+        except (OSError, paramiko.SSHException, EOFError):
+            return
+    try:
+        chan.shutdown_write()
+    except (OSError, paramiko.SSHException, EOFError):
+        pass
+
+
+class _StdinFailed(Exception):
+    """Reading the caller's stdin failed (not the channel); run() re-raises the original error."""
+
+
+def _check_stdin(writer: BackgroundCall) -> None:
+    if writer.error is not None:
+        raise _StdinFailed(writer.error)
 
 
 def _exit_status_received(chan) -> bool:

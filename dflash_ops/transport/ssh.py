@@ -137,7 +137,7 @@ class SSHTransport:
             for call in (*readers, writer):
                 while not call.join(_STATUS_POLL):
                     _check_deadline(deadline, chan, command, timeout)
-                    _check_stdin(writer)
+                    _check_calls(writer, *readers)
                     if not transport.is_active():
                         raise _lost(self.node, command)
             while not chan.status_event.wait(_STATUS_POLL):
@@ -146,12 +146,9 @@ class SSHTransport:
                     raise _lost(self.node, command)
             if not transport.is_active() and not _exit_status_received(chan):
                 raise _lost(self.node, command)
-            _check_stdin(writer)
-            for call in readers:
-                if call.error is not None:
-                    raise TransportError(f"node {self.node.name!r}: channel error: {call.error}")
+            _check_calls(writer, *readers)
             code = chan.recv_exit_status()
-        except _StdinFailed as e:
+        except _CallFailed as e:
             raise e.args[0] from None
         except (paramiko.SSHException, EOFError, socket.error) as e:
             if not transport.is_active():
@@ -224,13 +221,15 @@ def _send(chan, stdin: Stdin) -> None:
         pass
 
 
-class _StdinFailed(Exception):
-    """Reading the caller's stdin failed (not the channel); run() re-raises the original error."""
+class _CallFailed(Exception):
+    """Reading the caller's stdin or a line callback failed; run() re-raises the original error."""
 
 
-def _check_stdin(writer: BackgroundCall) -> None:
-    if writer.error is not None:
-        raise _StdinFailed(writer.error)
+def _check_calls(*calls: BackgroundCall) -> None:
+    """Stop at once when a stream thread failed: nobody feeds or drains the channel any more."""
+    for call in calls:
+        if call.error is not None:
+            raise _CallFailed(call.error)
 
 
 def _exit_status_received(chan) -> bool:

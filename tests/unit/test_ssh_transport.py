@@ -140,3 +140,14 @@ def test_local_stdin_error_is_raised_not_left_waiting(ssh):
     (The timeout only keeps a regression from hanging the suite.)"""
     with pytest.raises(OSError, match="local read failed"):
         ssh.run("cat > /dev/null", stdin=_FailingReader(), timeout=10)
+
+
+def test_line_callback_error_stops_the_command(ssh):
+    """`dflash-ops exec ... | head`: writing a line fails, so nobody reads the channel any more;
+    the caller gets that error instead of waiting for a command that can never finish."""
+
+    def closed_pipe(line: bytes) -> None:
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError, match="stdout closed"):
+        ssh.run("yes", on_line=closed_pipe, timeout=10)

@@ -104,8 +104,11 @@ def test_node_that_is_not_an_ssh_server_is_one_clean_line(tmp_path):
     server.listen()
 
     def answer_and_hang_up():
-        for _ in range(2):
-            conn, _ = server.accept()
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # the test closed the server
+                return
             conn.sendall(b"HTTP/1.0 400 Bad Request\r\n")
             conn.close()
 
@@ -116,6 +119,7 @@ def test_node_that_is_not_an_ssh_server_is_one_clean_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(dflash_ops.__file__).resolve().parent.parent), HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "dflash_ops", "exec", "--inventory", str(inventory), "t", "--", "true"],
                           capture_output=True, text=True, env=env)
+    server.shutdown(socket.SHUT_RDWR)
     server.close()
     assert proc.returncode == 255
     assert proc.stderr.startswith("dflash-ops: error: node 'n': cannot connect to 127.0.0.1")

@@ -207,9 +207,12 @@ class _Parser:
             raise self.fail(m.line, f"{what}: missing required key 'address' (ssh nodes)")
         if transport == "ssh" and "sim_root" in m:
             raise self.fail(at("sim_root"), f"{what}: 'sim_root' only applies to local nodes")
-        for key in ("port", "keepalive"):
-            if key in m and (not isinstance(m[key], int) or isinstance(m[key], bool) or m[key] < 0):
-                raise self.fail(at(key), f"{what}: {key} must be a non-negative integer, got {m[key]!r}")
+        if "port" in m and (not isinstance(m["port"], int) or isinstance(m["port"], bool)
+                            or not 1 <= m["port"] <= 65535):
+            raise self.fail(at("port"), f"{what}: port must be an integer from 1 to 65535, got {m['port']!r}")
+        if "keepalive" in m and (not isinstance(m["keepalive"], int) or isinstance(m["keepalive"], bool)
+                                 or m["keepalive"] < 0):
+            raise self.fail(at("keepalive"), f"{what}: keepalive must be a non-negative integer, got {m['keepalive']!r}")
         if "connect_timeout" in m and not isinstance(m["connect_timeout"], (int, float)):
             raise self.fail(at("connect_timeout"), f"{what}: connect_timeout must be a number")
         strict = m.get("strict_host_key_checking", True)

@@ -7,6 +7,7 @@ read concurrently before `recv_exit_status`, and a timeout closes the channel.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,12 @@ from dflash_ops.inventory import Node
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
 
 _STATUS_POLL = 0.2
+
+# Paramiko's transport thread logs failures (e.g. a bad banner) with a traceback; with no
+# handler anywhere logging's last resort prints it to stderr. Every such failure reaches
+# the caller as a TransportError anyway, so give paramiko a handler that drops them
+# (records still propagate to handlers an application configures).
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def fabric_connection(node: Node):
@@ -130,6 +137,7 @@ class SSHTransport:
             for call in (*readers, writer):
                 while not call.join(_STATUS_POLL):
                     _check_deadline(deadline, chan, command, timeout)
+                    _check_calls(writer, *readers)
                     if not transport.is_active():
                         raise _lost(self.node, command)
             while not chan.status_event.wait(_STATUS_POLL):
@@ -138,10 +146,10 @@ class SSHTransport:
                     raise _lost(self.node, command)
             if not transport.is_active() and not _exit_status_received(chan):
                 raise _lost(self.node, command)
-            for call in readers:  # a stdin write error only means the command stopped reading
-                if call.error is not None:
-                    raise TransportError(f"node {self.node.name!r}: channel error: {call.error}")
+            _check_calls(writer, *readers)
             code = chan.recv_exit_status()
+        except _CallFailed as e:
+            raise e.args[0] from None
         except (paramiko.SSHException, EOFError, socket.error) as e:
             if not transport.is_active():
                 raise _lost(self.node, command) from None
@@ -200,9 +208,28 @@ def _pump(recv, splitter: LineSplitter) -> None:
 
 
 def _send(chan, stdin: Stdin) -> None:
+    """Stream stdin, then EOF. A failed send only means the command stopped reading (or ended);
+    an error reading the local stdin propagates: the command must not wait for the rest."""
     for chunk in iter_stdin(stdin):
-        chan.sendall(chunk)
-    chan.shutdown_write()
+        try:
+            chan.sendall(chunk)
+        except (OSError, paramiko.SSHException, EOFError):
+            return
+    try:
+        chan.shutdown_write()
+    except (OSError, paramiko.SSHException, EOFError):
+        pass
+
+
+class _CallFailed(Exception):
+    """Reading the caller's stdin or a line callback failed; run() re-raises the original error."""
+
+
+def _check_calls(*calls: BackgroundCall) -> None:
+    """Stop at once when a stream thread failed: nobody feeds or drains the channel any more."""
+    for call in calls:
+        if call.error is not None:
+            raise _CallFailed(call.error)
 
 
 def _exit_status_received(chan) -> bool:

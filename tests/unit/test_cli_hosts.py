@@ -92,3 +92,35 @@ def test_python_dash_m_subprocess(sim_inventory):
     proc = subprocess.run([sys.executable, "-m", "dflash_ops", "exec", "nohost", "--", "true"], env=env,
                           capture_output=True, text=True, cwd="/")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_node_that_is_not_an_ssh_server_is_one_clean_line(tmp_path):
+    """Paramiko's transport thread logs a traceback on a bad banner; the user sees one line."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def answer_and_hang_up():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # the test closed the server
+                return
+            conn.sendall(b"HTTP/1.0 400 Bad Request\r\n")
+            conn.close()
+
+    threading.Thread(target=answer_and_hang_up, daemon=True).start()
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(f"nodes:\n  n: {{transport: ssh, address: 127.0.0.1, port: {server.getsockname()[1]}}}\n"
+                         "targets:\n  t: {node: n, ctid: 200, base_dir: /opt/dflash}\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(dflash_ops.__file__).resolve().parent.parent), HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "dflash_ops", "exec", "--inventory", str(inventory), "t", "--", "true"],
+                          capture_output=True, text=True, env=env)
+    server.shutdown(socket.SHUT_RDWR)
+    server.close()
+    assert proc.returncode == 255
+    assert proc.stderr.startswith("dflash-ops: error: node 'n': cannot connect to 127.0.0.1")
+    assert proc.stderr.count("\n") == 1, proc.stderr

@@ -67,6 +67,8 @@ def test_env_var_overrides_default(tmp_path, monkeypatch):
         ("base_dir: /opt/dflash", "base_dir: opt/dflash", "hosts.yaml:10: target 'host200': base_dir must be an absolute path"),
         ("ctid: 200", "ctid: 12", "hosts.yaml:9: target 'host200': ctid must be an integer from 100"),
         ("gpus: [0, 1]", "gpus: [a]", "hosts.yaml:11: target 'host200': gpus must be a list of GPU indices"),
+        ("    pct: sudo pct", "    pct: sudo pct\n    port: 70000",
+         "hosts.yaml:6: node 'pve1': port must be an integer from 1 to 65535, got 70000"),
         ("    pct: sudo pct", "    pct: simulated", "hosts.yaml:5: node 'pve1': pct 'simulated' needs transport 'local'"),
         ("    ctid: 200", "    ctid: 200\n    ctid: 201", "hosts.yaml:10: duplicate key 'ctid'"),
         ("gpus: [0, 1]", "gpus: [0, 1", "hosts.yaml:12: invalid YAML"),

@@ -120,3 +120,34 @@ def test_fabric_connection_rejects_unknown_hosts_unless_disabled(tmp_path):
     missing_key = Node(name="n", transport="ssh", pct=("pct",), address="h", identity_file=str(tmp_path / "nokey"))
     with pytest.raises(TransportError, match="identity_file"):
         fabric_connection(missing_key)
+
+
+class _FailingReader:
+    """A local stdin source that breaks after its first chunk (disk error, progress callback, ...)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def read(self, size: int = -1) -> bytes:
+        self.calls += 1
+        if self.calls > 1:
+            raise OSError("local read failed")
+        return b"first chunk\n"
+
+
+def test_local_stdin_error_is_raised_not_left_waiting(ssh):
+    """The remote command still waits for the rest of stdin; the caller gets the local error.
+    (The timeout only keeps a regression from hanging the suite.)"""
+    with pytest.raises(OSError, match="local read failed"):
+        ssh.run("cat > /dev/null", stdin=_FailingReader(), timeout=10)
+
+
+def test_line_callback_error_stops_the_command(ssh):
+    """`dflash-ops exec ... | head`: writing a line fails, so nobody reads the channel any more;
+    the caller gets that error instead of waiting for a command that can never finish."""
+
+    def closed_pipe(line: bytes) -> None:
+        raise BrokenPipeError("stdout closed")
+
+    with pytest.raises(BrokenPipeError, match="stdout closed"):
+        ssh.run("yes", on_line=closed_pipe, timeout=10)

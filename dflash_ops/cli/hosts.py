@@ -31,12 +31,15 @@ def hosts(inventory: InventoryOption = None) -> None:
     console.print(table)
 
 
+KILL_GRACE_S = 5  # --timeout: SIGTERM first, SIGKILL this many seconds later
+
+
 def exec_(
     target: Annotated[str, typer.Argument(help="Target name from the inventory.")],
     argv: Annotated[list[str], typer.Argument(help="The command inside the container, after `--`.")],
     inventory: InventoryOption = None,
     print_command: Annotated[bool, typer.Option("--print-command", help="Print every rendered layer; run nothing.")] = False,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Kill the command after this many seconds.")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, help="Kill the command after this many seconds (coreutils `timeout` inside the container; exit 124).")] = None,
 ) -> None:
     """Run ARGV in TARGET's container, byte for byte: `dflash-ops exec host200 -- python3 -c ...`.
 
@@ -45,6 +48,12 @@ def exec_(
     argv = strip_separator(argv)
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
+    transport_timeout = None
+    if timeout is not None:
+        # Killed inside the container: over SSH, closing the channel would leave a quiet
+        # command running. The transport waits a little longer only as a backstop.
+        argv = ["timeout", f"--kill-after={KILL_GRACE_S}", f"{timeout:g}", *argv]
+        transport_timeout = timeout + KILL_GRACE_S + 10
     container = open_target(inventory, target)
     if print_command:
         with clean_errors():
@@ -54,7 +63,9 @@ def exec_(
         typer.echo(f"transport: {_describe_transport(container.target.node)}")
         return
     with clean_errors():
-        result = container.exec(argv, on_line=write_stdout, on_stderr_line=write_stderr, timeout=timeout)
+        result = container.exec(argv, on_line=write_stdout, on_stderr_line=write_stderr, timeout=transport_timeout)
+    if timeout is not None and result.exit_code in (124, 128 + 9):  # timeout(1): TERM worked / needed KILL
+        fail(f"timed out after {timeout:g}s and killed in the container: {argv[3:]!r}", 124)
     raise typer.Exit(result.exit_code)
 
 

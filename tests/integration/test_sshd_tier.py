@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -147,3 +148,19 @@ def test_ssh_config_alias_and_proxyjump(sshd_node, tmp_path, monkeypatch, alias)
     finally:
         transport.close()
     assert sshd_node.accepted_logins() - logins == (2 if alias == "pve-jump" else 1)
+
+
+def test_cli_exec_timeout_kills_the_command_in_the_container(sshd_node):
+    """Closing an SSH channel does not stop a quiet command; --timeout kills it inside the container."""
+    marker = "300.0" + str(sshd_node.port)  # a sleep argument no other process has
+    result = CliRunner().invoke(app, ["exec", "--inventory", str(sshd_node.inventory), "--timeout", "0.5",
+                                      "host200", "--", "sleep", marker])
+    assert result.exit_code == 124 and "timed out after 0.5s" in result.stderr
+    assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if _cmdline(p) == ["sleep", marker]]
+
+
+def _cmdline(path: Path) -> list[str]:
+    try:
+        return path.read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []

@@ -76,8 +76,17 @@ def _clean_path(raw: str, prefix: str, diff_line: int) -> str | None:
     return str(p)
 
 
+def diff_lines(text: str) -> list[str]:
+    """Lines split at "\n" only (a form feed or U+2028 is content, not a line break); a CR
+    before the "\n" is dropped so a diff saved with CRLF endings reads the same."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def parse_unified_diff(text: str) -> list[FilePatch]:
-    lines = text.splitlines()
+    lines = diff_lines(text)
     patches: list[FilePatch] = []
     i = 0
     while i < len(lines):

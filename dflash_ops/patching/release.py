@@ -206,9 +206,17 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
 
             info = stop_run(container, restart_run)
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
-        with release_tar(release, to_send, (), meta["files"]) as tar:
-            _helper_json(container, "release", ["apply", container.base_dir, release.hash, "--parent", meta["hash"],
-                                                "--keep", str(keep)], stdin=tar)
+        try:
+            with release_tar(release, to_send, (), meta["files"]) as tar:
+                _helper_json(container, "release", ["apply", container.base_dir, release.hash,
+                                                    "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
+        except BaseException:
+            if restart_run is not None:  # `current` did not change: the run goes on where it was
+                from dflash_ops.runs import resume_run
+
+                resume_run(container, restart_run)
+                say(f"the new release failed; resumed {restart_run} on release {meta['hash']}")
+            raise
         outcome.release = release.hash
     if restart_run is not None:
         from dflash_ops.runs import resume_run

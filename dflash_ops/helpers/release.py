@@ -202,7 +202,10 @@ def prune(base: str, keep: int) -> list[str]:
         if name in protected:
             continue
         doomed = os.path.join(releases_dir, f".tmp-prune-{name}-{os.getpid()}")
-        os.rename(os.path.join(releases_dir, name), doomed)
+        try:
+            os.rename(os.path.join(releases_dir, name), doomed)
+        except FileNotFoundError:  # a concurrent prune took it
+            continue
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(name)
     return removed

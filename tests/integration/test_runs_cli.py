@@ -250,3 +250,13 @@ def test_patch_restart_whose_release_fails_resumes_the_run_on_the_old_release(ti
     assert runs.run_status(tier.container, run_id).effective_state in ("starting", "running")
     assert (tier.base / "runs" / run_id / "release").read_text().strip() == first
     tier.cli("run", "stop", "host200", run_id, "--now")
+
+
+def test_patch_creating_a_file_where_the_release_has_a_file_or_directory_is_refused(tier, tmp_path):
+    """--check must not accept what the apply then cannot build."""
+    deployed(tier)
+    for created in ("trainer/data.py/inner.py", "trainer"):
+        diff = tmp_path / "clash.diff"
+        diff.write_text(f"--- /dev/null\n+++ b/{created}\n@@ -0,0 +1 @@\n+X = 1\n")
+        refused = tier.cli("patch", "host200", str(diff), "--check", code=1)
+        assert "patch REFUSED" in refused.stdout and "clashes with the release tree" in refused.stdout

@@ -64,14 +64,20 @@ def register_step(step_type: StepType, *, replace_existing: bool = False) -> Non
 
 
 def _deploy(ctx: StepContext, params: dict) -> dict:
-    from dflash_ops.deploy import DEFAULT_KEEP, deploy_target
+    """Deploy with the target's inventory settings (as `dflash-ops deploy` does); the step's
+    `extra_paths` add to them, its `keep` and `venv` override them."""
+    from dflash_ops.deploy import deploy_target, target_options
     from dflash_ops.venvs import VenvSpec
 
-    venv_config = params.get("venv", {})
-    venv = None if venv_config is False else VenvSpec.from_config(venv_config or {}, base=ctx.playbook_dir)
     extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
-    summary = deploy_target(ctx.container, extra_paths=extra, venv=venv,
-                            keep=int(params.get("keep", DEFAULT_KEEP)))
+    keep = int(params["keep"]) if "keep" in params else None
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (the current release), got {keep}")
+    options = target_options(ctx.container.target, extra_paths=extra, keep=keep)
+    if "venv" in params:
+        venv_config = params["venv"]
+        options["venv"] = None if venv_config is False else VenvSpec.from_config(venv_config or {}, base=ctx.playbook_dir)
+    summary = deploy_target(ctx.container, **options)
     ctx.results.append(summary.to_json())
     ctx.say(f"release {summary.release} ({summary.action}; {summary.files_sent} files, "
             f"{summary.bytes_sent} bytes sent; venv {summary.venv_action})")

@@ -25,7 +25,7 @@ def patch(
     from dflash_ops.patching.release import PatchError, patch_target
 
     try:
-        diff_text = patchfile.read_text(encoding="utf-8")
+        diff_text = patchfile.read_bytes().decode("utf-8")  # no newline translation: a lone CR is content
     except (OSError, UnicodeDecodeError) as e:
         fail(f"cannot read patch {patchfile}: {e}", 2)
     if check and restart:

@@ -179,6 +179,11 @@ def fsync_dir(path: str) -> None:
 
 
 def prune(base: str, keep: int) -> list[str]:
+    """Remove all but the newest `keep` releases, never `current` or a live run's release.
+
+    Each one is renamed to `.tmp-prune-*` first, so a kill mid-removal leaves no half-deleted
+    `releases/<hash>` that still holds its manifest (and would pass as complete).
+    """
     releases_dir = os.path.join(base, "releases")
     protected = live_run_releases(base)
     cur = current_hash(base)
@@ -196,7 +201,12 @@ def prune(base: str, keep: int) -> list[str]:
     for created, name in complete[keep:]:
         if name in protected:
             continue
-        shutil.rmtree(os.path.join(releases_dir, name), ignore_errors=True)
+        doomed = os.path.join(releases_dir, f".tmp-prune-{name}-{os.getpid()}")
+        try:
+            os.rename(os.path.join(releases_dir, name), doomed)
+        except FileNotFoundError:  # a concurrent prune took it
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
         removed.append(name)
     return removed
 

@@ -14,6 +14,9 @@ from pathlib import PurePosixPath
 
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 DEV_NULL = "/dev/null"
+# Names the release machinery gives a meaning to: a patched file there would overwrite the
+# release manifest or (under `.helpers/`) be installed into BASE/helpers, outside the release.
+RESERVED_TOP_NAMES = {".dflash-release.json", ".dflash-delta.json", ".helpers"}
 
 
 class DiffError(ValueError):
@@ -68,11 +71,22 @@ def _clean_path(raw: str, prefix: str, diff_line: int) -> str | None:
     p = PurePosixPath(path)
     if not path or p.is_absolute() or ".." in p.parts:
         raise DiffError(f"diff line {diff_line}: path {raw.strip()!r} must be relative to the release root")
+    if p.parts[0] in RESERVED_TOP_NAMES:
+        raise DiffError(f"diff line {diff_line}: path {raw.strip()!r} is reserved for the release machinery")
     return str(p)
 
 
+def diff_lines(text: str) -> list[str]:
+    """Lines split at "\n" only (a form feed or U+2028 is content, not a line break); a CR
+    before the "\n" is dropped so a diff saved with CRLF endings reads the same."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def parse_unified_diff(text: str) -> list[FilePatch]:
-    lines = text.splitlines()
+    lines = diff_lines(text)
     patches: list[FilePatch] = []
     i = 0
     while i < len(lines):

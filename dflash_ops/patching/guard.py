@@ -57,7 +57,7 @@ class PatchReport:
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.patch-tmp")
-            tmp.write_text(text, encoding="utf-8")
+            tmp.write_text(text, encoding="utf-8", newline="")
             if path.exists():
                 os.chmod(tmp, path.stat().st_mode & 0o7777)
             os.replace(tmp, path)
@@ -85,7 +85,7 @@ def _read_original(root: Path, rel: str, originals: dict[str, str | None], repor
     if rel not in originals:
         path = root / rel
         try:
-            originals[rel] = path.read_text(encoding="utf-8") if path.is_file() else None
+            originals[rel] = path.read_bytes().decode("utf-8") if path.is_file() else None
         except UnicodeDecodeError:
             report.problems.append(Problem("file", rel, None, "not a UTF-8 text file"))
             originals[rel] = None
@@ -106,8 +106,10 @@ def _apply_file_patch(root: Path, patch: FilePatch, originals: dict[str, str | N
     if patch.old_path is not None and current is None:
         report.problems.append(Problem("file", rel, None, "no such file in the release"))
         return
+    crlf = _uses_crlf(current or "")
     try:
-        new_text = apply_hunks(current or "", patch.hunks)
+        new_text = apply_hunks((current or "").replace("\r\n", "\n") if crlf else current or "", patch.hunks)
+        new_text = new_text.replace("\n", "\r\n") if crlf else new_text
     except HunkFailed as e:
         report.problems.append(Problem("hunk", rel, e.hunk.old_start, str(e)))
         return
@@ -118,6 +120,11 @@ def _apply_file_patch(root: Path, patch: FilePatch, originals: dict[str, str | N
         report.new_contents[rel] = None
     else:
         report.new_contents[rel] = new_text
+
+
+def _uses_crlf(text: str) -> bool:
+    """Every line ends with CRLF: hunks apply to its lines and the result keeps CRLF."""
+    return "\n" in text and text.count("\r\n") == text.count("\n")
 
 
 def _check_python_file(rel: str, old: str | None, new: str | None, allow_moves: bool, report: PatchReport) -> None:

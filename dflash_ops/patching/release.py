@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from dflash_ops import render
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.patching.guard import PatchReport, check_patch
+from dflash_ops.patching.guard import PatchReport, Problem, check_patch
 from dflash_ops.releases import RELEASE_META, LocalRelease, release_tar
 
 DEFAULT_KEEP = 5
@@ -166,6 +166,19 @@ def patched_release(meta: dict, patched_root: Path, report: PatchReport) -> tupl
     return release, sorted(files)
 
 
+def tree_clashes(release_files: dict, report: PatchReport) -> list[Problem]:
+    """Created files that cannot exist beside the release's: a directory of the release, or
+    a path under one of its files (only the touched files are fetched, so the guard can't see it)."""
+    problems = []
+    for rel, text in report.new_contents.items():
+        if text is None or rel in release_files:
+            continue
+        parents = [str(p) for p in PurePosixPath(rel).parents][:-1]
+        if any(parent in release_files for parent in parents) or any(f.startswith(rel + "/") for f in release_files):
+            problems.append(Problem("file", rel, None, "clashes with the release tree (a file or directory there)"))
+    return problems
+
+
 def patch_target(container, diff_text: str, *, check_only: bool = False, allow_moves: bool = False,
                  restart_run: str | None = None, keep: int = DEFAULT_KEEP, say=lambda text: None) -> PatchOutcome:
     """Check a unified diff against the target's current release and, unless check_only,
@@ -186,6 +199,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
         root = Path(tmp)
         fetch_release_files(container, meta, touched, root)
         report = check_patch(root, diff_text, allow_moves=allow_moves)
+        report.problems += tree_clashes(meta["files"], report)
         if not report.ok:
             raise PatchError(f"patch refused by the structural guard (release {meta['hash']})", report)
         report.write_to(root)
@@ -206,9 +220,17 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
 
             info = stop_run(container, restart_run)
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
-        with release_tar(release, to_send, (), meta["files"]) as tar:
-            _helper_json(container, "release", ["apply", container.base_dir, release.hash, "--parent", meta["hash"],
-                                                "--keep", str(keep)], stdin=tar)
+        try:
+            with release_tar(release, to_send, (), meta["files"]) as tar:
+                _helper_json(container, "release", ["apply", container.base_dir, release.hash,
+                                                    "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
+        except BaseException:
+            if restart_run is not None:  # `current` did not change: the run goes on where it was
+                from dflash_ops.runs import resume_run
+
+                resume_run(container, restart_run)
+                say(f"the new release failed; resumed {restart_run} on release {meta['hash']}")
+            raise
         outcome.release = release.hash
     if restart_run is not None:
         from dflash_ops.runs import resume_run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,3 +204,31 @@ def test_removed_file_is_absent_from_the_next_release(env):
     assert (base / "current" / "trainer" / "part6" / "mod6.py").exists()
     meta = json.loads((base / "current" / ".dflash-release.json").read_text())
     assert "trainer/part5/mod5.py" not in meta["files"] and meta["hash"] == second.release
+
+
+def test_prune_killed_mid_removal_never_leaves_a_partial_release_that_counts_as_complete(env, monkeypatch):
+    """A kill while prune deletes an old release must not leave `releases/<hash>` half-gone
+    with its manifest still there: a later deploy of that hash would switch to it."""
+    from dflash_ops.helpers import release as release_helper
+
+    container, package, base = env
+    old = deploy_target(container, source=package, venv=NO_VENV).release
+    (package / "part0" / "mod0.py").write_text("VALUE = 'new'\n")
+    deploy_target(container, source=package, venv=NO_VENV)
+    real_rmtree = shutil.rmtree
+
+    def killed_after_one_file(path, *args, **kwargs):
+        victim = next(p for p in sorted(Path(path).rglob("*.py")))
+        victim.unlink()
+        raise KeyboardInterrupt("killed mid-prune")
+
+    monkeypatch.setattr(release_helper.shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        release_helper.prune(str(base), 1)
+    monkeypatch.setattr(release_helper.shutil, "rmtree", real_rmtree)
+
+    (package / "part0" / "mod0.py").write_text("VALUE = 0\n")
+    again = deploy_target(container, source=package, venv=NO_VENV)
+    assert again.release == old and again.action == "build"
+    assert sorted(p.relative_to(base / "current").as_posix() for p in (base / "current").rglob("*.py")) == sorted(
+        rel for rel in json.loads((base / "current" / ".dflash-release.json").read_text())["files"] if rel.endswith(".py"))

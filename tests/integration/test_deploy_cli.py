@@ -56,3 +56,31 @@ def test_failing_step_stops_the_play_and_names_its_file_and_line(tmp_path):
     assert result.exit_code == 1
     assert f"{book}:3: step 2 (fails) failed:" in result.stderr and "status 3" in result.stderr
     assert "host200: one" in result.stdout and "never" not in result.stdout
+
+
+def test_playbook_deploy_step_uses_the_targets_inventory_settings(tmp_path):
+    """`deploy: {}` in a playbook ships what `dflash-ops deploy TARGET` ships: the target's
+    venv setting and extra paths from the inventory, so both give the same release."""
+    import yaml
+
+    from dflash_ops.deploy import deploy_target, target_options
+
+    path = write_sim_inventory(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    notes = tmp_path / "NOTES.txt"
+    notes.write_text("shipped beside trainer/\n")
+    doc["targets"]["host200"].update({"venv": False, "extra_paths": [str(notes)]})
+    path.write_text(yaml.safe_dump(doc))
+    target = load_inventory(path).target("host200")
+    container = Container(target, LocalTransport())
+    book = tmp_path / "book.yaml"
+    book.write_text("steps:\n  - deploy: {}\n")
+    result = run_playbook(load_playbook(book), container, say=lambda line: None)
+    assert result.ok, result.error
+    assert result.results[0]["venv"] is None
+    assert (Path(container.base_dir) / "current" / "NOTES.txt").read_text() == "shipped beside trainer/\n"
+    assert deploy_target(container, **target_options(target)).action == "none"
+
+    book.write_text("vars: {keep: 5}\nsteps:\n  - deploy: {keep: \"${keep}\"}\n")
+    refused = run_playbook(load_playbook(book, {"keep": "-1"}), container, say=lambda line: None)
+    assert refused.error == f"{book}:3: step 1 (deploy) failed: keep must be at least 1 (the current release), got -1"

@@ -226,3 +226,37 @@ def test_resume_with_a_new_config(tier, tmp_path):
     assert info.effective_state == "stopped" and info.total_steps == 2_000_000
     assert (tier.base / "runs" / run_id / "config.input.yaml").read_bytes() == longer.read_bytes()
     tier.cli("run", "resume", "host200", run_id, "--config", str(tmp_path / "missing.yaml"), code=2)
+
+
+def test_patch_restart_whose_release_fails_resumes_the_run_on_the_old_release(tier, tmp_path, monkeypatch):
+    """`patch --restart RUN` stops the run before the new release is built: when that build
+    fails, the run must not be left stopped."""
+    import dflash_ops.deploy as deploy_module
+
+    first = deployed(tier)
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()
+    real_helper_json = deploy_module._helper_json
+
+    def apply_fails(container, name, args, **kwargs):
+        if name == "release" and args[0] == "apply":
+            raise deploy_module.DeployError("release.py apply failed (exit 1): disk full")
+        return real_helper_json(container, name, args, **kwargs)
+
+    monkeypatch.setattr(deploy_module, "_helper_json", apply_fails)
+    failed = tier.cli("patch", "host200", str(PATCHES / "fixed_warmup_at_module_level.diff"), "--restart", run_id,
+                      code=1)
+    assert "disk full" in failed.stderr
+    assert os.readlink(tier.base / "current") == f"releases/{first}"
+    assert runs.run_status(tier.container, run_id).effective_state in ("starting", "running")
+    assert (tier.base / "runs" / run_id / "release").read_text().strip() == first
+    tier.cli("run", "stop", "host200", run_id, "--now")
+
+
+def test_patch_creating_a_file_where_the_release_has_a_file_or_directory_is_refused(tier, tmp_path):
+    """--check must not accept what the apply then cannot build."""
+    deployed(tier)
+    for created in ("trainer/data.py/inner.py", "trainer"):
+        diff = tmp_path / "clash.diff"
+        diff.write_text(f"--- /dev/null\n+++ b/{created}\n@@ -0,0 +1 @@\n+X = 1\n")
+        refused = tier.cli("patch", "host200", str(diff), "--check", code=1)
+        assert "patch REFUSED" in refused.stdout and "clashes with the release tree" in refused.stdout

@@ -164,6 +164,9 @@ def test_missing_file_and_malformed_diff(release):
     assert not check_patch(release, "just prose\n").ok
     with pytest.raises(DiffError, match="relative to the release root"):
         parse_unified_diff("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n")
+    for reserved in (".helpers/0123abcd/release.py", ".dflash-release.json", ".dflash-delta.json"):
+        with pytest.raises(DiffError, match="reserved for the release machinery"):
+            parse_unified_diff(f"--- /dev/null\n+++ b/{reserved}\n@@ -0,0 +1 @@\n+x\n")
     with pytest.raises(DiffError, match="ends early"):
         parse_unified_diff("--- a/x.py\n+++ b/x.py\n@@ -1,3 +1,3 @@\n a\n-b\n")
 
@@ -214,3 +217,22 @@ def test_import_check_reports_failures(tmp_path):
     assert results["bad"]["error"] == "RuntimeError: boom at import" and results["bad"]["line"] == 2
     assert results["broken"]["error"].startswith("SyntaxError") and results["broken"]["line"] == 1
     assert results["missing_mod"]["error"].startswith("ModuleNotFoundError")
+
+
+def test_line_endings_and_odd_characters_survive_a_patch(tmp_path):
+    """Only the diff's lines change: CRLF files stay CRLF, a lone CR or a form feed is kept."""
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "crlf.py").write_bytes(b"x = 1\r\ny = 2\r\nz = 3\r\n")
+    (tmp_path / "t" / "cr.txt").write_bytes(b"s = 'a\rb'\ny = 2\n")
+    (tmp_path / "t" / "ff.py").write_bytes(b"x = 1\n\x0c\ny = 2\n")
+    diff = ("--- a/t/crlf.py\n+++ b/t/crlf.py\n@@ -2 +2 @@\n-y = 2\n+y = 5\n"
+            "--- a/t/cr.txt\n+++ b/t/cr.txt\n@@ -2 +2 @@\n-y = 2\n+y = 5\n"
+            "--- a/t/ff.py\n+++ b/t/ff.py\n@@ -1,3 +1,3 @@\n x = 1\n \x0c\n-y = 2\n+y = 5\n")
+    report = check_patch(tmp_path, diff)
+    assert report.ok, report.summary()
+    report.write_to(tmp_path)
+    assert (tmp_path / "t" / "crlf.py").read_bytes() == b"x = 1\r\ny = 5\r\nz = 3\r\n"
+    assert (tmp_path / "t" / "cr.txt").read_bytes() == b"s = 'a\rb'\ny = 5\n"
+    assert (tmp_path / "t" / "ff.py").read_bytes() == b"x = 1\n\x0c\ny = 5\n"
+    crlf_diff = "--- a/t/ff.py\r\n+++ b/t/ff.py\r\n@@ -3 +3 @@\r\n-y = 5\r\n+y = 6\r\n"
+    assert check_patch(tmp_path, crlf_diff).new_contents == {"t/ff.py": "x = 1\n\x0c\ny = 6\n"}

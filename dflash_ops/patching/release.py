@@ -31,6 +31,9 @@ from dflash_ops.releases import RELEASE_META, LocalRelease, release_tar
 DEFAULT_KEEP = 5
 
 
+REQUIREMENTS = "trainer/requirements.txt"  # the venv's lock: a release built by deploy, never a patch
+
+
 class PatchError(DflashOpsError):
     """The patch was refused (its report says why) or could not be applied."""
 
@@ -195,6 +198,9 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
         touched = [p.path for p in parse_unified_diff(diff_text)]
     except DiffError as e:
         raise PatchError(f"not a usable unified diff: {e}") from None
+    if REQUIREMENTS in touched:
+        raise PatchError(f"{REQUIREMENTS} changes the venv, which a patch keeps: "
+                         f"edit it locally and run `dflash-ops deploy {container.target.name}`")
     with tempfile.TemporaryDirectory(prefix="dflash-patch-") as tmp:
         root = Path(tmp)
         fetch_release_files(container, meta, touched, root)

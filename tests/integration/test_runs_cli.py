@@ -215,6 +215,15 @@ def test_patch_that_does_not_import_is_refused(tier, tmp_path):
     assert os.readlink(tier.base / "current") == f"releases/{first}"
 
 
+def test_patch_to_the_requirements_is_refused_with_the_way_forward(tier, tmp_path):
+    first = deployed(tier)
+    diff = tmp_path / "reqs.diff"
+    diff.write_text("--- /dev/null\n+++ b/trainer/requirements.txt\n@@ -0,0 +1,1 @@\n+numpy\n")
+    refused = tier.cli("patch", "host200", str(diff), code=1)
+    assert "changes the venv" in refused.stderr and "dflash-ops deploy host200" in refused.stderr
+    assert os.readlink(tier.base / "current") == f"releases/{first}"
+
+
 def test_resume_with_a_new_config(tier, tmp_path):
     deployed(tier)
     run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()

@@ -76,7 +76,9 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
 
     refused = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-broken-function-inside-class.diff"),
                   "--check", code=1).stdout
-    assert "PreloadedDataset.next_batch (was line 136) → padding_fraction.next_batch" in refused
+    source = (EXAMPLES.parents[1] / "trainer" / "data.py").read_text().splitlines()
+    was = next(n for n, line in enumerate(source, 1) if line.strip().startswith("def next_batch("))
+    assert f"PreloadedDataset.next_batch (was line {was}) → padding_fraction.next_batch" in refused
     accepted = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-fixed-function-after-class.diff"),
                    "--check").stdout
     assert "import trainer.data: ok" in accepted and os.readlink(base / "current") == first

@@ -190,7 +190,10 @@ def build(base: str, lock: str, args, stream) -> dict:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     if not check_satisfied(os.path.join(final, "bin", "python"), "-"):
-        shutil.rmtree(final, ignore_errors=True)
+        # Renamed aside first: a kill during the delete must not leave a venv that looks complete.
+        aside = os.path.join(os.path.dirname(final), f".tmp-broken-{lock}-{os.getpid()}")
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
         raise SystemExit("venv: python does not start after the rename")
     return {"venv": f"venvs/{lock}", "built": True, "pip": used_pip,
             "seconds": round(time.time() - started, 3)}

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dflash_ops.tui.source import write_atomic
+
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
 
@@ -25,15 +27,6 @@ def _pid_start() -> int | None:
         return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 class SimulatedRun:
@@ -90,14 +83,14 @@ class SimulatedRun:
             "recompiles": 0,
             "error": None,
         }
-        _write_atomic(self.dir / "status.json", json.dumps(status))
+        write_atomic(self.dir / "status.json", json.dumps(status))
 
     # -- lifecycle ---------------------------------------------------------------------
     def begin(self) -> None:
         (self.dir / "control").mkdir(parents=True, exist_ok=True)
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        _write_atomic(self.dir / "release", "dev\n")
-        _write_atomic(self.dir / "config.yaml", "model: tiny\nsteps: %d\n" % self.total_steps)
+        write_atomic(self.dir / "release", "dev\n")
+        write_atomic(self.dir / "config.yaml", "model: tiny\nsteps: %d\n" % self.total_steps)
         self.write_status()
         self._event("start", resumed_from=None, total_steps=self.total_steps, config="tiny demo")
         self.log(f"starting run {self.run_id}: tiny demo, {self.total_steps} steps")
@@ -166,7 +159,7 @@ class SimulatedRun:
         if not final.exists():
             tmp = self.dir / "checkpoints" / f".tmp-step_{self.step}-{os.getpid()}"
             tmp.mkdir(parents=True, exist_ok=True)
-            _write_atomic(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}))
+            write_atomic(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}))
             os.replace(tmp, final)
         self.last_checkpoint = rel
         self._event("checkpoint", path=rel, seconds=0.1, request=request_id)

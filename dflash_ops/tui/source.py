@@ -93,6 +93,16 @@ class DashSource(Protocol):
         """The target's GPUs now, or None when it has no GPU."""
 
 
+def write_atomic(path: Path, text: str, tmp: Path | None = None) -> None:
+    """Write, fsync, rename: a reader sees the old file or the whole new one (run-directory.md)."""
+    tmp = tmp or path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def run_row_from_status(target: str, run_id: str, status: dict, release: str | None) -> RunRow:
     """Build a RunRow from a parsed status.json (tolerates missing fields)."""
     error = status.get("error")
@@ -260,12 +270,8 @@ class LocalDirSource:
         control = run_dir / "control"
         control.mkdir(exist_ok=True)
         request_id = uuid.uuid4().hex[:12]
-        tmp = control / f".{kind}.{request_id}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump({"id": request_id, "time": time.time()}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, control / kind)
+        write_atomic(control / kind, json.dumps({"id": request_id, "time": time.time()}),
+                     tmp=control / f".{kind}.{request_id}.tmp")
         return request_id
 
     def gpu_samples(self, target: str) -> list[GpuSample] | None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dflash_ops.errors import DflashOpsError, RemoteCommandError
+from dflash_ops import render
+from dflash_ops.errors import CommandTimeout, DflashOpsError, RemoteCommandError
 
 
 class StepFailed(DflashOpsError):
@@ -88,8 +89,12 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
 
 def _exec(ctx: StepContext, params: dict) -> dict:
     argv = [str(a) for a in params["argv"]]
-    result = ctx.container.exec(argv, timeout=params.get("timeout"),
+    timeout = params.get("timeout")
+    command, transport_timeout = (argv, None) if timeout is None else render.killed_after(float(timeout), argv)
+    result = ctx.container.exec(command, timeout=transport_timeout,
                                 on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
+    if timeout is not None and result.exit_code in render.TIMED_OUT:
+        raise CommandTimeout(render.node_command(argv), float(timeout))
     if params.get("check", True) and not result.ok:
         raise RemoteCommandError(argv, result.exit_code, result.stderr)
     return {"exit_code": result.exit_code, "stdout": result.stdout.strip()}

@@ -69,6 +69,20 @@ def node_only(argv: Sequence[str]) -> Rendered:
     return Rendered(argv=argv, pct_argv=argv, command=node_command(argv))
 
 
+KILL_GRACE_S = 5  # killed_after(): SIGTERM first, SIGKILL this many seconds later
+TIMED_OUT = (124, 128 + 9)  # timeout(1)'s statuses: TERM ended it / it needed KILL
+
+
+def killed_after(seconds: float, argv: Sequence[str]) -> tuple[list[str], float]:
+    """`argv` under coreutils `timeout` inside the container, and the transport's backstop timeout.
+
+    A quiet command must be killed where it runs: over SSH, closing the channel on timeout
+    would leave it running. Exit status TIMED_OUT means the limit was hit.
+    """
+    wrapped = ["timeout", f"--kill-after={KILL_GRACE_S}", f"{seconds:g}", *_check_argv(argv)]
+    return wrapped, seconds + KILL_GRACE_S + 10
+
+
 def script(
     *steps: Sequence[str],
     cwd: str | None = None,

@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from dflash_ops import render
+
 from dflash_ops.cli.common import (
     ARGV_CONTEXT, InventoryOption, clean_errors, fail, load, open_target, strip_separator,
     write_stderr, write_stdout,
@@ -31,9 +33,6 @@ def hosts(inventory: InventoryOption = None) -> None:
     console.print(table)
 
 
-KILL_GRACE_S = 5  # --timeout: SIGTERM first, SIGKILL this many seconds later
-
-
 def exec_(
     target: Annotated[str, typer.Argument(help="Target name from the inventory.")],
     argv: Annotated[list[str], typer.Argument(help="The command inside the container, after `--`.")],
@@ -48,12 +47,9 @@ def exec_(
     argv = strip_separator(argv)
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
-    transport_timeout = None
+    command, transport_timeout = argv, None
     if timeout is not None:
-        # Killed inside the container: over SSH, closing the channel would leave a quiet
-        # command running. The transport waits a little longer only as a backstop.
-        argv = ["timeout", f"--kill-after={KILL_GRACE_S}", f"{timeout:g}", *argv]
-        transport_timeout = timeout + KILL_GRACE_S + 10
+        argv, transport_timeout = render.killed_after(timeout, argv)
     container = open_target(inventory, target)
     if print_command:
         with clean_errors():
@@ -64,8 +60,8 @@ def exec_(
         return
     with clean_errors():
         result = container.exec(argv, on_line=write_stdout, on_stderr_line=write_stderr, timeout=transport_timeout)
-    if timeout is not None and result.exit_code in (124, 128 + 9):  # timeout(1): TERM worked / needed KILL
-        fail(f"timed out after {timeout:g}s and killed in the container: {argv[3:]!r}", 124)
+    if timeout is not None and result.exit_code in render.TIMED_OUT:
+        fail(f"timed out after {timeout:g}s and killed in the container: {command!r}", 124)
     raise typer.Exit(result.exit_code)
 
 

@@ -13,6 +13,7 @@ from dflash_ops.container import Container
 from dflash_ops.inventory import load_inventory
 from dflash_ops.playbook import load_playbook, run_playbook
 from dflash_ops.transport.local import LocalTransport
+from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,3 +85,15 @@ def test_playbook_deploy_step_uses_the_targets_inventory_settings(tmp_path):
     book.write_text("vars: {keep: 5}\nsteps:\n  - deploy: {keep: \"${keep}\"}\n")
     refused = run_playbook(load_playbook(book, {"keep": "-1"}), container, say=lambda line: None)
     assert refused.error == f"{book}:3: step 1 (deploy) failed: keep must be at least 1 (the current release), got -1"
+
+
+def test_playbook_exec_timeout_kills_the_command_in_the_container(tmp_path):
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    container = Container(load_inventory(inventory).target("host200"), LocalTransport())
+    marker = f"300.0{os.getpid()}"  # a sleep argument no other process has
+    book = tmp_path / "book.yaml"
+    book.write_text(f"steps:\n  - exec: {{argv: [sleep, '{marker}'], timeout: 0.5}}\n")
+    result = run_playbook(load_playbook(book), container, say=lambda line: None)
+    assert result.error == f"{book}:2: step 1 (exec) failed: command timed out after 0.5s: sleep {marker}"
+    assert not checks.processes_running(["sleep", marker])
+

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -156,11 +155,5 @@ def test_cli_exec_timeout_kills_the_command_in_the_container(sshd_node):
     result = CliRunner().invoke(app, ["exec", "--inventory", str(sshd_node.inventory), "--timeout", "0.5",
                                       "host200", "--", "sleep", marker])
     assert result.exit_code == 124 and "timed out after 0.5s" in result.stderr
-    assert not [p for p in Path("/proc").glob("[0-9]*/cmdline") if _cmdline(p) == ["sleep", marker]]
+    assert not checks.processes_running(["sleep", marker])
 
-
-def _cmdline(path: Path) -> list[str]:
-    try:
-        return path.read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []

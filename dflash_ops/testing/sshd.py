@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from dflash_ops.simnode import containers as simct
+
 SSHD = "/usr/sbin/sshd"
 PCT_SCRIPT = Path(__file__).resolve().parent.parent / "simnode" / "pct.py"
 
@@ -159,6 +161,9 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
         "",
     ]))
     sim_root = workdir / "sim"
+    for ctid in ctids:  # the containers exist because the node's admin created them
+        if not simct.is_created(sim_root, ctid):
+            simct.create(sim_root, ctid, hostname="host200" if ctid == 200 else f"host{ctid}")
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"
@@ -169,7 +174,7 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
     targets = {
         ("host200" if ctid == 200 else f"host{ctid}"): {
             "node": "sshd", "ctid": ctid, "base_dir": str(workdir / f"ct{ctid}" / "opt" / "dflash"),
-            "python": "python3", "gpus": [],
+            "python": simct.container_python(sim_root, ctid), "gpus": [],
         }
         for ctid in ctids
     }

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflash_ops.simnode import containers as simct
-from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd
+from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd, sudo_login_unavailable_reason
 
 
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
@@ -55,5 +55,22 @@ def sshd_node(tmp_path_factory) -> SshdNode:
             pytest.fail(f"CI=true but the sshd tier cannot run: {reason}")
         pytest.skip(reason)
     node = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield node
+    node.stop()
+
+
+def unavailable(reason: str | None) -> None:
+    """Skip for `reason`, except under CI=true, where a tier that cannot run is a failure."""
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but this tier cannot run: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def sudo_sshd_node(tmp_path_factory) -> SshdNode:
+    """Like sshd_node, but the login is a throw-away non-root user whose inventory runs `sudo -n pct`."""
+    unavailable(sshd_unavailable_reason() or sudo_login_unavailable_reason())
+    node = start_sshd(tmp_path_factory.mktemp("sshd-sudo"), sudo_login=f"dfo-sudo-{os.getpid()}")
     yield node
     node.stop()

@@ -540,6 +540,8 @@ def node_root_uid(root: Path) -> int:
         return root.stat().st_uid
     except FileNotFoundError:
         return os.geteuid()
+    except OSError:
+        return 0  # cannot even look: only root is root
 
 
 def main(args: list[str]) -> int:

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ class SshdNode:
     log: Path
     proc: subprocess.Popen
     ctids: tuple[int, ...] = field(default=(200,))
+    pct: tuple[str, ...] = ()  # what the inventory runs as pct (["sudo", "-n", WRAPPER] for a sudo login)
+    cleanup: list = field(default_factory=list)  # undone by stop(): a sudo login's user, sudoers entry, keys dir
 
     def accepted_logins(self) -> int:
         """SSH connections authenticated so far (sshd logs one 'Accepted publickey' line each)."""
@@ -89,6 +92,35 @@ class SshdNode:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        while self.cleanup:
+            self.cleanup.pop()()
+
+
+def sudo_login_unavailable_reason() -> str | None:
+    """Why a `sudo pct` node with a non-root login cannot be set up here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (creates a login user and a sudoers entry)"
+    for tool in ("sudo", "useradd", "userdel", "visudo"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (install sudo / passwd)"
+    return None
+
+
+def _add_sudo_login(name: str, pct_wrapper: Path, cleanup: list) -> None:
+    """A throw-away non-root login that may run exactly `sudo -n PCT_WRAPPER ...` as root."""
+    if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
+        # "*": no password, but not locked ("!"), which sshd refuses without PAM
+        subprocess.run(["useradd", "--no-create-home", "--home-dir", "/", "--shell", "/bin/sh", "--password", "*",
+                        name], check=True)
+        cleanup.append(lambda: subprocess.run(["userdel", name], capture_output=True))
+    entry = Path(f"/etc/sudoers.d/dflash-ops-test-{name}")
+    text = f"{name} ALL=(root) NOPASSWD: {pct_wrapper}\n"
+    tmp = entry.with_name(entry.name + ".tmp")  # sudo ignores names with a dot
+    tmp.write_text(text)
+    os.chmod(tmp, 0o440)
+    subprocess.run(["visudo", "-c", "-q", "-f", str(tmp)], check=True)
+    os.replace(tmp, entry)
+    cleanup.append(lambda: entry.unlink(missing_ok=True))
 
 
 def _free_port() -> int:
@@ -122,7 +154,9 @@ def _wait_for_banner(port: int, proc: subprocess.Popen, log: Path, timeout: floa
     raise RuntimeError(f"sshd did not answer on port {port}: {log.read_text(errors='replace')[-2000:]}")
 
 
-def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
+def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,), *, sudo_login: str | None = None) -> SshdNode:
+    """sshd + stand-in; with `sudo_login`, the node is reached as that non-root user whose
+    inventory runs `sudo -n pct` (the user and its sudoers entry are removed by stop())."""
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     reason = sshd_unavailable_reason()
@@ -132,12 +166,18 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
     for key in (host_key, client_key):
         if not key.exists():
             _keygen(key)
-    _write(workdir / "authorized_keys", (workdir / "client_ed25519_key.pub").read_text())
+    cleanup: list = []
+    # sshd reads the keys file as the login user: a non-root one cannot reach a root-only workdir.
+    keys_dir = Path(tempfile.mkdtemp(prefix="dflash-ops-sshd-keys-"))
+    os.chmod(keys_dir, 0o755)
+    cleanup.append(lambda: shutil.rmtree(keys_dir, ignore_errors=True))
+    authorized_keys = keys_dir / "authorized_keys"
+    _write(authorized_keys, (workdir / "client_ed25519_key.pub").read_text(), mode=0o644)
     port = _free_port()
     host_pub = (workdir / "ssh_host_ed25519_key.pub").read_text().split()
     known_hosts = workdir / "known_hosts"
     _write(known_hosts, f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
-    user = getpass.getuser()
+    user = sudo_login or getpass.getuser()
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
     config = workdir / "sshd_config"
@@ -145,7 +185,7 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
         f"Port {port}",
         "ListenAddress 127.0.0.1",
         f"HostKey {host_key}",
-        f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
+        f"AuthorizedKeysFile {authorized_keys}",
         f"PidFile {workdir / 'sshd.pid'}",
         "UsePAM no",
         "StrictModes no",
@@ -169,6 +209,10 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
     pct = bin_dir / "pct"
     _write(pct, "#!/bin/sh\nexec " + shlex.join([sys.executable, str(PCT_SCRIPT), "--state-root", str(sim_root)])
            + ' "$@"\n', mode=0o755)
+    node_pct: tuple[str, ...] = (str(pct),)
+    if sudo_login:
+        _add_sudo_login(sudo_login, pct, cleanup)
+        node_pct = ("sudo", "-n", str(pct))
     base_dir = workdir / "ct200" / "opt" / "dflash"
     inventory = workdir / "inventory.yaml"
     targets = {
@@ -182,7 +226,7 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
         "nodes": {"sshd": {
             "transport": "ssh", "address": "127.0.0.1", "port": port, "user": user,
             "identity_file": str(client_key), "known_hosts": str(known_hosts),
-            "strict_host_key_checking": True, "pct": [str(pct)],
+            "strict_host_key_checking": True, "pct": list(node_pct),
         }},
         "targets": targets,
     }, sort_keys=False), mode=0o644)
@@ -195,7 +239,9 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
     except BaseException:
         proc.kill()
         proc.wait()
+        while cleanup:
+            cleanup.pop()()
         raise
     return SshdNode(workdir=workdir, port=port, user=user, inventory=inventory, known_hosts=known_hosts,
                     client_key=client_key, host_key=host_key, sim_root=sim_root, base_dir=base_dir, log=log,
-                    proc=proc, ctids=tuple(ctids))
+                    proc=proc, ctids=tuple(ctids), pct=node_pct, cleanup=cleanup)

@@ -1,7 +1,7 @@
 """Local transport + pct stand-in: the whole command layer without SSH."""
 
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -175,3 +175,49 @@ def test_config_lock_waits_10s_then_ops_retries_and_says_so(tmp_path, monkeypatc
     c.pull(c.base_dir + "/f", tmp_path / "back")
     assert (tmp_path / "back").read_text() == "data\n"
     assert len(notices) == 1 and "config is locked by another task" in notices[0] and "retrying (1/3)" in notices[0]
+
+
+def test_please_run_as_root_unless_the_nodes_root(tmp_path):
+    """pve-common RESTEnvironment setup_default_cli_env: a non-root caller gets `please run as root`."""
+    import os
+    import shutil
+    import tempfile
+
+    from tests.conftest import unavailable
+
+    unavailable(None if os.geteuid() == 0 and shutil.which("setpriv") else "needs root and setpriv to drop to a user")
+    public = Path(tempfile.mkdtemp(prefix="dflash-ops-pct-"))  # reachable by 'nobody' (pytest's tmp is not)
+    try:
+        os.chmod(public, 0o755)
+        script = shutil.copy(Path(__file__).resolve().parents[2] / "dflash_ops" / "simnode" / "pct.py", public)
+        state = public / "state"
+        state.mkdir()  # the node's root (this test, uid 0) owns it
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                     script, "--state-root", str(state)]
+        refused = subprocess.run([*as_nobody, "list"], capture_output=True, text=True)
+        assert (refused.returncode, refused.stderr) == (255, "please run as root\n")
+        as_root = subprocess.run(["/usr/bin/python3", "-I", script, "--state-root", str(state), "list"],
+                                 capture_output=True, text=True)
+        assert (as_root.returncode, as_root.stderr) == (0, "")
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def test_sim_containers_are_created_on_first_use_and_nothing_else(tmp_path):
+    """The embedded default's CT 200 appears on first use; a mistyped ctid on that node is refused."""
+    import yaml
+
+    sim_root = tmp_path / "sim"
+    path = tmp_path / "inventory.yaml"
+    python = str(sim_root / "ct" / "200" / "usr" / "bin" / "python3")
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root),
+                          "sim_containers": [200]}},
+        "targets": {"host200": {"node": "sim", "ctid": 200, "base_dir": str(tmp_path / "b200"), "python": python},
+                    "typo": {"node": "sim", "ctid": 2000, "base_dir": str(tmp_path / "b2000")}},
+    }))
+    inventory = load_inventory(path)
+    first = open_container(inventory, "host200")
+    assert first.exec([python, "-c", "import torch"]).ok
+    assert pct(first, "list").stdout.splitlines()[1].split() == ["200", "running", "host200"]
+    assert _does_not_exist(open_container(inventory, "typo").exec(["true"]), 2000)

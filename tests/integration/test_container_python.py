@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -73,3 +74,25 @@ def test_deploy_venv_run_pull_with_the_oldest_container_python(tmp_path):
     listed = subprocess.run([container.target.python, "-c", "import sys; print(sys.prefix)"],
                             capture_output=True, text=True, check=True).stdout.strip()
     assert listed.startswith(str(tmp_path))  # the container's own interpreter ran it all
+
+
+def test_the_venv_sees_what_the_containers_python_sees_never_more(tmp_path):
+    """system_site_packages means the container's packages, not its python's base interpreter's.
+
+    The simulated container's python is a venv over a base whose own site-packages it does not
+    see (like a venv or conda python in a real container); `venv --system-site-packages` from it
+    exposed the base's packages to the trainer venv anyway.
+    """
+    container = open_container(load_inventory(write_sim_inventory(tmp_path / "simnode")), "host200")
+    package = tmp_path / "src" / "trainer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "requirements.txt").write_text("pyyaml\n")
+    summary = deploy_target(container, source=package, venv=VenvSpec(requirements=package / "requirements.txt"))
+    assert summary.ok and summary.venv_action == "built"  # satisfied by the container's packages: no pip
+    probe = "import sys, json; print(json.dumps([p for p in sys.path if p.endswith('-packages')]))"
+    ct_sites = json.loads(container.exec([container.target.python, "-c", probe], check=True).stdout)
+    venv_python = f"{container.base_dir}/{summary.venv}/bin/python"
+    venv_sites = json.loads(container.exec([venv_python, "-c", probe], check=True).stdout)
+    own = f"{container.base_dir}/{summary.venv}/"
+    assert [p for p in venv_sites if not p.startswith(own)] == ct_sites

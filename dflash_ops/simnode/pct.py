@@ -263,7 +263,7 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
         except OSError as e:
             # lxc src/lxc/attach.c lxc_attach_run_command: EACCES/ENOEXEC -> 126, ENOENT -> 127,
             # anything else returns -1 (exit status 255); the error is logged as below.
-            code = {errno.EACCES: 126, errno.ENOEXEC: 126, errno.ENOENT: 127}.get(e.errno, 255)
+            code = {errno.EACCES: 126, errno.ENOEXEC: 126, errno.ENOENT: 127}.get(e.errno or 0, 255)
             os.write(2, (f"lxc-attach: {vmid}: ../src/lxc/attach.c: lxc_attach_run_command: 1845 "
                          f"{os.strerror(e.errno or 0)} - Failed to exec \"{argv[0]}\"\n").encode())
             os._exit(code)
@@ -492,7 +492,7 @@ def _package_files(names: list[str]) -> list[tuple[str, str]]:
     """(top-level name, path) of every file tree of `names` and their requirements."""
     from importlib import metadata
 
-    seen: dict[str, object] = {}
+    seen: dict[str, metadata.Distribution] = {}
     todo = [(n, True) for n in names]
     while todo:
         name, asked = todo.pop()
@@ -510,14 +510,16 @@ def _package_files(names: list[str]) -> list[tuple[str, str]]:
             marker = req.partition(";")[2]
             if "extra" in marker:
                 continue
-            todo.append((re.match(r"[A-Za-z0-9._-]+", req).group(), False))
+            requirement = re.match(r"[A-Za-z0-9._-]+", req)
+            if requirement:
+                todo.append((requirement.group(), False))
     found: dict[str, str] = {}
     for dist in seen.values():
-        for file in dist.files or []:  # type: ignore[attr-defined]
+        for file in dist.files or []:
             top = file.parts[0]
             if top in ("..", "__pycache__") or top.endswith(".pth") or top in found:
                 continue
-            found[top] = str(dist.locate_file(top))  # type: ignore[attr-defined]
+            found[top] = str(dist.locate_file(top))
     return sorted(found.items())
 
 

@@ -56,7 +56,7 @@ def sshd_node(tmp_path_factory) -> SshdNode:
         pytest.skip(reason)
     node = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield node
-    node.stop()
+    node.close()
 
 
 def unavailable(reason: str | None) -> None:
@@ -73,4 +73,4 @@ def sudo_sshd_node(tmp_path_factory) -> SshdNode:
     unavailable(sshd_unavailable_reason() or sudo_login_unavailable_reason())
     node = start_sshd(tmp_path_factory.mktemp("sshd-sudo"), sudo_login=f"dfo-sudo-{os.getpid()}")
     yield node
-    node.stop()
+    node.close()

@@ -82,6 +82,9 @@ def assert_container_environment(container: Container) -> None:
     assert env["container"] == "lxc"
     for leaked in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "SSL_CERT_FILE", "PYTEST_CURRENT_TEST"):
         assert leaked not in env
+    # no signal ignored (the old stand-in passed on Python's ignored SIGPIPE and SIGXFSZ)
+    status = container.exec(["sh", "-c", "grep SigIgn /proc/self/status"], check=True).stdout
+    assert status.split() == ["SigIgn:", "0" * 16]
     python = container.target.python
     probe = container.exec([python, "-c", "import sys, json; print(json.dumps([sys.prefix, sys.path]))"], check=True)
     prefix, path = json.loads(probe.stdout)

@@ -258,7 +258,10 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            # Python ignores SIGPIPE and SIGXFSZ and exec keeps ignored signals; lxc-attach (C)
+            # hands the command default dispositions (`yes | head` must end by SIGPIPE).
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         except OSError as e:
             # lxc src/lxc/attach.c lxc_attach_run_command: EACCES/ENOEXEC -> 126, ENOENT -> 127,

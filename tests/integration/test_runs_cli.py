@@ -44,8 +44,11 @@ class Tier:
         return result
 
 
-@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd),
-                        pytest.param("sudo", marks=pytest.mark.sshd)])
+TIERS = ["sim", pytest.param("sshd", marks=pytest.mark.sshd)]
+WITH_SUDO = [*TIERS, pytest.param("sudo", marks=pytest.mark.sshd)]  # + `sudo -n pct` with a non-root login
+
+
+@pytest.fixture(params=TIERS)
 def tier(request, tmp_path):
     if request.param == "sim":
         inventory = write_sim_inventory(tmp_path / "simnode")
@@ -53,8 +56,6 @@ def tier(request, tmp_path):
     else:
         from dflash_ops.transport.ssh import SSHTransport
 
-        if request.param == "sudo" and request.function.__name__ not in SUDO_TESTS:
-            pytest.skip("the sudo-pct node runs the end-to-end test only (it shares the code path)")
         node = request.getfixturevalue("sshd_node" if request.param == "sshd" else "sudo_sshd_node")
         shutil.rmtree(node.base_dir, ignore_errors=True)
         inventory = node.inventory
@@ -67,9 +68,6 @@ def tier(request, tmp_path):
         if info.alive:
             runs.signal_run(container, info.run_id, "KILL")
     transport.close()
-
-
-SUDO_TESTS = {"test_start_checkpoint_stop_resume_logs_pull"}
 
 
 def mark_node_temp_files(monkeypatch, tmp_path: Path) -> str:
@@ -103,6 +101,7 @@ def test_start_before_deploy_says_deploy_first(tier, tmp_path):
     assert "run `dflash-ops deploy host200` first" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("tier", WITH_SUDO, indirect=True)
 def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path, monkeypatch):
     node_temp = mark_node_temp_files(monkeypatch, tmp_path)
     release = deployed(tier)

@@ -122,10 +122,13 @@ class DrafterWorker:
         blocks = feats.mb.blocks.to(self.device)
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
                     if self.s.autocast_dtype is not None else contextlib.nullcontext())
-        with self.guard.expect_warmed(self.key, feats.mb.shape), autocast:
-            loss_sum, weight_sum, correct_sum = drafter_loss_sums(
-                self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk)
-            loss_sum.backward()
+        def forward_backward():
+            with autocast:
+                sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk)
+                sums[0].backward()
+            return sums
+
+        loss_sum, weight_sum, correct_sum = self.guard.run_warmed(self.key, feats.mb.shape, forward_backward)
         self.flat.add_stats(loss_sum, weight_sum, correct_sum)
         if same_device:
             feats.release(stream)

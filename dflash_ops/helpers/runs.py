@@ -16,7 +16,8 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
 
 Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
 5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
-again from the offset reached).
+again from the offset reached), 7 the followed file was truncated or replaced (stderr:
+`truncated OFFSET NEW_SIZE`).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 """
 
@@ -221,6 +222,8 @@ def run_is_over(run_dir):
     """True once the trainer process is gone. A final status.json alone is not enough, since
     the trainer still writes its last log lines after it; but a final state whose process
     cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
+    if not os.path.isdir(run_dir):
+        return True  # the run directory was removed: nothing more will be written
     status = read_json(os.path.join(run_dir, "status.json"))
     pid, pid_start = run_process(run_dir, status)
     if pid is not None and not process_matches(pid, pid_start):
@@ -240,6 +243,11 @@ def cmd_follow(args):
     ends for good (no --follow, or the run is over) a final unterminated fragment is sent.
     With --max-seconds a follow that is not over by then exits EXIT_TIME_UP after its last
     complete line (no fragment), so a client can stop following promptly or ask again.
+
+    A file that is truncated, rewritten or replaced under the reader (shorter than the
+    offset reached, the bytes before the offset changed, a new inode at PATH) ends the
+    follow with EXIT_TRUNCATED and a `truncated <offset> <new size>` line on stderr: bytes
+    written before the truncation and not yet read are gone, and the client says so.
     """
     out = sys.stdout.buffer
     deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
@@ -261,43 +269,104 @@ def cmd_follow(args):
             time.sleep(args.poll)
     with f:
         start = args.offset
+        size = os.fstat(f.fileno()).st_size
         if args.tail_lines is not None:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
             f.seek(0)
             data_end = complete_end(f, size)
             start = start_of_last_lines(f, args.tail_lines, data_end)
+        elif start > size:
+            out.write(b"#offset %d\n" % start)
+            out.flush()
+            return truncated(start, size)
         out.write(b"#offset %d\n" % start)
         out.flush()
         f.seek(start)
-        pending = b""
+        guard = FileGuard(f, args.path, start)
+        pending = []  # pieces of the unfinished last line, joined once it ends (linear cost)
         while True:
             if args.follow and time_is_up(deadline):
                 return EXIT_TIME_UP
+            if args.follow and guard.rewritten():
+                return truncated(guard.position, guard.size)
             chunk = f.read(CHUNK)
             if chunk:
-                data = pending + chunk
-                cut = data.rfind(b"\n") + 1
+                guard.advance(chunk)
+                cut = chunk.rfind(b"\n") + 1
                 if cut:
-                    out.write(data[:cut])
+                    out.write(b"".join(pending) + chunk[:cut] if pending else chunk[:cut])
                     out.flush()
-                pending = data[cut:]
+                    pending = []
+                if cut < len(chunk):
+                    pending.append(chunk[cut:])
                 continue
             if not args.follow:
                 break
+            if guard.replaced():
+                return truncated(guard.position, guard.size)
             if args.until_final and run_is_over(args.until_final):
                 rest = f.read()
                 if rest:
-                    pending += rest
-                    cut = pending.rfind(b"\n") + 1
-                    out.write(pending[:cut])
-                    pending = pending[cut:]
+                    guard.advance(rest)
+                    data = b"".join(pending) + rest
+                    cut = data.rfind(b"\n") + 1
+                    out.write(data[:cut])
+                    pending = [data[cut:]]
                 break
             time.sleep(args.poll)
         if pending:
-            out.write(pending)
+            out.write(b"".join(pending))
         out.flush()
     return 0
+
+
+EXIT_TRUNCATED = 7
+GUARD_BYTES = 64
+
+
+def truncated(offset, size):
+    sys.stdout.flush()
+    sys.stderr.write("truncated %d %d\n" % (offset, size))
+    return EXIT_TRUNCATED
+
+
+class FileGuard:
+    """Notices a followed file being truncated, rewritten or replaced under the reader.
+
+    Keeps the last GUARD_BYTES read; before each read they must still be there (one pread),
+    the file must not be shorter than what was read, and PATH must still be this file.
+    """
+
+    def __init__(self, f, path, position):
+        self.f = f
+        self.path = path
+        self.position = position
+        self.size = position
+        self.ino = os.fstat(f.fileno()).st_ino
+        back = min(GUARD_BYTES, position)
+        self.tail = os.pread(f.fileno(), back, position - back) if back else b""
+
+    def advance(self, data):
+        self.position += len(data)
+        self.tail = (self.tail + data[-GUARD_BYTES:])[-GUARD_BYTES:]
+
+    def rewritten(self):
+        """Shorter than what was read, or the bytes just before the offset differ."""
+        fd = self.f.fileno()
+        self.size = os.fstat(fd).st_size
+        if self.size < self.position:
+            return True
+        return bool(self.tail) and os.pread(fd, len(self.tail), self.position - len(self.tail)) != self.tail
+
+    def replaced(self):
+        """PATH is now another file (log rotation, an editor's save): this one gets no more bytes."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False  # removed; run_is_over ends the follow when the run directory is gone
+        if st.st_ino == self.ino:
+            return False
+        self.size = st.st_size
+        return True
 
 
 def time_is_up(deadline):

@@ -14,6 +14,7 @@ EXIT_REFUSED = 3
 EXIT_DIED_AT_START = 4
 EXIT_NOT_DEPLOYED = 5
 EXIT_TIME_UP = 6
+EXIT_TRUNCATED = 7
 
 
 def runs_root(container) -> str:

@@ -34,12 +34,15 @@ def _announce(run_id: str, verb: str, target: str) -> None:
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
+    from dflash_ops.runs.info import RunError
+    from dflash_ops.runs.lifecycle import parse_gpus
+
     if text is None:
         return None
     try:
-        return [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        fail(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1", 2)
+        return parse_gpus(text)
+    except RunError as e:
+        fail(str(e), 2)
 
 
 def start(

@@ -193,3 +193,55 @@ def test_resume_of_a_running_run_is_refused(container, tmp_path):
     with pytest.raises(RunRefused, match="still running"):
         runs.resume_run(container, run_id, from_step=0)
     assert os.path.exists(container.base / "runs" / run_id / "launch.json")
+
+
+# ---------------------------------------------------------------- pull: old complete state or new, never a mix
+
+
+def _finished_run(container, tmp_path, run_id, steps=3, size=20000):
+    runs.start_run(container, _config(tmp_path, f"total_steps: {steps}\ncheckpoint_bytes: {size}\n"), run_id=run_id)
+    runs.wait_until_final(container, run_id, poll=0.02)
+    return container.base / "runs" / run_id / "checkpoints" / f"step_{steps}"
+
+
+def test_a_failed_pull_never_mixes_into_an_earlier_complete_pull(container, tmp_path):
+    first = _finished_run(container, tmp_path, "one")
+    dest = tmp_path / "dest"
+    got = runs.pull_checkpoint(container, "one", "latest", dest)
+    before = {p.relative_to(got): p.read_bytes() for p in got.rglob("*") if p.is_file()}
+    _finished_run(container, tmp_path, "two", size=30000)  # same step number, another checkpoint
+    with pytest.raises(RunError, match="holds something else"):
+        runs.pull_checkpoint(container, "two", "latest", dest)
+    assert {p.relative_to(got): p.read_bytes() for p in got.rglob("*") if p.is_file()} == before
+    assert first.exists()
+
+
+def test_a_failed_pull_leaves_no_step_dir_and_the_next_one_completes(container, tmp_path):
+    remote = _finished_run(container, tmp_path, "flaky")
+    good = (remote / "state.bin").read_bytes()
+    (remote / "state.bin").write_bytes(b"rot")
+    dest = tmp_path / "dest"
+    with pytest.raises(RunError, match="damaged"):
+        runs.pull_checkpoint(container, "flaky", "latest", dest)
+    assert not (dest / "step_3").exists()  # nothing that looks complete
+    (remote / "state.bin").write_bytes(good)
+    got = runs.pull_checkpoint(container, "flaky", "latest", dest)
+    assert (got / "state.bin").read_bytes() == good and (got / "manifest.json").exists()
+    assert sorted(p.name for p in dest.iterdir()) == ["step_3"]
+
+
+def test_pull_into_a_file_is_one_line(container, tmp_path):
+    _finished_run(container, tmp_path, "f")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(RunError, match="is a file, not a directory"):
+        runs.pull_checkpoint(container, "f", "latest", afile)
+    assert afile.read_text() == "mine"
+
+
+def test_cli_pull_into_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    result = CliRunner().invoke(app, ["pull", "host200", "somerun", str(afile),
+                                      "--inventory", str(write_sim_inventory(tmp_path / "sim"))])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1 and "is a file" in result.stderr

@@ -81,3 +81,24 @@ def test_timeout_that_is_not_a_finite_positive_number_is_one_line(tmp_path, valu
                             env=env, capture_output=True, timeout=HANG_GUARD_S, text=True)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "--timeout" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_argv_over_the_kernel_limit_is_refused_before_sending(inventory, tmp_path):
+    marker = tmp_path / "ran"
+    result = _exec(inventory, "sh", "-c", 'touch "$0"', str(marker), "a" * 70000, "b" * 70000)
+    assert result.returncode == 1 and not marker.exists()
+    err = result.stderr.decode()
+    assert err.count("\n") == 1 and "MAX_ARG_STRLEN" in err and "nothing was sent" in err
+
+
+def test_argv_just_under_the_limit_still_runs(inventory):
+    big = "x" * 130000
+    result = _exec(inventory, "python3", "-c", "import sys; print(len(sys.argv[1]))", big)
+    assert result.returncode == 0 and result.stdout == b"130000\n"
+
+
+def test_nul_in_an_argument_is_one_clean_error():
+    from dflash_ops import render
+
+    with pytest.raises(render.ArgNotSendable, match="NUL"):
+        render.pct_exec(["pct"], 200, ["echo", "a\0b"])

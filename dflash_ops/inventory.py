@@ -289,6 +289,8 @@ class _Parser:
         gpus = m.get("gpus", [])
         if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
             raise self.fail(at("gpus"), f"{what}: gpus must be a list of GPU indices, got {gpus!r}")
+        if len(set(gpus)) != len(gpus):
+            raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {gpus!r}")
         extra_paths = m.get("extra_paths", [])
         if not isinstance(extra_paths, list) or not all(isinstance(p, str) and p for p in extra_paths):
             raise self.fail(at("extra_paths"), f"{what}: extra_paths must be a list of paths, got {extra_paths!r}")

@@ -11,12 +11,14 @@ import hashlib
 import io
 import json
 import os
+import stat
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
+from dflash_ops.errors import DflashOpsError
 from dflash_ops.hashing import sha256_file
 
 RELEASE_META = ".dflash-release.json"
@@ -63,15 +65,44 @@ def release_hash(manifest: dict[str, str], venv: str | None) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _walk(path: Path) -> Iterable[Path]:
-    if path.is_file():
-        yield path
+class ReleasePathError(DflashOpsError):
+    """A path to ship is something a release cannot hold (a FIFO, a device, an outside symlink...)."""
+
+
+def _walk(top: Path) -> Iterable[Path]:
+    """Regular files under `top` (or `top` itself). Refused, never skipped or followed out:
+    FIFOs, sockets and devices (reading one hangs or never ends), symlinks that leave `top`
+    or dangle, and symlinks to directories (os.walk would silently drop them)."""
+    if top.is_file():
+        yield _regular(top, top.parent)
         return
-    for dirpath, dirnames, filenames in os.walk(path):
+    if not top.is_dir():
+        raise ReleasePathError(f"{top} is not a regular file or a directory; a release holds files only")
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise ReleasePathError(f"{Path(dirpath, name)} is a symlink to a directory: ship the directory "
+                                       "itself, or list it with its own --extra")
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
             if not name.endswith(_SKIP_SUFFIXES):
-                yield Path(dirpath) / name
+                yield _regular(Path(dirpath) / name, top)
+
+
+def _regular(path: Path, top: Path) -> Path:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        target = path.resolve()
+        if not target.is_relative_to(top.resolve()):
+            raise ReleasePathError(f"{path} is a symlink that points outside {top} (to {target}); refusing to "
+                                   "ship it (copy the file into the tree if it belongs in the release)")
+        if not target.is_file():
+            raise ReleasePathError(f"{path} is a symlink to {target}, which is not a regular file")
+        st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ReleasePathError(f"{path} is not a regular file (a FIFO, socket or device); a release holds "
+                               "regular files only: remove it or ship another path")
+    return path
 
 
 def collect(extra_paths: Iterable[str | Path] = (), *, source: Path | None = None,
@@ -86,7 +117,7 @@ def collect(extra_paths: Iterable[str | Path] = (), *, source: Path | None = Non
     files: dict[str, Path] = {}
     for top in [package, *(Path(p).resolve() for p in extra_paths)]:
         if not top.exists():
-            raise FileNotFoundError(f"release path does not exist: {top}")
+            raise ReleasePathError(f"release path does not exist: {top}")
         anchor = root if top.is_relative_to(root) else top.parent
         for path in _walk(top):
             files[path.relative_to(anchor).as_posix()] = path

@@ -16,6 +16,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dflash_ops.errors import DflashOpsError
+
 
 @dataclass(frozen=True)
 class Rendered:
@@ -33,6 +35,10 @@ class Rendered:
         ]
 
 
+class ArgNotSendable(DflashOpsError, ValueError):
+    """An argument no exec can carry (a NUL byte)."""
+
+
 def _check_argv(argv: Sequence[str]) -> tuple[str, ...]:
     if isinstance(argv, str):
         raise TypeError("an argv is a list of strings, not a string")
@@ -42,13 +48,32 @@ def _check_argv(argv: Sequence[str]) -> tuple[str, ...]:
         if not isinstance(arg, str):
             raise TypeError(f"argv element {arg!r} is not a string")
         if "\0" in arg:
-            raise ValueError("an argument cannot contain a NUL byte")
+            raise ArgNotSendable(f"argument {arg[:40]!r}... contains a NUL byte, which no argv can carry "
+                                 "(C strings end there): pass such data on stdin or in a file")
     return tuple(argv)
 
 
+MAX_ARG_STRLEN = 131072  # Linux: one argv/env string, NUL included (32 pages); sshd runs `sh -c COMMAND`
+
+
+class ArgvTooLong(DflashOpsError):
+    """The rendered node command cannot be exec'ed: it exceeds the kernel's per-argument limit."""
+
+
+def _check_size(command: str) -> str:
+    size = len(command.encode("utf-8", "surrogateescape"))
+    if size >= MAX_ARG_STRLEN:
+        raise ArgvTooLong(
+            f"the command is {size} bytes once quoted for the node's shell, over the kernel's limit of "
+            f"{MAX_ARG_STRLEN - 1} bytes for one argument (MAX_ARG_STRLEN; sshd hands it to `sh -c` as one): "
+            "nothing was sent; pass large data on stdin or in a file instead")
+    return command
+
+
 def node_command(argv: Sequence[str]) -> str:
-    """The string a POSIX login shell turns back into exactly `argv`."""
-    return shlex.join(_check_argv(argv))
+    """The string a POSIX login shell turns back into exactly `argv` (refused when the kernel
+    could not exec it: ArgvTooLong)."""
+    return _check_size(shlex.join(_check_argv(argv)))
 
 
 def pct_argv(pct: Sequence[str], subcommand: str, ctid: int | str, *args: str) -> tuple[str, ...]:
@@ -136,4 +161,5 @@ def node_sequence(*argvs: Sequence[str], always: Sequence[str] | None = None) ->
         command = chain
     else:
         command = "{ " + chain + "; }; status=$?; " + node_command(always) + "; exit $status"
+    _check_size(command)
     return Rendered(argv=tuple(argvs[-1]), pct_argv=tuple(argvs[-1]), command=command)

@@ -100,6 +100,20 @@ class CheckpointManager:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        try:
+            self._fill(tmp, step, drafter, drafter_config, optimizer, scheduler, trainer_state)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk: free what this attempt wrote
+            raise
+        if final.exists():
+            self._discard(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.dir)
+        self.prune()
+        return final, time.time() - began
+
+    def _fill(self, tmp: Path, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer, scheduler,
+              trainer_state: dict) -> None:
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
         save_file(weights, str(tmp / MODEL_FILE))
         with open(tmp / MODEL_FILE, "rb+") as f:
@@ -111,12 +125,6 @@ class CheckpointManager:
         files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         _write_bytes(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
         _fsync_dir(tmp)
-        if final.exists():
-            self._discard(final)
-        os.rename(tmp, final)
-        _fsync_dir(self.dir)
-        self.prune()
-        return final, time.time() - began
 
     def _discard(self, path: Path) -> None:
         trash = self.dir / f".trash-{path.name}-{os.getpid()}"

@@ -189,6 +189,18 @@ class Trainer:
         self.rd.update(state="running", last_checkpoint=rel)
         self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s")
 
+    def save_periodic(self) -> None:
+        """A periodic checkpoint that fails for lack of space (or any OSError) is reported and
+        retried at the next one; the run goes on instead of losing its steps."""
+        try:
+            self.save(None)
+        except OSError as e:
+            message = f"{type(e).__name__}: {e}"
+            self.rd.event("checkpoint_failed", self.step, message=message)
+            self.rd.update(state="running", last_checkpoint_error={"step": self.step, "message": message})
+            self.rd.log(f"checkpoint at step {self.step} failed ({message}); training goes on, the next "
+                        "checkpoint tries again")
+
     def _serve(self, requests: list[Request]) -> str | None:
         """Serve control requests; returns the stop reason when the run must stop."""
         for r in requests:
@@ -223,7 +235,7 @@ class Trainer:
             else:
                 self.rd.update(step=self.step)
             if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
-                self.save(None)
+                self.save_periodic()
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
                 self.evaluate()
         return stop_reason

@@ -14,13 +14,18 @@ FINAL_STATES = ("stopped", "failed", "done")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write tmp, fsync, rename: readers see the old or the new file, never half of one."""
+    """Write tmp, fsync, rename: readers see the old or the new file, never half of one.
+    A failed write (a full disk) removes its tmp file and raises."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -51,6 +56,8 @@ class RunDir:
         self._log_copy = None if self._stdout_is_train_log() else open(self.root / "train.log", "a")
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self.write_failures = {"status": 0, "metrics": 0, "log": 0}  # writes lost (e.g. a full disk)
+        self._failing: set[str] = set()
         self.write_status()
 
     def _stdout_is_train_log(self) -> bool:
@@ -64,32 +71,67 @@ class RunDir:
         """Human progress: stdout (which ops redirects into train.log), else also appended to train.log."""
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
         with self._lock:
-            print(line, flush=True)
-            if self._log_copy is not None:
-                self._log_copy.write(line + "\n")
-                self._log_copy.flush()
+            try:
+                print(line, flush=True)
+                if self._log_copy is not None:
+                    self._log_copy.write(line + "\n")
+                    self._log_copy.flush()
+            except OSError as e:
+                self._lost("log", e)
+
+    def _lost(self, what: str, error: OSError) -> None:
+        """A write failed (ENOSPC, EIO...): training goes on; status.json reports it once it can
+        be written again (write_failures, last_write_error). Called with the lock held."""
+        self.write_failures[what] += 1
+        self._failing.add(what)
+        self.status["write_failures"] = dict(self.write_failures)
+        self.status["last_write_error"] = {"what": what, "message": f"{type(error).__name__}: {error}",
+                                           "time": time.time()}
 
     def update(self, **fields) -> None:
         with self._lock:
             self.status.update(fields)
         self.write_status()
 
-    def write_status(self) -> None:
+    def write_status(self) -> bool:
+        """Replace status.json. A failure never stops training: it is counted, and the next
+        heartbeat (or update) tries again with everything the lost write held."""
         with self._lock:
             self.status["heartbeat"] = time.time()
             data = json.dumps(self.status, indent=1).encode()
-            atomic_write(self.root / "status.json", data)
+            try:
+                atomic_write(self.root / "status.json", data)
+            except OSError as e:
+                self._lost("status", e)
+                return False
+            if self._failing:
+                recovered, self._failing = sorted(self._failing), set()
+                self._note(f"writes to the run directory work again after failures ({', '.join(recovered)}: "
+                           f"{self.status['last_write_error']['message']}); counts in status.json write_failures")
+            return True
+
+    def _note(self, line: str) -> None:
+        try:
+            print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+        except OSError:
+            pass
 
     def event(self, event: str, step: int, **fields) -> dict:
         """Append one metrics.jsonl line, written whole with a single write."""
         record = {"event": event, "time": time.time(), "step": step, **fields}
         line = (json.dumps(record) + "\n").encode()
         with self._lock:
-            fd = os.open(self.root / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+                fd = os.open(self.root / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    written = os.write(fd, line)
+                    if written != len(line):  # a torn line: end it so the next event starts clean
+                        os.write(fd, b"\n")
+                        raise OSError(28, "short write to metrics.jsonl")
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                self._lost("metrics", e)
         return record
 
     def start_heartbeat(self, interval_s: float) -> None:

@@ -6,6 +6,7 @@ or the connection dropped; otherwise commands pass the remote exit status throug
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +64,33 @@ def open_target(inventory: Path | None, target: str) -> Container:
 
     with clean_errors():
         return open_container(load_inventory(inventory), target)
+
+
+MAX_TIMEOUT_S = 1e8  # about three years; beyond, thread waits overflow the platform's time_t
+
+
+def check_timeout(seconds: float | None, option: str = "--timeout") -> None:
+    """A timeout is a finite number of seconds above zero (inf, nan and 0 or less are refused)."""
+    if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        fail(f"{option} {seconds!r}: give a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, "
+             f"e.g. {option} 30", 2)
+
+
+def forwarded_stdin():
+    """The local stdin to forward to a remote command: binary, or None when it is a terminal
+    (nothing to forward; the command reads EOF) or closed."""
+    stream = sys.stdin
+    if stream is None:
+        return None
+    try:
+        if stream.isatty():
+            return None
+    except (OSError, ValueError):  # closed
+        return None
+    buffer = getattr(stream, "buffer", None)
+    # The unbuffered file: a thread blocked reading it holds no lock, so the interpreter can
+    # exit while it waits (a buffered reader would abort the exit: "could not acquire lock").
+    return getattr(buffer, "raw", buffer)
 
 
 def strip_separator(argv: list[str]) -> list[str]:

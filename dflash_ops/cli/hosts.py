@@ -9,8 +9,8 @@ import typer
 from dflash_ops import render
 
 from dflash_ops.cli.common import (
-    ARGV_CONTEXT, InventoryOption, clean_errors, fail, load, open_target, strip_separator,
-    write_stderr, write_stdout,
+    ARGV_CONTEXT, InventoryOption, check_timeout, clean_errors, fail, forwarded_stdin, load, open_target,
+    strip_separator, write_stderr, write_stdout,
 )
 
 
@@ -46,12 +46,15 @@ def exec_(
     argv: Annotated[list[str], typer.Argument(help="The command inside the container, after `--`.")],
     inventory: InventoryOption = None,
     print_command: Annotated[bool, typer.Option("--print-command", help="Print every rendered layer; run nothing.")] = False,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0.001, help="Kill the command after this many seconds (coreutils `timeout` inside the container; exit 124).")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Kill the command after this many seconds (coreutils `timeout` inside the container; exit 124).")] = None,
+    no_stdin: Annotated[bool, typer.Option("-n", "--no-stdin", help="Do not forward stdin (the command reads EOF), like ssh -n.")] = False,
 ) -> None:
     """Run ARGV in TARGET's container, byte for byte: `dflash-ops exec host200 -- python3 -c ...`.
 
-    Streams stdout/stderr live and exits with the remote exit status.
+    Streams stdout/stderr live and exits with the remote exit status. Stdin is forwarded byte
+    for byte (binary safe; its EOF closes the command's stdin) unless it is a terminal or -n.
     """
+    check_timeout(timeout)
     argv = strip_separator(argv)
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
@@ -67,7 +70,8 @@ def exec_(
         typer.echo(f"transport: {_describe_transport(container.target.node)}")
         return
     with clean_errors():
-        result = container.exec(argv, on_line=write_stdout, on_stderr_line=write_stderr, timeout=transport_timeout)
+        result = container.exec(argv, stdin=None if no_stdin else forwarded_stdin(), on_line=write_stdout,
+                                on_stderr_line=write_stderr, timeout=transport_timeout)
     if timeout is not None and result.exit_code in render.TIMED_OUT:
         fail(f"timed out after {timeout:g}s and killed in the container: {command!r}", 124)
     raise typer.Exit(result.exit_code)

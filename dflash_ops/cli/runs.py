@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, fail, open_target, write_stdout
+from dflash_ops.cli.common import InventoryOption, check_timeout, clean_errors, fail, open_target, write_stdout
 
 run_app = typer.Typer(help="Start, inspect, checkpoint, stop and resume training runs.", no_args_is_help=True)
 
@@ -34,12 +34,15 @@ def _announce(run_id: str, verb: str, target: str) -> None:
 
 
 def _parse_gpus(text: str | None) -> list[int] | None:
+    from dflash_ops.runs.info import RunError
+    from dflash_ops.runs.lifecycle import parse_gpus
+
     if text is None:
         return None
     try:
-        return [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        fail(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1", 2)
+        return parse_gpus(text)
+    except RunError as e:
+        fail(str(e), 2)
 
 
 def start(
@@ -138,6 +141,7 @@ def checkpoint(
     """Ask a live run for a checkpoint at its next step boundary."""
     from dflash_ops.runs import checkpoint_run
 
+    check_timeout(timeout)
     container = open_target(inventory, target)
     with clean_errors():
         request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
@@ -161,6 +165,7 @@ def stop(
 
     if now and kill:
         fail("--now and --kill exclude each other", 2)
+    check_timeout(timeout)
     container = open_target(inventory, target)
     with clean_errors():
         info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
@@ -244,7 +249,11 @@ def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
         with clean_errors():
             run_id = run if run is not None else resolve_run(container, None).run_id
             follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
-                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"))
+                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
+                        on_truncated=lambda reached, size: _hint(
+                            f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
+                            f"(now {size} bytes); what was written before that and not yet shown is lost; "
+                            "following from its start"))
             if not follow:
                 return
             info = run_status(container, run_id)

@@ -17,9 +17,12 @@ Subcommands (each prints one JSON object on stdout):
 
   prune BASE [--keep N]
 
-A failure or a kill at any point leaves `current` and every complete release untouched:
-new trees are built under names starting with ".tmp-" that nothing reads and the next
-apply removes (when the pid in their name is gone).
+A failure or a kill at any point leaves `current` and every complete release untouched. New
+trees are built in scratch directories `.tmp-KIND-PID-STARTTICKS-RANDOM` marked inside with
+their own name; a failure (a full disk included) removes its own scratch at once, and a later
+apply removes one left by a kill only when its maker is gone and the mark proves it is ours.
+Nothing else in BASE, releases/ or helpers/ is ever deleted: prune removes complete releases
+only (their manifest names them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import argparse
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import sys
 import tarfile
@@ -119,35 +124,72 @@ def live_run_releases(base: str) -> set[str]:
     return found
 
 
-def tmp_pid(name: str) -> int | None:
+SCRATCH_MARK = ".dflash-scratch"
+SCRATCH_RE = re.compile(r"^\.tmp-(release|current|helper|prune)-(\d+)-(\d+)-[0-9a-f]{8}$")
+
+
+def scratch_name(kind: str) -> str:
+    """`.tmp-KIND-PID-STARTTICKS-RANDOM`: names this process owns; a later run removes one only
+    when that process is gone and the entry proves it is ours (see owned_stale_scratch)."""
+    pid = os.getpid()
+    return f".tmp-{kind}-{pid}-{pid_start(pid)}-{secrets.token_hex(4)}"
+
+
+def make_scratch_dir(parent: str, kind: str) -> str:
+    """A new scratch directory under parent, marked inside with its own name."""
+    name = scratch_name(kind)
+    path = os.path.join(parent, name)
+    os.mkdir(path)
     try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return None
+        with open(os.path.join(path, SCRATCH_MARK), "w") as f:
+            f.write(name)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def owned_stale_scratch(parent: str, name: str) -> bool:
+    """True only for an entry this tool made and whose maker is gone: the name has our exact
+    shape, the process it names (pid + start time) no longer runs, and the entry itself
+    proves it: a directory holds SCRATCH_MARK with this name, a symlink points into releases/."""
+    m = SCRATCH_RE.match(name)
+    if not m:
+        return False
+    pid, ticks = int(m.group(2)), int(m.group(3))
+    if pid_start(pid) == ticks:
+        return False  # its builder still runs
+    path = os.path.join(parent, name)
+    if os.path.islink(path):
+        return m.group(1) == "current" and os.readlink(path).startswith("releases/")
+    try:
+        with open(os.path.join(path, SCRATCH_MARK)) as f:
+            return f.read() == name
+    except OSError:
+        return False
+
+
+def remove_scratch(path: str) -> None:
+    if os.path.islink(path) or not os.path.isdir(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def clean_stale_tmp(parent: str) -> list[str]:
-    """Remove `.tmp-*` entries whose builder process is gone (never one being built now)."""
+    """Remove scratch entries left by dead deploys; anything else in `parent` is never touched."""
     removed = []
     try:
         names = os.listdir(parent)
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(".tmp-"):
-            continue
-        pid = tmp_pid(name)
-        if pid is not None and pid != os.getpid() and pid_alive(pid):
-            continue
-        path = os.path.join(parent, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        removed.append(name)
+        if owned_stale_scratch(parent, name):
+            remove_scratch(os.path.join(parent, name))
+            removed.append(name)
     return removed
 
 
@@ -162,11 +204,13 @@ def fsync_write_json(path: str, obj: dict) -> None:
 
 def swap_current(base: str, release: str) -> None:
     clean_stale_tmp(base)
-    link_tmp = os.path.join(base, f".tmp-current-{os.getpid()}")
-    if os.path.lexists(link_tmp):
-        os.unlink(link_tmp)
+    link_tmp = os.path.join(base, scratch_name("current"))
     os.symlink(os.path.join("releases", release), link_tmp)
-    os.replace(link_tmp, os.path.join(base, "current"))
+    try:
+        os.replace(link_tmp, os.path.join(base, "current"))
+    except BaseException:
+        remove_scratch(link_tmp)
+        raise
     fsync_dir(base)
 
 
@@ -191,22 +235,24 @@ def prune(base: str, keep: int) -> list[str]:
         protected.add(cur)
     complete = []
     for name in os.listdir(releases_dir):
-        if name.startswith("."):
-            continue
-        meta = read_meta(os.path.join(releases_dir, name))
-        created = meta.get("created", 0.0) if meta else 0.0
-        complete.append((created, name))
+        if name.startswith(".") or not is_complete(base, name):
+            continue  # only complete releases are ours to prune; anything else stays
+        created = read_meta(os.path.join(releases_dir, name)).get("created")
+        complete.append((created if isinstance(created, (int, float)) else 0.0, name))
     complete.sort(reverse=True)
     removed = []
     for created, name in complete[keep:]:
         if name in protected:
             continue
-        doomed = os.path.join(releases_dir, f".tmp-prune-{name}-{os.getpid()}")
+        release_dir = os.path.join(releases_dir, name)
+        doomed_name = scratch_name("prune")
         try:
-            os.rename(os.path.join(releases_dir, name), doomed)
-        except FileNotFoundError:  # a concurrent prune took it
+            with open(os.path.join(release_dir, SCRATCH_MARK), "w") as f:
+                f.write(doomed_name)
+            os.rename(release_dir, os.path.join(releases_dir, doomed_name))
+        except OSError:  # a concurrent prune took it, or it cannot be marked: leave it
             continue
-        shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(os.path.join(releases_dir, doomed_name), ignore_errors=True)
         removed.append(name)
     return removed
 
@@ -218,7 +264,7 @@ def extract(stream, dest: str) -> list[str]:
             if not (member.isfile() or member.isdir()):
                 raise SystemExit(f"release tar: refusing non-regular entry {member.name!r}")
             parts = member.name.split("/")
-            if member.name.startswith("/") or ".." in parts:
+            if member.name.startswith("/") or ".." in parts or SCRATCH_MARK in parts:
                 raise SystemExit(f"release tar: refusing path {member.name!r}")
             if hasattr(tarfile, "data_filter"):
                 tar.extract(member, dest, filter="data")
@@ -243,17 +289,23 @@ def install_staged_helpers(base: str, stage: str) -> list[str]:
     if not os.path.isdir(stage):
         return installed
     helpers = os.path.join(base, "helpers")
+    os.makedirs(helpers, exist_ok=True)
+    clean_stale_tmp(helpers)
     for digest in os.listdir(stage):
         final = os.path.join(helpers, digest)
         if os.path.isdir(final):
             continue
-        os.makedirs(helpers, exist_ok=True)
-        tmp = os.path.join(helpers, f".tmp-{digest}-{os.getpid()}")
-        shutil.copytree(os.path.join(stage, digest), tmp)
+        tmp = make_scratch_dir(helpers, "helper")
         try:
+            shutil.copytree(os.path.join(stage, digest), tmp, dirs_exist_ok=True)
+            os.unlink(os.path.join(tmp, SCRATCH_MARK))
             os.rename(tmp, final)
-        except OSError:
+        except FileExistsError:  # a concurrent deploy installed it first
             shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(final):
+                raise
         installed.append(digest)
     shutil.rmtree(stage)
     return installed
@@ -263,8 +315,16 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
     releases_dir = os.path.join(base, "releases")
     os.makedirs(releases_dir, exist_ok=True)
     cleaned = clean_stale_tmp(releases_dir)
-    tmp = os.path.join(releases_dir, f".tmp-{release}-{os.getpid()}")
-    os.mkdir(tmp)
+    tmp = make_scratch_dir(releases_dir, "release")
+    try:
+        return fill_release(base, release, parent, stream, releases_dir, tmp, cleaned)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk or a bad tree: leave nothing behind
+        raise
+
+
+def fill_release(base: str, release: str, parent: str | None, stream, releases_dir: str, tmp: str,
+                 cleaned: list[str]) -> dict:
     sent = extract(stream, tmp)
     helpers = install_staged_helpers(base, os.path.join(tmp, HELPER_STAGE))
     if is_complete(base, release):
@@ -289,6 +349,7 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
     meta["created"] = time.time()
     meta["parent"] = parent
     fsync_write_json(os.path.join(tmp, RELEASE_META), meta)
+    os.unlink(os.path.join(tmp, SCRATCH_MARK))
     os.rename(tmp, os.path.join(releases_dir, release))
     fsync_dir(releases_dir)
     return {"built": True, "received": len(sent), "linked": linked, "cleaned": cleaned,
@@ -329,7 +390,7 @@ def verify_tree(root: str, files: dict) -> None:
     for dirpath, _dirs, names in os.walk(root):
         for name in names:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if rel != RELEASE_META:
+            if rel not in (RELEASE_META, SCRATCH_MARK):
                 present.add(rel)
     extra = sorted(present - set(files))
     missing = sorted(set(files) - present)
@@ -362,12 +423,31 @@ def cmd_apply(args) -> dict:
     result = build_release(args.base, args.release, args.parent, sys.stdin.buffer)
     if not is_complete(args.base, args.release):
         raise SystemExit(f"release {args.release} is not complete after apply")
-    if args.fail_before_swap:
-        raise SystemExit("injected failure before swapping current")
-    swap_current(args.base, args.release)
+    try:
+        if args.fail_before_swap:
+            raise SystemExit("injected failure before swapping current")
+        swap_current(args.base, args.release)
+    except BaseException:
+        if result["built"] and current_hash(args.base) != args.release:
+            remove_release(args.base, args.release)  # ours, never current: take it back
+        raise
     result["pruned"] = prune(args.base, args.keep)
     result["current"] = args.release
     return result
+
+
+def remove_release(base: str, release: str) -> None:
+    """Rename a release aside (marked as scratch) and delete it: never a half-deleted tree
+    that still holds its manifest."""
+    releases_dir = os.path.join(base, "releases")
+    doomed = os.path.join(releases_dir, scratch_name("prune"))
+    try:
+        with open(os.path.join(releases_dir, release, SCRATCH_MARK), "w") as f:
+            f.write(os.path.basename(doomed))
+        os.rename(os.path.join(releases_dir, release), doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def cmd_switch(args) -> dict:
@@ -404,7 +484,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keep", type=int, default=5)
     args = parser.parse_args(argv)
     handler = {"query": cmd_query, "apply": cmd_apply, "switch": cmd_switch, "prune": cmd_prune}
-    print(json.dumps(handler[args.cmd](args)))
+    try:
+        print(json.dumps(handler[args.cmd](args)))
+    except OSError as e:  # ENOSPC, EROFS, EACCES...: one line; what this run wrote is removed
+        where = f": {e.filename}" if e.filename else ""
+        sys.stderr.write(f"release.py {args.cmd}: {e.strerror or e}{where}; the previous release still serves\n")
+        return 1
     return 0
 
 

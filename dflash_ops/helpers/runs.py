@@ -16,7 +16,8 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
 
 Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
 5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
-again from the offset reached).
+again from the offset reached), 7 the followed file was truncated or replaced (stderr:
+`truncated OFFSET NEW_SIZE`).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 """
 
@@ -56,11 +57,43 @@ def print_json(obj):
 # ---------------------------------------------------------------- reading a run directory
 
 def read_json(path):
+    """The JSON object in `path`, or None (missing, unreadable, not JSON, or not an object)."""
+    doc, _problem = read_json_checked(path)
+    return doc
+
+
+def read_json_checked(path):
+    """(object, None), (None, None) when the file is missing, or (None, what is wrong with it)."""
     try:
         with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
+            data = f.read()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, "%s is unreadable: %s" % (os.path.basename(path), e.strerror)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except ValueError:
+        return None, "%s is not valid JSON" % os.path.basename(path)
+    if not isinstance(doc, dict):
+        return None, "%s holds a JSON %s, not an object" % (os.path.basename(path), type(doc).__name__)
+    return doc, None
+
+
+def check_run_id(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+        raise Refused("bad run id %r (letters, digits, '.', '_', '-'; at most 128, not starting with '.' or '-')"
+                      % (run_id,))
+    return run_id
+
+
+def check_run_dir(run_dir):
+    """A run directory argument must be BASE/runs/<valid id>: nothing else is read or signalled."""
+    parent, name = os.path.split(os.path.normpath(run_dir))
+    if os.path.basename(parent) != "runs" or ".." in run_dir.split("/"):
+        raise Refused("not a run directory (BASE/runs/ID): %r" % run_dir)
+    check_run_id(name)
+    return run_dir
 
 
 def pid_start_time(pid):
@@ -152,10 +185,11 @@ def complete_checkpoints(run_dir):
 
 
 def describe_run(run_dir, now):
-    status = read_json(os.path.join(run_dir, "status.json"))
+    status, broken = read_json_checked(os.path.join(run_dir, "status.json"))
     info = dict(status or {})
     info["run_id"] = os.path.basename(run_dir)
     info["has_status"] = status is not None
+    info["broken"] = broken
     pid, pid_start = run_process(run_dir, status)
     alive = pid is not None and process_matches(pid, pid_start)
     info["alive"] = alive
@@ -175,7 +209,12 @@ def describe_run(run_dir, now):
     state = info.get("state")
     info["reason"] = None
     info["log_tail"] = None
-    if state in FINAL_STATES:
+    if not isinstance(state, str):
+        state = info["state"] = None
+    if broken:
+        info["effective_state"] = "broken"
+        info["reason"] = broken + ("; the process still runs" if alive else "")
+    elif state in FINAL_STATES:
         info["effective_state"] = state
     elif alive:
         info["effective_state"] = state or "starting"
@@ -202,12 +241,12 @@ def run_dirs(base):
 def cmd_list(args):
     now = time.time()
     if args.run:
-        run_dir = os.path.join(args.base, "runs", args.run)
+        run_dir = os.path.join(args.base, "runs", check_run_id(args.run))
         if not os.path.isdir(run_dir):
             raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
         runs = [describe_run(run_dir, now)]
     else:
-        runs = [describe_run(d, now) for d in run_dirs(args.base)]
+        runs = [describe_run(d, now) for d in run_dirs(args.base) if RUN_ID_RE.match(os.path.basename(d))]
     print_json({"version": 1, "time": now, "runs": runs})
 
 
@@ -221,6 +260,8 @@ def run_is_over(run_dir):
     """True once the trainer process is gone. A final status.json alone is not enough, since
     the trainer still writes its last log lines after it; but a final state whose process
     cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
+    if not os.path.isdir(run_dir):
+        return True  # the run directory was removed: nothing more will be written
     status = read_json(os.path.join(run_dir, "status.json"))
     pid, pid_start = run_process(run_dir, status)
     if pid is not None and not process_matches(pid, pid_start):
@@ -240,6 +281,11 @@ def cmd_follow(args):
     ends for good (no --follow, or the run is over) a final unterminated fragment is sent.
     With --max-seconds a follow that is not over by then exits EXIT_TIME_UP after its last
     complete line (no fragment), so a client can stop following promptly or ask again.
+
+    A file that is truncated, rewritten or replaced under the reader (shorter than the
+    offset reached, the bytes before the offset changed, a new inode at PATH) ends the
+    follow with EXIT_TRUNCATED and a `truncated <offset> <new size>` line on stderr: bytes
+    written before the truncation and not yet read are gone, and the client says so.
     """
     out = sys.stdout.buffer
     deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
@@ -261,43 +307,104 @@ def cmd_follow(args):
             time.sleep(args.poll)
     with f:
         start = args.offset
+        size = os.fstat(f.fileno()).st_size
         if args.tail_lines is not None:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
             f.seek(0)
             data_end = complete_end(f, size)
             start = start_of_last_lines(f, args.tail_lines, data_end)
+        elif start > size:
+            out.write(b"#offset %d\n" % start)
+            out.flush()
+            return truncated(start, size)
         out.write(b"#offset %d\n" % start)
         out.flush()
         f.seek(start)
-        pending = b""
+        guard = FileGuard(f, args.path, start)
+        pending = []  # pieces of the unfinished last line, joined once it ends (linear cost)
         while True:
             if args.follow and time_is_up(deadline):
                 return EXIT_TIME_UP
+            if args.follow and guard.rewritten():
+                return truncated(guard.position, guard.size)
             chunk = f.read(CHUNK)
             if chunk:
-                data = pending + chunk
-                cut = data.rfind(b"\n") + 1
+                guard.advance(chunk)
+                cut = chunk.rfind(b"\n") + 1
                 if cut:
-                    out.write(data[:cut])
+                    out.write(b"".join(pending) + chunk[:cut] if pending else chunk[:cut])
                     out.flush()
-                pending = data[cut:]
+                    pending = []
+                if cut < len(chunk):
+                    pending.append(chunk[cut:])
                 continue
             if not args.follow:
                 break
+            if guard.replaced():
+                return truncated(guard.position, guard.size)
             if args.until_final and run_is_over(args.until_final):
                 rest = f.read()
                 if rest:
-                    pending += rest
-                    cut = pending.rfind(b"\n") + 1
-                    out.write(pending[:cut])
-                    pending = pending[cut:]
+                    guard.advance(rest)
+                    data = b"".join(pending) + rest
+                    cut = data.rfind(b"\n") + 1
+                    out.write(data[:cut])
+                    pending = [data[cut:]]
                 break
             time.sleep(args.poll)
         if pending:
-            out.write(pending)
+            out.write(b"".join(pending))
         out.flush()
     return 0
+
+
+EXIT_TRUNCATED = 7
+GUARD_BYTES = 64
+
+
+def truncated(offset, size):
+    sys.stdout.flush()
+    sys.stderr.write("truncated %d %d\n" % (offset, size))
+    return EXIT_TRUNCATED
+
+
+class FileGuard:
+    """Notices a followed file being truncated, rewritten or replaced under the reader.
+
+    Keeps the last GUARD_BYTES read; before each read they must still be there (one pread),
+    the file must not be shorter than what was read, and PATH must still be this file.
+    """
+
+    def __init__(self, f, path, position):
+        self.f = f
+        self.path = path
+        self.position = position
+        self.size = position
+        self.ino = os.fstat(f.fileno()).st_ino
+        back = min(GUARD_BYTES, position)
+        self.tail = os.pread(f.fileno(), back, position - back) if back else b""
+
+    def advance(self, data):
+        self.position += len(data)
+        self.tail = (self.tail + data[-GUARD_BYTES:])[-GUARD_BYTES:]
+
+    def rewritten(self):
+        """Shorter than what was read, or the bytes just before the offset differ."""
+        fd = self.f.fileno()
+        self.size = os.fstat(fd).st_size
+        if self.size < self.position:
+            return True
+        return bool(self.tail) and os.pread(fd, len(self.tail), self.position - len(self.tail)) != self.tail
+
+    def replaced(self):
+        """PATH is now another file (log rotation, an editor's save): this one gets no more bytes."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False  # removed; run_is_over ends the follow when the run directory is gone
+        if st.st_ino == self.ino:
+            return False
+        self.size = st.st_size
+        return True
 
 
 def time_is_up(deadline):
@@ -321,7 +428,7 @@ def complete_end(f, size):
 
 def cmd_control(args):
     """Create control/<kind> atomically; a request already pending is reused (its id printed)."""
-    control = os.path.join(args.run_dir, "control")
+    control = os.path.join(check_run_dir(args.run_dir), "control")
     if not os.path.isdir(args.run_dir):
         raise Refused("no run directory %s" % args.run_dir)
     os.makedirs(control, exist_ok=True)
@@ -360,13 +467,45 @@ def write_atomic(path, data):
 
 # ---------------------------------------------------------------- starting a run
 
+GPUS_RE = re.compile(r"^[0-9]{1,4}(,[0-9]{1,4})*$")
+
+
 def parse_gpus(text):
+    """'0,1' -> [0, 1]; '' or None -> [] (no GPU). Anything else is refused: an empty item,
+    a sign, a space, a duplicate; a silently dropped item would let two runs share a GPU."""
     if text is None or text == "":
         return []
-    try:
-        return sorted({int(g) for g in text.split(",")})
-    except ValueError:
-        raise Refused("--gpus must be comma-separated integers, got %r" % text)
+    if not GPUS_RE.match(text):
+        raise Refused("--gpus must be comma-separated GPU indices like 0,1, got %r" % text)
+    gpus = [int(g) for g in text.split(",")]
+    if len(set(gpus)) != len(gpus):
+        raise Refused("--gpus names a GPU twice: %r" % text)
+    return sorted(gpus)
+
+
+def start_lock(runs_root):
+    """An exclusive lock on runs/.start.lock: the GPU check and the launch of one start
+    happen before the next start's check, so two starts can't both claim a free GPU."""
+    import fcntl
+
+    os.makedirs(runs_root, exist_ok=True)
+    fd = os.open(os.path.join(runs_root, ".start.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def set_aside_stale_requests(run_dir):
+    """Control requests left by a trainer that was killed before it served them: a stale
+    `stop` would stop the resumed run at its first step. They are renamed (kept, not
+    deleted) to control/.KIND.stale-TIME; returns the kinds set aside."""
+    control = os.path.join(run_dir, "control")
+    stale = []
+    for kind in ("stop", "checkpoint"):
+        path = os.path.join(control, kind)
+        if os.path.isfile(path):
+            os.rename(path, os.path.join(control, ".%s.stale-%d" % (kind, time.time() * 1000)))
+            stale.append(kind)
+    return stale
 
 
 def run_gpus(run_dir, status):
@@ -434,8 +573,7 @@ def child_env(python, gpus, extra):
 
 
 def cmd_start(args):
-    if not RUN_ID_RE.match(args.run_id):
-        raise Refused("bad run id %r (letters, digits, '.', '_', '-')" % args.run_id)
+    check_run_id(args.run_id)
     release_root = os.path.realpath(args.release_root)
     if not os.path.isdir(release_root):
         raise Refused("nothing deployed: %s does not exist" % args.release_root, code=5, not_deployed=True)
@@ -443,51 +581,16 @@ def cmd_start(args):
     runs_root = os.path.join(args.base, "runs")
     run_dir = os.path.join(runs_root, args.run_id)
     gpus = parse_gpus(args.gpus)
-    conflicts = gpu_conflicts(args.base, gpus, run_dir)
-    if conflicts:
-        names = ", ".join("%s (pid %d) holds GPU %s" % (c["run_id"], c["pid"], ",".join(map(str, c["gpus"])))
-                          for c in conflicts)
-        raise Refused("GPUs busy: " + names, code=3, conflicts=conflicts)
-
-    config_input = os.path.join(run_dir, "config.input.yaml")
     config_bytes = None
     if args.config is not None:
         config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
-    if args.resume is None:
-        if config_bytes is None:
-            raise Refused("--config is required to start a fresh run")
-        os.makedirs(runs_root, exist_ok=True)
-        try:
-            os.mkdir(run_dir)
-        except FileExistsError:
-            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True)
-        write_atomic(config_input, config_bytes)
-    else:
-        if not os.path.isdir(run_dir):
-            raise Refused("no run %s to resume" % args.run_id)
-        status = read_json(os.path.join(run_dir, "status.json"))
-        pid, pid_start = run_process(run_dir, status)
-        if pid is not None and process_matches(pid, pid_start):
-            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=3, running_pid=pid)
-        if config_bytes is not None:
-            write_atomic(config_input, config_bytes)
-        if not os.path.exists(config_input):
-            config_input = os.path.join(run_dir, "config.yaml")
-    write_atomic(os.path.join(run_dir, "release"), (release_hash(release_root) + "\n").encode())
-
-    argv = [python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
-    if args.resume is not None:
-        argv += ["--resume", args.resume]
-    log_path = os.path.join(run_dir, "train.log")
-    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
-        log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
-        log.flush()
-        child = subprocess.Popen(argv, cwd=release_root, env=child_env(python, gpus, args.env),
-                                 stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
-                                 close_fds=True, start_new_session=True)
-    launch = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
-              "release_root": release_root, "release": release_hash(release_root), "time": time.time(), "resume": args.resume}
-    write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(launch, sort_keys=True).encode())
+    if args.resume is None and config_bytes is None:
+        raise Refused("--config is required to start a fresh run")
+    lock = start_lock(runs_root)
+    try:
+        child, log_path = launch(args, run_dir, release_root, python, gpus, config_bytes)
+    finally:
+        os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
 
     status_path = os.path.join(run_dir, "status.json")
     deadline = time.time() + args.wait
@@ -506,6 +609,55 @@ def cmd_start(args):
     return 0
 
 
+def launch(args, run_dir, release_root, python, gpus, config_bytes):
+    """Check GPUs and the run directory, then start the trainer and record launch.json
+    (called under start_lock). Returns (child, log path)."""
+    conflicts = gpu_conflicts(args.base, gpus, run_dir)
+    if conflicts:
+        names = ", ".join("%s (pid %d) holds GPU %s" % (c["run_id"], c["pid"], ",".join(map(str, c["gpus"])))
+                          for c in conflicts)
+        raise Refused("GPUs busy: " + names, code=3, conflicts=conflicts)
+    config_input = os.path.join(run_dir, "config.input.yaml")
+    stale = []
+    if args.resume is None:
+        try:
+            os.mkdir(run_dir)
+        except FileExistsError:
+            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True)
+        write_atomic(config_input, config_bytes)
+    else:
+        if not os.path.isdir(run_dir):
+            raise Refused("no run %s to resume" % args.run_id)
+        status = read_json(os.path.join(run_dir, "status.json"))
+        pid, pid_start = run_process(run_dir, status)
+        if pid is not None and process_matches(pid, pid_start):
+            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=3, running_pid=pid)
+        stale = set_aside_stale_requests(run_dir)
+        if config_bytes is not None:
+            write_atomic(config_input, config_bytes)
+        if not os.path.exists(config_input):
+            config_input = os.path.join(run_dir, "config.yaml")
+    write_atomic(os.path.join(run_dir, "release"), (release_hash(release_root) + "\n").encode())
+
+    argv = [python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
+    if args.resume is not None:
+        argv += ["--resume", args.resume]
+    log_path = os.path.join(run_dir, "train.log")
+    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+        for kind in stale:
+            log.write(("# dflash-ops: set aside a %s request left from before this start\n" % kind).encode())
+        log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
+        log.flush()
+        child = subprocess.Popen(argv, cwd=release_root, env=child_env(python, gpus, args.env),
+                                 stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
+                                 close_fds=True, start_new_session=True)
+    record = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
+              "release_root": release_root, "release": release_hash(release_root), "time": time.time(),
+              "resume": args.resume}
+    write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
+    return child, log_path
+
+
 def read_bytes(path):
     try:
         with open(path, "rb") as f:
@@ -516,11 +668,35 @@ def read_bytes(path):
 
 # ---------------------------------------------------------------- signals, checkpoints, hashes
 
+def launched_process(run_dir):
+    """(pid, why not) of the trainer this helper started for run_dir, verified: launch.json (ops'
+    own record, never the trainer-written status.json) names a pid whose start time and
+    command line are still the ones recorded at launch. Any doubt means: not ours."""
+    launch, problem = read_json_checked(os.path.join(run_dir, "launch.json"))
+    if launch is None:
+        return None, problem or "no launch.json: not started by dflash-ops"
+    pid, pid_start, argv = launch.get("pid"), launch.get("pid_start"), launch.get("argv")
+    if not (isinstance(pid, int) and pid > 1 and isinstance(pid_start, int) and isinstance(argv, list) and argv):
+        return None, "launch.json does not identify a process"
+    if pid_start_time(pid) != pid_start:
+        return None, "not running"
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmdline = f.read().split(b"\0")[:-1]
+    except OSError:
+        return None, "not running"
+    # argv[0] is the python that was started; it may be a wrapper that exec'ed the real one
+    want = [a.encode("utf-8", "surrogateescape") for a in argv[1:] if isinstance(a, str)]
+    if len(want) != len(argv) - 1 or cmdline[len(cmdline) - len(want):] != want or len(cmdline) <= len(want):
+        return None, "pid %d runs another command than the one launched" % pid
+    return pid, None
+
+
 def cmd_signal(args):
-    status = read_json(os.path.join(args.run_dir, "status.json"))
-    pid, pid_start = run_process(args.run_dir, status)
-    if pid is None or not process_matches(pid, pid_start):
-        print_json({"sent": False, "pid": pid, "reason": "not running"})
+    check_run_dir(args.run_dir)
+    pid, why = launched_process(args.run_dir)
+    if pid is None:
+        print_json({"sent": False, "pid": None, "reason": why})
         return 0
     os.kill(pid, signal.SIGTERM if args.signal == "TERM" else signal.SIGKILL)
     print_json({"sent": True, "pid": pid, "signal": args.signal})
@@ -528,6 +704,7 @@ def cmd_signal(args):
 
 
 def cmd_checkpoints(args):
+    check_run_dir(args.run_dir)
     if not os.path.isdir(args.run_dir):
         raise Refused("no run directory %s" % args.run_dir)
     print_json(complete_checkpoints(args.run_dir))

@@ -3,7 +3,7 @@
   ensure BASE LOCK_HASH [--system-site-packages] [--uv auto|always|never] [--index|--no-index]
       stdin: a tar holding `requirements.txt` and, for hosts without internet, `wheels/*`.
       Reuses BASE/venvs/LOCK_HASH when it is complete. Otherwise builds the venv in
-      BASE/venvs/.tmp-LOCK_HASH-PID, installs the requirements (skipping pip entirely when the
+      a scratch dir BASE/venvs/.tmp-venv-PID-TICKS-RAND/venv, installs the requirements (skipping pip entirely when the
       system packages already satisfy every one), checks the venv's python can import them,
       writes .dflash-venv.json and renames it into place. A failed install leaves nothing.
 
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import site
 import subprocess
@@ -154,8 +155,9 @@ def build(base: str, lock: str, args, stream) -> dict:
         return {"venv": f"venvs/{lock}", "built": False, "pip": False}
     clean_stale(venvs)
     started = time.time()
-    tmp = os.path.join(venvs, f".tmp-{lock}-{os.getpid()}")
-    stage = os.path.join(venvs, f".tmp-input-{lock}-{os.getpid()}")
+    scratch = make_scratch_dir(venvs, "venv")
+    tmp = os.path.join(scratch, "venv")
+    stage = os.path.join(scratch, "input")
     try:
         os.makedirs(stage)
         with tarfile.open(fileobj=stream, mode="r|") as tar:
@@ -199,29 +201,59 @@ def build(base: str, lock: str, args, stream) -> dict:
         with open(os.path.join(tmp, VENV_META), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)  # a full disk or a failed install: nothing left
     if not check_satisfied(os.path.join(final, "bin", "python"), "-"):
         # Renamed aside first: a kill during the delete must not leave a venv that looks complete.
-        aside = os.path.join(os.path.dirname(final), f".tmp-broken-{lock}-{os.getpid()}")
-        os.rename(final, aside)
+        aside = make_scratch_dir(venvs, "venv")
+        os.rename(final, os.path.join(aside, "venv"))
         shutil.rmtree(aside, ignore_errors=True)
         raise SystemExit("venv: python does not start after the rename")
     return {"venv": f"venvs/{lock}", "built": True, "pip": used_pip,
             "seconds": round(time.time() - started, 3)}
 
 
+SCRATCH_MARK = ".dflash-scratch"
+SCRATCH_RE = re.compile(r"^\.tmp-venv-(\d+)-(\d+)-[0-9a-f]{8}$")
+
+
+def pid_start(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def make_scratch_dir(parent: str, kind: str) -> str:
+    """`.tmp-venv-PID-STARTTICKS-RANDOM`, marked inside with its own name (as release.py does)."""
+    pid = os.getpid()
+    name = f".tmp-{kind}-{pid}-{pid_start(pid)}-{secrets.token_hex(4)}"
+    path = os.path.join(parent, name)
+    os.mkdir(path)
+    try:
+        with open(os.path.join(path, SCRATCH_MARK), "w") as f:
+            f.write(name)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
 def clean_stale(parent: str) -> None:
+    """Remove scratch dirs of dead builds that prove they are ours; nothing else."""
     for name in os.listdir(parent):
-        if not name.startswith(".tmp-"):
+        m = SCRATCH_RE.match(name)
+        if not m or pid_start(int(m.group(1))) == int(m.group(2)):
             continue
-        pid = name.rsplit("-", 1)[-1]
-        if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
-            continue
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        path = os.path.join(parent, name)
+        try:
+            with open(os.path.join(path, SCRATCH_MARK)) as f:
+                ours = f.read() == name
+        except OSError:
+            ours = False
+        if ours and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dflash_ops.runs.helper import EXIT_TIME_UP, call, run_dir
+from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
 from dflash_ops.runs.info import RunError
 
 from dflash_ops.errors import ConnectionLost, Unreachable
@@ -26,6 +26,18 @@ RETRYABLE = (ConnectionLost, Unreachable)  # the link failed; a host key or logi
 
 FOLLOWABLE = ("train.log", "metrics.jsonl")
 HEADER_PREFIX = b"#offset "
+
+
+class FileTruncated(RunError):
+    """A followed file was truncated or replaced under the reader (see follow_file)."""
+
+
+def _truncation(stderr: str, fallback: int | None) -> tuple[int, int]:
+    for line in stderr.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0] == "truncated" and words[1].isdigit() and words[2].isdigit():
+            return int(words[1]), int(words[2])
+    return fallback or 0, 0
 
 
 class _Stream:
@@ -96,6 +108,7 @@ def follow_file(
     on_start: Callable[[int], None] | None = None,
     stop_check_s: float = 1.0,
     timeout: float | None = None,
+    on_truncated: Callable[[int, int], None] | None = None,
 ) -> int:
     """Deliver each line of runs/<run_id>/<name> (bytes, with its b"\\n") to on_line.
 
@@ -115,6 +128,10 @@ def follow_file(
     the last delivered line (no fragment), within about `stop_check_s` even when the file is
     quiet. `on_start(offset)` is called once, before any line, with the offset the first
     line starts at (useful with `tail_lines`, to count exact offsets per line).
+
+    A file truncated or replaced while followed (the helper exits EXIT_TRUNCATED) is never
+    skipped silently: `on_truncated(offset_reached, new_size)` is called and the follow goes
+    on from the new file's start (byte 0); without `on_truncated` it raises FileTruncated.
     """
     if name not in FOLLOWABLE:
         raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
@@ -140,7 +157,8 @@ def follow_file(
         stream = _Stream(on_line, expected_start=position, stop=stop, on_start=on_start if position is None else None)
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            result = call(container, args, on_line=stream.feed, timeout=remaining, also_ok=(EXIT_TIME_UP,))
+            result = call(container, args, on_line=stream.feed, timeout=remaining,
+                          also_ok=(EXIT_TIME_UP, EXIT_TRUNCATED))
         except RETRYABLE as error:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:
@@ -164,6 +182,14 @@ def follow_file(
             continue
         failing_since = None
         stream.check(name)
+        if result.exit_code == EXIT_TRUNCATED and not stream.halted:
+            reached, size = _truncation(result.stderr, stream.offset)
+            if on_truncated is None:
+                raise FileTruncated(f"{name} of run {run_id} was truncated or replaced at byte {reached} "
+                                    f"(now {size} bytes): bytes written before that and not yet read are lost")
+            on_truncated(reached, size)
+            position, drops_without_progress = 0, 0
+            continue
         if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
             position = stream.offset
             continue

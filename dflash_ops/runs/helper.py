@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from typing import Any
 
 from dflash_ops.runs.info import GpusBusy, NotDeployed, RunError, RunNotFound, RunRefused
@@ -14,14 +15,26 @@ EXIT_REFUSED = 3
 EXIT_DIED_AT_START = 4
 EXIT_NOT_DEPLOYED = 5
 EXIT_TIME_UP = 6
+EXIT_TRUNCATED = 7
 
 
 def runs_root(container) -> str:
     return posixpath.join(container.base_dir, "runs")
 
 
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the helper's rule (helpers/runs.py)
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names one directory under runs/: refused before it reaches any path."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+        raise RunError(f"bad run id {run_id!r}: a run id is letters, digits, '.', '_' and '-' (at most 128, "
+                       "not starting with '.' or '-'); see `dflash-ops run list TARGET`")
+    return run_id
+
+
 def run_dir(container, run_id: str) -> str:
-    return posixpath.join(runs_root(container), run_id)
+    return posixpath.join(runs_root(container), check_run_id(run_id))
 
 
 START_TAIL_SHOWN = 8  # log lines shown when the trainer dies before it says anything

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from dflash_ops.runs.follow import follow_file
-from dflash_ops.runs.helper import call, call_json, run_dir
+from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
 
 REQUEST_KINDS = ("checkpoint", "stop")
@@ -23,7 +23,7 @@ def list_runs(container) -> list[RunInfo]:
 
 
 def run_status(container, run_id: str) -> RunInfo:
-    doc = call_json(container, ["list", container.base_dir, "--run", run_id])
+    doc = call_json(container, ["list", container.base_dir, "--run", check_run_id(run_id)])
     return RunInfo.from_json(doc["runs"][0])
 
 
@@ -55,10 +55,30 @@ def _release_root(container) -> str:
     return posixpath.join(container.base_dir, "current")
 
 
+def parse_gpus(text: str) -> list[int]:
+    """`--gpus 0,1` -> [0, 1]. An empty item, a sign, a non-integer or a duplicate is refused:
+    dropping one silently would let two runs claim the same GPU."""
+    items = text.split(",")
+    if not all(item.strip().isdigit() and item.strip().isascii() for item in items):
+        raise RunError(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1")
+    try:
+        return check_gpus([int(item) for item in items])
+    except RunError as e:
+        raise RunError(f"--gpus {text!r}: {e}") from None
+
+
+def check_gpus(gpus) -> list[int]:
+    if not isinstance(gpus, (list, tuple)) or not all(type(g) is int and 0 <= g < 10000 for g in gpus):
+        raise RunError(f"gpus {gpus!r}: expected a list of GPU indices (integers >= 0), e.g. [0, 1]")
+    if len(set(gpus)) != len(gpus):
+        raise RunError(f"gpus {list(gpus)!r} names a GPU twice")
+    return list(gpus)
+
+
 def _gpu_args(container, gpus: list[int] | None) -> list[str]:
     if gpus is None:
         gpus = getattr(container.target, "gpus", None)
-    return ["--gpus", ",".join(str(g) for g in gpus)] if gpus else []
+    return ["--gpus", ",".join(str(g) for g in check_gpus(gpus))] if gpus else []
 
 
 def _start(container, run_id: str, extra: list[str], stdin: bytes | None, gpus: list[int] | None) -> dict:
@@ -90,7 +110,7 @@ def start_run(container, config_path_local: Path | str, name: str | None = None,
     if resume is not None:
         extra += ["--resume", str(resume)]
     if run_id is not None:
-        return _start(container, run_id, extra, config, gpus)["run_id"]
+        return _start(container, check_run_id(run_id), extra, config, gpus)["run_id"]
     base_id = new_run_id(name)
     for attempt in range(1, 10):
         candidate = base_id if attempt == 1 else f"{base_id}-{attempt}"

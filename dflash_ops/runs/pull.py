@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path, PurePosixPath
 
 from dflash_ops.hashing import sha256_file
-from dflash_ops.runs.helper import call_json, run_dir
+from dflash_ops.runs.helper import call_json, check_run_id, run_dir
 from dflash_ops.runs.info import RunError, RunNotFound
 
 ATTEMPTS_PER_FILE = 2
@@ -38,26 +40,69 @@ def find_checkpoint(container, run_id: str, step: int | str = "latest") -> dict:
     raise RunNotFound(f"run {run_id} has no checkpoint step_{step} (has {have})")
 
 
+PARTIAL_MARK = ".dflash-pull.json"
+
+
 def pull_checkpoint(container, run_id: str, step: int | str, dest: Path | str) -> Path:
     """Copy checkpoint step_N (or "latest") of a run into dest/step_N; returns that directory.
 
-    Resumable: a file already there with the manifest's size and sha256 is skipped. Each file
-    is fetched to a hidden .part file, verified, then renamed; manifest.json is written last,
-    so a directory with a manifest is a complete copy.
+    dest/step_N is only ever absent, or a complete copy: files are fetched into
+    dest/.step_N.partial (each to a hidden .part file, verified, renamed), manifest.json last,
+    and the whole directory is renamed into place once every file matches. A failed or
+    interrupted pull leaves dest/step_N as it was; the next pull resumes the partial copy
+    (files already verified there are kept). A dest/step_N that is a complete copy of the
+    same checkpoint is checked and repaired file by file; one holding anything else is refused.
     """
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise RunError(f"pull destination {dest} is a file, not a directory: give a directory (the checkpoint "
+                       "lands in DEST/step_N)")
+    check_run_id(run_id)
     entry = find_checkpoint(container, run_id, step)
     manifest = entry["manifest"]
     if not manifest or not isinstance(manifest.get("files"), dict):
         raise RunError(f"{entry['path']} of run {run_id} has no readable manifest.json")
     remote_root = f"{run_dir(container, run_id)}/{entry['path']}"
-    target = Path(dest) / f"step_{entry['step']}"
-    target.mkdir(parents=True, exist_ok=True)
+    name = f"step_{int(entry['step'])}"
+    target = dest / name
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create pull destination {dest}: {e.strerror or e}") from None
+    if target.exists() or target.is_symlink():
+        if _local_manifest(target) != manifest:
+            raise RunError(f"{target} already holds something else than {entry['path']} of run {run_id} "
+                           "(its manifest.json differs or is missing): pull into another directory, or move it away")
+        _copy_files(container, remote_root, manifest, target)  # the same checkpoint: repair in place
+        return target
+    partial = dest / f".{name}.partial"
+    mark = {"run_id": run_id, "path": entry["path"], "manifest_sha256": _digest(manifest)}
+    if partial.exists():
+        try:
+            ours = json.loads((partial / PARTIAL_MARK).read_text()) == mark
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise RunError(f"{partial} is not an unfinished pull of {entry['path']} of run {run_id}: "
+                           "move it away and pull again")
+        _drop_unlisted(partial, manifest)
+    else:
+        partial.mkdir()
+        (partial / PARTIAL_MARK).write_text(json.dumps(mark))
+    _copy_files(container, remote_root, manifest, partial)
+    (partial / PARTIAL_MARK).unlink()
+    os.rename(partial, target)
+    return target
+
+
+def _copy_files(container, remote_root: str, manifest: dict, into: Path) -> None:
+    """Every manifest file into `into` (kept when it already matches), then manifest.json."""
     for rel, expected in sorted(manifest["files"].items()):
-        local = target.joinpath(*_safe_relpath(rel).parts)
+        local = into.joinpath(*_safe_relpath(rel).parts)
         if _matches(local, expected):
             continue
         _fetch_verified(container, f"{remote_root}/{rel}", local, expected, remote_root, rel)
-    manifest_part = target / ".manifest.json.part"
+    manifest_part = into / ".manifest.json.part"
     container.pull(f"{remote_root}/manifest.json", manifest_part)
     try:
         copied = json.loads(manifest_part.read_bytes())
@@ -66,8 +111,30 @@ def pull_checkpoint(container, run_id: str, step: int | str, dest: Path | str) -
     if copied != manifest:
         manifest_part.unlink(missing_ok=True)
         raise RunError(f"{remote_root}/manifest.json changed or was damaged while copying")
-    os.replace(manifest_part, target / "manifest.json")
-    return target
+    os.replace(manifest_part, into / "manifest.json")
+
+
+def _local_manifest(path: Path):
+    try:
+        return json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _digest(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _drop_unlisted(partial: Path, manifest: dict) -> None:
+    """An unfinished pull of this checkpoint keeps only files its manifest lists."""
+    keep = {PurePosixPath(rel).as_posix() for rel in manifest["files"]} | {PARTIAL_MARK}
+    for path in sorted(partial.rglob("*"), reverse=True):
+        rel = path.relative_to(partial).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if not any(k.startswith(rel + "/") for k in keep):
+                shutil.rmtree(path)
+        elif rel not in keep:
+            path.unlink()
 
 
 def _fetch_verified(container, remote: str, local: Path, expected: dict, remote_root: str, rel: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash_ops.playbook_steps import StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.info import RunInfo
+from dflash_ops.runs.lifecycle import check_gpus
 
 _NUMBER = (int, float)
 DEFAULT_TIMEOUT = 3600.0
@@ -34,7 +35,7 @@ def resolve_config(ctx: StepContext, config: str) -> Path:
 
 def _start(ctx: StepContext, params: dict) -> dict:
     config = resolve_config(ctx, str(params["config"]))
-    gpus = [int(g) for g in params["gpus"]] if params.get("gpus") is not None else None
+    gpus = check_gpus(params["gpus"]) if params.get("gpus") is not None else None
     run_id = start_run(ctx.container, config, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
     ctx.say(f"started {run_id} ({config})")
     return {"run_id": run_id}

@@ -67,31 +67,40 @@ class LineSplitter:
     def __init__(self, callback: LineCallback | None):
         self.callback = callback
         self.chunks: list[bytes] = []
-        self._pending = b""
+        self._pending: list[bytes] = []  # pieces of the unfinished line: joined once, when it ends
 
     def feed(self, data: bytes) -> None:
         self.chunks.append(data)
-        if self.callback is None:
+        if self.callback is None or not data:
             return
-        self._pending += data
-        start = 0
+        end = data.find(b"\n")
+        if end < 0:
+            self._pending.append(data)
+            return
+        self.callback(b"".join(self._pending) + data[: end + 1])
+        self._pending = []
+        start = end + 1
         while True:
-            end = self._pending.find(b"\n", start)
+            end = data.find(b"\n", start)
             if end < 0:
                 break
-            self.callback(self._pending[start : end + 1])
+            self.callback(data[start : end + 1])
             start = end + 1
-        self._pending = self._pending[start:]
+        if start < len(data):
+            self._pending.append(data[start:])
 
     def finish(self) -> bytes:
         if self.callback is not None and self._pending:
-            self.callback(self._pending)
-            self._pending = b""
+            self.callback(b"".join(self._pending))
+            self._pending = []
         return b"".join(self.chunks)
 
 
 def iter_stdin(stdin: Stdin):
-    """Yield stdin as binary chunks: bytes as-is, a file object read CHUNK bytes at a time."""
+    """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time.
+
+    A buffered file (sys.stdin.buffer, a pipe) is read with read1, so each chunk goes out as
+    soon as it arrives instead of waiting for CHUNK bytes or EOF."""
     if stdin is None:
         return
     if isinstance(stdin, (bytes, bytearray, memoryview)):
@@ -99,8 +108,9 @@ def iter_stdin(stdin: Stdin):
         for i in range(0, len(data), CHUNK):
             yield data[i : i + CHUNK]
         return
+    read = getattr(stdin, "read1", None) or stdin.read
     while True:
-        chunk = stdin.read(CHUNK)
+        chunk = read(CHUNK)
         if not chunk:
             return
         if isinstance(chunk, str):

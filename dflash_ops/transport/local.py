@@ -53,7 +53,7 @@ class LocalTransport:
             writer = BackgroundCall(lambda: _feed(proc.stdin, stdin), "local-stdin")
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            proc.wait(timeout=timeout)
+            _wait(proc, deadline, writer)
             for reader in readers:
                 reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if not reader.join(0):
@@ -64,10 +64,8 @@ class LocalTransport:
         except BaseException:
             _kill_group(proc)
             raise
-        if writer is not None:
-            writer.join()
-            if writer.error is not None and not isinstance(writer.error, BrokenPipeError):
-                raise writer.error
+        if writer is not None and writer.join(0) and _stdin_failed(writer):
+            raise writer.error
         for reader in readers:
             if reader.error is not None:
                 raise reader.error
@@ -107,6 +105,30 @@ def session_env() -> dict[str, str]:
     return env
 
 
+_POLL = 0.05
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None, writer: BackgroundCall | None) -> None:
+    """Wait for the command to end. The stdin writer is not waited for (a command may exit
+    without reading all of it, or our stdin may never close), but an error reading the
+    caller's stdin stops the command at once instead of leaving it waiting for EOF."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        try:
+            proc.wait(timeout=_POLL if left is None else min(_POLL, left))
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        if writer is not None and _stdin_failed(writer):
+            raise writer.error
+
+
+def _stdin_failed(writer: BackgroundCall) -> bool:
+    return writer.error is not None and not isinstance(writer.error, BrokenPipeError)
+
+
 def _pump(stream, splitter: LineSplitter) -> None:
     fd = stream.fileno()
     try:
@@ -123,6 +145,7 @@ def _feed(stream, stdin: Stdin) -> None:
     try:
         for chunk in iter_stdin(stdin):
             stream.write(chunk)
+            stream.flush()
     finally:
         try:
             stream.close()

@@ -166,7 +166,10 @@ class SSHTransport:
                 BackgroundCall(lambda: _pump(chan.recv_stderr, err, alive), "ssh-stderr"),
             ]
             writer = BackgroundCall(lambda: _send(chan, stdin), "ssh-stdin")
-            for call in (*readers, writer):
+            # Only the command's end is waited for, never the writer: like ssh(1), a command
+            # that exits without reading all of stdin (or a local stdin that never closes)
+            # must not hold us; closing the channel below ends the writer's next send.
+            for call in readers:
                 while not call.join(_STATUS_POLL):
                     _check_deadline(deadline, chan, command, timeout)
                     _check_calls(writer, *readers)

@@ -255,6 +255,10 @@ class FullLogScreen(Screen):
 
 
 class ConfirmScreen(ModalScreen[bool]):
+    """Yes/No before something that cannot be undone. Cancel has the focus: a reflexive Enter
+    (after `s`) must be the safe answer; stopping takes `y` or a deliberate Tab to Yes."""
+
+    AUTO_FOCUS = "#no"
     CSS = """
     ConfirmScreen { align: center middle; }
     #dialog { width: 60; height: auto; border: thick $error; padding: 1 2; background: $surface; }

@@ -76,10 +76,16 @@ class RemoteSource:
             position += len(line)
             on_lines([line[:-1].decode("utf-8", "replace")], position)
 
+        def on_truncated(reached: int, size: int) -> None:
+            nonlocal position
+            position = 0
+            on_lines([f"[dflash-ops: {name} was truncated or replaced at byte {reached} (now {size} bytes); "
+                      "what was written before that and not yet shown is lost; following from its start]"], 0)
+
         follow_file(
             self._container(target), run_id, name, on_line,
             offset=start or 0, tail_lines=tail_lines if start is None else None,
-            follow=True, reconnect=False, stop=stop, on_start=on_start,
+            follow=True, reconnect=False, stop=stop, on_start=on_start, on_truncated=on_truncated,
         )
 
     def request(self, target: str, run_id: str, kind: str) -> str:

@@ -94,9 +94,10 @@ def test_failure_before_swap_leaves_previous_release_and_next_deploy_cleans(tier
         deploy_target(container, source=package, venv=NO_VENV)
     assert current(base) == f"releases/{first.release}"
     monkeypatch.undo()
-    # the failed attempt's release was complete but never made current; the retry just switches
+    # the failed attempt took back the release it built (never current); the retry builds it again
+    assert sorted(os.listdir(base / "releases")) == [first.release]
     again = deploy_target(container, source=package, venv=NO_VENV)
-    assert again.action == "switch" and current(base) == f"releases/{again.release}"
+    assert again.action == "build" and current(base) == f"releases/{again.release}"
 
 
 def test_corrupt_parent_file_fails_verification_and_leaves_nothing(env):
@@ -109,11 +110,10 @@ def test_corrupt_parent_file_fails_verification_and_leaves_nothing(env):
     with pytest.raises(DeployError, match="sha256 mismatch"):
         deploy_target(container, source=package, venv=NO_VENV)
     assert current(base) == f"releases/{first.release}"
-    leftovers = [n for n in releases(base) if n.startswith(".tmp-")]
-    assert len(leftovers) == 1  # left by the dead builder, never read...
+    assert not [n for n in releases(base) if n.startswith(".tmp-")]  # the failed build removed its tree
     target.write_text("VALUE = 2\n")
     deploy_target(container, source=package, venv=NO_VENV)
-    assert not [n for n in releases(base) if n.startswith(".tmp-")]  # ...and removed next time
+    assert not [n for n in releases(base) if n.startswith(".tmp-")]
 
 
 def test_sigkill_mid_stream_leaves_previous_release_serving(tmp_path):

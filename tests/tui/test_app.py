@@ -119,3 +119,18 @@ async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines
         assert len(lines) == len(set(lines))  # nothing repeated
         steps = sorted({int(line.split()[1]) for line in lines})
         assert steps == list(range(steps[0], steps[-1] + 1))  # nothing lost
+
+
+async def test_s_then_enter_does_not_stop_the_run(tmp_path, static_run, wait_for):
+    """The confirm dialog's default focus is Cancel: a reflexive Enter is the safe answer."""
+    control = static_run.dir / "control"
+    app = _app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+        await pilot.press("s")
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.focused is not None and app.screen.focused.id == "no"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
+    assert not (control / "stop").exists()

@@ -3,7 +3,7 @@
 Run as `python -m dflash_ops.simnode.pct [--state-root DIR] COMMAND ...` or by file path
 (stdlib only, imports nothing from dflash_ops, so it needs no PYTHONPATH behind sshd).
 
-Implemented: exec, push, pull, status, list, start, stop, destroy. Messages and exit codes
+Implemented: exec, push, pull, status, list, start, stop, destroy, config. Messages and exit codes
 follow pve-container's src/PVE/CLI/pct.pm (errors from `die` exit 255; push/pull failures
 inside the forked worker are printed and exit 0, as on a real node - verify transfers).
 
@@ -25,6 +25,7 @@ symlink to a venv's python loses the venv.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import sys
@@ -246,6 +247,47 @@ def cmd_destroy(node: Node, words: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- pct config
+# A simulated container's Proxmox config is ROOT/lxc/<vmid>.pve.conf in the format of
+# /etc/pve/lxc/<vmid>.conf (tests write one to give a CT GPU entries); absent, a plain CPU CT.
+
+def default_pve_conf(vmid: str) -> str:
+    return (f"arch: amd64\ncores: 2\nhostname: sim{vmid}\nmemory: 2048\n"
+            "net0: name=eth0,bridge=vmbr0,ip=dhcp,type=veth\nostype: debian\n"
+            f"rootfs: local-lvm:vm-{vmid}-disk-0,size=8G\nswap: 512\nunprivileged: 1\n")
+
+
+def cmd_config(node: Node, words: list[str]) -> int:
+    """Like pct.pm `config`: options sorted by key (no digest), then the raw lxc.* keys in file order.
+
+    Only the current section is read ([snapshot] and [pve:pending] sections are not); '#'
+    description lines are not printed."""
+    positional, opts = split_options(words, {"current", "snapshot"})
+    (vmid,) = need(positional, ["vmid"], "config")
+    node.ensure(vmid)
+    if "snapshot" in opts:
+        raise PctError(f"snapshot '{opts['snapshot']}' does not exist\n")
+    path = node.lxc / f"{vmid}.pve.conf"
+    text = path.read_text() if path.exists() else default_pve_conf(vmid)
+    options, lxc = {}, []
+    for line in text.splitlines():
+        if line.startswith("["):
+            break
+        if not line.strip() or line.startswith("#"):
+            continue
+        raw = re.match(r"^(lxc\.[a-z0-9_\-.]+)(:|\s*=)\s*(.*?)\s*$", line)  # as parse_pct_config
+        if raw:
+            lxc.append((raw.group(1), raw.group(3)))
+        else:
+            key, _, value = line.partition(":")
+            options[key.strip()] = value.strip()
+    for key in sorted(options):
+        print(f"{key}: {options[key]}")
+    for key, value in lxc:
+        print(f"{key}: {value}")
+    return 0
+
+
 COMMANDS = {
     "exec": cmd_exec,
     "push": cmd_push,
@@ -255,6 +297,7 @@ COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
     "destroy": cmd_destroy,
+    "config": cmd_config,
 }
 
 

@@ -223,7 +223,8 @@ def gpus_container_check(i: Inputs) -> Check:
     if not i.plan.needs_gpu:
         return Check("GPUs in container", OK, measured, i.plan.no_gpu)
     wanted = list(i.plan.gpus or range(i.plan.gpu_count))
-    missing = [g for g in wanted if g not in nodes]
+    seen = set(nodes) | {g["index"] for g in smi.get("gpus") or []}
+    missing = [g for g in wanted if g not in seen]
     if missing:
         return Check("GPUs in container", FAIL, measured, f"/dev/nvidia{','.join(map(str, wanted))}",
                      "bind the GPUs into the container: see `gpu passthrough`" if i.node.pct else
@@ -253,7 +254,7 @@ def gpus_torch_check(i: Inputs) -> Check | None:
     need = i.plan.gpu_count
     if len(devices) < need:
         return Check("GPUs to torch", FAIL, measured, f"{need} GPU(s)",
-                     "see `driver` and `GPUs in container`; the config's cuda:N count inside the run's GPUs")
+                     "see `driver vs torch CUDA` and `GPUs in container`")
     if i.plan.cuda_indices and max(i.plan.cuda_indices) >= len(devices):
         return Check("GPUs to torch", FAIL, measured, f"cuda:{max(i.plan.cuda_indices)} of the config",
                      "give the run more GPUs (--gpus) or use lower cuda:N in the config's devices")
@@ -321,6 +322,9 @@ def nccl_check(i: Inputs) -> Check | None:
         return Check("NCCL all-reduce", OK,
                      f"{result['mib']} MiB over {result['gpus']} GPU(s) in {result['seconds']:.2f} s"
                      f" (NCCL {t.get('nccl_version', '?')})", "correct sum on every GPU")
+    if not t.get("devices"):
+        return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
+                     "see `GPUs to torch`")
     return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
                  "see `/dev/shm` and `gpu passthrough`; rerun with NCCL_DEBUG=WARN in the environment for NCCL's reason")
 

@@ -187,23 +187,24 @@ def _torch(i: Inputs) -> dict:
 
 
 def torch_check(i: Inputs) -> Check:
-    t = _torch(i)
+    t, name = _torch(i), i.target.name
     where = t.get("python", "?")
-    if t.get("error") and not t.get("torch_found", False) and "import torch" not in t.get("error", ""):
-        return Check("torch", FAIL, f"{where}: {t['error']}", "torch importable",
-                     f"look at `dflash-ops exec {i.target.name} -- {where} -c 'import torch'`")
     if not t.get("torch_found"):
-        return Check("torch", FAIL, f"{where}: {t.get('error') or 'no torch'}", "torch importable",
-                     "add torch to trainer/requirements.txt, or install it in the container with "
-                     "venv.system_site_packages: true, then dflash-ops deploy " + i.target.name)
+        error = t.get("error") or "no torch"
+        if t.get("timed_out") or "cannot run" in error:
+            fix = f"look at `dflash-ops exec {name} -- {where} -c 'import torch'`"
+        else:
+            fix = ("add torch to trainer/requirements.txt, or install it in the container and keep "
+                   f"venv.system_site_packages: true; then dflash-ops deploy {name}")
+        return Check("torch", FAIL, f"{where}: {error}", "torch importable", fix)
     if "torch" not in t:
         return Check("torch", OK, f"found by {where} (not imported: fast check)", "torch importable")
     built = t.get("cuda_built")
-    return Check("torch", OK, f"{t['torch']} ({'CUDA ' + built if built else 'CPU build'}) in {where}",
-                 "torch importable" + ("; a CUDA build" if i.plan.needs_gpu else ""),
-                 "") if built or not i.plan.needs_gpu else Check(
-        "torch", FAIL, f"{t['torch']} is a CPU build ({where})", "a CUDA build of torch",
-        "install a CUDA build of torch (e.g. the cu130 wheels) in the venv, then dflash-ops deploy " + i.target.name)
+    if i.plan.needs_gpu and not built:
+        return Check("torch", FAIL, f"{t['torch']} is a CPU build ({where})", "a CUDA build of torch",
+                     f"install a CUDA build of torch (e.g. the cu130 wheels) in the venv, then dflash-ops deploy {name}")
+    needed = "torch importable" + ("; a CUDA build" if i.plan.needs_gpu else "")
+    return Check("torch", OK, f"{t['torch']} ({'CUDA ' + built if built else 'CPU build'}) in {where}", needed)
 
 
 def _visible_indices(i: Inputs) -> list[int]:

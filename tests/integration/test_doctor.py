@@ -165,3 +165,18 @@ def test_doctor_on_a_node_without_pct(tmp_path):
     assert echoed.exit_code == 0 and echoed.stdout == "$HOME\n"
     hosts = cli("hosts", "--inventory", str(inventory))
     assert "running (no pct)" in hosts.stdout
+    deployed = cli("deploy", "here", "--no-venv", "--inventory", str(inventory))
+    assert deployed.exit_code == 0, deployed.stdout + deployed.stderr
+    again = cli("doctor", "here", "--config", str(TINY_CPU), "--inventory", str(inventory))
+    assert again.exit_code == 0 and rows(again.stdout)["release + venv"][0] == "✔"
+    assert (tmp_path / "base" / "current" / "trainer" / "config.py").is_file()
+
+
+@pytest.mark.sshd
+def test_doctor_over_a_real_sshd(sshd_node):
+    result = cli("doctor", "host200", "--config", str(TINY_CPU), "--inventory", str(sshd_node.inventory))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    table = rows(result.stdout)
+    assert table["container"][0] == "✔" and table["gpu passthrough"][1] == "no /dev/nvidia* entries"
+    offset = table["clock offset"]
+    assert offset[0] == "✔" and offset[1].endswith("s) vs this machine")

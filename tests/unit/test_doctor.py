@@ -179,6 +179,7 @@ def test_checkpoint_estimate_counts_the_drafters_parameters_exactly():
 def test_plan_from_the_bundled_configs():
     gpu = plan_for(TARGET, None, REPO / "trainer" / "configs" / "gpu-8b-shape.yaml")
     assert gpu.needs_gpu and gpu.cuda_indices == (0,) and gpu.keep_checkpoints == 2 and gpu.gpu_count == 2
+    assert gpu.shm_needed() == GIB and RunPlan(gpus=(0,)).shm_needed() == 64 << 20  # one rank: no NCCL shm
     cpu = plan_for(TARGET, [], REPO / "trainer" / "configs" / "tiny-cpu.yaml")
     assert not cpu.needs_gpu and cpu.shm_needed() == 64 << 20 and cpu.checkpoint_bytes() < 20 << 20
 
@@ -216,3 +217,13 @@ def test_helper_reads_nvidia_majors(monkeypatch, tmp_path):
     real_open = open
     monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(fake if p == "/proc/devices" else p, *a, **k))
     assert helper.char_majors() == {"nvidia-frontend": 195, "nvidia-uvm": 508}
+
+
+def test_torch_missing_or_hanging_in_the_venv():
+    missing = judge(gpu_facts(torch={"python": "/v/bin/python", "torch_found": False,
+                                     "error": "import torch: ModuleNotFoundError: No module named 'torch'"}))
+    assert missing["torch"].status == FAIL and "trainer/requirements.txt" in missing["torch"].fix
+    assert missing["GPUs to torch"].status == FAIL and missing["NCCL all-reduce"].status == FAIL
+    hung = judge(gpu_facts(torch={"python": "/v/bin/python", "error": "timed out after 60s", "timed_out": True}))
+    assert hung["torch"].measured == "/v/bin/python: timed out after 60s"
+    assert hung["torch"].fix == "look at `dflash-ops exec gpu200 -- /v/bin/python -c 'import torch'`"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -35,7 +34,8 @@ def doctor(
     Exit status 1 when any check fails (✘); warnings (!) do not fail.
     """
     from dflash_ops.connect import open_container
-    from dflash_ops.doctor import diagnose, plan_for, record_verdict
+    from dflash_ops.doctor import diagnose, plan_for, record_verdict, unreachable_report
+    from dflash_ops.fanout import map_by_node
 
     if config is not None and not config.is_file():
         fail(f"--config {config}: no such file", 2)
@@ -45,24 +45,15 @@ def doctor(
         containers = [open_container(inv, name) for name in dict.fromkeys(targets)]
         plans = [plan_for(c.target, gpu_list, config) for c in containers]
 
-    def one(pair):
-        container, plan = pair
-        report = diagnose(container, plan, fast=fast)
+    plan_of = {id(c): plan for c, plan in zip(containers, plans)}
+
+    def one(container):
+        report = diagnose(container, plan_of[id(container)], fast=fast)
         record_verdict(container.target, report)
         return report
 
-    by_node: dict[str, list[int]] = {}
-    for index, container in enumerate(containers):
-        by_node.setdefault(container.target.node.name, []).append(index)
-    reports: list = [None] * len(containers)
-
-    def node_pass(indices: list[int]) -> None:  # one node's targets one after another, nodes in parallel
-        for index in indices:
-            reports[index] = one((containers[index], plans[index]))
-
-    with clean_errors(), ThreadPoolExecutor(max_workers=min(8, len(by_node))) as pool:
-        for future in [pool.submit(node_pass, indices) for indices in by_node.values()]:
-            future.result()
+    with clean_errors():
+        reports = map_by_node(containers, one, unreachable_report)
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in reports], indent=1, sort_keys=True))
     else:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_ops.doctor.checks import FAIL, Check, Inputs, evaluate, verdict
-from dflash_ops.doctor.node import node_facts
+from dflash_ops.doctor.node import NodeFacts, node_facts
 from dflash_ops.doctor.plan import RunPlan, plan_for
 from dflash_ops.doctor.verdicts import last_verdict, record_verdict
 from dflash_ops.errors import DflashOpsError, TransportError
@@ -22,7 +22,8 @@ HELPER = "doctor"
 PROBE_TIMEOUT_S = 120.0  # torch import + CUDA init + NCCL init on a cold container
 FAST_PROBE_TIMEOUT_S = 60.0
 
-__all__ = ["Report", "RunPlan", "diagnose", "last_verdict", "plan_for", "preflight", "record_verdict"]
+__all__ = ["Report", "RunPlan", "diagnose", "last_verdict", "plan_for", "preflight", "record_verdict",
+           "unreachable_report"]
 
 
 @dataclass
@@ -113,6 +114,16 @@ def _runs_fallback(container) -> dict:
         return {"error": str(e)}
     return {"live": [{"run_id": r.run_id, "pid": r.pid, "gpus": list(r.gpus)}
                      for r in runs if r.alive and not r.final]}
+
+
+def unreachable_report(container, error: Exception) -> Report:
+    """The report of a target whose node could not be reached (or whose pass raised)."""
+    state = "unreachable" if isinstance(error, TransportError) else "unknown"
+    node = NodeFacts(bool(container.target.node.pct), state, str(error))
+    inputs = Inputs(target=container.target, plan=plan_for(container.target), node=node)
+    report = Report(container.target.name, evaluate(inputs))
+    record_verdict(container.target, report)
+    return report
 
 
 def preflight(container, plan: RunPlan) -> Report:

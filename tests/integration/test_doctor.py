@@ -180,3 +180,19 @@ def test_doctor_over_a_real_sshd(sshd_node):
     assert table["container"][0] == "✔" and table["gpu passthrough"][1] == "no /dev/nvidia* entries"
     offset = table["clock offset"]
     assert offset[0] == "✔" and offset[1].endswith("s) vs this machine")
+
+
+def test_doctor_on_an_unreachable_node_fails_its_targets_only(sim_inventory, tmp_path):
+    doc = yaml.safe_load(sim_inventory.read_text())
+    doc["nodes"]["gone"] = {"transport": "ssh", "address": "127.0.0.1", "port": 1, "connect_timeout": 2,
+                            "strict_host_key_checking": False}
+    doc["targets"]["far"] = {"node": "gone", "ctid": 300, "base_dir": "/opt/dflash"}
+    sim_inventory.write_text(yaml.safe_dump(doc))
+    result = cli("doctor", "host200", "far", "--config", str(TINY_CPU), "--inventory", str(sim_inventory))
+    assert result.exit_code == 1
+    reports = result.stdout.split("\nfar (")
+    assert reports[0].splitlines()[0] == "host200 (node sim, CT 200): WARN"
+    far = rows("far (" + reports[1])
+    assert list(far) == ["container"] and far["container"][0] == "✘" and far["container"][1].startswith("unreachable")
+    assert "check that node gone answers" in far["container"][3]
+    assert "fail: container" in cli("hosts", "far", "--inventory", str(sim_inventory)).stdout

@@ -257,18 +257,10 @@ def default_pve_conf(vmid: str) -> str:
             f"rootfs: local-lvm:vm-{vmid}-disk-0,size=8G\nswap: 512\nunprivileged: 1\n")
 
 
-def cmd_config(node: Node, words: list[str]) -> int:
-    """Like pct.pm `config`: options sorted by key (no digest), then the raw lxc.* keys in file order.
-
-    Only the current section is read ([snapshot] and [pve:pending] sections are not); '#'
-    description lines are not printed."""
-    positional, opts = split_options(words, {"current", "snapshot"})
-    (vmid,) = need(positional, ["vmid"], "config")
-    node.ensure(vmid)
-    if "snapshot" in opts:
-        raise PctError(f"snapshot '{opts['snapshot']}' does not exist\n")
-    path = node.lxc / f"{vmid}.pve.conf"
-    text = path.read_text() if path.exists() else default_pve_conf(vmid)
+def format_config(text: str) -> str:
+    """What pct.pm's `config` prints for a config file: options sorted by key (digest left out),
+    then the raw lxc.* keys in file order. Only the current section is read ([snapshot] and
+    [pve:pending] sections are not); '#' description lines are not printed."""
     options, lxc = {}, []
     for line in text.splitlines():
         if line.startswith("["):
@@ -281,10 +273,17 @@ def cmd_config(node: Node, words: list[str]) -> int:
         else:
             key, _, value = line.partition(":")
             options[key.strip()] = value.strip()
-    for key in sorted(options):
-        print(f"{key}: {options[key]}")
-    for key, value in lxc:
-        print(f"{key}: {value}")
+    return "".join(f"{k}: {options[k]}\n" for k in sorted(options)) + "".join(f"{k}: {v}\n" for k, v in lxc)
+
+
+def cmd_config(node: Node, words: list[str]) -> int:
+    positional, opts = split_options(words, {"current", "snapshot"})
+    (vmid,) = need(positional, ["vmid"], "config")
+    node.ensure(vmid)
+    if "snapshot" in opts:
+        raise PctError(f"snapshot '{opts['snapshot']}' does not exist\n")
+    path = node.lxc / f"{vmid}.pve.conf"
+    sys.stdout.write(format_config(path.read_text() if path.exists() else default_pve_conf(vmid)))
     return 0
 
 

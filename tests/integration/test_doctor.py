@@ -196,3 +196,12 @@ def test_doctor_on_an_unreachable_node_fails_its_targets_only(sim_inventory, tmp
     assert list(far) == ["container"] and far["container"][0] == "✘" and far["container"][1].startswith("unreachable")
     assert "check that node gone answers" in far["container"][3]
     assert "fail: container" in cli("hosts", "far", "--inventory", str(sim_inventory)).stdout
+
+
+def test_a_container_without_the_python_named_in_the_inventory(sim_inventory):
+    edit_inventory(sim_inventory, python="/no/such/python3")
+    result = cli("doctor", "host200", "--inventory", str(sim_inventory))
+    assert result.exit_code == 1
+    python = rows(result.stdout)["python"]
+    assert python[0] == "✘" and python[1].startswith("/no/such/python3: exit ")
+    assert python[3] == "install python3 in the container, or set `python:` for host200 in the inventory"

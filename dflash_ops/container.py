@@ -88,6 +88,8 @@ class Container:
         return result
 
     def _pct(self, subcommand: str, *args: str) -> list[str]:
+        if not self._target.node.pct:  # `pct: none`: the node is the container
+            return _WITHOUT_PCT[subcommand](*args)
         return list(render.pct_argv(self._target.node.pct, subcommand, self._target.ctid, *args))
 
     def push(self, local: Path, remote: str) -> None:
@@ -248,6 +250,13 @@ class Container:
         )
         if _parse_sha256(result) != hashlib.sha256(content).hexdigest():
             raise TransferError(f"installing helper {remote} on {self._target.name} failed: {result.stderr.strip()}")
+
+
+_WITHOUT_PCT = {
+    "push": lambda src, dst: ["cp", "--", src, dst],
+    "pull": lambda src, dst: ["cp", "--", src, dst],
+    "exec": lambda separator, *argv: list(argv),
+}
 
 
 class _CountingReader:

@@ -25,12 +25,17 @@ def target_state(target: Target, timeout: float = 30.0) -> TargetState:
 
 
 def _state(target: Target, transport, timeout: float = 30.0) -> TargetState:
-    command = render.node_command(render.pct_argv(target.node.pct, "status", target.ctid))
+    if not target.node.pct:  # `pct: none`: the target is the node; reachable means running
+        command = render.node_command(["true"])
+    else:
+        command = render.node_command(render.pct_argv(target.node.pct, "status", target.ctid))
     try:
         result = transport.run(command, timeout=timeout)
     except TransportError as e:
         return TargetState(target, "unreachable", str(e))
     text = result.stdout.strip()
+    if not target.node.pct and result.ok:
+        return TargetState(target, "running", "no pct")
     if result.ok and text.startswith("status: "):
         return TargetState(target, text.removeprefix("status: "))
     detail = (result.stderr.strip() or text).splitlines()

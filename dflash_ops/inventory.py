@@ -8,6 +8,9 @@ Schema (YAML)::
     targets:
       host200: {node: pve1, ctid: 200, base_dir: /opt/dflash, python: python3, gpus: [0, 1]}
 
+`pct: none` says the node has no Proxmox: its targets are the node itself (a plain GPU box,
+or the container you are in), commands run there directly and `ctid` may be left out.
+
 `pct: simulated` (local nodes only) selects the bundled `pct` stand-in (dflash_ops/simnode),
 run by this very interpreter, with its state under `sim_root`. On local nodes `~` in
 `base_dir` and `sim_root` is expanded for the user running dflash-ops, so the default
@@ -32,6 +35,7 @@ from dflash_ops.errors import InventoryError
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
+NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
 _SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
 
@@ -40,7 +44,7 @@ _SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
 class Node:
     name: str
     transport: str  # "ssh" or "local"
-    pct: tuple[str, ...]  # the argv prefix that runs pct on the node
+    pct: tuple[str, ...]  # the argv prefix that runs pct on the node; () when it has none (`pct: none`)
     address: str | None = None
     port: int | None = None
     user: str | None = None
@@ -238,6 +242,8 @@ class _Parser:
             if not os.path.isabs(sim_root):
                 raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
             pct = (sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root)
+        elif raw_pct == NO_PCT:
+            pct = ()
         elif isinstance(raw_pct, str) and raw_pct.strip():
             pct = tuple(shlex.split(raw_pct))
         elif isinstance(raw_pct, list) and raw_pct and all(isinstance(p, str) and p for p in raw_pct):
@@ -263,13 +269,15 @@ class _Parser:
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
         what = f"target {name!r}"
         m = self.mapping(body, line, what)
-        self.check_keys(m, _TARGET_KEYS, {"node", "ctid", "base_dir"}, what)
+        self.check_keys(m, _TARGET_KEYS, {"node", "base_dir"}, what)
         at = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
         node_name = str(m["node"])
         if node_name not in nodes:
             raise self.fail(at("node"), f"{what}: unknown node {node_name!r}{_suggest(node_name, nodes)}")
         node = nodes[node_name]
-        ctid = m["ctid"]
+        if "ctid" not in m and node.pct:
+            raise self.fail(m.line, f"{what}: missing required key 'ctid'")
+        ctid = m.get("ctid", 100)
         if isinstance(ctid, str) and ctid.isdigit():
             ctid = int(ctid)
         if not isinstance(ctid, int) or isinstance(ctid, bool) or not 100 <= ctid <= 999_999_999:

@@ -78,12 +78,18 @@ def node_command(argv: Sequence[str]) -> str:
 
 def pct_argv(pct: Sequence[str], subcommand: str, ctid: int | str, *args: str) -> tuple[str, ...]:
     """`pct SUBCOMMAND CTID ARGS...` with the node's pct prefix (e.g. ("sudo", "pct"))."""
+    if not pct:
+        raise ValueError(f"`pct {subcommand}` on a node without pct")
     return _check_argv([*pct, subcommand, str(ctid), *args])
 
 
 def pct_exec(pct: Sequence[str], ctid: int | str, argv: Sequence[str]) -> Rendered:
-    """`pct exec CTID -- ARGV`: argv reaches the container process untouched (no shell there)."""
+    """`pct exec CTID -- ARGV`: argv reaches the container process untouched (no shell there).
+
+    A node without pct (empty prefix, inventory `pct: none`) runs argv itself."""
     argv = _check_argv(argv)
+    if not pct:
+        return Rendered(argv=argv, pct_argv=argv, command=node_command(argv))
     node_argv = pct_argv(pct, "exec", ctid, "--", *argv)
     return Rendered(argv=argv, pct_argv=node_argv, command=node_command(node_argv))
 

@@ -42,6 +42,12 @@ def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, cre
     return path
 
 
+@pytest.fixture(autouse=True)
+def _private_state_home(tmp_path_factory, monkeypatch) -> None:
+    """Doctor verdicts (and anything else under $XDG_STATE_HOME) stay out of the real home."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture
 def sim_inventory(tmp_path: Path) -> Path:
     return write_sim_inventory(tmp_path / "simnode")

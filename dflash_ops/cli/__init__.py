@@ -25,6 +25,7 @@ _AREAS: list[str] = [
     "runs",
     "patch",
     "dash",
+    "doctor",
 ]
 
 

@@ -18,23 +18,26 @@ def hosts(
     targets: Annotated[Optional[list[str]], typer.Argument(help="Targets to show (default: all).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
-    """List targets with their node, ctid, base_dir and state (running/stopped/unreachable).
+    """List targets with their node, ctid, base_dir, state (running/stopped/unreachable) and last doctor verdict.
 
     Nodes are asked in parallel, one connection each: a dead node costs one connect timeout.
     """
     from rich.console import Console
     from rich.table import Table
 
+    from dflash_ops.doctor.verdicts import describe, last_verdict
     from dflash_ops.hosts import target_states
 
     inv = load(inventory)
-    table = Table("target", "node", "ctid", "base_dir", "state", box=None)
+    table = Table("target", "node", "ctid", "base_dir", "state", "doctor", box=None)
     with clean_errors():
         for name in targets or []:
             inv.target(name)
         for s in target_states(inv, targets or None):
             state = s.state if not s.detail else f"{s.state} ({s.detail})"
-            table.add_row(s.target.name, s.target.node.name, str(s.target.ctid), s.target.base_dir, state)
+            ctid = str(s.target.ctid) if s.target.node.pct else "-"
+            table.add_row(s.target.name, s.target.node.name, ctid, s.target.base_dir, state,
+                          describe(last_verdict(s.target)))
     console = Console()
     if not console.is_terminal:
         console = Console(width=1000)

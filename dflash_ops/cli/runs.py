@@ -50,17 +50,37 @@ def start(
     config: Annotated[Path, typer.Option("--config", help="Trainer config YAML (local file), e.g. trainer/configs/tiny-cpu.yaml.")],
     name: Annotated[Optional[str], typer.Option("--name", help="Run id prefix (default: run).")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Start even when the doctor's fast checks fail.")] = False,
     inventory: InventoryOption = None,
 ) -> None:
-    """Start the trainer detached from TARGET's current release; prints the run id."""
+    """Start the trainer detached from TARGET's current release; prints the run id.
+
+    First the doctor's fast subset (`dflash-ops doctor --fast`): a run that cannot succeed
+    is refused, naming the failed check, unless --force."""
     from dflash_ops.runs import start_run
 
     if not config.is_file():
         fail(f"--config {config}: no such file", 2)
     container = open_target(inventory, target)
     with clean_errors():
+        _preflight(container, config, _parse_gpus(gpus), force)
         run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
     _announce(run_id, "started", target)
+
+
+def _preflight(container, config: Path, gpus: list[int] | None, force: bool) -> None:
+    from dflash_ops.cli.doctor import print_report
+    from dflash_ops.doctor import plan_for, preflight
+
+    report = preflight(container, plan_for(container.target, gpus, config))
+    if not report.failed:
+        return
+    print_report(container.target, report, err=True)
+    names = "; ".join(f"{c.name}: {c.measured} (needs {c.needed})" for c in report.failed)
+    if force:
+        _hint(f"--force: starting although doctor failed: {names}")
+        return
+    fail(f"refusing to start on {container.target.name}, doctor failed: {names}; fix it or pass --force")
 
 
 def list_(

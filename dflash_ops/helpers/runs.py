@@ -193,6 +193,7 @@ def describe_run(run_dir, now):
     pid, pid_start = run_process(run_dir, status)
     alive = pid is not None and process_matches(pid, pid_start)
     info["alive"] = alive
+    info["gpus"] = run_gpus(run_dir, status)
     launch = read_json(os.path.join(run_dir, "launch.json")) or {}
     info["launched"] = launch.get("time")
     heartbeat = info.get("heartbeat")

@@ -3,7 +3,7 @@
 Run as `python -m dflash_ops.simnode.pct [--state-root DIR] COMMAND ...` or by file path
 (stdlib only, imports nothing from dflash_ops, so it needs no PYTHONPATH behind sshd).
 
-Implemented: create, exec, push, pull, status, list, start, stop, destroy. Every message and
+Implemented: create, exec, push, pull, status, list, start, stop, destroy, config. Every message and
 exit code below is read from the sources cited next to it (pve-container src/PVE/CLI/pct.pm,
 pve-common src/PVE/{CLIHandler,RESTEnvironment,Tools}.pm, pve-guest-common
 src/PVE/AbstractConfig.pm, lxc src/lxc/{attach.c,tools/lxc_attach.c}). A `die` in pct exits
@@ -40,6 +40,7 @@ import errno
 import fcntl
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
@@ -526,6 +527,40 @@ def _package_files(names: list[str]) -> list[tuple[str, str]]:
     return sorted(found.items())
 
 
+# ---------------------------------------------------------------- pct config
+# A simulated container's config is ROOT/lxc/<vmid>.conf, written by `pct create` in the format
+# of /etc/pve/lxc/<vmid>.conf (tests append lxc.* / devN entries to give a CT GPUs).
+
+
+def format_config(text: str) -> str:
+    """What pct.pm's `config` prints for a config file: options sorted by key (digest left out),
+    then the raw lxc.* keys in file order. Only the current section is read ([snapshot] and
+    [pve:pending] sections are not); '#' description lines are not printed."""
+    options, lxc = {}, []
+    for line in text.splitlines():
+        if line.startswith("["):
+            break
+        if not line.strip() or line.startswith("#"):
+            continue
+        raw = re.match(r"^(lxc\.[a-z0-9_\-.]+)(:|\s*=)\s*(.*?)\s*$", line)  # as parse_pct_config
+        if raw:
+            lxc.append((raw.group(1), raw.group(3)))
+        else:
+            key, _, value = line.partition(":")
+            options[key.strip()] = value.strip()
+    return "".join(f"{k}: {options[k]}\n" for k in sorted(options)) + "".join(f"{k}: {v}\n" for k, v in lxc)
+
+
+def cmd_config(node: Node, words: list[str]) -> int:
+    positional, opts = split_options(words, {"current", "snapshot"})
+    (vmid,) = need(positional, ["vmid"], "config")
+    text = node.load_config(vmid)
+    if "snapshot" in opts:
+        raise PctError(f"snapshot '{opts['snapshot']}' does not exist\n")
+    sys.stdout.write(format_config(text))
+    return 0
+
+
 COMMANDS = {
     "create": cmd_create,
     "exec": cmd_exec,
@@ -536,6 +571,7 @@ COMMANDS = {
     "start": cmd_start,
     "stop": cmd_stop,
     "destroy": cmd_destroy,
+    "config": cmd_config,
 }
 
 

@@ -64,7 +64,7 @@ def test_hosts_table(sim_inventory):
     result = runner.invoke(app, ["hosts", "--inventory", str(sim_inventory)])
     assert result.exit_code == 0
     row = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("host200")][0]
-    assert row[:3] == ["host200", "sim", "200"] and row[-1] == "running"
+    assert row[:3] == ["host200", "sim", "200"] and row[-2:] == ["running", "never"]
 
 
 def test_inspect_source(sim_inventory):

@@ -1,0 +1,83 @@
+"""`dflash-ops doctor TARGET... [--json]`: a table of checks per target, the fix on each failing line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_ops.cli.common import InventoryOption, clean_errors, fail, load
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        fail(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1", 2)
+
+
+def doctor(
+    targets: Annotated[list[str], typer.Argument(help="Target names from the inventory.")],
+    config: Annotated[Optional[Path], typer.Option("--config", help="The trainer config the run will use (sizes disk, RAM, /dev/shm; names its devices).")] = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run will hold, e.g. 0,1 (default: the target's).")] = None,
+    fast: Annotated[bool, typer.Option("--fast", help="Only the fast subset `run start` runs (no NCCL all-reduce).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document: every check and the raw facts per target.")] = False,
+    inventory: InventoryOption = None,
+) -> None:
+    """Check that each TARGET's container can run the trainer: GPUs, torch, driver, NCCL, /dev/shm, disk, RAM, limits, clock.
+
+    Exit status 1 when any check fails (✘); warnings (!) do not fail.
+    """
+    from dflash_ops.connect import open_container
+    from dflash_ops.doctor import diagnose, plan_for, record_verdict, unreachable_report
+    from dflash_ops.fanout import map_by_node
+
+    if config is not None and not config.is_file():
+        fail(f"--config {config}: no such file", 2)
+    inv = load(inventory)
+    gpu_list = parse_gpus(gpus)
+    with clean_errors():
+        containers = [open_container(inv, name) for name in dict.fromkeys(targets)]
+        plans = [plan_for(c.target, gpu_list, config) for c in containers]
+
+    plan_of = {id(c): plan for c, plan in zip(containers, plans)}
+
+    def one(container):
+        report = diagnose(container, plan_of[id(container)], fast=fast)
+        record_verdict(container.target, report)
+        return report
+
+    with clean_errors():
+        reports = map_by_node(containers, one, unreachable_report)
+    if as_json:
+        typer.echo(json.dumps([r.to_json() for r in reports], indent=1, sort_keys=True))
+    else:
+        for container, report in zip(containers, reports):
+            print_report(container.target, report)
+    if any(r.verdict == "fail" for r in reports):
+        raise typer.Exit(1)
+
+
+def print_report(target, report, err: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    stream = sys.stderr if err else sys.stdout
+    console = Console(file=stream) if stream.isatty() else Console(file=stream, width=1000, no_color=True)
+    where = f"node {target.node.name}" + (f", CT {target.ctid}" if target.node.pct else ", no pct")
+    console.print(f"{target.name} ({where}): {report.verdict.upper()}" + (" (fast subset)" if report.fast else ""),
+                  markup=False, highlight=False)
+    table = Table("", "check", "measured", "needed", "fix", box=None, pad_edge=False)
+    for check in report.checks:
+        table.add_row(*(Text(cell) for cell in (check.symbol, check.name, check.measured, check.needed, check.fix)))
+    console.print(table, markup=False, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor)

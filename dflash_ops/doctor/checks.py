@@ -1,0 +1,429 @@
+"""Judge the facts of one doctor pass: one Check per question, with the fix in one line.
+
+Every threshold and its reason is in docs/doctor.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dflash_ops.doctor.node import NVIDIA_MAJOR, NodeFacts
+from dflash_ops.doctor.plan import GIB, MIB, RunPlan
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+SYMBOLS = {OK: "✔", WARN: "!", FAIL: "✘"}
+PYTHON_MIN = (3, 8)  # the helpers' floor
+# Minimum driver branch per CUDA major under minor-version compatibility
+# (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
+DRIVER_FOR_CUDA = {11: 450, 12: 525, 13: 580}
+NOFILE_MIN = 4096
+CLOCK_TOLERANCE_S = 1.0
+GPU_BUSY_SHARE = 0.10  # memory used by someone else, as a share of a GPU, before it is flagged
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    measured: str
+    needed: str
+    fix: str = ""
+
+    @property
+    def symbol(self) -> str:
+        return SYMBOLS[self.status]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Inputs:
+    """Everything one pass measured; facts is the doctor helper's document (None if it never ran)."""
+
+    target: Any
+    plan: RunPlan
+    node: NodeFacts
+    facts: dict | None = None
+    helper_error: str | None = None
+    clock: tuple[float, float] | None = None  # (offset s, +- s): container minus operator
+    fast: bool = False
+
+
+def gib(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+def evaluate(i: Inputs) -> list[Check]:
+    checks = [container_check(i)]
+    if i.node.pct and i.node.state in ("running", "stopped"):
+        checks.append(passthrough_check(i))
+    if i.node.state != "running":
+        return checks
+    if i.facts is None:
+        checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run",
+                            f">= {'.'.join(map(str, PYTHON_MIN))}",
+                            f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
+        return checks
+    for judge in (config_check, python_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
+                  driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
+                  clock_check):
+        check = judge(i)
+        if check is not None:
+            checks.append(check)
+    return checks
+
+
+def verdict(checks: list[Check]) -> str:
+    statuses = {c.status for c in checks}
+    return FAIL if FAIL in statuses else WARN if WARN in statuses else OK
+
+
+# ---------------------------------------------------------------- node side
+
+def container_check(i: Inputs) -> Check:
+    t, node = i.target, i.node
+    if not node.pct:
+        return Check("container", OK if node.state == "running" else FAIL, node.detail or node.state,
+                     "reachable", "" if node.state == "running" else f"check that node {t.node.name} answers")
+    fixes = {
+        "stopped": f"on node {t.node.name}: pct start {t.ctid}",
+        "missing": f"container {t.ctid} does not exist on node {t.node.name}: fix ctid in the inventory or create it",
+        "unreachable": f"check that node {t.node.name} answers (ssh, address, keys)",
+    }
+    measured = node.state + (f" ({node.detail})" if node.detail else "")
+    if node.state == "running":
+        return Check("container", OK, measured, "running")
+    return Check("container", FAIL, measured, "running",
+                 fixes.get(node.state, f"look at `pct status {t.ctid}` on node {t.node.name}"))
+
+
+def _gpu_paths(i: Inputs) -> list[str]:
+    indices = i.plan.gpus or tuple(range(i.plan.gpu_count))
+    return [f"/dev/nvidia{g}" for g in indices] + ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+
+
+def passthrough_check(i: Inputs) -> Check:
+    """The container config binds the run's GPUs and allows them in the device cgroup."""
+    t, config = i.target, i.node.config
+    if config is None:
+        return Check("gpu passthrough", WARN, f"pct config failed: {i.node.config_error}", "readable config",
+                     f"run `pct config {t.ctid}` on node {t.node.name}")
+    passthrough, mounted = config.passthrough_paths(), config.bind_mounted()
+    present = sorted(p for p in passthrough | mounted if p.startswith("/dev/nvidia"))
+    measured = ", ".join(p.removeprefix("/dev/") for p in present) or "no /dev/nvidia* entries"
+    if not i.plan.needs_gpu:
+        return Check("gpu passthrough", OK, measured, i.plan.no_gpu)
+    uvm = ((i.facts or {}).get("majors") or {}).get("nvidia-uvm")
+    missing_paths = [p for p in _gpu_paths(i) if p not in passthrough and p not in mounted]
+    missing_allow = []
+    if any(p in mounted and p not in passthrough for p in _gpu_paths(i) if p != "/dev/nvidia-uvm") \
+            and not config.allows(NVIDIA_MAJOR):
+        missing_allow.append(f"c {NVIDIA_MAJOR}:* rwm")
+    if "/dev/nvidia-uvm" in mounted and "/dev/nvidia-uvm" not in passthrough and not (uvm and config.allows(uvm)):
+        missing_allow.append(f"c {uvm if uvm else '<nvidia-uvm major from /proc/devices>'}:* rwm")
+    needed = ", ".join(p.removeprefix("/dev/") for p in _gpu_paths(i))
+    if not missing_paths and not missing_allow:
+        return Check("gpu passthrough", OK, measured, needed)
+    if mounted & set(_gpu_paths(i)):  # the config already binds GPUs by mount entries: keep its style
+        lines = [f"lxc.mount.entry: {p} {p[1:]} none bind,optional,create=file" for p in missing_paths]
+        lines += [f"lxc.cgroup2.devices.allow: {a}" for a in missing_allow]
+        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}, then restart the CT: " + " | ".join(lines)
+    else:
+        used, free, args = config.used_dev_indices(), 0, []
+        for p in missing_paths:
+            while free in used:
+                free += 1
+            args.append(f"--dev{free} {p}")
+            used.add(free)
+        fix = f"on node {t.node.name}: pct set {t.ctid} {' '.join(args)} (then restart the CT)"
+    if missing_allow and not missing_paths:
+        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}: " + " | ".join(
+            f"lxc.cgroup2.devices.allow: {a}" for a in missing_allow)
+    gaps = [p.removeprefix("/dev/") for p in missing_paths] + [f"cgroup allow {a}" for a in missing_allow]
+    return Check("gpu passthrough", FAIL, f"{measured}; missing {', '.join(gaps)}", needed, fix)
+
+
+# ---------------------------------------------------------------- inside the container
+
+def config_check(i: Inputs) -> Check | None:
+    if i.plan.config_error:
+        return Check("trainer config", WARN, i.plan.config_error, "a config of the bundled trainer",
+                     "GPU, disk and RAM needs are not sized from it; fix it if the release runs the bundled trainer")
+    if i.plan.config_path is None:
+        return None
+    devices = ", ".join(f"cuda:{c}" for c in i.plan.cuda_indices) or "cpu"
+    return Check("trainer config", OK, f"{i.plan.config_path}: devices {devices}", "a valid config")
+
+
+def python_check(i: Inputs) -> Check:
+    py = i.facts["python"]
+    version = tuple(int(x) for x in py["version"].split(".")[:2])
+    ok = version >= PYTHON_MIN
+    return Check("python", OK if ok else FAIL, f"{py['version']} ({py['executable']})",
+                 f">= {'.'.join(map(str, PYTHON_MIN))}",
+                 "" if ok else "install a newer python3 in the container, or point `python:` at one")
+
+
+def release_check(i: Inputs) -> Check:
+    rel, name = i.facts["release"], i.target.name
+    if not rel.get("deployed"):
+        return Check("release + venv", WARN, "nothing deployed", "a deployed release",
+                     f"dflash-ops deploy {name}")
+    label = f"release {str(rel.get('hash') or '?')[:12]}"
+    if rel.get("venv_python"):
+        if not rel.get("venv_python_exists"):
+            return Check("release + venv", FAIL, f"{label}: {rel['venv_python']} missing", "the release's venv",
+                         f"dflash-ops deploy {name} (rebuilds the venv)")
+        return Check("release + venv", OK, f"{label}, venv {rel['venv']}", "the release's venv")
+    return Check("release + venv", OK, f"{label}, no venv (the target's python)", "a deployed release")
+
+
+def _torch(i: Inputs) -> dict:
+    return i.facts.get("torch") or {}
+
+
+def torch_check(i: Inputs) -> Check:
+    t, name = _torch(i), i.target.name
+    where = t.get("python", "?")
+    if not t.get("torch_found"):
+        error = t.get("error") or "no torch"
+        if t.get("timed_out") or "cannot run" in error:
+            fix = f"look at `dflash-ops exec {name} -- {where} -c 'import torch'`"
+        else:
+            fix = ("add torch to trainer/requirements.txt, or install it in the container and keep "
+                   f"venv.system_site_packages: true; then dflash-ops deploy {name}")
+        return Check("torch", FAIL, f"{where}: {error}", "torch importable", fix)
+    if "torch" not in t:
+        return Check("torch", OK, f"found by {where} (not imported: fast check)", "torch importable")
+    built = t.get("cuda_built")
+    if i.plan.needs_gpu and not built:
+        return Check("torch", FAIL, f"{t['torch']} is a CPU build ({where})", "a CUDA build of torch",
+                     f"install a CUDA build of torch (e.g. the cu130 wheels) in the venv, then dflash-ops deploy {name}")
+    needed = "torch importable" + ("; a CUDA build" if i.plan.needs_gpu else "")
+    return Check("torch", OK, f"{t['torch']} ({'CUDA ' + built if built else 'CPU build'}) in {where}", needed)
+
+
+def _visible_indices(i: Inputs) -> list[int]:
+    nodes = i.facts.get("devices") or {}
+    return sorted(int(n[6:]) for n in nodes if n[6:].isdigit())
+
+
+def gpus_container_check(i: Inputs) -> Check:
+    smi = i.facts.get("smi") or {}
+    nodes = _visible_indices(i)
+    if smi.get("gpus"):
+        names = sorted({g["name"] for g in smi["gpus"]})
+        measured = f"{len(smi['gpus'])} × {', '.join(names)} (nvidia-smi); /dev/nvidia{','.join(map(str, nodes))}"
+    else:
+        measured = f"no GPU ({smi.get('error', 'nvidia-smi found none')}); " + (
+            f"/dev/nvidia{','.join(map(str, nodes))}" if nodes else "no /dev/nvidiaN")
+    if not i.plan.needs_gpu:
+        return Check("GPUs in container", OK, measured, i.plan.no_gpu)
+    wanted = list(i.plan.gpus or range(i.plan.gpu_count))
+    seen = set(nodes) | {g["index"] for g in smi.get("gpus") or []}
+    missing = [g for g in wanted if g not in seen]
+    if missing:
+        return Check("GPUs in container", FAIL, measured, f"/dev/nvidia{','.join(map(str, wanted))}",
+                     "bind the GPUs into the container: see `gpu passthrough`" if i.node.pct else
+                     "install the NVIDIA driver on this machine")
+    if not smi.get("gpus"):
+        return Check("GPUs in container", WARN, measured, f"{len(wanted)} GPU(s)",
+                     "install nvidia-smi in the container (the user-space driver of the node's version)")
+    return Check("GPUs in container", OK, measured, f"{len(wanted)} GPU(s)")
+
+
+def gpus_torch_check(i: Inputs) -> Check | None:
+    t = _torch(i)
+    if "torch" not in t:
+        return None if not i.plan.needs_gpu else Check("GPUs to torch", FAIL, t.get("error") or "torch not imported",
+                                                       f"{i.plan.gpu_count} GPU(s)", "see `torch`")
+    devices = t.get("devices") or []
+    if devices:
+        free = ", ".join(f"{d['index']}: {gib(d['free'])} free" for d in devices)
+        names = sorted({d["name"] for d in devices})
+        measured = f"{len(devices)} × {', '.join(names)}, {gib(devices[0]['total'])} each ({free})"
+    else:
+        measured = "torch.cuda.is_available() is False" if t.get("cuda_built") else "CPU build: no CUDA"
+    if t.get("visible") is not None:
+        measured += f"; CUDA_VISIBLE_DEVICES={t['visible']}"
+    if not i.plan.needs_gpu:
+        return Check("GPUs to torch", OK, measured, i.plan.no_gpu)
+    need = i.plan.gpu_count
+    if len(devices) < need:
+        return Check("GPUs to torch", FAIL, measured, f"{need} GPU(s)",
+                     "see `driver vs torch CUDA` and `GPUs in container`")
+    if i.plan.cuda_indices and max(i.plan.cuda_indices) >= len(devices):
+        return Check("GPUs to torch", FAIL, measured, f"cuda:{max(i.plan.cuda_indices)} of the config",
+                     "give the run more GPUs (--gpus) or use lower cuda:N in the config's devices")
+    busy = [d for d in devices if d["total"] and (d["total"] - d["free"]) / d["total"] > GPU_BUSY_SHARE]
+    if busy:
+        return Check("GPUs to torch", WARN, measured, f"{need} idle GPU(s)",
+                     "another process uses GPU " + ",".join(str(d["index"]) for d in busy) +
+                     ": nvidia-smi on the node shows which")
+    return Check("GPUs to torch", OK, measured, f"{need} GPU(s)")
+
+
+def held_check(i: Inputs) -> Check:
+    runs = i.facts.get("runs") or {}
+    if "live" not in runs:
+        return Check("GPUs held by runs", WARN, f"unknown ({runs.get('error') or runs})", "no live run on them")
+    live = runs["live"]
+    wanted = set(i.plan.gpus)
+    clash = [(r, g) for r in live if (g := sorted(set(r["gpus"]) & wanted))]  # the rule of `run start`
+    measured = "; ".join(f"{r['run_id']} holds GPU {','.join(map(str, r['gpus'])) or 'none listed'}"
+                         for r in live) or "no live runs"
+    if clash:
+        names = ", ".join(r["run_id"] for r, _ in clash)
+        # `run start` leaves the refusal to the runs helper, which checks and claims atomically
+        return Check("GPUs held by runs", WARN if i.fast else FAIL, measured, f"GPU {','.join(map(str, sorted(wanted)))} free",
+                     f"dflash-ops run stop {i.target.name} RUN ({names}), or start on other GPUs with --gpus")
+    return Check("GPUs held by runs", OK, measured, "no live run on the run's GPUs")
+
+
+def driver_check(i: Inputs) -> Check:
+    drv = i.facts.get("driver") or {}
+    smi = (i.facts.get("smi") or {}).get("gpus") or []
+    version = (smi[0]["driver"] if smi else None) or drv.get("proc")
+    libcuda = (drv.get("libcuda") or {}).get("version")
+    built = _torch(i).get("cuda_built")
+    measured = (f"driver {version}" if version else "no driver") + (
+        f", supports CUDA {libcuda // 1000}.{libcuda % 1000 // 10}" if libcuda else "")
+    if not i.plan.needs_gpu:
+        return Check("driver vs torch CUDA", OK, measured, i.plan.no_gpu)
+    if not built:
+        return Check("driver vs torch CUDA", WARN if "torch" not in _torch(i) else FAIL, measured,
+                     "torch built for CUDA", "see `torch`")
+    major, minor = (int(x) for x in built.split(".")[:2])
+    branch = DRIVER_FOR_CUDA.get(major)
+    needed = f"CUDA {built} (torch): driver >= {branch}" if branch else f"a driver for CUDA {built}"
+    have_branch = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
+    ok = (libcuda is not None and libcuda >= major * 1000) and (branch is None or (have_branch or 0) >= branch)
+    if ok:
+        return Check("driver vs torch CUDA", OK, measured, needed)
+    return Check("driver vs torch CUDA", FAIL, measured, needed,
+                 f"install NVIDIA driver >= {branch or '?'} on node {i.target.node.name} (the container's user-space "
+                 "libraries must match it), or a torch built for an older CUDA")
+
+
+def nccl_check(i: Inputs) -> Check | None:
+    if i.fast:
+        return None
+    if not i.plan.needs_gpu:
+        return Check("NCCL all-reduce", OK, "not run", i.plan.no_gpu)
+    t = _torch(i)
+    result = t.get("nccl")
+    if result is None:
+        return Check("NCCL all-reduce", FAIL, t.get("error") or "not run (no torch)", "an all-reduce across the GPUs",
+                     "see `torch`")
+    if result.get("ok"):
+        return Check("NCCL all-reduce", OK,
+                     f"{result['mib']} MiB over {result['gpus']} GPU(s) in {result['seconds']:.2f} s"
+                     f" (NCCL {t.get('nccl_version', '?')})", "correct sum on every GPU")
+    if not t.get("devices"):
+        return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
+                     "see `GPUs to torch`")
+    return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
+                 "see `/dev/shm` and `gpu passthrough`; rerun with NCCL_DEBUG=WARN in the environment for NCCL's reason")
+
+
+def shm_check(i: Inputs) -> Check:
+    shm, need = i.facts["shm"], i.plan.shm_needed()
+    if "error" in shm:
+        return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
+    measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
+    why = f"{gib(need)} free ({i.plan.gpu_count} GPU run)" if i.plan.needs_gpu else f"{gib(need)} free (CPU run)"
+    if shm["free"] < need:
+        return Check("/dev/shm", FAIL, measured, why, _shm_fix(i, need))
+    return Check("/dev/shm", OK, measured, why)
+
+
+def _shm_fix(i: Inputs, need: int) -> str:
+    size = f"{max(1, -(-need // GIB))}G"
+    where = (f"; to keep it, add `lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size={size},create=dir 0 0` "
+             f"to /etc/pve/lxc/{i.target.ctid}.conf") if i.node.pct else ""
+    return f"in the container: mount -o remount,size={size} /dev/shm{where}"
+
+
+def _model_dims(i: Inputs) -> dict | None:
+    model = i.facts.get("model")
+    return model if model and "error" not in model else None
+
+
+def disk_check(i: Inputs) -> Check:
+    disk = i.facts["disk"]
+    if "error" in disk:
+        return Check("disk at base_dir", FAIL, f"{disk['path']}: {disk['error']}", "a writable base_dir",
+                     f"create {i.target.base_dir} in the container")
+    size = i.plan.checkpoint_bytes(_model_dims(i))
+    need = i.plan.disk_needed(_model_dims(i))
+    measured = f"{gib(disk['free'])} free of {gib(disk['total'])} at {disk['measured_at']}"
+    if need is None:
+        need = 1 * GIB
+        why = "1.0 GiB (pass --config to size checkpoints)" if i.plan.config_path is None else \
+            f"1.0 GiB (checkpoint size unknown: {(i.facts.get('model') or {}).get('error', 'no model dims')})"
+    else:
+        why = f"{gib(need)}: {i.plan.keep_checkpoints}+1 checkpoints of {gib(size)} + 1 GiB"
+    if disk["free"] < need:
+        return Check("disk at base_dir", FAIL, measured, why,
+                     f"free {gib(need - disk['free'])} under {i.target.base_dir}, lower run.keep_checkpoints, "
+                     "or give the container a larger volume (pct resize / a mount point)")
+    return Check("disk at base_dir", OK, measured, why)
+
+
+def ram_check(i: Inputs) -> Check:
+    mem = i.facts.get("memory") or {}
+    avail, total = mem.get("MemAvailable"), mem.get("MemTotal")
+    need = i.plan.ram_needed(_model_dims(i))
+    measured = f"{gib(avail)} available of {gib(total)}"
+    size = i.plan.checkpoint_bytes(_model_dims(i))
+    why = f"{gib(need)}" + (f" (2 × {gib(size)} checkpoint + 2 GiB)" if size else " (2 GiB base)")
+    if avail is None:
+        return Check("RAM", WARN, "unknown (/proc/meminfo unreadable)", why)
+    if avail < need:
+        mb = -(-need // MIB) + 1024
+        fix = f"on node {i.target.node.name}: pct set {i.target.ctid} --memory {mb}" if i.node.pct else \
+            "free memory on this machine"
+        return Check("RAM", FAIL, measured, why, fix)
+    return Check("RAM", OK, measured, why)
+
+
+def _limit(value: int | None) -> str:
+    return "unlimited" if value is None else gib(value) if value >= MIB else f"{value // 1024} KiB"
+
+
+def memlock_check(i: Inputs) -> Check:
+    lim = i.facts["limits"]["memlock"]
+    measured = f"soft {_limit(lim['soft'])}, hard {_limit(lim['hard'])}"
+    if not i.plan.needs_gpu:
+        return Check("memlock limit", OK, measured, "any (CPU run)")
+    if lim["soft"] is None:
+        return Check("memlock limit", OK, measured, "unlimited")
+    fix = (f"add `lxc.prlimit.memlock: unlimited` to /etc/pve/lxc/{i.target.ctid}.conf, then restart the CT"
+           if i.node.pct else "ulimit -l unlimited (limits.conf: * - memlock unlimited)")
+    return Check("memlock limit", WARN, measured, "unlimited (pinned buffers, NCCL)", fix)
+
+
+def nofile_check(i: Inputs) -> Check:
+    lim = i.facts["limits"]["nofile"]
+    measured = f"soft {lim['soft'] if lim['soft'] is not None else 'unlimited'}, hard {lim['hard'] or 'unlimited'}"
+    if lim["soft"] is None or lim["soft"] >= NOFILE_MIN:
+        return Check("open files limit", OK, measured, f">= {NOFILE_MIN}")
+    fix = (f"add `lxc.prlimit.nofile: 1048576` to /etc/pve/lxc/{i.target.ctid}.conf, then restart the CT"
+           if i.node.pct else "raise `ulimit -n` (limits.conf nofile)")
+    return Check("open files limit", WARN, measured, f">= {NOFILE_MIN}", fix)
+
+
+def clock_check(i: Inputs) -> Check:
+    if i.clock is None:
+        return Check("clock offset", WARN, "not measured", f"within {CLOCK_TOLERANCE_S:g} s")
+    offset, error = i.clock
+    measured = f"{offset:+.2f} s (± {error:.2f} s) vs this machine"
+    if abs(offset) - error <= CLOCK_TOLERANCE_S:
+        return Check("clock offset", OK, measured, f"within {CLOCK_TOLERANCE_S:g} s")
+    where = f"node {i.target.node.name}" + (" (containers share the node's clock)" if i.node.pct else "")
+    return Check("clock offset", WARN, measured, f"within {CLOCK_TOLERANCE_S:g} s",
+                 f"enable NTP on {where} and on this machine: timedatectl set-ntp true")

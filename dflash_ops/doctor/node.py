@@ -1,0 +1,111 @@
+"""What only the node knows about a container: `pct status` and the GPU entries of `pct config`.
+
+`pct config VMID` prints one `key: value` line per option, sorted by key, then the raw
+`lxc.*` keys in file order (pve-container src/PVE/CLI/pct.pm, `config`). GPUs reach a
+container either as passthrough devices (`devN: /dev/nvidia0[,gid=...]`, PVE 8.1+, which also
+allow them in the cgroup) or as bind mounts (`lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none
+bind,optional,create=file`) that also need `lxc.cgroup2.devices.allow: c MAJOR:* rwm`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from dflash_ops import render
+from dflash_ops.errors import TransportError
+
+NVIDIA_MAJOR = 195  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
+
+
+@dataclass
+class PctConfig:
+    options: dict[str, str] = field(default_factory=dict)
+    lxc: list[tuple[str, str]] = field(default_factory=list)
+
+    def passthrough_paths(self) -> set[str]:
+        """Device paths of the devN entries."""
+        paths = set()
+        for key, value in self.options.items():
+            if re.fullmatch(r"dev\d+", key):
+                first = value.split(",")[0]
+                paths.add(first.removeprefix("path="))
+        return paths
+
+    def bind_mounted(self) -> set[str]:
+        """Source paths of lxc.mount.entry lines (`SRC DST TYPE OPTIONS ...`)."""
+        return {value.split()[0] for key, value in self.lxc if key == "lxc.mount.entry" and value.split()}
+
+    def cgroup_allows(self) -> list[str]:
+        return [value for key, value in self.lxc if key in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow")]
+
+    def allows(self, major: int, minor: int | None = None) -> bool:
+        for rule in self.cgroup_allows():
+            words = rule.split()
+            if words and words[0] == "a":
+                return True
+            if len(words) < 2 or words[0] != "c":
+                continue
+            want_major, _, want_minor = words[1].partition(":")
+            if want_major in ("*", str(major)) and (want_minor == "*" or minor is None or want_minor == str(minor)):
+                return True
+        return False
+
+    def used_dev_indices(self) -> set[int]:
+        return {int(k[3:]) for k in self.options if re.fullmatch(r"dev\d+", k)}
+
+
+def parse_pct_config(text: str) -> PctConfig:
+    config = PctConfig()
+    for line in text.splitlines():
+        key, sep, value = line.partition(": ")
+        if not sep:
+            key, sep, value = line.partition(":")
+        if not sep or not key:
+            continue
+        if key.startswith("lxc."):
+            config.lxc.append((key, value.strip()))
+        else:
+            config.options[key] = value.strip()
+    return config
+
+
+@dataclass
+class NodeFacts:
+    pct: bool  # False: the node has no pct, the target is the node itself
+    state: str  # running | stopped | missing | unreachable | unknown
+    detail: str = ""
+    config: PctConfig | None = None
+    config_error: str | None = None
+
+
+def node_facts(target, transport, timeout: float = 30.0) -> NodeFacts:
+    """`pct status` and `pct config` in one round trip (both read the container's config file)."""
+    if not target.node.pct:
+        try:
+            result = transport.run(render.node_command(["true"]), timeout=timeout)
+        except TransportError as e:
+            return NodeFacts(False, "unreachable", str(e))
+        return NodeFacts(False, "running" if result.ok else "unknown", "no pct: the target is the node itself")
+    status = render.pct_argv(target.node.pct, "status", target.ctid)
+    config = render.pct_argv(target.node.pct, "config", target.ctid)
+    marker = "--- dflash-ops pct config ---"
+    command = render.node_sequence(status, ["echo", marker], config).command
+    try:
+        result = transport.run(command, timeout=timeout)
+    except TransportError as e:
+        return NodeFacts(True, "unreachable", str(e))
+    head, sep, tail = result.stdout.partition(marker + "\n")
+    text = head.strip()
+    if text.startswith("status: "):
+        facts = NodeFacts(True, text.removeprefix("status: ").splitlines()[0].strip())
+    else:
+        detail = (result.stderr.strip() or text).splitlines()
+        state = "missing" if detail and "does not exist" in detail[0] else "unknown"
+        return NodeFacts(True, state, detail[0] if detail else f"exit status {result.exit_code}")
+    if sep and result.ok:
+        facts.config = parse_pct_config(tail)
+    else:
+        said = result.stderr.strip().splitlines()
+        facts.config_error = said[-1] if said else f"pct config exited {result.exit_code}"
+    return facts

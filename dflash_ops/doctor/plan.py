@@ -1,0 +1,126 @@
+"""What a run will ask of its container: GPUs, checkpoint bytes, RAM and /dev/shm (docs/doctor.md).
+
+Built from the target (its GPU list) and, when given, the trainer config the run will use
+(validated by the trainer's own loader, so a bad config fails here with file:line).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# trainer/target.py QWEN3_8B_DIMS (that module imports torch; tests keep the two equal)
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, num_hidden_layers=36)
+
+BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/checkpoint.py)
+CHECKPOINT_OVERHEAD = 16 * MIB  # trainer state, RNG states, manifest, safetensors header
+SHM_CPU_RUN = 64 * MIB  # Docker's default: enough for Python's semaphores, not for NCCL
+SHM_PER_GPU = 512 * MIB
+SHM_GPU_FLOOR = 1 * GIB  # NCCL troubleshooting guide: containers need --shm-size=1g or more
+RAM_BASE = 2 * GIB  # interpreter, torch, tokenizer, data
+DISK_MARGIN = 1 * GIB  # logs, metrics, the release and its venv growing
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    gpus: tuple[int, ...] = ()  # the GPUs the run holds (CUDA_VISIBLE_DEVICES)
+    cuda_indices: tuple[int, ...] = ()  # cuda:N the config uses, counted inside CUDA_VISIBLE_DEVICES
+    keep_checkpoints: int | None = None
+    dims: dict | None = None  # the drafter's shape source (target dims), when known locally
+    model_config_path: str | None = None  # the target model's config.json in the container
+    drafter_layers: int = 5
+    num_target_layers: int = 5
+    config_path: str | None = None
+    config_error: str | None = None  # the config is not one of the bundled trainer's
+
+    @property
+    def needs_gpu(self) -> bool:
+        """With a config: it names a cuda device. Without: the target lists GPUs."""
+        return bool(self.cuda_indices) if self.config_path is not None else bool(self.gpus)
+
+    @property
+    def no_gpu(self) -> str:
+        """What the GPU checks say they need when the run needs none."""
+        return "none (config not read)" if self.config_error else "none (CPU run)"
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs the run uses: the ones it holds, else as many as the config's cuda:N need."""
+        if not self.needs_gpu:
+            return 0
+        return len(self.gpus) if self.gpus else max(self.cuda_indices) + 1
+
+    def checkpoint_bytes(self, model_dims: dict | None = None) -> int | None:
+        dims = self.dims or model_dims
+        if not dims or not all(isinstance(dims.get(k), int) for k in
+                               ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")):
+            return None
+        return drafter_params(dims, self.drafter_layers, self.num_target_layers) * BYTES_PER_PARAM + CHECKPOINT_OVERHEAD
+
+    def shm_needed(self) -> int:
+        """One GPU: a single-rank NCCL communicator uses no shared memory (measured on an H200 with
+        a 1 MiB /dev/shm, bench/RESULTS.md), so only Python's floor applies."""
+        if self.gpu_count < 2:
+            return SHM_CPU_RUN
+        return max(SHM_GPU_FLOOR, SHM_PER_GPU * self.gpu_count)
+
+    def ram_needed(self, model_dims: dict | None = None) -> int:
+        """A checkpoint is assembled in host memory: the weights copied to the CPU and the
+        optimizer state serialised into a buffer (trainer/checkpoint.py), about 2x its size."""
+        size = self.checkpoint_bytes(model_dims) or 0
+        return RAM_BASE + 2 * size
+
+    def disk_needed(self, model_dims: dict | None = None) -> int | None:
+        """keep + 1 checkpoints: a new one is complete before the oldest is pruned."""
+        size = self.checkpoint_bytes(model_dims)
+        if size is None or self.keep_checkpoints is None:
+            return None
+        return size * (self.keep_checkpoints + 1) + DISK_MARGIN
+
+
+def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int) -> int:
+    """Parameters of trainer/drafter.py DFlashDrafter for a target of these dimensions."""
+    h, inter = dims["hidden_size"], dims["intermediate_size"]
+    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
+    head_dim = dims.get("head_dim") or h // heads
+    attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * head_dim
+    layer = attention + 3 * h * inter + 2 * h
+    return num_target_layers * h * h + 2 * h + drafter_layers * layer
+
+
+def plan_for(target, gpus: list[int] | None = None, config: Path | str | None = None) -> RunPlan:
+    """The plan of a run on `target` with these GPUs (default: the target's) and trainer config."""
+    run_gpus = tuple(gpus if gpus is not None else target.gpus)
+    if config is None:
+        return RunPlan(gpus=run_gpus)
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        # A release may carry its own trainer: a config the bundled trainer rejects is a warning.
+        return RunPlan(gpus=run_gpus, config_path=str(config), config_error=str(e))
+    cuda = sorted({_cuda_index(d) for d in [*cfg.devices.target, *cfg.devices.drafter] if d != "cpu"})
+    t = cfg.model.target
+    dims, model_config_path = None, None
+    if t.tiny is not None:
+        dims = dict(hidden_size=t.tiny.hidden, intermediate_size=t.tiny.intermediate,
+                    num_attention_heads=t.tiny.heads, num_key_value_heads=t.tiny.kv_heads,
+                    head_dim=t.tiny.head_dim, num_hidden_layers=t.tiny.layers)
+    elif t.random_8b_shape:
+        dims = dict(QWEN3_8B)
+    elif t.path is not None:
+        model_config_path = posixpath.join(t.path, "config.json")
+    return RunPlan(gpus=run_gpus, cuda_indices=tuple(cuda), keep_checkpoints=cfg.run.keep_checkpoints,
+                   dims=dims, model_config_path=model_config_path, drafter_layers=cfg.model.drafter_layers,
+                   num_target_layers=cfg.model.num_target_layers, config_path=str(config))
+
+
+def _cuda_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0

@@ -1,0 +1,385 @@
+"""Measure what a container offers a training run; print the facts as JSON (python3.8+, stdlib only).
+
+One call per `dflash-ops doctor` pass (see docs/doctor.md); the operator's side judges the
+facts, so thresholds change without a new helper. Usage:
+
+  doctor.py facts --base BASE --python PY [--gpus 0,1] [--torch none|find|full] [--nccl]
+                  [--shm DIR] [--model-config FILE] [--runs-helper FILE] [--probe-timeout S]
+
+Output, one JSON object per line: first {"clock": T} as early as possible (the operator's
+side times its arrival to measure the clock offset), then the facts document. Exit status 0
+whenever facts were gathered: a missing GPU or torch is a fact, not an error.
+
+The torch facts come from a separate short process of the release's venv python (else PY)
+running this same file as `doctor.py torch-probe ...`, under a timeout, with
+CUDA_VISIBLE_DEVICES set to the run's GPUs as the runs helper sets it for the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+VERSION = 1
+_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
+              "--format=csv,noheader,nounits"]
+
+
+def emit(obj):
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def parse_gpus(text):
+    if not text:
+        return []
+    return sorted({int(g) for g in text.split(",") if g.strip()})
+
+
+# ---------------------------------------------------------------- filesystem and limits
+
+def statvfs(path):
+    """Size and free bytes of the filesystem holding `path` (its nearest existing ancestor)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError as e:
+        return {"path": path, "error": e.strerror or str(e)}
+    return {"path": path, "measured_at": probe, "total": st.f_blocks * st.f_frsize,
+            "free": st.f_bavail * st.f_frsize}
+
+
+def mount_of(path):
+    """The /proc/self/mounts line whose mount point is the longest prefix of `path`."""
+    best = None
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best["point"]):
+                best = {"point": point, "fstype": fields[2], "options": fields[3]}
+    return best
+
+
+def meminfo():
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable", "SwapTotal"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def limit(which):
+    soft, hard = resource.getrlimit(which)
+    unlimited = resource.RLIM_INFINITY
+    return {"soft": None if soft == unlimited else soft, "hard": None if hard == unlimited else hard}
+
+
+# ---------------------------------------------------------------- GPUs seen from the container
+
+def device_nodes():
+    """/dev/nvidia* character devices: name -> "major:minor"."""
+    nodes = {}
+    try:
+        names = sorted(os.listdir("/dev"))
+    except OSError:
+        return nodes
+    for name in names:
+        if not name.startswith("nvidia"):
+            continue
+        try:
+            st = os.stat(os.path.join("/dev", name))
+        except OSError:
+            continue
+        nodes[name] = "%d:%d" % (os.major(st.st_rdev), os.minor(st.st_rdev))
+    return nodes
+
+
+def char_majors():
+    """Character-device majors of the nvidia drivers from /proc/devices (the node's kernel)."""
+    majors = {}
+    try:
+        with open("/proc/devices") as f:
+            text = f.read()
+    except OSError:
+        return majors
+    block = text.split("Block devices:")[0]
+    for line in block.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].startswith("nvidia"):
+            majors[fields[1]] = int(fields[0])
+    return majors
+
+
+def proc_driver_version():
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    for word in first.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return word
+    return None
+
+
+def libcuda_version():
+    """cuDriverGetVersion() through ctypes: the newest CUDA the installed driver supports (e.g. 13000)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return {"error": str(e)}
+    version = ctypes.c_int(0)
+    status = lib.cuDriverGetVersion(ctypes.byref(version))
+    if status != 0:
+        return {"error": "cuDriverGetVersion returned %d" % status}
+    return {"version": version.value}
+
+
+def nvidia_smi():
+    if shutil.which("nvidia-smi") is None:
+        return {"error": "nvidia-smi not found"}
+    try:
+        done = subprocess.run(_SMI_QUERY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip() or done.stdout.strip() or "exit %d" % done.returncode)[:300]}
+    gpus = []
+    for line in done.stdout.splitlines():
+        fields = [x.strip() for x in line.split(",")]
+        if len(fields) != 5 or not fields[0].isdigit():
+            continue
+        gpus.append({"index": int(fields[0]), "name": fields[1], "mem_total_mib": _number(fields[2]),
+                     "mem_used_mib": _number(fields[3]), "driver": fields[4]})
+    return {"gpus": gpus}
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------- the deployed release and its runs
+
+def read_json(path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def release_facts(base):
+    root = os.path.join(base, "current")
+    if not os.path.isdir(root):
+        return {"deployed": False, "root": root}
+    doc = read_json(os.path.join(root, ".dflash-release.json")) or {}
+    facts = {"deployed": True, "root": root, "hash": doc.get("hash"), "venv": doc.get("venv")}
+    if isinstance(doc.get("venv"), str) and doc["venv"]:
+        python = os.path.join(base, doc["venv"], "bin", "python")
+        facts["venv_python"] = python
+        facts["venv_python_exists"] = os.path.exists(python)
+    return facts
+
+
+def held_gpus(runs_helper, base, python):
+    """Live runs and their GPUs, from the runs helper's `list` (same directory rules as `run start`)."""
+    if not runs_helper:
+        return {"error": "no runs helper given"}
+    if not os.path.isfile(runs_helper):
+        return {"missing": runs_helper}
+    try:
+        done = subprocess.run([python, runs_helper, "list", base], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+        doc = json.loads(done.stdout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)[:300]}
+    live = []
+    for run in doc.get("runs", []):
+        if run.get("alive") and run.get("effective_state") not in ("stopped", "failed", "done"):
+            live.append({"run_id": run.get("run_id"), "pid": run.get("pid"), "gpus": run.get("gpus") or []})
+    return {"live": live}
+
+
+def model_dims(path):
+    if not path:
+        return None
+    doc = read_json(path)
+    if doc is None:
+        return {"error": "cannot read %s" % path}
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "num_hidden_layers")
+    return {k: doc.get(k) for k in keys}
+
+
+# ---------------------------------------------------------------- torch, in a short child process
+
+def run_probe(python, gpus, mode, nccl, timeout):
+    if mode == "none":
+        return None
+    env = dict(os.environ)
+    if gpus:  # as the runs helper's child_env: no GPU list, no restriction
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    argv = [python, os.path.abspath(__file__), "torch-probe", "--mode", mode]
+    if nccl:
+        argv.append("--nccl")
+    began = time.time()
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              universal_newlines=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"python": python, "error": "timed out after %gs" % timeout, "timed_out": True}
+    except OSError as e:
+        return {"python": python, "error": "cannot run %s: %s" % (python, e.strerror or e)}
+    seconds = round(time.time() - began, 2)
+    for line in reversed(done.stdout.splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        doc.update(python=python, seconds=seconds, visible=env.get("CUDA_VISIBLE_DEVICES"))
+        return doc
+    tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+    return {"python": python, "error": "exit %d: %s" % (done.returncode, " | ".join(tail))}
+
+
+def torch_probe(mode, nccl):
+    """Runs under the venv's python: what torch sees. Prints one JSON object."""
+    out = {"python_version": "%d.%d.%d" % sys.version_info[:3]}
+    if mode == "find":
+        import importlib.util
+
+        out["torch_found"] = importlib.util.find_spec("torch") is not None
+        emit(out)
+        return 0
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001 - a broken torch install is the answer
+        out.update(torch_found=False, error="import torch: %s: %s" % (type(e).__name__, e))
+        emit(out)
+        return 0
+    out.update(torch_found=True, torch=torch.__version__, cuda_built=torch.version.cuda)
+    out["cuda_available"] = bool(torch.cuda.is_available())
+    out["device_count"] = torch.cuda.device_count() if out["cuda_available"] else 0
+    devices = []
+    for i in range(out["device_count"]):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        devices.append({"index": i, "name": props.name, "total": total, "free": free,
+                        "capability": "%d.%d" % (props.major, props.minor)})
+    out["devices"] = devices
+    if out["cuda_available"]:
+        try:
+            out["nccl_version"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception as e:  # noqa: BLE001
+            out["nccl_version_error"] = str(e)
+    if nccl:
+        out["nccl"] = all_reduce(torch, out["device_count"])
+    emit(out)
+    return 0
+
+
+def all_reduce(torch, count):
+    """torch.cuda.nccl.all_reduce across every visible GPU, in-process, as trainer/pipeline/grad_sync does."""
+    if count < 1:
+        return {"ok": False, "error": "no CUDA device visible"}
+    began = time.time()
+    try:
+        tensors = [torch.full((1 << 20,), float(i + 1), device="cuda:%d" % i) for i in range(count)]
+        torch.cuda.nccl.all_reduce(tensors)
+        for i in range(count):
+            torch.cuda.synchronize(i)
+        want = count * (count + 1) / 2
+        wrong = [i for i, t in enumerate(tensors) if not bool((t == want).all())]
+    except Exception as e:  # noqa: BLE001 - NCCL's own error text is the answer
+        return {"ok": False, "error": "%s: %s" % (type(e).__name__, str(e)[:400]),
+                "seconds": round(time.time() - began, 3)}
+    if wrong:
+        return {"ok": False, "error": "wrong sum on GPU %s" % wrong, "seconds": round(time.time() - began, 3)}
+    return {"ok": True, "gpus": count, "mib": 4, "seconds": round(time.time() - began, 3)}
+
+
+# ---------------------------------------------------------------- the facts document
+
+def facts(args):
+    emit({"clock": time.time()})
+    gpus = parse_gpus(args.gpus)
+    release = release_facts(args.base)
+    probe_python = release.get("venv_python") if release.get("venv_python_exists") else args.python
+    doc = {
+        "version": VERSION,
+        "python": {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
+        "release": release,
+        "disk": statvfs(args.base),
+        "shm": dict(statvfs(args.shm), mount=mount_of(args.shm)),
+        "memory": meminfo(),
+        "limits": {"memlock": limit(resource.RLIMIT_MEMLOCK), "nofile": limit(resource.RLIMIT_NOFILE)},
+        "devices": device_nodes(),
+        "majors": char_majors(),
+        "driver": {"proc": proc_driver_version(), "libcuda": libcuda_version()},
+        "smi": nvidia_smi(),
+        "runs": held_gpus(args.runs_helper, args.base, sys.executable),
+        "model": model_dims(args.model_config),
+        "torch": run_probe(probe_python, gpus, args.torch, args.nccl, args.probe_timeout),
+        "gpus": gpus,
+    }
+    emit(doc)
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="doctor.py")
+    sub = p.add_subparsers(dest="command")
+    sub.required = True
+    s = sub.add_parser("facts")
+    s.add_argument("--base", required=True)
+    s.add_argument("--python", required=True)
+    s.add_argument("--gpus", default="")
+    s.add_argument("--torch", choices=("none", "find", "full"), default="full")
+    s.add_argument("--nccl", action="store_true")
+    s.add_argument("--shm", default="/dev/shm")
+    s.add_argument("--model-config")
+    s.add_argument("--runs-helper")
+    s.add_argument("--probe-timeout", type=float, default=120.0)
+    s.set_defaults(func=facts)
+    s = sub.add_parser("torch-probe")
+    s.add_argument("--mode", choices=("find", "full"), default="full")
+    s.add_argument("--nccl", action="store_true")
+    s.set_defaults(func=lambda a: torch_probe(a.mode, a.nccl))
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

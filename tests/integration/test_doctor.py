@@ -1,0 +1,213 @@
+"""`dflash-ops doctor` end to end on the simulated node (pct stand-in), a tiny /dev/shm, and a node without pct."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
+from dflash_ops.inventory import _SIM_PCT_SCRIPT
+from tests.conftest import write_sim_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CPU = REPO / "trainer" / "configs" / "tiny-cpu.yaml"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def rows(stdout: str) -> dict[str, list[str]]:
+    """check name -> [symbol, measured, needed, fix] from the printed table (columns by header position)."""
+    found = {}
+    starts = None
+    for line in stdout.splitlines():
+        if line.strip().startswith("check ") and " measured " in line:
+            starts = [line.index(w) for w in (" check", " measured", " needed", " fix")]
+            starts = [s + 1 for s in starts]
+        elif starts and line[:1] in ("✔", "✘", "!"):
+            cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [len(line)])]
+            found[cells[0]] = [line[0], *cells[1:]]
+    return found
+
+
+def edit_inventory(path: Path, **target_keys) -> Path:
+    doc = yaml.safe_load(path.read_text())
+    doc["targets"]["host200"].update(target_keys)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_doctor_on_the_simulated_node_passes_a_cpu_run(sim_inventory):
+    result = cli("doctor", "host200", "--config", str(TINY_CPU), "--inventory", str(sim_inventory))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "host200 (node sim, CT 200): WARN"  # nothing deployed yet
+    table = rows(result.stdout)
+    assert table["container"][0] == "✔" and table["gpu passthrough"][0] == "✔"
+    assert table["GPUs in container"][0] == "✔" and table["GPUs in container"][1].startswith("no GPU (nvidia-smi not found)")
+    assert table["release + venv"][0] == "!" and table["release + venv"][3] == "dflash-ops deploy host200"
+    assert "checkpoints of" in table["disk at base_dir"][2] and table["/dev/shm"][0] == "✔"
+    hosts = cli("hosts", "--inventory", str(sim_inventory))
+    assert "warn (! release + venv)" in hosts.stdout and " ago" in hosts.stdout
+
+
+def test_doctor_json_and_gpus_the_node_does_not_have(sim_inventory):
+    edit_inventory(sim_inventory, gpus=[0, 1])
+    result = cli("doctor", "host200", "--json", "--inventory", str(sim_inventory))
+    assert result.exit_code == 1
+    (report,) = json.loads(result.stdout)
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert report["verdict"] == "fail" and report["facts"]["gpus"] == [0, 1]
+    assert by_name["gpu passthrough"]["status"] == "fail"
+    assert by_name["gpu passthrough"]["fix"] == ("on node sim: pct set 200 --dev0 /dev/nvidia0 --dev1 /dev/nvidia1 "
+                                                 "--dev2 /dev/nvidiactl --dev3 /dev/nvidia-uvm (then restart the CT)")
+    assert by_name["GPUs in container"]["status"] == "fail" and by_name["GPUs to torch"]["status"] == "fail"
+    # the same target for a CPU config: the GPUs are held but not used, so the run can go
+    cpu = cli("doctor", "host200", "--config", str(TINY_CPU), "--inventory", str(sim_inventory))
+    assert cpu.exit_code == 0, cpu.stdout
+
+
+def test_stopped_container_and_run_start_refusal(sim_inventory):
+    pct = [sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", str(sim_inventory.parent / "sim")]
+    subprocess.run([*pct, "status", "200"], check=True, capture_output=True)
+    subprocess.run([*pct, "stop", "200"], check=True)
+    result = cli("doctor", "host200", "--inventory", str(sim_inventory))
+    assert result.exit_code == 1 and rows(result.stdout)["container"][0] == "✘"
+    assert rows(result.stdout)["container"][1:] == ["stopped", "running", "on node sim: pct start 200"]
+    start = cli("run", "start", "host200", "--config", str(TINY_CPU), "--inventory", str(sim_inventory))
+    assert start.exit_code == 1
+    assert start.stderr.splitlines()[-1] == ("dflash-ops: error: refusing to start on host200, doctor failed: "
+                                             "container: stopped (needs running); fix it or pass --force")
+    forced = cli("run", "start", "host200", "--config", str(TINY_CPU), "--force", "--inventory", str(sim_inventory))
+    assert "--force: starting although doctor failed: container" in forced.stderr
+    assert "not running" in forced.stderr and forced.exit_code != 0  # the real refusal, from pct itself
+
+
+def test_pct_config_prints_like_pct(tmp_path):
+    pct = [sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", str(tmp_path)]
+    created = subprocess.run([*pct, "create", "201", "local:vztmpl/debian.tar.zst", "--hostname", "gpu",
+                              "--sim-packages", ""], capture_output=True, text=True)
+    assert created.returncode == 0, created.stderr
+    with open(tmp_path / "lxc" / "201.conf", "a") as conf:
+        conf.write("lxc.cgroup2.devices.allow = c 195:* rwm\n"
+                   "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file\ndev0: /dev/nvidia-uvm\n"
+                   "[before-upgrade]\nhostname: old\n")
+    done = subprocess.run([*pct, "config", "201"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    options = [line for line in lines if not line.startswith("lxc.")]
+    assert options == sorted(options) and "hostname: gpu" in options and "dev0: /dev/nvidia-uvm" in options
+    assert "hostname: old" not in lines and not any(line.startswith("#") for line in lines)
+    assert lines[-2:] == ["lxc.cgroup2.devices.allow: c 195:* rwm",
+                          "lxc.mount.entry: /dev/nvidia0 dev/nvidia0 none bind,optional,create=file"]
+    missing = subprocess.run([*pct, "config", "202"], capture_output=True, text=True)
+    assert missing.returncode == 255 and "lxc/202.conf' does not exist" in missing.stderr
+    assert subprocess.run([*pct, "config"], capture_output=True, text=True).stderr.startswith("400 not enough")
+
+
+def _tiny_shm_inventory(directory: Path) -> Path:
+    """The stand-in behind `unshare -m`: every pct command sees a 1 MiB tmpfs on /dev/shm."""
+    path = write_sim_inventory(directory)
+    doc = yaml.safe_load(path.read_text())
+    sim_root = doc["nodes"]["sim"].pop("sim_root")
+    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
+    doc["nodes"]["sim"]["pct"] = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "pct",
+                                  sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root]
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _mount_namespaces_work() -> str | None:
+    if os.geteuid() != 0:
+        return "not root"
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True, text=True)
+    return None if done.returncode == 0 else f"unshare -m + mount failed: {done.stderr.strip()}"
+
+
+@pytest.fixture
+def tiny_shm(tmp_path) -> Path:
+    reason = _mount_namespaces_work()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the tiny /dev/shm test cannot run: {reason}")
+        pytest.skip(reason)
+    return _tiny_shm_inventory(tmp_path / "simnode")
+
+
+def test_tiny_dev_shm_fails_with_the_fix(tiny_shm):
+    result = cli("doctor", "host200", "--config", str(TINY_CPU), "--inventory", str(tiny_shm))
+    assert result.exit_code == 1, result.stdout + result.stderr
+    shm = rows(result.stdout)["/dev/shm"]
+    assert shm[0] == "✘" and shm[1] == "1 MiB (1 MiB free) at /dev/shm" and shm[2] == "64 MiB free (CPU run)"
+    assert shm[3] == ("in the container: mount -o remount,size=1G /dev/shm; to keep it, add `lxc.mount.entry: tmpfs dev/shm "
+            "tmpfs rw,nosuid,nodev,size=1G,create=dir 0 0` to /etc/pve/lxc/200.conf")
+    start = cli("run", "start", "host200", "--config", str(TINY_CPU), "--inventory", str(tiny_shm))
+    assert start.exit_code == 1 and "doctor failed: /dev/shm: 1 MiB (1 MiB free)" in start.stderr
+    assert not (Path(yaml.safe_load(tiny_shm.read_text())["targets"]["host200"]["base_dir"]) / "runs").exists()
+
+
+def test_doctor_on_a_node_without_pct(tmp_path):
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(yaml.safe_dump({
+        "nodes": {"box": {"transport": "local", "pct": "none"}},
+        "targets": {"here": {"node": "box", "base_dir": str(tmp_path / "base"), "python": sys.executable}},
+    }))
+    result = cli("doctor", "here", "--config", str(TINY_CPU), "--inventory", str(inventory))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "here (node box, no pct): WARN"
+    table = rows(result.stdout)
+    assert "gpu passthrough" not in table and table["container"][0] == "✔"
+    assert table["container"][1] == "no pct: the target is the node itself"
+    echoed = cli("exec", "here", "--inventory", str(inventory), "--", "echo", "$HOME")
+    assert echoed.exit_code == 0 and echoed.stdout == "$HOME\n"
+    hosts = cli("hosts", "--inventory", str(inventory))
+    assert "running (no pct)" in hosts.stdout
+    deployed = cli("deploy", "here", "--no-venv", "--inventory", str(inventory))
+    assert deployed.exit_code == 0, deployed.stdout + deployed.stderr
+    again = cli("doctor", "here", "--config", str(TINY_CPU), "--inventory", str(inventory))
+    assert again.exit_code == 0 and rows(again.stdout)["release + venv"][0] == "✔"
+    assert (tmp_path / "base" / "current" / "trainer" / "config.py").is_file()
+
+
+@pytest.mark.sshd
+def test_doctor_over_a_real_sshd(sshd_node):
+    result = cli("doctor", "host200", "--config", str(TINY_CPU), "--inventory", str(sshd_node.inventory))
+    assert result.exit_code == 0, result.stdout + result.stderr
+    table = rows(result.stdout)
+    assert table["container"][0] == "✔" and table["gpu passthrough"][1] == "no /dev/nvidia* entries"
+    offset = table["clock offset"]
+    assert offset[0] == "✔" and offset[1].endswith("s) vs this machine")
+
+
+def test_doctor_on_an_unreachable_node_fails_its_targets_only(sim_inventory, tmp_path):
+    doc = yaml.safe_load(sim_inventory.read_text())
+    doc["nodes"]["gone"] = {"transport": "ssh", "address": "127.0.0.1", "port": 1, "connect_timeout": 2,
+                            "strict_host_key_checking": False}
+    doc["targets"]["far"] = {"node": "gone", "ctid": 300, "base_dir": "/opt/dflash"}
+    sim_inventory.write_text(yaml.safe_dump(doc))
+    result = cli("doctor", "host200", "far", "--config", str(TINY_CPU), "--inventory", str(sim_inventory))
+    assert result.exit_code == 1
+    reports = result.stdout.split("\nfar (")
+    assert reports[0].splitlines()[0] == "host200 (node sim, CT 200): WARN"
+    far = rows("far (" + reports[1])
+    assert list(far) == ["container"] and far["container"][0] == "✘" and far["container"][1].startswith("unreachable")
+    assert "check that node gone answers" in far["container"][3]
+    assert "fail: container" in cli("hosts", "far", "--inventory", str(sim_inventory)).stdout
+
+
+def test_a_container_without_the_python_named_in_the_inventory(sim_inventory):
+    edit_inventory(sim_inventory, python="/no/such/python3")
+    result = cli("doctor", "host200", "--inventory", str(sim_inventory))
+    assert result.exit_code == 1
+    python = rows(result.stdout)["python"]
+    assert python[0] == "✘" and python[1].startswith("/no/such/python3: exit ")
+    assert python[3] == "install python3 in the container, or set `python:` for host200 in the inventory"

@@ -91,6 +91,15 @@ def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_s
     return -(-want // step) * step
 
 
+def row_anchors(data_cfg, block_size: int) -> int:
+    """Draft blocks per micro-batch row: data.num_anchors unpacked; packed, data.anchors_per_row or
+    the density of num_anchors per max_length tokens (`anchors_for_row`)."""
+    if not data_cfg.pack_length:
+        return data_cfg.num_anchors
+    return data_cfg.anchors_per_row or anchors_for_row(data_cfg.num_anchors, data_cfg.max_length,
+                                                       data_cfg.pack_length, block_size)
+
+
 class PackedDataset:
     """Conversations packed into rows of `pack_length`, `rows` rows per micro-batch.
 

@@ -17,15 +17,16 @@ from trainer import checkpoint as ckpt
 from trainer.loop import Trainer, autocast_for
 from trainer.masks import prepare_blocks
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.packing import row_anchors, warmup_packed_batch
 from trainer.target import FrozenHead, target_context_features
 
 from .compile_safety import CompileGuard
 from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
 from .features import allocate_slots
-from .flops import drafter_step_flops, peak_tflops, target_forward_flops
+from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
-from .shapes import WarmShapes
+from .shapes import PackedShape, WarmShapes
 from .stopping import StageQueue, StageThread, StopSignal, join_all
 from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
@@ -90,9 +91,15 @@ class ThreadedTrainer(Trainer):
         """Every drafter device, every warm shape, forward + backward, on this one thread; then freeze."""
         cfg, c = self.cfg, self.c
         remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
-        self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
-        mode = cfg.pipeline.pad_to_warm_shapes
-        self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
+        self.packed = bool(cfg.data.pack_length)
+        if self.packed:  # one shape for the whole run: nothing to pad, one warm-up
+            self.warm = PackedShape(cfg.data.pack_rows, cfg.data.pack_length)
+            self.pad = False
+        else:
+            self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
+            mode = cfg.pipeline.pad_to_warm_shapes
+            self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
+        self.anchors = row_anchors(cfg.data, cfg.model.block_size)
         shapes = self.warm.shapes()
         self.guard = CompileGuard()
         self.rd.update(state="warmup")
@@ -102,18 +109,29 @@ class ThreadedTrainer(Trainer):
         for rank, device in enumerate(self.drafter_devices):
             def step(shape, rank=rank, device=device):
                 b, seq = shape
-                ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
-                blocks = prepare_blocks(ids, torch.ones_like(ids, dtype=torch.bool), cfg.data.num_anchors,
-                                        cfg.model.block_size, c.gamma, c.drafter.config.mask_token_id, gen).to(device)
+                tdev = self.target_devices[0]
+                if self.packed:  # documents and boundaries like the real rows, through the packed paths
+                    batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
+                    ids, doc_start, loss_mask = batch.input_ids, batch.doc_start, batch.loss_mask
+                else:
+                    ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
+                    doc_start, loss_mask = None, torch.ones_like(ids, dtype=torch.bool)
+                blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
+                                        c.drafter.config.mask_token_id, gen, doc_start).to(device)
                 with torch.inference_mode():
-                    feats = target_context_features(self.targets[0], ids.to(self.target_devices[0]),
-                                                    torch.ones_like(ids).to(self.target_devices[0]), layer_ids)
+                    if self.packed:
+                        feats = target_context_features(self.targets[0], ids.to(tdev), None, layer_ids,
+                                                        doc_start.to(tdev))
+                    else:
+                        feats = target_context_features(self.targets[0], ids.to(tdev), torch.ones_like(ids).to(tdev),
+                                                        layer_ids)
                 feats = feats.clone().to(device)
                 with autocast_for(str(device), cfg.model.dtype):
                     from trainer.objective import drafter_loss_sums
 
                     loss, _, _ = drafter_loss_sums(self.drafters[rank], self.heads[rank], feats, blocks,
-                                                   self.backend, cfg.model.loss_chunk)
+                                                   self.backend, cfg.model.loss_chunk,
+                                                   doc_start=None if doc_start is None else doc_start.to(device))
                     loss.backward()
 
             self.guard.warm_up(self.replica_keys[rank], shapes, step)
@@ -147,18 +165,25 @@ class ThreadedTrainer(Trainer):
             return {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
 
         def prepare(batch):
-            return prepare_blocks(batch.input_ids, batch.loss_mask, cfg.data.num_anchors, cfg.model.block_size,
-                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng)
+            return prepare_blocks(batch.input_ids, batch.loss_mask, self.anchors, cfg.model.block_size,
+                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng,
+                                  getattr(batch, "doc_start", None))
 
         prefetcher = BatchPrefetcher(c.train_data.next_batch, prepare, data_state, self.target_inputs, stop, count, M,
                                      first, self.warm.shape_for if self.pad else None,
                                      pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
         build = prefetcher.build
 
+        self.step_flops: dict[int, dict] = {}
+
         def build_and_record(index):
             mb = build(index)
             self.data_states[index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
+            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
+            into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
+            for key, value in counts.items():
+                into[key] += value
             return mb
 
         prefetcher.build = build_and_record
@@ -246,13 +271,13 @@ class ThreadedTrainer(Trainer):
                         "busy": None if busy[d] is None else round(busy[d], 4), "mem_gb": peak_memory_gb(d)})
         return out
 
-    def _flops_per_step(self) -> tuple[float, float]:
-        """Target and drafter FLOPs of one optimizer step at the padded warm shape mix (estimate)."""
-        cfg, c = self.cfg, self.c
-        b, seq = self.warm.shapes()[0]
-        mb = cfg.optim.micro_batches
-        return (mb * target_forward_flops(c.target.config, b, seq),
-                mb * drafter_step_flops(c.drafter.config, b, seq, cfg.data.num_anchors))
+    def _window_counts(self, first: int, end: int) -> dict:
+        """FLOPs and token counts of steps first..end-1, from the micro-batches actually built."""
+        total = dict.fromkeys(FLOP_KEYS, 0.0)
+        for s in range(first, end):
+            for key, value in self.step_flops.get(s, {}).items():
+                total[key] += value
+        return total
 
     def _write_window(self, w: dict, since: tuple[int, float]) -> tuple[int, float]:
         cfg = self.cfg
@@ -260,25 +285,39 @@ class ThreadedTrainer(Trainer):
         prev_step, prev_time = since
         seconds = max(now - prev_time, 1e-9)
         tokens = sum(self.step_tokens.get(s, 0) for s in range(prev_step, step))
+        counts = self._window_counts(prev_step, step)
         weight = max(w["weight_sum"], 1e-6)
         busy = {d: m.busy_fraction() for d, m in self.busy.items()}
         m = {"loss": w["loss_sum"] / weight, "acc": w["correct_sum"] / weight,
              "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
+             "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
              "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + [q for row in self.feature_queues for q in row]}}
+        # steady: every window after the first (which holds the pipeline filling up)
+        self.windows_seen = getattr(self, "windows_seen", 0) + 1
+        if self.windows_seen > 1:
+            self.steady_tokens = getattr(self, "steady_tokens", 0) + tokens
+            self.steady_seconds = getattr(self, "steady_seconds", 0.0) + seconds
+            m["tokens_per_s_steady"] = self.steady_tokens / self.steady_seconds
         peak = peak_tflops(torch.cuda.get_device_name(self.drafter_devices[0]) if is_cuda(self.drafter_devices[0]) else None)
         if peak:
-            tf, df = self._flops_per_step()
-            steps = step - prev_step
-            m["mfu"] = {"target": round(tf * steps / seconds / (peak * 1e12 * len(self.target_devices)), 4),
-                        "drafter": round(df * steps / seconds / (peak * 1e12 * len(self.drafter_devices)), 4)}
+            nt, nd = len(self.target_devices), len(self.drafter_devices)
+            rate = {k: counts[k] / seconds / (peak * 1e12 * (nt if k.startswith("target") else nd))
+                    for k in ("target_real", "target_padded", "drafter_real", "drafter_padded")}
+            m["mfu"] = {"target": round(rate["target_real"], 4), "drafter": round(rate["drafter_real"], 4),
+                        "target_padded": round(rate["target_padded"], 4),
+                        "drafter_padded": round(rate["drafter_padded"], 4)}
+            if max(rate.values()) > 1.0:
+                self.rd.log(f"warning: MFU above the {peak:.0f} TFLOP/s peak in steps {prev_step}..{step} {m['mfu']}: "
+                            "the FLOP count or the window's timing is wrong")
         self.rd.event("step", step, **m)
         self.rd.update(step=step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"],
-                       recompiles=m["recompiles"])
+                       recompiles=m["recompiles"], pad_share=m["pad_share"],
+                       **({"tokens_per_s_steady": m["tokens_per_s_steady"]} if "tokens_per_s_steady" in m else {}))
         self.rd.log(f"step {step}/{cfg.optim.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                     f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} "
-                    f"busy {[g['busy'] for g in m['gpus']]}")
+                    f"pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}")
         return step, now
 
     # ------------------------------------------------------------------ the run

@@ -73,8 +73,9 @@ class TargetWorker:
                     if slot.released is not None:
                         stream.wait_event(slot.released)
                     ids = mb.input_ids.to(self.device, non_blocking=True)
+                    doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
                     out = slot.view(ids.shape[0], ids.shape[1], self.width)
-                    pack_context_features(self.target, ids, None, self.layer_ids, out)
+                    pack_context_features(self.target, ids, None, self.layer_ids, out, doc_start)
                     ready = record_event(stream)
                 self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
 
@@ -120,11 +121,12 @@ class DrafterWorker:
         if not same_device:
             feats.release(stream)
         blocks = feats.mb.blocks.to(self.device)
+        doc_start = None if feats.mb.doc_start is None else feats.mb.doc_start.to(self.device, non_blocking=True)
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
                     if self.s.autocast_dtype is not None else contextlib.nullcontext())
         with self.guard.expect_warmed(self.key, feats.mb.shape), autocast:
             loss_sum, weight_sum, correct_sum = drafter_loss_sums(
-                self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk)
+                self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk, doc_start=doc_start)
             loss_sum.backward()
         self.flat.add_stats(loss_sum, weight_sum, correct_sum)
         if same_device:

@@ -59,6 +59,7 @@ class ModelConfig:
     dtype: str = "bf16"  # bf16 | fp32: target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
+    compile_target: bool = False  # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only)
 
 
 @dataclass

@@ -163,6 +163,19 @@ def target_context_features(
     return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)
 
 
+def compile_decoder_layers(target: torch.nn.Module) -> int:
+    """torch.compile every decoder layer of the target (static shapes), fusing its norms, RoPE and
+    SiLU into the matmuls' neighbours. Layers share one compiled graph (their parameters are
+    inputs, not constants). Only for a fixed set of shapes warmed on one thread before workers
+    start (trainer.pipeline.compile_safety); returns the number of layers wrapped."""
+    layers = base_model(target).layers
+    for layer in layers:
+        if not getattr(layer, "_dflash_compiled", False):
+            layer.compile(dynamic=False)
+            layer._dflash_compiled = True
+    return len(layers)
+
+
 class FrozenHead(torch.nn.Module):
     """The target's input embedding and LM head, frozen, on the drafter's device."""
 

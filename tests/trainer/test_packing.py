@@ -213,3 +213,23 @@ def test_anchor_density_per_row_and_warmup_batch():
     assert anchors_for_row(512, 3072, 3072, 16) == 512
     b = warmup_packed_batch(2, 1024, VOCAB, torch.Generator().manual_seed(0))
     assert b.input_ids.shape == (2, 1024) and b.documents > 2
+
+
+def test_target_features_through_the_flex_block_mask_equal_the_dense_path(tiny):
+    """The CUDA path (a BlockMask handed to the target's attention) computes what the dense mask does."""
+    target, _, _, layer_ids = tiny
+    from trainer.target import base_model
+
+    ds = torch.stack([doc_start_of([100, 90, 50], 256), doc_start_of([256], 256)])
+    ids = torch.randint(0, 90, (2, 256), generator=torch.Generator().manual_seed(2))
+    dense = target_context_features(target, ids, None, layer_ids, ds)
+    model = base_model(target)
+    bm = document_causal_block_mask(ds)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask={"full_attention": bm}, position_ids=positions_of(ds),
+                       output_hidden_states=True, use_cache=False).hidden_states
+    flex = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
+    assert torch.allclose(flex, dense, atol=1e-5)
+    # and plain calls (no BlockMask) still reach SDPA unchanged
+    alone = target_context_features(target, ids[:1, :100], torch.ones(1, 100, dtype=torch.long), layer_ids)
+    assert torch.allclose(alone, dense[:1, :100], atol=1e-5)

@@ -18,11 +18,11 @@ from trainer.loop import Trainer, autocast_for
 from trainer.masks import prepare_blocks
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.packing import row_anchors, warmup_packed_batch
-from trainer.target import FrozenHead, target_context_features
+from trainer.target import FrozenHead, compile_decoder_layers
 
 from .compile_safety import CompileGuard
 from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
-from .features import allocate_slots
+from .features import allocate_slots, pack_context_features
 from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
@@ -100,32 +100,41 @@ class ThreadedTrainer(Trainer):
             mode = cfg.pipeline.pad_to_warm_shapes
             self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
         self.anchors = row_anchors(cfg.data, cfg.model.block_size)
+        if cfg.model.compile_target and all(is_cuda(d) for d in self.target_devices):
+            for target in dict.fromkeys(self.targets):
+                compile_decoder_layers(target)
         shapes = self.warm.shapes()
         self.guard = CompileGuard()
         self.rd.update(state="warmup")
         began = time.time()
         gen = torch.Generator().manual_seed(12345)
         layer_ids = c.drafter.config.target_layer_ids
+
+        def inputs(shape):
+            b, seq = shape
+            if self.packed:  # documents and boundaries like the real rows, through the packed paths
+                batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
+                return batch.input_ids, batch.doc_start, batch.loss_mask
+            ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
+            return ids, None, torch.ones_like(ids, dtype=torch.bool)
+
+        def features(t, ids, doc_start):
+            """The target worker's own call (same mask path), so a compiled target meets nothing new."""
+            tdev = self.target_devices[t]
+            with torch.inference_mode():
+                return pack_context_features(self.targets[t], ids.to(tdev), None, layer_ids, None,
+                                             None if doc_start is None else doc_start.to(tdev))
+
+        for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
+            if self.target_devices[t] not in self.target_devices[:t]:
+                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes,
+                                   lambda shape, t=t: features(t, *inputs(shape)[:2]))
         for rank, device in enumerate(self.drafter_devices):
             def step(shape, rank=rank, device=device):
-                b, seq = shape
-                tdev = self.target_devices[0]
-                if self.packed:  # documents and boundaries like the real rows, through the packed paths
-                    batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
-                    ids, doc_start, loss_mask = batch.input_ids, batch.doc_start, batch.loss_mask
-                else:
-                    ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
-                    doc_start, loss_mask = None, torch.ones_like(ids, dtype=torch.bool)
+                ids, doc_start, loss_mask = inputs(shape)
                 blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
                                         c.drafter.config.mask_token_id, gen, doc_start).to(device)
-                with torch.inference_mode():
-                    if self.packed:
-                        feats = target_context_features(self.targets[0], ids.to(tdev), None, layer_ids,
-                                                        doc_start.to(tdev))
-                    else:
-                        feats = target_context_features(self.targets[0], ids.to(tdev), torch.ones_like(ids).to(tdev),
-                                                        layer_ids)
-                feats = feats.clone().to(device)
+                feats = features(0, ids, doc_start).clone().to(device)
                 with autocast_for(str(device), cfg.model.dtype):
                     from trainer.objective import drafter_loss_sums
 

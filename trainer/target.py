@@ -176,6 +176,14 @@ def compile_decoder_layers(target: torch.nn.Module) -> int:
     return len(layers)
 
 
+def uncompile_decoder_layers(target: torch.nn.Module) -> None:
+    """Undo `compile_decoder_layers` (evaluation and drafting meet a new length at every call)."""
+    for layer in base_model(target).layers:
+        if getattr(layer, "_dflash_compiled", False):
+            layer._compiled_call_impl = None
+            layer._dflash_compiled = False
+
+
 class FrozenHead(torch.nn.Module):
     """The target's input embedding and LM head, frozen, on the drafter's device."""
 

@@ -233,3 +233,47 @@ def test_target_features_through_the_flex_block_mask_equal_the_dense_path(tiny):
     # and plain calls (no BlockMask) still reach SDPA unchanged
     alone = target_context_features(target, ids[:1, :100], torch.ones(1, 100, dtype=torch.long), layer_ids)
     assert torch.allclose(alone, dense[:1, :100], atol=1e-5)
+
+
+def test_flop_counts_of_real_tokens_never_exceed_what_was_computed(tiny):
+    from trainer.pipeline.flops import drafter_step_flops, micro_batch_flops, target_forward_flops
+
+    target, _, drafter, _ = tiny
+    bs = drafter.config.block_size
+    g = torch.Generator().manual_seed(0)
+    # a bucketed batch: two short sequences padded to (3, 64)
+    attn = torch.zeros(3, 64, dtype=torch.long)
+    attn[0, :20], attn[1, :33] = 1, 1
+    ids = torch.randint(0, 90, (3, 64), generator=g)
+    blocks = prepare_blocks(ids, attn.bool(), 8, bs, 7.0, MASK_ID, g)
+    counts = micro_batch_flops(target.config, drafter.config, attn, None, blocks)
+    assert counts["tokens_real"] == 53 and counts["tokens_padded"] == 192
+    assert counts["target_padded"] == target_forward_flops(target.config, 3, 64)
+    assert 0 < counts["target_real"] < counts["target_padded"] / 2
+    assert 0 < counts["drafter_real"] < counts["drafter_padded"]  # the empty third row's blocks are padding
+    # a full unpadded row whose every anchor is valid: both counts agree, and match the formula's scale
+    full = torch.ones(1, 64, dtype=torch.long)
+    blocks = prepare_blocks(ids[:1], full.bool(), 8, bs, 7.0, MASK_ID, g)
+    counts = micro_batch_flops(target.config, drafter.config, full, None, blocks)
+    assert counts["target_real"] == counts["target_padded"]
+    assert counts["drafter_real"] == counts["drafter_padded"]
+    assert abs(counts["drafter_real"] / drafter_step_flops(drafter.config, 1, 64, 8) - 1) < 0.05
+    # a packed row: attention only inside documents, so less than one causal sequence of the row
+    ds = doc_start_of([20, 30, 10], 64)[None]
+    row = (torch.arange(64) < 60).long()[None]
+    blocks = prepare_blocks(ids[:1], row.bool(), 16, bs, 7.0, MASK_ID, g, ds)
+    counts = micro_batch_flops(target.config, drafter.config, row, ds, blocks)
+    assert counts["target_real"] < counts["target_padded"] < target_forward_flops(target.config, 1, 64)
+
+
+def test_compiled_target_layers_can_be_returned_to_eager(tiny):
+    from trainer.target import base_model, compile_decoder_layers, uncompile_decoder_layers
+
+    target, _, _, layer_ids = tiny
+    ids = torch.randint(0, 90, (1, 12))
+    before = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    assert compile_decoder_layers(target) == len(base_model(target).layers)
+    assert all(layer._compiled_call_impl is not None for layer in base_model(target).layers)
+    uncompile_decoder_layers(target)
+    assert all(layer._compiled_call_impl is None for layer in base_model(target).layers)
+    assert torch.equal(target_context_features(target, ids, torch.ones_like(ids), layer_ids), before)

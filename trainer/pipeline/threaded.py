@@ -18,7 +18,7 @@ from trainer.loop import Trainer, autocast_for
 from trainer.masks import prepare_blocks
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.packing import row_anchors, warmup_packed_batch
-from trainer.target import FrozenHead, compile_decoder_layers
+from trainer.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 
 from .compile_safety import CompileGuard
 from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
@@ -288,11 +288,13 @@ class ThreadedTrainer(Trainer):
                 total[key] += value
         return total
 
-    def _write_window(self, w: dict, since: tuple[int, float]) -> tuple[int, float]:
+    def _write_window(self, w: dict, since: tuple) -> tuple:
+        """since: (step, host time, GPU time or None) where the window starts. A window is timed
+        on the GPU's clock when both its ends have one (every window after the first on CUDA)."""
         cfg = self.cfg
-        step, now = int(w["step"]), w["time"]
-        prev_step, prev_time = since
-        seconds = max(now - prev_time, 1e-9)
+        step, now, gpu_now = int(w["step"]), w["time"], w.get("gpu_time")
+        prev_step, prev_time, prev_gpu = since
+        seconds = max((gpu_now - prev_gpu) if gpu_now is not None and prev_gpu is not None else now - prev_time, 1e-9)
         tokens = sum(self.step_tokens.get(s, 0) for s in range(prev_step, step))
         counts = self._window_counts(prev_step, step)
         weight = max(w["weight_sum"], 1e-6)
@@ -327,7 +329,7 @@ class ThreadedTrainer(Trainer):
         self.rd.log(f"step {step}/{cfg.optim.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                     f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} "
                     f"pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}")
-        return step, now
+        return step, now, gpu_now
 
     # ------------------------------------------------------------------ the run
     def train_steps(self) -> str | None:
@@ -336,7 +338,7 @@ class ThreadedTrainer(Trainer):
         threads = self._build_pipeline()
         writer = threading.Thread(target=self._write_checkpoints, name="checkpoint-writer", daemon=True)
         writer.start()
-        since = (self.step, time.time())
+        since = (self.step, time.time(), None)
         for t in threads:
             t.start()
         try:
@@ -354,6 +356,8 @@ class ThreadedTrainer(Trainer):
             self.writer_q.put(None)
             writer.join()
             self.guard.unfreeze()
+            for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
+                uncompile_decoder_layers(target)
         if self.stop.error is not None:
             raise PipelineFailed(self.stop.error)
         return self.stop.reason

@@ -273,6 +273,11 @@ def _flex_fn(device_type: str):
     global _compiled_flex
     if device_type == "cpu":
         return flex_attention  # eager: compiled flex on CPU is inference-only
+    if torch.compiler.is_compiling():
+        # Traced inside a compiled region (model.compile_target): Dynamo fuses flex_attention into
+        # that graph itself. Never create or cache here: under tracing torch.compile(fn) returns
+        # fn, and the cache would keep the raw, unfused flex_attention for every later caller.
+        return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex

@@ -277,3 +277,20 @@ def test_compiled_target_layers_can_be_returned_to_eager(tiny):
     uncompile_decoder_layers(target)
     assert all(layer._compiled_call_impl is None for layer in base_model(target).layers)
     assert torch.equal(target_context_features(target, ids, torch.ones_like(ids), layer_ids), before)
+
+
+def test_flex_traced_inside_a_compiled_layer_leaves_the_cached_compiled_flex_alone(monkeypatch):
+    """A compiled target layer traces _flex_fn; that must not cache anything in its place: on an H200
+    the trace stored the raw flex_attention as the 'compiled' one, and the drafter then ran flex's
+    unfused math path (a 78 GiB score matrix, OOM) in a fresh process with model.compile_target."""
+    from trainer import masks
+
+    monkeypatch.setattr(masks, "_compiled_flex", None)
+
+    @torch.compile(backend="eager", fullgraph=False)
+    def layer(x):
+        masks._flex_fn("cuda")
+        return x + 1
+
+    assert torch.equal(layer(torch.ones(2)), torch.full((2,), 2.0))
+    assert masks._compiled_flex is None

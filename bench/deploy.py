@@ -108,7 +108,7 @@ def main() -> int:
             container.transport.close()
     finally:
         if node is not None:
-            node.stop()
+            node.close()
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -96,7 +96,7 @@ def main() -> None:
                   f"median {statistics.median(fresh_true) / statistics.median(fabric_true):.2f}x")
             transport.close()
         finally:
-            node.stop()
+            node.close()
 
 
 if __name__ == "__main__":

@@ -76,8 +76,11 @@ def inventory_for(work: Path, gpus: list[int]) -> tuple[Path, str]:
         doc = yaml.safe_load(node.inventory.read_text())
         how = f"real OpenSSH sshd on 127.0.0.1:{node.port} in front of the pct stand-in"
     else:
-        doc = {"nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(work / "sim")}},
-               "targets": {"host200": {"node": "sim", "ctid": 200, "base_dir": str(work / "ct200" / "opt" / "dflash")}}}
+        # sim_containers: CT 200 is `pct create`d on first use, with its own python (not on pct's PATH)
+        doc = {"nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(work / "sim"),
+                                 "sim_containers": [200]}},
+               "targets": {"host200": {"node": "sim", "ctid": 200, "base_dir": str(work / "ct200" / "opt" / "dflash"),
+                                       "python": str(work / "sim" / "ct" / "200" / "usr" / "bin" / "python3")}}}
         how = f"simulated node over the local transport (sshd tier unavailable: {reason})"
     doc["targets"]["host200"]["gpus"] = gpus
     path = work / "inventory.yaml"

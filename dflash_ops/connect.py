@@ -31,7 +31,31 @@ def transport_for(node: Node) -> Transport:
 
 def open_container(inventory: Inventory, target_name: str) -> Container:
     target = inventory.target(target_name)
-    return Container(target, transport_for(target.node))
+    container = Container(target, transport_for(target.node))
+    if target.node.sim_root and target.ctid in target.node.sim_containers:
+        _create_sim_container(container)
+    return container
+
+
+def _create_sim_container(container: Container) -> None:
+    """First use of a simulated node's listed container: `pct create` it, as an admin would.
+
+    Only the ctids the node lists under `sim_containers` (the embedded default's 200): any
+    other ctid gets pct's "does not exist", as on a real node.
+    """
+    from dflash_ops.errors import TransportError
+    from dflash_ops.render import node_command
+    from dflash_ops.simnode.containers import create_argv, is_created
+
+    target = container.target
+    sim_root = target.node.sim_root
+    assert sim_root is not None
+    with _lock:
+        if is_created(sim_root, target.ctid):
+            return
+        result = container.transport.run(node_command(create_argv(target.node.pct, target.ctid, hostname=target.name)))
+        if not is_created(sim_root, target.ctid):
+            raise TransportError(f"creating simulated CT {target.ctid} failed: {result.stderr.strip()[-500:]}")
 
 
 connect = open_container

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import sys
 import tarfile
+import threading
 import tempfile
 import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
@@ -21,11 +24,36 @@ _HELPER_MISSING = b"dflash-ops: helper not installed\n"
 _HELPER_MISSING_STATUS = 127
 
 
+CONFIG_LOCK_ATTEMPTS = 3
+# pve-common src/PVE/Tools.pm lock_file_full, for pve-config-VMID.lock (PVE::LXC::Config).
+_CONFIG_LOCKED = re.compile(r"can't lock file '[^']*/pve-config-\d+\.lock' - got timeout")
+_config_locks: dict[tuple[str, int], threading.Lock] = {}
+_config_locks_guard = threading.Lock()
+
+
+def _config_lock_for(target: Target) -> threading.Lock:
+    with _config_locks_guard:
+        return _config_locks.setdefault((target.node.name, target.ctid), threading.Lock())
+
+
+def _config_locked(result: Result) -> bool:
+    return not result.ok and _CONFIG_LOCKED.search(result.stderr) is not None
+
+
+def _stderr_notice(text: str) -> None:
+    sys.stderr.write(f"dflash-ops: {text}\n")
+
+
+class ConfigLocked(TransferError):
+    """pct push/pull kept failing because another task held the container's config lock."""
+
+
 class Container:
     def __init__(self, target: Target, transport: Transport):
         self._target = target
         self.transport = transport
         self._installed_helpers: set[str] = set()
+        self.notice: Callable[[str], None] = _stderr_notice  # what ops tells the user while it works
 
     @property
     def target(self) -> Target:
@@ -66,40 +94,76 @@ class Container:
         """Copy a local file to `remote` in the container (parent must exist), verified by sha256."""
         _require_absolute(remote)
         want = sha256_file(Path(local))
-        node_tmp = _node_temp_path()
-        self.transport.put(Path(local), node_tmp)
-        result = self.transport.run(
-            render.node_sequence(
-                self._pct("push", node_tmp, remote),
-                self._pct("exec", "--", "sha256sum", "--", remote),
-                always=["rm", "-f", node_tmp],
-            ).command
-        )
+
+        def attempt() -> Result:
+            node_tmp = _node_temp_path()
+            self.transport.put(Path(local), node_tmp)
+            return self.transport.run(
+                render.node_sequence(
+                    self._pct("push", node_tmp, remote),
+                    self._pct("exec", "--", "sha256sum", "--", remote),
+                    always=["rm", "-f", node_tmp],
+                ).command
+            )
+
+        result = self._holding_config_lock(f"push {remote}", attempt)
         got = _parse_sha256(result)
         if got != want:
             raise TransferError(f"push {local} -> {self._target.name}:{remote} failed: {_why(result, want, got)}")
 
     def pull(self, remote: str, local: Path) -> None:
-        """Copy `remote` from the container to a local file, verified by sha256."""
+        """Copy `remote` from the container to a local file, verified by sha256.
+
+        The node-side copy goes into a directory of the login user's own (mode 700): with
+        `sudo pct`, pct writes it as root, and only in a directory the login owns can the
+        login's cleanup delete a root-owned file (in /tmp's sticky directory it cannot, and
+        the copy leaked). --perms 644 lets the login read it there; nobody else can enter.
+        """
         _require_absolute(remote)
-        node_tmp = _node_temp_path()
-        try:
-            result = self.transport.run(
+        node_dir = _node_temp_path()
+        node_tmp = f"{node_dir}/pulled"
+
+        def attempt() -> Result:
+            return self.transport.run(
                 render.node_sequence(
-                    self._pct("pull", remote, node_tmp),
+                    ["mkdir", "-p", "-m", "700", "--", node_dir],
+                    self._pct("pull", remote, node_tmp, "--perms", "644"),
                     self._pct("exec", "--", "sha256sum", "--", remote),
                 ).command
             )
+
+        try:
+            result = self._holding_config_lock(f"pull {remote}", attempt)
             want = _parse_sha256(result)
             if want is None:
                 raise TransferError(f"pull {self._target.name}:{remote} failed: {_why(result, None, None)}")
             self.transport.get(node_tmp, Path(local))
         finally:
-            self.transport.run(render.node_command(["rm", "-f", node_tmp]))
+            self.transport.run(render.node_command(["rm", "-rf", "--", node_dir]))
         got = sha256_file(Path(local))
         if got != want:
             Path(local).unlink(missing_ok=True)
             raise TransferError(f"pull {self._target.name}:{remote} -> {local}: checksum mismatch")
+
+    def _holding_config_lock(self, what: str, attempt: Callable[[], Result]) -> Result:
+        """Run a pct push/pull `attempt`, one at a time per container from this process.
+
+        pct push/pull hold the container's config lock for the whole copy and a second one
+        waits 10 s, then fails ("can't lock file ... - got timeout"). Ours are serialised here,
+        so a timeout means another task on the node holds the lock (a backup, a `pct set`, an
+        operator's own pct push): say so, and try again, CONFIG_LOCK_ATTEMPTS times in all.
+        """
+        with _config_lock_for(self._target):
+            for n in range(1, CONFIG_LOCK_ATTEMPTS + 1):
+                result = attempt()
+                if not _config_locked(result):
+                    return result
+                if n < CONFIG_LOCK_ATTEMPTS:
+                    self.notice(f"{self._target.name}: {what}: CT {self._target.ctid}'s config is locked by "
+                                f"another task on node {self._target.node.name!r}; retrying ({n}/{CONFIG_LOCK_ATTEMPTS})")
+        raise ConfigLocked(f"{what} on {self._target.name}: CT {self._target.ctid}'s config stayed locked by another "
+                           f"task on node {self._target.node.name!r} ({CONFIG_LOCK_ATTEMPTS} tries, pct waits 10 s "
+                           f"each): {_why(result, None, None)}")
 
     def push_tree(self, local_dir: Path, remote_dir: str, files: list[str] | None = None) -> int:
         """Send a tree (or the listed relative files) as one tar stream; returns bytes sent."""

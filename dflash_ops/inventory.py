@@ -50,6 +50,8 @@ class Node:
     connect_timeout: float = 10.0
     keepalive: int = 15
     sim_root: str | None = None  # local nodes running the stand-in: its state directory
+    # simulated nodes: containers created (like an admin's `pct create`) on first use
+    sim_containers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ _MarkedLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 _NODE_KEYS = {
     "transport", "address", "port", "user", "identity_file", "known_hosts",
-    "strict_host_key_checking", "pct", "connect_timeout", "keepalive", "sim_root",
+    "strict_host_key_checking", "pct", "connect_timeout", "keepalive", "sim_root", "sim_containers",
 }
 _TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus", "extra_paths", "venv", "keep_releases"}
 _VENV_KEYS = {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
@@ -205,8 +207,13 @@ class _Parser:
             raise self.fail(at("transport"), f"{what}: transport must be 'ssh' or 'local', got {transport!r}")
         if transport == "ssh" and "address" not in m:
             raise self.fail(m.line, f"{what}: missing required key 'address' (ssh nodes)")
-        if transport == "ssh" and "sim_root" in m:
-            raise self.fail(at("sim_root"), f"{what}: 'sim_root' only applies to local nodes")
+        for key in ("sim_root", "sim_containers"):
+            if key in m and m.get("pct") != SIMULATED:
+                raise self.fail(at(key), f"{what}: '{key}' only applies to nodes with pct: simulated")
+        sim_containers = m.get("sim_containers", [])
+        if not isinstance(sim_containers, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and 100 <= c <= 999_999_999 for c in sim_containers):
+            raise self.fail(at("sim_containers"), f"{what}: sim_containers must be a list of ctids, got {sim_containers!r}")
         if "port" in m and (not isinstance(m["port"], int) or isinstance(m["port"], bool)
                             or not 1 <= m["port"] <= 65535):
             raise self.fail(at("port"), f"{what}: port must be an integer from 1 to 65535, got {m['port']!r}")
@@ -250,6 +257,7 @@ class _Parser:
             connect_timeout=float(m.get("connect_timeout", 10.0)),
             keepalive=int(m.get("keepalive", 15)),
             sim_root=sim_root,
+            sim_containers=tuple(sim_containers),
         )
 
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
@@ -276,6 +284,8 @@ class _Parser:
         python = m.get("python", "python3")
         if not isinstance(python, str) or not python:
             raise self.fail(at("python"), f"{what}: python must be a command name or path")
+        if node.transport == "local":
+            python = os.path.expanduser(python)
         gpus = m.get("gpus", [])
         if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
             raise self.fail(at("gpus"), f"{what}: gpus must be a list of GPU indices, got {gpus!r}")

@@ -13,17 +13,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd
+from dflash_ops.simnode import containers as simct
+from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd, sudo_login_unavailable_reason
 
 
-def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,)) -> Path:
-    """An inventory whose node is the pct stand-in with its state under `directory`."""
+def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
+                        python: str | None = None, packages: tuple[str, ...] | None = None) -> Path:
+    """An inventory whose node is the pct stand-in with its state under `directory`.
+
+    Each ctid is `pct create`d (running, with its own python: `python` as base interpreter,
+    `packages` provisioned, default the trainer's) unless `create` is false; the targets name
+    that python, as an inventory for a container whose python is off pct's PATH must.
+    """
     directory.mkdir(parents=True, exist_ok=True)
+    sim_root = directory / "sim"
+    for ctid in ctids if create else ():
+        if not simct.is_created(sim_root, ctid):
+            simct.create(sim_root, ctid, python=python, packages=packages, hostname=f"host{ctid}")
     path = directory / "inventory.yaml"
     path.write_text(yaml.safe_dump({
-        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(directory / "sim")}},
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root)}},
         "targets": {
-            f"host{ctid}": {"node": "sim", "ctid": ctid, "base_dir": str(directory / f"ct{ctid}" / "opt" / "dflash")}
+            f"host{ctid}": {"node": "sim", "ctid": ctid, "base_dir": str(directory / f"ct{ctid}" / "opt" / "dflash"),
+                            "python": simct.container_python(sim_root, ctid)}
             for ctid in ctids
         },
     }))
@@ -44,4 +56,21 @@ def sshd_node(tmp_path_factory) -> SshdNode:
         pytest.skip(reason)
     node = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield node
-    node.stop()
+    node.close()
+
+
+def unavailable(reason: str | None) -> None:
+    """Skip for `reason`, except under CI=true, where a tier that cannot run is a failure."""
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but this tier cannot run: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def sudo_sshd_node(tmp_path_factory) -> SshdNode:
+    """Like sshd_node, but the login is a throw-away non-root user whose inventory runs `sudo -n pct`."""
+    unavailable(sshd_unavailable_reason() or sudo_login_unavailable_reason())
+    node = start_sshd(tmp_path_factory.mktemp("sshd-sudo"), sudo_login=f"dfo-sudo-{os.getpid()}")
+    yield node
+    node.close()

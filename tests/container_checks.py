@@ -50,12 +50,48 @@ def assert_stopped_container_refuses(container: Container) -> None:
     try:
         result = container.exec(["true"])
         assert result.exit_code == 255
-        assert result.stderr == f"Error: container '{ctid}' not running!\n"
+        # pve-container pct.pm exec (Proxmox dropped the "Error: " prefix this check once pinned)
+        assert result.stderr == f"container '{ctid}' not running!\n"
         status = run(render.node_command(render.pct_argv(pct, "status", ctid)))
         assert status.stdout == "status: stopped\n"
     finally:
         assert run(render.node_command(render.pct_argv(pct, "start", ctid))).ok
     assert container.exec(["true"]).ok
+
+
+def assert_real_exit_codes(container: Container, tmp: Path) -> None:
+    """lxc-attach's statuses: 127 missing command, 126 not executable, 128+N killed by signal N."""
+    missing = container.exec(["no-such-command-xyz"])
+    assert missing.exit_code == 127
+    assert missing.stderr.endswith('No such file or directory - Failed to exec "no-such-command-xyz"\n')
+    assert missing.stderr.startswith(f"lxc-attach: {container.target.ctid}: ")
+    script = container.base_dir + "/not-executable.sh"
+    container.exec(["mkdir", "-p", container.base_dir], check=True)
+    container.exec(["sh", "-c", 'printf "#!/bin/sh\\necho hi\\n" > "$0"; chmod 644 "$0"', script], check=True)
+    not_exec = container.exec([script])
+    assert not_exec.exit_code == 126 and 'Permission denied - Failed to exec' in not_exec.stderr
+    assert container.exec(["sh", "-c", "exit 42"]).exit_code == 42
+    assert container.exec(["sh", "-c", "kill -9 $$"]).exit_code == 137  # a direct child, killed
+    assert container.exec(["sh", "-c", "kill -TERM $$"]).exit_code == 143
+
+
+def assert_container_environment(container: Container) -> None:
+    """pct's PATH exactly, container=lxc, nothing of the operator's venv, the container's python."""
+    env = dict(line.split("=", 1) for line in container.exec(["env"], check=True).stdout.splitlines() if "=" in line)
+    assert env["PATH"] == "/sbin:/bin:/usr/sbin:/usr/bin"
+    assert env["container"] == "lxc"
+    for leaked in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "SSL_CERT_FILE", "PYTEST_CURRENT_TEST"):
+        assert leaked not in env
+    # no signal ignored (the old stand-in passed on Python's ignored SIGPIPE and SIGXFSZ)
+    status = container.exec(["sh", "-c", "grep SigIgn /proc/self/status"], check=True).stdout
+    assert status.split() == ["SigIgn:", "0" * 16]
+    python = container.target.python
+    probe = container.exec([python, "-c", "import sys, json; print(json.dumps([sys.prefix, sys.path]))"], check=True)
+    prefix, path = json.loads(probe.stdout)
+    assert python.startswith(prefix + "/")  # CT_ROOT/usr: the container's own interpreter
+    assert not any("site-packages" in p and not p.startswith(prefix) for p in path)
+    assert not container.exec([python, "-c", "import dflash_ops"]).ok  # the operator's code is not there
+    assert container.exec([python, "-c", "import torch, yaml, safetensors"]).ok  # provisioned
 
 
 def assert_push_pull_verified(container: Container, tmp: Path) -> None:

@@ -15,9 +15,12 @@ pyvenv.cfg names that interpreter's directory, so the venv's python works from a
 the generated bin/ scripts (activate, pip, ...) carry the build path; ops never calls them and
 always runs `<venv>/bin/python -m pip`.
 
-When the container's python is itself a venv, `--system-site-packages` would only expose the
-*base* interpreter's packages, so a .pth file in the new venv adds the parent venv's
-site-packages directories too.
+When the container's python is itself a venv (a conda-style or venv python in the container,
+and the simulated node's), `--system-site-packages` would expose the *base* interpreter's
+packages instead of the ones that python sees: the new venv gets a .pth file with the parent
+venv's site-packages directories, and `--system-site-packages` only when the parent itself
+sees its base's (include-system-site-packages = true). So the venv sees exactly what the
+container's python sees, never more.
 """
 
 from __future__ import annotations
@@ -106,6 +109,17 @@ def parent_site_dirs() -> list[str]:
     return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
 
 
+def base_site_visible() -> bool:
+    """Whether this python sees its base interpreter's site-packages (always, unless a venv)."""
+    if sys.prefix == sys.base_prefix:
+        return True
+    try:
+        base_dirs = site.getsitepackages([sys.base_prefix])
+    except TypeError:  # very old site.py without the prefixes argument
+        return False
+    return any(d in sys.path for d in base_dirs)
+
+
 def find_uv(mode: str) -> str | None:
     if mode == "never":
         return None
@@ -151,12 +165,13 @@ def build(base: str, lock: str, args, stream) -> dict:
                 tar.extract(member, stage)
         requirements = os.path.join(stage, "requirements.txt")
         uv = find_uv(args.uv)
+        system_site = args.system_site_packages and base_site_visible()
         if uv:
             cmd = [uv, "venv", "--python", sys.executable, tmp]
-            run(cmd + ["--system-site-packages"] if args.system_site_packages else cmd)
+            run(cmd + ["--system-site-packages"] if system_site else cmd)
         else:
             cmd = [sys.executable, "-m", "venv", "--without-pip", tmp]
-            run(cmd + ["--system-site-packages"] if args.system_site_packages else cmd)
+            run(cmd + ["--system-site-packages"] if system_site else cmd)
         venv_python = os.path.join(tmp, "bin", "python")
         if args.system_site_packages:
             parents = parent_site_dirs()

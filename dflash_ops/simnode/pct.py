@@ -1,41 +1,74 @@
-"""A stand-in for Proxmox VE's `pct`, with the real syntax, messages and exit codes.
+"""A stand-in for Proxmox VE's `pct`, as strict as a real node where a real node is strict.
 
 Run as `python -m dflash_ops.simnode.pct [--state-root DIR] COMMAND ...` or by file path
 (stdlib only, imports nothing from dflash_ops, so it needs no PYTHONPATH behind sshd).
 
-Implemented: exec, push, pull, status, list, start, stop, destroy. Messages and exit codes
-follow pve-container's src/PVE/CLI/pct.pm (errors from `die` exit 255; push/pull failures
-inside the forked worker are printed and exit 0, as on a real node - verify transfers).
+Implemented: create, exec, push, pull, status, list, start, stop, destroy. Every message and
+exit code below is read from the sources cited next to it (pve-container src/PVE/CLI/pct.pm,
+pve-common src/PVE/{CLIHandler,RESTEnvironment,Tools}.pm, pve-guest-common
+src/PVE/AbstractConfig.pm, lxc src/lxc/{attach.c,tools/lxc_attach.c}). A `die` in pct exits
+255 with its message on stderr; a message without a trailing newline gets Perl's
+" at FILE line N." appended, as on a node.
 
-Simulated containers share this machine's filesystem: there is no chroot, so a target's
-base_dir is a real path here. State lives under the state root (--state-root, else
-$DFLASH_OPS_SIM_ROOT, else ~/.local/state/dflash-ops/sim):
+What is modelled (docs/simulated-node.md says what is not):
 
-    ROOT/lxc/<vmid>.conf        "status: running" or "status: stopped"
-    ROOT/lxc/<vmid>.destroyed   tombstone left by `pct destroy`
-    ROOT/bin/python3            wrapper exec'ing this stand-in's own interpreter
+* containers exist only once created (`pct create`); anything else gets pct's messages;
+* `pct exec` runs ARGV with exactly the environment pct hands lxc-attach: the caller's
+  (keep-env, pct's default) less SSL_CERT_FILE/SSL_CERT_DIR, PATH=/sbin:/bin:/usr/sbin:/usr/bin,
+  plus container=lxc; a missing command exits 127, a non-executable one 126, a signal 128+N;
+* each container has its own python: CT_ROOT/usr/bin/python3, a real interpreter that sees
+  only the standard library and the packages its create step provisioned (the stand-in for
+  `apt install python3-torch`), none of the operator's venv. It is not on pct's PATH (there
+  is no chroot), so an inventory names it by its absolute path;
+* push, pull, start, stop, create and destroy hold the container's config lock for the whole
+  task; a second one waits 10 s, then fails like pct;
+* `please run as root`: the simulated node's root is the owner of its state root (root for the
+  sshd tier, the operator for the embedded default), so a non-root login must use `sudo pct`.
 
-Every VMID exists, running, on first use unless it was destroyed. `exec` gives the process
-PATH=ROOT/bin:/sbin:/bin:/usr/sbin:/usr/bin plus the caller's environment (pct keeps the
-SSH session's environment), so `python3` in a simulated container is the interpreter (and
-venv) running the stand-in. ROOT/bin/python3 is a wrapper script, not a symlink, because a
-symlink to a venv's python loses the venv.
+State lives under the state root (--state-root, else $DFLASH_OPS_SIM_ROOT, else
+~/.local/state/dflash-ops/sim):
+
+    ROOT/lxc/<vmid>.conf        the container's config (created by `pct create`)
+    ROOT/lxc/<vmid>.state       "running" or "stopped"
+    ROOT/lock/pve-config-<vmid>.lock   the config lock (flock), /run/lock/lxc/... on a node
+    ROOT/ct/<vmid>/             the container's own files: usr/bin/python3 and its site-packages
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
-import shlex
+import re
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
+# pve-common src/PVE/CLIHandler.pm run_cli_handler: `$ENV{'PATH'} = '/sbin:/bin:/usr/sbin:/usr/bin';`
+# before any command runs; `pct exec` then calls lxc-attach --keep-env, which keeps it.
 CONTAINER_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
+# lxc src/lxc/attach.c lxc_attach_set_environment: with --clear-env, PATH is reset to this.
+LXC_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# pve-container src/PVE/CLI/pct.pm clean_environment: deleted before lxc-attach.
+DROPPED_ENV = ("SSL_CERT_FILE", "SSL_CERT_DIR")
+# pve-guest-common src/PVE/AbstractConfig.pm lock_config: lock_config_full($vmid, 10, ...).
+LOCK_TIMEOUT = 10.0
+PCT_PM = "/usr/share/perl5/PVE/CLI/pct.pm"
 USAGE = "USAGE: pct <COMMAND> [ARGS] [OPTIONS]"
+# The packages `pct create --sim-packages` provisions by default: what the bundled trainer
+# imports (trainer/requirements.txt), with everything they require.
+DEFAULT_SIM_PACKAGES = ("torch", "transformers", "safetensors", "pyyaml")
 
 
 class PctError(Exception):
-    """A `die` in pct.pm: message on stderr, exit status 255."""
+    """A `die` in pct: message on stderr, exit status 255 (Perl's exit for an uncaught die)."""
+
+
+def perl_die(message: str, line: int) -> PctError:
+    """A die without a trailing newline: Perl appends where it died."""
+    return PctError(f"{message} at {PCT_PM} line {line}.\n")
 
 
 class Node:
@@ -43,45 +76,104 @@ class Node:
         self.root = root
         self.lxc = root / "lxc"
 
+    def nodename(self) -> str:
+        return socket.gethostname().split(".")[0]
+
     def conf(self, vmid: str) -> Path:
         return self.lxc / f"{vmid}.conf"
 
-    def ensure(self, vmid: str) -> None:
-        if not vmid.isdigit() or not 100 <= int(vmid) <= 999_999_999:
-            raise PctError(
-                "400 Parameter verification failed.\n"
-                "vmid: invalid format - value does not look like a valid VM ID\n"
-            )
-        if (self.lxc / f"{vmid}.destroyed").exists():
-            nodename = socket.gethostname().split(".")[0]
-            raise PctError(f"Configuration file 'nodes/{nodename}/lxc/{vmid}.conf' does not exist\n")
-        if not self.conf(vmid).exists():
-            self.set_status(vmid, "running")
+    def ct_root(self, vmid: str) -> Path:
+        return self.root / "ct" / vmid
 
-    def status(self, vmid: str) -> str:
-        self.ensure(vmid)
-        return self.conf(vmid).read_text().split(":", 1)[1].strip()
+    def exists(self, vmid: str) -> bool:
+        # A config from before `pct create` existed (one "status:" line) is not a container.
+        try:
+            return "\nrootfs: " in "\n" + self.conf(vmid).read_text()
+        except OSError:
+            return False
 
-    def set_status(self, vmid: str, status: str) -> None:
-        self.lxc.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.conf(vmid), f"status: {status}\n")
+    def load_config(self, vmid: str) -> str:
+        check_vmid(vmid)
+        if not self.exists(vmid):
+            # pve-guest-common src/PVE/AbstractConfig.pm load_config
+            raise PctError(f"Configuration file 'nodes/{self.nodename()}/lxc/{vmid}.conf' does not exist\n")
+        return self.conf(vmid).read_text()
+
+    def running(self, vmid: str) -> bool:
+        """PVE::LXC::check_running: false for a container that does not exist."""
+        if not self.exists(vmid):
+            return False
+        try:
+            return (self.lxc / f"{vmid}.state").read_text().strip() == "running"
+        except OSError:
+            return False
+
+    def set_state(self, vmid: str, state: str) -> None:
+        _write_atomically(self.lxc / f"{vmid}.state", state + "\n")
 
     def vmids(self) -> list[str]:
         if not self.lxc.is_dir():
             return []
-        return sorted((p.stem for p in self.lxc.glob("*.conf")), key=int)
+        return sorted((p.stem for p in self.lxc.glob("*.conf") if self.exists(p.stem)), key=int)
 
-    def python_dir(self) -> Path:
-        bin_dir = self.root / "bin"
-        wrapper = bin_dir / "python3"
-        text = f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n"
-        if not wrapper.exists() or wrapper.read_text() != text:
-            bin_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomically(wrapper, text, mode=0o755)
-        return bin_dir
+    def lock(self, vmid: str) -> "ConfigLock":
+        return ConfigLock(self.root / "lock" / f"pve-config-{vmid}.lock", vmid)
+
+
+class ConfigLock:
+    """PVE::AbstractConfig::lock_config -> PVE::Tools::lock_file_full with a 10 s timeout.
+
+    pve-common src/PVE/Tools.pm lock_file_full: a failed non-blocking flock prints
+    "trying to acquire lock..." on stderr, then waits; the alarm of run_with_timeout ends the
+    wait with "got timeout", reported as "can't lock file '<file>' - got timeout". The message
+    names the node's lock file; ours lives under ROOT/lock.
+    """
+
+    def __init__(self, path: Path, vmid: str):
+        self.path = path
+        self.vmid = vmid
+        self.fd = -1
+
+    def __enter__(self) -> "ConfigLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return self
+        except BlockingIOError:
+            pass
+        sys.stderr.write("trying to acquire lock...\n")
+        sys.stderr.flush()
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                sys.stderr.write(" OK\n")
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    self.fd = -1
+                    raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{self.vmid}.lock' - got timeout\n")
+                time.sleep(0.05)
+
+    def __exit__(self, *exc) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = -1
+
+
+def check_vmid(vmid: str) -> None:
+    # pve-common src/PVE/JSONSchema.pm pve-vmid format, reported by the CLI handler.
+    if not vmid.isdigit() or not 100 <= int(vmid) <= 999_999_999:
+        raise PctError(
+            "400 Parameter verification failed.\n"
+            "vmid: invalid format - value does not look like a valid VM ID\n"
+        )
 
 
 def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.chmod(tmp, mode)
@@ -119,38 +211,81 @@ def need(positional: list[str], names: list[str], command: str) -> list[str]:
     return positional
 
 
+def _boolean(options: dict[str, str], name: str, default: bool) -> bool:
+    value = options.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise PctError(f"400 Parameter verification failed.\n{name}: type check ('boolean') failed - got '{value}'\n")
+
+
+def container_env(keep_env: bool) -> dict[str, str]:
+    """The environment lxc-attach gives the command (pct.pm exec + lxc attach.c)."""
+    if keep_env:
+        env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+        env["PATH"] = CONTAINER_PATH
+    else:
+        env = {"PATH": LXC_DEFAULT_PATH}
+    env["container"] = "lxc"  # attach.c: putenv("container=lxc"), always
+    return env
+
+
 def cmd_exec(node: Node, words: list[str]) -> int:
     if "--" in words:
         cut = words.index("--")
-        before, argv = words[:cut], words[cut + 1 :]
-        positional, _ = split_options(before, {"keep-env"})
+        positional, opts = split_options(words[:cut], {"keep-env"})
+        argv = words[cut + 1 :]
     else:
-        positional, _ = split_options(words, {"keep-env"})
+        positional, opts = split_options(words, {"keep-env"})
         positional, argv = positional[:1], positional[1:]
-    (vmid,) = need(positional, ["vmid"], "exec") if positional else need([], ["vmid"], "exec")
-    node.ensure(vmid)
-    if node.status(vmid) != "running":
-        raise PctError(f"Error: container '{vmid}' not running!\n")
+    (vmid,) = need(positional[:1], ["vmid"], "exec")
+    keep_env = _boolean(opts, "keep-env", True)  # pct.pm: default 1 until PVE 9
+    node.load_config(vmid)  # pct.pm exec: "test if container exists on this node"
+    if not node.running(vmid):
+        raise PctError(f"container '{vmid}' not running!\n")  # pct.pm exec
     if not argv:
-        raise PctError("missing command\n")
-    env = dict(os.environ)
-    env["PATH"] = f"{node.python_dir()}:{CONTAINER_PATH}"
+        raise perl_die("missing command", 246)  # pct.pm exec: die "missing command" (no "\n")
+    return attach(vmid, argv, container_env(keep_env))
+
+
+def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
+    """lxc-attach: run argv in a child, wait, exit with its status or 128+signal."""
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        os.execvpe(argv[0], argv, env)
-    except OSError as e:
-        sys.stderr.write(
-            f"lxc-attach: {vmid}: attach.c: lxc_attach_run_command: {e.strerror} - Failed to exec \"{argv[0]}\"\n"
-        )
-        return 255
-    return 0  # not reached
+    pid = os.fork()
+    if pid == 0:
+        try:
+            # Python ignores SIGPIPE and SIGXFSZ and exec keeps ignored signals; lxc-attach (C)
+            # hands the command default dispositions (`yes | head` must end by SIGPIPE).
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            # lxc src/lxc/attach.c lxc_attach_run_command: EACCES/ENOEXEC -> 126, ENOENT -> 127,
+            # anything else returns -1 (exit status 255); the error is logged as below.
+            code = {errno.EACCES: 126, errno.ENOEXEC: 126, errno.ENOENT: 127}.get(e.errno or 0, 255)
+            os.write(2, (f"lxc-attach: {vmid}: ../src/lxc/attach.c: lxc_attach_run_command: 1845 "
+                         f"{os.strerror(e.errno or 0)} - Failed to exec \"{argv[0]}\"\n").encode())
+            os._exit(code)
+        os._exit(255)  # not reached
+    # Keep running while the command does; lxc-attach ignores nothing and forwards nothing
+    # either, but must not die of the signals meant for the foreground command.
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_IGN)
+    _, status = os.waitpid(pid, 0)
+    # lxc src/lxc/tools/lxc_attach.c main: WEXITSTATUS, or WTERMSIG + 128.
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
 
 
 def _create_file(path: str, perms: str | None):
     mode = None
     if perms is not None:
-        text = perms if perms.startswith("0") else "0" + perms
+        text = perms if perms.startswith("0") else "0" + perms  # pct.pm: "assume octal as default"
         try:
             mode = int(text, 16) if text.lower().startswith("0x") else int(text, 8)
         except ValueError:
@@ -161,11 +296,12 @@ def _create_file(path: str, perms: str | None):
     return os.fdopen(fd, "wb")
 
 
-def _copy(src: str, dst: str, opts: dict[str, str]) -> None:
+def _copy(src: str, dst: str, opts: dict[str, str], src_msg: str) -> None:
+    """The forked worker of push/pull: its die is printed, and pct still exits 0 (see below)."""
     try:
         src_file = open(src, "rb")
-    except OSError:
-        sys.stderr.write(f"failed to open {src} for reading\n")
+    except OSError as e:
+        sys.stderr.write(src_msg.format(path=src, error=e.strerror or e))
         return
     with src_file:
         try:
@@ -174,7 +310,10 @@ def _copy(src: str, dst: str, opts: dict[str, str]) -> None:
             sys.stderr.write(f"failed to create file: {dst}: {e.strerror or e}\n")
             return
         with dst_file:
-            while chunk := src_file.read(1 << 20):
+            while True:
+                chunk = src_file.read(1 << 20)
+                if not chunk:
+                    break
                 dst_file.write(chunk)
         if "user" in opts or "group" in opts:
             try:
@@ -183,30 +322,35 @@ def _copy(src: str, dst: str, opts: dict[str, str]) -> None:
                 sys.stderr.write(f"failed to change file owner: {e}\n")
 
 
+# push/pull run their copy in rpcenv->fork_worker; the CLI's worker status does not reach the
+# exit code (pct exits 0 even when the copy failed): callers verify every transfer.
 def cmd_push(node: Node, words: list[str]) -> int:
     positional, opts = split_options(words, {"perms", "user", "group"})
     vmid, src, dst = need(positional, ["vmid", "file", "destination"], "push")
-    node.ensure(vmid)
-    if node.status(vmid) != "running":
-        raise PctError("can only push files to a running CT\n")
-    _copy(src, dst, opts)
+    check_vmid(vmid)
+    with node.lock(vmid):  # pct.pm push: lock_config($vmid, $code) around the whole task
+        if not node.running(vmid):
+            raise PctError("can only push files to a running CT\n")  # pct.pm push
+        _copy(src, dst, opts, "failed to open {path} for reading\n")  # pct.pm push worker
     return 0
 
 
 def cmd_pull(node: Node, words: list[str]) -> int:
     positional, opts = split_options(words, {"perms", "user", "group"})
     vmid, src, dst = need(positional, ["vmid", "path", "destination"], "pull")
-    node.ensure(vmid)
-    if node.status(vmid) != "running":
-        raise PctError("can only pull files from a running VM\n")
-    _copy(src, dst, opts)
+    check_vmid(vmid)
+    with node.lock(vmid):  # pct.pm pull: lock_config($vmid, $code)
+        if not node.running(vmid):
+            raise perl_die("can only pull files from a running VM", 664)  # pct.pm pull, no "\n"
+        _copy(src, dst, opts, "failed to open {path}: {error}\n")  # pct.pm pull worker
     return 0
 
 
 def cmd_status(node: Node, words: list[str]) -> int:
     positional, _ = split_options(words, {"verbose"})
     (vmid,) = need(positional, ["vmid"], "status")
-    print(f"status: {node.status(vmid)}")
+    node.load_config(vmid)
+    print(f"status: {'running' if node.running(vmid) else 'stopped'}")
     return 0
 
 
@@ -217,36 +361,173 @@ def cmd_list(node: Node, words: list[str]) -> int:
         row = "%-10s %-10s %-12s %-20s"
         print(row % ("VMID", "Status", "Lock", "Name"))
         for vmid in vmids:
-            print(row % (vmid, node.status(vmid), "", f"sim{vmid}"))
+            print(row % (vmid, "running" if node.running(vmid) else "stopped", "", _hostname(node, vmid)))
     return 0
+
+
+def _hostname(node: Node, vmid: str) -> str:
+    match = re.search(r"^hostname: (.*)$", node.conf(vmid).read_text(), re.M)
+    return match.group(1) if match else f"CT{vmid}"
 
 
 def cmd_start(node: Node, words: list[str]) -> int:
     (vmid,) = need(words, ["vmid"], "start")
-    if node.status(vmid) == "running":
+    check_vmid(vmid)
+    # pve-container src/PVE/API2/LXC/Status.pm vm_start: checked before taking the lock.
+    if node.running(vmid):
         raise PctError(f"CT {vmid} already running\n")
-    node.set_status(vmid, "running")
+    with node.lock(vmid):
+        node.load_config(vmid)
+        node.set_state(vmid, "running")
     return 0
 
 
 def cmd_stop(node: Node, words: list[str]) -> int:
     (vmid,) = need(words, ["vmid"], "stop")
-    if node.status(vmid) != "running":
-        raise PctError(f"CT {vmid} not running\n")
-    node.set_status(vmid, "stopped")
+    check_vmid(vmid)
+    node.load_config(vmid)
+    if not node.running(vmid):
+        raise PctError(f"CT {vmid} not running\n")  # API2/LXC/Status.pm vm_stop
+    with node.lock(vmid):
+        node.set_state(vmid, "stopped")
     return 0
 
 
 def cmd_destroy(node: Node, words: list[str]) -> int:
     (vmid,) = need(words, ["vmid"], "destroy")
-    if node.status(vmid) == "running":
-        raise PctError(f"unable to destroy CT {vmid} - container is running\n")
-    (node.lxc / f"{vmid}.destroyed").touch()
-    node.conf(vmid).unlink()
+    check_vmid(vmid)
+    with node.lock(vmid):
+        node.load_config(vmid)
+        if node.running(vmid):
+            raise PctError(f"unable to destroy CT {vmid} - container is running\n")
+        node.conf(vmid).unlink()
+        (node.lxc / f"{vmid}.state").unlink(missing_ok=True)
     return 0
 
 
+def cmd_create(node: Node, words: list[str]) -> int:
+    """`pct create VMID OSTEMPLATE [--hostname H] [--start 0|1] [--unprivileged 0|1]`.
+
+    Stand-in options (a real node has `apt install` for these): --sim-python PATH, the base
+    interpreter the container's python3 is made from (default: the one running this
+    stand-in); --sim-packages a,b,c (default: the trainer's packages; "" for none), provisioned
+    into that python's site-packages as links to this interpreter's installed distributions
+    and everything they require.
+    """
+    positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages"})
+    vmid, template = need(positional, ["vmid", "ostemplate"], "create")
+    check_vmid(vmid)
+    with node.lock(vmid):
+        if node.exists(vmid):
+            # pve-container src/PVE/API2/LXC.pm create_vm
+            raise PctError(f"CT {vmid} already exists on node '{node.nodename()}'\n")
+        packages = opts.get("sim-packages")
+        names = list(DEFAULT_SIM_PACKAGES) if packages is None else [p for p in packages.split(",") if p]
+        ct_root = node.ct_root(vmid)
+        python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
+        unprivileged = _boolean(opts, "unprivileged", True)
+        hostname = opts.get("hostname") or f"CT{vmid}"  # API2/LXC.pm: hostname defaults to "CT$vmid"
+        _write_atomically(node.conf(vmid), "".join([
+            "arch: amd64\n",
+            f"hostname: {hostname}\n",
+            "ostype: debian\n",
+            f"rootfs: {ct_root}\n",
+            f"unprivileged: {int(unprivileged)}\n",
+            f"# dflash-ops simulated container from {template}; python: {python}\n",
+        ]))
+        node.set_state(vmid, "stopped")
+        if _boolean(opts, "start", False):
+            node.set_state(vmid, "running")
+    return 0
+
+
+def _base_interpreter() -> str:
+    """The real interpreter behind this one (a venv's python is a link to it)."""
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    return os.path.realpath(base)
+
+
+def provision_python(ct_root: Path, base_python: str, packages: list[str]) -> str:
+    """CT_ROOT/usr/bin/python3: a real interpreter that sees only the stdlib and `packages`.
+
+    It is a venv (prefix CT_ROOT/usr) made by hand from `base_python`, without the base's
+    site-packages; `packages` and everything they require are linked into its site-packages
+    from this interpreter's installed distributions, the way `apt install python3-torch`
+    fills /usr/lib/python3/dist-packages. Nothing of the operator's venv is visible.
+    """
+    import subprocess
+
+    base_python = os.path.realpath(base_python)
+    probe = subprocess.run(
+        [base_python, "-I", "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.prefix)"],
+        capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise PctError(f"sim-python {base_python} does not run: {probe.stderr.strip()}\n")
+    version, _prefix = probe.stdout.split()
+    short = ".".join(version.split(".")[:2])
+    usr = ct_root / "usr"
+    bin_dir = usr / "bin"
+    site = usr / "lib" / f"python{short}" / "site-packages"
+    site.mkdir(parents=True, exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (usr / "pyvenv.cfg").write_text(
+        f"home = {os.path.dirname(base_python)}\n"
+        "include-system-site-packages = false\n"
+        f"version = {version}\n"
+        f"executable = {base_python}\n")
+    for name in ("python3", "python", f"python{short}"):
+        link = bin_dir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(base_python if name == "python3" else "python3")
+    if packages:
+        if short != "%d.%d" % sys.version_info[:2]:
+            raise PctError(f"sim-packages need python {sys.version_info[0]}.{sys.version_info[1]} "
+                           f"(the stand-in's), sim-python is {short}\n")
+        for top, source in _package_files(packages):
+            link = site / top
+            if not (link.exists() or link.is_symlink()):
+                link.symlink_to(source)
+    return str(bin_dir / "python3")
+
+
+def _package_files(names: list[str]) -> list[tuple[str, str]]:
+    """(top-level name, path) of every file tree of `names` and their requirements."""
+    from importlib import metadata
+
+    seen: dict[str, metadata.Distribution] = {}
+    todo = [(n, True) for n in names]
+    while todo:
+        name, asked = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            if asked:
+                raise PctError(f"sim-packages: {name} is not installed for {sys.executable}\n") from None
+            continue  # an optional or platform-specific requirement that is not installed
+        seen[key] = dist
+        for req in dist.requires or []:
+            marker = req.partition(";")[2]
+            if "extra" in marker:
+                continue
+            requirement = re.match(r"[A-Za-z0-9._-]+", req)
+            if requirement:
+                todo.append((requirement.group(), False))
+    found: dict[str, str] = {}
+    for dist in seen.values():
+        for file in dist.files or []:
+            top = file.parts[0]
+            if top in ("..", "__pycache__") or top.endswith(".pth") or top in found:
+                continue
+            found[top] = str(dist.locate_file(top))
+    return sorted(found.items())
+
+
 COMMANDS = {
+    "create": cmd_create,
     "exec": cmd_exec,
     "push": cmd_push,
     "pull": cmd_pull,
@@ -258,6 +539,16 @@ COMMANDS = {
 }
 
 
+def node_root_uid(root: Path) -> int:
+    """The simulated node's root: whoever owns its state root (made by the first caller)."""
+    try:
+        return root.stat().st_uid
+    except FileNotFoundError:
+        return os.geteuid()
+    except OSError:
+        return 0  # cannot even look: only root is root
+
+
 def main(args: list[str]) -> int:
     root = os.environ.get("DFLASH_OPS_SIM_ROOT", "~/.local/state/dflash-ops/sim")
     if args[:1] == ["--state-root"] and len(args) >= 2:
@@ -265,7 +556,12 @@ def main(args: list[str]) -> int:
     node = Node(Path(root).expanduser())
     if not args or args[0] not in COMMANDS:
         shown = f"pct {args[0]}" if args else "pct"
+        # pve-common src/PVE/CLIHandler.pm handle_cmd: $abort->("unknown command '$cmd_str'")
         sys.stderr.write(f"ERROR: unknown command '{shown}'\n{USAGE}\n")
+        return 255
+    # pve-common src/PVE/RESTEnvironment.pm setup_default_cli_env, run before every command.
+    if os.geteuid() not in (0, node_root_uid(node.root)):
+        sys.stderr.write("please run as root\n")
         return 255
     try:
         return COMMANDS[args[0]](node, args[1:])

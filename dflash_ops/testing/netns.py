@@ -238,7 +238,7 @@ class Fleet:
             nodes[node.name] = entry
             for ctid in node.ctids:
                 targets[f"{node.name}-{ctid}"] = {"node": node.name, "ctid": ctid, "base_dir": str(node.base_dir(ctid)),
-                                                  "python": "python3", "gpus": []}
+                                                  "python": node.sshd.container_python(ctid), "gpus": []}
         path.write_text(yaml.safe_dump({"nodes": nodes, "targets": targets}, sort_keys=False))
         return path
 
@@ -286,7 +286,7 @@ class Fleet:
                 proc.kill()
         for node in self.nodes:
             if node.sshd is not None:
-                node.sshd.stop()
+                node.sshd.close()
         for netns in _fleet_namespaces(self.tag):
             _kill_namespace_processes(netns)
             _ip("netns", "del", netns, check=False)

@@ -22,11 +22,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from dflash_ops.simnode import containers as simct
 
 SSHD = "/usr/sbin/sshd"
 PCT_SCRIPT = Path(__file__).resolve().parent.parent / "simnode" / "pct.py"
@@ -59,17 +62,23 @@ class SshdNode:
     config: Path | None = None
     pct: Path | None = None  # the node's pct wrapper script
     node_name: str = "sshd"
+    pct_prefix: tuple[str, ...] = ()  # ("sudo", "-n") for a sudo-pct node with a non-root login
+    cleanup: list = field(default_factory=list)  # undone by close(): a sudo login's user, sudoers entry, keys
 
     def node_entry(self) -> dict:
         """This node as an inventory `nodes:` entry (real SSH, strict host keys)."""
         return {
             "transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
             "identity_file": str(self.client_key), "known_hosts": str(self.known_hosts),
-            "strict_host_key_checking": True, "pct": [str(self.pct)],
+            "strict_host_key_checking": True, "pct": [*self.pct_prefix, str(self.pct)],
         }
 
     def container_base(self, ctid: int) -> Path:
         return self.workdir / f"ct{ctid}" / "opt" / "dflash"
+
+    def container_python(self, ctid: int) -> str:
+        """The container's own python (pct create made it; not on pct's PATH: name it as `python:`)."""
+        return simct.container_python(self.sim_root, ctid)
 
     def host_key_line(self, address: str, port: int) -> str:
         """A known_hosts line for this node's host key reached as address:port."""
@@ -129,6 +138,39 @@ class SshdNode:
                 self.proc.kill()
                 self.proc.wait()
 
+    def close(self) -> None:
+        """stop(), and remove what start_sshd set up outside workdir (a sudo login, its keys dir)."""
+        self.stop()
+        while self.cleanup:
+            self.cleanup.pop()()
+
+
+def sudo_login_unavailable_reason() -> str | None:
+    """Why a `sudo pct` node with a non-root login cannot be set up here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (creates a login user and a sudoers entry)"
+    for tool in ("sudo", "useradd", "userdel", "visudo"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (install sudo / passwd)"
+    return None
+
+
+def _add_sudo_login(name: str, pct_wrapper: Path, cleanup: list) -> None:
+    """A throw-away non-root login that may run exactly `sudo -n PCT_WRAPPER ...` as root."""
+    if subprocess.run(["id", "-u", name], capture_output=True).returncode != 0:
+        # "*": no password, but not locked ("!"), which sshd refuses without PAM
+        subprocess.run(["useradd", "--no-create-home", "--home-dir", "/", "--shell", "/bin/sh", "--password", "*",
+                        name], check=True)
+        cleanup.append(lambda: subprocess.run(["userdel", name], capture_output=True))
+    entry = Path(f"/etc/sudoers.d/dflash-ops-test-{name}")
+    text = f"{name} ALL=(root) NOPASSWD: {pct_wrapper}\n"
+    tmp = entry.with_name(entry.name + ".tmp")  # sudo ignores names with a dot
+    tmp.write_text(text)
+    os.chmod(tmp, 0o440)
+    subprocess.run(["visudo", "-c", "-q", "-f", str(tmp)], check=True)
+    os.replace(tmp, entry)
+    cleanup.append(lambda: entry.unlink(missing_ok=True))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -177,8 +219,13 @@ def start_sshd(
     port: int | None = None,
     netns: str | None = None,
     node_name: str = "sshd",
+    sudo_login: str | None = None,
 ) -> SshdNode:
-    """sshd on address:port (a free port on 127.0.0.1 by default), optionally inside `netns`."""
+    """sshd on address:port (a free port on 127.0.0.1 by default), optionally inside `netns`.
+
+    With `sudo_login`, the node is reached as that throw-away non-root user, whose inventory
+    runs `sudo -n pct` (the user and its sudoers entry are removed by close()).
+    """
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     reason = sshd_unavailable_reason()
@@ -188,9 +235,15 @@ def start_sshd(
     for key in (host_key, client_key):
         if not key.exists():
             _keygen(key)
-    _write(workdir / "authorized_keys", (workdir / "client_ed25519_key.pub").read_text())
+    cleanup: list = []
+    # sshd reads the keys file as the login user: a non-root one cannot reach a root-only workdir.
+    keys_dir = Path(tempfile.mkdtemp(prefix="dflash-ops-sshd-keys-"))
+    os.chmod(keys_dir, 0o755)
+    cleanup.append(lambda: shutil.rmtree(keys_dir, ignore_errors=True))
+    authorized_keys = keys_dir / "authorized_keys"
+    _write(authorized_keys, (workdir / "client_ed25519_key.pub").read_text(), mode=0o644)
     port = port or _free_port()
-    user = getpass.getuser()
+    user = sudo_login or getpass.getuser()
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
     config = workdir / "sshd_config"
@@ -198,7 +251,7 @@ def start_sshd(
         f"Port {port}",
         f"ListenAddress {address}",
         f"HostKey {host_key}",
-        f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
+        f"AuthorizedKeysFile {authorized_keys}",
         f"PidFile {workdir / 'sshd.pid'}",
         "UsePAM no",
         "StrictModes no",
@@ -214,23 +267,31 @@ def start_sshd(
         "",
     ]))
     sim_root = workdir / "sim"
+    for ctid in ctids:  # the containers exist because the node's admin created them
+        if not simct.is_created(sim_root, ctid):
+            simct.create(sim_root, ctid, hostname="host200" if ctid == 200 else f"host{ctid}")
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"
     _write(pct, "#!/bin/sh\nexec " + shlex.join([sys.executable, str(PCT_SCRIPT), "--state-root", str(sim_root)])
            + ' "$@"\n', mode=0o755)
+    pct_prefix: tuple[str, ...] = ()
+    if sudo_login:
+        _add_sudo_login(sudo_login, pct, cleanup)
+        pct_prefix = ("sudo", "-n")
     log = workdir / "sshd.log"
     proc = _launch(config, log, netns)
     node = SshdNode(workdir=workdir, port=port, user=user, inventory=workdir / "inventory.yaml",
                     known_hosts=workdir / "known_hosts", client_key=client_key, host_key=host_key,
                     sim_root=sim_root, base_dir=workdir / "ct200" / "opt" / "dflash", log=log,
                     proc=proc, ctids=tuple(ctids), address=address,
-                    netns=netns, config=config, pct=pct, node_name=node_name)
+                    netns=netns, config=config, pct=pct, node_name=node_name,
+                    pct_prefix=pct_prefix, cleanup=cleanup)
     _write(node.known_hosts, node.host_key_line(address, port))
     targets = {
         ("host200" if ctid == 200 else f"host{ctid}"): {
             "node": node_name, "ctid": ctid, "base_dir": str(node.container_base(ctid)),
-            "python": "python3", "gpus": [],
+            "python": node.container_python(ctid), "gpus": [],
         }
         for ctid in ctids
     }
@@ -241,5 +302,7 @@ def start_sshd(
     except BaseException:
         proc.kill()
         proc.wait()
+        while cleanup:
+            cleanup.pop()()
         raise
     return node

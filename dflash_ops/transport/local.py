@@ -1,8 +1,14 @@
-"""The node is this machine: run the node command with /bin/sh -c, as sshd would."""
+"""The node is this machine: run the node command with /bin/sh -c, as sshd would.
+
+As sshd would also means sshd's environment and directory, not the operator's shell's:
+a command on a node never sees the operator's VIRTUAL_ENV, PYTHONPATH or working directory,
+so neither does one here (pct exec then passes this environment into the container).
+"""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -34,6 +40,8 @@ class LocalTransport:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # a timeout kills the whole process group
+            env=session_env(),
+            cwd=session_env()["HOME"],
         )
         out, err = LineSplitter(on_line), LineSplitter(on_stderr_line)
         readers = [
@@ -74,6 +82,29 @@ class LocalTransport:
 
     def close(self) -> None:
         pass
+
+
+# OpenSSH session.c do_setup_env: USER, LOGNAME, HOME, SHELL, MAIL and the compiled-in PATH
+# (Debian: the superuser's for root); Debian's sshd_config accepts LANG and LC_* from clients.
+_SSHD_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/games"
+_SSHD_ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def session_env() -> dict[str, str]:
+    """The environment an SSH login of the current user starts a command with."""
+    uid = os.geteuid()
+    try:
+        entry = pwd.getpwuid(uid)
+        user, home, shell = entry.pw_name, entry.pw_dir, entry.pw_shell or "/bin/sh"
+    except KeyError:
+        user, home, shell = str(uid), "/", "/bin/sh"
+    home = os.environ.get("HOME") or home  # a private HOME (tests, `HOME=... dflash-ops`) is the login's
+    if not os.path.isdir(home):
+        home = "/"
+    env = {"USER": user, "LOGNAME": user, "HOME": home, "SHELL": shell, "MAIL": f"/var/mail/{user}",
+           "PATH": _SSHD_ROOT_PATH if uid == 0 else _SSHD_PATH}
+    env.update({k: v for k, v in os.environ.items() if k == "LANG" or k.startswith("LC_")})
+    return env
 
 
 def _pump(stream, splitter: LineSplitter) -> None:

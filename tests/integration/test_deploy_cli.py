@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -13,6 +14,7 @@ from dflash_ops.container import Container
 from dflash_ops.inventory import load_inventory
 from dflash_ops.playbook import load_playbook, run_playbook
 from dflash_ops.transport.local import LocalTransport
+from dflash_ops.simnode import containers as simct
 from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
 
@@ -21,9 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_multi_target_one_failing_exits_nonzero_while_the_other_completes(tmp_path):
     inventory = write_sim_inventory(tmp_path, ctids=(200, 201))
-    lxc = tmp_path / "sim" / "lxc"
-    lxc.mkdir(parents=True)
-    (lxc / "201.conf").write_text("status: stopped\n")
+    subprocess.run([*simct.stand_in_argv(tmp_path / "sim"), "stop", "201"], check=True)
     result = CliRunner().invoke(app, ["deploy", "host200", "host201", "--json", "--inventory", str(inventory)])
     assert result.exit_code == 1, result.output
     ok, failed = json.loads(result.stdout)

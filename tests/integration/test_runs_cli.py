@@ -44,7 +44,11 @@ class Tier:
         return result
 
 
-@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+TIERS = ["sim", pytest.param("sshd", marks=pytest.mark.sshd)]
+WITH_SUDO = [*TIERS, pytest.param("sudo", marks=pytest.mark.sshd)]  # + `sudo -n pct` with a non-root login
+
+
+@pytest.fixture(params=TIERS)
 def tier(request, tmp_path):
     if request.param == "sim":
         inventory = write_sim_inventory(tmp_path / "simnode")
@@ -52,7 +56,7 @@ def tier(request, tmp_path):
     else:
         from dflash_ops.transport.ssh import SSHTransport
 
-        node = request.getfixturevalue("sshd_node")
+        node = request.getfixturevalue("sshd_node" if request.param == "sshd" else "sudo_sshd_node")
         shutil.rmtree(node.base_dir, ignore_errors=True)
         inventory = node.inventory
         transport = SSHTransport(load_inventory(inventory).target("host200").node)
@@ -64,6 +68,17 @@ def tier(request, tmp_path):
         if info.alive:
             runs.signal_run(container, info.run_id, "KILL")
     transport.close()
+
+
+def mark_node_temp_files(monkeypatch, tmp_path: Path) -> str:
+    """Give this test's node-side temp paths a prefix of their own; returns the glob for them."""
+    import uuid
+
+    from dflash_ops import container as container_module
+
+    prefix = f"/tmp/dflash-ops-{tmp_path.name[:20]}-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(container_module, "_node_temp_path", lambda: f"{prefix}-{uuid.uuid4().hex}")
+    return Path(prefix).name + "-*"
 
 
 def deployed(tier: Tier) -> str:
@@ -86,7 +101,9 @@ def test_start_before_deploy_says_deploy_first(tier, tmp_path):
     assert "run `dflash-ops deploy host200` first" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path):
+@pytest.mark.parametrize("tier", WITH_SUDO, indirect=True)
+def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path, monkeypatch):
+    node_temp = mark_node_temp_files(monkeypatch, tmp_path)
     release = deployed(tier)
     run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--name", "cycle",
                       "--gpus", "0,1").stdout.strip()
@@ -123,6 +140,9 @@ def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path):
     remote = tier.base / "runs" / run_id / "checkpoints" / f"step_{info.step}"
     for rel in ("state.bin", "optim/adam.bin", "manifest.json"):
         assert (dest / f"step_{info.step}" / rel).read_bytes() == (remote / rel).read_bytes()
+    # Nothing left on the node: with `sudo pct` the pulled copies are root's, and the login's cleanup
+    # must still remove them (in /tmp's sticky directory it could not: they leaked).
+    assert list(Path("/tmp").glob(node_temp)) == []
 
 
 def test_dead_run_is_failed_with_its_log_tail(tier, tmp_path):

@@ -74,6 +74,28 @@ def test_exec_check(container):
     checks.assert_exec_check_raises(container)
 
 
+def test_real_exit_codes_127_126_and_128_plus_signal(container, tmp_path):
+    # Over SSH a signal must arrive as lxc-attach's exit status 128+N, not as an SSH exit-signal.
+    checks.assert_real_exit_codes(container, tmp_path)
+
+
+def test_container_environment(container):
+    checks.assert_container_environment(container)
+
+
+def test_sudo_pct_node_container_environment_and_codes(sudo_sshd_node, tmp_path):
+    """A non-root login whose pct is `sudo -n pct`: same container, same strictness."""
+    target = load_inventory(sudo_sshd_node.inventory).target("host200")
+    assert target.node.user != "root" and target.node.pct[:2] == ("sudo", "-n")
+    c = Container(target, SSHTransport(target.node))
+    try:
+        checks.assert_container_environment(c)
+        checks.assert_real_exit_codes(c, tmp_path)
+        checks.assert_push_pull_verified(c, tmp_path)
+    finally:
+        c.transport.close()
+
+
 def test_dropped_connection_mid_stream_then_reconnect(sshd_node, tmp_path):
     target = load_inventory(sshd_node.inventory).target("host200")
     transport = SSHTransport(target.node)

@@ -114,3 +114,15 @@ def test_unknown_target_suggests(tmp_path):
 def test_missing_file_is_one_line(tmp_path):
     with pytest.raises(InventoryError, match="cannot read inventory"):
         load_inventory(tmp_path / "nope.yaml")
+
+
+def test_sim_containers_only_on_simulated_nodes(tmp_path):
+    path = tmp_path / "inv.yaml"
+    path.write_text("nodes:\n  n:\n    transport: local\n    pct: pct\n    sim_containers: [200]\n"
+                    "targets: {}\n")
+    with pytest.raises(InventoryError, match=r"inv.yaml:5: node 'n': 'sim_containers' only applies to nodes with pct: simulated"):
+        load_inventory(path)
+    path.write_text("nodes:\n  n:\n    transport: local\n    pct: simulated\n    sim_containers: [12]\n"
+                    "targets: {}\n")
+    with pytest.raises(InventoryError, match=r"inv.yaml:5: .*sim_containers must be a list of ctids"):
+        load_inventory(path)

@@ -1,14 +1,14 @@
 """Local transport + pct stand-in: the whole command layer without SSH."""
 
 import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 
 from dflash_ops import render
 from dflash_ops.connect import open_container
-from dflash_ops.errors import CommandTimeout
+from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
 from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
@@ -65,17 +65,14 @@ def test_exec_check(container):
     checks.assert_exec_check_raises(container)
 
 
-def test_exit_status_is_the_commands_own_and_128_plus_signal(container):
-    assert container.exec(["sh", "-c", "exit 42"]).exit_code == 42
-    assert container.exec(["sh", "-c", "kill -9 $$"]).exit_code == 137
+def test_exit_status_is_the_commands_own_127_126_and_128_plus_signal(container, tmp_path):
+    checks.assert_real_exit_codes(container, tmp_path)
 
 
-def test_container_environment(container):
-    out = container.exec(["sh", "-c", 'echo "$PATH"; command -v python3']).stdout.splitlines()
-    assert out[0].endswith(":/sbin:/bin:/usr/sbin:/usr/bin")
-    assert out[1] == out[0].split(":")[0] + "/python3"
-    exe = container.exec(["python3", "-c", "import sys; print(sys.executable)"]).stdout.strip()
-    assert exe == sys.executable
+def test_container_environment(container, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/leak")
+    monkeypatch.setenv("SSL_CERT_FILE", "/leak")
+    checks.assert_container_environment(container)
 
 
 def test_timeout_kills_the_process_group(container, tmp_path):
@@ -93,23 +90,50 @@ def pct(container, *args):
 def test_pct_list_status_and_messages(container):
     listing = pct(container, "list").stdout.splitlines()
     assert listing[0] == "VMID       Status     Lock         Name                "
-    assert listing[1].split() == ["200", "running", "sim200"]
+    assert listing[1].split() == ["200", "running", "host200"]
     assert pct(container, "status", "200").stdout == "status: running\n"
     assert pct(container, "start", "200").stderr == "CT 200 already running\n"
     bad = pct(container, "exec", "12", "--", "true")
     assert bad.exit_code == 255 and "vmid: invalid format" in bad.stderr
     missing_cmd = pct(container, "exec", "200", "--")
-    assert (missing_cmd.exit_code, missing_cmd.stderr) == (255, "missing command\n")
+    assert (missing_cmd.exit_code, missing_cmd.stderr) == (
+        255, "missing command at /usr/share/perl5/PVE/CLI/pct.pm line 246.\n")
     unknown = pct(container, "frobnicate")
     assert unknown.exit_code == 255 and unknown.stderr.startswith("ERROR: unknown command 'pct frobnicate'")
 
 
+def _does_not_exist(result, ctid):
+    return (result.exit_code == 255 and result.stderr.startswith("Configuration file 'nodes/")
+            and result.stderr.endswith(f"/lxc/{ctid}.conf' does not exist\n"))
+
+
 def test_destroyed_container_does_not_exist(tmp_path):
-    c = open_container(load_inventory(write_sim_inventory(tmp_path, ctids=(201,))), "host201")
+    c = open_container(load_inventory(write_sim_inventory(tmp_path, ctids=(201,), packages=())), "host201")
     assert pct(c, "stop", "201").ok and pct(c, "destroy", "201").ok
-    result = c.exec(["true"])
-    assert result.exit_code == 255
-    assert result.stderr.startswith("Configuration file 'nodes/") and result.stderr.endswith("/lxc/201.conf' does not exist\n")
+    assert _does_not_exist(c.exec(["true"]), 201)
+
+
+def test_a_container_exists_only_once_created(tmp_path):
+    """A mistyped ctid no longer deploys fine: every command gets pct's own message."""
+    c = open_container(load_inventory(write_sim_inventory(tmp_path, ctids=(202,), create=False)), "host202")
+    assert _does_not_exist(c.exec(["true"]), 202)
+    assert _does_not_exist(pct(c, "status", "202"), 202)
+    assert _does_not_exist(pct(c, "start", "202"), 202)
+    assert pct(c, "list").stdout == ""
+    local = tmp_path / "f"
+    local.write_text("x")
+    push = pct(c, "push", "202", str(local), "/tmp/never")
+    assert (push.exit_code, push.stderr) == (255, "can only push files to a running CT\n")
+    pull = pct(c, "pull", "202", "/etc/hostname", str(tmp_path / "never"))
+    assert (pull.exit_code, pull.stderr) == (
+        255, "can only pull files from a running VM at /usr/share/perl5/PVE/CLI/pct.pm line 664.\n")
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(TransferError, match="can only push files to a running CT"):
+        c.push(local, c.base_dir + "/f")
+    created = pct(c, "create", "202", "local:vztmpl/x.tar.zst", "--sim-packages", "")
+    assert created.ok and pct(c, "status", "202").stdout == "status: stopped\n"
+    again = pct(c, "create", "202", "local:vztmpl/x.tar.zst")
+    assert again.exit_code == 255 and again.stderr.startswith("CT 202 already exists on node ")
 
 
 def test_push_respects_perms(container, tmp_path):
@@ -120,3 +144,80 @@ def test_push_respects_perms(container, tmp_path):
     result = pct(container, "push", "200", str(local), remote, "--perms", "600")
     assert result.ok
     assert container.exec(["stat", "-c", "%a", remote]).stdout == "600\n"
+
+
+@pytest.mark.slow
+def test_config_lock_waits_10s_then_ops_retries_and_says_so(tmp_path, monkeypatch):
+    """pct push/pull hold the CT's config lock; a waiter gives up after 10 s with pct's message."""
+    import fcntl
+
+    from dflash_ops import container as container_module
+
+    c = open_container(load_inventory(write_sim_inventory(tmp_path, ctids=(203,), packages=())), "host203")
+    c.exec(["mkdir", "-p", c.base_dir], check=True)
+    c.exec(["sh", "-c", 'echo data > "$0"', c.base_dir + "/f"], check=True)
+    lock_file = tmp_path / "sim" / "lock" / "pve-config-203.lock"
+    held = open(lock_file, "a")  # another task on the node (a backup, a pct set) holds it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    notices: list[str] = []
+
+    def release(text: str) -> None:
+        notices.append(text)
+        held.close()
+
+    monkeypatch.setattr(container_module, "CONFIG_LOCK_ATTEMPTS", 1)
+    with pytest.raises(container_module.ConfigLocked) as info:
+        c.pull(c.base_dir + "/f", tmp_path / "never")
+    assert ("trying to acquire lock... | can't lock file '/run/lock/lxc/pve-config-203.lock' - got timeout"
+            in str(info.value))
+    monkeypatch.setattr(container_module, "CONFIG_LOCK_ATTEMPTS", 3)
+    c.notice = release
+    c.pull(c.base_dir + "/f", tmp_path / "back")
+    assert (tmp_path / "back").read_text() == "data\n"
+    assert len(notices) == 1 and "config is locked by another task" in notices[0] and "retrying (1/3)" in notices[0]
+
+
+def test_please_run_as_root_unless_the_nodes_root(tmp_path):
+    """pve-common RESTEnvironment setup_default_cli_env: a non-root caller gets `please run as root`."""
+    import os
+    import shutil
+    import tempfile
+
+    from tests.conftest import unavailable
+
+    unavailable(None if os.geteuid() == 0 and shutil.which("setpriv") else "needs root and setpriv to drop to a user")
+    public = Path(tempfile.mkdtemp(prefix="dflash-ops-pct-"))  # reachable by 'nobody' (pytest's tmp is not)
+    try:
+        os.chmod(public, 0o755)
+        script = shutil.copy(Path(__file__).resolve().parents[2] / "dflash_ops" / "simnode" / "pct.py", public)
+        state = public / "state"
+        state.mkdir()  # the node's root (this test, uid 0) owns it
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I",
+                     script, "--state-root", str(state)]
+        refused = subprocess.run([*as_nobody, "list"], capture_output=True, text=True)
+        assert (refused.returncode, refused.stderr) == (255, "please run as root\n")
+        as_root = subprocess.run(["/usr/bin/python3", "-I", script, "--state-root", str(state), "list"],
+                                 capture_output=True, text=True)
+        assert (as_root.returncode, as_root.stderr) == (0, "")
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def test_sim_containers_are_created_on_first_use_and_nothing_else(tmp_path):
+    """The embedded default's CT 200 appears on first use; a mistyped ctid on that node is refused."""
+    import yaml
+
+    sim_root = tmp_path / "sim"
+    path = tmp_path / "inventory.yaml"
+    python = str(sim_root / "ct" / "200" / "usr" / "bin" / "python3")
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root),
+                          "sim_containers": [200]}},
+        "targets": {"host200": {"node": "sim", "ctid": 200, "base_dir": str(tmp_path / "b200"), "python": python},
+                    "typo": {"node": "sim", "ctid": 2000, "base_dir": str(tmp_path / "b2000")}},
+    }))
+    inventory = load_inventory(path)
+    first = open_container(inventory, "host200")
+    assert first.exec([python, "-c", "import torch"]).ok
+    assert pct(first, "list").stdout.splitlines()[1].split() == ["200", "running", "host200"]
+    assert _does_not_exist(open_container(inventory, "typo").exec(["true"]), 2000)

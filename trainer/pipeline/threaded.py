@@ -208,7 +208,7 @@ class ThreadedTrainer(Trainer):
             TargetWorker(t, self.targets[t], d, layer_ids, width, self.target_inputs[t],
                          [self.feature_queues[r][t] for r in range(R)],
                          allocate_slots(p.queue_depth * R + 2, max_numel, target_dtype, d), stop, self.busy[d],
-                         len(range(t, count, T)), route)
+                         len(range(t, count, T)), route, self.guard)
             for t, d in enumerate(self.target_devices)]
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
         reducer = ReplicaAllReduce(self.flats, streams, stop)

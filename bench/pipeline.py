@@ -1,11 +1,16 @@
-"""Threaded pipeline vs each stage alone vs the naive sequential loop, on one run's data.
+"""Threaded pipeline vs each stage alone (vs the naive loop), bucketed vs packed, on one run's data.
 
     PYTHONPATH=. python bench/pipeline.py --target cuda:0 --drafter cuda:0          # 1 GPU shared
     PYTHONPATH=. python bench/pipeline.py --target cuda:0 --drafter cuda:1          # 2 GPUs
+    PYTHONPATH=. python bench/pipeline.py --mix lognormal --modes bucketed packed   # chat-like lengths
     PYTHONPATH=. python bench/pipeline.py --tiny --target cpu --drafter cpu --steps 4   # CPU smoke
 
-Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots), sequences
-of --min-len..--max-len tokens. Prints one JSON line per measurement and a summary with ratios.
+Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
+sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
+that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one process on the same
+conversations and target: `bucketed` pads length buckets to warmed shapes (the previous default),
+`packed` packs whole conversations into rows of --pack-length tokens (trainer.packing), one shape.
+Prints one JSON line per measurement and a summary table; --out also writes them to a file.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import random  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -26,10 +34,11 @@ import torch  # noqa: E402
 from trainer.components import Components, build_drafter  # noqa: E402
 from trainer.config import TinyTargetConfig, parse_config  # noqa: E402
 from trainer.data import Batch, PreloadedDataset  # noqa: E402
+from trainer.packing import PackedDataset  # noqa: E402
 from trainer.masks import resolve_backend  # noqa: E402
 from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
-from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops  # noqa: E402
+from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedTrainer  # noqa: E402
 from trainer.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
 
@@ -41,13 +50,16 @@ model:
   num_target_layers: 5
   dtype: %(dtype)s
   mask_token_id: %(mask)d
+  compile_target: %(ct)s
 data:
   synthetic: {n_train: 1}
   max_length: %(max_len)d
   num_anchors: %(anchors)d
-  token_budget: %(max_len)d
-  bucket_edges: [%(max_len)d]
+  token_budget: %(budget)d
+  bucket_edges: [%(edges)s]
   pad_multiple: 64
+  pack_length: %(pack_length)d
+  pack_rows: %(pack_rows)d
 optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0}
 devices: {target: [%(targets)s], drafter: [%(drafters)s]}
 run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10}
@@ -89,40 +101,54 @@ class SyncCounter:
         warnings.filters[:] = self._filters
 
 
-def random_dataset(n, min_len, max_len, vocab, budget, seed=0):
+def sample_lengths(n, args, seed=0):
+    """Conversation lengths: uniform in min..max, or log-normal (median, sigma) clipped to min..max."""
     rng = random.Random(seed)
-    samples = []
-    for _ in range(n):
-        length = rng.randint(min_len, max_len)
-        ids = [rng.randrange(10, vocab) for _ in range(length)]
-        mask = [0] * (length // 4) + [1] * (length - length // 4)
-        samples.append((ids, mask))
-    return PreloadedDataset(samples, [max_len], budget, pad_id=0, seed=seed, pad_multiple=64)
+    if args.mix == "uniform":
+        return [rng.randint(args.min_len, args.max_len) for _ in range(n)]
+    mu = math.log(args.median)
+    return [int(min(args.max_len, max(args.min_len, rng.lognormvariate(mu, args.sigma)))) for _ in range(n)]
 
 
-def build(args, run_dir):
+def random_samples(lengths, vocab, seed=0):
+    """Random ids; the first quarter of each conversation is the prompt (no loss)."""
+    rng = random.Random(seed + 1)
+    return [([rng.randrange(10, vocab) for _ in range(n)], [0] * (n // 4) + [1] * (n - n // 4)) for n in lengths]
+
+
+def build(args, run_dir, mode, target, samples, pack_length=0):
     tiny = args.tiny
+    edges = args.bucket_edges or [args.max_len]
     cfg = parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true",
         layers=2 if tiny else 5, dtype="fp32" if tiny else "bf16", mask=5 if tiny else 151669,
         max_len=args.max_len, anchors=args.anchors, steps=args.steps, micro=args.micro,
+        budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
+        pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
+        ct="true" if mode == "packed+ct" else "false",
         targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every))
-    tdev, ddev = args.target[0], args.drafter[0]
-    if tiny:
-        target = freeze(tiny_target(TinyTargetConfig(layers=6, hidden=64, heads=4, kv_heads=2, head_dim=16,
-                                                     intermediate=128), 512, tdev))
-    else:
-        target = freeze(random_8b_shape_target(tdev, torch.bfloat16))
+    ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
     opt = build_optimizer(drafter.parameters(), cfg.optim)
-    data = random_dataset(args.samples, args.min_len, args.max_len, target.config.vocab_size, args.max_len)
+    data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
+    if mode != "bucketed":
+        data = PackedDataset.from_dataset(data, pack_length, args.pack_rows)
     tr = ThreadedTrainer(cfg, run_dir)
     tr.c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
                       optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
-                      eval_conversations=[], eval_data=data, gamma=7.0, target_device=tdev, drafter_device=ddev)
+                      eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
+                      drafter_device=ddev)
     tr.backend = resolve_backend(cfg.model.attention, ddev, needs_grad=True)
     return tr
+
+
+def build_target(args):
+    tdev = args.target[0]
+    if args.tiny:
+        return freeze(tiny_target(TinyTargetConfig(layers=6, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                                   intermediate=128), 512, tdev))
+    return freeze(random_8b_shape_target(tdev, torch.bfloat16))
 
 
 def sync_all(devices):
@@ -131,10 +157,10 @@ def sync_all(devices):
             torch.cuda.synchronize(d)
 
 
-def stage_alone(tr, which, n_micro):
-    """Run one stage on already-built micro-batches, in one thread, as fast as it goes.
+def stage_alone(tr, which, n_micro, peak):
+    """Run one stage on already-built micro-batches (the run's own data), in one thread, as fast as it goes.
 
-    Returns (real tokens/s, model FLOP/s of the padded shapes computed, per trainer.pipeline.flops)."""
+    Returns real tokens/s and the MFU of real and of padded FLOPs (trainer.pipeline.flops)."""
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features
@@ -146,35 +172,45 @@ def stage_alone(tr, which, n_micro):
     c, cfg = tr.c, tr.cfg
     gen = torch.Generator().manual_seed(1)
     pre = BatchPrefetcher(c.train_data.next_batch,
-                          lambda b: prepare_blocks(b.input_ids, b.loss_mask, cfg.data.num_anchors, 16, c.gamma,
-                                                   c.drafter.config.mask_token_id, gen),
-                          lambda: {}, [], StopSignal(), n_micro, 1, 0, tr.warm.shape_for,
+                          lambda b: prepare_blocks(b.input_ids, b.loss_mask, tr.anchors, 16, c.gamma,
+                                                   c.drafter.config.mask_token_id, gen, getattr(b, "doc_start", None)),
+                          lambda: {}, [], StopSignal(), n_micro, 1, 0, tr.warm.shape_for if tr.pad else None,
                           pin=torch.cuda.is_available())
     mbs = [pre.build(i) for i in range(n_micro)]
     tdev, ddev = torch.device(tr.target_devices[0]), torch.device(tr.drafter_devices[0])
     layer_ids = c.drafter.config.target_layer_ids
     width = len(layer_ids) * c.target.config.hidden_size
-    numel = max(b * s for b, s in tr.warm.shapes()) * width
+    numel = max(max(b * s for b, s in tr.warm.shapes()), max(m.shape[0] * m.shape[1] for m in mbs)) * width
     slot = allocate_slots(1, numel, next(c.target.parameters()).dtype, tdev)[0]
     tokens = sum(m.tokens for m in mbs)
+    counts = [micro_batch_flops(c.target.config, c.drafter.config, m.attention_mask, m.doc_start, m.blocks) for m in mbs]
+
+    def doc_start(mb, device):
+        return None if mb.doc_start is None else mb.doc_start.to(device, non_blocking=True)
+
+    def result(seconds, stage):
+        real = sum(x[f"{stage}_real"] for x in counts) / seconds
+        padded = sum(x[f"{stage}_padded"] for x in counts) / seconds
+        return {"tokens_per_s": round(tokens / seconds, 1),
+                "mfu_real": round(real / (peak * 1e12), 4) if peak else None,
+                "mfu_padded": round(padded / (peak * 1e12), 4) if peak else None,
+                "ms_per_micro": round(1000 * seconds / len(mbs), 2)}
+
     if which == "target":
-        flops = sum(target_forward_flops(c.target.config, *m.shape) for m in mbs)
         sync_all([tdev])
         began = time.perf_counter()
         with torch.inference_mode():
             for mb in mbs:
                 ids = mb.input_ids.to(tdev, non_blocking=True)
-                pack_context_features(c.target, ids, None, layer_ids, slot.view(*ids.shape, width))
+                pack_context_features(c.target, ids, None, layer_ids, slot.view(*ids.shape, width), doc_start(mb, tdev))
         sync_all([tdev])
-        seconds = time.perf_counter() - began
-        return tokens / seconds, flops / seconds
-    flops = sum(drafter_step_flops(c.drafter.config, *m.shape, cfg.data.num_anchors) for m in mbs)
-    with torch.inference_mode():
+        return result(time.perf_counter() - began, "target")
+    with torch.inference_mode():  # every micro-batch's own features (a batch's rows and lengths are its own)
         feats = []
-        for mb in mbs[:2]:
+        for mb in mbs:
             ids = mb.input_ids.to(tdev)
             out = torch.empty(*ids.shape, width, dtype=slot.buffer.dtype, device=tdev)
-            feats.append(pack_context_features(c.target, ids, None, layer_ids, out).to(ddev))
+            feats.append(pack_context_features(c.target, ids, None, layer_ids, out, doc_start(mb, tdev)).to(ddev))
     feats = [f.clone() for f in feats]  # normal tensors, outside inference mode
 
     class Owner:
@@ -190,16 +226,33 @@ def stage_alone(tr, which, n_micro):
     w = DrafterWorker(0, 1, ddev, tr.drafters[0], tr.heads[0], tr.optimizers[0], tr.schedulers[0], tr.flats[0],
                       ReplicaAllReduce(tr.flats[:1], [stream], stop), [], settings, stop, BusyMeter(ddev), tr.guard,
                       None, None, stream)
-    ctx = torch.cuda.stream(stream) if stream is not None else torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x)
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     sync_all([ddev])
     began = time.perf_counter()
     with ctx:
-        for i, mb in enumerate(mbs):
-            w.micro_step(Features(mb, feats[i % 2][: mb.shape[0], : mb.shape[1]], None, slot, Owner))
+        for mb, f in zip(mbs, feats):
+            w.micro_step(Features(mb, f, None, slot, Owner))
             w.optimizer_step()
     sync_all([ddev])
-    seconds = time.perf_counter() - began
-    return tokens / seconds, flops / seconds
+    return result(time.perf_counter() - began, "drafter")
+
+
+def profile_stages(tr, out_dir, n_micro=2):
+    """torch.profiler over the target forward and the drafter step: the top CUDA kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None
+    tables = {}
+    for which in ("target", "drafter"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            stage_alone(tr, which, n_micro, None)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+        tables[which] = table
+        if out_dir:
+            with open(os.path.join(out_dir, f"profile_{which}.txt"), "w") as f:
+                f.write(table)
+    return tables
 
 
 def naive(tr, steps):
@@ -210,6 +263,8 @@ def naive(tr, steps):
     def counting():  # padded to the warm shapes, as in the pipeline, so nothing recompiles
         batch = next_batch()
         tokens[0] += batch.tokens
+        if getattr(batch, "doc_start", None) is not None:
+            return batch  # packed: always the one warm shape
         rows, length = tr.warm.shape_for(batch)
         pad = (0, length - batch.input_ids.shape[1], 0, rows - batch.input_ids.shape[0])
         return Batch(*(torch.nn.functional.pad(t, pad) for t in (batch.input_ids, batch.attention_mask,
@@ -227,7 +282,82 @@ def naive(tr, steps):
     return tokens[0] / (time.perf_counter() - began)
 
 
-def main():
+def run_mode(args, mode, target, samples, results, pack_length=0):
+    """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
+    run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-")
+    out = {}
+    tr = build(args, run_dir, mode, target, samples, pack_length)
+    tr.build_replicas()
+    devices = tr.busy_devices()
+    for d in devices:
+        if torch.device(d).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
+    frames_before = compiled_frames()
+    began = time.time()
+    tr.warmup()
+    out["warmup_s"] = round(time.time() - began, 1)
+    out["warm_shapes"] = tr.warm.shapes()
+    out["compiled_frames_in_warmup"] = compiled_frames() - frames_before
+    if mode != "bucketed":
+        out["pack_length"], out["anchors_per_row"] = pack_length, tr.anchors
+    frames_after_warmup = compiled_frames()
+    tr.first_step = 0
+    with SyncCounter() as syncs:
+        tr.step = 0
+        t0 = time.time()
+        reason = tr.train_steps()
+        sync_all(devices)
+        wall = time.time() - t0
+    tr.guard.freeze()  # train_steps unfreezes at the end; the stage runs below must not compile either
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        windows = [w for w in map(json.loads, f) if w["event"] == "step"]
+    steady = windows[1:] or windows
+    blocks = sum(tr.step_flops.get(s, {}).get("blocks_real", 0) for s in range(tr.step))
+    out["pipeline"] = {
+        "stop_reason": reason, "wall_s": round(wall, 2), "steps": tr.step,
+        "tokens_per_s_steady": round(windows[-1].get("tokens_per_s_steady", steady[0]["tokens_per_s"]), 1),
+        "blocks_per_s_all": round(blocks / wall, 1),
+        "pad_share": round(sum(w["pad_share"] for w in steady) / len(steady), 4),
+        "busy_steady": [[g["busy"] for g in w["gpus"]] for w in steady],
+        "mfu_steady": [w.get("mfu") for w in steady],
+        "peak_mem_gb": [g["mem_gb"] for g in windows[-1]["gpus"]],
+        "recompiles_after_warmup": windows[-1]["recompiles"] + compiled_frames() - frames_after_warmup,
+        "host_syncs_total": syncs.count, "host_syncs_per_step": round(syncs.count / max(tr.step, 1), 3),
+        "sync_sites": syncs.where, "loss": [round(w["loss"], 4) for w in windows]}
+    peak = peak_tflops(results.get("gpu"))
+    out["target_alone"] = stage_alone(tr, "target", args.stage_micro, peak)
+    out["drafter_alone"] = stage_alone(tr, "drafter", args.stage_micro, peak)
+    out["recompiles_after_stages"] = compiled_frames() - frames_after_warmup
+    if args.profile and mode == "packed":
+        tables = profile_stages(tr, args.out_dir)
+        if tables:
+            for which, table in tables.items():
+                print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:22]), flush=True)
+    tr.guard.unfreeze()
+    if args.naive_steps:
+        from trainer.loop import Trainer
+
+        tr.c.drafter, tr.c.optimizer = tr.drafters[0], tr.optimizers[0]
+        Trainer.warmup = lambda self: None
+        out["naive_tokens_per_s"] = round(naive(tr, args.naive_steps), 1)
+    t, d = out["target_alone"]["tokens_per_s"], out["drafter_alone"]["tokens_per_s"]
+    shared = set(args.target) & set(args.drafter)
+    bound = 1 / (1 / t + 1 / d) if shared else min(t, d)
+    out["pipeline_over_bound"] = round(out["pipeline"]["tokens_per_s_steady"] / bound, 3)
+    out["bound"] = "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage"
+    out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
+                              if torch.device(dv).type == "cuda"]
+    for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
+        if torch.device(dv).type == "cuda":
+            torch.cuda.synchronize(dv)
+    del tr
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--target", nargs="+", default=["cuda:0"])
     p.add_argument("--drafter", nargs="+", default=["cuda:0"])
@@ -235,72 +365,69 @@ def main():
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--log-every", type=int, default=4)
+    p.add_argument("--mix", choices=["uniform", "lognormal"], default="uniform")
     p.add_argument("--min-len", type=int, default=2112)
     p.add_argument("--max-len", type=int, default=3072)
-    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--median", type=float, default=900.0)
+    p.add_argument("--sigma", type=float, default=0.6)
+    p.add_argument("--anchors", type=int, default=512, help="per --max-len tokens (per row when bucketed)")
     p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--bucket-edges", type=int, nargs="*", default=None, help="bucketed mode; default [max-len]")
+    p.add_argument("--token-budget", type=int, default=None, help="bucketed mode; default max-len")
+    p.add_argument("--modes", nargs="+", choices=["bucketed", "packed", "packed+ct"], default=["bucketed"],
+                   help="packed+ct: packed with model.compile_target (compiles the shared target: runs last)")
+    p.add_argument("--pack-length", type=int, nargs="+", default=[8192])
+    p.add_argument("--pack-rows", type=int, default=1)
     p.add_argument("--stage-micro", type=int, default=12)
-    p.add_argument("--naive-steps", type=int, default=8)
-    args = p.parse_args()
-    run_dir = tempfile.mkdtemp(prefix="bench-pipeline-")
-    results = {"devices": {"target": args.target, "drafter": args.drafter}, "torch": torch.__version__}
+    p.add_argument("--naive-steps", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="profile both stages of the packed mode")
+    p.add_argument("--out", default=None, help="also write every figure as JSON here")
+    args = p.parse_args(argv)
+    args.out_dir = os.path.dirname(args.out) if args.out else None
+    results = {"devices": {"target": args.target, "drafter": args.drafter}, "torch": torch.__version__,
+               "mix": args.mix}
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name(0)
 
     def emit(key, value):
         results[key] = value
         print(json.dumps({key: value}), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
 
-    tr = build(args, run_dir)
-    tr.build_replicas()
-    began = time.time()
-    tr.warmup()
-    emit("warmup_s", round(time.time() - began, 1))
-    emit("warm_shapes", tr.warm.shapes())
-    frames_after_warmup = compiled_frames()
-    tr.first_step = 0
-    with SyncCounter() as syncs:
-        tr.step = 0
-        t0 = time.time()
-        reason = tr.train_steps()
-        sync_all(tr.busy_devices())
-        wall = time.time() - t0
-    tr.guard.freeze()  # train_steps unfreezes at the end; the stage runs below must not compile either
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        windows = [w for w in map(json.loads, f) if w["event"] == "step"]
-    steady = windows[1:] or windows
-    emit("pipeline", {
-        "stop_reason": reason, "wall_s": round(wall, 2), "steps": tr.step,
-        "tokens_per_s_steady": round(sum(w["tokens_per_s"] for w in steady) / len(steady), 1),
-        "busy_steady": [[g["busy"] for g in w["gpus"]] for w in steady],
-        "mfu_steady": [w.get("mfu") for w in steady],
-        "peak_mem_gb": [g["mem_gb"] for g in windows[-1]["gpus"]],
-        "recompiles_after_warmup": windows[-1]["recompiles"] + compiled_frames() - frames_after_warmup,
-        "host_syncs_total": syncs.count, "host_syncs_per_step": round(syncs.count / max(tr.step, 1), 3),
-        "sync_sites": syncs.where, "loss": [round(w["loss"], 4) for w in windows]})
-    target_alone, target_flops = stage_alone(tr, "target", args.stage_micro)
-    drafter_alone, drafter_flops = stage_alone(tr, "drafter", args.stage_micro)
-    peak = peak_tflops(results.get("gpu"))
-    emit("target_alone_tokens_per_s", round(target_alone, 1))
-    emit("drafter_alone_tokens_per_s", round(drafter_alone, 1))
-    tr.guard.unfreeze()
-    from trainer.loop import Trainer
-
-    tr.c.drafter, tr.c.optimizer = tr.drafters[0], tr.optimizers[0]
-    Trainer.warmup = lambda self: None
-    emit("naive_tokens_per_s", round(naive(tr, args.naive_steps), 1))
-    pipe = results["pipeline"]["tokens_per_s_steady"]
-    slowest = min(target_alone, drafter_alone)
-    shared = set(args.target) & set(args.drafter)
-    bound = 1 / (1 / target_alone + 1 / drafter_alone) if shared else slowest
-    emit("summary", {
-        "pipeline_over_slowest_stage": round(pipe / slowest, 3),
-        "pipeline_over_bound": round(pipe / bound, 3),
-        "bound": "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage",
-        "speedup_over_naive": round(pipe / results["naive_tokens_per_s"], 3),
-        "ideal_speedup_over_naive": round((1 / target_alone + 1 / drafter_alone) / (1 / slowest), 3),
-        "target_mfu_alone": round(target_flops / (peak * 1e12), 3) if peak else None,
-        "drafter_mfu_alone": round(drafter_flops / (peak * 1e12), 3) if peak else None})
+    target = build_target(args)
+    lengths = sample_lengths(args.samples, args)
+    emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
+                     "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
+    samples = random_samples(lengths, target.config.vocab_size)
+    args.modes = sorted(args.modes, key=["bucketed", "packed", "packed+ct"].index)
+    runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
+    for mode, length in runs:
+        key = mode if mode == "bucketed" or len(args.pack_length) == 1 else f"{mode}_{length}"
+        emit(key, run_mode(args, mode, target, samples, results, length))
+    rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
+    base = results.get("bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
+    summary = {}
+    for key, v in rows:
+        pipe = v["pipeline"]
+        summary[key] = {
+            "tokens_per_s": pipe["tokens_per_s_steady"], "x_bucketed": round(pipe["tokens_per_s_steady"] / base, 3)
+            if base else None, "pad_share": pipe["pad_share"], "warmup_s": v["warmup_s"],
+            "shapes": len(v["warm_shapes"]), "recompiles": pipe["recompiles_after_warmup"],
+            "host_syncs_per_step": pipe["host_syncs_per_step"], "peak_mem_gb": v["peak_mem_gb_all"],
+            "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
+            "pipeline_over_bound": v["pipeline_over_bound"]}
+    emit("summary", summary)
+    print(f"{'mode':<14}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
+          f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'mem GB':>8}")
+    for key, v in summary.items():
+        ta, da = v["target_alone"], v["drafter_alone"]
+        mfu = lambda s: "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"  # noqa: E731
+        print(f"{key:<14}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
+              f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
+              f"{mfu(ta):>12}{mfu(da):>12}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+    return results
 
 
 if __name__ == "__main__":

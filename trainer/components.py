@@ -28,7 +28,7 @@ class Components:
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    train_data: PreloadedDataset
+    train_data: PreloadedDataset  # or trainer.packing.PackedDataset when data.pack_length is set
     eval_conversations: list[dict]
     eval_data: PreloadedDataset
     gamma: float
@@ -121,6 +121,12 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
     train_data = dataset(train_conv, cfg.data.seed)
     eval_data = dataset(eval_conv, cfg.data.seed + 1)
     target = build_target(cfg, tokenizer, train_data, run_dir, log)
+    if cfg.data.pack_length:
+        from trainer.packing import PackedDataset
+
+        train_data = PackedDataset.from_dataset(train_data, cfg.data.pack_length, cfg.data.pack_rows)
+        log(f"packing {len(train_data)} conversations into rows of {cfg.data.pack_length} tokens, "
+            f"{cfg.data.pack_rows} per micro-batch: {train_data.pad_share():.1%} padding")
     drafter_device = cfg.devices.drafter[0]
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer), drafter_device)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)

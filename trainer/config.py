@@ -59,6 +59,7 @@ class ModelConfig:
     dtype: str = "bf16"  # bf16 | fp32: target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
+    compile_target: bool = False  # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only)
 
 
 @dataclass
@@ -84,6 +85,9 @@ class DataConfig:
     token_budget: int = 3072  # padded tokens per micro-batch
     bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3072])  # length bucket upper bounds
     pad_multiple: int = 64  # batches are padded to a multiple of this length (fewer distinct shapes)
+    pack_length: int = 0  # 0: length buckets; else whole conversations packed into rows of this many tokens (a multiple of 128, >= max_length): one shape for the run
+    pack_rows: int = 1  # packed rows per micro-batch
+    anchors_per_row: int | None = None  # packed: draft blocks per row; default num_anchors per max_length tokens, same density
     seed: int = 0  # data order and anchor sampling seed
 
 
@@ -315,6 +319,11 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.token_budget >= c.data.max_length, ("data", "token_budget"), "must be at least max_length")
     check(c.data.bucket_edges == sorted(c.data.bucket_edges) and len(c.data.bucket_edges) > 0,
           ("data", "bucket_edges"), "must be a non-empty increasing list")
+    check(c.data.pack_length == 0 or (c.data.pack_length % 128 == 0 and c.data.pack_length >= c.data.max_length),
+          ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
+    check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
+    check(c.data.anchors_per_row is None or c.data.anchors_per_row >= 1, ("data", "anchors_per_row"),
+          "must be positive")
     check(c.optim.lr > 0, ("optim", "lr"), "must be positive")
     check(0 <= c.optim.warmup_ratio < 1, ("optim", "warmup_ratio"), "must be in [0, 1)")
     check(c.optim.total_steps >= 1, ("optim", "total_steps"), "must be at least 1")

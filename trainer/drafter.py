@@ -209,15 +209,20 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_kv, attention)
         return self.norm(x)
 
-    def forward_train(self, ctx_features, block_embeds, block_positions, attention: Attention) -> torch.Tensor:
+    def forward_train(self, ctx_features, block_embeds, block_positions, attention: Attention,
+                      ctx_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward: all blocks of each sequence at once.
 
-        ctx_features [B, L, n*H] (context position j = j), block_embeds [B, A*bs, H],
+        ctx_features [B, L, n*H] (context position j = j, unless ctx_positions [B, L] says
+        otherwise: packed rows restart positions per document), block_embeds [B, A*bs, H],
         block_positions [B, A*bs]; `attention` applies the block mask (see trainer.masks).
         Returns the final hidden states of every block slot, [B, A*bs, H].
         """
         b, length = ctx_features.shape[:2]
-        ctx_positions = torch.arange(length, device=ctx_features.device).expand(b, length)
+        if block_embeds.shape[0] != b or block_positions.shape[0] != b:
+            raise ValueError(f"context features hold {b} rows but the blocks {block_embeds.shape[0]}")
+        if ctx_positions is None:
+            ctx_positions = torch.arange(length, device=ctx_features.device).expand(b, length)
         return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attention)
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from trainer.evaluate import mean_acceptance_length
 from trainer.masks import Blocks, prepare_blocks, resolve_backend
 from trainer.objective import drafter_loss_sums
 from trainer.optim import clip_gradients
+from trainer.packing import row_anchors
 from trainer.rundir import RunDir, atomic_write
 from trainer.target import target_context_features
 
@@ -47,6 +48,7 @@ class Trainer:
         self.step = 0
         self.anchor_rng = torch.Generator().manual_seed(cfg.data.seed)
         self.c: Components | None = None
+        self._steady = (0, 0.0)  # real tokens and seconds of the steps after the first
         self.wandb = None
 
     # ------------------------------------------------------------------ setup
@@ -93,17 +95,27 @@ class Trainer:
     def warmup(self) -> None:
         """Run each bucket's largest shape once, so kernels are compiled before the timed loop."""
         data = self.c.train_data
-        batches, bucket_ids = data.plan_epoch(data.epoch)
-        shapes = select_target_warmup_shapes(data, batches, bucket_ids, self.cfg.run.warmup_shapes)
         self.rd.update(state="warmup")
         began = time.time()
         gen = torch.Generator().manual_seed(12345)
-        for b, seq in shapes:
-            ids = torch.randint(0, self.c.drafter.config.vocab_size, (b, seq), generator=gen)
-            mask = torch.ones_like(ids, dtype=torch.bool)
-            blocks = self._blocks(ids, mask, gen)
-            loss, _, _ = self._forward(ids, torch.ones_like(ids), blocks)
+        if self.cfg.data.pack_length:
+            from trainer.packing import warmup_packed_batch
+
+            batch = warmup_packed_batch(self.cfg.data.pack_rows, self.cfg.data.pack_length,
+                                        self.c.drafter.config.vocab_size, gen)
+            shapes = [tuple(batch.input_ids.shape)]
+            blocks = self._blocks(batch.input_ids, batch.loss_mask, gen, batch.doc_start)
+            loss, _, _ = self._forward(batch.input_ids, batch.attention_mask, blocks, batch.doc_start)
             loss.backward()
+        else:
+            batches, bucket_ids = data.plan_epoch(data.epoch)
+            shapes = select_target_warmup_shapes(data, batches, bucket_ids, self.cfg.run.warmup_shapes)
+            for b, seq in shapes:
+                ids = torch.randint(0, self.c.drafter.config.vocab_size, (b, seq), generator=gen)
+                mask = torch.ones_like(ids, dtype=torch.bool)
+                blocks = self._blocks(ids, mask, gen)
+                loss, _, _ = self._forward(ids, torch.ones_like(ids), blocks)
+                loss.backward()
         self.c.drafter.zero_grad(set_to_none=True)
         seconds = time.time() - began
         self.graphs_after_warmup = compiled_graphs()
@@ -111,17 +123,22 @@ class Trainer:
         self.rd.log(f"warm-up on {len(shapes)} shapes {shapes} took {seconds:.1f}s")
 
     # ------------------------------------------------------------------ one step
-    def _blocks(self, input_ids, loss_mask, generator) -> Blocks:
+    def _blocks(self, input_ids, loss_mask, generator, doc_start=None) -> Blocks:
         m = self.cfg.model
-        return prepare_blocks(input_ids, loss_mask, self.cfg.data.num_anchors, m.block_size, self.c.gamma,
-                              self.c.drafter.config.mask_token_id, generator).to(self.c.drafter_device)
+        anchors = row_anchors(self.cfg.data, m.block_size) if doc_start is not None else self.cfg.data.num_anchors
+        return prepare_blocks(input_ids, loss_mask, anchors, m.block_size, self.c.gamma,
+                              self.c.drafter.config.mask_token_id, generator, doc_start).to(self.c.drafter_device)
 
-    def _forward(self, input_ids, attention_mask, blocks):
+    def _forward(self, input_ids, attention_mask, blocks, doc_start=None):
+        """doc_start: packed rows (trainer.packing), else None."""
         c = self.c
         feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),
-                                        c.drafter.config.target_layer_ids).to(c.drafter_device, non_blocking=True)
+                                        c.drafter.config.target_layer_ids,
+                                        None if doc_start is None else doc_start.to(c.target_device))
+        feats = feats.to(c.drafter_device, non_blocking=True)
         with autocast_for(c.drafter_device, self.cfg.model.dtype):
-            return drafter_loss_sums(c.drafter, c.head, feats, blocks, self.backend, self.cfg.model.loss_chunk)
+            return drafter_loss_sums(c.drafter, c.head, feats, blocks, self.backend, self.cfg.model.loss_chunk,
+                                     doc_start=doc_start)
 
     def train_step(self) -> dict:
         """One optimizer step over `micro_batches` micro-batches, normalised by the step's total weight.
@@ -134,17 +151,20 @@ class Trainer:
         micro = []
         for _ in range(self.cfg.optim.micro_batches):
             batch = c.train_data.next_batch()
-            micro.append((batch, self._blocks(batch.input_ids, batch.loss_mask, self.anchor_rng)))
+            doc_start = getattr(batch, "doc_start", None)
+            micro.append((batch, self._blocks(batch.input_ids, batch.loss_mask, self.anchor_rng, doc_start)))
         weight_total = sum(blocks.weights[:, :, 1:].sum() for _, blocks in micro).clamp(min=1e-6)
         loss_total = torch.zeros((), device=c.drafter_device)
         correct_total = torch.zeros((), device=c.drafter_device)
-        tokens = 0
+        tokens, positions = 0, 0
         for batch, blocks in micro:
-            loss_sum, _, correct_sum = self._forward(batch.input_ids, batch.attention_mask, blocks)
+            loss_sum, _, correct_sum = self._forward(batch.input_ids, batch.attention_mask, blocks,
+                                                     getattr(batch, "doc_start", None))
             (loss_sum / weight_total).backward()
             loss_total += loss_sum.detach()
             correct_total += correct_sum
             tokens += batch.tokens
+            positions += batch.input_ids.numel()
         grad_norm = clip_gradients(c.drafter.parameters(), self.cfg.optim.grad_clip)
         lr = c.scheduler.get_last_lr()[0]
         c.optimizer.step()
@@ -152,8 +172,11 @@ class Trainer:
         c.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         seconds = max(time.time() - began, 1e-9)
+        if self.step > 1:  # steady: every step after the first
+            self._steady = (self._steady[0] + tokens, self._steady[1] + seconds)
         return {"loss": float(loss_total / weight_total), "acc": float(correct_total / weight_total), "lr": lr,
-                "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds}
+                "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds,
+                "pad_share": round(1 - tokens / max(positions, 1), 4)}
 
     # ------------------------------------------------------------------ evaluation, checkpoints
     @torch.no_grad()
@@ -226,8 +249,9 @@ class Trainer:
             if self.step % self.cfg.run.log_every == 0 or self.step == total:
                 recompiles = compiled_graphs() - self.graphs_after_warmup
                 self.rd.event("step", self.step, recompiles=recompiles, **m)
+                steady = {"tokens_per_s_steady": self._steady[0] / self._steady[1]} if self._steady[1] else {}
                 self.rd.update(step=self.step, recompiles=recompiles, loss=m["loss"], acc=m["acc"],
-                               tokens_per_s=m["tokens_per_s"])
+                               tokens_per_s=m["tokens_per_s"], pad_share=m["pad_share"], **steady)
                 self.rd.log(f"step {self.step}/{total} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                             f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
                 if self.wandb is not None:

@@ -7,6 +7,12 @@ queries are the A*bs block slots. A block with anchor p:
   * sees every slot of its own block (bidirectional), never another block;
   * a padding block (no anchor) sees nothing, and its output is zero.
 Slot k of the block sits at position p+k and predicts the token at p+k (not shifted).
+
+Packed rows (trainer.packing) hold several documents back to back. Then every block also carries
+the row index where its anchor's document starts (`starts`): it sees context key j iff
+start <= j < p, so never another document; its positions and the target's restart at each
+document; a slot past its document's end is out of bounds (no label, no weight), exactly as past
+the end of an unpacked sequence. Unpacked, starts are 0 and everything reads as above.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class Blocks:
     positions: torch.Tensor  # anchor + k
     labels: torch.Tensor  # token at anchor + k (0 where out of bounds)
     weights: torch.Tensor  # float loss weight, 0 for slot 0, padding, out-of-bounds, non-loss tokens
+    starts: torch.Tensor  # [B, A] row index where the anchor's document begins (0 unpacked)
 
     def to(self, device) -> "Blocks":
         return Blocks(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
@@ -73,46 +80,176 @@ def make_blocks(
     block_size: int,
     gamma: float,
     mask_token_id: int,
+    doc_start: torch.Tensor | None = None,
 ) -> Blocks:
-    """Build block inputs, positions, labels and loss weights for the given anchors."""
+    """Build block inputs, positions, labels and loss weights for the given anchors.
+
+    doc_start [B, L] (packed rows): the row index where each token's document begins; positions
+    are then counted from the anchor's document start, and slots outside that document are out
+    of bounds."""
     b, length = input_ids.shape
     dev = anchors.device
     offsets = torch.arange(block_size, device=dev)
-    positions = anchors[..., None] + offsets  # [B, A, bs]
-    in_bounds = positions < length
-    safe = positions.clamp(max=length - 1).view(b, -1)
-    labels = torch.gather(input_ids.to(dev), 1, safe).view_as(positions)
-    on_loss = torch.gather(loss_mask.to(dev).bool(), 1, safe).view_as(positions)
+    absolute = anchors[..., None] + offsets  # [B, A, bs] row index of each slot's label
+    in_bounds = absolute < length
+    safe = absolute.clamp(max=length - 1).view(b, -1)
+    if doc_start is None:
+        starts = torch.zeros_like(anchors)
+    else:
+        doc_start = doc_start.to(dev)
+        starts = torch.gather(doc_start, 1, anchors)
+        in_bounds &= torch.gather(doc_start, 1, safe).view_as(absolute) == starts[..., None]
+    labels = torch.gather(input_ids.to(dev), 1, safe).view_as(absolute)
+    on_loss = torch.gather(loss_mask.to(dev).bool(), 1, safe).view_as(absolute)
     weights = loss_decay(block_size, gamma).to(dev) * (valid[..., None] & in_bounds & on_loss)
     labels = torch.where(in_bounds, labels, torch.zeros_like(labels))
-    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids = torch.full_like(absolute, mask_token_id)
     block_ids[..., 0] = torch.where(valid, labels[..., 0], torch.full_like(anchors, mask_token_id))
-    return Blocks(anchors, valid, block_ids, positions, labels, weights)
+    positions = absolute - starts[..., None]
+    return Blocks(anchors, valid, block_ids, positions, labels, weights, starts)
 
 
-def prepare_blocks(input_ids, loss_mask, num_anchors, block_size, gamma, mask_token_id, generator) -> Blocks:
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    return make_blocks(input_ids.cpu(), loss_mask.cpu(), anchors, valid, block_size, gamma, mask_token_id)
+def prepare_blocks(input_ids, loss_mask, num_anchors, block_size, gamma, mask_token_id, generator,
+                   doc_start: torch.Tensor | None = None) -> Blocks:
+    """Sample anchors and build their blocks; with doc_start (packed rows) anchors are sampled
+    per document (trainer.packing.sample_packed_anchors) and `num_anchors` is per row."""
+    if doc_start is None:
+        anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    else:
+        from trainer.packing import sample_packed_anchors
+
+        doc_start = doc_start.cpu()
+        anchors, valid = sample_packed_anchors(loss_mask, doc_start, num_anchors, generator)
+    return make_blocks(input_ids.cpu(), loss_mask.cpu(), anchors, valid, block_size, gamma, mask_token_id,
+                       doc_start)
 
 
-def visible(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, q_idx, kv_idx, b):
+def visible(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, q_idx, kv_idx, b,
+            starts: torch.Tensor | None = None):
     """The mask rule for query slot q_idx and key kv_idx of sequence b (shared by both backends)."""
     block = q_idx // block_size
     anchor = anchors[b, block]
     is_ctx = kv_idx < ctx_len
     sees_ctx = is_ctx & (kv_idx < anchor)
+    if starts is not None:
+        sees_ctx = sees_ctx & (kv_idx >= starts[b, block])
     sees_own_block = (~is_ctx) & ((kv_idx - ctx_len) // block_size == block)
     return valid[b, block] & (sees_ctx | sees_own_block)
 
 
-def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+               starts: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask [B, 1, A*bs, ctx_len + A*bs]."""
     b, a = anchors.shape
     dev = anchors.device
     q = torch.arange(a * block_size, device=dev)[None, :, None]
     kv = torch.arange(ctx_len + a * block_size, device=dev)[None, None, :]
     bidx = torch.arange(b, device=dev)[:, None, None]
-    return visible(anchors, valid, ctx_len, block_size, q, kv, bidx)[:, None]
+    return visible(anchors, valid, ctx_len, block_size, q, kv, bidx, starts)[:, None]
+
+
+def document_causal_dense(doc_start: torch.Tensor) -> torch.Tensor:
+    """The target's mask in a packed row, dense [B, 1, L, L]: query i sees key j iff
+    doc_start[i] <= j <= i (causal inside its own document only)."""
+    length = doc_start.shape[1]
+    idx = torch.arange(length, device=doc_start.device)
+    return ((doc_start[:, :, None] <= idx[None, None, :]) & (idx[None, None, :] <= idx[None, :, None]))[:, None]
+
+
+TILE = 128  # flex_attention's BlockMask tile (queries and keys)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, NQ, NKV] bool -> (count [B, 1, NQ], indices [B, 1, NQ, NKV]) with the True tiles first."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[:, None], order[:, None]
+
+
+def _tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, q_len: int, kv_len: int):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_num, kv_idx = _ordered(partial & ~full)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+def _tile_ranges(count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    lo = torch.arange(count, device=device) * TILE
+    return lo, lo + TILE
+
+
+def document_causal_block_mask(doc_start: torch.Tensor):
+    """The target's packed-row mask as a flex BlockMask, built from tile arithmetic (no dense
+    [L, L] evaluation and no host sync). Needs L % 128 == 0.
+
+    A query tile's queries have nondecreasing document starts, so the keys any of them sees are
+    [doc_start(first), last] and the keys all of them see are [doc_start(last), first]: tiles
+    inside the second range are full (no mask_mod), tiles touching the first are partial."""
+    b, length = doc_start.shape
+    if length % TILE:
+        raise ValueError(f"packed length {length} is not a multiple of {TILE}")
+    n = length // TILE
+    tiles = doc_start.view(b, n, TILE)
+    first_q = torch.arange(n, device=doc_start.device) * TILE
+    kv_lo, kv_hi = _tile_ranges(n, doc_start.device)  # key tile j covers [lo, hi)
+    union_lo, union_hi = tiles[:, :, 0], first_q + TILE - 1  # keys seen by some query: [lo, hi]
+    inter_lo, inter_hi = tiles[:, :, -1], first_q  # keys seen by every query: [lo, hi]
+    partial = (kv_hi[None, None] > union_lo[..., None]) & (kv_lo[None, None] <= union_hi[None, :, None])
+    full = (kv_lo[None, None] >= inter_lo[..., None]) & (kv_hi[None, None] - 1 <= inter_hi[None, :, None])
+
+    def mask_mod(bi, h, q_idx, kv_idx):
+        return (doc_start[bi, q_idx] <= kv_idx) & (kv_idx <= q_idx)
+
+    return _tile_block_mask(partial, full & partial, mask_mod, length, length)
+
+
+def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, ctx_len: int,
+                     block_size: int):
+    """The drafter's mask (`visible`) as a flex BlockMask from tile arithmetic, for long packed
+    rows where evaluating the rule densely over [A*bs, ctx_len + A*bs] would cost gigabytes.
+
+    Per query tile: context tiles meeting [min start, max anchor) of its valid blocks are
+    partial, those inside [max start, min anchor) of all its blocks (all valid) are full; the
+    tiles holding its blocks' own slots are partial. Needs ctx_len % 128 == 0."""
+    if ctx_len % TILE:
+        raise ValueError(f"context length {ctx_len} is not a multiple of {TILE}")
+    b, a = anchors.shape
+    dev = anchors.device
+    q_len = a * block_size
+    nq = -(-q_len // TILE)
+    nc = ctx_len // TILE
+    pad = nq * TILE - q_len
+
+    def per_slot(t: torch.Tensor, fill) -> torch.Tensor:
+        t = t.repeat_interleave(block_size, dim=1)
+        return torch.nn.functional.pad(t, (0, pad), value=fill).view(b, nq, TILE)
+
+    big = ctx_len + q_len + TILE
+    slot_valid = per_slot(valid, False)
+    slot_anchor = per_slot(anchors, 0)
+    slot_start = per_slot(starts, 0)
+    own_lo = per_slot(ctx_len + torch.arange(a, device=dev)[None].expand(b, a) * block_size, 0)
+    any_valid, all_valid = slot_valid.any(-1), slot_valid.all(-1)
+    union_lo = torch.where(slot_valid, slot_start, big).amin(-1)
+    union_hi = torch.where(slot_valid, slot_anchor, -1).amax(-1)
+    inter_lo, inter_hi = slot_start.amax(-1), slot_anchor.amin(-1)
+    own_union_lo = torch.where(slot_valid, own_lo, big).amin(-1)
+    own_union_hi = torch.where(slot_valid, own_lo + block_size, -1).amax(-1)
+    kv_lo, kv_hi = _tile_ranges(nc + nq, dev)
+    kv_lo, kv_hi = kv_lo[None, None], kv_hi[None, None]
+    is_ctx = kv_lo < ctx_len
+    ctx_any = is_ctx & (kv_hi > union_lo[..., None]) & (kv_lo < union_hi[..., None])
+    own_any = ~is_ctx & (kv_hi > own_union_lo[..., None]) & (kv_lo < own_union_hi[..., None])
+    partial = any_valid[..., None] & (ctx_any | own_any)
+    full = (all_valid & (inter_hi > inter_lo))[..., None] & is_ctx & (kv_lo >= inter_lo[..., None]) \
+        & (kv_hi <= inter_hi[..., None])
+
+    def mask_mod(bi, h, q_idx, kv_idx):
+        return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
+
+    return _tile_block_mask(partial, full, mask_mod, q_len, ctx_len + q_len)
 
 
 def dense_attention(mask: torch.Tensor):
@@ -136,24 +273,41 @@ def _flex_fn(device_type: str):
     global _compiled_flex
     if device_type == "cpu":
         return flex_attention  # eager: compiled flex on CPU is inference-only
+    if torch.compiler.is_compiling():
+        # Traced inside a compiled region (model.compile_target): Dynamo fuses flex_attention into
+        # that graph itself. Never create or cache here: under tracing torch.compile(fn) returns
+        # fn, and the cache would keep the raw, unfused flex_attention for every later caller.
+        return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
 
-def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int):
-    """flex_attention with a BlockMask built from the same rule as `dense_mask`."""
+def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+                      starts: torch.Tensor | None = None, tiled: bool = False):
+    """flex_attention with a BlockMask built from the same rule as `dense_mask`.
+
+    tiled: build it by tile arithmetic (`draft_block_mask`, for packed rows) instead of
+    evaluating the rule on every (query, key) pair (`create_block_mask`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, a = anchors.shape
+    if tiled:
+        block_mask = draft_block_mask(anchors, valid, torch.zeros_like(anchors) if starts is None else starts,
+                                      ctx_len, block_size)
+    else:
+        def mask_mod(bi, h, q_idx, kv_idx):
+            return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
 
-    def mask_mod(bi, h, q_idx, kv_idx):
-        return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi)
+        block_mask = create_block_mask(
+            mask_mod, b, None, a * block_size, ctx_len + a * block_size, device=anchors.device
+        )
+    return flex_with(block_mask)
 
-    block_mask = create_block_mask(
-        mask_mod, b, None, a * block_size, ctx_len + a * block_size, device=anchors.device
-    )
-    flex = _flex_fn(anchors.device.type)
+
+def flex_with(block_mask):
+    """attend(q, k, v) through (compiled on CUDA) flex_attention under `block_mask`."""
+    flex = _flex_fn(block_mask.kv_num_blocks.device.type)
 
     def attend(q, k, v):
         return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
@@ -171,7 +325,7 @@ def resolve_backend(name: str, device: torch.device | str, needs_grad: bool) -> 
     return name
 
 
-def block_attention(backend: str, anchors, valid, ctx_len: int, block_size: int):
+def block_attention(backend: str, anchors, valid, ctx_len: int, block_size: int, starts=None, tiled: bool = False):
     if backend == "flex":
-        return flex_attention_fn(anchors, valid, ctx_len, block_size)
-    return dense_attention(dense_mask(anchors, valid, ctx_len, block_size))
+        return flex_attention_fn(anchors, valid, ctx_len, block_size, starts, tiled)
+    return dense_attention(dense_mask(anchors, valid, ctx_len, block_size, starts))

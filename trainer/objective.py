@@ -107,6 +107,7 @@ def drafter_loss_sums(
     backend: str,
     chunk: int = 2048,
     ce: str = "fused",
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training forward of the drafter on one micro-batch.
 
@@ -114,12 +115,20 @@ def drafter_loss_sums(
     `trainer.masks.prepare_blocks` (on the drafter's device). Returns (loss_sum, weight_sum,
     correct_sum) as 0-d fp32 tensors (loss_sum differentiable); no host sync happens here.
     ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and the bench).
+    doc_start [B, L]: packed rows (trainer.packing): context positions restart per document, a
+    block sees only its own document, and flex builds its mask from tiles (long rows).
     """
     b, a, bs = blocks.input_ids.shape
     ctx_len = ctx_features.shape[1]
-    attend = block_attention(backend, blocks.anchors, blocks.valid, ctx_len, bs)
+    packed = doc_start is not None
+    attend = block_attention(backend, blocks.anchors, blocks.valid, ctx_len, bs, blocks.starts if packed else None,
+                             tiled=packed)
     embeds = head.embed(blocks.input_ids.view(b, a * bs))
-    hidden = drafter.forward_train(ctx_features, embeds, blocks.positions.view(b, a * bs), attend)
+    ctx_positions = None
+    if packed:
+        doc_start = doc_start.to(ctx_features.device)
+        ctx_positions = torch.arange(ctx_len, device=doc_start.device) - doc_start
+    hidden = drafter.forward_train(ctx_features, embeds, blocks.positions.view(b, a * bs), attend, ctx_positions)
     hidden = hidden.view(b, a, bs, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])  # slot 0 carries no loss
     labels = blocks.labels[:, :, 1:].reshape(-1)
     weights = blocks.weights[:, :, 1:].reshape(-1)

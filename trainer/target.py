@@ -87,22 +87,101 @@ def base_model(target: torch.nn.Module) -> torch.nn.Module:
     return getattr(target, target.base_model_prefix)
 
 
+def _sdpa_or_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' "sdpa" attention, extended: a flex BlockMask as the mask runs flex_attention
+    (packed rows on CUDA, trainer.masks.document_causal_block_mask); anything else goes to the
+    original SDPA function unchanged, so every other caller behaves exactly as before."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    from trainer.masks import _flex_fn
+
+    flex = _flex_fn(query.device.type)
+    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _install_packed_attention():
+    from transformers import AttentionInterface
+
+    global _SDPA
+    current = AttentionInterface._global_mapping["sdpa"]
+    if current is not _sdpa_or_flex:
+        _SDPA = current
+        AttentionInterface.register("sdpa", _sdpa_or_flex)
+
+
+_SDPA = None
+_install_packed_attention()
+
+
+def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict:
+    """The per-layer-type attention masks handed to the decoder (which then builds none).
+
+    None: plain causal (right-padded rows; SDPA is_causal). doc_start [B, L]: causal inside each
+    document of a packed row, as a flex BlockMask on CUDA and a dense boolean mask elsewhere."""
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if doc_start is None:
+        mask = None
+    elif doc_start.device.type == "cuda":
+        from trainer.masks import document_causal_block_mask
+
+        mask = document_causal_block_mask(doc_start)
+    else:
+        from trainer.masks import document_causal_dense
+
+        mask = document_causal_dense(doc_start)
+    return {kind: mask for kind in kinds}
+
+
 @torch.no_grad()
 def target_context_features(
     target: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     layer_ids: list[int],
+    doc_start: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
 
     Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
     embedding), as the published DFlash drafts expect.
+
+    doc_start [B, L] (packed rows, trainer.packing): attention is causal inside each document and
+    positions restart at every document; attention_mask is then ignored. out: written in place.
     """
-    out = base_model(target)(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-    )
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    model = base_model(target)
+    kwargs = {}
+    if doc_start is not None:
+        doc_start = doc_start.to(input_ids.device)
+        attention_mask = packed_mask_mapping(model, doc_start)
+        kwargs["position_ids"] = torch.arange(doc_start.shape[1], device=doc_start.device) - doc_start
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                   **kwargs).hidden_states
+    return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)
+
+
+def compile_decoder_layers(target: torch.nn.Module) -> int:
+    """torch.compile every decoder layer of the target (static shapes), fusing its norms, RoPE and
+    SiLU into the matmuls' neighbours. Layers share one compiled graph (their parameters are
+    inputs, not constants). Only for a fixed set of shapes warmed on one thread before workers
+    start (trainer.pipeline.compile_safety); returns the number of layers wrapped."""
+    layers = base_model(target).layers
+    for layer in layers:
+        if not getattr(layer, "_dflash_compiled", False):
+            layer.compile(dynamic=False)
+            layer._dflash_compiled = True
+    return len(layers)
+
+
+def uncompile_decoder_layers(target: torch.nn.Module) -> None:
+    """Undo `compile_decoder_layers` (evaluation and drafting meet a new length at every call)."""
+    for layer in base_model(target).layers:
+        if getattr(layer, "_dflash_compiled", False):
+            layer._compiled_call_impl = None
+            layer._dflash_compiled = False
 
 
 class FrozenHead(torch.nn.Module):

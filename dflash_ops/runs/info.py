@@ -59,6 +59,8 @@ class RunInfo:
     acc: float | None = None
     tau: float | None = None
     tokens_per_s: float | None = None
+    tokens_per_s_steady: float | None = None  # optional in status.json
+    pad_share: float | None = None  # optional in status.json
     gpus: list[int] = field(default_factory=list)
     last_checkpoint: str | None = None
     recompiles: int | None = None

@@ -26,6 +26,8 @@ def run_row_from_info(target: str, info) -> RunRow:
         acc=info.acc,
         tau=info.tau,
         tokens_per_s=info.tokens_per_s,
+        tokens_per_s_steady=info.tokens_per_s_steady,
+        pad_share=info.pad_share,
         heartbeat=info.heartbeat,
         release=info.release,
         recompiles=info.recompiles or 0,

@@ -40,6 +40,8 @@ class RunRow:
     acc: float | None = None
     tau: float | None = None
     tokens_per_s: float | None = None
+    tokens_per_s_steady: float | None = None
+    pad_share: float | None = None
     heartbeat: float | None = None
     release: str | None = None
     recompiles: int = 0
@@ -116,6 +118,8 @@ def run_row_from_status(target: str, run_id: str, status: dict, release: str | N
         acc=status.get("acc"),
         tau=status.get("tau"),
         tokens_per_s=status.get("tokens_per_s"),
+        tokens_per_s_steady=status.get("tokens_per_s_steady"),
+        pad_share=status.get("pad_share"),
         heartbeat=status.get("heartbeat"),
         release=release,
         recompiles=int(status.get("recompiles") or 0),

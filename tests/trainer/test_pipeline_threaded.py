@@ -100,3 +100,26 @@ def test_control_stop_checkpoints_and_stops_cleanly(tmp_path):
     assert [e["request"] for e in events(run, "checkpoint")] == ["req-1"]
     assert events(run, "stop")[0]["reason"] == "control"
     assert not (run / "control" / "stop").exists()
+
+
+PACKED = "\n  pack_length: 128\n  pack_rows: 2\n"
+
+
+def test_threaded_packed_pipeline_matches_reference_loop(tmp_path, fx_trace_threads):
+    """Packed rows through both loops: the same numbers, one warm shape, status with pad share."""
+    def packed(**kw):
+        text = CONFIG % dict(kind=kw.get("kind", "threaded"), targets=kw.get("targets", "cpu, cpu"),
+                             drafters=kw.get("drafters", "cpu, cpu"), pad="auto")
+        return parse_config(text.replace("\n  pad_multiple: 16\n", "\n  pad_multiple: 16" + PACKED))
+
+    assert train(packed(kind="reference", targets="cpu", drafters="cpu"), tmp_path / "ref") == 0
+    assert train(packed(), tmp_path / "thr") == 0
+    ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
+    assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3, 4]
+    for a, b in zip(ref, thr):
+        for key in ("loss", "acc", "grad_norm", "lr", "pad_share"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+        assert b["recompiles"] == 0 and 0 <= b["pad_share"] < 0.2
+    assert events(tmp_path / "thr", "warmup")[0]["shapes"] == [[2, 128]]
+    st = status(tmp_path / "thr")
+    assert st["state"] == "done" and st["tokens_per_s_steady"] > 0 and 0 <= st["pad_share"] < 0.2

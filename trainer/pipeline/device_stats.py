@@ -40,6 +40,10 @@ class MetricAccumulator:
         self._pending: deque = deque()  # (slot, event, steps, host_time)
         self._ready: list[dict] = []
         self._lock = threading.Lock()
+        self._ref = None  # timing event every snapshot's GPU time is measured from
+        if self._cuda:
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record(self._side)
 
     def add(self, vector: torch.Tensor) -> None:
         self.sums.add_(vector.to(torch.float64))
@@ -57,7 +61,7 @@ class MetricAccumulator:
                 with torch.cuda.stream(self._side):
                     host.copy_(self.sums, non_blocking=True)
                     self.sums.zero_()
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(self._side)
                 producer.wait_stream(self._side)
             else:
@@ -71,21 +75,26 @@ class MetricAccumulator:
         slot, event, steps, when = self._pending.popleft()
         if event is not None:
             event.synchronize()
-        self._ready.append(self._values(slot, steps, when))
+        self._ready.append(self._values(slot, steps, when, event))
         self._free.append(slot)
 
-    def _values(self, slot: int, steps: int, when: float) -> dict:
+    def _values(self, slot: int, steps: int, when: float, event=None) -> dict:
+        """A window's sums; `gpu_time` (CUDA): seconds on the device's own clock from the
+        accumulator's creation to the snapshot, so windows are timed by the GPU, not by when the
+        host (which runs ahead) happened to call snapshot()."""
         values = dict(zip(self.names, self._slots[slot].tolist()))
         values["step"] = steps
         values["time"] = when
+        if event is not None:
+            values["gpu_time"] = self._ref.elapsed_time(event) / 1000.0
         return values
 
     def completed(self) -> list[dict]:
         with self._lock:
             out, self._ready = self._ready, []
             while self._pending and (self._pending[0][1] is None or self._pending[0][1].query()):
-                slot, _, steps, when = self._pending.popleft()
-                out.append(self._values(slot, steps, when))
+                slot, event, steps, when = self._pending.popleft()
+                out.append(self._values(slot, steps, when, event))
                 self._free.append(slot)
         return out
 

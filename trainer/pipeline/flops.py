@@ -13,6 +13,8 @@ token: target forward 1.48e10, drafter step 2.34e10.
 """
 from __future__ import annotations
 
+import torch
+
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A6000": 155.0}
 
 
@@ -25,30 +27,84 @@ def peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
+def _dims(cfg):
+    h = cfg.hidden_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    return h, cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+
+def target_flops(cfg, tokens: float, pairs: float, layers_used: int | None = None) -> float:
+    """Decoder stack over `tokens` positions whose attention covers `pairs` (query, key) pairs."""
+    h, q, kv = _dims(cfg)
+    per_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+    layers = layers_used or cfg.num_hidden_layers
+    return float(layers * (tokens * per_token + 4 * q * pairs))
+
+
 def target_forward_flops(cfg, batch: int, length: int, layers_used: int | None = None) -> float:
     """Decoder stack only (features need no LM head; every layer runs, so layers_used defaults
     to all of them); causal attention counted at half."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    per_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * inter)
-    attention = 2 * 2 * q * length / 2
-    layers = layers_used or cfg.num_hidden_layers
-    return float(layers * batch * length * (per_token + attention))
+    return target_flops(cfg, batch * length, batch * length * length / 2, layers_used)
+
+
+def drafter_flops(c, ctx_tokens: float, slots: float, pairs: float, head_rows: float) -> float:
+    """Forward + backward of the drafter over `ctx_tokens` context positions and `slots` block
+    slots whose attention covers `pairs` (slot, key) pairs, with `head_rows` slots through the LM head."""
+    h, q, kv = _dims(c)
+    per_layer_slot = 2 * (h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size)
+    per_layer_ctx = 2 * (2 * h * kv)  # K/V projections of the context
+    fc = 2 * len(c.target_layer_ids) * h * h * ctx_tokens
+    head = 2 * h * c.vocab_size * head_rows
+    forward_trainable = c.num_hidden_layers * (slots * per_layer_slot + 4 * q * pairs + ctx_tokens * per_layer_ctx) + fc
+    return float(3 * forward_trainable + 2 * head)
 
 
 def drafter_step_flops(c, batch: int, ctx_len: int, anchors: int) -> float:
     """Forward + backward of `trainer.objective.drafter_loss_sums` on one micro-batch.
 
     c: trainer.drafter.DrafterConfig."""
-    h, inter, bs = c.hidden_size, c.intermediate_size, c.block_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    bs = c.block_size
     slots = batch * anchors * bs
-    ctx = batch * ctx_len
-    per_layer_slot = 2 * (h * q + 2 * h * kv + q * h + 3 * h * inter)
-    per_layer_ctx = 2 * (2 * h * kv)  # K/V projections of the context
-    attention = 2 * 2 * q * (ctx_len / 2 + bs)  # a slot sees the context before its anchor + its block
-    fc = 2 * len(c.target_layer_ids) * h * h * ctx
-    head = 2 * h * c.vocab_size * batch * anchors * (bs - 1)
-    forward_trainable = c.num_hidden_layers * (slots * (per_layer_slot + attention) + ctx * per_layer_ctx) + fc
-    return float(3 * forward_trainable + 2 * head)
+    return drafter_flops(c, batch * ctx_len, slots, slots * (ctx_len / 2 + bs), batch * anchors * (bs - 1))
+
+
+FLOP_KEYS = ("target_real", "target_padded", "drafter_real", "drafter_padded", "tokens_real", "tokens_padded",
+             "blocks_real")
+
+
+def micro_batch_flops(target_cfg, drafter_cfg, attention_mask, doc_start, blocks) -> dict:
+    """Model FLOPs of one micro-batch, on real tokens and on everything computed (padding included).
+
+    Real: the target over real tokens with attention inside each document (or each unpadded
+    sequence), the drafter over real context tokens and valid blocks, each block's slots seeing
+    its document's context before the anchor plus the block. Padded: the whole [B, L] shape
+    (the pad tail of a packed row is one more document; an unpacked row is causal over its padded
+    length) and every block slot, valid or not, through the projections, MLP and LM head (a
+    padding block sees nothing, so attention is the same). CPU tensors in, floats out."""
+    b, length = attention_mask.shape
+    real_len = attention_mask.sum(1).double()
+    tokens_real = float(real_len.sum())
+    if doc_start is None:
+        pairs_real = float((real_len ** 2 / 2).sum())
+        pairs_padded = b * length * length / 2
+    else:
+        ar = torch.arange(length)
+        firsts = doc_start == ar
+        sizes = torch.bincount((doc_start + ar.new_tensor(length) * torch.arange(b)[:, None]).flatten(),
+                               minlength=b * length).double().view(b, length)
+        is_real = firsts & (attention_mask > 0)
+        pairs_real = float((sizes ** 2 / 2 * is_real).sum())
+        pairs_padded = float((sizes ** 2 / 2 * firsts).sum())
+    bs = drafter_cfg.block_size
+    valid = blocks.valid.cpu()
+    n_valid = float(valid.sum())
+    span = ((blocks.anchors.cpu() - blocks.starts.cpu()).double() + bs) * valid
+    pairs_slots = float(span.sum()) * bs
+    n_blocks = valid.numel()
+    return {
+        "target_real": target_flops(target_cfg, tokens_real, pairs_real),
+        "target_padded": target_flops(target_cfg, b * length, pairs_padded),
+        "drafter_real": drafter_flops(drafter_cfg, tokens_real, n_valid * bs, pairs_slots, n_valid * (bs - 1)),
+        "drafter_padded": drafter_flops(drafter_cfg, b * length, n_blocks * bs, pairs_slots, n_blocks * (bs - 1)),
+        "tokens_real": tokens_real, "tokens_padded": float(b * length), "blocks_real": n_valid,
+    }

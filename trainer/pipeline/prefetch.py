@@ -26,6 +26,7 @@ class MicroBatch:
     blocks: Blocks
     tokens: int  # real (unpadded) tokens
     data_state: dict  # dataset position after this micro-batch (for checkpoints)
+    doc_start: torch.Tensor | None = None  # [B, L] packed rows (trainer.packing); None when unpacked
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -73,14 +74,16 @@ class BatchPrefetcher:
         batch = self.next_batch()
         blocks = self.prepare_blocks(batch)
         ids, attn = batch.input_ids, batch.attention_mask
+        doc_start = getattr(batch, "doc_start", None)
         tokens = int(attn.sum())
-        if self.warm_shape_of is not None:
+        if self.warm_shape_of is not None and doc_start is None:
             ids, attn, blocks = pad_rows_and_length(ids, attn, blocks, self.warm_shape_of(batch), self.pad_id)
         if self.pin:
             ids, attn = ids.pin_memory(), attn.pin_memory()
+            doc_start = doc_start.pin_memory() if doc_start is not None else None
             blocks = Blocks(*(getattr(blocks, f.name).pin_memory() for f in fields(Blocks)))
         return MicroBatch(index, self.first_step + index // self.micro_batches, ids, attn, blocks, tokens,
-                          self.data_state())
+                          self.data_state(), doc_start)
 
     def run(self) -> None:
         for index in range(self.count):

@@ -49,3 +49,18 @@ class WarmShapes:
         if not fitting or batch.input_ids.shape[1] > self.lengths[bucket]:
             raise ValueError(f"batch {tuple(batch.input_ids.shape)} exceeds bucket {bucket}'s warm shapes")
         return fitting[0], self.lengths[bucket]
+
+
+class PackedShape:
+    """Packed rows (trainer.packing): every micro-batch has the one shape (rows, pack_length)."""
+
+    def __init__(self, rows: int, length: int):
+        self.shape = (rows, length)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [self.shape]
+
+    def shape_for(self, batch) -> tuple[int, int]:
+        if tuple(batch.input_ids.shape) != self.shape:
+            raise ValueError(f"packed batch {tuple(batch.input_ids.shape)} is not the run's shape {self.shape}")
+        return self.shape

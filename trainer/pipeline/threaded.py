@@ -17,15 +17,16 @@ from trainer import checkpoint as ckpt
 from trainer.loop import Trainer, autocast_for
 from trainer.masks import prepare_blocks
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
-from trainer.target import FrozenHead, target_context_features
+from trainer.packing import row_anchors, warmup_packed_batch
+from trainer.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 
 from .compile_safety import CompileGuard
 from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
-from .features import allocate_slots
-from .flops import drafter_step_flops, peak_tflops, target_forward_flops
+from .features import allocate_slots, pack_context_features
+from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
-from .shapes import WarmShapes
+from .shapes import PackedShape, WarmShapes
 from .stopping import StageQueue, StageThread, StopSignal, join_all
 from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
@@ -90,30 +91,56 @@ class ThreadedTrainer(Trainer):
         """Every drafter device, every warm shape, forward + backward, on this one thread; then freeze."""
         cfg, c = self.cfg, self.c
         remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
-        self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
-        mode = cfg.pipeline.pad_to_warm_shapes
-        self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
+        self.packed = bool(cfg.data.pack_length)
+        if self.packed:  # one shape for the whole run: nothing to pad, one warm-up
+            self.warm = PackedShape(cfg.data.pack_rows, cfg.data.pack_length)
+            self.pad = False
+        else:
+            self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
+            mode = cfg.pipeline.pad_to_warm_shapes
+            self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
+        self.anchors = row_anchors(cfg.data, cfg.model.block_size)
+        if cfg.model.compile_target and all(is_cuda(d) for d in self.target_devices):
+            for target in dict.fromkeys(self.targets):
+                compile_decoder_layers(target)
         shapes = self.warm.shapes()
         self.guard = CompileGuard()
         self.rd.update(state="warmup")
         began = time.time()
         gen = torch.Generator().manual_seed(12345)
         layer_ids = c.drafter.config.target_layer_ids
+
+        def inputs(shape):
+            b, seq = shape
+            if self.packed:  # documents and boundaries like the real rows, through the packed paths
+                batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
+                return batch.input_ids, batch.doc_start, batch.loss_mask
+            ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
+            return ids, None, torch.ones_like(ids, dtype=torch.bool)
+
+        def features(t, ids, doc_start):
+            """The target worker's own call (same mask path), so a compiled target meets nothing new."""
+            tdev = self.target_devices[t]
+            with torch.inference_mode():
+                return pack_context_features(self.targets[t], ids.to(tdev), None, layer_ids, None,
+                                             None if doc_start is None else doc_start.to(tdev))
+
+        for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
+            if self.target_devices[t] not in self.target_devices[:t]:
+                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes,
+                                   lambda shape, t=t: features(t, *inputs(shape)[:2]))
         for rank, device in enumerate(self.drafter_devices):
             def step(shape, rank=rank, device=device):
-                b, seq = shape
-                ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
-                blocks = prepare_blocks(ids, torch.ones_like(ids, dtype=torch.bool), cfg.data.num_anchors,
-                                        cfg.model.block_size, c.gamma, c.drafter.config.mask_token_id, gen).to(device)
-                with torch.inference_mode():
-                    feats = target_context_features(self.targets[0], ids.to(self.target_devices[0]),
-                                                    torch.ones_like(ids).to(self.target_devices[0]), layer_ids)
-                feats = feats.clone().to(device)
+                ids, doc_start, loss_mask = inputs(shape)
+                blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
+                                        c.drafter.config.mask_token_id, gen, doc_start).to(device)
+                feats = features(0, ids, doc_start).clone().to(device)
                 with autocast_for(str(device), cfg.model.dtype):
                     from trainer.objective import drafter_loss_sums
 
                     loss, _, _ = drafter_loss_sums(self.drafters[rank], self.heads[rank], feats, blocks,
-                                                   self.backend, cfg.model.loss_chunk)
+                                                   self.backend, cfg.model.loss_chunk,
+                                                   doc_start=None if doc_start is None else doc_start.to(device))
                     loss.backward()
 
             self.guard.warm_up(self.replica_keys[rank], shapes, step)
@@ -147,18 +174,25 @@ class ThreadedTrainer(Trainer):
             return {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
 
         def prepare(batch):
-            return prepare_blocks(batch.input_ids, batch.loss_mask, cfg.data.num_anchors, cfg.model.block_size,
-                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng)
+            return prepare_blocks(batch.input_ids, batch.loss_mask, self.anchors, cfg.model.block_size,
+                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng,
+                                  getattr(batch, "doc_start", None))
 
         prefetcher = BatchPrefetcher(c.train_data.next_batch, prepare, data_state, self.target_inputs, stop, count, M,
                                      first, self.warm.shape_for if self.pad else None,
                                      pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
         build = prefetcher.build
 
+        self.step_flops: dict[int, dict] = {}
+
         def build_and_record(index):
             mb = build(index)
             self.data_states[index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
+            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
+            into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
+            for key, value in counts.items():
+                into[key] += value
             return mb
 
         prefetcher.build = build_and_record
@@ -174,7 +208,7 @@ class ThreadedTrainer(Trainer):
             TargetWorker(t, self.targets[t], d, layer_ids, width, self.target_inputs[t],
                          [self.feature_queues[r][t] for r in range(R)],
                          allocate_slots(p.queue_depth * R + 2, max_numel, target_dtype, d), stop, self.busy[d],
-                         len(range(t, count, T)), route)
+                         len(range(t, count, T)), route, self.guard)
             for t, d in enumerate(self.target_devices)]
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
         reducer = ReplicaAllReduce(self.flats, streams, stop)
@@ -246,40 +280,56 @@ class ThreadedTrainer(Trainer):
                         "busy": None if busy[d] is None else round(busy[d], 4), "mem_gb": peak_memory_gb(d)})
         return out
 
-    def _flops_per_step(self) -> tuple[float, float]:
-        """Target and drafter FLOPs of one optimizer step at the padded warm shape mix (estimate)."""
-        cfg, c = self.cfg, self.c
-        b, seq = self.warm.shapes()[0]
-        mb = cfg.optim.micro_batches
-        return (mb * target_forward_flops(c.target.config, b, seq),
-                mb * drafter_step_flops(c.drafter.config, b, seq, cfg.data.num_anchors))
+    def _window_counts(self, first: int, end: int) -> dict:
+        """FLOPs and token counts of steps first..end-1, from the micro-batches actually built."""
+        total = dict.fromkeys(FLOP_KEYS, 0.0)
+        for s in range(first, end):
+            for key, value in self.step_flops.get(s, {}).items():
+                total[key] += value
+        return total
 
-    def _write_window(self, w: dict, since: tuple[int, float]) -> tuple[int, float]:
+    def _write_window(self, w: dict, since: tuple) -> tuple:
+        """since: (step, host time, GPU time or None) where the window starts. A window is timed
+        on the GPU's clock when both its ends have one (every window after the first on CUDA)."""
         cfg = self.cfg
-        step, now = int(w["step"]), w["time"]
-        prev_step, prev_time = since
-        seconds = max(now - prev_time, 1e-9)
+        step, now, gpu_now = int(w["step"]), w["time"], w.get("gpu_time")
+        prev_step, prev_time, prev_gpu = since
+        seconds = max((gpu_now - prev_gpu) if gpu_now is not None and prev_gpu is not None else now - prev_time, 1e-9)
         tokens = sum(self.step_tokens.get(s, 0) for s in range(prev_step, step))
+        counts = self._window_counts(prev_step, step)
         weight = max(w["weight_sum"], 1e-6)
         busy = {d: m.busy_fraction() for d, m in self.busy.items()}
         m = {"loss": w["loss_sum"] / weight, "acc": w["correct_sum"] / weight,
              "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
+             "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
              "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + [q for row in self.feature_queues for q in row]}}
+        # steady: every window after the first (which holds the pipeline filling up)
+        self.windows_seen = getattr(self, "windows_seen", 0) + 1
+        if self.windows_seen > 1:
+            self.steady_tokens = getattr(self, "steady_tokens", 0) + tokens
+            self.steady_seconds = getattr(self, "steady_seconds", 0.0) + seconds
+            m["tokens_per_s_steady"] = self.steady_tokens / self.steady_seconds
         peak = peak_tflops(torch.cuda.get_device_name(self.drafter_devices[0]) if is_cuda(self.drafter_devices[0]) else None)
         if peak:
-            tf, df = self._flops_per_step()
-            steps = step - prev_step
-            m["mfu"] = {"target": round(tf * steps / seconds / (peak * 1e12 * len(self.target_devices)), 4),
-                        "drafter": round(df * steps / seconds / (peak * 1e12 * len(self.drafter_devices)), 4)}
+            nt, nd = len(self.target_devices), len(self.drafter_devices)
+            rate = {k: counts[k] / seconds / (peak * 1e12 * (nt if k.startswith("target") else nd))
+                    for k in ("target_real", "target_padded", "drafter_real", "drafter_padded")}
+            m["mfu"] = {"target": round(rate["target_real"], 4), "drafter": round(rate["drafter_real"], 4),
+                        "target_padded": round(rate["target_padded"], 4),
+                        "drafter_padded": round(rate["drafter_padded"], 4)}
+            if max(rate.values()) > 1.0:
+                self.rd.log(f"warning: MFU above the {peak:.0f} TFLOP/s peak in steps {prev_step}..{step} {m['mfu']}: "
+                            "the FLOP count or the window's timing is wrong")
         self.rd.event("step", step, **m)
         self.rd.update(step=step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"],
-                       recompiles=m["recompiles"])
+                       recompiles=m["recompiles"], pad_share=m["pad_share"],
+                       **({"tokens_per_s_steady": m["tokens_per_s_steady"]} if "tokens_per_s_steady" in m else {}))
         self.rd.log(f"step {step}/{cfg.optim.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                     f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} "
-                    f"busy {[g['busy'] for g in m['gpus']]}")
-        return step, now
+                    f"pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}")
+        return step, now, gpu_now
 
     # ------------------------------------------------------------------ the run
     def train_steps(self) -> str | None:
@@ -288,7 +338,7 @@ class ThreadedTrainer(Trainer):
         threads = self._build_pipeline()
         writer = threading.Thread(target=self._write_checkpoints, name="checkpoint-writer", daemon=True)
         writer.start()
-        since = (self.step, time.time())
+        since = (self.step, time.time(), None)
         for t in threads:
             t.start()
         try:
@@ -306,6 +356,8 @@ class ThreadedTrainer(Trainer):
             self.writer_q.put(None)
             writer.join()
             self.guard.unfreeze()
+            for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
+                uncompile_decoder_layers(target)
         if self.stop.error is not None:
             raise PipelineFailed(self.stop.error)
         return self.stop.reason

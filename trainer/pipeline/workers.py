@@ -53,8 +53,9 @@ class Features:
 class TargetWorker:
     def __init__(self, rank: int, target, device, layer_ids, width: int, inputs: StageQueue,
                  outputs: list[StageQueue], slots: list[FeatureSlot], stop: StopSignal, busy: BusyMeter,
-                 count: int, route):
+                 count: int, route, guard: CompileGuard | None = None):
         self.rank, self.target, self.device = rank, target, torch.device(device)
+        self.guard = guard  # packed rows / compile_target: the target runs compiled code too
         self.layer_ids, self.width = layer_ids, width
         self.inputs, self.outputs, self.stop, self.busy = inputs, outputs, stop, busy
         self.count, self.route = count, route  # items this worker handles; micro-batch index -> drafter rank
@@ -73,8 +74,16 @@ class TargetWorker:
                     if slot.released is not None:
                         stream.wait_event(slot.released)
                     ids = mb.input_ids.to(self.device, non_blocking=True)
+                    doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
                     out = slot.view(ids.shape[0], ids.shape[1], self.width)
-                    pack_context_features(self.target, ids, None, self.layer_ids, out)
+
+                    def forward(ids=ids, out=out, doc_start=doc_start):
+                        return pack_context_features(self.target, ids, None, self.layer_ids, out, doc_start)
+
+                    if self.guard is None:
+                        forward()
+                    else:
+                        self.guard.run_warmed(f"target:{self.device}", tuple(ids.shape), forward)
                     ready = record_event(stream)
                 self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
 
@@ -120,11 +129,14 @@ class DrafterWorker:
         if not same_device:
             feats.release(stream)
         blocks = feats.mb.blocks.to(self.device)
+        doc_start = None if feats.mb.doc_start is None else feats.mb.doc_start.to(self.device, non_blocking=True)
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
                     if self.s.autocast_dtype is not None else contextlib.nullcontext())
+
         def forward_backward():
             with autocast:
-                sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk)
+                sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk,
+                                         doc_start=doc_start)
                 sums[0].backward()
             return sums
 

@@ -1,0 +1,38 @@
+"""bench/pipeline.py on CPU: multi-row, mixed-length batches through every stage, bucketed and packed."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_pipeline", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_every_stage_runs_on_multi_row_mixed_length_batches(tmp_path, capsys):
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "2", "--log-every", "1",
+        "--mix", "lognormal", "--min-len", "16", "--max-len", "128", "--median", "40", "--samples", "120",
+        "--bucket-edges", "32", "64", "128", "--token-budget", "256", "--anchors", "16",
+        "--modes", "bucketed", "packed", "--pack-length", "256", "--pack-rows", "2",
+        "--stage-micro", "4", "--naive-steps", "1", "--out", str(tmp_path / "bench.json")])
+    bucketed, packed = results["bucketed"], results["packed"]
+    assert any(rows > 1 for rows, _ in bucketed["warm_shapes"])  # several rows of mixed lengths per batch
+    assert len({length for _, length in bucketed["warm_shapes"]}) > 1
+    assert packed["warm_shapes"] == [[2, 256]] or packed["warm_shapes"] == [(2, 256)]
+    for mode in (bucketed, packed):
+        assert mode["target_alone"]["tokens_per_s"] > 0 and mode["drafter_alone"]["tokens_per_s"] > 0
+        assert mode["naive_tokens_per_s"] > 0
+        assert mode["pipeline"]["recompiles_after_warmup"] == 0 and mode["recompiles_after_stages"] == 0
+        assert mode["pipeline"]["steps"] == 2
+    assert packed["pipeline"]["pad_share"] < bucketed["pipeline"]["pad_share"]
+    assert (tmp_path / "bench.json").exists()
+    assert "packed" in capsys.readouterr().out.splitlines()[-1]

@@ -1,0 +1,212 @@
+"""Packed rows: whole conversations back to back in fixed-length rows, one shape for the whole run.
+
+A row holds documents (tokenized conversations) d0, d1, ... followed by padding. `doc_start[i]`
+is the row index where token i's document begins; the padding tail counts as one more document
+(so every query of the target sees at least itself). From it follow, everywhere:
+
+* the target's attention: causal inside each document (trainer.masks.document_causal_*);
+* positions: i - doc_start[i], restarting at 0 in every document (target RoPE and drafter);
+* anchors: sampled per document, `anchors_per_row * len(doc) / row length` of them (largest
+  remainder, so a row gets exactly its share), at positions p where p and p+1 carry loss and
+  belong to the same document; a block's slots past its document's end carry no label or weight;
+* the drafter's mask: a block sees context [doc_start(anchor), anchor) only (Blocks.starts).
+
+Loss normalisation is unchanged: Σ w·CE / Σ w over every block slot of the step.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from trainer.data import Batch, DataError
+
+
+@dataclass
+class PackedBatch(Batch):
+    doc_start: torch.Tensor = None  # [B, L] row index where each token's document begins
+
+    @property
+    def documents(self) -> int:
+        ar = torch.arange(self.doc_start.shape[1])
+        return int(((self.doc_start == ar) & (self.attention_mask > 0)).sum())
+
+
+def doc_start_of(lengths: list[int], row_length: int) -> torch.Tensor:
+    """[row_length] doc start per token for documents of `lengths` packed from index 0."""
+    out = torch.empty(row_length, dtype=torch.long)
+    at = 0
+    for n in lengths:
+        out[at: at + n] = at
+        at += n
+    out[at:] = at
+    return out
+
+
+def positions_of(doc_start: torch.Tensor) -> torch.Tensor:
+    """Position inside its document of every token: i - doc_start[i]."""
+    return torch.arange(doc_start.shape[-1], device=doc_start.device) - doc_start
+
+
+def sample_packed_anchors(loss_mask: torch.Tensor, doc_start: torch.Tensor, num_anchors: int,
+                          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num_anchors` slots per row, shared among its documents by length; sorted, padded invalid.
+
+    Document d covering [s, e) of a row of length L gets floor(A*e/L) - floor(A*s/L) anchors
+    (fewer if it has fewer eligible positions), drawn uniformly without replacement from its
+    positions p with loss on p and p+1 inside d. Random numbers come from the CPU generator."""
+    loss_mask, doc_start = loss_mask.cpu().bool(), doc_start.cpu()
+    b, length = loss_mask.shape
+    ar = torch.arange(length)
+    eligible = torch.zeros_like(loss_mask)
+    eligible[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_start[:, :-1] == doc_start[:, 1:])
+    scores = torch.rand(b, length, generator=generator)
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for r in range(b):
+        starts = doc_start[r]
+        is_first = starts == ar
+        doc_index = torch.cumsum(is_first.long(), 0) - 1
+        firsts = ar[is_first]
+        ends = torch.cat([firsts[1:], torch.tensor([length])])
+        quota = (num_anchors * ends) // length - (num_anchors * firsts) // length
+        # sort by (document, eligible first, score descending): each document's segment keeps its place
+        key = doc_index.double() * 4 + torch.where(eligible[r], 1 - scores[r].double(), torch.full((length,), 2.0))
+        order = torch.argsort(key, stable=True)
+        rank = ar - starts[order]  # rank inside its document, in sorted order
+        chosen_sorted = eligible[r][order] & (rank < quota[doc_index[order]])
+        picked = order[chosen_sorted].sort().values[:num_anchors]
+        anchors[r, : len(picked)] = picked
+        valid[r, : len(picked)] = True
+    return anchors, valid
+
+
+def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_size: int) -> int:
+    """The anchor density of `num_anchors` per `max_length` tokens, for a row of pack_length,
+    rounded up so that a row's slots fill whole 128-query tiles."""
+    step = 128 // math.gcd(128, block_size)
+    want = -(-num_anchors * pack_length // max_length)
+    return -(-want // step) * step
+
+
+def row_anchors(data_cfg, block_size: int) -> int:
+    """Draft blocks per micro-batch row: data.num_anchors unpacked; packed, data.anchors_per_row or
+    the density of num_anchors per max_length tokens (`anchors_for_row`)."""
+    if not data_cfg.pack_length:
+        return data_cfg.num_anchors
+    return data_cfg.anchors_per_row or anchors_for_row(data_cfg.num_anchors, data_cfg.max_length,
+                                                       data_cfg.pack_length, block_size)
+
+
+class PackedDataset:
+    """Conversations packed into rows of `pack_length`, `rows` rows per micro-batch.
+
+    Each epoch shuffles the conversations (seed, epoch) and places each, whole, into the first of
+    at most `window` open rows where it fits; when none has room and the window is full, the
+    fullest open row is closed. Batch order is a pure function of (seed, epoch); `state_dict()`
+    is (epoch, cursor), as for `trainer.data.PreloadedDataset`.
+    """
+
+    def __init__(self, samples: list[tuple[list[int], list[int]]], pack_length: int, rows: int, pad_id: int,
+                 seed: int = 0, window: int = 16):
+        keep = [(ids[:pack_length], m[:pack_length]) for ids, m in samples if sum(m[:pack_length]) >= 2]
+        if not keep:
+            raise DataError("no conversation has two or more assistant tokens to train on")
+        self.samples, self.pack_length, self.rows, self.pad_id = keep, pack_length, rows, pad_id
+        self.seed, self.window = seed, window
+        self.epoch, self.cursor = 0, 0
+        self._plan = self.plan_epoch(0)
+
+    @classmethod
+    def from_dataset(cls, dataset, pack_length: int, rows: int, window: int = 16) -> "PackedDataset":
+        return cls(dataset.samples, pack_length, rows, dataset.pad_id, dataset.seed, window)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def pack_rows(self, order: list[int]) -> list[list[int]]:
+        """Rows (lists of sample indices) for conversations taken in `order`."""
+        rows: list[list[int]] = []
+        open_rows: list[tuple[int, list[int]]] = []  # (free tokens, members)
+        for i in order:
+            n = len(self.samples[i][0])
+            for k, (free, members) in enumerate(open_rows):
+                if n <= free:
+                    members.append(i)
+                    open_rows[k] = (free - n, members)
+                    break
+            else:
+                if len(open_rows) >= self.window:
+                    k = min(range(len(open_rows)), key=lambda j: open_rows[j][0])
+                    rows.append(open_rows.pop(k)[1])
+                open_rows.append((self.pack_length - n, [i]))
+        rows.extend(members for _, members in open_rows)
+        return rows
+
+    def plan_epoch(self, epoch: int) -> list[list[list[int]]]:
+        """Micro-batches of one epoch, each a list of `rows` rows of sample indices."""
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        order = list(range(len(self.samples)))
+        rng.shuffle(order)
+        rows = self.pack_rows(order)
+        return [rows[i: i + self.rows] for i in range(0, len(rows), self.rows)]
+
+    def collate(self, rows: list[list[int]]) -> PackedBatch:
+        b, length = self.rows, self.pack_length
+        ids = torch.full((b, length), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((b, length), dtype=torch.long)
+        loss = torch.zeros((b, length), dtype=torch.bool)
+        doc_start = torch.zeros((b, length), dtype=torch.long)
+        for r, members in enumerate(rows):
+            at = 0
+            for i in members:
+                t, m = self.samples[i]
+                ids[r, at: at + len(t)] = torch.tensor(t)
+                loss[r, at: at + len(t)] = torch.tensor(m, dtype=torch.bool)
+                at += len(t)
+            attn[r, :at] = 1
+            doc_start[r] = doc_start_of([len(self.samples[i][0]) for i in members], length)
+        return PackedBatch(ids, attn, loss, doc_start)
+
+    def next_batch(self) -> PackedBatch:
+        if self.cursor >= len(self._plan):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._plan = self.plan_epoch(self.epoch)
+        rows = self._plan[self.cursor]
+        self.cursor += 1
+        return self.collate(rows)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "samples": len(self.samples),
+                "pack_length": self.pack_length}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["samples"] != len(self.samples) or state["seed"] != self.seed \
+                or state.get("pack_length", self.pack_length) != self.pack_length:
+            raise DataError("the checkpoint's data position belongs to a different dataset, seed or packing")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._plan = self.plan_epoch(self.epoch)
+
+    def pad_share(self, epoch: int = 0) -> float:
+        """Share of pad tokens over one epoch's rows (the packing's waste)."""
+        batches = self.plan_epoch(epoch)
+        real = sum(len(self.samples[i][0]) for batch in batches for row in batch for i in row)
+        return 1 - real / (len(batches) * self.rows * self.pack_length)
+
+
+def warmup_packed_batch(rows: int, pack_length: int, vocab: int, generator: torch.Generator) -> PackedBatch:
+    """Random ids in rows of several documents (and a padding tail), for compiling the packed shape."""
+    ids = torch.randint(0, vocab, (rows, pack_length), generator=generator)
+    doc_start = torch.zeros((rows, pack_length), dtype=torch.long)
+    attn = torch.zeros((rows, pack_length), dtype=torch.long)
+    for r in range(rows):
+        lengths, left = [], pack_length - pack_length // 16
+        while left > 0:
+            n = min(left, int(torch.randint(64, max(65, pack_length // 3), (1,), generator=generator)))
+            lengths.append(n)
+            left -= n
+        doc_start[r] = doc_start_of(lengths, pack_length)
+        attn[r, : sum(lengths)] = 1
+    return PackedBatch(ids, attn, attn.bool(), doc_start)

@@ -273,5 +273,5 @@ def test_killed_process_resumes(server, tmp_path):
     assert 5 <= done_before < 40
     second = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert second.returncode == 0, second.stderr
-    assert f"already done" in second.stdout
+    assert "already done" in second.stdout
     assert sorted(r["id"] for r in records(out)) == sorted(r["id"] for r in rows)

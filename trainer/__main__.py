@@ -1,6 +1,8 @@
 """python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP]
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
+python -m trainer regen --endpoint URL --model NAME --in prompts.jsonl --out regen.jsonl [-n N]
+python -m trainer regen --engine hf --model-path DIR --in prompts.jsonl --out regen.jsonl
 """
 
 from __future__ import annotations
@@ -57,9 +59,15 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _regen(argv: list[str]) -> int:
+    from trainer.regen import main as regen_main
+
+    return regen_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"synth": _synth, "export": _export}
+    commands = {"synth": _synth, "export": _export, "regen": _regen}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

@@ -23,6 +23,7 @@ _AREAS: list[str] = [
     "deploy",
     "play",
     "runs",
+    "transfer",
     "patch",
     "dash",
     "doctor",

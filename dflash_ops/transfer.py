@@ -1,0 +1,424 @@
+"""Moving a file or a tree into a container (`push`) and any file or tree out of one (`fetch`).
+
+    push_path(container, Path("models/Qwen3-8B"), "/models/Qwen3-8B")
+    fetch_path(container, "/opt/dflash/runs/r1/export", Path("exports/r1"))
+
+DEST is the path SRC will have (not a directory to put it in). Both directions are
+incremental by content hash, stream large files with progress, verify every file's sha256,
+resume after a dropped connection, and replace a destination in one rename: it holds the
+old complete state or the new one, never a mix. Neither replaces what it did not write
+(a DEST no push/fetch wrote, or files in it no push/fetch wrote) unless `force`.
+
+Push: one `tree.py plan` (what the container already has, what a dropped push staged), then
+one `tree.py receive` stream with only the missing bytes; the container completes, verifies
+and swaps. Fetch: one `tree.py manifest`, then `tree.py read` chunks appended to local
+`.part` files beside DEST; a local record next to DEST (`.NAME.dflash-fetch.json`) says what
+the last fetch wrote, so the next one copies only changed files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+from dflash_ops.errors import ConnectionLost, DflashOpsError, TransferError
+from dflash_ops.hashing import sha256_file
+from dflash_ops.helpers import tree as tree_helper
+
+HELPER = "tree"
+FILE_REL = tree_helper.FILE_REL
+FETCH_CHUNK = 32 << 20
+RESUME_ATTEMPTS = 3  # a push or fetch reconnects and resumes this many times after a dropped connection
+PROTECTED = ("releases", "helpers", "venvs", "pushed", "current", "runs")
+
+ProgressCallback = Callable[[int, int], None]  # (bytes done so far, bytes to move in all)
+
+
+class TransferRefused(DflashOpsError):
+    """The transfer would replace or drop something it did not write (or the path is invalid)."""
+
+
+@dataclass
+class TransferSummary:
+    src: str
+    dest: str
+    kind: str  # "file" | "tree"
+    files: int = 0
+    files_sent: int = 0  # files that needed bytes moved
+    bytes_total: int = 0  # size of SRC
+    bytes_sent: int = 0  # bytes moved by this call (resumed files count only their remainder)
+    resumed: int = 0  # times a dropped connection was resumed within this call
+    up_to_date: bool = False
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        if self.up_to_date:
+            return f"{self.dest}: up to date ({self.files} files, {self.bytes_total / 1e6:.1f} MB, sha256 verified)"
+        resumed = f", resumed {self.resumed}x after a dropped connection" if self.resumed else ""
+        return (f"{self.dest}: {self.files} files ({self.bytes_total / 1e6:.1f} MB), sent {self.files_sent} "
+                f"({self.bytes_sent / 1e6:.1f} MB) in {self.seconds:.1f}s, sha256 verified{resumed}")
+
+
+def container_path(path: str, base_dir: str | None = None) -> str:
+    """A container path a transfer may write or read: absolute, normalised, not /, no '..',
+    and not inside the tool's own state under BASE (releases, venvs, runs, ...)."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise TransferRefused(f"container path must be absolute: {path!r}")
+    if "\0" in path or "\n" in path:
+        raise TransferRefused(f"container path may not contain NUL or newline: {path!r}")
+    if ".." in path.split("/"):
+        raise TransferRefused(f"container path may not contain '..': {path!r}")
+    norm = posixpath.normpath(path)
+    if norm == "/" or norm.startswith("//"):
+        raise TransferRefused(f"refusing container path {path!r}")
+    if base_dir:
+        base = posixpath.normpath(base_dir)
+        if norm == base or any(norm == f"{base}/{p}" or norm.startswith(f"{base}/{p}/") for p in PROTECTED):
+            raise TransferRefused(f"{norm} is dflash-ops' own state under {base}; choose another path "
+                                  f"(e.g. {base}/data/...)")
+    return norm
+
+
+def local_manifest(src: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
+    """(kind, {rel: {size, sha256}}, {rel: local path}) of a local file or tree (regular files only)."""
+    if src.is_file():
+        return "file", {FILE_REL: {"size": src.stat().st_size, "sha256": sha256_file(src)}}, {FILE_REL: src}
+    if not src.is_dir():
+        raise TransferRefused(f"{src}: no such file or directory")
+    paths = {rel: src / rel for rel in tree_helper.walk_files(str(src))}
+    if not paths:
+        raise TransferRefused(f"{src}: no files to send (empty directories are not carried)")
+    return "tree", {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}, paths
+
+
+def _helper_json(container, args: list[str], stdin) -> tuple[int, dict]:
+    result = container.helper(HELPER, args, stdin=stdin)
+    doc: dict = {}
+    for line in reversed(result.stdout.splitlines()):
+        try:
+            doc = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if not result.ok and not doc.get("error"):
+        doc = {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else
+               f"tree.py {args[0]} exited {result.exit_code}"}
+    return result.exit_code, doc
+
+
+class _FrameStream(io.RawIOBase):
+    """The receive stream: request line, then per file a frame header and its bytes from the offset."""
+
+    def __init__(self, request: bytes, sends: list[tuple[str, Path, int, int]], on_bytes: Callable[[int], None]):
+        self._parts: list = [request]
+        for rel, path, offset, length in sends:
+            header = json.dumps({"rel": rel, "offset": offset, "length": length}).encode() + b"\n"
+            self._parts.append(header)
+            self._parts.append((path, offset, length))
+        self._parts.append(b'{"end": true}\n')
+        self._current: BinaryIO | None = None
+        self._left = 0
+        self._on_bytes = on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        size = 1 << 20 if size is None or size < 0 else size
+        while True:
+            if self._current is not None:
+                data = self._current.read(min(size, self._left))
+                if data:
+                    self._left -= len(data)
+                    self._on_bytes(len(data))
+                    return data
+                self._current.close()
+                self._current = None
+                if self._left:
+                    raise TransferError("a local file shrank while it was being sent")
+            if not self._parts:
+                return b""
+            part = self._parts.pop(0)
+            if isinstance(part, bytes):
+                return part
+            path, offset, length = part
+            self._current = open(path, "rb")
+            self._current.seek(offset)
+            self._left = length
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+        super().close()
+
+
+def push_path(container, src: Path | str, dest: str, *, force: bool = False,
+              on_progress: ProgressCallback | None = None) -> TransferSummary:
+    """Push a local file or tree to `dest` in the container (see the module docstring)."""
+    started = time.monotonic()
+    src = Path(src)
+    dest = container_path(dest, container.base_dir)
+    kind, files, paths = local_manifest(src)
+    summary = TransferSummary(src=str(src), dest=dest, kind=kind, files=len(files),
+                              bytes_total=sum(f["size"] for f in files.values()))
+    request = json.dumps({"kind": kind, "files": files, "force": force}, sort_keys=True).encode() + b"\n"
+    done = 0
+    for attempt in range(RESUME_ATTEMPTS + 1):
+        try:
+            code, plan = _helper_json(container, ["plan", container.base_dir, dest], request)
+            if code != 0:
+                raise TransferRefused(f"push {src} -> {container.target.name}:{dest}: {plan.get('error')}")
+            if plan["up_to_date"]:
+                summary.up_to_date = True
+                break
+            sends = [(rel, paths[rel], step, files[rel]["size"] - step)
+                     for rel, step in sorted(plan["steps"].items()) if isinstance(step, int)]
+            if attempt == 0:
+                summary.files_sent = len(sends)
+            todo = done + sum(length for *_, length in sends)
+
+            def sent(n: int) -> None:
+                nonlocal done
+                done += n
+                if on_progress is not None:
+                    on_progress(done, todo)
+
+            stream = _FrameStream(request, sends, sent)
+            code, result = _helper_json(container, ["receive", container.base_dir, dest], stream)
+            if code == tree_helper.EXIT_INCOMPLETE:
+                raise ConnectionLost(result.get("error", "the stream ended early"))
+            if code != 0:
+                raise TransferError(f"push {src} -> {container.target.name}:{dest}: {result.get('error')}")
+            break
+        except ConnectionLost:
+            if attempt == RESUME_ATTEMPTS:
+                raise TransferError(f"push {src} -> {container.target.name}:{dest}: the connection dropped "
+                                    f"{attempt + 1} times; run the same push again to resume") from None
+            summary.resumed += 1
+    summary.bytes_sent = done
+    summary.seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+# ---------------------------------------------------------------------------- fetch
+
+
+def fetch_record_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.dflash-fetch.json")
+
+
+def fetch_stage(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.dflash-fetch")
+
+
+def _local_state(dest: Path) -> tuple[str, list[str]]:
+    try:
+        return tree_helper.existing_files(str(dest))
+    except tree_helper.Refused as e:
+        raise TransferRefused(str(e)) from None
+
+
+def fetch_path(container, src: str, dest: Path | str, *, force: bool = False, chunk: int = FETCH_CHUNK,
+               on_progress: ProgressCallback | None = None) -> TransferSummary:
+    """Fetch a file or tree from the container to the local path `dest` (see the module docstring)."""
+    started = time.monotonic()
+    src = container_path(src)
+    dest = Path(dest).absolute()
+    code, remote = _helper_json(container, ["manifest", src], None)
+    if code != 0:
+        raise TransferRefused(f"fetch {container.target.name}:{src}: {remote.get('error')}")
+    kind, files = remote["kind"], remote["files"]
+    for rel in files:
+        tree_helper.check_rel(rel)
+    summary = TransferSummary(src=src, dest=str(dest), kind=kind, files=len(files),
+                              bytes_total=sum(f["size"] for f in files.values()))
+    record_file = fetch_record_path(dest)
+    record = _read_json(record_file) or {}
+    present_kind, present = _local_state(dest)
+    ours = set(record.get("files", {})) | set(record.get("previous", []))
+    if present_kind != "none" and not force:
+        if record.get("src") != src or record.get("target") != container.target.name:
+            raise TransferRefused(f"{dest} exists and is not an earlier fetch of {container.target.name}:{src} "
+                                  "(--force replaces it)")
+        foreign = sorted(set(present) - set(files) - ours)
+        if foreign:
+            raise TransferRefused(f"{dest} holds files no fetch wrote, which this fetch would drop: "
+                                  f"{', '.join(foreign[:5])} (--force drops them)")
+    same_kind = present_kind == kind
+    cached = record.get("files", {})
+    if same_kind and set(present) == set(files) and all(
+            tree_helper.matches(tree_helper.dest_path(str(dest), rel), want, cached.get(rel))
+            for rel, want in files.items()):
+        summary.up_to_date = True
+        summary.seconds = round(time.monotonic() - started, 3)
+        return summary
+    stage = fetch_stage(dest)
+    stage.mkdir(parents=True, exist_ok=True)
+    todo: list[tuple[str, int]] = []  # (rel, offset)
+    linked = []
+    for rel, want in sorted(files.items()):
+        target = Path(tree_helper.staged_path(str(stage), rel))
+        if tree_helper.matches(str(target), want):
+            continue
+        source = tree_helper.dest_path(str(dest), rel)
+        if same_kind and rel in present and tree_helper.matches(source, want, cached.get(rel)):
+            linked.append((source, target))
+            continue
+        part = target.with_name(target.name + ".part")
+        offset = part.stat().st_size if part.is_file() and part.stat().st_size <= want["size"] else 0
+        todo.append((rel, offset))
+    for source, target in linked:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+    total = sum(files[rel]["size"] - offset for rel, offset in todo)
+    summary.files_sent = len(todo)
+    progress = _Counter(total, on_progress)
+    small = [rel for rel, offset in todo if kind == "tree" and offset == 0 and files[rel]["size"] <= chunk // 4]
+    for batch in _batches(small, files, chunk):
+        for rel, data in _read_files(container, src, batch, summary):
+            _finish_part(Path(tree_helper.staged_path(str(stage), rel)), data, 0, files[rel], f"{src}/{rel}")
+            progress.add(len(data))
+    for rel, offset in todo:
+        if rel in small:
+            continue
+        want = files[rel]
+        target = Path(tree_helper.staged_path(str(stage), rel))
+        remote_path = src if rel == FILE_REL else f"{src}/{rel}"
+        position = offset
+        while True:  # the first pass truncates the .part to the resume offset
+            length = min(chunk, want["size"] - position)
+            data = _read_chunk(container, remote_path, position, length, summary) if length else b""
+            if len(data) != length:
+                raise TransferError(f"fetch {remote_path}: got {len(data)} of {length} bytes at offset "
+                                    f"{position} (did it change while fetching?)")
+            _append_part(target, data, position)
+            position += length
+            progress.add(length)
+            if position >= want["size"]:
+                break
+        _finish_part(target, None, None, want, remote_path)
+    new = Path(tree_helper.staged_path(str(stage), FILE_REL)) if kind == "file" else stage / "tree"
+    if kind == "tree":
+        new.mkdir(exist_ok=True)
+        for rel in set(tree_helper.walk_files(str(new))) - set(files):
+            (new / rel).unlink()
+    entries = {rel: {**files[rel], "mtime_ns": Path(tree_helper.staged_path(str(stage), rel)).stat().st_mtime_ns}
+               for rel in files}
+    doc = {"target": container.target.name, "src": src, "kind": kind, "files": entries, "time": time.time()}
+    # `previous` keeps the old files counted as ours should a crash come between here and the swap
+    tree_helper.write_json_atomic(str(record_file), {**doc, "previous": sorted(ours | set(present))})
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    old = tree_helper.swap_in(str(new), str(dest))
+    tree_helper.fsync_dir(str(dest.parent))
+    if old is not None:
+        tree_helper.remove(old)
+    tree_helper.write_json_atomic(str(record_file), {**doc, "previous": []})
+    shutil.rmtree(stage, ignore_errors=True)
+    summary.bytes_sent = progress.done
+    summary.seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+class _Counter:
+    def __init__(self, total: int, on_progress: ProgressCallback | None):
+        self.total, self.done, self.on_progress = total, 0, on_progress
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total)
+
+
+def _batches(rels: list[str], files: dict, limit: int) -> list[list[str]]:
+    batches: list[list[str]] = []
+    size = limit
+    for rel in rels:
+        if size + files[rel]["size"] > limit or len(batches[-1]) >= 512:
+            batches.append([])
+            size = 0
+        batches[-1].append(rel)
+        size += files[rel]["size"]
+    return batches
+
+
+def _append_part(target: Path, data: bytes, offset: int) -> None:
+    part = target.with_name(target.name + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    with open(part, "ab") as f:
+        f.truncate(offset)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _finish_part(target: Path, data: bytes | None, offset: int | None, want: dict, remote_path: str) -> None:
+    """Write `data` (if given) to the .part, check its sha256, rename it into the stage."""
+    if data is not None:
+        _append_part(target, data, offset or 0)
+    part = target.with_name(target.name + ".part")
+    if sha256_file(part) != want["sha256"]:
+        part.unlink()
+        raise TransferError(f"fetch {remote_path}: sha256 mismatch (did it change while fetching?); "
+                            "the copy was discarded, fetch again")
+    os.replace(part, target)
+
+
+def _read_files(container, src: str, rels: list[str], summary: TransferSummary) -> list[tuple[str, bytes]]:
+    for attempt in range(RESUME_ATTEMPTS + 1):
+        try:
+            result = container.helper(HELPER, ["read-files", src, *rels])
+            break
+        except ConnectionLost:
+            if attempt == RESUME_ATTEMPTS:
+                raise TransferError(f"fetch {src}: the connection dropped {attempt + 1} times; "
+                                    "run the same fetch again to resume") from None
+            summary.resumed += 1
+    if not result.ok:
+        raise TransferError(f"fetch {src}: {result.stderr.strip() or f'exit {result.exit_code}'}")
+    out, data, at = [], result.stdout_bytes, 0
+    for rel in rels:
+        end = data.index(b"\n", at)
+        header = json.loads(data[at:end])
+        size = int(header["size"])
+        if header.get("rel") != rel:
+            raise TransferError(f"fetch {src}: unexpected reply for {rel}")
+        out.append((rel, data[end + 1: end + 1 + size]))
+        at = end + 1 + size
+    return out
+
+
+def _read_chunk(container, remote_path: str, offset: int, length: int, summary: TransferSummary) -> bytes:
+    for attempt in range(RESUME_ATTEMPTS + 1):
+        try:
+            result = container.helper(HELPER, ["read", remote_path, str(offset), str(length)])
+        except ConnectionLost:
+            if attempt == RESUME_ATTEMPTS:
+                raise TransferError(f"fetch {remote_path}: the connection dropped {attempt + 1} times; "
+                                    "run the same fetch again to resume") from None
+            summary.resumed += 1
+            continue
+        if not result.ok:
+            raise TransferError(f"fetch {remote_path}: {result.stderr.strip() or f'exit {result.exit_code}'}")
+        return result.stdout_bytes
+    raise AssertionError("unreachable")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,234 @@
+"""push / fetch of files and trees on the simulated node and through a real sshd (dropped connections too)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_ops import transfer
+from dflash_ops.cli import app
+from dflash_ops.errors import ConnectionLost, TransferError
+from dflash_ops.transfer import TransferRefused, fetch_path, push_path
+from tests.integration.deploy_support import sim_container, sshd_container
+
+
+@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+def tier(request, tmp_path):
+    if request.param == "sim":
+        container = sim_container(tmp_path)
+        node = None
+    else:
+        node = request.getfixturevalue("sshd_node")
+        container = sshd_container(node)
+    # container paths are real paths on both tiers: a data directory beside the container's base_dir
+    data = Path(container.base_dir).parent / "data" / tmp_path.name
+    yield container, data, node
+    container.transport.close()
+
+
+def make_tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, content in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(content)
+    return root
+
+
+def tree_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+MODEL = {"config.json": b'{"model_type": "qwen3"}\n', "model-00001-of-00002.safetensors": os.urandom(300_000),
+         "model-00002-of-00002.safetensors": os.urandom(200_000), "tokenizer/tokenizer.json": b"{}\n"}
+
+
+def test_push_a_tree_then_only_what_changed(tier, tmp_path):
+    container, data, _ = tier
+    src = make_tree(tmp_path / "model", MODEL)
+    dest = f"{data}/models/tiny"
+    first = push_path(container, src, dest)
+    assert (first.files, first.files_sent, first.bytes_sent) == (4, 4, first.bytes_total)
+    assert tree_of(Path(dest)) == MODEL
+    again = push_path(container, src, dest)
+    assert again.up_to_date and again.bytes_sent == 0
+    (src / "config.json").write_bytes(b'{"model_type": "qwen3", "changed": 1}\n')
+    (src / "tokenizer" / "tokenizer.json").unlink()
+    (src / "generation_config.json").write_bytes(b"{}\n")
+    third = push_path(container, src, dest)
+    assert third.files_sent == 2
+    assert third.bytes_sent == len(b'{"model_type": "qwen3", "changed": 1}\n') + 3
+    assert tree_of(Path(dest)) == tree_of(src)
+    assert not list(Path(dest).parent.glob(".tiny*")), "no staging left behind"
+
+
+def test_push_a_single_file(tier, tmp_path):
+    container, data, _ = tier
+    src = tmp_path / "prompts.jsonl"
+    src.write_bytes(b'{"prompt": "hi"}\n' * 1000)
+    dest = f"{data}/prompts.jsonl"
+    assert push_path(container, src, dest).bytes_sent == src.stat().st_size
+    assert Path(dest).read_bytes() == src.read_bytes()
+    assert push_path(container, src, dest).up_to_date
+    src.write_bytes(b'{"prompt": "bye"}\n')
+    push_path(container, src, dest)
+    assert Path(dest).read_bytes() == b'{"prompt": "bye"}\n'
+
+
+def test_push_never_replaces_what_it_did_not_write(tier, tmp_path):
+    container, data, _ = tier
+    theirs = make_tree(data / "theirs", {"keep.txt": b"user data\n"})
+    src = make_tree(tmp_path / "src", {"a.txt": b"a\n"})
+    with pytest.raises(TransferRefused, match="exists and was not written by dflash-ops push"):
+        push_path(container, src, str(theirs))
+    assert tree_of(theirs) == {"keep.txt": b"user data\n"}
+    dest = data / "ours"
+    push_path(container, src, str(dest))
+    (dest / "regen.jsonl").write_bytes(b"written in the container later\n")
+    with pytest.raises(TransferRefused, match="holds files no push wrote, which this push would drop: regen.jsonl"):
+        push_path(container, src, str(dest))
+    assert (dest / "regen.jsonl").exists()
+    push_path(container, src, str(dest), force=True)
+    assert tree_of(dest) == {"a.txt": b"a\n"}
+    push_path(container, src, str(theirs), force=True)
+    assert tree_of(theirs) == {"a.txt": b"a\n"}
+
+
+@pytest.mark.parametrize("dest, message", [
+    ("relative/path", "must be absolute"),
+    ("/data/../etc", "may not contain '..'"),
+    ("/", "refusing container path"),
+    ("{base}/releases/x", "dflash-ops' own state"),
+    ("{base}", "dflash-ops' own state"),
+])
+def test_push_destinations_are_validated(tmp_path, dest, message):
+    container = sim_container(tmp_path)
+    src = make_tree(tmp_path / "src", {"a": b"a"})
+    with pytest.raises(TransferRefused, match=message):
+        push_path(container, src, dest.format(base=container.base_dir))
+
+
+class DropAfter:
+    """A progress callback that breaks the stream once after `limit` bytes (the sim tier's dropped
+    connection: stdin ends early, as when sshd loses the client) or kills the sshd sessions."""
+
+    def __init__(self, limit: int, node=None):
+        self.limit, self.node, self.fired, self.totals = limit, node, False, []
+
+    def __call__(self, done: int, total: int) -> None:
+        self.totals.append((done, total))
+        if not self.fired and done >= self.limit:
+            self.fired = True
+            if self.node is None:
+                raise ConnectionLost("simulated drop")
+            self.node.kill_sessions()
+
+
+def test_a_dropped_push_leaves_the_old_tree_and_resumes(tier, tmp_path, monkeypatch):
+    container, data, node = tier
+    big = os.urandom(6 << 20)
+    src = make_tree(tmp_path / "src", {"small.txt": b"v1\n", "weights.bin": big})
+    dest = data / "model"
+    push_path(container, src, str(dest))
+    new_big = os.urandom(6 << 20)
+    make_tree(src, {"small.txt": b"v2\n", "weights.bin": new_big})
+    monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 0)
+    with pytest.raises(TransferError, match="run the same push again to resume"):
+        push_path(container, src, str(dest), on_progress=DropAfter(3 << 20, node))
+    assert tree_of(dest) == {"small.txt": b"v1\n", "weights.bin": big}, "the old tree, complete"
+    monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 3)
+    resumed = push_path(container, src, str(dest))
+    assert tree_of(dest) == {"small.txt": b"v2\n", "weights.bin": new_big}
+    assert 0 < resumed.bytes_sent < len(new_big), "only the rest of the staged file was sent"
+
+
+def test_a_push_resumes_by_itself_after_a_drop(tier, tmp_path):
+    container, data, node = tier
+    src = make_tree(tmp_path / "src", {"weights.bin": os.urandom(6 << 20)})
+    drop = DropAfter(3 << 20, node)
+    summary = push_path(container, src, str(data / "model"), on_progress=drop)
+    assert summary.resumed == 1 and drop.fired
+    assert tree_of(data / "model") == tree_of(src)
+
+
+def test_fetch_a_tree_and_a_file_incrementally(tier, tmp_path):
+    container, data, _ = tier
+    remote = make_tree(data / "export", {"config.json": b"{}\n", "model.safetensors": os.urandom(100_000),
+                                         "code/dflash.py": b"x = 1\n"})
+    local = tmp_path / "out" / "export"
+    first = fetch_path(container, str(remote), local, chunk=32 << 10)
+    assert tree_of(local) == tree_of(remote) and first.files_sent == 3
+    assert fetch_path(container, str(remote), local).up_to_date
+    (remote / "config.json").write_bytes(b'{"v": 2}\n')
+    (remote / "code" / "dflash.py").unlink()
+    second = fetch_path(container, str(remote), local)
+    assert second.files_sent == 1 and second.bytes_sent == len(b'{"v": 2}\n')
+    assert tree_of(local) == tree_of(remote)
+    one = fetch_path(container, str(remote / "config.json"), tmp_path / "config.json")
+    assert one.kind == "file" and (tmp_path / "config.json").read_bytes() == b'{"v": 2}\n'
+
+
+def test_a_dropped_fetch_resumes(tier, tmp_path, monkeypatch):
+    container, data, node = tier
+    content = os.urandom(1 << 20)
+    remote = make_tree(data / "regen", {"regen.jsonl": content})
+    local = tmp_path / "regen"
+    monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 0)
+    drop = DropAfter(256 << 10, None)
+    if node is not None:  # sshd: the connection dies while the next chunk is on its way
+        drop = DropAfter(256 << 10, type("Later", (), {"kill_sessions": staticmethod(lambda: None)})())
+        real_helper = container.helper
+
+        def helper(name, args, **kwargs):
+            if args[0] == "read" and drop.fired and not getattr(helper, "killed", False):
+                helper.killed = True
+                kills = []
+                kwargs["on_line"] = lambda line: kills or kills.append(node.kill_sessions())
+            return real_helper(name, args, **kwargs)
+
+        monkeypatch.setattr(container, "helper", helper)
+    with pytest.raises((TransferError, ConnectionLost)):
+        fetch_path(container, str(remote), local, chunk=64 << 10, on_progress=drop)
+    assert not local.exists(), "nothing at DEST until the copy is complete"
+    monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 3)
+    resumed = fetch_path(container, str(remote), local, chunk=64 << 10)
+    assert tree_of(local) == {"regen.jsonl": content}
+    assert 0 < resumed.bytes_sent < len(content)
+
+
+def test_fetch_never_replaces_what_it_did_not_write(tier, tmp_path):
+    container, data, _ = tier
+    remote = make_tree(data / "export", {"a": b"a"})
+    mine = make_tree(tmp_path / "mine", {"notes.txt": b"mine\n"})
+    with pytest.raises(TransferRefused, match="is not an earlier fetch"):
+        fetch_path(container, str(remote), mine)
+    assert tree_of(mine) == {"notes.txt": b"mine\n"}
+    fetch_path(container, str(remote), mine, force=True)
+    assert tree_of(mine) == {"a": b"a"}
+    (mine / "added.txt").write_bytes(b"later\n")
+    with pytest.raises(TransferRefused, match="holds files no fetch wrote"):
+        fetch_path(container, str(remote), mine)
+    with pytest.raises(TransferRefused, match="no such file or directory"):
+        fetch_path(container, str(data / "missing"), tmp_path / "x")
+
+
+def test_cli_push_and_fetch(tmp_path):
+    from tests.conftest import write_sim_inventory
+
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    data = tmp_path / "simnode" / "ct200" / "data"
+    src = make_tree(tmp_path / "src", {"a.txt": b"a\n", "b/c.txt": b"c\n"})
+    runner = CliRunner()
+    pushed = runner.invoke(app, ["push", "--inventory", str(inventory), "host200", str(src), f"{data}/tree"])
+    assert pushed.exit_code == 0, pushed.output
+    assert f"{data}/tree: 2 files" in pushed.stdout and "sha256 verified" in pushed.stdout
+    again = runner.invoke(app, ["push", "--inventory", str(inventory), "host200", str(src), f"{data}/tree", "--json"])
+    assert json.loads(again.stdout)["up_to_date"] is True
+    fetched = runner.invoke(app, ["fetch", "--inventory", str(inventory), "host200", f"{data}/tree", str(tmp_path / "back")])
+    assert fetched.exit_code == 0, fetched.output
+    assert tree_of(tmp_path / "back") == tree_of(src)
+    bad = runner.invoke(app, ["push", "--inventory", str(inventory), "host200", str(src), "data/tree"])
+    assert bad.exit_code == 1
+    assert bad.output.strip() == "dflash-ops: error: container path must be absolute: 'data/tree'"

@@ -1,0 +1,277 @@
+"""`python -m trainer regen` against the OpenAI-compatible stand-in serving a tiny model directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import regen
+from trainer.testing.openai_server import serve
+
+PROMPTS = [
+    {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "step3 v17"},
+                             {"role": "assistant", "content": "the dataset's own answer is dropped"}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "step1 v2"}, {"from": "gpt", "value": "old"},
+                                  {"from": "human", "value": "step7 v9"}, {"from": "gpt", "value": "old too"}]},
+    {"prompt": "step7 v30"},
+    *({"id": f"p{i}", "messages": [{"role": "user", "content": f"step{(1, 3, 7)[i % 3]} v{i}"}]} for i in range(9)),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_fixture_model(tmp_path_factory.mktemp("regen") / "tiny-target")
+
+
+def write_fixture_model(out: Path) -> Path:
+    try:
+        from trainer.testing.hub_model import write_hub_model
+    except ImportError:  # the hub-format fixture lands with issue 12 items 1-2; until then a plain save
+        return _save_tiny(out)
+    return write_hub_model(out, "qwen3")
+
+
+def _save_tiny(out: Path) -> Path:
+    from trainer.config import TinyTargetConfig
+    from trainer.synth import synthetic_words
+    from trainer.target import tiny_target
+    from trainer.tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(synthetic_words())
+    model = tiny_target(TinyTargetConfig(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64), len(tok))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    httpd, state = serve(str(model_dir), served_name="tiny", max_model_len=64, load_in_background=False)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    httpd.shutdown()
+
+
+def write_prompts(path: Path, rows=PROMPTS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip()]
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = regen.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_user_turn_is_answered_by_the_server(server, tmp_path, capsys):
+    url, _ = server
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "regen.jsonl"
+    code, stdout, err = run_cli(["--endpoint", url, "--model", "tiny", "--in", prompts, "--out", out,
+                                 "-n", 4, "--max-tokens", 6], capsys)
+    assert code == 0, err
+    assert "12 regenerated, 0 already done, 0 failed" in stdout
+    got = {r["id"]: r for r in records(out)}
+    assert len(got) == len(records(out)) == 12
+    a = got["a"]["messages"]
+    assert [m["role"] for m in a] == ["system", "user", "assistant"]
+    assert a[2]["content"] != "the dataset's own answer is dropped"
+    b = got["b"]["messages"]
+    assert [m["role"] for m in b] == ["user", "assistant", "user", "assistant"]
+    assert [b[0]["content"], b[2]["content"]] == ["step1 v2", "step7 v9"]
+    assert len(got["b"]["finish_reasons"]) == 2
+    prompt_row = next(r for r in got.values() if r["id"].startswith("sha256:"))
+    assert prompt_row["messages"][0] == {"role": "user", "content": "step7 v30"}
+    assert all(r["model"] == "tiny" for r in got.values())
+
+
+def test_answers_do_not_depend_on_concurrency(server, model_dir, tmp_path, capsys):
+    url, _ = server
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    outputs = []
+    for n in (1, 6):
+        out = tmp_path / f"regen-{n}.jsonl"
+        assert run_cli(["--endpoint", url, "--model", "tiny", "--in", prompts, "--out", out, "-n", n,
+                        "--max-tokens", 5], capsys)[0] == 0
+        outputs.append({r["id"]: r["messages"] for r in records(out)})
+    assert outputs[0] == outputs[1]
+    engine = regen.HFEngine(str(model_dir), regen.Sampling(max_tokens=5), batch_size=1)
+    try:
+        direct = engine.complete([{"role": "user", "content": "step1 v0"}])
+    finally:
+        engine.close()
+    assert outputs[0]["p0"][1]["content"] == direct.content
+
+
+def test_interrupted_run_resumes_without_duplicates(server, tmp_path, capsys):
+    url, _ = server
+    prompts, _ = regen.read_prompts(write_prompts(tmp_path / "prompts.jsonl"))
+    out = tmp_path / "regen.jsonl"
+    engine = regen.OpenAIEngine([url], "tiny", regen.Sampling(max_tokens=4))
+    output = regen.Output(out)
+
+    def interrupt(summary):
+        if summary.done >= 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate(prompts, engine, output, model="tiny", concurrency=2, on_progress=interrupt)
+    output.close()
+    first = records(out)
+    assert 3 <= len(first) < 12
+    with open(out, "ab") as f:  # a crash in the middle of a write leaves a torn last line
+        f.write(b'{"id": "p8", "messages": [{"role": "us')
+    code, stdout, err = run_cli(["--endpoint", url, "--model", "tiny", "--in", tmp_path / "prompts.jsonl",
+                                 "--out", out, "-n", 3, "--max-tokens", 4], capsys)
+    assert code == 0, err
+    assert f"{12 - len(first)} regenerated, {len(first)} already done" in stdout
+    assert "cut a torn last line" in stdout
+    final = records(out)
+    assert sorted(r["id"] for r in final) == sorted(p.id for p in prompts)
+    assert final[: len(first)] == first
+    assert out.read_bytes().endswith(b"\n")
+
+
+def test_failures_are_counted_and_retried_by_a_rerun(server, tmp_path, capsys):
+    url, _ = server
+    rows = [{"id": "long", "messages": [{"role": "user", "content": " ".join(["v1"] * 80)}]},
+            {"id": "short", "messages": [{"role": "user", "content": "step1 v1"}]}]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "regen.jsonl"
+    args = ["--endpoint", url, "--model", "tiny", "--in", prompts, "--out", out, "--max-tokens", 4]
+    code, stdout, err = run_cli(args, capsys)
+    assert code == regen.EXIT_FAILURES
+    assert "1 regenerated, 0 already done, 1 failed" in stdout
+    assert "long (input line 1)" in err and "HTTP 400" in err and "maximum context length is 64" in err
+    assert [r["id"] for r in records(out)] == ["short"]
+    code, stdout, _ = run_cli(args, capsys)
+    assert code == regen.EXIT_FAILURES
+    assert "0 regenerated, 1 already done, 1 failed" in stdout
+
+
+def test_unknown_model_fails_without_retrying(server, tmp_path, capsys):
+    url, state = server
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:4])
+    before = state.received
+    code, _, err = run_cli(["--endpoint", url, "--model", "nope", "--in", prompts, "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == regen.EXIT_FAILURES
+    assert "HTTP 404: The model `nope` does not exist." in err
+    assert state.received == before + 1
+
+
+def test_overloaded_server_is_retried(model_dir, tmp_path):
+    httpd, state = serve(str(model_dir), served_name="tiny", fail_first=3, load_in_background=False)
+    try:
+        engine = regen.OpenAIEngine([f"127.0.0.1:{httpd.server_address[1]}"], "tiny", regen.Sampling(max_tokens=3),
+                                    retries=3, backoff=0.01)
+        prompts, _ = regen.read_prompts(write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:5]))
+        output = regen.Output(tmp_path / "regen.jsonl")
+        summary = regen.regenerate(prompts, engine, output, model="tiny", concurrency=1)
+        output.close()
+    finally:
+        httpd.shutdown()
+    assert (summary.done, summary.failed, summary.retries) == (2, 0, 3)
+
+
+def test_truncations_are_counted(server, tmp_path, capsys):
+    url, _ = server
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:])
+    out = tmp_path / "regen.jsonl"
+    code, stdout, _ = run_cli(["--endpoint", url, "--model", "tiny", "--in", prompts, "--out", out,
+                               "--max-tokens", 2], capsys)
+    assert code == 0
+    truncated = sum("length" in r["finish_reasons"] for r in records(out))
+    assert truncated >= 1
+    assert f"{truncated} truncated (finish_reason length)" in stdout
+
+
+def test_hf_engine_without_a_server(model_dir, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "regen.jsonl"
+    code, stdout, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
+                                 "-n", 4, "--max-tokens", 5], capsys)
+    assert code == 0, err
+    assert "12 regenerated" in stdout
+    got = records(out)
+    assert len({r["id"] for r in got}) == 12
+    assert all(r["model"] == "tiny-target" for r in got)
+    assert all(r["messages"][-1]["role"] == "assistant" for r in got)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "prompts.jsonl:2: not JSON"),
+    ('{"text": "hi"}', "prompts.jsonl:2: expected 'messages' (OpenAI), 'conversations'"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "prompts.jsonl:2: no user turn to answer"),
+    ('{"id": "p1", "prompt": "again"}', "prompts.jsonl:2: id 'p1' used again (first at line 1)"),
+])
+def test_bad_input_names_file_and_line(tmp_path, capsys, line, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "p1", "prompt": "hi"}\n' + line + "\n")
+    code, _, err = run_cli(["--endpoint", "http://127.0.0.1:9", "--model", "m", "--in", prompts,
+                            "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == regen.EXIT_USAGE
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_an_output_damaged_in_the_middle_is_refused(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:4])
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"id": "x"}\ngarbage\n{"id": "y"}\n')
+    code, _, err = run_cli(["--endpoint", "http://127.0.0.1:9", "--model", "m", "--in", prompts, "--out", out], capsys)
+    assert code == regen.EXIT_USAGE
+    assert "o.jsonl:2: not a regen record; refusing to append to it" in err
+    assert out.read_bytes() == b'{"id": "x"}\ngarbage\n{"id": "y"}\n'
+
+
+def test_engine_arguments_are_checked(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:4])
+    code, _, err = run_cli(["--in", prompts, "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == regen.EXIT_USAGE and "give --endpoint URL" in err
+    code, _, err = run_cli(["--engine", "hf", "--model-path", tmp_path / "missing", "--in", prompts,
+                            "--out", tmp_path / "o.jsonl"], capsys)
+    assert code == regen.EXIT_USAGE and "--engine hf needs --model-path DIR" in err
+
+
+@pytest.mark.parametrize("endpoint, url", [
+    ("http://h:30000", "http://h:30000/v1/chat/completions"),
+    ("h:8000/", "http://h:8000/v1/chat/completions"),
+    ("https://h/v1", "https://h/v1/chat/completions"),
+])
+def test_endpoint_forms(endpoint, url):
+    assert regen.chat_url(endpoint) == url
+
+
+@pytest.mark.slow
+def test_killed_process_resumes(server, tmp_path):
+    """SIGKILL in the middle of a run (no cleanup at all), then the same command again."""
+    url, _ = server
+    rows = [{"id": f"k{i}", "messages": [{"role": "user", "content": f"step1 v{i}"}]} for i in range(40)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
+    out = tmp_path / "regen.jsonl"
+    argv = [sys.executable, "-m", "trainer", "regen", "--endpoint", url, "--model", "tiny", "--in", str(prompts),
+            "--out", str(out), "-n", "2", "--max-tokens", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        while proc.poll() is None and (not out.exists() or out.read_bytes().count(b"\n") < 5):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    done_before = out.read_bytes().count(b"\n")
+    assert 5 <= done_before < 40
+    second = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert second.returncode == 0, second.stderr
+    assert "already done" in second.stdout
+    assert sorted(r["id"] for r in records(out)) == sorted(r["id"] for r in rows)

@@ -1,0 +1,647 @@
+"""Regenerate a chat dataset's assistant turns with the target itself (`python -m trainer regen`).
+
+Every user turn of every conversation is answered by the target, in order, with the answers
+so far as context; the dataset's own assistant turns are dropped. Two engines answer:
+
+* `OpenAIEngine`: any OpenAI-compatible server (SGLang, vLLM) at /v1/chat/completions, over
+  stdlib urllib from worker threads (no dependency beyond the standard library);
+* `HFEngine`: the fallback when no server exists, batched `generate` with a KV cache over
+  the concurrent requests of the worker threads.
+
+The output is JSONL, one finished conversation per line, appended whole and fsynced in
+batches by one writer. A rerun skips the ids already in the output (a torn last line from a
+crash is cut off first), so an interrupted regeneration resumes where it stopped and the
+output never holds a half line or a duplicate. Failed conversations are never written:
+a rerun retries them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Protocol
+
+EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
+EXIT_USAGE = 2  # bad input or arguments
+FSYNC_EVERY_S = 1.0
+RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+
+
+class RegenError(Exception):
+    """A conversation could not be regenerated (reported, never written)."""
+
+
+class InputError(ValueError):
+    """Bad input: the message names file:line."""
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 2048
+    temperature: float = 0.0
+    top_p: float = 1.0
+    extra: dict = field(default_factory=dict)  # more request fields, e.g. chat_template_kwargs
+
+
+@dataclass
+class Completion:
+    content: str
+    finish_reason: str  # "stop" | "length" (as the server says)
+    reasoning_content: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    retries: int = 0
+
+
+class Engine(Protocol):
+    def complete(self, messages: list[dict]) -> Completion: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+@dataclass
+class Prompt:
+    id: str
+    messages: list[dict]  # system/user turns (and others) in order; assistant turns are dropped
+    line: int
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
+
+
+def conversation_messages(row: dict) -> list[dict] | None:
+    """The row's conversation as OpenAI messages: `messages`, ShareGPT `conversations`
+    (from/value), or a `prompt` (with an optional `system`); None when it is none of those."""
+    if isinstance(row.get("messages"), list):
+        return row["messages"]
+    if isinstance(row.get("conversations"), list):
+        out = []
+        for turn in row["conversations"]:
+            if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
+                return None
+            out.append({"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+        return out
+    if isinstance(row.get("prompt"), str):
+        system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else []
+        return [*system, {"role": "user", "content": row["prompt"]}]
+    return None
+
+
+def _prompt_id(row: dict, messages: list[dict]) -> str:
+    if isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool):
+        return str(row["id"])
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()[:20]
+
+
+def read_prompts(path: str | Path) -> tuple[list[Prompt], int]:
+    """Every conversation to regenerate, and how many rows repeated an earlier one exactly.
+
+    A row's id is its `id` field, else a hash of its prompt turns; an explicit id used twice
+    is an error (resume would silently skip the second row)."""
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    duplicates = 0
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not JSON: {e.msg}") from None
+            messages = conversation_messages(row) if isinstance(row, dict) else None
+            if messages is None:
+                raise InputError(f"{path}:{lineno}: expected 'messages' (OpenAI), 'conversations' "
+                                 "(ShareGPT from/value) or 'prompt'")
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InputError(f"{path}:{lineno}: turn {i + 1} needs a string 'role' and 'content'")
+            kept = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"]
+            if not any(m["role"] == "user" for m in kept):
+                raise InputError(f"{path}:{lineno}: no user turn to answer")
+            pid = _prompt_id(row, kept)
+            if pid in seen:
+                if not pid.startswith("sha256:"):
+                    raise InputError(f"{path}:{lineno}: id {pid!r} used again (first at line {seen[pid]})")
+                duplicates += 1
+                continue
+            seen[pid] = lineno
+            prompts.append(Prompt(pid, kept, lineno))
+    return prompts, duplicates
+
+
+# ---------------------------------------------------------------------------- output
+
+
+class Output:
+    """The JSONL being written: finished ids on open (a torn last line is cut off), then
+    whole-line appends under an exclusive lock, fsynced at most every FSYNC_EVERY_S."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise InputError(f"{self.path}: another regen is writing it") from None
+        self.finished, self.repaired_bytes = self._scan()
+        self._last_sync = time.monotonic()
+
+    def _scan(self) -> tuple[set[str], int]:
+        """Ids of the complete lines; bytes after the last newline are a torn write, cut off."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        good_end = data.rfind(b"\n") + 1
+        finished: set[str] = set()
+        for lineno, line in enumerate(data[:good_end].split(b"\n")[:-1], 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or "id" not in record:
+                raise InputError(f"{self.path}:{lineno}: not a regen record; refusing to append to it")
+            finished.add(str(record["id"]))
+        torn = len(data) - good_end
+        if torn:
+            os.ftruncate(self.fd, good_end)
+            os.fsync(self.fd)
+        return finished, torn
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self.fd, view):]
+        if time.monotonic() - self._last_sync >= FSYNC_EVERY_S:
+            os.fsync(self.fd)
+            self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def chat_url(endpoint: str) -> str:
+    """http://host:port, host:port or .../v1 -> .../v1/chat/completions."""
+    url = endpoint.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if url.endswith("/chat/completions"):
+        return url
+    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+class OpenAIEngine:
+    """POST /v1/chat/completions (non-streaming) with retries on connection errors, timeouts
+    and 408/429/5xx; endpoints are used round-robin (data-parallel servers)."""
+
+    def __init__(self, endpoints: list[str], model: str, sampling: Sampling, *, api_key: str | None = None,
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0):
+        self.urls = [chat_url(e) for e in endpoints]
+        self.model = model
+        self.sampling = sampling
+        self.api_key = api_key
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _url(self) -> str:
+        with self._lock:
+            self._next += 1
+            return self.urls[self._next % len(self.urls)]
+
+    def complete(self, messages: list[dict]) -> Completion:
+        s = self.sampling
+        body = {**s.extra, "model": self.model, "messages": messages, "max_tokens": s.max_tokens,
+                "temperature": s.temperature, "top_p": s.top_p, "stream": False}
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = "Bearer " + self.api_key
+        for attempt in range(self.retries + 1):
+            url = self._url()
+            try:
+                request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    reply = json.loads(response.read())
+                return _completion(reply, attempt)
+            except urllib.error.HTTPError as e:
+                why = f"{url}: HTTP {e.code}: {_server_message(e)}"
+                if e.code not in RETRY_STATUSES:
+                    raise RegenError(why) from None
+            except (urllib.error.URLError, OSError, ValueError) as e:  # refused, reset, timeout, bad JSON
+                why = f"{url}: {getattr(e, 'reason', None) or e}"
+            if attempt < self.retries:
+                time.sleep(min(30.0, self.backoff * 2 ** attempt) * (0.5 + random.random() / 2))
+        raise RegenError(f"{why} (after {self.retries + 1} attempts)")
+
+    def close(self) -> None:
+        pass
+
+
+def _server_message(e: urllib.error.HTTPError) -> str:
+    try:
+        doc = json.loads(e.read())
+        message = doc.get("error", doc).get("message") if isinstance(doc, dict) else None
+        return str(message or doc)[:300]
+    except (ValueError, OSError, AttributeError):
+        return str(e.reason)[:300]
+
+
+def _completion(reply: dict, retries: int) -> Completion:
+    try:
+        choice = reply["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise RegenError(f"unexpected reply: {json.dumps(reply)[:300]}") from None
+    usage = reply.get("usage") or {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    return Completion(content=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop",
+                      reasoning_content=reasoning or None, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                      completion_tokens=int(usage.get("completion_tokens") or 0), retries=retries)
+
+
+class HFEngine:
+    """Batched Hugging Face `generate` (KV cache on) over a local model directory.
+
+    Worker threads call `complete()` concurrently; one generation thread takes up to
+    `batch_size` waiting requests at a time, left-pads them and decodes them together.
+    `max_model_len` refuses a prompt that would not fit, as a server does.
+    """
+
+    def __init__(self, model_path: str, sampling: Sampling, *, device: str = "cpu", dtype: str = "auto",
+                 batch_size: int = 8, max_model_len: int | None = None, seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.sampling = sampling
+        self.batch_size = max(1, batch_size)
+        self.seed = seed
+        torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
+        self.model.to(device).eval()
+        self.device = device
+        self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.stop_ids = self._stop_ids()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
+        self._thread.start()
+
+    def _stop_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        return ids
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        extra = self.sampling.extra.get("chat_template_kwargs") or {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def complete(self, messages: list[dict]) -> Completion:
+        ids = self.prompt_ids(messages)
+        limit = self.max_model_len
+        if limit is not None and len(ids) + self.sampling.max_tokens > limit:
+            raise RegenError(f"prompt of {len(ids)} tokens + max_tokens {self.sampling.max_tokens} exceeds "
+                             f"the model's context length {limit}")
+        done: Future = Future()
+        self._queue.put((ids, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < self.batch_size:
+                try:
+                    more = self._queue.get(timeout=0.02)
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                batch.append(more)
+            try:
+                results = self.generate([ids for ids, _ in batch])
+            except Exception as e:  # noqa: BLE001 - every waiting request fails with it
+                for _, done in batch:
+                    done.set_exception(RegenError(f"generate failed: {type(e).__name__}: {e}"))
+                continue
+            for (_, done), result in zip(batch, results):
+                done.set_result(result)
+
+    def generate(self, prompts: list[list[int]]) -> list[Completion]:
+        """Left-padded batch generation; each row's answer ends at its first stop token."""
+        torch, s = self.torch, self.sampling
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        sample = s.temperature > 0
+        options = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p) if sample else dict(do_sample=False)
+        if sample:
+            torch.manual_seed(self.seed)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=s.max_tokens,
+                                      eos_token_id=sorted(self.stop_ids) or None, pad_token_id=self.pad_id,
+                                      use_cache=True, top_k=None, **options)
+        results = []
+        for prompt, row in zip(prompts, out[:, width:].tolist()):
+            stop = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+            tokens = row if stop is None else row[:stop]
+            results.append(Completion(
+                content=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                finish_reason="length" if stop is None else "stop",
+                prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None)))
+        return results
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Summary:
+    total: int = 0  # conversations in the input (after exact duplicates)
+    skipped: int = 0  # already in the output (resume)
+    done: int = 0  # regenerated and written by this run
+    failed: int = 0
+    truncated: int = 0  # written, with at least one turn cut at max_tokens (finish_reason length)
+    duplicates: int = 0  # input rows repeating an earlier conversation exactly
+    retries: int = 0
+    repaired_bytes: int = 0  # a torn last line cut off the output before resuming
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # the first few distinct failures
+
+    def line(self) -> str:
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        text = (f"regen: {self.done} regenerated, {self.skipped} already done, {self.failed} failed, "
+                f"{self.truncated} truncated (finish_reason length), {self.retries} retries; "
+                f"{self.completion_tokens} tokens in {self.seconds:.1f}s ({rate:.1f} tokens/s)")
+        if self.duplicates:
+            text += f"; {self.duplicates} duplicate rows skipped"
+        if self.repaired_bytes:
+            text += f"; cut a torn last line ({self.repaired_bytes} bytes) off the output"
+        return text
+
+
+def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Completion]:
+    """Answer every user turn in order; returns the output record and the summed completion."""
+    history: list[dict] = []
+    finish_reasons: list[str] = []
+    total = Completion(content="", finish_reason="stop")
+    for m in prompt.messages:
+        history.append(m)
+        if m["role"] != "user":
+            continue
+        c = engine.complete(list(history))
+        answer = {"role": "assistant", "content": c.content}
+        if c.reasoning_content:
+            answer["reasoning_content"] = c.reasoning_content
+        history.append(answer)
+        finish_reasons.append(c.finish_reason)
+        total.completion_tokens += c.completion_tokens
+        total.prompt_tokens += c.prompt_tokens
+        total.retries += c.retries
+        if c.finish_reason == "length":
+            total.finish_reason = "length"
+    record = {"id": prompt.id, "messages": history, "finish_reasons": finish_reasons, "model": model}
+    return record, total
+
+
+class Progress:
+    """A one-line bar on a terminal; on a pipe or log (a playbook step) a line every 10 s."""
+
+    def __init__(self, total: int, stream=sys.stderr, every_s: float = 10.0):
+        self.total = total
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self._last = 0.0
+
+    def update(self, s: Summary, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self._last < (0.2 if self.tty else self.every_s):
+            return
+        self._last = now
+        finished = s.done + s.failed
+        todo = self.total - s.skipped
+        elapsed = now - self.started
+        eta = (todo - finished) * elapsed / finished if finished else 0.0
+        width = 24
+        filled = int(width * finished / todo) if todo else width
+        text = (f"regen [{'#' * filled}{'.' * (width - filled)}] {finished}/{todo} "
+                f"failed {s.failed} truncated {s.truncated} | {s.completion_tokens / max(elapsed, 1e-9):.0f} tok/s"
+                f" | eta {eta:.0f}s")
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: str, concurrency: int = 8,
+               on_progress: Callable[[Summary], None] | None = None, max_errors: int = 5) -> Summary:
+    """Regenerate every prompt not in `output.finished`, `concurrency` conversations at a time.
+
+    The calling thread is the only writer. Ctrl-C (or any error from `on_progress`) stops
+    submitting, waits for nothing, and leaves the output with whole lines only."""
+    s = Summary(total=len(prompts), repaired_bytes=output.repaired_bytes)
+    todo = [p for p in prompts if p.id not in output.finished]
+    s.skipped = len(prompts) - len(todo)
+    started = time.monotonic()
+    pending: dict[Future, Prompt] = {}
+    work = iter(todo)
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="regen")
+    try:
+        def fill() -> None:
+            while len(pending) < 2 * max(1, concurrency):
+                p = next(work, None)
+                if p is None:
+                    return
+                pending[pool.submit(regenerate_one, engine, p, model)] = p
+
+        fill()
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                prompt = pending.pop(future)
+                try:
+                    record, c = future.result()
+                except RegenError as e:
+                    _failed(s, prompt, str(e), max_errors)
+                    continue
+                except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
+                    _failed(s, prompt, f"{type(e).__name__}: {e}", max_errors)
+                    continue
+                output.append(record)
+                s.done += 1
+                s.retries += c.retries
+                s.completion_tokens += c.completion_tokens
+                s.truncated += c.finish_reason == "length"
+            s.seconds = time.monotonic() - started
+            if on_progress is not None:
+                on_progress(s)
+            fill()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        s.seconds = time.monotonic() - started
+    return s
+
+
+def _failed(s: Summary, prompt: Prompt, message: str, max_errors: int) -> None:
+    s.failed += 1
+    if len(s.errors) < max_errors:
+        s.errors.append(f"{prompt.id} (input line {prompt.line}): {message}")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer regen",
+                                description="Regenerate the assistant turns of a chat JSONL with the target.")
+    p.add_argument("--in", dest="inp", required=True, help="prompts JSONL (messages, ShareGPT conversations, or prompt)")
+    p.add_argument("--out", required=True, help="output JSONL; a rerun skips the ids already in it")
+    p.add_argument("--endpoint", action="append", default=[],
+                   help="OpenAI-compatible server, e.g. http://127.0.0.1:30000 (repeat for several)")
+    p.add_argument("--model", help="model name the server serves (default with --engine hf: the directory name)")
+    p.add_argument("--engine", choices=["openai", "hf"], default=None,
+                   help="openai (default with --endpoint) or hf: generate in this process from --model-path")
+    p.add_argument("--model-path", help="local model directory for --engine hf")
+    p.add_argument("--device", default="cpu", help="--engine hf: torch device (cpu, cuda:0)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="--engine hf: weights dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="--engine hf: refuse prompts longer than this")
+    p.add_argument("-n", "--concurrency", type=int, default=8, help="conversations in flight (hf: the batch size)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per answer; longer answers count as truncated")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--extra-body", default=None,
+                   help='JSON object merged into each request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'')
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key, if any")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--retries", type=int, default=3, help="retries per request on connection errors, 408/429/5xx")
+    p.add_argument("--limit", type=int, default=None, help="only the first N conversations of the input")
+    return p
+
+
+def _sampling(args) -> Sampling:
+    extra = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as e:
+            raise InputError(f"--extra-body: not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise InputError("--extra-body must be a JSON object")
+    if args.max_tokens < 1 or args.concurrency < 1:
+        raise InputError("--max-tokens and --concurrency must be at least 1")
+    return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
+
+
+def build_engine(args, sampling: Sampling) -> tuple[Engine, str]:
+    engine = args.engine or ("openai" if args.endpoint else None)
+    if engine is None:
+        raise InputError("give --endpoint URL (an OpenAI-compatible server) or --engine hf --model-path DIR")
+    if engine == "openai":
+        if not args.endpoint or not args.model:
+            raise InputError("--endpoint and --model are required for an OpenAI-compatible server")
+        if args.model_path:
+            raise InputError("--model-path is for --engine hf; the server already holds its model")
+        return OpenAIEngine(args.endpoint, args.model, sampling, api_key=os.environ.get(args.api_key_env) or None,
+                            timeout=args.timeout, retries=args.retries), args.model
+    if args.endpoint:
+        raise InputError("--engine hf generates locally; drop --endpoint")
+    if not args.model_path or not os.path.isdir(args.model_path):
+        raise InputError(f"--engine hf needs --model-path DIR (a local model directory), got {args.model_path!r}")
+    name = args.model or os.path.basename(os.path.normpath(args.model_path))
+    return HFEngine(args.model_path, sampling, device=args.device, dtype=args.dtype, batch_size=args.concurrency,
+                    max_model_len=args.max_model_len), name
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        sampling = _sampling(args)
+        prompts, duplicates = read_prompts(args.inp)
+        if args.limit is not None:
+            prompts = prompts[: args.limit]
+        output = Output(args.out)
+    except InputError as e:
+        print(f"regen: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    engine = None
+    try:
+        try:
+            engine, model = build_engine(args, sampling)
+        except InputError as e:
+            print(f"regen: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        progress = Progress(len(prompts))
+        print(f"regen: {len(prompts)} conversations, {len(output.finished & {p.id for p in prompts})} already in "
+              f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
+        try:
+            summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,
+                                 on_progress=progress.update)
+        except KeyboardInterrupt:
+            print("\nregen: interrupted; the output holds whole lines only - rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+            return 130
+        summary.duplicates = duplicates
+        progress.update(summary, final=True)
+    finally:
+        output.close()
+        if engine is not None:
+            engine.close()
+    for error in summary.errors:
+        print(f"regen: failed {error}", file=sys.stderr)
+    print(summary.line(), flush=True)
+    return EXIT_FAILURES if summary.failed else 0
+
+
+def iter_records(path: str | Path) -> Iterable[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

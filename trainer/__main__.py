@@ -3,6 +3,7 @@ python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer regen --endpoint URL --model NAME --in prompts.jsonl --out regen.jsonl [-n N]
 python -m trainer regen --engine hf --model-path DIR --in prompts.jsonl --out regen.jsonl
+python -m trainer data-report --config CONFIG
 """
 
 from __future__ import annotations
@@ -65,9 +66,35 @@ def _regen(argv: list[str]) -> int:
     return regen_main(argv)
 
 
+def _data_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer data-report",
+                                description="Count, measure and mask the configured chat data (loads the tokenizer only).")
+    p.add_argument("--config", required=True, help="trainer YAML config")
+    args = p.parse_args(argv)
+    from trainer.chat_data import DataError
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        if cfg.data.synthetic is not None:
+            print("data-report: the config generates synthetic data (data.synthetic); nothing to report",
+                  file=sys.stderr)
+            return 2
+        from trainer.components import build_tokenizer
+        from trainer.data_report import build_report, format_report
+
+        tokenizer = build_tokenizer(cfg)
+        report = build_report(cfg, tokenizer)
+    except (ConfigError, DataError, OSError, ValueError) as exc:
+        print(f"data-report: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(format_report(report, cfg, cfg.model.target.path or "synthetic word-level"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"synth": _synth, "export": _export, "regen": _regen}
+    commands = {"synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

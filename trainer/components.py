@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.config import TrainerConfig, default_gamma
+from trainer.config import TrainerConfig, data_paths, default_gamma, template_kwargs
 from trainer.data import PreloadedDataset, build_dataset, read_conversations
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.optim import build_optimizer, build_scheduler
@@ -53,8 +53,8 @@ def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], l
         write_jsonl(train, run_dir / "data" / "train.jsonl")
         write_jsonl(held_out, run_dir / "data" / "eval.jsonl")
         return train, held_out
-    train = read_conversations(cfg.data.train_path)
-    return train, read_conversations(cfg.data.eval_path) if cfg.data.eval_path else []
+    train = [c for path in data_paths(cfg.data.train_path) for c in read_conversations(path)]
+    return train, [c for path in data_paths(cfg.data.eval_path) for c in read_conversations(path)]
 
 
 def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, run_dir: Path, log) -> torch.nn.Module:
@@ -84,14 +84,23 @@ def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, ru
     return freeze(model.to(dtype).eval())
 
 
-def resolve_mask_token_id(cfg: TrainerConfig, tokenizer) -> int:
+def resolve_mask_token_id(cfg: TrainerConfig, tokenizer, vocab_size: int | None = None) -> int:
+    """The configured id, else the tokenizer's mask token, else the first embedding row past the
+    tokenizer's tokens: the published Qwen3 drafts use 151669, the row after `</think>`, which the
+    target's 151936-row embedding has but no text ever produces."""
     if cfg.model.mask_token_id is not None:
+        if vocab_size is not None and not 0 <= cfg.model.mask_token_id < vocab_size:
+            raise ValueError(f"model.mask_token_id: {cfg.model.mask_token_id} is not a row of the "
+                             f"{vocab_size}-row embedding")
         return cfg.model.mask_token_id
     if getattr(tokenizer, "mask_token_id", None) is not None:
         return tokenizer.mask_token_id
     if cfg.model.target.random_8b_shape:
         return QWEN3_8B_MASK_TOKEN_ID
-    raise ValueError("model.mask_token_id: the tokenizer has no mask token; set one in the config")
+    if vocab_size is not None and len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    raise ValueError("model.mask_token_id: the tokenizer has no mask token and the target's embedding has no "
+                     "unused row; set one in the config")
 
 
 def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
@@ -113,7 +122,7 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
 
     def dataset(conversations, seed):
         return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
-                             cfg.data.token_budget, seed, cfg.data.pad_multiple)
+                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data))
 
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
@@ -128,7 +137,8 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
         log(f"packing {len(train_data)} conversations into rows of {cfg.data.pack_length} tokens, "
             f"{cfg.data.pack_rows} per micro-batch: {train_data.pad_share():.1%} padding")
     drafter_device = cfg.devices.drafter[0]
-    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer), drafter_device)
+    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, target.config.vocab_size),
+                            drafter_device)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     return Components(
         tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ class ModelConfig:
     block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
-    mask_token_id: int | None = None  # default: the tokenizer's mask token, else 151669 for 8B shape
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else the first embedding row past the tokenizer (151669 for Qwen3)
     attention: str = "auto"  # auto | flex | sdpa (auto: flex on cuda, sdpa dense mask on cpu)
     dtype: str = "bf16"  # bf16 | fp32: target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
@@ -77,8 +78,9 @@ class SyntheticDataConfig:
 class DataConfig:
     """Conversations and batching."""
 
-    train_path: str | None = None  # JSONL of {"messages": [{role, content}, ...]}
-    eval_path: str | None = None  # held-out JSONL in the same format
+    train_path: str | list[str] | None = None  # JSONL file(s): OpenAI messages, ShareGPT or prompt/response
+    eval_path: str | list[str] | None = None  # held-out JSONL file(s), same formats
+    enable_thinking: bool | None = None  # passed to the chat template (Qwen3: false = the prompt pre-fills an empty think block); None: the template's default
     synthetic: SyntheticDataConfig | None = None  # generate data instead of reading files
     max_length: int = 3072  # longer conversations are truncated
     num_anchors: int = 512  # draft blocks sampled per sequence
@@ -206,6 +208,9 @@ def _allowed(tp: Any) -> tuple[Any, ...]:
     return (tp,)
 
 
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _convert(value: Any, tp: Any, name: str, where: str) -> Any:
     options = _allowed(tp)
     if value is None:
@@ -227,6 +232,8 @@ def _convert(value: Any, tp: Any, name: str, where: str) -> Any:
             continue
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value):
+            return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; everyone means the number
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option in (str, bool) and isinstance(value, option):
@@ -314,6 +321,10 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
               "must list num_target_layers ids")
     check(c.data.synthetic is not None or c.data.train_path is not None, ("data",),
           "needs train_path or synthetic")
+    for key in ("train_path", "eval_path"):
+        paths = getattr(c.data, key)
+        check(paths is None or (paths != [] and all(isinstance(p, str) and p for p in ([paths] if isinstance(paths, str) else paths))),
+              ("data", key), "must be a file path or a non-empty list of them")
     check(c.data.max_length >= c.model.block_size, ("data", "max_length"), "must be at least block_size")
     check(c.data.num_anchors >= 1, ("data", "num_anchors"), "must be positive")
     check(c.data.token_budget >= c.data.max_length, ("data", "token_budget"), "must be at least max_length")
@@ -350,6 +361,18 @@ def config_to_dict(config: Any) -> dict:
 
 def dump_config(config: TrainerConfig) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def data_paths(paths: str | list[str] | None) -> list[str]:
+    """data.train_path / eval_path as a list of files."""
+    if paths is None:
+        return []
+    return [paths] if isinstance(paths, str) else list(paths)
+
+
+def template_kwargs(data: DataConfig) -> dict:
+    """Extra chat-template variables from the data config (only those the user set)."""
+    return {} if data.enable_thinking is None else {"enable_thinking": data.enable_thinking}
 
 
 def default_gamma(block_size: int) -> float:

@@ -3,77 +3,12 @@
 from __future__ import annotations
 
 import bisect
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-
-class DataError(ValueError):
-    pass
-
-
-def read_conversations(path: str | Path) -> list[dict]:
-    """JSONL with one {"messages": [{"role", "content"}, ...]} per line."""
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-                raise DataError(f"{path}:{lineno}: expected an object with a 'messages' list")
-            rows.append(row)
-    return rows
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and a 0/1 loss mask that is 1 on the assistant turns' tokens.
-
-    Each assistant turn's character span comes from the chat template itself: it runs from
-    the end of render(messages[:i], add_generation_prompt=True) to the end of
-    render(messages[:i+1]). Tokens are mapped to spans through their character offsets, so
-    no model-specific pattern is involved.
-    """
-    def render(msgs, gen):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-
-    text = render(messages, False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m.get("role") != "assistant":
-            continue
-        prefix, upto = render(messages[:i], True), render(messages[: i + 1], False)
-        end = len(upto) if text.startswith(upto) else _turn_end_in(text, len(prefix), upto, m.get("content"))
-        if not (text.startswith(prefix) and end is not None and end > len(prefix)):
-            raise DataError("the chat template does not render conversations as growing prefixes; "
-                            "cannot locate assistant spans")
-        spans.append((len(prefix), end))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"][:max_length]
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"][:max_length]]
-    return ids, mask
-
-
-def _turn_end_in(text: str, start: int, upto: str, content) -> int | None:
-    """End of an assistant turn whose rendering as the last message differs from its rendering
-    inside the whole conversation (Qwen3 adds an empty think block to the final turn only).
-
-    The turn's content is found verbatim after `start`, before any end-of-turn text (so not in a
-    later turn), and followed by the end-of-turn text that follows it in `upto`; None when that
-    cannot be established."""
-    if not isinstance(content, str) or not content or content not in upto:
-        return None
-    tail = upto[upto.rfind(content) + len(content):]
-    at = text.find(content, start)
-    if at < 0 or not tail.strip() or tail.strip() in text[start:at] or not text.startswith(tail, at + len(content)):
-        return None
-    return at + len(content) + len(tail)
+from trainer.chat_data import DataError, encode_conversation, read_conversations, tokenize_conversation  # noqa: F401
 
 
 @dataclass
@@ -196,6 +131,21 @@ def select_target_warmup_shapes(
 
 
 def build_dataset(tokenizer, conversations: list[dict], max_length: int, bucket_edges: list[int],
-                  token_budget: int, seed: int, pad_multiple: int = 16) -> PreloadedDataset:
-    samples = [tokenize_conversation(tokenizer, c["messages"], max_length) for c in conversations]
-    return PreloadedDataset(samples, bucket_edges, token_budget, tokenizer.pad_token_id, seed, pad_multiple)
+                  token_budget: int, seed: int, pad_multiple: int = 16,
+                  template_kwargs: dict | None = None) -> PreloadedDataset:
+    samples = []
+    for c in conversations:
+        try:
+            samples.append(tokenize_conversation(tokenizer, c["messages"], max_length, template_kwargs))
+        except DataError as exc:
+            raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
+    return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad token, else its end of sequence (Llama 3 ships no pad token; padded
+    positions are masked out, so the id only has to exist)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    raise DataError("the tokenizer has neither a pad nor an end-of-sequence token")

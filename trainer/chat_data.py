@@ -1,0 +1,223 @@
+"""Chat data as people have it, and the assistant loss mask the chat template implies.
+
+Formats, detected per file from its first record (every line must then have that format):
+  * OpenAI messages:  {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]}
+  * ShareGPT:         {"conversations": [{"from": "system"|"human"|"gpt"|..., "value": ...}, ...]}
+  * prompt/response:  {"prompt": ..., "response": ...} (or "completion"), optional "system"
+Each file is JSON Lines; anything else is one error naming file:line.
+
+Every conversation becomes {"messages": [...], "source": "file:line"}; extra message keys
+(`reasoning_content`, `tool_calls`, ...) are kept for the template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class DataError(ValueError):
+    pass
+
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "tool": "tool",
+                  "function_call": "assistant", "observation": "tool"}
+FORMATS = {"messages": "OpenAI messages", "conversations": "ShareGPT conversations",
+           "prompt": "prompt/response pairs"}
+KNOWN = ("expected one JSON object per line with 'messages' (OpenAI), 'conversations' (ShareGPT) "
+         "or 'prompt' and 'response'")
+
+
+def detect_format(row) -> str | None:
+    """'messages', 'conversations' or 'prompt' for a record, None when it is none of them."""
+    if not isinstance(row, dict):
+        return None
+    for key in ("messages", "conversations"):
+        if key in row:
+            return key
+    if "prompt" in row and ("response" in row or "completion" in row):
+        return "prompt"
+    return None
+
+
+def _text(value, where: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _from_messages(row: dict, where: str) -> list[dict]:
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: messages[{i}] has role {m['role']!r} (known: {', '.join(ROLES)})")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise DataError(f"{where}: messages[{i}] has non-text content parts (only text is supported)")
+            content = "".join(_text(p.get("text"), where, f"messages[{i}] text part") for p in content)
+        elif content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise DataError(f"{where}: messages[{i}] has no 'content'")
+        elif content is not None:
+            _text(content, where, f"messages[{i}].content")
+        out.append({**m, "content": content if content is not None else ""})
+    return out
+
+
+def _from_sharegpt(row: dict, where: str) -> list[dict]:
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'conversations' must be a non-empty list")
+    out = []
+    if isinstance(row.get("system"), str) and row["system"]:
+        out.append({"role": "system", "content": row["system"]})
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise DataError(f"{where}: conversations[{i}] must be an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise DataError(f"{where}: conversations[{i}] is from {t['from']!r} "
+                            f"(known: {', '.join(sorted(SHAREGPT_ROLES))})")
+        out.append({"role": role, "content": _text(t["value"], where, f"conversations[{i}].value")})
+    return out
+
+
+def _from_pair(row: dict, where: str) -> list[dict]:
+    response = row.get("response", row.get("completion"))
+    out = []
+    if row.get("system"):
+        out.append({"role": "system", "content": _text(row["system"], where, "'system'")})
+    out.append({"role": "user", "content": _text(row["prompt"], where, "'prompt'")})
+    out.append({"role": "assistant", "content": _text(response, where, "'response'")})
+    return out
+
+
+CONVERTERS = {"messages": _from_messages, "conversations": _from_sharegpt, "prompt": _from_pair}
+
+
+def read_conversations(path: str | Path) -> list[dict]:
+    """All conversations of one JSONL file, in any of the supported formats (one per file)."""
+    path = Path(path)
+    rows, fmt = [], None
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror}") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                hint = " (a JSON array? write one object per line)" if fmt is None and line.lstrip()[:1] == "[" else ""
+                raise DataError(f"{where}: not JSON: {exc.msg}{hint}") from None
+            except UnicodeDecodeError:
+                raise DataError(f"{where}: not UTF-8 text") from None
+            kind = detect_format(row)
+            if kind is None:
+                if isinstance(row, list):
+                    raise DataError(f"{where}: a JSON array (a .json file?); {KNOWN} (JSON Lines)")
+                keys = f" (keys: {', '.join(sorted(row)[:6])})" if isinstance(row, dict) else ""
+                raise DataError(f"{where}: unknown record{keys}; {KNOWN}")
+            if fmt is None:
+                fmt = kind
+            elif kind != fmt:
+                raise DataError(f"{where}: a {FORMATS[kind]} record in a file of {FORMATS[fmt]} (line 1 format)")
+            messages = CONVERTERS[kind](row, where)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise DataError(f"{where}: the conversation has no assistant turn to train on")
+            rows.append({"messages": messages, "source": where})
+    return rows
+
+
+def file_format(path: str | Path) -> str:
+    """The detected format's name for a file (for reports)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return FORMATS.get(detect_format(json.loads(line)) or "", "unknown")
+    return "empty"
+
+
+# ---------------------------------------------------------------------------- loss mask
+
+SENTINEL = "\u2063dflash-end-of-content\u2063"  # invisible separator: never in real data, survives `trim`
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def assistant_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant turn in it.
+
+    A turn's span is what the model generates at that point: from the end of the generation
+    prompt (render(messages[:i], add_generation_prompt=True), matched against the full text,
+    so a think block the prompt pre-fills, e.g. Qwen3 with enable_thinking=False, stays
+    prompt) to the end of its end-of-turn text (`<|im_end|>`, `<|eot_id|>`; the template's
+    newline after it is not generated, so not trained). The end is found by rendering the
+    conversation with a sentinel appended to this turn's content: whatever follows the
+    sentinel follows the turn in the real text, so templates that rewrite turns (Qwen3 drops
+    the reasoning of earlier turns, Llama 3 trims) need no model-specific rule. A first
+    message from the assistant has no prompt and is not trained.
+    """
+    kwargs = dict(template_kwargs or {})
+
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kwargs)
+
+    text = render(messages)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant" or i == 0:
+            continue
+        start = _common_prefix(text, render(messages[:i], True))
+        marked = {**m, "content": (m.get("content") or "") + SENTINEL}
+        whole = render(messages[:i] + [marked] + messages[i + 1:])
+        alone = render(messages[:i] + [marked])
+        if whole.count(SENTINEL) != 1 or alone.count(SENTINEL) != 1:
+            raise DataError(f"cannot locate assistant turn {i}: the chat template does not render its content")
+        after = whole[whole.index(SENTINEL) + len(SENTINEL):]
+        tail = alone[alone.index(SENTINEL) + len(SENTINEL):]
+        if not text.endswith(after):
+            raise DataError(f"cannot locate assistant turn {i}: the chat template renders it differently "
+                            "depending on its content")
+        content_end = len(text) - len(after)
+        end = content_end + len(tail[: _common_prefix(tail, after)].rstrip())
+        previous = spans[-1][1] if spans else 0
+        if not previous <= start <= content_end:
+            raise DataError(f"cannot locate assistant turn {i}: its generation prompt is not where the "
+                            "conversation renders it")
+        spans.append((start, end))
+    return text, spans
+
+
+def encode_conversation(tokenizer, messages: list[dict], max_length: int,
+                        template_kwargs: dict | None = None) -> tuple[list[int], list[int], int]:
+    """Token ids and a 0/1 loss mask that is 1 on the assistant turns' tokens (see assistant_spans),
+    both cut at max_length, and the untruncated token count. Tokens map to spans through their
+    character offsets."""
+    text, spans = assistant_spans(tokenizer, messages, template_kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"][:max_length]]
+    return ids[:max_length], mask, len(ids)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
+                          template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    ids, mask, _ = encode_conversation(tokenizer, messages, max_length, template_kwargs)
+    return ids, mask

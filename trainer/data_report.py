@@ -1,0 +1,102 @@
+"""`python -m trainer data-report --config C`: what the data will look like to the trainer, before
+any GPU time is spent: conversations per file and format, the token-length histogram, the share
+cut at data.max_length and the share of tokens that carry loss.
+
+Only the tokenizer is loaded (from model.target.path; the synthetic one otherwise), never the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainer.chat_data import DataError, encode_conversation, file_format, read_conversations
+from trainer.config import TrainerConfig, data_paths, template_kwargs
+
+
+@dataclass
+class SplitReport:
+    name: str  # train | eval
+    files: list[tuple[str, str, int]] = field(default_factory=list)  # (path, format, conversations)
+    lengths: list[int] = field(default_factory=list)  # untruncated token counts
+    kept_tokens: int = 0  # tokens after truncation at max_length
+    loss_tokens: int = 0  # of those, tokens on assistant turns
+    no_loss: int = 0  # conversations left with fewer than 2 loss tokens (dropped by the trainer)
+
+    @property
+    def conversations(self) -> int:
+        return len(self.lengths)
+
+
+def build_report(cfg: TrainerConfig, tokenizer) -> list[SplitReport]:
+    kwargs = template_kwargs(cfg.data)
+    splits = []
+    for name, paths in (("train", data_paths(cfg.data.train_path)), ("eval", data_paths(cfg.data.eval_path))):
+        if not paths:
+            continue
+        report = SplitReport(name)
+        for path in paths:
+            conversations = read_conversations(path)
+            report.files.append((path, file_format(path), len(conversations)))
+            for conv in conversations:
+                try:
+                    ids, mask, full = encode_conversation(tokenizer, conv["messages"], cfg.data.max_length, kwargs)
+                except DataError as exc:
+                    raise DataError(f"{conv['source']}: {exc}") from None
+                report.lengths.append(full)
+                report.kept_tokens += len(ids)
+                report.loss_tokens += sum(mask)
+                report.no_loss += sum(mask) < 2
+        splits.append(report)
+    return splits
+
+
+def histogram(lengths: list[int], max_length: int, width: int = 40) -> list[str]:
+    """Power-of-two bins up to the longest conversation; bins past max_length are marked."""
+    if not lengths:
+        return ["  (no conversations)"]
+    top = max(lengths)
+    edges = [0] + [2 ** k for k in range(4, max(5, math.ceil(math.log2(max(top, 2)))) + 1)]
+    if edges[-1] < top:
+        edges.append(2 ** math.ceil(math.log2(top)))
+    counts = [0] * (len(edges) - 1)
+    for n in lengths:
+        i = next(i for i in range(len(counts)) if n <= edges[i + 1])
+        counts[i] += 1
+    peak = max(counts)
+    lines = []
+    for i, c in enumerate(counts):
+        lo, hi = edges[i] + 1 if i else 0, edges[i + 1]
+        bar = "#" * (round(width * c / peak) if c else 0)
+        cut = "  > max_length" if lo > max_length else ("  (max_length inside)" if lo <= max_length < hi else "")
+        lines.append(f"  {lo:>7}-{hi:<7} {c:>8}  {bar}{cut}")
+    return lines
+
+
+def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name: str) -> str:
+    m = cfg.data.max_length
+    out = [f"tokenizer: {tokenizer_name}   max_length: {m}"
+           + (f"   enable_thinking: {cfg.data.enable_thinking}" if cfg.data.enable_thinking is not None else "")]
+    for s in splits:
+        out.append("")
+        out.append(f"{s.name}: {s.conversations} conversations")
+        for path, fmt, n in s.files:
+            out.append(f"  {path}: {n} ({fmt})")
+        if not s.lengths:
+            continue
+        total = sum(s.lengths)
+        truncated = sum(n > m for n in s.lengths)
+        ordered = sorted(s.lengths)
+        out.append(f"  tokens per conversation: min {ordered[0]}, median {ordered[len(ordered) // 2]}, "
+                   f"p95 {ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}, max {ordered[-1]}")
+        out.append(f"  truncated at max_length: {truncated} of {s.conversations} conversations "
+                   f"({truncated / s.conversations:.1%}), {total - s.kept_tokens} of {total} tokens "
+                   f"({(total - s.kept_tokens) / max(total, 1):.1%}) cut")
+        out.append(f"  loss tokens (assistant turns): {s.loss_tokens} of {s.kept_tokens} kept tokens "
+                   f"({s.loss_tokens / max(s.kept_tokens, 1):.1%})")
+        if s.no_loss:
+            out.append(f"  {s.no_loss} conversations have fewer than 2 loss tokens after truncation "
+                       "and are skipped by the trainer")
+        out.append("  length histogram (tokens, conversations):")
+        out.extend(histogram(s.lengths, m))
+    return "\n".join(out)

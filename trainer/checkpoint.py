@@ -102,8 +102,10 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             self._fill(tmp, step, drafter, drafter_config, optimizer, scheduler, trainer_state)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # a full disk: free what this attempt wrote
+        except Exception:
+            # A full disk: free what this attempt wrote. A kill leaves it, like SIGKILL would;
+            # the next save of that step clears it first.
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         if final.exists():
             self._discard(final)

@@ -113,8 +113,11 @@ def module_names(rels: list[str]) -> list[str]:
     return names
 
 
-def import_check_in_container(container, meta: dict, patched_root: Path, report: PatchReport) -> list[dict]:
-    """Import the touched modules from a scratch copy of the release holding the patched files."""
+def import_check_in_container(container, meta: dict, patched_root: Path, report: PatchReport,
+                              static: bool = False) -> list[dict]:
+    """Import the touched modules from a scratch copy of the release holding the patched files.
+
+    static: compile them and resolve their imports without running any of their code."""
     modules = module_names([rel for rel, text in report.new_contents.items() if text is not None])
     if not modules:
         return []
@@ -129,7 +132,7 @@ def import_check_in_container(container, meta: dict, patched_root: Path, report:
         if deleted:
             steps.append(["rm", "-f", "--", *deleted])
         container.exec(render.script(*steps), stdin=tar, check=True)
-        result = container.helper("import-check", [scratch, *modules], python=release_python(container, meta))
+        result = container.helper("import-check", [*(["--static"] if static else []), scratch, *modules], python=release_python(container, meta))
         try:
             doc = json.loads(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -209,9 +212,10 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
         if not report.ok:
             raise PatchError(f"patch refused by the structural guard (release {meta['hash']})", report)
         report.write_to(root)
-        say(f"structural checks passed; importing {', '.join(module_names(report.touched)) or 'nothing'} "
+        verb = "resolving the imports of (no code runs)" if check_only else "importing"
+        say(f"structural checks passed; {verb} {', '.join(module_names(report.touched)) or 'nothing'} "
             f"in {container.target.name}'s python")
-        imports = import_check_in_container(container, meta, root, report)
+        imports = import_check_in_container(container, meta, root, report, static=check_only)
         failed = [r for r in imports if not r["ok"]]
         if failed:
             raise PatchError(f"patch refused: {len(failed)} module(s) fail to import", report, imports)

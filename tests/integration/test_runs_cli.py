@@ -265,6 +265,24 @@ def test_patch_that_does_not_import_is_refused(tier, tmp_path):
     assert os.readlink(tier.base / "current") == f"releases/{first}"
 
 
+def test_patch_check_runs_none_of_the_patched_code(tier, tmp_path):
+    """--check changes nothing: the patched module's top-level code must not run (it used to be imported)."""
+    first = deployed(tier)
+    marker = tmp_path / "module-level-code-ran"
+    first_line = (tier.package / "data.py").read_text().splitlines()[0]
+    diff = tmp_path / "side-effect.diff"
+    diff.write_text("--- a/trainer/data.py\n+++ b/trainer/data.py\n@@ -1,1 +1,2 @@\n"
+                    f"+open({str(marker)!r}, 'w').close()\n {first_line}\n")
+    checked = tier.cli("patch", "host200", str(diff), "--check").stdout
+    assert "patch OK" in checked and "nothing changed" in checked and not marker.exists()
+    missing = tmp_path / "bad-import.diff"
+    missing.write_text("--- a/trainer/data.py\n+++ b/trainer/data.py\n@@ -1,1 +1,2 @@\n"
+                       f"+import no_such_module_anywhere\n {first_line}\n")
+    refused = tier.cli("patch", "host200", str(missing), "--check", code=1)
+    assert "import trainer.data: FAILED: trainer/data.py:1: ModuleNotFoundError" in refused.stdout
+    assert os.readlink(tier.base / "current") == f"releases/{first}"
+
+
 def test_patch_to_the_requirements_is_refused_with_the_way_forward(tier, tmp_path):
     first = deployed(tier)
     diff = tmp_path / "reqs.diff"

@@ -219,6 +219,31 @@ def test_import_check_reports_failures(tmp_path):
     assert results["missing_mod"]["error"].startswith("ModuleNotFoundError")
 
 
+def test_static_import_check_runs_no_code_and_still_finds_what_would_fail(tmp_path):
+    marker = tmp_path / "ran"
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\nVALUE = 1\n")
+    (pkg / "util.py").write_text("def helper():\n    pass\nclass C:\n    def moved(self):\n        pass\n")
+    (tmp_path / "side_effects.py").write_text(f"import json\nopen({str(marker)!r}, 'w').close()\nraise SystemExit(3)\n")
+    (tmp_path / "uses.py").write_text("from pkg import VALUE\nfrom pkg.util import helper\n")
+    (tmp_path / "moved.py").write_text("import os\nfrom pkg.util import moved\n")
+    (tmp_path / "missing.py").write_text("try:\n    import json\nexcept ImportError:\n    pass\nimport no_such_pkg_xyz\n")
+    (tmp_path / "lazy.py").write_text("def f():\n    import no_such_pkg_xyz\n")
+    (tmp_path / "broken.py").write_text("x = 1\ndef f(:\n")
+    names = ["pkg", "side_effects", "uses", "moved", "missing", "lazy", "broken", "absent"]
+    out = subprocess.run([sys.executable, str(IMPORT_CHECK), "--static", str(tmp_path), *names], capture_output=True)
+    assert out.returncode == 1 and not marker.exists()
+    results = {r["module"]: r for r in json.loads(out.stdout)["results"]}
+    assert [n for n in names if results[n]["ok"]] == ["pkg", "side_effects", "uses", "lazy"]
+    assert results["moved"]["error"] == "ImportError: cannot import name 'moved' from 'pkg.util'"
+    assert results["moved"]["line"] == 2
+    assert results["missing"]["error"].startswith("ModuleNotFoundError") and results["missing"]["line"] == 5
+    assert results["broken"]["error"].startswith("SyntaxError") and results["broken"]["line"] == 2
+    assert results["absent"]["error"].startswith("ModuleNotFoundError")
+    assert not list(tmp_path.rglob("__pycache__"))
+
+
 def test_line_endings_and_odd_characters_survive_a_patch(tmp_path):
     """Only the diff's lines change: CRLF files stay CRLF, a lone CR or a form feed is kept."""
     (tmp_path / "t").mkdir()

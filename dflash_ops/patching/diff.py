@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+# git's extended header lines (git-diff(1) "generated diff formats") that change more than text:
+# a patch made only of text hunks would drop them, so they are refused by name.
+GIT_UNSUPPORTED = (
+    ("old mode ", "a mode change"), ("new mode ", "a mode change"),
+    ("rename from ", "a rename"), ("rename to ", "a rename"),
+    ("copy from ", "a copy"), ("copy to ", "a copy"),
+    ("Binary files ", "a binary change"), ("GIT binary patch", "a binary change"),
+)
+REGULAR_FILE_MODE = "100644"
 DEV_NULL = "/dev/null"
 # Names the release machinery gives a meaning to: a patched file there would overwrite the
 # release manifest or (under `.helpers/`) be installed into BASE/helpers, outside the release.
@@ -89,11 +98,21 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
     lines = diff_lines(text)
     patches: list[FilePatch] = []
     i = 0
+    git_header: int | None = None  # diff line of the `diff --git` whose header is being read
+    git_header_patches = 0
     while i < len(lines):
         line = lines[i]
-        if not line.startswith("--- "):
-            i += 1  # `diff --git`, `index`, mode lines and prose are not needed
+        if line.startswith("diff --git "):
+            _refuse_empty_git_change(lines, git_header, git_header_patches)
+            git_header, git_header_patches = i + 1, 0
+            i += 1
             continue
+        if git_header is not None:
+            _refuse_git_extension(line, i + 1)
+        if not line.startswith("--- "):
+            i += 1  # `index` lines and prose are not needed
+            continue
+        git_header_patches += 1
         if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
             raise DiffError(f"diff line {i + 1}: '---' header without a following '+++' line")
         patch = FilePatch(_clean_path(line[4:], "a/", i + 1), _clean_path(lines[i + 1][4:], "b/", i + 2))
@@ -106,9 +125,29 @@ def parse_unified_diff(text: str) -> list[FilePatch]:
         if not patch.hunks:
             raise DiffError(f"diff line {i}: no hunks for {patch.path}")
         patches.append(patch)
+        git_header = None  # one file per `diff --git` section: what follows is prose or the next one
+    _refuse_empty_git_change(lines, git_header, git_header_patches)
     if not patches:
         raise DiffError("no file changes found (expected '--- a/PATH' / '+++ b/PATH' / '@@' lines)")
     return patches
+
+
+def _refuse_git_extension(line: str, diff_line: int) -> None:
+    for prefix, what in GIT_UNSUPPORTED:
+        if line.startswith(prefix):
+            raise DiffError(f"diff line {diff_line}: {what} ({line.strip()!r}) is not supported: "
+                            "a patch changes the text of files only; make that change locally and deploy")
+    for prefix in ("new file mode ", "deleted file mode "):
+        if line.startswith(prefix) and line[len(prefix):].strip() != REGULAR_FILE_MODE:
+            raise DiffError(f"diff line {diff_line}: file mode {line[len(prefix):].strip()} ({line.strip()!r}) "
+                            f"is not supported: a patch creates regular files ({REGULAR_FILE_MODE}) only")
+
+
+def _refuse_empty_git_change(lines: list[str], git_header: int | None, patches: int) -> None:
+    """A `diff --git` section without '---'/'+++' changes something that is not text."""
+    if git_header is not None and patches == 0:
+        raise DiffError(f"diff line {git_header}: {lines[git_header - 1].strip()!r} has no text hunks "
+                        "(an empty file, a mode-only or binary change): not supported by patch")
 
 
 def _parse_hunk(lines: list[str], i: int) -> tuple[Hunk, int]:
@@ -173,8 +212,19 @@ def apply_hunks(original: str, hunks: list[Hunk]) -> str:
 
 
 def _find(source: list[str], old: list[str], wanted: int, floor: int) -> int | None:
-    candidates = sorted(range(floor, len(source) - len(old) + 1), key=lambda at: (abs(at - wanted), at))
-    return next((at for at in candidates if source[at:at + len(old)] == old), None)
+    """The matching position nearest `wanted` (the lower one on a tie), not before `floor`.
+
+    Searched outward from `wanted`, so a hunk at its stated line costs its own length, not
+    the file's (a 6,000-hunk patch sorted every position of the file for every hunk)."""
+    last = len(source) - len(old)
+    if last < floor:
+        return None
+    wanted = min(max(wanted, floor), last)
+    for distance in range(0, max(wanted - floor, last - wanted) + 1):
+        for at in (wanted - distance, wanted + distance) if distance else (wanted,):
+            if floor <= at <= last and source[at:at + len(old)] == old:
+                return at
+    return None
 
 
 def _mismatch(source: list[str], old: list[str], at: int) -> str:

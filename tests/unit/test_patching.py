@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ops.patching import DiffError, apply_hunks, check_patch, definitions, parse_unified_diff
+from dflash_ops.patching import diff as diff_module
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "patches"
 RELEASE = FIXTURES / "release"
@@ -261,3 +262,60 @@ def test_line_endings_and_odd_characters_survive_a_patch(tmp_path):
     assert (tmp_path / "t" / "ff.py").read_bytes() == b"x = 1\n\x0c\ny = 5\n"
     crlf_diff = "--- a/t/ff.py\r\n+++ b/t/ff.py\r\n@@ -3 +3 @@\r\n-y = 5\r\n+y = 6\r\n"
     assert check_patch(tmp_path, crlf_diff).new_contents == {"t/ff.py": "x = 1\n\x0c\ny = 6\n"}
+
+
+GIT_HEADER = "diff --git a/trainer/data.py b/trainer/data.py\n"
+TEXT_CHANGE = "--- a/trainer/data.py\n+++ b/trainer/data.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+
+
+@pytest.mark.parametrize("section, what", [
+    ("diff --git a/old.py b/new.py\nsimilarity index 100%\nrename from old.py\nrename to new.py\n", "a rename"),
+    ("diff --git a/run.sh b/run.sh\nold mode 100644\nnew mode 100755\n", "a mode change"),
+    ("diff --git a/w.bin b/w.bin\nindex 1234567..89abcde 100644\nBinary files a/w.bin and b/w.bin differ\n",
+     "a binary change"),
+    ("diff --git a/w.bin b/w.bin\nindex 1234567..89abcde 100644\nGIT binary patch\nliteral 3\nKcmZQz\n\n",
+     "a binary change"),
+    ("diff --git a/a.py b/c.py\ncopy from a.py\ncopy to c.py\n", "a copy"),
+    ("diff --git a/go.sh b/go.sh\nnew file mode 100755\n--- /dev/null\n+++ b/go.sh\n@@ -0,0 +1 @@\n+echo\n",
+     "file mode 100755"),
+    ("diff --git a/empty.py b/empty.py\nnew file mode 100644\nindex 0000000..e69de29\n", "has no text hunks"),
+])
+def test_a_git_diff_with_changes_beyond_text_is_refused_not_half_applied(section, what):
+    """Each section sits between ordinary text changes: none of it may be dropped silently."""
+    with pytest.raises(DiffError, match=what):
+        parse_unified_diff(GIT_HEADER + TEXT_CHANGE + section + GIT_HEADER + TEXT_CHANGE)
+
+
+def test_git_sections_of_plain_text_changes_and_new_regular_files_still_parse():
+    diff = (GIT_HEADER + "index 1111111..2222222 100644\n" + TEXT_CHANGE +
+            "diff --git a/new.py b/new.py\nnew file mode 100644\nindex 0000000..3333333\n"
+            "--- /dev/null\n+++ b/new.py\n@@ -0,0 +1 @@\n+y = 1\n"
+            "diff --git a/gone.py b/gone.py\ndeleted file mode 100644\nindex 4444444..0000000\n"
+            "--- a/gone.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-z = 1\n")
+    assert [(p.old_path, p.new_path) for p in parse_unified_diff(diff)] == [
+        ("trainer/data.py", "trainer/data.py"), (None, "new.py"), ("gone.py", None)]
+
+
+def test_many_hunks_each_match_at_their_stated_line_or_the_nearest_one():
+    source = "".join(f"line {i}\n" for i in range(60_000))
+    hunks = "".join(f"@@ -{i + 1} +{i + 1} @@\n-line {i}\n+LINE {i}\n" for i in range(0, 60_000, 10))
+    patch = parse_unified_diff("--- a/f\n+++ b/f\n" + hunks)[0]
+    calls = []
+    real = diff_module._find
+
+    def counting(source_lines, old, wanted, floor):
+        at = real(source_lines, old, wanted, floor)
+        calls.append(at - wanted)
+        return at
+
+    diff_module._find = counting
+    try:
+        out = apply_hunks(source, patch.hunks)
+    finally:
+        diff_module._find = real
+    assert calls == [0] * 6000
+    lines = out.splitlines()
+    assert lines[0] == "LINE 0" and lines[10] == "LINE 10" and lines[11] == "line 11" and len(lines) == 60_000
+    repeated = "a\nx\na\nx\na\n"
+    one = parse_unified_diff("--- a/f\n+++ b/f\n@@ -3 +3 @@\n-x\n+y\n")[0]  # stated line 3 is 'a': nearest x
+    assert apply_hunks(repeated, one.hunks) == "a\ny\na\nx\na\n"

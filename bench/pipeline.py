@@ -335,10 +335,7 @@ def run_mode(args, mode, target, samples, results, pack_length=0):
                 print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:22]), flush=True)
     tr.guard.unfreeze()
     if args.naive_steps:
-        from trainer.loop import Trainer
-
         tr.c.drafter, tr.c.optimizer = tr.drafters[0], tr.optimizers[0]
-        Trainer.warmup = lambda self: None
         out["naive_tokens_per_s"] = round(naive(tr, args.naive_steps), 1)
     t, d = out["target_alone"]["tokens_per_s"], out["drafter_alone"]["tokens_per_s"]
     shared = set(args.target) & set(args.drafter)

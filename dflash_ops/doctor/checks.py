@@ -361,6 +361,7 @@ def disk_check(i: Inputs) -> Check:
     size = i.plan.checkpoint_bytes(_model_dims(i))
     need = i.plan.disk_needed(_model_dims(i))
     measured = f"{gib(disk['free'])} free of {gib(disk['total'])} at {disk['measured_at']}"
+    sized = need is not None
     if need is None:
         need = 1 * GIB
         why = "1.0 GiB (pass --config to size checkpoints)" if i.plan.config_path is None else \
@@ -368,7 +369,8 @@ def disk_check(i: Inputs) -> Check:
     else:
         why = f"{gib(need)}: {i.plan.keep_checkpoints}+1 checkpoints of {gib(size)} + 1 GiB"
     if disk["free"] < need:
-        return Check("disk at base_dir", FAIL, measured, why,
+        # Unsized (no config, or not the bundled trainer's): a guess, so it warns instead of refusing.
+        return Check("disk at base_dir", FAIL if sized else WARN, measured, why,
                      f"free {gib(need - disk['free'])} under {i.target.base_dir}, lower run.keep_checkpoints, "
                      "or give the container a larger volume (pct resize / a mount point)")
     return Check("disk at base_dir", OK, measured, why)

@@ -130,6 +130,15 @@ def test_small_shm_disk_ram_and_limits():
     assert result["open files limit"].status == WARN
 
 
+def test_a_small_disk_only_warns_when_checkpoints_cannot_be_sized():
+    facts = gpu_facts(disk={"path": "/opt/dflash", "measured_at": "/", "total": 64 << 20, "free": 60 << 20})
+    disk = judge(facts, plan=RunPlan(), config_text="arch: amd64\n")["disk at base_dir"]
+    assert disk.status == WARN and disk.needed.startswith("1.0 GiB (pass --config")
+    sized = judge(facts, plan=RunPlan(keep_checkpoints=2, dims=dict(QWEN3_8B), config_path="c.yaml"),
+                  config_text="arch: amd64\n")["disk at base_dir"]
+    assert sized.status == FAIL
+
+
 def test_cpu_run_on_a_node_without_gpu_passes_and_says_so():
     facts = gpu_facts(devices={}, majors={}, driver={"proc": None, "libcuda": {"error": "no libcuda"}},
                       smi={"error": "nvidia-smi not found"},

@@ -28,6 +28,7 @@ FORMATS = {"messages": "OpenAI messages", "conversations": "ShareGPT conversatio
            "prompt": "prompt/response pairs"}
 KNOWN = ("expected one JSON object per line with 'messages' (OpenAI), 'conversations' (ShareGPT) "
          "or 'prompt' and 'response'")
+PROMPT_KNOWN = KNOWN.replace(" and 'response'", " (a response is not needed)")
 
 
 def detect_format(row) -> str | None:
@@ -137,6 +138,16 @@ def read_conversations(path: str | Path) -> list[dict]:
                 raise DataError(f"{where}: the conversation has no assistant turn to train on")
             rows.append({"messages": messages, "source": where})
     return rows
+
+
+def prompt_messages(row, where: str) -> list[dict]:
+    """A record's turns for regeneration: any supported format, or a `prompt` without a response."""
+    if isinstance(row, dict) and "prompt" in row and detect_format(row) is None:
+        row = {**row, "response": ""}
+    kind = detect_format(row)
+    if kind is None:
+        raise DataError(f"{where}: unknown record; {PROMPT_KNOWN}")
+    return CONVERTERS[kind](row, where)
 
 
 def file_format(path: str | Path) -> str:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+from trainer.chat_data import DataError, prompt_messages
+
 EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
 FSYNC_EVERY_S = 1.0
@@ -82,28 +84,6 @@ class Prompt:
     line: int
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
-
-
-def conversation_messages(row: dict) -> list[dict] | None:
-    """The row's conversation as OpenAI messages: `messages`, ShareGPT `conversations`
-    (from/value), or a `prompt` (with an optional `system`); None when it is none of those."""
-    if isinstance(row.get("messages"), list):
-        return row["messages"]
-    if isinstance(row.get("conversations"), list):
-        out = []
-        for turn in row["conversations"]:
-            if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
-                return None
-            out.append({"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
-        return out
-    if isinstance(row.get("prompt"), str):
-        system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else []
-        return [*system, {"role": "user", "content": row["prompt"]}]
-    return None
-
-
 def _prompt_id(row: dict, messages: list[dict]) -> str:
     if isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool):
         return str(row["id"])
@@ -131,10 +111,10 @@ def read_prompts(path: str | Path) -> tuple[list[Prompt], int]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise InputError(f"{path}:{lineno}: not JSON: {e.msg}") from None
-            messages = conversation_messages(row) if isinstance(row, dict) else None
-            if messages is None:
-                raise InputError(f"{path}:{lineno}: expected 'messages' (OpenAI), 'conversations' "
-                                 "(ShareGPT from/value) or 'prompt'")
+            try:
+                messages = prompt_messages(row, f"{path}:{lineno}")
+            except DataError as e:
+                raise InputError(str(e)) from None
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InputError(f"{path}:{lineno}: turn {i + 1} needs a string 'role' and 'content'")

@@ -210,7 +210,7 @@ def test_hf_engine_without_a_server(model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("line, message", [
     ("not json", "prompts.jsonl:2: not JSON"),
-    ('{"text": "hi"}', "prompts.jsonl:2: expected 'messages' (OpenAI), 'conversations'"),
+    ('{"text": "hi"}', "prompts.jsonl:2: unknown record; expected one JSON object per line with 'messages' (OpenAI)"),
     ('{"messages": [{"role": "assistant", "content": "x"}]}', "prompts.jsonl:2: no user turn to answer"),
     ('{"id": "p1", "prompt": "again"}', "prompts.jsonl:2: id 'p1' used again (first at line 1)"),
 ])

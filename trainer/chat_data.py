@@ -103,40 +103,47 @@ def _from_pair(row: dict, where: str) -> list[dict]:
 CONVERTERS = {"messages": _from_messages, "conversations": _from_sharegpt, "prompt": _from_pair}
 
 
-def read_conversations(path: str | Path) -> list[dict]:
-    """All conversations of one JSONL file, in any of the supported formats (one per file)."""
-    path = Path(path)
-    rows, fmt = [], None
+def jsonl_records(path: str | Path):
+    """(line number, record) for every non-blank line of a JSON Lines file; DataError naming file:line."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as exc:
-        raise DataError(f"{path}: cannot read: {exc.strerror}") from None
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
     with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                hint = " (a JSON array? write one object per line)" if fmt is None and line.lstrip()[:1] == "[" else ""
-                raise DataError(f"{where}: not JSON: {exc.msg}{hint}") from None
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not UTF-8 text") from None
-            kind = detect_format(row)
-            if kind is None:
-                if isinstance(row, list):
-                    raise DataError(f"{where}: a JSON array (a .json file?); {KNOWN} (JSON Lines)")
-                keys = f" (keys: {', '.join(sorted(row)[:6])})" if isinstance(row, dict) else ""
-                raise DataError(f"{where}: unknown record{keys}; {KNOWN}")
-            if fmt is None:
-                fmt = kind
-            elif kind != fmt:
-                raise DataError(f"{where}: a {FORMATS[kind]} record in a file of {FORMATS[fmt]} (line 1 format)")
-            messages = CONVERTERS[kind](row, where)
-            if not any(m["role"] == "assistant" for m in messages):
-                raise DataError(f"{where}: the conversation has no assistant turn to train on")
-            rows.append({"messages": messages, "source": where})
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    hint = " (a JSON array? write one object per line)" if line.lstrip()[:1] == "[" else ""
+                    raise DataError(f"{path}:{lineno}: not JSON: {exc.msg}{hint}") from None
+                yield lineno, row
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{lineno + 1}: not UTF-8 text") from None
+
+
+def read_conversations(path: str | Path) -> list[dict]:
+    """All conversations of one JSONL file, in any of the supported formats (one per file)."""
+    rows, fmt = [], None
+    for lineno, row in jsonl_records(path):
+        where = f"{path}:{lineno}"
+        kind = detect_format(row)
+        if kind is None:
+            if isinstance(row, list):
+                raise DataError(f"{where}: a JSON array (a .json file?); {KNOWN} (JSON Lines)")
+            keys = f" (keys: {', '.join(sorted(row)[:6])})" if isinstance(row, dict) else ""
+            raise DataError(f"{where}: unknown record{keys}; {KNOWN}")
+        if fmt is None:
+            fmt = kind
+        elif kind != fmt:
+            raise DataError(f"{where}: a {FORMATS[kind]} record in a file of {FORMATS[fmt]} (line 1 format)")
+        messages = CONVERTERS[kind](row, where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: the conversation has no assistant turn to train on")
+        rows.append({"messages": messages, "source": where})
     return rows
 
 

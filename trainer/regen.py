@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
-from trainer.chat_data import DataError, prompt_messages
+from trainer.chat_data import DataError, jsonl_records, prompt_messages
 
 EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
@@ -100,35 +100,25 @@ def read_prompts(path: str | Path) -> tuple[list[Prompt], int]:
     seen: dict[str, int] = {}
     duplicates = 0
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"{path}: cannot read: {e.strerror or e}") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not JSON: {e.msg}") from None
-            try:
-                messages = prompt_messages(row, f"{path}:{lineno}")
-            except DataError as e:
-                raise InputError(str(e)) from None
+        for lineno, row in jsonl_records(path):
+            where = f"{path}:{lineno}"
+            messages = prompt_messages(row, where)
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InputError(f"{path}:{lineno}: turn {i + 1} needs a string 'role' and 'content'")
+                    raise InputError(f"{where}: turn {i + 1} needs a string 'role' and 'content'")
             kept = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"]
             if not any(m["role"] == "user" for m in kept):
-                raise InputError(f"{path}:{lineno}: no user turn to answer")
+                raise InputError(f"{where}: no user turn to answer")
             pid = _prompt_id(row, kept)
             if pid in seen:
                 if not pid.startswith("sha256:"):
-                    raise InputError(f"{path}:{lineno}: id {pid!r} used again (first at line {seen[pid]})")
+                    raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
                 duplicates += 1
                 continue
             seen[pid] = lineno
             prompts.append(Prompt(pid, kept, lineno))
+    except DataError as e:
+        raise InputError(str(e)) from None
     return prompts, duplicates
 
 

@@ -15,7 +15,7 @@ from trainer.components import Components, build_components
 from trainer.config import TrainerConfig, dump_config
 from trainer.control import ControlPoller, Request
 from trainer.data import select_target_warmup_shapes
-from trainer.evaluate import mean_acceptance_length
+from trainer.evaluate import acceptance_report
 from trainer.masks import Blocks, prepare_blocks, resolve_backend
 from trainer.objective import drafter_loss_sums
 from trainer.optim import clip_gradients
@@ -182,8 +182,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         c, e = self.c, self.cfg.eval
-        tau, samples = mean_acceptance_length(c.target, c.drafter, c.head, c.tokenizer,
-                                              c.eval_conversations[: e.samples], e.max_new_tokens)
+        report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+                                   c.eval_conversations[: e.samples], e.max_new_tokens)
+        tau = report["tau"]
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
         gen = torch.Generator().manual_seed(0)
@@ -194,11 +195,11 @@ class Trainer:
             _, w, k = self._forward(batch.input_ids, batch.attention_mask, self._blocks(batch.input_ids, batch.loss_mask, gen))
             weight, correct = weight + float(w), correct + float(k)
         c.drafter.train()
-        result = {"tau": tau, "acc": correct / max(weight, 1e-6), "samples": samples}
+        result = {**report, "acc": correct / max(weight, 1e-6)}
         self.rd.event("eval", self.step, **result)
-        self.rd.update(tau=tau)
-        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length), acc {result['acc']:.3f}, "
-                    f"{samples} conversations")
+        self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"])
+        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
+                    f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
         return result
 
     def save(self, request_id: str | None) -> None:

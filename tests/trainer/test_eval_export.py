@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 import torch
 from safetensors.torch import load_file
 
@@ -43,7 +45,7 @@ def test_without_an_eval_file_tau_is_measured_not_reported_as_zero(tmp_path):
     """train_path alone: the evaluation falls back to the same conversations for τ as for accuracy."""
     from trainer.components import build_components
     from trainer.config import parse_config
-    from trainer.evaluate import mean_acceptance_length
+    from trainer.evaluate import acceptance_report, mean_acceptance_length
     from trainer.synth import synthetic_conversations, write_jsonl
 
     train = write_jsonl(synthetic_conversations(16, 0, 6, 12), tmp_path / "train.jsonl")
@@ -61,3 +63,8 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
     assert c.eval_conversations
     tau, samples = mean_acceptance_length(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:2], 4)
     assert samples == 2 and tau >= 1.0
+    report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:3], 6, batch=2)
+    histogram, rounds = report["histogram"], report["rounds"]
+    assert len(histogram) == 4 and sum(histogram) == rounds > 0
+    assert report["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / rounds)
+    assert 1.0 <= report["tau_per_prompt"] <= 4.0 and report["samples"] == 3

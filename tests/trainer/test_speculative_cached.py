@@ -1,0 +1,81 @@
+"""KV-cached speculative decoding gives exactly what the uncached reference gives: the same
+tokens (which are the target's own greedy tokens) and the same acceptance length every round."""
+import copy
+
+import pytest
+import torch
+
+from trainer.evaluate import greedy_generate, speculative_generate
+from trainer.speculative import speculative_generate_cached
+from trainer.target import FrozenHead
+
+
+def bigram_target(target):
+    """The tiny target with every attention and MLP output zeroed: its next token depends on the
+    current token only, so a draft of g(g(...)) is knowable in advance."""
+    t = copy.deepcopy(target)
+    with torch.no_grad():
+        for layer in t.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return t
+
+
+class OracleHead(FrozenHead):
+    """Drafts the bigram target's greedy chain from the block's anchor, wrong wherever
+    (anchor + slot) % wrong_every == 0, so rounds accept anything from 0 to all drafts."""
+
+    def __init__(self, base: FrozenHead, successor: dict[int, int], wrong_every: int):
+        super().__init__(base.embed_weight, base.lm_head_weight)
+        self.successor, self.wrong_every, self.anchors = successor, wrong_every, None
+
+    def embed(self, ids):
+        if ids.dim() == 2 and ids.shape[1] > 1:
+            self.anchors = ids[:, 0].tolist()
+        return super().embed(ids)
+
+    def logits(self, hidden):
+        out = torch.zeros(*hidden.shape[:-1], self.embed_weight.shape[0])
+        for r, anchor in enumerate(self.anchors):
+            token = anchor
+            for k in range(hidden.shape[1]):
+                token = self.successor[token]
+                wrong = (anchor + k + 1) % self.wrong_every == 0
+                out[r, k, (token + 1) % out.shape[-1] if wrong else token] = 1.0
+        return out
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    target, head, drafter, _ = tiny
+    bigram = bigram_target(target)
+    vocab = head.embed_weight.shape[0]
+    with torch.no_grad():
+        nxt = bigram(input_ids=torch.arange(vocab)[:, None]).logits[:, -1].argmax(-1).tolist()
+    return bigram, OracleHead(head, dict(enumerate(nxt)), wrong_every=5), drafter
+
+
+PROMPTS = [[5, 17, 33, 2, 9], [40], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 11], [90, 1, 64]]
+
+
+def test_cached_equals_uncached_token_for_token_and_round_for_round(oracle):
+    target, head, drafter = oracle
+    cached = speculative_generate_cached(target, drafter, head, PROMPTS, max_new_tokens=30, stop_ids=set())
+    seen_lengths = set()
+    for prompt, got in zip(PROMPTS, cached):
+        ref = speculative_generate(target, drafter, head, prompt, max_new_tokens=30, stop_ids=set())
+        assert got.tokens == ref.tokens == greedy_generate(target, prompt, 30, set())
+        assert got.acceptance_lengths == ref.acceptance_lengths
+        seen_lengths |= set(got.acceptance_lengths)
+    assert len(seen_lengths) >= 3 and max(seen_lengths) > 1  # partial and longer acceptances both happen
+
+
+def test_cached_with_the_random_drafter_and_a_stop_token(tiny):
+    target, head, drafter, _ = tiny
+    greedy = greedy_generate(target, PROMPTS[0], 12, set())
+    stop = {greedy[6]}
+    cached = speculative_generate_cached(target, drafter, head, PROMPTS, max_new_tokens=12, stop_ids=stop)
+    for prompt, got in zip(PROMPTS, cached):
+        ref = speculative_generate(target, drafter, head, prompt, max_new_tokens=12, stop_ids=stop)
+        assert got.tokens == ref.tokens and got.acceptance_lengths == ref.acceptance_lengths
+    assert cached[0].tokens[-1] in stop and len(cached[0].tokens) <= 7

@@ -19,7 +19,7 @@ def hosts(inventory: InventoryOption = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_ops.hosts import target_states
+    from dflash_ops.target_states import target_states
 
     inv = load(inventory)
     table = Table("target", "node", "ctid", "base_dir", "state", box=None)

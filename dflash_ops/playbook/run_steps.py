@@ -1,4 +1,4 @@
-"""Playbook step types for runs: start, follow, wait, checkpoint, stop (dflash_ops.playbook_steps).
+"""Playbook step types for runs: start, follow, wait, checkpoint, stop (registered in dflash_ops.playbook.steps).
 
     - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id
     - follow: {run_id: "${run_id}"}                      progress bar until the run is final;
@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from dflash_ops.playbook_steps import StepContext, StepFailed, StepType, register_step
+from dflash_ops.playbook.steps import StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.info import RunInfo
 

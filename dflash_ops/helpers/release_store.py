@@ -382,7 +382,7 @@ def cmd_prune(args) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="release.py")
+    parser = argparse.ArgumentParser(prog="release_store.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("query")
     q.add_argument("base")

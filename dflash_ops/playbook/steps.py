@@ -67,8 +67,8 @@ def register_step(step_type: StepType, *, replace_existing: bool = False) -> Non
 def _deploy(ctx: StepContext, params: dict) -> dict:
     """Deploy with the target's inventory settings (as `dflash-ops deploy` does); the step's
     `extra_paths` add to them, its `keep` and `venv` override them."""
-    from dflash_ops.deploy import deploy_target, target_options
-    from dflash_ops.venvs import VenvSpec
+    from dflash_ops.deploy.push import deploy_target, target_options
+    from dflash_ops.deploy.venv_spec import VenvSpec
 
     extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
     keep = int(params["keep"]) if "keep" in params else None
@@ -151,4 +151,4 @@ def bind_run_step(name: str, run: StepRun) -> None:
     """Give a run-lifecycle slot its implementation, keeping its declared parameters."""
     register_step(replace(STEP_TYPES[name], run=run), replace_existing=True)
 
-import dflash_ops.runs.steps  # noqa: E402,F401  (registers start/follow/wait/checkpoint/stop; needs the names above)
+import dflash_ops.playbook.run_steps  # noqa: E402,F401  (registers start/follow/wait/checkpoint/stop; needs the names above)

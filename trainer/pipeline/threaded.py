@@ -26,7 +26,8 @@ from .flops import drafter_step_flops, peak_tflops, target_forward_flops
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
 from .shapes import WarmShapes
-from .stopping import StageQueue, StageThread, StopSignal, join_all
+from .stages import StageQueue, StageThread, join_all
+from .stopping import StopSignal
 from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
 

@@ -1,67 +1,13 @@
-"""The registry of playbook step types.
-
-A step type is a name (the step's key in YAML), the parameters it takes, the variables it
-provides to later steps, and a function `run(ctx, params) -> dict | None` (the returned dict
-becomes variables). Adding a step type is one `register_step(StepType(...))` call.
-
-The run-lifecycle steps (start, wait, checkpoint, stop, follow) are declared here as slots
-with their parameters, so playbooks using them validate today; their `run` is bound to a
-`dflash_ops.runs` function by `bind_run_step(name, func)` once that library exists.
-"""
+"""The basic playbook step types: deploy, exec, sleep, echo (the run steps are in run_steps.py)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
 
 from dflash_ops import render
-from dflash_ops.errors import CommandTimeout, DflashOpsError, RemoteCommandError
-
-
-class StepFailed(DflashOpsError):
-    """A playbook step could not do its job."""
-
-
-@dataclass
-class StepContext:
-    """What a running step sees: its target's container and the variables so far."""
-
-    container: Any
-    target: str
-    variables: dict[str, Any]
-    playbook_dir: Path
-    say: Callable[[str], None] = print
-    results: list[dict] = field(default_factory=list)
-
-
-StepRun = Callable[[StepContext, dict], "dict | None"]
-
-
-@dataclass(frozen=True)
-class StepType:
-    name: str
-    run: StepRun
-    required: tuple[str, ...] = ()
-    optional: tuple[str, ...] = ()
-    provides: tuple[str, ...] = ()
-    types: dict[str, type | tuple[type, ...]] = field(default_factory=dict)
-    shorthand: str | None = None  # `exec: [a, b]` means `exec: {argv: [a, b]}`
-    help: str = ""
-
-    @property
-    def params(self) -> tuple[str, ...]:
-        return self.required + self.optional
-
-
-STEP_TYPES: dict[str, StepType] = {}
-
-
-def register_step(step_type: StepType, *, replace_existing: bool = False) -> None:
-    if step_type.name in STEP_TYPES and not replace_existing:
-        raise ValueError(f"step type {step_type.name!r} is already registered")
-    STEP_TYPES[step_type.name] = step_type
+from dflash_ops.errors import CommandTimeout, RemoteCommandError
+from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
 def _deploy(ctx: StepContext, params: dict) -> dict:
@@ -108,47 +54,12 @@ def _echo(ctx: StepContext, params: dict) -> None:
     ctx.say(str(params["message"]))
 
 
-_NUMBER = (int, float)
 register_step(StepType("deploy", _deploy, optional=("extra_paths", "keep", "venv"), provides=("release", "release_python"),
                        types={"extra_paths": list, "keep": int, "venv": (dict, bool)},
                        help="push the code release, helpers and venv; `current` points at it"))
 register_step(StepType("exec", _exec, required=("argv",), optional=("check", "timeout"), provides=("exit_code", "stdout"),
-                       types={"argv": list, "check": bool, "timeout": _NUMBER}, shorthand="argv",
+                       types={"argv": list, "check": bool, "timeout": NUMBER}, shorthand="argv",
                        help="run an argv in the container (a list, never a shell string)"))
-register_step(StepType("sleep", _sleep, required=("seconds",), types={"seconds": _NUMBER}, shorthand="seconds",
+register_step(StepType("sleep", _sleep, required=("seconds",), types={"seconds": NUMBER}, shorthand="seconds",
                        help="pause for a number of seconds"))
 register_step(StepType("echo", _echo, required=("message",), shorthand="message", help="print a message"))
-
-
-def _not_wired(name: str, library_function: str) -> StepRun:
-    def run(ctx: StepContext, params: dict) -> None:
-        raise StepFailed(f"step {name!r} is not wired yet: it needs dflash_ops.runs.{library_function}")
-
-    return run
-
-
-RUN_STEP_SLOTS: dict[str, tuple[str, StepType]] = {
-    "start": ("start_run", StepType("start", _not_wired("start", "start_run"), required=("config",),
-                                    optional=("run_id", "args", "gpus"), provides=("run_id",),
-                                    types={"args": list, "gpus": list}, help="start a detached training run")),
-    "wait": ("wait_for_checkpoint", StepType("wait", _not_wired("wait", "wait_for_checkpoint"), required=("run_id",),
-                                             optional=("state", "step", "timeout"), types={"timeout": _NUMBER},
-                                             help="wait for a run to reach a state or step")),
-    "checkpoint": ("request", StepType("checkpoint", _not_wired("checkpoint", "request"), required=("run_id",),
-                                       optional=("wait", "timeout"), provides=("checkpoint",),
-                                       types={"wait": bool, "timeout": _NUMBER}, help="ask a run for a checkpoint")),
-    "stop": ("stop_run", StepType("stop", _not_wired("stop", "stop_run"), required=("run_id",), optional=("timeout",),
-                                  types={"timeout": _NUMBER}, help="stop a run (final checkpoint first)")),
-    "follow": ("follow_file", StepType("follow", _not_wired("follow", "follow_file"), required=("run_id",),
-                                       optional=("file", "until", "timeout"), provides=("final_loss", "tau", "state"),
-                                       types={"timeout": _NUMBER}, help="follow a run's log/metrics until it ends")),
-}
-for _library_function, _slot in RUN_STEP_SLOTS.values():
-    register_step(_slot)
-
-
-def bind_run_step(name: str, run: StepRun) -> None:
-    """Give a run-lifecycle slot its implementation, keeping its declared parameters."""
-    register_step(replace(STEP_TYPES[name], run=run), replace_existing=True)
-
-import dflash_ops.playbook.run_steps  # noqa: E402,F401  (registers start/follow/wait/checkpoint/stop; needs the names above)

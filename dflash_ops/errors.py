@@ -23,6 +23,14 @@ class ConnectionLost(TransportError):
     """
 
 
+class Unreachable(TransportError):
+    """The node could not be reached at all (refused, timed out, reset before login): nothing ran.
+
+    Worth retrying later, unlike a refused host key or failed authentication (plain
+    TransportError), which retrying cannot fix.
+    """
+
+
 class CommandTimeout(TransportError):
     """A command ran past its timeout; it was killed (local) or its channel closed (SSH)."""
 

@@ -213,8 +213,9 @@ class _Parser:
         if "keepalive" in m and (not isinstance(m["keepalive"], int) or isinstance(m["keepalive"], bool)
                                  or m["keepalive"] < 0):
             raise self.fail(at("keepalive"), f"{what}: keepalive must be a non-negative integer, got {m['keepalive']!r}")
-        if "connect_timeout" in m and not isinstance(m["connect_timeout"], (int, float)):
-            raise self.fail(at("connect_timeout"), f"{what}: connect_timeout must be a number")
+        timeout = m.get("connect_timeout", 10.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise self.fail(at("connect_timeout"), f"{what}: connect_timeout must be a number of seconds > 0, got {timeout!r}")
         strict = m.get("strict_host_key_checking", True)
         if not isinstance(strict, bool):
             raise self.fail(at("strict_host_key_checking"), f"{what}: strict_host_key_checking must be true or false")

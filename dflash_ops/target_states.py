@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_ops import render
-from dflash_ops.connect import transport_for
+from dflash_ops.connect import open_container
 from dflash_ops.errors import TransportError
+from dflash_ops.fanout import map_by_node
 from dflash_ops.inventory import Inventory, Target
 
 
@@ -18,9 +19,15 @@ class TargetState:
 
 
 def target_state(target: Target, timeout: float = 30.0) -> TargetState:
+    from dflash_ops.connect import transport_for
+
+    return _state(target, transport_for(target.node), timeout)
+
+
+def _state(target: Target, transport, timeout: float = 30.0) -> TargetState:
     command = render.node_command(render.pct_argv(target.node.pct, "status", target.ctid))
     try:
-        result = transport_for(target.node).run(command, timeout=timeout)
+        result = transport.run(command, timeout=timeout)
     except TransportError as e:
         return TargetState(target, "unreachable", str(e))
     text = result.stdout.strip()
@@ -31,5 +38,11 @@ def target_state(target: Target, timeout: float = 30.0) -> TargetState:
     return TargetState(target, state, detail[0] if detail else f"exit status {result.exit_code}")
 
 
-def target_states(inventory: Inventory) -> list[TargetState]:
-    return [target_state(t) for t in inventory.targets.values()]
+def target_states(inventory: Inventory, names: list[str] | None = None, timeout: float = 30.0) -> list[TargetState]:
+    """Every target's state (or those named), parallel by node: a dead node costs one connect timeout."""
+    containers = [open_container(inventory, name) for name in (names or list(inventory.targets))]
+    return map_by_node(
+        containers,
+        lambda c: _state(c.target, c.transport, timeout),
+        lambda c, e: TargetState(c.target, "unreachable" if isinstance(e, TransportError) else "unknown", str(e)),
+    )

@@ -14,8 +14,14 @@ from dflash_ops.cli.common import (
 )
 
 
-def hosts(inventory: InventoryOption = None) -> None:
-    """List targets with their node, ctid, base_dir and state (running/stopped/unreachable)."""
+def hosts(
+    targets: Annotated[Optional[list[str]], typer.Argument(help="Targets to show (default: all).")] = None,
+    inventory: InventoryOption = None,
+) -> None:
+    """List targets with their node, ctid, base_dir and state (running/stopped/unreachable).
+
+    Nodes are asked in parallel, one connection each: a dead node costs one connect timeout.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -24,7 +30,9 @@ def hosts(inventory: InventoryOption = None) -> None:
     inv = load(inventory)
     table = Table("target", "node", "ctid", "base_dir", "state", box=None)
     with clean_errors():
-        for s in target_states(inv):
+        for name in targets or []:
+            inv.target(name)
+        for s in target_states(inv, targets or None):
             state = s.state if not s.detail else f"{s.state} ({s.detail})"
             table.add_row(s.target.name, s.target.node.name, str(s.target.ctid), s.target.base_dir, state)
     console = Console()

@@ -216,7 +216,8 @@ def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
     try:
         with clean_errors():
             run_id = run if run is not None else resolve_run(container, None).run_id
-            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow)
+            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
+                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"))
             if not follow:
                 return
             info = run_status(container, run_id)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -180,21 +179,28 @@ def deploy_many(
     open_container: Callable[[str], Any],
     deploy: Callable[[Any, str], DeploySummary],
 ) -> list[DeploySummary]:
-    """Deploy every target in parallel threads; a failing target never stops the others.
+    """Deploy every target in parallel, by node (dflash_ops.fanout: one connection per node);
+    a failing target never stops the others, a dead node costs one connect timeout.
 
     `open_container(name)` gives the target's Container, `deploy(container, name)` runs the
     deploy; a raised error becomes that target's summary.error.
     """
+    from dflash_ops.fanout import map_by_node
 
-    def one(name: str) -> DeploySummary:
-        started = time.monotonic()
+    started = time.monotonic()
+
+    def failed(name: str, e: Exception) -> DeploySummary:
+        return DeploySummary(target=name, error=f"{type(e).__name__}: {e}",
+                             seconds=round(time.monotonic() - started, 3))
+
+    containers: dict[str, Any] = {}
+    summaries: dict[str, DeploySummary] = {}
+    for name in names:
         try:
-            return deploy(open_container(name), name)
+            containers[name] = open_container(name)
         except Exception as e:  # noqa: BLE001 - reported per target
-            return DeploySummary(target=name, error=f"{type(e).__name__}: {e}",
-                                 seconds=round(time.monotonic() - started, 3))
-
-    if len(names) == 1:
-        return [one(names[0])]
-    with ThreadPoolExecutor(max_workers=min(len(names), 16)) as pool:
-        return list(pool.map(one, names))
+            summaries[name] = failed(name, e)
+    opened = list(containers.values())
+    done = map_by_node(opened, lambda c: deploy(c, c.target.name), lambda c, e: failed(c.target.name, e))
+    summaries.update((c.target.name, s) for c, s in zip(opened, done))
+    return [summaries[name] for name in names]

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dflash_ops.runs.helper import EXIT_TIME_UP, call, run_dir
 from dflash_ops.runs.info import RunError
 
-from dflash_ops.errors import ConnectionLost
+from dflash_ops.errors import ConnectionLost, Unreachable
+
+RETRYABLE = (ConnectionLost, Unreachable)  # the link failed; a host key or login failure is final
 
 FOLLOWABLE = ("train.log", "metrics.jsonl")
 HEADER_PREFIX = b"#offset "
@@ -85,9 +87,11 @@ def follow_file(
     offset: int = 0,
     follow: bool = False,
     reconnect: bool = True,
-    max_reconnects: int = 20,
+    give_up_after: float = 600.0,
     poll: float = 0.2,
     backoff: float = 0.5,
+    max_backoff: float = 10.0,
+    on_retry: Callable[[Exception, float], None] | None = None,
     stop: threading.Event | None = None,
     on_start: Callable[[int], None] | None = None,
     stop_check_s: float = 1.0,
@@ -102,6 +106,11 @@ def follow_file(
     `max_reconnects` counts consecutive drops without progress. `timeout` bounds the whole
     call (CommandTimeout when it runs out).
 
+    reconnect=True: a dropped connection, or a node that cannot be reached (sshd gone, a
+    partition), is retried with exponential backoff (`backoff` doubling up to `max_backoff`)
+    from the exact offset; `on_retry(error, delay)` hears about each retry. It gives up
+    (re-raising) after `give_up_after` seconds of failures without a line received.
+
     `stop`: once set, no further line is delivered and follow_file returns the offset past
     the last delivered line (no fragment), within about `stop_check_s` even when the file is
     quiet. `on_start(offset)` is called once, before any line, with the offset the first
@@ -111,7 +120,8 @@ def follow_file(
         raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
     directory = run_dir(container, run_id)
     position: int | None = None
-    drops_without_progress = 0
+    failing_since: float | None = None
+    failures = 0
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def stopped() -> bool:
@@ -131,24 +141,31 @@ def follow_file(
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             result = call(container, args, on_line=stream.feed, timeout=remaining, also_ok=(EXIT_TIME_UP,))
-        except ConnectionLost:
+        except RETRYABLE as error:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:
                 stream.check(name)
                 position = stream.offset
-            drops_without_progress = 0 if progressed else drops_without_progress + 1
-            if not reconnect or drops_without_progress > max_reconnects:
+            now = time.monotonic()
+            if progressed or failing_since is None:
+                failing_since, failures = now, 0
+            if not reconnect or now - failing_since > give_up_after:
                 raise
-            delay = min(backoff * drops_without_progress, 5.0)
+            delay = min(backoff * 2 ** failures, max_backoff)
+            if deadline is not None:
+                delay = min(delay, max(deadline - now, 0.0))
+            failures += 1
+            if on_retry is not None:
+                on_retry(error, delay)
             if stop is not None:
                 stop.wait(delay)
             else:
                 time.sleep(delay)
             continue
+        failing_since = None
         stream.check(name)
         if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
             position = stream.offset
-            drops_without_progress = 0
             continue
         if stream.partial:
             on_line(stream.partial)

@@ -7,6 +7,9 @@
 Requirements: /usr/sbin/sshd and ssh-keygen. sshd sanitises the session environment, so the
 node's pct is an absolute-path wrapper script that runs the stand-in by file path with this
 interpreter (the stand-in is stdlib only and needs no PYTHONPATH).
+
+The many-node tier (dflash_ops.testing.netns) starts one of these per network namespace:
+`start_sshd(workdir, address=IP, port=22, netns=NAME, node_name=...)`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class SshdNode:
     workdir: Path
     port: int
     user: str
-    inventory: Path  # inventory file: node 'sshd', target 'host200' (ctid 200)
+    inventory: Path  # inventory file: node 'sshd' (node_name), target 'host200' (ctid 200)
     known_hosts: Path
     client_key: Path
     host_key: Path
@@ -51,6 +54,43 @@ class SshdNode:
     log: Path
     proc: subprocess.Popen
     ctids: tuple[int, ...] = field(default=(200,))
+    address: str = "127.0.0.1"
+    netns: str | None = None  # the network namespace sshd listens in (None: this one)
+    config: Path | None = None
+    pct: Path | None = None  # the node's pct wrapper script
+    node_name: str = "sshd"
+
+    def node_entry(self) -> dict:
+        """This node as an inventory `nodes:` entry (real SSH, strict host keys)."""
+        return {
+            "transport": "ssh", "address": self.address, "port": self.port, "user": self.user,
+            "identity_file": str(self.client_key), "known_hosts": str(self.known_hosts),
+            "strict_host_key_checking": True, "pct": [str(self.pct)],
+        }
+
+    def container_base(self, ctid: int) -> Path:
+        return self.workdir / f"ct{ctid}" / "opt" / "dflash"
+
+    def host_key_line(self, address: str, port: int) -> str:
+        """A known_hosts line for this node's host key reached as address:port."""
+        host = address if port == 22 else f"[{address}]:{port}"
+        key_type, key = (self.workdir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        return f"{host} {key_type} {key}\n"
+
+    def listening(self) -> bool:
+        return self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the listener again (after stop()): same port, keys and state."""
+        if self.listening():
+            return
+        self.proc = _launch(self.config, self.log, self.netns)
+        try:
+            _wait_for_banner(self.address, self.port, self.proc, self.log)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def accepted_logins(self) -> int:
         """SSH connections authenticated so far (sshd logs one 'Accepted publickey' line each)."""
@@ -79,6 +119,7 @@ class SshdNode:
         return len(pids)
 
     def stop(self) -> None:
+        """The listener and every session go away (connections drop; new ones are refused)."""
         self.kill_sessions()
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -106,13 +147,13 @@ def _write(path: Path, text: str, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for_banner(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
+def _wait_for_banner(address: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"sshd exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            with socket.create_connection((address, port), timeout=1) as s:
                 if s.recv(4).startswith(b"SSH-"):
                     return
         except OSError:
@@ -120,7 +161,24 @@ def _wait_for_banner(port: int, proc: subprocess.Popen, log: Path, timeout: floa
     raise RuntimeError(f"sshd did not answer on port {port}: {log.read_text(errors='replace')[-2000:]}")
 
 
-def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
+def _launch(config: Path, log: Path, netns: str | None) -> subprocess.Popen:
+    argv = [SSHD, "-D", "-e", "-f", str(config)]
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]  # ip execs sshd: the Popen pid is sshd's
+    with open(log, "ab") as log_file:
+        return subprocess.Popen(argv, stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL)
+
+
+def start_sshd(
+    workdir: Path,
+    ctids: tuple[int, ...] = (200,),
+    *,
+    address: str = "127.0.0.1",
+    port: int | None = None,
+    netns: str | None = None,
+    node_name: str = "sshd",
+) -> SshdNode:
+    """sshd on address:port (a free port on 127.0.0.1 by default), optionally inside `netns`."""
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     reason = sshd_unavailable_reason()
@@ -131,17 +189,14 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
         if not key.exists():
             _keygen(key)
     _write(workdir / "authorized_keys", (workdir / "client_ed25519_key.pub").read_text())
-    port = _free_port()
-    host_pub = (workdir / "ssh_host_ed25519_key.pub").read_text().split()
-    known_hosts = workdir / "known_hosts"
-    _write(known_hosts, f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
+    port = port or _free_port()
     user = getpass.getuser()
     if os.geteuid() == 0:
         Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
     config = workdir / "sshd_config"
     _write(config, "\n".join([
         f"Port {port}",
-        "ListenAddress 127.0.0.1",
+        f"ListenAddress {address}",
         f"HostKey {host_key}",
         f"AuthorizedKeysFile {workdir / 'authorized_keys'}",
         f"PidFile {workdir / 'sshd.pid'}",
@@ -164,33 +219,27 @@ def start_sshd(workdir: Path, ctids: tuple[int, ...] = (200,)) -> SshdNode:
     pct = bin_dir / "pct"
     _write(pct, "#!/bin/sh\nexec " + shlex.join([sys.executable, str(PCT_SCRIPT), "--state-root", str(sim_root)])
            + ' "$@"\n', mode=0o755)
-    base_dir = workdir / "ct200" / "opt" / "dflash"
-    inventory = workdir / "inventory.yaml"
+    log = workdir / "sshd.log"
+    proc = _launch(config, log, netns)
+    node = SshdNode(workdir=workdir, port=port, user=user, inventory=workdir / "inventory.yaml",
+                    known_hosts=workdir / "known_hosts", client_key=client_key, host_key=host_key,
+                    sim_root=sim_root, base_dir=workdir / "ct200" / "opt" / "dflash", log=log,
+                    proc=proc, ctids=tuple(ctids), address=address,
+                    netns=netns, config=config, pct=pct, node_name=node_name)
+    _write(node.known_hosts, node.host_key_line(address, port))
     targets = {
         ("host200" if ctid == 200 else f"host{ctid}"): {
-            "node": "sshd", "ctid": ctid, "base_dir": str(workdir / f"ct{ctid}" / "opt" / "dflash"),
+            "node": node_name, "ctid": ctid, "base_dir": str(node.container_base(ctid)),
             "python": "python3", "gpus": [],
         }
         for ctid in ctids
     }
-    _write(inventory, yaml.safe_dump({
-        "nodes": {"sshd": {
-            "transport": "ssh", "address": "127.0.0.1", "port": port, "user": user,
-            "identity_file": str(client_key), "known_hosts": str(known_hosts),
-            "strict_host_key_checking": True, "pct": [str(pct)],
-        }},
-        "targets": targets,
-    }, sort_keys=False), mode=0o644)
-    log = workdir / "sshd.log"
-    with open(log, "ab") as log_file:
-        proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=log_file, stderr=log_file,
-                                stdin=subprocess.DEVNULL)
+    _write(node.inventory, yaml.safe_dump({"nodes": {node_name: node.node_entry()}, "targets": targets},
+                                          sort_keys=False), mode=0o644)
     try:
-        _wait_for_banner(port, proc, log)
+        _wait_for_banner(address, port, proc, log)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return SshdNode(workdir=workdir, port=port, user=user, inventory=inventory, known_hosts=known_hosts,
-                    client_key=client_key, host_key=host_key, sim_root=sim_root, base_dir=base_dir, log=log,
-                    proc=proc, ctids=tuple(ctids))
+    return node

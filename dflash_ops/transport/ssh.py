@@ -3,6 +3,12 @@
 Why a raw channel: Fabric's `in_stream` reads stdin one byte per 10 ms and decodes it as
 text (invoke#774). Here stdin is sent in binary chunks with `sendall`, stdout and stderr are
 read concurrently before `recv_exit_status`, and a timeout closes the channel.
+
+A partition does not break a TCP connection: packets just vanish, and a blocked read would
+wait for the kernel's retransmission timeout (many minutes). So, like OpenSSH's
+ServerAliveInterval with ServerAliveCountMax 3, a command that hears nothing for
+`keepalive` seconds asks the server for a reply, and when the server has been silent for
+3 x `keepalive` seconds the connection is closed: every command on it raises ConnectionLost.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from pathlib import Path
 
 import paramiko
 
-from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError
+from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError, Unreachable
 from dflash_ops.inventory import Node
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
 
 _STATUS_POLL = 0.2
+ALIVE_COUNT_MAX = 3  # unanswered keepalive intervals before the connection counts as dead
 
 # Paramiko's transport thread logs failures (e.g. a bad banner) with a traceback; with no
 # handler anywhere logging's last resort prints it to stderr. Every such failure reaches
@@ -44,7 +51,7 @@ def fabric_connection(node: Node):
         host=node.address,
         user=node.user,
         port=node.port,
-        connect_timeout=int(node.connect_timeout),
+        connect_timeout=node.connect_timeout,
         connect_kwargs=connect_kwargs,
     )
     client = conn.client
@@ -68,6 +75,8 @@ class SSHTransport:
         self._lock = threading.Lock()
         self.commands_run = 0
         self.connections_opened = 0
+        self.connect_attempts = 0
+        self._alive: _AliveCheck | None = None
 
     def connection(self):
         """The open Fabric Connection, (re)connecting once if there is none or it died."""
@@ -78,21 +87,32 @@ class SSHTransport:
                 _quietly_close(self._conn)
                 self._conn = None
             conn = self._factory(self.node)
+            self.connect_attempts += 1
             try:
                 conn.open()
             except paramiko.BadHostKeyException as e:
                 raise TransportError(
                     f"node {self.node.name!r}: host key for {e.hostname} does not match known_hosts - refusing to connect"
                 ) from None
-            except paramiko.SSHException as e:
-                raise TransportError(f"node {self.node.name!r}: cannot connect to {self._where()}: {e}") from None
-            except (OSError, EOFError) as e:
-                raise TransportError(f"node {self.node.name!r}: cannot connect to {self._where()}: {e}") from None
+            except paramiko.AuthenticationException as e:
+                raise TransportError(f"node {self.node.name!r}: cannot log in to {self._where()}: {e}") from None
+            except socket.timeout:
+                raise Unreachable(f"node {self.node.name!r}: cannot connect to {self._where()}: "
+                                  f"timed out after {self.node.connect_timeout:g}s") from None
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise Unreachable(f"node {self.node.name!r}: cannot connect to {self._where()}: "
+                                  f"{str(e) or type(e).__name__}") from None
+            transport = conn.client.get_transport()
             if self.node.keepalive:
-                conn.client.get_transport().set_keepalive(self.node.keepalive)
+                transport.set_keepalive(self.node.keepalive)
+            self._alive = _AliveCheck(transport, self.node.keepalive)
             self.connections_opened += 1
             self._conn = conn
             return conn
+
+    def connect(self) -> None:
+        """Open the connection now (map_by_node does, once per node, before its targets run)."""
+        self.connection()
 
     def _where(self) -> str:
         user = f"{self.node.user}@" if self.node.user else ""
@@ -125,25 +145,31 @@ class SSHTransport:
         self.commands_run += 1
         chan = self._open_channel()
         transport = chan.get_transport()
+        alive = self._alive if self._alive is not None and self._alive.transport is transport else _AliveCheck(transport, 0)
         deadline = None if timeout is None else time.monotonic() + timeout
         out, err = LineSplitter(on_line), LineSplitter(on_stderr_line)
+
+        def check_link() -> None:
+            if alive.dead():
+                transport.close()
+            if not transport.is_active():
+                raise _lost(self.node, command)
+
         try:
             chan.exec_command(command)
             readers = [
-                BackgroundCall(lambda: _pump(chan.recv, out), "ssh-stdout"),
-                BackgroundCall(lambda: _pump(chan.recv_stderr, err), "ssh-stderr"),
+                BackgroundCall(lambda: _pump(chan.recv, out, alive), "ssh-stdout"),
+                BackgroundCall(lambda: _pump(chan.recv_stderr, err, alive), "ssh-stderr"),
             ]
             writer = BackgroundCall(lambda: _send(chan, stdin), "ssh-stdin")
             for call in (*readers, writer):
                 while not call.join(_STATUS_POLL):
                     _check_deadline(deadline, chan, command, timeout)
                     _check_calls(writer, *readers)
-                    if not transport.is_active():
-                        raise _lost(self.node, command)
+                    check_link()
             while not chan.status_event.wait(_STATUS_POLL):
                 _check_deadline(deadline, chan, command, timeout)
-                if not transport.is_active():
-                    raise _lost(self.node, command)
+                check_link()
             if not transport.is_active() and not _exit_status_received(chan):
                 raise _lost(self.node, command)
             _check_calls(writer, *readers)
@@ -199,12 +225,51 @@ def _quietly_close(conn) -> None:
         pass
 
 
-def _pump(recv, splitter: LineSplitter) -> None:
+def _pump(recv, splitter: LineSplitter, alive: "_AliveCheck") -> None:
     while True:
         data = recv(CHUNK)
         if not data:
             return
+        alive.heard()
         splitter.feed(data)
+
+
+class _AliveCheck:
+    """Is the server still there? OpenSSH's ServerAliveInterval / ServerAliveCountMax.
+
+    Commands call `heard()` whenever data arrives and poll `dead()`. After `interval`
+    seconds of silence a probe (a global request the server must answer, even if only
+    with a failure) runs in a daemon thread; its answer counts as hearing from the server.
+    Dead = silent for ALIVE_COUNT_MAX x interval. interval 0 disables the check.
+    """
+
+    def __init__(self, transport, interval: float):
+        self.transport = transport
+        self.interval = interval
+        self.last_heard = time.monotonic()
+        self._probe: threading.Thread | None = None
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+    def dead(self) -> bool:
+        if not self.interval:
+            return False
+        silent = time.monotonic() - self.last_heard
+        if silent < self.interval:
+            return False
+        if self._probe is None or not self._probe.is_alive():
+            self._probe = threading.Thread(target=self._ask, name="ssh-alive-probe", daemon=True)
+            self._probe.start()
+        return silent > ALIVE_COUNT_MAX * self.interval
+
+    def _ask(self) -> None:
+        try:
+            self.transport.global_request("keepalive@openssh.com", wait=True)
+        except Exception:  # noqa: BLE001 - a broken transport is noticed by is_active()
+            return
+        if self.transport.is_active():
+            self.heard()
 
 
 def _send(chan, stdin: Stdin) -> None:

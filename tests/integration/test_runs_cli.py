@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -170,6 +171,41 @@ def test_logs_follow_survives_dropped_connections(sshd_node, tmp_path, monkeypat
     monkeypatch.setattr(cli_runs, "write_stdout", record)
     tier.cli("logs", "host200", run_id, "-f")
     assert len(kills) == 2 and all(kills)
+    assert b"".join(received) == (tier.base / "runs" / run_id / "train.log").read_bytes()
+    assert received[-1] == b"done\n"
+
+
+@pytest.mark.sshd
+def test_logs_follow_waits_for_the_sshd_listener_to_come_back(sshd_node, tmp_path, monkeypatch):
+    """sshd goes away entirely (listener and sessions; reconnects are refused) for a while
+    mid-stream: `logs -f` retries with backoff and ends byte-identical to train.log. It used
+    to exit 255 a fraction of a second after the listener went away."""
+    from dflash_ops.transport.ssh import SSHTransport
+
+    shutil.rmtree(sshd_node.base_dir, ignore_errors=True)
+    target = load_inventory(sshd_node.inventory).target("host200")
+    tier = Tier(sshd_node.inventory, Container(target, SSHTransport(target.node)))
+    tier.package = fake_package(tmp_path)
+    deployed(tier)
+    tier.container.transport.close()
+    run_id = tier.cli("run", "start", "host200", "--config",
+                      config(tmp_path, "total_steps: 300\nstep_seconds: 0.01\nlog_lines: 2\n")).stdout.strip()
+    received: list[bytes] = []
+    outage = threading.Event()
+
+    def record(line: bytes) -> None:
+        received.append(line)
+        if len(received) == 50:
+            sshd_node.stop()
+            threading.Timer(2.0, lambda: (sshd_node.start(), outage.set())).start()
+
+    monkeypatch.setattr(cli_runs, "write_stdout", record)
+    try:
+        result = tier.cli("logs", "host200", run_id, "-f")
+    finally:
+        outage.wait(30)
+        sshd_node.start()
+    assert outage.is_set() and "retrying in" in result.stderr and "cannot connect" in result.stderr
     assert b"".join(received) == (tier.base / "runs" / run_id / "train.log").read_bytes()
     assert received[-1] == b"done\n"
 

@@ -78,6 +78,19 @@ class FakeTransport:
         self.active = True
         self.keepalive = None
         self.channels: list[FakeChannel] = []
+        self.partitioned = False  # packets vanish: nothing is answered, nothing breaks
+        self.probes = 0
+
+    def global_request(self, kind: str, data=None, wait: bool = True):
+        """Like paramiko: a request the server answers (OpenSSH: with a failure) unless the
+        link is partitioned, where it waits until the transport is closed."""
+        self.probes += 1
+        while self.partitioned and self.active:
+            threading.Event().wait(0.05)
+        return None
+
+    def close(self) -> None:
+        self.drop()
 
     def is_active(self) -> bool:
         return self.active

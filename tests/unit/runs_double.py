@@ -53,6 +53,7 @@ class LocalHelperContainer:
     base: Path
     gpus: list[int] | None = None
     drops: list[Drop] = field(default_factory=list)
+    refusals: list[Exception] = field(default_factory=list)  # raised by the next streaming calls, before they run
     corrupt_pulls: set[str] = field(default_factory=set)
     calls: list[list[str]] = field(default_factory=list)
 
@@ -67,6 +68,8 @@ class LocalHelperContainer:
 
     def exec(self, argv, *, stdin=None, on_line=None, on_stderr_line=None, timeout=None, check=False) -> Result:
         self.calls.append(list(argv))
+        if on_line is not None and self.refusals:
+            raise self.refusals.pop(0)
         drop = self.drops.pop(0) if (on_line is not None and self.drops) else None
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import runs
+from dflash_ops.errors import TransportError, Unreachable
 from dflash_ops.runs import ConnectionLost, RunNotFound
 from dflash_ops.runs.helper import EXIT_TIME_UP
 
@@ -97,6 +98,40 @@ def test_no_reconnect_raises(container):
     container.drops = [Drop(3)]
     with pytest.raises(ConnectionLost):
         runs.follow_file(container, "r1", "train.log", lambda line: None, reconnect=False)
+
+
+def test_unreachable_node_is_retried_with_backoff_from_the_same_offset(container):
+    """The sshd listener gone (connection refused) or a partition (connect timed out) is retried
+    with exponential backoff, resuming at the exact offset: `logs -f` exited at once before."""
+    data = numbered(40)
+    log_path(container).write_bytes(data)
+    container.drops = [Drop(11)]  # the header and 10 lines
+    container.refusals = [Unreachable("refused"), Unreachable("timed out"), ConnectionLost("reset"), Unreachable("x")]
+    retries: list[tuple[str, float]] = []
+    got: list[bytes] = []
+    end = runs.follow_file(container, "r1", "train.log", got.append, backoff=0.001, max_backoff=0.004,
+                           on_retry=lambda error, delay: retries.append((str(error), delay)))
+    assert b"".join(got) == data and end == len(data)
+    assert [e for e, _d in retries][:4] == ["refused", "timed out", "reset", "x"]
+    assert [d for _e, d in retries] == [0.001, 0.002, 0.004, 0.004, 0.001]  # progress resets the backoff
+    ten_lines = str(len(b"".join(data.splitlines(keepends=True)[:10])))
+    assert [c[c.index("--offset") + 1] for c in container.calls] == ["0"] * 5 + [ten_lines]
+
+
+def test_unreachable_for_longer_than_give_up_after_raises(container):
+    log_path(container).write_bytes(numbered(5))
+    container.refusals = [Unreachable("down")] * 50
+    with pytest.raises(Unreachable):
+        runs.follow_file(container, "r1", "train.log", lambda line: None, backoff=0.01, give_up_after=0.05)
+    assert 2 <= len(container.calls) < 50
+
+
+def test_a_refused_host_key_is_not_retried(container):
+    log_path(container).write_bytes(numbered(5))
+    container.refusals = [TransportError("host key does not match known_hosts")]
+    with pytest.raises(TransportError, match="host key"):
+        runs.follow_file(container, "r1", "train.log", lambda line: None, backoff=0)
+    assert len(container.calls) == 1
 
 
 def test_missing_file_without_follow_is_not_found(container):

@@ -1,10 +1,12 @@
 """SSHTransport against a Paramiko-level double (no network)."""
 
+import socket
+
 import paramiko
 import pytest
 
 from dflash_ops.container import Container
-from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError
+from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError, Unreachable
 from dflash_ops.inventory import Node, Target, load_inventory
 from dflash_ops.transport.ssh import SSHTransport, fabric_connection
 from tests import container_checks as checks
@@ -91,8 +93,46 @@ def test_connect_failure_is_a_transport_error(ssh, server):
     with pytest.raises(TransportError, match="does not match known_hosts"):
         ssh.run("true")
     server.refuse_with = OSError("Connection refused")
-    with pytest.raises(TransportError, match="cannot connect"):
+    with pytest.raises(Unreachable, match="cannot connect"):
         ssh.run("true")
+
+
+@pytest.mark.parametrize("error, kind, message", [
+    (socket.timeout("timed out"), Unreachable, "cannot connect to 10.0.0.1: timed out after 2.5s"),
+    (ConnectionRefusedError(111, "Connection refused"), Unreachable, "Connection refused"),
+    (paramiko.SSHException("Error reading SSH protocol banner"), Unreachable, "banner"),
+    (EOFError(), Unreachable, "cannot connect to 10.0.0.1: EOFError"),
+    (paramiko.AuthenticationException("Authentication failed."), TransportError, "cannot log in"),
+])
+def test_connect_failures_say_whether_a_retry_can_help(server, error, kind, message):
+    """Unreachable (worth a retry: logs -f, dash) versus a refused key or login (final)."""
+    node = Node(name="fake", transport="ssh", pct=("pct",), address="10.0.0.1", connect_timeout=2.5)
+    ssh = SSHTransport(node, connection_factory=server.connection)
+    server.refuse_with = error
+    with pytest.raises(TransportError, match=message) as caught:
+        ssh.run("true")
+    assert (type(caught.value) is Unreachable) == (kind is Unreachable)
+    assert ssh.connect_attempts == 1
+
+
+def test_a_silent_partition_ends_the_command_after_three_keepalives(server):
+    """Packets vanish: TCP would wait many minutes; the keepalive probe gives up after 3 intervals."""
+    node = Node(name="fake", transport="ssh", pct=("pct",), address="10.0.0.1", keepalive=1)
+    ssh = SSHTransport(node, connection_factory=server.connection)
+    ssh.run("true")
+    server.connections[0].client.transport.partitioned = True
+    with pytest.raises(ConnectionLost, match="connection lost"):
+        ssh.run("sleep 60")
+    assert server.connections[0].client.transport.probes >= 1
+    assert ssh.run("echo back").stdout == "back\n" and ssh.connections_opened == 2
+
+
+def test_a_quiet_command_on_a_live_link_is_kept(server):
+    """The server answers the probes: a command silent for longer than 3 keepalives runs on."""
+    node = Node(name="fake", transport="ssh", pct=("pct",), address="10.0.0.1", keepalive=1)
+    ssh = SSHTransport(node, connection_factory=server.connection)
+    assert ssh.run("sleep 4; echo done").stdout == "done\n"
+    assert server.connections[0].client.transport.probes >= 2 and ssh.connections_opened == 1
 
 
 def test_container_over_fake_ssh(container):

@@ -296,7 +296,7 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
 
 
 def release_hash(files: dict, venv) -> str:
-    """Must equal dflash_ops.releases.release_hash (same JSON, same digest)."""
+    """Must equal dflash_ops.deploy.manifest.release_hash (same JSON, same digest)."""
     blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -61,23 +61,50 @@ def start(
 
 
 def list_(
-    target: Target,
+    targets: Annotated[list[str], typer.Argument(help="Target names from the inventory (one or more).")],
     inventory: InventoryOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the helper's documents as JSON.")] = False,
 ) -> None:
-    """Every run of TARGET (one pct invocation): state, step, loss, tokens/s, heartbeat age, release."""
+    """Every run of each TARGET (one pct invocation each): state, step, loss, tokens/s, heartbeat age, release.
+
+    Several targets are asked in parallel, one connection per node; an unreachable one is
+    reported on stderr (exit 255) after the others are shown.
+    """
     from dflash_ops.runs import list_runs
 
-    container = open_target(inventory, target)
-    with clean_errors():
-        runs = list_runs(container)
+    if len(targets) == 1:
+        container = open_target(inventory, targets[0])
+        with clean_errors():
+            runs = list_runs(container)
+        if as_json:
+            typer.echo(json.dumps([r.raw for r in runs], indent=1, sort_keys=True))
+        elif not runs:
+            _hint(f"no runs on {targets[0]} yet")
+        else:
+            _print_table(runs)
+        return
+    from dflash_ops.fanout import map_by_node
+
+    containers = [open_target(inventory, name) for name in targets]
+    found = map_by_node(containers, list_runs, lambda c, e: e)
+    failed = [(name, r) for name, r in zip(targets, found) if isinstance(r, Exception)]
+    listed = [(name, r) for name, r in zip(targets, found) if not isinstance(r, Exception)]
     if as_json:
-        typer.echo(json.dumps([r.raw for r in runs], indent=1, sort_keys=True))
-        return
-    if not runs:
-        _hint(f"no runs on {target} yet")
-        return
-    _print_table(runs)
+        doc = {name: [r.raw for r in runs] for name, runs in listed}
+        doc.update({name: {"error": str(e)} for name, e in failed})
+        typer.echo(json.dumps(doc, indent=1, sort_keys=True))
+    else:
+        _print_table([info for _name, runs in listed for info in runs],
+                     targets=[name for name, runs in listed for _info in runs])
+        for name, runs in listed:
+            if not runs:
+                _hint(f"no runs on {name} yet")
+    for name, error in failed:
+        typer.echo(f"dflash-ops: error: {name}: {error}", err=True)
+    if failed:
+        from dflash_ops.errors import TransportError
+
+        raise typer.Exit(255 if any(isinstance(e, TransportError) for _n, e in failed) else 1)
 
 
 def status(
@@ -248,15 +275,15 @@ def pull(
     typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")
 
 
-def _print_table(runs) -> None:
+def _print_table(runs, targets: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from dflash_ops.runs.report import STATUS_COLUMNS, status_row
 
-    table = Table(*STATUS_COLUMNS, box=None)
-    for info in runs:
-        table.add_row(*status_row(info))
+    table = Table(*(("target",) if targets is not None else ()), *STATUS_COLUMNS, box=None)
+    for i, info in enumerate(runs):
+        table.add_row(*((targets[i],) if targets is not None else ()), *status_row(info))
     console = Console() if sys.stdout.isatty() else Console(width=1000)
     console.print(table)
 

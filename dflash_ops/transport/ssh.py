@@ -99,6 +99,9 @@ class SSHTransport:
             except socket.timeout:
                 raise Unreachable(f"node {self.node.name!r}: cannot connect to {self._where()}: "
                                   f"timed out after {self.node.connect_timeout:g}s") from None
+            except paramiko.ssh_exception.NoValidConnectionsError as e:  # "[Errno None] Unable to connect ..."
+                why = "; ".join(sorted({err.strerror or str(err) for err in e.errors.values()})) or str(e)
+                raise Unreachable(f"node {self.node.name!r}: cannot connect to {self._where()}: {why}") from None
             except (paramiko.SSHException, OSError, EOFError) as e:
                 raise Unreachable(f"node {self.node.name!r}: cannot connect to {self._where()}: "
                                   f"{str(e) or type(e).__name__}") from None
@@ -146,6 +149,7 @@ class SSHTransport:
         chan = self._open_channel()
         transport = chan.get_transport()
         alive = self._alive if self._alive is not None and self._alive.transport is transport else _AliveCheck(transport, 0)
+        alive.heard()  # silence counts from now: an idle connection was not listened to
         deadline = None if timeout is None else time.monotonic() + timeout
         out, err = LineSplitter(on_line), LineSplitter(on_stderr_line)
 
@@ -237,7 +241,7 @@ def _pump(recv, splitter: LineSplitter, alive: "_AliveCheck") -> None:
 class _AliveCheck:
     """Is the server still there? OpenSSH's ServerAliveInterval / ServerAliveCountMax.
 
-    Commands call `heard()` whenever data arrives and poll `dead()`. After `interval`
+    Commands call `heard()` when they start and whenever data arrives, and poll `dead()`. After `interval`
     seconds of silence a probe (a global request the server must answer, even if only
     with a failure) runs in a daemon thread; its answer counts as hearing from the server.
     Dead = silent for ALIVE_COUNT_MAX x interval. interval 0 disables the check.

@@ -27,6 +27,17 @@ def sshd_container(node) -> Container:
     return Container(target, SSHTransport(target.node))
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_package(root: Path) -> Path:
+    """A `trainer` package whose __main__ is tests/fake_trainer.py (steps in milliseconds)."""
+    package = root / "src" / "trainer"
+    shutil.copytree(REPO / "tests" / "fixtures" / "patches" / "release" / "trainer", package)
+    shutil.copyfile(REPO / "tests" / "fake_trainer.py", package / "__main__.py")
+    return package
+
+
 def make_package(root: Path, files: int = 5) -> Path:
     """A package dir `root/src/trainer` with `files` small modules and a requirements.txt."""
     package = root / "src" / "trainer"

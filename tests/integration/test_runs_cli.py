@@ -24,17 +24,11 @@ from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport.local import LocalTransport
 from tests.conftest import write_sim_inventory
+from tests.integration.deploy_support import fake_package
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "tests" / "fixtures" / "patches"
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
-
-
-def fake_package(root: Path) -> Path:
-    package = root / "src" / "trainer"
-    shutil.copytree(PATCHES / "release" / "trainer", package)
-    shutil.copyfile(REPO / "tests" / "fake_trainer.py", package / "__main__.py")
-    return package
 
 
 class Tier:

@@ -37,3 +37,19 @@ def fx_trace_threads(monkeypatch):
 
     monkeypatch.setattr(torch.fx._symbolic_trace.Tracer, "trace", recording_trace)
     return names
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tmp_path_factory):
+    """A tiny Qwen3 target directory in the hub's format (trainer.testing.hub_model)."""
+    from trainer.testing.hub_model import write_hub_model
+
+    return write_hub_model(tmp_path_factory.mktemp("hub") / "Qwen3-tiny", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama3_model_dir(tmp_path_factory):
+    """A tiny Llama target directory with the Llama-3 chat template and no pad token."""
+    from trainer.testing.hub_model import write_hub_model
+
+    return write_hub_model(tmp_path_factory.mktemp("hub") / "Llama3-tiny", "llama3")

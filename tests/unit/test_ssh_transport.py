@@ -102,6 +102,8 @@ def test_connect_failure_is_a_transport_error(ssh, server):
     (ConnectionRefusedError(111, "Connection refused"), Unreachable, "Connection refused"),
     (paramiko.SSHException("Error reading SSH protocol banner"), Unreachable, "banner"),
     (EOFError(), Unreachable, "cannot connect to 10.0.0.1: EOFError"),
+    (paramiko.ssh_exception.NoValidConnectionsError({("10.0.0.1", 22): ConnectionRefusedError(111, "Connection refused")}),
+     Unreachable, "cannot connect to 10.0.0.1: Connection refused$"),
     (paramiko.AuthenticationException("Authentication failed."), TransportError, "cannot log in"),
 ])
 def test_connect_failures_say_whether_a_retry_can_help(server, error, kind, message):
@@ -125,6 +127,15 @@ def test_a_silent_partition_ends_the_command_after_three_keepalives(server):
         ssh.run("sleep 60")
     assert server.connections[0].client.transport.probes >= 1
     assert ssh.run("echo back").stdout == "back\n" and ssh.connections_opened == 2
+
+
+def test_a_connection_idle_for_longer_than_three_keepalives_is_not_dead(server):
+    """Silence counts while a command waits, not while nobody used the connection."""
+    node = Node(name="fake", transport="ssh", pct=("pct",), address="10.0.0.1", keepalive=1)
+    ssh = SSHTransport(node, connection_factory=server.connection)
+    ssh.run("true")
+    ssh._alive.last_heard -= 10  # idle for 10 s
+    assert ssh.run("sleep 0.5; echo fine").stdout == "fine\n" and ssh.connections_opened == 1
 
 
 def test_a_quiet_command_on_a_live_link_is_kept(server):

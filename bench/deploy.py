@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from dflash_ops.container import Container
-from dflash_ops.deploy import deploy_target
+from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.testing.sshd import sshd_unavailable_reason, start_sshd
 

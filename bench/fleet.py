@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dflash_ops import connect
 from dflash_ops.connect import open_container
-from dflash_ops.deploy import deploy_many, deploy_target, target_options
+from dflash_ops.deploy.push import deploy_many, deploy_target, target_options
 from dflash_ops.fanout import map_by_node
 from dflash_ops.inventory import load_inventory
 from dflash_ops.runs import list_runs

@@ -29,7 +29,7 @@ def _train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         return 2
-    from trainer.loop import train
+    from trainer.entry import train
 
     return train(cfg, args.run_dir, args.resume)
 

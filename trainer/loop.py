@@ -300,11 +300,3 @@ class Trainer:
             self.rd.close()
             if self.wandb is not None:
                 self.wandb.finish()
-
-
-def train(cfg: TrainerConfig, run_dir: str | Path, resume: str | None = None) -> int:
-    if cfg.pipeline.kind == "threaded":
-        from trainer.pipeline.threaded import ThreadedTrainer
-
-        return ThreadedTrainer(cfg, run_dir).run(resume)
-    return Trainer(cfg, run_dir).run(resume)

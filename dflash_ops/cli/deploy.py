@@ -22,7 +22,7 @@ def deploy(
 ) -> None:
     """Make each target's code, helpers and venv exact: only changed files travel, `current` swaps atomically."""
     from dflash_ops.connect import open_container
-    from dflash_ops.deploy import deploy_many, deploy_target, target_options
+    from dflash_ops.deploy.push import deploy_many, deploy_target, target_options
 
     inv = load(inventory)
     with clean_errors():

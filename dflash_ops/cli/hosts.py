@@ -26,7 +26,7 @@ def hosts(
     from rich.table import Table
 
     from dflash_ops.doctor.verdicts import describe, last_verdict
-    from dflash_ops.hosts import target_states
+    from dflash_ops.target_states import target_states
 
     inv = load(inventory)
     table = Table("target", "node", "ctid", "base_dir", "state", "doctor", box=None)

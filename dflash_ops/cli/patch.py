@@ -22,7 +22,7 @@ def patch(
     """Check a patch against TARGET's current release (applies, compiles, every definition stays
     where it was and reachable, touched modules import in the container's venv), then make it a
     new release whose parent is the current one; `dflash-ops rollback TARGET` undoes it."""
-    from dflash_ops.patching.release import PatchError, patch_target
+    from dflash_ops.patching.rollout import PatchError, patch_target
 
     try:
         diff_text = patchfile.read_bytes().decode("utf-8")  # no newline translation: a lone CR is content
@@ -66,7 +66,7 @@ def rollback(
     inventory: InventoryOption = None,
 ) -> None:
     """Point TARGET's `current` back at the parent of the current release, atomically."""
-    from dflash_ops.patching.release import rollback as rollback_release
+    from dflash_ops.patching.rollout import rollback as rollback_release
 
     container = open_target(inventory, target)
     with clean_errors():

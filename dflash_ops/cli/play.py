@@ -20,7 +20,7 @@ def play(
 ) -> None:
     """Validate the whole playbook, then run its steps in order on every target."""
     from dflash_ops.connect import open_container
-    from dflash_ops.playbook import load_playbook, run_playbook
+    from dflash_ops.playbook.play import load_playbook, run_playbook
 
     overrides = {}
     for item in var or []:
@@ -46,7 +46,7 @@ def play(
 
         return say
 
-    from dflash_ops.deploy import deploy_many
+    from dflash_ops.deploy.push import deploy_many
 
     results = deploy_many(targets, lambda name: open_container(inv, name),
                           lambda container, name: run_playbook(book, container, say=say_for(name)))

@@ -55,7 +55,7 @@ def make_package(root: Path, files: int = 5) -> Path:
 
 def _deploy_and_report(root: Path, package: Path) -> None:
     """Subprocess entry for the SIGKILL test: print 'streaming' once the tar is on its way."""
-    from dflash_ops.deploy import deploy_target
+    from dflash_ops.deploy.push import deploy_target
 
     said = []
 

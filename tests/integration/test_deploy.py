@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.deploy_support import make_package, sim_container, sshd_container
-from dflash_ops.deploy import DeployError, deploy_target
-from dflash_ops.venvs import VenvSpec
+from dflash_ops.deploy.push import DeployError, deploy_target
+from dflash_ops.deploy.venv_spec import VenvSpec
 
 NO_VENV = None
 
@@ -57,7 +57,7 @@ def test_first_deploy_builds_release_and_current_then_sends_nothing(tier_env):
     assert (base / "current" / "trainer" / "part3" / "mod3.py").read_text() == "VALUE = 3\n"
     assert not (base / "current" / "trainer" / "__pycache__").exists()
     helpers = {p.name for p in (base / "helpers").glob("*/*.py")}
-    assert {"release.py", "venv.py", "inspect_source.py"} <= helpers
+    assert {"release_store.py", "venv.py", "inspect_source.py"} <= helpers
 
     second = deploy_target(container, source=package, venv=NO_VENV)
     assert (second.action, second.files_sent, second.bytes_sent, second.helpers_sent) == ("none", 0, 0, 0)
@@ -209,7 +209,7 @@ def test_removed_file_is_absent_from_the_next_release(env):
 def test_prune_killed_mid_removal_never_leaves_a_partial_release_that_counts_as_complete(env, monkeypatch):
     """A kill while prune deletes an old release must not leave `releases/<hash>` half-gone
     with its manifest still there: a later deploy of that hash would switch to it."""
-    from dflash_ops.helpers import release as release_helper
+    from dflash_ops.helpers import release_store as release_helper
 
     container, package, base = env
     old = deploy_target(container, source=package, venv=NO_VENV).release

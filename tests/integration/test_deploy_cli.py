@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from dflash_ops.cli import app
 from dflash_ops.container import Container
 from dflash_ops.inventory import load_inventory
-from dflash_ops.playbook import load_playbook, run_playbook
+from dflash_ops.playbook.play import load_playbook, run_playbook
 from dflash_ops.transport.local import LocalTransport
 from dflash_ops.simnode import containers as simct
 from tests import container_checks as checks
@@ -64,7 +64,7 @@ def test_playbook_deploy_step_uses_the_targets_inventory_settings(tmp_path):
     venv setting and extra paths from the inventory, so both give the same release."""
     import yaml
 
-    from dflash_ops.deploy import deploy_target, target_options
+    from dflash_ops.deploy.push import deploy_target, target_options
 
     path = write_sim_inventory(tmp_path)
     doc = yaml.safe_load(path.read_text())

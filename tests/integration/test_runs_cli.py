@@ -20,7 +20,7 @@ import dflash_ops.cli.runs as cli_runs
 from dflash_ops import runs
 from dflash_ops.cli import app
 from dflash_ops.container import Container
-from dflash_ops.deploy import deploy_target
+from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport.local import LocalTransport
 from tests.conftest import write_sim_inventory
@@ -308,15 +308,15 @@ def test_resume_with_a_new_config(tier, tmp_path):
 def test_patch_restart_whose_release_fails_resumes_the_run_on_the_old_release(tier, tmp_path, monkeypatch):
     """`patch --restart RUN` stops the run before the new release is built: when that build
     fails, the run must not be left stopped."""
-    import dflash_ops.deploy as deploy_module
+    import dflash_ops.deploy.push as deploy_module
 
     first = deployed(tier)
     run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()
     real_helper_json = deploy_module._helper_json
 
     def apply_fails(container, name, args, **kwargs):
-        if name == "release" and args[0] == "apply":
-            raise deploy_module.DeployError("release.py apply failed (exit 1): disk full")
+        if name == "release-store" and args[0] == "apply":
+            raise deploy_module.DeployError("release_store.py apply failed (exit 1): disk full")
         return real_helper_json(container, name, args, **kwargs)
 
     monkeypatch.setattr(deploy_module, "_helper_json", apply_fails)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
-from trainer.loop import train
+from trainer.entry import train
 
 DEMO = Path(__file__).resolve().parents[2] / "trainer" / "configs" / "tiny-cpu.yaml"
 

@@ -8,7 +8,8 @@ from trainer.masks import prepare_blocks
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator
 from trainer.pipeline.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import pad_rows_and_length
-from trainer.pipeline.stopping import PipelineStopped, StageQueue, StageThread, StopSignal
+from trainer.pipeline.stages import StageQueue, StageThread
+from trainer.pipeline.stopping import PipelineStopped, StopSignal
 
 
 def test_blocked_get_and_put_give_up_when_another_thread_fails():

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from trainer.config import parse_config
-from trainer.loop import train
+from trainer.entry import train
 
 CONFIG = """
 model:

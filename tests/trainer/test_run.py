@@ -14,7 +14,7 @@ import torch
 import trainer
 from trainer import checkpoint as ckpt
 from trainer.config import parse_config
-from trainer.loop import train
+from trainer.entry import train
 
 CONFIG = """
 model:

@@ -165,7 +165,7 @@ def test_missing_file_and_malformed_diff(release):
     assert not check_patch(release, "just prose\n").ok
     with pytest.raises(DiffError, match="relative to the release root"):
         parse_unified_diff("--- a/../etc/passwd\n+++ b/../etc/passwd\n@@ -1 +1 @@\n-a\n+b\n")
-    for reserved in (".helpers/0123abcd/release.py", ".dflash-release.json", ".dflash-delta.json"):
+    for reserved in (".helpers/0123abcd/release_store.py", ".dflash-release.json", ".dflash-delta.json"):
         with pytest.raises(DiffError, match="reserved for the release machinery"):
             parse_unified_diff(f"--- /dev/null\n+++ b/{reserved}\n@@ -0,0 +1 @@\n+x\n")
     with pytest.raises(DiffError, match="ends early"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.playbook import PlaybookError, load_playbook, substitute
+from dflash_ops.playbook.play import PlaybookError, load_playbook, substitute
 
 REPO = Path(__file__).resolve().parents[2]
 

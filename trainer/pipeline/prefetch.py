@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from trainer.masks import Blocks
 
-from .stopping import StageQueue, StopSignal
+from .stages import StageQueue
+from .stopping import StopSignal
 
 
 @dataclass

@@ -27,7 +27,8 @@ from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
 from .shapes import PackedShape, WarmShapes
-from .stopping import StageQueue, StageThread, StopSignal, join_all
+from .stages import StageQueue, StageThread, join_all
+from .stopping import StopSignal
 from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
 

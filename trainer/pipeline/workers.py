@@ -13,7 +13,8 @@ from .device_stats import BusyMeter, MetricAccumulator, is_cuda
 from .features import FeatureSlot, pack_context_features
 from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import MicroBatch
-from .stopping import StageQueue, StopSignal
+from .stages import StageQueue
+from .stopping import StopSignal
 
 METRIC_NAMES = ["loss_sum", "weight_sum", "correct_sum", "grad_norm_sum", "steps"]
 

@@ -1,4 +1,4 @@
-"""Playbook step types for runs: start, follow, wait, checkpoint, stop (dflash_ops.playbook_steps).
+"""Playbook step types for runs: start, follow, wait, checkpoint, stop (see playbook/registry.py).
 
     - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id
     - follow: {run_id: "${run_id}"}                      progress bar until the run is final;
@@ -14,12 +14,11 @@ import json
 import time
 from pathlib import Path
 
-from dflash_ops.playbook_steps import StepContext, StepFailed, StepType, register_step
+from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
 
-_NUMBER = (int, float)
 DEFAULT_TIMEOUT = 3600.0
 
 
@@ -149,15 +148,15 @@ RUN_STEPS = [
     StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id"), provides=("run_id",),
              types={"gpus": list, "name": str, "run_id": str}, help="start a detached training run"),
     StepType("follow", _follow, required=("run_id",), optional=("timeout",),
-             provides=("state", "step", "final_loss", "tau"), types={"timeout": _NUMBER},
+             provides=("state", "step", "final_loss", "tau"), types={"timeout": NUMBER},
              help="follow a run to its end with a progress bar; fails if the run fails"),
     StepType("wait", _wait, required=("run_id",), optional=("state", "step", "timeout"), provides=("state", "step"),
-             types={"timeout": _NUMBER, "step": int, "state": str},
+             types={"timeout": NUMBER, "step": int, "state": str},
              help="wait for a run to reach a state or a step (or any final state)"),
     StepType("checkpoint", _checkpoint, required=("run_id",), optional=("wait", "timeout"), provides=("checkpoint",),
-             types={"wait": bool, "timeout": _NUMBER}, help="ask a run for a checkpoint (and wait for it)"),
+             types={"wait": bool, "timeout": NUMBER}, help="ask a run for a checkpoint (and wait for it)"),
     StepType("stop", _stop, required=("run_id",), optional=("now", "timeout"), provides=("state", "step"),
-             types={"now": bool, "timeout": _NUMBER}, help="stop a run with a final checkpoint"),
+             types={"now": bool, "timeout": NUMBER}, help="stop a run with a final checkpoint"),
 ]
 for _step_type in RUN_STEPS:
-    register_step(_step_type, replace_existing=True)
+    register_step(_step_type)

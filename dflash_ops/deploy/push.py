@@ -1,9 +1,9 @@
 """`deploy`: make a container's code, helpers and venv exact, versioned and fast to refresh.
 
 One deploy of one target is at most:
-  1. `release.py query`   what the container holds (current release manifest, venv, helpers);
+  1. `release_store.py query`   what the container holds (current release manifest, venv, helpers);
   2. `venv.py ensure`     only when the venv for this lock hash is missing;
-  3. `release.py apply`   one tar stream with only the new/changed files (+ missing helpers),
+  3. `release_store.py apply`   one tar stream with only the new/changed files (+ missing helpers),
                           finalized inside the container: link unchanged files from the
                           current release, verify all sha256, rename, swap `current`, prune.
 Nothing is sent when the release already exists and `current` points at it.
@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from dflash_ops.container import HELPERS_DIR
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.releases import ProgressReader, changed_files, collect, release_tar, stream_size, trainer_dir
-from dflash_ops.venvs import VenvSpec
+from dflash_ops.deploy.manifest import ProgressReader, changed_files, collect, release_tar, stream_size, trainer_dir
+from dflash_ops.deploy.venv_spec import VenvSpec
 
-HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
 DEFAULT_KEEP = 5
 
 ProgressCallback = Callable[[str, int, int], None]  # (phase, bytes_done_increment, total)
@@ -111,7 +111,7 @@ def deploy_target(
     query += ["--venv", venv_rel] if venv_rel else []
     for rel, _path in helpers:
         query += ["--helper", rel]
-    state = _helper_json(container, "release", query)
+    state = _helper_json(container, "release-store", query)
     summary.previous = state["current"]
 
     present = set(state["helpers_present"])
@@ -144,11 +144,11 @@ def deploy_target(
             args = ["apply", base, release.hash, "--keep", str(keep)]
             if state["current"] and summary.action == "build":
                 args += ["--parent", state["current"]]
-            done = _helper_json(container, "release", args, stdin=reader)
+            done = _helper_json(container, "release-store", args, stdin=reader)
             summary.bytes_sent += total
         summary.pruned = done.get("pruned", [])
     elif summary.action == "switch":
-        summary.pruned = _helper_json(container, "release", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
+        summary.pruned = _helper_json(container, "release-store", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
     return _finish(summary, container, started, calls_before)
 
 

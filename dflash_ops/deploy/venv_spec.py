@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from dflash_ops.releases import build_tar, trainer_dir
+from dflash_ops.deploy.manifest import build_tar, trainer_dir
 
 UV_MODES = ("auto", "always", "never")
 

@@ -7,7 +7,7 @@
 Round trips: read the current release's manifest (1), fetch the touched files in one tar (1),
 copy the release to a scratch dir in the container and unpack the patched files over it (1),
 import-check there with the release's python (1), remove the scratch dir (1); then the deploy
-machinery's `release.py apply` builds the new release from a delta (only the patched files
+machinery's `release_store.py apply` builds the new release from a delta (only the patched files
 travel), verifies every sha256 and swaps `current` atomically (1).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from dflash_ops import render
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
-from dflash_ops.releases import RELEASE_META, LocalRelease, release_tar
+from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
 
 DEFAULT_KEEP = 5
 
@@ -193,7 +193,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
     restart_run: stop that run with a final checkpoint before `current` swaps, then resume
     it on the new release.
     """
-    from dflash_ops.deploy import _helper_json
+    from dflash_ops.deploy.push import _helper_json
     from dflash_ops.patching.diff import DiffError, parse_unified_diff
 
     meta = current_release(container)
@@ -232,7 +232,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
         try:
             with release_tar(release, to_send, (), meta["files"]) as tar:
-                _helper_json(container, "release", ["apply", container.base_dir, release.hash,
+                _helper_json(container, "release-store", ["apply", container.base_dir, release.hash,
                                                     "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
         except BaseException:
             if restart_run is not None:  # `current` did not change: the run goes on where it was
@@ -252,11 +252,11 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
 
 def rollback(container, keep: int = DEFAULT_KEEP) -> tuple[str, str]:
     """Point `current` back at the current release's parent, atomically; returns (from, to)."""
-    from dflash_ops.deploy import _helper_json
+    from dflash_ops.deploy.push import _helper_json
 
     meta = current_release(container)
     parent = meta.get("parent")
     if not parent:
         raise PatchError(f"release {meta['hash']} on {container.target.name} has no parent to roll back to")
-    _helper_json(container, "release", ["switch", container.base_dir, parent, "--keep", str(keep)])
+    _helper_json(container, "release-store", ["switch", container.base_dir, parent, "--keep", str(keep)])
     return meta["hash"], parent

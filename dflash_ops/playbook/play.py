@@ -9,7 +9,7 @@
 
 `${var}` is substituted only inside values (never keys), from `vars:` (overridden by
 `--var k=v`), the built-ins (target, base_dir, current, python) and what earlier steps
-provide (see playbook_steps). A value that is exactly "${x}" keeps x's type. `$${` is a
+provide (see steps.py, run_steps.py). A value that is exactly "${x}" keeps x's type. `$${` is a
 literal `${`. There are no shell strings: `exec` takes an argv list.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import yaml
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.playbook_steps import STEP_TYPES, StepContext, StepType
+from dflash_ops.playbook.registry import STEP_TYPES, StepContext, StepType
 
 TOP_KEYS = ("name", "description", "vars", "steps")
 BUILTIN_VARS = ("target", "base_dir", "current", "python")

@@ -357,7 +357,7 @@ def fill_release(base: str, release: str, parent: str | None, stream, releases_d
 
 
 def release_hash(files: dict, venv) -> str:
-    """Must equal dflash_ops.releases.release_hash (same JSON, same digest)."""
+    """Must equal dflash_ops.deploy.manifest.release_hash (same JSON, same digest)."""
     blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -462,7 +462,7 @@ def cmd_prune(args) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="release.py")
+    parser = argparse.ArgumentParser(prog="release_store.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("query")
     q.add_argument("base")

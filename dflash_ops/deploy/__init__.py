@@ -1,0 +1,1 @@
+"""Deploy: the local release (manifest, tar), the venv spec, and pushing both to targets."""

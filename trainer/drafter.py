@@ -176,14 +176,23 @@ class DrafterLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
+    """The drafter's parameters, named as in the published drafts, set on `module`.
+
+    Shared by DFlashDrafter and the exported model's `DFlashDraftModel` (a transformers
+    PreTrainedModel), so both hold the same weights under the same names and run the same code."""
+    module.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+    module.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    module.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
+    module.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    module.rope = (c.head_dim, c.rope_theta)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.config = c
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        build_drafter_modules(self, c)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -202,9 +211,9 @@ class DFlashDrafter(nn.Module):
         dtype = self._compute_dtype(block_embeds.device.type)
         ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         x = block_embeds.to(dtype)
-        c = self.config
-        rope_q = rope_cos_sin(block_positions, c.head_dim, c.rope_theta)
-        rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), c.head_dim, c.rope_theta)
+        head_dim, theta = self.rope
+        rope_q = rope_cos_sin(block_positions, head_dim, theta)
+        rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_kv, attention)
         return self.norm(x)

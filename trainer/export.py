@@ -2,7 +2,9 @@
 
 The directory has the layout of z-lab's drafts (e.g. Qwen3-8B-DFlash-b16): a Qwen3 config
 with `dflash_config` {mask_token_id, target_layer_ids}, `block_size` and `num_target_layers`,
-and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM load.
+and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM load. For
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` it also carries the model code
+(modeling_dflash.py + drafter.py, see trainer.hf_modeling) and config.json's `auto_map`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from trainer import checkpoint as ckpt
+
+HERE = Path(__file__).resolve().parent
+# file written beside the weights -> the trainer module it is a copy of
+MODEL_CODE = {"modeling_dflash.py": HERE / "hf_modeling.py", "drafter.py": HERE / "drafter.py"}
 
 
 def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
@@ -45,6 +51,7 @@ def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
         "block_size": d["block_size"],
         "num_target_layers": d["num_target_layers"],
         "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"])},
+        "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
     }
 
 
@@ -60,6 +67,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
+    for written, source in MODEL_CODE.items():
+        shutil.copyfile(source, tmp / written)
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)

@@ -68,3 +68,31 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
     assert len(histogram) == 4 and sum(histogram) == rounds > 0
     assert report["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / rounds)
     assert 1.0 <= report["tau_per_prompt"] <= 4.0 and report["samples"] == 3
+
+
+def test_export_loads_with_automodel_trust_remote_code_and_drafts_like_the_trainer(tiny, tmp_path, monkeypatch):
+    """The loading route of the DFlash authors' README builds the draft with every weight used and
+    none missing, and it drafts the same hidden states (so the same logits) as the trained drafter."""
+    import transformers.dynamic_module_utils as dynamic
+    from transformers import AutoModel
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    target, head, drafter, layer_ids = tiny
+    opt = torch.optim.AdamW(drafter.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path, _ = ckpt.CheckpointManager(tmp_path, 2).save(3, drafter, drafter.config.to_dict(), opt, sched, {})
+    out = export_checkpoint(path, tmp_path / "export", dtype=torch.float32)
+    assert json.loads((out / "config.json").read_text())["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    loaded, info = AutoModel.from_pretrained(out, trust_remote_code=True, output_loading_info=True,
+                                             dtype=torch.float32)
+    assert type(loaded).__name__ == "DFlashDraftModel"
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set())
+    assert set(dict(loaded.named_parameters())) == set(dict(drafter.named_parameters()))
+    with torch.no_grad():
+        ids = torch.tensor([[5, 17, 33, 2, 9, 40, 11]])
+        hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
+        ctx = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)[:, :6]
+        block = head.embed(torch.tensor([[ids[0, 6].item()] + [drafter.config.mask_token_id] * 7]))
+        ours, theirs = drafter.draft_block(ctx, block, 6), loaded(ctx, block, 6)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert torch.equal(head.logits(ours).argmax(-1), head.logits(theirs).argmax(-1))

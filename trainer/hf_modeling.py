@@ -1,0 +1,52 @@
+"""The exported draft's model code, for `AutoModel.from_pretrained(export, trust_remote_code=True)`.
+
+`trainer.export` writes this file beside the weights as `modeling_dflash.py`, with
+`trainer/drafter.py` as `drafter.py` (torch only), and names the class in config.json's
+`auto_map`. The class holds the drafter's weights under the published names (fc, hidden_norm,
+layers.N.*, norm) and runs the trainer's own drafting code, so it drafts exactly what the
+trained drafter drafts. config.json stays the Qwen3 config SGLang and vLLM read.
+"""
+
+from transformers import PreTrainedModel, Qwen3Config
+
+from .drafter import DFlashDrafter, DrafterConfig, build_drafter_modules
+
+
+def drafter_config(config: Qwen3Config) -> DrafterConfig:
+    """The DrafterConfig a published DFlash config.json describes."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    dflash = config.dflash_config
+    return DrafterConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size, block_size=config.block_size, mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000000.0))),
+        max_position_embeddings=config.max_position_embeddings)
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """A DFlash draft: `draft_block(ctx_features, block_embeds, start)` -> hidden states [B, bs, H].
+
+    ctx_features: the target's hidden states of the tapped layers (dflash_config.target_layer_ids,
+    concatenated) for positions 0..start-1; block_embeds: the target's embeddings of the anchor
+    token followed by block_size - 1 mask tokens. The target's LM head turns the result into drafts."""
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DrafterLayer"]
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        self.dflash = drafter_config(config)
+        build_drafter_modules(self, self.dflash)
+        self.post_init()
+
+    _compute_dtype = DFlashDrafter._compute_dtype
+    _run = DFlashDrafter._run
+    draft_block = DFlashDrafter.draft_block
+
+    def forward(self, ctx_features, block_embeds, start: int):
+        return self.draft_block(ctx_features, block_embeds, start)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.deploy import DeployError, deploy_target
-from dflash_ops.releases import ReleasePathError, collect
+from dflash_ops.deploy.push import DeployError, deploy_target
+from dflash_ops.deploy.manifest import ReleasePathError, collect
 from tests.integration.deploy_support import make_package, sim_container
 
 NO_VENV = None

@@ -12,7 +12,7 @@ import pytest
 
 from trainer import checkpoint as ckpt
 from trainer import rundir
-from trainer.loop import train
+from trainer.entry import train
 from tests.trainer.test_run import config, events, status
 
 

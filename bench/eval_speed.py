@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", type=Path)
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 8 cached rounds")
     args = p.parse_args(argv)
     dev, dims = args.device, QWEN3_8B_DIMS if args.shape == "8b" else TINY_DIMS
     out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__}
@@ -89,6 +90,16 @@ def main(argv: list[str] | None = None) -> dict:
         new, new_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.new, set()))
         same, _ = timed(lambda: speculative_generate_cached(target, drafter, head, prompts[: args.old_prompts],
                                                             args.old_new, set()))
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
+            with profile(activities=activities) as prof:
+                speculative_generate_cached(target, drafter, head, prompts, 9, set())
+                sync(dev)
+            for key in ("self_cpu_time_total", "cuda_time_total" if dev.startswith("cuda") else "cpu_time_total"):
+                print(f"--- profile of 8 cached rounds, by {key}")
+                print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
     old_tokens, new_tokens = sum(len(g.tokens) for g in old), sum(len(g.tokens) for g in new)
     agree = sum(a == b for g, h in zip(old, same) for a, b in zip(g.tokens, h.tokens))
     out.update({

@@ -8,6 +8,7 @@ channel. The helpers are the thing under test, so they always really run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -121,6 +122,24 @@ def make_release(base: Path, release_hash: str = "abc123") -> Path:
     (root / ".dflash-release.json").write_text(json.dumps({"version": 1, "hash": release_hash}))
     (base / "current").symlink_to(root.relative_to(base))
     return root
+
+
+@contextlib.contextmanager
+def released_container(tmp_path: Path):
+    """A LocalHelperContainer over tmp_path/base holding one release; afterwards every run still
+    alive in it is killed, so no fake trainer outlives its test."""
+    from dflash_ops import runs
+
+    base = tmp_path / "base"
+    base.mkdir()
+    make_release(base)
+    container = LocalHelperContainer(base)
+    try:
+        yield container
+    finally:
+        for info in runs.list_runs(container):
+            if info.alive:
+                runs.signal_run(container, info.run_id, "KILL")
 
 
 def eventually(predicate, what: str, tries: int = 3000) -> None:

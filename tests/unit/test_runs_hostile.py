@@ -19,21 +19,15 @@ from dflash_ops.runs.lifecycle import parse_gpus
 from tests.conftest import write_sim_inventory
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, LocalHelperContainer, eventually, make_release  # noqa: E402
+from runs_double import HELPERS, eventually, released_container  # noqa: E402
 
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
 
 @pytest.fixture
 def container(tmp_path):
-    base = tmp_path / "base"
-    base.mkdir()
-    make_release(base)
-    c = LocalHelperContainer(base)
-    yield c
-    for info in runs.list_runs(c):
-        if info.alive:
-            runs.signal_run(c, info.run_id, "KILL")
+    with released_container(tmp_path) as c:
+        yield c
 
 
 @pytest.fixture

@@ -211,6 +211,7 @@ def write_hub_model(
     corpus: str | Iterable[str] = CORPUS,
     tokenizer_vocab: int = 512,
     state_dict: dict[str, torch.Tensor] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write a hub-format model directory at out_dir (built beside it, then renamed into place).
 
@@ -219,6 +220,8 @@ def write_hub_model(
     vocab_size defaults to the tokenizer's size padded to a multiple of 64). Weights are random
     (seeded) unless `state_dict` gives them (e.g. a model fitted on data, see `fit_hub_model`).
     shards: split into about this many files; or max_shard_bytes per file (the hub uses 5 GB).
+    tokenizer: a tokenizer already trained with `train_tokenizer` (the one `state_dict` was
+    trained with); default: one trained here on `corpus`.
     """
     if family not in ("qwen3", "llama3"):
         raise ValueError(f"family must be qwen3 or llama3, got {family!r}")
@@ -227,7 +230,7 @@ def write_hub_model(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tok = train_tokenizer(family, corpus, tokenizer_vocab)
+    tok = tokenizer if tokenizer is not None else train_tokenizer(family, corpus, tokenizer_vocab)
     tok.save(str(tmp / "tokenizer.json"))
     if family == "qwen3":
         tok.model.save(str(tmp))  # vocab.json + merges.txt, as Qwen ships them

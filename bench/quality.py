@@ -1,0 +1,844 @@
+"""A download-free quality benchmark: a code model trained on the machine's own Python sources,
+its greedy answers regenerated through the project's regen path, a DFlash drafter trained with
+the project's trainer from the saved model directory, and τ on held-out prompts.
+
+    PYTHONPATH=. python bench/quality.py --preset h200 --out /tmp/quality      # one H200, < 10 min
+    PYTHONPATH=. python bench/quality.py --preset tiny --out /tmp/quality      # CPU, seconds (the test)
+
+Stages (each prints its figures with what produced them; everything lands in OUT/quality.json
+and a markdown summary in OUT/quality.md):
+
+1. corpus: every .py file of the standard library and site-packages (no test files: no
+   test/tests/testing directory, no test_*.py / *_test.py / conftest.py), deduplicated by
+   content hash, split BY FILE into train and held-out (sha256 of the content decides).
+2. tokenizer: a byte-level BPE trained on a sample of the train files, Qwen3 special tokens.
+3. target: a Qwen3-architecture LM trained on train-file windows rendered as chat turns (user:
+   a code prefix; assistant: its continuation), under one epoch, so it models code instead of
+   memorising it; LM loss on rows it trained on vs rows of held-out files. Saved as a
+   hub-shaped model directory (config.json, sharded safetensors, tokenizer, chat template).
+4. prompts: code prefixes of train files (regeneration prompts, and the same prefixes with the
+   original continuation for the "original answers" ablation); held-out prompts from held-out
+   files for τ.
+5. regen: `python -m trainer regen --engine hf --model-path MODEL ...` writes the target's greedy
+   answers (the answers τ is measured against: evaluation decodes greedily).
+6. drafter: `python -m trainer --config CFG --run-dir RUN` from the model directory; periodic
+   checkpoints give the τ-vs-training-tokens curve; ablations (original answers, depth,
+   block size, γ, target layers tapped) run beside it with fewer steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import sysconfig
+import site
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests"}
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+            "<tool_response>", "</tool_response>")
+
+
+@dataclass
+class Preset:
+    device: str = "cuda:0"
+    # corpus
+    corpus_mb: float = 400.0  # most source bytes read (train + held-out)
+    max_file_kb: int = 512  # larger files (generated tables) are skipped
+    heldout_permille: int = 30  # share of files held out (by content hash)
+    tokenizer_vocab: int = 8192
+    tokenizer_sample_mb: float = 12.0
+    # target (Qwen3 architecture)
+    hidden: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 64
+    intermediate: int = 1536
+    seq_len: int = 1024
+    batch_rows: int = 64
+    target_steps: int = 1500
+    target_lr: float = 3e-3
+    target_warmup: int = 100
+    window_chars: int = 4000  # characters per training window (prefix + continuation)
+    heldout_rows: int = 256  # rows of held-out files for the LM loss
+    compile_target: bool = False  # torch.compile the target for its own training
+    # prompts and regeneration
+    prefix_chars: tuple[int, int] = (200, 1000)
+    n_prompts: int = 40000
+    answer_tokens: int = 256
+    regen_batch: int = 4096
+    n_eval: int = 64
+    eval_new_tokens: int = 256
+    # drafter (the trainer's config)
+    pipeline: str = "threaded"
+    dtype: str = "bf16"
+    drafter_layers: int = 2
+    block_size: int = 16
+    num_target_layers: int = 3
+    gamma: float | None = None
+    drafter_steps: int = 2000
+    drafter_lr: float = 1.5e-3
+    max_length: int = 768
+    num_anchors: int = 192
+    pack_length: int = 8192
+    pack_rows: int = 4
+    micro_batches: int = 1
+    curve_points: int = 4  # checkpoints of the main run evaluated for the curve (the final one included)
+    # ablations: name -> overrides of the drafter config; they run with ablation_steps
+    ablation_steps: int = 600
+    ablations: dict = field(default_factory=lambda: dict(ABLATIONS))
+    parallel: int = 8  # trainer processes at once on the device
+    inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
+    seed: int = 0
+
+
+ABLATIONS = {
+    "base": {},
+    "original answers": {"train": "original"},
+    "depth 1": {"drafter_layers": 1},
+    "depth 5": {"drafter_layers": 5},
+    "block 8": {"block_size": 8},
+    "gamma 3": {"gamma": 3.0},
+    "gamma 20": {"gamma": 20.0},
+    "1 layer tapped": {"num_target_layers": 1},
+    "5 layers tapped": {"num_target_layers": 5},
+}
+
+PRESETS = {
+    "h200": Preset(),
+    "tiny": Preset(device="cpu", corpus_mb=0.4, max_file_kb=64, heldout_permille=100, tokenizer_vocab=400,
+                   tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
+                   seq_len=64, batch_rows=4, target_steps=4, target_lr=3e-3, target_warmup=2, window_chars=600,
+                   heldout_rows=4, prefix_chars=(60, 200), n_prompts=24, answer_tokens=16, regen_batch=12,
+                   n_eval=3, eval_new_tokens=12, pipeline="reference", dtype="fp32", drafter_steps=2,
+                   drafter_lr=3e-3, max_length=128, num_anchors=8, pack_length=0, pack_rows=1, curve_points=2,
+                   ablation_steps=1, ablations={"original answers": {"train": "original"}},
+                   parallel=1, inprocess=True),
+}
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------- 1. corpus
+
+
+def source_roots() -> list[Path]:
+    paths = sysconfig.get_paths()
+    roots = [paths["stdlib"], paths["purelib"], paths["platlib"]]
+    try:
+        roots += site.getsitepackages()
+    except AttributeError:  # virtualenv's old site module
+        pass
+    out: list[Path] = []
+    for r in roots:
+        p = Path(r).resolve()
+        if p.is_dir() and not any(p == o or o in p.parents for o in out):
+            out = [o for o in out if p not in o.parents] + [p]
+    return sorted(out)
+
+
+def is_test_file(rel: Path) -> bool:
+    name = rel.name
+    if name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py" or name == "tests.py":
+        return True
+    return any(part in TEST_DIRS or part.startswith("test_") for part in rel.parts[:-1])
+
+
+def _read(path: Path, max_file_bytes: int):
+    try:
+        if path.stat().st_size > max_file_bytes:
+            return path, None, "large"
+        data = path.read_bytes()
+    except OSError:
+        return path, None, "unreadable"
+    return path, data, hashlib.sha256(data).hexdigest()
+
+
+def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, seed: int) -> dict:
+    """{train: [text], heldout: [text], stats} from the machine's Python sources."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    roots = source_roots()
+    files = []
+    skipped = {"test": 0, "large": 0, "unreadable": 0, "not utf-8": 0, "duplicate": 0, "special tokens": 0,
+               "empty": 0}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            base = Path(dirpath)
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                path = base / name
+                if is_test_file(path.relative_to(root)):
+                    skipped["test"] += 1
+                else:
+                    files.append(path)
+    found = len(files) + skipped["test"]
+    random.Random(seed).shuffle(files)  # a byte budget then samples every package, not the first few
+    seen: set[str] = set()
+    train, heldout, total = [], [], 0
+    with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) * 2)) as pool:
+        for path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
+            if total >= max_bytes:
+                break
+            if data is None:
+                skipped[digest] += 1
+                continue
+            if digest in seen:
+                skipped["duplicate"] += 1
+                continue
+            seen.add(digest)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                skipped["not utf-8"] += 1
+                continue
+            if not text.strip():
+                skipped["empty"] += 1
+                continue
+            if any(s in text for s in SPECIALS):
+                skipped["special tokens"] += 1
+                continue
+            (heldout if int(digest[:8], 16) % 1000 < heldout_permille else train).append(text)
+            total += len(data)
+    stats = {"roots": [str(r) for r in roots], "files_found": found, "train_files": len(train),
+             "heldout_files": len(heldout), "train_mb": round(sum(map(len, train)) / 1e6, 2),
+             "heldout_mb": round(sum(map(len, heldout)) / 1e6, 2), "skipped": skipped}
+    return {"train": train, "heldout": heldout, "stats": stats}
+
+
+# ---------------------------------------------------------------------------- windows and chat text
+
+
+def windows(text: str, rng: random.Random, prefix_chars: tuple[int, int], answer_chars: int):
+    """(prefix, continuation) pairs cut at line boundaries, one after the other through the file."""
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        want = rng.randint(*prefix_chars)
+        j, n = i, 0
+        while j < len(lines) and n < want:
+            n += len(lines[j])
+            j += 1
+        k, m = j, 0
+        while k < len(lines) and m < answer_chars:
+            m += len(lines[k])
+            k += 1
+        prefix, answer = "".join(lines[i:j]), "".join(lines[j:k])
+        if prefix.strip() and answer.strip() and m >= answer_chars // 4:
+            yield prefix, answer
+        i = k
+
+
+def render(user: str, answer: str) -> str:
+    """Qwen3's chat template for [user, assistant] (checked against apply_chat_template at run time)."""
+    return (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            f"{answer.lstrip(chr(10))}<|im_end|>\n")
+
+
+def check_render(tokenizer, pairs) -> None:
+    for user, answer in pairs:
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": user},
+                                                  {"role": "assistant", "content": answer}], tokenize=False)
+        if expected != render(user, answer):
+            raise SystemExit(f"quality: the fast chat rendering differs from the template:\n{expected!r}\n"
+                             f"{render(user, answer)!r}")
+
+
+# ---------------------------------------------------------------------------- 3. target
+
+
+def target_dims(p: Preset) -> dict:
+    return dict(hidden_size=p.hidden, num_hidden_layers=p.layers, num_attention_heads=p.heads,
+                num_key_value_heads=p.kv_heads, head_dim=p.head_dim, intermediate_size=p.intermediate)
+
+
+def token_rows(tok, texts: list[str], seq_len: int) -> torch.Tensor:
+    """Texts tokenized (in parallel), concatenated and cut into rows of seq_len tokens."""
+    ids = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(texts, add_special_tokens=False)]
+    flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+    n = len(flat) // seq_len
+    return torch.from_numpy(flat[: n * seq_len].astype(np.int64)).view(n, seq_len)
+
+
+class RowStream:
+    """Training rows for the target, tokenized by a background thread while the GPU trains.
+
+    Files in the corpus order, each cut into windows, rendered as chat turns, shuffled within a
+    chunk of `chunk` windows, tokenized (the tokenizer runs on all cores and releases the GIL) and
+    cut into rows. Deterministic for a seed. After the last file it starts over (a 2nd epoch)."""
+
+    def __init__(self, tok, texts: list[str], p: Preset, seed: int, rows: int, chunk: int = 2048):
+        import queue
+        import threading
+
+        self.tok, self.texts, self.p, self.chunk = tok, texts, p, chunk
+        self.rng = random.Random(seed)
+        self.queue: queue.Queue = queue.Queue(maxsize=16)
+        self.windows = 0
+        self.passes = 0
+        self.rows_wanted, self.rows_made = rows, 0
+        self.buffer = torch.zeros(0, p.seq_len, dtype=torch.long)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="target-rows", daemon=True)
+        self.thread.start()
+
+    def _produce(self) -> None:
+        pending: list[str] = []
+        chunk = min(256, self.chunk)  # a small first chunk: training starts at once
+        while True:
+            for text in self.texts:
+                for u, a in windows(text, self.rng, self.p.prefix_chars, self.p.window_chars):
+                    pending.append(render(u, a))
+                if len(pending) >= chunk:
+                    self._emit(pending)
+                    pending, chunk = [], self.chunk
+                if self.stop.is_set() or self.rows_made >= self.rows_wanted:
+                    return
+            self.passes += 1
+            if pending:
+                self._emit(pending)
+                pending = []
+
+    def _emit(self, texts: list[str]) -> None:
+        self.rng.shuffle(texts)
+        self.windows += len(texts)
+        rows = token_rows(self.tok, texts, self.p.seq_len)
+        self.rows_made += len(rows)
+        while not self.stop.is_set():
+            try:
+                self.queue.put(rows, timeout=0.5)
+                return
+            except Exception:  # queue.Full
+                continue
+
+    def take(self, n: int) -> torch.Tensor:
+        while len(self.buffer) < n:
+            self.buffer = torch.cat([self.buffer, self.queue.get()])
+        rows, self.buffer = self.buffer[:n], self.buffer[n:]
+        return rows
+
+    def close(self) -> None:
+        self.stop.set()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+
+def lm_loss(model, rows: torch.Tensor, device: str, batch: int, autocast) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), autocast():
+        for i in range(0, len(rows), batch):
+            x = rows[i:i + batch].to(device)
+            out = model(input_ids=x, labels=x)
+            total += float(out.loss) * x.numel()
+            count += x.numel()
+    model.train()
+    return total / max(count, 1)
+
+
+def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
+                 chars_per_token: float) -> tuple[Path, dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.testing.hub_model import model_config, write_hub_model
+
+    started = time.time()
+    stream = RowStream(tok, corpus["train"], p, p.seed, p.target_steps * p.batch_rows)
+    held_pairs = []
+    for text in corpus["heldout"]:
+        held_pairs += list(windows(text, rng, p.prefix_chars, p.window_chars))
+        if len(held_pairs) * p.window_chars > 2 * p.heldout_rows * p.seq_len * 4:
+            break
+    held_rows = token_rows(tok, [render(u, a) for u, a in held_pairs], p.seq_len)[: p.heldout_rows]
+    data_seconds = time.time() - started
+    config = model_config("qwen3", target_dims(p), tok, "bfloat16")
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items()
+                                  if k not in ("architectures", "torch_dtype", "transformers_version")})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(p.seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(p.device)
+    params = sum(t.numel() for t in model.parameters())
+    cuda = p.device.startswith("cuda")
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=p.target_lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            **({"fused": True} if cuda else {}))
+
+    def lr_at(step: int) -> float:
+        if step < p.target_warmup:
+            return p.target_lr * (step + 1) / p.target_warmup
+        progress = (step - p.target_warmup) / max(1, p.target_steps - p.target_warmup)
+        return p.target_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    forward = torch.compile(model) if p.compile_target else model
+    rows_needed = p.target_steps * p.batch_rows
+    model.train()
+    losses = []
+    seen_rows = None
+    t0 = time.time()
+    for step in range(p.target_steps):
+        rows = stream.take(p.batch_rows)
+        if seen_rows is None:
+            seen_rows = rows[: p.heldout_rows].clone()
+        x = rows.pin_memory().to(p.device, non_blocking=True) if cuda else rows
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with autocast():
+            loss = forward(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % max(1, p.target_steps // 10) == 0 or step == p.target_steps - 1:
+            losses.append((step, round(loss.item(), 4)))
+            say(f"target step {step}/{p.target_steps} loss {losses[-1][1]:.3f} "
+                f"({(step + 1) * p.batch_rows * p.seq_len / (time.time() - t0):.0f} tok/s)")
+    if cuda:
+        torch.cuda.synchronize()
+    train_seconds = time.time() - t0
+    stream.close()
+    chars = sum(map(len, corpus["train"]))
+    available = chars / chars_per_token  # estimated: the stream tokenizes only what training takes
+    epochs = rows_needed * p.seq_len / available
+    result = {
+        "params": params, "dims": target_dims(p), "vocab_size": config["vocab_size"], "seq_len": p.seq_len,
+        "steps": p.target_steps, "batch_tokens": p.batch_rows * p.seq_len,
+        "tokens_trained": rows_needed * p.seq_len, "tokens_available_est": round(available),
+        "epochs": round(epochs, 3), "train_windows_tokenized": stream.windows, "corpus_passes": stream.passes,
+        "heldout_windows": len(held_pairs), "data_seconds": round(data_seconds, 1),
+        "train_seconds": round(train_seconds, 1), "tokens_per_s": round(rows_needed * p.seq_len / train_seconds),
+        "loss_curve": losses,
+        "lm_loss_seen_train_rows": round(lm_loss(model, seen_rows, p.device, p.batch_rows, autocast), 4),
+        "lm_loss_heldout_rows": round(lm_loss(model, held_rows, p.device, p.batch_rows, autocast), 4),
+        "heldout_rows": len(held_rows),
+    }
+    say(f"target: {params / 1e6:.1f}M params (Qwen3, {p.layers} layers, hidden {p.hidden}), {p.target_steps} steps x "
+        f"{p.batch_rows * p.seq_len} tokens = {result['tokens_trained'] / 1e6:.1f}M tokens = {epochs:.2f} epochs of "
+        f"~{available / 1e6:.0f}M (est. {chars_per_token:.2f} chars/token), {train_seconds:.0f}s ({result['tokens_per_s']:.0f} tok/s)")
+    say(f"target LM loss: {result['lm_loss_seen_train_rows']:.3f} on {len(seen_rows)} rows it trained on, "
+        f"{result['lm_loss_heldout_rows']:.3f} on {len(held_rows)} rows of held-out files "
+        f"(nats/token, seq {p.seq_len})")
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    model_dir = write_hub_model(out / "model", "qwen3", target_dims(p), seed=p.seed, dtype="bfloat16",
+                                shards=2, state_dict=state, tokenizer=tok)
+    del model, forward, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return model_dir, result
+
+
+# ---------------------------------------------------------------------------- 4. prompts
+
+
+def write_jsonl(path: Path, records) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def cut_tokens(tok, texts: list[str], n: int) -> list[str]:
+    return [tok.decode(e.ids[:n]) for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) -> dict:
+    """prompts.jsonl (regen input), original.jsonl (same prompts, original answers), eval.jsonl."""
+    pairs = []
+    for text in corpus["train"]:  # at most 4 windows a file: prompts from many files
+        pairs += [w for _, w in zip(range(4), windows(text, rng, p.prefix_chars, p.answer_tokens * 5))]
+        if len(pairs) >= 2 * p.n_prompts:
+            break
+    rng.shuffle(pairs)
+    pairs = pairs[: p.n_prompts]
+    answers = cut_tokens(tok, [a for _, a in pairs], p.answer_tokens)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # similar prompt lengths batch together
+    write_jsonl(data / "prompts.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]}]}
+                                         for i in order))
+    write_jsonl(data / "original.jsonl", ({"messages": [{"role": "user", "content": pairs[i][0]},
+                                                        {"role": "assistant", "content": answers[i]}]}
+                                          for i in order))
+    held = []
+    for text in corpus["heldout"]:  # one window per held-out file: as many files as prompts
+        w = next(windows(text, rng, p.prefix_chars, p.answer_tokens * 5), None)
+        if w is not None:
+            held.append(w)
+    rng.shuffle(held)
+    held = held[: p.n_eval]
+    write_jsonl(data / "eval.jsonl", ({"messages": [{"role": "user", "content": u},
+                                                    {"role": "assistant", "content": a}]} for u, a in held))
+    check_render_pairs = pairs[:8] + held[:4]
+    stats = {"prompts": len(pairs), "eval_prompts": len(held),
+             "prompt_chars_mean": round(sum(len(u) for u, _ in pairs) / max(len(pairs), 1)),
+             "eval_files": len(held)}
+    say(f"prompts: {len(pairs)} code prefixes of train files ({p.prefix_chars[0]}-{p.prefix_chars[1]} chars, mean "
+        f"{stats['prompt_chars_mean']}); {len(held)} held-out prompts, one per held-out file")
+    return {"stats": stats, "check": check_render_pairs}
+
+
+# ---------------------------------------------------------------------------- 5. regen / 6. trainer
+
+
+def run_cli(p: Preset, argv: list[str], log: Path) -> tuple[int, float]:
+    """`python -m trainer ARGV` as a user runs it (in this process for the CPU test)."""
+    started = time.time()
+    if p.inprocess:
+        from trainer.__main__ import main
+
+        import contextlib
+
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            rc = main(argv)
+    else:
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1"}
+        with open(log, "w") as f:
+            rc = subprocess.call([sys.executable, "-m", "trainer", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                 env=env, cwd=str(ROOT))
+    return rc, time.time() - started
+
+
+def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
+    return ["regen", "--engine", "hf", "--model-path", str(model_dir), "--in", str(data / "prompts.jsonl"),
+            "--out", str(data / "regen.jsonl"), "-n", str(p.regen_batch), "--max-tokens", str(p.answer_tokens),
+            "--temperature", "0", "--device", p.device, "--dtype", "bf16" if p.dtype == "bf16" else "fp32",
+            "--extra-body", json.dumps({"chat_template_kwargs": {"enable_thinking": False}})]
+
+
+def regenerate(p: Preset, model_dir: Path, data: Path, out: Path) -> dict:
+    argv = regen_argv(p, model_dir, data)
+    rc, seconds = run_cli(p, argv, out / "regen.log")
+    tail = (out / "regen.log").read_text().strip().splitlines()
+    if rc != 0:
+        raise SystemExit(f"quality: regen failed (exit {rc}):\n" + "\n".join(tail[-20:]))
+    summary = next((line for line in reversed(tail) if line.startswith("regen: ") and "regenerated" in line), "")
+    records = sum(1 for _ in open(data / "regen.jsonl", encoding="utf-8"))
+    result = {"command": "python -m trainer " + " ".join(argv), "seconds": round(seconds, 1), "summary": summary,
+              "conversations": records}
+    say(f"regen: {summary} [wall {seconds:.0f}s incl. model load; `python -m trainer regen --engine hf`, "
+        f"batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+    return result
+
+
+def trainer_config(p: Preset, model_dir: Path, data: Path, steps: int, overrides: dict, checkpoint_every: int) -> dict:
+    o = {"drafter_layers": p.drafter_layers, "block_size": p.block_size, "num_target_layers": p.num_target_layers,
+         "gamma": p.gamma, "train": "regen", **overrides}
+    model = {"target": {"path": str(model_dir)}, "drafter_layers": o["drafter_layers"],
+             "block_size": o["block_size"], "num_target_layers": o["num_target_layers"], "attention": "auto",
+             "dtype": p.dtype, "loss_chunk": 4096}
+    if o["gamma"] is not None:
+        model["gamma"] = float(o["gamma"])
+    cuda = p.device.startswith("cuda")
+    data_cfg = {"train_path": str(data / f"{o['train']}.jsonl"), "eval_path": str(data / "eval.jsonl"),
+                "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),
+                "bucket_edges": [p.max_length // 2, p.max_length], "pad_multiple": 16 if not cuda else 64,
+                "seed": p.seed}
+    if p.pack_length:
+        data_cfg.update(pack_length=p.pack_length, pack_rows=p.pack_rows)
+    return {
+        "model": model,
+        "data": data_cfg,
+        "optim": {"lr": p.drafter_lr, "warmup_ratio": 0.04, "grad_clip": 1.0, "total_steps": steps,
+                  "micro_batches": p.micro_batches},
+        "devices": {"target": [p.device], "drafter": [p.device]},
+        "pipeline": {"kind": p.pipeline},
+        "run": {"log_every": max(1, steps // 20), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
+                "seed": p.seed, **({"threads": 2} if not cuda else {})},
+        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens},
+    }
+
+
+def read_run(run_dir: Path) -> dict:
+    events = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8") if line.strip()]
+    evals = [e for e in events if e.get("event") == "eval"]
+    steps = [e for e in events if e.get("event") == "step"]
+    last = steps[-1] if steps else {}
+    ev = evals[-1] if evals else {}
+    return {"tau": ev.get("tau"), "tau_per_prompt": ev.get("tau_per_prompt"), "histogram": ev.get("histogram"),
+            "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
+            "train_acc": last.get("acc"), "steps": last.get("step"),
+            "tokens_per_s_steady": last.get("tokens_per_s_steady", last.get("tokens_per_s"))}
+
+
+def launch(p: Preset, name: str, cfg: dict, runs: Path) -> dict:
+    slug = name.replace(" ", "-")
+    cfg_path = runs / f"{slug}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_dir = runs / slug
+    argv = ["--config", str(cfg_path), "--run-dir", str(run_dir)]
+    return {"name": name, "argv": argv, "run_dir": run_dir, "log": runs / f"{slug}.log", "cfg": cfg}
+
+
+def run_all(p: Preset, jobs: list[dict]) -> None:
+    """Run the trainer jobs, p.parallel at a time (subprocesses), or one after the other in-process."""
+    if p.inprocess or p.parallel <= 1:
+        for j in jobs:
+            j["rc"], j["seconds"] = run_cli(p, j["argv"], j["log"])
+        return
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
+    waiting, running = list(jobs), []
+    while waiting or running:
+        while waiting and len(running) < p.parallel:
+            j = waiting.pop(0)
+            j["started"] = time.time()
+            j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
+                                         stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+            running.append(j)
+        time.sleep(0.5)
+        for j in list(running):
+            if j["proc"].poll() is not None:
+                j["rc"], j["seconds"] = j["proc"].returncode, time.time() - j["started"]
+                running.remove(j)
+                say(f"trainer run {j['name']!r}: exit {j['rc']} after {j['seconds']:.0f}s")
+
+
+def tokens_per_step(p: Preset, run_dir: Path) -> float | None:
+    """Real (unpadded) tokens a step trains on, from the run's own step events."""
+    steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8")
+             if '"event": "step"' in line or '"event":"step"' in line]
+    if not steps or not p.pack_length:
+        return None
+    pad = sum(s.get("pad_share", 0.0) for s in steps) / len(steps)
+    return p.pack_length * p.pack_rows * p.micro_batches * (1 - pad)
+
+
+# ---------------------------------------------------------------------------- curve
+
+
+def evaluate_checkpoints(p: Preset, model_dir: Path, run_dir: Path, data: Path) -> list[dict]:
+    """τ of each kept checkpoint of a run, with the trainer's own evaluation."""
+    from safetensors.torch import load_file
+
+    from trainer.chat_data import read_conversations
+    from trainer.drafter import DFlashDrafter, DrafterConfig
+    from trainer.evaluate import acceptance_report
+    from trainer.loop import autocast_for
+    from trainer.target import FrozenHead, freeze, load_target
+    from transformers import AutoTokenizer
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda d: int(d.name.split("_")[1]))
+    if not ckpts:
+        return []
+    dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float32
+    target = freeze(load_target(str(model_dir), p.device, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    head = FrozenHead.from_target(target, p.device)
+    conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
+    points = []
+    for ck in ckpts:
+        cfg = DrafterConfig(**json.loads((ck / "drafter_config.json").read_text()))
+        with torch.device(p.device):
+            drafter = DFlashDrafter(cfg)
+        drafter.load_state_dict(load_file(str(ck / "drafter.safetensors"), device=p.device))
+        drafter.float().eval()
+        started = time.time()
+        with autocast_for(p.device, p.dtype):
+            r = acceptance_report(target, drafter, head, tokenizer, conversations, p.eval_new_tokens)
+        points.append({"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
+                       "histogram": r["histogram"], "eval_seconds": round(time.time() - started, 1)})
+        say(f"curve: step {points[-1]['step']}: tau {r['tau']:.3f} pooled, {r['tau_per_prompt']:.3f} per-prompt "
+            f"mean ({len(conversations)} held-out prompts, {p.eval_new_tokens} new tokens, {ck})")
+        del drafter
+    return points
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def markdown(results: dict) -> str:
+    t, r, m = results["target"], results["regen"], results["main"]
+    lines = [f"command: `{results['command']}`", "",
+             f"corpus: {results['corpus']['train_files']} train files ({results['corpus']['train_mb']} MB), "
+             f"{results['corpus']['heldout_files']} held-out files ({results['corpus']['heldout_mb']} MB); "
+             f"skipped {results['corpus']['skipped']}", "",
+             f"target: {t['params'] / 1e6:.1f}M params, {t['steps']} steps, {t['tokens_trained'] / 1e6:.1f}M tokens "
+             f"({t['epochs']} epochs), {t['train_seconds']} s, {t['tokens_per_s']} tok/s; LM loss "
+             f"{t['lm_loss_seen_train_rows']} (rows trained on) / {t['lm_loss_heldout_rows']} (held-out files)", "",
+             f"regen: {r['summary']} ({r['seconds']} s wall)", "",
+             f"main drafter: {m['steps']} steps, tau {m['tau']} pooled / {m['tau_per_prompt']} per-prompt mean, "
+             f"histogram {m['histogram']}, train acc {m['train_acc']}, held-out acc {m['eval_acc']}, "
+             f"{m['tokens_per_s_steady']} tok/s steady", ""]
+    if results.get("curve"):
+        lines += ["| step | training tokens | tau pooled | tau per-prompt |", "|---:|---:|---:|---:|"]
+        for c in results["curve"]:
+            lines.append(f"| {c['step']} | {c.get('tokens', '')} | {c['tau']:.3f} | {c['tau_per_prompt']:.3f} |")
+        lines.append("")
+    if results.get("ablations"):
+        lines += ["| ablation | steps | tau pooled | tau per-prompt | train acc | held-out acc | tok/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for name, a in results["ablations"].items():
+            fmt = (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v))
+            lines.append(f"| {name} | {a['steps']} | {fmt(a['tau'])} | {fmt(a['tau_per_prompt'])} | "
+                         f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    ap.add_argument("--out", type=Path, required=True, help="work directory (created; reused stages are not)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a preset field, e.g. --set target_steps=800 (YAML value)")
+    ap.add_argument("--no-ablations", action="store_true")
+    ap.add_argument("--ablations", default=None, help="comma-separated names of the preset's ablations to run")
+    ap.add_argument("--stop-after", choices=["target", "regen", "main"], default=None)
+    args = ap.parse_args(argv)
+    p = dataclasses.replace(PRESETS[args.preset])
+    fields = {f.name: f for f in dataclasses.fields(Preset)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            ap.error(f"--set {item}: no preset field {key!r}")
+        v = yaml.safe_load(value)
+        setattr(p, key, tuple(v) if isinstance(v, list) and key == "prefix_chars" else v)
+    if args.no_ablations:
+        p.ablations = {}
+    elif args.ablations:
+        names = [n.strip() for n in args.ablations.split(",")]
+        unknown = [n for n in names if n not in ABLATIONS]
+        if unknown:
+            ap.error(f"--ablations: unknown {unknown}; known: {', '.join(ABLATIONS)}")
+        p.ablations = {n: ABLATIONS[n] for n in names}
+    out = args.out.resolve()
+    data, runs = out / "data", out / "runs"
+    for d in (out, data, runs):
+        d.mkdir(parents=True, exist_ok=True)
+    command = "PYTHONPATH=. python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    started = time.time()
+    results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
+                     "device_name": torch.cuda.get_device_name(p.device) if p.device.startswith("cuda") else "cpu"}
+    rng = random.Random(p.seed)
+    random.seed(p.seed)
+    torch.manual_seed(p.seed)
+
+    def save() -> None:
+        results["seconds"] = round(time.time() - started, 1)
+        say(f"[t={results['seconds']:.0f}s]")
+        (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    # 1. corpus
+    t0 = time.time()
+    corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed)
+    results["corpus"] = corpus["stats"]
+    s = corpus["stats"]
+    say(f"corpus: {s['train_files']} train files ({s['train_mb']} MB) + {s['heldout_files']} held-out files "
+        f"({s['heldout_mb']} MB) of {s['files_found']} .py files under {s['roots']}; skipped {s['skipped']} "
+        f"[{time.time() - t0:.0f}s]")
+    if not corpus["train"] or not corpus["heldout"]:
+        raise SystemExit("quality: no Python sources found for train or held-out")
+
+    # 2. tokenizer
+    from trainer.testing.hub_model import train_tokenizer
+
+    t0 = time.time()
+    sample, size = [], 0
+    for text in corpus["train"]:
+        if size >= p.tokenizer_sample_mb * 1e6:
+            break
+        sample.append(text)
+        size += len(text)
+    tok = train_tokenizer("qwen3", sample, p.tokenizer_vocab)
+    probe = corpus["heldout"][: 200]
+    n_tokens = sum(len(e.ids) for e in tok.encode_batch(probe, add_special_tokens=False))
+    results["tokenizer"] = {"vocab": tok.get_vocab_size(), "sample_mb": round(size / 1e6, 2),
+                            "heldout_chars_per_token": round(sum(map(len, probe)) / max(n_tokens, 1), 2),
+                            "seconds": round(time.time() - t0, 1)}
+    say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens trained on {size / 1e6:.1f} MB of train files; "
+        f"{results['tokenizer']['heldout_chars_per_token']} chars/token on held-out files [{time.time() - t0:.0f}s]")
+
+    # 3. target
+    model_dir, results["target"] = train_target(p, tok, corpus, out, rng,
+                                                results["tokenizer"]["heldout_chars_per_token"])
+    save()
+    if args.stop_after == "target":
+        return results
+
+    # 4. prompts (the fast chat rendering is checked against the saved template first)
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompts = write_prompts(p, tok, corpus, data, rng)
+    check_render(hf_tok, prompts["check"])
+    results["prompts"] = prompts["stats"]
+    del corpus
+
+    # 5. regen
+    results["regen"] = regenerate(p, model_dir, data, out)
+    save()
+    if args.stop_after == "regen":
+        return results
+
+    # 6. drafter: the main run (with checkpoints for the curve) and the ablations beside it
+    every = max(1, p.drafter_steps // max(p.curve_points, 1))
+    jobs = [launch(p, "main", trainer_config(p, model_dir, data, p.drafter_steps, {}, every), runs)]
+    for name, over in p.ablations.items():
+        if name == "base" and p.ablation_steps == p.drafter_steps:
+            continue
+        jobs.append(launch(p, name, trainer_config(p, model_dir, data, p.ablation_steps, over, 0), runs))
+    say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), "
+        f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs))
+    run_all(p, jobs)
+    for j in jobs:
+        if j.get("rc") != 0:
+            tail = j["log"].read_text().strip().splitlines()[-15:] if j["log"].exists() else []
+            log = j["run_dir"] / "train.log"
+            tail += log.read_text().strip().splitlines()[-15:] if log.exists() else []
+            say(f"trainer run {j['name']!r} failed (exit {j.get('rc')}):\n" + "\n".join(tail))
+    main_job = jobs[0]
+    if main_job.get("rc") != 0:
+        raise SystemExit("quality: the main trainer run failed")
+    results["main"] = {**read_run(main_job["run_dir"]), "command": "python -m trainer " + " ".join(main_job["argv"]),
+                       "config": main_job["cfg"], "seconds": round(main_job["seconds"], 1)}
+    m = results["main"]
+    say(f"main drafter: tau {m['tau']:.3f} pooled, {m['tau_per_prompt']:.3f} per-prompt mean over {m['eval_samples']} "
+        f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
+        f"{m['steps']} steps); histogram {m['histogram']}; train acc {m['train_acc']:.3f}, held-out acc "
+        f"{m['eval_acc']:.3f}; {m['tokens_per_s_steady']:.0f} tok/s [{m['seconds']:.0f}s]")
+    per_step = tokens_per_step(p, main_job["run_dir"])
+    curve = evaluate_checkpoints(p, model_dir, main_job["run_dir"], data)
+    for c in curve:
+        c["tokens"] = round(c["step"] * per_step) if per_step else None
+    results["curve"] = curve
+    results["ablations"] = {}
+    for j in jobs[1:]:
+        if j.get("rc") == 0:
+            results["ablations"][j["name"]] = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]]}
+    if p.ablation_steps == p.drafter_steps and "base" in p.ablations:
+        results["ablations"] = {"base": {**read_run(main_job["run_dir"]), "overrides": {}}, **results["ablations"]}
+    for name, a in results["ablations"].items():
+        say(f"ablation {name!r} ({p.ablations.get(name)}, {a['steps']} steps): tau {a['tau']} pooled, "
+            f"{a['tau_per_prompt']} per-prompt mean; train acc {a['train_acc']}, held-out acc {a['eval_acc']}")
+    save()
+    (out / "quality.md").write_text(markdown(results))
+    say(f"quality: done in {time.time() - started:.0f}s; {out / 'quality.json'}, {out / 'quality.md'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -74,7 +74,7 @@ class Preset:
     intermediate: int = 1536
     seq_len: int = 1024
     batch_rows: int = 64
-    target_steps: int = 1500
+    target_steps: int = 640
     target_lr: float = 3e-3
     target_warmup: int = 100
     window_chars: int = 4000  # characters per training window (prefix + continuation)
@@ -82,7 +82,7 @@ class Preset:
     compile_target: bool = False  # torch.compile the target for its own training
     # prompts and regeneration
     prefix_chars: tuple[int, int] = (200, 1000)
-    n_prompts: int = 40000
+    n_prompts: int = 49152
     answer_tokens: int = 256
     regen_batch: int = 4096
     n_eval: int = 64
@@ -99,28 +99,31 @@ class Preset:
     max_length: int = 768
     num_anchors: int = 192
     pack_length: int = 8192
-    pack_rows: int = 4
+    pack_rows: int = 2
     micro_batches: int = 1
-    curve_points: int = 4  # checkpoints of the main run evaluated for the curve (the final one included)
+    curve_points: int = 4  # checkpoints of the main run evaluated for the curve (plus the last one)
     # ablations: name -> overrides of the drafter config; they run with ablation_steps
-    ablation_steps: int = 600
+    ablation_steps: int = 250
     ablations: dict = field(default_factory=lambda: dict(ABLATIONS))
     parallel: int = 8  # trainer processes at once on the device
+    ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
+    budget_s: float = 450.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
+    eval_reserve_s: float = 70.0
+    regen_end_s: float = 230.0  # regen gets SIGINT this many seconds after the start (0: none)
     seed: int = 0
 
 
-ABLATIONS = {
+ABLATIONS = {  # what the h200 preset runs; more can be named with --ablations
     "base": {},
     "original answers": {"train": "original"},
     "depth 1": {"drafter_layers": 1},
     "depth 5": {"drafter_layers": 5},
     "block 8": {"block_size": 8},
     "gamma 3": {"gamma": 3.0},
-    "gamma 20": {"gamma": 20.0},
-    "1 layer tapped": {"num_target_layers": 1},
     "5 layers tapped": {"num_target_layers": 5},
 }
+MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_layers": 1}}
 
 PRESETS = {
     "h200": Preset(),
@@ -131,7 +134,7 @@ PRESETS = {
                    n_eval=3, eval_new_tokens=12, pipeline="reference", dtype="fp32", drafter_steps=2,
                    drafter_lr=3e-3, max_length=128, num_anchors=8, pack_length=0, pack_rows=1, curve_points=2,
                    ablation_steps=1, ablations={"original answers": {"train": "original"}},
-                   parallel=1, inprocess=True),
+                   parallel=1, inprocess=True, ablation_convs=12, budget_s=0.0, regen_end_s=0.0),
 }
 
 
@@ -480,8 +483,8 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # similar prompt lengths batch together
     write_jsonl(data / "prompts.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]}]}
                                          for i in order))
-    write_jsonl(data / "original.jsonl", ({"messages": [{"role": "user", "content": pairs[i][0]},
-                                                        {"role": "assistant", "content": answers[i]}]}
+    write_jsonl(data / "original.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]},
+                                                                       {"role": "assistant", "content": answers[i]}]}
                                           for i in order))
     held = []
     for text in corpus["heldout"]:  # one window per held-out file: as many files as prompts
@@ -498,29 +501,57 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
              "eval_files": len(held)}
     say(f"prompts: {len(pairs)} code prefixes of train files ({p.prefix_chars[0]}-{p.prefix_chars[1]} chars, mean "
         f"{stats['prompt_chars_mean']}); {len(held)} held-out prompts, one per held-out file")
-    return {"stats": stats, "check": check_render_pairs}
+    return {"stats": stats, "check": check_render_pairs, "ids": [f"p{i}" for i in order]}
 
 
 # ---------------------------------------------------------------------------- 5. regen / 6. trainer
 
 
-def run_cli(p: Preset, argv: list[str], log: Path) -> tuple[int, float]:
-    """`python -m trainer ARGV` as a user runs it (in this process for the CPU test)."""
+ENV = {"PYTHONUNBUFFERED": "1"}
+
+
+def child_env() -> dict:
+    return {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None) -> tuple[int, float]:
+    """`python -m trainer ARGV` as a user runs it (in this process for the CPU test). At the
+    deadline the process gets SIGINT (regen: stops with whole lines written)."""
     started = time.time()
     if p.inprocess:
-        from trainer.__main__ import main
-
         import contextlib
+
+        from trainer.__main__ import main
 
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             rc = main(argv)
-    else:
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "PYTHONUNBUFFERED": "1"}
-        with open(log, "w") as f:
-            rc = subprocess.call([sys.executable, "-m", "trainer", *argv], stdout=f, stderr=subprocess.STDOUT,
-                                 env=env, cwd=str(ROOT))
-    return rc, time.time() - started
+        return rc, time.time() - started
+    import signal
+
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env=child_env(), cwd=str(ROOT), preexec_fn=default_signals)
+        interrupted = None
+        while proc.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                say(f"deadline: SIGINT to `python -m trainer {argv[0]}` (pid {proc.pid})")
+                proc.send_signal(signal.SIGINT)
+                deadline, interrupted = None, time.time()
+            if interrupted is not None and time.time() - interrupted > 30:
+                say(f"deadline: `python -m trainer {argv[0]}` still running 30s after SIGINT: SIGKILL")
+                proc.kill()
+                interrupted = None
+            time.sleep(0.2)
+    return proc.returncode, time.time() - started
+
+
+def default_signals() -> None:
+    """In the child: SIGINT and SIGTERM as a terminal gives them (a background shell job inherits
+    SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
@@ -530,31 +561,36 @@ def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
             "--extra-body", json.dumps({"chat_template_kwargs": {"enable_thinking": False}})]
 
 
-def regenerate(p: Preset, model_dir: Path, data: Path, out: Path) -> dict:
+def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: float | None) -> dict:
     argv = regen_argv(p, model_dir, data)
-    rc, seconds = run_cli(p, argv, out / "regen.log")
+    rc, seconds = run_cli(p, argv, out / "regen.log", deadline)
     tail = (out / "regen.log").read_text().strip().splitlines()
-    if rc != 0:
-        raise SystemExit(f"quality: regen failed (exit {rc}):\n" + "\n".join(tail[-20:]))
     summary = next((line for line in reversed(tail) if line.startswith("regen: ") and "regenerated" in line), "")
-    records = sum(1 for _ in open(data / "regen.jsonl", encoding="utf-8"))
-    result = {"command": "python -m trainer " + " ".join(argv), "seconds": round(seconds, 1), "summary": summary,
-              "conversations": records}
-    say(f"regen: {summary} [wall {seconds:.0f}s incl. model load; `python -m trainer regen --engine hf`, "
-        f"batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+    path = data / "regen.jsonl"
+    records = len(read_records(path)) if path.exists() else 0
+    if path.exists() and rc != 0:  # keep whole lines only, for the trainer
+        write_jsonl(path, read_records(path))
+    result = {"command": "python -m trainer " + " ".join(argv), "exit": rc, "seconds": round(seconds, 1),
+              "summary": summary, "conversations": records,
+              "errors": [line for line in tail if line.startswith("regen: failed")][:3]}
+    say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "
+        f"`python -m trainer regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+    for e in result["errors"]:
+        say(e)
     return result
 
 
-def trainer_config(p: Preset, model_dir: Path, data: Path, steps: int, overrides: dict, checkpoint_every: int) -> dict:
+def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, steps: int, overrides: dict,
+                   checkpoint_every: int) -> dict:
     o = {"drafter_layers": p.drafter_layers, "block_size": p.block_size, "num_target_layers": p.num_target_layers,
-         "gamma": p.gamma, "train": "regen", **overrides}
+         "gamma": p.gamma, **{k: v for k, v in overrides.items() if k != "train"}}
     model = {"target": {"path": str(model_dir)}, "drafter_layers": o["drafter_layers"],
              "block_size": o["block_size"], "num_target_layers": o["num_target_layers"], "attention": "auto",
              "dtype": p.dtype, "loss_chunk": 4096}
     if o["gamma"] is not None:
         model["gamma"] = float(o["gamma"])
     cuda = p.device.startswith("cuda")
-    data_cfg = {"train_path": str(data / f"{o['train']}.jsonl"), "eval_path": str(data / "eval.jsonl"),
+    data_cfg = {"train_path": str(train_file), "eval_path": str(data / "eval.jsonl"),
                 "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),
                 "bucket_edges": [p.max_length // 2, p.max_length], "pad_multiple": 16 if not cuda else 64,
                 "seed": p.seed}
@@ -567,91 +603,110 @@ def trainer_config(p: Preset, model_dir: Path, data: Path, steps: int, overrides
                   "micro_batches": p.micro_batches},
         "devices": {"target": [p.device], "drafter": [p.device]},
         "pipeline": {"kind": p.pipeline},
-        "run": {"log_every": max(1, steps // 20), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
+        "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": p.seed, **({"threads": 2} if not cuda else {})},
         "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens},
     }
 
 
 def read_run(run_dir: Path) -> dict:
-    events = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8") if line.strip()]
+    path = run_dir / "metrics.jsonl"
+    events = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()] if path.exists() else []
     evals = [e for e in events if e.get("event") == "eval"]
     steps = [e for e in events if e.get("event") == "step"]
     last = steps[-1] if steps else {}
     ev = evals[-1] if evals else {}
+    stops = [e for e in events if e.get("event") == "stop"]
     return {"tau": ev.get("tau"), "tau_per_prompt": ev.get("tau_per_prompt"), "histogram": ev.get("histogram"),
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
             "train_acc": last.get("acc"), "steps": last.get("step"),
+            "stop": stops[-1].get("reason") if stops else None,
+            "pad_share": (sum(e.get("pad_share", 0.0) for e in steps) / len(steps)) if steps else None,
             "tokens_per_s_steady": last.get("tokens_per_s_steady", last.get("tokens_per_s"))}
 
 
-def launch(p: Preset, name: str, cfg: dict, runs: Path) -> dict:
+def job(name: str, cfg: dict, runs: Path) -> dict:
     slug = name.replace(" ", "-")
     cfg_path = runs / f"{slug}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    run_dir = runs / slug
-    argv = ["--config", str(cfg_path), "--run-dir", str(run_dir)]
-    return {"name": name, "argv": argv, "run_dir": run_dir, "log": runs / f"{slug}.log", "cfg": cfg}
+    return {"name": name, "argv": ["--config", str(cfg_path), "--run-dir", str(runs / slug)],
+            "run_dir": runs / slug, "log": runs / f"{slug}.log", "cfg": cfg}
 
 
-def run_all(p: Preset, jobs: list[dict]) -> None:
-    """Run the trainer jobs, p.parallel at a time (subprocesses), or one after the other in-process."""
-    if p.inprocess or p.parallel <= 1:
+def started_training(j: dict) -> bool:
+    try:
+        status = json.loads((j["run_dir"] / "status.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return status.get("state") in ("running", "done", "stopped", "failed") and (status.get("step") or 0) > 0
+
+
+def run_all(p: Preset, jobs: list[dict], deadline: float | None) -> None:
+    """The first job (the main run) starts alone; the others once it trains (they then find its
+    compiled kernels in the on-disk cache and the CPU free of its tokenization), p.parallel at a
+    time. At the deadline every run still going gets SIGTERM: the trainer saves a checkpoint and
+    stops. In-process (the CPU test): one after the other."""
+    if p.inprocess:
         for j in jobs:
             j["rc"], j["seconds"] = run_cli(p, j["argv"], j["log"])
         return
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONUNBUFFERED": "1"}
     waiting, running = list(jobs), []
+    stopping = False
     while waiting or running:
-        while waiting and len(running) < p.parallel:
+        main_ready = jobs[0] not in running or started_training(jobs[0]) or time.time() - jobs[0]["started"] > 90
+        while waiting and len(running) < p.parallel and not stopping and (not running or main_ready):
             j = waiting.pop(0)
             j["started"] = time.time()
             j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
-                                         stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+                                         stderr=subprocess.STDOUT, env=child_env(), cwd=str(ROOT),
+                                         preexec_fn=default_signals)
             running.append(j)
+            if j is jobs[0]:
+                break
         time.sleep(0.5)
+        if deadline is not None and time.time() > deadline and not stopping:
+            stopping = True
+            for j in running:
+                say(f"deadline: SIGTERM to trainer run {j['name']!r} (it checkpoints and stops)")
+                j["proc"].terminate()
+            for j in waiting:
+                j["rc"], j["seconds"] = None, 0.0
+                say(f"deadline: trainer run {j['name']!r} never started")
+            waiting = []
         for j in list(running):
             if j["proc"].poll() is not None:
                 j["rc"], j["seconds"] = j["proc"].returncode, time.time() - j["started"]
                 running.remove(j)
-                say(f"trainer run {j['name']!r}: exit {j['rc']} after {j['seconds']:.0f}s")
+                say(f"trainer run {j['name']!r}: exit {j['rc']} after {j['seconds']:.0f}s ({read_run(j['run_dir'])['steps']} steps)")
 
 
-def tokens_per_step(p: Preset, run_dir: Path) -> float | None:
-    """Real (unpadded) tokens a step trains on, from the run's own step events."""
-    steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl", encoding="utf-8")
-             if '"event": "step"' in line or '"event":"step"' in line]
-    if not steps or not p.pack_length:
-        return None
-    pad = sum(s.get("pad_share", 0.0) for s in steps) / len(steps)
-    return p.pack_length * p.pack_rows * p.micro_batches * (1 - pad)
+# ---------------------------------------------------------------------------- evaluation of checkpoints
 
 
-# ---------------------------------------------------------------------------- curve
+class CheckpointEvaluator:
+    """τ of saved checkpoints with the trainer's own evaluation (one target load for all)."""
 
+    def __init__(self, p: Preset, model_dir: Path, data: Path):
+        from transformers import AutoTokenizer
 
-def evaluate_checkpoints(p: Preset, model_dir: Path, run_dir: Path, data: Path) -> list[dict]:
-    """τ of each kept checkpoint of a run, with the trainer's own evaluation."""
-    from safetensors.torch import load_file
+        from trainer.chat_data import read_conversations
+        from trainer.target import FrozenHead, freeze, load_target
 
-    from trainer.chat_data import read_conversations
-    from trainer.drafter import DFlashDrafter, DrafterConfig
-    from trainer.evaluate import acceptance_report
-    from trainer.loop import autocast_for
-    from trainer.target import FrozenHead, freeze, load_target
-    from transformers import AutoTokenizer
+        self.p = p
+        dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float32
+        self.target = freeze(load_target(str(model_dir), p.device, dtype))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.head = FrozenHead.from_target(self.target, p.device)
+        self.conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
 
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda d: int(d.name.split("_")[1]))
-    if not ckpts:
-        return []
-    dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float32
-    target = freeze(load_target(str(model_dir), p.device, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    head = FrozenHead.from_target(target, p.device)
-    conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
-    points = []
-    for ck in ckpts:
+    def __call__(self, ck: Path) -> dict:
+        from safetensors.torch import load_file
+
+        from trainer.drafter import DFlashDrafter, DrafterConfig
+        from trainer.evaluate import acceptance_report
+        from trainer.loop import autocast_for
+
+        p = self.p
         cfg = DrafterConfig(**json.loads((ck / "drafter_config.json").read_text()))
         with torch.device(p.device):
             drafter = DFlashDrafter(cfg)
@@ -659,58 +714,98 @@ def evaluate_checkpoints(p: Preset, model_dir: Path, run_dir: Path, data: Path) 
         drafter.float().eval()
         started = time.time()
         with autocast_for(p.device, p.dtype):
-            r = acceptance_report(target, drafter, head, tokenizer, conversations, p.eval_new_tokens)
-        points.append({"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
-                       "histogram": r["histogram"], "eval_seconds": round(time.time() - started, 1)})
-        say(f"curve: step {points[-1]['step']}: tau {r['tau']:.3f} pooled, {r['tau_per_prompt']:.3f} per-prompt "
-            f"mean ({len(conversations)} held-out prompts, {p.eval_new_tokens} new tokens, {ck})")
-        del drafter
-    return points
+            r = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.conversations,
+                                  p.eval_new_tokens)
+        return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
+                "histogram": r["histogram"], "samples": r["samples"], "eval_seconds": round(time.time() - started, 1),
+                "checkpoint": str(ck)}
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "checkpoints").glob("step_*"), key=lambda d: int(d.name.split("_")[1]))
+
+
+def spread(items: list, n: int) -> list:
+    """At most n items, evenly spaced, the last one always kept."""
+    if len(items) <= n:
+        return items
+    picks = {round(i * (len(items) - 1) / (n - 1)) for i in range(n)} if n > 1 else {len(items) - 1}
+    return [items[i] for i in sorted(picks)]
 
 
 # ---------------------------------------------------------------------------- report
 
 
+def _f(v, digits: int = 3) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
 def markdown(results: dict) -> str:
-    t, r, m = results["target"], results["regen"], results["main"]
+    t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
-             f"corpus: {results['corpus']['train_files']} train files ({results['corpus']['train_mb']} MB), "
-             f"{results['corpus']['heldout_files']} held-out files ({results['corpus']['heldout_mb']} MB); "
-             f"skipped {results['corpus']['skipped']}", "",
-             f"target: {t['params'] / 1e6:.1f}M params, {t['steps']} steps, {t['tokens_trained'] / 1e6:.1f}M tokens "
-             f"({t['epochs']} epochs), {t['train_seconds']} s, {t['tokens_per_s']} tok/s; LM loss "
-             f"{t['lm_loss_seen_train_rows']} (rows trained on) / {t['lm_loss_heldout_rows']} (held-out files)", "",
-             f"regen: {r['summary']} ({r['seconds']} s wall)", "",
-             f"main drafter: {m['steps']} steps, tau {m['tau']} pooled / {m['tau_per_prompt']} per-prompt mean, "
-             f"histogram {m['histogram']}, train acc {m['train_acc']}, held-out acc {m['eval_acc']}, "
-             f"{m['tokens_per_s_steady']} tok/s steady", ""]
+             f"* corpus: {c['train_files']} train files ({c['train_mb']} MB), {c['heldout_files']} held-out files "
+             f"({c['heldout_mb']} MB); skipped {c['skipped']}",
+             f"* tokenizer: {results['tokenizer']}",
+             f"* target: {t['params'] / 1e6:.1f}M params {t['dims']}, {t['steps']} steps x {t['batch_tokens']} tokens = "
+             f"{t['tokens_trained'] / 1e6:.1f}M tokens ({t['epochs']} epochs of ~{t['tokens_available_est'] / 1e6:.0f}M), "
+             f"{t['train_seconds']} s, {t['tokens_per_s']} tok/s; LM loss {t['lm_loss_seen_train_rows']} on rows it "
+             f"trained on, {t['lm_loss_heldout_rows']} on held-out files",
+             f"* regen: {r['summary']} (exit {r['exit']}, {r['seconds']} s wall incl. model load)",
+             f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {_f(m['tau'])} pooled / "
+             f"{_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts, histogram "
+             f"{m['histogram']}, train acc {_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}, "
+             f"{_f(m['tokens_per_s_steady'], 0)} tok/s", ""]
     if results.get("curve"):
-        lines += ["| step | training tokens | tau pooled | tau per-prompt |", "|---:|---:|---:|---:|"]
-        for c in results["curve"]:
-            lines.append(f"| {c['step']} | {c.get('tokens', '')} | {c['tau']:.3f} | {c['tau_per_prompt']:.3f} |")
+        lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | histogram (1..block) |",
+                  "|---:|---:|---:|---:|---|"]
+        for x in results["curve"]:
+            lines.append(f"| {x['step']} | {_f(x.get('tokens'))} | {x['tau']:.3f} | {x['tau_per_prompt']:.3f} | "
+                         f"{x['histogram']} |")
         lines.append("")
     if results.get("ablations"):
-        lines += ["| ablation | steps | tau pooled | tau per-prompt | train acc | held-out acc | tok/s |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| ablation | overrides | steps | tau pooled | tau per-prompt | train acc | held-out acc | tok/s |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
         for name, a in results["ablations"].items():
-            fmt = (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v))
-            lines.append(f"| {name} | {a['steps']} | {fmt(a['tau'])} | {fmt(a['tau_per_prompt'])} | "
-                         f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'])} |")
+            lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {_f(a['tau'])} | {_f(a['tau_per_prompt'])} | "
+                         f"{_f(a['train_acc'])} | {_f(a['eval_acc'])} | {_f(a['tokens_per_s_steady'], 0)} |")
     return "\n".join(lines) + "\n"
+
+
+def read_records(path: Path) -> list[dict]:
+    """Whole JSON lines only (a process killed mid-write leaves a torn last line)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def subset(src: Path, dst: Path, ids: list[str] | None, n: int) -> tuple[Path, list[str]]:
+    """The first n records of src (or those with the given ids, in that order) into dst."""
+    rows = read_records(src)
+    if ids is not None:
+        by_id = {r.get("id"): r for r in rows}
+        rows = [by_id[i] for i in ids if i in by_id]
+    rows = rows[:n]
+    write_jsonl(dst, rows)
+    return dst, [r.get("id") for r in rows]
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
-    ap.add_argument("--out", type=Path, required=True, help="work directory (created; reused stages are not)")
+    ap.add_argument("--out", type=Path, required=True, help="work directory (created)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset field, e.g. --set target_steps=800 (YAML value)")
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--ablations", default=None, help="comma-separated names of the preset's ablations to run")
-    ap.add_argument("--stop-after", choices=["target", "regen", "main"], default=None)
+    ap.add_argument("--stop-after", choices=["target", "regen"], default=None)
     args = ap.parse_args(argv)
     p = dataclasses.replace(PRESETS[args.preset])
-    fields = {f.name: f for f in dataclasses.fields(Preset)}
+    fields = {f.name for f in dataclasses.fields(Preset)}
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in fields:
@@ -721,16 +816,18 @@ def main(argv: list[str] | None = None) -> dict:
         p.ablations = {}
     elif args.ablations:
         names = [n.strip() for n in args.ablations.split(",")]
-        unknown = [n for n in names if n not in ABLATIONS]
+        known = {**ABLATIONS, **MORE_ABLATIONS}
+        unknown = [n for n in names if n not in known]
         if unknown:
-            ap.error(f"--ablations: unknown {unknown}; known: {', '.join(ABLATIONS)}")
-        p.ablations = {n: ABLATIONS[n] for n in names}
+            ap.error(f"--ablations: unknown {unknown}; known: {', '.join(known)}")
+        p.ablations = {n: known[n] for n in names}
     out = args.out.resolve()
     data, runs = out / "data", out / "runs"
     for d in (out, data, runs):
         d.mkdir(parents=True, exist_ok=True)
     command = "PYTHONPATH=. python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started = time.time()
+    budget_end = started + p.budget_s if p.budget_s else None
     results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
                      "device_name": torch.cuda.get_device_name(p.device) if p.device.startswith("cuda") else "cpu"}
     rng = random.Random(p.seed)
@@ -739,8 +836,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save() -> None:
         results["seconds"] = round(time.time() - started, 1)
-        say(f"[t={results['seconds']:.0f}s]")
         (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        say(f"[t={results['seconds']:.0f}s]")
 
     # 1. corpus
     t0 = time.time()
@@ -788,52 +885,98 @@ def main(argv: list[str] | None = None) -> dict:
     results["prompts"] = prompts["stats"]
     del corpus
 
-    # 5. regen
-    results["regen"] = regenerate(p, model_dir, data, out)
+    # 5. regen (stopped at its deadline with the answers written so far)
+    regen_deadline = started + p.regen_end_s if p.regen_end_s else None
+    results["regen"] = regenerate(p, model_dir, data, out, regen_deadline)
     save()
     if args.stop_after == "regen":
         return results
+    regen_ok = results["regen"]["conversations"] >= max(1, len(prompts["ids"]) // 10)
+    main_file = data / ("regen.jsonl" if regen_ok else "original.jsonl")
+    if not regen_ok:
+        say("regen wrote too few answers: the main run trains on the original answers instead")
+    main_ids = [r.get("id") for r in read_records(main_file)] if regen_ok else None
+    if regen_ok:  # the original answers of the same prompts
+        subset(data / "original.jsonl", data / "original-same.jsonl", main_ids, len(main_ids))
 
-    # 6. drafter: the main run (with checkpoints for the curve) and the ablations beside it
+    # 6. drafter: the main run (checkpoints for the curve), then the ablations on a subset
     every = max(1, p.drafter_steps // max(p.curve_points, 1))
-    jobs = [launch(p, "main", trainer_config(p, model_dir, data, p.drafter_steps, {}, every), runs)]
-    for name, over in p.ablations.items():
-        if name == "base" and p.ablation_steps == p.drafter_steps:
-            continue
-        jobs.append(launch(p, name, trainer_config(p, model_dir, data, p.ablation_steps, over, 0), runs))
-    say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), "
-        f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs))
-    run_all(p, jobs)
+    jobs = [job("main", trainer_config(p, model_dir, main_file, data, p.drafter_steps, {}, every), runs)]
+    if p.ablations:
+        sub_regen, sub_ids = subset(main_file, data / "ablation-regen.jsonl", None, p.ablation_convs)
+        sub_orig, _ = subset(data / "original.jsonl", data / "ablation-original.jsonl", sub_ids, p.ablation_convs)
+        for name, over in p.ablations.items():
+            train = sub_orig if over.get("train") == "original" else sub_regen
+            jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, 0), runs))
+    deadline = budget_end - p.eval_reserve_s if budget_end else None
+    say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
+        f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
+        + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
+    run_all(p, jobs, deadline)
     for j in jobs:
-        if j.get("rc") != 0:
-            tail = j["log"].read_text().strip().splitlines()[-15:] if j["log"].exists() else []
+        if j.get("rc") not in (0,):
+            tail = j["log"].read_text().strip().splitlines()[-12:] if j["log"].exists() else []
             log = j["run_dir"] / "train.log"
-            tail += log.read_text().strip().splitlines()[-15:] if log.exists() else []
-            say(f"trainer run {j['name']!r} failed (exit {j.get('rc')}):\n" + "\n".join(tail))
+            tail += log.read_text().strip().splitlines()[-12:] if log.exists() else []
+            say(f"trainer run {j['name']!r}: exit {j.get('rc')}:\n" + "\n".join(tail))
     main_job = jobs[0]
-    if main_job.get("rc") != 0:
-        raise SystemExit("quality: the main trainer run failed")
-    results["main"] = {**read_run(main_job["run_dir"]), "command": "python -m trainer " + " ".join(main_job["argv"]),
-                       "config": main_job["cfg"], "seconds": round(main_job["seconds"], 1)}
+    results["main"] = {**read_run(main_job["run_dir"]), "train_file": main_file.name,
+                       "command": "python -m trainer " + " ".join(main_job["argv"]), "config": main_job["cfg"],
+                       "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1)}
+    save()
+
+    # 7. τ of the checkpoints: the main run's curve, and the last checkpoint of runs stopped early
+    evaluator = CheckpointEvaluator(p, model_dir, data) if any(checkpoints(j["run_dir"]) for j in jobs) else None
+    per_step = None
     m = results["main"]
-    say(f"main drafter: tau {m['tau']:.3f} pooled, {m['tau_per_prompt']:.3f} per-prompt mean over {m['eval_samples']} "
-        f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
-        f"{m['steps']} steps); histogram {m['histogram']}; train acc {m['train_acc']:.3f}, held-out acc "
-        f"{m['eval_acc']:.3f}; {m['tokens_per_s_steady']:.0f} tok/s [{m['seconds']:.0f}s]")
-    per_step = tokens_per_step(p, main_job["run_dir"])
-    curve = evaluate_checkpoints(p, model_dir, main_job["run_dir"], data)
-    for c in curve:
-        c["tokens"] = round(c["step"] * per_step) if per_step else None
+    if m["pad_share"] is not None and p.pack_length:
+        per_step = p.pack_length * p.pack_rows * p.micro_batches * (1 - m["pad_share"])
+    def time_left() -> bool:
+        return budget_end is None or time.time() < budget_end - 10
+
+    # the main run's last checkpoint first, the stopped ablations' next, then the rest of the curve
+    main_ckpts = spread(checkpoints(main_job["run_dir"]), p.curve_points + 1)
+    evaluated: dict[Path, dict] = {}
+    if main_ckpts:
+        evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
+    stopped = [j for j in jobs[1:] if read_run(j["run_dir"])["tau"] is None and checkpoints(j["run_dir"])]
+    for j in stopped:
+        if time_left():
+            evaluated[checkpoints(j["run_dir"])[-1]] = evaluator(checkpoints(j["run_dir"])[-1])
+    for ck in main_ckpts[:-1]:
+        if time_left():
+            evaluated[ck] = evaluator(ck)
+    curve = []
+    for ck in main_ckpts:
+        if ck not in evaluated:
+            continue
+        point = evaluated[ck]
+        point["tokens"] = round(point["step"] * per_step) if per_step else None
+        curve.append(point)
+        say(f"curve: step {point['step']} (~{_f(point['tokens'])} real tokens): tau {point['tau']:.3f} pooled, "
+            f"{point['tau_per_prompt']:.3f} per-prompt mean ({point['samples']} held-out prompts, {p.eval_new_tokens} "
+            f"new tokens; {ck.relative_to(out)}) [{point['eval_seconds']}s]")
     results["curve"] = curve
+    if m["tau"] is None and curve:  # stopped at the deadline: its last checkpoint stands for it
+        last = curve[-1]
+        m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
+                 eval_samples=last["samples"], tau_from=last["checkpoint"])
+    say(f"main drafter: tau {_f(m['tau'])} pooled, {_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
+        f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
+        f"{m['steps']} steps of {p.drafter_steps}, {main_file.name}); histogram {m['histogram']}; train acc "
+        f"{_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}; {_f(m['tokens_per_s_steady'], 0)} tok/s")
     results["ablations"] = {}
     for j in jobs[1:]:
-        if j.get("rc") == 0:
-            results["ablations"][j["name"]] = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]]}
-    if p.ablation_steps == p.drafter_steps and "base" in p.ablations:
-        results["ablations"] = {"base": {**read_run(main_job["run_dir"]), "overrides": {}}, **results["ablations"]}
-    for name, a in results["ablations"].items():
-        say(f"ablation {name!r} ({p.ablations.get(name)}, {a['steps']} steps): tau {a['tau']} pooled, "
-            f"{a['tau_per_prompt']} per-prompt mean; train acc {a['train_acc']}, held-out acc {a['eval_acc']}")
+        a = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]], "exit": j.get("rc")}
+        last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None
+        if a["tau"] is None and last in evaluated:
+            point = evaluated[last]
+            a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
+                     tau_from=point["checkpoint"], steps=point["step"])
+        results["ablations"][j["name"]] = a
+        say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
+            f"{_f(a['tau'])} pooled, {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
+            f"held-out acc {_f(a['eval_acc'])}")
     save()
     (out / "quality.md").write_text(markdown(results))
     say(f"quality: done in {time.time() - started:.0f}s; {out / 'quality.json'}, {out / 'quality.md'}")

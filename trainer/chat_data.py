@@ -12,6 +12,7 @@ Every conversation becomes {"messages": [...], "source": "file:line"}; extra mes
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -231,7 +232,14 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int,
     text, spans = assistant_spans(tokenizer, messages, template_kwargs)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"][:max_length]]
+    starts = [start for start, _ in enc["offset_mapping"][:max_length]]
+    if all(x <= y for x, y in zip(starts, starts[1:])):  # the usual case: offsets increase
+        mask = [0] * len(starts)
+        for a, b in spans:  # tokens whose first character lies in an assistant span
+            lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)
+            mask[lo:hi] = [1] * (hi - lo)
+    else:
+        mask = [int(any(a <= start < b for a, b in spans)) for start in starts]
     return ids[:max_length], mask, len(ids)
 
 

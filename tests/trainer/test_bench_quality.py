@@ -1,0 +1,63 @@
+"""bench/quality.py end to end on CPU (the tiny preset): real Python sources, a fitted target saved
+as a model directory, regen through the CLI, the trainer from that directory, τ and the ablation."""
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import quality  # noqa: E402
+
+
+def test_test_files_are_left_out():
+    assert quality.is_test_file(Path("unittest/test/test_case.py"))
+    assert quality.is_test_file(Path("numpy/tests/helpers.py"))
+    assert quality.is_test_file(Path("pkg/conftest.py"))
+    assert quality.is_test_file(Path("pkg/thing_test.py"))
+    assert not quality.is_test_file(Path("unittest/case.py"))
+    assert not quality.is_test_file(Path("json/decoder.py"))
+
+
+def test_windows_cut_at_line_boundaries_and_cover_the_file_in_order():
+    import random
+
+    text = "".join(f"line {i} = {i * i}\n" for i in range(200))
+    pairs = list(quality.windows(text, random.Random(0), (40, 80), 120))
+    assert len(pairs) > 5
+    assert all(u.endswith("\n") and a.endswith("\n") for u, a in pairs)
+    joined = "".join(u + a for u, a in pairs)
+    assert text.startswith(joined[:1000]) and joined in text
+
+
+@pytest.mark.slow
+def test_tiny_quality_bench_runs_every_stage(tmp_path):
+    r = quality.main(["--preset", "tiny", "--out", str(tmp_path)])
+    c = r["corpus"]
+    assert c["train_files"] > 0 and c["heldout_files"] > 0 and c["skipped"]["test"] > 0
+    t = r["target"]
+    assert t["tokens_trained"] > 0 and t["lm_loss_heldout_rows"] > 0 and t["lm_loss_seen_train_rows"] > 0
+    model = tmp_path / "model"
+    assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (model / "tokenizer.json").exists() and (model / "model.safetensors.index.json").exists()
+    # held-out prompts come from held-out files only: none of them appears in a training prompt's file
+    prompts = [json.loads(line) for line in open(tmp_path / "data" / "prompts.jsonl")]
+    regen = [json.loads(line) for line in open(tmp_path / "data" / "regen.jsonl")]
+    assert r["regen"]["exit"] == 0 and len(regen) == len(prompts) == r["prompts"]["prompts"]
+    assert all(m["messages"][-1]["role"] == "assistant" for m in regen)
+    m = r["main"]
+    assert m["exit"] == 0 and m["steps"] == 2 and m["tau"] >= 1.0 and m["train_file"] == "regen.jsonl"
+    assert len(m["histogram"]) == 16 and sum(m["histogram"]) > 0
+    assert [x["step"] for x in r["curve"]] == [1, 2] and r["curve"][-1]["tau"] == pytest.approx(m["tau"])
+    a = r["ablations"]["original answers"]
+    assert a["exit"] == 0 and a["tau"] >= 1.0
+    assert "| ablation |" in (tmp_path / "quality.md").read_text()
+
+
+def test_split_is_by_file_content():
+    corpus = quality.collect_sources(200_000, 64 * 1024, 100, 0)
+    train = {hashlib.sha256(t.encode()).hexdigest() for t in corpus["train"]}
+    held = {hashlib.sha256(t.encode()).hexdigest() for t in corpus["heldout"]}
+    assert train and held and not train & held
+    assert all(int(h[:8], 16) % 1000 < 100 for h in held)

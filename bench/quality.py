@@ -94,7 +94,7 @@ class Preset:
     block_size: int = 16
     num_target_layers: int = 3
     gamma: float | None = None
-    drafter_steps: int = 2000
+    drafter_steps: int = 2500
     drafter_lr: float = 1.5e-3
     max_length: int = 768
     num_anchors: int = 192
@@ -104,11 +104,11 @@ class Preset:
     curve_points: int = 4  # checkpoints of the main run evaluated for the curve (plus the last one)
     # ablations: name -> overrides of the drafter config; they run with ablation_steps
     ablation_steps: int = 250
-    ablations: dict = field(default_factory=lambda: dict(ABLATIONS))
+    ablations: dict = field(default_factory=dict)
     parallel: int = 8  # trainer processes at once on the device
     ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
-    budget_s: float = 450.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
+    budget_s: float = 540.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
     eval_reserve_s: float = 70.0
     regen_end_s: float = 230.0  # regen gets SIGINT this many seconds after the start (0: none)
     seed: int = 0
@@ -126,7 +126,12 @@ ABLATIONS = {  # what the h200 preset runs; more can be named with --ablations
 MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_layers": 1}}
 
 PRESETS = {
+    # one H200, one call of < 10 min: the main run alone after target and regen
     "h200": Preset(),
+    # one H200, a second call: the same target and regen, then the ablations side by side at equal
+    # steps (the main run, with the base settings, is the "base" row)
+    "h200-ablations": Preset(drafter_steps=300, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
+                             curve_points=2, n_eval=32),
     "tiny": Preset(device="cpu", corpus_mb=0.4, max_file_kb=64, heldout_permille=100, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=4, target_lr=3e-3, target_warmup=2, window_chars=600,
@@ -715,7 +720,7 @@ class CheckpointEvaluator:
         started = time.time()
         with autocast_for(p.device, p.dtype):
             r = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                  p.eval_new_tokens)
+                                  p.eval_new_tokens, batch=len(self.conversations))  # rounds are launch-bound
         return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
                 "histogram": r["histogram"], "samples": r["samples"], "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
@@ -901,13 +906,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 6. drafter: the main run (checkpoints for the curve), then the ablations on a subset
     every = max(1, p.drafter_steps // max(p.curve_points, 1))
-    jobs = [job("main", trainer_config(p, model_dir, main_file, data, p.drafter_steps, {}, every), runs)]
+    base_is_main = "base" in p.ablations and p.ablation_steps == p.drafter_steps
     if p.ablations:
         sub_regen, sub_ids = subset(main_file, data / "ablation-regen.jsonl", None, p.ablation_convs)
         sub_orig, _ = subset(data / "original.jsonl", data / "ablation-original.jsonl", sub_ids, p.ablation_convs)
-        for name, over in p.ablations.items():
-            train = sub_orig if over.get("train") == "original" else sub_regen
-            jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, 0), runs))
+        if base_is_main:  # the main run is the base row: same data as the other rows
+            main_file = sub_regen
+    jobs = [job("main", trainer_config(p, model_dir, main_file, data, p.drafter_steps, {}, every), runs)]
+    for name, over in p.ablations.items():
+        if name == "base" and base_is_main:
+            continue
+        train = sub_orig if over.get("train") == "original" else sub_regen
+        jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, 0), runs))
     deadline = budget_end - p.eval_reserve_s if budget_end else None
     say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
         f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
@@ -966,6 +976,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{m['steps']} steps of {p.drafter_steps}, {main_file.name}); histogram {m['histogram']}; train acc "
         f"{_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}; {_f(m['tokens_per_s_steady'], 0)} tok/s")
     results["ablations"] = {}
+    if base_is_main:
+        results["ablations"]["base (the main run)"] = {**m, "overrides": {}}
     for j in jobs[1:]:
         a = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]], "exit": j.get("rc")}
         last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None

@@ -376,8 +376,8 @@ class HFEngine:
         self.sampling = sampling
         self.batch_size = max(1, batch_size)
         self.seed = seed
-        # how long a batch waits to fill after its first request: ~0.3 ms of prompt rendering per row
-        self.gather_s = gather_s if gather_s is not None else min(1.0, 0.02 + 0.0003 * self.batch_size)
+        # how long a batch waits to fill after its first request
+        self.gather_s = gather_s if gather_s is not None else min(1.0, 0.02 + 0.0001 * self.batch_size)
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
@@ -391,6 +391,7 @@ class HFEngine:
         if decode == "static" and not self.static:
             raise InputError("--decode static needs greedy sampling (--temperature 0) and a Llama/Qwen-layout model")
         self._queue: queue.Queue = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
 
@@ -402,29 +403,36 @@ class HFEngine:
         return ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.prompt_ids_batch([messages])[0]
+
+    def prompt_ids_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
+        """Chat-template renders, then one tokenizer call for the whole batch (it runs on all cores)."""
         extra = self.sampling.extra.get("chat_template_kwargs") or {}
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **extra)
+                 for m in conversations]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def complete(self, messages: list[dict]) -> Completion:
-        ids = self.prompt_ids(messages)
-        limit = self.max_model_len
-        if limit is not None and len(ids) + self.sampling.max_tokens > limit:
-            raise RegenError(f"prompt of {len(ids)} tokens + max_tokens {self.sampling.max_tokens} exceeds "
-                             f"the model's context length {limit}")
+        """Queue one conversation for the generation thread, which renders and decodes a batch at a
+        time (thousands of worker threads rendering prompts under one GIL starved the GPU)."""
+        if self._closed:
+            raise RegenError("the engine is closed")
         done: Future = Future()
-        self._queue.put((ids, done))
+        self._queue.put((messages, done))
         return done.result()
 
     def _serve(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._closed:
+                if item is not None:
+                    item[1].set_exception(RegenError("the engine is closed"))
+                self._fail_queued()
                 return
             batch = [item]
             deadline = time.monotonic() + self.gather_s
             while len(batch) < self.batch_size:
-                try:  # thousands of worker threads render prompts under one GIL: give them time to fill the batch
+                try:
                     more = self._queue.get(timeout=max(0.02, deadline - time.monotonic()))
                 except queue.Empty:
                     break
@@ -433,13 +441,39 @@ class HFEngine:
                     break
                 batch.append(more)
             try:
-                results = self.generate([ids for ids, _ in batch])
-            except Exception as e:  # noqa: BLE001 - every waiting request fails with it
+                ids = self.prompt_ids_batch([messages for messages, _ in batch])
+            except Exception as e:  # noqa: BLE001 - a template error fails the batch's requests
                 for _, done in batch:
+                    done.set_exception(RegenError(f"chat template failed: {type(e).__name__}: {e}"))
+                continue
+            limit, fits = self.max_model_len, []
+            for prompt, (_, done) in zip(ids, batch):
+                if limit is not None and len(prompt) + self.sampling.max_tokens > limit:
+                    done.set_exception(RegenError(
+                        f"prompt of {len(prompt)} tokens + max_tokens {self.sampling.max_tokens} exceeds "
+                        f"the model's context length {limit}"))
+                else:
+                    fits.append((prompt, done))
+            if not fits:
+                continue
+            try:
+                results = self.generate([prompt for prompt, _ in fits])
+            except Exception as e:  # noqa: BLE001 - every waiting request fails with it
+                for _, done in fits:
                     done.set_exception(RegenError(f"generate failed: {type(e).__name__}: {e}"))
                 continue
-            for (_, done), result in zip(batch, results):
+            for (_, done), result in zip(fits, results):
                 done.set_result(result)
+
+    def _fail_queued(self) -> None:
+        """Requests still queued at close fail, so the worker threads waiting on them end."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].set_exception(RegenError("the engine is closed"))
 
     def generate(self, prompts: list[list[int]]) -> list[Completion]:
         """Left-padded batch generation; each row's answer ends at its first stop token."""
@@ -469,8 +503,11 @@ class HFEngine:
                           prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None))
 
     def close(self) -> None:
+        """Finish the batch being decoded (at most 60 s), then fail whatever is still queued."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
+        self._fail_queued()
 
 
 # ---------------------------------------------------------------------------- the run

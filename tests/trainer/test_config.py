@@ -31,3 +31,15 @@ def test_bad_configs_name_the_problem(text, expected):
     with pytest.raises(ConfigError) as exc:
         parse_config(text)
     assert expected in str(exc.value)
+
+
+def test_every_bundled_preset_loads():
+    from pathlib import Path
+
+    from trainer.config import load_config
+
+    presets = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
+    assert len(presets) >= 4
+    for path in presets:
+        cfg = load_config(path)
+        assert cfg.optim.total_steps > 0, path

@@ -26,3 +26,39 @@ def test_static_decoder_matches_hf_generate_on_left_padded_rows(family, qwen3_mo
     stop = int(expected[1, 3])
     cut = static_greedy_generate(model, prompts, new, stop_ids={stop})
     assert cut[1, :4].tolist() == expected[1, :4].tolist()
+
+
+def test_close_fails_the_queued_requests_so_their_threads_end(qwen3_model_dir):
+    """Ctrl-C during regen: the engine closes; threads waiting on queued requests must not hang the exit."""
+    import threading
+    import time
+
+    from trainer.regen import HFEngine, RegenError, Sampling
+
+    engine = HFEngine(str(qwen3_model_dir), Sampling(max_tokens=2), batch_size=1, gather_s=0.0)
+    started = threading.Event()
+    real = engine.generate
+
+    def slow(prompts):
+        started.set()
+        time.sleep(0.5)
+        return real(prompts)
+
+    engine.generate = slow
+    outcomes = []
+
+    def ask():
+        try:
+            outcomes.append(engine.complete([{"role": "user", "content": "hello"}]).finish_reason)
+        except RegenError as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(30)
+    engine.close()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert "the engine is closed" in outcomes and len(outcomes) == 4

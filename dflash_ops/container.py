@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sys
-import tarfile
 import threading
-import tempfile
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import Any, Callable, Protocol
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import DflashOpsError, RemoteCommandError, TransferError
+from dflash_ops.errors import DflashOpsError, HelperFailed, RemoteCommandError, TransferError
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
+from dflash_ops.tarstream import build_tar, stream_size
 from dflash_ops.transport.base import LineCallback, Result, Stdin, Transport
 
 HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
@@ -48,7 +48,40 @@ class ConfigLocked(TransferError):
     """pct push/pull kept failing because another task held the container's config lock."""
 
 
+class ContainerAPI(Protocol):
+    """What a container offers the layers above it (deploy, runs, patching, playbooks, doctor, tui).
+
+    `Container` is the real one (pct over a Transport); tests pass doubles that run the helpers
+    locally (tests/unit/runs_double.py).
+    """
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def base_dir(self) -> str: ...
+
+    def exec(self, argv: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+             on_stderr_line: LineCallback | None = None, timeout: float | None = None,
+             check: bool = False) -> Result: ...
+
+    def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+               on_stderr_line: LineCallback | None = None, timeout: float | None = None,
+               check: bool = False, python: str | None = None) -> Result: ...
+
+    def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
+                    python: str | None = None, answers: tuple[int, ...] = ()) -> Any: ...
+
+    def helper_path(self, name: str, content: bytes | None = None) -> str: ...
+
+    def push(self, local: Path, remote: str) -> None: ...
+
+    def pull(self, remote: str, local: Path) -> None: ...
+
+
 class Container:
+    """A pct container on a node, over any Transport; implements ContainerAPI."""
+
     def __init__(self, target: Target, transport: Transport):
         self._target = target
         self.transport = transport
@@ -168,27 +201,17 @@ class Container:
                            f"each): {_why(result, None, None)}")
 
     def push_tree(self, local_dir: Path, remote_dir: str, files: list[str] | None = None) -> int:
-        """Send a tree (or the listed relative files) as one tar stream; returns bytes sent."""
+        """Send a tree (or the listed relative files, by content) as one tar stream into
+        `remote_dir` (created if missing); returns the bytes sent."""
+        _require_absolute(remote_dir)
         local_dir = Path(local_dir)
         if files is None:
-            files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file() or p.is_symlink())
-        with tempfile.SpooledTemporaryFile(max_size=16 << 20) as spool:
-            with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for rel in files:
-                    tar.add(local_dir / rel, arcname=rel, recursive=False)
-            spool.seek(0)
-            return self.push_tar(spool, remote_dir)
-
-    def push_tar(self, tar_stream: BinaryIO, remote_dir: str) -> int:
-        """Unpack a prepared tar stream into `remote_dir` (created if missing); returns bytes sent."""
-        _require_absolute(remote_dir)
-        counted = _CountingReader(tar_stream)
-        self.exec(
-            render.script(["mkdir", "-p", "--", remote_dir], ["tar", "-x", "-f", "-", "-C", remote_dir]),
-            stdin=counted,
-            check=True,
-        )
-        return counted.count
+            files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file())
+        with build_tar([(rel, local_dir / rel) for rel in files]) as tar:
+            size = stream_size(tar)
+            self.exec(render.script(["mkdir", "-p", "--", remote_dir], ["tar", "-x", "-f", "-", "-C", remote_dir]),
+                      stdin=tar, check=True)
+        return size
 
     def helper(
         self,
@@ -214,7 +237,7 @@ class Container:
         content = source.read_bytes()
         remote = self.helper_path(name, content)
         argv = [python or self._target.python, remote, *args]
-        kwargs = dict(on_line=on_line, timeout=timeout, check=check)
+        kwargs: dict[str, Any] = dict(on_line=on_line, timeout=timeout, check=check)
         if remote in self._installed_helpers:
             return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
         if stdin is None:
@@ -230,6 +253,15 @@ class Container:
         self._install_helper(content, remote)
         self._installed_helpers.add(remote)
         return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
+
+    def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
+                    python: str | None = None, answers: tuple[int, ...] = ()) -> Any:
+        """Run helper `name` and read its answer: the JSON document on its last stdout line.
+
+        Exit statuses in `answers` are answers too (their document is returned); any other
+        non-zero status, or no JSON at all, raises HelperFailed carrying the helper's error document.
+        """
+        return helper_answer(name, args, self.helper(name, args, stdin=stdin, timeout=timeout, python=python), answers)
 
     def helper_path(self, name: str, content: bytes | None = None) -> str:
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
@@ -259,15 +291,29 @@ _WITHOUT_PCT = {
 }
 
 
-class _CountingReader:
-    def __init__(self, stream: BinaryIO):
-        self.stream = stream
-        self.count = 0
+def helper_answer(name: str, args: list[str], result: Result, answers: tuple[int, ...] = ()) -> Any:
+    """A helper call's JSON answer (see Container.helper_json), or HelperFailed."""
+    document = last_json_line(result.stdout)
+    if document is not None and (result.ok or result.exit_code in answers):
+        return document
+    raise helper_failure(name, args, result)
 
-    def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size)
-        self.count += len(data)
-        return data
+
+def helper_failure(name: str, args: list[str], result: Result) -> HelperFailed:
+    """The HelperFailed for a helper call that failed, carrying the error document it printed."""
+    document = last_json_line(result.stdout)
+    return HelperFailed(name, args, result.exit_code, result.stderr, result.stdout,
+                        document if isinstance(document, dict) else None)
+
+
+def last_json_line(stdout: str) -> Any:
+    """The JSON document on the last line of `stdout` that holds one (None when none does)."""
+    for line in reversed(stdout.splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def _without_marker(callback: LineCallback | None) -> LineCallback | None:

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_ops import render
-from dflash_ops.errors import DflashOpsError
+from dflash_ops.errors import DflashOpsError, HelperFailed
+from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
+from dflash_ops.tarstream import build_tar
 from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
 
 DEFAULT_KEEP = 5
@@ -84,7 +86,9 @@ def fetch_release_files(container, meta: dict, rels: list[str], dest: Path) -> l
         for member in tar:
             if member.name not in present or not member.isfile():
                 raise PatchError(f"unexpected entry {member.name!r} in the release tar")
-            data = tar.extractfile(member).read()
+            extracted = tar.extractfile(member)
+            assert extracted is not None  # a regular file (checked above)
+            data = extracted.read()
             if hashlib.sha256(data).hexdigest() != meta["files"][member.name]:
                 raise PatchError(f"{member.name} of release {meta['hash']} does not match its manifest")
             local = dest / member.name
@@ -126,17 +130,17 @@ def import_check_in_container(container, meta: dict, patched_root: Path, report:
     changed = [rel for rel, text in report.new_contents.items() if text is not None]
     deleted = [posixpath.join(scratch, rel) for rel, text in report.new_contents.items() if text is None]
     try:
-        tar = _tar_of(patched_root, changed)
         steps = [["mkdir", "-p", "--", posixpath.dirname(scratch)], ["cp", "-a", "--", release_root + "/.", scratch],
                  ["tar", "-x", "-f", "-", "-C", scratch]]
         if deleted:
             steps.append(["rm", "-f", "--", *deleted])
-        container.exec(render.script(*steps), stdin=tar, check=True)
-        result = container.helper("import-check", [*(["--static"] if static else []), scratch, *modules], python=release_python(container, meta))
+        with build_tar([(rel, patched_root / rel) for rel in changed]) as tar:
+            container.exec(render.script(*steps), stdin=tar, check=True)
         try:
-            doc = json.loads(result.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise PatchError(f"import check failed to run (exit {result.exit_code}): {result.stderr.strip()[-300:]}") from None
+            doc = container.helper_json("import-check", [*(["--static"] if static else []), scratch, *modules],
+                                        python=release_python(container, meta), answers=(EXIT_IMPORT_FAILED,))
+        except HelperFailed as e:
+            raise PatchError(f"import check failed to run (exit {e.exit_code}): {e.stderr.strip()[-300:]}") from None
         return [dict(r, file=_relative(r.get("file"), scratch)) for r in doc["results"]]
     finally:
         container.exec(["rm", "-rf", "--", scratch])
@@ -146,14 +150,6 @@ def _relative(path: str | None, root: str) -> str | None:
     if path and path.startswith(root + "/"):
         return path[len(root) + 1:]
     return path
-
-
-def _tar_of(root: Path, rels: list[str]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel in rels:
-            tar.add(root / rel, arcname=rel, recursive=False)
-    return buffer.getvalue()
 
 
 def patched_release(meta: dict, patched_root: Path, report: PatchReport) -> tuple[LocalRelease, list[str]]:
@@ -193,7 +189,6 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
     restart_run: stop that run with a final checkpoint before `current` swaps, then resume
     it on the new release.
     """
-    from dflash_ops.deploy.push import _helper_json
     from dflash_ops.patching.diff import DiffError, parse_unified_diff
 
     meta = current_release(container)
@@ -232,7 +227,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
         try:
             with release_tar(release, to_send, (), meta["files"]) as tar:
-                _helper_json(container, "release-store", ["apply", container.base_dir, release.hash,
+                container.helper_json("release-store", ["apply", container.base_dir, release.hash,
                                                     "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
         except BaseException:
             if restart_run is not None:  # `current` did not change: the run goes on where it was
@@ -252,11 +247,9 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
 
 def rollback(container, keep: int = DEFAULT_KEEP) -> tuple[str, str]:
     """Point `current` back at the current release's parent, atomically; returns (from, to)."""
-    from dflash_ops.deploy.push import _helper_json
-
     meta = current_release(container)
     parent = meta.get("parent")
     if not parent:
         raise PatchError(f"release {meta['hash']} on {container.target.name} has no parent to roll back to")
-    _helper_json(container, "release-store", ["switch", container.base_dir, parent, "--keep", str(keep)])
+    container.helper_json("release-store", ["switch", container.base_dir, parent, "--keep", str(keep)])
     return meta["hash"], parent

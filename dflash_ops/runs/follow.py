@@ -158,7 +158,7 @@ def follow_file(
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             result = call(container, args, on_line=stream.feed, timeout=remaining,
-                          also_ok=(EXIT_TIME_UP, EXIT_TRUNCATED))
+                          answers=(EXIT_TIME_UP, EXIT_TRUNCATED))
         except RETRYABLE as error:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:
@@ -188,11 +188,11 @@ def follow_file(
                 raise FileTruncated(f"{name} of run {run_id} was truncated or replaced at byte {reached} "
                                     f"(now {size} bytes): bytes written before that and not yet read are lost")
             on_truncated(reached, size)
-            position, drops_without_progress = 0, 0
+            position = 0
             continue
         if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
             position = stream.offset
             continue
         if stream.partial:
             on_line(stream.partial)
-        return stream.offset
+        return stream.offset if stream.offset is not None else (position if position is not None else offset)

@@ -207,7 +207,7 @@ def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, 
     seen: set[str] = set()
     train, heldout, total = [], [], 0
     with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) * 2)) as pool:
-        for path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
+        for _path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
             if total >= max_bytes:
                 break
             if data is None:
@@ -330,6 +330,8 @@ class RowStream:
                 pending = []
 
     def _emit(self, texts: list[str]) -> None:
+        import queue
+
         self.rng.shuffle(texts)
         self.windows += len(texts)
         rows = token_rows(self.tok, texts, self.p.seq_len)
@@ -338,7 +340,7 @@ class RowStream:
             try:
                 self.queue.put(rows, timeout=0.5)
                 return
-            except Exception:  # queue.Full
+            except queue.Full:
                 continue
 
     def take(self, n: int) -> torch.Tensor:

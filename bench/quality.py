@@ -132,7 +132,7 @@ PRESETS = {
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
                              curve_points=2, n_eval=32),
-    "tiny": Preset(device="cpu", corpus_mb=0.4, max_file_kb=64, heldout_permille=100, tokenizer_vocab=400,
+    "tiny": Preset(device="cpu", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=4, target_lr=3e-3, target_warmup=2, window_chars=600,
                    heldout_rows=4, prefix_chars=(60, 200), n_prompts=24, answer_tokens=16, regen_batch=12,

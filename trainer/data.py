@@ -130,54 +130,15 @@ def select_target_warmup_shapes(
     return shapes[:max_shapes]
 
 
-PARALLEL_MIN = 1024  # conversations from which tokenization is spread over worker processes
-_FORKED: tuple = ()  # (tokenizer, conversations, max_length, template_kwargs) inherited by forked workers
-
-
-def _tokenize(tokenizer, conversations, max_length: int, template_kwargs) -> list[tuple[list[int], list[int]]]:
+def build_dataset(tokenizer, conversations: list[dict], max_length: int, bucket_edges: list[int],
+                  token_budget: int, seed: int, pad_multiple: int = 16,
+                  template_kwargs: dict | None = None) -> PreloadedDataset:
     samples = []
     for c in conversations:
         try:
             samples.append(tokenize_conversation(tokenizer, c["messages"], max_length, template_kwargs))
         except DataError as exc:
             raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
-    return samples
-
-
-def _tokenize_range(bounds: tuple[int, int]) -> list[tuple[list[int], list[int]]]:
-    tokenizer, conversations, max_length, template_kwargs = _FORKED
-    return _tokenize(tokenizer, conversations[bounds[0]:bounds[1]], max_length, template_kwargs)
-
-
-def tokenize_all(tokenizer, conversations: list[dict], max_length: int, template_kwargs: dict | None = None,
-                 workers: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """tokenize_conversation over every conversation, in order. From PARALLEL_MIN conversations on,
-    forked worker processes share the work (the chat template renders and the loss-mask offsets
-    are Python: 48,000 code conversations took minutes in one process)."""
-    global _FORKED
-    import multiprocessing as mp
-    import os
-
-    n = len(conversations)
-    if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = min(workers, 32, n // 256)
-    if n < PARALLEL_MIN or workers < 2 or "fork" not in mp.get_all_start_methods():
-        return _tokenize(tokenizer, conversations, max_length, template_kwargs)
-    size = -(-n // (workers * 4))
-    _FORKED = (tokenizer, conversations, max_length, template_kwargs)
-    try:
-        with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_tokenize_range, [(i, min(n, i + size)) for i in range(0, n, size)])
-    finally:
-        _FORKED = ()
-    return [sample for part in parts for sample in part]
-
-
-def build_dataset(tokenizer, conversations: list[dict], max_length: int, bucket_edges: list[int],
-                  token_budget: int, seed: int, pad_multiple: int = 16,
-                  template_kwargs: dict | None = None) -> PreloadedDataset:
-    samples = tokenize_all(tokenizer, conversations, max_length, template_kwargs)
     return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops.cli.common import InventoryOption, clean_errors, load
-from dflash_ops.tui.source import DashSource, LocalDirSource
+from dflash_ops.tui.source import DashSource
 
 
 def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
@@ -56,6 +56,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Follow live runs on many targets: runs table, plots, GPUs, log; c checkpoint, s stop."""
         from dflash_ops.tui.app import run_dash
+        from dflash_ops.tui.remote import LocalDirSource
 
         if demo:
             _run_demo()
@@ -70,6 +71,7 @@ def register(app: typer.Typer) -> None:
 def _run_demo() -> None:
     from dflash_ops.tui.app import run_dash
     from dflash_ops.tui.demo import SimulatedRun
+    from dflash_ops.tui.remote import LocalDirSource
 
     base = Path(tempfile.mkdtemp(prefix="dflash-dash-demo-"))
     stop = threading.Event()

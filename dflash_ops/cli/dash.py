@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, load
+from dflash_ops.cli.common import InventoryOption, load
 from dflash_ops.tui.source import DashSource
 
 
@@ -27,9 +27,8 @@ def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
 
     loaded = load(inventory)
     names = targets or sorted(loaded.targets)
-    with clean_errors():
-        for name in names:
-            loaded.target(name)
+    for name in names:
+        loaded.target(name)
     return RemoteSource({name: partial(open_container, loaded, name) for name in names})
 
 

@@ -1,5 +1,6 @@
 """KV-cached speculative decoding gives exactly what the uncached reference gives: the same
-tokens (which are the target's own greedy tokens) and the same acceptance length every round."""
+tokens (which are the target's own greedy tokens) and the same acceptance length every round;
+decoding prompts as one batch gives what decoding each alone gives."""
 import copy
 
 import pytest
@@ -79,3 +80,37 @@ def test_cached_with_the_random_drafter_and_a_stop_token(tiny):
         ref = speculative_generate(target, drafter, head, prompt, max_new_tokens=12, stop_ids=stop)
         assert got.tokens == ref.tokens and got.acceptance_lengths == ref.acceptance_lengths
     assert cached[0].tokens[-1] in stop and len(cached[0].tokens) <= 7
+
+
+@pytest.fixture(scope="module")
+def guessing(tiny):
+    """The real tiny target and a head drafting its single-token successor chain: right now and
+    then, so rows accept different numbers of drafts (masked holes in the batch's cache) while
+    the target's attention over the cache matters (unlike the bigram target's)."""
+    target, head, drafter, _ = tiny
+    vocab = head.embed_weight.shape[0]
+    with torch.no_grad():
+        nxt = target(input_ids=torch.arange(vocab)[:, None]).logits[:, -1].argmax(-1).tolist()
+    return target, OracleHead(head, dict(enumerate(nxt)), wrong_every=vocab * 64), drafter
+
+
+def test_batched_equals_each_prompt_alone_with_holes_and_compaction(guessing):
+    target, head, drafter = guessing
+    info = {}
+    # capacity 43 = 11 + 24 + 8, the least allowed: holes do not fit, so the cache gets packed
+    batched = speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), capacity=43, info=info)
+    assert info["implementation"] == "static" and info["compactions"] >= 1
+    dynamic = speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), implementation="dynamic")
+    for prompt, got, other in zip(PROMPTS, batched, dynamic):
+        alone, = speculative_generate_cached(target, drafter, head, [prompt], 24, set())
+        assert got.tokens == alone.tokens == other.tokens
+        assert got.acceptance_lengths == alone.acceptance_lengths == other.acceptance_lengths
+        assert got.accepted == alone.accepted == other.accepted
+    per_round = [a for g in batched for a in g.accepted]
+    assert len(set(per_round)) >= 3  # rows and rounds accept different numbers of drafts
+
+
+def test_static_capacity_below_one_decode_is_refused(tiny):
+    target, head, drafter, _ = tiny
+    with pytest.raises(ValueError, match="capacity 40 < longest prompt"):
+        speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), capacity=40)

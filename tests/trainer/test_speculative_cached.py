@@ -114,3 +114,24 @@ def test_static_capacity_below_one_decode_is_refused(tiny):
     target, head, drafter, _ = tiny
     with pytest.raises(ValueError, match="capacity 40 < longest prompt"):
         speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), capacity=40)
+
+
+def test_static_equals_dynamic_on_a_llama_target(llama3_model_dir):
+    """The static decoder runs the target from its modules: also right without Qwen3's q/k norms."""
+    from trainer.drafter import DFlashDrafter, DrafterConfig
+    from trainer.target import default_target_layer_ids, freeze, load_target
+
+    target = freeze(load_target(str(llama3_model_dir), "cpu", torch.float32))
+    n = target.config.num_hidden_layers
+    cfg = DrafterConfig.from_target(target.config, num_layers=1, block_size=4,
+                                    mask_token_id=target.config.vocab_size - 1,
+                                    target_layer_ids=default_target_layer_ids(n, 2))
+    torch.manual_seed(0)
+    drafter, head = DFlashDrafter(cfg).eval(), FrozenHead.from_target(target, "cpu")
+    info = {}
+    static = speculative_generate_cached(target, drafter, head, PROMPTS[:3], 10, set(), info=info)
+    dynamic = speculative_generate_cached(target, drafter, head, PROMPTS[:3], 10, set(), implementation="dynamic")
+    assert info["implementation"] == "static" and target.config.model_type == "llama"
+    for prompt, got, other in zip(PROMPTS[:3], static, dynamic):
+        assert got.tokens == other.tokens == greedy_generate(target, prompt, 10, set())
+        assert got.acceptance_lengths == other.acceptance_lengths

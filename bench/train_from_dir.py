@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
             out[key] = status[key]
     wanted = ("target ", "packing ", "warm-up", "eval step", "checkpoint ", "done", "FAILED", "drafter ")
     out["log"] = [re.sub(r"^\S+ ", "", line) for line in log.splitlines() if any(w in line for w in wanted)]
-    mems = [m for m in metrics if "mem_gb" in m]
-    if mems:
-        out["peak_mem_gb"] = max(m["mem_gb"] for m in mems if m["mem_gb"] is not None)
+    mems = [g["mem_gb"] for m in metrics for g in m.get("gpus") or [] if g.get("mem_gb") is not None]
+    if mems:  # the threaded pipeline's per-window device entries (CUDA only)
+        out["peak_mem_gib"] = round(max(mems), 1)
     steps = [m for m in metrics if "tokens_per_s" in m]
     out["tokens_per_s_by_window"] = [round(m["tokens_per_s"]) for m in steps]
     if args.keep:

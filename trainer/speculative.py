@@ -168,9 +168,11 @@ class _StaticRounds:
         self.anchor_pos = torch.zeros(batch, dtype=torch.long, device=dev)
 
     # ---------------------------------------------------------------- the two models on the buffers
-    def _target(self, ids, positions, slots, visible, last_only: bool):
+    def _target(self, ids, positions, slots, visible, last_only: bool, expand_kv: bool = False):
         """Target decoder on ids [B, T] at positions [B, T]; K/V written at cache slots [T]; visible
-        [B, T, capacity]: the slots each query attends to. Returns (logits, features [B, T, n*H])."""
+        [B, T, capacity]: the slots each query attends to. Returns (logits, features [B, T, n*H]).
+        expand_kv: repeat K/V heads for the query heads, as transformers does with a mask on CUDA,
+        so SDPA takes a fused kernel instead of materialising [B, heads, T, capacity] scores."""
         m = self.model
         b, t = ids.shape
         x = m.embed_tokens(ids)
@@ -190,8 +192,12 @@ class _StaticRounds:
             v = a.v_proj(h).view(shape).transpose(1, 2)
             self.tk[i].index_copy_(2, slots, k)
             self.tv[i].index_copy_(2, slots, v)
-            out = F.scaled_dot_product_attention(q, self.tk[i], self.tv[i], attn_mask=mask, scale=a.scaling,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+            keys, values = self.tk[i], self.tv[i]
+            groups = q.shape[1] // keys.shape[1]
+            if expand_kv and groups > 1:
+                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
             x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.layer_ids and i != last:
@@ -248,7 +254,8 @@ class _StaticRounds:
         visible = torch.zeros(n, longest, self.capacity, dtype=torch.bool, device=dev)
         visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
             torch.eye(longest, dtype=torch.bool, device=dev)
-        logits, features = self._target(ids, positions, index, visible, last_only=True)
+        logits, features = self._target(ids, positions, index, visible, last_only=True,
+                                        expand_kv=dev.type == "cuda")  # long prompts: no score matrix
         self._context(features, positions, index)
         self.valid[:, :longest] = key_valid
         first = logits[:, -1].argmax(dim=-1)

@@ -56,11 +56,14 @@ def _check_name(name: str) -> str:
 
 
 def start_service(container, name: str, argv: list[str], *, cwd: str | None = None,
-                  env: dict[str, str] | None = None) -> dict:
-    """Start `argv` detached; returns the helper's record (pid, pid_start, log)."""
+                  env: dict[str, str] | None = None, port: int | None = None) -> dict:
+    """Start `argv` detached; returns the helper's record (pid, pid_start, log). With `port`,
+    refuses when something already listens there (its answers would pass for the service's)."""
     args = ["start"]  # options before the positionals: everything after NAME is the argv
     if cwd is not None:
         args += ["--cwd", cwd]
+    if port is not None:
+        args += ["--port", str(int(port))]
     for key, value in (env or {}).items():
         args += ["--env", f"{key}={value}"]
     args += [container.base_dir, _check_name(name)]

@@ -1,12 +1,13 @@
 """Long-running services inside a container, e.g. the target's serving engine (stdlib only).
 
-  service.py start [--cwd DIR] [--env K=V ...] BASE NAME -- ARGV...
+  service.py start [--cwd DIR] [--env K=V ...] [--port P] BASE NAME -- ARGV...
       Start ARGV detached in its own session (stdin /dev/null, stdout+stderr to
       BASE/services/NAME/service.log) and record pid + start time in service.json.
-      Refuses (exit 3) while a service of that name still runs.
+      Refuses (exit 3) while a service of that name still runs, or when something already
+      listens on 127.0.0.1:P (a wait would take its answers for the new service's).
   service.py wait BASE NAME --url URL [--timeout S] [--poll S]
-      Until GET URL answers 200 (exit 0); exit 4 when the service died (with its log tail),
-      exit 6 when S seconds passed.
+      Until GET URL answers 200 while the service runs (exit 0); exit 4 when the service died
+      (with its log tail), exit 6 when S seconds passed. No proxy is used.
   service.py stop BASE NAME [--grace S]
       SIGTERM to every process of the session the service started (only processes whose
       session id is the recorded pid and that started after it), SIGKILL to what is left
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,6 +132,9 @@ def cmd_start(args):
                      EXIT_REFUSED, pid=old["pid"])
     if not args.argv:
         raise Failed("no command to start")
+    if args.port is not None and listening(args.port):
+        raise Failed("something already listens on 127.0.0.1:%d (another server?); stop it or choose another port"
+                     % args.port, EXIT_REFUSED)
     env = {"PATH": CHILD_PATH}
     for name in ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_HOME", "HF_TOKEN", "CUDA_VISIBLE_DEVICES"):
         if name in os.environ:
@@ -156,6 +161,14 @@ def cmd_start(args):
     print_json(record)
 
 
+def listening(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def running_record(base, name):
     record = read_json(os.path.join(service_dir(base, name), "service.json"))
     if not record or not isinstance(record.get("pid"), int) or not isinstance(record.get("pid_start"), int):
@@ -167,10 +180,11 @@ def cmd_wait(args):
     record = running_record(args.base, args.name)
     deadline = time.monotonic() + args.timeout
     last = "no answer yet"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never http_proxy for 127.0.0.1
     while True:
         try:
-            with urllib.request.urlopen(args.url, timeout=5) as response:
-                if response.status == 200:
+            with opener.open(args.url, timeout=5) as response:
+                if response.status == 200 and alive(record["pid"], record["pid_start"]):
                     print_json({"ready": True, "url": args.url, "pid": record["pid"]})
                     return 0
                 last = "HTTP %d" % response.status
@@ -219,6 +233,7 @@ def main(argv):
     s.add_argument("name")
     s.add_argument("--cwd", default=None)
     s.add_argument("--env", action="append", default=[])
+    s.add_argument("--port", type=int, default=None)
     s.add_argument("argv", nargs=argparse.REMAINDER)
     w = sub.add_parser("wait")
     w.add_argument("base")

@@ -65,7 +65,7 @@ def _serve(ctx: StepContext, params: dict) -> dict:
     port = int(params["port"])
     argv = [str(a) for a in params["argv"]]
     env = {str(k): str(v) for k, v in (params.get("env") or {}).items()}
-    record = start_service(ctx.container, name, argv, cwd=params.get("cwd"), env=env)
+    record = start_service(ctx.container, name, argv, cwd=params.get("cwd"), env=env, port=port)
     if not params.get("keep_running", False):
         ctx.cleanups.append((f"stop service {name}", lambda: _stop(ctx, name)))
     ctx.say(f"service {name} started (pid {record.get('pid')}); log: {service_log(ctx.container, name)}")

@@ -15,6 +15,7 @@ import pytest
 
 from dflash_ops.playbook.play import PlaybookError, load_playbook, run_playbook
 from dflash_ops.services import ServiceError, start_service, stop_service, wait_service
+from tests.conftest import write_sim_inventory
 from tests.integration.deploy_support import sim_container, sshd_container
 
 
@@ -190,3 +191,47 @@ steps:
     assert result.ok, result.error
     assert (data / "made" / "x.txt").read_text() == "x"
     assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["x.txt", "y.txt"]
+
+
+def test_serve_refuses_a_port_another_server_already_answers(tmp_path):
+    """Else the wait would take the other server's answers for the engine's."""
+    container = sim_container(tmp_path)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+""")
+        result = run_playbook(load_playbook(book), container, say=lambda line: None)
+    assert "step 1 (serve) failed: something already listens on 127.0.0.1:" in result.error
+    assert not (Path(container.base_dir) / "services" / "web" / "service.json").exists()
+
+
+def test_ctrl_c_during_a_playbook_stops_the_engine(tmp_path):
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    port = free_port()
+    book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+  - sleep: 300
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "play", str(book), "host200", "--inventory",
+                             str(inventory)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "[2/2] sleep" in line:
+                break
+        record = json.loads((base / "services" / "web" / "service.json").read_text())
+        assert alive(record["pid"])
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "[cleanup] stop service web" in rest
+    record = json.loads((base / "services" / "web" / "service.json").read_text())
+    assert record["state"] == "stopped" and not alive(record["pid"])

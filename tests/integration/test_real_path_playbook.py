@@ -38,7 +38,7 @@ def test_real_path_playbook_end_to_end(tmp_path):
     assert "real-path: 12/12 steps OK" in result.stdout
     regen = [json.loads(line) for line in (base / "data" / "real-path" / "regen.jsonl").read_text().splitlines()]
     assert len(regen) == 6 and all(r["messages"][-1]["role"] == "assistant" for r in regen)
-    (run_dir,) = (base / "runs").iterdir()
+    (run_dir,) = [p for p in (base / "runs").iterdir() if p.is_dir()]
     config = (run_dir / "config.yaml").read_text()
     assert f"path: {base}/data/real-path/models/tiny-qwen3" in config, "trained from the pushed model dir"
     assert f"train_path: {base}/data/real-path/regen.jsonl" in config

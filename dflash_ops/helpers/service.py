@@ -153,7 +153,7 @@ def cmd_start(args):
             proc = subprocess.Popen(args.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     cwd=args.cwd, env=env, start_new_session=True, close_fds=True)
         except OSError as e:
-            raise Failed("cannot start %s: %s" % (args.argv[0], e.strerror or e))
+            raise Failed("cannot start %s: %s" % (args.argv[0], e.strerror or e)) from None
     stat = proc_stat(proc.pid)
     record = {"name": args.name, "pid": proc.pid, "pid_start": stat[2] if stat else None, "argv": args.argv,
               "cwd": args.cwd, "log": log, "started": time.time(), "state": "running"}

@@ -49,6 +49,7 @@ def _local(ctx: StepContext, params: dict) -> dict:
                                 stderr=subprocess.STDOUT)
     except OSError as e:
         raise StepFailed(f"cannot run {argv[0]}: {e.strerror or e}") from None
+    assert proc.stdout is not None  # stdout=PIPE
     lines = []
     for raw in proc.stdout:
         line = raw.decode(errors="replace").rstrip("\n")

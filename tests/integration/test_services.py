@@ -4,7 +4,6 @@ and the serve / stop-serve steps (stopped also when a later step fails)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

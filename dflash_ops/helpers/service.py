@@ -128,7 +128,8 @@ def cmd_start(args):
     record_path = os.path.join(directory, "service.json")
     old = read_json(record_path)
     if old and old.get("state") == "running" and members(old):
-        raise Failed("service %s is already running (pid %d); stop it first" % (args.name, old["pid"]),
+        raise Failed("service %s is already running (pid %d); stop it first (playbook step `stop-serve: %s`)"
+                     % (args.name, old["pid"], args.name),
                      EXIT_REFUSED, pid=old["pid"])
     if not args.argv:
         raise Failed("no command to start")

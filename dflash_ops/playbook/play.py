@@ -274,10 +274,11 @@ def substitute(value: Any, variables: dict[str, Any]) -> Any:
     return value
 
 
-def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = print) -> PlayResult:
+def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = print,
+                 contexts: list[StepContext] | None = None) -> PlayResult:
     """Run every step on one target, in order; stops at the first failing step. What the steps
     registered as cleanups (a serving engine to stop) runs at the end, also after a failure or
-    Ctrl-C."""
+    Ctrl-C. `contexts` collects each target's StepContext for clean_up_interrupted()."""
     started = time.monotonic()
     base = container.base_dir
     variables: dict[str, Any] = {"target": container.target.name, "base_dir": base, "current": f"{base}/current",
@@ -287,6 +288,8 @@ def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = 
     ctx = StepContext(container=container, target=container.target.name, variables=variables,
                       playbook_dir=playbook.path.resolve().parent, say=say)
     result = PlayResult(target=ctx.target, variables=variables, results=ctx.results)
+    if contexts is not None:
+        contexts.append(ctx)
     try:
         for step in playbook.steps:
             say(f"[{step.index}/{len(playbook.steps)}] {step.name}")
@@ -307,10 +310,20 @@ def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = 
     return result
 
 
+def clean_up_interrupted(contexts: list[StepContext], path: Path) -> None:
+    """After Ctrl-C: the cleanups still pending on every target. Only the target playing in the
+    interrupted (main) thread unwinds by itself; the others' threads never get to theirs."""
+    for ctx in contexts:
+        _clean_up(ctx, PlayResult(target=ctx.target), path)
+
+
 def _clean_up(ctx: StepContext, result: PlayResult, path: Path) -> None:
     """Run the steps' cleanups, newest first; a failing one is reported and the others still run."""
-    while ctx.cleanups:
-        label, cleanup = ctx.cleanups.pop()
+    while True:
+        try:
+            label, cleanup = ctx.cleanups.pop()  # atomic: a target's own thread may be popping too
+        except IndexError:
+            return
         ctx.say(f"[cleanup] {label}")
         try:
             cleanup()

@@ -8,6 +8,7 @@ that `dflash_ops/playbook/__init__.py` imports (steps.py, run_steps.py, transfer
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +34,7 @@ class StepContext:
 
     def local_path(self, path: str) -> Path:
         """A local path of a step: relative ones are relative to the playbook's directory."""
-        return Path(path) if Path(path).is_absolute() else self.playbook_dir / path
+        return Path(os.path.normpath(path if Path(path).is_absolute() else self.playbook_dir / path))
 
 
 StepRun = Callable[[StepContext, dict], "dict | None"]

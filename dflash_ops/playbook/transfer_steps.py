@@ -19,12 +19,15 @@ import subprocess
 import sys
 
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
+from dflash_ops.progress import ByteBar
 from dflash_ops.services import service_log, start_service, stop_service, wait_service
 from dflash_ops.transfer import fetch_path, push_path
 
 def _push(ctx: StepContext, params: dict) -> dict:
     src = ctx.local_path(str(params["src"]))
-    summary = push_path(ctx.container, src, str(params["dest"]), force=bool(params.get("force", False)))
+    with ByteBar(f"push {src.name}") as bar:
+        summary = push_path(ctx.container, src, str(params["dest"]), force=bool(params.get("force", False)),
+                            on_progress=bar.update)
     ctx.results.append(summary.to_json())
     ctx.say(summary.line())
     return {"pushed": summary.dest}
@@ -32,7 +35,9 @@ def _push(ctx: StepContext, params: dict) -> dict:
 
 def _fetch(ctx: StepContext, params: dict) -> dict:
     dest = ctx.local_path(str(params["dest"]))
-    summary = fetch_path(ctx.container, str(params["src"]), dest, force=bool(params.get("force", False)))
+    with ByteBar(f"fetch {dest.name}") as bar:
+        summary = fetch_path(ctx.container, str(params["src"]), dest, force=bool(params.get("force", False)),
+                             on_progress=bar.update)
     ctx.results.append(summary.to_json())
     ctx.say(summary.line())
     return {"fetched": summary.dest}

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,38 @@ steps:
     assert "[cleanup] stop service web" in rest
     record = json.loads((base / "services" / "web" / "service.json").read_text())
     assert record["state"] == "stopped" and not alive(record["pid"])
+
+
+@pytest.fixture
+def hold_step():
+    """A step type `hold` that registers a cleanup, then: on host201 (played in the main thread)
+    raises KeyboardInterrupt once host200 (played in a worker thread) holds; on host200 waits."""
+    from dflash_ops.playbook.registry import STEP_TYPES, StepType, register_step
+
+    held, cleaned = threading.Event(), []
+
+    def hold(ctx, params):
+        ctx.cleanups.append((f"release {ctx.target}", lambda: cleaned.append(ctx.target)))
+        if ctx.target == "host201":
+            assert held.wait(60)
+            raise KeyboardInterrupt
+        held.set()
+        threading.Event().wait(60)
+
+    register_step(StepType("hold", hold, help="test only"))
+    yield cleaned
+    del STEP_TYPES["hold"]
+
+
+def test_ctrl_c_runs_the_cleanups_of_every_target(tmp_path, hold_step):
+    """With several targets only the main thread's target unwinds by itself; play runs the rest."""
+    from typer.testing import CliRunner
+
+    from dflash_ops.cli import app
+
+    inventory = write_sim_inventory(tmp_path / "simnode", ctids=(200, 201))
+    book = write_playbook(tmp_path / "hold.yaml", "steps:\n  - hold: {}\n")
+    result = CliRunner().invoke(app, ["play", str(book), "host200", "host201", "--inventory", str(inventory)])
+    assert result.exit_code != 0
+    assert sorted(hold_step) == ["host200", "host201"]
+    assert "host200: [cleanup] release host200" in result.output

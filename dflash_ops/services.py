@@ -11,11 +11,11 @@ start). The log is BASE/services/NAME/service.log.
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 
-from dflash_ops.errors import DflashOpsError
+from dflash_ops.container import ContainerAPI
+from dflash_ops.errors import DflashOpsError, HelperFailed
 
 HELPER = "service"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -26,27 +26,20 @@ class ServiceError(DflashOpsError):
     """A service could not be started, did not come up, or could not be stopped."""
 
 
-def service_log(container, name: str) -> str:
+def service_log(container: ContainerAPI, name: str) -> str:
     return posixpath.join(container.base_dir, "services", name, "service.log")
 
 
-def _call(container, args: list[str], *, timeout: float | None = None) -> dict:
-    result = container.helper(HELPER, args, timeout=timeout)
-    doc: dict = {}
-    for line in reversed(result.stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if result.ok:
-        return doc
-    message = doc.get("error") or result.stderr.strip() or f"service helper {args[0]} exited {result.exit_code}"
-    tail = [line for line in (doc.get("log_tail") or "").splitlines()
-            if line.strip() and not line.startswith("# dflash-ops")][-LOG_LINES_SHOWN:]
-    if tail:
-        message += "; the end of its log:\n" + "\n".join("  " + line for line in tail)
-    raise ServiceError(message)
+def _call(container: ContainerAPI, args: list[str], *, timeout: float | None = None) -> dict:
+    try:
+        return container.helper_json(HELPER, args, timeout=timeout)
+    except HelperFailed as e:
+        message = e.reason
+        tail = [line for line in (e.document.get("log_tail") or "").splitlines()
+                if line.strip() and not line.startswith("# dflash-ops")][-LOG_LINES_SHOWN:]
+        if tail:
+            message += "; the end of its log:\n" + "\n".join("  " + line for line in tail)
+        raise ServiceError(message) from None
 
 
 def _check_name(name: str) -> str:
@@ -55,7 +48,7 @@ def _check_name(name: str) -> str:
     return name
 
 
-def start_service(container, name: str, argv: list[str], *, cwd: str | None = None,
+def start_service(container: ContainerAPI, name: str, argv: list[str], *, cwd: str | None = None,
                   env: dict[str, str] | None = None, port: int | None = None) -> dict:
     """Start `argv` detached; returns the helper's record (pid, pid_start, log). With `port`,
     refuses when something already listens there (its answers would pass for the service's)."""
@@ -72,7 +65,7 @@ def start_service(container, name: str, argv: list[str], *, cwd: str | None = No
     return _call(container, [*args, "--", *argv])
 
 
-def wait_service(container, name: str, url: str, *, timeout: float = 900.0, poll: float = 1.0) -> dict:
+def wait_service(container: ContainerAPI, name: str, url: str, *, timeout: float = 900.0, poll: float = 1.0) -> dict:
     """Until `url` (inside the container) answers 200; ServiceError with the log's tail when the
     service died or `timeout` passed."""
     args = ["wait", container.base_dir, _check_name(name), "--url", url, "--timeout", f"{timeout:g}",
@@ -80,7 +73,7 @@ def wait_service(container, name: str, url: str, *, timeout: float = 900.0, poll
     return _call(container, args, timeout=timeout + 60)
 
 
-def stop_service(container, name: str, *, grace: float = 20.0) -> dict:
+def stop_service(container: ContainerAPI, name: str, *, grace: float = 20.0) -> dict:
     """SIGTERM the service's own processes, SIGKILL what is left after `grace` seconds."""
     return _call(container, ["stop", container.base_dir, _check_name(name), "--grace", f"{grace:g}"],
                  timeout=grace + 60)

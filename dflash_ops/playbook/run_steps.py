@@ -22,6 +22,7 @@ from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepTy
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
+from dflash_ops.yamlfile import read_yaml_node
 
 DEFAULT_TIMEOUT = 3600.0
 
@@ -40,7 +41,10 @@ def with_settings(config: Path, settings: dict) -> bytes:
     """The config's YAML with dotted keys set, e.g. {"model.target.path": "/models/Qwen3-8B"}.
 
     The trainer validates the result when the run starts (unknown keys, types, ranges)."""
-    doc = yaml.safe_load(config.read_text()) or {}
+    loader, node = read_yaml_node(config, "trainer config", StepFailed)
+    doc = loader.construct_object(node, deep=True) if node is not None else {}
+    if not isinstance(doc, dict):
+        raise StepFailed(f"{config}:1: a trainer config is a mapping; set: cannot apply")
     for dotted, value in settings.items():
         keys = str(dotted).split(".")
         node = doc

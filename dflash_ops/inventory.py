@@ -24,7 +24,6 @@ from __future__ import annotations
 import difflib
 import os
 import shlex
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,13 @@ from typing import Any
 import yaml
 
 from dflash_ops.errors import InventoryError
+from dflash_ops.simnode import containers as simct
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
+_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class _Parser:
             sim_root = os.path.expanduser(m.get("sim_root", DEFAULT_SIM_ROOT))
             if not os.path.isabs(sim_root):
                 raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
-            pct = (sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root)
+            pct = tuple(simct.stand_in_argv(sim_root))
         elif raw_pct == NO_PCT:
             pct = ()
         elif isinstance(raw_pct, str) and raw_pct.strip():

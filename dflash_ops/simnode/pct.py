@@ -42,7 +42,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -78,7 +77,7 @@ class Node:
         self.lxc = root / "lxc"
 
     def nodename(self) -> str:
-        return socket.gethostname().split(".")[0]
+        return os.uname().nodename.split(".")[0]  # = gethostname() on Linux
 
     def conf(self, vmid: str) -> Path:
         return self.lxc / f"{vmid}.conf"
@@ -494,6 +493,12 @@ def provision_python(ct_root: Path, base_python: str, packages: list[str]) -> st
 
 def _package_files(names: list[str]) -> list[tuple[str, str]]:
     """(top-level name, path) of every file tree of `names` and their requirements."""
+    if sys.flags.no_site:
+        # Run as `python -I -S` (containers.stand_in_argv: every other command starts faster);
+        # the distributions to link are in this interpreter's site-packages.
+        import site
+
+        site.main()
     from importlib import metadata
 
     seen: dict[str, metadata.Distribution] = {}

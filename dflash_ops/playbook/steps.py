@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from dflash_ops import render
-from dflash_ops.errors import CommandTimeout, RemoteCommandError
+from dflash_ops.errors import CommandTimeout, RemoteCommandError, UsageError
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
@@ -19,7 +19,7 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
     keep = int(params["keep"]) if "keep" in params else None
     if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (the current release), got {keep}")
+        raise UsageError(f"keep must be at least 1 (the current release), got {keep}")
     options = target_options(ctx.container.target, extra_paths=extra, keep=keep)
     if "venv" in params:
         venv_config = params["venv"]

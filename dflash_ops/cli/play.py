@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, fail, load
+from dflash_ops.cli.common import InventoryOption, fail, load
 
 
 def play(
@@ -20,7 +20,7 @@ def play(
 ) -> None:
     """Validate the whole playbook, then run its steps in order on every target."""
     from dflash_ops.connect import open_container
-    from dflash_ops.playbook.play import PlayResult, load_playbook, run_playbook
+    from dflash_ops.playbook.play import PlayResult, clean_up_interrupted, load_playbook, run_playbook
 
     overrides = {}
     for item in var or []:
@@ -28,15 +28,13 @@ def play(
         if not sep or not key:
             fail(f"--var {item!r}: expected k=v", 2)
         overrides[key] = value
-    with clean_errors():
-        book = load_playbook(playbook, overrides)
+    book = load_playbook(playbook, overrides)
     if check_only:
         typer.echo(f"{playbook}: {len(book.steps)} steps OK")
         return
     inv = load(inventory)
-    with clean_errors():
-        for name in targets:
-            inv.target(name)
+    for name in targets:
+        inv.target(name)
     lock = threading.Lock()
 
     def say_for(name: str):
@@ -51,8 +49,14 @@ def play(
     def not_run(name: str, e: Exception, seconds: float) -> PlayResult:
         return PlayResult(target=name, error=f"{type(e).__name__}: {e}", seconds=round(seconds, 3))
 
-    results = map_targets(targets, lambda name: open_container(inv, name),
-                          lambda container, name: run_playbook(book, container, say=say_for(name)), not_run)
+    contexts: list = []
+    try:
+        results = map_targets(targets, lambda name: open_container(inv, name),
+                              lambda container, name: run_playbook(book, container, say=say_for(name),
+                                                                   contexts=contexts), not_run)
+    except KeyboardInterrupt:
+        clean_up_interrupted(contexts, book.path)
+        raise
     failed = 0
     for r in results:
         if r.ok:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from dflash_ops import render
-from dflash_ops.errors import CommandTimeout, RemoteCommandError
+from dflash_ops.errors import CommandTimeout, RemoteCommandError, UsageError
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
@@ -19,7 +19,7 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
     keep = int(params["keep"]) if "keep" in params else None
     if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (the current release), got {keep}")
+        raise UsageError(f"keep must be at least 1 (the current release), got {keep}")
     options = target_options(ctx.container.target, extra_paths=extra, keep=keep)
     if "venv" in params:
         venv_config = params["venv"]
@@ -38,7 +38,8 @@ def _exec(ctx: StepContext, params: dict) -> dict:
     timeout = params.get("timeout")
     command, transport_timeout = (argv, None) if timeout is None else render.killed_after(float(timeout), argv)
     result = ctx.container.exec(command, timeout=transport_timeout,
-                                on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
+                                on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")),
+                                on_stderr_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
     if timeout is not None and result.exit_code in render.TIMED_OUT:
         raise CommandTimeout(render.node_command(argv), float(timeout))
     if params.get("check", True) and not result.ok:

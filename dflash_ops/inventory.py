@@ -69,6 +69,7 @@ class Target:
     extra_paths: tuple[str, ...] = ()  # deployed beside trainer/, relative to the project root
     venv: "tuple[tuple[str, Any], ...] | bool | None" = None  # venv: mapping (as items), or False for none
     keep_releases: int | None = None
+    address: str | None = None  # the container's own address for runs across hosts (else asked from it)
 
     @property
     def venv_config(self) -> "dict[str, Any] | bool | None":
@@ -157,7 +158,7 @@ _NODE_KEYS = {
     "transport", "address", "port", "user", "identity_file", "known_hosts",
     "strict_host_key_checking", "pct", "connect_timeout", "keepalive", "sim_root", "sim_containers",
 }
-_TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus", "extra_paths", "venv", "keep_releases"}
+_TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus", "extra_paths", "venv", "keep_releases", "address"}
 _VENV_KEYS = {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
 
 
@@ -305,9 +306,12 @@ class _Parser:
         keep = m.get("keep_releases")
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise self.fail(at("keep_releases"), f"{what}: keep_releases must be a whole number >= 1, got {keep!r}")
+        address = m.get("address")
+        if address is not None and (not isinstance(address, str) or not address or any(c.isspace() for c in address)):
+            raise self.fail(at("address"), f"{what}: address must be the container's IP address or host name, got {address!r}")
         return Target(name=name, node=node, ctid=ctid, base_dir=base_dir.rstrip("/") or "/", python=python,
                       gpus=tuple(gpus), extra_paths=tuple(extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=keep)
+                      keep_releases=keep, address=address)
 
     def venv(self, m: _Mapping, at, what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if "venv" not in m or m["venv"] is None:

@@ -10,7 +10,7 @@ import json
 import threading
 from typing import Callable
 
-from dflash_ops.tui.source import GpuSample, OnLines, RunRow, gpu_samples_from_json
+from dflash_ops.tui.source import GpuSample, OnLines, RunRow, gpu_samples_from_json, group_fields
 
 
 def run_row_from_info(target: str, info) -> RunRow:
@@ -34,6 +34,7 @@ def run_row_from_info(target: str, info) -> RunRow:
         last_checkpoint=info.last_checkpoint,
         gpus=tuple(info.gpus or ()),
         error=error,
+        **group_fields(info.raw),
     )
 
 

@@ -48,6 +48,18 @@ class RunRow:
     last_checkpoint: str | None = None
     gpus: tuple[int, ...] = ()
     error: str | None = None
+    rank: int | None = None  # a run across hosts: this member's rank of `world`
+    world: int | None = None
+
+
+def group_fields(status: dict) -> dict:
+    """rank/world of a rank of a run across hosts (status.json `distributed`), else {}."""
+    d = status.get("distributed")
+    if not isinstance(d, dict):
+        return {}
+    world = d.get("world_size", d.get("nnodes"))
+    rank = d.get("rank")
+    return {"rank": rank if isinstance(rank, int) else None, "world": world if isinstance(world, int) else None}
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,7 @@ def run_row_from_status(target: str, run_id: str, status: dict, release: str | N
         last_checkpoint=status.get("last_checkpoint"),
         gpus=tuple(status.get("gpus") or ()),
         error=error.get("message") if isinstance(error, dict) else None,
+        **group_fields(status),
     )
 
 

@@ -83,7 +83,6 @@ def run_variant(name, opts, drafter, head, feats, blocks, backend, device, args,
               "ms_per_micro_batch": round(1e3 * seconds / micro, 1), "warmup_s": round(warm, 1),
               "mfu": round(flops / seconds / (peak * 1e12), 4) if peak else None,
               "peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 1) if device.type == "cuda" else None}
-    del optimizer
     return result
 
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-import tarfile
 import threading
-import tempfile
 import uuid
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import Any, Callable
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
 from dflash_ops.errors import DflashOpsError, RemoteCommandError, TransferError
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
+from dflash_ops.tarstream import build_tar, stream_size
 from dflash_ops.transport.base import LineCallback, Result, Stdin, Transport
 
 HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
@@ -168,27 +167,17 @@ class Container:
                            f"each): {_why(result, None, None)}")
 
     def push_tree(self, local_dir: Path, remote_dir: str, files: list[str] | None = None) -> int:
-        """Send a tree (or the listed relative files) as one tar stream; returns bytes sent."""
+        """Send a tree (or the listed relative files, by content) as one tar stream into
+        `remote_dir` (created if missing); returns the bytes sent."""
+        _require_absolute(remote_dir)
         local_dir = Path(local_dir)
         if files is None:
-            files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file() or p.is_symlink())
-        with tempfile.SpooledTemporaryFile(max_size=16 << 20) as spool:
-            with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for rel in files:
-                    tar.add(local_dir / rel, arcname=rel, recursive=False)
-            spool.seek(0)
-            return self.push_tar(spool, remote_dir)
-
-    def push_tar(self, tar_stream: BinaryIO, remote_dir: str) -> int:
-        """Unpack a prepared tar stream into `remote_dir` (created if missing); returns bytes sent."""
-        _require_absolute(remote_dir)
-        counted = _CountingReader(tar_stream)
-        self.exec(
-            render.script(["mkdir", "-p", "--", remote_dir], ["tar", "-x", "-f", "-", "-C", remote_dir]),
-            stdin=counted,
-            check=True,
-        )
-        return counted.count
+            files = sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*") if p.is_file())
+        with build_tar([(rel, local_dir / rel) for rel in files]) as tar:
+            size = stream_size(tar)
+            self.exec(render.script(["mkdir", "-p", "--", remote_dir], ["tar", "-x", "-f", "-", "-C", remote_dir]),
+                      stdin=tar, check=True)
+        return size
 
     def helper(
         self,
@@ -214,7 +203,7 @@ class Container:
         content = source.read_bytes()
         remote = self.helper_path(name, content)
         argv = [python or self._target.python, remote, *args]
-        kwargs = dict(on_line=on_line, timeout=timeout, check=check)
+        kwargs: dict[str, Any] = dict(on_line=on_line, timeout=timeout, check=check)
         if remote in self._installed_helpers:
             return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
         if stdin is None:
@@ -257,17 +246,6 @@ _WITHOUT_PCT = {
     "pull": lambda src, dst: ["cp", "--", src, dst],
     "exec": lambda separator, *argv: list(argv),
 }
-
-
-class _CountingReader:
-    def __init__(self, stream: BinaryIO):
-        self.stream = stream
-        self.count = 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size)
-        self.count += len(data)
-        return data
 
 
 def _without_marker(callback: LineCallback | None) -> LineCallback | None:

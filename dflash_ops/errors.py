@@ -34,8 +34,8 @@ class Unreachable(TransportError):
 class CommandTimeout(TransportError):
     """A command ran past its timeout; it was killed (local) or its channel closed (SSH)."""
 
-    def __init__(self, command: str, timeout: float):
-        super().__init__(f"command timed out after {timeout:g}s: {command[:200]}")
+    def __init__(self, command: str, timeout: float | None):
+        super().__init__(f"command timed out after {timeout or 0:g}s: {command[:200]}")
         self.command = command
         self.timeout = timeout
 

@@ -9,7 +9,9 @@ not one per target, and never delays the other nodes: its targets all get that o
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -51,10 +53,36 @@ def map_by_node(
             for i in indices:
                 results[i] = on_error(containers[i], e)
             return
-        _run_all([lambda i=i: one(i) for i in indices], "fanout-target")
+        _run_all([partial(one, i) for i in indices], "fanout-target")
 
-    _run_all([lambda ix=ix: node_worker(ix) for ix in by_node.values()], "fanout-node")
+    _run_all([partial(node_worker, ix) for ix in by_node.values()], "fanout-node")
     return results
+
+
+def map_targets(
+    names: Sequence[str],
+    open_container: Callable[[str], Any],
+    fn: Callable[[Any, str], R],
+    failed: Callable[[str, Exception, float], R],
+) -> list[R]:
+    """fn(container, name) for every target name, in parallel by node (map_by_node), in order.
+
+    `open_container(name)` gives the target's Container; an error opening it or from fn becomes
+    failed(name, error, seconds since the start) for that target only.
+    """
+    started = time.monotonic()
+    results: dict[str, R] = {}
+    containers: dict[str, Any] = {}
+    for name in names:
+        try:
+            containers[name] = open_container(name)
+        except Exception as e:  # noqa: BLE001 - reported per target
+            results[name] = failed(name, e, time.monotonic() - started)
+    opened = list(containers.values())
+    done = map_by_node(opened, lambda c: fn(c, c.target.name),
+                       lambda c, e: failed(c.target.name, e, time.monotonic() - started))
+    results.update((c.target.name, r) for c, r in zip(opened, done))
+    return [results[name] for name in names]
 
 
 def _run_all(calls: list[Callable[[], None]], name: str) -> None:

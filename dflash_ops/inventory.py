@@ -235,6 +235,7 @@ class _Parser:
             if key in m and not isinstance(m[key], str):
                 raise self.fail(at(key), f"{what}: {key} must be a string, got {m[key]!r}")
         sim_root = None
+        pct: tuple[str, ...]
         raw_pct = m.get("pct", "pct")
         if raw_pct == SIMULATED:
             if transport != "local":

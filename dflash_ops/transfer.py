@@ -187,7 +187,7 @@ def push_path(container, src: Path | str, dest: str, *, force: bool = False,
                 summary.files_sent = len(sends)
             todo = done + sum(length for *_, length in sends)
 
-            def sent(n: int) -> None:
+            def sent(n: int, todo: int = todo) -> None:
                 nonlocal done
                 done += n
                 if on_progress is not None:

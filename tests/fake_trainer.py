@@ -194,7 +194,7 @@ def main():
     run = FakeRun(args.run_dir, config, args.resume)
     try:
         return run.run(args.config)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - like the trainer: any crash lands in status.json
         run.state = "failed"
         run.metric("error", message=str(e), traceback=traceback.format_exc(), thread="main")
         run.write_status(error={"message": str(e), "traceback": traceback.format_exc(), "thread": "main"})

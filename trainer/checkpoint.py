@@ -59,7 +59,7 @@ def _torch_bytes(obj) -> bytes:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
+    state: dict[str, object] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -185,10 +185,13 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
     module.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     module.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
     module.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-    module.rope = (c.head_dim, c.rope_theta)
+    module.rope = (c.head_dim, c.rope_theta)  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
 
 
 class DFlashDrafter(nn.Module):
+    fc: nn.Linear  # these two as build_drafter_modules sets them
+    rope: tuple[int, float]
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.config = c

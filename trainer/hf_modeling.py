@@ -46,7 +46,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     _compute_dtype = DFlashDrafter._compute_dtype
     _run = DFlashDrafter._run
-    draft_block = DFlashDrafter.draft_block
+    draft_block = DFlashDrafter.draft_block  # the same code on the same weight names
 
     def forward(self, ctx_features, block_embeds, start: int):
-        return self.draft_block(ctx_features, block_embeds, start)
+        return self.draft_block(ctx_features, block_embeds, start)  # type: ignore[misc]  # borrowed method

@@ -110,7 +110,7 @@ class Trainer:
 
             batch = warmup_packed_batch(self.cfg.data.pack_rows, self.cfg.data.pack_length,
                                         self.c.drafter.config.vocab_size, gen)
-            shapes = [tuple(batch.input_ids.shape)]
+            shapes = [(batch.input_ids.shape[0], batch.input_ids.shape[1])]
             blocks = self._blocks(batch.input_ids, batch.loss_mask, gen, batch.doc_start)
             loss, _, _ = self._forward(batch.input_ids, batch.attention_mask, blocks, batch.doc_start)
             loss.backward()

@@ -77,7 +77,7 @@ class _HeadCE(torch.autograd.Function):
                 loss_sum += l
                 correct_sum += c
                 if need_grad:
-                    torch.matmul(grad_logits, w, out=grad_hidden[sl])
+                    torch.matmul(grad_logits, w, out=grad_hidden[sl])  # type: ignore[index]  # allocated when need_grad
         ctx.save_for_backward(grad_hidden)
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(correct_sum)

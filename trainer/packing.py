@@ -26,7 +26,7 @@ from trainer.data import Batch, DataError
 
 @dataclass
 class PackedBatch(Batch):
-    doc_start: torch.Tensor = None  # [B, L] row index where each token's document begins
+    doc_start: torch.Tensor | None = None  # [B, L] row index where each token's document begins
 
     @property
     def documents(self) -> int:

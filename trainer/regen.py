@@ -292,7 +292,7 @@ class HFEngine:
         self._thread.start()
 
     def _stop_ids(self) -> set[int]:
-        ids = set()
+        ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.tokenizer):
             eos = getattr(source, "eos_token_id", None)
             ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

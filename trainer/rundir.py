@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 CONTRACT_VERSION = 1
@@ -47,7 +48,7 @@ class RunDir:
         (self.root / "checkpoints").mkdir(exist_ok=True)
         self._lock = threading.Lock()
         pid = os.getpid()
-        self.status = {
+        self.status: dict[str, Any] = {
             "version": CONTRACT_VERSION, "run_id": self.root.name, "state": "starting", "pid": pid,
             "pid_start": process_start_ticks(pid), "step": 0, "total_steps": total_steps,
             "started": time.time(), "heartbeat": time.time(), "loss": None, "acc": None, "tau": None,

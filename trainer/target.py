@@ -139,7 +139,7 @@ def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) 
 def target_context_features(
     target: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | dict | None,  # a tensor, or a prebuilt per-layer-type mapping
     layer_ids: list[int],
     doc_start: torch.Tensor | None = None,
     out: torch.Tensor | None = None,

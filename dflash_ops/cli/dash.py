@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,7 +30,7 @@ def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
     with clean_errors():
         for name in names:
             loaded.target(name)
-    return RemoteSource({name: (lambda name=name: open_container(loaded, name)) for name in names})
+    return RemoteSource({name: partial(open_container, loaded, name) for name in names})
 
 
 def parse_local(specs: list[str]) -> dict[str, Path]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, clean_errors, load
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 def deploy(
@@ -53,7 +56,7 @@ class _Progress:
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             console=Console(stderr=True), transient=True, disable=not enabled)
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
     def callback(self, name: str):
         def on_progress(phase: str, n: int, total: int) -> None:

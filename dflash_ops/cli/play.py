@@ -20,7 +20,7 @@ def play(
 ) -> None:
     """Validate the whole playbook, then run its steps in order on every target."""
     from dflash_ops.connect import open_container
-    from dflash_ops.playbook.play import load_playbook, run_playbook
+    from dflash_ops.playbook.play import PlayResult, load_playbook, run_playbook
 
     overrides = {}
     for item in var or []:
@@ -46,10 +46,13 @@ def play(
 
         return say
 
-    from dflash_ops.deploy.push import deploy_many
+    from dflash_ops.fanout import map_targets
 
-    results = deploy_many(targets, lambda name: open_container(inv, name),
-                          lambda container, name: run_playbook(book, container, say=say_for(name)))
+    def not_run(name: str, e: Exception, seconds: float) -> PlayResult:
+        return PlayResult(target=name, error=f"{type(e).__name__}: {e}", seconds=round(seconds, 3))
+
+    results = map_targets(targets, lambda name: open_container(inv, name),
+                          lambda container, name: run_playbook(book, container, say=say_for(name)), not_run)
     failed = 0
     for r in results:
         if r.ok:

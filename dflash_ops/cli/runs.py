@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, check_timeout, clean_errors, fail, open_target, write_stdout
 from dflash_ops.cli.tables import print_runs_table as _print_table
+
+if TYPE_CHECKING:
+    from dflash_ops.runs.info import RunInfo
 
 run_app = typer.Typer(help="Start, inspect, checkpoint, stop and resume training runs.", no_args_is_help=True)
 
@@ -118,11 +121,16 @@ def list_(
     from dflash_ops.fanout import map_by_node
 
     containers = [open_target(inventory, name) for name in targets]
-    found = map_by_node(containers, list_runs, lambda c, e: e)
-    failed = [(name, r) for name, r in zip(targets, found) if isinstance(r, Exception)]
-    listed = [(name, r) for name, r in zip(targets, found) if not isinstance(r, Exception)]
+    found: list[list[RunInfo] | Exception] = map_by_node(containers, list_runs, lambda c, e: e)
+    failed: list[tuple[str, Exception]] = []
+    listed: list[tuple[str, list[RunInfo]]] = []
+    for name, r in zip(targets, found):
+        if isinstance(r, Exception):
+            failed.append((name, r))
+        else:
+            listed.append((name, r))
     if as_json:
-        doc = {name: [r.raw for r in runs] for name, runs in listed}
+        doc: dict[str, object] = {name: [r.raw for r in runs] for name, runs in listed}
         doc.update({name: {"error": str(e)} for name, e in failed})
         typer.echo(json.dumps(doc, indent=1, sort_keys=True))
     else:

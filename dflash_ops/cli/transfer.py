@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, clean_errors, open_target
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a destination (or drop files in it) that no earlier transfer wrote.")]
@@ -59,7 +62,7 @@ class _Bar:
         self.label = label
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             console=Console(stderr=True), transient=True, disable=not enabled)
-        self.task: int | None = None
+        self.task: TaskID | None = None
 
     def update(self, done: int, total: int) -> None:
         if self.task is None:

@@ -8,25 +8,22 @@ the same hash always means the same code and the same environment.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import stat
-import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable
+from typing import IO, Iterable
 
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.hashing import sha256_file
+from dflash_ops.tarstream import build_tar
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
 HELPER_STAGE = ".helpers"
 _SKIP_DIRS = {"__pycache__", ".git", ".pytest_cache", ".mypy_cache"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
-SPOOL_BYTES = 64 << 20
 
 
 def trainer_dir() -> Path:
@@ -131,37 +128,8 @@ def changed_files(release: LocalRelease, remote_manifest: dict[str, str] | None)
     return [rel for rel, digest in release.manifest.items() if remote.get(rel) != digest]
 
 
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mode = mode
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _add_file(tar: tarfile.TarFile, name: str, path: Path) -> None:
-    st = path.stat()
-    info = tarfile.TarInfo(name)
-    info.size = st.st_size
-    info.mode = 0o755 if st.st_mode & 0o111 else 0o644
-    info.mtime = int(st.st_mtime)
-    with open(path, "rb") as f:
-        tar.addfile(info, f)
-
-
-def build_tar(entries: Iterable[tuple[str, Path]], extra: Iterable[tuple[str, bytes]] = ()) -> BinaryIO:
-    """One uncompressed tar (in memory, spilling to disk past 64 MiB), rewound for reading."""
-    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in extra:
-            _add_bytes(tar, name, data)
-        for name, path in entries:
-            _add_file(tar, name, path)
-    spool.seek(0)
-    return spool
-
-
 def release_tar(release: LocalRelease, rels: Iterable[str], helpers: Iterable[tuple[str, Path]] = (),
-                parent_manifest: dict[str, str] | None = None) -> BinaryIO:
+                parent_manifest: dict[str, str] | None = None) -> IO[bytes]:
     """The apply stream: the given files, helpers staged under `.helpers/`, and the manifest:
     whole, or as a delta against `parent_manifest` (the release the container builds on)."""
     rels = list(rels)
@@ -175,35 +143,3 @@ def release_tar(release: LocalRelease, rels: Iterable[str], helpers: Iterable[tu
     entries = [(rel, release.files[rel]) for rel in rels]
     entries += [(f"{HELPER_STAGE}/{rel.split('/', 1)[1]}", path) for rel, path in helpers]
     return build_tar(entries, extra=[meta])
-
-
-def stream_size(stream: BinaryIO) -> int:
-    pos = stream.tell()
-    stream.seek(0, os.SEEK_END)
-    size = stream.tell()
-    stream.seek(pos)
-    return size
-
-
-class ProgressReader(io.RawIOBase):
-    """A readable wrapper that reports every chunk handed to the transport."""
-
-    def __init__(self, inner: BinaryIO, on_bytes: Callable[[int], None]):
-        self._inner = inner
-        self._on_bytes = on_bytes
-        self.sent = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._inner.read(size)
-        self.sent += len(data)
-        if data:
-            self._on_bytes(len(data))
-        return data
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)

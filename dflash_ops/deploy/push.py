@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 from dflash_ops.container import HELPERS_DIR
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.deploy.manifest import ProgressReader, changed_files, collect, release_tar, stream_size, trainer_dir
+from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
+from dflash_ops.tarstream import ProgressReader, stream_size
 
 DEFAULT_KEEP = 5
 
@@ -185,22 +186,9 @@ def deploy_many(
     `open_container(name)` gives the target's Container, `deploy(container, name)` runs the
     deploy; a raised error becomes that target's summary.error.
     """
-    from dflash_ops.fanout import map_by_node
+    from dflash_ops.fanout import map_targets
 
-    started = time.monotonic()
+    def failed(name: str, e: Exception, seconds: float) -> DeploySummary:
+        return DeploySummary(target=name, error=f"{type(e).__name__}: {e}", seconds=round(seconds, 3))
 
-    def failed(name: str, e: Exception) -> DeploySummary:
-        return DeploySummary(target=name, error=f"{type(e).__name__}: {e}",
-                             seconds=round(time.monotonic() - started, 3))
-
-    containers: dict[str, Any] = {}
-    summaries: dict[str, DeploySummary] = {}
-    for name in names:
-        try:
-            containers[name] = open_container(name)
-        except Exception as e:  # noqa: BLE001 - reported per target
-            summaries[name] = failed(name, e)
-    opened = list(containers.values())
-    done = map_by_node(opened, lambda c: deploy(c, c.target.name), lambda c, e: failed(c.target.name, e))
-    summaries.update((c.target.name, s) for c, s in zip(opened, done))
-    return [summaries[name] for name in names]
+    return map_targets(names, open_container, deploy, failed)

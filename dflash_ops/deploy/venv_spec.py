@@ -11,9 +11,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
-from dflash_ops.deploy.manifest import build_tar, trainer_dir
+from dflash_ops.deploy.manifest import trainer_dir
+from dflash_ops.tarstream import build_tar
 
 UV_MODES = ("auto", "always", "never")
 
@@ -71,7 +72,7 @@ class VenvSpec:
             args.append("--no-index")
         return args
 
-    def tar(self) -> BinaryIO:
+    def tar(self) -> IO[bytes]:
         entries = [("requirements.txt", self.requirements_file())]
         entries += [(f"wheels/{p.name}", p) for p in self.wheels()]
         return build_tar(entries)

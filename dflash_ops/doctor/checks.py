@@ -50,6 +50,12 @@ class Inputs:
     clock: tuple[float, float] | None = None  # (offset s, +- s): container minus operator
     fast: bool = False
 
+    @property
+    def found(self) -> dict:
+        """The facts, for the judges that evaluate() calls only once the helper answered."""
+        assert self.facts is not None
+        return self.facts
+
 
 def gib(n: float | None) -> str:
     if n is None:
@@ -160,7 +166,7 @@ def config_check(i: Inputs) -> Check | None:
 
 
 def python_check(i: Inputs) -> Check:
-    py = i.facts["python"]
+    py = i.found["python"]
     version = tuple(int(x) for x in py["version"].split(".")[:2])
     ok = version >= PYTHON_MIN
     return Check("python", OK if ok else FAIL, f"{py['version']} ({py['executable']})",
@@ -169,7 +175,7 @@ def python_check(i: Inputs) -> Check:
 
 
 def release_check(i: Inputs) -> Check:
-    rel, name = i.facts["release"], i.target.name
+    rel, name = i.found["release"], i.target.name
     if not rel.get("deployed"):
         return Check("release + venv", WARN, "nothing deployed", "a deployed release",
                      f"dflash-ops deploy {name}")
@@ -183,7 +189,7 @@ def release_check(i: Inputs) -> Check:
 
 
 def _torch(i: Inputs) -> dict:
-    return i.facts.get("torch") or {}
+    return i.found.get("torch") or {}
 
 
 def torch_check(i: Inputs) -> Check:
@@ -208,12 +214,12 @@ def torch_check(i: Inputs) -> Check:
 
 
 def _visible_indices(i: Inputs) -> list[int]:
-    nodes = i.facts.get("devices") or {}
+    nodes = i.found.get("devices") or {}
     return sorted(int(n[6:]) for n in nodes if n[6:].isdigit())
 
 
 def gpus_container_check(i: Inputs) -> Check:
-    smi = i.facts.get("smi") or {}
+    smi = i.found.get("smi") or {}
     nodes = _visible_indices(i)
     if smi.get("gpus"):
         names = sorted({g["name"] for g in smi["gpus"]})
@@ -268,7 +274,7 @@ def gpus_torch_check(i: Inputs) -> Check | None:
 
 
 def held_check(i: Inputs) -> Check:
-    runs = i.facts.get("runs") or {}
+    runs = i.found.get("runs") or {}
     if "live" not in runs:
         return Check("GPUs held by runs", WARN, f"unknown ({runs.get('error') or runs})", "no live run on them")
     live = runs["live"]
@@ -285,8 +291,8 @@ def held_check(i: Inputs) -> Check:
 
 
 def driver_check(i: Inputs) -> Check:
-    drv = i.facts.get("driver") or {}
-    smi = (i.facts.get("smi") or {}).get("gpus") or []
+    drv = i.found.get("driver") or {}
+    smi = (i.found.get("smi") or {}).get("gpus") or []
     version = (smi[0]["driver"] if smi else None) or drv.get("proc")
     libcuda = (drv.get("libcuda") or {}).get("version")
     built = _torch(i).get("cuda_built")
@@ -331,7 +337,7 @@ def nccl_check(i: Inputs) -> Check | None:
 
 
 def shm_check(i: Inputs) -> Check:
-    shm, need = i.facts["shm"], i.plan.shm_needed()
+    shm, need = i.found["shm"], i.plan.shm_needed()
     if "error" in shm:
         return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
     measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
@@ -349,12 +355,12 @@ def _shm_fix(i: Inputs, need: int) -> str:
 
 
 def _model_dims(i: Inputs) -> dict | None:
-    model = i.facts.get("model")
+    model = i.found.get("model")
     return model if model and "error" not in model else None
 
 
 def disk_check(i: Inputs) -> Check:
-    disk = i.facts["disk"]
+    disk = i.found["disk"]
     if "error" in disk:
         return Check("disk at base_dir", FAIL, f"{disk['path']}: {disk['error']}", "a writable base_dir",
                      f"create {i.target.base_dir} in the container")
@@ -365,7 +371,7 @@ def disk_check(i: Inputs) -> Check:
     if need is None:
         need = 1 * GIB
         why = "1.0 GiB (pass --config to size checkpoints)" if i.plan.config_path is None else \
-            f"1.0 GiB (checkpoint size unknown: {(i.facts.get('model') or {}).get('error', 'no model dims')})"
+            f"1.0 GiB (checkpoint size unknown: {(i.found.get('model') or {}).get('error', 'no model dims')})"
     else:
         why = f"{gib(need)}: {i.plan.keep_checkpoints}+1 checkpoints of {gib(size)} + 1 GiB"
     if disk["free"] < need:
@@ -377,7 +383,7 @@ def disk_check(i: Inputs) -> Check:
 
 
 def ram_check(i: Inputs) -> Check:
-    mem = i.facts.get("memory") or {}
+    mem = i.found.get("memory") or {}
     avail, total = mem.get("MemAvailable"), mem.get("MemTotal")
     need = i.plan.ram_needed(_model_dims(i))
     measured = f"{gib(avail)} available of {gib(total)}"
@@ -398,7 +404,7 @@ def _limit(value: int | None) -> str:
 
 
 def memlock_check(i: Inputs) -> Check:
-    lim = i.facts["limits"]["memlock"]
+    lim = i.found["limits"]["memlock"]
     measured = f"soft {_limit(lim['soft'])}, hard {_limit(lim['hard'])}"
     if not i.plan.needs_gpu:
         return Check("memlock limit", OK, measured, "any (CPU run)")
@@ -410,7 +416,7 @@ def memlock_check(i: Inputs) -> Check:
 
 
 def nofile_check(i: Inputs) -> Check:
-    lim = i.facts["limits"]["nofile"]
+    lim = i.found["limits"]["nofile"]
     measured = f"soft {lim['soft'] if lim['soft'] is not None else 'unlimited'}, hard {lim['hard'] or 'unlimited'}"
     if lim["soft"] is None or lim["soft"] >= NOFILE_MIN:
         return Check("open files limit", OK, measured, f">= {NOFILE_MIN}")

@@ -22,7 +22,7 @@ import traceback
 def import_one(name):
     try:
         importlib.import_module(name)
-    except BaseException as e:  # a module may call sys.exit or raise anything at import
+    except BaseException as e:  # noqa: BLE001 - a module may call sys.exit or raise anything at import
         frames = traceback.extract_tb(e.__traceback__)
         where = frames[-1] if frames else None
         result = {

@@ -107,7 +107,7 @@ def run_is_live(run_dir: str) -> bool:
 
 def live_run_releases(base: str) -> set[str]:
     runs = os.path.join(base, "runs")
-    found = set()
+    found: set[str] = set()
     try:
         names = os.listdir(runs)
     except OSError:
@@ -181,7 +181,7 @@ def remove_scratch(path: str) -> None:
 
 def clean_stale_tmp(parent: str) -> list[str]:
     """Remove scratch entries left by dead deploys; anything else in `parent` is never touched."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:
@@ -237,11 +237,11 @@ def prune(base: str, keep: int) -> list[str]:
     for name in os.listdir(releases_dir):
         if name.startswith(".") or not is_complete(base, name):
             continue  # only complete releases are ours to prune; anything else stays
-        created = read_meta(os.path.join(releases_dir, name)).get("created")
+        created = (read_meta(os.path.join(releases_dir, name)) or {}).get("created")
         complete.append((created if isinstance(created, (int, float)) else 0.0, name))
     complete.sort(reverse=True)
     removed = []
-    for created, name in complete[keep:]:
+    for _created, name in complete[keep:]:
         if name in protected:
             continue
         release_dir = os.path.join(releases_dir, name)
@@ -285,7 +285,7 @@ def link_or_copy(src: str, dst: str) -> None:
 
 def install_staged_helpers(base: str, stage: str) -> list[str]:
     """Move `.helpers/<hash>/<file>` from the extracted tree to BASE/helpers, atomically each."""
-    installed = []
+    installed: list[str] = []
     if not os.path.isdir(stage):
         return installed
     helpers = os.path.join(base, "helpers")
@@ -302,7 +302,7 @@ def install_staged_helpers(base: str, stage: str) -> list[str]:
             os.rename(tmp, final)
         except FileExistsError:  # a concurrent deploy installed it first
             shutil.rmtree(tmp, ignore_errors=True)
-        except OSError as e:
+        except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.isdir(final):
                 raise

@@ -307,7 +307,7 @@ def cmd_follow(args):
                     out.write(b"#offset %d\n" % args.offset)
                     out.flush()
                     return 0
-                raise Refused("no such file: %s" % args.path)
+                raise Refused("no such file: %s" % args.path) from None
             if time_is_up(deadline):
                 out.write(b"#offset %d\n" % args.offset)
                 out.flush()
@@ -633,7 +633,7 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
         try:
             os.mkdir(run_dir)
         except FileExistsError:
-            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True)
+            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True) from None
         write_atomic(config_input, config_bytes)
     else:
         if not os.path.isdir(run_dir):
@@ -725,7 +725,7 @@ def read_bytes(path):
         with open(path, "rb") as f:
             return f.read()
     except OSError as e:
-        raise Refused("cannot read %s: %s" % (path, e.strerror))
+        raise Refused("cannot read %s: %s" % (path, e.strerror)) from None
 
 
 # ---------------------------------------------------------------- signals, checkpoints, hashes

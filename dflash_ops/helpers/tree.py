@@ -157,7 +157,7 @@ def read_request(stream):
     try:
         request = json.loads(line)
     except ValueError:
-        raise Refused("expected a JSON request line")
+        raise Refused("expected a JSON request line") from None
     files = request.get("files")
     if request.get("kind") not in ("file", "tree") or not isinstance(files, dict):
         raise Refused("request needs kind file|tree and files")
@@ -213,7 +213,7 @@ def lock_stage(stage):
             return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise Refused("another push to this destination is still running (%s)" % stage)
+                raise Refused("another push to this destination is still running (%s)" % stage) from None
             time.sleep(0.2)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 from dflash_ops import render
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
+from dflash_ops.tarstream import build_tar
 from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
 
 DEFAULT_KEEP = 5
@@ -84,7 +85,9 @@ def fetch_release_files(container, meta: dict, rels: list[str], dest: Path) -> l
         for member in tar:
             if member.name not in present or not member.isfile():
                 raise PatchError(f"unexpected entry {member.name!r} in the release tar")
-            data = tar.extractfile(member).read()
+            extracted = tar.extractfile(member)
+            assert extracted is not None  # a regular file (checked above)
+            data = extracted.read()
             if hashlib.sha256(data).hexdigest() != meta["files"][member.name]:
                 raise PatchError(f"{member.name} of release {meta['hash']} does not match its manifest")
             local = dest / member.name
@@ -126,12 +129,12 @@ def import_check_in_container(container, meta: dict, patched_root: Path, report:
     changed = [rel for rel, text in report.new_contents.items() if text is not None]
     deleted = [posixpath.join(scratch, rel) for rel, text in report.new_contents.items() if text is None]
     try:
-        tar = _tar_of(patched_root, changed)
         steps = [["mkdir", "-p", "--", posixpath.dirname(scratch)], ["cp", "-a", "--", release_root + "/.", scratch],
                  ["tar", "-x", "-f", "-", "-C", scratch]]
         if deleted:
             steps.append(["rm", "-f", "--", *deleted])
-        container.exec(render.script(*steps), stdin=tar, check=True)
+        with build_tar([(rel, patched_root / rel) for rel in changed]) as tar:
+            container.exec(render.script(*steps), stdin=tar, check=True)
         result = container.helper("import-check", [*(["--static"] if static else []), scratch, *modules], python=release_python(container, meta))
         try:
             doc = json.loads(result.stdout.strip().splitlines()[-1])
@@ -146,14 +149,6 @@ def _relative(path: str | None, root: str) -> str | None:
     if path and path.startswith(root + "/"):
         return path[len(root) + 1:]
     return path
-
-
-def _tar_of(root: Path, rels: list[str]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel in rels:
-            tar.add(root / rel, arcname=rel, recursive=False)
-    return buffer.getvalue()
 
 
 def patched_release(meta: dict, patched_root: Path, report: PatchReport) -> tuple[LocalRelease, list[str]]:

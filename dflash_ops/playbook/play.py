@@ -224,7 +224,7 @@ def _step(check: _Checker, index: int, node: yaml.Node, defined: set[str]) -> St
             return None
         param_nodes = {step_type.shorthand: (params_node, params_node)}
     else:
-        param_nodes = {key: (key_node, value_node) for key, key_node, value_node in check.mapping(params_node, label)}
+        param_nodes = {key: (key_node, value_node) for key, key_node, value_node in check.mapping(params_node, label) or []}
     params = {}
     for key, (key_node, value_node) in param_nodes.items():
         if key not in step_type.params:

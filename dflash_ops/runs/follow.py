@@ -188,11 +188,11 @@ def follow_file(
                 raise FileTruncated(f"{name} of run {run_id} was truncated or replaced at byte {reached} "
                                     f"(now {size} bytes): bytes written before that and not yet read are lost")
             on_truncated(reached, size)
-            position, drops_without_progress = 0, 0
+            position = 0
             continue
         if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
             position = stream.offset
             continue
         if stream.partial:
             on_line(stream.partial)
-        return stream.offset
+        return stream.offset if stream.offset is not None else (position if position is not None else offset)

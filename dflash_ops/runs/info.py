@@ -74,8 +74,7 @@ class RunInfo:
     @classmethod
     def from_json(cls, doc: dict[str, Any] | str) -> "RunInfo":
         """Build from the helper's per-run document; unknown keys stay in `raw` only."""
-        if isinstance(doc, str):
-            doc = json.loads(doc)
+        parsed: dict[str, Any] = json.loads(doc) if isinstance(doc, str) else doc
         known = {f.name for f in fields(cls)} - {"raw"}
-        values = {k: v for k, v in doc.items() if k in known and v is not None}
-        return cls(**values, raw=dict(doc))
+        values = {k: v for k, v in parsed.items() if k in known and v is not None}
+        return cls(**values, raw=dict(parsed))

@@ -150,8 +150,8 @@ def wait_for_checkpoint(container, run_id: str, request_id: str, timeout: float 
     """Wait until the trainer's `checkpoint` event carries request_id; returns its path."""
     deadline = time.monotonic() + timeout
     offset = 0
+    served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
     while True:
-        served: list[str] = []
 
         def look(line: bytes) -> None:
             try:

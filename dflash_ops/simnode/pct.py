@@ -40,7 +40,6 @@ import errno
 import fcntl
 import os
 import re
-import shlex
 import signal
 import socket
 import sys
@@ -155,7 +154,7 @@ class ConfigLock:
                 if time.monotonic() >= deadline:
                     os.close(self.fd)
                     self.fd = -1
-                    raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{self.vmid}.lock' - got timeout\n")
+                    raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{self.vmid}.lock' - got timeout\n") from None
                 time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:

@@ -250,6 +250,7 @@ class Fleet:
                                       "--rtt", str(rtt)], stdout=subprocess.PIPE, text=True,
                                      cwd=str(Path(__file__).resolve().parents[2]))
             self.processes.append(relay)
+            assert relay.stdout is not None
             line = relay.stdout.readline()
             if not line.startswith("port "):
                 raise RuntimeError(f"relay for {node.name} did not start: {line!r}")

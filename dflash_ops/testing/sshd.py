@@ -93,6 +93,7 @@ class SshdNode:
         """Start the listener again (after stop()): same port, keys and state."""
         if self.listening():
             return
+        assert self.config is not None, "a node from start_sshd() has its sshd_config"
         self.proc = _launch(self.config, self.log, self.netns)
         try:
             _wait_for_banner(self.address, self.port, self.proc, self.log)

@@ -10,10 +10,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 LineCallback = Callable[[bytes], None]
-Stdin = bytes | BinaryIO | None
+class Readable(Protocol):
+    """A binary stream to send on a command's stdin (a file, a spooled tar, a ProgressReader)."""
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
+Stdin = bytes | Readable | None
 CHUNK = 64 * 1024
 
 

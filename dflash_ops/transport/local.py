@@ -57,15 +57,15 @@ class LocalTransport:
             for reader in readers:
                 reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if not reader.join(0):
-                    raise subprocess.TimeoutExpired(command, timeout)
+                    raise subprocess.TimeoutExpired(command, timeout or 0.0)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             raise CommandTimeout(command, timeout) from None
         except BaseException:
             _kill_group(proc)
             raise
-        if writer is not None and writer.join(0) and _stdin_failed(writer):
-            raise writer.error
+        if writer is not None and writer.join(0) and (error := _stdin_error(writer)) is not None:
+            raise error
         for reader in readers:
             if reader.error is not None:
                 raise reader.error
@@ -121,12 +121,14 @@ def _wait(proc: subprocess.Popen, deadline: float | None, writer: BackgroundCall
             return
         except subprocess.TimeoutExpired:
             pass
-        if writer is not None and _stdin_failed(writer):
-            raise writer.error
+        if writer is not None and (error := _stdin_error(writer)) is not None:
+            raise error
 
 
-def _stdin_failed(writer: BackgroundCall) -> bool:
-    return writer.error is not None and not isinstance(writer.error, BrokenPipeError)
+def _stdin_error(writer: BackgroundCall) -> BaseException | None:
+    """The stdin writer's error; a broken pipe is none (the command exited without reading it all)."""
+    error = writer.error
+    return None if isinstance(error, BrokenPipeError) else error
 
 
 def _pump(stream, splitter: LineSplitter) -> None:

@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
 from dflash_ops.tui.model import fmt_age, fmt_num
-from dflash_ops.tui.source import FINAL_STATES, DashSource, GpuSample, RunRow
+from dflash_ops.tui.source import FINAL_STATES, DashSource, GpuSample, RequestKind, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
@@ -106,7 +106,7 @@ class DashApp(App):
         # Kept as attributes: App.query_one searches the active screen, which is the run
         # detail while one is open, and pollers keep updating the runs table underneath.
         self._targets = Static(id="targets")
-        self._table = DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        self._table: DataTable = DataTable(id="runs", cursor_type="row", zebra_stripes=True)
         yield self._targets
         yield self._table
         yield Footer()
@@ -219,7 +219,7 @@ class DashApp(App):
         return row.target, row.run_id
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        row = self.rows.get(event.row_key.value)
+        row = self.rows.get(event.row_key.value or "")
         if row is not None:
             self.push_screen(RunDetailScreen(row.target, row.run_id))
 
@@ -240,7 +240,7 @@ class DashApp(App):
 
         self.push_screen(ConfirmScreen(f"Stop run {run_id} on {target}?\n(a final checkpoint is written first)"), confirmed)
 
-    def send_request(self, target: str, run_id: str, kind: str) -> None:
+    def send_request(self, target: str, run_id: str, kind: RequestKind) -> None:
         def work() -> None:
             try:
                 request_id = self.source.request(target, run_id, kind)

@@ -51,7 +51,10 @@ class SimulatedRun:
         self.last_checkpoint: str | None = None
         self._random = random.Random(seed)
         self._started = clock()
-        self._loss = self._acc = self._tps = self._tau = None
+        self._loss: float | None = None
+        self._acc: float | None = None
+        self._tps: float | None = None
+        self._tau: float | None = None
 
     # -- files -----------------------------------------------------------------------
     def _event(self, event: str, **fields) -> None:

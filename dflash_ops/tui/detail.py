@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Callable, Protocol, cast
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -14,6 +15,7 @@ from textual.widgets import Button, Footer, Input, Log, Static
 from textual_plotext import PlotextPlot
 
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
+from dflash_ops.tui.source import DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
 
 LOG_BUFFER = 20_000  # lines kept for filtering and the full log
@@ -22,6 +24,15 @@ LOG_TAIL = 500  # lines fetched when a log stream starts
 METRICS_TAIL = 100_000  # metrics lines fetched at start (the plots' whole history)
 TICK_S = 0.1  # how often buffered lines reach the widgets
 PLOT_S = 0.5  # how often plots are redrawn (when data changed)
+
+
+class DashState(Protocol):
+    """What a run's detail reads from the DashApp that opened it."""
+
+    source: DashSource
+    rows: dict[str, RunRow]
+    host_gpus: dict[str, list[GpuSample] | None]
+    clock: Callable[[], float]
 
 
 class RunDetailScreen(Screen):
@@ -55,7 +66,7 @@ class RunDetailScreen(Screen):
         self._plotted_version = -1
         self._stop = threading.Event()
         self._full_log: Log | None = None
-        self._samples_applied = None
+        self._samples_applied: list[GpuSample] | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="summary")
@@ -67,6 +78,10 @@ class RunDetailScreen(Screen):
         yield Log(id="log", max_lines=LOG_VIEW)
         yield Footer()
 
+    @property
+    def dash(self) -> DashState:
+        return cast(DashState, self.app)
+
     def on_mount(self) -> None:
         for name, sink, tail in (
             ("train.log", self.log_sink, LOG_TAIL),
@@ -74,7 +89,7 @@ class RunDetailScreen(Screen):
         ):
             threading.Thread(
                 target=follow_forever,
-                args=(self.app.source, self.target, self.run_id, name, sink, self._stop,
+                args=(self.dash.source, self.target, self.run_id, name, sink, self._stop,
                       lambda link, name=name: self.links.__setitem__(name, link), tail),
                 name=f"dash-follow-{name}",
                 daemon=True,
@@ -92,7 +107,7 @@ class RunDetailScreen(Screen):
     def tick(self) -> None:
         metrics, _ = self.metrics_sink.drain()
         lines, dropped = self.log_sink.drain()
-        samples = self.app.host_gpus.get(self.target)
+        samples = self.dash.host_gpus.get(self.target)
         if samples is not self._samples_applied:  # a new poll result, not the same one again
             self._samples_applied = samples
             self.history.apply_host_samples(samples, self._row_gpus())
@@ -111,7 +126,7 @@ class RunDetailScreen(Screen):
             self.render_summary()
 
     def _row_gpus(self) -> tuple[int, ...]:
-        row = self.app.rows.get(f"{self.target}/{self.run_id}")
+        row = self.dash.rows.get(f"{self.target}/{self.run_id}")
         return row.gpus if row else ()
 
     def _matching(self, lines) -> list[str]:
@@ -121,14 +136,14 @@ class RunDetailScreen(Screen):
         return [line for line in lines if needle in line.lower()]
 
     def render_summary(self) -> None:
-        row = self.app.rows.get(f"{self.target}/{self.run_id}")
+        row = self.dash.rows.get(f"{self.target}/{self.run_id}")
         h = self.history
         text = Text()
         text.append(f"{self.target}/{self.run_id}", style="bold")
         if row is None:
             text.append("  (not listed yet)")
         else:
-            age = None if row.heartbeat is None else self.app.clock() - row.heartbeat
+            age = None if row.heartbeat is None else self.dash.clock() - row.heartbeat
             total = f"/{row.total_steps}" if row.total_steps else ""
             text.append(f"  {row.state}", style="bold")
             text.append(
@@ -193,9 +208,9 @@ class RunDetailScreen(Screen):
             plt = widget.plt
             plt.clear_data()
             plt.title(title)
-            xs, ys = downsample(xs, ys)
-            if xs:
-                plt.plot(xs, ys, marker="braille")
+            shown_x, shown_y = downsample(xs, ys)
+            if shown_x:
+                plt.plot(shown_x, shown_y, marker="braille")
             widget.refresh()
 
     # -- actions ---------------------------------------------------------------------------

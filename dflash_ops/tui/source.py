@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal, Protocol
+from typing import Callable, Literal, Mapping, Protocol
 
 LogName = Literal["train.log", "metrics.jsonl"]
 RequestKind = Literal["checkpoint", "stop"]
@@ -205,7 +205,7 @@ class LocalDirSource:
 
     def __init__(
         self,
-        bases: dict[str, str | Path],
+        bases: Mapping[str, str | Path],
         gpu_probe: Callable[[], dict] | None = run_gpu_helper,
         poll_s: float = 0.1,
         check_pids: bool = True,

@@ -43,7 +43,7 @@ class LineSink:
 
     def add(self, lines: list[str]) -> None:
         with self._lock:
-            overflow = len(self._lines) + len(lines) - self._lines.maxlen
+            overflow = len(self._lines) + len(lines) - (self._lines.maxlen or 0)
             if overflow > 0:
                 self._dropped += overflow
             self._lines.extend(lines)

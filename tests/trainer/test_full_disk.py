@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -72,7 +72,7 @@ def test_after_warmup_and_freeze_worker_threads_never_trace(fx_trace_threads, gu
         try:
             for i in range(20):
                 shape = shapes[i % 2]
-                guard.run_warmed(name, shape, lambda: _train_step(compiled[name])(shape))
+                guard.run_warmed(name, shape, lambda shape=shape: _train_step(compiled[name])(shape))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 

@@ -31,7 +31,7 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
     return [FeatureSlot(i, torch.zeros(numel, dtype=dtype, device=device)) for i in range(count)]
 
 
-def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
                           layer_ids: list[int], out: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Like `trainer.target.target_context_features`, but writes the concatenation into `out`.
 

@@ -31,7 +31,8 @@ class MicroBatch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.input_ids.shape)
+        rows, length = self.input_ids.shape
+        return rows, length
 
 
 def pad_rows_and_length(batch_ids, attention_mask, blocks: Blocks, shape: tuple[int, int], pad_id: int):

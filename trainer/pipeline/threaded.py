@@ -94,7 +94,7 @@ class ThreadedTrainer(Trainer):
         remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
         self.packed = bool(cfg.data.pack_length)
         if self.packed:  # one shape for the whole run: nothing to pad, one warm-up
-            self.warm = PackedShape(cfg.data.pack_rows, cfg.data.pack_length)
+            self.warm: PackedShape | WarmShapes = PackedShape(cfg.data.pack_rows, cfg.data.pack_length)
             self.pad = False
         else:
             self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
@@ -128,8 +128,10 @@ class ThreadedTrainer(Trainer):
 
         for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
             if self.target_devices[t] not in self.target_devices[:t]:
-                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes,
-                                   lambda shape, t=t: features(t, *inputs(shape)[:2]))
+                def target_step(shape, t=t):
+                    features(t, *inputs(shape)[:2])
+
+                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes, target_step)
         for rank, device in enumerate(self.drafter_devices):
             def step(shape, rank=rank, device=device):
                 ids, doc_start, loss_mask = inputs(shape)

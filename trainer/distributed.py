@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,8 @@ class HostGroup:
         self.timeout_s = timeout_s
         self.peer_timeout_s = peer_timeout_s
         self.node = socket.gethostname()
-        self.control = None  # the gloo group for agreements (the default group when it is gloo)
-        self.store = None
+        self.control: Any = None  # the gloo group for agreements (the default group when it is gloo)
+        self.store: Any = None  # a PrefixStore over the rendezvous' TCPStore, once started
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
 

@@ -679,7 +679,7 @@ def parse_group(text):
     try:
         group = json.loads(text)
     except ValueError:
-        raise Refused("--group wants a JSON object, got %r" % text)
+        raise Refused("--group wants a JSON object, got %r" % text) from None
     if not isinstance(group, dict) or not isinstance(group.get("targets"), list) or not isinstance(group.get("index"), int):
         raise Refused("--group wants {\"targets\": [...], \"index\": N, ...}, got %r" % text)
     return group
@@ -695,14 +695,14 @@ def cmd_address(args):
             s.connect((args.toward, 9))
             address = s.getsockname()[0]
         except OSError as e:
-            raise Refused("no route from this container toward %s: %s" % (args.toward, e.strerror or e))
+            raise Refused("no route from this container toward %s: %s" % (args.toward, e.strerror or e)) from None
         finally:
             s.close()
     if address is None:
         try:
             address = socket.gethostbyname(socket.gethostname())
         except OSError as e:
-            raise Refused("cannot tell this container's address: %s" % (e.strerror or e))
+            raise Refused("cannot tell this container's address: %s" % (e.strerror or e)) from None
     print_json({"address": address, "hostname": socket.gethostname()})
     return 0
 
@@ -713,7 +713,7 @@ def cmd_free_port(args):
         s.bind((args.address, 0))
         port = s.getsockname()[1]
     except OSError as e:
-        raise Refused("cannot bind a port on %s in this container: %s" % (args.address, e.strerror or e))
+        raise Refused("cannot bind a port on %s in this container: %s" % (args.address, e.strerror or e)) from None
     finally:
         s.close()
     print_json({"address": args.address, "port": port})

@@ -161,23 +161,25 @@ def writer(group_members: list[Member]) -> Member:
     return member_of_rank(group_members, 0)
 
 
-def _require_all(group_members: list[Member]) -> None:
+def _asked(group_members: list[Member]) -> list[tuple[Member, RunInfo]]:
+    """Every member with its status; a member that could not be asked is an error."""
     lost = [f"{m.target}: {m.error}" for m in group_members if m.info is None]
     if lost:
         raise RunError("cannot reach every member: " + "; ".join(lost))
+    return [(m, m.info) for m in group_members if m.info is not None]
 
 
 def stop_group(group_members: list[Member], run_id: str, now: bool = False, kill: bool = False,
                wait: bool = True, timeout: float = 600.0, poll: float = 1.0) -> list[RunInfo]:
     """A stop request (or TERM/KILL) to every live member; the ranks agree to stop at one step."""
-    _require_all(group_members)
-    live = [m for m in group_members if not (m.info.final and not m.info.alive)]
-    for m in live:
+    for m, info in _asked(group_members):
+        if info.final and not info.alive:
+            continue
         if kill:
             signal_run(m.container, run_id, "KILL")
         elif now:
             signal_run(m.container, run_id, "TERM")
-        elif not m.info.final:
+        elif not info.final:
             request(m.container, run_id, "stop")
     if not wait:
         return [run_status(m.container, run_id) for m in group_members]
@@ -188,8 +190,9 @@ def checkpoint_group(group_members: list[Member], run_id: str, wait: bool = Fals
                      poll: float = 1.0) -> tuple[Member, str, str | None]:
     """Ask the writer for a checkpoint: (writer, request id, path when waited for)."""
     w = writer(group_members)
-    if w.info.final:
-        raise RunError(f"run {run_id} is {w.info.effective_state} on {w.target}; only a live run can checkpoint")
+    if w.info is None or w.info.final:
+        state = w.info.effective_state if w.info else f"unreachable ({w.error})"
+        raise RunError(f"run {run_id} is {state} on {w.target}; only a live run can checkpoint")
     request_id = request(w.container, run_id, "checkpoint")
     if not wait:
         return w, request_id, None
@@ -200,14 +203,14 @@ def resume_group(group_members: list[Member], run_id: str, from_step: int | None
                  gpus: list[int] | None = None) -> None:
     """Restart every member from the newest checkpoint any of them holds (or step `from_step`),
     with a fresh rendezvous endpoint."""
-    _require_all(group_members)
-    running = [m.target for m in group_members if m.info.alive]
+    asked = _asked(group_members)
+    running = [m.target for m, info in asked if info.alive]
     if running:
         raise RunRefused(f"run {run_id} still runs on {', '.join(running)}: stop it first (`run stop`)")
-    held = sorted({s for m in group_members for s in m.info.checkpoints})
+    held = sorted({s for _m, info in asked for s in info.checkpoints})
     if not held:
         raise RunError(f"run {run_id} has no complete checkpoint on any member: nothing to resume from")
-    if from_step is None and all(m.info.effective_state == "done" for m in group_members):
+    if from_step is None and all(info.effective_state == "done" for _m, info in asked):
         raise RunRefused(f"run {run_id} is done: nothing to resume (pass --from STEP)")
     if from_step is not None and from_step not in held:
         raise RunNotFound(f"no member of run {run_id} holds checkpoint step_{from_step} (held: {held})")

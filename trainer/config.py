@@ -164,6 +164,7 @@ class DistributedConfig:
     backend: str = "auto"  # auto (nccl when the drafters are on GPUs, else gloo) | nccl | gloo
     timeout_s: float = 900.0  # collective timeout (a slow peer's warm-up or checkpoint load waits this long)
     peer_timeout_s: float = 10.0  # a peer whose heartbeat is this old is lost: every host stops
+    socket_ifname: str | None = None  # GLOO_/NCCL_SOCKET_IFNAME; default the interface holding the host's address
 
 
 @dataclass

@@ -65,12 +65,14 @@ def choose_backend(wanted: str, drafter_devices: list[str]) -> str:
 class HostGroup:
     """The process group of one run's hosts plus its watchdog. `start()` joins, `close()` leaves."""
 
-    def __init__(self, env: GroupEnv, backend: str, timeout_s: float, peer_timeout_s: float):
+    def __init__(self, env: GroupEnv, backend: str, timeout_s: float, peer_timeout_s: float,
+                 socket_ifname: str | None = None):
         self.env = env
         self.rank, self.world = env.rank, env.world_size
         self.backend = backend
         self.timeout_s = timeout_s
         self.peer_timeout_s = peer_timeout_s
+        self.socket_ifname = socket_ifname
         self.node = socket.gethostname()
         self.control: Any = None  # the gloo group for agreements (the default group when it is gloo)
         self.store: Any = None  # a PrefixStore over the rendezvous' TCPStore, once started
@@ -80,6 +82,8 @@ class HostGroup:
     # ------------------------------------------------------------------ joining
     def start(self) -> None:
         timeout = timedelta(seconds=self.timeout_s)
+        if self.socket_ifname:  # read by gloo and NCCL when the group is made
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.socket_ifname
         dist.init_process_group(self.backend, timeout=timeout)
         self.control = dist.group.WORLD if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         client = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False,
@@ -91,7 +95,8 @@ class HostGroup:
     def describe(self) -> dict:
         """status.json's `distributed` field."""
         return {"rank": self.rank, "world_size": self.world, "backend": self.backend, "node": self.node,
-                "rendezvous": f"{self.env.master_addr}:{self.env.master_port}"}
+                "rendezvous": f"{self.env.master_addr}:{self.env.master_port}",
+                "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
 
     # ------------------------------------------------------------------ collectives
     def all_reduce_(self, tensor: torch.Tensor) -> None:

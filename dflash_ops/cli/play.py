@@ -52,7 +52,9 @@ def play(
         return PlayResult(target=name, error=f"{type(e).__name__}: {e}", seconds=round(seconds, 3))
 
     results = map_targets(targets, lambda name: open_container(inv, name),
-                          lambda container, name: run_playbook(book, container, say=say_for(name)), not_run)
+                          lambda container, name: run_playbook(book, container, say=say_for(name),
+                                                               open_target=lambda other: open_container(inv, other)),
+                          not_run)
     failed = 0
     for r in results:
         if r.ok:

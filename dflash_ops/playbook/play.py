@@ -273,14 +273,16 @@ def substitute(value: Any, variables: dict[str, Any]) -> Any:
     return value
 
 
-def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = print) -> PlayResult:
-    """Run every step on one target, in order; stops at the first failing step."""
+def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = print,
+                 open_target: Callable[[str], Any] | None = None) -> PlayResult:
+    """Run every step on one target, in order; stops at the first failing step. `open_target`
+    opens other targets by name (a `start` step over several targets needs it)."""
     started = time.monotonic()
     base = container.base_dir
     variables = {"target": container.target.name, "base_dir": base, "current": f"{base}/current",
                  "python": container.target.python, **playbook.variables}
     ctx = StepContext(container=container, target=container.target.name, variables=variables,
-                      playbook_dir=playbook.path.resolve().parent, say=say)
+                      playbook_dir=playbook.path.resolve().parent, say=say, open_target=open_target)
     result = PlayResult(target=ctx.target, variables=variables, results=ctx.results)
     for step in playbook.steps:
         say(f"[{step.index}/{len(playbook.steps)}] {step.name}")

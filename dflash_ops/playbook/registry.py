@@ -29,6 +29,7 @@ class StepContext:
     playbook_dir: Path
     say: Callable[[str], None] = print
     results: list[dict] = field(default_factory=list)
+    open_target: Callable[[str], Any] | None = None  # another target's container (runs across hosts)
 
 
 StepRun = Callable[[StepContext, dict], "dict | None"]

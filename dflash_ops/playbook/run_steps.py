@@ -1,6 +1,7 @@
 """Playbook step types for runs: start, follow, wait, checkpoint, stop (see playbook/registry.py).
 
     - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id
+    - start: {config: C, targets: ["${target}", host300]}   one run across hosts (a rank per target)
     - follow: {run_id: "${run_id}"}                      progress bar until the run is final;
                                                          provides state, step, final_loss, tau
     - wait: {run_id: "${run_id}", step: 50}              until step >= 50 (or state: X, or final)
@@ -35,6 +36,17 @@ def resolve_config(ctx: StepContext, config: str) -> Path:
 def _start(ctx: StepContext, params: dict) -> dict:
     config = resolve_config(ctx, str(params["config"]))
     gpus = check_gpus(params["gpus"]) if params.get("gpus") is not None else None
+    targets = params.get("targets")
+    if targets is not None:
+        from dflash_ops.runs.group import start_group
+
+        if ctx.open_target is None or params.get("run_id") is not None:
+            raise StepFailed("start over several targets: needs the inventory (dflash-ops play) and no run_id")
+        names = [str(t) for t in targets]
+        containers = [ctx.container if n == ctx.target else ctx.open_target(n) for n in names]
+        run_id = start_group(containers, names, config, name=params.get("name"), gpus=gpus)
+        ctx.say(f"started {run_id} on {', '.join(names)} ({config})")
+        return {"run_id": run_id}
     run_id = start_run(ctx.container, config, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
     ctx.say(f"started {run_id} ({config})")
     return {"run_id": run_id}
@@ -145,8 +157,9 @@ def _stop(ctx: StepContext, params: dict) -> dict:
 
 
 RUN_STEPS = [
-    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id"), provides=("run_id",),
-             types={"gpus": list, "name": str, "run_id": str}, help="start a detached training run"),
+    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "targets"), provides=("run_id",),
+             types={"gpus": list, "name": str, "run_id": str, "targets": list},
+             help="start a detached training run (targets: one run across several hosts)"),
     StepType("follow", _follow, required=("run_id",), optional=("timeout",),
              provides=("state", "step", "final_loss", "tau"), types={"timeout": NUMBER},
              help="follow a run to its end with a progress bar; fails if the run fails"),

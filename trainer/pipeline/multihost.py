@@ -60,7 +60,8 @@ class MultiHostTrainer(ThreadedTrainer):
     def __init__(self, cfg, run_dir, env: GroupEnv):
         super().__init__(cfg, run_dir)
         d = cfg.distributed
-        self.group = HostGroup(env, choose_backend(d.backend, cfg.devices.drafter), d.timeout_s, d.peer_timeout_s)
+        self.group = HostGroup(env, choose_backend(d.backend, cfg.devices.drafter), d.timeout_s, d.peer_timeout_s,
+                               d.socket_ifname)
         self.writer = 0
         self.lost: str | None = None
         self._lost_lock = threading.Lock()

@@ -89,11 +89,32 @@ def record_failure(run_dir: Path, message: str, status: dict) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] FAILED: {message}", flush=True)
 
 
+class StoppedBeforeStart(Exception):
+    pass
+
+
+def forward_sigterm(run_dir: Path) -> None:
+    """SIGTERM to this launcher (`run stop --now`) goes to the rank, which checkpoints and stops
+    at its next step boundary (with every other host); the launcher then ends with it."""
+    def forward(_signum, _frame):
+        status = read_status(run_dir) or {}
+        pid, start = status.get("pid"), status.get("pid_start")
+        if isinstance(pid, int) and pid != os.getpid() and process_start_ticks(pid) == start:
+            os.kill(pid, signal.SIGTERM)
+        else:  # still in the rendezvous: nothing to checkpoint
+            raise StoppedBeforeStart("stopped (SIGTERM) before the rank started")
+
+    signal.signal(signal.SIGTERM, forward)
+
+
 def torchrun_argv(args) -> list[str]:
     conf = [f"join_timeout={int(args.join_timeout)}", f"is_host={1 if args.store_host else 0}"]
     argv = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id, "--rdzv-conf", ",".join(conf),
-            "--max-restarts", "0", "--monitor-interval", "0.2"]
+            "--max-restarts", "0", "--monitor-interval", "0.2",
+            # SIGTERM is ours (forward_sigterm): torchrun's own handling would SIGKILL the rank
+            # 30 s later, in the middle of the final checkpoint of a large drafter
+            "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
     argv += ["-m", "trainer", "--config", args.config, "--run-dir", args.run_dir]
@@ -124,6 +145,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, said here so it does not warn
     status = initial_status(run_dir, args)
     write_status(run_dir, status)
+    forward_sigterm(run_dir)
     print(f"[{time.strftime('%H:%M:%S')}] launch: rank of {args.nnodes} hosts, rendezvous {args.rdzv_endpoint} "
           f"(id {args.rdzv_id}{', serving the store' if args.store_host else ''}), "
           f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')}", flush=True)
@@ -140,7 +162,10 @@ def main(argv: list[str]) -> int:
         pid = f" (pid {first.pid})" if first is not None and first.pid and first.pid > 0 else ""
         record_failure(run_dir, f"the trainer process{pid} {what}", status)
         return 1
-    except BaseException as exc:  # noqa: BLE001 - rendezvous timeouts, SIGTERM to the agent, ...
+    except StoppedBeforeStart as exc:
+        record_failure(run_dir, str(exc), status)
+        return 1
+    except BaseException as exc:  # noqa: BLE001 - rendezvous timeouts, a signal to the agent, ...
         message = f"{type(exc).__name__}: {exc}".strip()
         record_failure(run_dir, f"launch failed: {message}", status)
         return 1

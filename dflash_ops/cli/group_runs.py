@@ -22,11 +22,15 @@ def opener(inventory: Path | None):
     return lambda name: open_container(loaded, name)
 
 
-def group_members(inventory: Path | None, target: str, run_id: str):
+def members_or_raise(inventory: Path | None, target: str, run_id: str):
     from dflash_ops.runs.group import members
 
+    return members(opener(inventory), target, run_id)
+
+
+def group_members(inventory: Path | None, target: str, run_id: str):
     with clean_errors():
-        return members(opener(inventory), target, run_id)
+        return members_or_raise(inventory, target, run_id)
 
 
 def start(inventory: Path | None, targets: list[str], config: Path, name: str | None, gpus: list[int] | None,

@@ -373,10 +373,15 @@ def group_of(info):
 
 
 def _group(inventory, target: str, run: str):
-    """The members of `run` when it is a run across hosts, else None."""
+    """The members of `run` when it is a run across hosts, else None (also when the run cannot
+    be found: the one-host command then reports that, after its own checks of its arguments)."""
     from dflash_ops.cli import group_runs
+    from dflash_ops.runs.info import RunError
 
-    found, group = group_runs.group_members(inventory, target, run)
+    try:
+        found, group = group_runs.members_or_raise(inventory, target, run)
+    except RunError:
+        return None
     return found if group is not None else None
 
 

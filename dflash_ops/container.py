@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import DflashOpsError, RemoteCommandError, TransferError
+from dflash_ops.errors import DflashOpsError, HelperFailed, RemoteCommandError, TransferError
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
@@ -47,7 +48,40 @@ class ConfigLocked(TransferError):
     """pct push/pull kept failing because another task held the container's config lock."""
 
 
+class ContainerAPI(Protocol):
+    """What a container offers the layers above it (deploy, runs, patching, playbooks, doctor, tui).
+
+    `Container` is the real one (pct over a Transport); tests pass doubles that run the helpers
+    locally (tests/unit/runs_double.py).
+    """
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def base_dir(self) -> str: ...
+
+    def exec(self, argv: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+             on_stderr_line: LineCallback | None = None, timeout: float | None = None,
+             check: bool = False) -> Result: ...
+
+    def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+               on_stderr_line: LineCallback | None = None, timeout: float | None = None,
+               check: bool = False, python: str | None = None) -> Result: ...
+
+    def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
+                    python: str | None = None, answers: tuple[int, ...] = ()) -> Any: ...
+
+    def helper_path(self, name: str, content: bytes | None = None) -> str: ...
+
+    def push(self, local: Path, remote: str) -> None: ...
+
+    def pull(self, remote: str, local: Path) -> None: ...
+
+
 class Container:
+    """A pct container on a node, over any Transport; implements ContainerAPI."""
+
     def __init__(self, target: Target, transport: Transport):
         self._target = target
         self.transport = transport
@@ -220,6 +254,15 @@ class Container:
         self._installed_helpers.add(remote)
         return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
 
+    def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
+                    python: str | None = None, answers: tuple[int, ...] = ()) -> Any:
+        """Run helper `name` and read its answer: the JSON document on its last stdout line.
+
+        Exit statuses in `answers` are answers too (their document is returned); any other
+        non-zero status, or no JSON at all, raises HelperFailed carrying the helper's error document.
+        """
+        return helper_answer(name, args, self.helper(name, args, stdin=stdin, timeout=timeout, python=python), answers)
+
     def helper_path(self, name: str, content: bytes | None = None) -> str:
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
         digest = hashlib.sha256(content if content is not None else source.read_bytes()).hexdigest()[:16]
@@ -246,6 +289,31 @@ _WITHOUT_PCT = {
     "pull": lambda src, dst: ["cp", "--", src, dst],
     "exec": lambda separator, *argv: list(argv),
 }
+
+
+def helper_answer(name: str, args: list[str], result: Result, answers: tuple[int, ...] = ()) -> Any:
+    """A helper call's JSON answer (see Container.helper_json), or HelperFailed."""
+    document = last_json_line(result.stdout)
+    if document is not None and (result.ok or result.exit_code in answers):
+        return document
+    raise helper_failure(name, args, result)
+
+
+def helper_failure(name: str, args: list[str], result: Result) -> HelperFailed:
+    """The HelperFailed for a helper call that failed, carrying the error document it printed."""
+    document = last_json_line(result.stdout)
+    return HelperFailed(name, args, result.exit_code, result.stderr, result.stdout,
+                        document if isinstance(document, dict) else None)
+
+
+def last_json_line(stdout: str) -> Any:
+    """The JSON document on the last line of `stdout` that holds one (None when none does)."""
+    for line in reversed(stdout.splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def _without_marker(callback: LineCallback | None) -> LineCallback | None:

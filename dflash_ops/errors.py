@@ -54,3 +54,22 @@ class RemoteCommandError(DflashOpsError):
 
 class TransferError(DflashOpsError):
     """A file transfer did not arrive intact (checksum mismatch, pct push/pull failed)."""
+
+
+class HelperFailed(DflashOpsError):
+    """A helper script exited with a status its caller does not accept, or printed no JSON answer.
+
+    `document` is the JSON object it printed (its error document; {} when none); `reason` is
+    the document's error, else the end of its stderr.
+    """
+
+    def __init__(self, name: str, args: list[str], exit_code: int, stderr: str, stdout: str = "",
+                 document: dict | None = None):
+        self.helper, self.exit_code, self.stderr, self.document = name, exit_code, stderr, document or {}
+        tail = " | ".join(stderr.strip().splitlines()[-5:])
+        self.reason: str = str(self.document.get("error") or tail or "no error message")
+        command = f"{name.replace('-', '_')}.py {args[0] if args else ''}".strip()
+        if exit_code == 0:
+            super().__init__(f"{command}: unexpected output {stdout[-200:]!r}")
+        else:
+            super().__init__(f"{command} failed (exit {exit_code}): {self.reason}")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from dflash_ops.errors import ConnectionLost, DflashOpsError, TransferError
+from dflash_ops.errors import ConnectionLost, DflashOpsError, HelperFailed, TransferError
 from dflash_ops.hashing import sha256_file
 from dflash_ops.helpers import tree as tree_helper
 
@@ -101,21 +101,6 @@ def local_manifest(src: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
     return "tree", {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}, paths
 
 
-def _helper_json(container, args: list[str], stdin) -> tuple[int, dict]:
-    result = container.helper(HELPER, args, stdin=stdin)
-    doc: dict = {}
-    for line in reversed(result.stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if not result.ok and not doc.get("error"):
-        doc = {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else
-               f"tree.py {args[0]} exited {result.exit_code}"}
-    return result.exit_code, doc
-
-
 class _FrameStream(io.RawIOBase):
     """The receive stream: request line, then per file a frame header and its bytes from the offset."""
 
@@ -175,9 +160,10 @@ def push_path(container, src: Path | str, dest: str, *, force: bool = False,
     done = 0
     for attempt in range(RESUME_ATTEMPTS + 1):
         try:
-            code, plan = _helper_json(container, ["plan", container.base_dir, dest], request)
-            if code != 0:
-                raise TransferRefused(f"push {src} -> {container.target.name}:{dest}: {plan.get('error')}")
+            try:
+                plan = container.helper_json(HELPER, ["plan", container.base_dir, dest], stdin=request)
+            except HelperFailed as e:
+                raise TransferRefused(f"push {src} -> {container.target.name}:{dest}: {e.reason}") from None
             if plan["up_to_date"]:
                 summary.up_to_date = True
                 break
@@ -194,11 +180,12 @@ def push_path(container, src: Path | str, dest: str, *, force: bool = False,
                     on_progress(done, todo)
 
             stream = _FrameStream(request, sends, sent)
-            code, result = _helper_json(container, ["receive", container.base_dir, dest], stream)
-            if code == tree_helper.EXIT_INCOMPLETE:
-                raise ConnectionLost(result.get("error", "the stream ended early"))
-            if code != 0:
-                raise TransferError(f"push {src} -> {container.target.name}:{dest}: {result.get('error')}")
+            try:
+                container.helper_json(HELPER, ["receive", container.base_dir, dest], stdin=stream)
+            except HelperFailed as e:
+                if e.exit_code == tree_helper.EXIT_INCOMPLETE:
+                    raise ConnectionLost(e.document.get("error") or "the stream ended early") from None
+                raise TransferError(f"push {src} -> {container.target.name}:{dest}: {e.reason}") from None
             break
         except ConnectionLost:
             if attempt == RESUME_ATTEMPTS:
@@ -234,9 +221,10 @@ def fetch_path(container, src: str, dest: Path | str, *, force: bool = False, ch
     started = time.monotonic()
     src = container_path(src)
     dest = Path(dest).absolute()
-    code, remote = _helper_json(container, ["manifest", src], None)
-    if code != 0:
-        raise TransferRefused(f"fetch {container.target.name}:{src}: {remote.get('error')}")
+    try:
+        remote = container.helper_json(HELPER, ["manifest", src])
+    except HelperFailed as e:
+        raise TransferRefused(f"fetch {container.target.name}:{src}: {e.reason}") from None
     kind, files = remote["kind"], remote["files"]
     for rel in files:
         tree_helper.check_rel(rel)

@@ -11,14 +11,12 @@ Nothing is sent when the release already exists and `current` points at it.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from dflash_ops.container import HELPERS_DIR
-from dflash_ops.errors import DflashOpsError
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops.tarstream import ProgressReader, stream_size
@@ -26,10 +24,6 @@ from dflash_ops.tarstream import ProgressReader, stream_size
 DEFAULT_KEEP = 5
 
 ProgressCallback = Callable[[str, int, int], None]  # (phase, bytes_done_increment, total)
-
-
-class DeployError(DflashOpsError):
-    """A deploy step failed inside the container; `current` still serves the old release."""
 
 
 @dataclass
@@ -73,17 +67,6 @@ def _commands_run(container) -> int:
     return int(getattr(transport, "commands_run", 0))
 
 
-def _helper_json(container, name: str, args: list[str], *, stdin=None) -> dict:
-    result = container.helper(name, args, stdin=stdin)
-    if not result.ok:
-        tail = " | ".join(result.stderr.strip().splitlines()[-5:])
-        raise DeployError(f"{name}.py {args[0]} failed (exit {result.exit_code}): {tail}")
-    try:
-        return json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise DeployError(f"{name}.py {args[0]}: unexpected output {result.stdout[-200:]!r}") from None
-
-
 def deploy_target(
     container,
     *,
@@ -96,8 +79,8 @@ def deploy_target(
 ) -> DeploySummary:
     """Deploy the trainer (or `source`, a package dir) plus `extra_paths` into `container`.
 
-    `venv=None` deploys without a venv (runs use the target's python). Raises DeployError or
-    a transport error; the container's `current` release is untouched by any failure.
+    `venv=None` deploys without a venv (runs use the target's python). Raises HelperFailed (a step
+    failed in the container) or a transport error; the container's `current` release is untouched by any failure.
     """
     started = time.monotonic()
     calls_before = _commands_run(container)
@@ -112,7 +95,7 @@ def deploy_target(
     query += ["--venv", venv_rel] if venv_rel else []
     for rel, _path in helpers:
         query += ["--helper", rel]
-    state = _helper_json(container, "release-store", query)
+    state = container.helper_json("release-store", query)
     summary.previous = state["current"]
 
     present = set(state["helpers_present"])
@@ -134,7 +117,7 @@ def deploy_target(
     if venv is not None and not state["venv_ready"]:
         with venv.tar() as stream:
             summary.bytes_sent += stream_size(stream)
-            built = _helper_json(container, "venv", venv.helper_args(base), stdin=stream)
+            built = container.helper_json("venv", venv.helper_args(base), stdin=stream)
         summary.venv_action = "built-pip" if built.get("pip") else "built"
 
     if summary.action == "build" or missing_helpers:
@@ -145,11 +128,11 @@ def deploy_target(
             args = ["apply", base, release.hash, "--keep", str(keep)]
             if state["current"] and summary.action == "build":
                 args += ["--parent", state["current"]]
-            done = _helper_json(container, "release-store", args, stdin=reader)
+            done = container.helper_json("release-store", args, stdin=reader)
             summary.bytes_sent += total
         summary.pruned = done.get("pruned", [])
     elif summary.action == "switch":
-        summary.pruned = _helper_json(container, "release-store", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
+        summary.pruned = container.helper_json("release-store", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
     return _finish(summary, container, started, calls_before)
 
 

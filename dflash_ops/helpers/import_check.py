@@ -7,7 +7,7 @@ Runs in the container's venv against a patched tree before it becomes a release.
 module-level import is resolved without importing it (modules of ROOT by their files and
 the names they define, others by `importlib.util.find_spec` of their top-level package). Prints one
 JSON document {"ok": bool, "root": ROOT, "results": [{"module", "ok", "error", "file",
-"line", "traceback"}]}; exit status 0 when every module imports, 1 otherwise, 2 on bad input.
+"line", "traceback"}]}; exit status 0 when every module imports, else one of the EXIT_* below.
 """
 
 import ast
@@ -17,6 +17,9 @@ import json
 import os
 import sys
 import traceback
+
+EXIT_IMPORT_FAILED = 1  # the JSON document says which modules failed (dflash_ops/patching/rollout.py)
+EXIT_BAD_INPUT = 2  # no JSON: the usage line on stderr
 
 
 def import_one(name):
@@ -147,7 +150,7 @@ def main(argv):
     argv = argv[1:] if static else argv
     if len(argv) < 2 or not os.path.isdir(argv[0]):
         sys.stderr.write("usage: import_check.py [--static] ROOT MODULE... (ROOT must be a directory)\n")
-        return 2
+        return EXIT_BAD_INPUT
     root = os.path.abspath(argv[0])
     if static:
         results = [check_static(root, name) for name in argv[1:]]
@@ -158,7 +161,7 @@ def main(argv):
     ok = all(r["ok"] for r in results)
     sys.stdout.write(json.dumps({"ok": ok, "root": root, "results": results}, sort_keys=True) + "\n")
     sys.stdout.flush()
-    return 0 if ok else 1
+    return 0 if ok else EXIT_IMPORT_FAILED
 
 
 if __name__ == "__main__":

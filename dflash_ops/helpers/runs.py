@@ -19,10 +19,7 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py checkpoints RUNDIR
   runs.py hash-files ROOT PATH...
 
-Exit status: 0 success, 2 bad input / not found, 3 refused (conflict), 4 the trainer died at start,
-5 nothing deployed (no release root), 6 a follow reached --max-seconds (the run goes on; ask
-again from the offset reached), 7 the followed file was truncated or replaced (stderr:
-`truncated OFFSET NEW_SIZE`).
+Exit status: 0 success, else one of the EXIT_* below (dflash_ops/runs/helper.py imports them).
 Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 """
 
@@ -40,6 +37,15 @@ import sys
 import time
 import uuid
 
+# Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
+EXIT_NOT_FOUND = 2  # bad input, or no such run / file / run directory
+EXIT_REFUSED = 3  # a conflict: the run exists, still runs, or its GPUs are busy
+EXIT_DIED_AT_START = 4  # the trainer exited before it wrote status.json
+EXIT_NOT_DEPLOYED = 5  # no release root (nothing deployed)
+EXIT_TIME_UP = 6  # a follow reached --max-seconds; the run goes on (ask again from the offset reached)
+EXIT_TRUNCATED = 7  # the followed file was truncated or replaced (stderr: `truncated OFFSET NEW_SIZE`)
+EXIT_BROKEN_PIPE = 141  # the reader went away (128 + SIGPIPE)
+
 FINAL_STATES = ("stopped", "failed", "done")
 LOG_TAIL_LINES = 40
 CHUNK = 1 << 20
@@ -49,7 +55,7 @@ PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR"
 
 
 class Refused(Exception):
-    def __init__(self, message, code=2, **extra):
+    def __init__(self, message, code=EXIT_NOT_FOUND, **extra):
         super().__init__(message)
         self.code = code
         self.extra = extra
@@ -261,7 +267,6 @@ def cmd_list(args):
 # ---------------------------------------------------------------- following a file
 
 EXIT_GRACE_S = 30
-EXIT_TIME_UP = 6
 
 
 def run_is_over(run_dir):
@@ -365,7 +370,6 @@ def cmd_follow(args):
     return 0
 
 
-EXIT_TRUNCATED = 7
 GUARD_BYTES = 64
 
 
@@ -554,7 +558,7 @@ def release_python(base, release_root, fallback):
         python = os.path.join(base, venv, "bin", "python")
         if not os.path.exists(python):
             raise Refused("release %s names venv %s but %s is missing; redeploy" % (
-                doc.get("hash"), venv, python), code=5)
+                doc.get("hash"), venv, python), code=EXIT_NOT_DEPLOYED)
         return python
     return fallback
 
@@ -584,7 +588,7 @@ def cmd_start(args):
     check_run_id(args.run_id)
     release_root = os.path.realpath(args.release_root)
     if not os.path.isdir(release_root):
-        raise Refused("nothing deployed: %s does not exist" % args.release_root, code=5, not_deployed=True)
+        raise Refused("nothing deployed: %s does not exist" % args.release_root, code=EXIT_NOT_DEPLOYED, not_deployed=True)
     python = release_python(args.base, release_root, args.python)
     runs_root = os.path.join(args.base, "runs")
     run_dir = os.path.join(runs_root, args.run_id)
@@ -611,7 +615,7 @@ def cmd_start(args):
             break
         if code is not None:
             tail = tail_lines(log_path, LOG_TAIL_LINES)
-            raise Refused("trainer exited with status %d before writing status.json" % code, code=4,
+            raise Refused("trainer exited with status %d before writing status.json" % code, code=EXIT_DIED_AT_START,
                           exit_code=code, log_tail=tail, run_id=args.run_id)
         time.sleep(0.02)
     print_json({"run_id": args.run_id, "pid": child.pid, "run_dir": run_dir,
@@ -626,14 +630,14 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
     if conflicts:
         names = ", ".join("%s (pid %d) holds GPU %s" % (c["run_id"], c["pid"], ",".join(map(str, c["gpus"])))
                           for c in conflicts)
-        raise Refused("GPUs busy: " + names, code=3, conflicts=conflicts)
+        raise Refused("GPUs busy: " + names, code=EXIT_REFUSED, conflicts=conflicts)
     config_input = os.path.join(run_dir, "config.input.yaml")
     stale = []
     if args.resume is None:
         try:
             os.mkdir(run_dir)
         except FileExistsError:
-            raise Refused("run %s already exists; resume it instead" % args.run_id, code=3, exists=True) from None
+            raise Refused("run %s already exists; resume it instead" % args.run_id, code=EXIT_REFUSED, exists=True) from None
         write_atomic(config_input, config_bytes)
     else:
         if not os.path.isdir(run_dir):
@@ -641,7 +645,7 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
         status = read_json(os.path.join(run_dir, "status.json"))
         pid, pid_start = run_process(run_dir, status)
         if pid is not None and process_matches(pid, pid_start):
-            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=3, running_pid=pid)
+            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=EXIT_REFUSED, running_pid=pid)
         stale = set_aside_stale_requests(run_dir)
         if config_bytes is not None:
             write_atomic(config_input, config_bytes)
@@ -876,7 +880,7 @@ def main(argv=None):
         sys.stderr.write("runs.py %s: %s\n" % (args.command, e))
         return e.code
     except BrokenPipeError:
-        return 141
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflash_ops import render
-from dflash_ops.errors import DflashOpsError
+from dflash_ops.errors import DflashOpsError, HelperFailed
+from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
 from dflash_ops.tarstream import build_tar
 from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
@@ -135,11 +136,11 @@ def import_check_in_container(container, meta: dict, patched_root: Path, report:
             steps.append(["rm", "-f", "--", *deleted])
         with build_tar([(rel, patched_root / rel) for rel in changed]) as tar:
             container.exec(render.script(*steps), stdin=tar, check=True)
-        result = container.helper("import-check", [*(["--static"] if static else []), scratch, *modules], python=release_python(container, meta))
         try:
-            doc = json.loads(result.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            raise PatchError(f"import check failed to run (exit {result.exit_code}): {result.stderr.strip()[-300:]}") from None
+            doc = container.helper_json("import-check", [*(["--static"] if static else []), scratch, *modules],
+                                        python=release_python(container, meta), answers=(EXIT_IMPORT_FAILED,))
+        except HelperFailed as e:
+            raise PatchError(f"import check failed to run (exit {e.exit_code}): {e.stderr.strip()[-300:]}") from None
         return [dict(r, file=_relative(r.get("file"), scratch)) for r in doc["results"]]
     finally:
         container.exec(["rm", "-rf", "--", scratch])
@@ -188,7 +189,6 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
     restart_run: stop that run with a final checkpoint before `current` swaps, then resume
     it on the new release.
     """
-    from dflash_ops.deploy.push import _helper_json
     from dflash_ops.patching.diff import DiffError, parse_unified_diff
 
     meta = current_release(container)
@@ -227,7 +227,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
         try:
             with release_tar(release, to_send, (), meta["files"]) as tar:
-                _helper_json(container, "release-store", ["apply", container.base_dir, release.hash,
+                container.helper_json("release-store", ["apply", container.base_dir, release.hash,
                                                     "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
         except BaseException:
             if restart_run is not None:  # `current` did not change: the run goes on where it was
@@ -247,11 +247,9 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
 
 def rollback(container, keep: int = DEFAULT_KEEP) -> tuple[str, str]:
     """Point `current` back at the current release's parent, atomically; returns (from, to)."""
-    from dflash_ops.deploy.push import _helper_json
-
     meta = current_release(container)
     parent = meta.get("parent")
     if not parent:
         raise PatchError(f"release {meta['hash']} on {container.target.name} has no parent to roll back to")
-    _helper_json(container, "release-store", ["switch", container.base_dir, parent, "--keep", str(keep)])
+    container.helper_json("release-store", ["switch", container.base_dir, parent, "--keep", str(keep)])
     return meta["hash"], parent

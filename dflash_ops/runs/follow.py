@@ -158,7 +158,7 @@ def follow_file(
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             result = call(container, args, on_line=stream.feed, timeout=remaining,
-                          also_ok=(EXIT_TIME_UP, EXIT_TRUNCATED))
+                          answers=(EXIT_TIME_UP, EXIT_TRUNCATED))
         except RETRYABLE as error:
             progressed = stream.offset is not None and stream.offset != position
             if stream.offset is not None:

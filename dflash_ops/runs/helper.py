@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 from typing import Any
 
+from dflash_ops.container import ContainerAPI, helper_failure
+from dflash_ops.errors import HelperFailed
+from dflash_ops.helpers.runs import EXIT_NOT_DEPLOYED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_TIME_UP, EXIT_TRUNCATED
 from dflash_ops.runs.info import GpusBusy, NotDeployed, RunError, RunNotFound, RunRefused
+from dflash_ops.transport.base import Result
+
+__all__ = ["EXIT_TIME_UP", "EXIT_TRUNCATED", "HELPER", "call", "call_json", "check_run_id", "run_dir", "run_error",
+           "runs_root"]
 
 HELPER = "runs"
-EXIT_NOT_FOUND = 2
-EXIT_REFUSED = 3
-EXIT_DIED_AT_START = 4
-EXIT_NOT_DEPLOYED = 5
-EXIT_TIME_UP = 6
-EXIT_TRUNCATED = 7
 
 
-def runs_root(container) -> str:
+def runs_root(container: ContainerAPI) -> str:
     return posixpath.join(container.base_dir, "runs")
 
 
@@ -33,45 +33,43 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def run_dir(container, run_id: str) -> str:
+def run_dir(container: ContainerAPI, run_id: str) -> str:
     return posixpath.join(runs_root(container), check_run_id(run_id))
 
 
 START_TAIL_SHOWN = 8  # log lines shown when the trainer dies before it says anything
 
 
-def call(container, args: list[str], *, also_ok: tuple[int, ...] = (), **kwargs):
-    """Run the helper; on failure raise RunError carrying its JSON error document.
+def call(container: ContainerAPI, args: list[str], *, answers: tuple[int, ...] = (), **kwargs: Any) -> Result:
+    """Run the helper for its raw output (follow, control); on failure raise RunError (run_error).
 
-    Exit statuses in `also_ok` are answers, not failures (the caller reads `exit_code`)."""
+    Exit statuses in `answers` are answers, not failures (the caller reads `exit_code`)."""
     result = container.helper(HELPER, args, **kwargs)
-    if result.ok or result.exit_code in also_ok:
+    if result.ok or result.exit_code in answers:
         return result
-    details = _error_document(result.stdout)
-    message = details.get("error") or result.stderr.strip() or f"runs helper {args[0]} exited {result.exit_code}"
+    raise run_error(helper_failure(HELPER, args, result))
+
+
+def call_json(container: ContainerAPI, args: list[str], **kwargs: Any) -> Any:
+    """The helper's JSON answer; on failure raise RunError (see run_error)."""
+    try:
+        return container.helper_json(HELPER, args, **kwargs)
+    except HelperFailed as e:
+        raise run_error(e) from None
+
+
+def run_error(failure: HelperFailed) -> RunError:
+    """The RunError for a failed helper call, by its exit status, carrying its JSON error document."""
+    details = failure.document
+    message = details.get("error") or failure.stderr.strip() or str(failure)
     if details.get("log_tail"):
         message += "; the end of its train.log:\n" + _last_lines(details["log_tail"], START_TAIL_SHOWN)
     error_type = {EXIT_NOT_FOUND: RunNotFound, EXIT_REFUSED: GpusBusy if details.get("conflicts") else RunRefused,
                   EXIT_NOT_DEPLOYED: NotDeployed}
-    raise error_type.get(result.exit_code, RunError)(message, details)
+    return error_type.get(failure.exit_code, RunError)(message, details)
 
 
 def _last_lines(text: str, n: int) -> str:
     """The last n log lines, skipping ops' own `# dflash-ops start` banners."""
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("# dflash-ops")]
     return "\n".join("  " + line for line in lines[-n:])
-
-
-def call_json(container, args: list[str], **kwargs) -> Any:
-    return json.loads(call(container, args, **kwargs).stdout)
-
-
-def _error_document(stdout: str) -> dict[str, Any]:
-    for line in reversed(stdout.splitlines()):
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(doc, dict):
-            return doc
-    return {}

@@ -6,7 +6,6 @@ worker thread, where the dashboard shows it, not at start-up).
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Callable
 
@@ -97,5 +96,4 @@ class RemoteSource:
         return runs.request(self._container(target), run_id, kind)
 
     def gpu_samples(self, target: str) -> list[GpuSample] | None:
-        result = self._container(target).helper("gpu_sample", [], check=True)
-        return gpu_samples_from_json(json.loads(result.stdout))
+        return gpu_samples_from_json(self._container(target).helper_json("gpu_sample", []))

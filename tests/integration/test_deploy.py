@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.deploy_support import make_package, sim_container, sshd_container
-from dflash_ops.deploy.push import DeployError, deploy_target
+from dflash_ops.deploy.push import deploy_target
+from dflash_ops.errors import HelperFailed
 from dflash_ops.deploy.venv_spec import VenvSpec
 
 NO_VENV = None
@@ -90,7 +91,7 @@ def test_failure_before_swap_leaves_previous_release_and_next_deploy_cleans(tier
         return real_helper(name, args, **kw)
 
     monkeypatch.setattr(container, "helper", failing)
-    with pytest.raises(DeployError, match="injected failure"):
+    with pytest.raises(HelperFailed, match="injected failure"):
         deploy_target(container, source=package, venv=NO_VENV)
     assert current(base) == f"releases/{first.release}"
     monkeypatch.undo()
@@ -107,7 +108,7 @@ def test_corrupt_parent_file_fails_verification_and_leaves_nothing(env):
     os.chmod(target, 0o644)
     target.write_text("tampered\n")  # an unchanged file the next release would reuse
     (package / "part1" / "mod1.py").write_text("VALUE = 'new'\n")
-    with pytest.raises(DeployError, match="sha256 mismatch"):
+    with pytest.raises(HelperFailed, match="sha256 mismatch"):
         deploy_target(container, source=package, venv=NO_VENV)
     assert current(base) == f"releases/{first.release}"
     assert not [n for n in releases(base) if n.startswith(".tmp-")]  # the failed build removed its tree
@@ -188,7 +189,7 @@ def test_failed_pip_leaves_no_venv_and_keeps_current(env):
     container, package, base = env
     first = deploy_target(container, source=package, venv=NO_VENV)
     (package / "requirements.txt").write_text("dflash-no-such-package==9.9\n")
-    with pytest.raises(DeployError, match="venv"):
+    with pytest.raises(HelperFailed, match="venv"):
         deploy_target(container, source=package, venv=VenvSpec(requirements=package / "requirements.txt", index=False, uv="never"))
     assert current(base) == f"releases/{first.release}"
     assert list((base / "venvs").iterdir()) == []

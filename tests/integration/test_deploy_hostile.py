@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops.deploy.push import DeployError, deploy_target
+from dflash_ops.deploy.push import deploy_target
+from dflash_ops.errors import HelperFailed
 from dflash_ops.deploy.manifest import ReleasePathError, collect
 from tests.integration.deploy_support import make_package, sim_container
 
@@ -98,7 +99,7 @@ def test_a_full_disk_cleans_up_and_the_previous_release_keeps_serving(small_disk
     first = deploy_target(container, source=package, venv=NO_VENV)
     used_before = _used(base)
     (package / "big.bin").write_bytes(os.urandom(4 << 20))  # more than the disk holds
-    with pytest.raises(DeployError, match="No space left on device"):
+    with pytest.raises(HelperFailed, match="No space left on device"):
         deploy_target(container, source=package, venv=NO_VENV)
     assert _current(base) == f"releases/{first.release}"
     assert (base / "current" / "trainer" / "part0" / "mod0.py").read_text() == "VALUE = 0\n"

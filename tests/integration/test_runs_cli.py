@@ -308,18 +308,19 @@ def test_resume_with_a_new_config(tier, tmp_path):
 def test_patch_restart_whose_release_fails_resumes_the_run_on_the_old_release(tier, tmp_path, monkeypatch):
     """`patch --restart RUN` stops the run before the new release is built: when that build
     fails, the run must not be left stopped."""
-    import dflash_ops.deploy.push as deploy_module
+    from dflash_ops.container import Container
+    from dflash_ops.errors import HelperFailed
 
     first = deployed(tier)
     run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG)).stdout.strip()
-    real_helper_json = deploy_module._helper_json
+    real_helper_json = Container.helper_json
 
     def apply_fails(container, name, args, **kwargs):
         if name == "release-store" and args[0] == "apply":
-            raise deploy_module.DeployError("release_store.py apply failed (exit 1): disk full")
+            raise HelperFailed(name, args, 1, "OSError: [Errno 28] disk full")
         return real_helper_json(container, name, args, **kwargs)
 
-    monkeypatch.setattr(deploy_module, "_helper_json", apply_fails)
+    monkeypatch.setattr(Container, "helper_json", apply_fails)
     failed = tier.cli("patch", "host200", str(PATCHES / "fixed_warmup_at_module_level.diff"), "--restart", run_id,
                       code=1)
     assert "disk full" in failed.stderr

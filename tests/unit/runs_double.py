@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash_ops.container import helper_answer
 from dflash_ops.errors import ConnectionLost
 
 HELPERS = Path(__file__).resolve().parents[2] / "dflash_ops" / "helpers"
@@ -66,6 +67,9 @@ class LocalHelperContainer:
     def helper(self, name: str, args: list[str], **kwargs) -> Result:
         script = HELPERS / (name.replace("-", "_") + ".py")
         return self.exec([sys.executable, str(script), *args], **kwargs)
+
+    def helper_json(self, name: str, args: list[str], *, answers: tuple[int, ...] = (), **kwargs) -> object:
+        return helper_answer(name, args, self.helper(name, args, **kwargs), answers)
 
     def exec(self, argv, *, stdin=None, on_line=None, on_stderr_line=None, timeout=None, check=False) -> Result:
         self.calls.append(list(argv))

@@ -98,11 +98,28 @@ def check_members(names: list[str]) -> None:
         raise RunError(f"targets {names}: a target is named twice (one rank per container)")
 
 
+def check_micro_batches(config: bytes, hosts: int, source: str) -> None:
+    """optim.micro_batches is the global count per step: every host must get the same share.
+    (The trainer refuses it too; here the user hears it before anything starts.)"""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(config) or {}
+    except yaml.YAMLError:
+        return  # the trainer reports the YAML error with its line
+    optim = doc.get("optim") if isinstance(doc, dict) else None
+    micro = optim.get("micro_batches", 1) if isinstance(optim, dict) else 1
+    if isinstance(micro, int) and micro % hosts:
+        raise RunError(f"{source}: optim.micro_batches is {micro}, not a multiple of the {hosts} hosts: it counts the "
+                       f"micro-batches of a step over all hosts (e.g. micro_batches: {hosts * max(1, micro // hosts)})")
+
+
 def start_group(containers: list, names: list[str], config_path_local: Path | str, name: str | None = None,
                 gpus: list[int] | None = None) -> str:
     """Start one run over `containers` (targets `names`, in rank-hint order); returns the run id."""
     check_members(names)
     config = Path(config_path_local).read_bytes()
+    check_micro_batches(config, len(names), str(config_path_local))
     base_id = new_run_id(name)
     for attempt in range(1, 10):
         candidate = base_id if attempt == 1 else f"{base_id}-{attempt}"

@@ -7,7 +7,7 @@ import pytest
 
 from dflash_ops.errors import InventoryError
 from dflash_ops.inventory import load_inventory
-from dflash_ops.runs.group import check_members, group_of
+from dflash_ops.runs.group import check_members, check_micro_batches, group_of
 from dflash_ops.runs.info import RunError, RunInfo
 from dflash_ops.tui.app import group_order
 from dflash_ops.tui.source import RunRow, run_row_from_status
@@ -50,3 +50,9 @@ def test_the_dashboard_keeps_a_groups_rows_together_by_rank():
     assert group_order(rows) == ["a/solo", "a/g", "b/g", "c/other"]
     status = {"state": "running", "distributed": {"rank": 1, "world_size": 2}}
     assert (run_row_from_status("b", "g", status, None).rank, run_row_from_status("b", "g", status, None).world) == (1, 2)
+
+
+def test_a_global_batch_that_does_not_split_over_the_hosts_is_refused_before_start():
+    check_micro_batches(b"optim: {micro_batches: 4}", 2, "c.yaml")
+    with pytest.raises(RunError, match=r"c.yaml: optim.micro_batches is 1, not a multiple of the 2 hosts"):
+        check_micro_batches(b"model: {}", 2, "c.yaml")

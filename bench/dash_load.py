@@ -20,7 +20,7 @@ import time
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.demo import SimulatedRun
 from dflash_ops.tui.detail import RunDetailScreen
-from dflash_ops.tui.source import LocalDirSource
+from dflash_ops.tui.remote import LocalDirSource
 
 PROBE_S = 0.02
 
@@ -97,7 +97,7 @@ async def main(rate: int, seconds: float) -> None:
             sim.advance()
 
     threading.Thread(target=steps, daemon=True).start()
-    app = CountingDashApp(LocalDirSource({"bench": base}, gpu_probe=None), poll_s=1.0)
+    app = CountingDashApp(LocalDirSource({"bench": base}, gpus=False), poll_s=1.0)
     async with app.run_test(size=(160, 50)) as pilot:
         while "bench/bench" not in app.rows:
             await pilot.pause(0.05)

@@ -82,9 +82,10 @@ class ContainerAPI(Protocol):
 class Container:
     """A pct container on a node, over any Transport; implements ContainerAPI."""
 
-    def __init__(self, target: Target, transport: Transport):
+    def __init__(self, target: Target, transport: Transport, *, helpers_in_place: bool = False):
         self._target = target
         self.transport = transport
+        self.helpers_in_place = helpers_in_place  # this machine is the container: run the packaged helpers
         self._installed_helpers: set[str] = set()
         self.notice: Callable[[str], None] = _stderr_notice  # what ops tells the user while it works
 
@@ -234,10 +235,13 @@ class Container:
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
         if not source.is_file() or source.name == "__init__.py":
             raise DflashOpsError(f"unknown helper {name!r} (no {source})")
+        kwargs: dict[str, Any] = dict(on_line=on_line, timeout=timeout, check=check)
+        if self.helpers_in_place:  # nothing is installed into the directory it reads
+            return self.exec([python or self._target.python, str(source), *args], stdin=stdin,
+                             on_stderr_line=on_stderr_line, **kwargs)
         content = source.read_bytes()
         remote = self.helper_path(name, content)
         argv = [python or self._target.python, remote, *args]
-        kwargs: dict[str, Any] = dict(on_line=on_line, timeout=timeout, check=check)
         if remote in self._installed_helpers:
             return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
         if stdin is None:

@@ -7,6 +7,10 @@ class DflashOpsError(Exception):
     """Base of every error dflash-ops expects and reports to the user as one line."""
 
 
+class UsageError(DflashOpsError, ValueError):
+    """A value given to dflash-ops is not valid (an option, a step parameter, a request kind)."""
+
+
 class InventoryError(DflashOpsError):
     """The inventory file is missing, unreadable or does not match the schema."""
 

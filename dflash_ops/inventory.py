@@ -21,23 +21,25 @@ Every error names file:line and says what is wrong in one line.
 
 from __future__ import annotations
 
-import difflib
 import os
 import shlex
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_ops.errors import InventoryError
+from dflash_ops.simnode import containers as simct
+from dflash_ops.yamlfile import read_yaml_node, suggest
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
+_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Inventory:
             return self.targets[name]
         except KeyError:
             raise InventoryError(
-                f"{self.path}: no target {name!r}{_suggest(name, self.targets)}"
+                f"{self.path}: no target {name!r}{suggest(name, self.targets)}"
                 f" (targets: {', '.join(sorted(self.targets)) or 'none'})"
             ) from None
 
@@ -106,23 +108,11 @@ def default_inventory_path() -> Path:
 
 def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     path = Path(path).expanduser() if path else default_inventory_path()
+    loader, root = read_yaml_node(path, "inventory", InventoryError, _MarkedLoader)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise InventoryError(f"{path}: cannot read inventory: {e.strerror or e}") from None
-    try:
-        loader = _MarkedLoader(text)
-        loader.name = str(path)
-        try:
-            data = loader.get_single_data()
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark else "?"
-        raise InventoryError(f"{path}:{line}: invalid YAML: {e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise InventoryError(f"{path}: invalid YAML: {e}") from None
+        data = None if root is None else loader.construct_document(root)
+    finally:
+        loader.dispose()
     return _Parser(path).inventory(data)
 
 
@@ -154,17 +144,55 @@ def _construct_marked_mapping(loader: _MarkedLoader, node: yaml.MappingNode):
 
 _MarkedLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_marked_mapping)
 
-_NODE_KEYS = {
-    "transport", "address", "port", "user", "identity_file", "known_hosts",
-    "strict_host_key_checking", "pct", "connect_timeout", "keepalive", "sim_root", "sim_containers",
-}
-_TARGET_KEYS = {"node", "ctid", "base_dir", "python", "gpus", "extra_paths", "venv", "keep_releases", "address"}
-_VENV_KEYS = {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
+
+# The schema's types and ranges (pydantic, strict: no "22" for 22, no true for 1); what depends on
+# other keys (ssh needs an address, pct: simulated needs a local node, ...) is checked in _Parser.
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+Ctid = Annotated[int, Field(ge=100, le=999_999_999)]
+Path_ = Annotated[str, Field(min_length=1)]
+
+
+class _InventorySpec(_Schema):
+    nodes: dict
+    targets: dict
+
+
+class _NodeSpec(_Schema):
+    transport: Literal["ssh", "local"]
+    address: str | None = None
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    strict_host_key_checking: bool = True
+    pct: Any = "pct"  # a command (string or list of strings), `simulated` or `none`
+    connect_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+    keepalive: Annotated[int, Field(ge=0)] = 15
+    sim_root: str | None = None
+    sim_containers: list[Ctid] = []
+
+
+class _TargetSpec(_Schema):
+    node: str
+    ctid: Annotated[Ctid, Field(strict=False)] | None = None  # "200" is a ctid too
+    base_dir: Path_
+    python: Path_ = "python3"
+    gpus: list[Annotated[int, Field(ge=0)]] = []
+    extra_paths: list[Path_] = []
+    venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
+    keep_releases: Annotated[int, Field(ge=1)] | None = None
+    address: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] | None = None  # runs across hosts
+
+
+class _VenvSpec(_Schema):
+    requirements: str | None = None
+    system_site_packages: bool = True
+    wheelhouse: str | None = None
+    uv: Literal["auto", "always", "never"] = "auto"
+    index: bool = True
 
 
 class _Parser:
@@ -180,19 +208,28 @@ class _Parser:
         value.line = line  # report a missing key at the line naming the entry
         return value
 
-    def check_keys(self, m: _Mapping, allowed: set[str], required: set[str], what: str) -> None:
-        for key in m:
-            if key not in allowed:
-                raise self.fail(m.key_lines[key], f"{what}: unknown key {key!r}{_suggest(key, allowed)}")
-        for key in sorted(required):
-            if key not in m:
-                raise self.fail(m.line, f"{what}: missing required key {key!r}")
+    def validate(self, spec: type[_Schema], m: _Mapping, what: str) -> Any:
+        """m checked against spec; the first problem as `FILE:LINE: what: key: problem, got VALUE`."""
+        try:
+            return spec.model_validate(dict(m))
+        except ValidationError as e:
+            error = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")  # unknown keys first
+            key = str(error["loc"][0]) if error["loc"] else ""
+            if error["type"] == "extra_forbidden":
+                message = f"unknown key {key!r}{suggest(key, spec.model_fields)}"
+            elif error["type"] == "missing":
+                message = f"missing required key {key!r}"
+            else:
+                field = key + "".join(f"[{part}]" for part in error["loc"][1:])
+                message = f"{field} {error['msg'].replace('Input should be', 'must be')}, got {error['input']!r}"
+            line = m.line if error["type"] == "missing" else m.key_lines.get(key, m.line)
+            raise self.fail(line, f"{what}: {message}") from None
 
     def inventory(self, data: Any) -> Inventory:
         if data is None:
             raise self.fail(1, "empty inventory: expected 'nodes' and 'targets'")
         top = self.mapping(data, 1, "inventory")
-        self.check_keys(top, {"nodes", "targets"}, {"nodes", "targets"}, "inventory")
+        self.validate(_InventorySpec, top, "inventory")
         inv = Inventory(path=self.path)
         nodes = self.mapping(top["nodes"], top.key_lines["nodes"], "'nodes'")
         for name, body in nodes.items():
@@ -205,124 +242,61 @@ class _Parser:
     def node(self, name: str, body: Any, line: int) -> Node:
         what = f"node {name!r}"
         m = self.mapping(body, line, what)
-        self.check_keys(m, _NODE_KEYS, {"transport"}, what)
-        at = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
-        transport = m["transport"]
-        if transport not in ("ssh", "local"):
-            raise self.fail(at("transport"), f"{what}: transport must be 'ssh' or 'local', got {transport!r}")
-        if transport == "ssh" and "address" not in m:
+        spec: _NodeSpec = self.validate(_NodeSpec, m, what)
+        at: Callable[[str], int] = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
+        if spec.transport == "ssh" and spec.address is None:
             raise self.fail(m.line, f"{what}: missing required key 'address' (ssh nodes)")
         for key in ("sim_root", "sim_containers"):
-            if key in m and m.get("pct") != SIMULATED:
+            if key in m and spec.pct != SIMULATED:
                 raise self.fail(at(key), f"{what}: '{key}' only applies to nodes with pct: simulated")
-        sim_containers = m.get("sim_containers", [])
-        if not isinstance(sim_containers, list) or not all(
-                isinstance(c, int) and not isinstance(c, bool) and 100 <= c <= 999_999_999 for c in sim_containers):
-            raise self.fail(at("sim_containers"), f"{what}: sim_containers must be a list of ctids, got {sim_containers!r}")
-        if "port" in m and (not isinstance(m["port"], int) or isinstance(m["port"], bool)
-                            or not 1 <= m["port"] <= 65535):
-            raise self.fail(at("port"), f"{what}: port must be an integer from 1 to 65535, got {m['port']!r}")
-        if "keepalive" in m and (not isinstance(m["keepalive"], int) or isinstance(m["keepalive"], bool)
-                                 or m["keepalive"] < 0):
-            raise self.fail(at("keepalive"), f"{what}: keepalive must be a non-negative integer, got {m['keepalive']!r}")
-        timeout = m.get("connect_timeout", 10.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise self.fail(at("connect_timeout"), f"{what}: connect_timeout must be a number of seconds > 0, got {timeout!r}")
-        strict = m.get("strict_host_key_checking", True)
-        if not isinstance(strict, bool):
-            raise self.fail(at("strict_host_key_checking"), f"{what}: strict_host_key_checking must be true or false")
-        for key in ("address", "user", "identity_file", "known_hosts", "sim_root"):
-            if key in m and not isinstance(m[key], str):
-                raise self.fail(at(key), f"{what}: {key} must be a string, got {m[key]!r}")
         sim_root = None
         pct: tuple[str, ...]
-        raw_pct = m.get("pct", "pct")
-        if raw_pct == SIMULATED:
-            if transport != "local":
+        if spec.pct == SIMULATED:
+            if spec.transport != "local":
                 raise self.fail(at("pct"), f"{what}: pct 'simulated' needs transport 'local'")
-            sim_root = os.path.expanduser(m.get("sim_root", DEFAULT_SIM_ROOT))
+            sim_root = os.path.expanduser(spec.sim_root or DEFAULT_SIM_ROOT)
             if not os.path.isabs(sim_root):
                 raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
-            pct = (sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root)
-        elif raw_pct == NO_PCT:
+            pct = tuple(simct.stand_in_argv(sim_root))
+        elif spec.pct == NO_PCT:
             pct = ()
-        elif isinstance(raw_pct, str) and raw_pct.strip():
-            pct = tuple(shlex.split(raw_pct))
-        elif isinstance(raw_pct, list) and raw_pct and all(isinstance(p, str) and p for p in raw_pct):
-            pct = tuple(raw_pct)
+        elif isinstance(spec.pct, str) and spec.pct.strip():
+            pct = tuple(shlex.split(spec.pct))
+        elif isinstance(spec.pct, list) and spec.pct and all(isinstance(p, str) and p for p in spec.pct):
+            pct = tuple(spec.pct)
         else:
-            raise self.fail(at("pct"), f"{what}: pct must be a command (string or list of strings), got {raw_pct!r}")
-        return Node(
-            name=name,
-            transport=transport,
-            pct=pct,
-            address=m.get("address"),
-            port=m.get("port"),
-            user=m.get("user"),
-            identity_file=m.get("identity_file"),
-            known_hosts=m.get("known_hosts"),
-            strict_host_key_checking=strict,
-            connect_timeout=float(m.get("connect_timeout", 10.0)),
-            keepalive=int(m.get("keepalive", 15)),
-            sim_root=sim_root,
-            sim_containers=tuple(sim_containers),
-        )
+            raise self.fail(at("pct"), f"{what}: pct must be a command (string or list of strings), got {spec.pct!r}")
+        return Node(name=name, transport=spec.transport, pct=pct, address=spec.address, port=spec.port,
+                    user=spec.user, identity_file=spec.identity_file, known_hosts=spec.known_hosts,
+                    strict_host_key_checking=spec.strict_host_key_checking, connect_timeout=spec.connect_timeout,
+                    keepalive=spec.keepalive, sim_root=sim_root, sim_containers=tuple(spec.sim_containers))
 
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
         what = f"target {name!r}"
         m = self.mapping(body, line, what)
-        self.check_keys(m, _TARGET_KEYS, {"node", "base_dir"}, what)
-        at = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
-        node_name = str(m["node"])
-        if node_name not in nodes:
-            raise self.fail(at("node"), f"{what}: unknown node {node_name!r}{_suggest(node_name, nodes)}")
-        node = nodes[node_name]
-        if "ctid" not in m and node.pct:
+        spec: _TargetSpec = self.validate(_TargetSpec, m, what)
+        at: Callable[[str], int] = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
+        if spec.node not in nodes:
+            raise self.fail(at("node"), f"{what}: unknown node {spec.node!r}{suggest(spec.node, nodes)}")
+        node = nodes[spec.node]
+        if spec.ctid is None and node.pct:
             raise self.fail(m.line, f"{what}: missing required key 'ctid'")
-        ctid = m.get("ctid", 100)
-        if isinstance(ctid, str) and ctid.isdigit():
-            ctid = int(ctid)
-        if not isinstance(ctid, int) or isinstance(ctid, bool) or not 100 <= ctid <= 999_999_999:
-            raise self.fail(at("ctid"), f"{what}: ctid must be an integer from 100 to 999999999, got {m['ctid']!r}")
-        base_dir = m["base_dir"]
-        if not isinstance(base_dir, str) or not base_dir:
-            raise self.fail(at("base_dir"), f"{what}: base_dir must be a path string")
-        if node.transport == "local":
-            base_dir = os.path.expanduser(base_dir)
+        base_dir = os.path.expanduser(spec.base_dir) if node.transport == "local" else spec.base_dir
         if not base_dir.startswith("/"):
             raise self.fail(at("base_dir"), f"{what}: base_dir must be an absolute path, got {base_dir!r}")
-        python = m.get("python", "python3")
-        if not isinstance(python, str) or not python:
-            raise self.fail(at("python"), f"{what}: python must be a command name or path")
-        if node.transport == "local":
-            python = os.path.expanduser(python)
-        gpus = m.get("gpus", [])
-        if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
-            raise self.fail(at("gpus"), f"{what}: gpus must be a list of GPU indices, got {gpus!r}")
-        if len(set(gpus)) != len(gpus):
-            raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {gpus!r}")
-        extra_paths = m.get("extra_paths", [])
-        if not isinstance(extra_paths, list) or not all(isinstance(p, str) and p for p in extra_paths):
-            raise self.fail(at("extra_paths"), f"{what}: extra_paths must be a list of paths, got {extra_paths!r}")
-        keep = m.get("keep_releases")
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-            raise self.fail(at("keep_releases"), f"{what}: keep_releases must be a whole number >= 1, got {keep!r}")
-        address = m.get("address")
-        if address is not None and (not isinstance(address, str) or not address or any(c.isspace() for c in address)):
-            raise self.fail(at("address"), f"{what}: address must be the container's IP address or host name, got {address!r}")
-        return Target(name=name, node=node, ctid=ctid, base_dir=base_dir.rstrip("/") or "/", python=python,
-                      gpus=tuple(gpus), extra_paths=tuple(extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=keep, address=address)
+        python = os.path.expanduser(spec.python) if node.transport == "local" else spec.python
+        if len(set(spec.gpus)) != len(spec.gpus):
+            raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {spec.gpus!r}")
+        return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
+                      base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
+                      extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),
+                      keep_releases=spec.keep_releases, address=spec.address)
 
-    def venv(self, m: _Mapping, at, what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
-        if "venv" not in m or m["venv"] is None:
+    def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
+        if m.get("venv") is None:
             return None
         if m["venv"] is False:
             return False
         v = self.mapping(m["venv"], at("venv"), f"{what}: venv")
-        self.check_keys(v, _VENV_KEYS, set(), f"{what}: venv")
-        if not all(isinstance(v.get(k, True), bool) for k in ("system_site_packages", "index")):
-            raise self.fail(at("venv"), f"{what}: venv: system_site_packages and index must be true or false")
-        if v.get("uv", "auto") not in ("auto", "always", "never"):
-            raise self.fail(v.key_lines["uv"], f"{what}: venv: uv must be auto, always or never, got {v['uv']!r}")
+        self.validate(_VenvSpec, v, f"{what}: venv")
         return tuple(sorted(dict(v).items()))

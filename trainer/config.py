@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -56,8 +56,8 @@ class ModelConfig:
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else the first embedding row past the tokenizer (151669 for Qwen3)
-    attention: str = "auto"  # auto | flex | sdpa (auto: flex on cuda, sdpa dense mask on cpu)
-    dtype: str = "bf16"  # bf16 | fp32: target dtype and drafter autocast dtype
+    attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
+    dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
     compile_target: bool = False  # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only)
@@ -110,7 +110,8 @@ class OptimConfig:
 
 @dataclass
 class DevicesConfig:
-    """Device strings ("cpu", "cuda:0", ...). Part 1's loop uses the first of each."""
+    """Device strings ("cpu", "cuda:0", ...): the reference loop (loop.Trainer) uses the first of
+    each; the threaded pipeline runs one worker thread per entry."""
 
     target: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding target replicas
     drafter: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding drafter replicas
@@ -151,10 +152,10 @@ class EvalConfig:
 class PipelineConfig:
     """How steps are executed: the single-threaded reference loop or the threaded pipeline."""
 
-    kind: str = "reference"  # reference | threaded (trainer/pipeline: a thread per device role)
+    kind: Literal["reference", "threaded"] = "reference"  # threaded: trainer/pipeline, a thread per device role
     prefetch: int = 4  # micro-batches built ahead per target worker (bounded queue)
     queue_depth: int = 2  # packed feature batches queued per target->drafter pair
-    pad_to_warm_shapes: str = "auto"  # auto (when the drafter runs compiled flex) | always | never
+    pad_to_warm_shapes: Literal["auto", "always", "never"] = "auto"  # auto: when the drafter runs compiled flex
 
 
 @dataclass
@@ -236,6 +237,10 @@ def _convert(value: Any, tp: Any, name: str, where: str) -> Any:
                 return _build(option, value, name, where_source=where.rsplit(":", 1)[0])
             continue
         origin = typing.get_origin(option)
+        if origin is Literal:
+            if value in typing.get_args(option):
+                return value
+            continue
         if origin is list:
             if isinstance(value, list):
                 (item_tp,) = typing.get_args(option)
@@ -260,6 +265,8 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -321,8 +328,6 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     t = c.model.target
     chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
     check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
-    check(c.model.attention in ("auto", "flex", "sdpa"), ("model", "attention"), "must be auto, flex or sdpa")
-    check(c.model.dtype in ("bf16", "fp32"), ("model", "dtype"), "must be bf16 or fp32")
     check(c.model.block_size >= 2, ("model", "block_size"), "must be at least 2")
     check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
     check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
@@ -356,11 +361,8 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
         check(len(devices) >= 1, ("devices", role), "must list at least one device")
         for d in devices:
             check(d == "cpu" or d.startswith("cuda"), ("devices", role), f"has unknown device {d!r}")
-    check(c.pipeline.kind in ("reference", "threaded"), ("pipeline", "kind"), "must be reference or threaded")
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
-    check(c.pipeline.pad_to_warm_shapes in ("auto", "always", "never"), ("pipeline", "pad_to_warm_shapes"),
-          "must be auto, always or never")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
     check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")

@@ -43,7 +43,8 @@ def fail(message: str, code: int = 1) -> NoReturn:
 @contextmanager
 def clean_errors() -> Iterator[None]:
     """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
-    timeouts (exit 124) and transport failures (exit 255)."""
+    timeouts (exit 124) and transport failures (exit 255). Used once, by the command group
+    around every command (dflash_ops/cli/__init__.py)."""
     try:
         yield
     except (CommandTimeout, TimeoutError) as e:
@@ -55,15 +56,13 @@ def clean_errors() -> Iterator[None]:
 
 
 def load(inventory: Path | None) -> Inventory:
-    with clean_errors():
-        return load_inventory(inventory)
+    return load_inventory(inventory)
 
 
 def open_target(inventory: Path | None, target: str) -> Container:
     from dflash_ops.connect import open_container
 
-    with clean_errors():
-        return open_container(load_inventory(inventory), target)
+    return open_container(load_inventory(inventory), target)
 
 
 MAX_TIMEOUT_S = 1e8  # about three years; beyond, thread waits overflow the platform's time_t

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, load
-from dflash_ops.tui.source import DashSource, LocalDirSource
+from dflash_ops.cli.common import InventoryOption, load
+from dflash_ops.tui.source import DashSource
 
 
 def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
@@ -27,9 +27,8 @@ def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
 
     loaded = load(inventory)
     names = targets or sorted(loaded.targets)
-    with clean_errors():
-        for name in names:
-            loaded.target(name)
+    for name in names:
+        loaded.target(name)
     return RemoteSource({name: partial(open_container, loaded, name) for name in names})
 
 
@@ -56,6 +55,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Follow live runs on many targets: runs table, plots, GPUs, log; c checkpoint, s stop."""
         from dflash_ops.tui.app import run_dash
+        from dflash_ops.tui.remote import LocalDirSource
 
         if demo:
             _run_demo()
@@ -70,6 +70,7 @@ def register(app: typer.Typer) -> None:
 def _run_demo() -> None:
     from dflash_ops.tui.app import run_dash
     from dflash_ops.tui.demo import SimulatedRun
+    from dflash_ops.tui.remote import LocalDirSource
 
     base = Path(tempfile.mkdtemp(prefix="dflash-dash-demo-"))
     stop = threading.Event()

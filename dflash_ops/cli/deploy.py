@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, load
+from dflash_ops.cli.common import InventoryOption, load
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -28,9 +28,8 @@ def deploy(
     from dflash_ops.deploy.push import deploy_many, deploy_target, target_options
 
     inv = load(inventory)
-    with clean_errors():
-        for name in targets:
-            inv.target(name)
+    for name in targets:
+        inv.target(name)
     progress = _Progress(enabled=not as_json)
 
     def run(container, name):

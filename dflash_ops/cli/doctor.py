@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, fail, load
+from dflash_ops.cli.common import InventoryOption, fail, load
 
 
 def parse_gpus(text: str | None) -> list[int] | None:
@@ -41,9 +41,8 @@ def doctor(
         fail(f"--config {config}: no such file", 2)
     inv = load(inventory)
     gpu_list = parse_gpus(gpus)
-    with clean_errors():
-        containers = [open_container(inv, name) for name in dict.fromkeys(targets)]
-        plans = [plan_for(c.target, gpu_list, config) for c in containers]
+    containers = [open_container(inv, name) for name in dict.fromkeys(targets)]
+    plans = [plan_for(c.target, gpu_list, config) for c in containers]
 
     plan_of = {id(c): plan for c, plan in zip(containers, plans)}
 
@@ -52,8 +51,7 @@ def doctor(
         record_verdict(container.target, report)
         return report
 
-    with clean_errors():
-        reports = map_by_node(containers, one, unreachable_report)
+    reports = map_by_node(containers, one, unreachable_report)
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in reports], indent=1, sort_keys=True))
     else:

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import typer
 
-from dflash_ops.cli.common import clean_errors, fail, open_target
+from dflash_ops.cli.common import fail, open_target
 
 
 def opener(inventory: Path | None):
     from dflash_ops.connect import open_container
     from dflash_ops.inventory import load_inventory
 
-    with clean_errors():
-        loaded = load_inventory(inventory)
+    loaded = load_inventory(inventory)
     return lambda name: open_container(loaded, name)
 
 
@@ -29,8 +28,7 @@ def members_or_raise(inventory: Path | None, target: str, run_id: str):
 
 
 def group_members(inventory: Path | None, target: str, run_id: str):
-    with clean_errors():
-        return members_or_raise(inventory, target, run_id)
+    return members_or_raise(inventory, target, run_id)
 
 
 def start(inventory: Path | None, targets: list[str], config: Path, name: str | None, gpus: list[int] | None,
@@ -38,13 +36,11 @@ def start(inventory: Path | None, targets: list[str], config: Path, name: str | 
     """`preflight(container)` runs the doctor's fast checks on each member first."""
     from dflash_ops.runs.group import check_members, start_group
 
-    with clean_errors():
-        check_members(targets)
+    check_members(targets)
     containers = [open_target(inventory, t) for t in targets]
-    with clean_errors():
-        for c in containers:
-            preflight(c)
-        return start_group(containers, targets, config, name=name, gpus=gpus)
+    for c in containers:
+        preflight(c)
+    return start_group(containers, targets, config, name=name, gpus=gpus)
 
 
 def print_members(group_members, group: dict) -> None:
@@ -72,8 +68,7 @@ def print_members(group_members, group: dict) -> None:
 def stop(group_members, run_id: str, now: bool, kill: bool, wait: bool, timeout: float) -> None:
     from dflash_ops.runs.group import stop_group
 
-    with clean_errors():
-        infos = stop_group(group_members, run_id, now=now, kill=kill, wait=wait, timeout=timeout)
+    infos = stop_group(group_members, run_id, now=now, kill=kill, wait=wait, timeout=timeout)
     for m, info in zip(group_members, infos):
         typer.echo(f"{m.target}: {info.run_id}: {info.effective_state} at step "
                    f"{info.step if info.step is not None else '-'}; last checkpoint {info.last_checkpoint or 'none'}")
@@ -84,8 +79,7 @@ def stop(group_members, run_id: str, now: bool, kill: bool, wait: bool, timeout:
 def checkpoint(group_members, run_id: str, wait: bool, timeout: float) -> None:
     from dflash_ops.runs.group import checkpoint_group
 
-    with clean_errors():
-        w, request_id, path = checkpoint_group(group_members, run_id, wait=wait, timeout=timeout)
+    w, request_id, path = checkpoint_group(group_members, run_id, wait=wait, timeout=timeout)
     if path is None:
         typer.echo(f"checkpoint requested on {w.target} (rank {w.rank}, the writer) ({request_id}); wait with --wait")
     else:
@@ -95,8 +89,7 @@ def checkpoint(group_members, run_id: str, wait: bool, timeout: float) -> None:
 def resume(group_members, run_id: str, from_step: int | None, gpus: list[int] | None) -> None:
     from dflash_ops.runs.group import resume_group
 
-    with clean_errors():
-        resume_group(group_members, run_id, from_step=from_step, gpus=gpus)
+    resume_group(group_members, run_id, from_step=from_step, gpus=gpus)
     typer.echo(run_id)
     names = " ".join(m.target for m in group_members)
     typer.echo(f"resumed {run_id} on {names}; see it: dflash-ops run status {group_members[0].target} {run_id}",
@@ -106,8 +99,7 @@ def resume(group_members, run_id: str, from_step: int | None, gpus: list[int] | 
 def pull(group_members, run_id: str, step: str, dest: Path) -> Path:
     from dflash_ops.runs.group import pull_group
 
-    with clean_errors():
-        m, local = pull_group(group_members, run_id, step, dest)
+    m, local = pull_group(group_members, run_id, step, dest)
     typer.echo(f"from {m.target}:", err=True)
     return local
 
@@ -121,5 +113,4 @@ def rank_target(inventory: Path | None, target: str, run_id: str, rank: int) -> 
         if rank != 0:
             fail(f"run {run_id} on {target} runs on one host: it has rank 0 only", 2)
         return target
-    with clean_errors():
-        return member_of_rank(found, rank).target
+    return member_of_rank(found, rank).target

@@ -9,7 +9,7 @@ import typer
 from dflash_ops import render
 
 from dflash_ops.cli.common import (
-    ARGV_CONTEXT, InventoryOption, check_timeout, clean_errors, fail, forwarded_stdin, load, open_target,
+    ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, load, open_target,
     strip_separator, write_stderr, write_stdout,
 )
 
@@ -30,14 +30,13 @@ def hosts(
 
     inv = load(inventory)
     table = Table("target", "node", "ctid", "base_dir", "state", "doctor", box=None)
-    with clean_errors():
-        for name in targets or []:
-            inv.target(name)
-        for s in target_states(inv, targets or None):
-            state = s.state if not s.detail else f"{s.state} ({s.detail})"
-            ctid = str(s.target.ctid) if s.target.node.pct else "-"
-            table.add_row(s.target.name, s.target.node.name, ctid, s.target.base_dir, state,
-                          describe(last_verdict(s.target)))
+    for name in targets or []:
+        inv.target(name)
+    for s in target_states(inv, targets or None):
+        state = s.state if not s.detail else f"{s.state} ({s.detail})"
+        ctid = str(s.target.ctid) if s.target.node.pct else "-"
+        table.add_row(s.target.name, s.target.node.name, ctid, s.target.base_dir, state,
+                      describe(last_verdict(s.target)))
     console = Console()
     if not console.is_terminal:
         console = Console(width=1000)
@@ -66,15 +65,13 @@ def exec_(
         argv, transport_timeout = render.killed_after(timeout, argv)
     container = open_target(inventory, target)
     if print_command:
-        with clean_errors():
-            rendered = container.render(argv)
+        rendered = container.render(argv)
         for label, value in rendered.layers():
             typer.echo(f"{label}: {value}")
         typer.echo(f"transport: {_describe_transport(container.target.node)}")
         return
-    with clean_errors():
-        result = container.exec(argv, stdin=None if no_stdin else forwarded_stdin(), on_line=write_stdout,
-                                on_stderr_line=write_stderr, timeout=transport_timeout)
+    result = container.exec(argv, stdin=None if no_stdin else forwarded_stdin(), on_line=write_stdout,
+                            on_stderr_line=write_stderr, timeout=transport_timeout)
     if timeout is not None and result.exit_code in render.TIMED_OUT:
         fail(f"timed out after {timeout:g}s and killed in the container: {command!r}", 124)
     raise typer.Exit(result.exit_code)
@@ -88,9 +85,8 @@ def inspect_source(
 ) -> None:
     """Print numbered source lines of MODULE as the container's python finds it."""
     container = open_target(inventory, target)
-    with clean_errors():
-        result = container.helper("inspect-source", [module, "--lines", lines], on_line=write_stdout,
-                                  on_stderr_line=write_stderr)
+    result = container.helper("inspect-source", [module, "--lines", lines], on_line=write_stdout,
+                              on_stderr_line=write_stderr)
     raise typer.Exit(result.exit_code)
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, fail, open_target
+from dflash_ops.cli.common import InventoryOption, fail, open_target
 
 
 def patch(
@@ -31,13 +31,12 @@ def patch(
     if check and restart:
         fail("--check changes nothing, so it cannot --restart a run", 2)
     container = open_target(inventory, target)
-    with clean_errors():
-        try:
-            outcome = patch_target(container, diff_text, check_only=check, allow_moves=allow_moves,
-                                   restart_run=restart, keep=keep, say=lambda text: typer.echo(text, err=True))
-        except PatchError as e:
-            _print_refusal(e)
-            raise
+    try:
+        outcome = patch_target(container, diff_text, check_only=check, allow_moves=allow_moves,
+                               restart_run=restart, keep=keep, say=lambda text: typer.echo(text, err=True))
+    except PatchError as e:
+        _print_refusal(e)
+        raise
     typer.echo(outcome.report.summary())
     for result in outcome.imports:
         typer.echo(f"  import {result['module']}: ok")
@@ -69,8 +68,7 @@ def rollback(
     from dflash_ops.patching.rollout import rollback as rollback_release
 
     container = open_target(inventory, target)
-    with clean_errors():
-        before, after = rollback_release(container, keep=keep)
+    before, after = rollback_release(container, keep=keep)
     typer.echo(f"{target}: current {before} -> {after}")
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, fail, load
+from dflash_ops.cli.common import InventoryOption, fail, load
 
 
 def play(
@@ -28,15 +28,13 @@ def play(
         if not sep or not key:
             fail(f"--var {item!r}: expected k=v", 2)
         overrides[key] = value
-    with clean_errors():
-        book = load_playbook(playbook, overrides)
+    book = load_playbook(playbook, overrides)
     if check_only:
         typer.echo(f"{playbook}: {len(book.steps)} steps OK")
         return
     inv = load(inventory)
-    with clean_errors():
-        for name in targets:
-            inv.target(name)
+    for name in targets:
+        inv.target(name)
     lock = threading.Lock()
 
     def say_for(name: str):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, check_timeout, clean_errors, fail, open_target, write_stdout
+from dflash_ops.cli.common import InventoryOption, check_timeout, fail, open_target, write_stdout
 from dflash_ops.cli.tables import print_runs_table as _print_table
 
 if TYPE_CHECKING:
@@ -74,9 +74,8 @@ def start(
         return
     target = targets[0]
     container = open_target(inventory, target)
-    with clean_errors():
-        _preflight(container, config, _parse_gpus(gpus), force)
-        run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
+    _preflight(container, config, _parse_gpus(gpus), force)
+    run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
     _announce(run_id, "started", target)
 
 
@@ -109,8 +108,7 @@ def list_(
 
     if len(targets) == 1:
         container = open_target(inventory, targets[0])
-        with clean_errors():
-            runs = list_runs(container)
+        runs = list_runs(container)
         if as_json:
             typer.echo(json.dumps([r.raw for r in runs], indent=1, sort_keys=True))
         elif not runs:
@@ -158,8 +156,7 @@ def status(
     from dflash_ops.runs.report import status_detail
 
     container = open_target(inventory, target)
-    with clean_errors():
-        info = resolve_run(container, run)
+    info = resolve_run(container, run)
     if group_of(info) is not None:
         from dflash_ops.cli import group_runs
 
@@ -196,8 +193,7 @@ def checkpoint(
         group_runs.checkpoint(found, run, wait, timeout)
         return
     container = open_target(inventory, target)
-    with clean_errors():
-        request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
+    request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
     if path is None:
         typer.echo(f"checkpoint requested ({request_id}); wait for it with --wait")
     else:
@@ -226,8 +222,7 @@ def stop(
         group_runs.stop(found, run, now, kill, not no_wait, timeout)
         return
     container = open_target(inventory, target)
-    with clean_errors():
-        info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
+    info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
     typer.echo(f"{info.run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}; "
                f"last checkpoint {info.last_checkpoint or 'none'}")
     if info.effective_state == "failed" and not kill:
@@ -257,12 +252,11 @@ def resume(
         group_runs.resume(found, run, from_step, _parse_gpus(gpus))
         return
     container = open_target(inventory, target)
-    with clean_errors():
-        if config is None:
-            run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
-        else:
-            run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
-                               gpus=_parse_gpus(gpus), run_id=run)
+    if config is None:
+        run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
+    else:
+        run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
+                           gpus=_parse_gpus(gpus), run_id=run)
     _announce(run_id, "resumed", target)
 
 
@@ -279,8 +273,7 @@ def logs(
         from dflash_ops.cli import group_runs
         from dflash_ops.runs import resolve_run
 
-        with clean_errors():
-            run = run if run is not None else resolve_run(open_target(inventory, target), None).run_id
+        run = run if run is not None else resolve_run(open_target(inventory, target), None).run_id
         target = group_runs.rank_target(inventory, target, run, rank)
     _follow_cli(target, run, "train.log", follow, lines, inventory, write_stdout)
 
@@ -322,17 +315,16 @@ def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
 
     container = open_target(inventory, target)
     try:
-        with clean_errors():
-            run_id = run if run is not None else resolve_run(container, None).run_id
-            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
-                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
-                        on_truncated=lambda reached, size: _hint(
-                            f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
-                            f"(now {size} bytes); what was written before that and not yet shown is lost; "
-                            "following from its start"))
-            if not follow:
-                return
-            info = run_status(container, run_id)
+        run_id = run if run is not None else resolve_run(container, None).run_id
+        follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
+                    on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
+                    on_truncated=lambda reached, size: _hint(
+                        f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
+                        f"(now {size} bytes); what was written before that and not yet shown is lost; "
+                        "following from its start"))
+        if not follow:
+            return
+        info = run_status(container, run_id)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     _hint(f"{run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}")
@@ -359,8 +351,7 @@ def pull(
         local = group_runs.pull(found, run, checkpoint_, dest)
     else:
         container = open_target(inventory, target)
-        with clean_errors():
-            local = pull_checkpoint(container, run, checkpoint_, dest)
+        local = pull_checkpoint(container, run, checkpoint_, dest)
     manifest = json.loads((local / "manifest.json").read_text())
     size = sum(f["size"] for f in manifest["files"].values())
     typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")

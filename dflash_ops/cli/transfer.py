@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, clean_errors, open_target
+from dflash_ops.cli.common import InventoryOption, open_target
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -30,7 +30,7 @@ def push(
     from dflash_ops.transfer import push_path
 
     container = open_target(inventory, target)
-    with clean_errors(), _Bar(f"push {src.name}", enabled=not as_json) as bar:
+    with _Bar(f"push {src.name}", enabled=not as_json) as bar:
         summary = push_path(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
 
@@ -47,7 +47,7 @@ def fetch(
     from dflash_ops.transfer import fetch_path
 
     container = open_target(inventory, target)
-    with clean_errors(), _Bar(f"fetch {Path(src).name}", enabled=not as_json) as bar:
+    with _Bar(f"fetch {Path(src).name}", enabled=not as_json) as bar:
         summary = fetch_path(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
 

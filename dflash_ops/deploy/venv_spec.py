@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from dflash_ops.deploy.manifest import trainer_dir
+from dflash_ops.errors import UsageError
 from dflash_ops.tarstream import build_tar
 
 UV_MODES = ("auto", "always", "never")
@@ -38,7 +39,7 @@ class VenvSpec:
 
     def __post_init__(self) -> None:
         if self.uv not in UV_MODES:
-            raise ValueError(f"venv uv must be one of {UV_MODES}, got {self.uv!r}")
+            raise UsageError(f"venv uv must be one of {UV_MODES}, got {self.uv!r}")
 
     def requirements_file(self) -> Path:
         return Path(self.requirements) if self.requirements else trainer_dir() / "requirements.txt"
@@ -83,7 +84,7 @@ class VenvSpec:
         config = dict(config or {})
         unknown = set(config) - {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
         if unknown:
-            raise ValueError(f"venv: unknown key(s) {sorted(unknown)}")
+            raise UsageError(f"venv: unknown key(s) {sorted(unknown)}")
 
         def path(key: str) -> Path | None:
             value = config.get(key)

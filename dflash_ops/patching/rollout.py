@@ -29,8 +29,8 @@ from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
 from dflash_ops.tarstream import build_tar
 from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
+from dflash_ops.deploy.push import DEFAULT_KEEP
 
-DEFAULT_KEEP = 5
 
 
 REQUIREMENTS = "trainer/requirements.txt"  # the venv's lock: a release built by deploy, never a patch

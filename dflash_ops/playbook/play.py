@@ -15,7 +15,6 @@ literal `${`. There are no shell strings: `exec` takes an argv list.
 
 from __future__ import annotations
 
-import difflib
 import re
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import yaml
 
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.playbook.registry import STEP_TYPES, StepContext, StepType
+from dflash_ops.yamlfile import read_yaml_node, suggest
 
 TOP_KEYS = ("name", "description", "vars", "steps")
 BUILTIN_VARS = ("target", "base_dir", "current", "python")
@@ -72,11 +72,6 @@ class PlayResult:
         return self.error is None
 
 
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 class _Checker:
     def __init__(self, path: Path, loader: yaml.SafeLoader):
         self.path = path
@@ -116,7 +111,7 @@ class _Checker:
                 elif not _NAME.match(name):
                     self.problem(node, f"bad variable reference '${{{name}}}'")
                 elif name not in defined:
-                    self.problem(node, f"undefined variable {name!r}{_suggest(name, defined)}")
+                    self.problem(node, f"undefined variable {name!r}{suggest(name, defined)}")
         elif isinstance(node, yaml.SequenceNode):
             for item in node.value:
                 self.var_refs(item, defined)
@@ -128,16 +123,7 @@ class _Checker:
 def load_playbook(path: str | Path, overrides: dict[str, str] | None = None) -> Playbook:
     """Parse and validate the whole playbook; raises PlaybookError listing every problem."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise PlaybookError([f"{path}: cannot read playbook: {e.strerror or e}"]) from None
-    loader = yaml.SafeLoader(text)
-    try:
-        root = loader.get_single_node()
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        raise PlaybookError([f"{path}:{mark.line + 1 if mark else '?'}: invalid YAML: {e.problem or e.context}"]) from None
+    loader, root = read_yaml_node(path, "playbook", lambda message: PlaybookError([message]))
     if root is None:
         raise PlaybookError([f"{path}:1: empty playbook: expected 'steps'"])
     check = _Checker(path, loader)
@@ -147,7 +133,7 @@ def load_playbook(path: str | Path, overrides: dict[str, str] | None = None) -> 
     sections = {}
     for key, key_node, value_node in top:
         if key not in TOP_KEYS:
-            check.problem(key_node, f"unknown top-level key {key!r}{_suggest(key, TOP_KEYS)}")
+            check.problem(key_node, f"unknown top-level key {key!r}{suggest(key, TOP_KEYS)}")
         sections[key] = value_node
     if "steps" not in sections:
         check.problem(root, "missing required key 'steps'")
@@ -172,7 +158,7 @@ def _variables(check: _Checker, node: yaml.Node | None, overrides: dict[str, str
             variables[key] = check.value(value_node)
     for key, raw in overrides.items():
         if key not in variables:
-            check.problems.append(f"--var {key}: not a variable of {check.path}{_suggest(key, variables)}"
+            check.problems.append(f"--var {key}: not a variable of {check.path}{suggest(key, variables)}"
                                   f" (vars: {', '.join(sorted(variables)) or 'none'})")
             continue
         parsed = yaml.safe_load(raw) if raw else ""
@@ -207,7 +193,7 @@ def _step(check: _Checker, index: int, node: yaml.Node, defined: set[str]) -> St
             kinds.append((key, value_node))
         else:
             unknown = True
-            check.problem(key_node, f"step {index}: unknown step type {key!r}{_suggest(key, [*STEP_TYPES, 'name'])}"
+            check.problem(key_node, f"step {index}: unknown step type {key!r}{suggest(key, [*STEP_TYPES, 'name'])}"
                                     f" (step types: {', '.join(sorted(STEP_TYPES))})")
     if len(kinds) != 1:
         if not kinds and not unknown:
@@ -228,7 +214,7 @@ def _step(check: _Checker, index: int, node: yaml.Node, defined: set[str]) -> St
     params = {}
     for key, (key_node, value_node) in param_nodes.items():
         if key not in step_type.params:
-            check.problem(key_node, f"{label}: unknown parameter {key!r}{_suggest(key, step_type.params)}"
+            check.problem(key_node, f"{label}: unknown parameter {key!r}{suggest(key, step_type.params)}"
                                     f" (parameters: {', '.join(step_type.params) or 'none'})")
             continue
         check.var_refs(value_node, defined)

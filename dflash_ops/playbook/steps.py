@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from dflash_ops import render
-from dflash_ops.errors import CommandTimeout, RemoteCommandError
+from dflash_ops.errors import CommandTimeout, RemoteCommandError, UsageError
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
@@ -19,11 +19,11 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
     keep = int(params["keep"]) if "keep" in params else None
     if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (the current release), got {keep}")
+        raise UsageError(f"keep must be at least 1 (the current release), got {keep}")
     container = ctx.container
     if params.get("target") not in (None, ctx.target):  # another target (a peer of a run across hosts)
         if ctx.open_target is None:
-            raise ValueError("deploy to another target needs the inventory (dflash-ops play)")
+            raise UsageError("deploy to another target needs the inventory (dflash-ops play)")
         container = ctx.open_target(str(params["target"]))
     options = target_options(container.target, extra_paths=extra, keep=keep)
     if "venv" in params:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
 from dflash_ops.runs.info import RunError
 
-from dflash_ops.errors import ConnectionLost, Unreachable
+from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
 
 RETRYABLE = (ConnectionLost, Unreachable)  # the link failed; a host key or login failure is final
 
@@ -134,7 +134,7 @@ def follow_file(
     on from the new file's start (byte 0); without `on_truncated` it raises FileTruncated.
     """
     if name not in FOLLOWABLE:
-        raise ValueError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
+        raise UsageError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
     directory = run_dir(container, run_id)
     position: int | None = None
     failing_since: float | None = None

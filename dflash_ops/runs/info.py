@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dflash_ops.errors import DflashOpsError
+from dflash_ops.helpers.runs import FINAL_STATES  # the helper decides what is final; named once
 
-FINAL_STATES = ("stopped", "failed", "done")
+__all__ = ["FINAL_STATES", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound", "RunRefused"]
 
 
 class RunError(DflashOpsError):

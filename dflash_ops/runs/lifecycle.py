@@ -8,6 +8,7 @@ import re
 import time
 from pathlib import Path
 
+from dflash_ops.errors import UsageError
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
@@ -105,7 +106,7 @@ def start_run(container, config_path_local: Path | str, name: str | None = None,
     """
     config = Path(config_path_local).read_bytes()
     if resume is not None and run_id is None:
-        raise ValueError("resuming with a new config needs the run_id of the run to resume")
+        raise UsageError("resuming with a new config needs the run_id of the run to resume")
     extra = ["--config", "-"]
     if resume is not None:
         extra += ["--resume", str(resume)]
@@ -136,7 +137,7 @@ def resume_run(container, run_id: str, from_step: int | None = None, gpus: list[
 def request(container, run_id: str, kind: str) -> str:
     """Drop control/<kind> into the run; returns the request id (a pending one is reused)."""
     if kind not in REQUEST_KINDS:
-        raise ValueError(f"request kind must be one of {REQUEST_KINDS}, not {kind!r}")
+        raise UsageError(f"request kind must be one of {REQUEST_KINDS}, not {kind!r}")
     return call(container, ["control", run_dir(container, run_id), kind]).stdout.strip()
 
 

@@ -19,7 +19,8 @@ from textual.widgets import DataTable, Footer, Static
 
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
 from dflash_ops.tui.model import fmt_age, fmt_num
-from dflash_ops.tui.source import FINAL_STATES, DashSource, GpuSample, RequestKind, RunRow
+from dflash_ops.runs.info import FINAL_STATES
+from dflash_ops.tui.source import DashSource, GpuSample, RequestKind, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")

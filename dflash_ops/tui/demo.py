@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dflash_ops.tui.source import write_atomic
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
@@ -173,3 +172,13 @@ class SimulatedRun:
         self.begin()
         while not stop.is_set() and self.advance():
             stop.wait(step_s)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write, fsync, rename: a reader sees the old file or the whole new one (run-directory.md)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

@@ -1,18 +1,29 @@
-"""`RemoteSource`: the DashSource over `dflash_ops.runs` for inventory targets.
+"""The dashboard's sources: `RemoteSource` (the DashSource over `dflash_ops.runs`) for inventory
+targets, and `LocalDirSource`, the same code over run directories on this machine.
 
 One Container per target (opened lazily by a factory, so an unreachable node fails inside a
-worker thread, where the dashboard shows it, not at start-up).
+worker thread, where the dashboard shows it, not at start-up). A local directory is a container
+too (no pct, the local transport, the helpers run in place), so the dashboard reads every run
+directory through the one reader, the runs helper.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 from typing import Callable
 
-from dflash_ops.tui.source import GpuSample, OnLines, RunRow, gpu_samples_from_json, group_fields
+from dflash_ops.container import Container, ContainerAPI
+from dflash_ops.inventory import Node, Target
+from dflash_ops.runs.info import RunInfo
+from dflash_ops.transport.local import LocalTransport
+from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
-def run_row_from_info(target: str, info) -> RunRow:
+def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
     return RunRow(
@@ -38,12 +49,18 @@ def run_row_from_info(target: str, info) -> RunRow:
 
 
 class RemoteSource:
-    def __init__(self, openers: dict[str, Callable[[], object]]) -> None:
-        self._openers = openers
-        self._containers: dict[str, object] = {}
-        self._lock = threading.Lock()
+    """openers: {target: a function opening its container}; gpus=False: no GPU panel;
+    poll_s: how often a quiet followed file is looked at again."""
 
-    def _container(self, target: str):
+    def __init__(self, openers: Mapping[str, Callable[[], ContainerAPI]], gpus: bool = True,
+                 poll_s: float = 0.2) -> None:
+        self._openers = dict(openers)
+        self._containers: dict[str, ContainerAPI] = {}
+        self._lock = threading.Lock()
+        self._gpus = gpus
+        self._poll_s = poll_s
+
+    def _container(self, target: str) -> ContainerAPI:
         with self._lock:
             if target not in self._containers:
                 self._containers[target] = self._openers[target]()
@@ -57,7 +74,8 @@ class RemoteSource:
 
         return [run_row_from_info(target, info) for info in runs.list_runs(self._container(target))]
 
-    def follow(self, target, run_id, name, on_lines: OnLines, stop, start=None, tail_lines=200) -> None:
+    def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
+               start: int | None = None, tail_lines: int = 200) -> None:
         """One cancellable `follow_file`: the tail (start=None) or byte `start`, then live lines.
 
         `reconnect=False`: a drop raises, and the dashboard's own loop shows it and resumes
@@ -65,7 +83,7 @@ class RemoteSource:
         """
         from dflash_ops.runs import follow_file
 
-        position = start
+        position = start or 0  # on_start sets it first when following the tail
 
         def on_start(offset: int) -> None:
             nonlocal position
@@ -88,12 +106,31 @@ class RemoteSource:
             self._container(target), run_id, name, on_line,
             offset=start or 0, tail_lines=tail_lines if start is None else None,
             follow=True, reconnect=False, stop=stop, on_start=on_start, on_truncated=on_truncated,
+            poll=self._poll_s,
         )
 
-    def request(self, target: str, run_id: str, kind: str) -> str:
+    def request(self, target: str, run_id: str, kind: RequestKind) -> str:
         from dflash_ops import runs
 
         return runs.request(self._container(target), run_id, kind)
 
     def gpu_samples(self, target: str) -> list[GpuSample] | None:
+        if not self._gpus:
+            return None
         return gpu_samples_from_json(self._container(target).helper_json("gpu_sample", []))
+
+
+def local_dir_container(name: str, base_dir: str | Path) -> Container:
+    """base_dir on this machine as a container (base_dir/runs/<run-id>/): no pct, the local
+    transport, this python; its helpers run from the package, nothing is installed there."""
+    node = Node(name="local", transport="local", pct=())
+    target = Target(name=name, node=node, ctid=0, base_dir=str(Path(base_dir).absolute()), python=sys.executable)
+    return Container(target, LocalTransport(), helpers_in_place=True)
+
+
+class LocalDirSource(RemoteSource):
+    """Runs under `{target: base_dir}` on this filesystem, read exactly as a remote target's are."""
+
+    def __init__(self, bases: Mapping[str, str | Path], gpus: bool = True, poll_s: float = 0.2) -> None:
+        super().__init__({name: partial(local_dir_container, name, base) for name, base in bases.items()},
+                         gpus=gpus, poll_s=poll_s)

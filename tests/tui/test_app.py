@@ -6,13 +6,13 @@ import pytest
 
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
-from dflash_ops.tui.source import LocalDirSource
+from dflash_ops.tui.remote import LocalDirSource
 
 pytestmark = pytest.mark.anyio
 
 
 def _app(tmp_path, **kwargs):
-    return DashApp(LocalDirSource({"sim": tmp_path}, gpu_probe=None), poll_s=0.05, **kwargs)
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), poll_s=0.05, **kwargs)
 
 
 async def test_table_fills_and_detail_plots_grow_while_the_run_writes(tmp_path, live_run, wait_for):
@@ -99,7 +99,7 @@ class DroppingSource(LocalDirSource):
 
 
 async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines(tmp_path, live_run, wait_for):
-    source = DroppingSource({"sim": tmp_path}, gpu_probe=None)
+    source = DroppingSource({"sim": tmp_path}, gpus=False)
     app = DashApp(source, poll_s=0.05)
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")

@@ -1,8 +1,10 @@
 """Two pictures of the dashboard, frozen: a static run, a fixed clock (heartbeat age 5s)."""
 
+from textual.widgets import DataTable
+
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.demo import SimulatedRun
-from dflash_ops.tui.source import LocalDirSource
+from dflash_ops.tui.remote import LocalDirSource
 
 from dflash_ops.tui.detail import RunDetailScreen
 
@@ -10,7 +12,7 @@ SIZE = (140, 45)
 
 
 def _app(tmp_path, frozen_clock):
-    return DashApp(LocalDirSource({"sim": tmp_path}, gpu_probe=None), clock=frozen_clock, poll_s=0.05)
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), clock=frozen_clock, poll_s=0.05)
 
 
 def test_runs_table(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
@@ -21,6 +23,8 @@ def test_runs_table(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
 
     async def loaded(pilot):
         await wait_for(pilot, lambda: len(pilot.app.rows) == 2, "both runs")
+        table = pilot.app.query_one("#runs", DataTable)  # columns are sized when the table is next idle
+        await wait_for(pilot, lambda: table.columns["run"].content_width >= len("finished-run"), "sized columns")
         await pilot.pause()
 
     assert snap_compare(_app(tmp_path, frozen_clock), terminal_size=SIZE, run_before=loaded)

@@ -184,7 +184,7 @@ class _TargetSpec(_Schema):
     extra_paths: list[Path_] = []
     venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
-    address: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] | None = None  # runs across hosts
+    address: str | None = None  # the container's own address, for runs across hosts
 
 
 class _VenvSpec(_Schema):
@@ -287,6 +287,9 @@ class _Parser:
         python = os.path.expanduser(spec.python) if node.transport == "local" else spec.python
         if len(set(spec.gpus)) != len(spec.gpus):
             raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {spec.gpus!r}")
+        if spec.address is not None and (not spec.address or any(c.isspace() for c in spec.address)):
+            raise self.fail(at("address"), f"{what}: address must be the container's IP address or host name, "
+                            f"got {spec.address!r}")
         return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
                       base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
                       extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),

@@ -10,7 +10,8 @@ from dflash_ops.inventory import load_inventory
 from dflash_ops.runs.group import check_members, check_micro_batches, group_of
 from dflash_ops.runs.info import RunError, RunInfo
 from dflash_ops.tui.app import group_order
-from dflash_ops.tui.source import RunRow, run_row_from_status
+from dflash_ops.tui.remote import run_row_from_info
+from dflash_ops.tui.source import RunRow
 
 INVENTORY = """\
 nodes:
@@ -48,8 +49,8 @@ def test_the_dashboard_keeps_a_groups_rows_together_by_rank():
     rows = {"a/solo": row("a", "solo"), "b/g": row("b", "g", 1, 2), "c/other": row("c", "other"),
             "a/g": row("a", "g", 0, 2)}
     assert group_order(rows) == ["a/solo", "a/g", "b/g", "c/other"]
-    status = {"state": "running", "distributed": {"rank": 1, "world_size": 2}}
-    assert (run_row_from_status("b", "g", status, None).rank, run_row_from_status("b", "g", status, None).world) == (1, 2)
+    member = run_row_from_info("b", RunInfo.from_json({"run_id": "g", "distributed": {"rank": 1, "world_size": 2}}))
+    assert (member.rank, member.world) == (1, 2)
 
 
 def test_a_global_batch_that_does_not_split_over_the_hosts_is_refused_before_start():

@@ -43,7 +43,8 @@ def _exec(ctx: StepContext, params: dict) -> dict:
     timeout = params.get("timeout")
     command, transport_timeout = (argv, None) if timeout is None else render.killed_after(float(timeout), argv)
     result = ctx.container.exec(command, timeout=transport_timeout,
-                                on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
+                                on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")),
+                                on_stderr_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
     if timeout is not None and result.exit_code in render.TIMED_OUT:
         raise CommandTimeout(render.node_command(argv), float(timeout))
     if params.get("check", True) and not result.ok:

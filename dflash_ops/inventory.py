@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +32,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_ops.errors import InventoryError
+from dflash_ops.simnode import containers as simct
 from dflash_ops.yamlfile import read_yaml_node, suggest
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
+_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Target:
     extra_paths: tuple[str, ...] = ()  # deployed beside trainer/, relative to the project root
     venv: "tuple[tuple[str, Any], ...] | bool | None" = None  # venv: mapping (as items), or False for none
     keep_releases: int | None = None
+    address: str | None = None  # the container's own address for runs across hosts (else asked from it)
 
     @property
     def venv_config(self) -> "dict[str, Any] | bool | None":
@@ -183,6 +184,7 @@ class _TargetSpec(_Schema):
     extra_paths: list[Path_] = []
     venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
+    address: str | None = None  # the container's own address, for runs across hosts
 
 
 class _VenvSpec(_Schema):
@@ -255,7 +257,7 @@ class _Parser:
             sim_root = os.path.expanduser(spec.sim_root or DEFAULT_SIM_ROOT)
             if not os.path.isabs(sim_root):
                 raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
-            pct = (sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root)
+            pct = tuple(simct.stand_in_argv(sim_root))
         elif spec.pct == NO_PCT:
             pct = ()
         elif isinstance(spec.pct, str) and spec.pct.strip():
@@ -285,10 +287,13 @@ class _Parser:
         python = os.path.expanduser(spec.python) if node.transport == "local" else spec.python
         if len(set(spec.gpus)) != len(spec.gpus):
             raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {spec.gpus!r}")
+        if spec.address is not None and (not spec.address or any(c.isspace() for c in spec.address)):
+            raise self.fail(at("address"), f"{what}: address must be the container's IP address or host name, "
+                            f"got {spec.address!r}")
         return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
                       base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
                       extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=spec.keep_releases)
+                      keep_releases=spec.keep_releases, address=spec.address)
 
     def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if m.get("venv") is None:

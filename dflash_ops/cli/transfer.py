@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, open_target
-
-if TYPE_CHECKING:
-    from rich.progress import TaskID
+from dflash_ops.progress import ByteBar
 
 Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a destination (or drop files in it) that no earlier transfer wrote.")]
@@ -30,7 +28,7 @@ def push(
     from dflash_ops.transfer import push_path
 
     container = open_target(inventory, target)
-    with _Bar(f"push {src.name}", enabled=not as_json) as bar:
+    with ByteBar(f"push {src.name}", enabled=not as_json) as bar:
         summary = push_path(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
 
@@ -47,34 +45,9 @@ def fetch(
     from dflash_ops.transfer import fetch_path
 
     container = open_target(inventory, target)
-    with _Bar(f"fetch {Path(src).name}", enabled=not as_json) as bar:
+    with ByteBar(f"fetch {Path(src).name}", enabled=not as_json) as bar:
         summary = fetch_path(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
-
-
-class _Bar:
-    """One rich progress bar on stderr (gone when done) fed with (bytes done, bytes in all)."""
-
-    def __init__(self, label: str, enabled: bool):
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-        self.label = label
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                            console=Console(stderr=True), transient=True, disable=not enabled)
-        self.task: TaskID | None = None
-
-    def update(self, done: int, total: int) -> None:
-        if self.task is None:
-            self.task = self.bar.add_task(self.label, total=total)
-        self.bar.update(self.task, completed=done, total=max(total, done))
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
 
 
 def register(app: typer.Typer) -> None:

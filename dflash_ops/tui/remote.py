@@ -20,7 +20,7 @@ from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.transport.local import LocalTransport
-from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json
+from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
 def run_row_from_info(target: str, info: RunInfo) -> RunRow:
@@ -44,6 +44,7 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
         last_checkpoint=info.last_checkpoint,
         gpus=tuple(info.gpus or ()),
         error=error,
+        **group_fields(info.raw),
     )
 
 

@@ -12,6 +12,8 @@ A follow that can be cancelled (`stop`) asks the helper to give up after `stop_c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import posixpath
 import threading
 import time
@@ -21,6 +23,9 @@ from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
 from dflash_ops.runs.info import RunError
 
 from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 RETRYABLE = (ConnectionLost, Unreachable)  # the link failed; a host key or login failure is final
 
@@ -90,7 +95,7 @@ class _Stream:
 
 
 def follow_file(
-    container,
+    container: ContainerAPI,
     run_id: str,
     name: str,
     on_line: Callable[[bytes], None],

@@ -46,15 +46,8 @@ class Transport(Protocol):
     commands_run: int  # node-level commands started (one per run())
     connections_opened: int  # SSH connections made (0 for local)
 
-    def run(
-        self,
-        command: str,
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-    ) -> Result: ...
+    def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
+            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result: ...
 
     def put(self, local: Path, remote: str) -> None: ...
 

@@ -12,6 +12,7 @@ from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
 from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
+from tests.unit.runs_double import eventually
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +77,21 @@ def test_container_environment(container, monkeypatch):
 
 
 def test_timeout_kills_the_process_group(container, tmp_path):
-    marker = tmp_path / "survived"
+    marker, pid_file = tmp_path / "survived", tmp_path / "pid"
     with pytest.raises(CommandTimeout):
-        container.exec(["sh", "-c", 'sleep 2; touch "$0"', str(marker)], timeout=0.5)
-    subprocess.run(["sleep", "2.5"])
+        container.exec(["sh", "-c", 'echo $$ > "$1"; sleep 2; touch "$0"', str(marker), str(pid_file)], timeout=0.5)
+    if pid_file.exists():  # else the shell was killed before it began (a loaded machine)
+        pid = int(pid_file.read_text())
+        eventually(lambda: not _running(pid), f"the timed-out shell {pid} to be gone")  # a survivor touches first
     assert not marker.exists()
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone, just not reaped
 
 
 def pct(container, *args):

@@ -11,6 +11,7 @@ from dflash_ops.connect import open_container
 from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
 from tests import container_checks as checks
+from tests.container_checks import ContainerTests
 from tests.conftest import write_sim_inventory
 from tests.unit.runs_double import eventually
 
@@ -18,6 +19,10 @@ from tests.unit.runs_double import eventually
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
     return open_container(load_inventory(write_sim_inventory(tmp_path_factory.mktemp("sim"))), "host200")
+
+
+class TestContainer(ContainerTests):
+    pass
 
 
 @settings(max_examples=40, deadline=None)
@@ -30,12 +35,6 @@ def test_big_argument(container):
     checks.assert_argv_round_trip(container, [checks.BIG_ARGUMENT, "$(id)"])
 
 
-def test_lines_stream_before_the_command_ends(container, tmp_path):
-    checks.assert_lines_stream_before_exit(container, tmp_path / "flag")
-
-
-def test_binary_stdin(container):
-    checks.assert_binary_stdin_round_trip(container)
 
 
 def test_stdin_from_a_binary_file_object(container, tmp_path):
@@ -46,28 +45,10 @@ def test_stdin_from_a_binary_file_object(container, tmp_path):
             subprocess.run(["sha256sum", str(payload)], capture_output=True, text=True).stdout.split()[0]
 
 
-def test_stopped_container_refuses_exec(container):
-    checks.assert_stopped_container_refuses(container)
 
 
-def test_push_pull_verified(container, tmp_path):
-    checks.assert_push_pull_verified(container, tmp_path)
 
 
-def test_push_tree(container, tmp_path):
-    checks.assert_push_tree(container, tmp_path)
-
-
-def test_helper_installed_once(container):
-    checks.assert_helper_installed_once(container)
-
-
-def test_exec_check(container):
-    checks.assert_exec_check_raises(container)
-
-
-def test_exit_status_is_the_commands_own_127_126_and_128_plus_signal(container, tmp_path):
-    checks.assert_real_exit_codes(container, tmp_path)
 
 
 def test_container_environment(container, monkeypatch):

@@ -23,6 +23,7 @@ from dflash_ops.tarstream import ProgressReader, stream_size
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI
+    from dflash_ops.inventory import Target
 
 DEFAULT_KEEP = 5
 
@@ -145,7 +146,7 @@ def _finish(summary: DeploySummary, container: ContainerAPI, started: float, cal
     return summary
 
 
-def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
+def target_options(target: Target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
                    no_venv: bool = False) -> dict[str, Any]:
     """deploy_target keyword arguments for an inventory target.
 
@@ -156,7 +157,7 @@ def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int 
     root = trainer_dir().parent
     paths = [Path(p) if Path(p).is_absolute() else root / p for p in target.extra_paths]
     venv_config = target.venv_config
-    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config or {}, base=root)
+    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config if isinstance(venv_config, dict) else {}, base=root)
     keep = keep or target.keep_releases or DEFAULT_KEEP
     return {"extra_paths": [*paths, *extra_paths], "venv": venv, "keep": keep}
 

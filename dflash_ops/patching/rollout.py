@@ -13,7 +13,7 @@ travel), verifies every sha256 and swaps `current` atomically (1).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import hashlib
 import io
@@ -187,7 +187,7 @@ def tree_clashes(release_files: dict, report: PatchReport) -> list[Problem]:
 
 
 def patch_target(container: ContainerAPI, diff_text: str, *, check_only: bool = False, allow_moves: bool = False,
-                 restart_run: str | None = None, keep: int = DEFAULT_KEEP, say=lambda text: None) -> PatchOutcome:
+                 restart_run: str | None = None, keep: int = DEFAULT_KEEP, say: Callable[[str], None] = lambda text: None) -> PatchOutcome:
     """Check a unified diff against the target's current release and, unless check_only,
     make it a new release whose parent is the current one. Raises PatchError when refused.
 

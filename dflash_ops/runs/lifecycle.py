@@ -73,7 +73,7 @@ def parse_gpus(text: str) -> list[int]:
         raise RunError(f"--gpus {text!r}: {e}") from None
 
 
-def check_gpus(gpus) -> list[int]:
+def check_gpus(gpus: object) -> list[int]:
     if not isinstance(gpus, (list, tuple)) or not all(type(g) is int and 0 <= g < 10000 for g in gpus):
         raise RunError(f"gpus {gpus!r}: expected a list of GPU indices (integers >= 0), e.g. [0, 1]")
     if len(set(gpus)) != len(gpus):

@@ -7,7 +7,7 @@ output), so the local and SSH transports test the very same rendering.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -95,7 +95,7 @@ class LineSplitter:
         return b"".join(self.chunks)
 
 
-def iter_stdin(stdin: Stdin):
+def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
     """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time.
 
     A buffered file (sys.stdin.buffer, a pipe) is read with read1, so each chunk goes out as

@@ -8,13 +8,11 @@ lists every check with its threshold and why.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dflash_ops.doctor.checks import FAIL, Check, Inputs, evaluate, verdict
+from dflash_ops.doctor.checks import Inputs, Report, evaluate
 from dflash_ops.doctor.node import NodeFacts, node_facts
 from dflash_ops.doctor.plan import RunPlan, plan_for
 from dflash_ops.doctor.verdicts import last_verdict, record_verdict
@@ -29,27 +27,6 @@ FAST_PROBE_TIMEOUT_S = 60.0
 
 __all__ = ["Report", "RunPlan", "diagnose", "last_verdict", "plan_for", "preflight", "record_verdict",
            "unreachable_report"]
-
-
-@dataclass
-class Report:
-    target: str
-    checks: list[Check]
-    facts: dict | None = None
-    fast: bool = False
-    time: float = field(default_factory=time.time)
-
-    @property
-    def verdict(self) -> str:
-        return verdict(self.checks)
-
-    @property
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.status == FAIL]
-
-    def to_json(self) -> dict:
-        return {"target": self.target, "verdict": self.verdict, "fast": self.fast, "time": self.time,
-                "checks": [c.to_json() for c in self.checks], "facts": self.facts}
 
 
 def helper_args(container: ContainerAPI, plan: RunPlan, fast: bool) -> list[str]:

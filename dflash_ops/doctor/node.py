@@ -9,10 +9,9 @@ bind,optional,create=file`) that also need `lxc.cgroup2.devices.allow: c MAJOR:*
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dflash_ops import render
 from dflash_ops.errors import TransportError

@@ -6,11 +6,10 @@ Built from the target (its GPU list) and, when given, the trainer config the run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dflash_ops.inventory import Target

@@ -7,18 +7,16 @@ user, ctid, base_dir), so two inventories naming one container share it. Written
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflash_ops.doctor import Report
+    from dflash_ops.doctor.checks import Report
     from dflash_ops.inventory import Target
-
 
 
 def state_dir() -> Path:

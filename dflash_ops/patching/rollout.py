@@ -13,8 +13,6 @@ travel), verifies every sha256 and swaps `current` atomically (1).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
 import hashlib
 import io
 import json
@@ -24,14 +22,15 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Callable
 
 from dflash_ops import render
+from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
+from dflash_ops.deploy.push import DEFAULT_KEEP
 from dflash_ops.errors import DflashOpsError, HelperFailed
 from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
 from dflash_ops.tarstream import build_tar
-from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
-from dflash_ops.deploy.push import DEFAULT_KEEP
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI

@@ -12,17 +12,15 @@ A follow that can be cancelled (`stop`) asks the helper to give up after `stop_c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import posixpath
 import threading
 import time
 from collections.abc import Callable
-
-from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
-from dflash_ops.runs.info import RunError
+from typing import TYPE_CHECKING
 
 from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
+from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
+from dflash_ops.runs.info import RunError
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI

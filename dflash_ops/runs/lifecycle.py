@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import posixpath
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_ops.errors import UsageError
 from dflash_ops.runs.follow import follow_file

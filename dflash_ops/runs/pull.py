@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from dflash_ops.hashing import sha256_file
 from dflash_ops.runs.helper import call_json, check_run_id, run_dir

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,13 +32,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_ops.errors import InventoryError
+from dflash_ops.simnode import containers as simct
 from dflash_ops.yamlfile import read_yaml_node, suggest
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = Path(__file__).resolve().parent / "simnode" / "pct.py"
+_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,7 @@ class _Parser:
             sim_root = os.path.expanduser(spec.sim_root or DEFAULT_SIM_ROOT)
             if not os.path.isabs(sim_root):
                 raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
-            pct = (sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root)
+            pct = tuple(simct.stand_in_argv(sim_root))
         elif spec.pct == NO_PCT:
             pct = ()
         elif isinstance(spec.pct, str) and spec.pct.strip():

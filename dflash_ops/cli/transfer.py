@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Annotated, Callable
 import typer
 
 from dflash_ops.cli.common import InventoryOption, open_target
+from dflash_ops.progress import ByteBar
 
 if TYPE_CHECKING:
-    from rich.progress import TaskID
-
     from dflash_ops.transfer import TransferSummary
 
 Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
@@ -45,34 +44,9 @@ def fetch(target: Target, src: ContainerSrc, dest: LocalDest, force: Force = Fal
 def _transfer(transfer: Callable[..., TransferSummary], label: str, inventory: Path | None, target: str,
               src: str | Path, dest: str | Path, force: bool, as_json: bool) -> None:
     container = open_target(inventory, target)
-    with _Bar(label, enabled=not as_json) as bar:
+    with ByteBar(label, enabled=not as_json) as bar:
         summary = transfer(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
-
-
-class _Bar:
-    """One rich progress bar on stderr (gone when done) fed with (bytes done, bytes in all)."""
-
-    def __init__(self, label: str, enabled: bool):
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-        self.label = label
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                            console=Console(stderr=True), transient=True, disable=not enabled)
-        self.task: TaskID | None = None
-
-    def update(self, done: int, total: int) -> None:
-        if self.task is None:
-            self.task = self.bar.add_task(self.label, total=total)
-        self.bar.update(self.task, completed=done, total=max(total, done))
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
 
 
 def register(app: typer.Typer) -> None:

@@ -21,15 +21,12 @@ Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-import uuid
 
 # Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
 EXIT_NOT_FOUND = 2  # bad input, or no such run / file / run directory
@@ -437,7 +434,7 @@ def cmd_control(args):
     if not os.path.isdir(args.run_dir):
         raise Refused("no run directory %s" % args.run_dir)
     os.makedirs(control, exist_ok=True)
-    request_id = uuid.uuid4().hex[:12]
+    request_id = os.urandom(6).hex()
     tmp = os.path.join(control, ".%s.%s.tmp" % (args.kind, request_id))
     final = os.path.join(control, args.kind)
     write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
@@ -653,6 +650,8 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
             log.write(("# dflash-ops: set aside a %s request left from before this start\n" % kind).encode())
         log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
         log.flush()
+        import subprocess  # here, not at the top: `list` and `follow` start faster without it
+
         child = subprocess.Popen(argv, cwd=release_root, env=child_env(python, gpus, args.env),
                                  stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
                                  close_fds=True, start_new_session=True)
@@ -717,6 +716,8 @@ def cmd_checkpoints(args):
 
 
 def sha256_file(path):
+    import hashlib  # here, not at the top: loading OpenSSL is most of what `list` would spend on it
+
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:

@@ -8,7 +8,7 @@
       - exec: ["${release_python}", "--version"]
 
 `${var}` is substituted only inside values (never keys), from `vars:` (overridden by
-`--var k=v`), the built-ins (target, base_dir, current, python) and what earlier steps
+`--var k=v`; a var may use the built-ins and the vars above it), the built-ins (target, base_dir, current, python) and what earlier steps
 provide (see steps.py, run_steps.py). A value that is exactly "${x}" keeps x's type. `$${` is a
 literal `${`. There are no shell strings: `exec` takes an argv list.
 """
@@ -158,6 +158,7 @@ def _variables(check: _Checker, node: yaml.Node | None, overrides: dict[str, str
         elif not isinstance(value_node, yaml.ScalarNode):
             check.problem(value_node, f"vars: {key!r} must be a scalar (string, number, true/false)")
         else:
+            check.var_refs(value_node, set(variables) | set(BUILTIN_VARS))
             variables[key] = check.value(value_node)
     for key, raw in overrides.items():
         if key not in variables:
@@ -262,27 +263,60 @@ def substitute(value: Any, variables: dict[str, Any]) -> Any:
     return value
 
 
-def run_playbook(playbook: Playbook, container: ContainerAPI, *, say: Callable[[str], None] = print) -> PlayResult:
-    """Run every step on one target, in order; stops at the first failing step."""
+def run_playbook(playbook: Playbook, container: ContainerAPI, *, say: Callable[[str], None] = print,
+                 contexts: list[StepContext] | None = None) -> PlayResult:
+    """Run every step on one target, in order; stops at the first failing step. What the steps
+    registered as cleanups (a serving engine to stop) runs at the end, also after a failure or
+    Ctrl-C. `contexts` collects each target's StepContext for clean_up_interrupted()."""
     started = time.monotonic()
     base = container.base_dir
-    variables = {"target": container.target.name, "base_dir": base, "current": f"{base}/current",
-                 "python": container.target.python, **playbook.variables}
+    variables: dict[str, Any] = {"target": container.target.name, "base_dir": base, "current": f"{base}/current",
+                                 "python": container.target.python}
+    for name, value in playbook.variables.items():  # a var may use the built-ins and the vars above it
+        variables[name] = substitute(value, variables)
     ctx = StepContext(container=container, target=container.target.name, variables=variables,
                       playbook_dir=playbook.path.resolve().parent, say=say)
     result = PlayResult(target=ctx.target, variables=variables, results=ctx.results)
-    for step in playbook.steps:
-        say(f"[{step.index}/{len(playbook.steps)}] {step.name}")
-        try:
-            params = substitute(step.params, variables)
-            provided = step.type.run(ctx, params) or {}
-        except KeyError as e:
-            result.error = f"{playbook.path}:{step.line}: step {step.index} ({step.name}): variable {e} is not set yet"
-            break
-        except Exception as e:  # noqa: BLE001 - reported with the step's file:line
-            result.error = f"{playbook.path}:{step.line}: step {step.index} ({step.name}) failed: {e}"
-            break
-        variables.update(provided)
-        result.steps_done += 1
+    if contexts is not None:
+        contexts.append(ctx)
+    try:
+        for step in playbook.steps:
+            say(f"[{step.index}/{len(playbook.steps)}] {step.name}")
+            try:
+                params = substitute(step.params, variables)
+                provided = step.type.run(ctx, params) or {}
+            except KeyError as e:
+                result.error = f"{playbook.path}:{step.line}: step {step.index} ({step.name}): variable {e} is not set yet"
+                break
+            except Exception as e:  # noqa: BLE001 - reported with the step's file:line
+                result.error = f"{playbook.path}:{step.line}: step {step.index} ({step.name}) failed: {e}"
+                break
+            variables.update(provided)
+            result.steps_done += 1
+    finally:
+        _clean_up(ctx, result, playbook.path)
     result.seconds = round(time.monotonic() - started, 3)
     return result
+
+
+def clean_up_interrupted(contexts: list[StepContext], path: Path) -> None:
+    """After Ctrl-C: the cleanups still pending on every target. Only the target playing in the
+    interrupted (main) thread unwinds by itself; the others' threads never get to theirs."""
+    for ctx in contexts:
+        _clean_up(ctx, PlayResult(target=ctx.target), path)
+
+
+def _clean_up(ctx: StepContext, result: PlayResult, path: Path) -> None:
+    """Run the steps' cleanups, newest first; a failing one is reported and the others still run."""
+    while True:
+        try:
+            label, cleanup = ctx.cleanups.pop()  # atomic: a target's own thread may be popping too
+        except IndexError:
+            return
+        ctx.say(f"[cleanup] {label}")
+        try:
+            cleanup()
+        except Exception as e:  # noqa: BLE001 - every cleanup gets its turn
+            message = f"{path}: cleanup ({label}) failed: {e}"
+            ctx.say(message)
+            result.error = result.error or message

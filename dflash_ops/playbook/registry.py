@@ -3,11 +3,12 @@
 A step type is a name (the step's key in YAML), the parameters it takes, the variables it
 provides to later steps, and a function `run(ctx, params) -> dict | None` (the returned dict
 becomes variables). Adding a step type is one `register_step(StepType(...))` call in a module
-that `dflash_ops/playbook/__init__.py` imports (steps.py, run_steps.py).
+that `dflash_ops/playbook/__init__.py` imports (steps.py, run_steps.py, transfer_steps.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,6 +33,11 @@ class StepContext:
     playbook_dir: Path
     say: Callable[[str], None] = print
     results: list[dict] = field(default_factory=list)
+    cleanups: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # run when the playbook ends
+
+    def local_path(self, path: str) -> Path:
+        """A local path of a step: relative ones are relative to the playbook's directory."""
+        return Path(os.path.normpath(path if Path(path).is_absolute() else self.playbook_dir / path))
 
 
 StepRun = Callable[[StepContext, dict], "dict | None"]

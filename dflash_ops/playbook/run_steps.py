@@ -1,6 +1,7 @@
 """Playbook step types for runs: start, follow, wait, checkpoint, stop (see playbook/registry.py).
 
-    - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id
+    - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id, run_dir
+      (set: {model.target.path: /models/m}: dotted config keys to override)
     - follow: {run_id: "${run_id}"}                      progress bar until the run is final;
                                                          provides state, step, final_loss, tau
     - wait: {run_id: "${run_id}", step: 50}              until step >= 50 (or state: X, or final)
@@ -11,13 +12,17 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
+from dflash_ops.yamlfile import read_yaml_node
 
 DEFAULT_TIMEOUT = 3600.0
 
@@ -32,12 +37,40 @@ def resolve_config(ctx: StepContext, config: str) -> Path:
     raise StepFailed(f"config {config!r} not found (looked in: {', '.join(str(c) for c in candidates)})")
 
 
+def with_settings(config: Path, settings: dict) -> bytes:
+    """The config's YAML with dotted keys set, e.g. {"model.target.path": "/models/Qwen3-8B"}.
+
+    The trainer validates the result when the run starts (unknown keys, types, ranges)."""
+    loader, node = read_yaml_node(config, "trainer config", StepFailed)
+    doc = loader.construct_object(node, deep=True) if node is not None else {}
+    if not isinstance(doc, dict):
+        raise StepFailed(f"{config}:1: a trainer config is a mapping; set: cannot apply")
+    for dotted, value in settings.items():
+        keys = str(dotted).split(".")
+        node = doc
+        for key in keys[:-1]:
+            child = node.get(key) if isinstance(node, dict) else None
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise StepFailed(f"set {dotted}: {key} is not a mapping in {config}")
+            node = child
+        node[keys[-1]] = value
+    return yaml.safe_dump(doc, sort_keys=False).encode()
+
+
 def _start(ctx: StepContext, params: dict) -> dict:
     config = resolve_config(ctx, str(params["config"]))
     gpus = check_gpus(params["gpus"]) if params.get("gpus") is not None else None
-    run_id = start_run(ctx.container, config, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
-    ctx.say(f"started {run_id} ({config})")
-    return {"run_id": run_id}
+    settings = params.get("set") or {}
+    with tempfile.TemporaryDirectory(prefix="dflash-config-") as tmp:
+        sent = config
+        if settings:
+            sent = Path(tmp) / config.name
+            sent.write_bytes(with_settings(config, settings))
+        run_id = start_run(ctx.container, sent, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
+    ctx.say(f"started {run_id} ({config}{', with ' + ', '.join(settings) if settings else ''})")
+    return {"run_id": run_id, "run_dir": f"{ctx.container.base_dir}/runs/{run_id}"}
 
 
 class RunProgress:
@@ -145,8 +178,9 @@ def _stop(ctx: StepContext, params: dict) -> dict:
 
 
 RUN_STEPS = [
-    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id"), provides=("run_id",),
-             types={"gpus": list, "name": str, "run_id": str}, help="start a detached training run"),
+    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "set"),
+             provides=("run_id", "run_dir"), types={"gpus": list, "name": str, "run_id": str, "set": dict},
+             help="start a detached training run (set: dotted config keys to override)"),
     StepType("follow", _follow, required=("run_id",), optional=("timeout",),
              provides=("state", "step", "final_loss", "tau"), types={"timeout": NUMBER},
              help="follow a run to its end with a progress bar; fails if the run fails"),

@@ -36,8 +36,11 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
 def _exec(ctx: StepContext, params: dict) -> dict:
     argv = [str(a) for a in params["argv"]]
     timeout = params.get("timeout")
+    def say(line: bytes) -> None:
+        ctx.say(line.decode(errors="replace").rstrip("\n"))
+
     result = exec_killed_after(ctx.container, argv, None if timeout is None else float(timeout),
-                               on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
+                               on_line=say, on_stderr_line=say)
     if params.get("check", True) and not result.ok:
         raise RemoteCommandError(argv, result.exit_code, result.stderr)
     return {"exit_code": result.exit_code, "stdout": result.stdout.strip()}

@@ -43,11 +43,19 @@ def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = N
     return argv
 
 
+PCT_SCRIPT = Path(__file__).resolve().parent / "pct.py"
+
+
 def stand_in_argv(sim_root: str | Path) -> list[str]:
-    """The stand-in run by this interpreter, as `pct: simulated` nodes and the sshd tier run it."""
+    """The stand-in run by this interpreter, as `pct: simulated` nodes and the sshd tier run it.
+
+    `-I -S`: it is stdlib only, so it skips site-packages and their .pth hooks (an editable
+    install's finder alone doubles an interpreter's start; `pct create` loads site itself);
+    pct_main.py imports pct.py, so its compiled code is cached instead of compiled each time.
+    """
     import sys
 
-    return [sys.executable, str(Path(__file__).resolve().parent / "pct.py"), "--state-root", str(sim_root)]
+    return [sys.executable, "-I", "-S", str(PCT_SCRIPT.with_name("pct_main.py")), "--state-root", str(sim_root)]
 
 
 def create(sim_root: str | Path, ctid: int | str, *, python: str | None = None,

@@ -6,7 +6,8 @@
 
 Requirements: /usr/sbin/sshd and ssh-keygen. sshd sanitises the session environment, so the
 node's pct is an absolute-path wrapper script that runs the stand-in by file path with this
-interpreter (the stand-in is stdlib only and needs no PYTHONPATH).
+interpreter (the stand-in is stdlib only and needs no PYTHONPATH). As root, sshd gets the node's
+own login ~/.bashrc (Debian's default) instead of this machine's: see _node_login_rc.
 
 The many-node tier (dflash_ops.testing.netns) starts one of these per network namespace:
 `start_sshd(workdir, address=IP, port=22, netns=NAME, node_name=...)`.
@@ -21,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -32,7 +32,9 @@ import yaml
 from dflash_ops.simnode import containers as simct
 
 SSHD = "/usr/sbin/sshd"
-PCT_SCRIPT = Path(__file__).resolve().parent.parent / "simnode" / "pct.py"
+PCT_SCRIPT = simct.PCT_SCRIPT
+# What base-files installs as /root/.bashrc on Debian, so on a fresh Proxmox VE node.
+NODE_BASHRC = Path("/usr/share/base-files/dot.bashrc")
 
 
 def sshd_unavailable_reason() -> str | None:
@@ -64,6 +66,7 @@ class SshdNode:
     node_name: str = "sshd"
     pct_prefix: tuple[str, ...] = ()  # ("sudo", "-n") for a sudo-pct node with a non-root login
     cleanup: list = field(default_factory=list)  # undone by close(): a sudo login's user, sudoers entry, keys
+    login_rc: tuple[Path, Path] | None = None  # (node's ~/.bashrc, bound over this one): _node_login_rc
 
     def node_entry(self) -> dict:
         """This node as an inventory `nodes:` entry (real SSH, strict host keys)."""
@@ -94,7 +97,7 @@ class SshdNode:
         if self.listening():
             return
         assert self.config is not None, "a node from start_sshd() has its sshd_config"
-        self.proc = _launch(self.config, self.log, self.netns)
+        self.proc = _launch(self.config, self.log, self.netns, self.login_rc)
         try:
             _wait_for_banner(self.address, self.port, self.proc, self.log)
         except BaseException:
@@ -204,8 +207,37 @@ def _wait_for_banner(address: str, port: int, proc: subprocess.Popen, log: Path,
     raise RuntimeError(f"sshd did not answer on port {port}: {log.read_text(errors='replace')[-2000:]}")
 
 
-def _launch(config: Path, log: Path, netns: str | None) -> subprocess.Popen:
+def _node_login_rc(workdir: Path, user: str) -> tuple[Path, Path] | None:
+    """(the node's ~/.bashrc, this machine's) when sshd must run with the node's own.
+
+    sshd runs each command as `$SHELL -c COMMAND`, and Debian's bash then reads ~/.bashrc
+    (bash's SSH_SOURCE_BASHRC). The simulated node logs into this machine's account, whose
+    ~/.bashrc is this machine's: here `pyenv init` (about 100 processes, ~0.13 s of CPU for
+    every command) where a Proxmox node has Debian's default. As root, sshd runs in its own
+    mount namespace with the node's file (NODE_BASHRC, else empty) bound over it; otherwise
+    the login's own file stays (and is paid for on every command).
+    """
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return None
+    here = Path(entry.pw_dir) / ".bashrc"
+    if os.path.basename(entry.pw_shell) != "bash" or not here.is_file():
+        return None
+    node_rc = workdir / "node.bashrc"
+    _write(node_rc, NODE_BASHRC.read_text() if NODE_BASHRC.is_file() else "", mode=0o644)
+    return node_rc, here
+
+
+def _launch(config: Path, log: Path, netns: str | None, login_rc: tuple[Path, Path] | None = None) -> subprocess.Popen:
     argv = [SSHD, "-D", "-e", "-f", str(config)]
+    if login_rc is not None:  # unshare and sh exec: the Popen pid is still sshd's
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                'mount --bind "$1" "$2" && shift 2 && exec "$@"', "node-login", *map(str, login_rc), *argv]
     if netns is not None:
         argv = ["ip", "netns", "exec", netns, *argv]  # ip execs sshd: the Popen pid is sshd's
     with open(log, "ab") as log_file:
@@ -274,20 +306,20 @@ def start_sshd(
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"
-    _write(pct, "#!/bin/sh\nexec " + shlex.join([sys.executable, str(PCT_SCRIPT), "--state-root", str(sim_root)])
-           + ' "$@"\n', mode=0o755)
+    _write(pct, "#!/bin/sh\nexec " + shlex.join(simct.stand_in_argv(sim_root)) + ' "$@"\n', mode=0o755)
     pct_prefix: tuple[str, ...] = ()
     if sudo_login:
         _add_sudo_login(sudo_login, pct, cleanup)
         pct_prefix = ("sudo", "-n")
     log = workdir / "sshd.log"
-    proc = _launch(config, log, netns)
+    login_rc = _node_login_rc(workdir, user)
+    proc = _launch(config, log, netns, login_rc)
     node = SshdNode(workdir=workdir, port=port, user=user, inventory=workdir / "inventory.yaml",
                     known_hosts=workdir / "known_hosts", client_key=client_key, host_key=host_key,
                     sim_root=sim_root, base_dir=workdir / "ct200" / "opt" / "dflash", log=log,
                     proc=proc, ctids=tuple(ctids), address=address,
                     netns=netns, config=config, pct=pct, node_name=node_name,
-                    pct_prefix=pct_prefix, cleanup=cleanup)
+                    pct_prefix=pct_prefix, cleanup=cleanup, login_rc=login_rc)
     _write(node.known_hosts, node.host_key_line(address, port))
     targets = {
         ("host200" if ctid == 200 else f"host{ctid}"): {

@@ -45,11 +45,11 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
     first = os.readlink(base / "current")
     run_id = cli(inventory, "run", "start", "host200", "--config", str(short_config(tmp_path, 2000))).stdout.strip()
 
-    while json.loads(cli(inventory, "run", "status", "host200", "--json").stdout)["step"] < 20:
+    while json.loads(cli(inventory, "run", "status", "host200", "--json").stdout)["step"] < 5:
         time.sleep(0.5)
     written = cli(inventory, "run", "checkpoint", "host200", run_id, "--wait", "--timeout", "300").stdout
     step = int(re.search(r"checkpoints/step_(\d+)", written).group(1))
-    assert step >= 20
+    assert step >= 5
     cli(inventory, "run", "stop", "host200", run_id, "--timeout", "300")
     stopped = json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
     assert stopped["effective_state"] == "stopped" and stopped["step"] >= step
@@ -57,7 +57,7 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
 
     # resume on a config that ends soon, then follow it to the end
     run_dir = base / "runs" / run_id
-    short = yaml.safe_load(short_config(tmp_path, stopped["step"] + 40).read_text())
+    short = yaml.safe_load(short_config(tmp_path, stopped["step"] + 10).read_text())
     (run_dir / "config.input.yaml").write_text(yaml.safe_dump(short))
     cli(inventory, "run", "resume", "host200", run_id)
     followed = cli(inventory, "logs", "host200", run_id, "-f")
@@ -68,7 +68,7 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
     steps_after = [e["step"] for e in events if e["event"] == "step" and e["time"] > starts[1]["time"]]
     assert steps_after and min(steps_after) > stopped["step"]
     done = json.loads(cli(inventory, "run", "status", "host200", "--json").stdout)
-    assert done["effective_state"] == "done" and done["step"] == stopped["step"] + 40
+    assert done["effective_state"] == "done" and done["step"] == stopped["step"] + 10
     assert any(e["event"] == "eval" and e["tau"] > 0 for e in events)
 
     pulled = cli(inventory, "pull", "host200", run_id, str(tmp_path / "pulled")).stdout
@@ -91,9 +91,9 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
 
 def test_train_playbook_reports_final_loss_and_tau(tmp_path):
     inventory = write_sim_inventory(tmp_path / "simnode")
-    config = short_config(tmp_path, 60)
+    config = short_config(tmp_path, 20)
     result = cli(inventory, "play", str(REPO / "playbooks" / "train.yaml"), "host200", "--var", f"config={config}")
-    report = re.search(r"done at step 60, final loss (\d+\.\d+), acceptance length tau (\d+\.\d+)", result.stdout)
+    report = re.search(r"done at step 20, final loss (\d+\.\d+), acceptance length tau (\d+\.\d+)", result.stdout)
     assert report, result.stdout
     assert float(report.group(2)) >= 1.0
     assert "train: 4/4 steps OK" in result.stdout

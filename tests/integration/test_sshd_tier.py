@@ -1,6 +1,7 @@
 """The command layer through a real OpenSSH sshd on 127.0.0.1 (fixture `sshd_node`)."""
 
 import json
+import shlex
 import subprocess
 
 import pytest
@@ -61,6 +62,22 @@ def test_one_connection_for_many_execs(sshd_node, container):
 
 def test_container_environment(container):
     checks.assert_container_environment(container)
+
+
+def test_node_commands_read_the_nodes_own_login_bashrc(sshd_node):
+    """sshd runs every command through the login's bash, which reads ~/.bashrc: the node's own
+    (Debian's default, as on a fresh Proxmox node), not this machine's, which stays untouched."""
+    if sshd_node.login_rc is None:
+        pytest.skip("the login's shell reads no ~/.bashrc here (or not root): nothing to replace")
+    node_rc, here = sshd_node.login_rc
+    before = here.read_bytes()
+    transport = SSHTransport(load_inventory(sshd_node.inventory).target("host200").node)
+    try:
+        seen = transport.run(shlex.join(["cat", "--", str(here)]))
+    finally:
+        transport.close()
+    assert seen.ok and seen.stdout_bytes == node_rc.read_bytes()
+    assert here.read_bytes() == before
 
 
 def test_sudo_pct_node_container_environment_and_codes(sudo_sshd_node, tmp_path):

@@ -138,10 +138,14 @@ def test_a_dropped_push_leaves_the_old_tree_and_resumes(tier, tmp_path, monkeypa
     with pytest.raises(TransferError, match="run the same push again to resume"):
         push_path(container, src, str(dest), on_progress=DropAfter(3 << 20, node))
     assert tree_of(dest) == {"small.txt": b"v1\n", "weights.bin": big}, "the old tree, complete"
+    part = dest.parent / ".model.dflash-push" / "tree" / "weights.bin.part"
+    staged = part.stat().st_size
+    assert 0 < staged < len(new_big), "the connection dropped inside the file"
     monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 3)
     resumed = push_path(container, src, str(dest))
     assert tree_of(dest) == {"small.txt": b"v2\n", "weights.bin": new_big}
-    assert 0 < resumed.bytes_sent < len(new_big), "only the rest of the staged file was sent"
+    assert resumed.bytes_sent == len(new_big) - staged, "only the rest of the file was sent"
+    assert resumed.files_sent == 1, "small.txt had arrived whole before the drop"
 
 
 def test_a_push_resumes_by_itself_after_a_drop(tier, tmp_path):
@@ -196,6 +200,25 @@ def test_a_dropped_fetch_resumes(tier, tmp_path, monkeypatch):
     resumed = fetch_path(container, str(remote), local, chunk=64 << 10)
     assert tree_of(local) == {"regen.jsonl": content}
     assert 0 < resumed.bytes_sent < len(content)
+
+
+def test_an_interrupted_fetch_leaves_the_old_copy_whole(tmp_path):
+    """Never a mix: a fetch cut off in the middle (dropped, Ctrl-C) leaves the previous fetch's
+    files exactly; the next fetch completes the new state, sending only what is missing."""
+    container = sim_container(tmp_path)
+    remote = make_tree(Path(container.base_dir).parent / "data" / "export",
+                       {"config.json": b"v1\n", "model.safetensors": os.urandom(1 << 20)})
+    local = tmp_path / "export"
+    fetch_path(container, str(remote), local)
+    old = tree_of(local)
+    new = {"config.json": b"v2\n", "model.safetensors": os.urandom(1 << 20)}
+    make_tree(remote, new)
+    with pytest.raises(ConnectionLost):
+        fetch_path(container, str(remote), local, chunk=64 << 10, on_progress=DropAfter(512 << 10))
+    assert tree_of(local) == old
+    resumed = fetch_path(container, str(remote), local, chunk=64 << 10)
+    assert tree_of(local) == new
+    assert 0 < resumed.bytes_sent < (1 << 20), "the staged part of the big file was kept"
 
 
 def test_fetch_never_replaces_what_it_did_not_write(tier, tmp_path):

@@ -109,7 +109,7 @@ def test_anything_else_is_one_error_naming_file_and_line(tmp_path, rows, line, w
     assert message.startswith(f"{path}:{line}: ") and words in message and "\n" not in message
 
 
-def test_data_report_counts_truncation_and_loss_share(qwen3_model_dir, tmp_path):
+def test_data_report_counts_truncation_and_loss_share(qwen3_model_dir, tmp_path, capsys):
     import subprocess
     import sys
 
@@ -136,6 +136,8 @@ def test_data_report_counts_truncation_and_loss_share(qwen3_model_dir, tmp_path)
     assert "length histogram" in out.stdout
     bad = _write(tmp_path / "bad.jsonl", [{"messages": "nope"}])
     config.write_text(config.read_text().replace(str(data), str(bad)))
-    out = subprocess.run([sys.executable, "-m", "trainer", "data-report", "--config", str(config)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and f"{bad}:1:" in out.stderr
+    from trainer.__main__ import main  # in this process: the CLI path above already ran as `python -m trainer`
+
+    assert main(["data-report", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and f"{bad}:1:" in err

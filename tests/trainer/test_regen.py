@@ -275,3 +275,27 @@ def test_killed_process_resumes(server, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "already done" in second.stdout
     assert sorted(r["id"] for r in records(out)) == sorted(r["id"] for r in rows)
+
+
+def test_the_stand_in_is_not_ready_until_its_model_is_loaded(model_dir):
+    import threading
+    import urllib.error
+    import urllib.request
+    from http.server import ThreadingHTTPServer
+
+    from trainer.testing.openai_server import ModelServer, make_handler
+
+    state = ModelServer(str(model_dir), "tiny")
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        for route in ("/health", "/v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(base + route)
+            assert info.value.code == 503
+        state.load()
+        with urllib.request.urlopen(base + "/v1/models") as response:
+            assert json.loads(response.read())["data"][0]["id"] == "tiny"
+    finally:
+        httpd.shutdown()

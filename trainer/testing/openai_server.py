@@ -8,7 +8,8 @@ not depend on what else is in flight; greedy at temperature 0, seeded sampling o
 behind the routes and replies those servers give:
 
   GET  /health                  200 once the model is loaded, 503 while loading
-  GET  /v1/models               {"object": "list", "data": [{"id": NAME, ...}]}
+  GET  /v1/models               {"object": "list", "data": [{"id": NAME, ...}]}; 503 while loading
+                                (a real server only listens once loaded: this route means ready)
   POST /v1/chat/completions     non-streaming; finish_reason "stop" or "length", usage counts;
                                 404 for another model name, 400 for a bad body or a prompt
                                 that does not fit --max-model-len (vLLM's wording)
@@ -138,6 +139,9 @@ def make_handler(server_state: ModelServer):
                 ready = server_state.engine is not None
                 self._reply(200 if ready else 503, {"status": "ok" if ready else "loading"})
             elif self.path == "/v1/models":
+                if server_state.engine is None:  # SGLang and vLLM only answer once the model is loaded
+                    self._reply(503, _error("the model is still loading", "ServiceUnavailableError", 503))
+                    return
                 self._reply(200, {"object": "list", "data": [
                     {"id": server_state.served_name, "object": "model", "created": server_state.created,
                      "owned_by": "dflash-stand-in", "max_model_len": server_state.max_model_len}]})

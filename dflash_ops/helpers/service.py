@@ -1,0 +1,261 @@
+"""Long-running services inside a container, e.g. the target's serving engine (stdlib only).
+
+  service.py start [--cwd DIR] [--env K=V ...] [--port P] BASE NAME -- ARGV...
+      Start ARGV detached in its own session (stdin /dev/null, stdout+stderr to
+      BASE/services/NAME/service.log) and record pid + start time in service.json.
+      Refuses (exit 3) while a service of that name still runs, or when something already
+      listens on 127.0.0.1:P (a wait would take its answers for the new service's).
+  service.py wait BASE NAME --url URL [--timeout S] [--poll S]
+      Until GET URL answers 200 while the service runs (exit 0); exit 4 when the service died
+      (with its log tail), exit 6 when S seconds passed. No proxy is used.
+  service.py stop BASE NAME [--grace S]
+      SIGTERM to every process of the session the service started (only processes whose
+      session id is the recorded pid and that started after it), SIGKILL to what is left
+      after S seconds. A service that is gone already is fine (exit 0).
+
+Each prints one JSON object on stdout. Names: [A-Za-z0-9][A-Za-z0-9._-]*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+CHILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LOG_TAIL_BYTES = 4000
+EXIT_BAD = 2
+EXIT_REFUSED = 3
+EXIT_DIED = 4
+EXIT_TIME_UP = 6
+
+
+class Failed(Exception):
+    def __init__(self, message, code=EXIT_BAD, **extra):
+        super().__init__(message)
+        self.code = code
+        self.extra = extra
+
+
+def print_json(obj):
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def service_dir(base, name):
+    if not NAME_RE.match(name):
+        raise Failed("bad service name %r" % name)
+    return os.path.join(base, "services", name)
+
+
+def read_json(path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_json_atomic(path, obj):
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        json.dump(obj, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def proc_stat(pid):
+    """(state, session id, start time) of a pid, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except (OSError, ValueError):
+        return None
+    rest = text[text.rfind(")") + 2:].split()
+    return rest[0], int(rest[3]), int(rest[19])
+
+
+def alive(pid, start):
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[2] == start
+
+
+def members(record):
+    """Pids of the session the service's leader created, started no earlier than the leader.
+
+    The leader's pid is the session id (start_new_session). While the leader lives, its start
+    time must be the recorded one: a pid with another start time is someone else's process and
+    nothing is signalled. Once it is gone, a pid still used as a session id cannot be handed out
+    again, so processes in a session of that id are the service's own."""
+    sid, start = record["pid"], record["pid_start"]
+    leader = proc_stat(sid)
+    if leader is not None and leader[2] != start:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = proc_stat(int(entry))
+        if stat is not None and stat[0] != "Z" and stat[1] == sid and stat[2] >= start:
+            found.append(int(entry))
+    return found
+
+
+def log_tail(path):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def cmd_start(args):
+    directory = service_dir(args.base, args.name)
+    os.makedirs(directory, exist_ok=True)
+    record_path = os.path.join(directory, "service.json")
+    old = read_json(record_path)
+    if old and old.get("state") == "running" and members(old):
+        raise Failed("service %s is already running (pid %d); stop it first (playbook step `stop-serve: %s`)"
+                     % (args.name, old["pid"], args.name),
+                     EXIT_REFUSED, pid=old["pid"])
+    if not args.argv:
+        raise Failed("no command to start")
+    if args.port is not None and listening(args.port):
+        raise Failed("something already listens on 127.0.0.1:%d (another server?); stop it or choose another port"
+                     % args.port, EXIT_REFUSED)
+    env = {"PATH": CHILD_PATH}
+    for name in ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_HOME", "HF_TOKEN", "CUDA_VISIBLE_DEVICES"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            raise Failed("--env wants KEY=VALUE, got %r" % item)
+        env[key] = value
+    log = os.path.join(directory, "service.log")
+    with open(log, "ab") as out:
+        out.write(("# dflash-ops service start %s: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                         json.dumps(args.argv))).encode())
+        out.flush()
+        try:
+            proc = subprocess.Popen(args.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    cwd=args.cwd, env=env, start_new_session=True, close_fds=True)
+        except OSError as e:
+            raise Failed("cannot start %s: %s" % (args.argv[0], e.strerror or e)) from None
+    stat = proc_stat(proc.pid)
+    record = {"name": args.name, "pid": proc.pid, "pid_start": stat[2] if stat else None, "argv": args.argv,
+              "cwd": args.cwd, "log": log, "started": time.time(), "state": "running"}
+    write_json_atomic(record_path, record)
+    print_json(record)
+
+
+def listening(port):
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def running_record(base, name):
+    record = read_json(os.path.join(service_dir(base, name), "service.json"))
+    if not record or not isinstance(record.get("pid"), int) or not isinstance(record.get("pid_start"), int):
+        raise Failed("no service %r was started here" % name)
+    return record
+
+
+def cmd_wait(args):
+    record = running_record(args.base, args.name)
+    deadline = time.monotonic() + args.timeout
+    last = "no answer yet"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never http_proxy for 127.0.0.1
+    while True:
+        try:
+            with opener.open(args.url, timeout=5) as response:
+                if response.status == 200 and alive(record["pid"], record["pid_start"]):
+                    print_json({"ready": True, "url": args.url, "pid": record["pid"]})
+                    return 0
+                last = "HTTP %d" % response.status
+        except urllib.error.HTTPError as e:
+            last = "HTTP %d" % e.code
+        except (urllib.error.URLError, OSError) as e:
+            last = str(getattr(e, "reason", None) or e)
+        if not alive(record["pid"], record["pid_start"]):
+            raise Failed("service %s exited before %s answered" % (args.name, args.url), EXIT_DIED,
+                         log_tail=log_tail(record["log"]))
+        if time.monotonic() > deadline:
+            raise Failed("service %s did not answer %s within %gs (last: %s)" % (args.name, args.url, args.timeout, last),
+                         EXIT_TIME_UP, log_tail=log_tail(record["log"]))
+        time.sleep(args.poll)
+
+
+def cmd_stop(args):
+    path = os.path.join(service_dir(args.base, args.name), "service.json")
+    record = running_record(args.base, args.name)
+    pids = members(record)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + args.grace
+    while members(record) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = members(record)
+    for pid in killed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    record["state"] = "stopped"
+    record["stopped"] = time.time()
+    write_json_atomic(path, record)
+    print_json({"name": args.name, "signalled": pids, "killed": killed})
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="service.py")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("base")
+    s.add_argument("name")
+    s.add_argument("--cwd", default=None)
+    s.add_argument("--env", action="append", default=[])
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("argv", nargs=argparse.REMAINDER)
+    w = sub.add_parser("wait")
+    w.add_argument("base")
+    w.add_argument("name")
+    w.add_argument("--url", required=True)
+    w.add_argument("--timeout", type=float, default=900.0)
+    w.add_argument("--poll", type=float, default=1.0)
+    t = sub.add_parser("stop")
+    t.add_argument("base")
+    t.add_argument("name")
+    t.add_argument("--grace", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    if args.cmd == "start" and args.argv[:1] == ["--"]:
+        args.argv = args.argv[1:]
+    try:
+        return {"start": cmd_start, "wait": cmd_wait, "stop": cmd_stop}[args.cmd](args) or 0
+    except Failed as e:
+        print_json({"error": str(e), **e.extra})
+        sys.stderr.write("service.py: %s\n" % e)
+        return e.code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

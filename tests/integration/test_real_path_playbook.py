@@ -1,0 +1,52 @@
+"""playbooks/real-path.yaml end to end on the simulated node, shrunk by its vars (slow): a
+hub-format model dir and prompts pushed, served and regenerated, a drafter trained from
+model.target.path on the regenerated data, exported, and the export fetched back."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
+from tests.conftest import write_sim_inventory
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_path_playbook_end_to_end(tmp_path):
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    local = tmp_path / "local"
+    args = ["play", str(REPO / "playbooks" / "real-path.yaml"), "host200", "--inventory", str(inventory)]
+    for var in (f"local_dir={local}", "prompts=6", "fit_steps=0", "train_steps=4", "max_tokens=8",
+                "concurrency=3", f"port={free_port()}"):
+        args += ["--var", var]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "regen: 6 regenerated, 0 already done, 0 failed" in result.stdout
+    assert "real-path: 12/12 steps OK" in result.stdout
+    regen = [json.loads(line) for line in (base / "data" / "real-path" / "regen.jsonl").read_text().splitlines()]
+    assert len(regen) == 6 and all(r["messages"][-1]["role"] == "assistant" for r in regen)
+    (run_dir,) = [p for p in (base / "runs").iterdir() if p.is_dir()]
+    config = (run_dir / "config.yaml").read_text()
+    assert f"path: {base}/data/real-path/models/tiny-qwen3" in config, "trained from the pushed model dir"
+    assert f"train_path: {base}/data/real-path/regen.jsonl" in config
+    export = local / "exports" / run_dir.name
+    fetched = {p.relative_to(export).as_posix(): p.read_bytes() for p in export.rglob("*") if p.is_file()}
+    made = {p.relative_to(run_dir / "export").as_posix(): p.read_bytes()
+            for p in (run_dir / "export").rglob("*") if p.is_file()}
+    assert fetched == made and "config.json" in fetched
+    assert json.loads(fetched["config.json"])["auto_map"], "loads with trust_remote_code"
+    record = json.loads((base / "services" / "engine" / "service.json").read_text())
+    assert record["state"] == "stopped"

@@ -1,0 +1,85 @@
+"""playbooks/regen.yaml on the simulated node and through a real sshd, with the real stand-in
+server and trainer regen (slow): the engine serves, answers, and is stopped, also when the
+regeneration fails."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
+from tests.conftest import write_sim_inventory
+from tests.trainer.test_regen import write_fixture_model
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def play(inventory: Path, book: str, *vars: str):
+    args = ["play", str(REPO / "playbooks" / book), "host200", "--inventory", str(inventory)]
+    for var in vars:
+        args += ["--var", var]
+    return CliRunner().invoke(app, args)
+
+
+def engine_state(base: Path) -> dict:
+    return json.loads((base / "services" / "engine" / "service.json").read_text())
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+def node(request, tmp_path):
+    """(tier, inventory, base_dir) of host200."""
+    if request.param == "sim":
+        return "sim", write_sim_inventory(tmp_path / "simnode"), tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    sshd = request.getfixturevalue("sshd_node")
+    shutil.rmtree(sshd.base_dir, ignore_errors=True)
+    return "sshd", sshd.inventory, Path(sshd.base_dir)
+
+
+def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
+    """Both tiers: the engine is stopped when the regeneration fails; the sim tier (to keep the
+    suite lean) first regenerates for real."""
+    tier, inventory, base = node
+    data = base.parent / "data" / tmp_path.name
+    write_fixture_model(data / "models" / "tiny")
+    (data / "prompts.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"step3 v{i}"}]}) + "\n" for i in range(6)))
+    common = [f"data_dir={data}", f"model_dir={data}/models/tiny", f"port={free_port()}", "max_tokens=4",
+              "concurrency=3"]
+    first = None
+    if tier == "sim":
+        result = play(inventory, "regen.yaml", *common)
+        assert result.exit_code == 0, result.output
+        assert re.search(r"regen: 6 regenerated, 0 already done, 0 failed, \d+ truncated", result.stdout)
+        assert sorted(json.loads(line)["id"] for line in (data / "regen.jsonl").read_text().splitlines()) == \
+            [f"q{i}" for i in range(6)]
+        first = engine_state(base)
+        assert first["state"] == "stopped" and not process_alive(first["pid"])
+
+    failed = play(inventory, "regen.yaml", *common, f"prompts={data}/missing.jsonl")
+    assert failed.exit_code != 0
+    assert "regen.yaml" in failed.output and "step 3 (regenerate the answers) failed" in failed.output
+    assert "cannot read" in failed.output
+    assert "[cleanup] stop service engine" in failed.output
+    second = engine_state(base)
+    assert second["state"] == "stopped" and not process_alive(second["pid"])
+    assert first is None or second["pid"] != first["pid"]

@@ -1,0 +1,272 @@
+"""Services (a serving engine) in a container, on the simulated node and through a real sshd,
+and the serve / stop-serve steps (stopped also when a later step fails)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from dflash_ops.playbook.play import PlaybookError, load_playbook, run_playbook
+from dflash_ops.services import ServiceError, start_service, stop_service, wait_service
+from tests.conftest import write_sim_inventory
+from tests.integration.deploy_support import sim_container, sshd_container
+
+
+@pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
+def container(request, tmp_path):
+    if request.param == "sim":
+        yield sim_container(tmp_path)
+        return
+    box = sshd_container(request.getfixturevalue("sshd_node"))
+    yield box
+    box.transport.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SERVER = [sys.executable, "-c", "import http.server, sys, subprocess; subprocess.Popen(['sleep', '300']); "
+          "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()"]
+
+
+def children_of_session(sid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            rest = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(rest[3]) == sid and rest[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_start_wait_stop_stops_the_whole_session_and_nothing_else(container, tmp_path):
+    port = free_port()
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        record = start_service(container, "web", [*SERVER, str(port)], cwd=str(tmp_path))
+        wait_service(container, "web", f"http://127.0.0.1:{port}/", timeout=120, poll=0.1)
+        members = children_of_session(record["pid"])
+        assert len(members) == 2, "the server and the child it spawned"
+        with pytest.raises(ServiceError, match="already running"):
+            start_service(container, "web", [*SERVER, str(port)])
+        done = stop_service(container, "web", grace=10)
+        assert sorted(done["signalled"]) == sorted(members)
+        assert not any(alive(pid) for pid in members)
+        assert alive(bystander.pid), "a process the service did not start is never signalled"
+        assert stop_service(container, "web")["signalled"] == [], "stopping a stopped service is fine"
+        log = Path(container.base_dir) / "services" / "web" / "service.log"
+        assert "# dflash-ops service start" in log.read_text()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_a_service_that_dies_is_reported_with_its_log(container):
+    start_service(container, "bad", [sys.executable, "-c", "import sys; print('no model at /models/x'); sys.exit(3)"])
+    with pytest.raises(ServiceError, match="exited before .* answered; the end of its log:\n  no model at /models/x"):
+        wait_service(container, "bad", f"http://127.0.0.1:{free_port()}/", timeout=120, poll=0.1)
+    with pytest.raises(ServiceError, match="cannot start no-such-program"):
+        start_service(container, "bad2", ["no-such-program"])
+    with pytest.raises(ServiceError, match="bad service name"):
+        start_service(container, "../x", ["true"])
+
+
+def test_a_service_that_never_answers_times_out_with_its_log(container):
+    never = [sys.executable, "-c", "import time; print('loading shards', flush=True); time.sleep(300)"]
+    record = start_service(container, "slow", never)
+    with pytest.raises(ServiceError, match=r"did not answer http://127.0.0.1:\d+/v1/models within 1s "
+                                           r".*; the end of its log:\n  loading shards"):
+        wait_service(container, "slow", f"http://127.0.0.1:{free_port()}/v1/models", timeout=1, poll=0.1)
+    assert alive(record["pid"]), "wait only reports; the serve step's cleanup stops it"
+    stop_service(container, "slow", grace=5)
+    assert not alive(record["pid"])
+
+
+def test_stop_never_signals_a_pid_that_is_no_longer_the_service(container):
+    """The recorded pid now belongs to another process (its start time differs): leave it alone."""
+    stranger = subprocess.Popen(["setsid", "sleep", "300"])  # a session leader, like a service
+    try:
+        record = start_service(container, "gone", [sys.executable, "-c", "pass"])
+        path = Path(container.base_dir) / "services" / "gone" / "service.json"
+        with open(f"/proc/{stranger.pid}/stat") as f:
+            stranger_start = int(f.read().rsplit(")", 1)[1].split()[19])
+        path.write_text(json.dumps({**record, "pid": stranger.pid, "pid_start": stranger_start - 1}))
+        assert stop_service(container, "gone", grace=1)["signalled"] == []
+        assert alive(stranger.pid)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def write_playbook(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_serve_step_stops_the_engine_when_a_later_step_fails(container, tmp_path):
+    port = free_port()
+    argv = json.dumps([*SERVER, str(port)])
+    book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {argv}, port: {port}, health: /}}
+  - exec: [sh, -c, "echo using ${{endpoint}}; exit 7"]
+""")
+    lines: list[str] = []
+    result = run_playbook(load_playbook(book), container, say=lines.append)
+    assert "step 2 (exec) failed" in result.error and "status 7" in result.error
+    assert f"using http://127.0.0.1:{port}" in lines
+    assert "[cleanup] stop service web" in lines
+    record = json.loads((Path(container.base_dir) / "services" / "web" / "service.json").read_text())
+    assert record["state"] == "stopped" and not alive(record["pid"])
+
+
+def test_stop_serve_step_stops_it_once(tmp_path):
+    container = sim_container(tmp_path)
+    port = free_port()
+    argv = json.dumps([*SERVER, str(port)])
+    book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {argv}, port: {port}, health: /}}
+  - stop-serve: web
+  - echo: done
+""")
+    lines: list[str] = []
+    result = run_playbook(load_playbook(book), container, say=lines.append)
+    assert result.ok, result.error
+    assert not any(line.startswith("[cleanup]") for line in lines)
+    assert sum("service web stopped" in line for line in lines) == 1
+
+
+def test_var_values_use_builtins_and_earlier_vars(tmp_path):
+    container = sim_container(tmp_path)
+    book = write_playbook(tmp_path / "vars.yaml", """
+vars:
+  data: ${base_dir}/data
+  model: ${data}/models/m
+steps:
+  - echo: "${model}"
+""")
+    lines: list[str] = []
+    assert run_playbook(load_playbook(book), container, say=lines.append).ok
+    assert f"{container.base_dir}/data/models/m" in lines
+    bad = write_playbook(tmp_path / "bad.yaml", "vars:\n  a: ${b}\n  b: x\nsteps:\n  - echo: hi\n")
+    with pytest.raises(PlaybookError, match=r"bad.yaml:2: undefined variable 'b'"):
+        load_playbook(bad)
+
+
+def test_push_fetch_and_local_steps(tmp_path):
+    container = sim_container(tmp_path)
+    data = Path(container.base_dir).parent / "data"
+    book = write_playbook(tmp_path / "io.yaml", f"""
+vars:
+  dest: {data}/made
+steps:
+  - local: [python, -c, "import pathlib; pathlib.Path('made').mkdir(); pathlib.Path('made/x.txt').write_text('x')"]
+  - push: {{src: made, dest: "${{dest}}"}}
+  - exec: [sh, -c, "echo y > ${{dest}}/y.txt"]
+  - fetch: {{src: "${{dest}}", dest: back, force: true}}
+""")
+    lines: list[str] = []
+    result = run_playbook(load_playbook(book), container, say=lines.append)
+    assert result.ok, result.error
+    assert (data / "made" / "x.txt").read_text() == "x"
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["x.txt", "y.txt"]
+
+
+def test_serve_refuses_a_port_another_server_already_answers(tmp_path):
+    """Else the wait would take the other server's answers for the engine's."""
+    container = sim_container(tmp_path)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+""")
+        result = run_playbook(load_playbook(book), container, say=lambda line: None)
+    assert "step 1 (serve) failed: something already listens on 127.0.0.1:" in result.error
+    assert not (Path(container.base_dir) / "services" / "web" / "service.json").exists()
+
+
+def test_ctrl_c_during_a_playbook_stops_the_engine(tmp_path):
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    port = free_port()
+    book = write_playbook(tmp_path / "serve.yaml", f"""
+steps:
+  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+  - sleep: 300
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "play", str(book), "host200", "--inventory",
+                             str(inventory)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "[2/2] sleep" in line:
+                break
+        record = json.loads((base / "services" / "web" / "service.json").read_text())
+        assert alive(record["pid"])
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "[cleanup] stop service web" in rest
+    record = json.loads((base / "services" / "web" / "service.json").read_text())
+    assert record["state"] == "stopped" and not alive(record["pid"])
+
+
+@pytest.fixture
+def hold_step():
+    """A step type `hold` that registers a cleanup, then: on host201 (played in the main thread)
+    raises KeyboardInterrupt once host200 (played in a worker thread) holds; on host200 waits."""
+    from dflash_ops.playbook.registry import STEP_TYPES, StepType, register_step
+
+    held, cleaned = threading.Event(), []
+
+    def hold(ctx, params):
+        ctx.cleanups.append((f"release {ctx.target}", lambda: cleaned.append(ctx.target)))
+        if ctx.target == "host201":
+            assert held.wait(60)
+            raise KeyboardInterrupt
+        held.set()
+        threading.Event().wait(60)
+
+    register_step(StepType("hold", hold, help="test only"))
+    yield cleaned
+    del STEP_TYPES["hold"]
+
+
+def test_ctrl_c_runs_the_cleanups_of_every_target(tmp_path, hold_step):
+    """With several targets only the main thread's target unwinds by itself; play runs the rest."""
+    from typer.testing import CliRunner
+
+    from dflash_ops.cli import app
+
+    inventory = write_sim_inventory(tmp_path / "simnode", ctids=(200, 201))
+    book = write_playbook(tmp_path / "hold.yaml", "steps:\n  - hold: {}\n")
+    result = CliRunner().invoke(app, ["play", str(book), "host200", "host201", "--inventory", str(inventory)])
+    assert result.exit_code != 0
+    assert sorted(hold_step) == ["host200", "host201"]
+    assert "host200: [cleanup] release host200" in result.output

@@ -4,6 +4,12 @@
     PYTHONPATH=. python bench/pipeline.py --target cuda:0 --drafter cuda:1          # 2 GPUs
     PYTHONPATH=. python bench/pipeline.py --mix lognormal --modes bucketed packed   # chat-like lengths
     PYTHONPATH=. python bench/pipeline.py --tiny --target cpu --drafter cpu --steps 4   # CPU smoke
+    PYTHONPATH=. python bench/pipeline.py --modes packed --one-rank    # + the same as rank 0 of a 1-host group
+
+--one-rank runs each mode a second time (key `<mode>/rank`) as the one rank of a host group
+(trainer.pipeline.multihost on a world-1 torch.distributed group: the cross-host all-reduce of
+the gradient buffer, the per-step agreement, the host shard of the data), to show what being a
+rank costs on one host.
 
 Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
 sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
@@ -116,7 +122,27 @@ def random_samples(lengths, vocab, seed=0):
     return [([rng.randrange(10, vocab) for _ in range(n)], [0] * (n // 4) + [1] * (n - n // 4)) for n in lengths]
 
 
+def one_rank_trainer(cfg, run_dir):
+    """A MultiHostTrainer on a world-1 group started here (no torchrun needed for one rank)."""
+    import socket
+
+    from trainer.distributed import GroupEnv
+    from trainer.pipeline.multihost import MultiHostTrainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", TORCHELASTIC_RUN_ID=f"bench-{port}")
+    tr = MultiHostTrainer(cfg, run_dir, GroupEnv.from_environ())
+    tr.group.start()
+    tr.group.watch(tr._peer_lost)
+    return tr
+
+
 def build(args, run_dir, mode, target, samples, pack_length=0):
+    rank = mode.endswith("/rank")
+    mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
     cfg = parse_config(CONFIG % dict(
@@ -134,7 +160,7 @@ def build(args, run_dir, mode, target, samples, pack_length=0):
     data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
     if mode != "bucketed":
         data = PackedDataset.from_dataset(data, pack_length, args.pack_rows)
-    tr = ThreadedTrainer(cfg, run_dir)
+    tr = one_rank_trainer(cfg, run_dir) if rank else ThreadedTrainer(cfg, run_dir)
     tr.c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
                       optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
                       eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
@@ -284,7 +310,7 @@ def naive(tr, steps):
 
 def run_mode(args, mode, target, samples, results, pack_length=0):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
-    run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode}-")
+    run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
     out = {}
     tr = build(args, run_dir, mode, target, samples, pack_length)
     tr.build_replicas()
@@ -298,7 +324,7 @@ def run_mode(args, mode, target, samples, results, pack_length=0):
     out["warmup_s"] = round(time.time() - began, 1)
     out["warm_shapes"] = tr.warm.shapes()
     out["compiled_frames_in_warmup"] = compiled_frames() - frames_before
-    if mode != "bucketed":
+    if not mode.startswith("bucketed"):
         out["pack_length"], out["anchors_per_row"] = pack_length, tr.anchors
     frames_after_warmup = compiled_frames()
     tr.first_step = 0
@@ -328,7 +354,7 @@ def run_mode(args, mode, target, samples, results, pack_length=0):
     out["target_alone"] = stage_alone(tr, "target", args.stage_micro, peak)
     out["drafter_alone"] = stage_alone(tr, "drafter", args.stage_micro, peak)
     out["recompiles_after_stages"] = compiled_frames() - frames_after_warmup
-    if args.profile and mode == "packed":
+    if args.profile and mode in ("packed", "packed/rank"):
         tables = profile_stages(tr, args.out_dir)
         if tables:
             for which, table in tables.items():
@@ -347,6 +373,12 @@ def run_mode(args, mode, target, samples, results, pack_length=0):
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
             torch.cuda.synchronize(dv)
+    if mode.endswith("/rank"):
+        import torch.distributed as dist
+
+        out["pipeline"]["distributed"] = tr.group.describe()
+        tr.group.close()
+        dist.destroy_process_group()
     del tr
     gc.collect()
     if torch.cuda.is_available():
@@ -378,6 +410,7 @@ def main(argv=None):
     p.add_argument("--stage-micro", type=int, default=12)
     p.add_argument("--naive-steps", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile both stages of the packed mode")
+    p.add_argument("--one-rank", action="store_true", help="also run each mode as the one rank of a host group")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -400,8 +433,10 @@ def main(argv=None):
     samples = random_samples(lengths, target.config.vocab_size)
     args.modes = sorted(args.modes, key=["bucketed", "packed", "packed+ct"].index)
     runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
+    if args.one_rank:
+        runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
     for mode, length in runs:
-        key = mode if mode == "bucketed" or len(args.pack_length) == 1 else f"{mode}_{length}"
+        key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
         emit(key, run_mode(args, mode, target, samples, results, length))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
     base = results.get("bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")

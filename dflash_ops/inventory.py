@@ -71,6 +71,7 @@ class Target:
     extra_paths: tuple[str, ...] = ()  # deployed beside trainer/, relative to the project root
     venv: "tuple[tuple[str, Any], ...] | bool | None" = None  # venv: mapping (as items), or False for none
     keep_releases: int | None = None
+    address: str | None = None  # the container's own address for runs across hosts (else asked from it)
 
     @property
     def venv_config(self) -> "dict[str, Any] | bool | None":
@@ -183,6 +184,7 @@ class _TargetSpec(_Schema):
     extra_paths: list[Path_] = []
     venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
+    address: str | None = None  # the container's own address, for runs across hosts
 
 
 class _VenvSpec(_Schema):
@@ -285,10 +287,13 @@ class _Parser:
         python = os.path.expanduser(spec.python) if node.transport == "local" else spec.python
         if len(set(spec.gpus)) != len(spec.gpus):
             raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {spec.gpus!r}")
+        if spec.address is not None and (not spec.address or any(c.isspace() for c in spec.address)):
+            raise self.fail(at("address"), f"{what}: address must be the container's IP address or host name, "
+                            f"got {spec.address!r}")
         return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
                       base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
                       extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=spec.keep_releases)
+                      keep_releases=spec.keep_releases, address=spec.address)
 
     def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if m.get("venv") is None:

@@ -4,6 +4,7 @@ python -m trainer export --checkpoint DIR --out DIR
 python -m trainer regen --endpoint URL --model NAME --in prompts.jsonl --out regen.jsonl [-n N]
 python -m trainer regen --engine hf --model-path DIR --in prompts.jsonl --out regen.jsonl
 python -m trainer data-report --config CONFIG
+python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ def _train(argv: list[str]) -> int:
         return 2
     from trainer.entry import train
 
-    return train(cfg, args.run_dir, args.resume)
+    code = train(cfg, args.run_dir, args.resume)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A rank of a run across hosts: a thread may still sit in a collective with a lost peer
+        # (gloo/NCCL cannot be interrupted), and process-group teardown can hang on it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _synth(argv: list[str]) -> int:
@@ -58,6 +66,12 @@ def _export(argv: list[str]) -> int:
 
     print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
     return 0
+
+
+def _launch(argv: list[str]) -> int:
+    from trainer.launch import main as launch_main
+
+    return launch_main(argv)
 
 
 def _regen(argv: list[str]) -> int:
@@ -94,7 +108,7 @@ def _data_report(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report}
+    commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

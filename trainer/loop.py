@@ -57,7 +57,7 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
-        resumed_from = self.checkpoints.resolve(resume) if resume else None
+        resumed_from = self.resolve_resume(resume) if resume else None
         self.c = build_components(cfg, self.run_dir, self.rd.log)
         self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
         if resumed_from is not None:
@@ -81,8 +81,15 @@ class Trainer:
                                     config=dump_config(cfg))
         return rel
 
+    def resolve_resume(self, which: str) -> Path:
+        """--resume 'latest' or a step -> the checkpoint directory to restore."""
+        return self.checkpoints.resolve(which)
+
     def load(self, path: Path) -> None:
-        state = ckpt.load(path, map_location=self.c.drafter_device)
+        self.restore(ckpt.load(path, map_location=self.c.drafter_device))
+
+    def restore(self, state: dict) -> None:
+        """Put a checkpoint's contents (trainer.checkpoint.load) into the model, optimizer and data."""
         self.c.drafter.load_state_dict(state["model"])
         self.c.optimizer.load_state_dict(state["optim"]["optimizer"])
         self.c.scheduler.load_state_dict(state["optim"]["scheduler"])

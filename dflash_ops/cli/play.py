@@ -53,7 +53,9 @@ def play(
     try:
         results = map_targets(targets, lambda name: open_container(inv, name),
                               lambda container, name: run_playbook(book, container, say=say_for(name),
-                                                                   contexts=contexts), not_run)
+                                                                   contexts=contexts,
+                                                                   open_target=lambda other: open_container(inv, other)),
+                              not_run)
     except KeyboardInterrupt:
         clean_up_interrupted(contexts, book.path)
         raise

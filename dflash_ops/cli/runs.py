@@ -7,13 +7,13 @@ out and the latest run is looked up first). Run ids go to stdout; hints go to st
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, check_timeout, fail, open_target, write_stdout
+from dflash_ops.cli.tables import print_runs_table as _print_table
 
 if TYPE_CHECKING:
     from dflash_ops.runs.info import RunInfo
@@ -49,7 +49,7 @@ def _parse_gpus(text: str | None) -> list[int] | None:
 
 
 def start(
-    target: Target,
+    targets: Annotated[list[str], typer.Argument(metavar="TARGET...", help="Target name(s) from the inventory; several = one run across hosts.")],
     config: Annotated[Path, typer.Option("--config", help="Trainer config YAML (local file), e.g. trainer/configs/tiny-cpu.yaml.")],
     name: Annotated[Optional[str], typer.Option("--name", help="Run id prefix (default: run).")] = None,
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
@@ -58,12 +58,21 @@ def start(
 ) -> None:
     """Start the trainer detached from TARGET's current release; prints the run id.
 
-    First the doctor's fast subset (`dflash-ops doctor --fast`): a run that cannot succeed
-    is refused, naming the failed check, unless --force."""
+    Several targets (one container per node): one run across hosts, a torchrun rank on each,
+    one run id (docs/multi-node.md). First the doctor's fast subset (`dflash-ops doctor --fast`)
+    on each: a run that cannot succeed is refused, naming the failed check, unless --force."""
     from dflash_ops.runs import start_run
 
     if not config.is_file():
         fail(f"--config {config}: no such file", 2)
+    if len(targets) > 1:
+        from dflash_ops.cli import group_runs
+
+        run_id = group_runs.start(inventory, targets, config, name, _parse_gpus(gpus),
+                                  lambda c: _preflight(c, config, _parse_gpus(gpus), force))
+        _announce(run_id, "started", " ".join(targets))
+        return
+    target = targets[0]
     container = open_target(inventory, target)
     _preflight(container, config, _parse_gpus(gpus), force)
     run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
@@ -148,6 +157,16 @@ def status(
 
     container = open_target(inventory, target)
     info = resolve_run(container, run)
+    if group_of(info) is not None:
+        from dflash_ops.cli import group_runs
+
+        found, group = group_runs.group_members(inventory, target, info.run_id)
+        if as_json:
+            doc = {m.target: (m.info.raw if m.info else {"error": str(m.error)}) for m in found}
+            typer.echo(json.dumps(doc, indent=1, sort_keys=True))
+        else:
+            group_runs.print_members(found, group)
+        return
     if as_json:
         typer.echo(json.dumps(info.raw, indent=1, sort_keys=True))
         return
@@ -167,6 +186,12 @@ def checkpoint(
     from dflash_ops.runs import checkpoint_run
 
     check_timeout(timeout)
+    found = _group(inventory, target, run)
+    if found is not None:
+        from dflash_ops.cli import group_runs
+
+        group_runs.checkpoint(found, run, wait, timeout)
+        return
     container = open_target(inventory, target)
     request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
     if path is None:
@@ -190,6 +215,12 @@ def stop(
     if now and kill:
         fail("--now and --kill exclude each other", 2)
     check_timeout(timeout)
+    found = _group(inventory, target, run)
+    if found is not None:
+        from dflash_ops.cli import group_runs
+
+        group_runs.stop(found, run, now, kill, not no_wait, timeout)
+        return
     container = open_target(inventory, target)
     info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
     typer.echo(f"{info.run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}; "
@@ -211,6 +242,15 @@ def resume(
 
     if config is not None and not config.is_file():
         fail(f"--config {config}: no such file", 2)
+    found = _group(inventory, target, run)
+    if found is not None:
+        from dflash_ops.cli import group_runs
+
+        if config is not None:
+            fail("--config: a run across hosts resumes on its own config (edit each member's "
+                 "runs/RUN/config.input.yaml to change it)", 2)
+        group_runs.resume(found, run, from_step, _parse_gpus(gpus))
+        return
     container = open_target(inventory, target)
     if config is None:
         run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
@@ -225,9 +265,16 @@ def logs(
     run: OptionalRun = None,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")] = False,
     lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N lines (default: all).")] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", min=0, help="A run across hosts: the log of this rank (default: TARGET's).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Print a run's train.log, byte for byte; with -f follow it, resuming after a dropped connection."""
+    if rank is not None:
+        from dflash_ops.cli import group_runs
+        from dflash_ops.runs import resolve_run
+
+        run = run if run is not None else resolve_run(open_target(inventory, target), None).run_id
+        target = group_runs.rank_target(inventory, target, run, rank)
     _follow_cli(target, run, "train.log", follow, lines, inventory, write_stdout)
 
 
@@ -297,24 +344,36 @@ def pull(
 
     if checkpoint_ != "latest" and not checkpoint_.isdigit():
         fail(f"--checkpoint {checkpoint_!r}: expected 'latest' or a step number", 2)
-    container = open_target(inventory, target)
-    local = pull_checkpoint(container, run, checkpoint_, dest)
+    found = _group(inventory, target, run)
+    if found is not None:
+        from dflash_ops.cli import group_runs
+
+        local = group_runs.pull(found, run, checkpoint_, dest)
+    else:
+        container = open_target(inventory, target)
+        local = pull_checkpoint(container, run, checkpoint_, dest)
     manifest = json.loads((local / "manifest.json").read_text())
     size = sum(f["size"] for f in manifest["files"].values())
     typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")
 
 
-def _print_table(runs, targets: list[str] | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def group_of(info):
+    from dflash_ops.runs.group import group_of as of
 
-    from dflash_ops.runs.report import STATUS_COLUMNS, status_row
+    return of(info)
 
-    table = Table(*(("target",) if targets is not None else ()), *STATUS_COLUMNS, box=None)
-    for i, info in enumerate(runs):
-        table.add_row(*((targets[i],) if targets is not None else ()), *status_row(info))
-    console = Console() if sys.stdout.isatty() else Console(width=1000)
-    console.print(table)
+
+def _group(inventory, target: str, run: str):
+    """The members of `run` when it is a run across hosts, else None (also when the run cannot
+    be found: the one-host command then reports that, after its own checks of its arguments)."""
+    from dflash_ops.cli import group_runs
+    from dflash_ops.runs.info import RunError
+
+    try:
+        found, group = group_runs.members_or_raise(inventory, target, run)
+    except RunError:
+        return None
+    return found if group is not None else None
 
 
 def register(app: typer.Typer) -> None:

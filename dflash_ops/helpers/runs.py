@@ -10,6 +10,11 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
                 [--resume latest|STEP] [--gpus 0,1] [--env KEY=VALUE ...] [--wait S]
       PY is the fallback: the release's venv python (BASE/<venv>/bin/python from
       .dflash-release.json) is used when the release names one.
+      A rank of a run across hosts adds --group JSON --nnodes N --rdzv-endpoint HOST:PORT
+      --local-addr ADDR [--store-host]: the trainer starts under `python -m trainer launch`
+      (torchrun) and RUNDIR/group.json records the group (docs/multi-node.md).
+  runs.py address [--toward ADDR]    this container's address (the one routed toward ADDR)
+  runs.py free-port --address ADDR   a TCP port free on ADDR now (for the rendezvous)
   runs.py signal RUNDIR TERM|KILL
   runs.py checkpoints RUNDIR
   runs.py hash-files ROOT PATH...
@@ -25,6 +30,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -199,6 +205,7 @@ def describe_run(run_dir, now):
     info["gpus"] = run_gpus(run_dir, status)
     launch = read_json(os.path.join(run_dir, "launch.json")) or {}
     info["launched"] = launch.get("time")
+    info["group"] = read_json(os.path.join(run_dir, "group.json"))
     heartbeat = info.get("heartbeat")
     info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
     try:
@@ -588,6 +595,8 @@ def cmd_start(args):
         config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
     if args.resume is None and config_bytes is None:
         raise Refused("--config is required to start a fresh run")
+    if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
+        raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
     lock = start_lock(runs_root)
     try:
         child, log_path = launch(args, run_dir, release_root, python, gpus, config_bytes)
@@ -641,7 +650,14 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
             config_input = os.path.join(run_dir, "config.yaml")
     write_atomic(os.path.join(run_dir, "release"), (release_hash(release_root) + "\n").encode())
 
-    argv = [python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
+    if args.group is not None:
+        write_atomic(os.path.join(run_dir, "group.json"), json.dumps(args.group, sort_keys=True).encode())
+        argv = [python, "-m", "trainer", "launch", "--nnodes", str(args.nnodes), "--rdzv-endpoint",
+                args.rdzv_endpoint, "--rdzv-id", args.run_id, "--local-addr", args.local_addr]
+        argv += ["--store-host"] if args.store_host else []
+        argv += ["--config", config_input, "--run-dir", run_dir]
+    else:
+        argv = [python, "-m", "trainer", "--config", config_input, "--run-dir", run_dir]
     if args.resume is not None:
         argv += ["--resume", args.resume]
     log_path = os.path.join(run_dir, "train.log")
@@ -660,6 +676,51 @@ def launch(args, run_dir, release_root, python, gpus, config_bytes):
               "resume": args.resume}
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
     return child, log_path
+
+
+def parse_group(text):
+    try:
+        group = json.loads(text)
+    except ValueError:
+        raise Refused("--group wants a JSON object, got %r" % text) from None
+    if not isinstance(group, dict) or not isinstance(group.get("targets"), list) or not isinstance(group.get("index"), int):
+        raise Refused("--group wants {\"targets\": [...], \"index\": N, ...}, got %r" % text)
+    return group
+
+
+def cmd_address(args):
+    """The address other hosts reach this container at: the source address of a route toward
+    --toward (a UDP connect sends nothing), else the hostname's address."""
+    address = None
+    if args.toward:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.connect((args.toward, 9))
+            address = s.getsockname()[0]
+        except OSError as e:
+            raise Refused("no route from this container toward %s: %s" % (args.toward, e.strerror or e)) from None
+        finally:
+            s.close()
+    if address is None:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError as e:
+            raise Refused("cannot tell this container's address: %s" % (e.strerror or e)) from None
+    print_json({"address": address, "hostname": socket.gethostname()})
+    return 0
+
+
+def cmd_free_port(args):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((args.address, 0))
+        port = s.getsockname()[1]
+    except OSError as e:
+        raise Refused("cannot bind a port on %s in this container: %s" % (args.address, e.strerror or e)) from None
+    finally:
+        s.close()
+    print_json({"address": args.address, "port": port})
+    return 0
 
 
 def read_bytes(path):
@@ -778,7 +839,20 @@ def build_parser():
     s.add_argument("--gpus")
     s.add_argument("--env", action="append", default=[])
     s.add_argument("--wait", type=float, default=30.0)
+    s.add_argument("--group", type=parse_group)
+    s.add_argument("--nnodes", type=int)
+    s.add_argument("--rdzv-endpoint")
+    s.add_argument("--local-addr")
+    s.add_argument("--store-host", action="store_true")
     s.set_defaults(func=cmd_start)
+
+    s = sub.add_parser("address")
+    s.add_argument("--toward")
+    s.set_defaults(func=cmd_address)
+
+    s = sub.add_parser("free-port")
+    s.add_argument("--address", required=True)
+    s.set_defaults(func=cmd_free_port)
 
     s = sub.add_parser("signal")
     s.add_argument("run_dir")

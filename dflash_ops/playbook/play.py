@@ -264,10 +264,12 @@ def substitute(value: Any, variables: dict[str, Any]) -> Any:
 
 
 def run_playbook(playbook: Playbook, container: ContainerAPI, *, say: Callable[[str], None] = print,
-                 contexts: list[StepContext] | None = None) -> PlayResult:
+                 contexts: list[StepContext] | None = None,
+                 open_target: Callable[[str], Any] | None = None) -> PlayResult:
     """Run every step on one target, in order; stops at the first failing step. What the steps
     registered as cleanups (a serving engine to stop) runs at the end, also after a failure or
-    Ctrl-C. `contexts` collects each target's StepContext for clean_up_interrupted()."""
+    Ctrl-C. `contexts` collects each target's StepContext for clean_up_interrupted().
+    `open_target` opens other targets by name (a `start` step over several targets needs it)."""
     started = time.monotonic()
     base = container.base_dir
     variables: dict[str, Any] = {"target": container.target.name, "base_dir": base, "current": f"{base}/current",
@@ -275,7 +277,7 @@ def run_playbook(playbook: Playbook, container: ContainerAPI, *, say: Callable[[
     for name, value in playbook.variables.items():  # a var may use the built-ins and the vars above it
         variables[name] = substitute(value, variables)
     ctx = StepContext(container=container, target=container.target.name, variables=variables,
-                      playbook_dir=playbook.path.resolve().parent, say=say)
+                      playbook_dir=playbook.path.resolve().parent, say=say, open_target=open_target)
     result = PlayResult(target=ctx.target, variables=variables, results=ctx.results)
     if contexts is not None:
         contexts.append(ctx)

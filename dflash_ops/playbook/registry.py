@@ -34,6 +34,7 @@ class StepContext:
     say: Callable[[str], None] = print
     results: list[dict] = field(default_factory=list)
     cleanups: list[tuple[str, Callable[[], None]]] = field(default_factory=list)  # run when the playbook ends
+    open_target: Callable[[str], Any] | None = None  # another target's container (runs across hosts)
 
     def local_path(self, path: str) -> Path:
         """A local path of a step: relative ones are relative to the playbook's directory."""

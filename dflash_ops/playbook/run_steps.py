@@ -2,6 +2,7 @@
 
     - start: {config: trainer/configs/tiny-cpu.yaml}     provides run_id, run_dir
       (set: {model.target.path: /models/m}: dotted config keys to override)
+    - start: {config: C, targets: ["${target}", host300]}   one run across hosts (a rank per target)
     - follow: {run_id: "${run_id}"}                      progress bar until the run is final;
                                                          provides state, step, final_loss, tau
     - wait: {run_id: "${run_id}", step: 50}              until step >= 50 (or state: X, or final)
@@ -63,13 +64,24 @@ def _start(ctx: StepContext, params: dict) -> dict:
     config = resolve_config(ctx, str(params["config"]))
     gpus = check_gpus(params["gpus"]) if params.get("gpus") is not None else None
     settings = params.get("set") or {}
+    targets = params.get("targets")
+    if targets is not None and (ctx.open_target is None or params.get("run_id") is not None):
+        raise StepFailed("start over several targets: needs the inventory (dflash-ops play) and no run_id")
     with tempfile.TemporaryDirectory(prefix="dflash-config-") as tmp:
         sent = config
         if settings:
             sent = Path(tmp) / config.name
             sent.write_bytes(with_settings(config, settings))
-        run_id = start_run(ctx.container, sent, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
-    ctx.say(f"started {run_id} ({config}{', with ' + ', '.join(settings) if settings else ''})")
+        if targets is not None:
+            from dflash_ops.runs.group import start_group
+
+            names = [str(t) for t in targets]
+            opened = [ctx.container if n == ctx.target else ctx.open_target(n) for n in names]  # type: ignore[misc]
+            run_id = start_group(opened, names, sent, name=params.get("name"), gpus=gpus)
+        else:
+            run_id = start_run(ctx.container, sent, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
+    where = f" on {', '.join(str(t) for t in targets)}" if targets is not None else ""
+    ctx.say(f"started {run_id}{where} ({config}{', with ' + ', '.join(settings) if settings else ''})")
     return {"run_id": run_id, "run_dir": f"{ctx.container.base_dir}/runs/{run_id}"}
 
 
@@ -178,9 +190,9 @@ def _stop(ctx: StepContext, params: dict) -> dict:
 
 
 RUN_STEPS = [
-    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "set"),
-             provides=("run_id", "run_dir"), types={"gpus": list, "name": str, "run_id": str, "set": dict},
-             help="start a detached training run (set: dotted config keys to override)"),
+    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "set", "targets"),
+             provides=("run_id", "run_dir"), types={"gpus": list, "name": str, "run_id": str, "set": dict, "targets": list},
+             help="start a detached training run (set: dotted config keys to override; targets: one run across hosts)"),
     StepType("follow", _follow, required=("run_id",), optional=("timeout",),
              provides=("state", "step", "final_loss", "tau"), types={"timeout": NUMBER},
              help="follow a run to its end with a progress bar; fails if the run fails"),

@@ -20,16 +20,21 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     keep = int(params["keep"]) if "keep" in params else None
     if keep is not None and keep < 1:
         raise UsageError(f"keep must be at least 1 (the current release), got {keep}")
-    options = target_options(ctx.container.target, extra_paths=extra, keep=keep)
+    container = ctx.container
+    if params.get("target") not in (None, ctx.target):  # another target (a peer of a run across hosts)
+        if ctx.open_target is None:
+            raise UsageError("deploy to another target needs the inventory (dflash-ops play)")
+        container = ctx.open_target(str(params["target"]))
+    options = target_options(container.target, extra_paths=extra, keep=keep)
     if "venv" in params:
         venv_config = params["venv"]
         options["venv"] = None if venv_config is False else VenvSpec.from_config(venv_config or {}, base=ctx.playbook_dir)
-    summary = deploy_target(ctx.container, **options)
+    summary = deploy_target(container, **options)
     ctx.results.append(summary.to_json())
     ctx.say(f"release {summary.release} ({summary.action}; {summary.files_sent} files, "
             f"{summary.bytes_sent} bytes sent; venv {summary.venv_action})")
-    base = ctx.container.base_dir
-    python = f"{base}/{summary.venv}/bin/python" if summary.venv else ctx.container.target.python
+    base = container.base_dir
+    python = f"{base}/{summary.venv}/bin/python" if summary.venv else container.target.python
     return {"release": summary.release, "release_python": python}
 
 
@@ -54,9 +59,10 @@ def _echo(ctx: StepContext, params: dict) -> None:
     ctx.say(str(params["message"]))
 
 
-register_step(StepType("deploy", _deploy, optional=("extra_paths", "keep", "venv"), provides=("release", "release_python"),
-                       types={"extra_paths": list, "keep": int, "venv": (dict, bool)},
-                       help="push the code release, helpers and venv; `current` points at it"))
+register_step(StepType("deploy", _deploy, optional=("extra_paths", "keep", "venv", "target"),
+                       provides=("release", "release_python"),
+                       types={"extra_paths": list, "keep": int, "venv": (dict, bool), "target": str},
+                       help="push the code release, helpers and venv; `current` points at it (target: another one)"))
 register_step(StepType("exec", _exec, required=("argv",), optional=("check", "timeout"), provides=("exit_code", "stdout"),
                        types={"argv": list, "check": bool, "timeout": NUMBER}, shorthand="argv",
                        help="run an argv in the container (a list, never a shell string)"))

@@ -55,6 +55,24 @@ class RequestDone(Message):
         self.text, self.error = text, error
 
 
+def group_order(rows: dict[str, RunRow]) -> list[str]:
+    """Row keys in poll order, except that the members of a run across hosts (same run id, a
+    world size) sit together at the first member's place, by rank: one run, a row per node."""
+    out: list[str] = []
+    placed: set[str] = set()
+    for key, row in rows.items():
+        if key in placed:
+            continue
+        if row.world:
+            group = [k for k, r in rows.items() if r.world and r.run_id == row.run_id]
+            group.sort(key=lambda k: (rows[k].rank is None, rows[k].rank or 0, k))
+        else:
+            group = [key]
+        out += group
+        placed.update(group)
+    return out
+
+
 class DashApp(App):
     TITLE = "dflash-ops dash"
     CSS = """
@@ -151,8 +169,9 @@ class DashApp(App):
         age = None if row.heartbeat is None else self.clock() - row.heartbeat
         state = Text(row.state + ("?" if stale else ""), style=STATE_STYLE.get(row.state, ""))
         total = f"/{row.total_steps}" if row.total_steps else ""
+        member = f" rank {row.rank if row.rank is not None else '?'}/{row.world}" if row.world else ""
         return (
-            Text(row.target, style="red" if stale else ""),
+            Text(row.target + member, style="red" if stale else ""),
             row.run_id,
             state,
             f"{row.step}{total}",
@@ -166,7 +185,7 @@ class DashApp(App):
 
     def _render_rows(self) -> None:
         table = self._table
-        wanted = list(self.rows)
+        wanted = group_order(self.rows)
         if [key.value for key in table.rows] != wanted:
             selected = self.selected_key()
             table.clear()

@@ -20,7 +20,7 @@ from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.transport.local import LocalTransport
-from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json
+from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
 _COPIED = ("run_id", "total_steps", "loss", "acc", "tau", "tokens_per_s", "tokens_per_s_steady", "pad_share",
@@ -31,7 +31,8 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
     return RunRow(target=target, state=info.effective_state, step=info.step or 0, recompiles=info.recompiles or 0,
-                  gpus=tuple(info.gpus or ()), error=error, **{name: getattr(info, name) for name in _COPIED})
+                  gpus=tuple(info.gpus or ()), error=error, **{name: getattr(info, name) for name in _COPIED},
+                  **group_fields(info.raw))
 
 
 class RemoteSource:

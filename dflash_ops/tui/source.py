@@ -38,6 +38,18 @@ class RunRow:
     last_checkpoint: str | None = None
     gpus: tuple[int, ...] = ()
     error: str | None = None
+    rank: int | None = None  # a run across hosts: this member's rank of `world`
+    world: int | None = None
+
+
+def group_fields(status: dict) -> dict:
+    """rank/world of a rank of a run across hosts (status.json `distributed`), else {}."""
+    d = status.get("distributed")
+    if not isinstance(d, dict):
+        return {}
+    world = d.get("world_size", d.get("nnodes"))
+    rank = d.get("rank")
+    return {"rank": rank if isinstance(rank, int) else None, "world": world if isinstance(world, int) else None}
 
 
 @dataclass(frozen=True)

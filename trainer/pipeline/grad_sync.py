@@ -67,8 +67,9 @@ class FlatGrads:
 class ReplicaAllReduce:
     """Sum the flat buffers of all replicas; every replica thread calls `all_reduce(rank)`."""
 
-    def __init__(self, replicas: list[FlatGrads], streams: list, stop: StopSignal) -> None:
+    def __init__(self, replicas: list[FlatGrads], streams: list, stop: StopSignal, across_hosts=None) -> None:
         self.replicas = replicas
+        self.across_hosts = across_hosts  # (flat tensor) -> None: the in-place sum over hosts, or None
         self.streams = streams
         self._barrier = StopAwareBarrier(len(replicas), stop)
         devices = [r.device for r in replicas]
@@ -81,15 +82,26 @@ class ReplicaAllReduce:
             raise ValueError(f"drafter replicas mix device types: {devices}")
 
     def all_reduce(self, rank: int) -> None:
+        """Across hosts (across_hosts set): reduced inside the host onto replica 0's buffer, summed
+        over the hosts on that one buffer, then shared back to the host's other replicas."""
         if self.mode == "none":
+            if self.across_hosts is not None:
+                self.across_hosts(self.replicas[0].flat)
             return
         self._barrier.wait()  # every replica has enqueued its backward
         if rank == 0:
             flats = [r.flat for r in self.replicas]
             if self.mode == "nccl":
-                torch.cuda.nccl.all_reduce(flats, streams=self.streams)
+                if self.across_hosts is None:
+                    torch.cuda.nccl.all_reduce(flats, streams=self.streams)
+                else:
+                    torch.cuda.nccl.reduce(flats, root=0, streams=self.streams)
+                    self.across_hosts(flats[0])  # on replica 0's stream (this thread's current one)
+                    torch.cuda.nccl.broadcast(flats, root=0, streams=self.streams)
             else:
                 total = torch.stack(flats).sum(0)
+                if self.across_hosts is not None:
+                    self.across_hosts(total)
                 for f in flats:
                     f.copy_(total)
         self._barrier.wait()  # the sum is enqueued (CUDA) or done (CPU) for everyone

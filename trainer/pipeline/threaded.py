@@ -162,7 +162,7 @@ class ThreadedTrainer(Trainer):
     # ------------------------------------------------------------------ the threaded loop
     def _build_pipeline(self):
         cfg, c = self.cfg, self.c
-        M, T, R = cfg.optim.micro_batches, len(self.target_devices), len(self.drafter_devices)
+        M, T, R = self.local_micro_batches(), len(self.target_devices), len(self.drafter_devices)
         first = self.step
         count = (cfg.optim.total_steps - first) * M
         stop = self.stop = StopSignal()
@@ -181,7 +181,8 @@ class ThreadedTrainer(Trainer):
                                   c.gamma, c.drafter.config.mask_token_id, self.anchor_rng,
                                   getattr(batch, "doc_start", None))
 
-        prefetcher = BatchPrefetcher(c.train_data.next_batch, prepare, data_state, self.target_inputs, stop, count, M,
+        next_batch, prepare = self.batch_source(c.train_data.next_batch, prepare)
+        prefetcher = BatchPrefetcher(next_batch, prepare, data_state, self.target_inputs, stop, count, M,
                                      first, self.warm.shape_for if self.pad else None,
                                      pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
         build = prefetcher.build
@@ -214,7 +215,7 @@ class ThreadedTrainer(Trainer):
                          len(range(t, count, T)), route, self.guard)
             for t, d in enumerate(self.target_devices)]
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
-        reducer = ReplicaAllReduce(self.flats, streams, stop)
+        reducer = ReplicaAllReduce(self.flats, streams, stop, across_hosts=self.across_hosts())
         self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
         self.served: set = set()
         self.writer_q: queue.Queue = queue.Queue()
@@ -233,7 +234,7 @@ class ThreadedTrainer(Trainer):
 
     def _snapshot(self, step: int, request) -> None:
         """On drafter 0's thread at a step boundary: copy state to the CPU (the only stall), write later."""
-        M = self.cfg.optim.micro_batches
+        M = self.local_micro_batches()
         last_index = (step - self.first_step) * M - 1
         state = {**self.data_states[last_index], "rng": ckpt.rng_state()}
         self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
@@ -241,21 +242,38 @@ class ThreadedTrainer(Trainer):
 
     def _on_step_end(self, step: int, _last) -> None:
         self.step = step
-        forget_states_before(self.data_states, (step - self.first_step - 1) * self.cfg.optim.micro_batches)
+        forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
         requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
         for r in requests:
             self.served.add((r.kind, r.id, r.reason))
-        for r in requests:
-            if r.kind == "checkpoint":
-                self._snapshot(step, r)
-        stops = [r for r in requests if r.kind == "stop"]
-        if stops:
-            self._snapshot(step, stops[0])
-            self.stop.stop(stops[0].reason)
-            return
         every = self.cfg.run.checkpoint_every
-        if every and step % every == 0 and step < self.cfg.optim.total_steps:
+        periodic = bool(every and step % every == 0 and step < self.cfg.optim.total_steps)
+        stops = [r for r in requests if r.kind == "stop"]
+        self._act(step, [r for r in requests if r.kind == "checkpoint"], stops[0] if stops else None, periodic)
+
+    def _act(self, step: int, checkpoints: list, stop_request, periodic: bool) -> None:
+        """At a step boundary: serve checkpoint requests, a stop, or the periodic checkpoint."""
+        for r in checkpoints:
+            self._snapshot(step, r)
+        if stop_request is not None:
+            self._snapshot(step, stop_request)
+            self.stop.stop(stop_request.reason)
+            return
+        if periodic:
             self._snapshot(step, None)
+
+    # ------------------------------------------------------------------ what a host-group trainer changes
+    def local_micro_batches(self) -> int:
+        """Micro-batches this process trains per optimizer step (all of them on one host)."""
+        return self.cfg.optim.micro_batches
+
+    def batch_source(self, next_batch, prepare):
+        """(next_batch, prepare) the prefetcher calls; on one host the dataset's own."""
+        return next_batch, prepare
+
+    def across_hosts(self):
+        """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
+        return None
 
     def _write_checkpoints(self) -> None:
         while True:

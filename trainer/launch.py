@@ -1,0 +1,180 @@
+"""python -m trainer launch: one host's part of a run across hosts, through torchrun.
+
+    python -m trainer launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --rdzv-id RUN \\
+        [--store-host] [--local-addr 10.0.0.2] --config C --run-dir D [--resume latest]
+
+Runs torch.distributed.run (torchrun) in this process with the c10d rendezvous, one rank on
+this host (`python -m trainer --config C --run-dir D`), no restarts. This process is torchrun's
+agent: it stays while the rank runs, so when the rank dies without a word (SIGKILL, OOM killer)
+it writes why into the rank's status.json. `--store-host` marks the host that serves the
+rendezvous store at the endpoint (the host whose address it is). `--local-addr` is this host's
+address the others reach; the interface holding it becomes GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME unless those are set already.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+
+from trainer.rundir import FINAL_STATES, atomic_write, process_start_ticks
+
+SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface whose (primary IPv4) address is `address`, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_status(run_dir: Path, status: dict) -> None:
+    status["heartbeat"] = time.time()
+    atomic_write(run_dir / "status.json", json.dumps(status, indent=1).encode())
+
+
+def initial_status(run_dir: Path, args) -> dict:
+    """What `run start` reads until the rank writes its own: this launcher, waiting for the others."""
+    pid = os.getpid()
+    now = time.time()
+    return {"version": 1, "run_id": run_dir.name, "state": "starting", "pid": pid, "pid_start": process_start_ticks(pid),
+            "step": 0, "total_steps": None, "started": now, "heartbeat": now, "loss": None, "acc": None, "tau": None,
+            "tokens_per_s": None, "gpus": [], "last_checkpoint": None, "recompiles": 0, "error": None,
+            "distributed": {"nnodes": args.nnodes, "rendezvous": args.rdzv_endpoint, "joined": False,
+                            "launcher_pid": pid}}
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with status {code}"
+
+
+def record_failure(run_dir: Path, message: str, status: dict) -> None:
+    """Mark the rank failed unless it already wrote a final state itself."""
+    current = read_status(run_dir) or status
+    if current.get("state") in FINAL_STATES:
+        return
+    error = {"message": message, "traceback": "", "thread": "launcher"}
+    current.update(state="failed", error=error)
+    write_status(run_dir, current)
+    line = json.dumps({"event": "error", "time": time.time(), "step": current.get("step", 0), **error})
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    print(f"[{time.strftime('%H:%M:%S')}] FAILED: {message}", flush=True)
+
+
+class StoppedBeforeStart(Exception):
+    pass
+
+
+def forward_sigterm(run_dir: Path) -> None:
+    """SIGTERM to this launcher (`run stop --now`) goes to the rank, which checkpoints and stops
+    at its next step boundary (with every other host); the launcher then ends with it."""
+    def forward(_signum, _frame):
+        status = read_status(run_dir) or {}
+        pid, start = status.get("pid"), status.get("pid_start")
+        if isinstance(pid, int) and pid != os.getpid() and process_start_ticks(pid) == start:
+            os.kill(pid, signal.SIGTERM)
+        else:  # still in the rendezvous: nothing to checkpoint
+            raise StoppedBeforeStart("stopped (SIGTERM) before the rank started")
+
+    signal.signal(signal.SIGTERM, forward)
+
+
+def torchrun_argv(args) -> list[str]:
+    conf = [f"join_timeout={int(args.join_timeout)}", f"is_host={1 if args.store_host else 0}"]
+    argv = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id, "--rdzv-conf", ",".join(conf),
+            "--max-restarts", "0", "--monitor-interval", "0.2",
+            # SIGTERM is ours (forward_sigterm): torchrun's own handling would SIGKILL the rank
+            # 30 s later, in the middle of the final checkpoint of a large drafter
+            "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT"]
+    if args.local_addr:
+        argv += ["--local-addr", args.local_addr]
+    argv += ["-m", "trainer", "--config", args.config, "--run-dir", args.run_dir]
+    if args.resume is not None:
+        argv += ["--resume", args.resume]
+    return argv
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer launch", description="One host's rank of a run across hosts.")
+    p.add_argument("--nnodes", type=int, required=True, help="hosts in the run (one rank each)")
+    p.add_argument("--rdzv-endpoint", required=True, help="HOST:PORT of the rendezvous store")
+    p.add_argument("--rdzv-id", required=True, help="the run id (same on every host)")
+    p.add_argument("--store-host", action="store_true", help="this host serves the rendezvous store")
+    p.add_argument("--local-addr", help="this host's address the other hosts reach")
+    p.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for every host to join")
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--resume", default=None)
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.local_addr:
+        interface = interface_of(args.local_addr)
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, said here so it does not warn
+    status = initial_status(run_dir, args)
+    write_status(run_dir, status)
+    forward_sigterm(run_dir)
+    print(f"[{time.strftime('%H:%M:%S')}] launch: rank of {args.nnodes} hosts, rendezvous {args.rdzv_endpoint} "
+          f"(id {args.rdzv_id}{', serving the store' if args.store_host else ''}), "
+          f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '-')}", flush=True)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(torchrun_argv(args)))
+    except ChildFailedError as exc:
+        failures = exc.failures
+        first = failures[min(failures)] if failures else None
+        what = describe_exit(first.exitcode) if first is not None else "failed"
+        pid = f" (pid {first.pid})" if first is not None and first.pid and first.pid > 0 else ""
+        record_failure(run_dir, f"the trainer process{pid} {what}", status)
+        return 1
+    except StoppedBeforeStart as exc:
+        record_failure(run_dir, str(exc), status)
+        return 1
+    except BaseException as exc:  # noqa: BLE001 - rendezvous timeouts, a signal to the agent, ...
+        message = f"{type(exc).__name__}: {exc}".strip()
+        record_failure(run_dir, f"launch failed: {message}", status)
+        return 1
+    final = read_status(run_dir) or {}
+    if final.get("state") not in FINAL_STATES:
+        record_failure(run_dir, "the trainer process ended without a final state", status)
+        return 1
+    return 0 if final.get("state") != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,200 @@
+"""The threaded trainer as one rank of a run across hosts (torchrun; docs/multi-node.md).
+
+What changes against one host, and nothing else:
+
+* data: every host walks the same global micro-batch sequence (same seed, same anchors) and
+  keeps its share, so a step trains exactly the micro-batches one host would, and every host's
+  data position (checkpointed) is the same;
+* gradients: the host's flat buffer is all-reduced over the hosts (trainer.distributed), STAT
+  slots included: the loss is normalised over the whole global step;
+* step boundaries: the hosts agree on stop/checkpoint requests (one tiny gloo all-reduce), so
+  all stop at the same step; one rank (the writer: rank 0, or the rank that held the resumed
+  checkpoint) writes checkpoints and runs the evaluation;
+* resume: the ranks find which host holds the newest (or the asked) complete checkpoint; that
+  host reads it and broadcasts it, so every rank restarts at the same step;
+* failure: a rank that fails tells the others through the rendezvous store; a lost peer (no
+  heartbeat, store gone, a collective that breaks) stops this rank with the reason in its
+  status.json, and a rank stuck in a collective is ended after a short grace.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainer import checkpoint as ckpt
+from trainer.distributed import GroupEnv, HostGroup, PeerLost, choose_backend
+
+from .threaded import ThreadedTrainer
+
+STOP_CODES = {None: 0, "control": 1, "signal": 2}
+STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}
+EXIT_GRACE_S = 5.0  # after a peer is lost: time for the run to end by itself before the watchdog ends it
+
+
+class HostShard:
+    """Every host draws the whole global sequence of micro-batches (and their anchors, in order)
+    and keeps those with `index % world == rank` of each step's `world` consecutive draws."""
+
+    def __init__(self, next_batch, prepare, rank: int, world: int):
+        self.next_batch, self.prepare, self.rank, self.world = next_batch, prepare, rank, world
+        self._blocks: dict[int, object] = {}
+
+    def next(self):
+        kept = None
+        for k in range(self.world):
+            batch = self.next_batch()
+            blocks = self.prepare(batch)
+            if k == self.rank:
+                kept = batch
+                self._blocks[id(batch)] = blocks
+        return kept
+
+    def blocks(self, batch):
+        return self._blocks.pop(id(batch))
+
+
+class MultiHostTrainer(ThreadedTrainer):
+    def __init__(self, cfg, run_dir, env: GroupEnv):
+        super().__init__(cfg, run_dir)
+        d = cfg.distributed
+        self.group = HostGroup(env, choose_backend(d.backend, cfg.devices.drafter), d.timeout_s, d.peer_timeout_s,
+                               d.socket_ifname)
+        self.writer = 0
+        self.lost: str | None = None
+        self._lost_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ joining the group
+    def setup(self, resume):
+        g, cfg = self.group, self.cfg
+        if cfg.optim.micro_batches % g.world:
+            raise ValueError(f"optim.micro_batches ({cfg.optim.micro_batches}) must be a multiple of the "
+                             f"number of hosts ({g.world}): every host trains the same share of a step")
+        self.rd.update(distributed={**g.describe(), "node": g.node, "joined": False})
+        self.rd.log(f"joining the host group as rank {g.rank} of {g.world} ({g.backend}, rendezvous "
+                    f"{g.env.master_addr}:{g.env.master_port})")
+        g.start()
+        g.watch(self._peer_lost)
+        self.rd.update(distributed={**g.describe(), "joined": True})
+        rel = super().setup(resume)
+        self.rd.update(distributed={**g.describe(), "joined": True, "writer": self.is_writer})
+        return rel
+
+    @property
+    def is_writer(self) -> bool:
+        return self.group.rank == self.writer
+
+    def local_micro_batches(self) -> int:
+        return self.cfg.optim.micro_batches // self.group.world
+
+    def batch_source(self, next_batch, prepare):
+        shard = HostShard(next_batch, prepare, self.group.rank, self.group.world)
+        return shard.next, shard.blocks
+
+    def across_hosts(self):
+        return self.group.all_reduce_
+
+    # ------------------------------------------------------------------ resume: one source, every rank
+    def resolve_resume(self, which: str) -> Path:
+        g = self.group
+        local = self.checkpoints.steps()
+        held = g.all_gather_object(local)
+        if which == "latest":
+            newest = max((max(s) for s in held if s), default=None)
+            if newest is None:
+                raise ckpt.CheckpointError("no complete checkpoint on any host of the run")
+            step = newest
+        else:
+            try:
+                step = int(which)
+            except ValueError:
+                raise ckpt.CheckpointError(f"--resume takes 'latest' or a step number, got {which!r}") from None
+            if not any(step in s for s in held):
+                have = ", ".join(f"rank {r}: {s}" for r, s in enumerate(held))
+                raise ckpt.CheckpointError(f"no host holds a complete checkpoint step_{step} ({have})")
+        self.writer = min(r for r, s in enumerate(held) if step in s)
+        return self.checkpoints.path(step)
+
+    def load(self, path: Path) -> None:
+        """The writer reads the checkpoint (to the CPU) and broadcasts it to every rank."""
+        state = ckpt.load(path, map_location="cpu") if self.is_writer else None
+        state = self.group.broadcast_object(state, src=self.writer)
+        self.restore(state)
+        if not self.is_writer:
+            self.rd.log(f"restored step {self.step} from rank {self.writer}'s checkpoint {path.name}")
+
+    # ------------------------------------------------------------------ step boundaries, together
+    def _act(self, step, checkpoints, stop_request, periodic):
+        wants_checkpoint, stop_code = self.group.agree(
+            [int(bool(checkpoints)), STOP_CODES[stop_request.reason if stop_request else None]])
+        if self.is_writer:
+            for r in checkpoints:
+                self._snapshot(step, r)
+            if wants_checkpoint and not checkpoints:
+                self._snapshot(step, None)  # asked on another host
+        else:
+            for r in checkpoints:
+                self.rd.log(f"checkpoint request {r.id}: rank {self.writer} writes the run's checkpoints")
+                self.control.done(r)
+        if stop_code:
+            if self.is_writer:
+                self._snapshot(step, stop_request)
+            elif stop_request is not None:
+                self.control.done(stop_request)
+            self.stop.stop(STOP_REASONS[stop_code])
+            return
+        if periodic and self.is_writer:
+            self._snapshot(step, None)
+
+    def evaluate(self) -> dict:
+        return super().evaluate() if self.is_writer else {}
+
+    def save(self, request_id):
+        if self.is_writer:
+            super().save(request_id)
+
+    def _serve(self, requests):
+        """After the last step there is nothing left to agree on: the writer's final save serves it."""
+        return None
+
+    # ------------------------------------------------------------------ failure
+    def _peer_lost(self, message: str) -> None:
+        """From the watchdog: stop the pipeline; if this rank is stuck (a collective that will not
+        return), record the failure and end the process after a short grace."""
+        with self._lost_lock:
+            if self.lost is not None:
+                return
+            self.lost = message
+        self.rd.log(f"stopping: {message}")
+        stop = getattr(self, "stop", None)
+        if stop is not None:
+            stop.fail(PeerLost(message), thread="host-watchdog")
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        error = {"message": f"PeerLost: {message}", "traceback": "", "thread": "host-watchdog"}
+        self.rd.event("error", self.step, **error)
+        self.rd.update(state="failed", error=error)
+        self.rd.log(f"FAILED: {message} (ended by the watchdog: this rank was stuck)")
+        self.rd.close()
+        sys.stdout.flush()
+        os._exit(1)
+
+    def error_record(self, exc):
+        record = super().error_record(exc)
+        if self.lost is not None and "PeerLost" not in record["message"]:
+            record = {**record, "message": f"PeerLost: {self.lost} (then {record['message']})"}
+        return record
+
+    def run(self, resume):
+        code = super().run(resume)
+        status = self.rd.status
+        if status.get("state") == "failed":
+            if self.lost is None:  # this rank's own failure: tell the others why
+                self.group.report_failure(status["error"]["message"] if status.get("error") else "failed")
+        else:
+            self.group.report_finished()
+        self.group.close()
+        return code

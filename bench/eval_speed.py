@@ -1,25 +1,33 @@
-"""τ evaluation speed: the uncached reference decoder (trainer.evaluate.speculative_generate, the
-target re-run on the whole sequence every round) against the KV-cached, batched one
-(trainer.speculative, what evaluation now uses), same target, drafter and prompts, one run.
+"""τ evaluation speed, old and new in one run, same target, drafter and prompts:
+
+* uncached: the reference decoder (trainer.evaluate.speculative_generate), the target re-run on
+  the whole sequence every round, one prompt at a time;
+* dynamic: the batched decoder with a growing Hugging Face DynamicCache (trainer.speculative,
+  implementation="dynamic"; what evaluation used before);
+* static: the batched decoder on preallocated caches, its round captured as a CUDA graph
+  (trainer.speculative, the default for Qwen3/Qwen2/Llama targets; what evaluation uses).
 
     PYTHONPATH=. python bench/eval_speed.py --device cuda:0 --shape 8b      # H200: 8B-shaped target
     PYTHONPATH=. python bench/eval_speed.py --device cpu --shape tiny        # anywhere, seconds
 
 The 8B shape is written as a hub-format model directory (sharded safetensors, random weights)
 and loaded back through the trainer's own loader, so the load time and peak memory of
-`model.target.path` are measured too. Weights are random, so drafts are rarely accepted: the
-figures are decoding speed (tokens per second), not τ.
+`model.target.path` are measured too (--model-dir keeps the directory, or reuses one). Weights
+are random, so drafts are rarely accepted: the figures are decoding speed (tokens per second),
+not τ. Token agreement between the decoders is printed, exactness is the CPU parity tests' job.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
 
 from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.evaluate import speculative_generate
@@ -33,28 +41,48 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def _agree(runs_a, runs_b) -> str:
+    """Tokens equal at the same index, over the common length of each pair of generations."""
+    same = total = 0
+    for g, h in zip(runs_a, runs_b):
+        n = min(len(g.tokens), len(h.tokens))
+        same += sum(x == y for x, y in zip(g.tokens[:n], h.tokens[:n]))
+        total += n
+    return f"{same}/{total}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
+    p.add_argument("--model-dir", type=Path, help="write the target directory here (reused if it has a config.json)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new", type=int, default=256, help="new tokens per prompt, cached decoder")
+    p.add_argument("--new", type=int, default=256, help="new tokens per prompt, static decoder")
+    p.add_argument("--dynamic-new", type=int, default=64, help="new tokens per prompt, dynamic decoder (0: skip)")
+    p.add_argument("--eager-new", type=int, default=32, help="new tokens per prompt, static decoder without a "
+                                                              "CUDA graph (0: skip)")
     p.add_argument("--old-prompts", type=int, default=2, help="prompts through the uncached reference")
     p.add_argument("--old-new", type=int, default=64, help="new tokens per prompt, uncached reference")
     p.add_argument("--drafter-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", type=Path)
-    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 8 cached rounds")
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 8 static rounds")
     args = p.parse_args(argv)
     dev, dims = args.device, QWEN3_8B_DIMS if args.shape == "8b" else TINY_DIMS
-    out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__}
+    out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__,
+                 "transformers": transformers.__version__}
 
-    with tempfile.TemporaryDirectory(prefix="eval-speed-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.model_dir is None:
+            args.model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-speed-"))) / "target"
         began = time.perf_counter()
-        model_dir = write_hub_model(Path(tmp) / "target", "qwen3", dims=dims, shards=None,
-                                    max_shard_bytes=4 << 30, device=dev)
-        out["write_model_dir_s"] = round(time.perf_counter() - began, 1)
+        if (args.model_dir / "config.json").exists():
+            model_dir = args.model_dir
+        else:
+            model_dir = write_hub_model(args.model_dir, "qwen3", dims=dims, shards=None,
+                                        max_shard_bytes=4 << 30, device=dev)
+            out["write_model_dir_s"] = round(time.perf_counter() - began, 1)
         out["model_dir_files"] = sorted(f.name for f in model_dir.iterdir())
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -83,13 +111,37 @@ def main(argv: list[str] | None = None) -> dict:
         sync(dev)
         return result, time.perf_counter() - t
 
+    def figures(gens, seconds, **extra) -> dict:
+        tokens = sum(len(g.tokens) for g in gens)
+        rounds = max(len(g.acceptance_lengths) for g in gens)
+        return {"prompts": len(gens), "new_tokens": max(len(g.tokens) for g in gens), "seconds": round(seconds, 2),
+                "tokens_per_s": round(tokens / seconds, 1), "rounds": rounds,
+                "ms_per_round": round(1000 * seconds / max(rounds, 1), 1), **extra}
+
     with torch.no_grad():
-        speculative_generate_cached(target, drafter, head, prompts[:2], 4, set())  # warm-up
+        for implementation in ("static", "dynamic"):  # warm-up: kernels, cuBLAS handles, allocator
+            speculative_generate_cached(target, drafter, head, prompts[:2], 4, set(), implementation=implementation)
+        info: dict = {}
+        new, new_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.new, set(),
+                                                               info=info))
+        out["static"] = figures(new, new_s, **info)
+        print(json.dumps({"static": out["static"]}), flush=True)
+        if args.eager_new:
+            eager_info: dict = {}
+            eager, eager_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.eager_new,
+                                                                       set(), cuda_graph=False, info=eager_info))
+            out["static_eager"] = figures(eager, eager_s, **eager_info)
+            print(json.dumps({"static_eager": out["static_eager"]}), flush=True)
+        if args.dynamic_new:
+            dyn, dyn_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.dynamic_new,
+                                                                   set(), implementation="dynamic"))
+            out["dynamic"] = figures(dyn, dyn_s)
+            out["same_tokens_static_vs_dynamic"] = _agree(new, dyn)
+            print(json.dumps({"dynamic": out["dynamic"]}), flush=True)
         old, old_s = timed(lambda: [speculative_generate(target, drafter, head, q, args.old_new, set())
                                     for q in prompts[: args.old_prompts]])
-        new, new_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.new, set()))
-        same, _ = timed(lambda: speculative_generate_cached(target, drafter, head, prompts[: args.old_prompts],
-                                                            args.old_new, set()))
+        out["uncached"] = figures(old, old_s)
+        out["same_tokens_static_vs_uncached"] = _agree(new, old)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -98,19 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
                 speculative_generate_cached(target, drafter, head, prompts, 9, set())
                 sync(dev)
             for key in ("self_cpu_time_total", "cuda_time_total" if dev.startswith("cuda") else "cpu_time_total"):
-                print(f"--- profile of 8 cached rounds, by {key}")
+                print(f"--- profile of 8 static rounds, by {key}")
                 print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
-    old_tokens, new_tokens = sum(len(g.tokens) for g in old), sum(len(g.tokens) for g in new)
-    agree = sum(a == b for g, h in zip(old, same) for a, b in zip(g.tokens, h.tokens))
-    out.update({
-        "uncached": {"prompts": args.old_prompts, "new_tokens": args.old_new, "seconds": round(old_s, 2),
-                     "tokens_per_s": round(old_tokens / old_s, 1)},
-        "cached": {"prompts": args.prompts, "new_tokens": args.new, "seconds": round(new_s, 2),
-                   "tokens_per_s": round(new_tokens / new_s, 1),
-                   "rounds": sum(len(g.acceptance_lengths) for g in new)},
-        "speedup_tokens_per_s": round((new_tokens / new_s) / (old_tokens / old_s), 1),
-        "same_tokens_as_uncached": f"{agree}/{old_tokens}",
-    })
+    for name in ("uncached", "dynamic", "static_eager"):
+        if name in out:
+            out[f"static_vs_{name}_tokens_per_s"] = round(out["static"]["tokens_per_s"] / out[name]["tokens_per_s"], 1)
     if dev.startswith("cuda"):
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
     print(json.dumps(out, indent=1), flush=True)

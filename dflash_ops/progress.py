@@ -13,8 +13,10 @@ class ByteBar:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
         self.label = label
+        console = Console(stderr=True)
+        # not on a terminal (a log, CI): no bar at all; rich would still print an empty line at the end
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                            console=Console(stderr=True), transient=True, disable=not enabled)
+                            console=console, transient=True, disable=not (enabled and console.is_terminal))
         self.task: Any = None
 
     def update(self, done: int, total: int) -> None:

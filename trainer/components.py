@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,14 @@ def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, ru
     t, device = cfg.model.target, cfg.devices.target[0]
     dtype = TORCH_DTYPES[cfg.model.dtype]
     if t.path is not None:
-        return freeze(load_target(t.path, device, dtype))
+        began = time.perf_counter()
+        model = freeze(load_target(t.path, device, dtype))
+        peak = ""
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+            peak = f", {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB peak on {device}"
+        log(f"target {t.path}: loaded in {time.perf_counter() - began:.1f}s{peak}")
+        return model
     if t.random_8b_shape:
         return freeze(random_8b_shape_target(device, dtype))
     model = tiny_target(t.tiny, len(tokenizer), device)

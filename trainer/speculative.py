@@ -2,19 +2,32 @@
 
 Same algorithm and result as the uncached reference (`trainer.evaluate.speculative_generate`),
 which re-runs the target on the whole sequence every round; here each round feeds only the
-block (anchor + drafts) to the target and keeps what it accepted:
+block (anchor + drafts) to the target and keeps what it accepted. Two implementations, one result
+(`speculative_generate_cached` picks one):
 
-* Target: one Hugging Face `DynamicCache` for the batch. Every round appends the block's
-  `block_size` entries for every row, marks the rejected ones invalid in a per-row key mask,
-  and crops the cache to the longest accepted length (the DFlash reference crops to the
-  accepted length; with a batch, rows accept different lengths, so shorter rows keep masked
-  holes). The target sees an explicit 4D mask (key valid and not in the future) and explicit
-  positions, so holes cost nothing but memory. A query always sees itself, so no softmax row
-  is empty (left-padded prompts included).
-* Drafter: the context K/V of each drafter layer depends only on the target features of that
-  position, so it is computed once per accepted position and appended; a block then attends
-  to [cached context | its own slots], exactly as `DFlashDrafter.draft_block`.
-* Rows that finish (stop token or max_new_tokens) leave the batch.
+* Static (Qwen3, Qwen2 and Llama targets with target and drafter on one device; what evaluation
+  uses). Every buffer is allocated once: per-layer K/V of target and drafter
+  [B, kv_heads, capacity, head_dim] and a per-row validity mask over the slots. All rows share
+  one write pointer p: a round writes its block into slots p..p+bs-1 of every row, target and
+  drafter alike (a drafter context entry is a function of the target's features at the same
+  position), marks each row's rejected slots invalid and advances p by the longest accepted
+  length (the reference crops the target cache to the accepted length; with a batch, shorter
+  rows keep masked holes). Positions are explicit per row, so holes cost nothing but memory;
+  when p would run past the capacity, each row's valid slots are packed to the front. A round is
+  thus one computation of fixed shape on fixed buffers (drafter block, target verification of
+  [B, bs], acceptance, the block's drafter context); on CUDA it is captured once as a CUDA graph
+  and replayed every round (eager, a round is launch-bound: thousands of small kernels), and the
+  host reads back only drafts, target tokens and accepted counts. Rows that finish stay in the
+  batch, ignored. The target's decoder is run here from its own modules (norms, projections,
+  MLP, rotary embedding), the arithmetic of transformers' SDPA path.
+* Dynamic (any other causal LM, or two devices): one Hugging Face `DynamicCache` for the batch.
+  Every round appends the block's entries for every row, marks the rejected ones invalid in a
+  per-row key mask and crops the cache to the longest accepted length; the target sees an
+  explicit 4D mask and explicit positions. Rows that finish leave the batch.
+
+In both, a query always sees itself, so no softmax row is empty (left-padded prompts included),
+and the drafter's context K/V of a position is computed once, when it is accepted: a block then
+attends to [cached context | its own slots], exactly as `DFlashDrafter.draft_block`.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from trainer.drafter import DFlashDrafter, _rotate, rope_cos_sin
-from trainer.target import FrozenHead
+from trainer.target import FrozenHead, base_model
 
 
 @dataclass
@@ -106,10 +119,268 @@ def _features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-@torch.no_grad()
-def speculative_generate_cached(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
-                                max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
-    """Greedy speculative decoding of every prompt (a batch), with KV caches; see the module doc."""
+STATIC_FAMILIES = ("qwen3", "qwen2", "llama")  # decoders the static implementation runs from their modules
+
+
+def static_supported(target, drafter_device) -> bool:
+    """Whether the static implementation can run this target (see the module doc)."""
+    cfg = target.config
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and kinds == {"full_attention"}
+            and hasattr(base_model(target), "rotary_emb")
+            and next(target.parameters()).device == torch.device(drafter_device))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor [B, heads, T, D], cos/sin [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class _StaticRounds:
+    """The fixed buffers and the fixed-shape round of the static implementation."""
+
+    def __init__(self, target, drafter: DFlashDrafter, head: FrozenHead, batch: int, capacity: int, ddtype):
+        self.target, self.drafter, self.head = target, drafter, head
+        self.model = base_model(target)
+        self.lm_head = target.get_output_embeddings()
+        c, tc = drafter.config, target.config
+        self.bs, self.layer_ids, self.capacity, self.ddtype = c.block_size, list(c.target_layer_ids), capacity, ddtype
+        dev = self.dev = next(target.parameters()).device
+        tdtype = next(target.parameters()).dtype
+        t_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+        def buffers(layers: int, heads: int, dim: int, dtype) -> list[torch.Tensor]:
+            return [torch.zeros(batch, heads, capacity, dim, device=dev, dtype=dtype) for _ in range(layers)]
+
+        self.tk = buffers(len(self.model.layers), tc.num_key_value_heads, t_head_dim, tdtype)
+        self.tv = buffers(len(self.model.layers), tc.num_key_value_heads, t_head_dim, tdtype)
+        self.dk = buffers(len(drafter.layers), c.num_key_value_heads, c.head_dim, ddtype)
+        self.dv = buffers(len(drafter.layers), c.num_key_value_heads, c.head_dim, ddtype)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
+        self.slot = torch.arange(capacity, device=dev)
+        self.offsets = torch.arange(self.bs, device=dev)
+        self.block_visible = torch.ones(batch, self.bs, dtype=torch.bool, device=dev)
+        self.masks = torch.full((batch, self.bs - 1), c.mask_token_id, dtype=torch.long, device=dev)
+        # the round's inputs: write pointer, each row's anchor token and its position
+        self.start = torch.zeros((), dtype=torch.long, device=dev)
+        self.anchor_token = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.anchor_pos = torch.zeros(batch, dtype=torch.long, device=dev)
+
+    # ---------------------------------------------------------------- the two models on the buffers
+    def _target(self, ids, positions, slots, visible, last_only: bool, expand_kv: bool = False):
+        """Target decoder on ids [B, T] at positions [B, T]; K/V written at cache slots [T]; visible
+        [B, T, capacity]: the slots each query attends to. Returns (logits, features [B, T, n*H]).
+        expand_kv: repeat K/V heads for the query heads, as transformers does with a mask on CUDA,
+        so SDPA takes a fused kernel instead of materialising [B, heads, T, capacity] scores."""
+        m = self.model
+        b, t = ids.shape
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        mask = visible[:, None]
+        last = len(m.layers) - 1
+        kept = {}
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (b, t, -1, a.head_dim)
+            q, k = a.q_proj(h).view(shape), a.k_proj(h).view(shape)
+            if getattr(a, "q_norm", None) is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            v = a.v_proj(h).view(shape).transpose(1, 2)
+            self.tk[i].index_copy_(2, slots, k)
+            self.tv[i].index_copy_(2, slots, v)
+            keys, values = self.tk[i], self.tv[i]
+            groups = q.shape[1] // keys.shape[1]
+            if expand_kv and groups > 1:
+                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
+            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.layer_ids and i != last:
+                kept[i] = x
+        x = m.norm(x)
+        if last in self.layer_ids:  # transformers' last hidden state is the normed one
+            kept[last] = x
+        logits = self.lm_head(x[:, -1:] if last_only else x)
+        return logits, torch.cat([kept[i] for i in self.layer_ids], dim=-1)
+
+    def _context(self, features, positions, slots) -> None:
+        """The drafter's context K/V of target features [B, T, n*H] at positions [B, T], written at slots [T]."""
+        d, c = self.drafter, self.drafter.config
+        ctx = d.hidden_norm(d.fc(features.to(self.ddtype)))
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        b, t, _ = ctx.shape
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
+            self.dk[i].index_copy_(2, slots, _rotate(k, cos, sin))
+            self.dv[i].index_copy_(2, slots, a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2))
+
+    def _draft(self, block, positions, context):
+        """Drafter hidden states [B, bs, H] of the block ids [B, bs] after the visible context slots."""
+        d, c = self.drafter, self.drafter.config
+        x = self.head.embed(block).to(self.ddtype)
+        b, t, _ = x.shape
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        mask = torch.cat([context, self.block_visible], dim=1)[:, None, None, :]
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+            k = _rotate(a.k_norm(a.k_proj(h).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
+            v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
+            k = torch.cat([self.dk[i], k], dim=2)
+            v = torch.cat([self.dv[i], v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.kv_heads != a.heads)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)
+
+    # ---------------------------------------------------------------- prefill, rounds, bookkeeping
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Left-padded prompts into slots 0..L-1 (slot j of row r = position j - pad_r); the first tokens."""
+        dev, n, longest = self.dev, len(prompts), max(len(p) for p in prompts)
+        pads = torch.tensor([longest - len(p) for p in prompts], device=dev)
+        ids = torch.zeros(n, longest, dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):
+            ids[r, longest - len(p):] = torch.tensor(p, device=dev)
+        index = self.slot[:longest]
+        key_valid = index[None, :] >= pads[:, None]
+        positions = (index[None, :] - pads[:, None]).clamp(min=0)
+        visible = torch.zeros(n, longest, self.capacity, dtype=torch.bool, device=dev)
+        visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
+            torch.eye(longest, dtype=torch.bool, device=dev)
+        logits, features = self._target(ids, positions, index, visible, last_only=True,
+                                        expand_kv=dev.type == "cuda")  # long prompts: no score matrix
+        self._context(features, positions, index)
+        self.valid[:, :longest] = key_valid
+        first = logits[:, -1].argmax(dim=-1)
+        self.anchor_token.copy_(first)
+        self.anchor_pos.copy_(torch.tensor([len(p) for p in prompts], device=dev))
+        return first.tolist()
+
+    def round(self) -> torch.Tensor:
+        """One round at write pointer `start`: [B, 2*bs] = drafts (bs-1) | target tokens (bs) | accepted drafts.
+        Fixed shapes, no host sync, writes only slots start..start+bs-1: what a CUDA graph captures."""
+        slots = self.start + self.offsets
+        positions = self.anchor_pos[:, None] + self.offsets
+        context = self.valid & (self.slot < self.start)  # [B, capacity]: accepted entries before the block
+        block = torch.cat([self.anchor_token[:, None], self.masks], dim=1)
+        drafts = self.head.logits(self._draft(block, positions, context)[:, 1:]).argmax(dim=-1).to(block.device)
+        in_block = (self.slot[None, :] >= self.start) & (self.slot[None, :] <= slots[:, None])  # [bs, capacity]
+        logits, features = self._target(torch.cat([block[:, :1], drafts], dim=1), positions, slots,
+                                        context[:, None, :] | in_block[None], last_only=False)
+        target_tokens = logits.argmax(dim=-1)
+        accepted = (drafts == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        self._context(features, positions, slots)
+        return torch.cat([drafts, target_tokens, accepted[:, None]], dim=1)
+
+    def advance(self, start: int, result: torch.Tensor) -> None:
+        """After a round at `start`: the block's accepted slots become context; the next anchors."""
+        bs = self.bs
+        accepted = result[:, -1]
+        self.valid[:, start:start + bs] = self.offsets[None, :] <= accepted[:, None]
+        self.anchor_token.copy_(result[:, bs - 1:2 * bs - 1].gather(1, accepted[:, None])[:, 0])
+        self.anchor_pos += accepted + 1
+
+    def compact(self, live: list[int], used: int) -> int:
+        """Pack each live row's valid slots (of the first `used`) to the front, in order; the new pointer."""
+        valid = self.valid[:, :used].clone()
+        finished = torch.ones(valid.shape[0], dtype=torch.bool, device=self.dev)
+        finished[live] = False
+        valid[finished] = False
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
+        counts = valid.sum(dim=1)
+        packed = int(counts.max())
+        order = order[:, :packed]
+        for buf in self.tk + self.tv + self.dk + self.dv:
+            index = order[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+            buf[:, :, :packed].copy_(buf[:, :, :used].gather(2, index))
+        self.valid.zero_()
+        self.valid[:, :packed] = self.slot[None, :packed] < counts[:, None]
+        return packed
+
+    def capture(self):
+        """The round as a CUDA graph (warmed on a side stream first); returns a replaying callable."""
+        stream = torch.cuda.Stream(self.dev)
+        stream.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # rounds write only their own block's slots: repeating one is harmless
+                self.round()
+        torch.cuda.current_stream(self.dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.round()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+def _generate_static(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+                     max_new_tokens: int, stop_ids: set[int], cuda_graph: bool | None, capacity: int | None,
+                     ddtype, info: dict) -> list[Generation]:
+    bs, n = drafter.config.block_size, len(prompts)
+    longest = max(len(p) for p in prompts)
+    need = longest + max_new_tokens + bs
+    capacity = capacity or -(-(need + 3 * bs) // 16) * 16
+    if capacity < need:
+        raise ValueError(f"capacity {capacity} < longest prompt + max_new_tokens + block_size = {need}")
+    s = _StaticRounds(target, drafter, head, n, capacity, ddtype)
+    first = s.prefill(prompts)
+    results = [Generation([first[r]], [], []) for r in range(n)]
+    live = [r for r in range(n) if not (first[r] in stop_ids or max_new_tokens <= 1)]
+    use_graph = s.dev.type == "cuda" and cuda_graph is not False and not torch.is_autocast_enabled("cuda")
+    info.update(implementation="static", capacity=capacity, cuda_graph=False, compactions=0)
+    step, used = s.round, longest
+    while live:
+        if used + bs > capacity:
+            used = s.compact(live, used)
+            info["compactions"] += 1
+        s.start.fill_(used)
+        if use_graph:
+            use_graph = False
+            try:
+                step = s.capture()
+                info["cuda_graph"] = True
+            except Exception as exc:  # capture is an optimisation: the eager round gives the same result
+                if cuda_graph:
+                    raise
+                info["cuda_graph_error"] = f"{type(exc).__name__}: {exc}"
+        result = step()
+        rows = result.tolist()
+        still = []
+        for r in live:
+            row = rows[r]
+            a = row[-1]
+            new = row[:a] + [row[bs - 1 + a]]  # accepted drafts, then the target's own token
+            for j, tok in enumerate(new):
+                if tok in stop_ids:
+                    new = new[: j + 1]
+                    break
+            g = results[r]
+            new = new[: max_new_tokens - len(g.tokens)]
+            g.tokens += new
+            g.acceptance_lengths.append(len(new))
+            g.accepted.append(a)
+            if not (g.tokens[-1] in stop_ids or len(g.tokens) >= max_new_tokens):
+                still.append(r)
+        if not still:
+            break
+        s.advance(used, result)
+        used += max(rows[r][-1] for r in still) + 1
+        live = still
+    return results
+
+def _generate_dynamic(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+                      max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
+    """The general decoder (any Hugging Face causal LM): a growing `DynamicCache`, rows leave the batch."""
     c = drafter.config
     bs, layer_ids = c.block_size, c.target_layer_ids
     tdev = next(target.parameters()).device
@@ -199,3 +470,27 @@ def speculative_generate_cached(target, drafter: DFlashDrafter, head: FrozenHead
             dcache.select(keep.to(ddev))
         rows = [rows[i] for i in still]
     return results
+
+
+@torch.no_grad()
+def speculative_generate_cached(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+                                max_new_tokens: int, stop_ids: set[int], *, cuda_graph: bool | None = None,
+                                capacity: int | None = None, implementation: str = "auto",
+                                info: dict | None = None) -> list[Generation]:
+    """Greedy speculative decoding of every prompt (one batch), with KV caches; see the module doc.
+
+    implementation: auto (static where `static_supported`, else dynamic) | static | dynamic.
+    cuda_graph (static on CUDA): None = capture the round, falling back to eager rounds if capture
+    fails; True = capture or raise; False = eager. capacity: cache slots per row (static; default
+    the longest prompt + max_new_tokens + 4 blocks, rounded up to 16). info, when given, receives
+    what ran (implementation, cuda_graph, capacity, compactions)."""
+    info = {} if info is None else info
+    ddev = head.embed_weight.device
+    ddtype = torch.get_autocast_dtype(ddev.type) if torch.is_autocast_enabled(ddev.type) else drafter.fc.weight.dtype
+    if implementation not in ("auto", "static", "dynamic"):
+        raise ValueError(f"implementation must be auto, static or dynamic, not {implementation!r}")
+    if implementation == "static" or (implementation == "auto" and static_supported(target, ddev)):
+        return _generate_static(target, drafter, head, prompts, max_new_tokens, stop_ids, cuda_graph, capacity,
+                                ddtype, info)
+    info.update(implementation="dynamic", cuda_graph=False)
+    return _generate_dynamic(target, drafter, head, prompts, max_new_tokens, stop_ids)

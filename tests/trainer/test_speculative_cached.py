@@ -1,5 +1,6 @@
 """KV-cached speculative decoding gives exactly what the uncached reference gives: the same
-tokens (which are the target's own greedy tokens) and the same acceptance length every round."""
+tokens (which are the target's own greedy tokens) and the same acceptance length every round;
+decoding prompts as one batch gives what decoding each alone gives."""
 import copy
 
 import pytest
@@ -79,3 +80,58 @@ def test_cached_with_the_random_drafter_and_a_stop_token(tiny):
         ref = speculative_generate(target, drafter, head, prompt, max_new_tokens=12, stop_ids=stop)
         assert got.tokens == ref.tokens and got.acceptance_lengths == ref.acceptance_lengths
     assert cached[0].tokens[-1] in stop and len(cached[0].tokens) <= 7
+
+
+@pytest.fixture(scope="module")
+def guessing(tiny):
+    """The real tiny target and a head drafting its single-token successor chain: right now and
+    then, so rows accept different numbers of drafts (masked holes in the batch's cache) while
+    the target's attention over the cache matters (unlike the bigram target's)."""
+    target, head, drafter, _ = tiny
+    vocab = head.embed_weight.shape[0]
+    with torch.no_grad():
+        nxt = target(input_ids=torch.arange(vocab)[:, None]).logits[:, -1].argmax(-1).tolist()
+    return target, OracleHead(head, dict(enumerate(nxt)), wrong_every=vocab * 64), drafter
+
+
+def test_batched_equals_each_prompt_alone_with_holes_and_compaction(guessing):
+    target, head, drafter = guessing
+    info = {}
+    # capacity 43 = 11 + 24 + 8, the least allowed: holes do not fit, so the cache gets packed
+    batched = speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), capacity=43, info=info)
+    assert info["implementation"] == "static" and info["compactions"] >= 1
+    dynamic = speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), implementation="dynamic")
+    for prompt, got, other in zip(PROMPTS, batched, dynamic):
+        alone, = speculative_generate_cached(target, drafter, head, [prompt], 24, set())
+        assert got.tokens == alone.tokens == other.tokens
+        assert got.acceptance_lengths == alone.acceptance_lengths == other.acceptance_lengths
+        assert got.accepted == alone.accepted == other.accepted
+    per_round = [a for g in batched for a in g.accepted]
+    assert len(set(per_round)) >= 3  # rows and rounds accept different numbers of drafts
+
+
+def test_static_capacity_below_one_decode_is_refused(tiny):
+    target, head, drafter, _ = tiny
+    with pytest.raises(ValueError, match="capacity 40 < longest prompt"):
+        speculative_generate_cached(target, drafter, head, PROMPTS, 24, set(), capacity=40)
+
+
+def test_static_equals_dynamic_on_a_llama_target(llama3_model_dir):
+    """The static decoder runs the target from its modules: also right without Qwen3's q/k norms."""
+    from trainer.drafter import DFlashDrafter, DrafterConfig
+    from trainer.target import default_target_layer_ids, freeze, load_target
+
+    target = freeze(load_target(str(llama3_model_dir), "cpu", torch.float32))
+    n = target.config.num_hidden_layers
+    cfg = DrafterConfig.from_target(target.config, num_layers=1, block_size=4,
+                                    mask_token_id=target.config.vocab_size - 1,
+                                    target_layer_ids=default_target_layer_ids(n, 2))
+    torch.manual_seed(0)
+    drafter, head = DFlashDrafter(cfg).eval(), FrozenHead.from_target(target, "cpu")
+    info = {}
+    static = speculative_generate_cached(target, drafter, head, PROMPTS[:3], 10, set(), info=info)
+    dynamic = speculative_generate_cached(target, drafter, head, PROMPTS[:3], 10, set(), implementation="dynamic")
+    assert info["implementation"] == "static" and target.config.model_type == "llama"
+    for prompt, got, other in zip(PROMPTS[:3], static, dynamic):
+        assert got.tokens == other.tokens == greedy_generate(target, prompt, 10, set())
+        assert got.acceptance_lengths == other.acceptance_lengths

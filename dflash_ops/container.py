@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import DflashOpsError, HelperFailed, RemoteCommandError, TransferError
+from dflash_ops.errors import CommandTimeout, DflashOpsError, HelperFailed, RemoteCommandError, TransferError
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
@@ -100,16 +100,8 @@ class Container:
     def render(self, argv: list[str]) -> Rendered:
         return render.pct_exec(self._target.node.pct, self._target.ctid, argv)
 
-    def exec(
-        self,
-        argv: list[str],
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-        check: bool = False,
-    ) -> Result:
+    def exec(self, argv: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+             on_stderr_line: LineCallback | None = None, timeout: float | None = None, check: bool = False) -> Result:
         result = self.transport.run(
             self.render(argv).command,
             stdin=stdin,
@@ -214,18 +206,9 @@ class Container:
                       stdin=tar, check=True)
         return size
 
-    def helper(
-        self,
-        name: str,
-        args: list[str],
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-        check: bool = False,
-        python: str | None = None,
-    ) -> Result:
+    def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
+               on_stderr_line: LineCallback | None = None, timeout: float | None = None, check: bool = False,
+               python: str | None = None) -> Result:
         """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash.
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
@@ -293,6 +276,18 @@ _WITHOUT_PCT = {
     "pull": lambda src, dst: ["cp", "--", src, dst],
     "exec": lambda separator, *argv: list(argv),
 }
+
+
+def exec_killed_after(container: ContainerAPI, argv: list[str], timeout: float | None, **kwargs: Any) -> Result:
+    """container.exec(argv); with a timeout, under coreutils `timeout` inside the container
+    (render.killed_after), raising CommandTimeout when the limit was hit."""
+    if timeout is None:
+        return container.exec(argv, **kwargs)
+    wrapped, backstop = render.killed_after(timeout, argv)
+    result = container.exec(wrapped, timeout=backstop, **kwargs)
+    if result.exit_code in render.TIMED_OUT:
+        raise CommandTimeout(render.node_command(argv), timeout)
+    return result
 
 
 def helper_answer(name: str, args: list[str], result: Result, answers: tuple[int, ...] = ()) -> Any:

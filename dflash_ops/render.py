@@ -94,12 +94,6 @@ def pct_exec(pct: Sequence[str], ctid: int | str, argv: Sequence[str]) -> Render
     return Rendered(argv=argv, pct_argv=node_argv, command=node_command(node_argv))
 
 
-def node_only(argv: Sequence[str]) -> Rendered:
-    """A command that runs on the node itself (pct push/pull/status, rm of a temp file)."""
-    argv = _check_argv(argv)
-    return Rendered(argv=argv, pct_argv=argv, command=node_command(argv))
-
-
 KILL_GRACE_S = 5  # killed_after(): SIGTERM first, SIGKILL this many seconds later
 TIMED_OUT = (124, 128 + 9)  # timeout(1)'s statuses: TERM ended it / it needed KILL
 

@@ -9,6 +9,7 @@ from dflash_ops.connect import open_container
 from dflash_ops.errors import TransportError
 from dflash_ops.fanout import map_by_node
 from dflash_ops.inventory import Inventory, Target
+from dflash_ops.transport.base import Transport
 
 
 @dataclass(frozen=True)
@@ -18,13 +19,8 @@ class TargetState:
     detail: str = ""
 
 
-def target_state(target: Target, timeout: float = 30.0) -> TargetState:
-    from dflash_ops.connect import transport_for
-
-    return _state(target, transport_for(target.node), timeout)
-
-
-def _state(target: Target, transport, timeout: float = 30.0) -> TargetState:
+def target_state(target: Target, transport: Transport, timeout: float = 30.0) -> TargetState:
+    """One `pct status` on the target's node (for `pct: none`, whether the node answers)."""
     if not target.node.pct:  # `pct: none`: the target is the node; reachable means running
         command = render.node_command(["true"])
     else:
@@ -48,6 +44,6 @@ def target_states(inventory: Inventory, names: list[str] | None = None, timeout:
     containers = [open_container(inventory, name) for name in (names or list(inventory.targets))]
     return map_by_node(
         containers,
-        lambda c: _state(c.target, c.transport, timeout),
+        lambda c: target_state(c.target, c.transport, timeout),
         lambda c, e: TargetState(c.target, "unreachable" if isinstance(e, TransportError) else "unknown", str(e)),
     )

@@ -26,11 +26,14 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from dflash_ops.errors import ConnectionLost, DflashOpsError, HelperFailed, TransferError
 from dflash_ops.hashing import sha256_file
 from dflash_ops.helpers import tree as tree_helper
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 HELPER = "tree"
 FILE_REL = tree_helper.FILE_REL
@@ -147,7 +150,7 @@ class _FrameStream(io.RawIOBase):
         super().close()
 
 
-def push_path(container, src: Path | str, dest: str, *, force: bool = False,
+def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: bool = False,
               on_progress: ProgressCallback | None = None) -> TransferSummary:
     """Push a local file or tree to `dest` in the container (see the module docstring)."""
     started = time.monotonic()
@@ -215,7 +218,7 @@ def _local_state(dest: Path) -> tuple[str, list[str]]:
         raise TransferRefused(str(e)) from None
 
 
-def fetch_path(container, src: str, dest: Path | str, *, force: bool = False, chunk: int = FETCH_CHUNK,
+def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bool = False, chunk: int = FETCH_CHUNK,
                on_progress: ProgressCallback | None = None) -> TransferSummary:
     """Fetch a file or tree from the container to the local path `dest` (see the module docstring)."""
     started = time.monotonic()
@@ -365,7 +368,7 @@ def _finish_part(target: Path, data: bytes | None, offset: int | None, want: dic
     os.replace(part, target)
 
 
-def _read_files(container, src: str, rels: list[str], summary: TransferSummary) -> list[tuple[str, bytes]]:
+def _read_files(container: ContainerAPI, src: str, rels: list[str], summary: TransferSummary) -> list[tuple[str, bytes]]:
     for attempt in range(RESUME_ATTEMPTS + 1):
         try:
             result = container.helper(HELPER, ["read-files", src, *rels])
@@ -389,7 +392,7 @@ def _read_files(container, src: str, rels: list[str], summary: TransferSummary) 
     return out
 
 
-def _read_chunk(container, remote_path: str, offset: int, length: int, summary: TransferSummary) -> bytes:
+def _read_chunk(container: ContainerAPI, remote_path: str, offset: int, length: int, summary: TransferSummary) -> bytes:
     for attempt in range(RESUME_ATTEMPTS + 1):
         try:
             result = container.helper(HELPER, ["read", remote_path, str(offset), str(length)])

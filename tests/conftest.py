@@ -55,21 +55,17 @@ def sim_inventory(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def sshd_node(tmp_path_factory) -> SshdNode:
-    reason = sshd_unavailable_reason()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the sshd tier cannot run: {reason}")
-        pytest.skip(reason)
+    unavailable(sshd_unavailable_reason(), "the sshd tier")
     node = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield node
     node.close()
 
 
-def unavailable(reason: str | None) -> None:
+def unavailable(reason: str | None, what: str = "this tier") -> None:
     """Skip for `reason`, except under CI=true, where a tier that cannot run is a failure."""
     if reason:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but this tier cannot run: {reason}")
+            pytest.fail(f"CI=true but {what} cannot run: {reason}")
         pytest.skip(reason)
 
 

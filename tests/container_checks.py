@@ -181,3 +181,33 @@ def processes_running(argv: list[str]) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+class ContainerTests:
+    """The checks above as tests over a module's `container` fixture: a tier module runs them all
+    with `class TestContainer(ContainerTests): pass` (the same tests on every tier, written once)."""
+
+    def test_lines_stream_before_the_command_ends(self, container, tmp_path):
+        assert_lines_stream_before_exit(container, tmp_path / "flag")
+
+    def test_binary_stdin(self, container):
+        assert_binary_stdin_round_trip(container)
+
+    def test_stopped_container_refuses_exec(self, container):
+        assert_stopped_container_refuses(container)
+
+    def test_push_pull_verified(self, container, tmp_path):
+        assert_push_pull_verified(container, tmp_path)
+
+    def test_push_tree(self, container, tmp_path):
+        assert_push_tree(container, tmp_path)
+
+    def test_helper_installed_once(self, container):
+        assert_helper_installed_once(container)
+
+    def test_exec_check(self, container):
+        assert_exec_check_raises(container)
+
+    def test_exit_status_is_the_commands_own_127_126_and_128_plus_signal(self, container, tmp_path):
+        # over SSH a signal must arrive as lxc-attach's exit status 128+N, not as an SSH exit-signal
+        assert_real_exit_codes(container, tmp_path)

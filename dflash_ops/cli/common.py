@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, BinaryIO, NoReturn, Optional
 
 import typer
 
@@ -75,7 +75,7 @@ def check_timeout(seconds: float | None, option: str = "--timeout") -> None:
              f"e.g. {option} 30", 2)
 
 
-def forwarded_stdin():
+def forwarded_stdin() -> BinaryIO | None:
     """The local stdin to forward to a remote command: binary, or None when it is a terminal
     (nothing to forward; the command reads EOF) or closed."""
     stream = sys.stdin

@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, fail, load
+
+if TYPE_CHECKING:
+    from dflash_ops.doctor import Report
+    from dflash_ops.inventory import Target
+
 
 
 def parse_gpus(text: str | None) -> list[int] | None:
@@ -61,7 +66,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-def print_report(target, report, err: bool = False) -> None:
+def print_report(target: Target, report: Report, err: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops import render
+from dflash_ops.container import exec_killed_after
 
 from dflash_ops.cli.common import (
     ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, load, open_target,
@@ -60,20 +61,15 @@ def exec_(
     argv = strip_separator(argv)
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
-    command, transport_timeout = argv, None
-    if timeout is not None:
-        argv, transport_timeout = render.killed_after(timeout, argv)
     container = open_target(inventory, target)
     if print_command:
-        rendered = container.render(argv)
+        rendered = container.render(argv if timeout is None else render.killed_after(timeout, argv)[0])
         for label, value in rendered.layers():
             typer.echo(f"{label}: {value}")
         typer.echo(f"transport: {_describe_transport(container.target.node)}")
         return
-    result = container.exec(argv, stdin=None if no_stdin else forwarded_stdin(), on_line=write_stdout,
-                            on_stderr_line=write_stderr, timeout=transport_timeout)
-    if timeout is not None and result.exit_code in render.TIMED_OUT:
-        fail(f"timed out after {timeout:g}s and killed in the container: {command!r}", 124)
+    result = exec_killed_after(container, argv, timeout, stdin=None if no_stdin else forwarded_stdin(),
+                               on_line=write_stdout, on_stderr_line=write_stderr)
     raise typer.Exit(result.exit_code)
 
 

@@ -4,49 +4,48 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Callable
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, open_target
 from dflash_ops.progress import ByteBar
 
+if TYPE_CHECKING:
+    from dflash_ops.transfer import TransferSummary
+
 Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a destination (or drop files in it) that no earlier transfer wrote.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
 
 
-def push(
-    target: Target,
-    src: Annotated[Path, typer.Argument(help="Local file or directory.")],
-    dest: Annotated[str, typer.Argument(help="Absolute container path SRC will have, e.g. /models/Qwen3-8B.")],
-    force: Force = False,
-    as_json: AsJson = False,
-    inventory: InventoryOption = None,
-) -> None:
+LocalSrc = Annotated[Path, typer.Argument(help="Local file or directory.")]
+ContainerDest = Annotated[str, typer.Argument(help="Absolute container path SRC will have, e.g. /models/Qwen3-8B.")]
+ContainerSrc = Annotated[str, typer.Argument(help="Absolute container path of a file or directory.")]
+LocalDest = Annotated[Path, typer.Argument(help="Local path the copy will have.")]
+
+
+def push(target: Target, src: LocalSrc, dest: ContainerDest, force: Force = False, as_json: AsJson = False,
+         inventory: InventoryOption = None) -> None:
     """Copy a file or tree into the container: only changed files, sha256-verified, resumable, swapped in whole."""
     from dflash_ops.transfer import push_path
 
-    container = open_target(inventory, target)
-    with ByteBar(f"push {src.name}", enabled=not as_json) as bar:
-        summary = push_path(container, src, dest, force=force, on_progress=bar.update)
-    typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
+    _transfer(push_path, f"push {src.name}", inventory, target, src, dest, force, as_json)
 
 
-def fetch(
-    target: Target,
-    src: Annotated[str, typer.Argument(help="Absolute container path of a file or directory.")],
-    dest: Annotated[Path, typer.Argument(help="Local path the copy will have.")],
-    force: Force = False,
-    as_json: AsJson = False,
-    inventory: InventoryOption = None,
-) -> None:
+def fetch(target: Target, src: ContainerSrc, dest: LocalDest, force: Force = False, as_json: AsJson = False,
+          inventory: InventoryOption = None) -> None:
     """Copy a file or tree out of the container: only changed files, sha256-verified, resumable, swapped in whole."""
     from dflash_ops.transfer import fetch_path
 
+    _transfer(fetch_path, f"fetch {Path(src).name}", inventory, target, src, dest, force, as_json)
+
+
+def _transfer(transfer: Callable[..., TransferSummary], label: str, inventory: Path | None, target: str,
+              src: str | Path, dest: str | Path, force: bool, as_json: bool) -> None:
     container = open_target(inventory, target)
-    with ByteBar(f"fetch {Path(src).name}", enabled=not as_json) as bar:
-        summary = fetch_path(container, src, dest, force=force, on_progress=bar.update)
+    with ByteBar(label, enabled=not as_json) as bar:
+        summary = transfer(container, src, dest, force=force, on_progress=bar.update)
     typer.echo(json.dumps(summary.to_json(), indent=1) if as_json else summary.line())
 
 

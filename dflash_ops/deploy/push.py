@@ -14,12 +14,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from dflash_ops.container import HELPERS_DIR
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops.tarstream import ProgressReader, stream_size
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
+    from dflash_ops.inventory import Target
 
 DEFAULT_KEEP = 5
 
@@ -52,7 +56,7 @@ class DeploySummary:
         return asdict(self)
 
 
-def helper_files(container) -> list[tuple[str, Path]]:
+def helper_files(container: ContainerAPI) -> list[tuple[str, Path]]:
     """Every helper as (`helpers/<content-hash>/<file>` relative to base_dir, local path)."""
     prefix = container.base_dir.rstrip("/") + "/"
     found = []
@@ -62,13 +66,13 @@ def helper_files(container) -> list[tuple[str, Path]]:
     return found
 
 
-def _commands_run(container) -> int:
+def _commands_run(container: ContainerAPI) -> int:
     transport = getattr(container, "transport", None)
     return int(getattr(transport, "commands_run", 0))
 
 
 def deploy_target(
-    container,
+    container: ContainerAPI,
     *,
     extra_paths: Iterable[str | Path] = (),
     venv: VenvSpec | None = VenvSpec(),
@@ -136,13 +140,13 @@ def deploy_target(
     return _finish(summary, container, started, calls_before)
 
 
-def _finish(summary: DeploySummary, container, started: float, calls_before: int) -> DeploySummary:
+def _finish(summary: DeploySummary, container: ContainerAPI, started: float, calls_before: int) -> DeploySummary:
     summary.seconds = round(time.monotonic() - started, 3)
     summary.pct_calls = _commands_run(container) - calls_before
     return summary
 
 
-def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
+def target_options(target: Target, *, extra_paths: Iterable[str | Path] = (), keep: int | None = None,
                    no_venv: bool = False) -> dict[str, Any]:
     """deploy_target keyword arguments for an inventory target.
 
@@ -153,7 +157,7 @@ def target_options(target, *, extra_paths: Iterable[str | Path] = (), keep: int 
     root = trainer_dir().parent
     paths = [Path(p) if Path(p).is_absolute() else root / p for p in target.extra_paths]
     venv_config = target.venv_config
-    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config or {}, base=root)
+    venv = None if no_venv or venv_config is False else VenvSpec.from_config(venv_config if isinstance(venv_config, dict) else {}, base=root)
     keep = keep or target.keep_releases or DEFAULT_KEEP
     return {"extra_paths": [*paths, *extra_paths], "venv": venv, "keep": keep}
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from dflash_ops.doctor.checks import FAIL, Check, Inputs, evaluate, verdict
+from dflash_ops.doctor.checks import Inputs, Report, evaluate
 from dflash_ops.doctor.node import NodeFacts, node_facts
 from dflash_ops.doctor.plan import RunPlan, plan_for
 from dflash_ops.doctor.verdicts import last_verdict, record_verdict
 from dflash_ops.errors import DflashOpsError, TransportError
+
+if TYPE_CHECKING:
+    from dflash_ops.container import Container, ContainerAPI
 
 HELPER = "doctor"
 PROBE_TIMEOUT_S = 120.0  # torch import + CUDA init + NCCL init on a cold container
@@ -26,28 +29,7 @@ __all__ = ["Report", "RunPlan", "diagnose", "last_verdict", "plan_for", "preflig
            "unreachable_report"]
 
 
-@dataclass
-class Report:
-    target: str
-    checks: list[Check]
-    facts: dict | None = None
-    fast: bool = False
-    time: float = field(default_factory=time.time)
-
-    @property
-    def verdict(self) -> str:
-        return verdict(self.checks)
-
-    @property
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.status == FAIL]
-
-    def to_json(self) -> dict:
-        return {"target": self.target, "verdict": self.verdict, "fast": self.fast, "time": self.time,
-                "checks": [c.to_json() for c in self.checks], "facts": self.facts}
-
-
-def helper_args(container, plan: RunPlan, fast: bool) -> list[str]:
+def helper_args(container: ContainerAPI, plan: RunPlan, fast: bool) -> list[str]:
     target = container.target
     torch_mode = "full" if (plan.needs_gpu or not fast) else "find"
     args = ["facts", "--base", container.base_dir, "--python", target.python,
@@ -61,7 +43,7 @@ def helper_args(container, plan: RunPlan, fast: bool) -> list[str]:
     return args
 
 
-def diagnose(container, plan: RunPlan | None = None, fast: bool = False) -> Report:
+def diagnose(container: Container, plan: RunPlan | None = None, fast: bool = False) -> Report:
     """One doctor pass over `container` for a run described by `plan` (default: the target's GPUs)."""
     target = container.target
     plan = plan or plan_for(target)
@@ -72,7 +54,7 @@ def diagnose(container, plan: RunPlan | None = None, fast: bool = False) -> Repo
     return Report(target.name, evaluate(inputs), inputs.facts, fast)
 
 
-def _gather(container, plan: RunPlan, fast: bool, inputs: Inputs) -> None:
+def _gather(container: ContainerAPI, plan: RunPlan, fast: bool, inputs: Inputs) -> None:
     sent = time.time()
     first: list[float] = []
 
@@ -104,7 +86,7 @@ def _gather(container, plan: RunPlan, fast: bool, inputs: Inputs) -> None:
     inputs.facts = facts
 
 
-def _runs_fallback(container) -> dict:
+def _runs_fallback(container: ContainerAPI) -> dict:
     """The runs helper of this version was not installed yet: ask it (this installs it)."""
     from dflash_ops.runs import list_runs
 
@@ -116,7 +98,7 @@ def _runs_fallback(container) -> dict:
                      for r in runs if r.alive and not r.final]}
 
 
-def unreachable_report(container, error: Exception) -> Report:
+def unreachable_report(container: ContainerAPI, error: Exception) -> Report:
     """The report of a target whose node could not be reached (or whose pass raised)."""
     state = "unreachable" if isinstance(error, TransportError) else "unknown"
     node = NodeFacts(bool(container.target.node.pct), state, str(error))
@@ -126,7 +108,7 @@ def unreachable_report(container, error: Exception) -> Report:
     return report
 
 
-def preflight(container, plan: RunPlan) -> Report:
+def preflight(container: Container, plan: RunPlan) -> Report:
     """The fast subset `run start` runs first (no NCCL all-reduce; torch imported only for GPU runs)."""
     report = diagnose(container, plan, fast=True)
     record_verdict(container.target, report)

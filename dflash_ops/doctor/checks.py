@@ -5,7 +5,8 @@ Every threshold and its reason is in docs/doctor.md; keep the two in step.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_ops.doctor.node import NVIDIA_MAJOR, NodeFacts
@@ -435,3 +436,24 @@ def clock_check(i: Inputs) -> Check:
     where = f"node {i.target.node.name}" + (" (containers share the node's clock)" if i.node.pct else "")
     return Check("clock offset", WARN, measured, f"within {CLOCK_TOLERANCE_S:g} s",
                  f"enable NTP on {where} and on this machine: timedatectl set-ntp true")
+
+
+@dataclass
+class Report:
+    target: str
+    checks: list[Check]
+    facts: dict | None = None
+    fast: bool = False
+    time: float = field(default_factory=time.time)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "verdict": self.verdict, "fast": self.fast, "time": self.time,
+                "checks": [c.to_json() for c in self.checks], "facts": self.facts}

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dflash_ops import render
 from dflash_ops.errors import TransportError
+
+if TYPE_CHECKING:
+    from dflash_ops.inventory import Target
+    from dflash_ops.transport.base import Transport
+
 
 NVIDIA_MAJOR = 195  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
 
@@ -79,7 +85,7 @@ class NodeFacts:
     config_error: str | None = None
 
 
-def node_facts(target, transport, timeout: float = 30.0) -> NodeFacts:
+def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> NodeFacts:
     """`pct status` and `pct config` in one round trip (both read the container's config file)."""
     if not target.node.pct:
         try:

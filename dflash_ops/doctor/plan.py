@@ -9,6 +9,11 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_ops.inventory import Target
+
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -93,7 +98,7 @@ def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int) -> i
     return num_target_layers * h * h + 2 * h + drafter_layers * layer
 
 
-def plan_for(target, gpus: list[int] | None = None, config: Path | str | None = None) -> RunPlan:
+def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str | None = None) -> RunPlan:
     """The plan of a run on `target` with these GPUs (default: the target's) and trainer config."""
     run_gpus = tuple(gpus if gpus is not None else target.gpus)
     if config is None:

@@ -12,6 +12,11 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_ops.doctor.checks import Report
+    from dflash_ops.inventory import Target
 
 
 def state_dir() -> Path:
@@ -26,7 +31,7 @@ def _key(target) -> str:
     return hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
 
 
-def record_verdict(target, report) -> None:
+def record_verdict(target: Target, report: Report) -> None:
     doc = {"target": target.name, "time": report.time, "verdict": report.verdict, "fast": report.fast,
            "failed": [c.name for c in report.checks if c.status == "fail"],
            "warned": [c.name for c in report.checks if c.status == "warn"]}
@@ -41,7 +46,7 @@ def record_verdict(target, report) -> None:
         pass  # a verdict that cannot be remembered is still printed
 
 
-def last_verdict(target) -> dict | None:
+def last_verdict(target: Target) -> dict | None:
     try:
         return json.loads((state_dir() / f"{_key(target)}.json").read_text())
     except (OSError, ValueError):

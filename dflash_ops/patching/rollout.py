@@ -22,14 +22,18 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Callable
 
 from dflash_ops import render
+from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
+from dflash_ops.deploy.push import DEFAULT_KEEP
 from dflash_ops.errors import DflashOpsError, HelperFailed
 from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
 from dflash_ops.tarstream import build_tar
-from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
-from dflash_ops.deploy.push import DEFAULT_KEEP
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 
 
@@ -54,7 +58,7 @@ class PatchOutcome:
     checked_only: bool = False
 
 
-def current_release(container) -> dict:
+def current_release(container: ContainerAPI) -> dict:
     """The current release's .dflash-release.json (hash, parent, venv, files)."""
     path = posixpath.join(container.base_dir, "current", RELEASE_META)
     result = container.exec(["cat", "--", path])
@@ -70,7 +74,7 @@ def current_release(container) -> dict:
     return meta
 
 
-def fetch_release_files(container, meta: dict, rels: list[str], dest: Path) -> list[str]:
+def fetch_release_files(container: ContainerAPI, meta: dict, rels: list[str], dest: Path) -> list[str]:
     """Copy the listed files of the current release into dest (one tar), verified by sha256.
 
     Files the release does not have are skipped (a patch may create them); returns the fetched ones.
@@ -97,7 +101,7 @@ def fetch_release_files(container, meta: dict, rels: list[str], dest: Path) -> l
     return present
 
 
-def release_python(container, meta: dict) -> str:
+def release_python(container: ContainerAPI, meta: dict) -> str:
     venv = meta.get("venv")
     return posixpath.join(container.base_dir, venv, "bin", "python") if venv else container.target.python
 
@@ -117,7 +121,7 @@ def module_names(rels: list[str]) -> list[str]:
     return names
 
 
-def import_check_in_container(container, meta: dict, patched_root: Path, report: PatchReport,
+def import_check_in_container(container: ContainerAPI, meta: dict, patched_root: Path, report: PatchReport,
                               static: bool = False) -> list[dict]:
     """Import the touched modules from a scratch copy of the release holding the patched files.
 
@@ -181,8 +185,8 @@ def tree_clashes(release_files: dict, report: PatchReport) -> list[Problem]:
     return problems
 
 
-def patch_target(container, diff_text: str, *, check_only: bool = False, allow_moves: bool = False,
-                 restart_run: str | None = None, keep: int = DEFAULT_KEEP, say=lambda text: None) -> PatchOutcome:
+def patch_target(container: ContainerAPI, diff_text: str, *, check_only: bool = False, allow_moves: bool = False,
+                 restart_run: str | None = None, keep: int = DEFAULT_KEEP, say: Callable[[str], None] = lambda text: None) -> PatchOutcome:
     """Check a unified diff against the target's current release and, unless check_only,
     make it a new release whose parent is the current one. Raises PatchError when refused.
 
@@ -245,7 +249,7 @@ def patch_target(container, diff_text: str, *, check_only: bool = False, allow_m
     return outcome
 
 
-def rollback(container, keep: int = DEFAULT_KEEP) -> tuple[str, str]:
+def rollback(container: ContainerAPI, keep: int = DEFAULT_KEEP) -> tuple[str, str]:
     """Point `current` back at the current release's parent, atomically; returns (from, to)."""
     meta = current_release(container)
     parent = meta.get("parent")

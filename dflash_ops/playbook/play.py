@@ -19,13 +19,16 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.playbook.registry import STEP_TYPES, StepContext, StepType
 from dflash_ops.yamlfile import read_yaml_node, suggest
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 TOP_KEYS = ("name", "description", "vars", "steps")
 BUILTIN_VARS = ("target", "base_dir", "current", "python")
@@ -260,7 +263,7 @@ def substitute(value: Any, variables: dict[str, Any]) -> Any:
     return value
 
 
-def run_playbook(playbook: Playbook, container, *, say: Callable[[str], None] = print,
+def run_playbook(playbook: Playbook, container: ContainerAPI, *, say: Callable[[str], None] = print,
                  contexts: list[StepContext] | None = None,
                  open_target: Callable[[str], Any] | None = None) -> PlayResult:
     """Run every step on one target, in order; stops at the first failing step. What the steps

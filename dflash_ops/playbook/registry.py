@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflash_ops.errors import DflashOpsError
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 
 class StepFailed(DflashOpsError):
@@ -24,7 +27,7 @@ class StepFailed(DflashOpsError):
 class StepContext:
     """What a running step sees: its target's container and the variables so far."""
 
-    container: Any
+    container: ContainerAPI
     target: str
     variables: dict[str, Any]
     playbook_dir: Path

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dflash_ops import render
-from dflash_ops.errors import CommandTimeout, RemoteCommandError, UsageError
+from dflash_ops.container import exec_killed_after
+from dflash_ops.errors import RemoteCommandError, UsageError
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
@@ -41,12 +41,11 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
 def _exec(ctx: StepContext, params: dict) -> dict:
     argv = [str(a) for a in params["argv"]]
     timeout = params.get("timeout")
-    command, transport_timeout = (argv, None) if timeout is None else render.killed_after(float(timeout), argv)
-    result = ctx.container.exec(command, timeout=transport_timeout,
-                                on_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")),
-                                on_stderr_line=lambda line: ctx.say(line.decode(errors="replace").rstrip("\n")))
-    if timeout is not None and result.exit_code in render.TIMED_OUT:
-        raise CommandTimeout(render.node_command(argv), float(timeout))
+    def say(line: bytes) -> None:
+        ctx.say(line.decode(errors="replace").rstrip("\n"))
+
+    result = exec_killed_after(ctx.container, argv, None if timeout is None else float(timeout),
+                               on_line=say, on_stderr_line=say)
     if params.get("check", True) and not result.ok:
         raise RemoteCommandError(argv, result.exit_code, result.stderr)
     return {"exit_code": result.exit_code, "stdout": result.stdout.strip()}

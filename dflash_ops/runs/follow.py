@@ -16,11 +16,14 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
 from dflash_ops.runs.helper import EXIT_TIME_UP, EXIT_TRUNCATED, call, run_dir
 from dflash_ops.runs.info import RunError
 
-from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 RETRYABLE = (ConnectionLost, Unreachable)  # the link failed; a host key or login failure is final
 
@@ -90,7 +93,7 @@ class _Stream:
 
 
 def follow_file(
-    container,
+    container: ContainerAPI,
     run_id: str,
     name: str,
     on_line: Callable[[bytes], None],

@@ -7,23 +7,27 @@ import posixpath
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_ops.errors import UsageError
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
 
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
+
 REQUEST_KINDS = ("checkpoint", "stop")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 
-def list_runs(container) -> list[RunInfo]:
+def list_runs(container: ContainerAPI) -> list[RunInfo]:
     """Every run of the container, one helper call."""
     doc = call_json(container, ["list", container.base_dir])
     return [RunInfo.from_json(r) for r in doc["runs"]]
 
 
-def run_status(container, run_id: str) -> RunInfo:
+def run_status(container: ContainerAPI, run_id: str) -> RunInfo:
     doc = call_json(container, ["list", container.base_dir, "--run", check_run_id(run_id)])
     return RunInfo.from_json(doc["runs"][0])
 
@@ -35,7 +39,7 @@ def latest_run(runs: list[RunInfo]) -> RunInfo | None:
     return max(runs, key=lambda r: (r.launched or r.started or 0.0, r.run_id))
 
 
-def resolve_run(container, run_id: str | None) -> RunInfo:
+def resolve_run(container: ContainerAPI, run_id: str | None) -> RunInfo:
     """The status of run_id, or of the target's latest run when run_id is None."""
     if run_id is not None:
         return run_status(container, run_id)
@@ -52,7 +56,7 @@ def new_run_id(name: str | None = None, now: float | None = None) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 
 
-def _release_root(container) -> str:
+def _release_root(container: ContainerAPI) -> str:
     return posixpath.join(container.base_dir, "current")
 
 
@@ -68,7 +72,7 @@ def parse_gpus(text: str) -> list[int]:
         raise RunError(f"--gpus {text!r}: {e}") from None
 
 
-def check_gpus(gpus) -> list[int]:
+def check_gpus(gpus: object) -> list[int]:
     if not isinstance(gpus, (list, tuple)) or not all(type(g) is int and 0 <= g < 10000 for g in gpus):
         raise RunError(f"gpus {gpus!r}: expected a list of GPU indices (integers >= 0), e.g. [0, 1]")
     if len(set(gpus)) != len(gpus):
@@ -76,13 +80,13 @@ def check_gpus(gpus) -> list[int]:
     return list(gpus)
 
 
-def _gpu_args(container, gpus: list[int] | None) -> list[str]:
+def _gpu_args(container: ContainerAPI, gpus: list[int] | None) -> list[str]:
     if gpus is None:
         gpus = getattr(container.target, "gpus", None)
     return ["--gpus", ",".join(str(g) for g in check_gpus(gpus))] if gpus else []
 
 
-def _start(container, run_id: str, extra: list[str], stdin: bytes | None, gpus: list[int] | None) -> dict:
+def _start(container: ContainerAPI, run_id: str, extra: list[str], stdin: bytes | None, gpus: list[int] | None) -> dict:
     args = ["start", "--base", container.base_dir, "--run-id", run_id,
             "--release-root", _release_root(container), "--python", container.target.python,
             *extra, *_gpu_args(container, gpus)]
@@ -94,7 +98,7 @@ def _start(container, run_id: str, extra: list[str], stdin: bytes | None, gpus: 
         raise NotDeployed(f"{what}: run `dflash-ops deploy {name}` first", e.details) from None
 
 
-def start_run(container, config_path_local: Path | str, name: str | None = None,
+def start_run(container: ContainerAPI, config_path_local: Path | str, name: str | None = None,
               resume: str | int | None = None, gpus: list[int] | None = None,
               run_id: str | None = None) -> str:
     """Start a run from the current release; the config travels on the helper's stdin.
@@ -123,7 +127,7 @@ def start_run(container, config_path_local: Path | str, name: str | None = None,
     raise RunRefused(f"run ids {base_id}..-9 all exist; pass a run id or --name")
 
 
-def resume_run(container, run_id: str, from_step: int | None = None, gpus: list[int] | None = None) -> str:
+def resume_run(container: ContainerAPI, run_id: str, from_step: int | None = None, gpus: list[int] | None = None) -> str:
     """Restart a run that is not alive from its latest (or given) checkpoint, on the current release.
 
     A run that finished (`done`) resumes only from an explicit step: from its latest
@@ -134,19 +138,19 @@ def resume_run(container, run_id: str, from_step: int | None = None, gpus: list[
     return _start(container, run_id, extra, None, gpus)["run_id"]
 
 
-def request(container, run_id: str, kind: str) -> str:
+def request(container: ContainerAPI, run_id: str, kind: str) -> str:
     """Drop control/<kind> into the run; returns the request id (a pending one is reused)."""
     if kind not in REQUEST_KINDS:
         raise UsageError(f"request kind must be one of {REQUEST_KINDS}, not {kind!r}")
     return call(container, ["control", run_dir(container, run_id), kind]).stdout.strip()
 
 
-def signal_run(container, run_id: str, signal: str) -> bool:
+def signal_run(container: ContainerAPI, run_id: str, signal: str) -> bool:
     """Send TERM or KILL to the run's recorded process (only if its pid_start matches)."""
     return call_json(container, ["signal", run_dir(container, run_id), signal])["sent"]
 
 
-def wait_for_checkpoint(container, run_id: str, request_id: str, timeout: float = 600.0,
+def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, timeout: float = 600.0,
                         poll: float = 1.0) -> str:
     """Wait until the trainer's `checkpoint` event carries request_id; returns its path."""
     deadline = time.monotonic() + timeout
@@ -176,7 +180,7 @@ def wait_for_checkpoint(container, run_id: str, request_id: str, timeout: float 
         time.sleep(poll)
 
 
-def wait_until_final(container, run_id: str, timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
+def wait_until_final(container: ContainerAPI, run_id: str, timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
     """Wait for a final state AND the trainer's exit (it writes `stopped` before it tears down),
     so that a resume right after never finds the run still running."""
     deadline = time.monotonic() + timeout
@@ -190,7 +194,7 @@ def wait_until_final(container, run_id: str, timeout: float = 600.0, poll: float
         time.sleep(poll)
 
 
-def checkpoint_run(container, run_id: str, wait: bool = False, timeout: float = 600.0,
+def checkpoint_run(container: ContainerAPI, run_id: str, wait: bool = False, timeout: float = 600.0,
                    poll: float = 1.0) -> tuple[str, str | None]:
     """Ask a live run for a checkpoint; returns (request id, checkpoint path when waited for)."""
     info = run_status(container, run_id)
@@ -202,7 +206,7 @@ def checkpoint_run(container, run_id: str, wait: bool = False, timeout: float = 
     return request_id, wait_for_checkpoint(container, run_id, request_id, timeout=timeout, poll=poll)
 
 
-def stop_run(container, run_id: str, now: bool = False, kill: bool = False, wait: bool = True,
+def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool = False, wait: bool = True,
              timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
     """Stop a run and (by default) wait until its state is final.
 

@@ -7,10 +7,14 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from dflash_ops.hashing import sha256_file
 from dflash_ops.runs.helper import call_json, check_run_id, run_dir
 from dflash_ops.runs.info import RunError, RunNotFound
+
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
 
 ATTEMPTS_PER_FILE = 2
 
@@ -26,7 +30,7 @@ def _safe_relpath(rel: str) -> PurePosixPath:
     return p
 
 
-def find_checkpoint(container, run_id: str, step: int | str = "latest") -> dict:
+def find_checkpoint(container: ContainerAPI, run_id: str, step: int | str = "latest") -> dict:
     """The helper's entry {"step", "path", "manifest"} for step N or the latest one."""
     checkpoints = call_json(container, ["checkpoints", run_dir(container, run_id)])
     if not checkpoints:
@@ -43,7 +47,7 @@ def find_checkpoint(container, run_id: str, step: int | str = "latest") -> dict:
 PARTIAL_MARK = ".dflash-pull.json"
 
 
-def pull_checkpoint(container, run_id: str, step: int | str, dest: Path | str) -> Path:
+def pull_checkpoint(container: ContainerAPI, run_id: str, step: int | str, dest: Path | str) -> Path:
     """Copy checkpoint step_N (or "latest") of a run into dest/step_N; returns that directory.
 
     dest/step_N is only ever absent, or a complete copy: files are fetched into
@@ -95,7 +99,7 @@ def pull_checkpoint(container, run_id: str, step: int | str, dest: Path | str) -
     return target
 
 
-def _copy_files(container, remote_root: str, manifest: dict, into: Path) -> None:
+def _copy_files(container: ContainerAPI, remote_root: str, manifest: dict, into: Path) -> None:
     """Every manifest file into `into` (kept when it already matches), then manifest.json."""
     for rel, expected in sorted(manifest["files"].items()):
         local = into.joinpath(*_safe_relpath(rel).parts)
@@ -137,7 +141,7 @@ def _drop_unlisted(partial: Path, manifest: dict) -> None:
             path.unlink()
 
 
-def _fetch_verified(container, remote: str, local: Path, expected: dict, remote_root: str, rel: str) -> None:
+def _fetch_verified(container: ContainerAPI, remote: str, local: Path, expected: dict, remote_root: str, rel: str) -> None:
     local.parent.mkdir(parents=True, exist_ok=True)
     part = local.with_name(f".{local.name}.part")
     for _ in range(ATTEMPTS_PER_FILE):

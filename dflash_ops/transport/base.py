@@ -7,7 +7,7 @@ output), so the local and SSH transports test the very same rendering.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -46,15 +46,8 @@ class Transport(Protocol):
     commands_run: int  # node-level commands started (one per run())
     connections_opened: int  # SSH connections made (0 for local)
 
-    def run(
-        self,
-        command: str,
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-    ) -> Result: ...
+    def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
+            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result: ...
 
     def put(self, local: Path, remote: str) -> None: ...
 
@@ -102,7 +95,7 @@ class LineSplitter:
         return b"".join(self.chunks)
 
 
-def iter_stdin(stdin: Stdin):
+def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
     """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time.
 
     A buffered file (sys.stdin.buffer, a pipe) is read with read1, so each chunk goes out as

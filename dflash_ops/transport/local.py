@@ -24,15 +24,8 @@ class LocalTransport:
         self.commands_run = 0
         self.connections_opened = 0
 
-    def run(
-        self,
-        command: str,
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-    ) -> Result:
+    def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
+            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result:
         self.commands_run += 1
         proc = subprocess.Popen(
             ["/bin/sh", "-c", command],

@@ -136,15 +136,8 @@ class SSHTransport:
             except (paramiko.SSHException, OSError, EOFError) as e:
                 raise ConnectionLost(f"node {self.node.name!r}: cannot open a channel: {e}") from None
 
-    def run(
-        self,
-        command: str,
-        *,
-        stdin: Stdin = None,
-        on_line: LineCallback | None = None,
-        on_stderr_line: LineCallback | None = None,
-        timeout: float | None = None,
-    ) -> Result:
+    def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
+            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result:
         self.commands_run += 1
         chan = self._open_channel()
         transport = chan.get_transport()

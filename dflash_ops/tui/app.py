@@ -79,11 +79,7 @@ class DashApp(App):
     #targets { height: auto; padding: 0 1; background: $boost; }
     #runs { height: 1fr; }
     """
-    BINDINGS = [
-        Binding("c", "checkpoint", "Checkpoint"),
-        Binding("s", "stop_run", "Stop"),
-        Binding("q", "quit", "Quit"),
-    ]
+    BINDINGS = [Binding("c", "checkpoint", "Checkpoint"), Binding("s", "stop_run", "Stop"), Binding("q", "quit", "Quit")]
 
     def __init__(
         self,

@@ -45,11 +45,8 @@ class RunDetailScreen(Screen):
     #filter.shown { display: block; }
     #log { height: 1fr; border-top: solid $primary; }
     """
-    BINDINGS = [
-        Binding("escape", "back", "Back"),
-        Binding("l", "full_log", "Full log"),
-        Binding("slash", "filter", "Filter"),
-    ]
+    BINDINGS = [Binding("escape", "back", "Back"), Binding("l", "full_log", "Full log"),
+                Binding("slash", "filter", "Filter")]
 
     def __init__(self, target: str, run_id: str) -> None:
         super().__init__()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_ops.tui.source import GpuSample
@@ -143,7 +144,7 @@ def bar(percent: float | None, width: int = 20) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def sparkline(values, width: int = GPU_HISTORY) -> str:
+def sparkline(values: Sequence[float], width: int = GPU_HISTORY) -> str:
     values = list(values)[-width:]
     chars = [_SPARK[min(len(_SPARK) - 1, int(max(0.0, v) / 100 * len(_SPARK)))] for v in values]
     return "".join(chars).rjust(width)
@@ -170,7 +171,7 @@ def fmt_num(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-def downsample(xs, ys, points: int = 400) -> tuple[list, list]:
+def downsample(xs: Sequence[float], ys: Sequence[float], points: int = 400) -> tuple[list, list]:
     """Every k-th point (always keeping the last), so a plot stays cheap to draw."""
     xs, ys = list(xs), list(ys)
     if len(xs) <= points:

@@ -23,29 +23,16 @@ from dflash_ops.transport.local import LocalTransport
 from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
+_COPIED = ("run_id", "total_steps", "loss", "acc", "tau", "tokens_per_s", "tokens_per_s_steady", "pad_share",
+           "heartbeat", "release", "last_checkpoint")  # the fields RunRow takes from RunInfo as they are
+
+
 def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
-    return RunRow(
-        target=target,
-        run_id=info.run_id,
-        state=info.effective_state,
-        step=info.step or 0,
-        total_steps=info.total_steps,
-        loss=info.loss,
-        acc=info.acc,
-        tau=info.tau,
-        tokens_per_s=info.tokens_per_s,
-        tokens_per_s_steady=info.tokens_per_s_steady,
-        pad_share=info.pad_share,
-        heartbeat=info.heartbeat,
-        release=info.release,
-        recompiles=info.recompiles or 0,
-        last_checkpoint=info.last_checkpoint,
-        gpus=tuple(info.gpus or ()),
-        error=error,
-        **group_fields(info.raw),
-    )
+    return RunRow(target=target, state=info.effective_state, step=info.step or 0, recompiles=info.recompiles or 0,
+                  gpus=tuple(info.gpus or ()), error=error, **{name: getattr(info, name) for name in _COPIED},
+                  **group_fields(info.raw))
 
 
 class RemoteSource:

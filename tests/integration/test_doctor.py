@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_ops.cli import app
 from dflash_ops.inventory import _SIM_PCT_SCRIPT
-from tests.conftest import write_sim_inventory
+from tests.conftest import unavailable, write_sim_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "trainer" / "configs" / "tiny-cpu.yaml"
@@ -135,11 +135,7 @@ def _mount_namespaces_work() -> str | None:
 
 @pytest.fixture
 def tiny_shm(tmp_path) -> Path:
-    reason = _mount_namespaces_work()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the tiny /dev/shm test cannot run: {reason}")
-        pytest.skip(reason)
+    unavailable(_mount_namespaces_work(), "the tiny /dev/shm test")
     return _tiny_shm_inventory(tmp_path / "simnode")
 
 

@@ -27,6 +27,7 @@ from dflash_ops.inventory import load_inventory
 from dflash_ops.deploy.manifest import collect
 from dflash_ops.testing.netns import Fleet, netns_unavailable_reason, start_fleet
 from dflash_ops.transport.ssh import SSHTransport
+from tests.conftest import unavailable
 from tests.integration.deploy_support import fake_package
 
 pytestmark = [pytest.mark.netns, pytest.mark.sshd]
@@ -37,11 +38,7 @@ DEPLOY_NODES = ("n0", "n1", "n2", "n3")
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> Fleet:
-    reason = netns_unavailable_reason()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the netns tier cannot run: {reason}")
-        pytest.skip(reason)
+    unavailable(netns_unavailable_reason(), "the netns tier")
     fleet = start_fleet(tmp_path_factory.mktemp("fleet"), nodes=8, ctids=(200, 201), disk_mb=64,
                         connect_timeout=CONNECT_TIMEOUT, keepalive=1)
     yield fleet

@@ -160,10 +160,8 @@ def test_dead_run_is_failed_with_its_log_tail(tier, tmp_path):
     assert tier.cli("logs", "host200", run_id, "-f", code=1).stderr.strip() == f"{run_id}: failed at step 19"
 
 
-@pytest.mark.sshd
-def test_logs_follow_survives_dropped_connections(sshd_node, tmp_path, monkeypatch):
-    """Kill every SSH session mid-stream, twice, while `logs -f` follows a live run: the
-    received bytes must equal train.log exactly (no line lost, none repeated)."""
+def deployed_over_sshd(sshd_node, tmp_path) -> Tier:
+    """A fresh base dir behind the real sshd, the fake trainer deployed, the connection closed."""
     from dflash_ops.transport.ssh import SSHTransport
 
     shutil.rmtree(sshd_node.base_dir, ignore_errors=True)
@@ -172,6 +170,14 @@ def test_logs_follow_survives_dropped_connections(sshd_node, tmp_path, monkeypat
     tier.package = fake_package(tmp_path)
     deployed(tier)
     tier.container.transport.close()
+    return tier
+
+
+@pytest.mark.sshd
+def test_logs_follow_survives_dropped_connections(sshd_node, tmp_path, monkeypatch):
+    """Kill every SSH session mid-stream, twice, while `logs -f` follows a live run: the
+    received bytes must equal train.log exactly (no line lost, none repeated)."""
+    tier = deployed_over_sshd(sshd_node, tmp_path)
     run_id = tier.cli("run", "start", "host200", "--config",
                       config(tmp_path, "total_steps: 400\nstep_seconds: 0.005\nlog_lines: 3\n")).stdout.strip()
     received: list[bytes] = []
@@ -194,14 +200,7 @@ def test_logs_follow_waits_for_the_sshd_listener_to_come_back(sshd_node, tmp_pat
     """sshd goes away entirely (listener and sessions; reconnects are refused) for a while
     mid-stream: `logs -f` retries with backoff and ends byte-identical to train.log. It used
     to exit 255 a fraction of a second after the listener went away."""
-    from dflash_ops.transport.ssh import SSHTransport
-
-    shutil.rmtree(sshd_node.base_dir, ignore_errors=True)
-    target = load_inventory(sshd_node.inventory).target("host200")
-    tier = Tier(sshd_node.inventory, Container(target, SSHTransport(target.node)))
-    tier.package = fake_package(tmp_path)
-    deployed(tier)
-    tier.container.transport.close()
+    tier = deployed_over_sshd(sshd_node, tmp_path)
     run_id = tier.cli("run", "start", "host200", "--config",
                       config(tmp_path, "total_steps: 300\nstep_seconds: 0.01\nlog_lines: 2\n")).stdout.strip()
     received: list[bytes] = []

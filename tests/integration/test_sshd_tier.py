@@ -14,6 +14,7 @@ from dflash_ops.errors import ConnectionLost, TransportError
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport.ssh import SSHTransport
 from tests import container_checks as checks
+from tests.container_checks import ContainerTests
 
 pytestmark = pytest.mark.sshd
 
@@ -24,6 +25,10 @@ def container(sshd_node):
     c = Container(target, SSHTransport(target.node))
     yield c
     c.transport.close()
+
+
+class TestContainer(ContainerTests):
+    pass
 
 
 @settings(max_examples=30, deadline=None)
@@ -47,37 +52,12 @@ def test_one_connection_for_many_execs(sshd_node, container):
     assert container.transport.commands_run - runs == 14
 
 
-def test_lines_stream_before_the_command_ends(container, tmp_path):
-    checks.assert_lines_stream_before_exit(container, tmp_path / "flag")
 
 
-def test_binary_stdin(container):
-    checks.assert_binary_stdin_round_trip(container)
 
 
-def test_stopped_container_refuses_exec(container):
-    checks.assert_stopped_container_refuses(container)
 
 
-def test_push_pull_verified(container, tmp_path):
-    checks.assert_push_pull_verified(container, tmp_path)
-
-
-def test_push_tree(container, tmp_path):
-    checks.assert_push_tree(container, tmp_path)
-
-
-def test_helper_installed_once(container):
-    checks.assert_helper_installed_once(container)
-
-
-def test_exec_check(container):
-    checks.assert_exec_check_raises(container)
-
-
-def test_real_exit_codes_127_126_and_128_plus_signal(container, tmp_path):
-    # Over SSH a signal must arrive as lxc-attach's exit status 128+N, not as an SSH exit-signal.
-    checks.assert_real_exit_codes(container, tmp_path)
 
 
 def test_container_environment(container):

@@ -36,7 +36,9 @@ def test_run_detail(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
         await pilot.press("enter")
         screen = pilot.app.screen
         assert isinstance(screen, RunDetailScreen)
-        await wait_for(pilot, lambda: len(screen.history.loss) == 30 and screen.lines, "history")
+        last = (static_run.dir / "train.log").read_text().splitlines()[-1]  # the log arrives in chunks
+        await wait_for(pilot, lambda: len(screen.history.loss) == 30 and screen.lines and screen.lines[-1] == last,
+                       "history and the whole log tail")
         await wait_for(pilot, lambda: screen._plotted_version == screen.history.version, "plots")
         screen.render_summary()
         await pilot.pause()

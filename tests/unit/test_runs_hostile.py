@@ -19,15 +19,9 @@ from dflash_ops.runs.lifecycle import parse_gpus
 from tests.conftest import write_sim_inventory
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, eventually, released_container  # noqa: E402
+from runs_double import HELPERS, eventually  # noqa: E402
 
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
-
-
-@pytest.fixture
-def container(tmp_path):
-    with released_container(tmp_path) as c:
-        yield c
 
 
 @pytest.fixture

@@ -14,15 +14,9 @@ from dflash_ops import runs
 from dflash_ops.runs import GpusBusy, RunError, RunInfo, RunNotFound, RunRefused
 
 sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import LocalHelperContainer, make_release, released_container  # noqa: E402
+from runs_double import LocalHelperContainer, make_release  # noqa: E402
 
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
-
-
-@pytest.fixture
-def container(tmp_path):
-    with released_container(tmp_path) as c:
-        yield c
 
 
 def write_config(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:

@@ -54,6 +54,25 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """The drafter's layers over one block x [B, bs, H], attending to each layer's cached context
+    keys/values followed by the block itself (mask [B, 1, 1, context + bs])."""
+    b, t, _ = x.shape
+    for i, layer in enumerate(d.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+        k = _rotate(a.k_norm(a.k_proj(h).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
+        v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
+        k = torch.cat([keys[i], k], dim=2)
+        v = torch.cat([values[i], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.kv_heads != a.heads)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return d.norm(x)
+
+
 class DrafterCache:
     """Per-layer context K/V of the drafter for a batch, with a validity mask over entries."""
 
@@ -93,18 +112,7 @@ class DrafterCache:
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta)
         visible = torch.cat([self.valid, torch.ones(b, t, dtype=torch.bool, device=x.device)], dim=1)
         mask = visible[:, None, None, :]
-        for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
-            k = _rotate(a.k_norm(a.k_proj(h).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
-            v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
-            k = torch.cat([self.keys[i], k], dim=2)
-            v = torch.cat([self.values[i], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.kv_heads != a.heads)
-            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.norm(x)
+        return _draft_block(d, x, cos, sin, self.keys, self.values, mask)
 
 
 def _crop(cache: DynamicCache, length: int) -> None:
@@ -224,21 +232,9 @@ class _StaticRounds:
         """Drafter hidden states [B, bs, H] of the block ids [B, bs] after the visible context slots."""
         d, c = self.drafter, self.drafter.config
         x = self.head.embed(block).to(self.ddtype)
-        b, t, _ = x.shape
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         mask = torch.cat([context, self.block_visible], dim=1)[:, None, None, :]
-        for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
-            k = _rotate(a.k_norm(a.k_proj(h).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
-            v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
-            k = torch.cat([self.dk[i], k], dim=2)
-            v = torch.cat([self.dv[i], v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.kv_heads != a.heads)
-            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.norm(x)
+        return _draft_block(d, x, cos, sin, self.dk, self.dv, mask)
 
     # ---------------------------------------------------------------- prefill, rounds, bookkeeping
     def prefill(self, prompts: list[list[int]]) -> list[int]:

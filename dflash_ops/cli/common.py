@@ -17,7 +17,7 @@ import typer
 
 from dflash_ops.container import Container
 from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
-from dflash_ops.inventory import ENV_VAR, Inventory, load_inventory
+from dflash_ops.inventory import ENV_VAR, load_inventory
 
 InventoryOption = Annotated[
     Optional[Path],
@@ -55,14 +55,22 @@ def clean_errors() -> Iterator[None]:
         fail(str(e))
 
 
-def load(inventory: Path | None) -> Inventory:
-    return load_inventory(inventory)
-
-
 def open_target(inventory: Path | None, target: str) -> Container:
     from dflash_ops.connect import open_container
 
     return open_container(load_inventory(inventory), target)
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    """--gpus 0,1 -> [0, 1] (dflash_ops.runs.lifecycle.parse_gpus), a usage error (exit 2) if malformed."""
+    from dflash_ops.runs.lifecycle import parse_gpus as parse
+
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except DflashOpsError as e:
+        fail(str(e), 2)
 
 
 MAX_TIMEOUT_S = 1e8  # about three years; beyond, thread waits overflow the platform's time_t

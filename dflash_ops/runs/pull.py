@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash_ops.hashing import sha256_file
 from dflash_ops.runs.helper import call_json, check_run_id, run_dir
@@ -118,7 +118,7 @@ def _copy_files(container: ContainerAPI, remote_root: str, manifest: dict, into:
     os.replace(manifest_part, into / "manifest.json")
 
 
-def _local_manifest(path: Path):
+def _local_manifest(path: Path) -> Any:
     try:
         return json.loads((path / "manifest.json").read_bytes())
     except (OSError, ValueError):

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, BinaryIO, NoReturn, Optional
 
 import typer
 
 from dflash_ops.container import Container
-from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
+from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory import ENV_VAR, load_inventory
 
 InventoryOption = Annotated[
@@ -38,21 +36,6 @@ def fail(message: str, code: int = 1) -> NoReturn:
     """Print one clean error line (no traceback) and exit non-zero."""
     typer.echo(f"dflash-ops: error: {message}", err=True)
     raise typer.Exit(code)
-
-
-@contextmanager
-def clean_errors() -> Iterator[None]:
-    """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
-    timeouts (exit 124) and transport failures (exit 255). Used once, by the command group
-    around every command (dflash_ops/cli/__init__.py)."""
-    try:
-        yield
-    except (CommandTimeout, TimeoutError) as e:
-        fail(str(e), 124)  # like timeout(1)
-    except TransportError as e:
-        fail(str(e), 255)  # like ssh(1) when the connection fails
-    except DflashOpsError as e:
-        fail(str(e))
 
 
 def open_target(inventory: Path | None, target: str) -> Container:
@@ -98,10 +81,6 @@ def forwarded_stdin() -> BinaryIO | None:
     # The unbuffered file: a thread blocked reading it holds no lock, so the interpreter can
     # exit while it waits (a buffered reader would abort the exit: "could not acquire lock").
     return getattr(buffer, "raw", buffer)
-
-
-def strip_separator(argv: list[str]) -> list[str]:
-    return argv[1:] if argv[:1] == ["--"] else argv
 
 
 def write_stdout(line: bytes) -> None:

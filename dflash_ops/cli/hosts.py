@@ -7,12 +7,9 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops import render
+from dflash_ops.cli.common import (ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, open_target,
+                                  write_stderr, write_stdout)
 from dflash_ops.container import exec_killed_after
-
-from dflash_ops.cli.common import (
-    ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, open_target,
-    strip_separator, write_stderr, write_stdout,
-)
 from dflash_ops.inventory import Node, load_inventory
 
 
@@ -59,7 +56,7 @@ def exec_(
     for byte (binary safe; its EOF closes the command's stdin) unless it is a terminal or -n.
     """
     check_timeout(timeout)
-    argv = strip_separator(argv)
+    argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
     container = open_target(inventory, target)

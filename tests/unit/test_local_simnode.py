@@ -13,6 +13,7 @@ from dflash_ops.inventory import load_inventory
 from tests import container_checks as checks
 from tests.container_checks import ContainerTests
 from tests.conftest import write_sim_inventory
+from tests.procs import alive
 from tests.unit.runs_double import eventually
 
 
@@ -63,16 +64,8 @@ def test_timeout_kills_the_process_group(container, tmp_path):
         container.exec(["sh", "-c", 'echo $$ > "$1"; sleep 2; touch "$0"', str(marker), str(pid_file)], timeout=0.5)
     if pid_file.exists():  # else the shell was killed before it began (a loaded machine)
         pid = int(pid_file.read_text())
-        eventually(lambda: not _running(pid), f"the timed-out shell {pid} to be gone")  # a survivor touches first
+        eventually(lambda: not alive(pid), f"the timed-out shell {pid} to be gone")  # a survivor touches first
     assert not marker.exists()
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone, just not reaped
 
 
 def pct(container, *args):

@@ -4,13 +4,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
 
 from dflash_ops import render
 from dflash_ops.connect import open_container
 from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
-from tests import container_checks as checks
 from tests.container_checks import ContainerTests
 from tests.conftest import write_sim_inventory
 from tests.procs import alive
@@ -23,19 +21,7 @@ def container(tmp_path_factory):
 
 
 class TestContainer(ContainerTests):
-    pass
-
-
-@settings(max_examples=40, deadline=None)
-@given(checks.argv_strategy())
-def test_argv_arrives_byte_for_byte(container, argv):
-    checks.assert_argv_round_trip(container, argv)
-
-
-def test_big_argument(container):
-    checks.assert_argv_round_trip(container, [checks.BIG_ARGUMENT, "$(id)"])
-
-
+    argv_examples = 40  # a local command is cheap
 
 
 def test_stdin_from_a_binary_file_object(container, tmp_path):
@@ -44,18 +30,6 @@ def test_stdin_from_a_binary_file_object(container, tmp_path):
     with open(payload, "rb") as f:
         assert container.exec(["sha256sum"], stdin=f).stdout.split()[0] == \
             subprocess.run(["sha256sum", str(payload)], capture_output=True, text=True).stdout.split()[0]
-
-
-
-
-
-
-
-
-def test_container_environment(container, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", "/leak")
-    monkeypatch.setenv("SSL_CERT_FILE", "/leak")
-    checks.assert_container_environment(container)
 
 
 def test_timeout_kills_the_process_group(container, tmp_path):

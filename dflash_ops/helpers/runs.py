@@ -833,9 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except Refused as e:
-        doc: dict[str, object] = {"error": str(e)}
-        doc.update(e.extra)
-        print_json(doc)
+        print_json({"error": str(e), **e.extra})
         sys.stderr.write("runs.py %s: %s\n" % (args.command, e))
         return e.code
     except BrokenPipeError:

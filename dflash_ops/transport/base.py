@@ -7,19 +7,22 @@ output), so the local and SSH transports test the very same rendering.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 LineCallback = Callable[[bytes], None]
+
+
+@runtime_checkable
 class Readable(Protocol):
     """A binary stream to send on a command's stdin (a file, a spooled tar, a ProgressReader)."""
 
     def read(self, size: int = ..., /) -> bytes: ...
 
 
-Stdin = bytes | Readable | None
+Stdin = bytes | Readable | Iterable[bytes] | None  # an iterable: the chunks to send, in order
 CHUNK = 64 * 1024
 
 
@@ -96,7 +99,8 @@ class LineSplitter:
 
 
 def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
-    """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time.
+    """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time,
+    an iterable's chunks as they come.
 
     A buffered file (sys.stdin.buffer, a pipe) is read with read1, so each chunk goes out as
     soon as it arrives instead of waiting for CHUNK bytes or EOF."""
@@ -106,6 +110,9 @@ def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
         data = bytes(stdin)
         for i in range(0, len(data), CHUNK):
             yield data[i : i + CHUNK]
+        return
+    if not isinstance(stdin, Readable):
+        yield from stdin
         return
     read = getattr(stdin, "read1", None) or stdin.read
     while True:

@@ -183,10 +183,7 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     summary = TransferSummary(src=src, dest=str(dest), kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
     record_file = dest.with_name(f".{dest.name}.dflash-fetch.json")
-    try:
-        record = json.loads(record_file.read_text()) or {}
-    except (OSError, ValueError):
-        record = {}
+    record = tree_helper.read_json(str(record_file)) or {}
     try:
         present_kind, present = tree_helper.existing_files(str(dest))
     except tree_helper.Refused as e:
@@ -211,25 +208,22 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     stage = dest.with_name(f".{dest.name}.dflash-fetch")
     stage.mkdir(parents=True, exist_ok=True)
     todo: list[tuple[str, int]] = []  # (rel, offset)
-    linked = []
     for rel, want in sorted(files.items()):
         target = Path(tree_helper.staged_path(str(stage), rel))
         if tree_helper.matches(str(target), want):
             continue
         source = tree_helper.dest_path(str(dest), rel)
         if same_kind and rel in present and tree_helper.matches(source, want, cached.get(rel)):
-            linked.append((source, target))
+            target.parent.mkdir(parents=True, exist_ok=True)  # unchanged: linked (or copied) from DEST
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
             continue
         part = target.with_name(target.name + ".part")
         offset = part.stat().st_size if part.is_file() and part.stat().st_size <= want["size"] else 0
         todo.append((rel, offset))
-    for source, target in linked:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
     total = sum(files[rel]["size"] - offset for rel, offset in todo)
     summary.files_sent = len(todo)
     progress = _Counter(on_progress, total)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from dflash_ops.simnode.pct import Node as SimNode
+
 SIM_TEMPLATE = "local:vztmpl/dflash-sim-debian.tar.zst"  # recorded in the config; nothing is unpacked
 
 
@@ -18,11 +20,7 @@ def container_python(sim_root: str | Path, ctid: int | str) -> str:
 
 
 def is_created(sim_root: str | Path, ctid: int | str) -> bool:
-    conf = Path(sim_root) / "lxc" / f"{ctid}.conf"
-    try:
-        return "\nrootfs: " in "\n" + conf.read_text()
-    except OSError:
-        return False
+    return SimNode(Path(sim_root)).exists(str(ctid))
 
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,

@@ -44,6 +44,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from importlib import metadata
 
 # pve-common src/PVE/CLIHandler.pm run_cli_handler: `$ENV{'PATH'} = '/sbin:/bin:/usr/sbin:/usr/bin';`
 # before any command runs; `pct exec` then calls lxc-attach --keep-env, which keeps it.
@@ -156,7 +160,7 @@ class ConfigLock:
                     raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{self.vmid}.lock' - got timeout\n") from None
                 time.sleep(0.05)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.fd >= 0:
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = -1
@@ -281,7 +285,7 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _create_file(path: str, perms: str | None):
+def _create_file(path: str, perms: str | None) -> BinaryIO:
     mode = None
     if perms is not None:
         text = perms if perms.startswith("0") else "0" + perms  # pct.pm: "assume octal as default"
@@ -530,7 +534,7 @@ def _package_files(names: list[str]) -> list[tuple[str, str]]:
     return sorted(found.items())
 
 
-def _top_levels(dist) -> set[str]:
+def _top_levels(dist: metadata.Distribution) -> set[str]:
     """The first path component of every file a distribution installed.
 
     Read from its RECORD directly: `dist.files` builds a PackagePath for each of ~30 000 files

@@ -75,21 +75,14 @@ class LineSplitter:
         self.chunks.append(data)
         if self.callback is None or not data:
             return
-        end = data.find(b"\n")
-        if end < 0:
-            self._pending.append(data)
-            return
-        self.callback(b"".join(self._pending) + data[: end + 1])
-        self._pending = []
-        start = end + 1
-        while True:
-            end = data.find(b"\n", start)
-            if end < 0:
-                break
-            self.callback(data[start : end + 1])
-            start = end + 1
-        if start < len(data):
-            self._pending.append(data[start:])
+        *lines, rest = data.split(b"\n")
+        if lines:
+            lines[0] = b"".join(self._pending) + lines[0]
+            self._pending = []
+        for line in lines:
+            self.callback(line + b"\n")
+        if rest:
+            self._pending.append(rest)
 
     def finish(self) -> bytes:
         if self.callback is not None and self._pending:

@@ -112,7 +112,7 @@ class Node:
             return False
 
     def set_state(self, vmid: str, state: str) -> None:
-        _write_atomically(self.lxc / f"{vmid}.state", state + "\n")
+        write_atomically(self.lxc / f"{vmid}.state", state + "\n")
 
     def vmids(self) -> list[str]:
         if not self.lxc.is_dir():
@@ -175,7 +175,7 @@ def check_vmid(vmid: str) -> None:
         )
 
 
-def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -430,7 +430,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
         python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
         unprivileged = _boolean(opts, "unprivileged", True)
         hostname = opts.get("hostname") or f"CT{vmid}"  # API2/LXC.pm: hostname defaults to "CT$vmid"
-        _write_atomically(node.conf(vmid), "".join([
+        write_atomically(node.conf(vmid), "".join([
             "arch: amd64\n",
             f"hostname: {hostname}\n",
             "ostype: debian\n",

@@ -218,15 +218,13 @@ class Fleet:
 
     def write_inventory(self, path: Path, addresses: dict[str, tuple[str, int]] | None = None) -> Path:
         """An inventory of every node and target; `addresses` reroutes nodes (name -> (host, port))."""
-        nodes, targets = {}, {}
+        nodes = {}
         for node in self.nodes:
             entry = {**node.sshd.node_entry(), **self.node_settings}
             if addresses and node.name in addresses:
                 entry["address"], entry["port"] = addresses[node.name]
             nodes[node.name] = entry
-            for ctid in node.ctids:
-                targets[f"{node.name}-{ctid}"] = {"node": node.name, "ctid": ctid, "base_dir": str(node.base_dir(ctid)),
-                                                  "python": node.sshd.container_python(ctid), "gpus": []}
+        targets = {f"{node.name}-{ctid}": node.sshd.target_entry(ctid) for node in self.nodes for ctid in node.ctids}
         path.write_text(yaml.safe_dump({"nodes": nodes, "targets": targets}, sort_keys=False))
         return path
 

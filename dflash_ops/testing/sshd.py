@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from dflash_ops.simnode import containers as simct
+from dflash_ops.simnode.pct import write_atomically as _write
 
 SSHD = "/usr/sbin/sshd"
 PCT_SCRIPT = simct.PCT_SCRIPT
@@ -78,6 +79,11 @@ class SshdNode:
 
     def container_base(self, ctid: int) -> Path:
         return self.workdir / f"ct{ctid}" / "opt" / "dflash"
+
+    def target_entry(self, ctid: int) -> dict:
+        """Container `ctid` of this node as an inventory `targets:` entry."""
+        return {"node": self.node_name, "ctid": ctid, "base_dir": str(self.container_base(ctid)),
+                "python": self.container_python(ctid), "gpus": []}
 
     def container_python(self, ctid: int) -> str:
         """The container's own python (pct create made it; not on pct's PATH: name it as `python:`)."""
@@ -186,13 +192,6 @@ def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
 
-def _write(path: Path, text: str, mode: int = 0o600) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-
-
 def _wait_for_banner(address: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -298,11 +297,11 @@ def start_sshd(
         "MaxStartups 64",
         "LogLevel VERBOSE",
         "",
-    ]))
+    ]), mode=0o600)
     sim_root = workdir / "sim"
     for ctid in ctids:  # the containers exist because the node's admin created them
         if not simct.is_created(sim_root, ctid):
-            simct.create(sim_root, ctid, hostname="host200" if ctid == 200 else f"host{ctid}")
+            simct.create(sim_root, ctid, hostname=f"host{ctid}")
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"
@@ -320,14 +319,8 @@ def start_sshd(
                     proc=proc, ctids=tuple(ctids), address=address,
                     netns=netns, config=config, pct=pct, node_name=node_name,
                     pct_prefix=pct_prefix, cleanup=cleanup, login_rc=login_rc)
-    _write(node.known_hosts, node.host_key_line(address, port))
-    targets = {
-        ("host200" if ctid == 200 else f"host{ctid}"): {
-            "node": node_name, "ctid": ctid, "base_dir": str(node.container_base(ctid)),
-            "python": node.container_python(ctid), "gpus": [],
-        }
-        for ctid in ctids
-    }
+    _write(node.known_hosts, node.host_key_line(address, port), mode=0o600)
+    targets = {f"host{ctid}": node.target_entry(ctid) for ctid in ctids}
     _write(node.inventory, yaml.safe_dump({"nodes": {node_name: node.node_entry()}, "targets": targets},
                                           sort_keys=False), mode=0o644)
     try:

@@ -39,7 +39,6 @@ ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,13 @@ def is_created(sim_root: str | Path, ctid: int | str) -> bool:
 
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,
-                python: str | None = None, packages: Sequence[str] | None = None,
-                start: bool = True) -> list[str]:
+                python: str | None = None, packages: Sequence[str] | None = None) -> list[str]:
     """`pct create CTID TEMPLATE --start 1 ...` for the stand-in.
 
     `python`: the base interpreter of the container's python3 (default: the stand-in's);
     `packages`: what its site-packages provide (default: the trainer's; () for none).
     """
-    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1" if start else "0"]
+    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1"]
     if hostname:
         argv += ["--hostname", hostname]
     if python:

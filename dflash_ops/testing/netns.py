@@ -58,10 +58,10 @@ def netns_unavailable_reason() -> str | None:
     if reason:
         return reason
     probe = f"{NETNS_PREFIX}{os.getpid()}probe"
-    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    done = _ip("netns", "add", probe, check=False)
     if done.returncode != 0:
         return f"cannot create a network namespace: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    _ip("netns", "del", probe, check=False)
     return None
 
 
@@ -173,16 +173,13 @@ class FleetNode:
             raise RuntimeError(f"{self.name}: started without disk_mb, there is no small disk to fill")
         for ctid_, mount in zip(self.ctids, self.disk_mounts):
             if ctid in (None, ctid_):
-                fd = os.open(mount / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                try:
+                with open(mount / ".filler", "ab", buffering=0) as filler:
                     for size in (1 << 20, 4096, 1):
                         try:
-                            while os.write(fd, b"\0" * size):
+                            while filler.write(b"\0" * size):
                                 pass
-                        except OSError:
+                        except OSError:  # ENOSPC: on to the next smaller size
                             pass
-                finally:
-                    os.close(fd)
 
     def free_disk(self) -> None:
         for mount in self.disk_mounts:

@@ -33,7 +33,6 @@ from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode.pct import write_atomically as _write
 
 SSHD = "/usr/sbin/sshd"
-PCT_SCRIPT = simct.PCT_SCRIPT
 # What base-files installs as /root/.bashrc on Debian, so on a fresh Proxmox VE node.
 NODE_BASHRC = Path("/usr/share/base-files/dot.bashrc")
 
@@ -107,8 +106,7 @@ class SshdNode:
         try:
             _wait_for_banner(self.address, self.port, self.proc, self.log)
         except BaseException:
-            self.proc.kill()
-            self.proc.wait()
+            self.stop()
             raise
 
     def accepted_logins(self) -> int:
@@ -326,9 +324,6 @@ def start_sshd(
     try:
         _wait_for_banner(address, port, proc, log)
     except BaseException:
-        proc.kill()
-        proc.wait()
-        while cleanup:
-            cleanup.pop()()
+        node.close()
         raise
     return node

@@ -59,10 +59,8 @@ def fabric_connection(node: Node) -> Connection:
         connect_kwargs=connect_kwargs,
     )
     client = conn.client
-    if node.strict_host_key_checking:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    else:
-        client.set_missing_host_key_policy(paramiko.WarningPolicy())
+    client.set_missing_host_key_policy(paramiko.RejectPolicy() if node.strict_host_key_checking
+                                       else paramiko.WarningPolicy())
     known_hosts = os.path.expanduser(node.known_hosts or "~/.ssh/known_hosts")
     if node.known_hosts:
         client.get_host_keys().clear()

@@ -26,18 +26,19 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 VERSION = 1
 _SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
               "--format=csv,noheader,nounits"]
 
 
-def emit(obj):
+def emit(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
-def parse_gpus(text):
+def parse_gpus(text: str) -> list[int]:
     if not text:
         return []
     return sorted({int(g) for g in text.split(",") if g.strip()})
@@ -45,7 +46,7 @@ def parse_gpus(text):
 
 # ---------------------------------------------------------------- filesystem and limits
 
-def statvfs(path):
+def statvfs(path: str) -> dict:
     """Size and free bytes of the filesystem holding `path` (its nearest existing ancestor)."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and probe != "/":
@@ -58,7 +59,7 @@ def statvfs(path):
             "free": st.f_bavail * st.f_frsize}
 
 
-def mount_of(path):
+def mount_of(path: str) -> dict | None:
     """The /proc/self/mounts line whose mount point is the longest prefix of `path`."""
     best = None
     try:
@@ -78,7 +79,7 @@ def mount_of(path):
     return best
 
 
-def meminfo():
+def meminfo() -> dict[str, int]:
     out = {}
     try:
         with open("/proc/meminfo") as f:
@@ -91,7 +92,7 @@ def meminfo():
     return out
 
 
-def limit(which):
+def limit(which: int) -> dict[str, int | None]:
     soft, hard = resource.getrlimit(which)
     unlimited = resource.RLIM_INFINITY
     return {"soft": None if soft == unlimited else soft, "hard": None if hard == unlimited else hard}
@@ -99,9 +100,9 @@ def limit(which):
 
 # ---------------------------------------------------------------- GPUs seen from the container
 
-def device_nodes():
+def device_nodes() -> dict[str, str]:
     """/dev/nvidia* character devices: name -> "major:minor"."""
-    nodes = {}
+    nodes: dict[str, str] = {}
     try:
         names = sorted(os.listdir("/dev"))
     except OSError:
@@ -117,9 +118,9 @@ def device_nodes():
     return nodes
 
 
-def char_majors():
+def char_majors() -> dict[str, int]:
     """Character-device majors of the nvidia drivers from /proc/devices (the node's kernel)."""
-    majors = {}
+    majors: dict[str, int] = {}
     try:
         with open("/proc/devices") as f:
             text = f.read()
@@ -133,7 +134,7 @@ def char_majors():
     return majors
 
 
-def proc_driver_version():
+def proc_driver_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version") as f:
             first = f.readline()
@@ -146,7 +147,7 @@ def proc_driver_version():
     return None
 
 
-def libcuda_version():
+def libcuda_version() -> dict:
     """cuDriverGetVersion() through ctypes: the newest CUDA the installed driver supports (e.g. 13000)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -159,7 +160,7 @@ def libcuda_version():
     return {"version": version.value}
 
 
-def nvidia_smi():
+def nvidia_smi() -> dict:
     if shutil.which("nvidia-smi") is None:
         return {"error": "nvidia-smi not found"}
     try:
@@ -179,7 +180,7 @@ def nvidia_smi():
     return {"gpus": gpus}
 
 
-def _number(text):
+def _number(text: str) -> float | None:
     try:
         return float(text)
     except ValueError:
@@ -188,7 +189,7 @@ def _number(text):
 
 # ---------------------------------------------------------------- the deployed release and its runs
 
-def read_json(path):
+def read_json(path: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
@@ -196,7 +197,7 @@ def read_json(path):
         return None
 
 
-def release_facts(base):
+def release_facts(base: str) -> dict:
     root = os.path.join(base, "current")
     if not os.path.isdir(root):
         return {"deployed": False, "root": root}
@@ -209,7 +210,7 @@ def release_facts(base):
     return facts
 
 
-def held_gpus(runs_helper, base, python):
+def held_gpus(runs_helper: str | None, base: str, python: str) -> dict:
     """Live runs and their GPUs, from the runs helper's `list` (same directory rules as `run start`)."""
     if not runs_helper:
         return {"error": "no runs helper given"}
@@ -228,7 +229,7 @@ def held_gpus(runs_helper, base, python):
     return {"live": live}
 
 
-def model_dims(path):
+def model_dims(path: str | None) -> dict | None:
     if not path:
         return None
     doc = read_json(path)
@@ -241,7 +242,7 @@ def model_dims(path):
 
 # ---------------------------------------------------------------- torch, in a short child process
 
-def run_probe(python, gpus, mode, nccl, timeout):
+def run_probe(python: str, gpus: list[int], mode: str, nccl: bool, timeout: float) -> dict | None:
     if mode == "none":
         return None
     env = dict(os.environ)
@@ -270,9 +271,9 @@ def run_probe(python, gpus, mode, nccl, timeout):
     return {"python": python, "error": "exit %d: %s" % (done.returncode, " | ".join(tail))}
 
 
-def torch_probe(mode, nccl):
+def torch_probe(mode: str, nccl: bool) -> int:
     """Runs under the venv's python: what torch sees. Prints one JSON object."""
-    out = {"python_version": "%d.%d.%d" % sys.version_info[:3]}
+    out: dict = {"python_version": "%d.%d.%d" % sys.version_info[:3]}
     if mode == "find":
         import importlib.util
 
@@ -306,7 +307,7 @@ def torch_probe(mode, nccl):
     return 0
 
 
-def all_reduce(torch, count):
+def all_reduce(torch: types.ModuleType, count: int) -> dict:
     """torch.cuda.nccl.all_reduce across every visible GPU, in-process, as trainer/pipeline/grad_sync does."""
     if count < 1:
         return {"ok": False, "error": "no CUDA device visible"}
@@ -328,11 +329,11 @@ def all_reduce(torch, count):
 
 # ---------------------------------------------------------------- the facts document
 
-def facts(args):
+def facts(args: argparse.Namespace) -> int:
     emit({"clock": time.time()})
     gpus = parse_gpus(args.gpus)
     release = release_facts(args.base)
-    probe_python = release.get("venv_python") if release.get("venv_python_exists") else args.python
+    probe_python = release["venv_python"] if release.get("venv_python_exists") else args.python
     doc = {
         "version": VERSION,
         "python": {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
@@ -354,10 +355,9 @@ def facts(args):
     return 0
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="doctor.py")
-    sub = p.add_subparsers(dest="command")
-    sub.required = True
+    sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("facts")
     s.add_argument("--base", required=True)
     s.add_argument("--python", required=True)
@@ -376,7 +376,7 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
 

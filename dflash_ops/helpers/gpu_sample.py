@@ -22,14 +22,11 @@ import sys
 
 VERSION = 1
 _GB = 1024**3
-_SMI_QUERY = [
-    "nvidia-smi",
-    "--query-gpu=index,utilization.gpu,memory.used,memory.total",
-    "--format=csv,noheader,nounits",
-]
+_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total",
+              "--format=csv,noheader,nounits"]
 
 
-def _sample_nvml():
+def _sample_nvml() -> list[dict]:
     import pynvml  # nvidia-ml-py installs this module name
 
     pynvml.nvmlInit()
@@ -39,20 +36,14 @@ def _sample_nvml():
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             util = pynvml.nvmlDeviceGetUtilizationRates(handle)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                {
-                    "index": index,
-                    "busy": float(util.gpu),
-                    "mem_gb": round(mem.used / _GB, 2),
-                    "mem_total_gb": round(mem.total / _GB, 2),
-                }
-            )
+            gpus.append({"index": index, "busy": float(util.gpu), "mem_gb": round(mem.used / _GB, 2),
+                         "mem_total_gb": round(mem.total / _GB, 2)})
         return gpus
     finally:
         pynvml.nvmlShutdown()
 
 
-def parse_smi_csv(text):
+def parse_smi_csv(text: str) -> list[dict]:
     """Parse `nvidia-smi --query-gpu=index,utilization.gpu,memory.used,memory.total` (MiB)."""
     gpus = []
     for line in text.splitlines():
@@ -60,30 +51,24 @@ def parse_smi_csv(text):
         if len(fields) != 4:
             continue
         index, busy, used, total = fields
-        gpus.append(
-            {
-                "index": int(index),
-                "busy": _float_or_none(busy),
-                "mem_gb": _mib_to_gb(used),
-                "mem_total_gb": _mib_to_gb(total),
-            }
-        )
+        gpus.append({"index": int(index), "busy": _float_or_none(busy), "mem_gb": _mib_to_gb(used),
+                     "mem_total_gb": _mib_to_gb(total)})
     return gpus
 
 
-def _float_or_none(text):
+def _float_or_none(text: str) -> float | None:
     try:
         return float(text)
     except ValueError:  # "[N/A]" on some boards
         return None
 
 
-def _mib_to_gb(text):
+def _mib_to_gb(text: str) -> float | None:
     value = _float_or_none(text)
     return None if value is None else round(value / 1024, 2)
 
 
-def _sample_smi():
+def _sample_smi() -> list[dict]:
     if shutil.which("nvidia-smi") is None:
         raise LookupError("nvidia-smi not found")
     done = subprocess.run(_SMI_QUERY, capture_output=True, text=True, timeout=20)
@@ -92,7 +77,7 @@ def _sample_smi():
     return parse_smi_csv(done.stdout)
 
 
-def sample():
+def sample() -> dict:
     """Return the JSON-ready dict described in the module docstring."""
     reasons = []
     for source, probe in (("nvml", _sample_nvml), ("nvidia-smi", _sample_smi)):
@@ -107,7 +92,7 @@ def sample():
     return {"version": VERSION, "source": None, "gpus": None, "reason": "; ".join(reasons)}
 
 
-def main():
+def main() -> int:
     json.dump(sample(), sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -10,6 +10,8 @@ JSON document {"ok": bool, "root": ROOT, "results": [{"module", "ok", "error", "
 "line", "traceback"}]}; exit status 0 when every module imports, else one of the EXIT_* below.
 """
 
+from __future__ import annotations
+
 import ast
 import importlib
 import importlib.util
@@ -17,12 +19,13 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable, Iterator
 
 EXIT_IMPORT_FAILED = 1  # the JSON document says which modules failed (dflash_ops/patching/rollout.py)
 EXIT_BAD_INPUT = 2  # no JSON: the usage line on stderr
 
 
-def import_one(name):
+def import_one(name: str) -> dict:
     try:
         importlib.import_module(name)
     except BaseException as e:  # noqa: BLE001 - a module may call sys.exit or raise anything at import
@@ -36,10 +39,14 @@ def import_one(name):
         if isinstance(e, SyntaxError):
             result["file"], result["line"] = e.filename, e.lineno
         return result
+    return passed(name)
+
+
+def passed(name: str) -> dict:
     return {"module": name, "ok": True, "error": None, "file": None, "line": None, "traceback": None}
 
 
-def module_file(root, name):
+def module_file(root: str, name: str) -> str | None:
     """The file of module `name` inside root, or None."""
     base = os.path.join(root, *name.split("."))
     for path in (base + ".py", os.path.join(base, "__init__.py")):
@@ -50,7 +57,7 @@ def module_file(root, name):
     return None
 
 
-def module_level(body):
+def module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
     """Statements that run at import time (not inside functions or classes)."""
     for node in body:
         yield node
@@ -59,7 +66,7 @@ def module_level(body):
                 yield from module_level(getattr(node, field, None) or [])
 
 
-def defined_names(tree):
+def defined_names(tree: ast.Module) -> set[str] | None:
     """Names a module defines at import time; None when it cannot be known statically."""
     names = set()
     for node in module_level(tree.body):
@@ -84,15 +91,16 @@ def defined_names(tree):
 
 
 class StaticError(Exception):
-    def __init__(self, message, line):
+    def __init__(self, message: str, line: int) -> None:
         Exception.__init__(self, message)
         self.line = line
 
 
-def resolve(root, package, node, parse):
+def resolve(root: str, package: str, node: ast.Import | ast.ImportFrom,
+            parse: Callable[[str], ast.Module]) -> None:
     """Raise StaticError when an import statement would fail to find what it names."""
     if isinstance(node, ast.Import):
-        wanted = [(alias.name, None) for alias in node.names]
+        wanted: list[tuple[str, str | None]] = [(alias.name, None) for alias in node.names]
     else:
         base = node.module or ""
         if node.level:
@@ -119,14 +127,14 @@ def resolve(root, package, node, parse):
                 raise StaticError("ImportError: cannot import name %r from %r" % (name, module), node.lineno)
 
 
-def check_static(root, name):
+def check_static(root: str, name: str) -> dict:
     """import_one's result for `name`, found by reading files only."""
     path = module_file(root, name)
-    result = {"module": name, "ok": True, "error": None, "file": None, "line": None, "traceback": None}
+    result = passed(name)
     if path is None or not os.path.isfile(path):
         return dict(result, ok=False, error="ModuleNotFoundError: No module named %r" % name)
 
-    def parse(file):
+    def parse(file: str) -> ast.Module:
         with open(file, "rb") as f:
             return ast.parse(f.read(), file)
 
@@ -145,7 +153,7 @@ def check_static(root, name):
     return result
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     static = argv[:1] == ["--static"]
     argv = argv[1:] if static else argv
     if len(argv) < 2 or not os.path.isdir(argv[0]):

@@ -7,13 +7,15 @@ imported (inspecting torch._dynamo.eval_frame does not import torch).
 Exit status: 0 ok, 2 bad arguments, 3 module not found or has no source file.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib.machinery
 import importlib.util
 import sys
 
 
-def find_source(dotted):
+def find_source(dotted: str) -> str | bool | None:
     parts = dotted.split(".")
     spec = importlib.util.find_spec(parts[0])
     for i in range(1, len(parts)):
@@ -29,7 +31,7 @@ def find_source(dotted):
     return False
 
 
-def parse_lines(text):
+def parse_lines(text: str) -> tuple[int, int | None] | None:
     first, sep, last = text.partition(":")
     try:
         a = int(first) if first else 1
@@ -43,7 +45,7 @@ def parse_lines(text):
     return a, b
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="inspect-source")
     parser.add_argument("module")
     parser.add_argument("--lines", default="1:")

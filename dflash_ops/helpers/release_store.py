@@ -15,8 +15,6 @@ Subcommands (each prints one JSON object on stdout):
   switch BASE HASH [--keep N]
       Point `current` at an existing complete release, then prune.
 
-  prune BASE [--keep N]
-
 A failure or a kill at any point leaves `current` and every complete release untouched. New
 trees are built in scratch directories `.tmp-KIND-PID-STARTTICKS-RANDOM` marked inside with
 their own name; a failure (a full disk included) removes its own scratch at once, and a later
@@ -37,6 +35,10 @@ import shutil
 import sys
 import tarfile
 import time
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
@@ -92,9 +94,7 @@ def run_is_live(run_dir: str) -> bool:
     try:
         with open(os.path.join(run_dir, "status.json")) as f:
             status = json.load(f)
-    except FileNotFoundError:
-        return True
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # missing: starting; unreadable or half-written: assume live
         return True
     if status.get("state") in FINAL_STATES:
         return False
@@ -242,22 +242,12 @@ def prune(base: str, keep: int) -> list[str]:
     complete.sort(reverse=True)
     removed = []
     for _created, name in complete[keep:]:
-        if name in protected:
-            continue
-        release_dir = os.path.join(releases_dir, name)
-        doomed_name = scratch_name("prune")
-        try:
-            with open(os.path.join(release_dir, SCRATCH_MARK), "w") as f:
-                f.write(doomed_name)
-            os.rename(release_dir, os.path.join(releases_dir, doomed_name))
-        except OSError:  # a concurrent prune took it, or it cannot be marked: leave it
-            continue
-        shutil.rmtree(os.path.join(releases_dir, doomed_name), ignore_errors=True)
-        removed.append(name)
+        if name not in protected and remove_release(base, name):
+            removed.append(name)
     return removed
 
 
-def extract(stream, dest: str) -> list[str]:
+def extract(stream: BinaryIO, dest: str) -> list[str]:
     names = []
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -311,7 +301,7 @@ def install_staged_helpers(base: str, stage: str) -> list[str]:
     return installed
 
 
-def build_release(base: str, release: str, parent: str | None, stream) -> dict:
+def build_release(base: str, release: str, parent: str | None, stream: BinaryIO) -> dict:
     releases_dir = os.path.join(base, "releases")
     os.makedirs(releases_dir, exist_ok=True)
     cleaned = clean_stale_tmp(releases_dir)
@@ -323,14 +313,14 @@ def build_release(base: str, release: str, parent: str | None, stream) -> dict:
         raise
 
 
-def fill_release(base: str, release: str, parent: str | None, stream, releases_dir: str, tmp: str,
+def fill_release(base: str, release: str, parent: str | None, stream: BinaryIO, releases_dir: str, tmp: str,
                  cleaned: list[str]) -> dict:
     sent = extract(stream, tmp)
     helpers = install_staged_helpers(base, os.path.join(tmp, HELPER_STAGE))
+    result = {"received": len(sent), "cleaned": cleaned, "helpers_installed": helpers}
     if is_complete(base, release):
         shutil.rmtree(tmp)
-        return {"built": False, "received": len(sent), "linked": 0, "cleaned": cleaned,
-                "helpers_installed": helpers}
+        return dict(result, built=False, linked=0)
     meta = compose_meta(tmp, releases_dir, parent)
     if meta is None or meta.get("hash") != release:
         raise SystemExit(f"release tar: missing or wrong {RELEASE_META} for {release}")
@@ -352,11 +342,10 @@ def fill_release(base: str, release: str, parent: str | None, stream, releases_d
     os.unlink(os.path.join(tmp, SCRATCH_MARK))
     os.rename(tmp, os.path.join(releases_dir, release))
     fsync_dir(releases_dir)
-    return {"built": True, "received": len(sent), "linked": linked, "cleaned": cleaned,
-            "helpers_installed": helpers}
+    return dict(result, built=True, linked=linked)
 
 
-def release_hash(files: dict, venv) -> str:
+def release_hash(files: dict, venv: str | None) -> str:
     """Must equal dflash_ops.deploy.manifest.release_hash (same JSON, same digest)."""
     blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -401,7 +390,7 @@ def verify_tree(root: str, files: dict) -> None:
         raise SystemExit(f"release tree: sha256 mismatch for {bad[:5]}")
 
 
-def cmd_query(args) -> dict:
+def cmd_query(args: argparse.Namespace) -> dict:
     base = args.base
     cur = current_hash(base)
     meta = read_meta(os.path.join(base, "releases", cur)) if cur else None
@@ -418,7 +407,7 @@ def cmd_query(args) -> dict:
     }
 
 
-def cmd_apply(args) -> dict:
+def cmd_apply(args: argparse.Namespace) -> dict:
     os.makedirs(args.base, exist_ok=True)
     result = build_release(args.base, args.release, args.parent, sys.stdin.buffer)
     if not is_complete(args.base, args.release):
@@ -436,9 +425,10 @@ def cmd_apply(args) -> dict:
     return result
 
 
-def remove_release(base: str, release: str) -> None:
+def remove_release(base: str, release: str) -> bool:
     """Rename a release aside (marked as scratch) and delete it: never a half-deleted tree
-    that still holds its manifest."""
+    that still holds its manifest. False when it is left alone: a concurrent prune took it,
+    or it cannot be marked."""
     releases_dir = os.path.join(base, "releases")
     doomed = os.path.join(releases_dir, scratch_name("prune"))
     try:
@@ -446,19 +436,16 @@ def remove_release(base: str, release: str) -> None:
             f.write(os.path.basename(doomed))
         os.rename(os.path.join(releases_dir, release), doomed)
     except OSError:
-        return
+        return False
     shutil.rmtree(doomed, ignore_errors=True)
+    return True
 
 
-def cmd_switch(args) -> dict:
+def cmd_switch(args: argparse.Namespace) -> dict:
     if not is_complete(args.base, args.release):
         raise SystemExit(f"release {args.release} is not a complete release in {args.base}")
     swap_current(args.base, args.release)
     return {"current": args.release, "pruned": prune(args.base, args.keep)}
-
-
-def cmd_prune(args) -> dict:
-    return {"pruned": prune(args.base, args.keep)}
 
 
 def main(argv: list[str]) -> int:
@@ -479,11 +466,8 @@ def main(argv: list[str]) -> int:
     s.add_argument("base")
     s.add_argument("release")
     s.add_argument("--keep", type=int, default=5)
-    p = sub.add_parser("prune")
-    p.add_argument("base")
-    p.add_argument("--keep", type=int, default=5)
     args = parser.parse_args(argv)
-    handler = {"query": cmd_query, "apply": cmd_apply, "switch": cmd_switch, "prune": cmd_prune}
+    handler = {"query": cmd_query, "apply": cmd_apply, "switch": cmd_switch}
     try:
         print(json.dumps(handler[args.cmd](args)))
     except OSError as e:  # ENOSPC, EROFS, EACCES...: one line; what this run wrote is removed

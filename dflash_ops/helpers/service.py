@@ -40,24 +40,28 @@ EXIT_TIME_UP = 6
 
 
 class Failed(Exception):
-    def __init__(self, message, code=EXIT_BAD, **extra):
+    def __init__(self, message: str, code: int = EXIT_BAD, **extra: object) -> None:
         super().__init__(message)
         self.code = code
         self.extra = extra
 
 
-def print_json(obj):
+def print_json(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
-def service_dir(base, name):
+def service_dir(base: str, name: str) -> str:
     if not NAME_RE.match(name):
         raise Failed("bad service name %r" % name)
     return os.path.join(base, "services", name)
 
 
-def read_json(path):
+def record_path(base: str, name: str) -> str:
+    return os.path.join(service_dir(base, name), "service.json")
+
+
+def read_json(path: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
@@ -65,7 +69,7 @@ def read_json(path):
         return None
 
 
-def write_json_atomic(path, obj):
+def write_json_atomic(path: str, obj: dict) -> None:
     tmp = "%s.tmp-%d" % (path, os.getpid())
     with open(tmp, "w") as f:
         json.dump(obj, f, sort_keys=True)
@@ -74,7 +78,7 @@ def write_json_atomic(path, obj):
     os.replace(tmp, path)
 
 
-def proc_stat(pid):
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
     """(state, session id, start time) of a pid, or None when it is gone."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
@@ -85,12 +89,12 @@ def proc_stat(pid):
     return rest[0], int(rest[3]), int(rest[19])
 
 
-def alive(pid, start):
+def alive(pid: int, start: int) -> bool:
     stat = proc_stat(pid)
     return stat is not None and stat[0] != "Z" and stat[2] == start
 
 
-def members(record):
+def members(record: dict) -> list[int]:
     """Pids of the session the service's leader created, started no earlier than the leader.
 
     The leader's pid is the session id (start_new_session). While the leader lives, its start
@@ -111,7 +115,7 @@ def members(record):
     return found
 
 
-def log_tail(path):
+def log_tail(path: str) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -122,11 +126,10 @@ def log_tail(path):
         return ""
 
 
-def cmd_start(args):
+def cmd_start(args: argparse.Namespace) -> None:
     directory = service_dir(args.base, args.name)
     os.makedirs(directory, exist_ok=True)
-    record_path = os.path.join(directory, "service.json")
-    old = read_json(record_path)
+    old = read_json(record_path(args.base, args.name))
     if old and old.get("state") == "running" and members(old):
         raise Failed("service %s is already running (pid %d); stop it first (playbook step `stop-serve: %s`)"
                      % (args.name, old["pid"], args.name),
@@ -158,11 +161,11 @@ def cmd_start(args):
     stat = proc_stat(proc.pid)
     record = {"name": args.name, "pid": proc.pid, "pid_start": stat[2] if stat else None, "argv": args.argv,
               "cwd": args.cwd, "log": log, "started": time.time(), "state": "running"}
-    write_json_atomic(record_path, record)
+    write_json_atomic(record_path(args.base, args.name), record)
     print_json(record)
 
 
-def listening(port):
+def listening(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             return True
@@ -170,14 +173,14 @@ def listening(port):
         return False
 
 
-def running_record(base, name):
-    record = read_json(os.path.join(service_dir(base, name), "service.json"))
+def running_record(base: str, name: str) -> dict:
+    record = read_json(record_path(base, name))
     if not record or not isinstance(record.get("pid"), int) or not isinstance(record.get("pid_start"), int):
         raise Failed("no service %r was started here" % name)
     return record
 
 
-def cmd_wait(args):
+def cmd_wait(args: argparse.Namespace) -> int:
     record = running_record(args.base, args.name)
     deadline = time.monotonic() + args.timeout
     last = "no answer yet"
@@ -202,55 +205,51 @@ def cmd_wait(args):
         time.sleep(args.poll)
 
 
-def cmd_stop(args):
-    path = os.path.join(service_dir(args.base, args.name), "service.json")
+def cmd_stop(args: argparse.Namespace) -> None:
     record = running_record(args.base, args.name)
-    pids = members(record)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    pids = signal_members(record, signal.SIGTERM)
     deadline = time.monotonic() + args.grace
     while members(record) and time.monotonic() < deadline:
         time.sleep(0.2)
-    killed = members(record)
-    for pid in killed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    killed = signal_members(record, signal.SIGKILL)
     record["state"] = "stopped"
     record["stopped"] = time.time()
-    write_json_atomic(path, record)
+    write_json_atomic(record_path(args.base, args.name), record)
     print_json({"name": args.name, "signalled": pids, "killed": killed})
 
 
-def main(argv):
+def signal_members(record: dict, sig: int) -> list[int]:
+    """Send sig to the service's processes (see members); returns the pids it was sent to."""
+    pids = members(record)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # exited since it was listed
+    return pids
+
+
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="service.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("start")
-    s.add_argument("base")
-    s.add_argument("name")
-    s.add_argument("--cwd", default=None)
-    s.add_argument("--env", action="append", default=[])
-    s.add_argument("--port", type=int, default=None)
-    s.add_argument("argv", nargs=argparse.REMAINDER)
-    w = sub.add_parser("wait")
-    w.add_argument("base")
-    w.add_argument("name")
-    w.add_argument("--url", required=True)
-    w.add_argument("--timeout", type=float, default=900.0)
-    w.add_argument("--poll", type=float, default=1.0)
-    t = sub.add_parser("stop")
-    t.add_argument("base")
-    t.add_argument("name")
-    t.add_argument("--grace", type=float, default=20.0)
+    start, wait, stop = (sub.add_parser(name) for name in ("start", "wait", "stop"))
+    for s, func in ((start, cmd_start), (wait, cmd_wait), (stop, cmd_stop)):
+        s.add_argument("base")
+        s.add_argument("name")
+        s.set_defaults(func=func)
+    start.add_argument("--cwd", default=None)
+    start.add_argument("--env", action="append", default=[])
+    start.add_argument("--port", type=int, default=None)
+    start.add_argument("argv", nargs=argparse.REMAINDER)
+    wait.add_argument("--url", required=True)
+    wait.add_argument("--timeout", type=float, default=900.0)
+    wait.add_argument("--poll", type=float, default=1.0)
+    stop.add_argument("--grace", type=float, default=20.0)
     args = parser.parse_args(argv)
     if args.cmd == "start" and args.argv[:1] == ["--"]:
         args.argv = args.argv[1:]
     try:
-        return {"start": cmd_start, "wait": cmd_wait, "stop": cmd_stop}[args.cmd](args) or 0
+        return args.func(args) or 0
     except Failed as e:
         print_json({"error": str(e), **e.extra})
         sys.stderr.write("service.py: %s\n" % e)

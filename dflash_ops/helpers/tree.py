@@ -23,6 +23,7 @@ file is not hashed again. Empty directories and symlinks are not carried.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import fcntl
@@ -33,6 +34,10 @@ import shutil
 import stat
 import sys
 import time
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 CHUNK = 1 << 20
 FILE_REL = "."  # the one entry of a single-file push
@@ -46,12 +51,12 @@ class Refused(Exception):
     pass
 
 
-def print_json(obj):
+def print_json(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 
-def sha256_file(path, limit=None):
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK), b""):
@@ -59,7 +64,7 @@ def sha256_file(path, limit=None):
     return h.hexdigest()
 
 
-def check_dest(dest):
+def check_dest(dest: str) -> str:
     """An absolute, normalised path that is not / and has no '..' (the caller validated it too)."""
     if not dest.startswith("/") or dest != os.path.normpath(dest) or dest == "/" or "\0" in dest:
         raise Refused("destination must be a normalised absolute path other than /: %r" % dest)
@@ -68,7 +73,7 @@ def check_dest(dest):
     return dest
 
 
-def check_rel(rel):
+def check_rel(rel: str) -> str:
     if rel == FILE_REL:
         return rel
     parts = rel.split("/")
@@ -77,24 +82,24 @@ def check_rel(rel):
     return rel
 
 
-def stage_dir(dest):
+def stage_dir(dest: str) -> str:
     parent, name = os.path.split(dest)
     return os.path.join(parent, "." + name + STAGE_SUFFIX)
 
 
-def staged_path(stage, rel):
+def staged_path(stage: str, rel: str) -> str:
     return os.path.join(stage, "data" if rel == FILE_REL else os.path.join("tree", rel))
 
 
-def dest_path(dest, rel):
+def dest_path(dest: str, rel: str) -> str:
     return dest if rel == FILE_REL else os.path.join(dest, rel)
 
 
-def record_path(base, dest):
+def record_path(base: str, dest: str) -> str:
     return os.path.join(base, "pushed", hashlib.sha256(dest.encode()).hexdigest()[:32] + ".json")
 
 
-def read_json(path):
+def read_json(path: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
@@ -102,7 +107,7 @@ def read_json(path):
         return None
 
 
-def write_json_atomic(path, obj):
+def write_json_atomic(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.tmp-%d" % (path, os.getpid())
     with open(tmp, "w") as f:
@@ -112,7 +117,7 @@ def write_json_atomic(path, obj):
     os.replace(tmp, path)
 
 
-def walk_files(root):
+def walk_files(root: str) -> list[str]:
     """Relative paths of the regular files under root (symlinks and special files skipped)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -124,7 +129,7 @@ def walk_files(root):
     return found
 
 
-def existing_files(dest):
+def existing_files(dest: str) -> tuple[str, list[str]]:
     """(kind, rels) of what is at DEST now: ("none", []), ("file", ["."]), ("tree", [...])."""
     try:
         st = os.lstat(dest)
@@ -137,7 +142,7 @@ def existing_files(dest):
     raise Refused("%s exists and is neither a regular file nor a directory" % dest)
 
 
-def matches(path, want, cached=None):
+def matches(path: str, want: dict, cached: dict | None = None) -> bool:
     """Does the file at path hold `want` ({size, sha256})? A cached {size, sha256, mtime_ns}
     entry for the same size and mtime stands in for hashing it again."""
     try:
@@ -152,7 +157,7 @@ def matches(path, want, cached=None):
     return sha256_file(path) == want["sha256"]
 
 
-def read_request(stream):
+def read_request(stream: BinaryIO) -> dict:
     line = stream.readline()
     try:
         request = json.loads(line)
@@ -170,7 +175,7 @@ def read_request(stream):
     return request
 
 
-def plan(base, dest, request):
+def plan(base: str, dest: str, request: dict) -> dict:
     """Per file: "dest" (DEST has it), "staged" (a previous push staged it) or the offset to send from."""
     kind, present = existing_files(dest)
     record = read_json(record_path(base, dest)) or {}
@@ -189,7 +194,7 @@ def plan(base, dest, request):
     stage = stage_dir(dest)
     cached = record.get("files", {})
     same_kind = kind == request["kind"]
-    steps = {}
+    steps: dict[str, str | int] = {}
     for rel, want in sorted(files.items()):
         if same_kind and rel in present and matches(dest_path(dest, rel), want, cached.get(rel)):
             steps[rel] = "dest"
@@ -203,7 +208,7 @@ def plan(base, dest, request):
     return {"steps": steps, "up_to_date": up_to_date, "existing": kind}
 
 
-def lock_stage(stage):
+def lock_stage(stage: str) -> int:
     os.makedirs(stage, exist_ok=True)
     fd = os.open(os.path.join(stage, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + LOCK_WAIT_S
@@ -217,7 +222,7 @@ def lock_stage(stage):
             time.sleep(0.2)
 
 
-def receive_file(stream, stage, rel, offset, length, want):
+def receive_file(stream: BinaryIO, stage: str, rel: str, offset: int, length: int, want: dict) -> bool:
     """Append one frame to rel's .part; rename it into the stage when complete and verified."""
     final = staged_path(stage, rel)
     part = final + ".part"
@@ -251,7 +256,7 @@ def receive_file(stream, stage, rel, offset, length, want):
 _RENAME_EXCHANGE = 2
 
 
-def exchange(a, b):
+def exchange(a: str, b: str) -> bool:
     """Swap two paths in one step (renameat2 RENAME_EXCHANGE); False when the system cannot."""
     libc_name = ctypes.util.find_library("c")
     try:
@@ -269,7 +274,7 @@ def exchange(a, b):
     raise OSError(err, os.strerror(err), b)
 
 
-def swap_in(new, dest):
+def swap_in(new: str, dest: str) -> str | None:
     """Make `new` (a complete file or tree) be DEST; returns the old DEST's path to remove, or None.
 
     A file replaces DEST with one rename. A tree is exchanged with DEST in one step where the
@@ -288,14 +293,14 @@ def swap_in(new, dest):
     return aside
 
 
-def remove(path):
+def remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
         os.unlink(path)
 
 
-def fsync_dir(path):
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -303,7 +308,7 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def commit(base, dest, request, stage):
+def commit(base: str, dest: str, request: dict, stage: str) -> int:
     """Complete the staged tree from DEST's unchanged files, verify it, record it, swap it in."""
     files = request["files"]
     record = read_json(record_path(base, dest)) or {}
@@ -330,30 +335,27 @@ def commit(base, dest, request, stage):
         leftovers = set(walk_files(new)) - set(files)
         for rel in leftovers:  # .part files of an abandoned push
             os.unlink(os.path.join(new, rel))
-    entries = {}
-    for rel, want in files.items():
-        path = staged_path(stage, rel)
-        st = os.stat(path)
-        entries[rel] = {"size": want["size"], "sha256": want["sha256"], "mtime_ns": st.st_mtime_ns}
-    write_json_atomic(record_path(base, dest), {"dest": dest, "kind": request["kind"], "files": entries,
-                                               "previous": sorted(set(cached) | set(present)), "time": time.time()})
+    entries = {rel: {"size": want["size"], "sha256": want["sha256"],
+                     "mtime_ns": os.stat(staged_path(stage, rel)).st_mtime_ns} for rel, want in files.items()}
+    doc = {"dest": dest, "kind": request["kind"], "files": entries}
+    # "previous" keeps the files of the DEST being replaced ours until the swap is done
+    write_json_atomic(record_path(base, dest), dict(doc, previous=sorted(set(cached) | set(present)), time=time.time()))
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     old = swap_in(new, dest)
     fsync_dir(parent)
     if old is not None:
         remove(old)
-    write_json_atomic(record_path(base, dest), {"dest": dest, "kind": request["kind"], "files": entries,
-                                               "previous": [], "time": time.time()})
+    write_json_atomic(record_path(base, dest), dict(doc, previous=[], time=time.time()))
     return linked
 
 
-def cmd_plan(args):
+def cmd_plan(args: argparse.Namespace) -> None:
     request = read_request(sys.stdin.buffer)
     print_json(plan(args.base, check_dest(args.dest), request))
 
 
-def cmd_receive(args):
+def cmd_receive(args: argparse.Namespace) -> int:
     dest = check_dest(args.dest)
     stream = sys.stdin.buffer
     request = read_request(stream)
@@ -367,9 +369,7 @@ def cmd_receive(args):
         while True:
             line = stream.readline()
             if not line:
-                print_json({"error": "the stream ended early; %d bytes staged for the next push" % received,
-                            "incomplete": True, "received": received})
-                return EXIT_INCOMPLETE
+                return incomplete("early", received)
             frame = json.loads(line)
             if frame.get("end"):
                 break
@@ -377,9 +377,7 @@ def cmd_receive(args):
             if rel not in files:
                 raise Refused("frame for %r, which the request does not list" % rel)
             if not receive_file(stream, stage, rel, int(frame["offset"]), int(frame["length"]), files[rel]):
-                print_json({"error": "the stream ended inside %s; %d bytes staged for the next push"
-                            % (rel, received), "incomplete": True, "received": received})
-                return EXIT_INCOMPLETE
+                return incomplete("inside " + rel, received)
             received += int(frame["length"])
         linked = commit(args.base, dest, request, stage)
     finally:
@@ -389,7 +387,13 @@ def cmd_receive(args):
     return 0
 
 
-def manifest(src):
+def incomplete(where: str, received: int) -> int:
+    print_json({"error": "the stream ended %s; %d bytes staged for the next push" % (where, received),
+                "incomplete": True, "received": received})
+    return EXIT_INCOMPLETE
+
+
+def manifest(src: str) -> dict:
     kind, rels = existing_files(src)
     if kind == "none":
         raise Refused("no such file or directory: %s" % src)
@@ -400,11 +404,11 @@ def manifest(src):
     return {"kind": kind, "files": files}
 
 
-def cmd_manifest(args):
+def cmd_manifest(args: argparse.Namespace) -> None:
     print_json(manifest(check_dest(args.src)))
 
 
-def cmd_read(args):
+def cmd_read(args: argparse.Namespace) -> None:
     out = sys.stdout.buffer
     with open(check_dest(args.src), "rb") as f:
         f.seek(args.offset)
@@ -418,7 +422,7 @@ def cmd_read(args):
     out.flush()
 
 
-def cmd_read_files(args):
+def cmd_read_files(args: argparse.Namespace) -> None:
     out = sys.stdout.buffer
     root = check_dest(args.src)
     for rel in args.rels:
@@ -429,9 +433,7 @@ def cmd_read_files(args):
     out.flush()
 
 
-def main(argv):
-    import argparse
-
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tree.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("plan", "receive"):
@@ -452,12 +454,9 @@ def main(argv):
                "read-files": cmd_read_files}[args.cmd]
     try:
         return handler(args) or 0
-    except Refused as e:
-        print_json({"error": str(e)})
-        sys.stderr.write("tree.py: %s\n" % e)
-        return EXIT_REFUSED
-    except OSError as e:
-        print_json({"error": "%s: %s" % (getattr(e, "filename", None) or "", e.strerror or e)})
+    except (Refused, OSError) as e:
+        error = "%s: %s" % (e.filename or "", e.strerror or e) if isinstance(e, OSError) else str(e)
+        print_json({"error": error})
         sys.stderr.write("tree.py: %s\n" % e)
         return EXIT_REFUSED
 

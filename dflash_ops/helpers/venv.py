@@ -38,6 +38,10 @@ import sysconfig
 import tarfile
 import time
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from typing import BinaryIO
+
 VENV_META = ".dflash-venv.json"
 PARENT_PTH = "_dflash_parent_site.pth"
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)$")
@@ -147,7 +151,7 @@ def check_satisfied(venv_python: str, requirements: str) -> bool:
                           stdout=subprocess.DEVNULL).returncode == 0
 
 
-def build(base: str, lock: str, args, stream) -> dict:
+def build(base: str, lock: str, args: argparse.Namespace, stream: BinaryIO) -> dict:
     venvs = os.path.join(base, "venvs")
     os.makedirs(venvs, exist_ok=True)
     final = os.path.join(venvs, lock)
@@ -170,10 +174,9 @@ def build(base: str, lock: str, args, stream) -> dict:
         system_site = args.system_site_packages and base_site_visible()
         if uv:
             cmd = [uv, "venv", "--python", sys.executable, tmp]
-            run(cmd + ["--system-site-packages"] if system_site else cmd)
         else:
             cmd = [sys.executable, "-m", "venv", "--without-pip", tmp]
-            run(cmd + ["--system-site-packages"] if system_site else cmd)
+        run(cmd + ["--system-site-packages"] if system_site else cmd)
         venv_python = os.path.join(tmp, "bin", "python")
         if args.system_site_packages:
             parents = parent_site_dirs()
@@ -217,7 +220,7 @@ SCRATCH_MARK = ".dflash-scratch"
 SCRATCH_RE = re.compile(r"^\.tmp-venv-(\d+)-(\d+)-[0-9a-f]{8}$")
 
 
-def pid_start(pid: int):
+def pid_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])

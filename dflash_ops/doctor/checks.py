@@ -5,6 +5,7 @@ Every threshold and its reason is in docs/doctor.md; keep the two in step.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -89,23 +90,26 @@ def verdict(checks: list[Check]) -> str:
     return FAIL if FAIL in statuses else WARN if WARN in statuses else OK
 
 
+def judged(name: str, good: bool, measured: str, needed: str, fix: str, bad: str = FAIL) -> Check:
+    """The common shape of a check: OK when `good`, else `bad` with the fix."""
+    return Check(name, OK, measured, needed) if good else Check(name, bad, measured, needed, fix)
+
+
 # ---------------------------------------------------------------- node side
 
 def container_check(i: Inputs) -> Check:
     t, node = i.target, i.node
     if not node.pct:
-        return Check("container", OK if node.state == "running" else FAIL, node.detail or node.state,
-                     "reachable", "" if node.state == "running" else f"check that node {t.node.name} answers")
+        return judged("container", node.state == "running", node.detail or node.state, "reachable",
+                      f"check that node {t.node.name} answers")
     fixes = {
         "stopped": f"on node {t.node.name}: pct start {t.ctid}",
         "missing": f"container {t.ctid} does not exist on node {t.node.name}: fix ctid in the inventory or create it",
         "unreachable": f"check that node {t.node.name} answers (ssh, address, keys)",
     }
     measured = node.state + (f" ({node.detail})" if node.detail else "")
-    if node.state == "running":
-        return Check("container", OK, measured, "running")
-    return Check("container", FAIL, measured, "running",
-                 fixes.get(node.state, f"look at `pct status {t.ctid}` on node {t.node.name}"))
+    return judged("container", node.state == "running", measured, "running",
+                  fixes.get(node.state, f"look at `pct status {t.ctid}` on node {t.node.name}"))
 
 
 def _gpu_paths(i: Inputs) -> list[str]:
@@ -125,31 +129,28 @@ def passthrough_check(i: Inputs) -> Check:
     if not i.plan.needs_gpu:
         return Check("gpu passthrough", OK, measured, i.plan.no_gpu)
     uvm = ((i.facts or {}).get("majors") or {}).get("nvidia-uvm")
-    missing_paths = [p for p in _gpu_paths(i) if p not in passthrough and p not in mounted]
+    paths = _gpu_paths(i)
+    missing_paths = [p for p in paths if p not in passthrough and p not in mounted]
     missing_allow = []
-    if any(p in mounted and p not in passthrough for p in _gpu_paths(i) if p != "/dev/nvidia-uvm") \
+    if any(p in mounted and p not in passthrough for p in paths if p != "/dev/nvidia-uvm") \
             and not config.allows(NVIDIA_MAJOR):
         missing_allow.append(f"c {NVIDIA_MAJOR}:* rwm")
     if "/dev/nvidia-uvm" in mounted and "/dev/nvidia-uvm" not in passthrough and not (uvm and config.allows(uvm)):
         missing_allow.append(f"c {uvm if uvm else '<nvidia-uvm major from /proc/devices>'}:* rwm")
-    needed = ", ".join(p.removeprefix("/dev/") for p in _gpu_paths(i))
+    needed = ", ".join(p.removeprefix("/dev/") for p in paths)
     if not missing_paths and not missing_allow:
         return Check("gpu passthrough", OK, measured, needed)
-    if mounted & set(_gpu_paths(i)):  # the config already binds GPUs by mount entries: keep its style
+    allow_lines = [f"lxc.cgroup2.devices.allow: {a}" for a in missing_allow]
+    if not missing_paths:
+        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}: " + " | ".join(allow_lines)
+    elif mounted & set(paths):  # the config already binds GPUs by mount entries: keep its style
         lines = [f"lxc.mount.entry: {p} {p[1:]} none bind,optional,create=file" for p in missing_paths]
-        lines += [f"lxc.cgroup2.devices.allow: {a}" for a in missing_allow]
-        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}, then restart the CT: " + " | ".join(lines)
+        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}, then restart the CT: " + " | ".join(
+            lines + allow_lines)
     else:
-        used, free, args = config.used_dev_indices(), 0, []
-        for p in missing_paths:
-            while free in used:
-                free += 1
-            args.append(f"--dev{free} {p}")
-            used.add(free)
-        fix = f"on node {t.node.name}: pct set {t.ctid} {' '.join(args)} (then restart the CT)"
-    if missing_allow and not missing_paths:
-        fix = f"add to /etc/pve/lxc/{t.ctid}.conf on {t.node.name}: " + " | ".join(
-            f"lxc.cgroup2.devices.allow: {a}" for a in missing_allow)
+        free = (n for n in itertools.count() if n not in config.used_dev_indices())
+        args = " ".join(f"--dev{next(free)} {p}" for p in missing_paths)
+        fix = f"on node {t.node.name}: pct set {t.ctid} {args} (then restart the CT)"
     gaps = [p.removeprefix("/dev/") for p in missing_paths] + [f"cgroup allow {a}" for a in missing_allow]
     return Check("gpu passthrough", FAIL, f"{measured}; missing {', '.join(gaps)}", needed, fix)
 
@@ -222,12 +223,12 @@ def _visible_indices(i: Inputs) -> list[int]:
 def gpus_container_check(i: Inputs) -> Check:
     smi = i.found.get("smi") or {}
     nodes = _visible_indices(i)
+    seen_nodes = f"/dev/nvidia{','.join(map(str, nodes))}"
     if smi.get("gpus"):
         names = sorted({g["name"] for g in smi["gpus"]})
-        measured = f"{len(smi['gpus'])} × {', '.join(names)} (nvidia-smi); /dev/nvidia{','.join(map(str, nodes))}"
+        measured = f"{len(smi['gpus'])} × {', '.join(names)} (nvidia-smi); {seen_nodes}"
     else:
-        measured = f"no GPU ({smi.get('error', 'nvidia-smi found none')}); " + (
-            f"/dev/nvidia{','.join(map(str, nodes))}" if nodes else "no /dev/nvidiaN")
+        measured = f"no GPU ({smi.get('error', 'nvidia-smi found none')}); {seen_nodes if nodes else 'no /dev/nvidiaN'}"
     if not i.plan.needs_gpu:
         return Check("GPUs in container", OK, measured, i.plan.no_gpu)
     wanted = list(i.plan.gpus or range(i.plan.gpu_count))
@@ -237,17 +238,17 @@ def gpus_container_check(i: Inputs) -> Check:
         return Check("GPUs in container", FAIL, measured, f"/dev/nvidia{','.join(map(str, wanted))}",
                      "bind the GPUs into the container: see `gpu passthrough`" if i.node.pct else
                      "install the NVIDIA driver on this machine")
-    if not smi.get("gpus"):
-        return Check("GPUs in container", WARN, measured, f"{len(wanted)} GPU(s)",
-                     "install nvidia-smi in the container (the user-space driver of the node's version)")
-    return Check("GPUs in container", OK, measured, f"{len(wanted)} GPU(s)")
+    return judged("GPUs in container", bool(smi.get("gpus")), measured, f"{len(wanted)} GPU(s)",
+                  "install nvidia-smi in the container (the user-space driver of the node's version)", WARN)
 
 
 def gpus_torch_check(i: Inputs) -> Check | None:
     t = _torch(i)
+    if "torch" not in t and not i.plan.needs_gpu:
+        return None
     if "torch" not in t:
-        return None if not i.plan.needs_gpu else Check("GPUs to torch", FAIL, t.get("error") or "torch not imported",
-                                                       f"{i.plan.gpu_count} GPU(s)", "see `torch`")
+        return Check("GPUs to torch", FAIL, t.get("error") or "torch not imported", f"{i.plan.gpu_count} GPU(s)",
+                     "see `torch`")
     devices = t.get("devices") or []
     if devices:
         free = ", ".join(f"{d['index']}: {gib(d['free'])} free" for d in devices)
@@ -266,11 +267,11 @@ def gpus_torch_check(i: Inputs) -> Check | None:
     if i.plan.cuda_indices and max(i.plan.cuda_indices) >= len(devices):
         return Check("GPUs to torch", FAIL, measured, f"cuda:{max(i.plan.cuda_indices)} of the config",
                      "give the run more GPUs (--gpus) or use lower cuda:N in the config's devices")
-    busy = [d for d in devices if d["total"] and (d["total"] - d["free"]) / d["total"] > GPU_BUSY_SHARE]
+    busy = ",".join(str(d["index"]) for d in devices
+                    if d["total"] and (d["total"] - d["free"]) / d["total"] > GPU_BUSY_SHARE)
     if busy:
         return Check("GPUs to torch", WARN, measured, f"{need} idle GPU(s)",
-                     "another process uses GPU " + ",".join(str(d["index"]) for d in busy) +
-                     ": nvidia-smi on the node shows which")
+                     f"another process uses GPU {busy}: nvidia-smi on the node shows which")
     return Check("GPUs to torch", OK, measured, f"{need} GPU(s)")
 
 
@@ -309,11 +310,9 @@ def driver_check(i: Inputs) -> Check:
     needed = f"CUDA {built} (torch): driver >= {branch}" if branch else f"a driver for CUDA {built}"
     have_branch = int(version.split(".")[0]) if version and version.split(".")[0].isdigit() else None
     ok = (libcuda is not None and libcuda >= major * 1000) and (branch is None or (have_branch or 0) >= branch)
-    if ok:
-        return Check("driver vs torch CUDA", OK, measured, needed)
-    return Check("driver vs torch CUDA", FAIL, measured, needed,
-                 f"install NVIDIA driver >= {branch or '?'} on node {i.target.node.name} (the container's user-space "
-                 "libraries must match it), or a torch built for an older CUDA")
+    return judged("driver vs torch CUDA", ok, measured, needed,
+                  f"install NVIDIA driver >= {branch or '?'} on node {i.target.node.name} (the container's user-space "
+                  "libraries must match it), or a torch built for an older CUDA")
 
 
 def nccl_check(i: Inputs) -> Check | None:
@@ -326,15 +325,13 @@ def nccl_check(i: Inputs) -> Check | None:
     if result is None:
         return Check("NCCL all-reduce", FAIL, t.get("error") or "not run (no torch)", "an all-reduce across the GPUs",
                      "see `torch`")
+    needed = "correct sum on every GPU"
     if result.get("ok"):
-        return Check("NCCL all-reduce", OK,
-                     f"{result['mib']} MiB over {result['gpus']} GPU(s) in {result['seconds']:.2f} s"
-                     f" (NCCL {t.get('nccl_version', '?')})", "correct sum on every GPU")
-    if not t.get("devices"):
-        return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
-                     "see `GPUs to torch`")
-    return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), "correct sum on every GPU",
-                 "see `/dev/shm` and `gpu passthrough`; rerun with NCCL_DEBUG=WARN in the environment for NCCL's reason")
+        return Check("NCCL all-reduce", OK, f"{result['mib']} MiB over {result['gpus']} GPU(s) in "
+                     f"{result['seconds']:.2f} s (NCCL {t.get('nccl_version', '?')})", needed)
+    fix = "see `/dev/shm` and `gpu passthrough`; rerun with NCCL_DEBUG=WARN in the environment for NCCL's reason" \
+        if t.get("devices") else "see `GPUs to torch`"
+    return Check("NCCL all-reduce", FAIL, result.get("error", "failed"), needed, fix)
 
 
 def shm_check(i: Inputs) -> Check:
@@ -343,9 +340,7 @@ def shm_check(i: Inputs) -> Check:
         return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
     measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
     why = f"{gib(need)} free ({i.plan.gpu_count} GPU run)" if i.plan.needs_gpu else f"{gib(need)} free (CPU run)"
-    if shm["free"] < need:
-        return Check("/dev/shm", FAIL, measured, why, _shm_fix(i, need))
-    return Check("/dev/shm", OK, measured, why)
+    return judged("/dev/shm", shm["free"] >= need, measured, why, _shm_fix(i, need))
 
 
 def _shm_fix(i: Inputs, need: int) -> str:
@@ -375,12 +370,10 @@ def disk_check(i: Inputs) -> Check:
             f"1.0 GiB (checkpoint size unknown: {(i.found.get('model') or {}).get('error', 'no model dims')})"
     else:
         why = f"{gib(need)}: {i.plan.keep_checkpoints}+1 checkpoints of {gib(size)} + 1 GiB"
-    if disk["free"] < need:
-        # Unsized (no config, or not the bundled trainer's): a guess, so it warns instead of refusing.
-        return Check("disk at base_dir", FAIL if sized else WARN, measured, why,
-                     f"free {gib(need - disk['free'])} under {i.target.base_dir}, lower run.keep_checkpoints, "
-                     "or give the container a larger volume (pct resize / a mount point)")
-    return Check("disk at base_dir", OK, measured, why)
+    # Unsized (no config, or not the bundled trainer's): a guess, so it warns instead of refusing.
+    return judged("disk at base_dir", disk["free"] >= need, measured, why,
+                  f"free {gib(need - disk['free'])} under {i.target.base_dir}, lower run.keep_checkpoints, "
+                  "or give the container a larger volume (pct resize / a mount point)", FAIL if sized else WARN)
 
 
 def ram_check(i: Inputs) -> Check:
@@ -392,12 +385,9 @@ def ram_check(i: Inputs) -> Check:
     why = f"{gib(need)}" + (f" (2 × {gib(size)} checkpoint + 2 GiB)" if size else " (2 GiB base)")
     if avail is None:
         return Check("RAM", WARN, "unknown (/proc/meminfo unreadable)", why)
-    if avail < need:
-        mb = -(-need // MIB) + 1024
-        fix = f"on node {i.target.node.name}: pct set {i.target.ctid} --memory {mb}" if i.node.pct else \
-            "free memory on this machine"
-        return Check("RAM", FAIL, measured, why, fix)
-    return Check("RAM", OK, measured, why)
+    fix = f"on node {i.target.node.name}: pct set {i.target.ctid} --memory {-(-need // MIB) + 1024}" if i.node.pct \
+        else "free memory on this machine"
+    return judged("RAM", avail >= need, measured, why, fix)
 
 
 def _limit(value: int | None) -> str:
@@ -419,11 +409,10 @@ def memlock_check(i: Inputs) -> Check:
 def nofile_check(i: Inputs) -> Check:
     lim = i.found["limits"]["nofile"]
     measured = f"soft {lim['soft'] if lim['soft'] is not None else 'unlimited'}, hard {lim['hard'] or 'unlimited'}"
-    if lim["soft"] is None or lim["soft"] >= NOFILE_MIN:
-        return Check("open files limit", OK, measured, f">= {NOFILE_MIN}")
     fix = (f"add `lxc.prlimit.nofile: 1048576` to /etc/pve/lxc/{i.target.ctid}.conf, then restart the CT"
            if i.node.pct else "raise `ulimit -n` (limits.conf nofile)")
-    return Check("open files limit", WARN, measured, f">= {NOFILE_MIN}", fix)
+    return judged("open files limit", lim["soft"] is None or lim["soft"] >= NOFILE_MIN, measured, f">= {NOFILE_MIN}",
+                  fix, WARN)
 
 
 def clock_check(i: Inputs) -> Check:
@@ -431,11 +420,9 @@ def clock_check(i: Inputs) -> Check:
         return Check("clock offset", WARN, "not measured", f"within {CLOCK_TOLERANCE_S:g} s")
     offset, error = i.clock
     measured = f"{offset:+.2f} s (± {error:.2f} s) vs this machine"
-    if abs(offset) - error <= CLOCK_TOLERANCE_S:
-        return Check("clock offset", OK, measured, f"within {CLOCK_TOLERANCE_S:g} s")
     where = f"node {i.target.node.name}" + (" (containers share the node's clock)" if i.node.pct else "")
-    return Check("clock offset", WARN, measured, f"within {CLOCK_TOLERANCE_S:g} s",
-                 f"enable NTP on {where} and on this machine: timedatectl set-ntp true")
+    return judged("clock offset", abs(offset) - error <= CLOCK_TOLERANCE_S, measured, f"within {CLOCK_TOLERANCE_S:g} s",
+                  f"enable NTP on {where} and on this machine: timedatectl set-ntp true", WARN)
 
 
 @dataclass

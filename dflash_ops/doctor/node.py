@@ -30,13 +30,9 @@ class PctConfig:
     lxc: list[tuple[str, str]] = field(default_factory=list)
 
     def passthrough_paths(self) -> set[str]:
-        """Device paths of the devN entries."""
-        paths = set()
-        for key, value in self.options.items():
-            if re.fullmatch(r"dev\d+", key):
-                first = value.split(",")[0]
-                paths.add(first.removeprefix("path="))
-        return paths
+        """Device paths of the devN entries (`devN: [path=]/dev/X[,gid=...]`)."""
+        return {value.split(",")[0].removeprefix("path=") for key, value in self.options.items()
+                if re.fullmatch(r"dev\d+", key)}
 
     def bind_mounted(self) -> set[str]:
         """Source paths of lxc.mount.entry lines (`SRC DST TYPE OPTIONS ...`)."""

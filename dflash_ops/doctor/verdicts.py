@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.rundir import atomic_write
+
 if TYPE_CHECKING:
     from dflash_ops.doctor.checks import Report
     from dflash_ops.inventory import Target
@@ -24,7 +26,7 @@ def state_dir() -> Path:
     return Path(base) / "dflash-ops" / "doctor"
 
 
-def _key(target) -> str:
+def _key(target: Target) -> str:
     node = target.node
     identity = [node.transport, node.address or node.sim_root or "", str(node.port or ""), node.user or "",
                 str(target.ctid), target.base_dir]
@@ -35,13 +37,9 @@ def record_verdict(target: Target, report: Report) -> None:
     doc = {"target": target.name, "time": report.time, "verdict": report.verdict, "fast": report.fast,
            "failed": [c.name for c in report.checks if c.status == "fail"],
            "warned": [c.name for c in report.checks if c.status == "warn"]}
-    directory = state_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{_key(target)}.json"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, sort_keys=True))
-        os.replace(tmp, path)
+        state_dir().mkdir(parents=True, exist_ok=True)
+        atomic_write(state_dir() / f"{_key(target)}.json", json.dumps(doc, sort_keys=True).encode())
     except OSError:
         pass  # a verdict that cannot be remembered is still printed
 

@@ -65,9 +65,8 @@ class FilePatch:
 
 
 class HunkFailed(Exception):
-    def __init__(self, hunk_index: int, hunk: Hunk, detail: str):
+    def __init__(self, hunk_index: int, hunk: Hunk, detail: str) -> None:
         super().__init__(f"hunk #{hunk_index} ({hunk.header}) does not apply: {detail}")
-        self.hunk_index = hunk_index
         self.hunk = hunk
 
 

@@ -29,13 +29,13 @@ from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
 from dflash_ops.deploy.push import DEFAULT_KEEP
 from dflash_ops.errors import DflashOpsError, HelperFailed
 from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
+from dflash_ops.patching.diff import DiffError, parse_unified_diff
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
+from dflash_ops.runs import resume_run, stop_run
 from dflash_ops.tarstream import build_tar
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI
-
-
 
 REQUIREMENTS = "trainer/requirements.txt"  # the venv's lock: a release built by deploy, never a patch
 
@@ -43,7 +43,7 @@ REQUIREMENTS = "trainer/requirements.txt"  # the venv's lock: a release built by
 class PatchError(DflashOpsError):
     """The patch was refused (its report says why) or could not be applied."""
 
-    def __init__(self, message: str, report: PatchReport | None = None, imports: list[dict] | None = None):
+    def __init__(self, message: str, report: PatchReport | None = None, imports: list[dict] | None = None) -> None:
         super().__init__(message)
         self.report = report
         self.imports = imports or []
@@ -126,12 +126,12 @@ def import_check_in_container(container: ContainerAPI, meta: dict, patched_root:
     """Import the touched modules from a scratch copy of the release holding the patched files.
 
     static: compile them and resolve their imports without running any of their code."""
-    modules = module_names([rel for rel, text in report.new_contents.items() if text is not None])
+    changed = [rel for rel, text in report.new_contents.items() if text is not None]
+    modules = module_names(changed)
     if not modules:
         return []
     scratch = posixpath.join(container.base_dir, "patches", f".check-{uuid.uuid4().hex[:12]}")
     release_root = posixpath.join(container.base_dir, "releases", meta["hash"])
-    changed = [rel for rel, text in report.new_contents.items() if text is not None]
     deleted = [posixpath.join(scratch, rel) for rel, text in report.new_contents.items() if text is None]
     try:
         steps = [["mkdir", "-p", "--", posixpath.dirname(scratch)], ["cp", "-a", "--", release_root + "/.", scratch],
@@ -151,9 +151,7 @@ def import_check_in_container(container: ContainerAPI, meta: dict, patched_root:
 
 
 def _relative(path: str | None, root: str) -> str | None:
-    if path and path.startswith(root + "/"):
-        return path[len(root) + 1:]
-    return path
+    return path.removeprefix(root + "/") if path else path
 
 
 def patched_release(meta: dict, patched_root: Path, report: PatchReport) -> tuple[LocalRelease, list[str]]:
@@ -193,8 +191,6 @@ def patch_target(container: ContainerAPI, diff_text: str, *, check_only: bool = 
     restart_run: stop that run with a final checkpoint before `current` swaps, then resume
     it on the new release.
     """
-    from dflash_ops.patching.diff import DiffError, parse_unified_diff
-
     meta = current_release(container)
     try:
         touched = [p.path for p in parse_unified_diff(diff_text)]
@@ -225,27 +221,18 @@ def patch_target(container: ContainerAPI, diff_text: str, *, check_only: bool = 
         if release.hash == meta["hash"]:
             raise PatchError("the patch changes nothing")
         if restart_run is not None:
-            from dflash_ops.runs import stop_run
-
             info = stop_run(container, restart_run)
             say(f"stopped {restart_run} at step {info.step} ({info.last_checkpoint})")
         try:
             with release_tar(release, to_send, (), meta["files"]) as tar:
                 container.helper_json("release-store", ["apply", container.base_dir, release.hash,
                                                     "--parent", meta["hash"], "--keep", str(keep)], stdin=tar)
-        except BaseException:
-            if restart_run is not None:  # `current` did not change: the run goes on where it was
-                from dflash_ops.runs import resume_run
-
+            outcome.release = release.hash
+        finally:
+            if restart_run is not None:  # on a failure `current` did not change: the run goes on where it was
                 resume_run(container, restart_run)
-                say(f"the new release failed; resumed {restart_run} on release {meta['hash']}")
-            raise
-        outcome.release = release.hash
-    if restart_run is not None:
-        from dflash_ops.runs import resume_run
-
-        resume_run(container, restart_run)
-        say(f"resumed {restart_run} on release {release.hash}")
+                say(f"resumed {restart_run} on release {release.hash}" if outcome.release else
+                    f"the new release failed; resumed {restart_run} on release {meta['hash']}")
     return outcome
 
 

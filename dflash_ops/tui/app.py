@@ -24,27 +24,15 @@ from dflash_ops.tui.source import DashSource, GpuSample, RequestKind, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
-STATE_STYLE = {
-    "running": "green",
-    "warmup": "yellow",
-    "starting": "yellow",
-    "checkpointing": "cyan",
-    "done": "bold green",
-    "stopped": "dim",
-    "failed": "bold red",
-}
+STATE_STYLE = {"running": "green", "warmup": "yellow", "starting": "yellow", "checkpointing": "cyan",
+               "done": "bold green", "stopped": "dim", "failed": "bold red"}
 
 
 class TargetUpdate(Message):
     """A poller's news about one target: rows and GPU samples, or the link failure."""
 
-    def __init__(
-        self,
-        target: str,
-        link: LinkState,
-        rows: list[RunRow] | None = None,
-        gpus: list[GpuSample] | None = None,
-    ) -> None:
+    def __init__(self, target: str, link: LinkState, rows: list[RunRow] | None = None,
+                 gpus: list[GpuSample] | None = None) -> None:
         super().__init__()
         self.target, self.link, self.rows, self.gpus = target, link, rows, gpus
 
@@ -81,13 +69,8 @@ class DashApp(App):
     """
     BINDINGS = [Binding("c", "checkpoint", "Checkpoint"), Binding("s", "stop_run", "Stop"), Binding("q", "quit", "Quit")]
 
-    def __init__(
-        self,
-        source: DashSource,
-        targets: list[str] | None = None,
-        clock: Callable[[], float] = time.time,
-        poll_s: float = 2.0,
-    ) -> None:
+    def __init__(self, source: DashSource, targets: list[str] | None = None, clock: Callable[[], float] = time.time,
+                 poll_s: float = 2.0) -> None:
         super().__init__()
         self.source = source
         self.target_names = list(targets) if targets else source.targets()
@@ -114,9 +97,8 @@ class DashApp(App):
             table.add_column(name, key=name)
         self._render_targets()
         for target in self.target_names:
-            threading.Thread(
-                target=self._poll_target, args=(target,), name=f"dash-poll-{target}", daemon=True
-            ).start()
+            threading.Thread(target=self._poll_target, args=(target,), name=f"dash-poll-{target}",
+                             daemon=True).start()
         self.set_interval(1.0, self._render_rows)  # heartbeat ages move with the clock
 
     def on_unmount(self) -> None:
@@ -170,18 +152,9 @@ class DashApp(App):
         state = Text(row.state + ("?" if stale else ""), style=STATE_STYLE.get(row.state, ""))
         total = f"/{row.total_steps}" if row.total_steps else ""
         member = f" rank {row.rank if row.rank is not None else '?'}/{row.world}" if row.world else ""
-        return (
-            Text(row.target + member, style="red" if stale else ""),
-            row.run_id,
-            state,
-            f"{row.step}{total}",
-            fmt_num(row.loss, 4),
-            fmt_num(row.acc, 3),
-            fmt_num(row.tau, 3),
-            fmt_num(row.tokens_per_s, 4),
-            fmt_age(age) if row.state not in FINAL_STATES else "-",
-            row.release or "-",
-        )
+        return (Text(row.target + member, style="red" if stale else ""), row.run_id, state, f"{row.step}{total}",
+                fmt_num(row.loss, 4), fmt_num(row.acc, 3), fmt_num(row.tau, 3), fmt_num(row.tokens_per_s, 4),
+                fmt_age(age) if row.state not in FINAL_STATES else "-", row.release or "-")
 
     def _render_rows(self) -> None:
         table = self._table

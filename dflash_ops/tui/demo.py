@@ -15,17 +15,12 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from trainer.control import ControlPoller
+from trainer.rundir import atomic_write, process_start_ticks
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
-
-
-def _pid_start() -> int | None:
-    try:
-        return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class SimulatedRun:
@@ -56,7 +51,7 @@ class SimulatedRun:
         self._tau: float | None = None
 
     # -- files -----------------------------------------------------------------------
-    def _event(self, event: str, **fields) -> None:
+    def _event(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": self.clock(), "step": self.step, **fields})
         with open(self.dir / "metrics.jsonl", "a") as handle:
             handle.write(line + "\n")
@@ -71,7 +66,7 @@ class SimulatedRun:
             "run_id": self.run_id,
             "state": self.state,
             "pid": os.getpid(),
-            "pid_start": _pid_start(),
+            "pid_start": process_start_ticks(os.getpid()),
             "step": self.step,
             "total_steps": self.total_steps,
             "started": self._started,
@@ -85,14 +80,14 @@ class SimulatedRun:
             "recompiles": 0,
             "error": None,
         }
-        write_atomic(self.dir / "status.json", json.dumps(status))
+        atomic_write(self.dir / "status.json", json.dumps(status).encode())
 
     # -- lifecycle ---------------------------------------------------------------------
     def begin(self) -> None:
-        (self.dir / "control").mkdir(parents=True, exist_ok=True)
+        self._control = ControlPoller(self.dir)  # creates control/ (and the run directory)
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        write_atomic(self.dir / "release", "dev\n")
-        write_atomic(self.dir / "config.yaml", "model: tiny\nsteps: %d\n" % self.total_steps)
+        atomic_write(self.dir / "release", b"dev\n")
+        atomic_write(self.dir / "config.yaml", b"model: tiny\nsteps: %d\n" % self.total_steps)
         self.write_status()
         self._event("start", resumed_from=None, total_steps=self.total_steps, config="tiny demo")
         self.log(f"starting run {self.run_id}: tiny demo, {self.total_steps} steps")
@@ -141,19 +136,14 @@ class SimulatedRun:
         return self.state not in ("stopped", "done")
 
     def _serve_control(self) -> None:
-        control = self.dir / "control"
-        for kind in ("checkpoint", "stop"):
-            path = control / kind
-            try:
-                request = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            self._checkpoint(request.get("id"))
-            path.unlink()
-            if kind == "stop":
+        """The trainer's own poller; checkpoints before a stop, as trainer/loop.py serves them."""
+        for request in sorted(self._control.poll(), key=lambda r: r.kind == "stop"):
+            self._checkpoint(request.id)
+            self._control.done(request)
+            if request.kind == "stop":
                 self.state = "stopped"
                 self._event("stop", reason="control")
-                self.log(f"stop requested ({request.get('id')}): stopped at step {self.step}")
+                self.log(f"stop requested ({request.id}): stopped at step {self.step}")
 
     def _checkpoint(self, request_id: str | None) -> None:
         rel = f"checkpoints/step_{self.step}"
@@ -161,7 +151,7 @@ class SimulatedRun:
         if not final.exists():
             tmp = self.dir / "checkpoints" / f".tmp-step_{self.step}-{os.getpid()}"
             tmp.mkdir(parents=True, exist_ok=True)
-            write_atomic(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}))
+            atomic_write(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}).encode())
             os.replace(tmp, final)
         self.last_checkpoint = rel
         self._event("checkpoint", path=rel, seconds=0.1, request=request_id)
@@ -173,12 +163,3 @@ class SimulatedRun:
         while not stop.is_set() and self.advance():
             stop.wait(step_s)
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename: a reader sees the old file or the whole new one (run-directory.md)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

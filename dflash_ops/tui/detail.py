@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 from typing import Callable, Protocol, cast
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.events import Key
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Log, Static
 from textual_plotext import PlotextPlot
@@ -45,7 +47,7 @@ class RunDetailScreen(Screen):
     #filter.shown { display: block; }
     #log { height: 1fr; border-top: solid $primary; }
     """
-    BINDINGS = [Binding("escape", "back", "Back"), Binding("l", "full_log", "Full log"),
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back"), Binding("l", "full_log", "Full log"),
                 Binding("slash", "filter", "Filter")]
 
     def __init__(self, target: str, run_id: str) -> None:
@@ -80,17 +82,11 @@ class RunDetailScreen(Screen):
         return cast(DashState, self.app)
 
     def on_mount(self) -> None:
-        for name, sink, tail in (
-            ("train.log", self.log_sink, LOG_TAIL),
-            ("metrics.jsonl", self.metrics_sink, METRICS_TAIL),
-        ):
-            threading.Thread(
-                target=follow_forever,
-                args=(self.dash.source, self.target, self.run_id, name, sink, self._stop,
-                      lambda link, name=name: self.links.__setitem__(name, link), tail),
-                name=f"dash-follow-{name}",
-                daemon=True,
-            ).start()
+        streams = (("train.log", self.log_sink, LOG_TAIL), ("metrics.jsonl", self.metrics_sink, METRICS_TAIL))
+        for name, sink, tail in streams:
+            threading.Thread(target=follow_forever, name=f"dash-follow-{name}", daemon=True,
+                             args=(self.dash.source, self.target, self.run_id, name, sink, self._stop,
+                                   lambda link, name=name: self.links.__setitem__(name, link), tail)).start()
         self.set_interval(TICK_S, self.tick)
         self.set_interval(PLOT_S, self.replot)
         self.set_interval(1.0, self.render_summary)
@@ -107,7 +103,8 @@ class RunDetailScreen(Screen):
         samples = self.dash.host_gpus.get(self.target)
         if samples is not self._samples_applied:  # a new poll result, not the same one again
             self._samples_applied = samples
-            self.history.apply_host_samples(samples, self._row_gpus())
+            row = self._row()
+            self.history.apply_host_samples(samples, row.gpus if row else ())
         self.history.feed(metrics)
         self.dropped += dropped
         if lines:
@@ -122,18 +119,17 @@ class RunDetailScreen(Screen):
             self.updates += 1
             self.render_summary()
 
-    def _row_gpus(self) -> tuple[int, ...]:
-        row = self.dash.rows.get(f"{self.target}/{self.run_id}")
-        return row.gpus if row else ()
+    def _row(self) -> RunRow | None:
+        return self.dash.rows.get(f"{self.target}/{self.run_id}")
 
-    def _matching(self, lines) -> list[str]:
+    def _matching(self, lines: Iterable[str]) -> list[str]:
         if not self.filter_text:
             return list(lines)
         needle = self.filter_text.lower()
         return [line for line in lines if needle in line.lower()]
 
     def render_summary(self) -> None:
-        row = self.dash.rows.get(f"{self.target}/{self.run_id}")
+        row = self._row()
         h = self.history
         text = Text()
         text.append(f"{self.target}/{self.run_id}", style="bold")
@@ -211,9 +207,6 @@ class RunDetailScreen(Screen):
             widget.refresh()
 
     # -- actions ---------------------------------------------------------------------------
-    def action_back(self) -> None:
-        self.app.pop_screen()
-
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.add_class("shown")
@@ -228,7 +221,7 @@ class RunDetailScreen(Screen):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.query_one("#log", Log).focus()
 
-    def on_key(self, event) -> None:
+    def on_key(self, event: Key) -> None:
         box = self.query_one("#filter", Input)
         if event.key == "escape" and box.has_focus:
             event.stop()
@@ -243,7 +236,7 @@ class RunDetailScreen(Screen):
 class FullLogScreen(Screen):
     """Every buffered line of the run's log (filtered like the tail), still following."""
 
-    BINDINGS = [Binding("escape", "back", "Back")]
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back")]
 
     def __init__(self, detail: RunDetailScreen) -> None:
         super().__init__()
@@ -263,9 +256,6 @@ class FullLogScreen(Screen):
 
     def on_unmount(self) -> None:
         self.detail._full_log = None
-
-    def action_back(self) -> None:
-        self.app.pop_screen()
 
 
 class ConfirmScreen(ModalScreen[bool]):

@@ -61,9 +61,6 @@ class RunHistory:
         self.warmup: dict | None = None
         self.recompiles = 0
         self.tau: float | None = None
-        self.eval_acc: float | None = None
-        self.last_step: dict | None = None
-        self.stop_reason: str | None = None
         self.error: str | None = None
         self.bad_lines = 0
         self.version = 0  # bumps on every change, so screens redraw only when needed
@@ -84,7 +81,6 @@ class RunHistory:
         kind = event.get("event")
         step = event.get("step", 0)
         if kind == "step":
-            self.last_step = event
             if isinstance(event.get("loss"), (int, float)):
                 self.loss_steps.append(step)
                 self.loss.append(float(event["loss"]))
@@ -99,13 +95,8 @@ class RunHistory:
             self.warmup = {"shapes": event.get("shapes"), "seconds": event.get("seconds")}
         elif kind == "eval":
             self.tau = event.get("tau")
-            self.eval_acc = event.get("acc")
         elif kind == "checkpoint":
-            self.checkpoints.append(
-                Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request"))
-            )
-        elif kind == "stop":
-            self.stop_reason = event.get("reason")
+            self.checkpoints.append(Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request")))
         elif kind == "error":
             self.error = event.get("message")
 

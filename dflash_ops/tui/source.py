@@ -102,12 +102,4 @@ def gpu_samples_from_json(payload: dict) -> list[GpuSample] | None:
     gpus = payload.get("gpus")
     if gpus is None:
         return None
-    return [
-        GpuSample(
-            index=int(g["index"]),
-            busy=g.get("busy"),
-            mem_gb=g.get("mem_gb"),
-            mem_total_gb=g.get("mem_total_gb"),
-        )
-        for g in gpus
-    ]
+    return [GpuSample(int(g["index"]), g.get("busy"), g.get("mem_gb"), g.get("mem_total_gb")) for g in gpus]

@@ -43,9 +43,7 @@ class LineSink:
 
     def add(self, lines: list[str]) -> None:
         with self._lock:
-            overflow = len(self._lines) + len(lines) - (self._lines.maxlen or 0)
-            if overflow > 0:
-                self._dropped += overflow
+            self._dropped += max(0, len(self._lines) + len(lines) - (self._lines.maxlen or 0))  # pushed out
             self._lines.extend(lines)
             self.received += len(lines)
 
@@ -74,18 +72,9 @@ class LinkState:
         return f"disconnected: {self.error} (retry in {self.retry_in:g}s)"
 
 
-def follow_forever(
-    source: DashSource,
-    target: str,
-    run_id: str,
-    name: LogName,
-    sink: LineSink,
-    stop: threading.Event,
-    on_state: Callable[[LinkState], None],
-    tail_lines: int,
-    backoff: Backoff | None = None,
-    idle_s: float = 2.0,
-) -> None:
+def follow_forever(source: DashSource, target: str, run_id: str, name: LogName, sink: LineSink, stop: threading.Event,
+                   on_state: Callable[[LinkState], None], tail_lines: int, backoff: Backoff | None = None,
+                   idle_s: float = 2.0) -> None:
     """Follow one run file until `stop`, reconnecting with backoff where the offset left off."""
     backoff = backoff or Backoff()
     offset: int | None = None

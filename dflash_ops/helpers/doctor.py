@@ -59,16 +59,22 @@ def statvfs(path: str) -> dict:
             "free": st.f_bavail * st.f_frsize}
 
 
-def mount_of(path: str) -> dict | None:
-    """The /proc/self/mounts line whose mount point is the longest prefix of `path`."""
-    best = None
+def read_text(path: str) -> str | None:
     try:
-        with open("/proc/self/mounts") as f:
-            lines = f.read().splitlines()
+        with open(path) as f:
+            return f.read()
     except OSError:
         return None
+
+
+def mount_of(path: str) -> dict | None:
+    """The /proc/self/mounts line whose mount point is the longest prefix of `path`."""
+    mounts = read_text("/proc/self/mounts")
+    if mounts is None:
+        return None
+    best = None
     real = os.path.realpath(path)
-    for line in lines:
+    for line in mounts.splitlines():
         fields = line.split()
         if len(fields) < 4:
             continue
@@ -82,12 +88,11 @@ def mount_of(path: str) -> dict | None:
 def meminfo() -> dict[str, int]:
     out = {}
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable", "SwapTotal"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError):
+        for line in (read_text("/proc/meminfo") or "").splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable", "SwapTotal"):
+                out[key] = int(rest.split()[0]) * 1024
+    except ValueError:
         pass
     return out
 
@@ -121,13 +126,8 @@ def device_nodes() -> dict[str, str]:
 def char_majors() -> dict[str, int]:
     """Character-device majors of the nvidia drivers from /proc/devices (the node's kernel)."""
     majors: dict[str, int] = {}
-    try:
-        with open("/proc/devices") as f:
-            text = f.read()
-    except OSError:
-        return majors
-    block = text.split("Block devices:")[0]
-    for line in block.splitlines():
+    character_devices = (read_text("/proc/devices") or "").split("Block devices:")[0]
+    for line in character_devices.splitlines():
         fields = line.split()
         if len(fields) == 2 and fields[0].isdigit() and fields[1].startswith("nvidia"):
             majors[fields[1]] = int(fields[0])
@@ -135,11 +135,7 @@ def char_majors() -> dict[str, int]:
 
 
 def proc_driver_version() -> str | None:
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            first = f.readline()
-    except OSError:
-        return None
+    first = (read_text("/proc/driver/nvidia/version") or "").split("\n")[0]
     for word in first.split():
         parts = word.split(".")
         if len(parts) >= 2 and all(p.isdigit() for p in parts):

@@ -74,10 +74,6 @@ def is_complete(base: str, release: str) -> bool:
     return meta is not None and meta.get("hash") == release
 
 
-def pid_alive(pid: int) -> bool:
-    return pid > 0 and os.path.exists(f"/proc/{pid}")
-
-
 def pid_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -99,10 +95,11 @@ def run_is_live(run_dir: str) -> bool:
     if status.get("state") in FINAL_STATES:
         return False
     pid = status.get("pid")
-    if not isinstance(pid, int) or not pid_alive(pid):
-        return False
+    started = pid_start(pid) if isinstance(pid, int) and pid > 0 else None
+    if started is None:
+        return False  # gone
     expected = status.get("pid_start")
-    return expected is None or pid_start(pid) == expected
+    return expected is None or started == expected
 
 
 def live_run_releases(base: str) -> set[str]:

@@ -678,15 +678,10 @@ def parse_group(text: str) -> dict:
 def cmd_address(args: argparse.Namespace) -> None:
     """The address other hosts reach this container at: the source address of a route toward
     --toward (a UDP connect sends nothing), else the hostname's address."""
-    address = None
     if args.toward:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect((args.toward, 9))
-                address = s.getsockname()[0]
-            except OSError as e:
-                raise Refused("no route from this container toward %s: %s" % (args.toward, e.strerror or e)) from None
-    if address is None:
+        address = sockname(socket.SOCK_DGRAM, "connect", (args.toward, 9),
+                           "no route from this container toward %s" % args.toward)[0]
+    else:
         try:
             address = socket.gethostbyname(socket.gethostname())
         except OSError as e:
@@ -695,13 +690,19 @@ def cmd_address(args: argparse.Namespace) -> None:
 
 
 def cmd_free_port(args: argparse.Namespace) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((args.address, 0))
-            port = s.getsockname()[1]
-        except OSError as e:
-            raise Refused("cannot bind a port on %s in this container: %s" % (args.address, e.strerror or e)) from None
+    port = sockname(socket.SOCK_STREAM, "bind", (args.address, 0),
+                    "cannot bind a port on %s in this container" % args.address)[1]
     print_json({"address": args.address, "port": port})
+
+
+def sockname(kind: int, op: str, address: tuple[str, int], failure: str) -> tuple:
+    """The local (address, port) of an IPv4 socket after its `op` ("connect" or "bind") to address."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        try:
+            getattr(s, op)(address)
+            return s.getsockname()
+        except OSError as e:
+            raise Refused("%s: %s" % (failure, e.strerror or e)) from None
 
 
 def read_bytes(path: str) -> bytes:
@@ -832,9 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except Refused as e:
-        doc: dict[str, object] = {"error": str(e)}
-        doc.update(e.extra)
-        print_json(doc)
+        print_json({"error": str(e), **e.extra})
         sys.stderr.write("runs.py %s: %s\n" % (args.command, e))
         return e.code
     except BrokenPipeError:

@@ -338,7 +338,7 @@ def commit(base: str, dest: str, request: dict, stage: str) -> int:
     entries = {rel: {"size": want["size"], "sha256": want["sha256"],
                      "mtime_ns": os.stat(staged_path(stage, rel)).st_mtime_ns} for rel, want in files.items()}
     doc = {"dest": dest, "kind": request["kind"], "files": entries}
-    # "previous" keeps the files of the DEST being replaced ours until the swap is done
+    # until the swap is done, the files of the DEST being replaced count as ours too ("previous")
     write_json_atomic(record_path(base, dest), dict(doc, previous=sorted(set(cached) | set(present)), time=time.time()))
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)

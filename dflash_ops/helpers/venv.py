@@ -49,12 +49,9 @@ _SPEC = re.compile(r"^\s*(==|>=|<=|!=|~=|>|<)\s*([0-9][0-9A-Za-z.*+!-]*)\s*$")
 
 
 def parse_requirements(text: str) -> list[str]:
-    lines = []
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            lines.append(line)
-    return lines
+    """The requirement lines of a requirements file, comments and blank lines dropped."""
+    lines = (raw.split("#", 1)[0].strip() for raw in text.splitlines())
+    return [line for line in lines if line]
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:

@@ -163,16 +163,16 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
     deadline = time.monotonic() + timeout
     offset = 0
     served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
+
+    def look(line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if event.get("event") == "checkpoint" and event.get("request") == request_id:
+            served.append(event.get("path"))
+
     while True:
-
-        def look(line: bytes) -> None:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                return
-            if event.get("event") == "checkpoint" and event.get("request") == request_id:
-                served.append(event.get("path"))
-
         try:
             offset = follow_file(container, run_id, "metrics.jsonl", look, offset=offset)
         except RunNotFound:

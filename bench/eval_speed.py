@@ -33,7 +33,8 @@ from trainer.drafter import DFlashDrafter, DrafterConfig
 from trainer.evaluate import speculative_generate
 from trainer.speculative import speculative_generate_cached
 from trainer.target import FrozenHead, default_target_layer_ids, freeze, load_target
-from trainer.testing.hub_model import QWEN3_8B_DIMS, TINY_DIMS, write_hub_model
+
+from _common import hub_model_dir, report
 
 
 def sync(device: str) -> None:
@@ -69,20 +70,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 8 static rounds")
     args = p.parse_args(argv)
-    dev, dims = args.device, QWEN3_8B_DIMS if args.shape == "8b" else TINY_DIMS
+    dev = args.device
     out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__,
                  "transformers": transformers.__version__}
 
     with contextlib.ExitStack() as stack:
         if args.model_dir is None:
             args.model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-speed-"))) / "target"
-        began = time.perf_counter()
-        if (args.model_dir / "config.json").exists():
-            model_dir = args.model_dir
-        else:
-            model_dir = write_hub_model(args.model_dir, "qwen3", dims=dims, shards=None,
-                                        max_shard_bytes=4 << 30, device=dev)
-            out["write_model_dir_s"] = round(time.perf_counter() - began, 1)
+        model_dir = hub_model_dir(args.model_dir, args.shape, dev, out)
         out["model_dir_files"] = sorted(f.name for f in model_dir.iterdir())
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -157,10 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
             out[f"static_vs_{name}_tokens_per_s"] = round(out["static"]["tokens_per_s"] / out[name]["tokens_per_s"], 1)
     if dev.startswith("cuda"):
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
-    print(json.dumps(out, indent=1), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
-    return out
+    return report(out, args.out)
 
 
 if __name__ == "__main__":

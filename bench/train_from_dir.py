@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from _common import hub_model_dir, report
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,14 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     out: dict = {"device": args.device, "shape": args.shape, "steps": args.steps}
     work = Path(tempfile.mkdtemp(prefix="train-from-dir-"))
-    model_dir = args.model_dir or work / "target"
-    if not (model_dir / "config.json").exists():
-        from trainer.testing.hub_model import QWEN3_8B_DIMS, TINY_DIMS, write_hub_model
-
-        began = time.perf_counter()
-        write_hub_model(model_dir, "qwen3", dims=QWEN3_8B_DIMS if args.shape == "8b" else TINY_DIMS, shards=None,
-                        max_shard_bytes=4 << 30, device=args.device)
-        out["write_model_dir_s"] = round(time.perf_counter() - began, 1)
+    model_dir = hub_model_dir(args.model_dir or work / "target", args.shape, args.device, out)
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(config_for(model_dir, args), sort_keys=False))
     run_dir = work / "run"
@@ -102,10 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["work_dir"] = str(work)
     else:
         shutil.rmtree(work)  # what this run created: its config, run directory and any model written in it
-    print(json.dumps(out, indent=1), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
-    return out
+    return report(out, args.out)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,19 @@ dflash_ops.testing.sshd.SshdNode whose `.inventory` has target host200 behind re
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import yaml
 
+from typer.testing import CliRunner
+
+from dflash_ops.cli import app
 from dflash_ops.simnode import containers as simct
 from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd, sudo_login_unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
@@ -40,6 +46,21 @@ def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, cre
         },
     }))
     return path
+
+
+def play(inventory: Path, book: str, *variables: str, target: str = "host200"):
+    """`dflash-ops play playbooks/BOOK TARGET --var ...` in-process: the CliRunner result."""
+    args = ["play", str(REPO / "playbooks" / book), target, "--inventory", str(inventory)]
+    for variable in variables:
+        args += ["--var", variable]
+    return CliRunner().invoke(app, args)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (a server the test starts binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

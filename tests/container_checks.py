@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_ops import render
 from dflash_ops.container import Container
@@ -40,23 +42,6 @@ def assert_binary_stdin_round_trip(container: Container) -> None:
     data = bytes(range(256)) * 512
     result = container.exec(["cat"], stdin=data)
     assert result.ok and result.stdout_bytes == data
-
-
-def assert_stopped_container_refuses(container: Container) -> None:
-    pct = container.target.node.pct
-    ctid = container.target.ctid
-    run = container.transport.run
-    assert run(render.node_command(render.pct_argv(pct, "stop", ctid))).ok
-    try:
-        result = container.exec(["true"])
-        assert result.exit_code == 255
-        # pve-container pct.pm exec (Proxmox dropped the "Error: " prefix this check once pinned)
-        assert result.stderr == f"container '{ctid}' not running!\n"
-        status = run(render.node_command(render.pct_argv(pct, "status", ctid)))
-        assert status.stdout == "status: stopped\n"
-    finally:
-        assert run(render.node_command(render.pct_argv(pct, "start", ctid))).ok
-    assert container.exec(["true"]).ok
 
 
 def assert_real_exit_codes(container: Container, tmp: Path) -> None:
@@ -110,36 +95,6 @@ def assert_push_pull_verified(container: Container, tmp: Path) -> None:
     assert not (tmp / "never.bin").exists()
 
 
-def assert_push_tree(container: Container, tmp: Path) -> None:
-    src = tmp / "tree"
-    (src / "pkg" / "sub").mkdir(parents=True)
-    (src / "pkg" / "__init__.py").write_text("x = 1\n")
-    (src / "pkg" / "sub" / "data.bin").write_bytes(bytes(range(256)))
-    (src / "odd name 'quoted'.txt").write_text("$(id)\n")
-    remote = container.base_dir + "/tree"
-    sent = container.push_tree(src, remote)
-    assert sent > 0
-    listing = container.exec(["find", remote, "-type", "f"], check=True).stdout.split("\n")
-    assert sorted(p for p in listing if p) == sorted(
-        [f"{remote}/pkg/__init__.py", f"{remote}/pkg/sub/data.bin", f"{remote}/odd name 'quoted'.txt"]
-    )
-    got = container.exec(["cat", f"{remote}/pkg/sub/data.bin"], check=True).stdout_bytes
-    assert got == bytes(range(256))
-
-
-def assert_helper_installed_once(container: Container) -> None:
-    first = container.helper("inspect-source", ["json", "--lines", "1:3"], check=True)
-    runs_before = container.transport.commands_run
-    sent: list[bytes] = []
-    second = container.helper("inspect-source", ["json", "--lines", "1:3"], check=True, on_line=sent.append)
-    assert container.transport.commands_run - runs_before == 1
-    assert first.stdout == second.stdout and second.stdout.startswith("# ")
-    assert b"".join(sent) == second.stdout_bytes
-    assert container.exec(["test", "-f", container.helper_path("inspect-source")]).ok
-    with pytest.raises(RemoteCommandError):
-        container.helper("inspect-source", ["no_such_module_xyz"], check=True)
-
-
 def assert_exec_check_raises(container: Container) -> None:
     with pytest.raises(RemoteCommandError) as info:
         container.exec(["sh", "-c", "echo boom >&2; exit 7"], check=True)
@@ -161,8 +116,6 @@ def run_concurrently(container: Container, n: int) -> list[str]:
 
 
 def argv_strategy():
-    from hypothesis import strategies as st
-
     text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40)
     tricky = st.sampled_from(["", "it's", '"', "$(id)", "`id`", "{i}: {lines[i]}", "a\nb", "--", "-c", "*", "~", "\\", "é☃𝄞"])
     return st.lists(st.one_of(text, tricky), max_size=8)
@@ -184,8 +137,21 @@ def processes_running(argv: list[str]) -> list[int]:
 
 
 class ContainerTests:
-    """The checks above as tests over a module's `container` fixture: a tier module runs them all
-    with `class TestContainer(ContainerTests): pass` (the same tests on every tier, written once)."""
+    """The tests every tier runs, over its module's `container` fixture: a tier module subclasses
+    this as `class TestContainer(ContainerTests)` (the same tests on every tier, written once)."""
+
+    argv_examples = 30  # hypothesis examples of the argv round trip; a cheap tier may ask for more
+
+    def test_argv_arrives_byte_for_byte(self, container):
+        @settings(max_examples=self.argv_examples, deadline=None)
+        @given(argv_strategy())
+        def round_trip(argv):
+            assert_argv_round_trip(container, argv)
+
+        round_trip()
+
+    def test_big_argument(self, container):
+        assert_argv_round_trip(container, [BIG_ARGUMENT, "{i}: {lines[i]}", "$(id)"])
 
     def test_lines_stream_before_the_command_ends(self, container, tmp_path):
         assert_lines_stream_before_exit(container, tmp_path / "flag")
@@ -194,20 +160,60 @@ class ContainerTests:
         assert_binary_stdin_round_trip(container)
 
     def test_stopped_container_refuses_exec(self, container):
-        assert_stopped_container_refuses(container)
+        pct = container.target.node.pct
+        ctid = container.target.ctid
+        run = container.transport.run
+        assert run(render.node_command(render.pct_argv(pct, "stop", ctid))).ok
+        try:
+            result = container.exec(["true"])
+            assert result.exit_code == 255
+            # pve-container pct.pm exec (Proxmox dropped the "Error: " prefix this check once pinned)
+            assert result.stderr == f"container '{ctid}' not running!\n"
+            status = run(render.node_command(render.pct_argv(pct, "status", ctid)))
+            assert status.stdout == "status: stopped\n"
+        finally:
+            assert run(render.node_command(render.pct_argv(pct, "start", ctid))).ok
+        assert container.exec(["true"]).ok
 
     def test_push_pull_verified(self, container, tmp_path):
         assert_push_pull_verified(container, tmp_path)
 
     def test_push_tree(self, container, tmp_path):
-        assert_push_tree(container, tmp_path)
-
-    def test_helper_installed_once(self, container):
-        assert_helper_installed_once(container)
+        src = tmp_path / "tree"
+        (src / "pkg" / "sub").mkdir(parents=True)
+        (src / "pkg" / "__init__.py").write_text("x = 1\n")
+        (src / "pkg" / "sub" / "data.bin").write_bytes(bytes(range(256)))
+        (src / "odd name 'quoted'.txt").write_text("$(id)\n")
+        remote = container.base_dir + "/tree"
+        sent = container.push_tree(src, remote)
+        assert sent > 0
+        listing = container.exec(["find", remote, "-type", "f"], check=True).stdout.split("\n")
+        assert sorted(p for p in listing if p) == sorted(
+            [f"{remote}/pkg/__init__.py", f"{remote}/pkg/sub/data.bin", f"{remote}/odd name 'quoted'.txt"]
+        )
+        got = container.exec(["cat", f"{remote}/pkg/sub/data.bin"], check=True).stdout_bytes
+        assert got == bytes(range(256))
 
     def test_exec_check(self, container):
         assert_exec_check_raises(container)
 
+    def test_helper_installed_once(self, container):
+        first = container.helper("inspect-source", ["json", "--lines", "1:3"], check=True)
+        runs_before = container.transport.commands_run
+        sent: list[bytes] = []
+        second = container.helper("inspect-source", ["json", "--lines", "1:3"], check=True, on_line=sent.append)
+        assert container.transport.commands_run - runs_before == 1
+        assert first.stdout == second.stdout and second.stdout.startswith("# ")
+        assert b"".join(sent) == second.stdout_bytes
+        assert container.exec(["test", "-f", container.helper_path("inspect-source")]).ok
+        with pytest.raises(RemoteCommandError):
+            container.helper("inspect-source", ["no_such_module_xyz"], check=True)
+
     def test_exit_status_is_the_commands_own_127_126_and_128_plus_signal(self, container, tmp_path):
         # over SSH a signal must arrive as lxc-attach's exit status 128+N, not as an SSH exit-signal
         assert_real_exit_codes(container, tmp_path)
+
+    def test_container_environment(self, container, monkeypatch):
+        monkeypatch.setenv("PYTHONPATH", "/leak")  # where the node's commands inherit this process' environment
+        monkeypatch.setenv("SSL_CERT_FILE", "/leak")
+        assert_container_environment(container)

@@ -50,12 +50,16 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
+def _entries(row: dict, key: str, where: str) -> list:
+    entries = row[key]
+    if not isinstance(entries, list) or not entries:
+        raise DataError(f"{where}: '{key}' must be a non-empty list")
+    return entries
+
+
 def _from_messages(row: dict, where: str) -> list[dict]:
-    messages = row["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list")
     out = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(_entries(row, "messages", where)):
         if not isinstance(m, dict) or "role" not in m:
             raise DataError(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
         if m["role"] not in ROLES:
@@ -74,9 +78,7 @@ def _from_messages(row: dict, where: str) -> list[dict]:
 
 
 def _from_sharegpt(row: dict, where: str) -> list[dict]:
-    turns = row["conversations"]
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: 'conversations' must be a non-empty list")
+    turns = _entries(row, "conversations", where)
     out = []
     if isinstance(row.get("system"), str) and row["system"]:
         out.append({"role": "system", "content": row["system"]})

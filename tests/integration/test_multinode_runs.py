@@ -24,42 +24,19 @@ from dflash_ops.connect import open_container
 from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.testing.netns import Fleet, netns_unavailable_reason, start_fleet
+from tests.conftest import unavailable
+from tests.trainer.tiny_config import two_host_config
 
 pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.slow]
 
 TARGETS = ("n0-200", "n1-200")
 STEPS = 300
-CONFIG = f"""
-model:
-  target:
-    tiny: {{layers: 2, hidden: 32, heads: 4, kv_heads: 2, head_dim: 8, intermediate: 64, fit_steps: 0}}
-  drafter_layers: 1
-  block_size: 4
-  num_target_layers: 2
-  dtype: fp32
-  loss_chunk: 256
-data:
-  synthetic: {{n_train: 64, n_eval: 2, seed: 0, min_len: 8, max_len: 30}}
-  max_length: 64
-  num_anchors: 4
-  token_budget: 128
-  bucket_edges: [32, 64]
-  pad_multiple: 16
-optim: {{lr: 0.003, total_steps: {STEPS}, micro_batches: 2}}
-run: {{log_every: 1, threads: 1, checkpoint_every: 5}}
-eval: {{samples: 1, max_new_tokens: 4}}
-pipeline: {{kind: threaded}}
-distributed: {{peer_timeout_s: 5}}
-"""
+CONFIG = two_host_config(STEPS)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Fleet:
-    reason = netns_unavailable_reason()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the netns tier cannot run: {reason}")
-        pytest.skip(reason)
+    unavailable(netns_unavailable_reason(), "the netns tier")
     fleet = start_fleet(tmp_path_factory.mktemp("pair"), nodes=2, ctids=(200,), connect_timeout=3, keepalive=1)
     yield fleet
     connect.close_all()

@@ -5,34 +5,20 @@ model.target.path on the regenerated data, exported, and the export fetched back
 from __future__ import annotations
 
 import json
-import socket
-from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from dflash_ops.cli import app
-from tests.conftest import write_sim_inventory
+from tests.conftest import free_port, play, write_sim_inventory
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_real_path_playbook_end_to_end(tmp_path):
     inventory = write_sim_inventory(tmp_path / "simnode")
     base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
     local = tmp_path / "local"
-    args = ["play", str(REPO / "playbooks" / "real-path.yaml"), "host200", "--inventory", str(inventory)]
-    for var in (f"local_dir={local}", "prompts=6", "fit_steps=0", "train_steps=4", "max_tokens=8",
-                "concurrency=3", f"port={free_port()}"):
-        args += ["--var", var]
-    result = CliRunner().invoke(app, args)
+    result = play(inventory, "real-path.yaml", f"local_dir={local}", "prompts=6", "fit_steps=0", "train_steps=4",
+                  "max_tokens=8", "concurrency=3", f"port={free_port()}")
     assert result.exit_code == 0, result.output
     assert "regen: 6 regenerated, 0 already done, 0 failed" in result.stdout
     assert "real-path: 12/12 steps OK" in result.stdout

@@ -7,42 +7,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from dflash_ops.cli import app
-from tests.conftest import write_sim_inventory
+from tests.conftest import free_port, play, write_sim_inventory
+from tests.procs import alive
 from tests.trainer.test_regen import write_fixture_model
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def play(inventory: Path, book: str, *vars: str):
-    args = ["play", str(REPO / "playbooks" / book), "host200", "--inventory", str(inventory)]
-    for var in vars:
-        args += ["--var", var]
-    return CliRunner().invoke(app, args)
 
 
 def engine_state(base: Path) -> dict:
     return json.loads((base / "services" / "engine" / "service.json").read_text())
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
@@ -73,7 +50,7 @@ def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
         assert sorted(json.loads(line)["id"] for line in (data / "regen.jsonl").read_text().splitlines()) == \
             [f"q{i}" for i in range(6)]
         first = engine_state(base)
-        assert first["state"] == "stopped" and not process_alive(first["pid"])
+        assert first["state"] == "stopped" and not alive(first["pid"])
 
     failed = play(inventory, "regen.yaml", *common, f"prompts={data}/missing.jsonl")
     assert failed.exit_code != 0
@@ -81,5 +58,5 @@ def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
     assert "cannot read" in failed.output
     assert "[cleanup] stop service engine" in failed.output
     second = engine_state(base)
-    assert second["state"] == "stopped" and not process_alive(second["pid"])
+    assert second["state"] == "stopped" and not alive(second["pid"])
     assert first is None or second["pid"] != first["pid"]

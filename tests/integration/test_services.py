@@ -15,8 +15,9 @@ import pytest
 
 from dflash_ops.playbook.play import PlaybookError, load_playbook, run_playbook
 from dflash_ops.services import ServiceError, start_service, stop_service, wait_service
-from tests.conftest import write_sim_inventory
+from tests.conftest import free_port, write_sim_inventory
 from tests.integration.deploy_support import sim_container, sshd_container
+from tests.procs import alive, session_members, start_ticks
 
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
@@ -29,34 +30,8 @@ def container(request, tmp_path):
     box.transport.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 SERVER = [sys.executable, "-c", "import http.server, sys, subprocess; subprocess.Popen(['sleep', '300']); "
           "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()"]
-
-
-def children_of_session(sid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            rest = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(rest[3]) == sid and rest[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def test_start_wait_stop_stops_the_whole_session_and_nothing_else(container, tmp_path):
@@ -65,7 +40,7 @@ def test_start_wait_stop_stops_the_whole_session_and_nothing_else(container, tmp
     try:
         record = start_service(container, "web", [*SERVER, str(port)], cwd=str(tmp_path))
         wait_service(container, "web", f"http://127.0.0.1:{port}/", timeout=120, poll=0.1)
-        members = children_of_session(record["pid"])
+        members = session_members(record["pid"])
         assert len(members) == 2, "the server and the child it spawned"
         with pytest.raises(ServiceError, match="already running"):
             start_service(container, "web", [*SERVER, str(port)])
@@ -108,9 +83,7 @@ def test_stop_never_signals_a_pid_that_is_no_longer_the_service(container):
     try:
         record = start_service(container, "gone", [sys.executable, "-c", "pass"])
         path = Path(container.base_dir) / "services" / "gone" / "service.json"
-        with open(f"/proc/{stranger.pid}/stat") as f:
-            stranger_start = int(f.read().rsplit(")", 1)[1].split()[19])
-        path.write_text(json.dumps({**record, "pid": stranger.pid, "pid_start": stranger_start - 1}))
+        path.write_text(json.dumps({**record, "pid": stranger.pid, "pid_start": start_ticks(stranger.pid) - 1}))
         assert stop_service(container, "gone", grace=1)["signalled"] == []
         assert alive(stranger.pid)
     finally:

@@ -5,7 +5,6 @@ import shlex
 import subprocess
 
 import pytest
-from hypothesis import given, settings
 from typer.testing import CliRunner
 
 from dflash_ops.cli import app
@@ -31,16 +30,6 @@ class TestContainer(ContainerTests):
     pass
 
 
-@settings(max_examples=30, deadline=None)
-@given(checks.argv_strategy())
-def test_argv_arrives_byte_for_byte(container, argv):
-    checks.assert_argv_round_trip(container, argv)
-
-
-def test_big_argument(container):
-    checks.assert_argv_round_trip(container, [checks.BIG_ARGUMENT, "{i}: {lines[i]}"])
-
-
 def test_one_connection_for_many_execs(sshd_node, container):
     container.exec(["true"], check=True)
     logins, opened, runs = sshd_node.accepted_logins(), container.transport.connections_opened, container.transport.commands_run
@@ -50,18 +39,6 @@ def test_one_connection_for_many_execs(sshd_node, container):
     assert sshd_node.accepted_logins() == logins
     assert container.transport.connections_opened == opened
     assert container.transport.commands_run - runs == 14
-
-
-
-
-
-
-
-
-
-
-def test_container_environment(container):
-    checks.assert_container_environment(container)
 
 
 def test_node_commands_read_the_nodes_own_login_bashrc(sshd_node):

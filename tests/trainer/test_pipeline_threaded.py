@@ -7,32 +7,23 @@ import pytest
 from trainer.config import parse_config
 from trainer.entry import train
 
-CONFIG = """
-model:
-  target:
-    tiny: {layers: 4, hidden: 32, heads: 4, kv_heads: 2, head_dim: 8, intermediate: 64, fit_steps: 0}
-  drafter_layers: 1
-  block_size: 4
-  num_target_layers: 2
-  dtype: fp32
-  loss_chunk: 256
+from tests.trainer.tiny_config import tiny_config
+
+OVERLAY = """
+model: {target: {tiny: {layers: 4}}}
 data:
-  synthetic: {n_train: 200, n_eval: 4, seed: 0, min_len: 8, max_len: 30}
-  max_length: 64
+  synthetic: {n_train: 200, n_eval: 4}
   num_anchors: 8
   token_budget: 256
-  bucket_edges: [32, 64]
-  pad_multiple: 16
-optim: {lr: 0.003, total_steps: 4, micro_batches: 3}
+optim: {total_steps: 4, micro_batches: 3}
 devices: {target: [%(targets)s], drafter: [%(drafters)s]}
-run: {log_every: 1, threads: 1}
-eval: {samples: 2, max_new_tokens: 4}
+eval: {samples: 2}
 pipeline: {kind: %(kind)s, pad_to_warm_shapes: %(pad)s}
 """
 
 
-def config(kind="threaded", targets="cpu, cpu", drafters="cpu, cpu", pad="auto"):
-    return parse_config(CONFIG % dict(kind=kind, targets=targets, drafters=drafters, pad=pad))
+def config(kind="threaded", targets="cpu, cpu", drafters="cpu, cpu", pad="auto", extra=""):
+    return parse_config(tiny_config(OVERLAY % dict(kind=kind, targets=targets, drafters=drafters, pad=pad), extra))
 
 
 def events(run_dir, kind):
@@ -102,18 +93,11 @@ def test_control_stop_checkpoints_and_stops_cleanly(tmp_path):
     assert not (run / "control" / "stop").exists()
 
 
-PACKED = "\n  pack_length: 128\n  pack_rows: 2\n"
-
-
 def test_threaded_packed_pipeline_matches_reference_loop(tmp_path, fx_trace_threads):
     """Packed rows through both loops: the same numbers, one warm shape, status with pad share."""
-    def packed(**kw):
-        text = CONFIG % dict(kind=kw.get("kind", "threaded"), targets=kw.get("targets", "cpu, cpu"),
-                             drafters=kw.get("drafters", "cpu, cpu"), pad="auto")
-        return parse_config(text.replace("\n  pad_multiple: 16\n", "\n  pad_multiple: 16" + PACKED))
-
-    assert train(packed(kind="reference", targets="cpu", drafters="cpu"), tmp_path / "ref") == 0
-    assert train(packed(), tmp_path / "thr") == 0
+    packed = "data: {pack_length: 128, pack_rows: 2}"
+    assert train(config(kind="reference", targets="cpu", drafters="cpu", extra=packed), tmp_path / "ref") == 0
+    assert train(config(extra=packed), tmp_path / "thr") == 0
     ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
     assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3, 4]
     for a, b in zip(ref, thr):

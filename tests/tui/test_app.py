@@ -1,5 +1,6 @@
 """Pilot tests: the dashboard driven against run directories a writer keeps updating."""
 
+import contextlib
 import json
 
 import pytest
@@ -11,14 +12,17 @@ from dflash_ops.tui.remote import LocalDirSource
 pytestmark = pytest.mark.anyio
 
 
-def _app(tmp_path, **kwargs):
-    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), poll_s=0.05, **kwargs)
-
-
-async def test_table_fills_and_detail_plots_grow_while_the_run_writes(tmp_path, live_run, wait_for):
-    app = _app(tmp_path)
+@contextlib.asynccontextmanager
+async def dashboard(run, wait_for, source=None):
+    """The app over `run`'s base directory as target `sim`, driven by a pilot, once the run is in its table."""
+    app = DashApp(source or LocalDirSource({"sim": run.dir.parents[1]}, gpus=False), poll_s=0.05)
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+        await wait_for(pilot, lambda: f"sim/{run.run_id}" in app.rows, "the run in the table")
+        yield app, pilot
+
+
+async def test_table_fills_and_detail_plots_grow_while_the_run_writes(live_run, wait_for):
+    async with dashboard(live_run, wait_for) as (app, pilot):
         await pilot.press("enter")
         assert isinstance(app.screen, RunDetailScreen)
         detail = app.screen
@@ -30,10 +34,8 @@ async def test_table_fills_and_detail_plots_grow_while_the_run_writes(tmp_path, 
         assert app.rows["sim/live-run"].step > 0
 
 
-async def test_checkpoint_key_drops_a_request_the_run_serves(tmp_path, live_run, wait_for):
-    app = _app(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+async def test_checkpoint_key_drops_a_request_the_run_serves(live_run, wait_for):
+    async with dashboard(live_run, wait_for) as (app, pilot):
         await pilot.press("enter")
         detail = app.screen
         await pilot.press("c")
@@ -42,11 +44,9 @@ async def test_checkpoint_key_drops_a_request_the_run_serves(tmp_path, live_run,
         assert served.request and (live_run.dir / served.path / "manifest.json").exists()
 
 
-async def test_checkpoint_and_confirmed_stop_write_control_files(tmp_path, static_run, wait_for):
+async def test_checkpoint_and_confirmed_stop_write_control_files(static_run, wait_for):
     control = static_run.dir / "control"
-    app = _app(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+    async with dashboard(static_run, wait_for) as (app, pilot):
         await pilot.press("c")
         await wait_for(pilot, lambda: (control / "checkpoint").exists(), "control/checkpoint")
         assert set(json.loads((control / "checkpoint").read_text())) == {"id", "time"}
@@ -60,11 +60,9 @@ async def test_checkpoint_and_confirmed_stop_write_control_files(tmp_path, stati
     assert sorted(p.name for p in control.iterdir()) == ["checkpoint", "stop"]
 
 
-async def test_filter_shows_only_matching_log_lines(tmp_path, static_run, wait_for):
+async def test_filter_shows_only_matching_log_lines(static_run, wait_for):
     static_run.log("needle here", "hay", "another NEEDLE")
-    app = _app(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+    async with dashboard(static_run, wait_for) as (app, pilot):
         await pilot.press("enter")
         detail = app.screen
         await wait_for(pilot, lambda: "hay" in detail.lines, "the log tail")
@@ -100,9 +98,7 @@ class DroppingSource(LocalDirSource):
 
 async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines(tmp_path, live_run, wait_for):
     source = DroppingSource({"sim": tmp_path}, gpus=False)
-    app = DashApp(source, poll_s=0.05)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/live-run" in app.rows, "the run in the table")
+    async with dashboard(live_run, wait_for, source) as (app, pilot):
         await pilot.press("enter")
         detail = app.screen
         await wait_for(pilot, lambda: len(detail.lines) > 5, "log lines")
@@ -121,12 +117,10 @@ async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines
         assert steps == list(range(steps[0], steps[-1] + 1))  # nothing lost
 
 
-async def test_s_then_enter_does_not_stop_the_run(tmp_path, static_run, wait_for):
+async def test_s_then_enter_does_not_stop_the_run(static_run, wait_for):
     """The confirm dialog's default focus is Cancel: a reflexive Enter is the safe answer."""
     control = static_run.dir / "control"
-    app = _app(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run in the table")
+    async with dashboard(static_run, wait_for) as (app, pilot):
         await pilot.press("s")
         assert isinstance(app.screen, ConfirmScreen)
         assert app.screen.focused is not None and app.screen.focused.id == "no"

@@ -12,9 +12,8 @@ import pytest
 from dflash_ops import runs
 from dflash_ops.runs.follow import FileTruncated
 from dflash_ops.transport.base import LineSplitter
+from tests.unit.runs_double import HELPERS, LocalHelperContainer, eventually
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, LocalHelperContainer, eventually  # noqa: E402
 
 RUNS_HELPER = str(HELPERS / "runs.py")
 

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 import dflash_ops
 from dflash_ops.errors import InventoryError
@@ -56,42 +57,17 @@ def test_env_var_overrides_default(tmp_path, monkeypatch):
     assert inv.path == path and inv.target("host200").node.pct == ("sudo", "pct")
 
 
-@pytest.mark.parametrize(
-    "old, new, message",
-    [
-        ("    ctid: 200", "    ctdi: 200", "hosts.yaml:9: target 'host200': unknown key 'ctdi' (did you mean 'ctid'?)"),
-        ("    ctid: 200\n", "", "hosts.yaml:7: target 'host200': missing required key 'ctid'"),
-        ("transport: ssh", "transport: rsh", "hosts.yaml:3: node 'pve1': transport must be 'ssh' or 'local', got 'rsh'"),
-        ("    node: pve1", "    node: pve2", "hosts.yaml:8: target 'host200': unknown node 'pve2' (did you mean 'pve1'?)"),
-        ("    address: 10.1.2.6\n", "", "hosts.yaml:2: node 'pve1': missing required key 'address' (ssh nodes)"),
-        ("base_dir: /opt/dflash", "base_dir: opt/dflash", "hosts.yaml:10: target 'host200': base_dir must be an absolute path"),
-        ("ctid: 200", "ctid: 12", "hosts.yaml:9: target 'host200': ctid must be greater than or equal to 100, got 12"),
-        ("gpus: [0, 1]", "gpus: [a]", "hosts.yaml:11: target 'host200': gpus[0] must be a valid integer, got 'a'"),
-        ("    pct: sudo pct", "    pct: sudo pct\n    port: 70000",
-         "hosts.yaml:6: node 'pve1': port must be less than or equal to 65535, got 70000"),
-        ("    pct: sudo pct", "    pct: sudo pct\n    connect_timeout: 0",
-         "hosts.yaml:6: node 'pve1': connect_timeout must be greater than 0, got 0"),
-        ("    pct: sudo pct", "    pct: sudo pct\n    connect_timeout: .inf",
-         "hosts.yaml:6: node 'pve1': connect_timeout must be a finite number, got inf"),
-        ("    pct: sudo pct", "    pct: simulated", "hosts.yaml:5: node 'pve1': pct 'simulated' needs transport 'local'"),
-        ("    ctid: 200", "    ctid: 200\n    ctid: 201", "hosts.yaml:10: duplicate key 'ctid'"),
-        ("gpus: [0, 1]", "gpus: [0, 1", "hosts.yaml:12: invalid YAML"),
-        ("targets:", "target:", "hosts.yaml:6: inventory: unknown key 'target' (did you mean 'targets'?)"),
-        ("gpus: [0, 1]", "gpus: [0, 1]\n    venv: {requirments: r.txt}",
-         "hosts.yaml:12: target 'host200': venv: unknown key 'requirments' (did you mean 'requirements'?)"),
-        ("gpus: [0, 1]", "gpus: [0, 1]\n    venv:\n      uv: sometimes",
-         "hosts.yaml:13: target 'host200': venv: uv must be 'auto', 'always' or 'never', got 'sometimes'"),
-        ("gpus: [0, 1]", "gpus: [0, 1]\n    keep_releases: 0",
-         "hosts.yaml:12: target 'host200': keep_releases must be greater than or equal to 1, got 0"),
-    ],
-)
-def test_errors_name_file_line_and_problem(tmp_path, old, new, message):
-    assert old in GOOD
-    path = write(tmp_path, GOOD.replace(old, new))
+ERRORS = yaml.safe_load((Path(__file__).resolve().parents[1] / "fixtures" / "inventory_errors.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=[case["error"].split(": ", 1)[1] for case in ERRORS])
+def test_errors_name_file_line_and_problem(tmp_path, case):
+    assert case["old"] in GOOD
+    path = write(tmp_path, GOOD.replace(case["old"], case["new"]))
     with pytest.raises(InventoryError) as info:
         load_inventory(path)
     text = str(info.value)
-    assert text.startswith(str(tmp_path)) and message in text
+    assert text.startswith(str(tmp_path)) and case["error"] in text
     assert "\n" not in text
 
 

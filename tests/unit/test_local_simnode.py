@@ -4,15 +4,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
 
 from dflash_ops import render
 from dflash_ops.connect import open_container
 from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
-from tests import container_checks as checks
 from tests.container_checks import ContainerTests
 from tests.conftest import write_sim_inventory
+from tests.procs import alive
 from tests.unit.runs_double import eventually
 
 
@@ -22,19 +21,7 @@ def container(tmp_path_factory):
 
 
 class TestContainer(ContainerTests):
-    pass
-
-
-@settings(max_examples=40, deadline=None)
-@given(checks.argv_strategy())
-def test_argv_arrives_byte_for_byte(container, argv):
-    checks.assert_argv_round_trip(container, argv)
-
-
-def test_big_argument(container):
-    checks.assert_argv_round_trip(container, [checks.BIG_ARGUMENT, "$(id)"])
-
-
+    argv_examples = 40  # a local command is cheap
 
 
 def test_stdin_from_a_binary_file_object(container, tmp_path):
@@ -45,34 +32,14 @@ def test_stdin_from_a_binary_file_object(container, tmp_path):
             subprocess.run(["sha256sum", str(payload)], capture_output=True, text=True).stdout.split()[0]
 
 
-
-
-
-
-
-
-def test_container_environment(container, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", "/leak")
-    monkeypatch.setenv("SSL_CERT_FILE", "/leak")
-    checks.assert_container_environment(container)
-
-
 def test_timeout_kills_the_process_group(container, tmp_path):
     marker, pid_file = tmp_path / "survived", tmp_path / "pid"
     with pytest.raises(CommandTimeout):
         container.exec(["sh", "-c", 'echo $$ > "$1"; sleep 2; touch "$0"', str(marker), str(pid_file)], timeout=0.5)
     if pid_file.exists():  # else the shell was killed before it began (a loaded machine)
         pid = int(pid_file.read_text())
-        eventually(lambda: not _running(pid), f"the timed-out shell {pid} to be gone")  # a survivor touches first
+        eventually(lambda: not alive(pid), f"the timed-out shell {pid} to be gone")  # a survivor touches first
     assert not marker.exists()
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone, just not reaped
 
 
 def pct(container, *args):

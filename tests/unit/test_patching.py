@@ -87,30 +87,26 @@ def test_allow_moves_accepts_a_reachable_move(release):
     assert allowed.ok and [p.kind for p in allowed.notes] == ["removed"]
 
 
-def test_syntax_error_is_refused_with_file_and_line(release):
-    diff = """--- a/trainer/data.py
+def start_hunk(old: str, new: str) -> str:
+    """A diff of trainer/data.py that replaces line 24 (`old`, in BatchPrefetcher.start) by `new`."""
+    return f"""--- a/trainer/data.py
 +++ b/trainer/data.py
 @@ -23,3 +23,3 @@
      def start(self):
--        self.thread.start()
-+        self.thread.start(
+-        {old}
++        {new}
          return self
 """
-    report = check_patch(release, diff)
+
+
+def test_syntax_error_is_refused_with_file_and_line(release):
+    report = check_patch(release, start_hunk("self.thread.start()", "self.thread.start("))
     assert [(p.kind, p.file, p.line) for p in report.problems] == [("syntax", DATA, 24)]
     assert "SyntaxError" in str(report.problems[0])
 
 
 def test_hunk_that_does_not_apply_is_refused(release):
-    diff = """--- a/trainer/data.py
-+++ b/trainer/data.py
-@@ -23,3 +23,3 @@
-     def start(self):
--        self.thread.launch()
-+        self.thread.start()
-         return self
-"""
-    report = check_patch(release, diff)
+    report = check_patch(release, start_hunk("self.thread.launch()", "self.thread.start()"))
     assert len(report.problems) == 1
     message = str(report.problems[0])
     assert message == ("trainer/data.py:23: hunk #1 (@@ -23,3 +23,3 @@) does not apply: "

@@ -13,9 +13,8 @@ from dflash_ops import runs
 from dflash_ops.errors import TransportError, Unreachable
 from dflash_ops.runs import ConnectionLost, RunNotFound
 from dflash_ops.runs.helper import EXIT_TIME_UP
+from tests.unit.runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release  # noqa: E402
 
 RUNS_HELPER = str(HELPERS / "runs.py")
 

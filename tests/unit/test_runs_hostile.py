@@ -17,9 +17,9 @@ from dflash_ops.cli import app
 from dflash_ops.runs import GpusBusy, RunError, RunRefused
 from dflash_ops.runs.lifecycle import parse_gpus
 from tests.conftest import write_sim_inventory
+from tests.procs import start_ticks
+from tests.unit.runs_double import HELPERS, eventually
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import HELPERS, eventually  # noqa: E402
 
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
@@ -31,11 +31,6 @@ def bystander():
     yield proc
     proc.kill()
     proc.wait()
-
-
-def _start_ticks(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rfind(")") + 2:].split()[19])
 
 
 def _config(tmp_path, text=LONG) -> Path:
@@ -66,7 +61,7 @@ def test_cli_refuses_bad_run_ids_with_one_line(tmp_path, argv):
 def test_helper_refuses_a_run_dir_outside_runs(tmp_path, bystander):
     planted = tmp_path / "elsewhere" / "x"
     planted.mkdir(parents=True)
-    (planted / "launch.json").write_text(json.dumps({"pid": bystander.pid, "pid_start": _start_ticks(bystander.pid),
+    (planted / "launch.json").write_text(json.dumps({"pid": bystander.pid, "pid_start": start_ticks(bystander.pid),
                                                      "argv": ["sleep", "300"]}))
     done = subprocess.run([sys.executable, str(HELPERS / "runs.py"), "signal", str(planted), "KILL"],
                           capture_output=True, text=True)
@@ -78,7 +73,7 @@ def test_helper_refuses_a_run_dir_outside_runs(tmp_path, bystander):
 def test_a_planted_pid_is_never_signalled(container, bystander, planted):
     run_dir = container.base / "runs" / "planted"
     run_dir.mkdir(parents=True)
-    doc = {"state": "running", "pid": bystander.pid, "pid_start": _start_ticks(bystander.pid)}
+    doc = {"state": "running", "pid": bystander.pid, "pid_start": start_ticks(bystander.pid)}
     if "status" in planted:
         (run_dir / "status.json").write_text(json.dumps(doc))
     if "launch" in planted:  # right pid and start time, but not the command dflash-ops launched

@@ -12,9 +12,9 @@ import pytest
 
 from dflash_ops import runs
 from dflash_ops.runs import GpusBusy, RunError, RunInfo, RunNotFound, RunRefused
+from tests.procs import start_ticks
+from tests.unit.runs_double import LocalHelperContainer, make_release
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runs_double import LocalHelperContainer, make_release  # noqa: E402
 
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
@@ -128,10 +128,8 @@ def test_control_request_is_atomic_and_reused_while_pending(container, tmp_path)
 def test_signal_never_hits_a_reused_pid(container):
     run_dir = container.base / "runs" / "reused"
     run_dir.mkdir(parents=True)
-    with open(f"/proc/{os.getpid()}/stat") as f:
-        stat = f.read()
-    real_start = int(stat[stat.rfind(")") + 2:].split()[19])
-    status = {"version": 1, "run_id": "reused", "state": "running", "pid": os.getpid(), "pid_start": real_start + 1}
+    status = {"version": 1, "run_id": "reused", "state": "running", "pid": os.getpid(),
+              "pid_start": start_ticks(os.getpid()) + 1}
     (run_dir / "status.json").write_text(json.dumps(status))
     assert runs.signal_run(container, "reused", "KILL") is False
     info = runs.run_status(container, "reused")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import traceback
-from dataclasses import dataclass
 
 POLL_SECONDS = 0.05
 
@@ -16,11 +15,18 @@ class PipelineStopped(Exception):
     """Raised inside a stage when the run is stopping; the stage should just return."""
 
 
-@dataclass(frozen=True)
-class ThreadError:
-    thread: str
-    message: str
-    traceback: str
+class PipelineFailed(RuntimeError):
+    """The first error of a pipeline thread: the trainer raises it once every thread has stopped,
+    and status.json's `error` is its record()."""
+
+    def __init__(self, thread: str, message: str, traceback: str) -> None:
+        super().__init__(message)
+        self.thread = thread
+        self.message = message
+        self.traceback = traceback
+
+    def record(self) -> dict:
+        return {"message": self.message, "traceback": self.traceback, "thread": self.thread}
 
 
 class StopSignal:
@@ -29,7 +35,7 @@ class StopSignal:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._lock = threading.Lock()
-        self.error: ThreadError | None = None
+        self.error: PipelineFailed | None = None
         self.reason: str | None = None
 
     def is_set(self) -> bool:
@@ -47,7 +53,7 @@ class StopSignal:
         with self._lock:
             if self.error is None:
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                self.error = ThreadError(name, f"{type(exc).__name__}: {exc}", tb)
+                self.error = PipelineFailed(name, f"{type(exc).__name__}: {exc}", tb)
             if self.reason is None:
                 self.reason = "error"
         self._event.set()

@@ -28,7 +28,7 @@ from .grad_sync import FlatGrads, ReplicaAllReduce
 from .prefetch import BatchPrefetcher
 from .shapes import PackedShape, WarmShapes
 from .stages import StageQueue, StageThread, join_all
-from .stopping import StopSignal
+from .stopping import PipelineFailed, StopSignal
 from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
 
@@ -380,7 +380,7 @@ class ThreadedTrainer(Trainer):
             for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
                 uncompile_decoder_layers(target)
         if self.stop.error is not None:
-            raise PipelineFailed(self.stop.error)
+            raise self.stop.error
         return self.stop.reason
 
     def setup(self, resume: str | None):
@@ -391,15 +391,8 @@ class ThreadedTrainer(Trainer):
 
     def error_record(self, exc: BaseException) -> dict:
         if isinstance(exc, PipelineFailed):
-            e = exc.error
-            return {"message": e.message, "traceback": e.traceback, "thread": e.thread}
+            return exc.record()
         return super().error_record(exc)
 
     def busy_devices(self):
         return list(dict.fromkeys(self.target_devices + self.drafter_devices))
-
-
-class PipelineFailed(RuntimeError):
-    def __init__(self, error):
-        super().__init__(error.message)
-        self.error = error

@@ -27,28 +27,29 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from trainer.regen import Completion, HFEngine, RegenError, Sampling
 
 
+@dataclass(eq=False)
 class ModelServer:
     """The state behind the routes: the engine once loaded, and the fault counters."""
 
-    def __init__(self, model_path: str, served_name: str, *, max_model_len: int | None = None,
-                 fail_first: int = 0, device: str = "cpu"):
-        self.model_path = model_path
-        self.served_name = served_name
-        self.max_model_len = max_model_len
-        self.fail_first = fail_first
-        self.device = device
-        self.engine: HFEngine | None = None
-        self.load_error: str | None = None
-        self.requests = 0  # completions that reached the model
-        self.received = 0  # every POST /v1/chat/completions
-        self._lock = threading.Lock()
-        self.created = int(time.time())
+    model_path: str
+    served_name: str
+    _: KW_ONLY
+    max_model_len: int | None = None
+    fail_first: int = 0
+    device: str = "cpu"
+    engine: HFEngine | None = field(default=None, init=False)
+    load_error: str | None = field(default=None, init=False)
+    requests: int = field(default=0, init=False)  # completions that reached the model
+    received: int = field(default=0, init=False)  # every POST /v1/chat/completions
+    created: int = field(default_factory=lambda: int(time.time()), init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def load(self) -> None:
         try:

@@ -266,11 +266,8 @@ class ConfirmScreen(ModalScreen[bool]):
     #dialog { width: 60; height: auto; border: thick $error; padding: 1 2; background: $surface; }
     #buttons { height: auto; margin-top: 1; }
     """
-    BINDINGS = [
-        Binding("y", "answer(True)", "Yes"),
-        Binding("n", "answer(False)", "No"),
-        Binding("escape", "answer(False)", "Cancel"),
-    ]
+    BINDINGS = [Binding("y", "dismiss(True)", "Yes"), Binding("n", "dismiss(False)", "No"),
+                Binding("escape", "dismiss(False)", "Cancel")]
 
     def __init__(self, question: str) -> None:
         super().__init__()
@@ -285,6 +282,3 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
-
-    def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)

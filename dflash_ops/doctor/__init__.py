@@ -17,6 +17,7 @@ from dflash_ops.doctor.node import NodeFacts, node_facts
 from dflash_ops.doctor.plan import RunPlan, plan_for
 from dflash_ops.doctor.verdicts import last_verdict, record_verdict
 from dflash_ops.errors import DflashOpsError, TransportError
+from dflash_ops.runs import list_runs
 
 if TYPE_CHECKING:
     from dflash_ops.container import Container, ContainerAPI
@@ -88,8 +89,6 @@ def _gather(container: ContainerAPI, plan: RunPlan, fast: bool, inputs: Inputs) 
 
 def _runs_fallback(container: ContainerAPI) -> dict:
     """The runs helper of this version was not installed yet: ask it (this installs it)."""
-    from dflash_ops.runs import list_runs
-
     try:
         runs = list_runs(container)
     except DflashOpsError as e:

@@ -136,9 +136,8 @@ class DashApp(App):
             link = self.links[target]
             runs = sum(1 for k in self.rows if k.startswith(f"{target}/"))
             mark, style = ("●", "green") if link.connected else ("✖", "red") if link.error else ("○", "yellow")
-            text = f"{mark} {target}: {link.describe()}, {runs} run{'s' if runs != 1 else ''}"
-            parts.append((text, style))
-        self._targets.update(Text("   ").join(Text(t, style=s) for t, s in parts))
+            parts.append(Text(f"{mark} {target}: {link.describe()}, {runs} run{'s' if runs != 1 else ''}", style=style))
+        self._targets.update(Text("   ").join(parts))
 
     def _cells(self, row: RunRow) -> tuple:
         stale = not self.links.get(row.target, LinkState(False)).connected

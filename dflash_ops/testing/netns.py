@@ -196,7 +196,7 @@ class Fleet:
     processes: list[subprocess.Popen] = field(default_factory=list)
     closed: bool = False
     node_settings: dict = field(default_factory=dict)
-    bridge_mac: str = ""  # known once the bridge exists
+    bridge_mac: str = ""  # known once every node is on the bridge
 
     def node(self, name: str) -> FleetNode:
         return next(n for n in self.nodes if n.name == name)
@@ -357,9 +357,10 @@ def start_fleet(
         _ip("link", "add", fleet.bridge, "type", "bridge")
         _ip("addr", "add", f"{fleet.gateway}/24", "dev", fleet.bridge)
         _ip("link", "set", fleet.bridge, "up")
-        fleet.bridge_mac = json.loads(_ip("-j", "link", "show", fleet.bridge).stdout)[0]["address"]
         for i in range(nodes):
             _start_node(fleet, i, ctids, disk_mb)
+        # a bridge takes the lowest MAC of its ports: read it once they are all attached
+        fleet.bridge_mac = json.loads(_ip("-j", "link", "show", fleet.bridge).stdout)[0]["address"]
         for node in fleet.nodes:
             fleet._pin_neighbours(node)
             _ip("neigh", "replace", node.address, "lladdr", node.mac, "dev", fleet.bridge, "nud", "permanent")

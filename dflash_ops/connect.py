@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 
 from dflash_ops.container import Container
+from dflash_ops.errors import TransportError
 from dflash_ops.inventory import Inventory, Node
+from dflash_ops.render import node_command
+from dflash_ops.simnode.containers import create_argv, is_created
 from dflash_ops.transport.base import Transport
 
 _transports: dict[Node, Transport] = {}
@@ -43,10 +46,6 @@ def _create_sim_container(container: Container) -> None:
     Only the ctids the node lists under `sim_containers` (the embedded default's 200): any
     other ctid gets pct's "does not exist", as on a real node.
     """
-    from dflash_ops.errors import TransportError
-    from dflash_ops.render import node_command
-    from dflash_ops.simnode.containers import create_argv, is_created
-
     target = container.target
     sim_root = target.node.sim_root
     assert sim_root is not None
@@ -56,9 +55,6 @@ def _create_sim_container(container: Container) -> None:
         result = container.transport.run(node_command(create_argv(target.node.pct, target.ctid, hostname=target.name)))
         if not is_created(sim_root, target.ctid):
             raise TransportError(f"creating simulated CT {target.ctid} failed: {result.stderr.strip()[-500:]}")
-
-
-connect = open_container
 
 
 def close_all() -> None:

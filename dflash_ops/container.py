@@ -137,7 +137,8 @@ class Container:
         result = self._holding_config_lock(f"push {remote}", attempt)
         got = _parse_sha256(result)
         if got != want:
-            raise TransferError(f"push {local} -> {self._target.name}:{remote} failed: {_why(result, want, got)}")
+            why = _why(result) if got is None else f"checksum mismatch ({_why(result)})"
+            raise TransferError(f"push {local} -> {self._target.name}:{remote} failed: {why}")
 
     def pull(self, remote: str, local: Path) -> None:
         """Copy `remote` from the container to a local file, verified by sha256.
@@ -164,7 +165,7 @@ class Container:
             result = self._holding_config_lock(f"pull {remote}", attempt)
             want = _parse_sha256(result)
             if want is None:
-                raise TransferError(f"pull {self._target.name}:{remote} failed: {_why(result, None, None)}")
+                raise TransferError(f"pull {self._target.name}:{remote} failed: {_why(result)}")
             self.transport.get(node_tmp, Path(local))
         finally:
             self.transport.run(render.node_command(["rm", "-rf", "--", node_dir]))
@@ -191,7 +192,7 @@ class Container:
                                 f"another task on node {self._target.node.name!r}; retrying ({n}/{CONFIG_LOCK_ATTEMPTS})")
         raise ConfigLocked(f"{what} on {self._target.name}: CT {self._target.ctid}'s config stayed locked by another "
                            f"task on node {self._target.node.name!r} ({CONFIG_LOCK_ATTEMPTS} tries, pct waits 10 s "
-                           f"each): {_why(result, None, None)}")
+                           f"each): {_why(result)}")
 
     def push_tree(self, local_dir: Path, remote_dir: str, files: list[str] | None = None) -> int:
         """Send a tree (or the listed relative files, by content) as one tar stream into
@@ -274,7 +275,7 @@ class Container:
 _WITHOUT_PCT = {
     "push": lambda src, dst: ["cp", "--", src, dst],
     "pull": lambda src, dst: ["cp", "--", src, dst],
-    "exec": lambda separator, *argv: list(argv),
+    "exec": lambda _separator, *argv: list(argv),
 }
 
 
@@ -342,9 +343,6 @@ def _parse_sha256(result: Result) -> str | None:
     return first[0] if first and len(first[0]) == 64 else None
 
 
-def _why(result: Result, want: str | None, got: str | None) -> str:
+def _why(result: Result) -> str:
     said = (result.stderr.strip() or result.stdout.strip()).splitlines()[-3:]
-    detail = " | ".join(said) if said else f"exit status {result.exit_code}"
-    if got is not None and want is not None:
-        return f"checksum mismatch ({detail})"
-    return detail
+    return " | ".join(said) if said else f"exit status {result.exit_code}"

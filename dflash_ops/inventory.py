@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -39,7 +39,6 @@ ENV_VAR = "DFLASH_OPS_INVENTORY"
 SIMULATED = "simulated"
 NO_PCT = "none"
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
-_SIM_PCT_SCRIPT = simct.PCT_SCRIPT
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ class _MarkedLoader(yaml.SafeLoader):
     pass
 
 
-def _construct_marked_mapping(loader: _MarkedLoader, node: yaml.MappingNode):
+def _construct_marked_mapping(loader: _MarkedLoader, node: yaml.MappingNode) -> Iterator[_Mapping]:
     data = _Mapping()
     data.line = node.start_mark.line + 1
     data.key_lines = {}
@@ -231,10 +230,10 @@ class _Parser:
         top = self.mapping(data, 1, "inventory")
         self.validate(_InventorySpec, top, "inventory")
         inv = Inventory(path=self.path)
-        nodes = self.mapping(top["nodes"], top.key_lines["nodes"], "'nodes'")
+        nodes: _Mapping = top["nodes"]  # the schema made these mappings
         for name, body in nodes.items():
             inv.nodes[str(name)] = self.node(str(name), body, nodes.key_lines[name])
-        targets = self.mapping(top["targets"], top.key_lines["targets"], "'targets'")
+        targets: _Mapping = top["targets"]
         for name, body in targets.items():
             inv.targets[str(name)] = self.target(str(name), body, targets.key_lines[name], inv.nodes)
         return inv
@@ -266,10 +265,8 @@ class _Parser:
             pct = tuple(spec.pct)
         else:
             raise self.fail(at("pct"), f"{what}: pct must be a command (string or list of strings), got {spec.pct!r}")
-        return Node(name=name, transport=spec.transport, pct=pct, address=spec.address, port=spec.port,
-                    user=spec.user, identity_file=spec.identity_file, known_hosts=spec.known_hosts,
-                    strict_host_key_checking=spec.strict_host_key_checking, connect_timeout=spec.connect_timeout,
-                    keepalive=spec.keepalive, sim_root=sim_root, sim_containers=tuple(spec.sim_containers))
+        return Node(name=name, pct=pct, sim_root=sim_root, sim_containers=tuple(spec.sim_containers),
+                    **spec.model_dump(exclude={"pct", "sim_root", "sim_containers"}))
 
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
         what = f"target {name!r}"

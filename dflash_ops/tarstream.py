@@ -50,25 +50,15 @@ def stream_size(stream: IO[bytes]) -> int:
     return size
 
 
-class ProgressReader(io.RawIOBase):
-    """A readable wrapper that counts the bytes handed to the transport (and reports each chunk)."""
+class ProgressReader:
+    """A readable wrapper that reports the size of each chunk handed to the transport."""
 
-    def __init__(self, inner: IO[bytes], on_bytes: Callable[[int], None] = lambda n: None):
+    def __init__(self, inner: IO[bytes], on_bytes: Callable[[int], None]):
         self._inner = inner
         self._on_bytes = on_bytes
-        self.sent = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        data = self._inner.read(-1 if size is None else size)
-        self.sent += len(data)
+    def read(self, size: int = -1) -> bytes:
+        data = self._inner.read(size)
         if data:
             self._on_bytes(len(data))
         return data
-
-    def readinto(self, buffer) -> int:  # type: ignore[override]
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)

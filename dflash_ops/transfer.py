@@ -18,7 +18,6 @@ the last fetch wrote, so the next one copies only changed files.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import posixpath
@@ -26,11 +25,12 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from dflash_ops.errors import ConnectionLost, DflashOpsError, HelperFailed, TransferError
 from dflash_ops.hashing import sha256_file
 from dflash_ops.helpers import tree as tree_helper
+from dflash_ops.transport.base import CHUNK
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI
@@ -42,6 +42,7 @@ RESUME_ATTEMPTS = 3  # a push or fetch reconnects and resumes this many times af
 PROTECTED = ("releases", "helpers", "venvs", "pushed", "current", "runs")
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done so far, bytes to move in all)
+T = TypeVar("T")
 
 
 class TransferRefused(DflashOpsError):
@@ -104,50 +105,22 @@ def local_manifest(src: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
     return "tree", {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}, paths
 
 
-class _FrameStream(io.RawIOBase):
+def _frames(request: bytes, sends: list[tuple[str, Path, int, int]],
+            on_bytes: Callable[[int], None]) -> Iterator[bytes]:
     """The receive stream: request line, then per file a frame header and its bytes from the offset."""
-
-    def __init__(self, request: bytes, sends: list[tuple[str, Path, int, int]], on_bytes: Callable[[int], None]):
-        self._parts: list = [request]
-        for rel, path, offset, length in sends:
-            header = json.dumps({"rel": rel, "offset": offset, "length": length}).encode() + b"\n"
-            self._parts.append(header)
-            self._parts.append((path, offset, length))
-        self._parts.append(b'{"end": true}\n')
-        self._current: BinaryIO | None = None
-        self._left = 0
-        self._on_bytes = on_bytes
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        size = 1 << 20 if size is None or size < 0 else size
-        while True:
-            if self._current is not None:
-                data = self._current.read(min(size, self._left))
-                if data:
-                    self._left -= len(data)
-                    self._on_bytes(len(data))
-                    return data
-                self._current.close()
-                self._current = None
-                if self._left:
+    yield request
+    for rel, path, offset, length in sends:
+        yield json.dumps({"rel": rel, "offset": offset, "length": length}).encode() + b"\n"
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while length:
+                data = f.read(min(CHUNK, length))
+                if not data:
                     raise TransferError("a local file shrank while it was being sent")
-            if not self._parts:
-                return b""
-            part = self._parts.pop(0)
-            if isinstance(part, bytes):
-                return part
-            path, offset, length = part
-            self._current = open(path, "rb")
-            self._current.seek(offset)
-            self._left = length
-
-    def close(self) -> None:
-        if self._current is not None:
-            self._current.close()
-        super().close()
+                length -= len(data)
+                on_bytes(len(data))
+                yield data
+    yield b'{"end": true}\n'
 
 
 def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: bool = False,
@@ -160,62 +133,38 @@ def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: boo
     summary = TransferSummary(src=str(src), dest=dest, kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
     request = json.dumps({"kind": kind, "files": files, "force": force}, sort_keys=True).encode() + b"\n"
-    done = 0
-    for attempt in range(RESUME_ATTEMPTS + 1):
+    progress = _Counter(on_progress)
+    what = f"push {src} -> {container.target.name}:{dest}"
+
+    def attempt() -> bool:
+        """One plan + receive; True when the container already had everything."""
         try:
-            try:
-                plan = container.helper_json(HELPER, ["plan", container.base_dir, dest], stdin=request)
-            except HelperFailed as e:
-                raise TransferRefused(f"push {src} -> {container.target.name}:{dest}: {e.reason}") from None
-            if plan["up_to_date"]:
-                summary.up_to_date = True
-                break
-            sends = [(rel, paths[rel], step, files[rel]["size"] - step)
-                     for rel, step in sorted(plan["steps"].items()) if isinstance(step, int)]
-            if attempt == 0:
-                summary.files_sent = len(sends)
-            todo = done + sum(length for *_, length in sends)
+            plan = container.helper_json(HELPER, ["plan", container.base_dir, dest], stdin=request)
+        except HelperFailed as e:
+            raise TransferRefused(f"{what}: {e.reason}") from None
+        if plan["up_to_date"]:
+            return True
+        sends = [(rel, paths[rel], step, files[rel]["size"] - step)
+                 for rel, step in sorted(plan["steps"].items()) if isinstance(step, int)]
+        if not summary.resumed:
+            summary.files_sent = len(sends)
+        progress.total = progress.done + sum(length for *_, length in sends)
+        try:
+            container.helper_json(HELPER, ["receive", container.base_dir, dest],
+                                  stdin=_frames(request, sends, progress.add))
+        except HelperFailed as e:
+            if e.exit_code == tree_helper.EXIT_INCOMPLETE:
+                raise ConnectionLost(e.document.get("error") or "the stream ended early") from None
+            raise TransferError(f"{what}: {e.reason}") from None
+        return False
 
-            def sent(n: int, todo: int = todo) -> None:
-                nonlocal done
-                done += n
-                if on_progress is not None:
-                    on_progress(done, todo)
-
-            stream = _FrameStream(request, sends, sent)
-            try:
-                container.helper_json(HELPER, ["receive", container.base_dir, dest], stdin=stream)
-            except HelperFailed as e:
-                if e.exit_code == tree_helper.EXIT_INCOMPLETE:
-                    raise ConnectionLost(e.document.get("error") or "the stream ended early") from None
-                raise TransferError(f"push {src} -> {container.target.name}:{dest}: {e.reason}") from None
-            break
-        except ConnectionLost:
-            if attempt == RESUME_ATTEMPTS:
-                raise TransferError(f"push {src} -> {container.target.name}:{dest}: the connection dropped "
-                                    f"{attempt + 1} times; run the same push again to resume") from None
-            summary.resumed += 1
-    summary.bytes_sent = done
+    summary.up_to_date = _resuming(what, summary, attempt)
+    summary.bytes_sent = progress.done
     summary.seconds = round(time.monotonic() - started, 3)
     return summary
 
 
 # ---------------------------------------------------------------------------- fetch
-
-
-def fetch_record_path(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.dflash-fetch.json")
-
-
-def fetch_stage(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.dflash-fetch")
-
-
-def _local_state(dest: Path) -> tuple[str, list[str]]:
-    try:
-        return tree_helper.existing_files(str(dest))
-    except tree_helper.Refused as e:
-        raise TransferRefused(str(e)) from None
 
 
 def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bool = False, chunk: int = FETCH_CHUNK,
@@ -233,9 +182,12 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         tree_helper.check_rel(rel)
     summary = TransferSummary(src=src, dest=str(dest), kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
-    record_file = fetch_record_path(dest)
-    record = _read_json(record_file) or {}
-    present_kind, present = _local_state(dest)
+    record_file = dest.with_name(f".{dest.name}.dflash-fetch.json")
+    record = tree_helper.read_json(str(record_file)) or {}
+    try:
+        present_kind, present = tree_helper.existing_files(str(dest))
+    except tree_helper.Refused as e:
+        raise TransferRefused(str(e)) from None
     ours = set(record.get("files", {})) | set(record.get("previous", []))
     if present_kind != "none" and not force:
         if record.get("src") != src or record.get("target") != container.target.name:
@@ -253,35 +205,34 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         summary.up_to_date = True
         summary.seconds = round(time.monotonic() - started, 3)
         return summary
-    stage = fetch_stage(dest)
+    stage = dest.with_name(f".{dest.name}.dflash-fetch")
     stage.mkdir(parents=True, exist_ok=True)
     todo: list[tuple[str, int]] = []  # (rel, offset)
-    linked = []
     for rel, want in sorted(files.items()):
         target = Path(tree_helper.staged_path(str(stage), rel))
         if tree_helper.matches(str(target), want):
             continue
         source = tree_helper.dest_path(str(dest), rel)
         if same_kind and rel in present and tree_helper.matches(source, want, cached.get(rel)):
-            linked.append((source, target))
+            target.parent.mkdir(parents=True, exist_ok=True)  # unchanged: linked (or copied) from DEST
+            target.unlink(missing_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
             continue
         part = target.with_name(target.name + ".part")
         offset = part.stat().st_size if part.is_file() and part.stat().st_size <= want["size"] else 0
         todo.append((rel, offset))
-    for source, target in linked:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.unlink(missing_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
     total = sum(files[rel]["size"] - offset for rel, offset in todo)
     summary.files_sent = len(todo)
-    progress = _Counter(total, on_progress)
+    progress = _Counter(on_progress, total)
     small = [rel for rel, offset in todo if kind == "tree" and offset == 0 and files[rel]["size"] <= chunk // 4]
     for batch in _batches(small, files, chunk):
         for rel, data in _read_files(container, src, batch, summary):
-            _finish_part(Path(tree_helper.staged_path(str(stage), rel)), data, 0, files[rel], f"{src}/{rel}")
+            target = Path(tree_helper.staged_path(str(stage), rel))
+            _append_part(target, data, 0)
+            _finish_part(target, files[rel], f"{src}/{rel}")
             progress.add(len(data))
     for rel, offset in todo:
         if rel in small:
@@ -292,7 +243,8 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         position = offset
         while True:  # the first pass truncates the .part to the resume offset
             length = min(chunk, want["size"] - position)
-            data = _read_chunk(container, remote_path, position, length, summary) if length else b""
+            args = ["read", remote_path, str(position), str(length)]
+            data = _helper_bytes(container, args, remote_path, summary) if length else b""
             if len(data) != length:
                 raise TransferError(f"fetch {remote_path}: got {len(data)} of {length} bytes at offset "
                                     f"{position} (did it change while fetching?)")
@@ -301,7 +253,7 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
             progress.add(length)
             if position >= want["size"]:
                 break
-        _finish_part(target, None, None, want, remote_path)
+        _finish_part(target, want, remote_path)
     new = Path(tree_helper.staged_path(str(stage), FILE_REL)) if kind == "file" else stage / "tree"
     if kind == "tree":
         new.mkdir(exist_ok=True)
@@ -325,13 +277,36 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
 
 
 class _Counter:
-    def __init__(self, total: int, on_progress: ProgressCallback | None):
+    """Bytes moved so far, reported to on_progress(done, total) as they move."""
+
+    def __init__(self, on_progress: ProgressCallback | None, total: int = 0):
         self.total, self.done, self.on_progress = total, 0, on_progress
 
     def add(self, n: int) -> None:
         self.done += n
         if self.on_progress is not None:
             self.on_progress(self.done, self.total)
+
+
+def _resuming(what: str, summary: TransferSummary, call: Callable[[], T]) -> T:
+    """call(), made again after each dropped connection (RESUME_ATTEMPTS times), counted in summary."""
+    for attempt in range(RESUME_ATTEMPTS + 1):
+        try:
+            return call()
+        except ConnectionLost:
+            if attempt == RESUME_ATTEMPTS:
+                raise TransferError(f"{what}: the connection dropped {attempt + 1} times; run the same "
+                                    f"{what.split()[0]} again to resume") from None
+            summary.resumed += 1
+    raise AssertionError("unreachable")
+
+
+def _helper_bytes(container: ContainerAPI, args: list[str], what: str, summary: TransferSummary) -> bytes:
+    """The stdout of one tree helper call of a fetch, resumed after a dropped connection."""
+    result = _resuming(f"fetch {what}", summary, lambda: container.helper(HELPER, args))
+    if not result.ok:
+        raise TransferError(f"fetch {what}: {result.stderr.strip() or f'exit {result.exit_code}'}")
+    return result.stdout_bytes
 
 
 def _batches(rels: list[str], files: dict, limit: int) -> list[list[str]]:
@@ -356,10 +331,8 @@ def _append_part(target: Path, data: bytes, offset: int) -> None:
         os.fsync(f.fileno())
 
 
-def _finish_part(target: Path, data: bytes | None, offset: int | None, want: dict, remote_path: str) -> None:
-    """Write `data` (if given) to the .part, check its sha256, rename it into the stage."""
-    if data is not None:
-        _append_part(target, data, offset or 0)
+def _finish_part(target: Path, want: dict, remote_path: str) -> None:
+    """Check the .part's sha256, rename it into the stage."""
     part = target.with_name(target.name + ".part")
     if sha256_file(part) != want["sha256"]:
         part.unlink()
@@ -369,18 +342,7 @@ def _finish_part(target: Path, data: bytes | None, offset: int | None, want: dic
 
 
 def _read_files(container: ContainerAPI, src: str, rels: list[str], summary: TransferSummary) -> list[tuple[str, bytes]]:
-    for attempt in range(RESUME_ATTEMPTS + 1):
-        try:
-            result = container.helper(HELPER, ["read-files", src, *rels])
-            break
-        except ConnectionLost:
-            if attempt == RESUME_ATTEMPTS:
-                raise TransferError(f"fetch {src}: the connection dropped {attempt + 1} times; "
-                                    "run the same fetch again to resume") from None
-            summary.resumed += 1
-    if not result.ok:
-        raise TransferError(f"fetch {src}: {result.stderr.strip() or f'exit {result.exit_code}'}")
-    out, data, at = [], result.stdout_bytes, 0
+    out, data, at = [], _helper_bytes(container, ["read-files", src, *rels], src, summary), 0
     for rel in rels:
         end = data.index(b"\n", at)
         header = json.loads(data[at:end])
@@ -390,26 +352,3 @@ def _read_files(container: ContainerAPI, src: str, rels: list[str], summary: Tra
         out.append((rel, data[end + 1: end + 1 + size]))
         at = end + 1 + size
     return out
-
-
-def _read_chunk(container: ContainerAPI, remote_path: str, offset: int, length: int, summary: TransferSummary) -> bytes:
-    for attempt in range(RESUME_ATTEMPTS + 1):
-        try:
-            result = container.helper(HELPER, ["read", remote_path, str(offset), str(length)])
-        except ConnectionLost:
-            if attempt == RESUME_ATTEMPTS:
-                raise TransferError(f"fetch {remote_path}: the connection dropped {attempt + 1} times; "
-                                    "run the same fetch again to resume") from None
-            summary.resumed += 1
-            continue
-        if not result.ok:
-            raise TransferError(f"fetch {remote_path}: {result.stderr.strip() or f'exit {result.exit_code}'}")
-        return result.stdout_bytes
-    raise AssertionError("unreachable")
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

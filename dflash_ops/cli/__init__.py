@@ -2,7 +2,7 @@
 
 Each area lives in its own module with a ``register(app)`` function; adding an area is one
 line in ``_AREAS``. No command logic lives here; expected errors become one line in one place,
-the command group around every command (common.clean_errors).
+the command group around every command.
 """
 
 from __future__ import annotations
@@ -13,13 +13,23 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from dflash_ops.cli.common import clean_errors
+from dflash_ops.cli.common import fail
+from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
 
 
 class _OneLineErrors(TyperGroup):
+    """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
+    timeouts (exit 124) and transport failures (exit 255)."""
+
     def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
-        with clean_errors():
+        try:
             return super().invoke(ctx)
+        except (CommandTimeout, TimeoutError) as e:
+            fail(str(e), 124)  # like timeout(1)
+        except TransportError as e:
+            fail(str(e), 255)  # like ssh(1) when the connection fails
+        except DflashOpsError as e:
+            fail(str(e))
 
 
 app = typer.Typer(
@@ -42,13 +52,8 @@ _AREAS: list[str] = [
     "doctor",
 ]
 
-
-def _register_areas() -> None:
-    for name in _AREAS:
-        importlib.import_module(f"dflash_ops.cli.{name}").register(app)
-
-
-_register_areas()
+for _name in _AREAS:
+    importlib.import_module(f"dflash_ops.cli.{_name}").register(app)
 
 
 def main() -> None:

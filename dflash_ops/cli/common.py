@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, BinaryIO, NoReturn, Optional
 
 import typer
 
 from dflash_ops.container import Container
-from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
-from dflash_ops.inventory import ENV_VAR, Inventory, load_inventory
+from dflash_ops.errors import DflashOpsError
+from dflash_ops.inventory import ENV_VAR, load_inventory
 
 InventoryOption = Annotated[
     Optional[Path],
@@ -40,29 +38,22 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-@contextmanager
-def clean_errors() -> Iterator[None]:
-    """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
-    timeouts (exit 124) and transport failures (exit 255). Used once, by the command group
-    around every command (dflash_ops/cli/__init__.py)."""
-    try:
-        yield
-    except (CommandTimeout, TimeoutError) as e:
-        fail(str(e), 124)  # like timeout(1)
-    except TransportError as e:
-        fail(str(e), 255)  # like ssh(1) when the connection fails
-    except DflashOpsError as e:
-        fail(str(e))
-
-
-def load(inventory: Path | None) -> Inventory:
-    return load_inventory(inventory)
-
-
 def open_target(inventory: Path | None, target: str) -> Container:
     from dflash_ops.connect import open_container
 
     return open_container(load_inventory(inventory), target)
+
+
+def parse_gpus(text: str | None) -> list[int] | None:
+    """--gpus 0,1 -> [0, 1] (dflash_ops.runs.lifecycle.parse_gpus), a usage error (exit 2) if malformed."""
+    from dflash_ops.runs.lifecycle import parse_gpus as parse
+
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except DflashOpsError as e:
+        fail(str(e), 2)
 
 
 MAX_TIMEOUT_S = 1e8  # about three years; beyond, thread waits overflow the platform's time_t
@@ -90,10 +81,6 @@ def forwarded_stdin() -> BinaryIO | None:
     # The unbuffered file: a thread blocked reading it holds no lock, so the interpreter can
     # exit while it waits (a buffered reader would abort the exit: "could not acquire lock").
     return getattr(buffer, "raw", buffer)
-
-
-def strip_separator(argv: list[str]) -> list[str]:
-    return argv[1:] if argv[:1] == ["--"] else argv
 
 
 def write_stdout(line: bytes) -> None:

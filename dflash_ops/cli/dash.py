@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, load
+from dflash_ops.cli.common import InventoryOption
+from dflash_ops.inventory import load_inventory
 from dflash_ops.tui.source import DashSource
 
 
@@ -25,7 +26,7 @@ def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
     from dflash_ops.connect import open_container
     from dflash_ops.tui.remote import RemoteSource
 
-    loaded = load(inventory)
+    loaded = load_inventory(inventory)
     names = targets or sorted(loaded.targets)
     for name in names:
         loaded.target(name)

@@ -8,10 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, load
+from dflash_ops.cli.common import InventoryOption
+from dflash_ops.inventory import load_inventory
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
+
+    from dflash_ops.container import ContainerAPI
+    from dflash_ops.deploy.push import DeploySummary, ProgressCallback
 
 
 def deploy(
@@ -27,16 +31,16 @@ def deploy(
     from dflash_ops.connect import open_container
     from dflash_ops.deploy.push import deploy_many, deploy_target, target_options
 
-    inv = load(inventory)
+    inv = load_inventory(inventory)
     for name in targets:
         inv.target(name)
     progress = _Progress(enabled=not as_json)
 
-    def run(container, name):
+    def run(container: ContainerAPI, name: str) -> DeploySummary:
         options = target_options(container.target, extra_paths=extra or (), keep=keep, no_venv=no_venv)
         return deploy_target(container, dry_run=dry_run, on_progress=progress.callback(name), **options)
 
-    with progress:
+    with progress.bar:
         summaries = deploy_many(targets, lambda name: open_container(inv, name), run)
     if as_json:
         typer.echo(json.dumps([s.to_json() for s in summaries], indent=1))
@@ -49,7 +53,7 @@ def deploy(
 class _Progress:
     """A rich progress bar per target while its tar streams (stderr, gone when done)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -57,7 +61,7 @@ class _Progress:
                             console=Console(stderr=True), transient=True, disable=not enabled)
         self.tasks: dict[str, TaskID] = {}
 
-    def callback(self, name: str):
+    def callback(self, name: str) -> ProgressCallback:
         def on_progress(phase: str, n: int, total: int) -> None:
             if name not in self.tasks:
                 self.tasks[name] = self.bar.add_task(f"{name}: {phase}", total=total)
@@ -65,15 +69,8 @@ class _Progress:
 
         return on_progress
 
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
 
-    def __exit__(self, *exc):
-        return self.bar.__exit__(*exc)
-
-
-def _print_summaries(summaries) -> None:
+def _print_summaries(summaries: list[DeploySummary]) -> None:
     for s in summaries:
         if not s.ok:
             typer.echo(f"{s.target}: FAILED after {s.seconds:.2f}s: {s.error}", err=True)

@@ -9,21 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, fail, load
+from dflash_ops.cli.common import InventoryOption, fail, parse_gpus
+from dflash_ops.inventory import load_inventory
 
 if TYPE_CHECKING:
+    from dflash_ops.container import Container
     from dflash_ops.doctor import Report
     from dflash_ops.inventory import Target
-
-
-
-def parse_gpus(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(g) for g in text.split(",") if g.strip()]
-    except ValueError:
-        fail(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1", 2)
 
 
 def doctor(
@@ -44,15 +36,13 @@ def doctor(
 
     if config is not None and not config.is_file():
         fail(f"--config {config}: no such file", 2)
-    inv = load(inventory)
+    inv = load_inventory(inventory)
     gpu_list = parse_gpus(gpus)
     containers = [open_container(inv, name) for name in dict.fromkeys(targets)]
-    plans = [plan_for(c.target, gpu_list, config) for c in containers]
+    plans = {id(c): plan_for(c.target, gpu_list, config) for c in containers}
 
-    plan_of = {id(c): plan for c, plan in zip(containers, plans)}
-
-    def one(container):
-        report = diagnose(container, plan_of[id(container)], fast=fast)
+    def one(container: Container) -> Report:
+        report = diagnose(container, plans[id(container)], fast=fast)
         record_verdict(container.target, report)
         return report
 

@@ -7,12 +7,10 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops import render
+from dflash_ops.cli.common import (ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, open_target,
+                                  write_stderr, write_stdout)
 from dflash_ops.container import exec_killed_after
-
-from dflash_ops.cli.common import (
-    ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, load, open_target,
-    strip_separator, write_stderr, write_stdout,
-)
+from dflash_ops.inventory import Node, load_inventory
 
 
 def hosts(
@@ -29,7 +27,7 @@ def hosts(
     from dflash_ops.doctor.verdicts import describe, last_verdict
     from dflash_ops.target_states import target_states
 
-    inv = load(inventory)
+    inv = load_inventory(inventory)
     table = Table("target", "node", "ctid", "base_dir", "state", "doctor", box=None)
     for name in targets or []:
         inv.target(name)
@@ -58,7 +56,7 @@ def exec_(
     for byte (binary safe; its EOF closes the command's stdin) unless it is a terminal or -n.
     """
     check_timeout(timeout)
-    argv = strip_separator(argv)
+    argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
     container = open_target(inventory, target)
@@ -86,7 +84,7 @@ def inspect_source(
     raise typer.Exit(result.exit_code)
 
 
-def _describe_transport(node) -> str:
+def _describe_transport(node: Node) -> str:
     if node.transport == "local":
         return f"local node {node.name!r}: /bin/sh -c NODE_COMMAND"
     user = f"{node.user}@" if node.user else ""

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, fail, open_target
+
+if TYPE_CHECKING:
+    from dflash_ops.patching.rollout import PatchError
 
 
 def patch(
@@ -47,7 +50,7 @@ def patch(
                    f"undo with: dflash-ops rollback {target}")
 
 
-def _print_refusal(error) -> None:
+def _print_refusal(error: PatchError) -> None:
     """Each refused definition (file:line: what happened) and each import failure, on stdout."""
     if error.report is not None:
         typer.echo(error.report.summary())

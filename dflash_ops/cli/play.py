@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, fail, load
+from dflash_ops.cli.common import InventoryOption, fail
+from dflash_ops.inventory import load_inventory
+
+if TYPE_CHECKING:
+    from dflash_ops.container import Container
+    from dflash_ops.playbook.registry import StepContext
 
 
 def play(
@@ -20,6 +25,7 @@ def play(
 ) -> None:
     """Validate the whole playbook, then run its steps in order on every target."""
     from dflash_ops.connect import open_container
+    from dflash_ops.fanout import map_targets
     from dflash_ops.playbook.play import PlayResult, clean_up_interrupted, load_playbook, run_playbook
 
     overrides = {}
@@ -32,30 +38,25 @@ def play(
     if check_only:
         typer.echo(f"{playbook}: {len(book.steps)} steps OK")
         return
-    inv = load(inventory)
+    inv = load_inventory(inventory)
     for name in targets:
         inv.target(name)
     lock = threading.Lock()
+    contexts: list[StepContext] = []
 
-    def say_for(name: str):
+    def play_one(container: Container, name: str) -> PlayResult:
         def say(text: str) -> None:
             with lock:
                 typer.echo(f"{name}: {text}")
 
-        return say
-
-    from dflash_ops.fanout import map_targets
+        return run_playbook(book, container, say=say, contexts=contexts,
+                            open_target=lambda other: open_container(inv, other))
 
     def not_run(name: str, e: Exception, seconds: float) -> PlayResult:
         return PlayResult(target=name, error=f"{type(e).__name__}: {e}", seconds=round(seconds, 3))
 
-    contexts: list = []
     try:
-        results = map_targets(targets, lambda name: open_container(inv, name),
-                              lambda container, name: run_playbook(book, container, say=say_for(name),
-                                                                   contexts=contexts,
-                                                                   open_target=lambda other: open_container(inv, other)),
-                              not_run)
+        results = map_targets(targets, lambda name: open_container(inv, name), play_one, not_run)
     except KeyboardInterrupt:
         clean_up_interrupted(contexts, book.path)
         raise

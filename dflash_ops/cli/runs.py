@@ -2,20 +2,26 @@
 
 A thin skin over dflash_ops.runs: every command is one library call (or two, when RUN is left
 out and the latest run is looked up first). Run ids go to stdout; hints go to stderr.
+
+A run across hosts (dflash_ops.runs.group: `run start` with several targets, or a run whose
+directory on TARGET holds a group.json) is acted on as a whole, with one row or line per member.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from dflash_ops.cli.common import InventoryOption, check_timeout, fail, open_target, write_stdout
-from dflash_ops.cli.tables import print_runs_table as _print_table
+from dflash_ops.cli.common import InventoryOption, check_timeout, fail, open_target, parse_gpus, write_stdout
 
 if TYPE_CHECKING:
+    from dflash_ops.container import Container
+    from dflash_ops.runs.group import Member
     from dflash_ops.runs.info import RunInfo
 
 run_app = typer.Typer(help="Start, inspect, checkpoint, stop and resume training runs.", no_args_is_help=True)
@@ -24,6 +30,8 @@ Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
 Run = Annotated[str, typer.Argument(help="Run id (see `dflash-ops run list TARGET`).")]
 OptionalRun = Annotated[Optional[str], typer.Argument(help="Run id; default: the target's latest run.")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds.")]
+Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")]
+Follow = Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")]
 
 
 def _hint(text: str) -> None:
@@ -36,23 +44,33 @@ def _announce(run_id: str, verb: str, target: str) -> None:
     _hint(f"{verb} {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
 
 
-def _parse_gpus(text: str | None) -> list[int] | None:
-    from dflash_ops.runs.info import RunError
-    from dflash_ops.runs.lifecycle import parse_gpus
+def _echo_json(doc: object) -> None:
+    typer.echo(json.dumps(doc, indent=1, sort_keys=True))
 
-    if text is None:
-        return None
-    try:
-        return parse_gpus(text)
-    except RunError as e:
-        fail(str(e), 2)
+
+def _at_step(info: RunInfo) -> str:
+    return f"{info.run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}"
+
+
+def _print_table(runs: list[RunInfo], targets: list[str] | None = None) -> None:
+    """The runs table (rich, one row per run; a first column `target` when targets are given)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_ops.runs.report import STATUS_COLUMNS, status_row
+
+    table = Table(*(("target",) if targets is not None else ()), *STATUS_COLUMNS, box=None)
+    for i, info in enumerate(runs):
+        table.add_row(*((targets[i],) if targets is not None else ()), *status_row(info))
+    console = Console() if sys.stdout.isatty() else Console(width=1000)
+    console.print(table)
 
 
 def start(
     targets: Annotated[list[str], typer.Argument(metavar="TARGET...", help="Target name(s) from the inventory; several = one run across hosts.")],
     config: Annotated[Path, typer.Option("--config", help="Trainer config YAML (local file), e.g. trainer/configs/tiny-cpu.yaml.")],
     name: Annotated[Optional[str], typer.Option("--name", help="Run id prefix (default: run).")] = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    gpus: Gpus = None,
     force: Annotated[bool, typer.Option("--force", help="Start even when the doctor's fast checks fail.")] = False,
     inventory: InventoryOption = None,
 ) -> None:
@@ -62,24 +80,24 @@ def start(
     one run id (docs/multi-node.md). First the doctor's fast subset (`dflash-ops doctor --fast`)
     on each: a run that cannot succeed is refused, naming the failed check, unless --force."""
     from dflash_ops.runs import start_run
+    from dflash_ops.runs.group import check_members, start_group
 
     if not config.is_file():
         fail(f"--config {config}: no such file", 2)
+    gpu_list = parse_gpus(gpus)
     if len(targets) > 1:
-        from dflash_ops.cli import group_runs
-
-        run_id = group_runs.start(inventory, targets, config, name, _parse_gpus(gpus),
-                                  lambda c: _preflight(c, config, _parse_gpus(gpus), force))
-        _announce(run_id, "started", " ".join(targets))
-        return
-    target = targets[0]
-    container = open_target(inventory, target)
-    _preflight(container, config, _parse_gpus(gpus), force)
-    run_id = start_run(container, config, name=name, gpus=_parse_gpus(gpus))
-    _announce(run_id, "started", target)
+        check_members(targets)
+    containers = [open_target(inventory, t) for t in targets]
+    for container in containers:
+        _preflight(container, config, gpu_list, force)
+    if len(targets) > 1:
+        run_id = start_group(containers, targets, config, name=name, gpus=gpu_list)
+    else:
+        run_id = start_run(containers[0], config, name=name, gpus=gpu_list)
+    _announce(run_id, "started", " ".join(targets))
 
 
-def _preflight(container, config: Path, gpus: list[int] | None, force: bool) -> None:
+def _preflight(container: Container, config: Path, gpus: list[int] | None, force: bool) -> None:
     from dflash_ops.cli.doctor import print_report
     from dflash_ops.doctor import plan_for, preflight
 
@@ -107,30 +125,25 @@ def list_(
     from dflash_ops.runs import list_runs
 
     if len(targets) == 1:
-        container = open_target(inventory, targets[0])
-        runs = list_runs(container)
+        runs = list_runs(open_target(inventory, targets[0]))
         if as_json:
-            typer.echo(json.dumps([r.raw for r in runs], indent=1, sort_keys=True))
+            _echo_json([r.raw for r in runs])
         elif not runs:
             _hint(f"no runs on {targets[0]} yet")
         else:
             _print_table(runs)
         return
+    from dflash_ops.errors import TransportError
     from dflash_ops.fanout import map_by_node
 
     containers = [open_target(inventory, name) for name in targets]
     found: list[list[RunInfo] | Exception] = map_by_node(containers, list_runs, lambda c, e: e)
-    failed: list[tuple[str, Exception]] = []
-    listed: list[tuple[str, list[RunInfo]]] = []
-    for name, r in zip(targets, found):
-        if isinstance(r, Exception):
-            failed.append((name, r))
-        else:
-            listed.append((name, r))
+    failed = [(name, r) for name, r in zip(targets, found) if isinstance(r, Exception)]
+    listed = [(name, r) for name, r in zip(targets, found) if not isinstance(r, Exception)]
     if as_json:
         doc: dict[str, object] = {name: [r.raw for r in runs] for name, runs in listed}
         doc.update({name: {"error": str(e)} for name, e in failed})
-        typer.echo(json.dumps(doc, indent=1, sort_keys=True))
+        _echo_json(doc)
     else:
         _print_table([info for _name, runs in listed for info in runs],
                      targets=[name for name, runs in listed for _info in runs])
@@ -140,8 +153,6 @@ def list_(
     for name, error in failed:
         typer.echo(f"dflash-ops: error: {name}: {error}", err=True)
     if failed:
-        from dflash_ops.errors import TransportError
-
         raise typer.Exit(255 if any(isinstance(e, TransportError) for _n, e in failed) else 1)
 
 
@@ -153,26 +164,44 @@ def status(
 ) -> None:
     """One run's state (default: the latest run); a failed run shows why and the tail of its log."""
     from dflash_ops.runs import resolve_run
+    from dflash_ops.runs.group import group_of
     from dflash_ops.runs.report import status_detail
 
-    container = open_target(inventory, target)
-    info = resolve_run(container, run)
+    info = resolve_run(open_target(inventory, target), run)
     if group_of(info) is not None:
-        from dflash_ops.cli import group_runs
-
-        found, group = group_runs.group_members(inventory, target, info.run_id)
+        found, group = _members(inventory, target, info.run_id)
         if as_json:
-            doc = {m.target: (m.info.raw if m.info else {"error": str(m.error)}) for m in found}
-            typer.echo(json.dumps(doc, indent=1, sort_keys=True))
+            _echo_json({m.target: (m.info.raw if m.info else {"error": str(m.error)}) for m in found})
         else:
-            group_runs.print_members(found, group)
+            _print_members(found, group or {})
         return
     if as_json:
-        typer.echo(json.dumps(info.raw, indent=1, sort_keys=True))
+        _echo_json(info.raw)
         return
     _print_table([info])
     for line in status_detail(info):
         typer.echo(line)
+
+
+def _print_members(found: list[Member], group: dict[str, Any]) -> None:
+    from dflash_ops.runs.report import status_detail
+
+    shown = [(m, m.info) for m in found if m.info is not None]
+    _print_table([info for _m, info in shown],
+                 targets=[f"{m.target} (rank {m.rank if m.rank is not None else '?'})" for m, _info in shown])
+    typer.echo(f"group: {len(found)} hosts, rendezvous {group.get('endpoint')}")
+    for m in found:
+        if m.info is None:
+            typer.echo(f"{m.target}: cannot ask: {m.error}", err=True)
+            continue
+        for line in status_detail(m.info):
+            if not line.startswith("log tail") and not line.startswith("  "):
+                typer.echo(f"{m.target}: {line}")
+    for m in found:
+        if m.info is not None and m.info.effective_state == "failed" and m.info.log_tail:
+            typer.echo(f"{m.target} log tail:")
+            for line in m.info.log_tail.rstrip("\n").splitlines()[-8:]:
+                typer.echo("  " + line)
 
 
 def checkpoint(
@@ -184,16 +213,18 @@ def checkpoint(
 ) -> None:
     """Ask a live run for a checkpoint at its next step boundary."""
     from dflash_ops.runs import checkpoint_run
+    from dflash_ops.runs.group import checkpoint_group
 
     check_timeout(timeout)
     found = _group(inventory, target, run)
     if found is not None:
-        from dflash_ops.cli import group_runs
-
-        group_runs.checkpoint(found, run, wait, timeout)
+        w, request_id, path = checkpoint_group(found, run, wait=wait, timeout=timeout)
+        if path is None:
+            typer.echo(f"checkpoint requested on {w.target} (rank {w.rank}, the writer) ({request_id}); wait with --wait")
+        else:
+            typer.echo(f"checkpoint {path} written on {w.target} (request {request_id})")
         return
-    container = open_target(inventory, target)
-    request_id, path = checkpoint_run(container, run, wait=wait, timeout=timeout)
+    request_id, path = checkpoint_run(open_target(inventory, target), run, wait=wait, timeout=timeout)
     if path is None:
         typer.echo(f"checkpoint requested ({request_id}); wait for it with --wait")
     else:
@@ -211,21 +242,21 @@ def stop(
 ) -> None:
     """Stop a run: a final checkpoint, then state `stopped` (resume it with `run resume`)."""
     from dflash_ops.runs import stop_run
+    from dflash_ops.runs.group import stop_group
 
     if now and kill:
         fail("--now and --kill exclude each other", 2)
     check_timeout(timeout)
     found = _group(inventory, target, run)
     if found is not None:
-        from dflash_ops.cli import group_runs
-
-        group_runs.stop(found, run, now, kill, not no_wait, timeout)
-        return
-    container = open_target(inventory, target)
-    info = stop_run(container, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
-    typer.echo(f"{info.run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}; "
-               f"last checkpoint {info.last_checkpoint or 'none'}")
-    if info.effective_state == "failed" and not kill:
+        infos = stop_group(found, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
+        prefixes = [f"{m.target}: " for m in found]
+    else:
+        infos = [stop_run(open_target(inventory, target), run, now=now, kill=kill, wait=not no_wait, timeout=timeout)]
+        prefixes = [""]
+    for prefix, info in zip(prefixes, infos):
+        typer.echo(f"{prefix}{_at_step(info)}; last checkpoint {info.last_checkpoint or 'none'}")
+    if any(info.effective_state == "failed" for info in infos) and not kill:
         raise typer.Exit(1)
 
 
@@ -233,68 +264,71 @@ def resume(
     target: Target,
     run: Run,
     from_step: Annotated[Optional[int], typer.Option("--from", help="Checkpoint step to resume from (default: latest).")] = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")] = None,
+    gpus: Gpus = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="A new trainer config for the rest of the run (default: the run's own).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Restart a stopped (or failed) run from its checkpoint on the current release; the step count continues."""
     from dflash_ops.runs import resume_run, start_run
+    from dflash_ops.runs.group import resume_group
 
     if config is not None and not config.is_file():
         fail(f"--config {config}: no such file", 2)
     found = _group(inventory, target, run)
     if found is not None:
-        from dflash_ops.cli import group_runs
-
         if config is not None:
             fail("--config: a run across hosts resumes on its own config (edit each member's "
                  "runs/RUN/config.input.yaml to change it)", 2)
-        group_runs.resume(found, run, from_step, _parse_gpus(gpus))
+        resume_group(found, run, from_step=from_step, gpus=parse_gpus(gpus))
+        typer.echo(run)
+        _hint(f"resumed {run} on {' '.join(m.target for m in found)}; see it: dflash-ops run status {found[0].target} {run}")
         return
     container = open_target(inventory, target)
     if config is None:
-        run_id = resume_run(container, run, from_step=from_step, gpus=_parse_gpus(gpus))
+        run_id = resume_run(container, run, from_step=from_step, gpus=parse_gpus(gpus))
     else:
         run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
-                           gpus=_parse_gpus(gpus), run_id=run)
+                           gpus=parse_gpus(gpus), run_id=run)
     _announce(run_id, "resumed", target)
 
 
 def logs(
     target: Target,
     run: OptionalRun = None,
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")] = False,
+    follow: Follow = False,
     lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N lines (default: all).")] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", min=0, help="A run across hosts: the log of this rank (default: TARGET's).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Print a run's train.log, byte for byte; with -f follow it, resuming after a dropped connection."""
     if rank is not None:
-        from dflash_ops.cli import group_runs
         from dflash_ops.runs import resolve_run
+        from dflash_ops.runs.group import member_of_rank
 
         run = run if run is not None else resolve_run(open_target(inventory, target), None).run_id
-        target = group_runs.rank_target(inventory, target, run, rank)
+        found, group = _members(inventory, target, run)
+        if group is not None:
+            target = member_of_rank(found, rank).target
+        elif rank != 0:
+            fail(f"run {run} on {target} runs on one host: it has rank 0 only", 2)
     _follow_cli(target, run, "train.log", follow, lines, inventory, write_stdout)
 
 
 def metrics(
     target: Target,
     run: OptionalRun = None,
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")] = False,
+    follow: Follow = False,
     lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N events (default: all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The raw JSON lines of metrics.jsonl.")] = False,
     inventory: InventoryOption = None,
 ) -> None:
     """A compact line per metrics event (step: loss, acc, lr, grad norm, tokens/s; eval: tau)."""
-    if as_json:
-        _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, write_stdout)
-        return
-    _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, _MetricPrinter().line)
+    on_line = write_stdout if as_json else _MetricPrinter().line
+    _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, on_line)
 
 
 class _MetricPrinter:
-    def __init__(self):
+    def __init__(self) -> None:
         self.total_steps: int | None = None
 
     def line(self, raw: bytes) -> None:
@@ -310,7 +344,8 @@ class _MetricPrinter:
         write_stdout((metric_line(event, self.total_steps) + "\n").encode())
 
 
-def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
+def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: int | None, inventory: Path | None,
+                on_line: Callable[[bytes], None]) -> None:
     from dflash_ops.runs import follow_file, resolve_run, run_status
 
     container = open_target(inventory, target)
@@ -327,7 +362,7 @@ def _follow_cli(target, run, name, follow, lines, inventory, on_line) -> None:
         info = run_status(container, run_id)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    _hint(f"{run_id}: {info.effective_state} at step {info.step if info.step is not None else '-'}")
+    _hint(_at_step(info))
     if info.effective_state == "failed":
         raise typer.Exit(1)
 
@@ -341,36 +376,38 @@ def pull(
 ) -> None:
     """Copy a checkpoint out, each file verified against its manifest; a second pull resumes."""
     from dflash_ops.runs import pull_checkpoint
+    from dflash_ops.runs.group import pull_group
 
     if checkpoint_ != "latest" and not checkpoint_.isdigit():
         fail(f"--checkpoint {checkpoint_!r}: expected 'latest' or a step number", 2)
     found = _group(inventory, target, run)
     if found is not None:
-        from dflash_ops.cli import group_runs
-
-        local = group_runs.pull(found, run, checkpoint_, dest)
+        member, local = pull_group(found, run, checkpoint_, dest)
+        typer.echo(f"from {member.target}:", err=True)
     else:
-        container = open_target(inventory, target)
-        local = pull_checkpoint(container, run, checkpoint_, dest)
+        local = pull_checkpoint(open_target(inventory, target), run, checkpoint_, dest)
     manifest = json.loads((local / "manifest.json").read_text())
     size = sum(f["size"] for f in manifest["files"].values())
     typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")
 
 
-def group_of(info):
-    from dflash_ops.runs.group import group_of as of
+def _members(inventory: Path | None, target: str, run_id: str) -> tuple[list[Member], dict[str, Any] | None]:
+    """Every member of the run (dflash_ops.runs.group.members), with the inventory loaded once."""
+    from dflash_ops.connect import open_container
+    from dflash_ops.inventory import load_inventory
+    from dflash_ops.runs.group import members
 
-    return of(info)
+    loaded = load_inventory(inventory)
+    return members(lambda name: open_container(loaded, name), target, run_id)
 
 
-def _group(inventory, target: str, run: str):
+def _group(inventory: Path | None, target: str, run: str) -> list[Member] | None:
     """The members of `run` when it is a run across hosts, else None (also when the run cannot
     be found: the one-host command then reports that, after its own checks of its arguments)."""
-    from dflash_ops.cli import group_runs
     from dflash_ops.runs.info import RunError
 
     try:
-        found, group = group_runs.members_or_raise(inventory, target, run)
+        found, group = _members(inventory, target, run)
     except RunError:
         return None
     return found if group is not None else None

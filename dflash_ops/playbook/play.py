@@ -238,7 +238,7 @@ def _is_whole_ref(value: Any) -> bool:
     return isinstance(value, str) and re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", value) is not None
 
 
-def _type_name(expected) -> str:
+def _type_name(expected: type | tuple[type, ...]) -> str:
     types = expected if isinstance(expected, tuple) else (expected,)
     names = {list: "a list", dict: "a mapping", int: "an integer", float: "a number", bool: "true or false", str: "a string"}
     return " or ".join(names.get(t, t.__name__) for t in types)

@@ -16,6 +16,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -24,6 +25,9 @@ from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, 
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
 from dflash_ops.yamlfile import read_yaml_node
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 DEFAULT_TIMEOUT = 3600.0
 
@@ -88,10 +92,10 @@ def _start(ctx: StepContext, params: dict) -> dict:
 class RunProgress:
     """Reads metrics.jsonl events: a rich progress bar over step events; remembers the last loss and tau."""
 
-    def __init__(self, run_id: str, bar=None):
+    def __init__(self, run_id: str, bar: Progress | None = None) -> None:
         self.run_id = run_id
         self.bar = bar
-        self.task = None
+        self.task: TaskID | None = None
         self.total: int | None = None
         self.step = 0
         self.loss: float | None = None
@@ -122,7 +126,7 @@ class RunProgress:
         self.bar.update(self.task, completed=self.step, total=self.total, loss=loss)
 
 
-def _progress_bar():
+def _progress_bar() -> Progress:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -145,7 +149,7 @@ def _follow(ctx: StepContext, params: dict) -> dict:
     return {"state": info.effective_state, "step": info.step, "final_loss": _fmt(final_loss), "tau": _fmt(progress.tau)}
 
 
-def _fmt(value) -> str:
+def _fmt(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a"
 
 

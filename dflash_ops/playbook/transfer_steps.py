@@ -17,30 +17,32 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.progress import ByteBar
 from dflash_ops.services import service_log, start_service, stop_service, wait_service
-from dflash_ops.transfer import fetch_path, push_path
+from dflash_ops.transfer import TransferSummary, fetch_path, push_path
+
 
 def _push(ctx: StepContext, params: dict) -> dict:
     src = ctx.local_path(str(params["src"]))
-    with ByteBar(f"push {src.name}") as bar:
-        summary = push_path(ctx.container, src, str(params["dest"]), force=bool(params.get("force", False)),
-                            on_progress=bar.update)
-    ctx.results.append(summary.to_json())
-    ctx.say(summary.line())
-    return {"pushed": summary.dest}
+    return {"pushed": _transfer(ctx, params, push_path, f"push {src.name}", src, str(params["dest"]))}
 
 
 def _fetch(ctx: StepContext, params: dict) -> dict:
     dest = ctx.local_path(str(params["dest"]))
-    with ByteBar(f"fetch {dest.name}") as bar:
-        summary = fetch_path(ctx.container, str(params["src"]), dest, force=bool(params.get("force", False)),
-                             on_progress=bar.update)
+    return {"fetched": _transfer(ctx, params, fetch_path, f"fetch {dest.name}", str(params["src"]), dest)}
+
+
+def _transfer(ctx: StepContext, params: dict, transfer: Callable[..., TransferSummary], label: str,
+              src: str | Path, dest: str | Path) -> str:
+    with ByteBar(label) as bar:
+        summary = transfer(ctx.container, src, dest, force=bool(params.get("force", False)), on_progress=bar.update)
     ctx.results.append(summary.to_json())
     ctx.say(summary.line())
-    return {"fetched": summary.dest}
+    return summary.dest
 
 
 def _local(ctx: StepContext, params: dict) -> dict:

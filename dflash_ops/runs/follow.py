@@ -16,6 +16,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash_ops.errors import ConnectionLost, Unreachable, UsageError
@@ -35,33 +36,27 @@ class FileTruncated(RunError):
     """A followed file was truncated or replaced under the reader (see follow_file)."""
 
 
-def _truncation(stderr: str, fallback: int | None) -> tuple[int, int]:
+def _truncation(stderr: str, fallback: int) -> tuple[int, int]:
     for line in stderr.splitlines():
         words = line.split()
         if len(words) == 3 and words[0] == "truncated" and words[1].isdigit() and words[2].isdigit():
             return int(words[1]), int(words[2])
-    return fallback or 0, 0
+    return fallback, 0
 
 
+@dataclass
 class _Stream:
     """Turns the helper's stdout lines into delivered lines and an exact offset."""
 
-    def __init__(
-        self,
-        on_line: Callable[[bytes], None],
-        expected_start: int | None,
-        stop: threading.Event | None = None,
-        on_start: Callable[[int], None] | None = None,
-    ):
-        self.on_line = on_line
-        self.expected_start = expected_start
-        self.stop = stop
-        self.on_start = on_start
-        self.offset: int | None = None
-        self.start: int | None = None
-        self.partial = b""
-        self.unexpected: bytes | None = None
-        self.halted = False  # `stop` was seen: nothing more is delivered or counted
+    on_line: Callable[[bytes], None]
+    expected_start: int | None  # None: any start is accepted (the first request)
+    stop: threading.Event | None = None
+    on_start: Callable[[int], None] | None = None
+    offset: int | None = None
+    start: int | None = None
+    partial: bytes = b""
+    unexpected: bytes | None = None
+    halted: bool = False  # `stop` was seen: nothing more is delivered or counted
 
     def feed(self, line: bytes) -> None:
         if self.unexpected is not None or self.halted:
@@ -85,11 +80,13 @@ class _Stream:
         else:
             self.unexpected = line
 
-    def check(self, name: str) -> None:
+    def check(self, name: str) -> int:
+        """The offset reached; a missing header or a start other than the one asked for is an error."""
         if self.unexpected is not None or self.offset is None:
             raise RunError(f"follow helper for {name} sent no offset header (got {self.unexpected!r})")
         if self.expected_start is not None and self.start != self.expected_start:
             raise RunError(f"follow helper started {name} at {self.start}, asked for {self.expected_start}")
+        return self.offset
 
 
 def follow_file(
@@ -119,8 +116,7 @@ def follow_file(
     keeps going until the run is over (final state or process gone) and the file is drained.
     A final unterminated fragment is delivered only when the stream ends normally. Returns
     the offset just past the last complete line delivered (pass it back in to continue).
-    `max_reconnects` counts consecutive drops without progress. `timeout` bounds the whole
-    call (CommandTimeout when it runs out).
+    `timeout` bounds the whole call (CommandTimeout when it runs out).
 
     reconnect=True: a dropped connection, or a node that cannot be reached (sshd gone, a
     partition), is retried with exponential backoff (`backoff` doubling up to `max_backoff`)
@@ -139,7 +135,8 @@ def follow_file(
     if name not in FOLLOWABLE:
         raise UsageError(f"can follow {' or '.join(FOLLOWABLE)}, not {name!r}")
     directory = run_dir(container, run_id)
-    position: int | None = None
+    position = offset
+    first = True  # no header received yet: `tail_lines` and `on_start` still apply, any start is accepted
     failing_since: float | None = None
     failures = 0
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -149,24 +146,23 @@ def follow_file(
 
     while True:
         if stopped():
-            return position if position is not None else offset
-        args = ["follow", posixpath.join(directory, name), "--offset", str(position if position is not None else offset)]
-        if position is None and tail_lines is not None:
+            return position
+        args = ["follow", posixpath.join(directory, name), "--offset", str(position)]
+        if first and tail_lines is not None:
             args += ["--tail-lines", str(tail_lines)]
         if follow:
             args += ["--follow", "--poll", str(poll), "--until-final", directory]
             if stop is not None:
                 args += ["--max-seconds", str(stop_check_s)]
-        stream = _Stream(on_line, expected_start=position, stop=stop, on_start=on_start if position is None else None)
+        stream = _Stream(on_line, None if first else position, stop, on_start if first else None)
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             result = call(container, args, on_line=stream.feed, timeout=remaining,
                           answers=(EXIT_TIME_UP, EXIT_TRUNCATED))
         except RETRYABLE as error:
-            progressed = stream.offset is not None and stream.offset != position
+            progressed = stream.offset is not None and (first or stream.offset != position)
             if stream.offset is not None:
-                stream.check(name)
-                position = stream.offset
+                position, first = stream.check(name), False
             now = time.monotonic()
             if progressed or failing_since is None:
                 failing_since, failures = now, 0
@@ -184,9 +180,9 @@ def follow_file(
                 time.sleep(delay)
             continue
         failing_since = None
-        stream.check(name)
+        position, first = stream.check(name), False
         if result.exit_code == EXIT_TRUNCATED and not stream.halted:
-            reached, size = _truncation(result.stderr, stream.offset)
+            reached, size = _truncation(result.stderr, position)
             if on_truncated is None:
                 raise FileTruncated(f"{name} of run {run_id} was truncated or replaced at byte {reached} "
                                     f"(now {size} bytes): bytes written before that and not yet read are lost")
@@ -194,8 +190,7 @@ def follow_file(
             position = 0
             continue
         if result.exit_code == EXIT_TIME_UP or stream.halted or stopped():
-            position = stream.offset
             continue
         if stream.partial:
             on_line(stream.partial)
-        return stream.offset if stream.offset is not None else (position if position is not None else offset)
+        return position

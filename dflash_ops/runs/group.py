@@ -13,25 +13,28 @@ checkpoint). docs/multi-node.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_ops.fanout import map_by_node
 from dflash_ops.runs.helper import call_json, check_run_id
 from dflash_ops.runs.info import RunError, RunInfo, RunNotFound, RunRefused
-from dflash_ops.runs.lifecycle import (_start, new_run_id, request, run_status, signal_run, wait_for_checkpoint,
+from dflash_ops.runs.lifecycle import (_start, ask_to_stop, launch_fresh, request_checkpoint, run_status, signal_run,
                                        wait_until_final)
 from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
 
-Opener = Callable[[str], Any]  # target name -> Container
+if TYPE_CHECKING:
+    from dflash_ops.container import ContainerAPI
+
+Opener = Callable[[str], "ContainerAPI"]  # target name -> Container
 
 
 @dataclass
 class Member:
     target: str
-    container: Any
+    container: ContainerAPI
     info: RunInfo | None = None  # None when it could not be asked (error holds why)
     error: Exception | None = None
 
@@ -46,7 +49,7 @@ class Member:
         return bool(d.get("writer"))
 
 
-def group_of(info: RunInfo) -> dict | None:
+def group_of(info: RunInfo) -> dict[str, Any] | None:
     """group.json of a member's run, or None for a one-host run."""
     group = info.raw.get("group")
     return group if isinstance(group, dict) and isinstance(group.get("targets"), list) else None
@@ -54,7 +57,7 @@ def group_of(info: RunInfo) -> dict | None:
 
 # ---------------------------------------------------------------------------- starting
 
-def container_address(container, toward: str | None) -> str:
+def container_address(container: ContainerAPI, toward: str | None) -> str:
     address = getattr(container.target, "address", None)
     if address:
         return address
@@ -62,18 +65,18 @@ def container_address(container, toward: str | None) -> str:
     return call_json(container, args)["address"]
 
 
-def _node_address(container) -> str | None:
+def _node_address(container: ContainerAPI) -> str | None:
     return getattr(container.target.node, "address", None)
 
 
-def _launch(containers: list, run_id: str, extra: list[str], stdin: bytes | None, names: list[str],
+def _launch(containers: Sequence[ContainerAPI], run_id: str, extra: list[str], stdin: bytes | None, names: list[str],
             gpus: list[int] | None) -> None:
     """Start every rank; if one cannot start, stop the ones already started (they wait for it)."""
     toward = _node_address(containers[1]) if len(containers) > 1 else None
     addresses = [container_address(c, _node_address(containers[0]) if i else toward) for i, c in enumerate(containers)]
     port = call_json(containers[0], ["free-port", "--address", addresses[0]])["port"]
     endpoint = f"{addresses[0]}:{port}"
-    started = []
+    started: list[ContainerAPI] = []
     try:
         for i, c in enumerate(containers):
             group = {"targets": names, "index": i, "nnodes": len(containers), "endpoint": endpoint}
@@ -114,27 +117,23 @@ def check_micro_batches(config: bytes, hosts: int, source: str) -> None:
                        f"micro-batches of a step over all hosts (e.g. micro_batches: {hosts * max(1, micro // hosts)})")
 
 
-def start_group(containers: list, names: list[str], config_path_local: Path | str, name: str | None = None,
+def start_group(containers: Sequence[ContainerAPI], names: list[str], config_path_local: Path | str, name: str | None = None,
                 gpus: list[int] | None = None) -> str:
     """Start one run over `containers` (targets `names`, in rank-hint order); returns the run id."""
     check_members(names)
     config = Path(config_path_local).read_bytes()
     check_micro_batches(config, len(names), str(config_path_local))
-    base_id = new_run_id(name)
-    for attempt in range(1, 10):
-        candidate = base_id if attempt == 1 else f"{base_id}-{attempt}"
-        try:
-            _launch(containers, candidate, ["--config", "-"], config, names, gpus)
-            return candidate
-        except RunRefused as e:
-            if not e.details.get("exists"):
-                raise
-    raise RunRefused(f"run ids {base_id}..-9 all exist on a member; pass --name")
+
+    def launch(run_id: str) -> str:
+        _launch(containers, run_id, ["--config", "-"], config, names, gpus)
+        return run_id
+
+    return launch_fresh(name, launch, " on a member; pass --name")
 
 
 # ---------------------------------------------------------------------------- the members
 
-def members(open_target: Opener, target: str, run_id: str) -> tuple[list[Member], dict | None]:
+def members(open_target: Opener, target: str, run_id: str) -> tuple[list[Member], dict[str, Any] | None]:
     """Every member of the run `run_id` seen from `target`, asked in parallel (one connection per
     node); a one-host run gives [that target] and group None."""
     first = open_target(target)
@@ -147,20 +146,10 @@ def members(open_target: Opener, target: str, run_id: str) -> tuple[list[Member]
         raise RunError(f"run {run_id} on {target} names targets {names} but not {target}: its group.json is "
                        "from another inventory")
     containers = [first if n == target else open_target(n) for n in names]
-
-    def ask(c):
-        return c if c is first else run_status(c, run_id)
-
-    found = map_by_node(containers, ask, lambda c, e: e)
-    out = []
-    for n, c, r in zip(names, containers, found):
-        if r is first:
-            out.append(Member(n, c, info))
-        elif isinstance(r, Exception):
-            out.append(Member(n, c, None, r))
-        else:
-            out.append(Member(n, c, r))
-    return out, group
+    found: list[RunInfo | Exception] = map_by_node(
+        containers, lambda c: info if c is first else run_status(c, run_id), lambda c, e: e)
+    return [Member(n, c, None, r) if isinstance(r, Exception) else Member(n, c, r)
+            for n, c, r in zip(names, containers, found)], group
 
 
 def member_of_rank(group_members: list[Member], rank: int) -> Member:
@@ -172,10 +161,7 @@ def member_of_rank(group_members: list[Member], rank: int) -> Member:
 
 
 def writer(group_members: list[Member]) -> Member:
-    for m in group_members:
-        if m.writer:
-            return m
-    return member_of_rank(group_members, 0)
+    return next((m for m in group_members if m.writer), None) or member_of_rank(group_members, 0)
 
 
 def _asked(group_members: list[Member]) -> list[tuple[Member, RunInfo]]:
@@ -190,14 +176,8 @@ def stop_group(group_members: list[Member], run_id: str, now: bool = False, kill
                wait: bool = True, timeout: float = 600.0, poll: float = 1.0) -> list[RunInfo]:
     """A stop request (or TERM/KILL) to every live member; the ranks agree to stop at one step."""
     for m, info in _asked(group_members):
-        if info.final and not info.alive:
-            continue
-        if kill:
-            signal_run(m.container, run_id, "KILL")
-        elif now:
-            signal_run(m.container, run_id, "TERM")
-        elif not info.final:
-            request(m.container, run_id, "stop")
+        if info.alive or not info.final:
+            ask_to_stop(m.container, run_id, info, now=now, kill=kill)
     if not wait:
         return [run_status(m.container, run_id) for m in group_members]
     return [wait_until_final(m.container, run_id, timeout=timeout, poll=poll) for m in group_members]
@@ -210,10 +190,7 @@ def checkpoint_group(group_members: list[Member], run_id: str, wait: bool = Fals
     if w.info is None or w.info.final:
         state = w.info.effective_state if w.info else f"unreachable ({w.error})"
         raise RunError(f"run {run_id} is {state} on {w.target}; only a live run can checkpoint")
-    request_id = request(w.container, run_id, "checkpoint")
-    if not wait:
-        return w, request_id, None
-    return w, request_id, wait_for_checkpoint(w.container, run_id, request_id, timeout=timeout, poll=poll)
+    return (w, *request_checkpoint(w.container, run_id, wait, timeout, poll))
 
 
 def resume_group(group_members: list[Member], run_id: str, from_step: int | None = None,
@@ -237,7 +214,7 @@ def resume_group(group_members: list[Member], run_id: str, from_step: int | None
 
 def pull_group(group_members: list[Member], run_id: str, step: int | str, dest: Path | str) -> tuple[Member, Path]:
     """Pull the checkpoint from the member holding it (for 'latest': the newest on any member)."""
-    holders = []
+    holders: list[tuple[int, Member]] = []
     for m in group_members:
         if m.info is None:
             continue

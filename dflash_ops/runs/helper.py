@@ -12,16 +12,9 @@ from dflash_ops.helpers.runs import EXIT_NOT_DEPLOYED, EXIT_NOT_FOUND, EXIT_REFU
 from dflash_ops.runs.info import GpusBusy, NotDeployed, RunError, RunNotFound, RunRefused
 from dflash_ops.transport.base import Result
 
-__all__ = ["EXIT_TIME_UP", "EXIT_TRUNCATED", "HELPER", "call", "call_json", "check_run_id", "run_dir", "run_error",
-           "runs_root"]
+__all__ = ["EXIT_TIME_UP", "EXIT_TRUNCATED", "HELPER", "call", "call_json", "check_run_id", "run_dir", "run_error"]
 
 HELPER = "runs"
-
-
-def runs_root(container: ContainerAPI) -> str:
-    return posixpath.join(container.base_dir, "runs")
-
-
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # the helper's rule (helpers/runs.py)
 
 
@@ -34,7 +27,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def run_dir(container: ContainerAPI, run_id: str) -> str:
-    return posixpath.join(runs_root(container), check_run_id(run_id))
+    return posixpath.join(container.base_dir, "runs", check_run_id(run_id))
 
 
 START_TAIL_SHOWN = 8  # log lines shown when the trainer dies before it says anything

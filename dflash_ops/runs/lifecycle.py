@@ -6,6 +6,7 @@ import json
 import posixpath
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,10 +57,6 @@ def new_run_id(name: str | None = None, now: float | None = None) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 
 
-def _release_root(container: ContainerAPI) -> str:
-    return posixpath.join(container.base_dir, "current")
-
-
 def parse_gpus(text: str) -> list[int]:
     """`--gpus 0,1` -> [0, 1]. An empty item, a sign, a non-integer or a duplicate is refused:
     dropping one silently would let two runs claim the same GPU."""
@@ -87,14 +84,15 @@ def _gpu_args(container: ContainerAPI, gpus: list[int] | None) -> list[str]:
 
 
 def _start(container: ContainerAPI, run_id: str, extra: list[str], stdin: bytes | None, gpus: list[int] | None) -> dict:
+    release_root = posixpath.join(container.base_dir, "current")
     args = ["start", "--base", container.base_dir, "--run-id", run_id,
-            "--release-root", _release_root(container), "--python", container.target.python,
+            "--release-root", release_root, "--python", container.target.python,
             *extra, *_gpu_args(container, gpus)]
     try:
         return call_json(container, args, stdin=stdin)
     except NotDeployed as e:
         name = container.target.name
-        what = f"nothing is deployed on {name} yet (no {_release_root(container)})" if e.details.get("not_deployed") else str(e)
+        what = f"nothing is deployed on {name} yet (no {release_root})" if e.details.get("not_deployed") else str(e)
         raise NotDeployed(f"{what}: run `dflash-ops deploy {name}` first", e.details) from None
 
 
@@ -116,15 +114,21 @@ def start_run(container: ContainerAPI, config_path_local: Path | str, name: str 
         extra += ["--resume", str(resume)]
     if run_id is not None:
         return _start(container, check_run_id(run_id), extra, config, gpus)["run_id"]
+    return launch_fresh(name, lambda candidate: _start(container, candidate, extra, config, gpus)["run_id"],
+                        "; pass a run id or --name")
+
+
+def launch_fresh(name: str | None, launch: Callable[[str], str], exhausted: str) -> str:
+    """launch(run id) with a fresh id (new_run_id), then with -2 .. -9 appended while the helper
+    answers that the id exists; `exhausted` ends the error when all of them do."""
     base_id = new_run_id(name)
     for attempt in range(1, 10):
-        candidate = base_id if attempt == 1 else f"{base_id}-{attempt}"
         try:
-            return _start(container, candidate, extra, config, gpus)["run_id"]
+            return launch(base_id if attempt == 1 else f"{base_id}-{attempt}")
         except RunRefused as e:
             if not e.details.get("exists"):
                 raise
-    raise RunRefused(f"run ids {base_id}..-9 all exist; pass a run id or --name")
+    raise RunRefused(f"run ids {base_id}..-9 all exist{exhausted}")
 
 
 def resume_run(container: ContainerAPI, run_id: str, from_step: int | None = None, gpus: list[int] | None = None) -> str:
@@ -156,16 +160,16 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
     deadline = time.monotonic() + timeout
     offset = 0
     served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
+
+    def look(line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if event.get("event") == "checkpoint" and event.get("request") == request_id:
+            served.append(event.get("path"))
+
     while True:
-
-        def look(line: bytes) -> None:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                return
-            if event.get("event") == "checkpoint" and event.get("request") == request_id:
-                served.append(event.get("path"))
-
         try:
             offset = follow_file(container, run_id, "metrics.jsonl", look, offset=offset)
         except RunNotFound:
@@ -200,6 +204,12 @@ def checkpoint_run(container: ContainerAPI, run_id: str, wait: bool = False, tim
     info = run_status(container, run_id)
     if info.final:
         raise RunError(f"run {run_id} is {info.effective_state}; only a live run can checkpoint")
+    return request_checkpoint(container, run_id, wait, timeout, poll)
+
+
+def request_checkpoint(container: ContainerAPI, run_id: str, wait: bool, timeout: float,
+                       poll: float) -> tuple[str, str | None]:
+    """(request id, checkpoint path when waited for) of a new checkpoint request."""
     request_id = request(container, run_id, "checkpoint")
     if not wait:
         return request_id, None
@@ -218,13 +228,18 @@ def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool
     info = run_status(container, run_id)
     if info.final and not info.alive:
         return info
+    ask_to_stop(container, run_id, info, now=now, kill=kill)
+    if not wait:
+        return run_status(container, run_id)
+    return wait_until_final(container, run_id, timeout=timeout, poll=poll)
+
+
+def ask_to_stop(container: ContainerAPI, run_id: str, info: RunInfo, now: bool, kill: bool) -> None:
+    """KILL, TERM, or a stop request (when the run has not yet reached a final state)."""
     if kill:
         signal_run(container, run_id, "KILL")
     elif now:
         signal_run(container, run_id, "TERM")
     elif not info.final:
         request(container, run_id, "stop")
-    if not wait:
-        return run_status(container, run_id)
-    return wait_until_final(container, run_id, timeout=timeout, poll=poll)
 

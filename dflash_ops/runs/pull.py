@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash_ops.hashing import sha256_file
 from dflash_ops.runs.helper import call_json, check_run_id, run_dir
@@ -74,7 +74,7 @@ def pull_checkpoint(container: ContainerAPI, run_id: str, step: int | str, dest:
     except OSError as e:
         raise RunError(f"cannot create pull destination {dest}: {e.strerror or e}") from None
     if target.exists() or target.is_symlink():
-        if _local_manifest(target) != manifest:
+        if _read_json(target / "manifest.json") != manifest:
             raise RunError(f"{target} already holds something else than {entry['path']} of run {run_id} "
                            "(its manifest.json differs or is missing): pull into another directory, or move it away")
         _copy_files(container, remote_root, manifest, target)  # the same checkpoint: repair in place
@@ -82,11 +82,7 @@ def pull_checkpoint(container: ContainerAPI, run_id: str, step: int | str, dest:
     partial = dest / f".{name}.partial"
     mark = {"run_id": run_id, "path": entry["path"], "manifest_sha256": _digest(manifest)}
     if partial.exists():
-        try:
-            ours = json.loads((partial / PARTIAL_MARK).read_text()) == mark
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
+        if _read_json(partial / PARTIAL_MARK) != mark:
             raise RunError(f"{partial} is not an unfinished pull of {entry['path']} of run {run_id}: "
                            "move it away and pull again")
         _drop_unlisted(partial, manifest)
@@ -108,19 +104,16 @@ def _copy_files(container: ContainerAPI, remote_root: str, manifest: dict, into:
         _fetch_verified(container, f"{remote_root}/{rel}", local, expected, remote_root, rel)
     manifest_part = into / ".manifest.json.part"
     container.pull(f"{remote_root}/manifest.json", manifest_part)
-    try:
-        copied = json.loads(manifest_part.read_bytes())
-    except ValueError:
-        copied = None
-    if copied != manifest:
+    if _read_json(manifest_part) != manifest:
         manifest_part.unlink(missing_ok=True)
         raise RunError(f"{remote_root}/manifest.json changed or was damaged while copying")
     os.replace(manifest_part, into / "manifest.json")
 
 
-def _local_manifest(path: Path):
+def _read_json(path: Path) -> Any:
+    """The file's JSON document; None when it is missing, unreadable or not JSON."""
     try:
-        return json.loads((path / "manifest.json").read_bytes())
+        return json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from dflash_ops.simnode.pct import Node as SimNode
+
 SIM_TEMPLATE = "local:vztmpl/dflash-sim-debian.tar.zst"  # recorded in the config; nothing is unpacked
 
 
@@ -18,22 +20,17 @@ def container_python(sim_root: str | Path, ctid: int | str) -> str:
 
 
 def is_created(sim_root: str | Path, ctid: int | str) -> bool:
-    conf = Path(sim_root) / "lxc" / f"{ctid}.conf"
-    try:
-        return "\nrootfs: " in "\n" + conf.read_text()
-    except OSError:
-        return False
+    return SimNode(Path(sim_root)).exists(str(ctid))
 
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,
-                python: str | None = None, packages: Sequence[str] | None = None,
-                start: bool = True) -> list[str]:
+                python: str | None = None, packages: Sequence[str] | None = None) -> list[str]:
     """`pct create CTID TEMPLATE --start 1 ...` for the stand-in.
 
     `python`: the base interpreter of the container's python3 (default: the stand-in's);
     `packages`: what its site-packages provide (default: the trainer's; () for none).
     """
-    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1" if start else "0"]
+    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1"]
     if hostname:
         argv += ["--hostname", hostname]
     if python:

@@ -44,6 +44,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from importlib import metadata
 
 # pve-common src/PVE/CLIHandler.pm run_cli_handler: `$ENV{'PATH'} = '/sbin:/bin:/usr/sbin:/usr/bin';`
 # before any command runs; `pct exec` then calls lxc-attach --keep-env, which keeps it.
@@ -108,7 +112,7 @@ class Node:
             return False
 
     def set_state(self, vmid: str, state: str) -> None:
-        _write_atomically(self.lxc / f"{vmid}.state", state + "\n")
+        write_atomically(self.lxc / f"{vmid}.state", state + "\n")
 
     def vmids(self) -> list[str]:
         if not self.lxc.is_dir():
@@ -156,7 +160,7 @@ class ConfigLock:
                     raise PctError(f"can't lock file '/run/lock/lxc/pve-config-{self.vmid}.lock' - got timeout\n") from None
                 time.sleep(0.05)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.fd >= 0:
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = -1
@@ -171,7 +175,7 @@ def check_vmid(vmid: str) -> None:
         )
 
 
-def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -281,7 +285,7 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _create_file(path: str, perms: str | None):
+def _create_file(path: str, perms: str | None) -> BinaryIO:
     mode = None
     if perms is not None:
         text = perms if perms.startswith("0") else "0" + perms  # pct.pm: "assume octal as default"
@@ -426,7 +430,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
         python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
         unprivileged = _boolean(opts, "unprivileged", True)
         hostname = opts.get("hostname") or f"CT{vmid}"  # API2/LXC.pm: hostname defaults to "CT$vmid"
-        _write_atomically(node.conf(vmid), "".join([
+        write_atomically(node.conf(vmid), "".join([
             "arch: amd64\n",
             f"hostname: {hostname}\n",
             "ostype: debian\n",
@@ -530,7 +534,7 @@ def _package_files(names: list[str]) -> list[tuple[str, str]]:
     return sorted(found.items())
 
 
-def _top_levels(dist) -> set[str]:
+def _top_levels(dist: metadata.Distribution) -> set[str]:
     """The first path component of every file a distribution installed.
 
     Read from its RECORD directly: `dist.files` builds a PackagePath for each of ~30 000 files

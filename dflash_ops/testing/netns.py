@@ -6,7 +6,6 @@ multi-node runs). Needs root, `ip` and `tc` (iproute2) and OpenSSH's sshd.
     node = fleet.nodes[1]         # fleet.node("n1") / fleet.target_node("n1-200") also work
     node.address                  # its own IPv4 address: reachable from here and from every node
     node.run(["hostname", "-I"])  # a command inside its namespace (subprocess.run keywords)
-    node.popen([...])             # ... or started in the background (killed by fleet.close())
     node.partition(20)            # link down for 20 s (background; node.heal() ends it early):
     with node.partitioned(): ...  #   packets vanish, connects time out - not a missing route
     node.limit_bandwidth("1mbit") # tc tbf, both directions; node.unlimit()
@@ -37,6 +36,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
 
 import yaml
 
@@ -58,26 +58,20 @@ def netns_unavailable_reason() -> str | None:
     if reason:
         return reason
     probe = f"{NETNS_PREFIX}{os.getpid()}probe"
-    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    done = _ip("netns", "add", probe, check=False)
     if done.returncode != 0:
         return f"cannot create a network namespace: {done.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    _ip("netns", "del", probe, check=False)
     return None
 
 
-def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    argv = ["ip", *(["-n", netns] if netns else []), *args]
+def _ip(*args: str, netns: str | None = None, check: bool = True, tool: str = "ip") -> subprocess.CompletedProcess:
+    """`ip ARGS` (or `tc ARGS`), in `netns` when given; RuntimeError with its stderr when it fails."""
+    argv = [tool, *(["-n", netns] if netns else []), *args]
     done = subprocess.run(argv, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
     return done
-
-
-def _tc(*args: str, netns: str | None = None, check: bool = True) -> None:
-    argv = ["tc", *(["-n", netns] if netns else []), *args]
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
 
 
 @dataclass
@@ -85,7 +79,6 @@ class FleetNode:
     """One Proxmox node: a namespace, an address, an sshd, pct stand-in state, containers."""
 
     name: str
-    index: int
     netns: str
     address: str
     mac: str
@@ -104,13 +97,8 @@ class FleetNode:
         """`argv` run inside this node's network namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(argv), **kwargs)
-
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(self.argv(argv), **kwargs)
-        self.fleet.processes.append(proc)
-        return proc
 
     def target_names(self) -> list[str]:
         return [f"{self.name}-{ctid}" for ctid in self.ctids]
@@ -152,7 +140,7 @@ class FleetNode:
         return "UP" not in json.loads(out)[0]["flags"]
 
     @contextmanager
-    def partitioned(self):
+    def partitioned(self) -> Iterator[FleetNode]:
         self.partition()
         try:
             yield self
@@ -162,14 +150,14 @@ class FleetNode:
     def limit_bandwidth(self, rate: str = "1mbit", burst: str = "32kb", latency: str = "400ms") -> None:
         """tc tbf on both ends of the node's link: traffic to and from the node is limited to `rate`."""
         for dev, netns in ((self.veth, None), ("eth0", self.netns)):
-            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", latency,
-                netns=netns)
+            _ip("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", latency,
+                netns=netns, tool="tc")
         self.limited = True
 
     def unlimit(self) -> None:
         if self.limited:
             for dev, netns in ((self.veth, None), ("eth0", self.netns)):
-                _tc("qdisc", "del", "dev", dev, "root", netns=netns, check=False)
+                _ip("qdisc", "del", "dev", dev, "root", netns=netns, check=False, tool="tc")
             self.limited = False
 
     def kill_sshd(self) -> None:
@@ -185,16 +173,13 @@ class FleetNode:
             raise RuntimeError(f"{self.name}: started without disk_mb, there is no small disk to fill")
         for ctid_, mount in zip(self.ctids, self.disk_mounts):
             if ctid in (None, ctid_):
-                fd = os.open(mount / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                try:
+                with open(mount / ".filler", "ab", buffering=0) as filler:
                     for size in (1 << 20, 4096, 1):
                         try:
-                            while os.write(fd, b"\0" * size):
+                            while filler.write(b"\0" * size):
                                 pass
-                        except OSError:
+                        except OSError:  # ENOSPC: on to the next smaller size
                             pass
-                finally:
-                    os.close(fd)
 
     def free_disk(self) -> None:
         for mount in self.disk_mounts:
@@ -230,15 +215,13 @@ class Fleet:
 
     def write_inventory(self, path: Path, addresses: dict[str, tuple[str, int]] | None = None) -> Path:
         """An inventory of every node and target; `addresses` reroutes nodes (name -> (host, port))."""
-        nodes, targets = {}, {}
+        nodes = {}
         for node in self.nodes:
             entry = {**node.sshd.node_entry(), **self.node_settings}
             if addresses and node.name in addresses:
                 entry["address"], entry["port"] = addresses[node.name]
             nodes[node.name] = entry
-            for ctid in node.ctids:
-                targets[f"{node.name}-{ctid}"] = {"node": node.name, "ctid": ctid, "base_dir": str(node.base_dir(ctid)),
-                                                  "python": node.sshd.container_python(ctid), "gpus": []}
+        targets = {f"{node.name}-{ctid}": node.sshd.target_entry(ctid) for node in self.nodes for ctid in node.ctids}
         path.write_text(yaml.safe_dump({"nodes": nodes, "targets": targets}, sort_keys=False))
         return path
 
@@ -321,14 +304,10 @@ def _kill_namespace_processes(netns: str) -> None:
         threading.Event().wait(0.1)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _stale(name: str, prefix: str) -> bool:
+    """Is `name` one of ours (PREFIX<pid>x<k>...) whose creating process is gone?"""
+    pid, x, _k = name[len(prefix):].split("-", 1)[0].partition("x")
+    return name.startswith(prefix) and x == "x" and pid.isdigit() and not os.path.exists(f"/proc/{pid}")
 
 
 def sweep_stale() -> list[str]:
@@ -336,19 +315,15 @@ def sweep_stale() -> list[str]:
     removed = []
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        tag = name[len(NETNS_PREFIX):].split("-", 1)[0]
-        if name.startswith(NETNS_PREFIX) and "x" in tag and tag.split("x")[0].isdigit():
-            if not _pid_alive(int(tag.split("x")[0])):
-                _kill_namespace_processes(name)
-                _ip("netns", "del", name, check=False)
-                removed.append(name)
+        if _stale(name, NETNS_PREFIX):
+            _kill_namespace_processes(name)
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
     for link in json.loads(_ip("-j", "link", "show", "type", "bridge", check=False).stdout or "[]"):
         name = link.get("ifname", "")
-        tag = name[len(LINK_PREFIX):]
-        if name.startswith(LINK_PREFIX) and "x" in tag and tag.split("x")[0].isdigit():
-            if not _pid_alive(int(tag.split("x")[0])):
-                _ip("link", "del", name, check=False)
-                removed.append(name)
+        if _stale(name, LINK_PREFIX):
+            _ip("link", "del", name, check=False)
+            removed.append(name)
     return removed
 
 
@@ -429,7 +404,7 @@ def _start_node(fleet: Fleet, i: int, ctids: tuple[int, ...], disk_mb: int | Non
             subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0755", "tmpfs", str(mount)],
                            check=True, capture_output=True)
             mounts.append(mount)
-    node = FleetNode(name=name, index=i, netns=netns, address=address, mac=mac, veth=veth, sshd=None,  # type: ignore[arg-type]
+    node = FleetNode(name=name, netns=netns, address=address, mac=mac, veth=veth, sshd=None,  # type: ignore[arg-type]
                      ctids=tuple(ctids), fleet=fleet, disk_mounts=mounts)
     fleet.nodes.append(node)  # before sshd starts: close() must find its mounts either way
     node.sshd = start_sshd(workdir, ctids, address=address, port=22, netns=netns, node_name=name)

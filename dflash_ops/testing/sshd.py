@@ -30,9 +30,9 @@ from pathlib import Path
 import yaml
 
 from dflash_ops.simnode import containers as simct
+from dflash_ops.simnode.pct import write_atomically as _write
 
 SSHD = "/usr/sbin/sshd"
-PCT_SCRIPT = simct.PCT_SCRIPT
 # What base-files installs as /root/.bashrc on Debian, so on a fresh Proxmox VE node.
 NODE_BASHRC = Path("/usr/share/base-files/dot.bashrc")
 
@@ -79,6 +79,11 @@ class SshdNode:
     def container_base(self, ctid: int) -> Path:
         return self.workdir / f"ct{ctid}" / "opt" / "dflash"
 
+    def target_entry(self, ctid: int) -> dict:
+        """Container `ctid` of this node as an inventory `targets:` entry."""
+        return {"node": self.node_name, "ctid": ctid, "base_dir": str(self.container_base(ctid)),
+                "python": self.container_python(ctid), "gpus": []}
+
     def container_python(self, ctid: int) -> str:
         """The container's own python (pct create made it; not on pct's PATH: name it as `python:`)."""
         return simct.container_python(self.sim_root, ctid)
@@ -101,8 +106,7 @@ class SshdNode:
         try:
             _wait_for_banner(self.address, self.port, self.proc, self.log)
         except BaseException:
-            self.proc.kill()
-            self.proc.wait()
+            self.stop()
             raise
 
     def accepted_logins(self) -> int:
@@ -184,13 +188,6 @@ def _free_port() -> int:
 
 def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-
-
-def _write(path: Path, text: str, mode: int = 0o600) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def _wait_for_banner(address: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
@@ -298,11 +295,11 @@ def start_sshd(
         "MaxStartups 64",
         "LogLevel VERBOSE",
         "",
-    ]))
+    ]), mode=0o600)
     sim_root = workdir / "sim"
     for ctid in ctids:  # the containers exist because the node's admin created them
         if not simct.is_created(sim_root, ctid):
-            simct.create(sim_root, ctid, hostname="host200" if ctid == 200 else f"host{ctid}")
+            simct.create(sim_root, ctid, hostname=f"host{ctid}")
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"
@@ -320,22 +317,13 @@ def start_sshd(
                     proc=proc, ctids=tuple(ctids), address=address,
                     netns=netns, config=config, pct=pct, node_name=node_name,
                     pct_prefix=pct_prefix, cleanup=cleanup, login_rc=login_rc)
-    _write(node.known_hosts, node.host_key_line(address, port))
-    targets = {
-        ("host200" if ctid == 200 else f"host{ctid}"): {
-            "node": node_name, "ctid": ctid, "base_dir": str(node.container_base(ctid)),
-            "python": node.container_python(ctid), "gpus": [],
-        }
-        for ctid in ctids
-    }
+    _write(node.known_hosts, node.host_key_line(address, port), mode=0o600)
+    targets = {f"host{ctid}": node.target_entry(ctid) for ctid in ctids}
     _write(node.inventory, yaml.safe_dump({"nodes": {node_name: node.node_entry()}, "targets": targets},
                                           sort_keys=False), mode=0o644)
     try:
         _wait_for_banner(address, port, proc, log)
     except BaseException:
-        proc.kill()
-        proc.wait()
-        while cleanup:
-            cleanup.pop()()
+        node.close()
         raise
     return node

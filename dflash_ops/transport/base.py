@@ -7,19 +7,22 @@ output), so the local and SSH transports test the very same rendering.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 LineCallback = Callable[[bytes], None]
+
+
+@runtime_checkable
 class Readable(Protocol):
     """A binary stream to send on a command's stdin (a file, a spooled tar, a ProgressReader)."""
 
     def read(self, size: int = ..., /) -> bytes: ...
 
 
-Stdin = bytes | Readable | None
+Stdin = bytes | Readable | Iterable[bytes] | None  # an iterable: the chunks to send, in order
 CHUNK = 64 * 1024
 
 
@@ -72,21 +75,14 @@ class LineSplitter:
         self.chunks.append(data)
         if self.callback is None or not data:
             return
-        end = data.find(b"\n")
-        if end < 0:
-            self._pending.append(data)
-            return
-        self.callback(b"".join(self._pending) + data[: end + 1])
-        self._pending = []
-        start = end + 1
-        while True:
-            end = data.find(b"\n", start)
-            if end < 0:
-                break
-            self.callback(data[start : end + 1])
-            start = end + 1
-        if start < len(data):
-            self._pending.append(data[start:])
+        *lines, rest = data.split(b"\n")
+        if lines:
+            lines[0] = b"".join(self._pending) + lines[0]
+            self._pending = []
+        for line in lines:
+            self.callback(line + b"\n")
+        if rest:
+            self._pending.append(rest)
 
     def finish(self) -> bytes:
         if self.callback is not None and self._pending:
@@ -96,7 +92,8 @@ class LineSplitter:
 
 
 def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
-    """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time.
+    """Yield stdin as binary chunks: bytes as-is, a file object up to CHUNK bytes at a time,
+    an iterable's chunks as they come.
 
     A buffered file (sys.stdin.buffer, a pipe) is read with read1, so each chunk goes out as
     soon as it arrives instead of waiting for CHUNK bytes or EOF."""
@@ -106,6 +103,9 @@ def iter_stdin(stdin: Stdin) -> Iterator[bytes]:
         data = bytes(stdin)
         for i in range(0, len(data), CHUNK):
             yield data[i : i + CHUNK]
+        return
+    if not isinstance(stdin, Readable):
+        yield from stdin
         return
     read = getattr(stdin, "read1", None) or stdin.read
     while True:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import IO
 
 from dflash_ops.errors import CommandTimeout, TransportError
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
@@ -124,7 +125,8 @@ def _stdin_error(writer: BackgroundCall) -> BaseException | None:
     return None if isinstance(error, BrokenPipeError) else error
 
 
-def _pump(stream, splitter: LineSplitter) -> None:
+def _pump(stream: IO[bytes] | None, splitter: LineSplitter) -> None:
+    assert stream is not None  # run() asks for pipes
     fd = stream.fileno()
     try:
         while True:
@@ -136,7 +138,8 @@ def _pump(stream, splitter: LineSplitter) -> None:
         stream.close()
 
 
-def _feed(stream, stdin: Stdin) -> None:
+def _feed(stream: IO[bytes] | None, stdin: Stdin) -> None:
+    assert stream is not None  # run() asks for a pipe when there is stdin
     try:
         for chunk in iter_stdin(stdin):
             stream.write(chunk)

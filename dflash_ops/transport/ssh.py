@@ -20,12 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import paramiko
 
 from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError, Unreachable
 from dflash_ops.inventory import Node
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
+
+if TYPE_CHECKING:
+    from fabric import Connection
 
 _STATUS_POLL = 0.2
 ALIVE_COUNT_MAX = 3  # unanswered keepalive intervals before the connection counts as dead
@@ -37,7 +41,7 @@ ALIVE_COUNT_MAX = 3  # unanswered keepalive intervals before the connection coun
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-def fabric_connection(node: Node):
+def fabric_connection(node: Node) -> Connection:
     """A not-yet-opened Fabric Connection for `node`, honouring ~/.ssh/config and the agent."""
     import fabric
 
@@ -55,10 +59,8 @@ def fabric_connection(node: Node):
         connect_kwargs=connect_kwargs,
     )
     client = conn.client
-    if node.strict_host_key_checking:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    else:
-        client.set_missing_host_key_policy(paramiko.WarningPolicy())
+    client.set_missing_host_key_policy(paramiko.RejectPolicy() if node.strict_host_key_checking
+                                       else paramiko.WarningPolicy())
     known_hosts = os.path.expanduser(node.known_hosts or "~/.ssh/known_hosts")
     if node.known_hosts:
         client.get_host_keys().clear()
@@ -68,17 +70,17 @@ def fabric_connection(node: Node):
 
 
 class SSHTransport:
-    def __init__(self, node: Node, connection_factory: Callable[[Node], object] = fabric_connection):
+    def __init__(self, node: Node, connection_factory: Callable[[Node], Connection] = fabric_connection):
         self.node = node
         self._factory = connection_factory
-        self._conn = None
+        self._conn: Connection | None = None
         self._lock = threading.Lock()
         self.commands_run = 0
         self.connections_opened = 0
         self.connect_attempts = 0
         self._alive: _AliveCheck | None = None
 
-    def connection(self):
+    def connection(self) -> Connection:
         """The open Fabric Connection, (re)connecting once if there is none or it died."""
         with self._lock:
             if self._conn is not None and _alive(self._conn):
@@ -122,19 +124,19 @@ class SSHTransport:
         port = f":{self.node.port}" if self.node.port else ""
         return f"{user}{self.node.address}{port}"
 
-    def _open_channel(self):
-        conn = self.connection()
-        try:
-            return conn.client.get_transport().open_session(timeout=self.node.connect_timeout)
-        except (paramiko.SSHException, OSError, EOFError, AttributeError):
-            with self._lock:
-                _quietly_close(conn)
-                self._conn = None
+    def _open_channel(self) -> paramiko.Channel:
+        """A new channel; a connection that turns out dead is replaced once."""
+        for retry in (False, True):
             conn = self.connection()
             try:
                 return conn.client.get_transport().open_session(timeout=self.node.connect_timeout)
-            except (paramiko.SSHException, OSError, EOFError) as e:
-                raise ConnectionLost(f"node {self.node.name!r}: cannot open a channel: {e}") from None
+            except (paramiko.SSHException, OSError, EOFError, AttributeError) as e:
+                if retry:
+                    raise ConnectionLost(f"node {self.node.name!r}: cannot open a channel: {e}") from None
+                with self._lock:
+                    _quietly_close(conn)
+                    self._conn = None
+        raise AssertionError("unreachable")
 
     def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
             on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result:
@@ -170,7 +172,7 @@ class SSHTransport:
             while not chan.status_event.wait(_STATUS_POLL):
                 _check_deadline(deadline, chan, command, timeout)
                 check_link()
-            if not transport.is_active() and not _exit_status_received(chan):
+            if not transport.is_active() and chan.exit_status == -1:  # no exit status came
                 raise _lost(self.node, command)
             _check_calls(writer, *readers)
             code = chan.recv_exit_status()
@@ -188,7 +190,7 @@ class SSHTransport:
 
     def put(self, local: Path, remote: str) -> None:
         try:
-            self._sftp().put(str(local), remote)
+            self.connection().sftp().put(str(local), remote)
         except (OSError, paramiko.SSHException, EOFError) as e:
             raise TransportError(f"node {self.node.name!r}: upload {local} -> {remote} failed: {e}") from None
 
@@ -196,15 +198,11 @@ class SSHTransport:
         local = Path(local)
         tmp = local.with_name(f".{local.name}.tmp-{os.getpid()}")
         try:
-            self._sftp().get(remote, str(tmp))
+            self.connection().sftp().get(remote, str(tmp))
             os.replace(tmp, local)
         except (OSError, paramiko.SSHException, EOFError) as e:
             tmp.unlink(missing_ok=True)
             raise TransportError(f"node {self.node.name!r}: download {remote} -> {local} failed: {e}") from None
-
-    def _sftp(self):
-        conn = self.connection()
-        return conn.sftp()
 
     def close(self) -> None:
         with self._lock:
@@ -213,19 +211,19 @@ class SSHTransport:
                 self._conn = None
 
 
-def _alive(conn) -> bool:
+def _alive(conn: Connection) -> bool:
     transport = conn.client.get_transport()
     return transport is not None and transport.is_active()
 
 
-def _quietly_close(conn) -> None:
+def _quietly_close(conn: Connection) -> None:
     try:
         conn.close()
     except Exception:  # noqa: BLE001 - already broken
         pass
 
 
-def _pump(recv, splitter: LineSplitter, alive: "_AliveCheck") -> None:
+def _pump(recv: Callable[[int], bytes], splitter: LineSplitter, alive: _AliveCheck) -> None:
     while True:
         data = recv(CHUNK)
         if not data:
@@ -243,7 +241,7 @@ class _AliveCheck:
     Dead = silent for ALIVE_COUNT_MAX x interval. interval 0 disables the check.
     """
 
-    def __init__(self, transport, interval: float):
+    def __init__(self, transport: paramiko.Transport, interval: float):
         self.transport = transport
         self.interval = interval
         self.last_heard = time.monotonic()
@@ -272,7 +270,7 @@ class _AliveCheck:
             self.heard()
 
 
-def _send(chan, stdin: Stdin) -> None:
+def _send(chan: paramiko.Channel, stdin: Stdin) -> None:
     """Stream stdin, then EOF. A failed send only means the command stopped reading (or ended);
     an error reading the local stdin propagates: the command must not wait for the rest."""
     for chunk in iter_stdin(stdin):
@@ -297,11 +295,7 @@ def _check_calls(*calls: BackgroundCall) -> None:
             raise _CallFailed(call.error)
 
 
-def _exit_status_received(chan) -> bool:
-    return chan.exit_status != -1
-
-
-def _check_deadline(deadline: float | None, chan, command: str, timeout: float | None) -> None:
+def _check_deadline(deadline: float | None, chan: paramiko.Channel, command: str, timeout: float | None) -> None:
     if deadline is not None and time.monotonic() > deadline:
         chan.close()
         raise CommandTimeout(command, timeout)

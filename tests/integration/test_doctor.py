@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from dflash_ops.cli import app
-from dflash_ops.inventory import _SIM_PCT_SCRIPT
+from dflash_ops.simnode.containers import PCT_SCRIPT as _SIM_PCT_SCRIPT
 from tests.conftest import unavailable, write_sim_inventory
 
 REPO = Path(__file__).resolve().parents[2]

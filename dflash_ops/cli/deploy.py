@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -40,7 +40,7 @@ def deploy(
         options = target_options(container.target, extra_paths=extra or (), keep=keep, no_venv=no_venv)
         return deploy_target(container, dry_run=dry_run, on_progress=progress.callback(name), **options)
 
-    with progress:
+    with progress.bar:
         summaries = deploy_many(targets, lambda name: open_container(inv, name), run)
     if as_json:
         typer.echo(json.dumps([s.to_json() for s in summaries], indent=1))
@@ -68,13 +68,6 @@ class _Progress:
             self.bar.advance(self.tasks[name], n)
 
         return on_progress
-
-    def __enter__(self) -> _Progress:
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bar.__exit__(*exc)
 
 
 def _print_summaries(summaries: list[DeploySummary]) -> None:

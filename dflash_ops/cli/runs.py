@@ -186,9 +186,9 @@ def status(
 def _print_members(found: list[Member], group: dict[str, Any]) -> None:
     from dflash_ops.runs.report import status_detail
 
-    shown = [m for m in found if m.info is not None]
-    _print_table([m.info for m in shown if m.info is not None],
-                 targets=[f"{m.target} (rank {m.rank if m.rank is not None else '?'})" for m in shown])
+    shown = [(m, m.info) for m in found if m.info is not None]
+    _print_table([info for _m, info in shown],
+                 targets=[f"{m.target} (rank {m.rank if m.rank is not None else '?'})" for m, _info in shown])
     typer.echo(f"group: {len(found)} hosts, rendezvous {group.get('endpoint')}")
     for m in found:
         if m.info is None:

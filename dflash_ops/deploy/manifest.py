@@ -30,10 +30,7 @@ def trainer_dir() -> Path:
     """The `trainer` package directory, wherever it is imported from."""
     import trainer
 
-    locations = list(getattr(trainer, "__path__", []))
-    if not locations:
-        raise RuntimeError("cannot locate the trainer package")
-    return Path(locations[0]).resolve()
+    return Path(trainer.__path__[0]).resolve()
 
 
 @dataclass
@@ -47,7 +44,8 @@ class LocalRelease:
     hash: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.hash = release_hash(self.manifest, self.venv)
+        blob = json.dumps({"files": self.manifest, "venv": self.venv}, sort_keys=True).encode()
+        self.hash = hashlib.sha256(blob).hexdigest()[:16]
 
     def size(self, rels: Iterable[str]) -> int:
         return sum(self.files[r].stat().st_size for r in rels)
@@ -55,11 +53,6 @@ class LocalRelease:
     def meta(self) -> dict:
         return {"version": 1, "hash": self.hash, "created": None, "parent": None,
                 "venv": self.venv, "files": self.manifest}
-
-
-def release_hash(manifest: dict[str, str], venv: str | None) -> str:
-    blob = json.dumps({"files": manifest, "venv": venv}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 class ReleasePathError(DflashOpsError):

@@ -16,6 +16,7 @@ from dflash_ops.doctor.plan import GIB, MIB, RunPlan
 OK, WARN, FAIL = "ok", "warn", "fail"
 SYMBOLS = {OK: "✔", WARN: "!", FAIL: "✘"}
 PYTHON_MIN = (3, 8)  # the helpers' floor
+PYTHON_NEEDED = ">= " + ".".join(map(str, PYTHON_MIN))
 # Minimum driver branch per CUDA major under minor-version compatibility
 # (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
 DRIVER_FOR_CUDA = {11: 450, 12: 525, 13: 580}
@@ -35,9 +36,6 @@ class Check:
     @property
     def symbol(self) -> str:
         return SYMBOLS[self.status]
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -72,8 +70,7 @@ def evaluate(i: Inputs) -> list[Check]:
     if i.node.state != "running":
         return checks
     if i.facts is None:
-        checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run",
-                            f">= {'.'.join(map(str, PYTHON_MIN))}",
+        checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run", PYTHON_NEEDED,
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
     for judge in (config_check, python_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
@@ -170,10 +167,8 @@ def config_check(i: Inputs) -> Check | None:
 def python_check(i: Inputs) -> Check:
     py = i.found["python"]
     version = tuple(int(x) for x in py["version"].split(".")[:2])
-    ok = version >= PYTHON_MIN
-    return Check("python", OK if ok else FAIL, f"{py['version']} ({py['executable']})",
-                 f">= {'.'.join(map(str, PYTHON_MIN))}",
-                 "" if ok else "install a newer python3 in the container, or point `python:` at one")
+    return judged("python", version >= PYTHON_MIN, f"{py['version']} ({py['executable']})", PYTHON_NEEDED,
+                  "install a newer python3 in the container, or point `python:` at one")
 
 
 def release_check(i: Inputs) -> Check:
@@ -281,11 +276,11 @@ def held_check(i: Inputs) -> Check:
         return Check("GPUs held by runs", WARN, f"unknown ({runs.get('error') or runs})", "no live run on them")
     live = runs["live"]
     wanted = set(i.plan.gpus)
-    clash = [(r, g) for r in live if (g := sorted(set(r["gpus"]) & wanted))]  # the rule of `run start`
+    clash = [r["run_id"] for r in live if set(r["gpus"]) & wanted]  # the rule of `run start`
     measured = "; ".join(f"{r['run_id']} holds GPU {','.join(map(str, r['gpus'])) or 'none listed'}"
                          for r in live) or "no live runs"
     if clash:
-        names = ", ".join(r["run_id"] for r, _ in clash)
+        names = ", ".join(clash)
         # `run start` leaves the refusal to the runs helper, which checks and claims atomically
         return Check("GPUs held by runs", WARN if i.fast else FAIL, measured, f"GPU {','.join(map(str, sorted(wanted)))} free",
                      f"dflash-ops run stop {i.target.name} RUN ({names}), or start on other GPUs with --gpus")
@@ -443,4 +438,4 @@ class Report:
 
     def to_json(self) -> dict:
         return {"target": self.target, "verdict": self.verdict, "fast": self.fast, "time": self.time,
-                "checks": [c.to_json() for c in self.checks], "facts": self.facts}
+                "checks": [asdict(c) for c in self.checks], "facts": self.facts}

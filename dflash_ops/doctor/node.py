@@ -41,17 +41,11 @@ class PctConfig:
     def cgroup_allows(self) -> list[str]:
         return [value for key, value in self.lxc if key in ("lxc.cgroup2.devices.allow", "lxc.cgroup.devices.allow")]
 
-    def allows(self, major: int, minor: int | None = None) -> bool:
-        for rule in self.cgroup_allows():
-            words = rule.split()
-            if words and words[0] == "a":
-                return True
-            if len(words) < 2 or words[0] != "c":
-                continue
-            want_major, _, want_minor = words[1].partition(":")
-            if want_major in ("*", str(major)) and (want_minor == "*" or minor is None or want_minor == str(minor)):
-                return True
-        return False
+    def allows(self, major: int) -> bool:
+        """A cgroup allow rule admits char devices of this major (`a`, `c MAJOR:N`, `c *:N`)."""
+        rules = [rule.split() for rule in self.cgroup_allows()]
+        return any(w[:1] == ["a"] or (w[:1] == ["c"] and len(w) > 1 and w[1].partition(":")[0] in ("*", str(major)))
+                   for w in rules)
 
     def used_dev_indices(self) -> set[int]:
         return {int(k[3:]) for k in self.options if re.fullmatch(r"dev\d+", k)}

@@ -39,10 +39,6 @@ def import_one(name: str) -> dict:
         if isinstance(e, SyntaxError):
             result["file"], result["line"] = e.filename, e.lineno
         return result
-    return passed(name)
-
-
-def passed(name: str) -> dict:
     return {"module": name, "ok": True, "error": None, "file": None, "line": None, "traceback": None}
 
 
@@ -130,7 +126,7 @@ def resolve(root: str, package: str, node: ast.Import | ast.ImportFrom,
 def check_static(root: str, name: str) -> dict:
     """import_one's result for `name`, found by reading files only."""
     path = module_file(root, name)
-    result = passed(name)
+    result = {"module": name, "ok": True, "error": None, "file": None, "line": None, "traceback": None}
     if path is None or not os.path.isfile(path):
         return dict(result, ok=False, error="ModuleNotFoundError: No module named %r" % name)
 

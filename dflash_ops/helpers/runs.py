@@ -784,8 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="runs.py")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def command(name: str, func: Callable[[argparse.Namespace], int | None], *positionals: str,
-                ) -> argparse.ArgumentParser:
+    def command(name: str, func: Callable[[argparse.Namespace], int | None],
+                *positionals: str) -> argparse.ArgumentParser:
         s = sub.add_parser(name)
         for positional in positionals:
             s.add_argument(positional)

@@ -52,13 +52,6 @@ def _walk_block(body: list[ast.stmt], prefix: str, reachable: bool, found: list[
 
 def _child_blocks(stmt: ast.stmt) -> list[list[ast.stmt]]:
     """Statement lists nested in a compound statement (if/for/while/with/try/match)."""
-    blocks = []
-    for name in ("body", "orelse", "finalbody"):
-        value = getattr(stmt, name, None)
-        if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
-            blocks.append(value)
-    for handler in getattr(stmt, "handlers", []) or []:
-        blocks.append(handler.body)
-    for case in getattr(stmt, "cases", []) or []:
-        blocks.append(case.body)
-    return blocks
+    lists = [getattr(stmt, name, None) for name in ("body", "orelse", "finalbody")]
+    blocks = [b for b in lists if isinstance(b, list) and b and isinstance(b[0], ast.stmt)]
+    return blocks + [h.body for h in getattr(stmt, "handlers", [])] + [c.body for c in getattr(stmt, "cases", [])]

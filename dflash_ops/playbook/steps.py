@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from dflash_ops.container import exec_killed_after
 from dflash_ops.errors import RemoteCommandError, UsageError
@@ -16,7 +15,7 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     from dflash_ops.deploy.push import deploy_target, target_options
     from dflash_ops.deploy.venv_spec import VenvSpec
 
-    extra = [p if Path(p).is_absolute() else ctx.playbook_dir / p for p in params.get("extra_paths", [])]
+    extra = [ctx.local_path(str(p)) for p in params.get("extra_paths", [])]
     keep = int(params["keep"]) if "keep" in params else None
     if keep is not None and keep < 1:
         raise UsageError(f"keep must be at least 1 (the current release), got {keep}")

@@ -1,8 +1,7 @@
 """Run lifecycle on a container: start, list, follow, control, stop, resume, pull.
 
-Transport-agnostic: every function takes a `container` (dflash_ops.container.Container or
-anything with the same exec/helper/push/pull/base_dir/target) and talks to the stdlib
-helper `dflash_ops/helpers/runs.py` inside it. Protocol: docs/run-lifecycle.md.
+Transport-agnostic: every function takes a `container` (dflash_ops.container.ContainerAPI) and
+talks to the stdlib helper `dflash_ops/helpers/runs.py` inside it. Protocol: docs/run-lifecycle.md.
 """
 
 from dflash_ops.errors import ConnectionLost

@@ -57,10 +57,6 @@ def new_run_id(name: str | None = None, now: float | None = None) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
 
 
-def _release_root(container: ContainerAPI) -> str:
-    return posixpath.join(container.base_dir, "current")
-
-
 def parse_gpus(text: str) -> list[int]:
     """`--gpus 0,1` -> [0, 1]. An empty item, a sign, a non-integer or a duplicate is refused:
     dropping one silently would let two runs claim the same GPU."""
@@ -88,14 +84,15 @@ def _gpu_args(container: ContainerAPI, gpus: list[int] | None) -> list[str]:
 
 
 def _start(container: ContainerAPI, run_id: str, extra: list[str], stdin: bytes | None, gpus: list[int] | None) -> dict:
+    release_root = posixpath.join(container.base_dir, "current")
     args = ["start", "--base", container.base_dir, "--run-id", run_id,
-            "--release-root", _release_root(container), "--python", container.target.python,
+            "--release-root", release_root, "--python", container.target.python,
             *extra, *_gpu_args(container, gpus)]
     try:
         return call_json(container, args, stdin=stdin)
     except NotDeployed as e:
         name = container.target.name
-        what = f"nothing is deployed on {name} yet (no {_release_root(container)})" if e.details.get("not_deployed") else str(e)
+        what = f"nothing is deployed on {name} yet (no {release_root})" if e.details.get("not_deployed") else str(e)
         raise NotDeployed(f"{what}: run `dflash-ops deploy {name}` first", e.details) from None
 
 
@@ -163,16 +160,16 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
     deadline = time.monotonic() + timeout
     offset = 0
     served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
+
+    def look(line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if event.get("event") == "checkpoint" and event.get("request") == request_id:
+            served.append(event.get("path"))
+
     while True:
-
-        def look(line: bytes) -> None:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                return
-            if event.get("event") == "checkpoint" and event.get("request") == request_id:
-                served.append(event.get("path"))
-
         try:
             offset = follow_file(container, run_id, "metrics.jsonl", look, offset=offset)
         except RunNotFound:

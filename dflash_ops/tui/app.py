@@ -37,12 +37,6 @@ class TargetUpdate(Message):
         self.target, self.link, self.rows, self.gpus = target, link, rows, gpus
 
 
-class RequestDone(Message):
-    def __init__(self, text: str, error: bool) -> None:
-        super().__init__()
-        self.text, self.error = text, error
-
-
 def group_order(rows: dict[str, RunRow]) -> list[str]:
     """Row keys in poll order, except that the members of a run across hosts (same run id, a
     world size) sit together at the first member's place, by rank: one run, a row per node."""
@@ -215,14 +209,11 @@ class DashApp(App):
             try:
                 request_id = self.source.request(target, run_id, kind)
             except Exception as exc:  # noqa: BLE001 - reported to the user, nothing to retry
-                self.post_message(RequestDone(f"{kind} {target}/{run_id} failed: {_describe(exc)}", True))
+                self.notify(f"{kind} {target}/{run_id} failed: {_describe(exc)}", severity="error")
             else:
-                self.post_message(RequestDone(f"{kind} requested for {target}/{run_id} (id {request_id})", False))
+                self.notify(f"{kind} requested for {target}/{run_id} (id {request_id})")  # notify is thread-safe
 
         threading.Thread(target=work, name=f"dash-request-{kind}", daemon=True).start()
-
-    def on_request_done(self, message: RequestDone) -> None:
-        self.notify(message.text, severity="error" if message.error else "information")
 
 
 def _describe(exc: BaseException) -> str:

@@ -18,22 +18,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.control import ControlPoller
-from trainer.rundir import atomic_write, process_start_ticks
+from trainer.rundir import CONTRACT_VERSION, atomic_write, process_start_ticks
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
 
 class SimulatedRun:
-    def __init__(
-        self,
-        base_dir: str | Path,
-        run_id: str = "demo",
-        total_steps: int = 200,
-        gpus: dict[int, str] | None = None,
-        seed: int = 0,
-        clock: Callable[[], float] = time.time,
-        log_lines_per_step: int = 2,
-    ) -> None:
+    def __init__(self, base_dir: str | Path, run_id: str = "demo", total_steps: int = 200,
+                 gpus: dict[int, str] | None = None, seed: int = 0, clock: Callable[[], float] = time.time,
+                 log_lines_per_step: int = 2) -> None:
         self.dir = Path(base_dir) / "runs" / run_id
         self.run_id = run_id
         self.total_steps = total_steps
@@ -61,25 +54,12 @@ class SimulatedRun:
             handle.write("".join(line + "\n" for line in lines))
 
     def write_status(self) -> None:
-        status = {
-            "version": 1,
-            "run_id": self.run_id,
-            "state": self.state,
-            "pid": os.getpid(),
-            "pid_start": process_start_ticks(os.getpid()),
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "started": self._started,
-            "heartbeat": self.clock(),
-            "loss": self._loss,
-            "acc": self._acc,
-            "tau": self._tau,
-            "tokens_per_s": self._tps,
-            "gpus": sorted(self.gpus),
-            "last_checkpoint": self.last_checkpoint,
-            "recompiles": 0,
-            "error": None,
-        }
+        pid = os.getpid()
+        status = {"version": CONTRACT_VERSION, "run_id": self.run_id, "state": self.state, "pid": pid,
+                  "pid_start": process_start_ticks(pid), "step": self.step, "total_steps": self.total_steps,
+                  "started": self._started, "heartbeat": self.clock(), "loss": self._loss, "acc": self._acc,
+                  "tau": self._tau, "tokens_per_s": self._tps, "gpus": sorted(self.gpus),
+                  "last_checkpoint": self.last_checkpoint, "recompiles": 0, "error": None}
         atomic_write(self.dir / "status.json", json.dumps(status).encode())
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -107,24 +87,13 @@ class SimulatedRun:
         self._loss = round(4.0 * math.exp(-self.step / 60) + 0.5 + rng.uniform(-0.05, 0.05), 4)
         self._acc = round(min(0.95, 0.1 + self.step / (self.total_steps * 1.2)), 4)
         self._tps = round(1800 + 400 * math.sin(self.step / 7) + rng.uniform(-50, 50), 1)
-        gpus = [
-            {
-                "index": index,
-                "role": role,
-                "busy": round(rng.choice([0.05, 0.95, 0.9]) if role == "target" else rng.uniform(0.0, 0.15), 2),
-                "mem_gb": 30.0 if role == "target" else 12.5,
-            }
-            for index, role in sorted(self.gpus.items())
-        ]
-        self._event(
-            "step", loss=self._loss, acc=self._acc, lr=3e-4, grad_norm=1.0,
-            tokens_per_s=self._tps, gpus=gpus, recompiles=0,
-        )
-        self.log(*(
-            f"step {self.step:>5} loss {self._loss:.4f} acc {self._acc:.3f} tok/s {self._tps:.0f}"
-            + (f" part {i}" if i else "")
-            for i in range(self.log_lines_per_step)
-        ))
+        gpus = [{"index": index, "role": role,
+                 "busy": round(rng.choice([0.05, 0.95, 0.9]) if role == "target" else rng.uniform(0.0, 0.15), 2),
+                 "mem_gb": 30.0 if role == "target" else 12.5} for index, role in sorted(self.gpus.items())]
+        self._event("step", loss=self._loss, acc=self._acc, lr=3e-4, grad_norm=1.0, tokens_per_s=self._tps, gpus=gpus,
+                    recompiles=0)
+        line = f"step {self.step:>5} loss {self._loss:.4f} acc {self._acc:.3f} tok/s {self._tps:.0f}"
+        self.log(*(line + (f" part {i}" if i else "") for i in range(self.log_lines_per_step)))
         if self.step % 50 == 0:
             self._tau = round(1.5 + self.step / 100, 2)
             self._event("eval", tau=self._tau, acc=self._acc, samples=64)

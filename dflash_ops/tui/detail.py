@@ -193,10 +193,8 @@ class RunDetailScreen(Screen):
         if h.version == self._plotted_version:
             return
         self._plotted_version = h.version
-        for widget_id, title, xs, ys in (
-            ("#loss-plot", "loss", h.loss_steps, h.loss),
-            ("#tps-plot", "tokens/s", h.tps_steps, h.tps),
-        ):
+        for widget_id, title, xs, ys in (("#loss-plot", "loss", h.loss_steps, h.loss),
+                                         ("#tps-plot", "tokens/s", h.tps_steps, h.tps)):
             widget = self.query_one(widget_id, PlotextPlot)
             plt = widget.plt
             plt.clear_data()

@@ -96,7 +96,8 @@ class RunHistory:
         elif kind == "eval":
             self.tau = event.get("tau")
         elif kind == "checkpoint":
-            self.checkpoints.append(Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request")))
+            checkpoint = Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request"))
+            self.checkpoints.append(checkpoint)
         elif kind == "error":
             self.error = event.get("message")
 

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from dflash_ops import runs
 from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
 from dflash_ops.runs.info import RunInfo
@@ -57,8 +58,6 @@ class RemoteSource:
         return list(self._openers)
 
     def list_runs(self, target: str) -> list[RunRow]:
-        from dflash_ops import runs
-
         return [run_row_from_info(target, info) for info in runs.list_runs(self._container(target))]
 
     def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
@@ -68,8 +67,6 @@ class RemoteSource:
         `reconnect=False`: a drop raises, and the dashboard's own loop shows it and resumes
         at the last offset handed to `on_lines`. Returns when `stop` is set or the run is over.
         """
-        from dflash_ops.runs import follow_file
-
         position = start or 0  # on_start sets it first when following the tail
 
         def on_start(offset: int) -> None:
@@ -89,16 +86,11 @@ class RemoteSource:
             on_lines([f"[dflash-ops: {name} was truncated or replaced at byte {reached} (now {size} bytes); "
                       "what was written before that and not yet shown is lost; following from its start]"], 0)
 
-        follow_file(
-            self._container(target), run_id, name, on_line,
-            offset=start or 0, tail_lines=tail_lines if start is None else None,
-            follow=True, reconnect=False, stop=stop, on_start=on_start, on_truncated=on_truncated,
-            poll=self._poll_s,
-        )
+        runs.follow_file(self._container(target), run_id, name, on_line, offset=start or 0,
+                         tail_lines=tail_lines if start is None else None, follow=True, reconnect=False, stop=stop,
+                         on_start=on_start, on_truncated=on_truncated, poll=self._poll_s)
 
     def request(self, target: str, run_id: str, kind: RequestKind) -> str:
-        from dflash_ops import runs
-
         return runs.request(self._container(target), run_id, kind)
 
     def gpu_samples(self, target: str) -> list[GpuSample] | None:

@@ -73,16 +73,8 @@ class DashSource(Protocol):
     def list_runs(self, target: str) -> list[RunRow]:
         """Every run under the target's base dir. Polled every ~2 s per target."""
 
-    def follow(
-        self,
-        target: str,
-        run_id: str,
-        name: LogName,
-        on_lines: OnLines,
-        stop: threading.Event,
-        start: int | None = None,
-        tail_lines: int = 200,
-    ) -> None:
+    def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
+               start: int | None = None, tail_lines: int = 200) -> None:
         """Stream a run file's complete lines until `stop` is set.
 
         `start=None` begins with the last `tail_lines` lines; `start=N` resumes at byte

@@ -13,17 +13,14 @@ import argparse
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash_ops.container import Container  # noqa: E402
-from dflash_ops.inventory import load_inventory  # noqa: E402
-from dflash_ops.testing.sshd import start_sshd  # noqa: E402
-from dflash_ops.transport.ssh import SSHTransport  # noqa: E402
+from dflash_ops.container import Container
+from dflash_ops.inventory import load_inventory
+from dflash_ops.testing.sshd import start_sshd
+from dflash_ops.transport.ssh import SSHTransport
 
 
 def counting_pct(node_dir: Path) -> Path:

@@ -6,7 +6,7 @@ the GPU config, wait for steps, `run checkpoint --wait`, `kill -9` the trainer i
 container, `run status` (must show failed: the process died without saying so), `run resume`,
 wait until the step count passes the checkpoint, `run stop`. Prints a timeline with seconds.
 
-    python bench/gpu_lifecycle.py [--config trainer/configs/gpu-8b-shape.yaml] [--gpus 0]
+    PYTHONPATH=. python bench/gpu_lifecycle.py [--config trainer/configs/gpu-8b-shape.yaml] [--gpus 0]
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from dflash_ops.testing.sshd import sshd_unavailable_reason, start_sshd
 
-from dflash_ops.testing.sshd import sshd_unavailable_reason, start_sshd  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 T0 = time.monotonic()
 

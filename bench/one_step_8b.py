@@ -1,11 +1,11 @@
 """One-GPU DFlash training step at Qwen3-8B shape: peak memory, step time, target vs drafter split, MFU.
 
-    python bench/one_step_8b.py                 # cuda: 8B-shaped bf16 target + 5-layer drafter
-    python bench/one_step_8b.py --steps 8 --seq 3072 --anchors 512
-    python bench/one_step_8b.py --tiny          # CPU smoke run with a tiny target
+    PYTHONPATH=. python bench/one_step_8b.py                 # cuda: 8B-shaped bf16 target + 5-layer drafter
+    PYTHONPATH=. python bench/one_step_8b.py --steps 8 --seq 3072 --anchors 512
+    PYTHONPATH=. python bench/one_step_8b.py --tiny          # CPU smoke run with a tiny target
 
 Random weights and random tokens: this measures speed and memory, not learning.
-Run from the repository (or release) root so `trainer` is importable.
+Run from the repository (or release) root: PYTHONPATH=. makes `trainer` importable.
 """
 
 from __future__ import annotations
@@ -14,22 +14,18 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from trainer.config import OptimConfig, TinyTargetConfig, default_gamma  # noqa: E402
-from trainer.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from trainer.loop import autocast_for  # noqa: E402
-from trainer.masks import prepare_blocks, resolve_backend  # noqa: E402
-from trainer.objective import drafter_loss_sums  # noqa: E402
-from trainer.optim import build_optimizer, clip_gradients  # noqa: E402
-from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops  # noqa: E402
-from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,  # noqa: E402
+from trainer.config import OptimConfig, TinyTargetConfig, default_gamma
+from trainer.drafter import DFlashDrafter, DrafterConfig
+from trainer.loop import autocast_for
+from trainer.masks import prepare_blocks, resolve_backend
+from trainer.objective import drafter_loss_sums
+from trainer.optim import build_optimizer, clip_gradients
+from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops
+from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,
                             random_8b_shape_target, target_context_features, tiny_target)
-
 
 
 def sync(device: str) -> None:

@@ -2,13 +2,11 @@
 as a model directory, regen through the CLI, the trainer from that directory, τ and the ablation."""
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import quality  # noqa: E402
+from bench import quality
 
 
 def test_test_files_are_left_out():

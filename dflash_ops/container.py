@@ -8,6 +8,7 @@ import re
 import sys
 import threading
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -219,15 +220,15 @@ class Container:
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
         if not source.is_file() or source.name == "__init__.py":
             raise DflashOpsError(f"unknown helper {name!r} (no {source})")
-        kwargs: dict[str, Any] = dict(on_line=on_line, timeout=timeout, check=check)
+        run = partial(self.exec, stdin=stdin, on_line=on_line, on_stderr_line=on_stderr_line, timeout=timeout,
+                      check=check)
         if self.helpers_in_place:  # nothing is installed into the directory it reads
-            return self.exec([python or self._target.python, str(source), *args], stdin=stdin,
-                             on_stderr_line=on_stderr_line, **kwargs)
+            return run([python or self._target.python, str(source), *args])
         content = source.read_bytes()
         remote = self.helper_path(name, content)
         argv = [python or self._target.python, remote, *args]
         if remote in self._installed_helpers:
-            return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
+            return run(argv)
         if stdin is None:
             probe = ["sh", "-c", 'if [ -f "$1" ]; then shift; exec "$@"; fi; printf %s "$0" >&2; exit 127',
                      _HELPER_MISSING.decode(), remote, *argv]
@@ -240,7 +241,7 @@ class Container:
                 return result
         self._install_helper(content, remote)
         self._installed_helpers.add(remote)
-        return self.exec(argv, stdin=stdin, on_stderr_line=on_stderr_line, **kwargs)
+        return run(argv)
 
     def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
                     python: str | None = None, answers: tuple[int, ...] = ()) -> Any:

@@ -21,12 +21,10 @@ class TargetState:
 
 def target_state(target: Target, transport: Transport, timeout: float = 30.0) -> TargetState:
     """One `pct status` on the target's node (for `pct: none`, whether the node answers)."""
-    if not target.node.pct:  # `pct: none`: the target is the node; reachable means running
-        command = render.node_command(["true"])
-    else:
-        command = render.node_command(render.pct_argv(target.node.pct, "status", target.ctid))
+    pct = target.node.pct  # `pct: none`: the target is the node; reachable means running
+    argv = render.pct_argv(pct, "status", target.ctid) if pct else ("true",)
     try:
-        result = transport.run(command, timeout=timeout)
+        result = transport.run(render.node_command(argv), timeout=timeout)
     except TransportError as e:
         return TargetState(target, "unreachable", str(e))
     text = result.stdout.strip()

@@ -54,7 +54,7 @@ def with_settings(config: Path, settings: dict) -> bytes:
         keys = str(dotted).split(".")
         node = doc
         for key in keys[:-1]:
-            child = node.get(key) if isinstance(node, dict) else None
+            child = node.get(key)
             if child is None:
                 child = node[key] = {}
             if not isinstance(child, dict):

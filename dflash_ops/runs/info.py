@@ -39,16 +39,18 @@ class NotDeployed(RunError):
 @dataclass
 class RunInfo:
     run_id: str
-    state: str | None = None
+    state: str | None = None  # as status.json says; effective_state is the helper's verdict
+    # derived by the runs helper (helpers/runs.py describe_run)
     effective_state: str = "unknown"
+    checkpoints: list[int] = field(default_factory=list)
     alive: bool = False
+    has_status: bool = False
     reason: str | None = None
     log_tail: str | None = None
     release: str | None = None
     heartbeat_age: float | None = None
     launched: float | None = None
-    checkpoints: list[int] = field(default_factory=list)
-    has_status: bool = False
+    # status.json's fields (docs/run-directory.md)
     version: int | None = None
     pid: int | None = None
     pid_start: int | None = None

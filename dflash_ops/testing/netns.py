@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -40,7 +39,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd
+from dflash_ops.testing.sshd import SshdNode, kill_all, sshd_unavailable_reason, start_sshd
 
 NETNS_PREFIX = "dflash-"  # namespaces: dflash-<pid>x<k>-n<i>
 LINK_PREFIX = "dfb"  # bridges: dfb<pid>x<k>; veths: dfv<pid>x<k>n<i>
@@ -197,7 +196,7 @@ class Fleet:
     processes: list[subprocess.Popen] = field(default_factory=list)
     closed: bool = False
     node_settings: dict = field(default_factory=dict)
-    _bridge_mac: str = ""
+    bridge_mac: str = ""  # known once every node is on the bridge
 
     def node(self, name: str) -> FleetNode:
         return next(n for n in self.nodes if n.name == name)
@@ -252,12 +251,6 @@ class Fleet:
         if done.returncode != 0:
             raise RuntimeError(f"ip -n {node.netns} -batch: {done.stderr.strip()}")
 
-    @property
-    def bridge_mac(self) -> str:
-        if not self._bridge_mac:
-            self._bridge_mac = json.loads(_ip("-j", "link", "show", self.bridge).stdout)[0]["address"]
-        return self._bridge_mac
-
     def close(self) -> None:
         """Remove everything the fleet made, even after a failed start; safe to call twice."""
         if self.closed:
@@ -296,11 +289,7 @@ def _kill_namespace_processes(netns: str) -> None:
         pids = [int(p) for p in _ip("netns", "pids", netns, check=False).stdout.split()]
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
         threading.Event().wait(0.1)
 
 
@@ -370,6 +359,8 @@ def start_fleet(
         _ip("link", "set", fleet.bridge, "up")
         for i in range(nodes):
             _start_node(fleet, i, ctids, disk_mb)
+        # a bridge takes the lowest MAC of its ports: read it once they are all attached
+        fleet.bridge_mac = json.loads(_ip("-j", "link", "show", fleet.bridge).stdout)[0]["address"]
         for node in fleet.nodes:
             fleet._pin_neighbours(node)
             _ip("neigh", "replace", node.address, "lladdr", node.mac, "dev", fleet.bridge, "nud", "permanent")

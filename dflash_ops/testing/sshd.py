@@ -128,11 +128,7 @@ class SshdNode:
     def kill_sessions(self) -> int:
         """SIGKILL every per-connection sshd process, dropping all client connections."""
         pids = self.session_pids()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
         return len(pids)
 
     def stop(self) -> None:
@@ -151,6 +147,15 @@ class SshdNode:
         self.stop()
         while self.cleanup:
             self.cleanup.pop()()
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of `pids` (processes the test tier started); one already gone is fine."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def sudo_login_unavailable_reason() -> str | None:

@@ -9,10 +9,12 @@ and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -59,17 +61,25 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     """Write out_dir (atomically: built beside it, then renamed) from a trainer checkpoint."""
     state = ckpt.load(checkpoint_dir)
     out = Path(out_dir)
+    with built_beside(out) as tmp:
+        weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+        (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
+        for written, source in MODEL_CODE.items():
+            shutil.copyfile(source, tmp / written)
+    return out
+
+
+@contextlib.contextmanager
+def built_beside(out: Path) -> Iterator[Path]:
+    """A fresh directory beside `out` to write a model directory into; when the block ends without
+    an error it is renamed to `out` (replacing it), so nobody loads a half-written one."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-    (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
-    for written, source in MODEL_CODE.items():
-        shutil.copyfile(source, tmp / written)
+    yield tmp
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)
-    return out

@@ -41,8 +41,7 @@ def patch(
         _print_refusal(e)
         raise
     typer.echo(outcome.report.summary())
-    for result in outcome.imports:
-        typer.echo(f"  import {result['module']}: ok")
+    _print_imports(outcome.imports)  # all ok: a failed import refuses the patch
     if outcome.checked_only:
         typer.echo(f"{target}: patch accepted against release {outcome.release_before} (--check: nothing changed)")
     else:
@@ -54,7 +53,11 @@ def _print_refusal(error: PatchError) -> None:
     """Each refused definition (file:line: what happened) and each import failure, on stdout."""
     if error.report is not None:
         typer.echo(error.report.summary())
-    for result in error.imports:
+    _print_imports(error.imports)
+
+
+def _print_imports(results: list[dict]) -> None:
+    for result in results:
         if result["ok"]:
             typer.echo(f"  import {result['module']}: ok")
         else:

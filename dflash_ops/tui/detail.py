@@ -87,6 +87,9 @@ class RunDetailScreen(Screen):
             threading.Thread(target=follow_forever, name=f"dash-follow-{name}", daemon=True,
                              args=(self.dash.source, self.target, self.run_id, name, sink, self._stop,
                                    lambda link, name=name: self.links.__setitem__(name, link), tail)).start()
+        # Anchored, the tail stays at its end when the panes above change height (the summary is
+        # empty at the first write), until the user scrolls up; Log's own auto-scroll does not.
+        self.query_one("#log", Log).anchor()
         self.set_interval(TICK_S, self.tick)
         self.set_interval(PLOT_S, self.replot)
         self.set_interval(1.0, self.render_summary)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from trainer.export import built_beside
 from trainer.testing.chat_templates import LLAMA3, QWEN3
 
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -226,37 +226,31 @@ def write_hub_model(
     if family not in ("qwen3", "llama3"):
         raise ValueError(f"family must be qwen3 or llama3, got {family!r}")
     out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tok = tokenizer if tokenizer is not None else train_tokenizer(family, corpus, tokenizer_vocab)
-    tok.save(str(tmp / "tokenizer.json"))
-    if family == "qwen3":
-        tok.model.save(str(tmp))  # vocab.json + merges.txt, as Qwen ships them
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(family, tok), indent=2) + "\n")
-    if family == "llama3":
-        (tmp / "special_tokens_map.json").write_text(json.dumps(
-            {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, indent=2) + "\n")
-    config = model_config(family, {**TINY_DIMS, **(dims or {})}, tok, dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(family, tok), indent=2) + "\n")
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    shapes = parameter_shapes(config)
-    if max_shard_bytes is None:
-        total = sum(int(torch.Size(s).numel()) for s in shapes.values()) * torch_dtype.itemsize
-        max_shard_bytes = -(-total // max(shards or 1, 1))
-    generator = torch.Generator(device=device).manual_seed(seed)
+    with built_beside(out) as tmp:
+        tok = tokenizer if tokenizer is not None else train_tokenizer(family, corpus, tokenizer_vocab)
+        tok.save(str(tmp / "tokenizer.json"))
+        if family == "qwen3":
+            tok.model.save(str(tmp))  # vocab.json + merges.txt, as Qwen ships them
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(family, tok), indent=2) + "\n")
+        if family == "llama3":
+            (tmp / "special_tokens_map.json").write_text(json.dumps(
+                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, indent=2) + "\n")
+        config = model_config(family, {**TINY_DIMS, **(dims or {})}, tok, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(family, tok), indent=2) + "\n")
+        torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+        shapes = parameter_shapes(config)
+        if max_shard_bytes is None:
+            total = sum(int(torch.Size(s).numel()) for s in shapes.values()) * torch_dtype.itemsize
+            max_shard_bytes = -(-total // max(shards or 1, 1))
+        generator = torch.Generator(device=device).manual_seed(seed)
 
-    def make(name: str) -> torch.Tensor:
-        if state_dict is not None:
-            return state_dict[name].to(torch_dtype)
-        return random_tensor(name, shapes[name], generator, device, torch_dtype)
+        def make(name: str) -> torch.Tensor:
+            if state_dict is not None:
+                return state_dict[name].to(torch_dtype)
+            return random_tensor(name, shapes[name], generator, device, torch_dtype)
 
-    write_sharded(tmp, shapes, make, torch_dtype, max_shard_bytes)
-    if out.exists():
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+        write_sharded(tmp, shapes, make, torch_dtype, max_shard_bytes)
     return out
 
 

@@ -42,9 +42,7 @@ def test_run_detail(snap_compare, tmp_path, static_run, frozen_clock, wait_for):
         await wait_for(pilot, lambda: screen._plotted_version == screen.history.version, "plots")
         screen.render_summary()
         await pilot.pause()
-        # the Log's own scroll to its end races the layout (it stops 3 rows short or not): picture the tail
-        log = screen.query_one("#log")
-        log.scroll_end(animate=False)
+        log = screen.query_one("#log")  # anchored: it reaches its end once the layout settles
         await wait_for(pilot, lambda: log.scroll_y == log.max_scroll_y, "the log view at its end")
 
     assert snap_compare(_app(tmp_path, frozen_clock), terminal_size=SIZE, run_before=detail_loaded)

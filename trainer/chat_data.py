@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 class DataError(ValueError):
@@ -32,7 +34,7 @@ KNOWN = ("expected one JSON object per line with 'messages' (OpenAI), 'conversat
 PROMPT_KNOWN = KNOWN.replace(" and 'response'", " (a response is not needed)")
 
 
-def detect_format(row) -> str | None:
+def detect_format(row: object) -> str | None:
     """'messages', 'conversations' or 'prompt' for a record, None when it is none of them."""
     if not isinstance(row, dict):
         return None
@@ -44,7 +46,7 @@ def detect_format(row) -> str | None:
     return None
 
 
-def _text(value, where: str, what: str) -> str:
+def _text(value: object, where: str, what: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{where}: {what} must be a string, got {type(value).__name__}")
     return value
@@ -106,7 +108,7 @@ def _from_pair(row: dict, where: str) -> list[dict]:
 CONVERTERS = {"messages": _from_messages, "conversations": _from_sharegpt, "prompt": _from_pair}
 
 
-def jsonl_records(path: str | Path):
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, record) for every non-blank line of a JSON Lines file; DataError naming file:line."""
     try:
         f = open(path, encoding="utf-8")
@@ -150,7 +152,7 @@ def read_conversations(path: str | Path) -> list[dict]:
     return rows
 
 
-def prompt_messages(row, where: str) -> list[dict]:
+def prompt_messages(row: object, where: str) -> list[dict]:
     """A record's turns for regeneration: any supported format, or a `prompt` without a response."""
     if isinstance(row, dict) and "prompt" in row and detect_format(row) is None:
         row = {**row, "response": ""}
@@ -182,7 +184,7 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
-def assistant_spans(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span of each assistant turn in it.
 
     A turn's span is what the model generates at that point: from the end of the generation
@@ -197,7 +199,7 @@ def assistant_spans(tokenizer, messages: list[dict], template_kwargs: dict | Non
     """
     kwargs = dict(template_kwargs or {})
 
-    def render(msgs, gen=False):
+    def render(msgs: list[dict], gen: bool = False) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kwargs)
 
     text = render(messages)
@@ -226,7 +228,7 @@ def assistant_spans(tokenizer, messages: list[dict], template_kwargs: dict | Non
     return text, spans
 
 
-def encode_conversation(tokenizer, messages: list[dict], max_length: int,
+def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int,
                         template_kwargs: dict | None = None) -> tuple[list[int], list[int], int]:
     """Token ids and a 0/1 loss mask that is 1 on the assistant turns' tokens (see assistant_spans),
     both cut at max_length, and the untruncated token count. Tokens map to spans through their
@@ -245,7 +247,7 @@ def encode_conversation(tokenizer, messages: list[dict], max_length: int,
     return ids[:max_length], mask, len(ids)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
+def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int,
                           template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     ids, mask, _ = encode_conversation(tokenizer, messages, max_length, template_kwargs)
     return ids, mask

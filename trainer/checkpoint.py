@@ -52,7 +52,7 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _torch_bytes(obj) -> bytes:
+def _torch_bytes(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -91,8 +91,8 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step}"
 
-    def save(self, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer, scheduler,
-             trainer_state: dict) -> tuple[Path, float]:
+    def save(self, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict) -> tuple[Path, float]:
         """Write step_N completely, then prune old ones. Returns (path, seconds)."""
         began = time.time()
         final = self.path(step)
@@ -114,8 +114,8 @@ class CheckpointManager:
         self.prune()
         return final, time.time() - began
 
-    def _fill(self, tmp: Path, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer, scheduler,
-              trainer_state: dict) -> None:
+    def _fill(self, tmp: Path, step: int, drafter: torch.nn.Module, drafter_config: dict,
+              optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict) -> None:
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
         save_file(weights, str(tmp / MODEL_FILE))
         with open(tmp / MODEL_FILE, "rb+") as f:
@@ -163,7 +163,7 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def load(path: str | Path, map_location="cpu") -> dict:
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """Everything in a checkpoint: model weights, drafter config, optimizer+scheduler, trainer state."""
     path = Path(path)
     verify(path)

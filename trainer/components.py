@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,6 +20,9 @@ from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_l
                             freeze, load_target, num_layers, random_8b_shape_target, tiny_target)
 from trainer.tokenizer import synthetic_tokenizer
 
+if TYPE_CHECKING:
+    from trainer.packing import PackedDataset
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -29,7 +34,7 @@ class Components:
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    train_data: PreloadedDataset  # or trainer.packing.PackedDataset when data.pack_length is set
+    train_data: PreloadedDataset | PackedDataset  # PackedDataset when data.pack_length is set
     eval_conversations: list[dict]
     eval_data: PreloadedDataset
     gamma: float
@@ -37,7 +42,7 @@ class Components:
     drafter_device: str
 
 
-def build_tokenizer(cfg: TrainerConfig):
+def build_tokenizer(cfg: TrainerConfig) -> Any:
     if cfg.model.target.path is not None:
         from transformers import AutoTokenizer
 
@@ -58,7 +63,8 @@ def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], l
     return train, [c for path in data_paths(cfg.data.eval_path) for c in read_conversations(path)]
 
 
-def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, run_dir: Path, log) -> torch.nn.Module:
+def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDataset, run_dir: Path,
+                 log: Callable[[str], None]) -> torch.nn.Module:
     """The frozen target. A tiny target with fit_steps > 0 is fitted once and kept in run_dir/target/."""
     t, device = cfg.model.target, cfg.devices.target[0]
     dtype = TORCH_DTYPES[cfg.model.dtype]
@@ -92,7 +98,7 @@ def build_target(cfg: TrainerConfig, tokenizer, train_data: PreloadedDataset, ru
     return freeze(model.to(dtype).eval())
 
 
-def resolve_mask_token_id(cfg: TrainerConfig, tokenizer, vocab_size: int | None = None) -> int:
+def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:
     """The configured id, else the tokenizer's mask token, else the first embedding row past the
     tokenizer's tokens: the published Qwen3 drafts use 151669, the row after `</think>`, which the
     target's 151936-row embedding has but no text ever produces."""
@@ -124,18 +130,18 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     return drafter.float().train()
 
 
-def build_components(cfg: TrainerConfig, run_dir: Path, log) -> Components:
+def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
 
-    def dataset(conversations, seed):
+    def dataset(conversations: list[dict], seed: int) -> PreloadedDataset:
         return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
                              cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data))
 
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
         eval_conv = train_conv[:8]
-    train_data = dataset(train_conv, cfg.data.seed)
+    train_data: PreloadedDataset | PackedDataset = dataset(train_conv, cfg.data.seed)
     eval_data = dataset(eval_conv, cfg.data.seed + 1)
     target = build_target(cfg, tokenizer, train_data, run_dir, log)
     if cfg.data.pack_length:

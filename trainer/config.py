@@ -188,7 +188,7 @@ class TrainerConfig:
 class _Located(dict):
     """A mapping that remembers the YAML line of each key."""
 
-    def __init__(self, items, lines):
+    def __init__(self, items: dict, lines: dict) -> None:
         super().__init__(items)
         self.lines = lines
 

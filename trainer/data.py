@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -130,7 +131,7 @@ def select_target_warmup_shapes(
     return shapes[:max_shapes]
 
 
-def build_dataset(tokenizer, conversations: list[dict], max_length: int, bucket_edges: list[int],
+def build_dataset(tokenizer: Any, conversations: list[dict], max_length: int, bucket_edges: list[int],
                   token_budget: int, seed: int, pad_multiple: int = 16,
                   template_kwargs: dict | None = None) -> PreloadedDataset:
     samples = []
@@ -142,7 +143,7 @@ def build_dataset(tokenizer, conversations: list[dict], max_length: int, bucket_
     return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
 
 
-def pad_id(tokenizer) -> int:
+def pad_id(tokenizer: Any) -> int:
     """The tokenizer's pad token, else its end of sequence (Llama 3 ships no pad token; padded
     positions are masked out, so the id only has to exist)."""
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):

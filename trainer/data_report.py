@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.chat_data import DataError, encode_conversation, file_format, read_conversations
 from trainer.config import TrainerConfig, data_paths, template_kwargs
@@ -28,7 +29,7 @@ class SplitReport:
         return len(self.lengths)
 
 
-def build_report(cfg: TrainerConfig, tokenizer) -> list[SplitReport]:
+def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
     kwargs = template_kwargs(cfg.data)
     splits = []
     for name, paths in (("train", data_paths(cfg.data.train_path)), ("eval", data_paths(cfg.data.eval_path))):

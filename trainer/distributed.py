@@ -21,12 +21,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 WATCH_INTERVAL_S = 0.5
 
@@ -47,7 +50,7 @@ class GroupEnv:
     restart: int
 
     @classmethod
-    def from_environ(cls, environ=None) -> "GroupEnv | None":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "GroupEnv | None":
         """None outside torchrun (a plain `python -m trainer` run)."""
         env = os.environ if environ is None else environ
         if "TORCHELASTIC_RUN_ID" not in env or "WORLD_SIZE" not in env:
@@ -115,12 +118,12 @@ class HostGroup:
             raise PeerLost(self.explain(f"agreeing with the other hosts failed ({type(exc).__name__}: {exc})")) from exc
         return [int(v) for v in t]
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj: object) -> list:
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
-    def broadcast_object(self, obj, src: int):
+    def broadcast_object(self, obj: T, src: int) -> T:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.control)
         return box[0]
@@ -173,12 +176,12 @@ class HostGroup:
             pass
 
     # ------------------------------------------------------------------ the watchdog
-    def watch(self, on_lost) -> None:
+    def watch(self, on_lost: Callable[[str], None]) -> None:
         """Start the heartbeat/watchdog thread; `on_lost(message)` is called once, from it."""
         self._watcher = threading.Thread(target=self._watch, args=(on_lost,), name="host-watchdog", daemon=True)
         self._watcher.start()
 
-    def _watch(self, on_lost) -> None:
+    def _watch(self, on_lost: Callable[[str], None]) -> None:
         peers = [r for r in range(self.world) if r != self.rank]
         seen = {r: (-1, time.monotonic()) for r in peers}
         store_ok = time.monotonic()

@@ -10,6 +10,7 @@ the KV-cached decoder in trainer.speculative (what evaluation uses) is tested ag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ class Generation:
     acceptance_lengths: list[int]  # tokens produced per verification round (accepted drafts + 1)
 
 
-def _target_pass(target, ids: list[int], device, layer_ids):
+def _target_pass(target: torch.nn.Module, ids: list[int], device: torch.device | str,
+                 layer_ids: list[int]) -> tuple[list[int], torch.Tensor]:
     x = torch.tensor([ids], device=device)
     out = target(input_ids=x, output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -31,7 +33,7 @@ def _target_pass(target, ids: list[int], device, layer_ids):
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter: DFlashDrafter, head: FrozenHead, prompt: list[int],
+def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompt: list[int],
                          max_new_tokens: int, stop_ids: set[int]) -> Generation:
     c = drafter.config
     tdev = next(target.parameters()).device
@@ -61,7 +63,7 @@ def speculative_generate(target, drafter: DFlashDrafter, head: FrozenHead, promp
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
     """Plain greedy decoding with the target alone (the reference speculative decoding must equal)."""
     dev = next(target.parameters()).device
     seq = list(prompt)
@@ -73,15 +75,15 @@ def greedy_generate(target, prompt: list[int], max_new_tokens: int, stop_ids: se
     return seq[len(prompt):]
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     """Everything before the last assistant turn, with the generation prompt."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def acceptance_report(target, drafter, head, tokenizer, conversations: list[dict], max_new_tokens: int,
-                      batch: int = 16) -> dict:
+def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
+                      conversations: list[dict], max_new_tokens: int, batch: int = 16) -> dict:
     """τ over held-out conversations, decoded with KV caches (trainer.speculative), `batch` at once.
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
@@ -109,7 +111,8 @@ def acceptance_report(target, drafter, head, tokenizer, conversations: list[dict
             "histogram": histogram, "samples": len(conversations), "rounds": len(rounds)}
 
 
-def mean_acceptance_length(target, drafter, head, tokenizer, conversations: list[dict],
+def mean_acceptance_length(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
+                           conversations: list[dict],
                            max_new_tokens: int) -> tuple[float, int]:
     """Pooled τ over held-out conversations and how many were decoded."""
     report = acceptance_report(target, drafter, head, tokenizer, conversations, max_new_tokens)

@@ -7,6 +7,9 @@ layers.N.*, norm) and runs the trainer's own drafting code, so it drafts exactly
 trained drafter drafts. config.json stays the Qwen3 config SGLang and vLLM read.
 """
 
+from __future__ import annotations
+
+import torch
 from transformers import PreTrainedModel, Qwen3Config
 
 from .drafter import DFlashDrafter, DrafterConfig, build_drafter_modules
@@ -38,7 +41,7 @@ class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     _no_split_modules = ["DrafterLayer"]
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         self.dflash = drafter_config(config)
         build_drafter_modules(self, self.dflash)
@@ -48,5 +51,5 @@ class DFlashDraftModel(PreTrainedModel):
     _run = DFlashDrafter._run
     draft_block = DFlashDrafter.draft_block  # the same code on the same weight names
 
-    def forward(self, ctx_features, block_embeds, start: int):
+    def forward(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         return self.draft_block(ctx_features, block_embeds, start)  # type: ignore[misc]  # borrowed method

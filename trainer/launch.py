@@ -23,6 +23,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 from trainer.rundir import FINAL_STATES, atomic_write, process_start_ticks
 
@@ -54,7 +55,7 @@ def write_status(run_dir: Path, status: dict) -> None:
     atomic_write(run_dir / "status.json", json.dumps(status, indent=1).encode())
 
 
-def initial_status(run_dir: Path, args) -> dict:
+def initial_status(run_dir: Path, args: argparse.Namespace) -> dict:
     """What `run start` reads until the rank writes its own: this launcher, waiting for the others."""
     pid = os.getpid()
     now = time.time()
@@ -96,7 +97,7 @@ class StoppedBeforeStart(Exception):
 def forward_sigterm(run_dir: Path) -> None:
     """SIGTERM to this launcher (`run stop --now`) goes to the rank, which checkpoints and stops
     at its next step boundary (with every other host); the launcher then ends with it."""
-    def forward(_signum, _frame):
+    def forward(_signum: int, _frame: FrameType | None) -> None:
         status = read_status(run_dir) or {}
         pid, start = status.get("pid"), status.get("pid_start")
         if isinstance(pid, int) and pid != os.getpid() and process_start_ticks(pid) == start:
@@ -107,7 +108,7 @@ def forward_sigterm(run_dir: Path) -> None:
     signal.signal(signal.SIGTERM, forward)
 
 
-def torchrun_argv(args) -> list[str]:
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
     conf = [f"join_timeout={int(args.join_timeout)}", f"is_host={1 if args.store_host else 0}"]
     argv = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-id", args.rdzv_id, "--rdzv-conf", ",".join(conf),

@@ -31,7 +31,7 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def autocast_for(device: str, dtype: str):
+def autocast_for(device: str, dtype: str) -> contextlib.AbstractContextManager:
     kind = torch.device(device).type
     if kind == "cuda" and dtype == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -130,13 +130,15 @@ class Trainer:
         self.rd.log(f"warm-up on {len(shapes)} shapes {shapes} took {seconds:.1f}s")
 
     # ------------------------------------------------------------------ one step
-    def _blocks(self, input_ids, loss_mask, generator, doc_start=None) -> Blocks:
+    def _blocks(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator,
+                doc_start: torch.Tensor | None = None) -> Blocks:
         m = self.cfg.model
         anchors = row_anchors(self.cfg.data, m.block_size) if doc_start is not None else self.cfg.data.num_anchors
         return prepare_blocks(input_ids, loss_mask, anchors, m.block_size, self.c.gamma,
                               self.c.drafter.config.mask_token_id, generator, doc_start).to(self.c.drafter_device)
 
-    def _forward(self, input_ids, attention_mask, blocks, doc_start=None):
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, blocks: Blocks,
+                 doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """doc_start: packed rows (trainer.packing), else None."""
         c = self.c
         feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from trainer.config import OptimConfig
 
 
-def build_optimizer(params, cfg: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
     """fused (default: when every parameter is on CUDA) runs the update as one kernel per group."""
     params = [p for p in params if p.requires_grad]
     if fused is None:
@@ -31,7 +32,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 
-def clip_gradients(params, max_norm: float) -> torch.Tensor:
+def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global grad norm (a tensor: no host sync); clips when max_norm > 0."""
     params = [p for p in params if p.grad is not None]
     if max_norm > 0:

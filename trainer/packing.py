@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data import Batch, DataError
+from trainer.config import DataConfig
+from trainer.data import Batch, DataError, PreloadedDataset
 
 
 @dataclass
@@ -91,7 +92,7 @@ def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_s
     return -(-want // step) * step
 
 
-def row_anchors(data_cfg, block_size: int) -> int:
+def row_anchors(data_cfg: DataConfig, block_size: int) -> int:
     """Draft blocks per micro-batch row: data.num_anchors unpacked; packed, data.anchors_per_row or
     the density of num_anchors per max_length tokens (`anchors_for_row`)."""
     if not data_cfg.pack_length:
@@ -120,7 +121,7 @@ class PackedDataset:
         self._plan = self.plan_epoch(0)
 
     @classmethod
-    def from_dataset(cls, dataset, pack_length: int, rows: int, window: int = 16) -> "PackedDataset":
+    def from_dataset(cls, dataset: PreloadedDataset, pack_length: int, rows: int, window: int = 16) -> "PackedDataset":
         return cls(dataset.samples, pack_length, rows, dataset.pad_id, dataset.seed, window)
 
     def __len__(self) -> int:

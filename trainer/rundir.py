@@ -89,7 +89,7 @@ class RunDir:
         self.status["last_write_error"] = {"what": what, "message": f"{type(error).__name__}: {error}",
                                            "time": time.time()}
 
-    def update(self, **fields) -> None:
+    def update(self, **fields: Any) -> None:
         with self._lock:
             self.status.update(fields)
         self.write_status()
@@ -117,7 +117,7 @@ class RunDir:
         except OSError:
             pass
 
-    def event(self, event: str, step: int, **fields) -> dict:
+    def event(self, event: str, step: int, **fields: Any) -> dict:
         """Append one metrics.jsonl line, written whole with a single write."""
         record = {"event": event, "time": time.time(), "step": step, **fields}
         line = (json.dumps(record) + "\n").encode()
@@ -136,7 +136,7 @@ class RunDir:
         return record
 
     def start_heartbeat(self, interval_s: float) -> None:
-        def beat():
+        def beat() -> None:
             while not self._heartbeat_stop.wait(interval_s):
                 self.write_status()
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -87,7 +90,9 @@ def base_model(target: torch.nn.Module) -> torch.nn.Module:
     return getattr(target, target.base_model_prefix)
 
 
-def _sdpa_or_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _sdpa_or_flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: object, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' "sdpa" attention, extended: a flex BlockMask as the mask runs flex_attention
     (packed rows on CUDA, trainer.masks.document_causal_block_mask); anything else goes to the
     original SDPA function unchanged, so every other caller behaves exactly as before."""
@@ -102,7 +107,7 @@ def _sdpa_or_flex(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
-def _install_packed_attention():
+def _install_packed_attention() -> None:
     from transformers import AttentionInterface
 
     global _SDPA
@@ -112,7 +117,7 @@ def _install_packed_attention():
         AttentionInterface.register("sdpa", _sdpa_or_flex)
 
 
-_SDPA = None
+_SDPA: Any = None  # transformers' own "sdpa" attention function, set by _install_packed_attention()
 _install_packed_attention()
 
 
@@ -210,7 +215,7 @@ def fit_tiny_target(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
     lr: float,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> None:
     """Briefly train a tiny random target as a language model on the training conversations.
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator, MutableMapping
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
@@ -59,7 +60,7 @@ class LateRecompileError(RuntimeError):
     """A compiled function met an input it was not warmed up for after the freeze."""
 
 
-def set_allocator_defaults(environ=os.environ) -> None:
+def set_allocator_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user chose otherwise.
 
     Must run before CUDA is initialised (the allocator reads it once)."""
@@ -151,7 +152,7 @@ class CompileGuard:
         raise AssertionError("unreachable")
 
     @contextlib.contextmanager
-    def expect_warmed(self, device_key: str, shape: tuple):
+    def expect_warmed(self, device_key: str, shape: tuple) -> Iterator[None]:
         """Turn the stance's recompile error into one that names the device and shape."""
         try:
             yield

@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 
@@ -78,7 +79,7 @@ class MetricAccumulator:
         self._ready.append(self._values(slot, steps, when, event))
         self._free.append(slot)
 
-    def _values(self, slot: int, steps: int, when: float, event=None) -> dict:
+    def _values(self, slot: int, steps: int, when: float, event: torch.cuda.Event | None = None) -> dict:
         """A window's sums; `gpu_time` (CUDA): seconds on the device's own clock from the
         accumulator's creation to the snapshot, so windows are timed by the GPU, not by when the
         host (which runs ahead) happened to call snapshot()."""
@@ -133,7 +134,7 @@ class BusyMeter:
         return (time.perf_counter() - self._t0) * 1000.0
 
     @contextlib.contextmanager
-    def busy(self):
+    def busy(self) -> Iterator[None]:
         if self._cuda:
             stream = torch.cuda.current_stream(self.device)
             start = torch.cuda.Event(enable_timing=True)
@@ -144,10 +145,10 @@ class BusyMeter:
             with self._lock:
                 self._open.append((start, end))
         else:
-            start = self._now_ms()
+            start_ms = self._now_ms()
             yield
             with self._lock:
-                self._done.append((start, self._now_ms()))
+                self._done.append((start_ms, self._now_ms()))
 
     def _collect(self) -> None:
         still_open = []

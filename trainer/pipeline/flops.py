@@ -12,8 +12,14 @@ At Qwen3-8B shape (36 layers, 5-layer drafter, 512 anchors x 16, sequence 3072) 
 token: target forward 1.48e10, drafter step 2.34e10.
 """
 from __future__ import annotations
+from typing import TYPE_CHECKING, Any
+
 
 import torch
+
+if TYPE_CHECKING:
+    from trainer.drafter import DrafterConfig
+    from trainer.masks import Blocks
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A6000": 155.0}
 
@@ -27,13 +33,13 @@ def peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def _dims(cfg):
+def _dims(cfg: Any) -> tuple[int, int, int]:
     h = cfg.hidden_size
     hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     return h, cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
 
 
-def target_flops(cfg, tokens: float, pairs: float, layers_used: int | None = None) -> float:
+def target_flops(cfg: Any, tokens: float, pairs: float, layers_used: int | None = None) -> float:
     """Decoder stack over `tokens` positions whose attention covers `pairs` (query, key) pairs."""
     h, q, kv = _dims(cfg)
     per_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
@@ -41,13 +47,13 @@ def target_flops(cfg, tokens: float, pairs: float, layers_used: int | None = Non
     return float(layers * (tokens * per_token + 4 * q * pairs))
 
 
-def target_forward_flops(cfg, batch: int, length: int, layers_used: int | None = None) -> float:
+def target_forward_flops(cfg: Any, batch: int, length: int, layers_used: int | None = None) -> float:
     """Decoder stack only (features need no LM head; every layer runs, so layers_used defaults
     to all of them); causal attention counted at half."""
     return target_flops(cfg, batch * length, batch * length * length / 2, layers_used)
 
 
-def drafter_flops(c, ctx_tokens: float, slots: float, pairs: float, head_rows: float) -> float:
+def drafter_flops(c: DrafterConfig, ctx_tokens: float, slots: float, pairs: float, head_rows: float) -> float:
     """Forward + backward of the drafter over `ctx_tokens` context positions and `slots` block
     slots whose attention covers `pairs` (slot, key) pairs, with `head_rows` slots through the LM head."""
     h, q, kv = _dims(c)
@@ -59,7 +65,7 @@ def drafter_flops(c, ctx_tokens: float, slots: float, pairs: float, head_rows: f
     return float(3 * forward_trainable + 2 * head)
 
 
-def drafter_step_flops(c, batch: int, ctx_len: int, anchors: int) -> float:
+def drafter_step_flops(c: DrafterConfig, batch: int, ctx_len: int, anchors: int) -> float:
     """Forward + backward of `trainer.objective.drafter_loss_sums` on one micro-batch.
 
     c: trainer.drafter.DrafterConfig."""
@@ -72,7 +78,8 @@ FLOP_KEYS = ("target_real", "target_padded", "drafter_real", "drafter_padded", "
              "blocks_real")
 
 
-def micro_batch_flops(target_cfg, drafter_cfg, attention_mask, doc_start, blocks) -> dict:
+def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mask: torch.Tensor,
+                      doc_start: torch.Tensor | None, blocks: Blocks) -> dict:
     """Model FLOPs of one micro-batch, on real tokens and on everything computed (padding included).
 
     Real: the target over real tokens with attention inside each document (or each unpadded

@@ -10,6 +10,8 @@ Across CUDA replicas the sum is `torch.cuda.nccl.all_reduce` on each replica's o
 is ordered after that replica's backward without a host wait); on CPU it is a plain sum.
 """
 from __future__ import annotations
+from collections.abc import Callable
+
 
 import torch
 
@@ -67,7 +69,8 @@ class FlatGrads:
 class ReplicaAllReduce:
     """Sum the flat buffers of all replicas; every replica thread calls `all_reduce(rank)`."""
 
-    def __init__(self, replicas: list[FlatGrads], streams: list, stop: StopSignal, across_hosts=None) -> None:
+    def __init__(self, replicas: list[FlatGrads], streams: list, stop: StopSignal,
+                 across_hosts: Callable[[torch.Tensor], None] | None = None) -> None:
         self.replicas = replicas
         self.across_hosts = across_hosts  # (flat tensor) -> None: the in-place sum over hosts, or None
         self.streams = streams

@@ -7,11 +7,14 @@ consumers are on CUDA, then routed to the target worker that owns it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
+from trainer.data import Batch
 from trainer.masks import Blocks
 
 from .stages import StageQueue
@@ -35,7 +38,8 @@ class MicroBatch:
         return rows, length
 
 
-def pad_rows_and_length(batch_ids, attention_mask, blocks: Blocks, shape: tuple[int, int], pad_id: int):
+def pad_rows_and_length(batch_ids: torch.Tensor, attention_mask: torch.Tensor, blocks: Blocks, shape: tuple[int, int],
+                        pad_id: int) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
     """Pad a batch to `shape` = (rows, length): extra rows carry no valid block and no loss.
 
     A padded row sees its first token, so the target's attention never has an all-masked row
@@ -57,9 +61,11 @@ def pad_rows_and_length(batch_ids, attention_mask, blocks: Blocks, shape: tuple[
 class BatchPrefetcher:
     """Produces `count` micro-batches into per-target-worker queues (round robin by index)."""
 
-    def __init__(self, next_batch, prepare_blocks, data_state, outputs: list[StageQueue], stop: StopSignal,
-                 count: int, micro_batches: int, first_step: int, warm_shape_of=None, pad_id: int = 0,
-                 pin: bool = False):
+    def __init__(self, next_batch: Callable[[], Batch], prepare_blocks: Callable[[Batch], Blocks],
+                 data_state: Callable[[], dict], outputs: list[StageQueue], stop: StopSignal,
+                 count: int, micro_batches: int, first_step: int,
+                 warm_shape_of: Callable[[Batch], tuple[int, int]] | None = None, pad_id: int = 0,
+                 pin: bool = False) -> None:
         self.next_batch = next_batch  # () -> trainer.data.Batch
         self.prepare_blocks = prepare_blocks  # (Batch) -> Blocks, using the run's anchor generator
         self.data_state = data_state  # () -> dict

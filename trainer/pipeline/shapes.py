@@ -10,6 +10,10 @@ are warmed per bucket for every count the run's data plan contains, unless that 
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.data import Batch, PreloadedDataset
 
 
 def bucket_of_length(bucket_edges: list[int], length: int) -> int:
@@ -17,7 +21,7 @@ def bucket_of_length(bucket_edges: list[int], length: int) -> int:
 
 
 class WarmShapes:
-    def __init__(self, dataset, micro_batches_needed: int, max_shapes: int):
+    def __init__(self, dataset: PreloadedDataset, micro_batches_needed: int, max_shapes: int) -> None:
         rows: dict[int, set[int]] = {}
         lengths: dict[int, int] = {}
         epoch, seen = dataset.epoch, -dataset.cursor
@@ -39,7 +43,7 @@ class WarmShapes:
         out = [(r, self.lengths[b]) for b, rs in self.rows.items() for r in rs]
         return sorted(out, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
 
-    def shape_for(self, batch) -> tuple[int, int]:
+    def shape_for(self, batch: Batch) -> tuple[int, int]:
         longest = int(batch.attention_mask.sum(dim=1).max())
         bucket = bucket_of_length(self.bucket_edges, longest)
         rows = batch.input_ids.shape[0]
@@ -54,13 +58,13 @@ class WarmShapes:
 class PackedShape:
     """Packed rows (trainer.packing): every micro-batch has the one shape (rows, pack_length)."""
 
-    def __init__(self, rows: int, length: int):
+    def __init__(self, rows: int, length: int) -> None:
         self.shape = (rows, length)
 
     def shapes(self) -> list[tuple[int, int]]:
         return [self.shape]
 
-    def shape_for(self, batch) -> tuple[int, int]:
+    def shape_for(self, batch: Batch) -> tuple[int, int]:
         if tuple(batch.input_ids.shape) != self.shape:
             raise ValueError(f"packed batch {tuple(batch.input_ids.shape)} is not the run's shape {self.shape}")
         return self.shape

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from .stopping import POLL_SECONDS, PipelineStopped, StopSignal
 
@@ -18,7 +20,7 @@ class StageQueue:
         self._q: queue.Queue = queue.Queue(maxsize)
         self._stop = stop
 
-    def put(self, item) -> None:
+    def put(self, item: object) -> None:
         while True:
             self._stop.check()
             try:
@@ -27,7 +29,7 @@ class StageQueue:
             except queue.Full:
                 continue
 
-    def get(self):
+    def get(self) -> Any:
         while True:
             self._stop.check()
             try:
@@ -42,7 +44,7 @@ class StageQueue:
 class StageThread(threading.Thread):
     """A daemon thread running `body()`; any exception fails the whole run via the stop signal."""
 
-    def __init__(self, name: str, body, stop: StopSignal) -> None:
+    def __init__(self, name: str, body: Callable[[], None], stop: StopSignal) -> None:
         super().__init__(name=name, daemon=True)
         self._body = body
         self._stop_signal = stop

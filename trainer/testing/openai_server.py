@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import KW_ONLY, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from pathlib import Path
 
 from trainer.regen import Completion, HFEngine, RegenError, Sampling
@@ -120,11 +121,11 @@ def _error(message: str, kind: str, code: int) -> dict:
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
-def make_handler(server_state: ModelServer):
+def make_handler(server_state: ModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
             pass
 
         def _reply(self, code: int, doc: dict) -> None:
@@ -135,7 +136,7 @@ def make_handler(server_state: ModelServer):
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self):  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path == "/health":
                 ready = server_state.engine is not None
                 self._reply(200 if ready else 503, {"status": "ok" if ready else "loading"})
@@ -149,7 +150,7 @@ def make_handler(server_state: ModelServer):
             else:
                 self._reply(404, _error(f"no route {self.path}", "NotFoundError", 404))
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self) -> None:  # noqa: N802
             if self.path != "/v1/chat/completions":
                 self._reply(404, _error(f"no route {self.path}", "NotFoundError", 404))
                 return

@@ -11,7 +11,7 @@ Two forwards over the same layers, deliberately separate so their parity can be 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
 
     @classmethod
-    def from_target(cls, target_config, num_layers: int, block_size: int, mask_token_id: int,
+    def from_target(cls, target_config: Any, num_layers: int, block_size: int, mask_token_id: int,
                     target_layer_ids: list[int]) -> "DrafterConfig":
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 1000000.0))
@@ -71,7 +71,7 @@ _compiled: dict[Callable, Callable] = {}
 
 
 def pointwise(fn: Callable) -> Callable:
-    def call(x: torch.Tensor, *args, compiled: bool | None = None):
+    def call(x: torch.Tensor, *args: Any, compiled: bool | None = None) -> Any:
         if compiled is None:
             compiled = torch.is_grad_enabled()
         if not (compiled and COMPILE_POINTWISE and x.is_cuda):
@@ -139,7 +139,8 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attention: Attention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention) -> torch.Tensor:
         """Queries from the block x; keys/values from [context | block]."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
@@ -159,7 +160,7 @@ class DrafterMLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -171,7 +172,8 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = DrafterMLP(c)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attention: Attention):
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -210,7 +212,8 @@ class DFlashDrafter(nn.Module):
             return torch.get_autocast_dtype(device_type)
         return self.fc.weight.dtype
 
-    def _run(self, ctx_features, block_embeds, ctx_positions, block_positions, attention: Attention):
+    def _run(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, ctx_positions: torch.Tensor,
+             block_positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         dtype = self._compute_dtype(block_embeds.device.type)
         ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
         x = block_embeds.to(dtype)
@@ -221,7 +224,8 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, rope_q, rope_kv, attention)
         return self.norm(x)
 
-    def forward_train(self, ctx_features, block_embeds, block_positions, attention: Attention,
+    def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                      attention: Attention,
                       ctx_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward: all blocks of each sequence at once.
 
@@ -250,7 +254,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions = torch.arange(length, device=dev).expand(b, length)
         block_positions = torch.arange(start, start + block_embeds.shape[1], device=dev).expand(b, -1)
 
-        def attend(q, k, v):
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
 
         return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attend)

@@ -17,10 +17,20 @@ the end of an unpacked sequence. Unpacked, starts are 0 and everything reads as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from trainer.drafter import Attention
+
+# flex_attention's mask_mod: (batch, head, query index, key index) -> may the query see the key
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -35,7 +45,7 @@ class Blocks:
     weights: torch.Tensor  # float loss weight, 0 for slot 0, padding, out-of-bounds, non-loss tokens
     starts: torch.Tensor  # [B, A] row index where the anchor's document begins (0 unpacked)
 
-    def to(self, device) -> "Blocks":
+    def to(self, device: torch.device | str) -> "Blocks":
         return Blocks(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
 
 
@@ -109,7 +119,8 @@ def make_blocks(
     return Blocks(anchors, valid, block_ids, positions, labels, weights, starts)
 
 
-def prepare_blocks(input_ids, loss_mask, num_anchors, block_size, gamma, mask_token_id, generator,
+def prepare_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int, block_size: int, gamma: float,
+                   mask_token_id: int, generator: torch.Generator,
                    doc_start: torch.Tensor | None = None) -> Blocks:
     """Sample anchors and build their blocks; with doc_start (packed rows) anchors are sampled
     per document (trainer.packing.sample_packed_anchors) and `num_anchors` is per row."""
@@ -124,8 +135,8 @@ def prepare_blocks(input_ids, loss_mask, num_anchors, block_size, gamma, mask_to
                        doc_start)
 
 
-def visible(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, q_idx, kv_idx, b,
-            starts: torch.Tensor | None = None):
+def visible(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, q_idx: torch.Tensor,
+            kv_idx: torch.Tensor, b: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
     """The mask rule for query slot q_idx and key kv_idx of sequence b (shared by both backends)."""
     block = q_idx // block_size
     anchor = anchors[b, block]
@@ -166,7 +177,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count[:, None], order[:, None]
 
 
-def _tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, q_len: int, kv_len: int):
+def _tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int) -> BlockMask:
     from torch.nn.attention.flex_attention import BlockMask
 
     kv_num, kv_idx = _ordered(partial & ~full)
@@ -175,12 +186,12 @@ def _tile_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, q_len:
                                     seq_lengths=(q_len, kv_len))
 
 
-def _tile_ranges(count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_ranges(count: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.arange(count, device=device) * TILE
     return lo, lo + TILE
 
 
-def document_causal_block_mask(doc_start: torch.Tensor):
+def document_causal_block_mask(doc_start: torch.Tensor) -> BlockMask:
     """The target's packed-row mask as a flex BlockMask, built from tile arithmetic (no dense
     [L, L] evaluation and no host sync). Needs L % 128 == 0.
 
@@ -199,14 +210,14 @@ def document_causal_block_mask(doc_start: torch.Tensor):
     partial = (kv_hi[None, None] > union_lo[..., None]) & (kv_lo[None, None] <= union_hi[None, :, None])
     full = (kv_lo[None, None] >= inter_lo[..., None]) & (kv_hi[None, None] - 1 <= inter_hi[None, :, None])
 
-    def mask_mod(bi, h, q_idx, kv_idx):
+    def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return (doc_start[bi, q_idx] <= kv_idx) & (kv_idx <= q_idx)
 
     return _tile_block_mask(partial, full & partial, mask_mod, length, length)
 
 
 def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, ctx_len: int,
-                     block_size: int):
+                     block_size: int) -> BlockMask:
     """The drafter's mask (`visible`) as a flex BlockMask from tile arithmetic, for long packed
     rows where evaluating the rule densely over [A*bs, ctx_len + A*bs] would cost gigabytes.
 
@@ -222,7 +233,7 @@ def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.T
     nc = ctx_len // TILE
     pad = nq * TILE - q_len
 
-    def per_slot(t: torch.Tensor, fill) -> torch.Tensor:
+    def per_slot(t: torch.Tensor, fill: bool | int) -> torch.Tensor:
         t = t.repeat_interleave(block_size, dim=1)
         return torch.nn.functional.pad(t, (0, pad), value=fill).view(b, nq, TILE)
 
@@ -246,28 +257,28 @@ def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.T
     full = (all_valid & (inter_hi > inter_lo))[..., None] & is_ctx & (kv_lo >= inter_lo[..., None]) \
         & (kv_hi <= inter_hi[..., None])
 
-    def mask_mod(bi, h, q_idx, kv_idx):
+    def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
 
     return _tile_block_mask(partial, full, mask_mod, q_len, ctx_len + q_len)
 
 
-def dense_attention(mask: torch.Tensor):
+def dense_attention(mask: torch.Tensor) -> Attention:
     """SDPA with a dense boolean mask; rows that see nothing give zeros (as flex_attention does)."""
     any_visible = mask.any(dim=-1, keepdim=True)
     safe_mask = mask | ~any_visible  # keep softmax finite on empty rows; their output is zeroed below
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, enable_gqa=k.shape[1] != q.shape[1])
         return out * any_visible.to(out.dtype)
 
     return attend
 
 
-_compiled_flex = None
+_compiled_flex: Callable[..., Any] | None = None
 
 
-def _flex_fn(device_type: str):
+def _flex_fn(device_type: str) -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
@@ -284,7 +295,7 @@ def _flex_fn(device_type: str):
 
 
 def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
-                      starts: torch.Tensor | None = None, tiled: bool = False):
+                      starts: torch.Tensor | None = None, tiled: bool = False) -> Attention:
     """flex_attention with a BlockMask built from the same rule as `dense_mask`.
 
     tiled: build it by tile arithmetic (`draft_block_mask`, for packed rows) instead of
@@ -296,7 +307,7 @@ def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, 
         block_mask = draft_block_mask(anchors, valid, torch.zeros_like(anchors) if starts is None else starts,
                                       ctx_len, block_size)
     else:
-        def mask_mod(bi, h, q_idx, kv_idx):
+        def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
 
         block_mask = create_block_mask(
@@ -305,11 +316,11 @@ def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, 
     return flex_with(block_mask)
 
 
-def flex_with(block_mask):
+def flex_with(block_mask: BlockMask) -> Attention:
     """attend(q, k, v) through (compiled on CUDA) flex_attention under `block_mask`."""
     flex = _flex_fn(block_mask.kv_num_blocks.device.type)
 
-    def attend(q, k, v):
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
     return attend
@@ -325,7 +336,8 @@ def resolve_backend(name: str, device: torch.device | str, needs_grad: bool) -> 
     return name
 
 
-def block_attention(backend: str, anchors, valid, ctx_len: int, block_size: int, starts=None, tiled: bool = False):
+def block_attention(backend: str, anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
+                    starts: torch.Tensor | None = None, tiled: bool = False) -> Attention:
     if backend == "flex":
         return flex_attention_fn(anchors, valid, ctx_len, block_size, starts, tiled)
     return dense_attention(dense_mask(anchors, valid, ctx_len, block_size, starts))

@@ -6,6 +6,8 @@ accuracy = Σ w·[argmax == label] / Σ w. Callers add up the three sums and div
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -15,14 +17,16 @@ from trainer.masks import Blocks, block_attention
 from trainer.target import FrozenHead
 
 
-def _chunk_sums(hidden, lm_head_weight, labels, weights):
+def _chunk_sums(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     correct = (logits.argmax(dim=-1) == labels).float()
     return (ce * weights).sum(), (correct * weights).sum()
 
 
-def chunked_weighted_ce(hidden, lm_head_weight, labels, weights, chunk: int):
+def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                        weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ w·CE and Σ w·correct, computing vocab logits `chunk` positions at a time.
 
     Each chunk runs under activation checkpointing, so only the hidden states are kept for
@@ -42,7 +46,8 @@ def chunked_weighted_ce(hidden, lm_head_weight, labels, weights, chunk: int):
 
 
 @pointwise
-def _ce_and_grad(logits, labels, weights):
+def _ce_and_grad(logits: torch.Tensor, labels: torch.Tensor,
+                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ w·CE, Σ w·correct and d(Σ w·CE)/d logits for one chunk (one fused pass on CUDA)."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
@@ -62,7 +67,8 @@ class _HeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk: int, need_grad: bool):
+    def forward(ctx: Any, hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor, chunk: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else hidden.dtype
         with torch.autocast(hidden.device.type, enabled=False):
@@ -84,12 +90,14 @@ class _HeadCE(torch.autograd.Function):
         return loss_sum, correct_sum
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
+    def backward(ctx: Any, grad_loss: torch.Tensor,
+                 _grad_correct: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         return (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None, None
 
 
-def fused_weighted_ce(hidden, lm_head_weight, labels, weights, chunk: int):
+def fused_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Same sums as `chunked_weighted_ce`, without recomputing the LM head in backward."""
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss_sum, correct_sum = _HeadCE.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad)

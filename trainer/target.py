@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.config import TinyTargetConfig
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 QWEN3_8B_DIMS = dict(
     hidden_size=4096,
@@ -127,6 +130,7 @@ def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) 
     None: plain causal (right-padded rows; SDPA is_causal). doc_start [B, L]: causal inside each
     document of a packed row, as a flex BlockMask on CUDA and a dense boolean mask elsewhere."""
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    mask: BlockMask | torch.Tensor | None
     if doc_start is None:
         mask = None
     elif doc_start.device.type == "cuda":

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from trainer.drafter import DFlashDrafter
 from trainer.objective import drafter_loss_sums
+from trainer.target import FrozenHead
 
 from .compile_safety import CompileGuard, configure_compile_for_thread
 from .device_stats import BusyMeter, MetricAccumulator, is_cuda
@@ -19,15 +22,15 @@ from .stopping import StopSignal
 METRIC_NAMES = ["loss_sum", "weight_sum", "correct_sum", "grad_norm_sum", "steps"]
 
 
-def worker_stream(device: torch.device):
+def worker_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device) if is_cuda(device) else None
 
 
-def on_stream(stream):
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def record_event(stream):
+def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     if stream is None:
         return None
     event = torch.cuda.Event()
@@ -45,16 +48,17 @@ class Features:
     slot: FeatureSlot
     owner: "TargetWorker"
 
-    def release(self, consumer_stream) -> None:
+    def release(self, consumer_stream: torch.cuda.Stream | None) -> None:
         """Give the slot back; the target waits on this event (GPU side) before reusing it."""
         self.slot.released = record_event(consumer_stream)
         self.owner.free.put(self.slot)
 
 
 class TargetWorker:
-    def __init__(self, rank: int, target, device, layer_ids, width: int, inputs: StageQueue,
-                 outputs: list[StageQueue], slots: list[FeatureSlot], stop: StopSignal, busy: BusyMeter,
-                 count: int, route, guard: CompileGuard | None = None):
+    def __init__(self, rank: int, target: torch.nn.Module, device: torch.device | str, layer_ids: list[int],
+                 width: int, inputs: StageQueue, outputs: list[StageQueue], slots: list[FeatureSlot],
+                 stop: StopSignal, busy: BusyMeter, count: int, route: Callable[[int], int],
+                 guard: CompileGuard | None = None) -> None:
         self.rank, self.target, self.device = rank, target, torch.device(device)
         self.guard = guard  # packed rows / compile_target: the target runs compiled code too
         self.layer_ids, self.width = layer_ids, width
@@ -78,7 +82,8 @@ class TargetWorker:
                     doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
                     out = slot.view(ids.shape[0], ids.shape[1], self.width)
 
-                    def forward(ids=ids, out=out, doc_start=doc_start):
+                    def forward(ids: torch.Tensor = ids, out: torch.Tensor = out,
+                                doc_start: torch.Tensor | None = doc_start) -> torch.Tensor:
                         return pack_context_features(self.target, ids, None, self.layer_ids, out, doc_start)
 
                     if self.guard is None:
@@ -104,10 +109,12 @@ class DrafterSettings:
 class DrafterWorker:
     """One drafter replica. Replica 0 also owns the metric accumulator and the step-end hook."""
 
-    def __init__(self, rank: int, replicas: int, device, drafter, head, optimizer, scheduler, flat: FlatGrads,
+    def __init__(self, rank: int, replicas: int, device: torch.device | str, drafter: DFlashDrafter, head: FrozenHead,
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, flat: FlatGrads,
                  reducer: ReplicaAllReduce, inputs: list[StageQueue], settings: DrafterSettings,
                  stop: StopSignal, busy: BusyMeter, guard: CompileGuard, metrics: MetricAccumulator | None,
-                 on_step_end=None, stream=None):
+                 on_step_end: Callable[[int, MicroBatch], None] | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.rank, self.replicas, self.device = rank, replicas, torch.device(device)
         self.drafter, self.head, self.optimizer, self.scheduler = drafter, head, optimizer, scheduler
         self.flat, self.reducer, self.inputs, self.s = flat, reducer, inputs, settings
@@ -134,7 +141,7 @@ class DrafterWorker:
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
                     if self.s.autocast_dtype is not None else contextlib.nullcontext())
 
-        def forward_backward():
+        def forward_backward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             with autocast:
                 sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk,
                                          doc_start=doc_start)

@@ -32,9 +32,12 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
 
 from trainer.chat_data import DataError, jsonl_records, prompt_messages
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
@@ -262,7 +265,7 @@ def _completion(reply: dict, retries: int) -> Completion:
                       completion_tokens=int(usage.get("completion_tokens") or 0), retries=retries)
 
 
-def supports_static_decode(model) -> bool:
+def supports_static_decode(model: Any) -> bool:
     """A decoder-only HF model of the Llama/Qwen layout (what `static_greedy_generate` runs)."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -274,8 +277,8 @@ def supports_static_decode(model) -> bool:
             and hasattr(module, "apply_rotary_pos_emb") and getattr(model.config, "sliding_window", None) is None)
 
 
-def static_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                           prefill_rows: int = 256):
+def static_greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                           prefill_rows: int = 256) -> torch.Tensor:
     """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
 
     Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
@@ -304,7 +307,8 @@ def static_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
     valid = slot[None, :] >= pads[:, None]  # [B, slots]: padding never attended to
     positions = (slot[None, :width] - pads[:, None]).clamp(min=0)
 
-    def layer_step(layer, i, x, cos, sin, rows, start, mask):
+    def layer_step(layer: Any, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: slice, start: int,
+                   mask: torch.Tensor) -> torch.Tensor:
         a = layer.self_attn
         b, t, _ = x.shape
         h = layer.input_layernorm(x)
@@ -327,7 +331,7 @@ def static_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
         x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
-    def last_token(x):
+    def last_token(x: torch.Tensor) -> torch.Tensor:
         return model.lm_head(base.norm(x[:, -1])).float().argmax(dim=-1)
 
     out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=dev)
@@ -566,7 +570,7 @@ def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Co
 class Progress:
     """A one-line bar on a terminal; on a pipe or log (a playbook step) a line every 10 s."""
 
-    def __init__(self, total: int, stream=sys.stderr, every_s: float = 10.0):
+    def __init__(self, total: int, stream: TextIO = sys.stderr, every_s: float = 10.0) -> None:
         self.total = total
         self.stream = stream
         self.tty = hasattr(stream, "isatty") and stream.isatty()
@@ -683,7 +687,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sampling(args) -> Sampling:
+def _sampling(args: argparse.Namespace) -> Sampling:
     extra = {}
     if args.extra_body:
         try:
@@ -697,7 +701,7 @@ def _sampling(args) -> Sampling:
     return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
 
 
-def build_engine(args, sampling: Sampling) -> tuple[Engine, str]:
+def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, str]:
     engine = args.engine or ("openai" if args.endpoint else None)
     if engine is None:
         raise InputError("give --endpoint URL (an OpenAI-compatible server) or --engine hf --model-path DIR")

@@ -32,6 +32,7 @@ attends to [cached context | its own slots], exactly as `DFlashDrafter.draft_blo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +77,7 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
 class DrafterCache:
     """Per-layer context K/V of the drafter for a batch, with a validity mask over entries."""
 
-    def __init__(self, drafter: DFlashDrafter, batch: int, device, dtype):
+    def __init__(self, drafter: DFlashDrafter, batch: int, device: torch.device | str, dtype: torch.dtype) -> None:
         c = drafter.config
         self.drafter = drafter
         self.keys = [torch.zeros(batch, c.num_key_value_heads, 0, c.head_dim, device=device, dtype=dtype)
@@ -123,14 +124,14 @@ def _crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-remove)
 
 
-def _features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 STATIC_FAMILIES = ("qwen3", "qwen2", "llama")  # decoders the static implementation runs from their modules
 
 
-def static_supported(target, drafter_device) -> bool:
+def static_supported(target: torch.nn.Module, drafter_device: torch.device | str) -> bool:
     """Whether the static implementation can run this target (see the module doc)."""
     cfg = target.config
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -148,7 +149,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class _StaticRounds:
     """The fixed buffers and the fixed-shape round of the static implementation."""
 
-    def __init__(self, target, drafter: DFlashDrafter, head: FrozenHead, batch: int, capacity: int, ddtype):
+    def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, batch: int, capacity: int,
+                 ddtype: torch.dtype) -> None:
         self.target, self.drafter, self.head = target, drafter, head
         self.model = base_model(target)
         self.lm_head = target.get_output_embeddings()
@@ -158,7 +160,7 @@ class _StaticRounds:
         tdtype = next(target.parameters()).dtype
         t_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
 
-        def buffers(layers: int, heads: int, dim: int, dtype) -> list[torch.Tensor]:
+        def buffers(layers: int, heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
             return [torch.zeros(batch, heads, capacity, dim, device=dev, dtype=dtype) for _ in range(layers)]
 
         self.tk = buffers(len(self.model.layers), tc.num_key_value_heads, t_head_dim, tdtype)
@@ -176,7 +178,8 @@ class _StaticRounds:
         self.anchor_pos = torch.zeros(batch, dtype=torch.long, device=dev)
 
     # ---------------------------------------------------------------- the two models on the buffers
-    def _target(self, ids, positions, slots, visible, last_only: bool, expand_kv: bool = False):
+    def _target(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                last_only: bool, expand_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Target decoder on ids [B, T] at positions [B, T]; K/V written at cache slots [T]; visible
         [B, T, capacity]: the slots each query attends to. Returns (logits, features [B, T, n*H]).
         expand_kv: repeat K/V heads for the query heads, as transformers does with a mask on CUDA,
@@ -216,7 +219,7 @@ class _StaticRounds:
         logits = self.lm_head(x[:, -1:] if last_only else x)
         return logits, torch.cat([kept[i] for i in self.layer_ids], dim=-1)
 
-    def _context(self, features, positions, slots) -> None:
+    def _context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """The drafter's context K/V of target features [B, T, n*H] at positions [B, T], written at slots [T]."""
         d, c = self.drafter, self.drafter.config
         ctx = d.hidden_norm(d.fc(features.to(self.ddtype)))
@@ -228,7 +231,7 @@ class _StaticRounds:
             self.dk[i].index_copy_(2, slots, _rotate(k, cos, sin))
             self.dv[i].index_copy_(2, slots, a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2))
 
-    def _draft(self, block, positions, context):
+    def _draft(self, block: torch.Tensor, positions: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states [B, bs, H] of the block ids [B, bs] after the visible context slots."""
         d, c = self.drafter, self.drafter.config
         x = self.head.embed(block).to(self.ddtype)
@@ -300,7 +303,7 @@ class _StaticRounds:
         self.valid[:, :packed] = self.slot[None, :packed] < counts[:, None]
         return packed
 
-    def capture(self):
+    def capture(self) -> Callable[[], torch.Tensor]:
         """The round as a CUDA graph (warmed on a side stream first); returns a replaying callable."""
         stream = torch.cuda.Stream(self.dev)
         stream.wait_stream(torch.cuda.current_stream(self.dev))
@@ -319,9 +322,9 @@ class _StaticRounds:
         return replay
 
 
-def _generate_static(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                      max_new_tokens: int, stop_ids: set[int], cuda_graph: bool | None, capacity: int | None,
-                     ddtype, info: dict) -> list[Generation]:
+                     ddtype: torch.dtype, info: dict) -> list[Generation]:
     bs, n = drafter.config.block_size, len(prompts)
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens + bs
@@ -374,7 +377,7 @@ def _generate_static(target, drafter: DFlashDrafter, head: FrozenHead, prompts: 
         live = still
     return results
 
-def _generate_dynamic(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                       max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
     """The general decoder (any Hugging Face causal LM): a growing `DynamicCache`, rows leave the batch."""
     c = drafter.config
@@ -469,7 +472,7 @@ def _generate_dynamic(target, drafter: DFlashDrafter, head: FrozenHead, prompts:
 
 
 @torch.no_grad()
-def speculative_generate_cached(target, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
+def speculative_generate_cached(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                                 max_new_tokens: int, stop_ids: set[int], *, cuda_graph: bool | None = None,
                                 capacity: int | None = None, implementation: str = "auto",
                                 info: dict | None = None) -> list[Generation]:

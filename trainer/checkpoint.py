@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +28,12 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class HasState(Protocol):
+    """What save() reads: a module, optimizer or scheduler, or the pipeline's CPU snapshot of one."""
+
+    def state_dict(self) -> dict: ...
 
 
 def _sha256(path: Path) -> str:
@@ -91,8 +98,8 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step}"
 
-    def save(self, step: int, drafter: torch.nn.Module, drafter_config: dict, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict) -> tuple[Path, float]:
+    def save(self, step: int, drafter: HasState, drafter_config: dict, optimizer: HasState, scheduler: HasState,
+             trainer_state: dict) -> tuple[Path, float]:
         """Write step_N completely, then prune old ones. Returns (path, seconds)."""
         began = time.time()
         final = self.path(step)
@@ -114,8 +121,8 @@ class CheckpointManager:
         self.prune()
         return final, time.time() - began
 
-    def _fill(self, tmp: Path, step: int, drafter: torch.nn.Module, drafter_config: dict,
-              optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict) -> None:
+    def _fill(self, tmp: Path, step: int, drafter: HasState, drafter_config: dict, optimizer: HasState,
+              scheduler: HasState, trainer_state: dict) -> None:
         weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
         save_file(weights, str(tmp / MODEL_FILE))
         with open(tmp / MODEL_FILE, "rb+") as f:

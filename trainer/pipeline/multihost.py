@@ -22,10 +22,17 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from trainer import checkpoint as ckpt
+from trainer.config import TrainerConfig
+from trainer.control import Request
+from trainer.data import Batch
 from trainer.distributed import GroupEnv, HostGroup, PeerLost, choose_backend
+from trainer.masks import Blocks
 
 from .threaded import ThreadedTrainer
 
@@ -38,11 +45,12 @@ class HostShard:
     """Every host draws the whole global sequence of micro-batches (and their anchors, in order)
     and keeps those with `index % world == rank` of each step's `world` consecutive draws."""
 
-    def __init__(self, next_batch, prepare, rank: int, world: int):
+    def __init__(self, next_batch: Callable[[], Batch], prepare: Callable[[Batch], Blocks], rank: int,
+                 world: int) -> None:
         self.next_batch, self.prepare, self.rank, self.world = next_batch, prepare, rank, world
-        self._blocks: dict[int, object] = {}
+        self._blocks: dict[int, Blocks] = {}
 
-    def next(self):
+    def next(self) -> Batch:
         kept = None
         for k in range(self.world):
             batch = self.next_batch()
@@ -50,14 +58,14 @@ class HostShard:
             if k == self.rank:
                 kept = batch
                 self._blocks[id(batch)] = blocks
-        return kept
+        return kept  # type: ignore[return-value]  # rank < world: kept is set in the loop
 
-    def blocks(self, batch):
+    def blocks(self, batch: Batch) -> Blocks:
         return self._blocks.pop(id(batch))
 
 
 class MultiHostTrainer(ThreadedTrainer):
-    def __init__(self, cfg, run_dir, env: GroupEnv):
+    def __init__(self, cfg: TrainerConfig, run_dir: str | Path, env: GroupEnv) -> None:
         super().__init__(cfg, run_dir)
         d = cfg.distributed
         self.group = HostGroup(env, choose_backend(d.backend, cfg.devices.drafter), d.timeout_s, d.peer_timeout_s,
@@ -67,7 +75,7 @@ class MultiHostTrainer(ThreadedTrainer):
         self._lost_lock = threading.Lock()
 
     # ------------------------------------------------------------------ joining the group
-    def setup(self, resume):
+    def setup(self, resume: str | None) -> str | None:
         g, cfg = self.group, self.cfg
         if cfg.optim.micro_batches % g.world:
             raise ValueError(f"optim.micro_batches ({cfg.optim.micro_batches}) must be a multiple of the "
@@ -89,11 +97,12 @@ class MultiHostTrainer(ThreadedTrainer):
     def local_micro_batches(self) -> int:
         return self.cfg.optim.micro_batches // self.group.world
 
-    def batch_source(self, next_batch, prepare):
+    def batch_source(self, next_batch: Callable[[], Batch], prepare: Callable[[Batch], Blocks],
+                     ) -> tuple[Callable[[], Batch], Callable[[Batch], Blocks]]:
         shard = HostShard(next_batch, prepare, self.group.rank, self.group.world)
         return shard.next, shard.blocks
 
-    def across_hosts(self):
+    def across_hosts(self) -> Callable[[torch.Tensor], None]:
         return self.group.all_reduce_
 
     # ------------------------------------------------------------------ resume: one source, every rank
@@ -126,7 +135,7 @@ class MultiHostTrainer(ThreadedTrainer):
             self.rd.log(f"restored step {self.step} from rank {self.writer}'s checkpoint {path.name}")
 
     # ------------------------------------------------------------------ step boundaries, together
-    def _act(self, step, checkpoints, stop_request, periodic):
+    def _act(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool) -> None:
         wants_checkpoint, stop_code = self.group.agree(
             [int(bool(checkpoints)), STOP_CODES[stop_request.reason if stop_request else None]])
         if self.is_writer:
@@ -151,11 +160,11 @@ class MultiHostTrainer(ThreadedTrainer):
     def evaluate(self) -> dict:
         return super().evaluate() if self.is_writer else {}
 
-    def save(self, request_id):
+    def save(self, request_id: str | None) -> None:
         if self.is_writer:
             super().save(request_id)
 
-    def _serve(self, requests):
+    def _serve(self, requests: list[Request]) -> None:
         """After the last step there is nothing left to agree on: the writer's final save serves it."""
         return None
 
@@ -182,13 +191,13 @@ class MultiHostTrainer(ThreadedTrainer):
         sys.stdout.flush()
         os._exit(1)
 
-    def error_record(self, exc):
+    def error_record(self, exc: BaseException) -> dict:
         record = super().error_record(exc)
         if self.lost is not None and "PeerLost" not in record["message"]:
             record = {**record, "message": f"PeerLost: {self.lost} (then {record['message']})"}
         return record
 
-    def run(self, resume):
+    def run(self, resume: str | None) -> int:
         code = super().run(resume)
         status = self.rd.status
         if status.get("state") == "failed":

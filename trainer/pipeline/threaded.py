@@ -10,12 +10,16 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.control import Request
+from trainer.data import Batch
 from trainer.loop import Trainer, autocast_for
-from trainer.masks import prepare_blocks
+from trainer.masks import Blocks, prepare_blocks
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.packing import row_anchors, warmup_packed_batch
 from trainer.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
@@ -25,7 +29,7 @@ from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
 from .features import allocate_slots, pack_context_features
 from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
 from .grad_sync import FlatGrads, ReplicaAllReduce
-from .prefetch import BatchPrefetcher
+from .prefetch import BatchPrefetcher, MicroBatch
 from .shapes import PackedShape, WarmShapes
 from .stages import StageQueue, StageThread, join_all
 from .stopping import PipelineFailed, StopSignal
@@ -35,14 +39,14 @@ from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 class _StateOnly:
     """Stands in for a module/optimizer/scheduler in CheckpointManager.save: a CPU snapshot."""
 
-    def __init__(self, state):
+    def __init__(self, state: dict) -> None:
         self._state = state
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return self._state
 
 
-def _to_cpu(obj):
+def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -111,7 +115,7 @@ class ThreadedTrainer(Trainer):
         gen = torch.Generator().manual_seed(12345)
         layer_ids = c.drafter.config.target_layer_ids
 
-        def inputs(shape):
+        def inputs(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
             b, seq = shape
             if self.packed:  # documents and boundaries like the real rows, through the packed paths
                 batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
@@ -119,7 +123,7 @@ class ThreadedTrainer(Trainer):
             ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
             return ids, None, torch.ones_like(ids, dtype=torch.bool)
 
-        def features(t, ids, doc_start):
+        def features(t: int, ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
             """The target worker's own call (same mask path), so a compiled target meets nothing new."""
             tdev = self.target_devices[t]
             with torch.inference_mode():
@@ -128,12 +132,12 @@ class ThreadedTrainer(Trainer):
 
         for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
             if self.target_devices[t] not in self.target_devices[:t]:
-                def target_step(shape, t=t):
+                def target_step(shape: tuple[int, int], t: int = t) -> None:
                     features(t, *inputs(shape)[:2])
 
                 self.guard.warm_up(f"target:{self.target_devices[t]}", shapes, target_step)
         for rank, device in enumerate(self.drafter_devices):
-            def step(shape, rank=rank, device=device):
+            def step(shape: tuple[int, int], rank: int = rank, device: torch.device = device) -> None:
                 ids, doc_start, loss_mask = inputs(shape)
                 blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
                                         c.drafter.config.mask_token_id, gen, doc_start).to(device)
@@ -160,7 +164,7 @@ class ThreadedTrainer(Trainer):
                     f"took {seconds:.1f}s; compiles frozen")
 
     # ------------------------------------------------------------------ the threaded loop
-    def _build_pipeline(self):
+    def _build_pipeline(self) -> list[StageThread]:
         cfg, c = self.cfg, self.c
         M, T, R = self.local_micro_batches(), len(self.target_devices), len(self.drafter_devices)
         first = self.step
@@ -173,15 +177,15 @@ class ThreadedTrainer(Trainer):
         self.data_states: dict[int, dict] = {}
         self.step_tokens: dict[int, int] = {}
 
-        def data_state():
+        def data_state() -> dict:
             return {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
 
-        def prepare(batch):
+        def prepare(batch: Batch) -> Blocks:
             return prepare_blocks(batch.input_ids, batch.loss_mask, self.anchors, cfg.model.block_size,
                                   c.gamma, c.drafter.config.mask_token_id, self.anchor_rng,
                                   getattr(batch, "doc_start", None))
 
-        next_batch, prepare = self.batch_source(c.train_data.next_batch, prepare)
+        next_batch, prepare = self.batch_source(c.train_data.next_batch, prepare)  # type: ignore[assignment]  # the source may wrap it
         prefetcher = BatchPrefetcher(next_batch, prepare, data_state, self.target_inputs, stop, count, M,
                                      first, self.warm.shape_for if self.pad else None,
                                      pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
@@ -189,7 +193,7 @@ class ThreadedTrainer(Trainer):
 
         self.step_flops: dict[int, dict] = {}
 
-        def build_and_record(index):
+        def build_and_record(index: int) -> MicroBatch:
             mb = build(index)
             self.data_states[index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
@@ -199,7 +203,7 @@ class ThreadedTrainer(Trainer):
                 into[key] += value
             return mb
 
-        prefetcher.build = build_and_record
+        prefetcher.build = build_and_record  # type: ignore[method-assign]  # this instance records what it builds
         self.busy = {d: BusyMeter(d) for d in dict.fromkeys(self.target_devices + self.drafter_devices)}
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * c.target.config.hidden_size
@@ -232,7 +236,7 @@ class ThreadedTrainer(Trainer):
         threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
         return threads
 
-    def _snapshot(self, step: int, request) -> None:
+    def _snapshot(self, step: int, request: Request | None) -> None:
         """On drafter 0's thread at a step boundary: copy state to the CPU (the only stall), write later."""
         M = self.local_micro_batches()
         last_index = (step - self.first_step) * M - 1
@@ -240,7 +244,7 @@ class ThreadedTrainer(Trainer):
         self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
                            copy.deepcopy(self.schedulers[0].state_dict()), state, request))
 
-    def _on_step_end(self, step: int, _last) -> None:
+    def _on_step_end(self, step: int, _last: MicroBatch) -> None:
         self.step = step
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
         requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
@@ -251,7 +255,7 @@ class ThreadedTrainer(Trainer):
         stops = [r for r in requests if r.kind == "stop"]
         self._act(step, [r for r in requests if r.kind == "checkpoint"], stops[0] if stops else None, periodic)
 
-    def _act(self, step: int, checkpoints: list, stop_request, periodic: bool) -> None:
+    def _act(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool) -> None:
         """At a step boundary: serve checkpoint requests, a stop, or the periodic checkpoint."""
         for r in checkpoints:
             self._snapshot(step, r)
@@ -267,11 +271,12 @@ class ThreadedTrainer(Trainer):
         """Micro-batches this process trains per optimizer step (all of them on one host)."""
         return self.cfg.optim.micro_batches
 
-    def batch_source(self, next_batch, prepare):
+    def batch_source(self, next_batch: Callable[[], Batch], prepare: Callable[[Batch], Blocks],
+                     ) -> tuple[Callable[[], Batch], Callable[[Batch], Blocks]]:
         """(next_batch, prepare) the prefetcher calls; on one host the dataset's own."""
         return next_batch, prepare
 
-    def across_hosts(self):
+    def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
         """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
         return None
 
@@ -383,7 +388,7 @@ class ThreadedTrainer(Trainer):
             raise self.stop.error
         return self.stop.reason
 
-    def setup(self, resume: str | None):
+    def setup(self, resume: str | None) -> str | None:
         rel = super().setup(resume)
         self.build_replicas()
         self.rd.update(gpus=sorted({d.index or 0 for d in self.busy_devices() if is_cuda(d)}))
@@ -394,5 +399,5 @@ class ThreadedTrainer(Trainer):
             return exc.record()
         return super().error_record(exc)
 
-    def busy_devices(self):
+    def busy_devices(self) -> list[torch.device]:
         return list(dict.fromkeys(self.target_devices + self.drafter_devices))

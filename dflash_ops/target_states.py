@@ -19,6 +19,17 @@ class TargetState:
     detail: str = ""
 
 
+def read_pct_status(stdout: str, stderr: str, exit_code: int) -> tuple[str, str]:
+    """`pct status`'s answer as (state, detail): `status: running` is running; a CT that does
+    not exist is missing; anything else is unknown, with the first line pct said."""
+    text = stdout.strip()
+    if text.startswith("status: "):
+        return text.removeprefix("status: ").splitlines()[0].strip(), ""
+    said = (stderr.strip() or text).splitlines()
+    state = "missing" if said and "does not exist" in said[0] else "unknown"
+    return state, said[0] if said else f"exit status {exit_code}"
+
+
 def target_state(target: Target, transport: Transport, timeout: float = 30.0) -> TargetState:
     """One `pct status` on the target's node (for `pct: none`, whether the node answers)."""
     pct = target.node.pct  # `pct: none`: the target is the node; reachable means running
@@ -27,14 +38,9 @@ def target_state(target: Target, transport: Transport, timeout: float = 30.0) ->
         result = transport.run(render.node_command(argv), timeout=timeout)
     except TransportError as e:
         return TargetState(target, "unreachable", str(e))
-    text = result.stdout.strip()
     if not target.node.pct and result.ok:
         return TargetState(target, "running", "no pct")
-    if result.ok and text.startswith("status: "):
-        return TargetState(target, text.removeprefix("status: "))
-    detail = (result.stderr.strip() or text).splitlines()
-    state = "missing" if detail and "does not exist" in detail[0] else "unknown"
-    return TargetState(target, state, detail[0] if detail else f"exit status {result.exit_code}")
+    return TargetState(target, *read_pct_status(result.stdout, result.stderr, result.exit_code))
 
 
 def target_states(inventory: Inventory, names: list[str] | None = None, timeout: float = 30.0) -> list[TargetState]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dflash_ops import render
 from dflash_ops.errors import TransportError
+from dflash_ops.target_states import read_pct_status
 
 if TYPE_CHECKING:
     from dflash_ops.inventory import Target
@@ -92,13 +93,9 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     except TransportError as e:
         return NodeFacts(True, "unreachable", str(e))
     head, sep, tail = result.stdout.partition(marker + "\n")
-    text = head.strip()
-    if text.startswith("status: "):
-        facts = NodeFacts(True, text.removeprefix("status: ").splitlines()[0].strip())
-    else:
-        detail = (result.stderr.strip() or text).splitlines()
-        state = "missing" if detail and "does not exist" in detail[0] else "unknown"
-        return NodeFacts(True, state, detail[0] if detail else f"exit status {result.exit_code}")
+    facts = NodeFacts(True, *read_pct_status(head, result.stderr, result.exit_code))
+    if not head.strip().startswith("status: "):
+        return facts
     if sep and result.ok:
         facts.config = parse_pct_config(tail)
     else:

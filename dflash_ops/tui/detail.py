@@ -180,9 +180,7 @@ class RunDetailScreen(Screen):
             return
         text = Text()
         for i, track in enumerate(tracks):
-            mem = fmt_num(track.mem_gb)
-            if track.mem_total_gb:
-                mem += f"/{fmt_num(track.mem_total_gb)}"
+            mem = fmt_num(track.mem_gb) + (f"/{fmt_num(track.mem_total_gb)}" if track.mem_total_gb else "")
             busy = "  -" if track.busy is None else f"{track.busy:3.0f}"
             text.append(("\n" if i else "") + f"GPU{track.index:<2} {track.role:<8} ")
             text.append(bar(track.busy, 16), style="green" if (track.busy or 0) >= 50 else "yellow")

@@ -24,12 +24,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-T = TypeVar("T")
 
 WATCH_INTERVAL_S = 0.5
 
@@ -123,7 +121,7 @@ class HostGroup:
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
-    def broadcast_object(self, obj: T, src: int) -> T:
+    def broadcast_object(self, obj: object, src: int) -> Any:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.control)
         return box[0]

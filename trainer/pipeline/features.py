@@ -32,7 +32,7 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
 
 
 def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
-                          layer_ids: list[int], out: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+                          layer_ids: list[int], out: torch.Tensor | None, doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Like `trainer.target.target_context_features`, but writes the concatenation into `out`.
 
     The pipeline passes attention_mask=None: batches are right-padded and attention is causal,

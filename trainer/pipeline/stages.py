@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .stopping import POLL_SECONDS, PipelineStopped, StopSignal
@@ -58,7 +58,7 @@ class StageThread(threading.Thread):
             self._stop_signal.fail(exc, self.name)
 
 
-def join_all(threads: list[threading.Thread], stop: StopSignal, grace_seconds: float = 30.0) -> list[str]:
+def join_all(threads: Sequence[threading.Thread], stop: StopSignal, grace_seconds: float = 30.0) -> list[str]:
     """Join threads; returns the names of any that did not finish within the grace period."""
     import time
 

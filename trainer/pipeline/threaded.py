@@ -244,7 +244,7 @@ class ThreadedTrainer(Trainer):
         self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
                            copy.deepcopy(self.schedulers[0].state_dict()), state, request))
 
-    def _on_step_end(self, step: int, _last: MicroBatch) -> None:
+    def _on_step_end(self, step: int, _last: MicroBatch | None) -> None:
         self.step = step
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
         requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]

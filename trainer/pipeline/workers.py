@@ -44,7 +44,7 @@ class Features:
 
     mb: MicroBatch
     tensor: torch.Tensor
-    ready: object  # torch.cuda.Event or None
+    ready: torch.cuda.Event | None
     slot: FeatureSlot
     owner: "TargetWorker"
 
@@ -113,7 +113,7 @@ class DrafterWorker:
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, flat: FlatGrads,
                  reducer: ReplicaAllReduce, inputs: list[StageQueue], settings: DrafterSettings,
                  stop: StopSignal, busy: BusyMeter, guard: CompileGuard, metrics: MetricAccumulator | None,
-                 on_step_end: Callable[[int, MicroBatch], None] | None = None,
+                 on_step_end: Callable[[int, MicroBatch | None], None] | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
         self.rank, self.replicas, self.device = rank, replicas, torch.device(device)
         self.drafter, self.head, self.optimizer, self.scheduler = drafter, head, optimizer, scheduler

@@ -261,10 +261,12 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            # Python ignores SIGPIPE and SIGXFSZ and exec keeps ignored signals; lxc-attach (C)
-            # hands the command default dispositions (`yes | head` must end by SIGPIPE).
-            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
-                signal.signal(sig, signal.SIG_DFL)
+            # exec keeps ignored signals: Python ignores SIGPIPE and SIGXFSZ, and a caller started in
+            # the background has SIGINT and SIGQUIT ignored. On a node the command comes from sshd
+            # with default dispositions (`yes | head` must end by SIGPIPE), so none is passed on.
+            for sig in signal.valid_signals():
+                if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN:
+                    signal.signal(sig, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         except OSError as e:
             # lxc src/lxc/attach.c lxc_attach_run_command: EACCES/ENOEXEC -> 126, ENOENT -> 127,

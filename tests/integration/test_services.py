@@ -192,7 +192,9 @@ steps:
   - sleep: 300
 """)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "play", str(book), "host200", "--inventory",
-                             str(inventory)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(inventory)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # as from a terminal: a suite started in the background has SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if "[2/2] sleep" in line:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.chat_data import DataError
 from trainer.components import Components, build_components
 from trainer.config import TrainerConfig, dump_config
 from trainer.control import ControlPoller, Request
@@ -276,6 +277,8 @@ class Trainer:
 
     def error_record(self, exc: BaseException) -> dict:
         """status.json's `error` for a failure that reached run()."""
+        if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
+            return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
         return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
     def run(self, resume: str | None) -> int:
@@ -303,7 +306,8 @@ class Trainer:
             error = self.error_record(exc)
             self.rd.event("error", self.step, **error)
             self.rd.update(state="failed", error=error)
-            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}\n{error['traceback']}")
+            trace = f"\n{error['traceback']}" if error.get("traceback") else ""
+            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}{trace}")
             return 1
         finally:
             self.rd.close()

@@ -19,7 +19,7 @@ and a markdown summary in OUT/quality.md):
 4. prompts: code prefixes of train files (regeneration prompts, and the same prefixes with the
    original continuation for the "original answers" ablation); held-out prompts from held-out
    files for τ.
-5. regen: `python -m trainer regen --engine hf --model-path MODEL ...` writes the target's greedy
+5. regen: `python -m trainer_tools.regen --engine hf --model-path MODEL ...` writes the target's greedy
    answers (the answers τ is measured against: evaluation decodes greedily).
 6. drafter: `python -m trainer --config CFG --run-dir RUN` from the model directory; periodic
    checkpoints give the τ-vs-training-tokens curve; ablations (original answers, depth,
@@ -381,7 +381,7 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
                  chars_per_token: float) -> tuple[Path, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.testing.hub_model import model_config, write_hub_model
+    from trainer_tools.fixtures.hub_model import model_config, write_hub_model
 
     started = time.time()
     stream = RowStream(tok, corpus["train"], p, p.seed, p.target_steps * p.batch_rows)
@@ -616,7 +616,7 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
               "summary": summary, "conversations": records,
               "errors": [line for line in tail if line.startswith("regen: failed")][:3]}
     say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "
-        f"`python -m trainer regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+        f"`python -m trainer_tools.regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
     for e in result["errors"]:
         say(e)
     return result
@@ -735,8 +735,8 @@ class CheckpointEvaluator:
     def __init__(self, p: Preset, model_dir: Path, data: Path):
         from transformers import AutoTokenizer
 
-        from trainer.chat_data import read_conversations
-        from trainer.target import FrozenHead, freeze, load_target
+        from trainer.data.chat import read_conversations
+        from trainer.models.target import FrozenHead, freeze, load_target
 
         self.p = p
         dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float32
@@ -748,9 +748,9 @@ class CheckpointEvaluator:
     def __call__(self, ck: Path) -> dict:
         from safetensors.torch import load_file
 
-        from trainer.drafter import DFlashDrafter, DrafterConfig
-        from trainer.evaluate import acceptance_report
-        from trainer.loop import autocast_for
+        from trainer.models.drafter import DFlashDrafter, DrafterConfig
+        from trainer.generate.evaluate import acceptance_report
+        from trainer.train.loop import autocast_for
 
         p = self.p
         cfg = DrafterConfig(**json.loads((ck / "drafter_config.json").read_text()))
@@ -897,7 +897,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("quality: no Python sources found for train or held-out")
 
     # 2. tokenizer
-    from trainer.testing.hub_model import train_tokenizer
+    from trainer_tools.fixtures.hub_model import train_tokenizer
 
     t0 = time.time()
     sample, size = [], 0

@@ -64,7 +64,7 @@ def test_split_is_by_file_content():
 
 def test_held_out_windows_leave_answer_tokens_within_max_length():
     """A held-out prompt longer than max_length leaves nothing to measure τ on: it is never chosen."""
-    from trainer.testing.hub_model import train_tokenizer
+    from trainer_tools.fixtures.hub_model import train_tokenizer
 
     text = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 400))
     tok = train_tokenizer("qwen3", [text], 300)

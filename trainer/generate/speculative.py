@@ -397,7 +397,7 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     index = torch.arange(longest, device=tdev)
     key_valid = index[None, :] >= pads[:, None]  # [B, L]
     positions = (index[None, :] - pads[:, None]).clamp(min=0)
-    cache = DynamicCache()
+    cache = DynamicCache(config=target.config)
     causal = index[None, :, None] >= index[None, None, :]
     mask = (key_valid[:, None, :] & causal) | torch.eye(longest, dtype=torch.bool, device=tdev)[None]
     out = target(input_ids=ids, attention_mask=_additive(mask[:, None], tdtype), position_ids=positions,

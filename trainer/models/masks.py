@@ -159,12 +159,16 @@ def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_s
     return visible(anchors, valid, ctx_len, block_size, q, kv, bidx, starts)[:, None]
 
 
-def document_causal_dense(doc_start: torch.Tensor) -> torch.Tensor:
+def document_causal_dense(doc_start: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The target's mask in a packed row, dense [B, 1, L, L]: query i sees key j iff
-    doc_start[i] <= j <= i (causal inside its own document only)."""
+    doc_start[i] <= j <= i (causal inside its own document only), and with a sliding `window`
+    also i - j < window (transformers' sliding_window_overlay)."""
     length = doc_start.shape[1]
     idx = torch.arange(length, device=doc_start.device)
-    return ((doc_start[:, :, None] <= idx[None, None, :]) & (idx[None, None, :] <= idx[None, :, None]))[:, None]
+    mask = (doc_start[:, :, None] <= idx[None, None, :]) & (idx[None, None, :] <= idx[None, :, None])
+    if window is not None:
+        mask &= idx[None, None, :] > idx[None, :, None] - window
+    return mask[:, None]
 
 
 TILE = 128  # flex_attention's BlockMask tile (queries and keys)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from trainer.models.family import LINEAR_MIXER, Family, family_of_dir, read_family
 from trainer.train.config import TinyTargetConfig
 
 if TYPE_CHECKING:
@@ -71,11 +73,19 @@ def random_8b_shape_target(device: str, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def load_target(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face causal LM from a local directory (nothing is downloaded)."""
+    """A Hugging Face causal LM from a local directory (nothing is downloaded), with the attention
+    implementation its family needs (trainer.models.family: SDPA, or eager for gpt-oss's sinks).
+    A vision-language checkpoint (Qwen3.5) loads as its text part."""
+    fam = family_of_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        path, dtype=dtype, local_files_only=True, attn_implementation=fam.attn_implementation if fam else "sdpa"
     )
     return model.to(device).eval()
+
+
+def target_family(target: torch.nn.Module) -> Family:
+    """The Family of a loaded (or built) target, from its config."""
+    return read_family(target.config.to_dict())
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -124,24 +134,87 @@ _SDPA: Any = None  # transformers' own "sdpa" attention function, set by _instal
 _install_packed_attention()
 
 
-def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict:
-    """The per-layer-type attention masks handed to the decoder (which then builds none).
+def _kinds(model: torch.nn.Module) -> list[str]:
+    """The kind of each decoder layer (trainer.models.family.KINDS)."""
+    return list(read_family(model.config.to_dict()).layer_kinds)
+
+
+def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict | torch.Tensor | BlockMask | None:
+    """The attention masks handed to the decoder (which then builds none).
 
     None: plain causal (right-padded rows; SDPA is_causal). doc_start [B, L]: causal inside each
-    document of a packed row, as a flex BlockMask on CUDA and a dense boolean mask elsewhere."""
-    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    mask: BlockMask | torch.Tensor | None
-    if doc_start is None:
-        mask = None
-    elif doc_start.device.type == "cuda":
-        from trainer.models.masks import document_causal_block_mask
+    document of a packed row, as a flex BlockMask on CUDA (SDPA families) and a dense boolean mask
+    elsewhere; sliding-window layers see the last `sliding_window` keys of their own document;
+    linear-attention layers get no mask (they run per document, `_documents_apart`).
+    A model with one kind of layer gets the mask itself (Llama and Qwen3-MoE take no per-kind
+    mapping); a hybrid gets {layer kind: mask}."""
+    kinds = sorted(set(_kinds(model)))
+    masks: dict[str, BlockMask | torch.Tensor | None] = dict.fromkeys(kinds)
+    if doc_start is not None:
+        from trainer.models.masks import document_causal_block_mask, document_causal_dense
 
-        mask = document_causal_block_mask(doc_start)
-    else:
-        from trainer.models.masks import document_causal_dense
+        flex = doc_start.device.type == "cuda" and model.config._attn_implementation == "sdpa"
+        for kind in kinds:
+            if kind == "full_attention":
+                masks[kind] = document_causal_block_mask(doc_start) if flex else document_causal_dense(doc_start)
+            elif kind == "sliding_attention":
+                masks[kind] = document_causal_dense(doc_start, window=model.config.sliding_window)
+    return masks[kinds[0]] if len(kinds) == 1 else masks
 
-        mask = document_causal_dense(doc_start)
-    return {kind: mask for kind in kinds}
+
+def _segments(doc_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every document of a packed batch as one padded row: (row [D, T], column [D, T], valid [D, T])
+    index tensors, T the longest document. The padding tail of a row counts as a document."""
+    starts = doc_start.cpu()
+    b, length = starts.shape
+    ar = torch.arange(length)
+    docs = [(r, int(s), int(e)) for r in range(b)
+            for s, e in zip(*_bounds(ar[starts[r] == ar], length)) if e > s]
+    longest = max(e - s for _, s, e in docs)
+    offsets = torch.arange(longest)
+    rows = torch.tensor([r for r, _, _ in docs])[:, None].expand(-1, longest)
+    cols = torch.tensor([s for _, s, _ in docs])[:, None] + offsets
+    valid = cols < torch.tensor([e for _, _, e in docs])[:, None]
+    dev = doc_start.device
+    return rows.to(dev), cols.clamp(max=length - 1).to(dev), valid.to(dev)
+
+
+def _bounds(firsts: torch.Tensor, length: int) -> tuple[list[int], list[int]]:
+    starts = firsts.tolist()
+    return starts, starts[1:] + [length]
+
+
+@contextlib.contextmanager
+def _documents_apart(model: torch.nn.Module, doc_start: torch.Tensor | None) -> Iterator[None]:
+    """Inside: every linear-attention layer of `model` runs each document of the packed batch on
+    its own, from a zero state (its conv window and recurrent state never cross a document start),
+    all documents of the batch in one call (right-padded: a recurrence is causal, so the padding
+    after a document never reaches it). The layers' own forward runs (transformers' code, with its
+    kernels where installed); only its input rows are rearranged."""
+    mixers = [getattr(layer, LINEAR_MIXER) for layer, kind in zip(model.layers, _kinds(model))
+              if kind == "linear_attention"]
+    if doc_start is None or not mixers:
+        yield
+        return
+    rows, cols, valid = _segments(doc_start)
+
+    def per_document(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            kwargs.pop("attention_mask", None)
+            x = hidden_states[rows, cols] * valid[..., None].to(hidden_states.dtype)
+            y = forward(x, *args, attention_mask=None, **kwargs)
+            out = y.new_zeros(*hidden_states.shape[:2], y.shape[-1])
+            out[rows[valid], cols[valid]] = y[valid]
+            return out
+        return run
+
+    for m in mixers:
+        m.forward = per_document(m.forward)
+    try:
+        yield
+    finally:
+        for m in mixers:
+            del m.forward  # back to the class's forward
 
 
 @torch.no_grad()
@@ -158,8 +231,10 @@ def target_context_features(
     Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
     embedding), as the published DFlash drafts expect.
 
-    doc_start [B, L] (packed rows, trainer.data.packing): attention is causal inside each document and
-    positions restart at every document; attention_mask is then ignored. out: written in place.
+    doc_start [B, L] (packed rows, trainer.data.packing): attention is causal inside each document,
+    positions restart at every document and linear-attention layers restart their state at every
+    document, so each document's features equal those of the document run alone; attention_mask
+    is then ignored. out: written in place.
     """
     model = base_model(target)
     kwargs = {}
@@ -167,8 +242,9 @@ def target_context_features(
         doc_start = doc_start.to(input_ids.device)
         attention_mask = packed_mask_mapping(model, doc_start)
         kwargs["position_ids"] = torch.arange(doc_start.shape[1], device=doc_start.device) - doc_start
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                   **kwargs).hidden_states
+    with _documents_apart(model, doc_start):
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                       use_cache=False, **kwargs).hidden_states
     return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)
 
 

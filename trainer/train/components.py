@@ -17,7 +17,8 @@ from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.train.optim import build_optimizer, build_scheduler
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
-                            freeze, load_target, num_layers, random_8b_shape_target, tiny_target)
+                            freeze, load_target, num_layers, random_8b_shape_target, target_family,
+                            tiny_target)
 from trainer.data.tokenizer import synthetic_tokenizer
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
     if t.path is not None:
         began = time.perf_counter()
         model = freeze(load_target(t.path, device, dtype))
+        fam = target_family(model)
+        log(f"target family: {fam.summary()}; layers: {fam.layer_table()}")
         peak = ""
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)

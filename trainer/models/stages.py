@@ -101,9 +101,10 @@ def run_layers(model: torch.nn.Module, hidden: torch.Tensor, lo: int, hi: int, i
     source's current stream and orders itself against the destination's). Returns the hidden states
     after layer hi-1."""
     width = hidden.shape[-1]
-    kinds = layer_types(model)
+    kinds, layers = layer_types(model), model.layers
+    assert isinstance(layers, torch.nn.ModuleList)
     for i in range(lo, hi):
-        hidden = model.layers[i](hidden, attention_mask=inputs.mask_mapping[kinds[i]],
+        hidden = layers[i](hidden, attention_mask=inputs.mask_mapping[kinds[i]],
                                  position_ids=inputs.position_ids, position_embeddings=inputs.position_embeddings,
                                  use_cache=False)
         if isinstance(hidden, tuple):  # transformers < 4.54 returns (hidden_states, ...)

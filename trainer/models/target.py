@@ -139,27 +139,42 @@ def _kinds(model: torch.nn.Module) -> list[str]:
     return list(read_family(model.config.to_dict()).layer_kinds)
 
 
-def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict | torch.Tensor | BlockMask | None:
-    """The attention masks handed to the decoder (which then builds none).
+def needs_explicit_masks(model: torch.nn.Module) -> bool:
+    """Whether plain causal rows still need masks built by the trainer: an attention implementation
+    without SDPA's is_causal (eager: gpt-oss), or sliding-window layers (a window is a mask)."""
+    return model.config._attn_implementation != "sdpa" or "sliding_attention" in _kinds(model)
+
+
+def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict:
+    """The per-layer-type attention masks handed to the decoder layers (trainer.models.stages).
 
     None: plain causal (right-padded rows; SDPA is_causal). doc_start [B, L]: causal inside each
-    document of a packed row, as a flex BlockMask on CUDA (SDPA families) and a dense boolean mask
-    elsewhere; sliding-window layers see the last `sliding_window` keys of their own document;
-    linear-attention layers get no mask (they run per document, `_documents_apart`).
-    A model with one kind of layer gets the mask itself (Llama and Qwen3-MoE take no per-kind
-    mapping); a hybrid gets {layer kind: mask}."""
+    document of a packed row, as a flex BlockMask on CUDA (SDPA families) and a dense mask
+    elsewhere (boolean; additive float for eager attention, which adds it to the scores);
+    sliding-window layers see the last `sliding_window` keys of their own document;
+    linear-attention layers get no mask (they run per document, `_documents_apart`)."""
     kinds = sorted(set(_kinds(model)))
     masks: dict[str, BlockMask | torch.Tensor | None] = dict.fromkeys(kinds)
-    if doc_start is not None:
-        from trainer.models.masks import document_causal_block_mask, document_causal_dense
+    if doc_start is None:
+        return masks
+    from trainer.models.masks import document_causal_block_mask, document_causal_dense
 
-        flex = doc_start.device.type == "cuda" and model.config._attn_implementation == "sdpa"
-        for kind in kinds:
-            if kind == "full_attention":
-                masks[kind] = document_causal_block_mask(doc_start) if flex else document_causal_dense(doc_start)
-            elif kind == "sliding_attention":
-                masks[kind] = document_causal_dense(doc_start, window=model.config.sliding_window)
-    return masks[kinds[0]] if len(kinds) == 1 else masks
+    sdpa = model.config._attn_implementation == "sdpa"
+    dtype = next(model.parameters()).dtype
+
+    def dense(window: int | None) -> torch.Tensor:
+        mask = document_causal_dense(doc_start, window=window)
+        if sdpa:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+    for kind in kinds:
+        if kind == "full_attention":
+            masks[kind] = document_causal_block_mask(doc_start) if sdpa and doc_start.device.type == "cuda" \
+                else dense(None)
+        elif kind == "sliding_attention":
+            masks[kind] = dense(model.config.sliding_window)
+    return masks
 
 
 def _segments(doc_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,24 +243,37 @@ def target_context_features(
 ) -> torch.Tensor:
     """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
 
-    Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
-    embedding), as the published DFlash drafts expect.
+    Layer id i means the output of decoder layer i (hidden_states[i + 1] of the Hugging Face model;
+    index 0 is the embedding), as the published DFlash drafts expect. Only layers 0..max(layer_ids)
+    run, no final norm, and only the tapped outputs are kept (trainer.models.stages).
 
-    doc_start [B, L] (packed rows, trainer.data.packing): attention is causal inside each document,
-    positions restart at every document and linear-attention layers restart their state at every
-    document, so each document's features equal those of the document run alone; attention_mask
-    is then ignored. out: written in place.
+    attention_mask: a [B, L] tensor of right-padded rows (attention is causal, so a real position
+    never sees the padding after it and its features do not depend on the mask: it runs as plain
+    causal attention), or a prebuilt per-layer-type mapping. doc_start [B, L] (packed rows,
+    trainer.data.packing): attention is causal inside each document, positions restart at every
+    document and linear-attention layers restart their state at every document, so each
+    document's features equal those of the document run alone; attention_mask is then ignored.
+    out: written in place.
     """
+    from trainer.models.stages import feature_layers, run_layers, stage_inputs, tap_columns
+
     model = base_model(target)
-    kwargs = {}
     if doc_start is not None:
         doc_start = doc_start.to(input_ids.device)
-        attention_mask = packed_mask_mapping(model, doc_start)
-        kwargs["position_ids"] = torch.arange(doc_start.shape[1], device=doc_start.device) - doc_start
+        mapping = packed_mask_mapping(model, doc_start)
+    elif isinstance(attention_mask, dict):
+        mapping = attention_mask
+    elif needs_explicit_masks(model):  # one document per row: causal (and windowed) masks built here
+        mapping = packed_mask_mapping(model, torch.zeros_like(input_ids))
+    else:
+        mapping = packed_mask_mapping(model, None)
+    hidden = model.embed_tokens(input_ids)
+    if out is None:
+        out = hidden.new_empty(*hidden.shape[:-1], len(layer_ids) * hidden.shape[-1])
+    inputs = stage_inputs(model, hidden, mapping, doc_start)
     with _documents_apart(model, doc_start):
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                       use_cache=False, **kwargs).hidden_states
-    return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)
+        run_layers(model, hidden, 0, feature_layers(layer_ids), inputs, tap_columns(layer_ids), out)
+    return out
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:

@@ -349,6 +349,13 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.pack_length == 0 or (c.data.pack_length % 128 == 0 and c.data.pack_length >= c.data.max_length),
           ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
+    if c.data.pack_length and t.path is not None:  # a directory on this machine: its family decides
+        from trainer.models.family import family_of_dir
+
+        family = family_of_dir(t.path)
+        check(family is None or family.pack_refusal is None, ("data", "pack_length"),
+              f"cannot be exact for this target ({family.pack_refusal if family else ''}); "
+              "leave it 0 (length buckets)")
     check(c.data.anchors_per_row is None or c.data.anchors_per_row >= 1, ("data", "anchors_per_row"),
           "must be positive")
     check(c.optim.lr > 0, ("optim", "lr"), "must be positive")

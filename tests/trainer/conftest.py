@@ -53,3 +53,12 @@ def llama3_model_dir(tmp_path_factory):
     from trainer_tools.fixtures.hub_model import write_hub_model
 
     return write_hub_model(tmp_path_factory.mktemp("hub") / "Llama3-tiny", "llama3")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """A tiny fp32 hub-format model directory of every target family (trainer_tools.fixtures.hub_model.FAMILIES)."""
+    from trainer_tools.fixtures.hub_model import FAMILIES, write_hub_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_hub_model(root / f, f, dtype="float32") for f in FAMILIES}

@@ -28,15 +28,6 @@ pipeline: {kind: %(kind)s}
 PACKED = "data: {pack_length: 128, pack_rows: 1}"
 
 
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory) -> dict[str, Path]:
-    """A tiny hub-format model directory of every family (trainer_tools.fixtures.hub_model)."""
-    from trainer_tools.fixtures.hub_model import write_hub_model
-
-    root = tmp_path_factory.mktemp("families")
-    return {f: write_hub_model(root / f, f, dtype="float32") for f in FAMILIES}
-
-
 def _events(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == kind]

@@ -16,14 +16,6 @@ from trainer_tools.fixtures.hub_model import FAMILIES
 LAYERS = [0, 1, 2]  # hidden_states[1..3]: every layer but the last (whose HF output is normed)
 
 
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    from trainer_tools.fixtures.hub_model import write_hub_model
-
-    root = tmp_path_factory.mktemp("families")
-    return {f: write_hub_model(root / f, f, dtype="float32") for f in FAMILIES}
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_features_equal_each_conversation_alone(family_dirs, family):
     target = freeze(load_target(str(family_dirs[family]), "cpu", torch.float32))

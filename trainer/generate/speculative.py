@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -377,6 +378,102 @@ def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: Froz
         live = still
     return results
 
+class _HFTarget:
+    """A transformers causal LM decoded on its own cache (a `DynamicCache`), for any family.
+
+    Attention layers keep every entry (rejected ones are masked, then cropped); each query sees
+    the entries its row's mask allows, sliding-window layers only those within the window of its
+    position. Linear-attention layers (Qwen3.5, Qwen3-Next) carry a recurrent state that cannot be
+    cropped: a verification block runs one token at a time, the states after every position are
+    kept (`RecurrentStates`), and each row is put back to the state after its last accepted token."""
+
+    def __init__(self, target: torch.nn.Module) -> None:
+        from trainer.models.target import target_family
+
+        self.target = target
+        fam = target_family(target)
+        self.kinds = sorted(set(fam.layer_kinds))
+        self.window = fam.sliding_window
+        self.dtype = next(target.parameters()).dtype
+        self.recurrent = "linear_attention" in self.kinds
+        # with a config, transformers gives sliding layers a window-sized cache (our masks need every
+        # entry); only linear-attention layers need their own cache layers from it
+        self.cache = DynamicCache(config=target.config) if self.recurrent else DynamicCache()
+        self.states = RecurrentStates(self.cache)
+
+    def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              padding: torch.Tensor | None = None) -> dict | torch.Tensor:
+        """visible [b, q, k] bool -> the model's attention_mask argument: one additive mask, or
+        {layer kind: mask} (sliding: within the window; linear attention: the 2D padding mask)."""
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in self.kinds:
+            if kind == "linear_attention":
+                masks[kind] = None if padding is None else padding.to(self.dtype)
+            elif kind == "sliding_attention" and self.window:
+                near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
+                masks[kind] = _additive((visible & near)[:, None], self.dtype)
+            else:
+                masks[kind] = _additive(visible[:, None], self.dtype)
+        return masks if len(masks) > 1 else next(iter(masks.values()))  # type: ignore[return-value]
+
+    def forward(self, ids: torch.Tensor, mask: dict | torch.Tensor, positions: torch.Tensor, keep: int) -> Any:
+        return self.target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                           use_cache=True, output_hidden_states=True, logits_to_keep=keep)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` entries of every attention layer (linear layers: see `RecurrentStates`)."""
+        for layer in self.cache.layers:
+            if not self.states.is_recurrent(layer) and layer.keys is not None:
+                remove = layer.keys.shape[-2] - length
+                if remove > 0:
+                    layer.crop(-remove)
+
+    def select(self, rows: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            if self.states.is_recurrent(layer):
+                layer.reorder_cache(rows)
+            else:
+                layer.batch_select_indices(rows)
+
+
+class RecurrentStates:
+    """Per-position snapshots of the linear-attention layers' states of a transformers cache: after a
+    verification block has run token by token, `restore` puts each row back to the state after its
+    last accepted token (an attention entry can be masked away; a recurrent state cannot)."""
+
+    def __init__(self, cache: DynamicCache) -> None:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        self._kind = LinearAttentionCacheLayerMixin
+        self.cache = cache
+        self.taken: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
+
+    def is_recurrent(self, layer: object) -> bool:
+        return isinstance(layer, self._kind)
+
+    def _layers(self) -> list[Any]:
+        return [layer for layer in self.cache.layers if self.is_recurrent(layer)]
+
+    def clear(self) -> None:
+        self.taken = []
+
+    def snapshot(self) -> None:
+        """The states now (after one more position of the block)."""
+        self.taken.append([(layer.conv_states[0].clone() if layer.conv_states[0] is not None else None,
+                            layer.recurrent_states[0].clone() if layer.recurrent_states[0] is not None else None)
+                           for layer in self._layers()])
+
+    def restore(self, position: torch.Tensor) -> None:
+        """Row r back to its snapshot number position[r] (accepted drafts: the anchor is number 0)."""
+        rows = torch.arange(position.shape[0], device=position.device)
+        for i, layer in enumerate(self._layers()):
+            for which, states in ((0, layer.conv_states), (1, layer.recurrent_states)):
+                if states[0] is not None:
+                    stacked = torch.stack([snap[i][which] for snap in self.taken])  # [bs, b, ...]
+                    states[0].copy_(stacked[position.to(stacked.device), rows.to(stacked.device)])
+        self.clear()
+
+
 def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                       max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
     """The general decoder (any Hugging Face causal LM): a growing `DynamicCache`, rows leave the batch."""
@@ -384,10 +481,10 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     bs, layer_ids = c.block_size, c.target_layer_ids
     tdev = next(target.parameters()).device
     ddev = head.embed_weight.device
-    tdtype = next(target.parameters()).dtype
     ddtype = torch.get_autocast_dtype(ddev.type) if torch.is_autocast_enabled(ddev.type) else drafter.fc.weight.dtype
     n = len(prompts)
     longest = max(len(p) for p in prompts)
+    hf = _HFTarget(target)
 
     # prefill, left-padded: cache index j of row r holds position j - pad_r
     pads = torch.tensor([longest - len(p) for p in prompts], device=tdev)
@@ -397,11 +494,11 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     index = torch.arange(longest, device=tdev)
     key_valid = index[None, :] >= pads[:, None]  # [B, L]
     positions = (index[None, :] - pads[:, None]).clamp(min=0)
-    cache = DynamicCache(config=target.config)
+    key_pos = positions.clone()  # position of every cache entry, per row
     causal = index[None, :, None] >= index[None, None, :]
     mask = (key_valid[:, None, :] & causal) | torch.eye(longest, dtype=torch.bool, device=tdev)[None]
-    out = target(input_ids=ids, attention_mask=_additive(mask[:, None], tdtype), position_ids=positions,
-                 past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    padded = key_valid if bool((pads > 0).any()) else None  # linear attention: zeroed padding leaves the state at 0
+    out = hf.forward(ids, hf.masks(mask, positions, positions, padded), positions, keep=1)
     first = out.logits[:, -1].argmax(dim=-1).tolist()
     dcache = DrafterCache(drafter, n, ddev, ddtype)
     dcache.append(_features(out.hidden_states, layer_ids).to(ddev), positions.to(ddev), key_valid.to(ddev))
@@ -411,8 +508,8 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     rows = [r for r in range(n) if not (first[r] in stop_ids or max_new_tokens <= 1)]
     if len(rows) < n:
         keep = torch.tensor(rows, device=tdev, dtype=torch.long)
-        cache.batch_select_indices(keep)
-        key_valid = key_valid[keep]
+        hf.select(keep)
+        key_valid, key_pos = key_valid[keep], key_pos[keep]
         dcache.select(keep.to(ddev))
     offsets = torch.arange(bs, device=tdev)
     while rows:
@@ -426,12 +523,23 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         verify = torch.cat([block[:, :1].to(tdev), drafts], dim=1)
         past = key_valid.shape[1]
         q_index = past + offsets
+        q_pos = anchor_pos[:, None] + offsets
         visible = torch.cat([key_valid, torch.ones(b, bs, dtype=torch.bool, device=tdev)], dim=1)
         mask = visible[:, None, :] & (torch.arange(past + bs, device=tdev)[None, None, :] <= q_index[None, :, None])
-        out = target(input_ids=verify, attention_mask=_additive(mask[:, None], tdtype),
-                     position_ids=anchor_pos[:, None] + offsets, past_key_values=cache, use_cache=True,
-                     output_hidden_states=True, logits_to_keep=bs)
-        posterior = out.logits.argmax(dim=-1)  # [b, bs]: target's token for position anchor+k+1
+        all_pos = torch.cat([key_pos, q_pos], dim=1)
+        if hf.recurrent:  # one position at a time, keeping the linear layers' state after each
+            steps = []
+            for t in range(bs):
+                steps.append(hf.forward(verify[:, t:t + 1], hf.masks(mask[:, t:t + 1, :past + t + 1], q_pos[:, t:t + 1],
+                                                                      all_pos[:, :past + t + 1]),
+                                        q_pos[:, t:t + 1], keep=1))
+                hf.states.snapshot()
+            logits = torch.cat([s.logits for s in steps], dim=1)
+            hidden_states = tuple(torch.cat(h, dim=1) for h in zip(*(s.hidden_states for s in steps)))
+        else:
+            out = hf.forward(verify, hf.masks(mask, q_pos, all_pos), q_pos, keep=bs)
+            logits, hidden_states = out.logits, out.hidden_states
+        posterior = logits.argmax(dim=-1)  # [b, bs]: target's token for position anchor+k+1
         matches = (drafts == posterior[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
         accepted = matches.tolist()
         post, drf = posterior.tolist(), drafts.tolist()
@@ -455,17 +563,19 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         if not still:
             break
         # entries anchor..anchor+a are now context; the rest of the block is rejected
+        if hf.recurrent:
+            hf.states.restore(matches)
         entry_valid = offsets[None, :] <= matches[:, None]  # [b, bs]
         keep_len = int(matches[still].max()) + 1
-        _crop(cache, past + keep_len)
+        hf.crop(past + keep_len)
         key_valid = torch.cat([key_valid, entry_valid[:, :keep_len]], dim=1)
-        feats = _features(out.hidden_states, layer_ids)[:, :keep_len]
-        dcache.append(feats.to(ddev), (anchor_pos[:, None] + offsets[:keep_len]).to(ddev),
-                      entry_valid[:, :keep_len].to(ddev))
+        key_pos = torch.cat([key_pos, q_pos[:, :keep_len]], dim=1)
+        feats = _features(hidden_states, layer_ids)[:, :keep_len]
+        dcache.append(feats.to(ddev), q_pos[:, :keep_len].to(ddev), entry_valid[:, :keep_len].to(ddev))
         if len(still) < b:
             keep = torch.tensor(still, device=tdev, dtype=torch.long)
-            cache.batch_select_indices(keep)
-            key_valid = key_valid[keep]
+            hf.select(keep)
+            key_valid, key_pos = key_valid[keep], key_pos[keep]
             dcache.select(keep.to(ddev))
         rows = [rows[i] for i in still]
     return results

@@ -469,7 +469,8 @@ class RecurrentStates:
         for i, layer in enumerate(self._layers()):
             for which, states in ((0, layer.conv_states), (1, layer.recurrent_states)):
                 if states[0] is not None:
-                    stacked = torch.stack([snap[i][which] for snap in self.taken])  # [bs, b, ...]
+                    taken = [snap[i][which] for snap in self.taken]
+                    stacked = torch.stack([t for t in taken if t is not None])  # [bs, b, ...]
                     states[0].copy_(stacked[position.to(stacked.device), rows.to(stacked.device)])
         self.clear()
 

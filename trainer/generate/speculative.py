@@ -125,7 +125,8 @@ def _crop(cache: DynamicCache, length: int) -> None:
 
 
 def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    last = hidden_states[-1].device  # a target split in stages leaves each layer's output on its device
+    return torch.cat([hidden_states[i + 1].to(last) for i in layer_ids], dim=-1)
 
 
 STATIC_FAMILIES = ("qwen3", "qwen2", "llama")  # decoders the static implementation runs from their modules
@@ -137,7 +138,7 @@ def static_supported(target: torch.nn.Module, drafter_device: torch.device | str
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and kinds == {"full_attention"}
             and hasattr(base_model(target), "rotary_emb")
-            and next(target.parameters()).device == torch.device(drafter_device))
+            and {p.device for p in target.parameters()} == {torch.device(drafter_device)})  # not split in stages
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from trainer.train import checkpoint as ckpt
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.config import TrainerConfig, dump_config, target_replicas
 from trainer.train.control import ControlPoller, Request
 from trainer.data.batches import select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
@@ -22,7 +22,9 @@ from trainer.models.objective import drafter_loss_sums
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
 from trainer.train.rundir import RunDir, atomic_write
+from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
+from trainer.models.target_loading import complete_for_decoding
 
 
 def compiled_graphs() -> int:
@@ -63,7 +65,7 @@ class Trainer:
         self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
         if resumed_from is not None:
             self.load(resumed_from)
-        gpus = sorted({torch.device(d).index or 0 for d in cfg.devices.target[:1] + cfg.devices.drafter[:1]
+        gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
         self.rd.update(step=self.step, gpus=gpus)
         n_params = sum(p.numel() for p in self.c.drafter.parameters())
@@ -71,7 +73,7 @@ class Trainer:
         self.rd.event("start", self.step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
             "drafter_params": n_params, "drafter_layers": cfg.model.drafter_layers,
             "block_size": cfg.model.block_size, "target_layer_ids": self.c.drafter.config.target_layer_ids,
-            "attention": self.backend, "devices": {"target": cfg.devices.target[0], "drafter": cfg.devices.drafter[0]},
+            "attention": self.backend, "devices": {"target": target_replicas(cfg.devices)[0], "drafter": cfg.devices.drafter[0]},
         })
         self.rd.log(f"drafter {n_params / 1e6:.2f}M params, {len(self.c.train_data)} training conversations, "
                     f"attention {self.backend}" + (f", resumed from {rel}" if rel else ""))
@@ -192,8 +194,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         c, e = self.c, self.cfg.eval
-        report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
-                                   c.eval_conversations[: e.samples], e.max_new_tokens)
+        if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
+            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+                                       c.eval_conversations[: e.samples], e.max_new_tokens)
+        else:  # the model directory holds only the layers training runs
+            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
         tau = report["tau"]
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
@@ -208,8 +213,11 @@ class Trainer:
         result = {**report, "acc": correct / max(weight, 1e-6)}
         self.rd.event("eval", self.step, **result)
         self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"])
-        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
-                    f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
+        if tau is None:
+            self.rd.log(f"eval step {self.step}: tau not measured, acc {result['acc']:.3f}")
+        else:
+            self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
+                        f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
         return result
 
     def save(self, request_id: str | None) -> None:

@@ -183,3 +183,58 @@ def test_bad_splits_get_one_line_naming_the_problem(devices, message):
     with pytest.raises(ConfigError, match=message) as err:
         parse_config(tiny_config(f"model: {{target: {{tiny: {{layers: 4}}}}}}\ndevices: {devices}\n"))
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------- the memory plan
+
+FAT = """
+model: {target: {tiny: {layers: 12, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 1024}},
+        target_layer_ids: [1, 10], num_target_layers: 2}
+optim: {total_steps: 2, micro_batches: 1}
+devices: {target: %(targets)s, drafter: [cpu], memory_gib: %(budget)s}
+eval: {samples: 1, max_new_tokens: 4}
+"""
+
+
+def _fat(targets, budget="null"):
+    return parse_config(tiny_config(FAT % dict(targets=targets, budget=budget)))
+
+
+def test_the_plan_counts_stages_drafter_and_devices_from_the_config_alone():
+    from trainer.models.memory_plan import build_plan, format_plan
+
+    whole, split = build_plan(_fat("[cpu]")), build_plan(_fat("[[cpu, cpu, cpu]]"))
+    assert [st["layers"] for st in split.stages] == [[0, 2], [3, 6], [7, 10]]  # layers 11 only for decoding
+    assert sum(st["target weights"] for st in split.stages) == whole.stages[0]["target weights"]
+    assert max(d.total for d in split.devices if "target" in d.device) < whole.devices[0].total
+    assert split.drafter["optimizer (fp32)"] == 2 * split.drafter["weights (fp32)"]
+    text = format_plan(split)
+    assert "stage 2 on cpu: layers 7..10" in text and "fits: yes" in text
+
+
+def test_a_target_that_does_not_fit_one_device_is_refused_unsplit_and_trains_split(tmp_path):
+    from trainer.models.memory_plan import build_plan
+
+    budget = 8 / 1024  # GiB: between the widest of three stages and the whole target
+    plan = build_plan(_fat("[cpu]", budget))
+    assert not plan.fits and plan.smallest_split in (2, 3)
+    assert "cpu:target0.0 needs" in plan.refusal() and "more than its 8.00 MiB budget" in plan.refusal()
+    assert train(_fat("[cpu]", budget), tmp_path / "whole") == 1
+    import json
+
+    status = json.loads((tmp_path / "whole" / "status.json").read_text())
+    assert status["error"]["message"].startswith("the memory plan does not fit: cpu:target0.0 needs")
+    assert status["error"]["traceback"] is None
+    assert build_plan(_fat("[[cpu, cpu, cpu]]", budget)).fits
+    assert train(_fat("[[cpu, cpu, cpu]]", budget), tmp_path / "split") == 0
+    assert len(_events(tmp_path / "split", "step")) == 2
+
+
+def test_python_m_trainer_plan_prints_the_plan_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
+    from trainer.__main__ import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(FAT % dict(targets="[cpu]", budget=8 / 1024)))
+    assert main(["plan", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "SHORT by" in out and "smallest split of one replica that fits:" in out

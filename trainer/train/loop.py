@@ -61,6 +61,11 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
         resumed_from = self.resolve_resume(resume) if resume else None
+        from trainer.models.memory_plan import DoesNotFit, build_plan
+
+        refusal = build_plan(cfg).refusal()
+        if refusal is not None:
+            raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         self.c = build_components(cfg, self.run_dir, self.rd.log)
         self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
         if resumed_from is not None:
@@ -287,6 +292,10 @@ class Trainer:
         """status.json's `error` for a failure that reached run()."""
         if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
             return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+        from trainer.models.memory_plan import DoesNotFit
+
+        if isinstance(exc, DoesNotFit):  # the config, not the code: one line
+            return {"message": str(exc), "traceback": None, "thread": "main"}
         return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
     def run(self, resume: str | None) -> int:

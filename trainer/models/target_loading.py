@@ -118,9 +118,7 @@ def fill(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
     """The rotary embedding's inverse frequencies are computed at construction, not stored: rebuild it."""
-    from trainer.models.target import base_model
-
-    base = base_model(model)
+    base, _ = _base(model)
     if getattr(base, "rotary_emb", None) is None:
         return
     with torch.device("cpu"):
@@ -281,9 +279,7 @@ def partition(layer_bytes: Sequence[int], stages: int, first_extra: int = 0, las
 
 def layer_bytes(model: torch.nn.Module) -> list[int]:
     """Parameter bytes of each decoder layer (from the meta model: no weights read)."""
-    from trainer.models.target import base_model
-
-    return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in base_model(model).layers]
+    return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in _base(model)[0].layers]
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -298,8 +294,6 @@ def stage_plan(model: torch.nn.Module, layer_ids: Sequence[int], devices: Sequen
                split: Sequence[int] | None = None) -> StagePlan:
     """Stages for one replica over `devices`: `split` layers each, else balanced by parameter bytes
     over the layers training runs (0..max(layer_ids)), the embedding counted with stage 0."""
-    from trainer.models.target import base_model
-
     run = max(layer_ids) + 1
     if len(devices) > run:
         raise SplitError(f"devices.target: a replica of {len(devices)} stages, but training runs only "
@@ -310,7 +304,7 @@ def stage_plan(model: torch.nn.Module, layer_ids: Sequence[int], devices: Sequen
                              f"{run} (layers 0..{run - 1}, up to the last tapped one)")
         sizes = list(split)
     else:
-        sizes = partition(layer_bytes(model)[:run], len(devices), module_bytes(base_model(model).embed_tokens))
+        sizes = partition(layer_bytes(model)[:run], len(devices), module_bytes(_base(model)[0].embed_tokens))
     return StagePlan.from_sizes(sizes, devices)
 
 

@@ -138,3 +138,75 @@ def test_the_node_kind_creates_listed_containers_as_lxc(tmp_path):
     finally:
         pct(root, "stop", "200")
         pct(root, "destroy", "200")
+
+
+# ---------------------------------------------------------------- what real containers do to the tool
+
+def _no_venv_container(root: Path, ctid: int, tmp_path: Path, **venv) -> Path:
+    """CT `ctid` as a fresh Debian CT: python3 without python3-venv (no ensurepip, no pip) and
+    no trainer packages; an inventory whose target host<ctid> is it."""
+    simct.create(root, ctid, hostname=f"host{ctid}", backend="lxc", packages=())
+    removed = pct(root, "exec", str(ctid), "--", "apt-get", "remove", "-y", "-q", "python3-venv", "python3.11-venv")
+    assert removed.returncode == 0, removed.stderr
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root)}},
+        "targets": {f"host{ctid}": {"node": "sim", "ctid": ctid, **({"venv": venv} if venv else {})}},
+    }))
+    return path
+
+
+def _destroy(root: Path, ctid: int) -> None:
+    pct(root, "stop", str(ctid))
+    pct(root, "destroy", str(ctid))
+
+
+def test_deploy_without_venv_support_refuses_with_the_fixing_command(lxc_root, tmp_path):
+    """A python without ensurepip or pip (Debian without python3-venv) cannot build the venv: deploy
+    says so in one line with the one command that fixes it, and doctor shows it as a check."""
+    from typer.testing import CliRunner
+
+    from dflash_ops.cli import app
+
+    inventory = _no_venv_container(lxc_root, 202, tmp_path)
+    try:
+        result = CliRunner().invoke(app, ["deploy", "host202", "--inventory", str(inventory)])
+        assert result.exit_code != 0
+        assert "neither ensurepip nor pip" in result.stderr, result.stderr
+        assert "fix: on node sim: pct exec 202 -- apt-get install -y python3-venv" in result.stderr
+        doctor = CliRunner().invoke(app, ["doctor", "host202", "--inventory", str(inventory), "--json"])
+        checks = {c["name"]: c for c in __import__("json").loads(doctor.stdout)[0]["checks"]}
+        assert checks["python venv"]["status"] == "warn"
+        assert checks["python venv"]["fix"].endswith("pct exec 202 -- apt-get install -y python3-venv)")
+        assert checks["PID namespace"]["measured"].endswith("pid 1: init.lxc")
+    finally:
+        _destroy(lxc_root, 202)
+
+
+def test_deploy_without_venv_support_bootstraps_pip_from_a_pushed_wheel(lxc_root, tmp_path):
+    """The same container, with a pip wheel in the venv's wheelhouse: pip installs itself from it."""
+    import ensurepip
+
+    from dflash_ops.connect import open_container as open_target
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    bundled = Path(ensurepip.__file__).parent / "_bundled"
+    for wheel in bundled.glob("pip-*.whl"):
+        (wheels / wheel.name).write_bytes(wheel.read_bytes())
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("pip\n")
+    inventory = _no_venv_container(lxc_root, 203, tmp_path, requirements=str(requirements), wheelhouse=str(wheels),
+                                   index=False)
+    try:
+        from typer.testing import CliRunner
+
+        from dflash_ops.cli import app
+
+        result = CliRunner().invoke(app, ["deploy", "host203", "--inventory", str(inventory)])
+        assert result.exit_code == 0, result.stderr
+        container = open_target(load_inventory(inventory), "host203")
+        pip = container.exec(["sh", "-c", "/opt/dflash/venvs/*/bin/python -m pip --version"])
+        assert pip.ok and pip.stdout.startswith("pip "), pip.stderr
+    finally:
+        _destroy(lxc_root, 203)

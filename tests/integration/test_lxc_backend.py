@@ -210,3 +210,37 @@ def test_deploy_without_venv_support_bootstraps_pip_from_a_pushed_wheel(lxc_root
         assert pip.ok and pip.stdout.startswith("pip "), pip.stderr
     finally:
         _destroy(lxc_root, 203)
+
+
+def test_a_trainer_killed_by_the_memory_limit_ends_failed_with_the_reason(lxc_root, tmp_path):
+    """The container's memory cgroup OOM-kills the trainer (SIGKILL, no word in status.json): the
+    run ends `failed` with reason OOM kill and oom_killed set, which a restart policy can read.
+    On the directory backend nothing limits it, and a vanished trainer says only that it died."""
+    from dflash_ops import runs
+    from tests.unit.runs_double import make_release
+
+    simct.create(lxc_root, 204, hostname="host204", backend="lxc", memory_mb=128, packages=())
+    try:
+        path = tmp_path / "inventory.yaml"
+        path.write_text(yaml.safe_dump({
+            "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(lxc_root)}},
+            "targets": {"host204": {"node": "sim", "ctid": 204}},
+        }))
+        container = open_container(load_inventory(path), "host204")
+        local = tmp_path / "base"
+        make_release(local)
+        container.push_tree(local / "releases", "/opt/dflash/releases")
+        container.exec(["ln", "-s", "releases/abc123", "/opt/dflash/current"], check=True)
+        config = tmp_path / "config.txt"
+        config.write_text("total_steps: 100000\nstep_seconds: 0.01\nhog_mib_at_step: 20 400\n")
+        run_id = runs.start_run(container, config, run_id="hog")
+        for _ in range(3000):
+            info = runs.run_status(container, run_id)
+            if not info.alive:
+                break
+            time.sleep(0.02)
+        assert (info.effective_state, info.oom_killed) == ("failed", True), info
+        assert info.reason.startswith("OOM kill: the container's memory limit was hit")
+        assert "step 19 line 0" in info.log_tail
+    finally:
+        _destroy(lxc_root, 204)

@@ -14,7 +14,8 @@ from typing import Any, Callable, Protocol
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import CommandTimeout, DflashOpsError, HelperFailed, RemoteCommandError, TransferError
+from dflash_ops.errors import (CommandTimeout, ConnectionLost, DflashOpsError, HelperFailed, RemoteCommandError,
+                               TransferError)
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
@@ -294,7 +295,7 @@ def exec_killed_after(container: ContainerAPI, argv: list[str], timeout: float |
     token = uuid.uuid4().hex
     try:
         result = container.exec(render.tagged(token, wrapped), timeout=backstop, **kwargs)
-    except BaseException:  # Ctrl-C, ConnectionLost, CommandTimeout: the command may still run there
+    except (KeyboardInterrupt, ConnectionLost, CommandTimeout):  # the command may still run there
         kill_tagged(container, token)
         raise
     if timeout is not None and result.exit_code in render.TIMED_OUT:

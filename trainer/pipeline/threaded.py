@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from trainer.train.config import TrainerConfig
 from trainer.train.control import Request
 from trainer.data.batches import Batch
 from trainer.train.loop import Trainer, autocast_for
@@ -30,6 +31,16 @@ from trainer.pipeline.shapes import PackedShape, WarmShapes
 from trainer.pipeline.stages import StageQueue, StageThread, join_all
 from trainer.pipeline.stopping import PipelineFailed, StopSignal
 from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
+
+
+def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:
+    """model.compile_target as written, or for `auto`: every target device is CUDA and the rows are
+    packed (one warmed shape). Never on the CPU (no compiler needed there; tests stay eager)."""
+    if not all(is_cuda(d) for d in target_devices):
+        return False
+    if cfg.model.compile_target == "auto":
+        return bool(cfg.data.pack_length)
+    return bool(cfg.model.compile_target)
 
 
 def forget_states_before(states: dict, first_kept: int) -> None:
@@ -81,7 +92,8 @@ class ThreadedTrainer(Trainer):
             mode = cfg.pipeline.pad_to_warm_shapes
             self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
         self.anchors = row_anchors(cfg.data, cfg.model.block_size)
-        if cfg.model.compile_target and all(is_cuda(d) for d in self.target_devices):
+        self.compiled_target = compiles_target(cfg, self.target_devices)
+        if self.compiled_target:
             for target in dict.fromkeys(self.targets):
                 compile_decoder_layers(target)
         shapes = self.warm.shapes()
@@ -135,9 +147,10 @@ class ThreadedTrainer(Trainer):
                 torch.cuda.reset_peak_memory_stats(device)
         self.guard.freeze()
         seconds = time.time() - began
-        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
+        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
+                      compile_target=self.compiled_target)
         self.rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
-                    f"took {seconds:.1f}s; compiles frozen")
+                    f"took {seconds:.1f}s (target {'compiled' if self.compiled_target else 'eager'}); compiles frozen")
 
     # ------------------------------------------------------------------ the threaded loop
     def _build_pipeline(self) -> list[StageThread]:

@@ -102,6 +102,11 @@ def _data_report(argv: list[str]) -> int:
         print(f"data-report: {exc}", file=sys.stderr, flush=True)
         return 2
     print(format_report(report, cfg, cfg.model.target.path or "synthetic word-level"))
+    if cfg.model.target.path is not None:
+        from trainer.data.report import format_family
+        from trainer.models.family import family_of_dir
+
+        print(format_family(family_of_dir(cfg.model.target.path), cfg))
     return 0
 
 

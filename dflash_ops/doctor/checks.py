@@ -73,7 +73,7 @@ def evaluate(i: Inputs) -> list[Check]:
         checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run", PYTHON_NEEDED,
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
-    for judge in (config_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
+    for judge in (config_check, target_model_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
                   driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
@@ -162,6 +162,30 @@ def config_check(i: Inputs) -> Check | None:
         return None
     devices = ", ".join(f"cuda:{c}" for c in i.plan.cuda_indices) or "cpu"
     return Check("trainer config", OK, f"{i.plan.config_path}: devices {devices}", "a valid config")
+
+
+def target_model_check(i: Inputs) -> Check | None:
+    """The target's family from its config.json in the container (trainer.models.family): layers by
+    kind, MoE, the weights' memory in the run's dtype; packed rows where the family cannot have them
+    exactly fail here (the trainer refuses them at config load)."""
+    from trainer.models.family import read_family
+
+    model = i.found.get("model")
+    if not model or "error" in model or not isinstance(model.get("config"), dict):
+        return None
+    try:
+        fam = read_family(model["config"])
+    except (KeyError, TypeError) as exc:
+        return Check("target model", WARN, f"config.json unreadable as a causal LM ({exc})", "a model config")
+    weights = fam.bytes(i.plan.dtype_bytes)
+    gpu = max((d.get("total") or 0 for d in (i.found.get("torch") or {}).get("devices") or []), default=0)
+    measured = f"{fam.summary()}; layers: {fam.layer_table()}"
+    needed = f"{gib(weights)} of weights" + (f" ({gib(gpu)} per GPU: split it, devices.target [[...]])"
+                                             if gpu and weights > gpu else "")
+    if i.plan.pack_length and fam.pack_refusal:
+        return Check("target model", FAIL, measured, "packed rows exact for this family",
+                     f"set data.pack_length: 0 ({fam.pack_refusal})")
+    return Check("target model", OK, measured, needed)
 
 
 def python_check(i: Inputs) -> Check:

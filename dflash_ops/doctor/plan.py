@@ -42,6 +42,8 @@ class RunPlan:
     num_target_layers: int = 5
     config_path: str | None = None
     config_error: str | None = None  # the config is not one of the bundled trainer's
+    pack_length: int = 0  # data.pack_length: packed rows (the target's family must allow them)
+    dtype_bytes: int = 2  # bytes per target weight (model.dtype: bf16 2, fp32 4)
 
     @property
     def needs_gpu(self) -> bool:
@@ -126,7 +128,8 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
         model_config_path = posixpath.join(t.path, "config.json")
     return RunPlan(gpus=run_gpus, cuda_indices=tuple(cuda), keep_checkpoints=cfg.run.keep_checkpoints,
                    dims=dims, model_config_path=model_config_path, drafter_layers=cfg.model.drafter_layers,
-                   num_target_layers=cfg.model.num_target_layers, config_path=str(config))
+                   num_target_layers=cfg.model.num_target_layers, config_path=str(config),
+                   pack_length=cfg.data.pack_length, dtype_bytes=4 if cfg.model.dtype == "fp32" else 2)
 
 
 def _cuda_index(device: str) -> int:

@@ -236,3 +236,23 @@ def test_torch_missing_or_hanging_in_the_venv():
     hung = judge(gpu_facts(torch={"python": "/v/bin/python", "error": "timed out after 60s", "timed_out": True}))
     assert hung["torch"].measured == "/v/bin/python: timed out after 60s"
     assert hung["torch"].fix == "look at `dflash-ops exec gpu200 -- /v/bin/python -c 'import torch'`"
+
+
+def test_the_target_family_is_named_with_its_layer_kinds_and_memory():
+    """Qwen3-Next's config.json (as the helper returns it): linear/full layers, MoE, weights in bf16;
+    a packed config for a family the trainer cannot pack exactly fails with the reason."""
+    config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 8,
+              "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+              "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+              "num_experts": 512, "num_experts_per_tok": 10, "vocab_size": 151936,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+              "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+    check = judge(gpu_facts(model={"hidden_size": 2048, "config": config}))["target model"]
+    assert check.status == OK
+    assert "Qwen3-Next" in check.measured and "6 linear" in check.measured and "2 full" in check.measured
+    assert "full 3,7; linear 0-2,4-6; MoE 0-7" in check.measured and "512 experts, 10 active" in check.measured
+    assert "GiB of weights" in check.needed
+    chunked = {**config, "model_type": "llama4_text", "layer_types": ["chunked_attention", "full_attention"] * 4}
+    refused = judge(gpu_facts(model={"config": chunked}), plan=RunPlan(gpus=(0, 1), pack_length=4096))
+    assert refused["target model"].status == FAIL and "chunked_attention" in refused["target model"].fix

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.data.chat import DataError, encode_conversation, file_format, read_conversations
+from trainer.models.family import Family
 from trainer.train.config import TrainerConfig, data_paths, template_kwargs
 
 
@@ -101,3 +102,17 @@ def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name:
         out.append("  length histogram (tokens, conversations):")
         out.extend(histogram(s.lengths, m))
     return "\n".join(out)
+
+
+def format_family(family: Family | None, cfg: TrainerConfig) -> str:
+    """The target as the trainer will see it: family, layers by kind, MoE, weights in the run's dtype,
+    and whether the configured packing is exact for it."""
+    if family is None:
+        return "\ntarget: no readable config.json in model.target.path"
+    dtype_bytes = 4 if cfg.model.dtype == "fp32" else 2
+    packing = ("bucketed (data.pack_length 0)" if not cfg.data.pack_length else
+               f"packed rows of {cfg.data.pack_length}: " + (f"refused ({family.pack_refusal})" if family.pack_refusal
+                                                              else "exact (each conversation as if alone)"))
+    return "\n".join(["", f"target: {family.summary()}", f"  layers: {family.layer_table()}",
+                      f"  weights: {family.bytes(dtype_bytes) / 2**30:.1f} GiB in {cfg.model.dtype}",
+                      f"  {packing}"])

@@ -284,7 +284,8 @@ def model_dims(path: str | None) -> dict | None:
         return {"error": "cannot read %s" % path}
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers")
-    text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc  # Qwen3.5: its text part
+    text = doc.get("text_config")
+    text = text if isinstance(text, dict) else doc  # Qwen3.5: its text part
     dims = {k: text.get(k) for k in keys}
     dims["config"] = doc  # the whole config.json: the operator side reads the family from it
     return dims

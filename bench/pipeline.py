@@ -17,7 +17,13 @@ devices, cycled: all N on one GPU measures the stage hand-offs' cost). Each vari
 the gradient buffer, the per-step agreement, the host shard of the data), to show what being a
 rank costs on one host.
 
-Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
+--targets compares target shapes in one run (keys `<shape>/<mode>` when more than one): `8b` the
+Qwen3-8B shape, `30b-a3b` the Qwen3-30B-A3B MoE shape (48 layers, 128 experts, 8 active; 61 GB in
+bf16, one H200), each with its own drafter; MFU counts the active experts' FLOPs (trainer.pipeline.flops).
+
+    PYTHONPATH=. python bench/pipeline.py --targets 8b 30b-a3b --modes packed --mix lognormal
+
+By default a Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
 sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
 that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one process on the same
 conversations and target: `bucketed` pads length buckets to warmed shapes (the previous default),
@@ -52,7 +58,8 @@ from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
 from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedTrainer  # noqa: E402
-from trainer.models.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
+from trainer.models.target import (FrozenHead, QWEN3_30B_A3B_DIMS, freeze, random_8b_shape_target,  # noqa: E402
+                                   random_target, tiny_target)
 
 CONFIG = """
 model:
@@ -220,8 +227,18 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
     return tr
 
 
-def build_target(args):
+def build_target(args, shape="8b"):
     tdev = args.target[0]
+    if shape == "30b-a3b":
+        from transformers import Qwen3MoeConfig
+
+        dims = dict(QWEN3_30B_A3B_DIMS)
+        if args.tiny:  # the same architecture, tiny: 6 layers of 8 experts (2 active)
+            dims.update(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                        num_experts_per_tok=2, vocab_size=512)
+        torch.manual_seed(0)
+        return freeze(random_target(Qwen3MoeConfig(**dims), tdev, torch.float32 if args.tiny else torch.bfloat16))
     if args.tiny:
         return freeze(tiny_target(TinyTargetConfig(layers=6, hidden=64, heads=4, kv_heads=2, head_dim=16,
                                                    intermediate=128), 512, tdev))
@@ -469,6 +486,8 @@ def main(argv=None):
     p.add_argument("--one-rank", action="store_true", help="also run each mode as the one rank of a host group")
     p.add_argument("--variants", nargs="+", default=["whole"],
                    help="target arrangements per mode: whole, untruncated, splitN (N layer stages)")
+    p.add_argument("--targets", nargs="+", choices=["8b", "30b-a3b"], default=["8b"],
+                   help="target shapes, each through every mode (dense Qwen3-8B, Qwen3-30B-A3B MoE)")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -484,24 +503,34 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
 
-    target = build_target(args)
     lengths = sample_lengths(args.samples, args)
     emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
                      "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
-    samples = random_samples(lengths, target.config.vocab_size)
     args.modes = sorted(args.modes, key=["bucketed", "packed", "packed+ct"].index)
     runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
     if args.one_rank:
         runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
-    for mode, length in runs:
-        key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-        for variant in args.variants:
-            emit(key if variant == "whole" else f"{key}:{variant}",
-                 run_mode(args, mode, target, samples, results, length, variant))
+    for shape in args.targets:
+        target = build_target(args, shape)
+        prefix = f"{shape}/" if len(args.targets) > 1 else ""
+        if prefix:
+            emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters()),
+                                     "config": type(target.config).__name__})
+        samples = random_samples(lengths, target.config.vocab_size)
+        for mode, length in runs:
+            key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
+            for variant in args.variants:
+                emit(prefix + (key if variant == "whole" else f"{key}:{variant}"),
+                     run_mode(args, mode, target, samples, results, length, variant))
+        del target, samples
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
-    base = results.get("bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
     summary = {}
     for key, v in rows:
+        prefix = key.split("/")[0] + "/" if len(args.targets) > 1 else ""
+        base = results.get(prefix + "bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
         pipe = v["pipeline"]
         summary[key] = {
             "tokens_per_s": pipe["tokens_per_s_steady"], "x_bucketed": round(pipe["tokens_per_s_steady"] / base, 3)
@@ -509,16 +538,19 @@ def main(argv=None):
             "shapes": len(v["warm_shapes"]), "recompiles": pipe["recompiles_after_warmup"],
             "host_syncs_per_step": pipe["host_syncs_per_step"], "peak_mem_gb": v["peak_mem_gb_all"],
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
-            "pipeline_over_bound": v["pipeline_over_bound"]}
+            "pipeline_over_bound": v["pipeline_over_bound"], "mfu": (pipe["mfu_steady"] or [None])[-1]}
     emit("summary", summary)
-    print(f"{'mode':<14}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
-          f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'mem GB':>8}")
+    print(f"{'mode':<20}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
+          f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
+    def pipe_mfu(m):
+        return "-" if not m else f"{m['target']:.2f}+{m['drafter']:.2f}"
+
     for key, v in summary.items():
         ta, da = v["target_alone"], v["drafter_alone"]
         mfu = lambda s: "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"  # noqa: E731
-        print(f"{key:<14}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
+        print(f"{key:<20}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
-              f"{mfu(ta):>12}{mfu(da):>12}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+              f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     return results
 
 

@@ -56,3 +56,17 @@ def test_family_trains_evaluates_and_exports(family_dirs, tmp_path, family, pack
     assert config["num_target_layers"] == text["num_hidden_layers"]
     assert config["hidden_size"] == text["hidden_size"]
     assert config["dflash_config"]["target_layer_ids"] == [1, 2]
+
+
+def test_moe_flops_count_the_active_experts():
+    """MFU of a MoE target counts the tokens' own experts (top-k), the router and a shared expert."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from trainer.models.target import QWEN3_30B_A3B_DIMS
+    from trainer.pipeline.flops import mlp_flops_per_token
+
+    moe = Qwen3MoeConfig(**QWEN3_30B_A3B_DIMS)
+    h = moe.hidden_size
+    assert mlp_flops_per_token(moe) == 2.0 * (8 * 3 * h * 768 + h * 128)
+    dense = Qwen3Config(hidden_size=h, intermediate_size=6144)
+    assert mlp_flops_per_token(dense) == 2.0 * 3 * h * 6144

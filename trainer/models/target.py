@@ -29,6 +29,26 @@ QWEN3_8B_DIMS = dict(
     tie_word_embeddings=False,
 )
 QWEN3_8B_MASK_TOKEN_ID = 151669
+# Qwen3-30B-A3B: 48 layers, every one sparse (128 experts of 768, 8 active), about 3.3B active parameters
+QWEN3_30B_A3B_DIMS = dict(
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
 
 
 def default_target_layer_ids(num_layers: int, count: int) -> list[int]:
@@ -60,13 +80,18 @@ def tiny_target(cfg: TinyTargetConfig, vocab_size: int, device: str = "cpu") -> 
 
 def random_8b_shape_target(device: str, dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
     """A Qwen3-8B-shaped random target allocated directly on `device` in `dtype` (no CPU fp32 copy)."""
-    config = Qwen3Config(**QWEN3_8B_DIMS)
+    return random_target(Qwen3Config(**QWEN3_8B_DIMS), device, dtype)
+
+
+def random_target(config: Any, device: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A random causal LM of `config`'s architecture allocated directly on `device` in `dtype`
+    (e.g. Qwen3MoeConfig(**QWEN3_30B_A3B_DIMS): the 30B-A3B shape, 61 GB in bf16)."""
     config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

@@ -39,10 +39,25 @@ def _dims(cfg: Any) -> tuple[int, int, int]:
     return h, cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
 
 
+def mlp_flops_per_token(cfg: Any) -> float:
+    """Feed-forward FLOPs per token and layer: dense 3*h*I; MoE (Qwen3-MoE, Qwen3-Next, gpt-oss) the
+    active experts only, top_k*3*h*I_expert, plus the router and a shared expert (model FLOPs of the
+    tokens' own experts: MoE MFU counts active parameters)."""
+    h = cfg.hidden_size
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+    if not experts:
+        return 2.0 * 3 * h * cfg.intermediate_size
+    active = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", 1)
+    expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    return 2.0 * (active * 3 * h * expert + h * experts + 3 * h * shared)
+
+
 def target_flops(cfg: Any, tokens: float, pairs: float, layers_used: int | None = None) -> float:
-    """Decoder stack over `tokens` positions whose attention covers `pairs` (query, key) pairs."""
+    """Decoder stack over `tokens` positions whose attention covers `pairs` (query, key) pairs
+    (every layer counted as attention: linear-attention layers of a hybrid are approximated so)."""
     h, q, kv = _dims(cfg)
-    per_token = 2 * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
+    per_token = 2 * (h * q + 2 * h * kv + q * h) + mlp_flops_per_token(cfg)
     layers = layers_used or cfg.num_hidden_layers
     return float(layers * (tokens * per_token + 4 * q * pairs))
 

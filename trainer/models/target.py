@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.config import TinyTargetConfig
+from trainer.train.config import TinyTargetConfig
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -97,13 +97,13 @@ def _sdpa_or_flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
                   attention_mask: object, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' "sdpa" attention, extended: a flex BlockMask as the mask runs flex_attention
-    (packed rows on CUDA, trainer.masks.document_causal_block_mask); anything else goes to the
+    (packed rows on CUDA, trainer.models.masks.document_causal_block_mask); anything else goes to the
     original SDPA function unchanged, so every other caller behaves exactly as before."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(attention_mask, BlockMask):
         return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    from trainer.masks import _flex_fn
+    from trainer.models.masks import _flex_fn
 
     flex = _flex_fn(query.device.type)
     out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
@@ -134,11 +134,11 @@ def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) 
     if doc_start is None:
         mask = None
     elif doc_start.device.type == "cuda":
-        from trainer.masks import document_causal_block_mask
+        from trainer.models.masks import document_causal_block_mask
 
         mask = document_causal_block_mask(doc_start)
     else:
-        from trainer.masks import document_causal_dense
+        from trainer.models.masks import document_causal_dense
 
         mask = document_causal_dense(doc_start)
     return {kind: mask for kind in kinds}
@@ -158,7 +158,7 @@ def target_context_features(
     Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
     embedding), as the published DFlash drafts expect.
 
-    doc_start [B, L] (packed rows, trainer.packing): attention is causal inside each document and
+    doc_start [B, L] (packed rows, trainer.data.packing): attention is causal inside each document and
     positions restart at every document; attention_mask is then ignored. out: written in place.
     """
     model = base_model(target)

@@ -755,6 +755,9 @@ RESTART_DELAY_S = 1.0
 
 
 def forbid_restarts(run_dir: str, why: str) -> None:
+    """Tell the supervisor of a run started with --restart not to restart it (others: nothing to do)."""
+    if not os.path.exists(os.path.join(run_dir, RESTARTS_FILE)):
+        return
     control = os.path.join(run_dir, "control")
     os.makedirs(control, exist_ok=True)
     write_atomic(os.path.join(control, NO_RESTART), json.dumps({"why": why, "time": time.time()}).encode())

@@ -278,9 +278,48 @@ def describe_run(run_dir: str, now: float) -> dict:
         info["effective_state"] = "failed"
         info["reason"] = ("process died without saying so" if status is not None
                           else "no status.json and no live process")
+        at_launch, now_count = launch.get("oom_kills"), oom_kills()
+        if isinstance(at_launch, int) and now_count is not None and now_count > at_launch:
+            info["oom_killed"] = True
+            info["reason"] = ("OOM kill: the container's memory limit was hit (its memory cgroup counted "
+                              "%d OOM kill(s) since the launch)" % (now_count - at_launch))
     if state == "failed" or info["effective_state"] == "failed":
         info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
     return info
+
+
+def read_quietly(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def oom_kills() -> int | None:
+    """OOM kills counted by this process' memory cgroup (the container's, inside a CT's cgroup
+    namespace): cgroup v2 memory.events, else v1 memory.oom_control; None when unreadable."""
+    text = read_quietly("/proc/self/cgroup")
+    v1 = v2 = None
+    for line in text.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif controllers == "":
+            v2 = path
+    candidates = []
+    if v1 is not None:
+        candidates.append("/sys/fs/cgroup/memory%s/memory.oom_control" % v1.rstrip("/"))
+    if v2 is not None:
+        candidates.append("/sys/fs/cgroup%s/memory.events" % v2.rstrip("/"))
+    for path in candidates:
+        for line in read_quietly(path).splitlines():
+            if line.startswith("oom_kill "):
+                try:
+                    return int(line.split()[1])
+                except ValueError:
+                    return None
+    return None
 
 
 def run_dirs(base: str) -> list[str]:
@@ -714,7 +753,7 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
     if os.path.exists(no_restart):
         os.unlink(no_restart)  # an operator's start or resume: the last stop is served
     record = {"gpus": gpus, "release_root": release_root, "release": release, "time": time.time(),
-              "resume": args.resume}
+              "resume": args.resume, "oom_kills": oom_kills()}
     with open(os.path.join(run_dir, "train.log"), "ab") as log, open(os.devnull, "rb") as devnull:
         for kind in stale:
             log.write(("# dflash-ops: set aside a %s request left from before this start\n" % kind).encode())
@@ -763,33 +802,6 @@ def forbid_restarts(run_dir: str, why: str) -> None:
     write_atomic(os.path.join(control, NO_RESTART), json.dumps({"why": why, "time": time.time()}).encode())
 
 
-def oom_kills() -> int | None:
-    """The kernel's OOM-kill count of this process' memory cgroup (v2 memory.events, v1 oom_control)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            candidates = ["/sys/fs/cgroup%s/memory.events" % path.rstrip("/")]
-        elif "memory" in controllers.split(","):
-            candidates = ["/sys/fs/cgroup/memory%s/memory.oom_control" % path.rstrip("/")]
-        else:
-            continue
-        for candidate in candidates:
-            try:
-                with open(candidate) as f:
-                    for row in f:
-                        key, _, value = row.partition(" ")
-                        if key == "oom_kill":
-                            return int(value)
-            except (OSError, ValueError):
-                continue
-    return None
-
-
 def crash_reason(code: int, status: dict | None, pid: int, oom_before: int | None) -> str:
     """Why the trainer ended, in words: an OOM kill, a signal, a lost peer, its own error, an exit code."""
     oom_after = oom_kills()
@@ -832,7 +844,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         oom_before = oom_kills()
         with open(os.devnull, "rb") as devnull:
             child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
-        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv)
+        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv,
+                      oom_kills=oom_before)
         write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
         code = child.wait()
         status = read_json(os.path.join(run_dir, "status.json"))

@@ -46,6 +46,8 @@ class MemoryPlan:
     devices: list[DevicePlan]
     smallest_split: int | None  # fewest stages of one replica that fit the budget (None: none does)
     notes: list[str]
+    gpus: int = 0  # GPUs this host has (0: none visible)
+    suggestion: str | None = None  # a devices: section for them with the smallest split
 
     @property
     def fits(self) -> bool:
@@ -192,7 +194,21 @@ def build_plan(cfg: TrainerConfig) -> MemoryPlan:
         if budget is None or worst <= budget:
             smallest = n
             break
-    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes, gpus,
+                      suggest_devices(gpus, smallest) if gpus and smallest else None)
+
+
+def suggest_devices(gpus: int, stages: int) -> str | None:
+    """Half the GPUs (at least one replica's worth) in target replicas of `stages` stages, the rest drafters."""
+    replicas = max(1, (gpus // 2) // stages)
+    used = replicas * stages
+    if used >= gpus:
+        return None
+    target = [[f"cuda:{r * stages + s}" for s in range(stages)] for r in range(replicas)]
+    drafter = [f"cuda:{i}" for i in range(used, gpus)]
+    shown = "[" + ", ".join("[" + ", ".join(t) + "]" for t in target) + "]"
+    return f"{{target: {shown}, drafter: [{', '.join(drafter)}]}}"
 
 
 def size(b: float) -> str:
@@ -216,5 +232,7 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
+    if plan.suggestion:
+        lines.append(f"on this host's {plan.gpus} GPUs: devices: {plan.suggestion}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

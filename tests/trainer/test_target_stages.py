@@ -178,6 +178,7 @@ devices: {{target: [[cpu, cpu]]}}
     ("{target: [[cpu, cpu]], target_split: [1, 1, 1]}", "lists 3 stages, but the replica"),
     ("{target: [[cpu, cpu, cpu, cpu, cpu]]}", "more than the target's 4 layers"),
     ("{target: [cuda:0], target_split: [2, 2]}", "needs a split replica"),
+    ("{target: [cuda:0, [cuda:1, cuda:2]]}", "mixes replicas of \\[1, 2\\] stages"),
 ])
 def test_bad_splits_get_one_line_naming_the_problem(devices, message):
     with pytest.raises(ConfigError, match=message) as err:

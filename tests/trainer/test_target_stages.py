@@ -321,3 +321,14 @@ pipeline: {{kind: {kind}}}
         runs[name] = _events(tmp_path / name, "step"), _events(tmp_path / name, "eval")
     assert [e["loss"] for e in runs["split"][0]] == [e["loss"] for e in runs["whole"][0]]
     assert runs["split"][1][-1]["tau"] == runs["whole"][1][-1]["tau"] >= 1
+
+
+def test_the_loader_refuses_a_stage_above_the_budget_before_reading_it(qwen3_model_dir):
+    from trainer.models.target_loading import SplitError
+
+    plan = StagePlan.from_sizes([3], ["cpu"])
+    with pytest.raises(SplitError, match=r"stage 0 on cpu \(layers 0..2\) holds .* more than the .* budget"):
+        load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None, budget=300_000)
+    split = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3), torch.float32,
+                        log=lambda _: None, budget=300_000)
+    assert not base_model(split).layers[2].self_attn.q_proj.weight.is_meta

@@ -178,6 +178,7 @@ devices: {{target: [[cpu, cpu]]}}
     ("{target: [[cpu, cpu]], target_split: [1, 1, 1]}", "lists 3 stages, but the replica"),
     ("{target: [[cpu, cpu, cpu, cpu, cpu]]}", "more than the target's 4 layers"),
     ("{target: [cuda:0], target_split: [2, 2]}", "needs a split replica"),
+    ("{target: [cuda:0, [cuda:1, cuda:2]]}", "mixes replicas of \\[1, 2\\] stages"),
 ])
 def test_bad_splits_get_one_line_naming_the_problem(devices, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -238,3 +239,96 @@ def test_python_m_trainer_plan_prints_the_plan_and_exits_1_when_it_does_not_fit(
     assert main(["plan", "--config", str(config)]) == 1
     out = capsys.readouterr().out
     assert "SHORT by" in out and "smallest split of one replica that fits:" in out
+
+
+def test_the_plan_tells_a_70b_user_with_h200s_the_smallest_split(tmp_path):
+    """Llama-3.3-70B's config.json alone (no weights): 131 GiB of bf16 weights on a 139 GiB H200."""
+    from transformers import LlamaConfig
+
+    from trainer.models.memory_plan import build_plan
+
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(tmp_path)
+    config = """
+model: {target: {tiny: null, path: %s}, mask_token_id: 128255, drafter_layers: 1, dtype: bf16}
+data: {synthetic: null, train_path: x.jsonl, max_length: 4096, token_budget: 4096, bucket_edges: [4096]}
+devices: {target: %s, drafter: [%s], memory_gib: %d}
+"""
+
+    def plan(targets, drafter, gib=139):
+        return build_plan(parse_config(tiny_config(config % (tmp_path, targets, drafter, gib))))
+
+    beside = plan("[cuda:0]", "cuda:0")  # the drafter beside the whole target: no room
+    assert not beside.fits and beside.refusal().startswith("cuda:0 needs")
+    split = plan("[[cuda:0, cuda:1, cuda:2, cuda:3]]", "cuda:4")
+    assert split.fits and len(split.stages) == 4 and split.stages[-1]["layers"][1] == 77  # the taps end at 77
+    small = plan("[cuda:0]", "cuda:4", 80)  # 80 GiB GPUs: two stages at least
+    assert not small.fits and small.smallest_split == 2 and "a split in 2 stages fits" in small.refusal()
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory, qwen3_model_dir):
+    """A tiny Qwen3-MoE directory as transformers saves it (per-expert tensors, the hub's format),
+    with the Qwen3 fixture's tokenizer."""
+    import json
+    import shutil
+
+    vocab = json.loads((qwen3_model_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{**DIMS, "vocab_size": vocab, "num_hidden_layers": 4}, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16)
+    out = tmp_path_factory.mktemp("hub") / "Qwen3-MoE-tiny"
+    Qwen3MoeForCausalLM(config).save_pretrained(out, max_shard_size="50KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
+        shutil.copy(qwen3_model_dir / name, out / name)
+    return out
+
+
+def test_a_moe_directory_in_the_hubs_per_expert_format_loads_in_stages(moe_model_dir):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((moe_model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index  # stacked into experts.gate_up_proj on load
+    full = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32).eval()
+    plan = StagePlan.from_sizes([1, 2], ["cpu", "cpu"])
+    staged = load_staged(moe_model_dir, plan, torch.float32, log=lambda _: None)
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(target_context_features(staged, ids, None, [0, 2]),
+                       target_context_features(full, ids, None, [0, 2]))
+    assert complete_for_decoding(staged, plan, log=lambda _: None)
+    with torch.no_grad():
+        assert torch.equal(staged(ids).logits, full(ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["reference", "threaded"])
+@pytest.mark.parametrize("directory", ["qwen3_model_dir", "moe_model_dir"])
+def test_a_split_target_from_a_directory_trains_like_the_unsplit_one(tmp_path, request, directory, kind):
+    """Dense and MoE, read stage by stage from their shards: the same losses step for step and the same τ."""
+    model_dir = request.getfixturevalue(directory)
+    overlay = f"""
+model: {{target: {{tiny: null, path: {model_dir}}}, target_layer_ids: [0, 2]}}
+data: {{synthetic: {{n_train: 32, n_eval: 2}}}}
+optim: {{total_steps: 2}}
+devices: {{target: %s}}
+eval: {{samples: 2, max_new_tokens: 6}}
+pipeline: {{kind: {kind}}}
+"""
+    runs = {}
+    for name, targets in (("whole", "[cpu]"), ("split", "[[cpu, cpu, cpu]]")):
+        assert train(parse_config(tiny_config(overlay % targets)), tmp_path / name) == 0
+        runs[name] = _events(tmp_path / name, "step"), _events(tmp_path / name, "eval")
+    assert [e["loss"] for e in runs["split"][0]] == [e["loss"] for e in runs["whole"][0]]
+    assert runs["split"][1][-1]["tau"] == runs["whole"][1][-1]["tau"] >= 1
+
+
+def test_the_loader_refuses_a_stage_above_the_budget_before_reading_it(qwen3_model_dir):
+    from trainer.models.target_loading import SplitError
+
+    plan = StagePlan.from_sizes([3], ["cpu"])
+    with pytest.raises(SplitError, match=r"stage 0 on cpu \(layers 0..2\) holds .* more than the .* budget"):
+        load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None, budget=300_000)
+    split = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3), torch.float32,
+                        log=lambda _: None, budget=300_000)
+    assert not base_model(split).layers[2].self_attn.q_proj.weight.is_meta

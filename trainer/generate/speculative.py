@@ -134,13 +134,15 @@ def _crop(cache: DynamicCache, length: int) -> None:
 
 
 def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+    last = hidden_states[-1].device  # a target split in stages leaves each layer's output on its device
+    return torch.cat([hidden_states[i + 1].to(last) for i in layer_ids], dim=-1)
 
 
 def static_supported(target: torch.nn.Module, drafter_device: torch.device | str) -> bool:
     """Whether the static implementation can run this target: the target decoder supports it
-    (`trainer.models.decoder.supports`) and target and drafter share a device."""
-    return decoder.supports(target) and next(target.parameters()).device == torch.device(drafter_device)
+    (`trainer.models.decoder.supports`) and target and drafter share a device (a target split in
+    stages over several devices decodes through the Hugging Face forward)."""
+    return decoder.supports(target) and {p.device for p in target.parameters()} == {torch.device(drafter_device)}
 
 
 class _StaticRounds:

@@ -28,7 +28,7 @@ from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
 from trainer.distributed.multihost import HostGroupMember
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.config import TrainerConfig, dump_config, target_replicas
 from trainer.train.control import ControlPoller, Request
 from trainer.train.metrics import Metrics
 from trainer.data.batches import select_target_warmup_shapes
@@ -39,7 +39,9 @@ from trainer.pipeline.stopping import PipelineFailed, StopSignal
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
 from trainer.train.rundir import RunDir, atomic_write
+from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
+from trainer.models.target_loading import complete_for_decoding
 
 
 def compiled_graphs() -> int:
@@ -104,6 +106,10 @@ def error_record(exc: BaseException) -> dict:
         return exc.record()
     if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
         return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+    from trainer.models.memory_plan import DoesNotFit
+
+    if isinstance(exc, DoesNotFit):  # the config, not the code: one line
+        return {"message": str(exc), "traceback": None, "thread": "main"}
     return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
 
@@ -135,11 +141,16 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
         resumed_from = self.hosts.resolve_resume(self.checkpoints, resume) if resume else None
+        from trainer.models.memory_plan import DoesNotFit, build_plan
+
+        refusal = build_plan(cfg).refusal()
+        if refusal is not None:
+            raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         c = build_components(cfg, self.run_dir, self.rd.log)
         if resumed_from is not None:
             self.restore(c, self.hosts.load(resumed_from, c.drafter_device))
         step = self.state.step
-        gpus = sorted({torch.device(d).index or 0 for d in cfg.devices.target[:1] + cfg.devices.drafter[:1]
+        gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
         self.rd.update(step=step, gpus=gpus)
         n_params = sum(p.numel() for p in c.drafter.parameters())
@@ -147,7 +158,8 @@ class Trainer:
         self.rd.event("start", step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
             "drafter_params": n_params, "drafter_layers": cfg.model.drafter_layers,
             "block_size": cfg.model.block_size, "target_layer_ids": c.drafter.config.target_layer_ids,
-            "attention": c.backend, "devices": {"target": cfg.devices.target[0], "drafter": cfg.devices.drafter[0]},
+            "attention": c.backend,
+            "devices": {"target": target_replicas(cfg.devices)[0], "drafter": cfg.devices.drafter[0]},
         })
         self.rd.log(f"drafter {n_params / 1e6:.2f}M params, {len(c.train_data)} training conversations, "
                     f"attention {c.backend}" + (f", resumed from {rel}" if rel else ""))
@@ -174,8 +186,12 @@ class Trainer:
         if not self.hosts.is_writer:
             return {}
         e = self.cfg.eval
-        report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[: e.samples],
-                                   e.max_new_tokens)
+        report: dict
+        if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
+            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[: e.samples],
+                                       e.max_new_tokens)
+        else:  # the model directory holds only the layers training runs
+            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
         gen = torch.Generator().manual_seed(0)

@@ -55,11 +55,15 @@ class Metrics:
             self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
 
     def eval(self, step: int, result: dict[str, Any]) -> None:
-        """An evaluation record: trainer.generate.evaluate.acceptance_report's fields and acc."""
+        """An evaluation record: trainer.generate.evaluate.acceptance_report's fields (tau None when
+        not measured) and acc."""
         self.rd.event("eval", step, **result)
         self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"])
-        self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
-                    f"{result['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {result['samples']} conversations")
+        if result["tau"] is None:  # not measured: the target holds only the layers training runs
+            self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
+        else:
+            self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
+                        f"{result['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {result['samples']} conversations")
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -92,7 +92,8 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         meta = meta_model(config, dtype)
         plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
-        model = load_staged(t.path, plan, dtype, log)
+        budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
+        model = load_staged(t.path, plan, dtype, log, budget)
         peak = ""
         for d in dict.fromkeys(plan.devices):
             if d.type == "cuda":

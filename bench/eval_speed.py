@@ -1,11 +1,11 @@
 """τ evaluation speed, old and new in one run, same target, drafter and prompts:
 
-* uncached: the reference decoder (trainer.evaluate.speculative_generate), the target re-run on
+* uncached: the reference decoder (trainer.generate.evaluate.speculative_generate), the target re-run on
   the whole sequence every round, one prompt at a time;
-* dynamic: the batched decoder with a growing Hugging Face DynamicCache (trainer.speculative,
+* dynamic: the batched decoder with a growing Hugging Face DynamicCache (trainer.generate.speculative,
   implementation="dynamic"; what evaluation used before);
 * static: the batched decoder on preallocated caches, its round captured as a CUDA graph
-  (trainer.speculative, the default for Qwen3/Qwen2/Llama targets; what evaluation uses).
+  (trainer.generate.speculative, the default for Qwen3/Qwen2/Llama targets; what evaluation uses).
 
     PYTHONPATH=. python bench/eval_speed.py --device cuda:0 --shape 8b      # H200: 8B-shaped target
     PYTHONPATH=. python bench/eval_speed.py --device cpu --shape tiny        # anywhere, seconds
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.evaluate import speculative_generate
-from trainer.speculative import speculative_generate_cached
-from trainer.target import FrozenHead, default_target_layer_ids, freeze, load_target
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.generate.evaluate import speculative_generate
+from trainer.generate.speculative import speculative_generate_cached
+from trainer.models.target import FrozenHead, default_target_layer_ids, freeze, load_target
 
 from _common import hub_model_dir, report
 

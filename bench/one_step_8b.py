@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from trainer.config import OptimConfig, TinyTargetConfig, default_gamma
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.loop import autocast_for
-from trainer.masks import prepare_blocks, resolve_backend
-from trainer.objective import drafter_loss_sums
-from trainer.optim import build_optimizer, clip_gradients
+from trainer.train.config import OptimConfig, TinyTargetConfig, default_gamma
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.train.loop import autocast_for
+from trainer.models.masks import prepare_blocks, resolve_backend
+from trainer.models.objective import drafter_loss_sums
+from trainer.train.optim import build_optimizer, clip_gradients
 from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops
-from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,
+from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,
                             random_8b_shape_target, target_context_features, tiny_target)
 
 

@@ -7,7 +7,7 @@
     PYTHONPATH=. python bench/pipeline.py --modes packed --one-rank    # + the same as rank 0 of a 1-host group
 
 --one-rank runs each mode a second time (key `<mode>/rank`) as the one rank of a host group
-(trainer.pipeline.multihost on a world-1 torch.distributed group: the cross-host all-reduce of
+(trainer.distributed.multihost on a world-1 torch.distributed group: the cross-host all-reduce of
 the gradient buffer, the per-step agreement, the host shard of the data), to show what being a
 rank costs on one host.
 
@@ -15,7 +15,7 @@ Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots
 sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
 that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one process on the same
 conversations and target: `bucketed` pads length buckets to warmed shapes (the previous default),
-`packed` packs whole conversations into rows of --pack-length tokens (trainer.packing), one shape.
+`packed` packs whole conversations into rows of --pack-length tokens (trainer.data.packing), one shape.
 Prints one JSON line per measurement and a summary table; --out also writes them to a file.
 """
 from __future__ import annotations
@@ -37,16 +37,16 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from trainer.components import Components, build_drafter  # noqa: E402
-from trainer.config import TinyTargetConfig, parse_config  # noqa: E402
-from trainer.data import Batch, PreloadedDataset  # noqa: E402
-from trainer.packing import PackedDataset  # noqa: E402
-from trainer.masks import resolve_backend  # noqa: E402
-from trainer.optim import build_optimizer, build_scheduler  # noqa: E402
+from trainer.train.components import Components, build_drafter  # noqa: E402
+from trainer.train.config import TinyTargetConfig, parse_config  # noqa: E402
+from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
+from trainer.data.packing import PackedDataset  # noqa: E402
+from trainer.models.masks import resolve_backend  # noqa: E402
+from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
 from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedTrainer  # noqa: E402
-from trainer.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
+from trainer.models.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
 
 CONFIG = """
 model:
@@ -126,8 +126,8 @@ def one_rank_trainer(cfg, run_dir):
     """A MultiHostTrainer on a world-1 group started here (no torchrun needed for one rank)."""
     import socket
 
-    from trainer.distributed import GroupEnv
-    from trainer.pipeline.multihost import MultiHostTrainer
+    from trainer.distributed.group import GroupEnv
+    from trainer.distributed.multihost import MultiHostTrainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -190,10 +190,10 @@ def stage_alone(tr, which, n_micro, peak):
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features
-    from trainer.pipeline.grad_sync import ReplicaAllReduce
+    from trainer.distributed.grad_sync import ReplicaAllReduce
     from trainer.pipeline.stopping import StopSignal
     from trainer.pipeline.device_stats import BusyMeter
-    from trainer.masks import prepare_blocks
+    from trainer.models.masks import prepare_blocks
 
     c, cfg = tr.c, tr.cfg
     gen = torch.Generator().manual_seed(1)

@@ -19,7 +19,7 @@ and a markdown summary in OUT/quality.md):
 4. prompts: code prefixes of train files (regeneration prompts, and the same prefixes with the
    original continuation for the "original answers" ablation); held-out prompts from held-out
    files for τ.
-5. regen: `python -m trainer regen --engine hf --model-path MODEL ...` writes the target's greedy
+5. regen: `python -m trainer_tools.regen --engine hf --model-path MODEL ...` writes the target's greedy
    answers (the answers τ is measured against: evaluation decodes greedily).
 6. drafter: `python -m trainer --config CFG --run-dir RUN` from the model directory; periodic
    checkpoints give the τ-vs-training-tokens curve; ablations (original answers, depth,
@@ -60,6 +60,7 @@ SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"
 class Preset:
     device: str = "cuda:0"
     # corpus
+    corpus: str = "machine"  # "machine": the stdlib and site-packages; "project": this repository's own files
     corpus_mb: float = 400.0  # most source bytes read (train + held-out)
     max_file_kb: int = 512  # larger files (generated tables) are skipped
     heldout_permille: int = 30  # share of files held out (by content hash)
@@ -132,7 +133,7 @@ PRESETS = {
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
                              curve_points=2, n_eval=32),
-    "tiny": Preset(device="cpu", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
+    "tiny": Preset(device="cpu", corpus="project", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=4, target_lr=3e-3, target_warmup=2, window_chars=600,
                    heldout_rows=4, prefix_chars=(60, 200), n_prompts=24, answer_tokens=16, regen_batch=12,
@@ -150,7 +151,14 @@ def say(line: str) -> None:
 # ---------------------------------------------------------------------------- 1. corpus
 
 
-def source_roots() -> list[Path]:
+def source_roots(corpus: str = "machine") -> list[Path]:
+    """Where the corpus's .py files come from: the machine's Python installation, or (the CPU
+    test) this repository, whose files the project controls, so the test does not depend on
+    the machine it runs on."""
+    if corpus == "project":
+        return [ROOT]
+    if corpus != "machine":
+        raise SystemExit(f"quality: corpus {corpus!r}: expected 'machine' or 'project'")
     paths = sysconfig.get_paths()
     roots = [paths["stdlib"], paths["purelib"], paths["platlib"]]
     try:
@@ -182,17 +190,18 @@ def _read(path: Path, max_file_bytes: int):
     return path, data, hashlib.sha256(data).hexdigest()
 
 
-def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, seed: int) -> dict:
-    """{train: [text], heldout: [text], stats} from the machine's Python sources."""
+def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, seed: int,
+                    corpus: str = "machine") -> dict:
+    """{train: [text], heldout: [text], stats} from the Python sources under source_roots(corpus)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    roots = source_roots()
+    roots = source_roots(corpus)
     files = []
     skipped = {"test": 0, "large": 0, "unreadable": 0, "not utf-8": 0, "duplicate": 0, "special tokens": 0,
                "empty": 0}
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
             base = Path(dirpath)
             for name in sorted(filenames):
                 if not name.endswith(".py"):
@@ -372,7 +381,7 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
                  chars_per_token: float) -> tuple[Path, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.testing.hub_model import model_config, write_hub_model
+    from trainer_tools.fixtures.hub_model import model_config, write_hub_model
 
     started = time.time()
     stream = RowStream(tok, corpus["train"], p, p.seed, p.target_steps * p.batch_rows)
@@ -477,6 +486,18 @@ def cut_tokens(tok, texts: list[str], n: int) -> list[str]:
     return [tok.decode(e.ids[:n]) for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
+MIN_EVAL_ANSWER = 8  # answer tokens a held-out conversation keeps within max_length (the trainer needs 2)
+
+
+def fits(tok, p: Preset, user: str, answer: str) -> bool:
+    """Whether a held-out (prompt, answer) keeps MIN_EVAL_ANSWER answer tokens after the trainer
+    cuts the rendered conversation to max_length: a window that does not is useless for τ."""
+    prompt = render(user, "")[: -len("<|im_end|>\n")]
+    n_prompt = len(tok.encode(prompt, add_special_tokens=False).ids)
+    n_answer = len(tok.encode(answer, add_special_tokens=False).ids)
+    return n_prompt + min(n_answer, MIN_EVAL_ANSWER) <= p.max_length and n_answer >= MIN_EVAL_ANSWER
+
+
 def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) -> dict:
     """prompts.jsonl (regen input), original.jsonl (same prompts, original answers), eval.jsonl."""
     pairs = []
@@ -495,9 +516,12 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
                                           for i in order))
     held = []
     for text in corpus["heldout"]:  # one window per held-out file: as many files as prompts
-        w = next(windows(text, rng, p.prefix_chars, p.answer_tokens * 5), None)
+        w = next((w for w in windows(text, rng, p.prefix_chars, p.answer_tokens * 5) if fits(tok, p, *w)), None)
         if w is not None:
             held.append(w)
+    if not held:
+        raise SystemExit(f"quality: prompts: none of the {len(corpus['heldout'])} held-out files has a window whose "
+                         f"prompt leaves {MIN_EVAL_ANSWER} answer tokens within max_length {p.max_length}")
     rng.shuffle(held)
     held = held[: p.n_eval]
     write_jsonl(data / "eval.jsonl", ({"messages": [{"role": "user", "content": u},
@@ -515,15 +539,20 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
 
 
 ENV = {"PYTHONUNBUFFERED": "1"}
+MIN_WORK_S = 20.0  # a stage stopped at a deadline runs at least this long after its first output
+KILL_AFTER_S = 60.0  # a trainer run that has not stopped this long after SIGTERM is killed
 
 
 def child_env() -> dict:
     return {**os.environ, **ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None) -> tuple[int, float]:
+def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None,
+            started_work=None) -> tuple[int, float]:
     """`python -m trainer ARGV` as a user runs it (in this process for the CPU test). At the
-    deadline the process gets SIGINT (regen: stops with whole lines written)."""
+    deadline the process gets SIGINT (regen: stops with whole lines written); a deadline that
+    passes before `started_work()` holds (a cold machine still loading and compiling) moves to
+    MIN_WORK_S after it, so the stage always produces something."""
     started = time.time()
     if p.inprocess:
         import contextlib
@@ -540,6 +569,11 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
                                 env=child_env(), cwd=str(ROOT), preexec_fn=default_signals)
         interrupted = None
         while proc.poll() is None:
+            if deadline is not None and started_work is not None:
+                if started_work():
+                    deadline, started_work = max(deadline, time.time() + MIN_WORK_S), None
+                else:
+                    deadline = max(deadline, time.time() + 1.0)
             if deadline is not None and time.time() > deadline:
                 say(f"deadline: SIGINT to `python -m trainer {argv[0]}` (pid {proc.pid})")
                 proc.send_signal(signal.SIGINT)
@@ -570,10 +604,11 @@ def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
 
 def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: float | None) -> dict:
     argv = regen_argv(p, model_dir, data)
-    rc, seconds = run_cli(p, argv, out / "regen.log", deadline)
+    path = data / "regen.jsonl"
+    rc, seconds = run_cli(p, argv, out / "regen.log", deadline,
+                          started_work=lambda: path.exists() and path.stat().st_size > 0)
     tail = (out / "regen.log").read_text().strip().splitlines()
     summary = next((line for line in reversed(tail) if line.startswith("regen: ") and "regenerated" in line), "")
-    path = data / "regen.jsonl"
     records = len(read_records(path)) if path.exists() else 0
     if path.exists() and rc != 0:  # keep whole lines only, for the trainer
         write_jsonl(path, read_records(path))
@@ -581,7 +616,7 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
               "summary": summary, "conversations": records,
               "errors": [line for line in tail if line.startswith("regen: failed")][:3]}
     say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "
-        f"`python -m trainer regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+        f"`python -m trainer_tools.regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
     for e in result["errors"]:
         say(e)
     return result
@@ -676,11 +711,15 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None) -> None:
             for j in running:
                 say(f"deadline: SIGTERM to trainer run {j['name']!r} (it checkpoints and stops)")
                 j["proc"].terminate()
+                j["terminated"] = time.time()
             for j in waiting:
                 j["rc"], j["seconds"] = None, 0.0
                 say(f"deadline: trainer run {j['name']!r} never started")
             waiting = []
         for j in list(running):
+            if j.get("terminated") and time.time() - j["terminated"] > KILL_AFTER_S and j["proc"].poll() is None:
+                say(f"deadline: trainer run {j['name']!r} still running {KILL_AFTER_S:.0f}s after SIGTERM: SIGKILL")
+                j["proc"].kill()
             if j["proc"].poll() is not None:
                 j["rc"], j["seconds"] = j["proc"].returncode, time.time() - j["started"]
                 running.remove(j)
@@ -696,8 +735,8 @@ class CheckpointEvaluator:
     def __init__(self, p: Preset, model_dir: Path, data: Path):
         from transformers import AutoTokenizer
 
-        from trainer.chat_data import read_conversations
-        from trainer.target import FrozenHead, freeze, load_target
+        from trainer.data.chat import read_conversations
+        from trainer.models.target import FrozenHead, freeze, load_target
 
         self.p = p
         dtype = torch.bfloat16 if p.dtype == "bf16" else torch.float32
@@ -709,9 +748,9 @@ class CheckpointEvaluator:
     def __call__(self, ck: Path) -> dict:
         from safetensors.torch import load_file
 
-        from trainer.drafter import DFlashDrafter, DrafterConfig
-        from trainer.evaluate import acceptance_report
-        from trainer.loop import autocast_for
+        from trainer.models.drafter import DFlashDrafter, DrafterConfig
+        from trainer.generate.evaluate import acceptance_report
+        from trainer.train.loop import autocast_for
 
         p = self.p
         cfg = DrafterConfig(**json.loads((ck / "drafter_config.json").read_text()))
@@ -848,7 +887,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 1. corpus
     t0 = time.time()
-    corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed)
+    corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed, p.corpus)
     results["corpus"] = corpus["stats"]
     s = corpus["stats"]
     say(f"corpus: {s['train_files']} train files ({s['train_mb']} MB) + {s['heldout_files']} held-out files "
@@ -858,7 +897,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("quality: no Python sources found for train or held-out")
 
     # 2. tokenizer
-    from trainer.testing.hub_model import train_tokenizer
+    from trainer_tools.fixtures.hub_model import train_tokenizer
 
     t0 = time.time()
     sample, size = [], 0
@@ -932,6 +971,9 @@ def main(argv: list[str] | None = None) -> dict:
             tail += log.read_text().strip().splitlines()[-12:] if log.exists() else []
             say(f"trainer run {j['name']!r}: exit {j.get('rc')}:\n" + "\n".join(tail))
     main_job = jobs[0]
+    if not checkpoints(main_job["run_dir"]) and not read_run(main_job["run_dir"])["tau"]:
+        raise SystemExit(f"quality: drafter: the main run ended (exit {main_job.get('rc')}) without a checkpoint or "
+                         f"a τ; its log: {main_job['run_dir'] / 'train.log'}")
     results["main"] = {**read_run(main_job["run_dir"]), "train_file": main_file.name,
                        "command": "python -m trainer " + " ".join(main_job["argv"]), "config": main_job["cfg"],
                        "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1)}

@@ -1,6 +1,6 @@
 """Training tokens/s with the target loaded from a model directory: `python -m trainer` with
 `model.target.path` pointing at a hub-format directory (sharded safetensors + index, config.json,
-tokenizer files; random weights, written by trainer.testing.hub_model.write_hub_model), the
+tokenizer files; random weights, written by trainer_tools.fixtures.hub_model.write_hub_model), the
 trainer run as a user runs it, in a child process.
 
     PYTHONPATH=. python bench/train_from_dir.py --device cuda:0 --model-dir /tmp/qwen3-8b-random   # H200

@@ -1,8 +1,6 @@
 """python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP]
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
-python -m trainer regen --endpoint URL --model NAME --in prompts.jsonl --out regen.jsonl [-n N]
-python -m trainer regen --engine hf --model-path DIR --in prompts.jsonl --out regen.jsonl
 python -m trainer data-report --config CONFIG
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
@@ -23,7 +21,7 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint step number")
     args = p.parse_args(argv)
-    from trainer.config import ConfigError, load_config
+    from trainer.train.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -50,7 +48,7 @@ def _synth(argv: list[str]) -> int:
     p.add_argument("--min-len", type=int, default=12)
     p.add_argument("--max-len", type=int, default=40)
     args = p.parse_args(argv)
-    from trainer.synth import synthetic_conversations, write_jsonl
+    from trainer.data.synth import synthetic_conversations, write_jsonl
 
     path = write_jsonl(synthetic_conversations(args.n, args.seed, args.min_len, args.max_len), args.out)
     print(f"wrote {args.n} conversations to {path}")
@@ -62,22 +60,22 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True, help="checkpoints/step_N directory")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
     args = p.parse_args(argv)
-    from trainer.export import export_checkpoint
+    from trainer.models.export import export_checkpoint
 
     print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
     return 0
 
 
 def _launch(argv: list[str]) -> int:
-    from trainer.launch import main as launch_main
+    from trainer.distributed.launch import main as launch_main
 
     return launch_main(argv)
 
 
 def _regen(argv: list[str]) -> int:
-    from trainer.regen import main as regen_main
-
-    return regen_main(argv)
+    print("python -m trainer regen: regeneration is not part of the trainer; run `python -m trainer_tools.regen` "
+          "(deploy ships it with `extra_paths: [trainer_tools]`, as playbooks/regen.yaml does)", file=sys.stderr)
+    return 2
 
 
 def _data_report(argv: list[str]) -> int:
@@ -85,8 +83,8 @@ def _data_report(argv: list[str]) -> int:
                                 description="Count, measure and mask the configured chat data (loads the tokenizer only).")
     p.add_argument("--config", required=True, help="trainer YAML config")
     args = p.parse_args(argv)
-    from trainer.chat_data import DataError
-    from trainer.config import ConfigError, load_config
+    from trainer.data.chat import DataError
+    from trainer.train.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -94,8 +92,8 @@ def _data_report(argv: list[str]) -> int:
             print("data-report: the config generates synthetic data (data.synthetic); nothing to report",
                   file=sys.stderr)
             return 2
-        from trainer.components import build_tokenizer
-        from trainer.data_report import build_report, format_report
+        from trainer.train.components import build_tokenizer
+        from trainer.data.report import build_report, format_report
 
         tokenizer = build_tokenizer(cfg)
         report = build_report(cfg, tokenizer)

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config import TrainerConfig
-from trainer.distributed import GroupEnv
-from trainer.loop import Trainer
-from trainer.pipeline.multihost import MultiHostTrainer
+from trainer.train.config import TrainerConfig
+from trainer.distributed.group import GroupEnv
+from trainer.train.loop import Trainer
+from trainer.distributed.multihost import MultiHostTrainer
 from trainer.pipeline.threaded import ThreadedTrainer
 
 
 def train(cfg: TrainerConfig, run_dir: str | Path, resume: str | None = None) -> int:
     env = GroupEnv.from_environ()
-    if env is not None:  # a rank of a run across hosts, started by torchrun (trainer.launch)
+    if env is not None:  # a rank of a run across hosts, started by torchrun (trainer.distributed.launch)
         return MultiHostTrainer(cfg, run_dir, env).run(resume)
     if cfg.pipeline.kind == "threaded":
         return ThreadedTrainer(cfg, run_dir).run(resume)

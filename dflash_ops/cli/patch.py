@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def patch(
     target: Annotated[str, typer.Argument(help="Target name from the inventory.")],
-    patchfile: Annotated[Path, typer.Argument(help="Unified diff, paths relative to the release root (e.g. trainer/data.py).")],
+    patchfile: Annotated[Path, typer.Argument(help="Unified diff, paths relative to the release root (e.g. trainer/data/batches.py).")],
     check: Annotated[bool, typer.Option("--check", help="Run every check; change nothing.")] = False,
     allow_moves: Annotated[bool, typer.Option("--allow-moves", help="Accept definitions that move or disappear (still refuses unreachable ones).")] = False,
     restart: Annotated[Optional[str], typer.Option("--restart", metavar="RUN", help="Stop RUN with a checkpoint and resume it on the new release.")] = None,

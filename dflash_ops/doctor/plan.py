@@ -18,11 +18,11 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 MIB = 1 << 20
 
-# trainer/target.py QWEN3_8B_DIMS (that module imports torch; tests keep the two equal)
+# trainer/models/target.py QWEN3_8B_DIMS (that module imports torch; tests keep the two equal)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, num_hidden_layers=36)
 
-BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/checkpoint.py)
+BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/train/checkpoint.py)
 CHECKPOINT_OVERHEAD = 16 * MIB  # trainer state, RNG states, manifest, safetensors header
 SHM_CPU_RUN = 64 * MIB  # Docker's default: enough for Python's semaphores, not for NCCL
 SHM_PER_GPU = 512 * MIB
@@ -76,7 +76,7 @@ class RunPlan:
 
     def ram_needed(self, model_dims: dict | None = None) -> int:
         """A checkpoint is assembled in host memory: the weights copied to the CPU and the
-        optimizer state serialised into a buffer (trainer/checkpoint.py), about 2x its size."""
+        optimizer state serialised into a buffer (trainer/train/checkpoint.py), about 2x its size."""
         size = self.checkpoint_bytes(model_dims) or 0
         return RAM_BASE + 2 * size
 
@@ -89,7 +89,7 @@ class RunPlan:
 
 
 def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int) -> int:
-    """Parameters of trainer/drafter.py DFlashDrafter for a target of these dimensions."""
+    """Parameters of trainer/models/drafter.py DFlashDrafter for a target of these dimensions."""
     h, inter = dims["hidden_size"], dims["intermediate_size"]
     heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
     head_dim = dims.get("head_dim") or h // heads
@@ -103,7 +103,7 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     run_gpus = tuple(gpus if gpus is not None else target.gpus)
     if config is None:
         return RunPlan(gpus=run_gpus)
-    from trainer.config import ConfigError, load_config
+    from trainer.train.config import ConfigError, load_config
 
     try:
         cfg = load_config(config)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.rundir import atomic_write
+from trainer.train.rundir import atomic_write
 
 if TYPE_CHECKING:
     from dflash_ops.doctor.checks import Report

@@ -2,7 +2,7 @@
 
     - push: {src: ../build/model, dest: "${base_dir}/data/model"}    a local file/tree into the container
     - fetch: {src: "${base_dir}/runs/r/export", dest: out/export}   a container file/tree out (local path)
-    - local: [python, -m, trainer.synth, ...]                        an argv on this machine (cwd: the playbook's dir;
+    - local: [python, -m, trainer.data.synth, ...]                        an argv on this machine (cwd: the playbook's dir;
                                                                      argv[0] `python`: the python running dflash-ops)
     - serve: {name: engine, argv: [...], port: 30000}               start a server in the container, wait until
                                                                      GET http://127.0.0.1:PORT/v1/models answers;

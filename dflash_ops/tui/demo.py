@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.control import ControlPoller
-from trainer.rundir import CONTRACT_VERSION, atomic_write, process_start_ticks
+from trainer.train.control import ControlPoller
+from trainer.train.rundir import CONTRACT_VERSION, atomic_write, process_start_ticks
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
@@ -105,7 +105,7 @@ class SimulatedRun:
         return self.state not in ("stopped", "done")
 
     def _serve_control(self) -> None:
-        """The trainer's own poller; checkpoints before a stop, as trainer/loop.py serves them."""
+        """The trainer's own poller; checkpoints before a stop, as trainer/train/loop.py serves them."""
         for request in sorted(self._control.poll(), key=lambda r: r.kind == "stop"):
             self._checkpoint(request.id)
             self._control.done(request)

@@ -76,15 +76,15 @@ def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
 
     refused = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-broken-function-inside-class.diff"),
                   "--check", code=1).stdout
-    source = (EXAMPLES.parents[1] / "trainer" / "data.py").read_text().splitlines()
+    source = (EXAMPLES.parents[1] / "trainer" / "data" / "batches.py").read_text().splitlines()
     was = next(n for n, line in enumerate(source, 1) if line.strip().startswith("def next_batch("))
     assert f"PreloadedDataset.next_batch (was line {was}) → padding_fraction.next_batch" in refused
     accepted = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-fixed-function-after-class.diff"),
                    "--check").stdout
-    assert "import trainer.data: ok" in accepted and os.readlink(base / "current") == first
+    assert "import trainer.data.batches: ok" in accepted and os.readlink(base / "current") == first
     cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-fixed-function-after-class.diff"))
     assert os.readlink(base / "current") != first
-    assert "def padding_fraction" in (base / "current" / "trainer" / "data.py").read_text()
+    assert "def padding_fraction" in (base / "current" / "trainer" / "data" / "batches.py").read_text()
     cli(inventory, "rollback", "host200")
     assert os.readlink(base / "current") == first
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from trainer.config import TinyTargetConfig
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.target import FrozenHead, default_target_layer_ids, freeze, tiny_target
+from trainer.train.config import TinyTargetConfig
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.models.target import FrozenHead, default_target_layer_ids, freeze, tiny_target
 
 VOCAB = 97
 MASK_ID = 96
@@ -41,8 +41,8 @@ def fx_trace_threads(monkeypatch):
 
 @pytest.fixture(scope="session")
 def qwen3_model_dir(tmp_path_factory):
-    """A tiny Qwen3 target directory in the hub's format (trainer.testing.hub_model)."""
-    from trainer.testing.hub_model import write_hub_model
+    """A tiny Qwen3 target directory in the hub's format (trainer_tools.fixtures.hub_model)."""
+    from trainer_tools.fixtures.hub_model import write_hub_model
 
     return write_hub_model(tmp_path_factory.mktemp("hub") / "Qwen3-tiny", "qwen3")
 
@@ -50,6 +50,6 @@ def qwen3_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama3_model_dir(tmp_path_factory):
     """A tiny Llama target directory with the Llama-3 chat template and no pad token."""
-    from trainer.testing.hub_model import write_hub_model
+    from trainer_tools.fixtures.hub_model import write_hub_model
 
     return write_hub_model(tmp_path_factory.mktemp("hub") / "Llama3-tiny", "llama3")

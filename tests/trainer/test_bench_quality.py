@@ -33,6 +33,7 @@ def test_windows_cut_at_line_boundaries_and_cover_the_file_in_order():
 def test_tiny_quality_bench_runs_every_stage(tmp_path):
     r = quality.main(["--preset", "tiny", "--out", str(tmp_path)])
     c = r["corpus"]
+    assert c["roots"] == [str(quality.ROOT)]  # this repository's files: the same on every machine
     assert c["train_files"] > 0 and c["heldout_files"] > 0 and c["skipped"]["test"] > 0
     t = r["target"]
     assert t["tokens_trained"] > 0 and t["lm_loss_heldout_rows"] > 0 and t["lm_loss_seen_train_rows"] > 0
@@ -59,3 +60,16 @@ def test_split_is_by_file_content():
     held = {hashlib.sha256(t.encode()).hexdigest() for t in corpus["heldout"]}
     assert train and held and not train & held
     assert all(int(h[:8], 16) % 1000 < 300 for h in held)
+
+
+def test_held_out_windows_leave_answer_tokens_within_max_length():
+    """A held-out prompt longer than max_length leaves nothing to measure τ on: it is never chosen."""
+    from trainer_tools.fixtures.hub_model import train_tokenizer
+
+    text = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 400))
+    tok = train_tokenizer("qwen3", [text], 300)
+    p = quality.PRESETS["tiny"]
+    short_prompt, long_prompt, answer = text[:60], text[:3000], text[3000:3400]
+    assert quality.fits(tok, p, short_prompt, answer)
+    assert not quality.fits(tok, p, long_prompt, answer)
+    assert not quality.fits(tok, p, short_prompt, "x\n")  # too short an answer to measure anything

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from trainer.chat_data import DataError, read_conversations, tokenize_conversation
+from trainer.data.chat import DataError, read_conversations, tokenize_conversation
 
 QWEN_CONV = [{"role": "system", "content": "Be brief."},
              {"role": "user", "content": "What is 7 times 6?"},
@@ -141,3 +141,25 @@ def test_data_report_counts_truncation_and_loss_share(qwen3_model_dir, tmp_path,
     assert main(["data-report", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and f"{bad}:1:" in err
+
+
+def test_a_run_whose_data_has_nothing_to_train_on_fails_in_one_line(qwen3_model_dir, tmp_path):
+    """Every answer cut off by max_length: the run fails with one line naming the data problem,
+    in train.log and status.json, and no traceback (it is the data, not the code)."""
+    from trainer.train.config import parse_config
+    from trainer.entry import train
+
+    rows = [{"prompt": "word " * 80, "response": "yes " * 4} for _ in range(3)]
+    data = _write(tmp_path / "long.jsonl", rows)
+    cfg = parse_config(f"model: {{target: {{path: {qwen3_model_dir}}}, drafter_layers: 1, block_size: 4, dtype: fp32}}\n"
+                       f"data: {{train_path: {data}, max_length: 32, token_budget: 64, bucket_edges: [32],"
+                       f" num_anchors: 2, pad_multiple: 16}}\n"
+                       f"optim: {{total_steps: 1}}\nrun: {{threads: 1}}\n")
+    assert train(cfg, tmp_path / "run") == 1
+    log = (tmp_path / "run" / "train.log").read_text()
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "failed" and status["error"]["message"].startswith("data error: ")
+    assert "two or more assistant tokens" in status["error"]["message"]
+    failed = [line for line in log.splitlines() if "FAILED" in line]
+    assert len(failed) == 1 and "data error: " in failed[0]
+    assert "Traceback" not in log

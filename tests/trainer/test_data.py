@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from trainer.data import DataError, PreloadedDataset, build_dataset, select_target_warmup_shapes, tokenize_conversation
-from trainer.synth import synthetic_conversations, synthetic_words
-from trainer.tokenizer import synthetic_tokenizer
+from trainer.data.batches import DataError, PreloadedDataset, build_dataset, select_target_warmup_shapes, tokenize_conversation
+from trainer.data.synth import synthetic_conversations, synthetic_words
+from trainer.data.tokenizer import synthetic_tokenizer
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns():

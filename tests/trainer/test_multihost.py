@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import ConfigError, parse_config
-from trainer.launch import describe_exit, interface_of
-from trainer.pipeline.multihost import HostShard
+from trainer.train.config import ConfigError, parse_config
+from trainer.distributed.launch import describe_exit, interface_of
+from trainer.distributed.multihost import HostShard
 
 from tests.trainer.tiny_config import two_host_config
 

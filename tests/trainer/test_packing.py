@@ -4,12 +4,12 @@ import random
 import pytest
 import torch
 
-from trainer.masks import (dense_attention, dense_mask, document_causal_block_mask, document_causal_dense,
+from trainer.models.masks import (dense_attention, dense_mask, document_causal_block_mask, document_causal_dense,
                            draft_block_mask, flex_with, make_blocks, prepare_blocks)
-from trainer.objective import drafter_loss_sums
-from trainer.packing import (PackedDataset, anchors_for_row, doc_start_of, positions_of, sample_packed_anchors,
+from trainer.models.objective import drafter_loss_sums
+from trainer.data.packing import (PackedDataset, anchors_for_row, doc_start_of, positions_of, sample_packed_anchors,
                              warmup_packed_batch)
-from trainer.target import target_context_features
+from trainer.models.target import target_context_features
 
 VOCAB, MASK_ID = 97, 96
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -218,7 +218,7 @@ def test_anchor_density_per_row_and_warmup_batch():
 def test_target_features_through_the_flex_block_mask_equal_the_dense_path(tiny):
     """The CUDA path (a BlockMask handed to the target's attention) computes what the dense mask does."""
     target, _, _, layer_ids = tiny
-    from trainer.target import base_model
+    from trainer.models.target import base_model
 
     ds = torch.stack([doc_start_of([100, 90, 50], 256), doc_start_of([256], 256)])
     ids = torch.randint(0, 90, (2, 256), generator=torch.Generator().manual_seed(2))
@@ -267,7 +267,7 @@ def test_flop_counts_of_real_tokens_never_exceed_what_was_computed(tiny):
 
 
 def test_compiled_target_layers_can_be_returned_to_eager(tiny):
-    from trainer.target import base_model, compile_decoder_layers, uncompile_decoder_layers
+    from trainer.models.target import base_model, compile_decoder_layers, uncompile_decoder_layers
 
     target, _, _, layer_ids = tiny
     ids = torch.randint(0, 90, (1, 12))
@@ -283,7 +283,7 @@ def test_flex_traced_inside_a_compiled_layer_leaves_the_cached_compiled_flex_alo
     """A compiled target layer traces _flex_fn; that must not cache anything in its place: on an H200
     the trace stored the raw flex_attention as the 'compiled' one, and the drafter then ran flex's
     unfused math path (a 78 GiB score matrix, OOM) in a fresh process with model.compile_target."""
-    from trainer import masks
+    from trainer.models import masks
 
     monkeypatch.setattr(masks, "_compiled_flex", None)
 

@@ -4,9 +4,9 @@ import threading
 import pytest
 import torch
 
-from trainer.masks import prepare_blocks
+from trainer.models.masks import prepare_blocks
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator
-from trainer.pipeline.grad_sync import FlatGrads, ReplicaAllReduce
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import pad_rows_and_length
 from trainer.pipeline.stages import StageQueue, StageThread
 from trainer.pipeline.stopping import PipelineStopped, StopSignal

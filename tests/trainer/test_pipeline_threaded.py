@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from trainer.config import parse_config
+from trainer.train.config import parse_config
 from trainer.entry import train
 
 from tests.trainer.tiny_config import tiny_config

@@ -1,4 +1,4 @@
-"""`python -m trainer regen` against the OpenAI-compatible stand-in serving a tiny model directory."""
+"""`python -m trainer_tools.regen` against the OpenAI-compatible stand-in serving a tiny model directory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import regen
-from trainer.testing.openai_server import serve
+from trainer_tools import regen
+from trainer_tools.fixtures.openai_server import serve
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "step3 v17"},
@@ -32,17 +32,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 def write_fixture_model(out: Path) -> Path:
     try:
-        from trainer.testing.hub_model import write_hub_model
+        from trainer_tools.fixtures.hub_model import write_hub_model
     except ImportError:  # the hub-format fixture lands with issue 12 items 1-2; until then a plain save
         return _save_tiny(out)
     return write_hub_model(out, "qwen3")
 
 
 def _save_tiny(out: Path) -> Path:
-    from trainer.config import TinyTargetConfig
-    from trainer.synth import synthetic_words
-    from trainer.target import tiny_target
-    from trainer.tokenizer import synthetic_tokenizer
+    from trainer.train.config import TinyTargetConfig
+    from trainer.data.synth import synthetic_words
+    from trainer.models.target import tiny_target
+    from trainer.data.tokenizer import synthetic_tokenizer
 
     tok = synthetic_tokenizer(synthetic_words())
     model = tiny_target(TinyTargetConfig(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64), len(tok))
@@ -259,7 +259,7 @@ def test_killed_process_resumes(server, tmp_path):
     rows = [{"id": f"k{i}", "messages": [{"role": "user", "content": f"step1 v{i}"}]} for i in range(40)]
     prompts = write_prompts(tmp_path / "prompts.jsonl", rows)
     out = tmp_path / "regen.jsonl"
-    argv = [sys.executable, "-m", "trainer", "regen", "--endpoint", url, "--model", "tiny", "--in", str(prompts),
+    argv = [sys.executable, "-m", "trainer_tools.regen", "--endpoint", url, "--model", "tiny", "--in", str(prompts),
             "--out", str(out), "-n", "2", "--max-tokens", "8"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -283,7 +283,7 @@ def test_the_stand_in_is_not_ready_until_its_model_is_loaded(model_dir):
     import urllib.request
     from http.server import ThreadingHTTPServer
 
-    from trainer.testing.openai_server import ModelServer, make_handler
+    from trainer_tools.fixtures.openai_server import ModelServer, make_handler
 
     state = ModelServer(str(model_dir), "tiny")
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))

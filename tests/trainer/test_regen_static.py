@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.regen import static_greedy_generate, supports_static_decode
+from trainer_tools.regen import static_greedy_generate, supports_static_decode
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
@@ -33,7 +33,7 @@ def test_close_fails_the_queued_requests_so_their_threads_end(qwen3_model_dir):
     import threading
     import time
 
-    from trainer.regen import HFEngine, RegenError, Sampling
+    from trainer_tools.regen import HFEngine, RegenError, Sampling
 
     engine = HFEngine(str(qwen3_model_dir), Sampling(max_tokens=2), batch_size=1, gather_s=0.0)
     started = threading.Event()

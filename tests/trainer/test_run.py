@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import trainer
-from trainer import checkpoint as ckpt
-from trainer.config import parse_config
+from trainer.train import checkpoint as ckpt
+from trainer.train.config import parse_config
 from trainer.entry import train
 
 CONFIG = """

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from trainer.evaluate import greedy_generate, speculative_generate
-from trainer.speculative import speculative_generate_cached
-from trainer.target import FrozenHead
+from trainer.generate.evaluate import greedy_generate, speculative_generate
+from trainer.generate.speculative import speculative_generate_cached
+from trainer.models.target import FrozenHead
 
 
 def bigram_target(target):
@@ -118,8 +118,8 @@ def test_static_capacity_below_one_decode_is_refused(tiny):
 
 def test_static_equals_dynamic_on_a_llama_target(llama3_model_dir):
     """The static decoder runs the target from its modules: also right without Qwen3's q/k norms."""
-    from trainer.drafter import DFlashDrafter, DrafterConfig
-    from trainer.target import default_target_layer_ids, freeze, load_target
+    from trainer.models.drafter import DFlashDrafter, DrafterConfig
+    from trainer.models.target import default_target_layer_ids, freeze, load_target
 
     target = freeze(load_target(str(llama3_model_dir), "cpu", torch.float32))
     n = target.config.num_hidden_layers

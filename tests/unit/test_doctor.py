@@ -171,8 +171,8 @@ def test_stopped_container_stops_the_pass_with_pct_start():
 def test_checkpoint_estimate_counts_the_drafters_parameters_exactly():
     import torch
 
-    from trainer.drafter import DFlashDrafter, DrafterConfig
-    from trainer.target import QWEN3_8B_DIMS
+    from trainer.models.drafter import DFlashDrafter, DrafterConfig
+    from trainer.models.target import QWEN3_8B_DIMS
 
     assert {k: QWEN3_8B_DIMS[k] for k in QWEN3_8B} == QWEN3_8B
     dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -86,7 +86,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_graph_sees_the_imports_it_must():
     graph = import_graph()
-    assert "trainer.loop" in graph["trainer.pipeline.threaded"]
+    assert "trainer.train.loop" in graph["trainer.pipeline.threaded"]
     assert "dflash_ops.render" in graph["dflash_ops.container"]
     assert "trainer.pipeline.stopping" in graph["trainer.pipeline.stages"]  # relative import
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.target import base_model, packed_mask_mapping, target_context_features
+from trainer.models.target import base_model, packed_mask_mapping, target_context_features
 
 
 @dataclass
@@ -33,14 +33,14 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
 
 def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
                           layer_ids: list[int], out: torch.Tensor | None, doc_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Like `trainer.target.target_context_features`, but writes the concatenation into `out`.
+    """Like `trainer.models.target.target_context_features`, but writes the concatenation into `out`.
 
     The pipeline passes attention_mask=None: batches are right-padded and attention is causal,
     so a real position never sees padding and its features are the same. Then the mask is handed
     over as a prebuilt per-layer-type mapping of None, so SDPA runs with is_causal=True and
     transformers' mask builder (whose packed-sequence and all-ones checks each cost a host sync)
     is skipped. doc_start [B, L]: packed rows (causal per document, positions restart per
-    document; see trainer.packing)."""
+    document; see trainer.data.packing)."""
     if attention_mask is None and doc_start is None:
         attention_mask = packed_mask_mapping(base_model(target), None)
     return target_context_features(target, input_ids, attention_mask, layer_ids, doc_start, out=out)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.drafter import DrafterConfig
-    from trainer.masks import Blocks
+    from trainer.models.drafter import DrafterConfig
+    from trainer.models.masks import Blocks
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A6000": 155.0}
 
@@ -66,9 +66,9 @@ def drafter_flops(c: DrafterConfig, ctx_tokens: float, slots: float, pairs: floa
 
 
 def drafter_step_flops(c: DrafterConfig, batch: int, ctx_len: int, anchors: int) -> float:
-    """Forward + backward of `trainer.objective.drafter_loss_sums` on one micro-batch.
+    """Forward + backward of `trainer.models.objective.drafter_loss_sums` on one micro-batch.
 
-    c: trainer.drafter.DrafterConfig."""
+    c: trainer.models.drafter.DrafterConfig."""
     bs = c.block_size
     slots = batch * anchors * bs
     return drafter_flops(c, batch * ctx_len, slots, slots * (ctx_len / 2 + bs), batch * anchors * (bs - 1))

@@ -14,11 +14,11 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from trainer.data import Batch
-from trainer.masks import Blocks
+from trainer.data.batches import Batch
+from trainer.models.masks import Blocks
 
-from .stages import StageQueue
-from .stopping import StopSignal
+from trainer.pipeline.stages import StageQueue
+from trainer.pipeline.stopping import StopSignal
 
 
 @dataclass
@@ -30,7 +30,7 @@ class MicroBatch:
     blocks: Blocks
     tokens: int  # real (unpadded) tokens
     data_state: dict  # dataset position after this micro-batch (for checkpoints)
-    doc_start: torch.Tensor | None = None  # [B, L] packed rows (trainer.packing); None when unpacked
+    doc_start: torch.Tensor | None = None  # [B, L] packed rows (trainer.data.packing); None when unpacked
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,7 +66,7 @@ class BatchPrefetcher:
                  count: int, micro_batches: int, first_step: int,
                  warm_shape_of: Callable[[Batch], tuple[int, int]] | None = None, pad_id: int = 0,
                  pin: bool = False) -> None:
-        self.next_batch = next_batch  # () -> trainer.data.Batch
+        self.next_batch = next_batch  # () -> trainer.data.batches.Batch
         self.prepare_blocks = prepare_blocks  # (Batch) -> Blocks, using the run's anchor generator
         self.data_state = data_state  # () -> dict
         self.outputs = outputs

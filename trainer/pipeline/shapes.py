@@ -13,7 +13,7 @@ import bisect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.data import Batch, PreloadedDataset
+    from trainer.data.batches import Batch, PreloadedDataset
 
 
 def bucket_of_length(bucket_edges: list[int], length: int) -> int:
@@ -56,7 +56,7 @@ class WarmShapes:
 
 
 class PackedShape:
-    """Packed rows (trainer.packing): every micro-batch has the one shape (rows, pack_length)."""
+    """Packed rows (trainer.data.packing): every micro-batch has the one shape (rows, pack_length)."""
 
     def __init__(self, rows: int, length: int) -> None:
         self.shape = (rows, length)

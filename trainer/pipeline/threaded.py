@@ -15,25 +15,25 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.control import Request
-from trainer.data import Batch
-from trainer.loop import Trainer, autocast_for
-from trainer.masks import Blocks, prepare_blocks
-from trainer.optim import build_optimizer, build_scheduler, lr_factor
-from trainer.packing import row_anchors, warmup_packed_batch
-from trainer.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
+from trainer.train import checkpoint as ckpt
+from trainer.train.control import Request
+from trainer.data.batches import Batch
+from trainer.train.loop import Trainer, autocast_for
+from trainer.models.masks import Blocks, prepare_blocks
+from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.data.packing import row_anchors, warmup_packed_batch
+from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 
-from .compile_safety import CompileGuard
-from .device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
-from .features import allocate_slots, pack_context_features
-from .flops import FLOP_KEYS, micro_batch_flops, peak_tflops
-from .grad_sync import FlatGrads, ReplicaAllReduce
-from .prefetch import BatchPrefetcher, MicroBatch
-from .shapes import PackedShape, WarmShapes
-from .stages import StageQueue, StageThread, join_all
-from .stopping import PipelineFailed, StopSignal
-from .workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
+from trainer.pipeline.compile_safety import CompileGuard
+from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
+from trainer.pipeline.features import allocate_slots, pack_context_features
+from trainer.pipeline.flops import FLOP_KEYS, micro_batch_flops, peak_tflops
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
+from trainer.pipeline.prefetch import BatchPrefetcher, MicroBatch
+from trainer.pipeline.shapes import PackedShape, WarmShapes
+from trainer.pipeline.stages import StageQueue, StageThread, join_all
+from trainer.pipeline.stopping import PipelineFailed, StopSignal
+from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
 
 class _StateOnly:
@@ -143,7 +143,7 @@ class ThreadedTrainer(Trainer):
                                         c.drafter.config.mask_token_id, gen, doc_start).to(device)
                 feats = features(0, ids, doc_start).clone().to(device)
                 with autocast_for(str(device), cfg.model.dtype):
-                    from trainer.objective import drafter_loss_sums
+                    from trainer.models.objective import drafter_loss_sums
 
                     loss, _, _ = drafter_loss_sums(self.drafters[rank], self.heads[rank], feats, blocks,
                                                    self.backend, cfg.model.loss_chunk,

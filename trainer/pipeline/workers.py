@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.drafter import DFlashDrafter
-from trainer.objective import drafter_loss_sums
-from trainer.target import FrozenHead
+from trainer.models.drafter import DFlashDrafter
+from trainer.models.objective import drafter_loss_sums
+from trainer.models.target import FrozenHead
 
-from .compile_safety import CompileGuard, configure_compile_for_thread
-from .device_stats import BusyMeter, MetricAccumulator, is_cuda
-from .features import FeatureSlot, pack_context_features
-from .grad_sync import FlatGrads, ReplicaAllReduce
-from .prefetch import MicroBatch
-from .stages import StageQueue
-from .stopping import StopSignal
+from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
+from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda
+from trainer.pipeline.features import FeatureSlot, pack_context_features
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
+from trainer.pipeline.prefetch import MicroBatch
+from trainer.pipeline.stages import StageQueue
+from trainer.pipeline.stopping import StopSignal
 
 METRIC_NAMES = ["loss_sum", "weight_sum", "correct_sum", "grad_norm_sum", "steps"]
 

@@ -1,7 +1,7 @@
 """One rank per host in a torch.distributed process group (docs/multi-node.md).
 
 Inside a host nothing changes: threads and in-process NCCL. Across hosts, torchrun (our
-`trainer.launch`) starts one rank per host and this module holds what the ranks share:
+`trainer.distributed.launch`) starts one rank per host and this module holds what the ranks share:
 
 * the gradient group: NCCL when the drafters are on GPUs, gloo on CPU; one all-reduce per step
   of one replica's flat gradient buffer (its STAT slots included, so the loss is normalised over

@@ -1,4 +1,4 @@
-"""Regenerate a chat dataset's assistant turns with the target itself (`python -m trainer regen`).
+"""Regenerate a chat dataset's assistant turns with the target itself (`python -m trainer_tools.regen`).
 
 Every user turn of every conversation is answered by the target, in order, with the answers
 so far as context; the dataset's own assistant turns are dropped. Two engines answer:
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
 
-from trainer.chat_data import DataError, jsonl_records, prompt_messages
+from trainer.data.chat import DataError, jsonl_records, prompt_messages
 
 if TYPE_CHECKING:
     import torch
@@ -658,7 +658,7 @@ def _failed(s: Summary, prompt: Prompt, message: str, max_errors: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer regen",
+    p = argparse.ArgumentParser(prog="python -m trainer_tools.regen",
                                 description="Regenerate the assistant turns of a chat JSONL with the target.")
     p.add_argument("--in", dest="inp", required=True, help="prompts JSONL (messages, ShareGPT conversations, or prompt)")
     p.add_argument("--out", required=True, help="output JSONL; a rerun skips the ids already in it")
@@ -766,3 +766,7 @@ def iter_records(path: str | Path) -> Iterable[dict]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

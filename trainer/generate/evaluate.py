@@ -4,7 +4,7 @@ This is the inference path, written independently of the training forward: one b
 drafted in a single `draft_block` call after the context of all accepted tokens, the target
 verifies it, and the matching prefix plus the target's bonus token are kept. The target is
 re-run on the whole sequence each round (no KV cache): simple and exact, the reference that
-the KV-cached decoder in trainer.speculative (what evaluation uses) is tested against.
+the KV-cached decoder in trainer.generate.speculative (what evaluation uses) is tested against.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from trainer.drafter import DFlashDrafter
-from trainer.target import FrozenHead
+from trainer.models.drafter import DFlashDrafter
+from trainer.models.target import FrozenHead
 
 
 @dataclass
@@ -84,12 +84,12 @@ def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
 
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                       conversations: list[dict], max_new_tokens: int, batch: int = 16) -> dict:
-    """τ over held-out conversations, decoded with KV caches (trainer.speculative), `batch` at once.
+    """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once.
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
     prompt's own τ (what the DFlash authors' benchmark reports); histogram[k]: rounds that
     produced k + 1 tokens (k drafts accepted, then the target's own token)."""
-    from trainer.speculative import speculative_generate_cached
+    from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     prompts = [prompt_ids(tokenizer, conv["messages"]) for conv in conversations]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from trainer.chat_data import DataError, encode_conversation, read_conversations, tokenize_conversation  # noqa: F401
+from trainer.data.chat import DataError, encode_conversation, read_conversations, tokenize_conversation  # noqa: F401
 
 
 @dataclass

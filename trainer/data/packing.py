@@ -4,7 +4,7 @@ A row holds documents (tokenized conversations) d0, d1, ... followed by padding.
 is the row index where token i's document begins; the padding tail counts as one more document
 (so every query of the target sees at least itself). From it follow, everywhere:
 
-* the target's attention: causal inside each document (trainer.masks.document_causal_*);
+* the target's attention: causal inside each document (trainer.models.masks.document_causal_*);
 * positions: i - doc_start[i], restarting at 0 in every document (target RoPE and drafter);
 * anchors: sampled per document, `anchors_per_row * len(doc) / row length` of them (largest
   remainder, so a row gets exactly its share), at positions p where p and p+1 carry loss and
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.config import DataConfig
-from trainer.data import Batch, DataError, PreloadedDataset
+from trainer.train.config import DataConfig
+from trainer.data.batches import Batch, DataError, PreloadedDataset
 
 
 @dataclass
@@ -107,7 +107,7 @@ class PackedDataset:
     Each epoch shuffles the conversations (seed, epoch) and places each, whole, into the first of
     at most `window` open rows where it fits; when none has room and the window is full, the
     fullest open row is closed. Batch order is a pure function of (seed, epoch); `state_dict()`
-    is (epoch, cursor), as for `trainer.data.PreloadedDataset`.
+    is (epoch, cursor), as for `trainer.data.batches.PreloadedDataset`.
     """
 
     def __init__(self, samples: list[tuple[list[int], list[int]]], pack_length: int, rows: int, pad_id: int,

@@ -4,7 +4,7 @@ The directory has the layout of z-lab's drafts (e.g. Qwen3-8B-DFlash-b16): a Qwe
 with `dflash_config` {mask_token_id, target_layer_ids}, `block_size` and `num_target_layers`,
 and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM load. For
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` it also carries the model code
-(modeling_dflash.py + drafter.py, see trainer.hf_modeling) and config.json's `auto_map`.
+(modeling_dflash.py + drafter.py, see trainer.models.hf_modeling) and config.json's `auto_map`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from trainer import checkpoint as ckpt
+from trainer.train import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
 # file written beside the weights -> the trainer module it is a copy of

@@ -1,7 +1,7 @@
 """The exported draft's model code, for `AutoModel.from_pretrained(export, trust_remote_code=True)`.
 
-`trainer.export` writes this file beside the weights as `modeling_dflash.py`, with
-`trainer/drafter.py` as `drafter.py` (torch only), and names the class in config.json's
+`trainer.models.export` writes this file beside the weights as `modeling_dflash.py`, with
+`trainer/models/drafter.py` as `drafter.py` (torch only), and names the class in config.json's
 `auto_map`. The class holds the drafter's weights under the published names (fc, hidden_norm,
 layers.N.*, norm) and runs the trainer's own drafting code, so it drafts exactly what the
 trained drafter drafts. config.json stays the Qwen3 config SGLang and vLLM read.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from .drafter import DFlashDrafter, DrafterConfig, build_drafter_modules
+from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules
 
 
 def drafter_config(config: Qwen3Config) -> DrafterConfig:

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.drafter import DFlashDrafter, pointwise
-from trainer.masks import Blocks, block_attention
-from trainer.target import FrozenHead
+from trainer.models.drafter import DFlashDrafter, pointwise
+from trainer.models.masks import Blocks, block_attention
+from trainer.models.target import FrozenHead
 
 
 def _chunk_sums(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -120,10 +120,10 @@ def drafter_loss_sums(
     """Training forward of the drafter on one micro-batch.
 
     ctx_features: [B, L, n*H] from `target_context_features`; blocks: from
-    `trainer.masks.prepare_blocks` (on the drafter's device). Returns (loss_sum, weight_sum,
+    `trainer.models.masks.prepare_blocks` (on the drafter's device). Returns (loss_sum, weight_sum,
     correct_sum) as 0-d fp32 tensors (loss_sum differentiable); no host sync happens here.
     ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and the bench).
-    doc_start [B, L]: packed rows (trainer.packing): context positions restart per document, a
+    doc_start [B, L]: packed rows (trainer.data.packing): context positions restart per document, a
     block sees only its own document, and flex builds its mask from tiles (long rows).
     """
     b, a, bs = blocks.input_ids.shape

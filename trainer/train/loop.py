@@ -10,18 +10,19 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.components import Components, build_components
-from trainer.config import TrainerConfig, dump_config
-from trainer.control import ControlPoller, Request
-from trainer.data import select_target_warmup_shapes
-from trainer.evaluate import acceptance_report
-from trainer.masks import Blocks, prepare_blocks, resolve_backend
-from trainer.objective import drafter_loss_sums
-from trainer.optim import clip_gradients
-from trainer.packing import row_anchors
-from trainer.rundir import RunDir, atomic_write
-from trainer.target import target_context_features
+from trainer.train import checkpoint as ckpt
+from trainer.data.chat import DataError
+from trainer.train.components import Components, build_components
+from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.control import ControlPoller, Request
+from trainer.data.batches import select_target_warmup_shapes
+from trainer.generate.evaluate import acceptance_report
+from trainer.models.masks import Blocks, prepare_blocks, resolve_backend
+from trainer.models.objective import drafter_loss_sums
+from trainer.train.optim import clip_gradients
+from trainer.data.packing import row_anchors
+from trainer.train.rundir import RunDir, atomic_write
+from trainer.models.target import target_context_features
 
 
 def compiled_graphs() -> int:
@@ -89,7 +90,7 @@ class Trainer:
         self.restore(ckpt.load(path, map_location=self.c.drafter_device))
 
     def restore(self, state: dict) -> None:
-        """Put a checkpoint's contents (trainer.checkpoint.load) into the model, optimizer and data."""
+        """Put a checkpoint's contents (trainer.train.checkpoint.load) into the model, optimizer and data."""
         self.c.drafter.load_state_dict(state["model"])
         self.c.optimizer.load_state_dict(state["optim"]["optimizer"])
         self.c.scheduler.load_state_dict(state["optim"]["scheduler"])
@@ -106,7 +107,7 @@ class Trainer:
         began = time.time()
         gen = torch.Generator().manual_seed(12345)
         if self.cfg.data.pack_length:
-            from trainer.packing import warmup_packed_batch
+            from trainer.data.packing import warmup_packed_batch
 
             batch = warmup_packed_batch(self.cfg.data.pack_rows, self.cfg.data.pack_length,
                                         self.c.drafter.config.vocab_size, gen)
@@ -139,7 +140,7 @@ class Trainer:
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, blocks: Blocks,
                  doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """doc_start: packed rows (trainer.packing), else None."""
+        """doc_start: packed rows (trainer.data.packing), else None."""
         c = self.c
         feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),
                                         c.drafter.config.target_layer_ids,
@@ -276,6 +277,8 @@ class Trainer:
 
     def error_record(self, exc: BaseException) -> dict:
         """status.json's `error` for a failure that reached run()."""
+        if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
+            return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
         return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
     def run(self, resume: str | None) -> int:
@@ -303,7 +306,8 @@ class Trainer:
             error = self.error_record(exc)
             self.rd.event("error", self.step, **error)
             self.rd.update(state="failed", error=error)
-            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}\n{error['traceback']}")
+            trace = f"\n{error['traceback']}" if error.get("traceback") else ""
+            self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}{trace}")
             return 1
         finally:
             self.rd.close()

@@ -231,7 +231,7 @@ class DFlashDrafter(nn.Module):
 
         ctx_features [B, L, n*H] (context position j = j, unless ctx_positions [B, L] says
         otherwise: packed rows restart positions per document), block_embeds [B, A*bs, H],
-        block_positions [B, A*bs]; `attention` applies the block mask (see trainer.masks).
+        block_positions [B, A*bs]; `attention` applies the block mask (see trainer.models.masks).
         Returns the final hidden states of every block slot, [B, A*bs, H].
         """
         b, length = ctx_features.shape[:2]

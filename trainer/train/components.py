@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.config import TrainerConfig, data_paths, default_gamma, template_kwargs
-from trainer.data import PreloadedDataset, build_dataset, read_conversations
-from trainer.drafter import DFlashDrafter, DrafterConfig
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.synth import synthetic_conversations, synthetic_words, write_jsonl
-from trainer.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
+from trainer.train.config import TrainerConfig, data_paths, default_gamma, template_kwargs
+from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.train.optim import build_optimizer, build_scheduler
+from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
+from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
                             freeze, load_target, num_layers, random_8b_shape_target, tiny_target)
-from trainer.tokenizer import synthetic_tokenizer
+from trainer.data.tokenizer import synthetic_tokenizer
 
 if TYPE_CHECKING:
-    from trainer.packing import PackedDataset
+    from trainer.data.packing import PackedDataset
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -145,7 +145,7 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     eval_data = dataset(eval_conv, cfg.data.seed + 1)
     target = build_target(cfg, tokenizer, train_data, run_dir, log)
     if cfg.data.pack_length:
-        from trainer.packing import PackedDataset
+        from trainer.data.packing import PackedDataset
 
         train_data = PackedDataset.from_dataset(train_data, cfg.data.pack_length, cfg.data.pack_rows)
         log(f"packing {len(train_data)} conversations into rows of {cfg.data.pack_length} tokens, "

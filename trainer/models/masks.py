@@ -8,7 +8,7 @@ queries are the A*bs block slots. A block with anchor p:
   * a padding block (no anchor) sees nothing, and its output is zero.
 Slot k of the block sits at position p+k and predicts the token at p+k (not shifted).
 
-Packed rows (trainer.packing) hold several documents back to back. Then every block also carries
+Packed rows (trainer.data.packing) hold several documents back to back. Then every block also carries
 the row index where its anchor's document starts (`starts`): it sees context key j iff
 start <= j < p, so never another document; its positions and the target's restart at each
 document; a slot past its document's end is out of bounds (no label, no weight), exactly as past
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from trainer.drafter import Attention
+    from trainer.models.drafter import Attention
 
 # flex_attention's mask_mod: (batch, head, query index, key index) -> may the query see the key
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -123,11 +123,11 @@ def prepare_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_anchors
                    mask_token_id: int, generator: torch.Generator,
                    doc_start: torch.Tensor | None = None) -> Blocks:
     """Sample anchors and build their blocks; with doc_start (packed rows) anchors are sampled
-    per document (trainer.packing.sample_packed_anchors) and `num_anchors` is per row."""
+    per document (trainer.data.packing.sample_packed_anchors) and `num_anchors` is per row."""
     if doc_start is None:
         anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     else:
-        from trainer.packing import sample_packed_anchors
+        from trainer.data.packing import sample_packed_anchors
 
         doc_start = doc_start.cpu()
         anchors, valid = sample_packed_anchors(loss_mask, doc_start, num_anchors, generator)

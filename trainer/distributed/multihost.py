@@ -5,7 +5,7 @@ What changes against one host, and nothing else:
 * data: every host walks the same global micro-batch sequence (same seed, same anchors) and
   keeps its share, so a step trains exactly the micro-batches one host would, and every host's
   data position (checkpointed) is the same;
-* gradients: the host's flat buffer is all-reduced over the hosts (trainer.distributed), STAT
+* gradients: the host's flat buffer is all-reduced over the hosts (trainer.distributed.group), STAT
   slots included: the loss is normalised over the whole global step;
 * step boundaries: the hosts agree on stop/checkpoint requests (one tiny gloo all-reduce), so
   all stop at the same step; one rank (the writer: rank 0, or the rank that held the resumed
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import TrainerConfig
-from trainer.control import Request
-from trainer.data import Batch
-from trainer.distributed import GroupEnv, HostGroup, PeerLost, choose_backend
-from trainer.masks import Blocks
+from trainer.train import checkpoint as ckpt
+from trainer.train.config import TrainerConfig
+from trainer.train.control import Request
+from trainer.data.batches import Batch
+from trainer.distributed.group import GroupEnv, HostGroup, PeerLost, choose_backend
+from trainer.models.masks import Blocks
 
-from .threaded import ThreadedTrainer
+from trainer.pipeline.threaded import ThreadedTrainer
 
 STOP_CODES = {None: 0, "control": 1, "signal": 2}
 STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}

@@ -1,6 +1,6 @@
 """Greedy speculative decoding with KV caches for target and drafter, many prompts at once.
 
-Same algorithm and result as the uncached reference (`trainer.evaluate.speculative_generate`),
+Same algorithm and result as the uncached reference (`trainer.generate.evaluate.speculative_generate`),
 which re-runs the target on the whole sequence every round; here each round feeds only the
 block (anchor + drafts) to the target and keeps what it accepted. Two implementations, one result
 (`speculative_generate_cached` picks one):
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from trainer.drafter import DFlashDrafter, _rotate, rope_cos_sin
-from trainer.target import FrozenHead, base_model
+from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
+from trainer.models.target import FrozenHead, base_model
 
 
 @dataclass

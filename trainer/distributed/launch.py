@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from trainer.rundir import FINAL_STATES, atomic_write, process_start_ticks
+from trainer.train.rundir import FINAL_STATES, atomic_write, process_start_ticks
 
 SIOCGIFADDR = 0x8915
 

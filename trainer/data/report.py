@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.chat_data import DataError, encode_conversation, file_format, read_conversations
-from trainer.config import TrainerConfig, data_paths, template_kwargs
+from trainer.data.chat import DataError, encode_conversation, file_format, read_conversations
+from trainer.train.config import TrainerConfig, data_paths, template_kwargs
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Decoding with the target: greedy and speculative decoding, and the acceptance report (τ)."""

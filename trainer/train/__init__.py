@@ -1,0 +1,2 @@
+"""The training loop and what it holds: config, components, checkpoints, optimizer, control
+requests, the run directory."""

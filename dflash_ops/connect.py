@@ -6,6 +6,7 @@ import threading
 
 from dflash_ops.container import Container
 from dflash_ops.errors import TransportError
+from dflash_ops.extras import require_trainer
 from dflash_ops.inventory import Inventory, Node
 from dflash_ops.render import node_command
 from dflash_ops.simnode.containers import create_argv, is_created
@@ -52,6 +53,7 @@ def _create_sim_container(container: Container) -> None:
     with _lock:
         if is_created(sim_root, target.ctid):
             return
+        require_trainer(f"simulated CT {target.ctid} (its python links them from this one)")
         result = container.transport.run(node_command(create_argv(target.node.pct, target.ctid, hostname=target.name)))
         if not is_created(sim_root, target.ctid):
             raise TransportError(f"creating simulated CT {target.ctid} failed: {result.stderr.strip()[-500:]}")

@@ -27,7 +27,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms a
 if TYPE_CHECKING:
     from typing import BinaryIO  # noqa: F401  (the helpers annotate streams as nodefacts.BinaryIO)
 
-# The run states after which a trainer does no more work (the trainer writes them: trainer/rundir.py
+# The run states after which a trainer does no more work (the trainer writes them: trainer/train/rundir.py
 # holds the writer's copy of this tuple, and tests/unit/test_nodefacts.py keeps the two equal).
 FINAL_STATES = ("stopped", "failed", "done")
 

@@ -17,7 +17,7 @@ import pytest
 import dflash_ops.helpers as helpers_pkg
 from dflash_ops.helpers import bundle, helper_names, nodefacts, release_store
 from tests.procs import start_ticks
-from trainer import rundir
+from trainer.train import rundir
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_prune_waits_for_a_start_halfway_through(tmp_path):
 
 
 def test_the_trainer_and_the_helpers_agree_on_the_run_directory_facts():
-    """trainer/rundir.py writes what the helpers read; each side has its copy (neither imports the other)."""
+    """trainer/train/rundir.py writes what the helpers read; each side has its copy (neither imports the other)."""
     assert rundir.FINAL_STATES == nodefacts.FINAL_STATES
     assert rundir.process_start_ticks(os.getpid()) == nodefacts.process_start_ticks(os.getpid()) == start_ticks(os.getpid())
 

@@ -7,15 +7,12 @@ warm-up happens on one thread before any worker starts.
 from __future__ import annotations
 
 import copy
-import queue
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from trainer.train import checkpoint as ckpt
+from trainer.train.config import TrainerConfig
 from trainer.train.control import Request
 from trainer.data.batches import Batch
 from trainer.train.loop import Trainer, autocast_for
@@ -36,24 +33,14 @@ from trainer.pipeline.stopping import PipelineFailed, StopSignal
 from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
 
 
-class _StateOnly:
-    """Stands in for a module/optimizer/scheduler in CheckpointManager.save: a CPU snapshot."""
-
-    def __init__(self, state: dict) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
+def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:
+    """model.compile_target as written, or for `auto`: every target device is CUDA and the rows are
+    packed (one warmed shape). Never on the CPU (no compiler needed there; tests stay eager)."""
+    if not all(is_cuda(d) for d in target_devices):
+        return False
+    if cfg.model.compile_target == "auto":
+        return bool(cfg.data.pack_length)
+    return bool(cfg.model.compile_target)
 
 
 def forget_states_before(states: dict, first_kept: int) -> None:
@@ -105,7 +92,8 @@ class ThreadedTrainer(Trainer):
             mode = cfg.pipeline.pad_to_warm_shapes
             self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
         self.anchors = row_anchors(cfg.data, cfg.model.block_size)
-        if cfg.model.compile_target and all(is_cuda(d) for d in self.target_devices):
+        self.compiled_target = compiles_target(cfg, self.target_devices)
+        if self.compiled_target:
             for target in dict.fromkeys(self.targets):
                 compile_decoder_layers(target)
         shapes = self.warm.shapes()
@@ -159,9 +147,10 @@ class ThreadedTrainer(Trainer):
                 torch.cuda.reset_peak_memory_stats(device)
         self.guard.freeze()
         seconds = time.time() - began
-        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
+        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
+                      compile_target=self.compiled_target)
         self.rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
-                    f"took {seconds:.1f}s; compiles frozen")
+                    f"took {seconds:.1f}s (target {'compiled' if self.compiled_target else 'eager'}); compiles frozen")
 
     # ------------------------------------------------------------------ the threaded loop
     def _build_pipeline(self) -> list[StageThread]:
@@ -221,8 +210,6 @@ class ThreadedTrainer(Trainer):
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
         reducer = ReplicaAllReduce(self.flats, streams, stop, across_hosts=self.across_hosts())
         self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
-        self.served: set = set()
-        self.writer_q: queue.Queue = queue.Queue()
         self.drafter_workers = []
         for r, d in enumerate(self.drafter_devices):
             settings = DrafterSettings(self.backend, cfg.model.loss_chunk, self.autocast_dtype[d], cfg.optim.grad_clip,
@@ -236,20 +223,20 @@ class ThreadedTrainer(Trainer):
         threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
         return threads
 
-    def _snapshot(self, step: int, request: Request | None) -> None:
-        """On drafter 0's thread at a step boundary: copy state to the CPU (the only stall), write later."""
+    def _snapshot(self, step: int, request: Request | None, periodic: bool = False) -> None:
+        """On drafter 0's thread at a step boundary: stage the state (trainer.train.checkpointer:
+        side-stream copies to pinned memory), written in the background while training goes on."""
         M = self.local_micro_batches()
         last_index = (step - self.first_step) * M - 1
-        state = {**self.data_states[last_index], "rng": ckpt.rng_state()}
-        self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
-                           copy.deepcopy(self.schedulers[0].state_dict()), state, request))
+        self.snapshot(step, self.drafters[0], self.optimizers[0], self.schedulers[0], self.data_states[last_index],
+                      request, periodic)
 
     def _on_step_end(self, step: int, _last: MicroBatch | None) -> None:
         self.step = step
+        if step == self.first_step + 1:  # the optimizer's state exists now: its staging is allocated meanwhile
+            self.reserve_checkpoint(self.drafters[0], self.optimizers[0], self.schedulers[0])
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
-        requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
-        for r in requests:
-            self.served.add((r.kind, r.id, r.reason))
+        requests = self.new_requests()
         every = self.cfg.run.checkpoint_every
         periodic = bool(every and step % every == 0 and step < self.cfg.optim.total_steps)
         stops = [r for r in requests if r.kind == "stop"]
@@ -263,8 +250,8 @@ class ThreadedTrainer(Trainer):
             self._snapshot(step, stop_request)
             self.stop.stop(stop_request.reason)
             return
-        if periodic:
-            self._snapshot(step, None)
+        if periodic and not checkpoints:  # a requested checkpoint of this step serves as the periodic one
+            self._snapshot(step, None, periodic=True)
 
     # ------------------------------------------------------------------ what a host-group trainer changes
     def local_micro_batches(self) -> int:
@@ -279,22 +266,6 @@ class ThreadedTrainer(Trainer):
     def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
         """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
         return None
-
-    def _write_checkpoints(self) -> None:
-        while True:
-            item = self.writer_q.get()
-            if item is None:
-                return
-            step, model, optim, sched, state, request = item
-            path, seconds = self.checkpoints.save(step, _StateOnly(model), self.c.drafter.config.to_dict(),
-                                                  _StateOnly(optim), _StateOnly(sched), state)
-            rel = str(path.relative_to(self.run_dir))
-            self.rd.event("checkpoint", step, path=rel, seconds=round(seconds, 3),
-                          request=request.id if request else None)
-            self.rd.update(last_checkpoint=rel)
-            self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s (in the background)")
-            if request is not None:
-                self.control.done(request)
 
     # ------------------------------------------------------------------ metrics
     def _gpu_entries(self, busy: dict) -> list[dict]:
@@ -362,8 +333,6 @@ class ThreadedTrainer(Trainer):
         """Run the threads until done or stopped; returns the stop reason (None when done)."""
         self.first_step = self.step
         threads = self._build_pipeline()
-        writer = threading.Thread(target=self._write_checkpoints, name="checkpoint-writer", daemon=True)
-        writer.start()
         since = (self.step, time.time(), None)
         for t in threads:
             t.start()
@@ -379,13 +348,13 @@ class ThreadedTrainer(Trainer):
                 for w in self.metrics.drain():
                     since = self._write_window(w, since)
         finally:
-            self.writer_q.put(None)
-            writer.join()
+            self.checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
             self.guard.unfreeze()
             for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
                 uncompile_decoder_layers(target)
         if self.stop.error is not None:
             raise self.stop.error
+        self.checkpointer.wait()  # a failed requested checkpoint fails the run
         return self.stop.reason
 
     def setup(self, resume: str | None) -> str | None:

@@ -60,7 +60,10 @@ class ModelConfig:
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
-    compile_target: bool = False  # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only)
+    # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only).
+    # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
+    # +11% in bench/pipeline.py); off on the CPU and for bucketed lengths
+    compile_target: bool | Literal["auto"] = "auto"
 
 
 @dataclass

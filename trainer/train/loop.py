@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from trainer.train import checkpoint as ckpt
+from trainer.train.checkpointer import Checkpointer, Job
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
 from trainer.train.config import TrainerConfig, dump_config
@@ -46,6 +47,8 @@ class Trainer:
         self.rd = RunDir(self.run_dir, cfg.optim.total_steps)
         self.control = ControlPoller(self.run_dir)
         self.checkpoints = ckpt.CheckpointManager(self.run_dir, cfg.run.keep_checkpoints)
+        self.served: set[tuple[str, str | None, str]] = set()  # requests taken (a checkpoint's is done once written)
+        self.checkpointer = Checkpointer(self.checkpoints, self._checkpoint_written, self._checkpoint_failed)
         self.step = 0
         self.anchor_rng = torch.Generator().manual_seed(cfg.data.seed)
         self.c: Components | None = None
@@ -212,51 +215,89 @@ class Trainer:
                     f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
         return result
 
-    def save(self, request_id: str | None) -> None:
-        c = self.c
-        self.rd.update(state="checkpointing")
-        state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state(), "rng": ckpt.rng_state()}
-        path, seconds = self.checkpoints.save(self.step, c.drafter, c.drafter.config.to_dict(), c.optimizer,
-                                              c.scheduler, state)
-        rel = str(path.relative_to(self.run_dir))
-        self.rd.event("checkpoint", self.step, path=rel, seconds=round(seconds, 3), request=request_id)
-        self.rd.update(state="running", last_checkpoint=rel)
-        self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s")
+    def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict,
+                 request: Request | None = None, periodic: bool = False) -> Job:
+        """Stage the step's state for the background writer (trainer.train.checkpointer); training
+        goes on while it is written. Blocks only while the previous write is still in flight."""
+        return self.checkpointer.snapshot(
+            step, drafter.state_dict(), drafter.config.to_dict(),
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {**trainer_state, "rng": ckpt.rng_state()}, request, periodic, optimizers=(optimizer,))
 
-    def save_periodic(self) -> None:
+    def reserve_checkpoint(self, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Allocate the checkpoint's host buffers in the background (after the first step, once the
+        optimizer holds its state), so that no checkpoint waits for them."""
+        self.checkpointer.reserve({"model": drafter.state_dict(),
+                                   "optim": {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}})
+
+    def checkpoint(self, request: Request | None = None, periodic: bool = False) -> Job:
+        c = self.c
+        state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
+        return self.snapshot(self.step, c.drafter, c.optimizer, c.scheduler, state, request, periodic)
+
+    def save(self, request: Request | None) -> None:
+        """A checkpoint of this step, complete on disk when this returns (stop, the end of the run)."""
+        self.checkpoint(request)
+        self.rd.update(state="checkpointing")
+        self.checkpointer.wait()
+        self.rd.update(state="running")
+
+    def _checkpoint_written(self, job: Job, path: Path, seconds: float) -> None:
+        """On the writer thread: the event `run checkpoint --wait` waits for, then the request is done."""
+        rel = str(path.relative_to(self.run_dir))
+        request = job.request.id if job.request is not None else None
+        copy = {} if job.copy_s is None else {"copy_s": round(job.copy_s, 3)}
+        self.rd.event("checkpoint", job.step, path=rel, seconds=round(seconds, 3), stall_s=round(job.stall_s, 4),
+                      **copy, request=request)
+        self.rd.update(last_checkpoint=rel)
+        self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s in the background; training waited "
+                    f"{job.stall_s:.3f}s" + (f" (GPU copy {job.copy_s:.2f}s)" if job.copy_s is not None else ""))
+        if job.request is not None:
+            self.control.done(job.request)
+
+    def _checkpoint_failed(self, job: Job, exc: BaseException) -> None:
         """A periodic checkpoint that fails for lack of space (or any OSError) is reported and
-        retried at the next one; the run goes on instead of losing its steps."""
-        try:
-            self.save(None)
-        except OSError as e:
-            message = f"{type(e).__name__}: {e}"
-            self.rd.event("checkpoint_failed", self.step, message=message)
-            self.rd.update(state="running", last_checkpoint_error={"step": self.step, "message": message})
-            self.rd.log(f"checkpoint at step {self.step} failed ({message}); training goes on, the next "
+        retried at the next one; the run goes on instead of losing its steps. Any other failure
+        also fails the run (the checkpointer raises it on the training thread)."""
+        message = f"{type(exc).__name__}: {exc}"
+        self.rd.event("checkpoint_failed", job.step, message=message,
+                      request=job.request.id if job.request is not None else None)
+        self.rd.update(last_checkpoint_error={"step": job.step, "message": message})
+        if job.periodic and isinstance(exc, OSError):
+            self.rd.log(f"checkpoint at step {job.step} failed ({message}); training goes on, the next "
                         "checkpoint tries again")
+
+    def new_requests(self) -> list[Request]:
+        """Control requests not taken yet: a checkpoint request stays in control/ until its
+        checkpoint is written in the background, and must not be served again meanwhile."""
+        found = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
+        self.served.update((r.kind, r.id, r.reason) for r in found)
+        return found
 
     def _serve(self, requests: list[Request]) -> str | None:
         """Serve control requests; returns the stop reason when the run must stop."""
         for r in requests:
             if r.kind == "checkpoint":
-                self.save(r.id)
-                self.control.done(r)
+                self.checkpoint(r)
         for r in requests:
             if r.kind == "stop":
-                self.save(r.id)
-                self.control.done(r)
+                self.save(r)
                 return r.reason
         return None
 
     # ------------------------------------------------------------------ the run
     def train_steps(self) -> str | None:
         """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
-        total, stop_reason = self.cfg.optim.total_steps, None
+        total, stop_reason, first = self.cfg.optim.total_steps, None, self.step
         while self.step < total:
-            stop_reason = self._serve(self.control.poll())
+            stop_reason = self._serve(self.new_requests())
             if stop_reason:
                 break
             m = self.train_step()
+            if self.step == first + 1:
+                self.reserve_checkpoint(self.c.drafter, self.c.optimizer, self.c.scheduler)
             if self.step % self.cfg.run.log_every == 0 or self.step == total:
                 recompiles = compiled_graphs() - self.graphs_after_warmup
                 self.rd.event("step", self.step, recompiles=recompiles, **m)
@@ -270,7 +311,7 @@ class Trainer:
             else:
                 self.rd.update(step=self.step)
             if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
-                self.save_periodic()
+                self.checkpoint(periodic=True)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
                 self.evaluate()
         return stop_reason
@@ -290,7 +331,7 @@ class Trainer:
             self.rd.update(state="running")
             stop_reason = self.train_steps()
             if stop_reason is None:
-                stop_reason = self._serve(self.control.poll())
+                stop_reason = self._serve(self.new_requests())
             if stop_reason:
                 self.rd.event("stop", self.step, reason=stop_reason)
                 self.rd.update(state="stopped")
@@ -310,6 +351,7 @@ class Trainer:
             self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}{trace}")
             return 1
         finally:
+            self.checkpointer.close()
             self.rd.close()
             if self.wandb is not None:
                 self.wandb.finish()

@@ -73,7 +73,7 @@ def evaluate(i: Inputs) -> list[Check]:
         checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run", PYTHON_NEEDED,
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
-    for judge in (config_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
+    for judge in (config_check, memory_plan_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
                   driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
@@ -162,6 +162,43 @@ def config_check(i: Inputs) -> Check | None:
         return None
     devices = ", ".join(f"cuda:{c}" for c in i.plan.cuda_indices) or "cpu"
     return Check("trainer config", OK, f"{i.plan.config_path}: devices {devices}", "a valid config")
+
+
+def memory_plan_check(i: Inputs) -> Check | None:
+    """The trainer's memory plan (trainer.models.memory_plan: bytes per target stage, drafter replica
+    and device) against each GPU's memory as torch measured it in the container. Needs the config,
+    the model's config.json (read on the node) for a model directory, and torch + transformers on
+    this side (they come with the `dflash-ops` install today); without them the check is skipped."""
+    if i.plan.config_path is None or i.plan.config_error or not i.plan.needs_gpu:
+        return None
+    devices = _torch(i).get("devices") or []
+    model = _model_dims(i) or {}
+    if not devices:
+        return None
+    try:
+        from trainer.models.memory_plan import build_plan
+        from trainer.train.config import ConfigError, load_config
+    except ImportError:
+        return None
+    try:
+        cfg = load_config(i.plan.config_path)
+    except ConfigError:
+        return None
+    if cfg.model.target.path is not None and not model.get("config"):
+        return None
+    needed = "each device's share within its memory"
+    try:
+        plan = build_plan(cfg, model.get("config"), {d["index"]: d["total"] for d in devices})
+    except (ValueError, KeyError, OSError) as e:
+        return Check("GPU memory plan", WARN, f"not sized: {e}", needed, "python -m trainer plan --config C says more")
+    measured = "; ".join(f"{d.device} {gib(d.total)}" + (f" of {gib(d.budget)}" if d.budget else "")
+                         for d in plan.devices)
+    refusal = plan.refusal()
+    if refusal is None:
+        return Check("GPU memory plan", OK, measured, needed)
+    fix = (f"split the target: devices: {plan.suggestion}" if plan.suggestion
+           else "split the target over more GPUs (devices.target: [[cuda:0, cuda:1, ...]]) or shorten the micro-batch")
+    return Check("GPU memory plan", FAIL, refusal, needed, fix)
 
 
 def python_check(i: Inputs) -> Check:

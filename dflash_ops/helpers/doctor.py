@@ -273,7 +273,9 @@ def model_dims(path: str | None) -> dict | None:
         return {"error": "cannot read %s" % path}
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers")
-    return {k: doc.get(k) for k in keys}
+    out = {k: doc.get(k) for k in keys}
+    out["config"] = doc  # the whole config.json: the operator's side sizes the memory plan from it
+    return out
 
 
 # ---------------------------------------------------------------- torch, in a short child process

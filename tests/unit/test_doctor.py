@@ -233,3 +233,25 @@ def test_torch_missing_or_hanging_in_the_venv():
     hung = judge(gpu_facts(torch={"python": "/v/bin/python", "error": "timed out after 60s", "timed_out": True}))
     assert hung["torch"].measured == "/v/bin/python: timed out after 60s"
     assert hung["torch"].fix == "look at `dflash-ops exec gpu200 -- /v/bin/python -c 'import torch'`"
+
+
+def test_the_memory_plan_check_refuses_a_70b_target_with_its_drafter_on_one_h200_and_passes_it_split(tmp_path):
+    """doctor (and run start's preflight) size the trainer's memory plan from config.json as read on
+    the node and the GPUs' memory as torch measured it: a device that cannot hold its share fails."""
+    llama_70b = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    facts = gpu_facts(model={"hidden_size": 8192, "config": llama_70b})
+
+    def check(devices: str) -> checks.Check:
+        config = tmp_path / "c.yaml"
+        config.write_text("model: {target: {path: /data/models/Llama-3.3-70B}, mask_token_id: 128255, "
+                          "drafter_layers: 1}\ndata: {train_path: /data/chat.jsonl, max_length: 4096, "
+                          f"token_budget: 4096, bucket_edges: [4096]}}\ndevices: {devices}\n")
+        return judge(facts, plan=plan_for(TARGET, None, config))["GPU memory plan"]
+
+    beside = check("{target: [cuda:0], drafter: [cuda:0]}")
+    assert beside.status == FAIL and beside.measured.startswith("cuda:0 needs")
+    assert "more than its 140.00 GiB budget" in beside.measured
+    split = check("{target: [[cuda:0, cuda:1]], drafter: [cuda:1]}")
+    assert split.status == OK and "cuda:0" in split.measured and "of 140.0 GiB" in split.measured

@@ -16,7 +16,7 @@ from dflash_ops import render
 from dflash_ops.hashing import sha256_file
 from dflash_ops.errors import (CommandTimeout, ConnectionLost, DflashOpsError, HelperFailed, RemoteCommandError,
                                TransferError)
-from dflash_ops.helpers import HELPERS_DIR, bundle, helper_source
+from dflash_ops.helpers import HELPERS_DIR, Bundle, bundle, helper_source
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
@@ -69,7 +69,7 @@ class ContainerAPI(Protocol):
 
     def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
                on_stderr_line: LineCallback | None = None, timeout: float | None = None,
-               check: bool = False, python: str | None = None) -> Result: ...
+               check: bool = False, python: str | None = None, helpers_root: str | None = None) -> Result: ...
 
     def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
                     python: str | None = None, answers: tuple[int, ...] = ()) -> Any: ...
@@ -211,13 +211,14 @@ class Container:
 
     def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
                on_stderr_line: LineCallback | None = None, timeout: float | None = None, check: bool = False,
-               python: str | None = None) -> Result:
+               python: str | None = None, helpers_root: str | None = None) -> Result:
         """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash
         (with the shared modules it imports: dflash_ops/helpers/__init__.py).
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
         missing file in the same exec; only then is it sent (one exec a file) and run. `python`
-        (default: the target's) runs it, e.g. a release's venv python.
+        (default: the target's) runs it, e.g. a release's venv python. `helpers_root` installs
+        it elsewhere than BASE/helpers (the doctor, when base_dir cannot be written).
         """
         source = helper_source(name)
         if source is None:
@@ -226,7 +227,9 @@ class Container:
                       check=check)
         if self.helpers_in_place:  # nothing is installed into the directory it reads
             return run([python or self._target.python, str(source), *args])
-        remote = self.helper_path(name)
+        found = bundle(name)
+        directory = f"{helpers_root or self.base_dir + '/helpers'}/{found.digest}"
+        remote = f"{directory}/{found.script}"
         argv = [python or self._target.python, remote, *args]
         if remote in self._installed_helpers:
             return run(argv)
@@ -240,7 +243,7 @@ class Container:
                 if check and not result.ok:
                     raise RemoteCommandError(argv, result.exit_code, result.stderr)
                 return result
-        self._install_helper(name)
+        self._install_helper(found, directory)
         self._installed_helpers.add(remote)
         return run(argv)
 
@@ -257,13 +260,11 @@ class Container:
         """Where helper `name` runs from: BASE/helpers/<its bundle's hash>/<file>."""
         return f"{self.base_dir}/{bundle(name).rel()}"
 
-    def _install_helper(self, name: str) -> None:
-        """Each file of the helper's bundle, verified; the helper itself last, so that its
-        presence (what a call probes for) means the shared modules beside it are there too."""
-        found = bundle(name)
+    def _install_helper(self, found: Bundle, directory: str) -> None:
+        """Each file of the helper's bundle into `directory`, verified; the helper itself last, so
+        that its presence (what a call probes for) means the shared modules beside it are there too."""
         for filename, content in found.files:
-            remote = f"{self.base_dir}/{found.rel(filename)}"
-            directory = remote.rpartition("/")[0]
+            remote = f"{directory}/{filename}"
             tmp = f"{directory}/.{filename}.{uuid.uuid4().hex[:8]}.tmp"
             result = self.exec(
                 render.script(

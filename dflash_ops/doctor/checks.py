@@ -399,6 +399,13 @@ def nccl_check(i: Inputs) -> Check | None:
 
 def shm_check(i: Inputs) -> Check:
     shm, need = i.found["shm"], i.plan.shm_needed()
+    if shm.get("exists") is False:
+        return Check("/dev/shm", FAIL, f"{shm['path']} is missing", f"a tmpfs with {gib(need)} free",
+                     _shm_fix(i, need, mount=True))
+    mount = shm.get("mount")
+    if mount and (mount.get("fstype") != "tmpfs" or shm.get("mounted_here") is False):
+        return Check("/dev/shm", FAIL, f"{shm['path']} is not a tmpfs (it is {mount.get('fstype')} at {mount.get('point')})",
+                     f"a tmpfs with {gib(need)} free", _shm_fix(i, need, mount=True))
     if "error" in shm:
         return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
     measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
@@ -412,10 +419,12 @@ def shm_check(i: Inputs) -> Check:
     return judged("/dev/shm", free >= need, measured, why, _shm_fix(i, need))
 
 
-def _shm_fix(i: Inputs, need: int) -> str:
+def _shm_fix(i: Inputs, need: int, mount: bool = False) -> str:
     size = f"{max(1, -(-need // GIB))}G"
     where = (f"; to keep it, add `lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size={size},create=dir 0 0` "
              f"to /etc/pve/lxc/{i.target.ctid}.conf") if i.node.pct else ""
+    if mount:
+        return f"in the container: mkdir -p /dev/shm && mount -t tmpfs -o size={size} tmpfs /dev/shm{where}"
     return f"in the container: mount -o remount,size={size} /dev/shm{where}"
 
 
@@ -429,6 +438,15 @@ def disk_check(i: Inputs) -> Check:
     if "error" in disk:
         return Check("disk at base_dir", FAIL, f"{disk['path']}: {disk['error']}", "a writable base_dir",
                      f"create {i.target.base_dir} in the container")
+    if disk.get("writable") is False:
+        where = disk.get("probed") or i.target.base_dir
+        fix = (f"in the container: mount -o remount,rw the filesystem holding {where} (or give the container a "
+               "writable volume there), or set base_dir in the inventory to a writable path") if disk.get("readonly") \
+            else (f"in the container: make {where} writable for the login user (chown/chmod), or set base_dir in "
+                  "the inventory to a writable path")
+        state = "read-only" if disk.get("readonly") else "not writable"
+        return Check("disk at base_dir", FAIL, f"{i.target.base_dir}: {state} ({disk.get('write_error')})",
+                     "a writable base_dir", fix)
     size = i.plan.checkpoint_bytes(_model_dims(i))
     need = i.plan.disk_needed(_model_dims(i))
     measured = f"{gib(disk['free'])} free of {gib(disk['total'])} at {disk['measured_at']}"

@@ -33,10 +33,15 @@ class Bundle:
     files: tuple[tuple[str, bytes], ...]  # (file name, content)
     digest: str
 
+    @property
+    def script(self) -> str:
+        """The helper's own file (the one that is run)."""
+        return self.files[-1][0]
+
     def rel(self, filename: str | None = None) -> str:
         """`helpers/<digest>/<file>` relative to BASE: one of its files, by default the helper
         itself (the file that is run)."""
-        return f"helpers/{self.digest}/{filename or self.files[-1][0]}"
+        return f"helpers/{self.digest}/{filename or self.script}"
 
 
 def helper_source(name: str) -> Path | None:

@@ -170,20 +170,39 @@ def run_process(run_dir: str, status: dict | None) -> tuple[int | None, object]:
     return None, None
 
 
+def run_supervisor(run_dir: str) -> int | None:
+    """The pid of the run's live supervisor (`runs.py supervise`, a run started with --restart),
+    as launch.json records it, or None."""
+    launch = read_json(os.path.join(run_dir, "launch.json")) or {}
+    supervisor = launch.get("supervisor")
+    if not isinstance(supervisor, dict):
+        return None
+    pid = supervisor.get("pid")
+    return pid if isinstance(pid, int) and process_matches(pid, supervisor.get("pid_start")) else None
+
+
+def live_pid(run_dir: str, status: dict | None) -> int | None:
+    """The pid that makes a run live (run_is_live): its trainer's, or between two attempts of a
+    run that restarts itself, its supervisor's (it holds the run's GPUs and release meanwhile)."""
+    if status and status.get("state") in FINAL_STATES:
+        return None
+    pid, pid_start = run_process(run_dir, status)
+    if isinstance(pid, int) and process_matches(pid, pid_start):
+        return pid
+    return run_supervisor(run_dir)
+
+
 def run_is_live(run_dir: str, status: dict | None) -> bool:
     """The one rule for "is this run live?": its status is not final and its trainer process
-    (run_process) still runs. `status` is its status.json as read (None: missing or unreadable,
-    and launch.json names the process).
+    (run_process), or its supervisor between two attempts, still runs. `status` is its
+    status.json as read (None: missing or unreadable, and launch.json names the process).
 
-    Used by `runs.py list` (a run that is not final and not live died), the GPU check of a
-    start, the doctor's held GPUs and the release store's prune (a live run's release stays).
-    A run whose trainer died before it wrote status.json is not live; one being started is
-    seen under the start lock (start_lock), so a caller that must not miss it takes the lock.
+    Used by the GPU check of a start, the doctor's held GPUs (through `runs.py list`) and the
+    release store's prune (a live run's release stays). A run whose trainer died before it wrote
+    status.json is not live; one being started is seen under the start lock (start_lock), so a
+    caller that must not miss it takes the lock.
     """
-    if status and status.get("state") in FINAL_STATES:
-        return False
-    pid, pid_start = run_process(run_dir, status)
-    return process_matches(pid, pid_start)
+    return live_pid(run_dir, status) is not None
 
 
 def start_lock(runs_root: str) -> int:

@@ -27,7 +27,8 @@ def gpu_facts(**over) -> dict:
         "release": {"deployed": True, "hash": "abc", "venv": "venvs/x", "venv_python": "/opt/dflash/venvs/x/bin/python",
                     "venv_python_exists": True},
         "disk": {"path": "/opt/dflash", "measured_at": "/opt/dflash", "total": 2000 * GIB, "free": 1000 * GIB},
-        "shm": {"path": "/dev/shm", "total": 64 * GIB, "free": 64 * GIB},
+        "shm": {"path": "/dev/shm", "total": 64 * GIB, "free": 64 * GIB, "exists": True, "mounted_here": True,
+                "mount": {"point": "/dev/shm", "fstype": "tmpfs", "options": "rw"}},
         "memory": {"MemTotal": 512 * GIB, "MemAvailable": 500 * GIB},
         "limits": {"memlock": {"soft": None, "hard": None}, "nofile": {"soft": 1 << 20, "hard": 1 << 20}},
         "devices": {"nvidia0": "195:0", "nvidia1": "195:1", "nvidiactl": "195:255", "nvidia-uvm": "508:0"},
@@ -213,6 +214,37 @@ def test_helper_facts_on_this_machine(tmp_path):
     assert facts["shm"]["path"] == str(tmp_path) and facts["release"] == {"deployed": False,
                                                                             "root": str(tmp_path / "base/current")}
     assert facts["torch"]["torch_found"] is True and facts["runs"] == {"error": "no runs helper given"}
+
+
+def _helper_facts(base: Path, shm: Path) -> dict:
+    done = subprocess.run([sys.executable, str(HELPER), "facts", "--base", str(base), "--python", sys.executable,
+                           "--torch", "none", "--shm", str(shm)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[1])
+
+
+def test_a_missing_or_plain_directory_dev_shm_fails(tmp_path):
+    """The helper measures the real thing: a missing /dev/shm is not /dev's free space, and a
+    directory on the root disk is not a tmpfs (NCCL needs shared memory)."""
+    missing = judge(gpu_facts(shm=_helper_facts(tmp_path, tmp_path / "no-shm")["shm"]))["/dev/shm"]
+    assert missing.status == FAIL and missing.measured == f"{tmp_path / 'no-shm'} is missing"
+    assert missing.fix.startswith("in the container: mkdir -p /dev/shm && mount -t tmpfs -o size=1G tmpfs /dev/shm; "
+                                  "to keep it, add `lxc.mount.entry: tmpfs dev/shm")
+    plain = judge(gpu_facts(shm=_helper_facts(tmp_path, tmp_path)["shm"]))["/dev/shm"]
+    assert plain.status == FAIL and plain.measured.startswith(f"{tmp_path} is not a tmpfs (it is ")
+    if Path("/dev/shm").is_dir():
+        real = _helper_facts(tmp_path, Path("/dev/shm"))["shm"]
+        if real["mount"] and real["mount"]["fstype"] == "tmpfs":
+            assert judge(gpu_facts(shm=real), plan=RunPlan(gpus=()))["/dev/shm"].status == OK
+
+
+def test_an_unwritable_base_dir_fails_with_the_fix():
+    facts = gpu_facts(disk={"path": "/opt/dflash", "measured_at": "/opt/dflash", "total": 2000 * GIB,
+                            "free": 1000 * GIB, "readonly": True, "writable": False,
+                            "write_error": "Read-only file system", "probed": "/opt/dflash"})
+    disk = judge(facts)["disk at base_dir"]
+    assert disk.status == FAIL and disk.measured == "/opt/dflash: read-only (Read-only file system)"
+    assert disk.fix.startswith("in the container: mount -o remount,rw the filesystem holding /opt/dflash")
 
 
 def test_helper_reads_nvidia_majors(monkeypatch, tmp_path):

@@ -64,6 +64,18 @@ def test_a_run_is_live_while_not_final_and_its_trainer_runs(tmp_path, sleeper):
     assert not live(write_run(tmp_path / "died", {"state": "running", "pid": pid, "pid_start": ticks}))
 
 
+def test_between_two_attempts_the_supervisor_keeps_a_run_live(tmp_path, sleeper):
+    """A run started with --restart: its trainer died, the supervisor (launch.json) restarts it."""
+    pid, ticks = dead_pid()
+    supervisor = {"pid": sleeper.pid, "pid_start": start_ticks(sleeper.pid)}
+    run = write_run(tmp_path / "restarting", {"state": "running", "pid": pid, "pid_start": ticks},
+                    launch={"pid": pid, "pid_start": ticks, "supervisor": supervisor})
+    assert live(run) and nodefacts.live_pid(str(run), nodefacts.read_json(str(run / "status.json"))) == sleeper.pid
+    gone = write_run(tmp_path / "gave-up", {"state": "running", "pid": pid, "pid_start": ticks},
+                     launch={"pid": pid, "pid_start": ticks, "supervisor": {"pid": pid, "pid_start": ticks}})
+    assert not live(gone)
+
+
 def test_before_status_json_launch_json_names_the_trainer(tmp_path, sleeper):
     """release_store counted every run without status.json as live, so a trainer that died before
     writing it kept its release from being pruned for good; the runs helper asked launch.json."""

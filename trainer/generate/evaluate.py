@@ -75,24 +75,30 @@ def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: 
     return seq[len(prompt):]
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Everything before the last assistant turn, with the generation prompt."""
+def prompt_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Everything before the last assistant turn, with the generation prompt, rendered with the
+    data config's chat-template arguments (`trainer.train.config.template_kwargs`: e.g. Qwen3's
+    `enable_thinking: false` pre-fills an empty think block) - the prompt training saw and the
+    engine will serve."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
-                      conversations: list[dict], max_new_tokens: int, batch: int = 16) -> dict:
+                      conversations: list[dict], max_new_tokens: int, batch: int = 16,
+                      template_kwargs: dict | None = None) -> dict:
     """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once.
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
     prompt's own τ (what the DFlash authors' benchmark reports); histogram[k]: rounds that
-    produced k + 1 tokens (k drafts accepted, then the target's own token)."""
+    produced k + 1 tokens (k drafts accepted, then the target's own token); prompt_tokens: the
+    prompts' length in tokens, rendered with `template_kwargs` (the data config's)."""
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    prompts = [prompt_ids(tokenizer, conv["messages"]) for conv in conversations]
+    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs) for conv in conversations]
     was_training = drafter.training
     drafter.eval()
     try:
@@ -108,7 +114,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         histogram[n - 1] += 1
     return {"tau": sum(rounds) / len(rounds) if rounds else 0.0,
             "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-            "histogram": histogram, "samples": len(conversations), "rounds": len(rounds)}
+            "histogram": histogram, "samples": len(conversations), "rounds": len(rounds),
+            "prompt_tokens": sum(len(p) for p in prompts)}
 
 
 def mean_acceptance_length(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,

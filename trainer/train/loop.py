@@ -13,7 +13,7 @@ import torch
 from trainer.train import checkpoint as ckpt
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.config import TrainerConfig, dump_config, template_kwargs
 from trainer.train.control import ControlPoller, Request
 from trainer.data.batches import select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
@@ -193,7 +193,8 @@ class Trainer:
     def evaluate(self) -> dict:
         c, e = self.c, self.cfg.eval
         report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
-                                   c.eval_conversations[: e.samples], e.max_new_tokens)
+                                   c.eval_conversations[: e.samples], e.max_new_tokens,
+                                   template_kwargs=template_kwargs(self.cfg.data))
         tau = report["tau"]
         data = c.eval_data
         batches, _ = data.plan_epoch(0)

@@ -155,21 +155,32 @@ def target_context_features(
 ) -> torch.Tensor:
     """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
 
-    Layer id i means the output of decoder layer i (hidden_states[i + 1]; index 0 is the
-    embedding), as the published DFlash drafts expect.
+    Layer id i means the output of decoder layer i (hidden_states[i + 1] of the Hugging Face model;
+    index 0 is the embedding), as the published DFlash drafts expect. Only layers 0..max(layer_ids)
+    run, no final norm, and only the tapped outputs are kept (trainer.models.stages).
 
-    doc_start [B, L] (packed rows, trainer.data.packing): attention is causal inside each document and
-    positions restart at every document; attention_mask is then ignored. out: written in place.
+    attention_mask: a [B, L] tensor of right-padded rows (attention is causal, so a real position
+    never sees the padding after it and its features do not depend on the mask: it runs as plain
+    causal attention), or a prebuilt per-layer-type mapping. doc_start [B, L] (packed rows,
+    trainer.data.packing): attention is causal inside each document and positions restart at every
+    document; attention_mask is then ignored. out: written in place.
     """
+    from trainer.models.stages import feature_layers, run_layers, stage_inputs, tap_columns
+
     model = base_model(target)
-    kwargs = {}
     if doc_start is not None:
         doc_start = doc_start.to(input_ids.device)
-        attention_mask = packed_mask_mapping(model, doc_start)
-        kwargs["position_ids"] = torch.arange(doc_start.shape[1], device=doc_start.device) - doc_start
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
-                   **kwargs).hidden_states
-    return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1, out=out)
+        mapping = packed_mask_mapping(model, doc_start)
+    elif isinstance(attention_mask, dict):
+        mapping = attention_mask
+    else:
+        mapping = packed_mask_mapping(model, None)
+    hidden = model.embed_tokens(input_ids)
+    if out is None:
+        out = hidden.new_empty(*hidden.shape[:-1], len(layer_ids) * hidden.shape[-1])
+    inputs = stage_inputs(model, hidden, mapping, doc_start)
+    run_layers(model, hidden, 0, feature_layers(layer_ids), inputs, tap_columns(layer_ids), out)
+    return out
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:

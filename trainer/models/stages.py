@@ -1,0 +1,114 @@
+"""The target's decoder run in layer stages: only the layers the drafter taps, on their devices.
+
+Training needs the hidden states of the tapped layers (the drafter's `target_layer_ids`) and
+nothing above them: the layers past the last tapped one and the final norm run only to decode
+(τ evaluation). So features come from our own walk over the decoder layers, the same calls the
+Hugging Face base model makes (embedding, rotary embedding, each layer with the mask of its layer
+type), stopping after the last tapped layer and writing each tapped layer's output straight into
+its columns of the feature tensor: no tuple of every hidden state is kept alive.
+
+A split target runs the same walk in consecutive stages, each a contiguous range of layers on its
+own device (`StagePlan`); trainer.pipeline.workers runs one stage per thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layer ranges [lo, hi) covering 0..last tapped layer, one per device, in order."""
+
+    bounds: tuple[tuple[int, int], ...]
+    devices: tuple[torch.device, ...]
+
+    @classmethod
+    def single(cls, layers: int, device: torch.device | str) -> "StagePlan":
+        return cls(((0, layers),), (torch.device(device),))
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int], devices: Sequence[torch.device | str]) -> "StagePlan":
+        bounds, lo = [], 0
+        for n in sizes:
+            bounds.append((lo, lo + n))
+            lo += n
+        return cls(tuple(bounds), tuple(torch.device(d) for d in devices))
+
+    @property
+    def layers(self) -> int:
+        """Layers run for features: the last tapped layer + 1."""
+        return self.bounds[-1][1]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def stage_of(self, layer: int) -> int:
+        for s, (lo, hi) in enumerate(self.bounds):
+            if lo <= layer < hi:
+                return s
+        return len(self.bounds) - 1  # above the tapped layers: with the last stage (evaluation only)
+
+
+def feature_layers(layer_ids: Sequence[int]) -> int:
+    """How many decoder layers the features need: up to and including the last tapped one."""
+    return max(layer_ids) + 1
+
+
+def tap_columns(layer_ids: Sequence[int]) -> dict[int, list[int]]:
+    """layer id -> the positions it fills in the concatenated features (an id may be tapped twice)."""
+    taps: dict[int, list[int]] = {}
+    for k, layer in enumerate(layer_ids):
+        taps.setdefault(layer, []).append(k)
+    return taps
+
+
+class StageInputs(NamedTuple):
+    """What every decoder layer is called with besides the hidden states, on one device."""
+
+    mask_mapping: dict
+    position_ids: torch.Tensor
+    position_embeddings: Any  # (cos, sin) from the model's rotary embedding
+
+
+def layer_types(model: torch.nn.Module) -> list[str]:
+    n = int(model.config.num_hidden_layers)
+    kinds = getattr(model.config, "layer_types", None)
+    return list(kinds) if kinds else ["full_attention"] * n
+
+
+def stage_inputs(model: torch.nn.Module, hidden: torch.Tensor, mask_mapping: dict,
+                 doc_start: torch.Tensor | None) -> StageInputs:
+    """Positions (restarting at each document of a packed row) and rotary embeddings for `hidden`'s device.
+
+    mask_mapping: per layer type, as trainer.models.target.packed_mask_mapping builds it."""
+    length = hidden.shape[1]
+    if doc_start is not None:
+        position_ids = torch.arange(length, device=hidden.device) - doc_start
+    else:
+        position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
+    return StageInputs(mask_mapping, position_ids, model.rotary_emb(hidden, position_ids))
+
+
+def run_layers(model: torch.nn.Module, hidden: torch.Tensor, lo: int, hi: int, inputs: StageInputs,
+               taps: dict[int, list[int]], out: torch.Tensor) -> torch.Tensor:
+    """Decoder layers lo..hi-1 of the base model `model` on `hidden`; each tapped layer's output is
+    copied into its columns of `out` [B, L, n*H] (on any device: a cross-device copy_ runs on the
+    source's current stream and orders itself against the destination's). Returns the hidden states
+    after layer hi-1."""
+    width = hidden.shape[-1]
+    kinds, layers = layer_types(model), model.layers
+    assert isinstance(layers, torch.nn.ModuleList)
+    for i in range(lo, hi):
+        hidden = layers[i](hidden, attention_mask=inputs.mask_mapping[kinds[i]],
+                                 position_ids=inputs.position_ids, position_embeddings=inputs.position_embeddings,
+                                 use_cache=False)
+        if isinstance(hidden, tuple):  # transformers < 4.54 returns (hidden_states, ...)
+            hidden = hidden[0]
+        for k in taps.get(i, ()):
+            out[..., k * width:(k + 1) * width].copy_(hidden, non_blocking=True)
+    return hidden

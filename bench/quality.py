@@ -549,7 +549,7 @@ def child_env() -> dict:
 
 def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None,
             started_work=None, module: str = "trainer") -> tuple[int, float]:
-    """`python -m MODULE ARGV` as a user runs it (in this process for the CPU test). At the
+    """`python -m MODULE ARGV` (the trainer, or trainer_tools.regen) as a user runs it (in this process for the CPU test). At the
     deadline the process gets SIGINT (regen: stops with whole lines written); a deadline that
     passes before `started_work()` holds (a cold machine still loading and compiling) moves to
     MIN_WORK_S after it, so the stage always produces something."""
@@ -559,7 +559,8 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
 
         import importlib
 
-        main = importlib.import_module(module if module != "trainer" else "trainer.__main__").main
+        main = importlib.import_module("trainer.__main__" if module == "trainer" else module).main
+
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             rc = main(argv)
         return rc, time.time() - started
@@ -576,11 +577,11 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
                 else:
                     deadline = max(deadline, time.time() + 1.0)
             if deadline is not None and time.time() > deadline:
-                say(f"deadline: SIGINT to `python -m {module} {argv[0]}` (pid {proc.pid})")
+                say(f"deadline: SIGINT to `python -m {module}` (pid {proc.pid})")
                 proc.send_signal(signal.SIGINT)
                 deadline, interrupted = None, time.time()
             if interrupted is not None and time.time() - interrupted > 30:
-                say(f"deadline: `python -m {module} {argv[0]}` still running 30s after SIGINT: SIGKILL")
+                say(f"deadline: `python -m {module}` still running 30s after SIGINT: SIGKILL")
                 proc.kill()
                 interrupted = None
             time.sleep(0.2)

@@ -5,10 +5,7 @@ from __future__ import annotations
 import threading
 
 from dflash_ops.container import Container
-from dflash_ops.errors import TransportError
 from dflash_ops.inventory import Inventory, Node
-from dflash_ops.render import node_command
-from dflash_ops.simnode.containers import create_argv, is_created
 from dflash_ops.transport.base import Transport
 
 _transports: dict[Node, Transport] = {}
@@ -33,28 +30,11 @@ def transport_for(node: Node) -> Transport:
 
 
 def open_container(inventory: Inventory, target_name: str) -> Container:
+    """The target's Container; its node's kind starts what it must on first use (nodekind.NodeKind.start)."""
     target = inventory.target(target_name)
-    container = Container(target, transport_for(target.node))
-    if target.node.sim_root and target.ctid in target.node.sim_containers:
-        _create_sim_container(container)
-    return container
-
-
-def _create_sim_container(container: Container) -> None:
-    """First use of a simulated node's listed container: `pct create` it, as an admin would.
-
-    Only the ctids the node lists under `sim_containers` (the embedded default's 200): any
-    other ctid gets pct's "does not exist", as on a real node.
-    """
-    target = container.target
-    sim_root = target.node.sim_root
-    assert sim_root is not None
-    with _lock:
-        if is_created(sim_root, target.ctid):
-            return
-        result = container.transport.run(node_command(create_argv(target.node.pct, target.ctid, hostname=target.name)))
-        if not is_created(sim_root, target.ctid):
-            raise TransportError(f"creating simulated CT {target.ctid} failed: {result.stderr.strip()[-500:]}")
+    transport = transport_for(target.node)
+    target.node.kind.start(target.ctid, target.name, transport)
+    return Container(target, transport)
 
 
 def close_all() -> None:

@@ -14,7 +14,8 @@ from typing import Any, Callable, Protocol
 
 from dflash_ops import render
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import CommandTimeout, DflashOpsError, HelperFailed, RemoteCommandError, TransferError
+from dflash_ops.errors import (CommandTimeout, ConnectionLost, DflashOpsError, HelperFailed, RemoteCommandError,
+                               TransferError)
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
@@ -281,15 +282,36 @@ _WITHOUT_PCT = {
 
 
 def exec_killed_after(container: ContainerAPI, argv: list[str], timeout: float | None, **kwargs: Any) -> Result:
-    """container.exec(argv); with a timeout, under coreutils `timeout` inside the container
-    (render.killed_after), raising CommandTimeout when the limit was hit."""
-    if timeout is None:
-        return container.exec(argv, **kwargs)
-    wrapped, backstop = render.killed_after(timeout, argv)
-    result = container.exec(wrapped, timeout=backstop, **kwargs)
-    if result.exit_code in render.TIMED_OUT:
+    """container.exec(argv), stopped inside the container when it is given up on.
+
+    With a timeout, under coreutils `timeout` inside the container (render.killed_after), raising
+    CommandTimeout when the limit was hit. Killing the local `pct exec` does not stop a command in
+    a container (lxc-attach leaves it running, and sshd signals nothing when an SSH connection
+    without a terminal ends), so the command runs tagged (render.tagged) and, when this call ends
+    by Ctrl-C, a lost connection or the transport's backstop timeout, one more exec kills every
+    process carrying its tag: its whole tree, also children in process groups of their own.
+    """
+    wrapped, backstop = (argv, None) if timeout is None else render.killed_after(timeout, argv)
+    token = uuid.uuid4().hex
+    try:
+        result = container.exec(render.tagged(token, wrapped), timeout=backstop, **kwargs)
+    except (KeyboardInterrupt, ConnectionLost, CommandTimeout):  # the command may still run there
+        kill_tagged(container, token)
+        raise
+    if timeout is not None and result.exit_code in render.TIMED_OUT:
         raise CommandTimeout(render.node_command(argv), timeout)
     return result
+
+
+def kill_tagged(container: ContainerAPI, token: str) -> bool:
+    """Best effort: kill what exec_killed_after started with `token` (a new connection if the old one
+    died). False when that could not be done (the node is unreachable): a note says so on stderr."""
+    try:
+        return container.exec(render.kill_tagged(token), timeout=60).ok
+    except BaseException as e:  # noqa: BLE001 - a second Ctrl-C or a dead node: say what may be left
+        sys.stderr.write(f"dflash-ops: could not stop the command inside the container ({type(e).__name__}); "
+                         f"it may still run there (its environment holds {render.EXEC_TAG}={token})\n")
+        return False
 
 
 def helper_answer(name: str, args: list[str], result: Result, answers: tuple[int, ...] = ()) -> Any:

@@ -11,10 +11,11 @@ Schema (YAML)::
 `pct: none` says the node has no Proxmox: its targets are the node itself (a plain GPU box,
 or the container you are in), commands run there directly and `ctid` may be left out.
 
-`pct: simulated` (local nodes only) selects the bundled `pct` stand-in (dflash_ops/simnode),
-run by this very interpreter, with its state under `sim_root`. On local nodes `~` in
-`base_dir` and `sim_root` is expanded for the user running dflash-ops, so the default
-inventory works for root and non-root users alike.
+`pct: simulated` (local nodes only) is the bundled simulated Proxmox node. What a node is (its
+`pct:` value) is its kind (dflash_ops/nodekinds.py), which owns its own keys (the simulated node's
+`sim_root`, `sim_containers`, `sim_backend`), its pct command, and defaults for its targets'
+`base_dir` and `python`; this module only asks it. On local nodes `~` in `base_dir` is expanded
+for the user running dflash-ops, so the default inventory works for root and non-root users alike.
 
 Every error names file:line and says what is wrong in one line.
 """
@@ -22,8 +23,7 @@ Every error names file:line and says what is wrong in one line.
 from __future__ import annotations
 
 import os
-import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,14 +31,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dflash_ops import nodekinds
 from dflash_ops.errors import InventoryError
-from dflash_ops.simnode import containers as simct
+from dflash_ops.nodekind import NodeKind
 from dflash_ops.yamlfile import read_yaml_node, suggest
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
-SIMULATED = "simulated"
-NO_PCT = "none"
-DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
 
 
 @dataclass(frozen=True)
@@ -54,9 +52,11 @@ class Node:
     strict_host_key_checking: bool = True
     connect_timeout: float = 10.0
     keepalive: int = 15
-    sim_root: str | None = None  # local nodes running the stand-in: its state directory
-    # simulated nodes: containers created (like an admin's `pct create`) on first use
-    sim_containers: tuple[int, ...] = ()
+    kind: NodeKind = None  # type: ignore[assignment]  # what the node is (nodekinds.py); default: pct's
+
+    def __post_init__(self) -> None:
+        if self.kind is None:
+            object.__setattr__(self, "kind", NodeKind(self.pct))
 
 
 @dataclass(frozen=True)
@@ -167,18 +167,16 @@ class _NodeSpec(_Schema):
     identity_file: str | None = None
     known_hosts: str | None = None
     strict_host_key_checking: bool = True
-    pct: Any = "pct"  # a command (string or list of strings), `simulated` or `none`
+    pct: Any = "pct"  # a command (string or list of strings), or a kind's name (nodekinds.KINDS)
     connect_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     keepalive: Annotated[int, Field(ge=0)] = 15
-    sim_root: str | None = None
-    sim_containers: list[Ctid] = []
 
 
 class _TargetSpec(_Schema):
     node: str
     ctid: Annotated[Ctid, Field(strict=False)] | None = None  # "200" is a ctid too
-    base_dir: Path_
-    python: Path_ = "python3"
+    base_dir: Path_ | None = None  # required unless the node's kind has a default
+    python: Path_ | None = None  # default: the node kind's, else python3
     gpus: list[Annotated[int, Field(ge=0)]] = []
     extra_paths: list[Path_] = []
     venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
@@ -207,15 +205,18 @@ class _Parser:
         value.line = line  # report a missing key at the line naming the entry
         return value
 
-    def validate(self, spec: type[_Schema], m: _Mapping, what: str) -> Any:
-        """m checked against spec; the first problem as `FILE:LINE: what: key: problem, got VALUE`."""
+    def validate(self, spec: type[BaseModel], m: _Mapping, what: str, keys: dict | None = None,
+                 known: Iterable[str] = ()) -> Any:
+        """m (or its `keys`) checked against spec; the first problem as `FILE:LINE: what: key: problem, got VALUE`.
+
+        `known`: other names a misspelt key is compared with (the node kinds' keys)."""
         try:
-            return spec.model_validate(dict(m))
+            return spec.model_validate(dict(m) if keys is None else keys)
         except ValidationError as e:
             error = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")  # unknown keys first
             key = str(error["loc"][0]) if error["loc"] else ""
             if error["type"] == "extra_forbidden":
-                message = f"unknown key {key!r}{suggest(key, spec.model_fields)}"
+                message = f"unknown key {key!r}{suggest(key, [*spec.model_fields, *known])}"
             elif error["type"] == "missing":
                 message = f"missing required key {key!r}"
             else:
@@ -241,32 +242,24 @@ class _Parser:
     def node(self, name: str, body: Any, line: int) -> Node:
         what = f"node {name!r}"
         m = self.mapping(body, line, what)
-        spec: _NodeSpec = self.validate(_NodeSpec, m, what)
+        kinds = nodekinds.kind_keys()
+        kind_keys = {k for keys in kinds.values() for k in keys.model_fields}
+        spec: _NodeSpec = self.validate(_NodeSpec, m, what, {k: v for k, v in m.items() if k not in kind_keys},
+                                        kind_keys)
         at: Callable[[str], int] = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
         if spec.transport == "ssh" and spec.address is None:
             raise self.fail(m.line, f"{what}: missing required key 'address' (ssh nodes)")
-        for key in ("sim_root", "sim_containers"):
-            if key in m and spec.pct != SIMULATED:
-                raise self.fail(at(key), f"{what}: '{key}' only applies to nodes with pct: simulated")
-        sim_root = None
-        pct: tuple[str, ...]
-        if spec.pct == SIMULATED:
-            if spec.transport != "local":
-                raise self.fail(at("pct"), f"{what}: pct 'simulated' needs transport 'local'")
-            sim_root = os.path.expanduser(spec.sim_root or DEFAULT_SIM_ROOT)
-            if not os.path.isabs(sim_root):
-                raise self.fail(at("sim_root"), f"{what}: sim_root must be an absolute path, got {sim_root!r}")
-            pct = tuple(simct.stand_in_argv(sim_root))
-        elif spec.pct == NO_PCT:
-            pct = ()
-        elif isinstance(spec.pct, str) and spec.pct.strip():
-            pct = tuple(shlex.split(spec.pct))
-        elif isinstance(spec.pct, list) and spec.pct and all(isinstance(p, str) and p for p in spec.pct):
-            pct = tuple(spec.pct)
-        else:
-            raise self.fail(at("pct"), f"{what}: pct must be a command (string or list of strings), got {spec.pct!r}")
-        return Node(name=name, pct=pct, sim_root=sim_root, sim_containers=tuple(spec.sim_containers),
-                    **spec.model_dump(exclude={"pct", "sim_root", "sim_containers"}))
+        own = kinds.get(spec.pct) if isinstance(spec.pct, str) else None
+        for key in m:
+            if key in kind_keys and (own is None or key not in own.model_fields):
+                owner = next(n for n, keys in kinds.items() if key in keys.model_fields)
+                raise self.fail(at(key), f"{what}: '{key}' only applies to nodes with pct: {owner}")
+        keys = {k: v for k, v in m.items() if own is not None and k in own.model_fields}
+        if own is not None:
+            self.validate(own, m, what, keys)
+        kind = nodekinds.build(spec.pct, keys, spec.transport,
+                               lambda key, message: self.fail(at(key), f"{what}: {message}"))
+        return Node(name=name, pct=kind.pct, kind=kind, **spec.model_dump(exclude={"pct"}))
 
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
         what = f"target {name!r}"
@@ -278,10 +271,15 @@ class _Parser:
         node = nodes[spec.node]
         if spec.ctid is None and node.pct:
             raise self.fail(m.line, f"{what}: missing required key 'ctid'")
-        base_dir = os.path.expanduser(spec.base_dir) if node.transport == "local" else spec.base_dir
+        defaults = node.kind.target_defaults(100 if spec.ctid is None else spec.ctid)
+        base_dir = spec.base_dir or defaults.get("base_dir")
+        if base_dir is None:
+            raise self.fail(m.line, f"{what}: missing required key 'base_dir'")
+        base_dir = os.path.expanduser(base_dir) if node.transport == "local" else base_dir
         if not base_dir.startswith("/"):
             raise self.fail(at("base_dir"), f"{what}: base_dir must be an absolute path, got {base_dir!r}")
-        python = os.path.expanduser(spec.python) if node.transport == "local" else spec.python
+        python = spec.python or defaults.get("python") or "python3"
+        python = os.path.expanduser(python) if node.transport == "local" else python
         if len(set(spec.gpus)) != len(spec.gpus):
             raise self.fail(at("gpus"), f"{what}: gpus names a GPU twice: {spec.gpus!r}")
         if spec.address is not None and (not spec.address or any(c.isspace() for c in spec.address)):

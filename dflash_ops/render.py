@@ -108,6 +108,39 @@ def killed_after(seconds: float, argv: Sequence[str]) -> tuple[list[str], float]
     return wrapped, seconds + KILL_GRACE_S + 10
 
 
+# The environment variable that tags one `exec`'s processes inside the container (inherited by the
+# whole tree, also by children that start their own process group or session, as `timeout` does).
+EXEC_TAG = "DFLASH_OPS_EXEC"
+
+
+def tagged(token: str, argv: Sequence[str]) -> list[str]:
+    """`argv` run by `env` with EXEC_TAG=token in its environment (exit statuses are argv's; env's
+    own 126/127 for a command it cannot run are lxc-attach's too). env would take a command name
+    holding "=" for one more assignment: such a command is exec'ed by sh instead."""
+    argv = _check_argv(argv)
+    if "=" in argv[0]:
+        return ["env", f"{EXEC_TAG}={token}", "sh", "-c", 'exec "$@"', "sh", *argv]
+    return ["env", f"{EXEC_TAG}={token}", *argv]
+
+
+# Kills every process in the container whose environment holds EXEC_TAG=TOKEN ($1): one GNU grep
+# over every /proc/PID/environ (NUL-separated entries, -z), two passes (a child forked during the
+# first is caught by the second). Needs only sh and grep.
+_KILL_TAGGED = r"""t="$1"; me=$$
+for pass in 1 2; do
+  for e in $(grep -lxzF -- "$t" /proc/[0-9]*/environ 2>/dev/null); do
+    p=${e#/proc/}; p=${p%/environ}
+    [ "$p" = "$me" ] || kill -KILL "$p" 2>/dev/null
+  done
+done
+exit 0"""
+
+
+def kill_tagged(token: str) -> list[str]:
+    """The container command that kills what `tagged(token, ...)` started, its whole tree."""
+    return ["sh", "-c", _KILL_TAGGED, "kill-tagged", f"{EXEC_TAG}={token}"]
+
+
 def script(
     *steps: Sequence[str],
     cwd: str | None = None,

@@ -21,6 +21,9 @@ from dflash_ops.simnode import containers as simct
 from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_sshd, sudo_login_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
+# Simulated containers the tests create (and the default inventory's) are directories unless
+# $DFLASH_OPS_SIM_BACKEND says lxc; set before any fixture, module-scoped ones included.
+os.environ.setdefault(simct.BACKEND_ENV, "directory")
 
 
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,

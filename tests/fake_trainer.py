@@ -8,6 +8,7 @@ like the real one. Its config is `key: value` lines:
   log_lines         train.log lines per step (default 1)
   crash_at_step     raise at that step (state failed, exit 1)
   vanish_at_step    os._exit(9) at that step without touching status.json
+  hog_mib_at_step   "N M": at step N allocate and touch M MiB (a container's memory limit kills it)
   exit_before_status  exit 5 before writing status.json
   checkpoint_bytes  size of each checkpoint state file (default 3000)
   gpus              comma-separated GPU indices to report
@@ -144,6 +145,7 @@ class FakeRun:
         self.state = "running"
         crash_at = int(self.config.get("crash_at_step", -1))
         vanish_at = int(self.config.get("vanish_at_step", -1))
+        hog_at, hog_mib = (int(x) for x in str(self.config.get("hog_mib_at_step", "-1 0")).split())
         while self.step < self.total_steps:
             stop = self.take_request("stop")
             if stop is not None or stop_signalled:
@@ -165,6 +167,9 @@ class FakeRun:
             if self.step == vanish_at:
                 sys.stdout.flush()
                 os._exit(9)
+            if self.step == hog_at:
+                hog = bytearray(hog_mib << 20)
+                hog[::4096] = b"x" * len(hog[::4096])
             for i in range(self.log_lines):
                 print("step %d line %d loss %.4f" % (self.step, i, 1.0 / (1 + self.step)))
             self.metric("step", loss=1.0 / (1 + self.step), acc=0.5, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0)

@@ -50,6 +50,7 @@ _AREAS: list[str] = [
     "patch",
     "dash",
     "doctor",
+    "simnode",
 ]
 
 for _name in _AREAS:

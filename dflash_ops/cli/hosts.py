@@ -17,7 +17,10 @@ def hosts(
     targets: Annotated[Optional[list[str]], typer.Argument(help="Targets to show (default: all).")] = None,
     inventory: InventoryOption = None,
 ) -> None:
-    """List targets with their node, ctid, base_dir, state (running/stopped/unreachable) and last doctor verdict.
+    """List targets with their node, ctid, backend, base_dir, state (running/stopped/unreachable) and last doctor verdict.
+
+    backend: what runs a simulated node's container (lxc: a real LXC container; directory: a
+    directory with its own python); `-` for a real node's.
 
     Nodes are asked in parallel, one connection each: a dead node costs one connect timeout.
     """
@@ -28,13 +31,14 @@ def hosts(
     from dflash_ops.target_states import target_states
 
     inv = load_inventory(inventory)
-    table = Table("target", "node", "ctid", "base_dir", "state", "doctor", box=None)
+    table = Table("target", "node", "ctid", "backend", "base_dir", "state", "doctor", box=None)
     for name in targets or []:
         inv.target(name)
     for s in target_states(inv, targets or None):
         state = s.state if not s.detail else f"{s.state} ({s.detail})"
         ctid = str(s.target.ctid) if s.target.node.pct else "-"
-        table.add_row(s.target.name, s.target.node.name, ctid, s.target.base_dir, state,
+        backend = s.target.node.kind.backend(s.target.ctid) or "-"
+        table.add_row(s.target.name, s.target.node.name, ctid, backend, s.target.base_dir, state,
                       describe(last_verdict(s.target)))
     console = Console()
     if not console.is_terminal:

@@ -49,6 +49,10 @@ def play(
             with lock:
                 typer.echo(f"{name}: {text}")
 
+        backend = container.target.node.kind.backend(container.target.ctid)
+        if backend:  # a simulated node's container: say what it is (docs/simulated-node.md)
+            say(f"CT {container.target.ctid} on simulated node {container.target.node.name!r}: "
+                + ("a real LXC container" if backend == "lxc" else "a directory container (no LXC here)"))
         return run_playbook(book, container, say=say, contexts=contexts,
                             open_target=lambda other: open_container(inv, other))
 

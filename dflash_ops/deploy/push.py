@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from dflash_ops.container import HELPERS_DIR
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
+from dflash_ops.errors import HelperFailed
 from dflash_ops.tarstream import ProgressReader, stream_size
 
 if TYPE_CHECKING:
@@ -121,7 +122,10 @@ def deploy_target(
     if venv is not None and not state["venv_ready"]:
         with venv.tar() as stream:
             summary.bytes_sent += stream_size(stream)
-            built = container.helper_json("venv", venv.helper_args(base), stdin=stream)
+            try:
+                built = container.helper_json("venv", venv.helper_args(base), stdin=stream)
+            except HelperFailed as e:
+                raise _no_pip(container, e) from None
         summary.venv_action = "built-pip" if built.get("pip") else "built"
 
     if summary.action == "build" or missing_helpers:
@@ -138,6 +142,17 @@ def deploy_target(
     elif summary.action == "switch":
         summary.pruned = container.helper_json("release-store", ["switch", base, release.hash, "--keep", str(keep)])["pruned"]
     return _finish(summary, container, started, calls_before)
+
+
+def _no_pip(container: ContainerAPI, error: HelperFailed) -> HelperFailed:
+    """The venv helper's "no pip" answer with the one command that fixes it on this target."""
+    if not error.document.get("no_pip"):
+        return error
+    target = container.target
+    where = f"on node {target.node.name}: pct exec {target.ctid} -- " if target.node.pct else ""
+    fix = where + str(error.document.get("fix", "apt-get install -y python3-venv"))
+    document = dict(error.document, error=f"{str(error.document['error']).split('; fix:')[0]}; fix: {fix}", fix=fix)
+    return HelperFailed(error.helper, ["ensure"], error.exit_code, error.stderr, "", document)
 
 
 def _finish(summary: DeploySummary, container: ContainerAPI, started: float, calls_before: int) -> DeploySummary:

@@ -73,7 +73,7 @@ def evaluate(i: Inputs) -> list[Check]:
         checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run", PYTHON_NEEDED,
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
-    for judge in (config_check, python_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
+    for judge in (config_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
                   driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
@@ -169,6 +169,37 @@ def python_check(i: Inputs) -> Check:
     version = tuple(int(x) for x in py["version"].split(".")[:2])
     return judged("python", version >= PYTHON_MIN, f"{py['version']} ({py['executable']})", PYTHON_NEEDED,
                   "install a newer python3 in the container, or point `python:` at one")
+
+
+def venv_support_check(i: Inputs) -> Check | None:
+    """deploy makes a venv without pip, then needs ensurepip (or pip) only when the container's
+    packages do not already satisfy the requirements. Debian's python3 has ensurepip only with
+    python3-venv, which a fresh Proxmox CT lacks."""
+    support = i.found.get("venv_support")
+    if not support or support.get("venv") is None:
+        return None
+    fix = f"in the container: apt-get install -y python3-venv (on node {i.target.node.name}: " \
+          f"pct exec {i.target.ctid} -- apt-get install -y python3-venv)" if i.node.pct else \
+          "apt-get install -y python3-venv"
+    if not support["venv"]:
+        return Check("python venv", FAIL, "no venv module", "venv, and ensurepip or pip", fix)
+    if support["ensurepip"] or support["pip"]:
+        return Check("python venv", OK, "venv, " + ("ensurepip" if support["ensurepip"] else "pip (no ensurepip)"),
+                     "venv, and ensurepip or pip")
+    return Check("python venv", WARN, "venv without ensurepip or pip: deploy works only while the container's "
+                 "packages satisfy every requirement", "venv, and ensurepip or pip", fix)
+
+
+def pid_namespace_check(i: Inputs) -> Check | None:
+    """What the container sees as pid 1, in which PID namespace (a directory container sees the machine's)."""
+    ns = i.found.get("pid_namespace")
+    if not ns or not ns.get("ns"):
+        return None
+    return Check("PID namespace", OK, f"{ns['ns']}, pid 1: {ns.get('pid1') or '?'}", "the container's own")
+
+
+def _cgroup_memory(i: Inputs) -> dict:
+    return i.found.get("cgroup_memory") or {}
 
 
 def release_check(i: Inputs) -> Check:
@@ -335,7 +366,13 @@ def shm_check(i: Inputs) -> Check:
         return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
     measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
     why = f"{gib(need)} free ({i.plan.gpu_count} GPU run)" if i.plan.needs_gpu else f"{gib(need)} free (CPU run)"
-    return judged("/dev/shm", shm["free"] >= need, measured, why, _shm_fix(i, need))
+    free = shm["free"]
+    cg = _cgroup_memory(i)
+    if cg.get("limit") is not None and cg.get("usage") is not None and cg["limit"] - cg["usage"] < free:
+        # a tmpfs page is charged to the container's memory cgroup: the limit caps /dev/shm too
+        free = max(0, cg["limit"] - cg["usage"])
+        measured += f"; {gib(free)} usable under the container's memory limit of {gib(cg['limit'])}"
+    return judged("/dev/shm", free >= need, measured, why, _shm_fix(i, need))
 
 
 def _shm_fix(i: Inputs, need: int) -> str:
@@ -376,6 +413,12 @@ def ram_check(i: Inputs) -> Check:
     avail, total = mem.get("MemAvailable"), mem.get("MemTotal")
     need = i.plan.ram_needed(_model_dims(i))
     measured = f"{gib(avail)} available of {gib(total)}"
+    cg = _cgroup_memory(i)
+    if cg.get("limit") is not None and (total is None or cg["limit"] < total):
+        # without lxcfs /proc/meminfo is the node's: the container's memory cgroup is what it gets
+        cg_avail = max(0, cg["limit"] - (cg.get("usage") or 0))
+        avail = cg_avail if avail is None else min(avail, cg_avail)
+        measured = f"{gib(avail)} available of {gib(cg['limit'])} (the container's memory limit)"
     size = i.plan.checkpoint_bytes(_model_dims(i))
     why = f"{gib(need)}" + (f" (2 × {gib(size)} checkpoint + 2 GiB)" if size else " (2 GiB base)")
     if avail is None:

@@ -28,7 +28,7 @@ def state_dir() -> Path:
 
 def _key(target: Target) -> str:
     node = target.node
-    identity = [node.transport, node.address or node.sim_root or "", str(node.port or ""), node.user or "",
+    identity = [node.transport, node.address or node.kind.identity(), str(node.port or ""), node.user or "",
                 str(target.ctid), target.base_dir]
     return hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
 

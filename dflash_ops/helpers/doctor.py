@@ -97,6 +97,57 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def cgroup_memory() -> dict:
+    """The container's own memory cgroup (what /proc/meminfo does not show without lxcfs): its
+    limit (None: none), usage and OOM kills so far, from cgroup v2 (a Proxmox 7+ CT) or v1."""
+    v2 = read_text("/sys/fs/cgroup/memory.max")
+    if v2 is not None:
+        out = {"version": 2, "limit": None if v2.strip() == "max" else _int(v2),
+               "usage": _int(read_text("/sys/fs/cgroup/memory.current"))}
+        events = read_text("/sys/fs/cgroup/memory.events") or ""
+    else:
+        text = read_text("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        if text is None:
+            return {"version": None, "limit": None, "usage": None, "oom_kills": None}
+        value = _int(text)
+        out = {"version": 1, "limit": None if value is None or value >= 1 << 60 else value,
+               "usage": _int(read_text("/sys/fs/cgroup/memory/memory.usage_in_bytes"))}
+        events = read_text("/sys/fs/cgroup/memory/memory.oom_control") or ""
+    kills = [line.split()[1] for line in events.splitlines() if line.startswith("oom_kill ")]
+    out["oom_kills"] = _int(kills[0]) if kills else None
+    return out
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int((text or "").strip())
+    except ValueError:
+        return None
+
+
+def pid_namespace() -> dict:
+    """Whose processes the container sees: its PID namespace and what runs as pid 1 there."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = None
+    return {"ns": ns, "pid1": (read_text("/proc/1/comm") or "").strip() or None}
+
+
+def venv_support(python: str) -> dict:
+    """Can `python` make a venv with pip (Debian: only with python3-venv, which ships ensurepip)?"""
+    import subprocess
+
+    code = "import importlib.util as u; print(int(bool(u.find_spec('venv'))), int(bool(u.find_spec('ensurepip'))), int(bool(u.find_spec('pip'))))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        out = []
+    if len(out) != 3:
+        return {"venv": None, "ensurepip": None, "pip": None}
+    return {"venv": out[0] == "1", "ensurepip": out[1] == "1", "pip": out[2] == "1"}
+
+
 def limit(which: int) -> dict[str, int | None]:
     soft, hard = resource.getrlimit(which)
     unlimited = resource.RLIM_INFINITY
@@ -337,6 +388,9 @@ def facts(args: argparse.Namespace) -> int:
         "disk": statvfs(args.base),
         "shm": dict(statvfs(args.shm), mount=mount_of(args.shm)),
         "memory": meminfo(),
+        "cgroup_memory": cgroup_memory(),
+        "pid_namespace": pid_namespace(),
+        "venv_support": venv_support(args.python),
         "limits": {"memlock": limit(resource.RLIMIT_MEMLOCK), "nofile": limit(resource.RLIMIT_NOFILE)},
         "devices": device_nodes(),
         "majors": char_majors(),

@@ -241,9 +241,48 @@ def describe_run(run_dir: str, now: float) -> dict:
         info["effective_state"] = "failed"
         info["reason"] = ("process died without saying so" if status is not None
                           else "no status.json and no live process")
+        at_launch, now_count = launch.get("oom_kills"), oom_kills()
+        if isinstance(at_launch, int) and now_count is not None and now_count > at_launch:
+            info["oom_killed"] = True
+            info["reason"] = ("OOM kill: the container's memory limit was hit (its memory cgroup counted "
+                              "%d OOM kill(s) since the launch)" % (now_count - at_launch))
     if state == "failed" or info["effective_state"] == "failed":
         info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
     return info
+
+
+def read_quietly(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def oom_kills() -> int | None:
+    """OOM kills counted by this process' memory cgroup (the container's, inside a CT's cgroup
+    namespace): cgroup v2 memory.events, else v1 memory.oom_control; None when unreadable."""
+    text = read_quietly("/proc/self/cgroup")
+    v1 = v2 = None
+    for line in text.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):
+            v1 = path
+        elif controllers == "":
+            v2 = path
+    candidates = []
+    if v1 is not None:
+        candidates.append("/sys/fs/cgroup/memory%s/memory.oom_control" % v1.rstrip("/"))
+    if v2 is not None:
+        candidates.append("/sys/fs/cgroup%s/memory.events" % v2.rstrip("/"))
+    for path in candidates:
+        for line in read_quietly(path).splitlines():
+            if line.startswith("oom_kill "):
+                try:
+                    return int(line.split()[1])
+                except ValueError:
+                    return None
+    return None
 
 
 def run_dirs(base: str) -> list[str]:
@@ -660,7 +699,7 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
                                  close_fds=True, start_new_session=True)
     record = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
               "release_root": release_root, "release": release, "time": time.time(),
-              "resume": args.resume}
+              "resume": args.resume, "oom_kills": oom_kills()}
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
     return child
 

@@ -137,6 +137,39 @@ def run(argv: list[str]) -> None:
         raise SystemExit(f"venv: command failed with exit {proc.returncode}: {argv}")
 
 
+class NoPip(Exception):
+    """The venv needs pip and the container's python cannot provide it (Debian without python3-venv)."""
+
+
+NO_PIP_EXIT = 3
+NO_PIP_FIX = "apt-get install -y python3-venv"
+
+
+def has_module(python: str, name: str) -> bool:
+    code = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 1)"
+    return subprocess.run([python, "-c", code, name], stdout=subprocess.DEVNULL).returncode == 0
+
+
+def bootstrap_pip(venv_python: str, wheels: str) -> None:
+    """Make `venv_python -m pip` work: it already does (pip visible through the system site), or
+    ensurepip installs it (Debian: only with python3-venv), or the operator pushed a pip wheel
+    in the venv's wheelhouse (pip runs from its own wheel to install itself). Else NoPip."""
+    if has_module(venv_python, "pip"):
+        return
+    if has_module(venv_python, "ensurepip"):
+        run([venv_python, "-m", "ensurepip", "--default-pip"])
+        return
+    pip_wheels = sorted(f for f in (os.listdir(wheels) if os.path.isdir(wheels) else [])
+                        if f.startswith("pip-") and f.endswith(".whl"))
+    if pip_wheels:
+        wheel = os.path.join(wheels, pip_wheels[-1])
+        run([venv_python, os.path.join(wheel, "pip"), "install", "--no-index", "-q", "--disable-pip-version-check", wheel])
+        return
+    raise NoPip("the container's python has neither ensurepip nor pip, and the requirements are not all installed "
+                "(a fresh Debian CT lacks python3-venv); fix: %s in the container, or put a pip wheel in the "
+                "venv's wheelhouse" % NO_PIP_FIX)
+
+
 def venv_site_packages(venv_python: str) -> str:
     out = subprocess.run([venv_python, os.path.abspath(__file__), "purelib"],
                          capture_output=True, text=True, check=True)
@@ -191,7 +224,7 @@ def build(base: str, lock: str, args: argparse.Namespace, stream: BinaryIO) -> d
             if uv:
                 run([uv, "pip", "install", "--python", venv_python] + install)
             else:
-                run([venv_python, "-m", "ensurepip", "--default-pip"])
+                bootstrap_pip(venv_python, os.path.join(stage, "wheels"))
                 run([venv_python, "-m", "pip", "install", "--disable-pip-version-check", "-q"] + install)
             if not check_satisfied(venv_python, requirements):
                 raise SystemExit("venv: requirements still unsatisfied after install")
@@ -277,7 +310,11 @@ def main(argv: list[str]) -> int:
             return 0
         with open(args.requirements) as f:
             return 0 if all(requirement_satisfied(r) for r in parse_requirements(f.read())) else 1
-    print(json.dumps(build(args.base, args.lock, args, sys.stdin.buffer)))
+    try:
+        print(json.dumps(build(args.base, args.lock, args, sys.stdin.buffer)))
+    except NoPip as e:
+        print(json.dumps({"error": str(e), "no_pip": True, "fix": NO_PIP_FIX}))
+        return NO_PIP_EXIT
     return 0
 
 

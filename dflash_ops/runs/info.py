@@ -46,6 +46,9 @@ class RunInfo:
     alive: bool = False
     has_status: bool = False
     reason: str | None = None
+    # killed by the container's memory limit (its memory cgroup counted an OOM kill after the launch):
+    # a restart policy must not retry it unchanged
+    oom_killed: bool = False
     log_tail: str | None = None
     release: str | None = None
     heartbeat_age: float | None = None

@@ -1,22 +1,68 @@
-"""Operator-side view of the stand-in's containers: where their python is, and creating them.
+"""Operator-side view of the stand-in's containers: their backend, where their python is, creating them.
 
-The stand-in (pct.py) is the node; this module only builds its `pct create` command and
-reads the one thing an admin would know about a container it made: its python's path.
+The stand-in (pct.py) is the node; this module only builds its `pct create` command and reads
+what an admin would know about a container it made: what runs it (a real LXC container or a
+directory with its own python), its python's path, where a path inside it is on this machine.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
+from dflash_ops.simnode import rootfs
 from dflash_ops.simnode.pct import Node as SimNode
+
+BACKENDS = ("lxc", "directory")
+BACKEND_ENV = "DFLASH_OPS_SIM_BACKEND"
 
 SIM_TEMPLATE = "local:vztmpl/dflash-sim-debian.tar.zst"  # recorded in the config; nothing is unpacked
 
 
+def pick_backend(choice: str = "auto") -> str:
+    """The backend of a new container: `choice`, or for "auto" $DFLASH_OPS_SIM_BACKEND, else lxc
+    where this machine can run it (rootfs.unavailable_reason), else directory."""
+    if choice == "auto":
+        choice = os.environ.get(BACKEND_ENV) or "auto"
+    if choice in BACKENDS:
+        return choice
+    return "lxc" if rootfs.unavailable_reason() is None else "directory"
+
+
+def recorded_backend(sim_root: str | Path, ctid: int | str) -> str | None:
+    """The backend a created container runs on (None: not created)."""
+    node = SimNode(Path(sim_root))
+    return node.backend(str(ctid)) if node.exists(str(ctid)) else None
+
+
+def backend_of(sim_root: str | Path, ctid: int | str) -> str:
+    return recorded_backend(sim_root, ctid) or pick_backend()
+
+
+def target_defaults(sim_root: str | Path, ctid: int | str, backend: str) -> dict[str, str]:
+    """A target's base_dir and python in a container of `backend`: in an LXC container Debian's
+    own python3 (on pct's PATH) and /opt/dflash; in a directory container the same paths under
+    its directory (its python is not on pct's PATH, so the target names it)."""
+    if backend == "lxc":
+        return {"base_dir": "/opt/dflash", "python": "python3"}
+    ct = Path(sim_root) / "ct" / str(ctid)
+    return {"base_dir": str(ct / "opt" / "dflash"), "python": str(ct / "usr" / "bin" / "python3")}
+
+
 def container_python(sim_root: str | Path, ctid: int | str) -> str:
-    """The python a simulated container's create step provisions (not on pct's PATH)."""
-    return str(Path(sim_root) / "ct" / str(ctid) / "usr" / "bin" / "python3")
+    """The python a simulated container's create step provisions (a directory container's is not on pct's PATH)."""
+    return target_defaults(sim_root, ctid, backend_of(sim_root, ctid))["python"]
+
+
+def host_path(sim_root: str | Path, ctid: int | str, path: str | Path) -> Path:
+    """Where a file the container wrote at `path` (absolute, inside it) is on this machine.
+
+    A directory container's paths are this machine's; an LXC container's files written since its
+    creation are in its overlay's upper directory (files of the shared rootfs are not)."""
+    if backend_of(sim_root, ctid) != "lxc":
+        return Path(path)
+    return SimNode(Path(sim_root)).upper_dir(str(ctid)) / str(path).lstrip("/")
 
 
 def is_created(sim_root: str | Path, ctid: int | str) -> bool:
@@ -24,13 +70,25 @@ def is_created(sim_root: str | Path, ctid: int | str) -> bool:
 
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,
-                python: str | None = None, packages: Sequence[str] | None = None) -> list[str]:
+                python: str | None = None, packages: Sequence[str] | None = None,
+                backend: str | None = None, network: bool = False, memory_mb: int | None = None) -> list[str]:
     """`pct create CTID TEMPLATE --start 1 ...` for the stand-in.
 
-    `python`: the base interpreter of the container's python3 (default: the stand-in's);
-    `packages`: what its site-packages provide (default: the trainer's; () for none).
+    `backend`: lxc or directory (default: pick_backend()); `network`: a `--net0` (an LXC
+    container then shares the node's network; without one it has only loopback, as a CT without
+    net0 on a node); `memory_mb`: `--memory`, the container's memory limit.
+    `python` (directory containers): the base interpreter of the container's python3 (default:
+    the stand-in's); `packages`: what its python sees besides the stdlib (default: the trainer's;
+    () for none): for an LXC container the operator's whole site-packages, bound read-only.
     """
-    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1"]
+    backend = backend or pick_backend()
+    argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1", "--sim-backend", backend]
+    if backend == "lxc":
+        argv += ["--sim-rootfs", str(rootfs.path())]
+    if network:
+        argv += ["--net0", "name=eth0,bridge=vmbr0,ip=dhcp"]
+    if memory_mb is not None:
+        argv += ["--memory", str(memory_mb)]
     if hostname:
         argv += ["--hostname", hostname]
     if python:
@@ -56,12 +114,14 @@ def stand_in_argv(sim_root: str | Path) -> list[str]:
 
 
 def create(sim_root: str | Path, ctid: int | str, *, python: str | None = None,
-           packages: Sequence[str] | None = None, hostname: str | None = None) -> str:
+           packages: Sequence[str] | None = None, hostname: str | None = None, backend: str | None = None,
+           network: bool = False, memory_mb: int | None = None) -> str:
     """Create (and start) a simulated container directly, as a test fixture's setup; returns its python."""
     import subprocess
 
     proc = subprocess.run(create_argv(stand_in_argv(sim_root), ctid, hostname=hostname, python=python,
-                                      packages=packages), capture_output=True, text=True)
+                                      packages=packages, backend=backend, network=network, memory_mb=memory_mb),
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"pct create {ctid} failed ({proc.returncode}): {proc.stderr.strip()}")
     return container_python(sim_root, ctid)

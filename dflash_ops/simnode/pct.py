@@ -40,11 +40,12 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 if TYPE_CHECKING:
     from importlib import metadata
@@ -102,16 +103,36 @@ class Node:
             raise PctError(f"Configuration file 'nodes/{self.nodename()}/lxc/{vmid}.conf' does not exist\n")
         return self.conf(vmid).read_text()
 
+    def backend(self, vmid: str) -> str:
+        """"lxc" or "directory", as `pct create --sim-backend` recorded it (older configs: directory)."""
+        try:
+            match = re.search(r"^# dflash-ops .*; backend: (\w+)", self.conf(vmid).read_text(), re.M)
+        except OSError:
+            return "directory"
+        return match.group(1) if match else "directory"
+
+    def lxc_path(self) -> Path:
+        """LXC's lxcpath of this node's containers (/var/lib/lxc on a node): lxc_path()/VMID/config."""
+        return self.root / "lxcpath"
+
+    def upper_dir(self, vmid: str) -> Path:
+        """An LXC container's overlay upper directory: what it wrote over the shared rootfs."""
+        return self.ct_root(vmid) / "delta0"
+
     def running(self, vmid: str) -> bool:
         """PVE::LXC::check_running: false for a container that does not exist."""
         if not self.exists(vmid):
             return False
+        if self.backend(vmid) == "lxc":
+            return lxc_init_pid(self, vmid) is not None
         try:
             return (self.lxc / f"{vmid}.state").read_text().strip() == "running"
         except OSError:
             return False
 
     def set_state(self, vmid: str, state: str) -> None:
+        if self.backend(vmid) == "lxc":
+            lxc_set_state(self, vmid, state)
         write_atomically(self.lxc / f"{vmid}.state", state + "\n")
 
     def vmids(self) -> list[str]:
@@ -251,7 +272,36 @@ def cmd_exec(node: Node, words: list[str]) -> int:
         raise PctError(f"container '{vmid}' not running!\n")  # pct.pm exec
     if not argv:
         raise perl_die("missing command", 246)  # pct.pm exec: die "missing command" (no "\n")
+    if node.backend(vmid) == "lxc":
+        return lxc_attach(node, vmid, argv, keep_env)
     return attach(vmid, argv, container_env(keep_env))
+
+
+def _default_signals() -> None:
+    """exec keeps ignored signals: Python ignores SIGPIPE and SIGXFSZ, and a caller started in the
+    background has SIGINT and SIGQUIT ignored. On a node the command comes from sshd with default
+    dispositions (`yes | head` must end by SIGPIPE), so none is passed on."""
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def lxc_attach(node: Node, vmid: str, argv: list[str], keep_env: bool) -> int:
+    """pct.pm exec: `lxc-attach -n VMID --keep-env|--clear-env -- ARGV`, the command's exit status.
+
+    This process becomes lxc-attach (as pct's exec does), so killing it kills lxc-attach only:
+    the command inside the container goes on running, as on a node.
+    """
+    tool = shutil.which("lxc-attach")
+    if tool is None:
+        raise PctError("lxc-attach not found: install lxc\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _default_signals()
+    env = container_env(keep_env)
+    os.execve(tool, [tool, "-P", str(node.lxc_path()), "-n", vmid, "--keep-env" if keep_env else "--clear-env",
+                     "--", *argv], env)
+    return 255  # not reached
 
 
 def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
@@ -261,12 +311,7 @@ def attach(vmid: str, argv: list[str], env: dict[str, str]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
-            # exec keeps ignored signals: Python ignores SIGPIPE and SIGXFSZ, and a caller started in
-            # the background has SIGINT and SIGQUIT ignored. On a node the command comes from sshd
-            # with default dispositions (`yes | head` must end by SIGPIPE), so none is passed on.
-            for sig in signal.valid_signals():
-                if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) == signal.SIG_IGN:
-                    signal.signal(sig, signal.SIG_DFL)
+            _default_signals()
             os.execvpe(argv[0], argv, env)
         except OSError as e:
             # lxc src/lxc/attach.c lxc_attach_run_command: EACCES/ENOEXEC -> 126, ENOENT -> 127,
@@ -301,13 +346,19 @@ def _create_file(path: str, perms: str | None) -> BinaryIO:
     return os.fdopen(fd, "wb")
 
 
-def _copy(src: str, dst: str, opts: dict[str, str], src_msg: str) -> None:
-    """The forked worker of push/pull: its die is printed, and pct still exits 0 (see below)."""
+def _copy(src: str, dst: str, opts: dict[str, str], src_msg: str, enter_src: "Callable[[], None]" = lambda: None,
+          enter_dst: "Callable[[], None]" = lambda: None) -> None:
+    """The forked worker of push/pull: its die is printed, and pct still exits 0 (see below).
+
+    enter_src/enter_dst: move into the mount namespace where the source / destination is (an
+    LXC container's, or back to the node's)."""
+    enter_src()
     try:
         src_file = open(src, "rb")
     except OSError as e:
         sys.stderr.write(src_msg.format(path=src, error=e.strerror or e))
         return
+    enter_dst()
     with src_file:
         try:
             dst_file = _create_file(dst, opts.get("perms"))
@@ -336,7 +387,8 @@ def cmd_push(node: Node, words: list[str]) -> int:
     with node.lock(vmid):  # pct.pm push: lock_config($vmid, $code) around the whole task
         if not node.running(vmid):
             raise PctError("can only push files to a running CT\n")  # pct.pm push
-        _copy(src, dst, opts, "failed to open {path} for reading\n")  # pct.pm push worker
+        in_container(node, vmid, lambda node_side, ct_side: _copy(
+            src, dst, opts, "failed to open {path} for reading\n", enter_src=node_side, enter_dst=ct_side))
     return 0
 
 
@@ -347,7 +399,8 @@ def cmd_pull(node: Node, words: list[str]) -> int:
     with node.lock(vmid):  # pct.pm pull: lock_config($vmid, $code)
         if not node.running(vmid):
             raise perl_die("can only pull files from a running VM", 664)  # pct.pm pull, no "\n"
-        _copy(src, dst, opts, "failed to open {path}: {error}\n")  # pct.pm pull worker
+        in_container(node, vmid, lambda node_side, ct_side: _copy(
+            src, dst, opts, "failed to open {path}: {error}\n", enter_src=ct_side, enter_dst=node_side))
     return 0
 
 
@@ -405,23 +458,38 @@ def cmd_destroy(node: Node, words: list[str]) -> int:
         node.load_config(vmid)
         if node.running(vmid):
             raise PctError(f"unable to destroy CT {vmid} - container is running\n")
+        if node.backend(vmid) == "lxc":
+            shutil.rmtree(node.lxc_path() / vmid, ignore_errors=True)
+            shutil.rmtree(node.ct_root(vmid), ignore_errors=True)
         node.conf(vmid).unlink()
         (node.lxc / f"{vmid}.state").unlink(missing_ok=True)
     return 0
 
 
 def cmd_create(node: Node, words: list[str]) -> int:
-    """`pct create VMID OSTEMPLATE [--hostname H] [--start 0|1] [--unprivileged 0|1]`.
+    """`pct create VMID OSTEMPLATE [--hostname H] [--start 0|1] [--unprivileged 0|1] [--memory MiB]
+    [--swap MiB] [--cores N] [--net0 SPEC]`.
 
-    Stand-in options (a real node has `apt install` for these): --sim-python PATH, the base
-    interpreter the container's python3 is made from (default: the one running this
-    stand-in); --sim-packages a,b,c (default: the trainer's packages; "" for none), provisioned
-    into that python's site-packages as links to this interpreter's installed distributions
-    and everything they require.
+    Stand-in options (a real node has `apt install` and its storage for these):
+    --sim-backend lxc|directory (default directory): a real LXC container, an overlay clone of
+    --sim-rootfs DIR (dflash_ops/simnode/rootfs.py), or a directory with its own python;
+    --sim-packages a,b,c (default: the trainer's packages; "" for none): what the container's
+    python sees besides the stdlib. A directory container's python3 is made from --sim-python
+    PATH (default: the interpreter running this stand-in) and the packages are linked into its
+    site-packages from this interpreter's installed distributions with everything they require;
+    an LXC container gets this interpreter's whole site-packages bound read-only (mp0) as its
+    /usr/local/lib/python3.X/dist-packages, which needs the same python minor version as the rootfs's.
     """
-    positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages"})
+    positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages",
+                                             "sim-backend", "sim-rootfs", "memory", "swap", "cores", "net0"})
     vmid, template = need(positional, ["vmid", "ostemplate"], "create")
     check_vmid(vmid)
+    for name in ("memory", "swap", "cores"):
+        if name in opts and not opts[name].isdigit():
+            raise PctError(f"400 Parameter verification failed.\n{name}: type check ('integer') failed - got '{opts[name]}'\n")
+    backend = opts.get("sim-backend", "directory")
+    if backend not in ("lxc", "directory"):
+        raise PctError(f"400 Parameter verification failed.\nsim-backend: value '{backend}' does not have a value in the enumeration 'lxc, directory'\n")
     with node.lock(vmid):
         if node.exists(vmid):
             # pve-container src/PVE/API2/LXC.pm create_vm
@@ -429,21 +497,58 @@ def cmd_create(node: Node, words: list[str]) -> int:
         packages = opts.get("sim-packages")
         names = list(DEFAULT_SIM_PACKAGES) if packages is None else [p for p in packages.split(",") if p]
         ct_root = node.ct_root(vmid)
-        python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
-        unprivileged = _boolean(opts, "unprivileged", True)
         hostname = opts.get("hostname") or f"CT{vmid}"  # API2/LXC.pm: hostname defaults to "CT$vmid"
+        extra = [f"{k}: {opts[k]}\n" for k in ("memory", "swap", "cores", "net0") if k in opts]
+        if backend == "lxc":
+            rootfs = opts.get("sim-rootfs")
+            if not rootfs or not os.path.isfile(os.path.join(rootfs, "sbin", "init.lxc")):
+                raise PctError(f"sim-rootfs: no LXC rootfs at {rootfs!r} (run `dflash-ops sim-rootfs`)\n")
+            if "sim-python" in opts:
+                raise PctError("sim-python: an LXC container runs its rootfs's python3\n")
+            if names:
+                extra.append(f"mp0: {_site_packages_for(rootfs)},mp=/usr/local/lib/python{_rootfs_python(rootfs)}/dist-packages,ro=1\n")
+            node.upper_dir(vmid).mkdir(parents=True, exist_ok=True)
+            unprivileged = False  # runs privileged (an idmapped CT needs subuid ranges and a shifted rootfs)
+            described = f"backend: lxc; rootfs: {rootfs}"
+        else:
+            python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
+            unprivileged = _boolean(opts, "unprivileged", True)
+            described = f"backend: directory; python: {python}"
         write_atomically(node.conf(vmid), "".join([
             "arch: amd64\n",
             f"hostname: {hostname}\n",
+            *extra,
             "ostype: debian\n",
             f"rootfs: {ct_root}\n",
             f"unprivileged: {int(unprivileged)}\n",
-            f"# dflash-ops simulated container from {template}; python: {python}\n",
+            f"# dflash-ops simulated container from {template}; {described}\n",
         ]))
-        node.set_state(vmid, "stopped")
+        write_atomically(node.lxc / f"{vmid}.state", "stopped\n")
         if _boolean(opts, "start", False):
             node.set_state(vmid, "running")
     return 0
+
+
+def _rootfs_python(rootfs: str) -> str:
+    """The python minor version of a rootfs (Debian bookworm: 3.11)."""
+    found = sorted(p.name[len("python"):] for p in Path(rootfs, "usr", "bin").glob("python3.*")
+                   if re.fullmatch(r"python3\.\d+", p.name))
+    if not found:
+        raise PctError(f"sim-rootfs: no python3 in {rootfs}\n")
+    return found[-1]
+
+
+def _site_packages_for(rootfs: str) -> str:
+    """This interpreter's site-packages, for a container whose python has the same minor version."""
+    import site
+
+    if sys.flags.no_site:  # run as `python -I -S` (containers.stand_in_argv): site sets a venv's prefix
+        site.main()
+    mine = "%d.%d" % sys.version_info[:2]
+    theirs = _rootfs_python(rootfs)
+    if mine != theirs:
+        raise PctError(f"sim-packages need python {theirs} (the rootfs's) to run the stand-in, it runs {mine}\n")
+    return site.getsitepackages([sys.prefix])[0]
 
 
 def _base_interpreter() -> str:
@@ -548,6 +653,199 @@ def _top_levels(dist: metadata.Distribution) -> set[str]:
     import csv
 
     return {row[0].split("/", 1)[0] for row in csv.reader(record.splitlines()) if row}
+
+
+# ---------------------------------------------------------------- the LXC backend
+# A container created with `--sim-backend lxc` is a real LXC container (lxc 5, privileged): an
+# overlay clone of one cached Debian rootfs (--sim-rootfs; dflash_ops/simnode/rootfs.py builds
+# it), its upper directory CT_ROOT/delta0, its LXC config lxc_path()/VMID/config written from the
+# Proxmox-style config at every start (as pve-container's update_lxc_config does), started with
+# LXC's init.lxc, commands through lxc-attach, push/pull in its mount namespace.
+
+CLONE_NEWNS = 0x00020000
+MIB = 1 << 20
+
+
+def _lxc_tool(name: str) -> str:
+    tool = shutil.which(name)
+    if tool is None:
+        raise PctError(f"{name} not found: install lxc\n")
+    return tool
+
+
+def lxc_init_pid(node: Node, vmid: str) -> int | None:
+    """The host pid of the container's init, None when it is not running."""
+    import subprocess
+
+    proc = subprocess.run([_lxc_tool("lxc-info"), "-P", str(node.lxc_path()), "-n", vmid, "-p", "-H"],
+                          capture_output=True, text=True)
+    text = proc.stdout.strip()
+    return int(text) if proc.returncode == 0 and text.isdigit() else None
+
+
+def lxc_set_state(node: Node, vmid: str, state: str) -> None:
+    import subprocess
+
+    lxcpath = str(node.lxc_path())
+    if state == "running":
+        write_atomically(node.lxc_path() / vmid / "config", lxc_config(node, vmid))
+        log = node.ct_root(vmid) / "lxc.log"
+        proc = subprocess.run([_lxc_tool("lxc-start"), "-P", lxcpath, "-n", vmid, "-d", "-o", str(log), "-l", "ERROR"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or lxc_init_pid(node, vmid) is None:
+            # pve-container src/PVE/LXC.pm vm_start: die "startup for container '$vmid' failed\n"
+            detail = (proc.stderr.strip() or _tail(log)).replace("\n", "; ")
+            raise PctError(f"startup for container '{vmid}' failed\n{detail}\n")
+    else:
+        subprocess.run([_lxc_tool("lxc-stop"), "-P", lxcpath, "-n", vmid, "-k"], capture_output=True)
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")[-1000:]
+    except OSError:
+        return ""
+
+
+def _pct_options(text: str) -> dict[str, str]:
+    options = {}
+    for line in text.splitlines():
+        if line.startswith("["):
+            break
+        if line.startswith("#") or ":" not in line or line.startswith("lxc."):
+            continue
+        key, _, value = line.partition(":")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _raw_lxc(text: str) -> list[tuple[str, str]]:
+    found = []
+    for line in text.splitlines():
+        if line.startswith("["):
+            break
+        raw = re.match(r"^(lxc\.[a-z0-9_\-.]+)(:|\s*=)\s*(.*?)\s*$", line)
+        if raw:
+            found.append((raw.group(1), raw.group(3)))
+    return found
+
+
+# cgroup v2 keys (what Proxmox writes) and their cgroup v1 names, for a host whose controllers are v1.
+CGROUP2_TO_V1 = {"memory.max": "memory.limit_in_bytes", "pids.max": "pids.max",
+                 "devices.allow": "devices.allow", "devices.deny": "devices.deny",
+                 "cpuset.cpus": "cpuset.cpus"}
+
+
+def _cgroup_v1() -> bool:
+    return os.path.isdir("/sys/fs/cgroup/memory")
+
+
+def lxc_config(node: Node, vmid: str) -> str:
+    """The LXC config of a container from its Proxmox-style config (pve-container's update_lxc_config)."""
+    text = node.conf(vmid).read_text()
+    options = _pct_options(text)
+    rootfs = re.search(r"^# dflash-ops .*; rootfs: (\S+)", text, re.M)
+    if not rootfs:
+        raise PctError(f"container {vmid}: no rootfs recorded\n")
+    upper = node.upper_dir(vmid)
+    upper.mkdir(parents=True, exist_ok=True)
+    v1 = _cgroup_v1()
+    prefix = "lxc.cgroup." if v1 else "lxc.cgroup2."
+    lines = [
+        f"lxc.uts.name = {options.get('hostname', f'CT{vmid}')}",
+        f"lxc.rootfs.path = overlay:{rootfs.group(1)}:{upper}",
+        f"lxc.init.cmd = /sbin/init.lxc -n {vmid} -- /bin/sleep infinity",
+        # no net0: only loopback, as a CT without one; with one: the node's network (no bridge here)
+        f"lxc.net.0.type = {'none' if 'net0' in options else 'empty'}",
+        "lxc.mount.auto = proc:mixed sys:mixed cgroup:mixed:force",
+        "lxc.autodev = 1",
+        "lxc.tty.max = 0",
+        "lxc.pty.max = 16",
+        # a Proxmox CT's /dev/shm: a tmpfs of its own, charged to its memory cgroup
+        "lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,create=dir 0 0",
+        "lxc.cgroup.relative = 1",  # under the caller's cgroup, not the machine's root
+        "lxc.apparmor.profile = unconfined",
+    ]
+    if "memory" in options:  # pve-container: memory (MiB) -> memory.max; swap -> memory.swap.max
+        memory = int(options["memory"]) * MIB
+        lines.append(f"{prefix}{'memory.limit_in_bytes' if v1 else 'memory.max'} = {memory}")
+        swap = int(options.get("swap", "0")) * MIB
+        if v1 and os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes"):
+            lines.append(f"lxc.cgroup.memory.memsw.limit_in_bytes = {memory + swap}")
+        elif not v1:
+            lines.append(f"lxc.cgroup2.memory.swap.max = {swap}")
+    if "cores" in options:
+        cores = min(int(options["cores"]), os.cpu_count() or 1)
+        lines.append(f"{prefix}cpuset.cpus = {'0' if cores == 1 else f'0-{cores - 1}'}")
+    for key in sorted(k for k in options if re.fullmatch(r"mp\d+", k)):
+        # mpN: SOURCE,mp=PATH[,ro=1]: a bind mount of a node directory (pve-container mountpoints)
+        parts = options[key].split(",")
+        fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        flags = "bind,ro" if fields.get("ro") == "1" else "bind"
+        lines.append(f"lxc.mount.entry = {parts[0]} {fields['mp'].lstrip('/')} none {flags},create=dir 0 0")
+    for key, value in _raw_lxc(text):
+        if key.startswith("lxc.cgroup2.") and v1:  # Proxmox writes cgroup v2 keys; this host has v1
+            name = key[len("lxc.cgroup2."):]
+            if name in CGROUP2_TO_V1:
+                lines.append(f"lxc.cgroup.{CGROUP2_TO_V1[name]} = {value}")
+            continue
+        lines.append(f"{key} = {value}")
+    return "".join(line + "\n" for line in lines)
+
+
+_libc = None
+
+
+def _setns(fd: int) -> None:
+    global _libc
+    import ctypes
+
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.setns(fd, CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def in_container(node: Node, vmid: str, worker: "Callable[[Callable[[], None], Callable[[], None]], None]") -> None:
+    """Run a push/pull worker: worker(node_side, ct_side), each entering where that side's path is.
+
+    A directory container's paths are the node's; an LXC container's are in its mount namespace,
+    which a forked worker enters (setns), as pct's worker does, and leaves again for the node's side.
+    """
+    if node.backend(vmid) != "lxc":
+        worker(lambda: None, lambda: None)
+        return
+    pid = lxc_init_pid(node, vmid)
+    if pid is None:
+        raise PctError(f"container '{vmid}' not running!\n")
+    ct_ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+    node_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+    cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+
+    def node_side() -> None:
+        _setns(node_ns)
+        os.fchdir(cwd)
+
+    def ct_side() -> None:
+        _setns(ct_ns)
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        code = 0
+        try:
+            worker(node_side, ct_side)
+        except Exception as e:  # noqa: BLE001 - the worker's die, printed; pct still exits 0
+            sys.stderr.write(f"{e}\n")
+            code = 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.waitpid(child, 0)
+    for fd in (ct_ns, node_ns, cwd):
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- pct config

@@ -286,7 +286,7 @@ def test_hosts_on_16_targets_answers_within_one_connect_timeout_when_nodes_are_d
         elif node in refused:
             assert "unreachable" in line and "Connection refused" in line
         else:
-            assert line.split()[4] == "running", line  # target node ctid base_dir state doctor
+            assert line.split()[5] == "running", line  # target node ctid backend base_dir state doctor
     assert {name: len(a) for name, a in attempts.items()} == {n.name: 1 for n in calm.nodes}  # one connect per node
     transports = {name: connect.transport_for(load_inventory(calm.inventory).nodes[name]) for name in attempts}
     assert all(t.connect_attempts == 1 for t in transports.values())

@@ -44,3 +44,29 @@ def test_every_bundled_preset_loads():
     for path in presets:
         cfg = load_config(path)
         assert cfg.optim.total_steps > 0, path
+
+
+@pytest.mark.parametrize("written, packed, devices, expected", [
+    ("", True, ["cuda:0"], True),  # auto: CUDA and one (packed) shape
+    ("", False, ["cuda:0"], False),  # auto: bucketed lengths, several shapes
+    ("", True, ["cpu"], False),  # auto: never on the CPU
+    ("", True, ["cuda:0", "cpu"], False),
+    ("false", True, ["cuda:0"], False),
+    ("true", False, ["cuda:0"], True),
+    ("true", True, ["cpu"], False),
+])
+def test_compile_target_auto_means_cuda_and_one_shape(written, packed, devices, expected):
+    import torch
+
+    from trainer.pipeline.threaded import compiles_target
+
+    text = GOOD.replace("model:", "model:\n  compile_target: " + written) if written else GOOD
+    cfg = parse_config(text)
+    cfg.data.pack_length = 256 if packed else 0
+    assert cfg.model.compile_target == (written == "true" if written else "auto")
+    assert compiles_target(cfg, [torch.device(d) for d in devices]) is expected
+
+
+def test_compile_target_takes_only_a_bool_or_auto():
+    with pytest.raises(ConfigError, match="model.compile_target must be"):
+        parse_config(GOOD.replace("model:", "model:\n  compile_target: always"))

@@ -23,7 +23,8 @@ def test_export_writes_the_published_draft_layout(tiny, tmp_path):
     _, _, drafter, layer_ids = tiny
     opt = torch.optim.AdamW(drafter.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    path, _ = ckpt.CheckpointManager(tmp_path, 2).save(7, drafter, drafter.config.to_dict(), opt, sched, {})
+    path, _ = ckpt.CheckpointManager(tmp_path, 2).save(7, drafter.state_dict(), drafter.config.to_dict(),
+                                                           {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, {})
     out = export_checkpoint(path, tmp_path / "export")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
@@ -80,7 +81,8 @@ def test_export_loads_with_automodel_trust_remote_code_and_drafts_like_the_train
     target, head, drafter, layer_ids = tiny
     opt = torch.optim.AdamW(drafter.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    path, _ = ckpt.CheckpointManager(tmp_path, 2).save(3, drafter, drafter.config.to_dict(), opt, sched, {})
+    path, _ = ckpt.CheckpointManager(tmp_path, 2).save(3, drafter.state_dict(), drafter.config.to_dict(),
+                                                           {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, {})
     out = export_checkpoint(path, tmp_path / "export", dtype=torch.float32)
     assert json.loads((out / "config.json").read_text())["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     loaded, info = AutoModel.from_pretrained(out, trust_remote_code=True, output_loading_info=True,

@@ -67,6 +67,7 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path, kin
     straight = {e["step"]: e["loss"] for e in events(run, "step")}
     assert status(run)["state"] == "done" and status(run)["last_checkpoint"] == "checkpoints/step_6"
     assert [e["step"] for e in events(run, "checkpoint")] == [3, 6]
+    assert all(e["stall_s"] >= 0 and e["request"] is None for e in events(run, "checkpoint"))
     assert events(run, "stop")[-1]["reason"] == "done"
     assert train(config(kind=kind), run, resume="3") == 0
     resumed = {e["step"]: e["loss"] for e in events(run, "step")[len(straight):]}
@@ -103,20 +104,24 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     manager = ckpt.CheckpointManager(tmp_path, keep=3)
-    manager.save(1, model, {"x": 1}, opt, sched, {"data": {}})
+
+    def optim():
+        return {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+
+    manager.save(1, model.state_dict(), {"x": 1}, optim(), {"data": {}})
     before = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)
-    real_write = ckpt._write_bytes
+    real_write = ckpt._write_torch
 
-    def dies_after_config(path, data):
+    def dies_after_config(path, obj):
         if path.name == ckpt.OPTIM_FILE:
             raise KeyboardInterrupt("killed while saving")
-        real_write(path, data)
+        real_write(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write_bytes", dies_after_config)
+    monkeypatch.setattr(ckpt, "_write_torch", dies_after_config)
     with pytest.raises(KeyboardInterrupt):
-        manager.save(2, model, {"x": 1}, opt, sched, {"data": {}})
+        manager.save(2, model.state_dict(), {"x": 1}, optim(), {"data": {}})
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert any(n.startswith(".tmp-step_2-") for n in leftovers) and "step_2" not in leftovers
     latest = manager.resolve("latest")

@@ -65,5 +65,5 @@ def test_hosts_marks_the_refusing_node_unreachable_and_lists_the_rest(tmp_path):
     connect.close_all()
     assert result.exit_code == 0, result.output
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
-    assert rows["host200"].split()[4] == "running" and rows["host201"].split()[4] == "running"  # then the doctor column
+    assert rows["host200"].split()[5] == "running" and rows["host201"].split()[5] == "running"  # then the doctor column
     assert "unreachable (node 'dead': cannot connect to 127.0.0.1:" in rows["dead200"]

@@ -35,7 +35,7 @@ def test_default_inventory_is_the_simulated_node(monkeypatch):
     monkeypatch.delenv("DFLASH_OPS_INVENTORY", raising=False)
     assert default_inventory_path() == REPO / "inventory" / "hosts.yaml"
     target = load_inventory().target("host200")
-    assert target.ctid == 200 and target.node.transport == "local" and target.node.sim_root
+    assert target.ctid == 200 and target.node.transport == "local" and target.node.kind.identity()
     assert target.base_dir.startswith(str(Path.home()))
 
 

@@ -160,9 +160,9 @@ class MultiHostTrainer(ThreadedTrainer):
     def evaluate(self) -> dict:
         return super().evaluate() if self.is_writer else {}
 
-    def save(self, request_id: str | None) -> None:
+    def save(self, request: Request | None) -> None:
         if self.is_writer:
-            super().save(request_id)
+            super().save(request)
 
     def _serve(self, requests: list[Request]) -> None:
         """After the last step there is nothing left to agree on: the writer's final save serves it."""

@@ -7,22 +7,22 @@ warm-up happens on one thread before any worker starts.
 from __future__ import annotations
 
 import copy
-import queue
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from trainer.train import checkpoint as ckpt
+from trainer.train.config import TrainerConfig
 from trainer.train.control import Request
 from trainer.data.batches import Batch
 from trainer.train.loop import Trainer, autocast_for
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.data.packing import row_anchors, warmup_packed_batch
+from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
+from trainer.models.target_loading import replica_target
+from trainer.train.config import target_replicas
 
 from trainer.pipeline.compile_safety import CompileGuard
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
@@ -33,27 +33,17 @@ from trainer.pipeline.prefetch import BatchPrefetcher, MicroBatch
 from trainer.pipeline.shapes import PackedShape, WarmShapes
 from trainer.pipeline.stages import StageQueue, StageThread, join_all
 from trainer.pipeline.stopping import PipelineFailed, StopSignal
-from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
+from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetStage, TargetWorker
 
 
-class _StateOnly:
-    """Stands in for a module/optimizer/scheduler in CheckpointManager.save: a CPU snapshot."""
-
-    def __init__(self, state: dict) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict:
-        return self._state
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
+def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:
+    """model.compile_target as written, or for `auto`: every target device is CUDA and the rows are
+    packed (one warmed shape). Never on the CPU (no compiler needed there; tests stay eager)."""
+    if not all(is_cuda(d) for d in target_devices):
+        return False
+    if cfg.model.compile_target == "auto":
+        return bool(cfg.data.pack_length)
+    return bool(cfg.model.compile_target)
 
 
 def forget_states_before(states: dict, first_kept: int) -> None:
@@ -70,10 +60,14 @@ class ThreadedTrainer(Trainer):
     # ------------------------------------------------------------------ replicas
     def build_replicas(self) -> None:
         cfg, c = self.cfg, self.c
-        self.target_devices = [torch.device(d) for d in cfg.devices.target]
+        first = plan_of(c.target)
+        self.target_plans = [StagePlan(first.bounds, tuple(torch.device(d) for d in devices))
+                             for devices in target_replicas(cfg.devices)]
+        self.replica_devices = [plan.devices[0] for plan in self.target_plans]  # where each replica's input goes
+        self.target_devices = list(dict.fromkeys(d for plan in self.target_plans for d in plan.devices))
         self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
-        self.targets = [c.target if d == torch.device(c.target_device) else copy.deepcopy(c.target).to(d)
-                        for d in self.target_devices]
+        self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan, cfg.model.dtype)
+                        for plan in self.target_plans]
         self.drafters, self.heads, self.optimizers, self.schedulers = [c.drafter], [c.head], [c.optimizer], [c.scheduler]
         for d in self.drafter_devices[1:]:
             replica = copy.deepcopy(c.drafter).to(d)
@@ -105,7 +99,8 @@ class ThreadedTrainer(Trainer):
             mode = cfg.pipeline.pad_to_warm_shapes
             self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
         self.anchors = row_anchors(cfg.data, cfg.model.block_size)
-        if cfg.model.compile_target and all(is_cuda(d) for d in self.target_devices):
+        self.compiled_target = compiles_target(cfg, self.target_devices)
+        if self.compiled_target:
             for target in dict.fromkeys(self.targets):
                 compile_decoder_layers(target)
         shapes = self.warm.shapes()
@@ -124,18 +119,19 @@ class ThreadedTrainer(Trainer):
             return ids, None, torch.ones_like(ids, dtype=torch.bool)
 
         def features(t: int, ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
-            """The target worker's own call (same mask path), so a compiled target meets nothing new."""
-            tdev = self.target_devices[t]
+            """The target workers' own calls (same mask path, stage by stage), so a compiled target meets
+            nothing new."""
+            tdev = self.replica_devices[t]
             with torch.inference_mode():
                 return pack_context_features(self.targets[t], ids.to(tdev), None, layer_ids, None,
                                              None if doc_start is None else doc_start.to(tdev))
 
-        for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
-            if self.target_devices[t] not in self.target_devices[:t]:
+        for t in range(1, len(self.targets)):  # targets[0] is warmed with every drafter below
+            if self.target_plans[t].devices not in [p.devices for p in self.target_plans[:t]]:
                 def target_step(shape: tuple[int, int], t: int = t) -> None:
                     features(t, *inputs(shape)[:2])
 
-                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes, target_step)
+                self.guard.warm_up(f"target{t}:{self.replica_devices[t]}", shapes, target_step)
         for rank, device in enumerate(self.drafter_devices):
             def step(shape: tuple[int, int], rank: int = rank, device: torch.device = device) -> None:
                 ids, doc_start, loss_mask = inputs(shape)
@@ -159,14 +155,15 @@ class ThreadedTrainer(Trainer):
                 torch.cuda.reset_peak_memory_stats(device)
         self.guard.freeze()
         seconds = time.time() - began
-        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
+        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
+                      compile_target=self.compiled_target)
         self.rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
-                    f"took {seconds:.1f}s; compiles frozen")
+                    f"took {seconds:.1f}s (target {'compiled' if self.compiled_target else 'eager'}); compiles frozen")
 
     # ------------------------------------------------------------------ the threaded loop
     def _build_pipeline(self) -> list[StageThread]:
         cfg, c = self.cfg, self.c
-        M, T, R = self.local_micro_batches(), len(self.target_devices), len(self.drafter_devices)
+        M, T, R = self.local_micro_batches(), len(self.targets), len(self.drafter_devices)
         first = self.step
         count = (cfg.optim.total_steps - first) * M
         stop = self.stop = StopSignal()
@@ -210,19 +207,28 @@ class ThreadedTrainer(Trainer):
         max_numel = max(b * s for b, s in self.warm.shapes()) * width
         if not self.pad:
             max_numel = max(max_numel, cfg.data.token_budget * width)
-        target_dtype = next(c.target.parameters()).dtype
+        target_dtype = c.target.get_input_embeddings().weight.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
-        self.target_workers = [
-            TargetWorker(t, self.targets[t], d, layer_ids, width, self.target_inputs[t],
-                         [self.feature_queues[r][t] for r in range(R)],
-                         allocate_slots(p.queue_depth * R + 2, max_numel, target_dtype, d), stop, self.busy[d],
-                         len(range(t, count, T)), route, self.guard)
-            for t, d in enumerate(self.target_devices)]
+        self.target_workers, self.stage_queues = [], []
+        taps, last_layer = tap_columns(layer_ids), feature_layers(layer_ids)
+        for t, plan in enumerate(self.target_plans):
+            S, n = len(plan), len(range(t, count, T))
+            hops = [StageQueue(f"target{t}.{s}->target{t}.{s + 1}", p.queue_depth, stop) for s in range(S - 1)]
+            self.stage_queues += hops
+            pool: list | StageQueue = allocate_slots(p.queue_depth * (R + S - 1) + 2, max_numel, target_dtype,
+                                                     plan.devices[-1])
+            for s, ((lo, hi), d) in enumerate(zip(plan.bounds, plan.devices)):
+                stage = TargetStage(s, S, lo, last_layer if s == S - 1 else hi, taps,
+                                    None if s == S - 1 else plan.devices[s + 1])
+                outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
+                worker = TargetWorker(t, self.targets[t], d, layer_ids, width,
+                                      self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool, stop,
+                                      self.busy[d], n, route, self.guard, stage)
+                pool = worker.free
+                self.target_workers.append(worker)
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
         reducer = ReplicaAllReduce(self.flats, streams, stop, across_hosts=self.across_hosts())
         self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
-        self.served: set = set()
-        self.writer_q: queue.Queue = queue.Queue()
         self.drafter_workers = []
         for r, d in enumerate(self.drafter_devices):
             settings = DrafterSettings(self.backend, cfg.model.loss_chunk, self.autocast_dtype[d], cfg.optim.grad_clip,
@@ -232,24 +238,25 @@ class ThreadedTrainer(Trainer):
                 reducer, self.feature_queues[r], settings, stop, self.busy[d], self.guard,
                 self.metrics if r == 0 else None, self._on_step_end if r == 0 else None, streams[r]))
         threads = [StageThread("prefetch", prefetcher.run, stop)]
-        threads += [StageThread(f"target{t}", w.run, stop) for t, w in enumerate(self.target_workers)]
+        threads += [StageThread(f"target{w.rank}" if w.stage.count == 1 else f"target{w.rank}.{w.stage.index}", w.run,
+                                stop) for w in self.target_workers]
         threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
         return threads
 
-    def _snapshot(self, step: int, request: Request | None) -> None:
-        """On drafter 0's thread at a step boundary: copy state to the CPU (the only stall), write later."""
+    def _snapshot(self, step: int, request: Request | None, periodic: bool = False) -> None:
+        """On drafter 0's thread at a step boundary: stage the state (trainer.train.checkpointer:
+        side-stream copies to pinned memory), written in the background while training goes on."""
         M = self.local_micro_batches()
         last_index = (step - self.first_step) * M - 1
-        state = {**self.data_states[last_index], "rng": ckpt.rng_state()}
-        self.writer_q.put((step, _to_cpu(self.drafters[0].state_dict()), _to_cpu(self.optimizers[0].state_dict()),
-                           copy.deepcopy(self.schedulers[0].state_dict()), state, request))
+        self.snapshot(step, self.drafters[0], self.optimizers[0], self.schedulers[0], self.data_states[last_index],
+                      request, periodic)
 
     def _on_step_end(self, step: int, _last: MicroBatch | None) -> None:
         self.step = step
+        if step == self.first_step + 1:  # the optimizer's state exists now: its staging is allocated meanwhile
+            self.reserve_checkpoint(self.drafters[0], self.optimizers[0], self.schedulers[0])
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
-        requests = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
-        for r in requests:
-            self.served.add((r.kind, r.id, r.reason))
+        requests = self.new_requests()
         every = self.cfg.run.checkpoint_every
         periodic = bool(every and step % every == 0 and step < self.cfg.optim.total_steps)
         stops = [r for r in requests if r.kind == "stop"]
@@ -263,8 +270,8 @@ class ThreadedTrainer(Trainer):
             self._snapshot(step, stop_request)
             self.stop.stop(stop_request.reason)
             return
-        if periodic:
-            self._snapshot(step, None)
+        if periodic and not checkpoints:  # a requested checkpoint of this step serves as the periodic one
+            self._snapshot(step, None, periodic=True)
 
     # ------------------------------------------------------------------ what a host-group trainer changes
     def local_micro_batches(self) -> int:
@@ -279,22 +286,6 @@ class ThreadedTrainer(Trainer):
     def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
         """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
         return None
-
-    def _write_checkpoints(self) -> None:
-        while True:
-            item = self.writer_q.get()
-            if item is None:
-                return
-            step, model, optim, sched, state, request = item
-            path, seconds = self.checkpoints.save(step, _StateOnly(model), self.c.drafter.config.to_dict(),
-                                                  _StateOnly(optim), _StateOnly(sched), state)
-            rel = str(path.relative_to(self.run_dir))
-            self.rd.event("checkpoint", step, path=rel, seconds=round(seconds, 3),
-                          request=request.id if request else None)
-            self.rd.update(last_checkpoint=rel)
-            self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s (in the background)")
-            if request is not None:
-                self.control.done(request)
 
     # ------------------------------------------------------------------ metrics
     def _gpu_entries(self, busy: dict) -> list[dict]:
@@ -330,7 +321,8 @@ class ThreadedTrainer(Trainer):
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
              "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
              "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
-             "queues": {q.name: q.depth() for q in self.target_inputs + [q for row in self.feature_queues for q in row]}}
+             "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
+                        + [q for row in self.feature_queues for q in row]}}
         # steady: every window after the first (which holds the pipeline filling up)
         self.windows_seen = getattr(self, "windows_seen", 0) + 1
         if self.windows_seen > 1:
@@ -362,8 +354,6 @@ class ThreadedTrainer(Trainer):
         """Run the threads until done or stopped; returns the stop reason (None when done)."""
         self.first_step = self.step
         threads = self._build_pipeline()
-        writer = threading.Thread(target=self._write_checkpoints, name="checkpoint-writer", daemon=True)
-        writer.start()
         since = (self.step, time.time(), None)
         for t in threads:
             t.start()
@@ -379,13 +369,13 @@ class ThreadedTrainer(Trainer):
                 for w in self.metrics.drain():
                     since = self._write_window(w, since)
         finally:
-            self.writer_q.put(None)
-            writer.join()
+            self.checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
             self.guard.unfreeze()
             for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
                 uncompile_decoder_layers(target)
         if self.stop.error is not None:
             raise self.stop.error
+        self.checkpointer.wait()  # a failed requested checkpoint fails the run
         return self.stop.reason
 
     def setup(self, resume: str | None) -> str | None:

@@ -8,13 +8,11 @@ manifest.json {"step", "files": {name: {"size", "sha256"}}} written last.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,12 +26,6 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     pass
-
-
-class HasState(Protocol):
-    """What save() reads: a module, optimizer or scheduler, or the pipeline's CPU snapshot of one."""
-
-    def state_dict(self) -> dict: ...
 
 
 def _sha256(path: Path) -> str:
@@ -59,10 +51,15 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _torch_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _write_torch(path: Path, obj: object) -> None:
+    """torch.save to a path (its C++ writer, not an in-memory copy of gigabytes under the GIL)."""
+    torch.save(obj, str(path))
+    _fsync_file(path)
 
 
 def rng_state() -> dict:
@@ -98,9 +95,14 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step}"
 
-    def save(self, step: int, drafter: HasState, drafter_config: dict, optimizer: HasState, scheduler: HasState,
+    def save(self, step: int, model: dict[str, torch.Tensor], drafter_config: dict, optim: dict,
              trainer_state: dict) -> tuple[Path, float]:
-        """Write step_N completely, then prune old ones. Returns (path, seconds)."""
+        """Write step_N completely, then prune old ones. Returns (path, seconds).
+
+        model: the drafter's weights (CPU tensors); optim: {"optimizer": ..., "scheduler": ...}
+        state dicts. trainer.train.checkpointer stages them in host memory and calls this from its
+        writer thread: the large writes below (safetensors, torch.save to a path, sha256, fsync)
+        run without the GIL, so the training thread keeps launching work meanwhile."""
         began = time.time()
         final = self.path(step)
         tmp = self.dir / f".tmp-step_{step}-{os.getpid()}"
@@ -108,7 +110,7 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         tmp.mkdir()
         try:
-            self._fill(tmp, step, drafter, drafter_config, optimizer, scheduler, trainer_state)
+            self._fill(tmp, step, model, drafter_config, optim, trainer_state)
         except Exception:
             # A full disk: free what this attempt wrote. A kill leaves it, like SIGKILL would;
             # the next save of that step clears it first.
@@ -121,16 +123,13 @@ class CheckpointManager:
         self.prune()
         return final, time.time() - began
 
-    def _fill(self, tmp: Path, step: int, drafter: HasState, drafter_config: dict, optimizer: HasState,
-              scheduler: HasState, trainer_state: dict) -> None:
-        weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
-        save_file(weights, str(tmp / MODEL_FILE))
-        with open(tmp / MODEL_FILE, "rb+") as f:
-            os.fsync(f.fileno())
+    def _fill(self, tmp: Path, step: int, model: dict[str, torch.Tensor], drafter_config: dict, optim: dict,
+              trainer_state: dict) -> None:
+        save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / MODEL_FILE))
+        _fsync_file(tmp / MODEL_FILE)
         _write_bytes(tmp / DRAFTER_CONFIG_FILE, json.dumps(drafter_config, indent=1).encode())
-        _write_bytes(tmp / OPTIM_FILE, _torch_bytes({"optimizer": optimizer.state_dict(),
-                                                    "scheduler": scheduler.state_dict()}))
-        _write_bytes(tmp / STATE_FILE, _torch_bytes({**trainer_state, "step": step}))
+        _write_torch(tmp / OPTIM_FILE, optim)
+        _write_torch(tmp / STATE_FILE, {**trainer_state, "step": step})
         files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         _write_bytes(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
         _fsync_dir(tmp)
@@ -177,6 +176,6 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     return {
         "model": load_file(str(path / MODEL_FILE), device=str(map_location)),
         "drafter_config": json.loads((path / DRAFTER_CONFIG_FILE).read_text()),
-        "optim": torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=False),
-        "state": torch.load(path / STATE_FILE, map_location="cpu", weights_only=False),
+        "optim": torch.load(path / OPTIM_FILE, map_location=map_location, weights_only=True),
+        "state": torch.load(path / STATE_FILE, map_location="cpu", weights_only=True),
     }

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from trainer.train import checkpoint as ckpt
+from trainer.train.checkpointer import Checkpointer, Job
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config, template_kwargs
+from trainer.train.config import TrainerConfig, dump_config, target_replicas, template_kwargs
 from trainer.train.control import ControlPoller, Request
 from trainer.data.batches import select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
@@ -22,7 +23,9 @@ from trainer.models.objective import drafter_loss_sums
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
 from trainer.train.rundir import RunDir, atomic_write
+from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
+from trainer.models.target_loading import complete_for_decoding
 
 
 def compiled_graphs() -> int:
@@ -46,6 +49,8 @@ class Trainer:
         self.rd = RunDir(self.run_dir, cfg.optim.total_steps)
         self.control = ControlPoller(self.run_dir)
         self.checkpoints = ckpt.CheckpointManager(self.run_dir, cfg.run.keep_checkpoints)
+        self.served: set[tuple[str, str | None, str]] = set()  # requests taken (a checkpoint's is done once written)
+        self.checkpointer = Checkpointer(self.checkpoints, self._checkpoint_written, self._checkpoint_failed)
         self.step = 0
         self.anchor_rng = torch.Generator().manual_seed(cfg.data.seed)
         self.c: Components | None = None
@@ -59,11 +64,16 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
         resumed_from = self.resolve_resume(resume) if resume else None
+        from trainer.models.memory_plan import DoesNotFit, build_plan
+
+        refusal = build_plan(cfg).refusal()
+        if refusal is not None:
+            raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         self.c = build_components(cfg, self.run_dir, self.rd.log)
         self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
         if resumed_from is not None:
             self.load(resumed_from)
-        gpus = sorted({torch.device(d).index or 0 for d in cfg.devices.target[:1] + cfg.devices.drafter[:1]
+        gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
         self.rd.update(step=self.step, gpus=gpus)
         n_params = sum(p.numel() for p in self.c.drafter.parameters())
@@ -71,7 +81,7 @@ class Trainer:
         self.rd.event("start", self.step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
             "drafter_params": n_params, "drafter_layers": cfg.model.drafter_layers,
             "block_size": cfg.model.block_size, "target_layer_ids": self.c.drafter.config.target_layer_ids,
-            "attention": self.backend, "devices": {"target": cfg.devices.target[0], "drafter": cfg.devices.drafter[0]},
+            "attention": self.backend, "devices": {"target": target_replicas(cfg.devices)[0], "drafter": cfg.devices.drafter[0]},
         })
         self.rd.log(f"drafter {n_params / 1e6:.2f}M params, {len(self.c.train_data)} training conversations, "
                     f"attention {self.backend}" + (f", resumed from {rel}" if rel else ""))
@@ -192,9 +202,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         c, e = self.c, self.cfg.eval
-        report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
-                                   c.eval_conversations[: e.samples], e.max_new_tokens,
-                                   template_kwargs=template_kwargs(self.cfg.data))
+        if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
+            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+                                       c.eval_conversations[: e.samples], e.max_new_tokens,
+                                       template_kwargs=template_kwargs(self.cfg.data))
+        else:  # the model directory holds only the layers training runs
+            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
         tau = report["tau"]
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
@@ -209,55 +222,96 @@ class Trainer:
         result = {**report, "acc": correct / max(weight, 1e-6)}
         self.rd.event("eval", self.step, **result)
         self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"])
-        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
-                    f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
+        if tau is None:
+            self.rd.log(f"eval step {self.step}: tau not measured, acc {result['acc']:.3f}")
+        else:
+            self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
+                        f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
         return result
 
-    def save(self, request_id: str | None) -> None:
-        c = self.c
-        self.rd.update(state="checkpointing")
-        state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state(), "rng": ckpt.rng_state()}
-        path, seconds = self.checkpoints.save(self.step, c.drafter, c.drafter.config.to_dict(), c.optimizer,
-                                              c.scheduler, state)
-        rel = str(path.relative_to(self.run_dir))
-        self.rd.event("checkpoint", self.step, path=rel, seconds=round(seconds, 3), request=request_id)
-        self.rd.update(state="running", last_checkpoint=rel)
-        self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s")
+    def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict,
+                 request: Request | None = None, periodic: bool = False) -> Job:
+        """Stage the step's state for the background writer (trainer.train.checkpointer); training
+        goes on while it is written. Blocks only while the previous write is still in flight."""
+        return self.checkpointer.snapshot(
+            step, drafter.state_dict(), drafter.config.to_dict(),
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {**trainer_state, "rng": ckpt.rng_state()}, request, periodic, optimizers=(optimizer,))
 
-    def save_periodic(self) -> None:
+    def reserve_checkpoint(self, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Allocate the checkpoint's host buffers in the background (after the first step, once the
+        optimizer holds its state), so that no checkpoint waits for them."""
+        self.checkpointer.reserve({"model": drafter.state_dict(),
+                                   "optim": {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}})
+
+    def checkpoint(self, request: Request | None = None, periodic: bool = False) -> Job:
+        c = self.c
+        state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
+        return self.snapshot(self.step, c.drafter, c.optimizer, c.scheduler, state, request, periodic)
+
+    def save(self, request: Request | None) -> None:
+        """A checkpoint of this step, complete on disk when this returns (stop, the end of the run)."""
+        self.checkpoint(request)
+        self.rd.update(state="checkpointing")
+        self.checkpointer.wait()
+        self.rd.update(state="running")
+
+    def _checkpoint_written(self, job: Job, path: Path, seconds: float) -> None:
+        """On the writer thread: the event `run checkpoint --wait` waits for, then the request is done."""
+        rel = str(path.relative_to(self.run_dir))
+        request = job.request.id if job.request is not None else None
+        copy = {} if job.copy_s is None else {"copy_s": round(job.copy_s, 3)}
+        self.rd.event("checkpoint", job.step, path=rel, seconds=round(seconds, 3), stall_s=round(job.stall_s, 4),
+                      **copy, request=request)
+        self.rd.update(last_checkpoint=rel)
+        self.rd.log(f"checkpoint {rel} written in {seconds:.2f}s in the background; training waited "
+                    f"{job.stall_s:.3f}s" + (f" (GPU copy {job.copy_s:.2f}s)" if job.copy_s is not None else ""))
+        if job.request is not None:
+            self.control.done(job.request)
+
+    def _checkpoint_failed(self, job: Job, exc: BaseException) -> None:
         """A periodic checkpoint that fails for lack of space (or any OSError) is reported and
-        retried at the next one; the run goes on instead of losing its steps."""
-        try:
-            self.save(None)
-        except OSError as e:
-            message = f"{type(e).__name__}: {e}"
-            self.rd.event("checkpoint_failed", self.step, message=message)
-            self.rd.update(state="running", last_checkpoint_error={"step": self.step, "message": message})
-            self.rd.log(f"checkpoint at step {self.step} failed ({message}); training goes on, the next "
+        retried at the next one; the run goes on instead of losing its steps. Any other failure
+        also fails the run (the checkpointer raises it on the training thread)."""
+        message = f"{type(exc).__name__}: {exc}"
+        self.rd.event("checkpoint_failed", job.step, message=message,
+                      request=job.request.id if job.request is not None else None)
+        self.rd.update(last_checkpoint_error={"step": job.step, "message": message})
+        if job.periodic and isinstance(exc, OSError):
+            self.rd.log(f"checkpoint at step {job.step} failed ({message}); training goes on, the next "
                         "checkpoint tries again")
+
+    def new_requests(self) -> list[Request]:
+        """Control requests not taken yet: a checkpoint request stays in control/ until its
+        checkpoint is written in the background, and must not be served again meanwhile."""
+        found = [r for r in self.control.poll() if (r.kind, r.id, r.reason) not in self.served]
+        self.served.update((r.kind, r.id, r.reason) for r in found)
+        return found
 
     def _serve(self, requests: list[Request]) -> str | None:
         """Serve control requests; returns the stop reason when the run must stop."""
         for r in requests:
             if r.kind == "checkpoint":
-                self.save(r.id)
-                self.control.done(r)
+                self.checkpoint(r)
         for r in requests:
             if r.kind == "stop":
-                self.save(r.id)
-                self.control.done(r)
+                self.save(r)
                 return r.reason
         return None
 
     # ------------------------------------------------------------------ the run
     def train_steps(self) -> str | None:
         """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
-        total, stop_reason = self.cfg.optim.total_steps, None
+        total, stop_reason, first = self.cfg.optim.total_steps, None, self.step
         while self.step < total:
-            stop_reason = self._serve(self.control.poll())
+            stop_reason = self._serve(self.new_requests())
             if stop_reason:
                 break
             m = self.train_step()
+            if self.step == first + 1:
+                self.reserve_checkpoint(self.c.drafter, self.c.optimizer, self.c.scheduler)
             if self.step % self.cfg.run.log_every == 0 or self.step == total:
                 recompiles = compiled_graphs() - self.graphs_after_warmup
                 self.rd.event("step", self.step, recompiles=recompiles, **m)
@@ -271,7 +325,7 @@ class Trainer:
             else:
                 self.rd.update(step=self.step)
             if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0 and self.step < total:
-                self.save_periodic()
+                self.checkpoint(periodic=True)
             if self.cfg.eval.every and self.step % self.cfg.eval.every == 0 and self.step < total:
                 self.evaluate()
         return stop_reason
@@ -280,6 +334,10 @@ class Trainer:
         """status.json's `error` for a failure that reached run()."""
         if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
             return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+        from trainer.models.memory_plan import DoesNotFit
+
+        if isinstance(exc, DoesNotFit):  # the config, not the code: one line
+            return {"message": str(exc), "traceback": None, "thread": "main"}
         return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
     def run(self, resume: str | None) -> int:
@@ -291,7 +349,7 @@ class Trainer:
             self.rd.update(state="running")
             stop_reason = self.train_steps()
             if stop_reason is None:
-                stop_reason = self._serve(self.control.poll())
+                stop_reason = self._serve(self.new_requests())
             if stop_reason:
                 self.rd.event("stop", self.step, reason=stop_reason)
                 self.rd.update(state="stopped")
@@ -311,6 +369,7 @@ class Trainer:
             self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}{trace}")
             return 1
         finally:
+            self.checkpointer.close()
             self.rd.close()
             if self.wandb is not None:
                 self.wandb.finish()

@@ -1,0 +1,81 @@
+"""The simulated Proxmox node as a node kind (`pct: simulated`): its inventory keys and start-up.
+
+    nodes:
+      sim: {transport: local, pct: simulated, sim_root: ~/.local/state/dflash-ops/sim,
+            sim_containers: [200, 300], sim_backend: auto}
+
+`sim_root`: the stand-in's state; `sim_containers`: the CTs created on first use, as an admin's
+`pct create` would have (any other ctid is refused, as on a node); `sim_backend`: what a new
+container is, `lxc` (a real LXC container: dflash_ops/simnode/rootfs.py), `directory` (a
+directory with its own python) or `auto` (lxc where this machine allows, else directory; the
+environment variable DFLASH_OPS_SIM_BACKEND overrides auto). A container keeps the backend it
+was created with. Targets of the node get their `base_dir` and `python` from it by default.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from dflash_ops.errors import TransportError
+from dflash_ops.nodekind import Fail, KindFactory, KindKeys, NodeKind
+from dflash_ops.render import node_command
+from dflash_ops.simnode import containers as simct
+from dflash_ops.transport.base import Transport
+
+DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
+_create_lock = threading.Lock()
+
+
+class SimulatedKeys(KindKeys):
+    sim_root: str | None = None
+    sim_containers: list[Annotated[int, Field(ge=100, le=999_999_999)]] = []
+    sim_backend: Literal["auto", "lxc", "directory"] = "auto"
+
+
+@dataclass(frozen=True)
+class SimulatedNode(NodeKind):
+    root: str = ""
+    containers: tuple[int, ...] = ()
+    backend_choice: str = "auto"
+
+    def backend(self, ctid: int) -> str:
+        return simct.recorded_backend(self.root, ctid) or simct.pick_backend(self.backend_choice)
+
+    def target_defaults(self, ctid: int) -> dict[str, str]:
+        return simct.target_defaults(self.root, ctid, self.backend(ctid))
+
+    def start(self, ctid: int, hostname: str, transport: Transport) -> None:
+        """First use of a listed container: `pct create` it (running), as an admin would have."""
+        if ctid not in self.containers:
+            return
+        with _create_lock:
+            if simct.is_created(self.root, ctid):
+                return
+            argv = simct.create_argv(self.pct, ctid, hostname=hostname, backend=simct.pick_backend(self.backend_choice),
+                                     network=True)
+            result = transport.run(node_command(argv))
+            if not simct.is_created(self.root, ctid):
+                raise TransportError(f"creating simulated CT {ctid} failed: {result.stderr.strip()[-500:]}")
+
+    def identity(self) -> str:
+        return self.root
+
+
+class SimulatedFactory(KindFactory):
+    keys = SimulatedKeys
+
+    @classmethod
+    def from_inventory(cls, keys: dict[str, Any], transport: str, fail: Fail) -> NodeKind:
+        spec = SimulatedKeys.model_validate(keys)
+        if transport != "local":
+            raise fail("pct", "pct 'simulated' needs transport 'local'")
+        root = os.path.expanduser(spec.sim_root or DEFAULT_SIM_ROOT)
+        if not os.path.isabs(root):
+            raise fail("sim_root", f"sim_root must be an absolute path, got {root!r}")
+        return SimulatedNode(pct=tuple(simct.stand_in_argv(root)), root=root,
+                             containers=tuple(spec.sim_containers), backend_choice=spec.sim_backend)

@@ -49,3 +49,8 @@ def test_the_runs_evaluation_uses_data_enable_thinking(qwen3_model_dir, tmp_path
     tok = AutoTokenizer.from_pretrained(qwen3_model_dir, local_files_only=True)
     assert evaluation["prompt_tokens"] == 2 * len(trained_prompt(tok, CONV, {"enable_thinking": False}))
     assert evaluation["prompt_tokens"] != 2 * len(trained_prompt(tok, CONV, {}))
+    # τ is reported beside n-gram prompt lookup's on the same prompts, in the event and status.json
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert evaluation["tau_lookup"] >= 1.0 and evaluation["tau_ratio"] == evaluation["tau"] / evaluation["tau_lookup"]
+    assert (status["tau"], status["tau_lookup"], status["tau_ratio"]) == (
+        evaluation["tau"], evaluation["tau_lookup"], evaluation["tau_ratio"])

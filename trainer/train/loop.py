@@ -221,12 +221,16 @@ class Trainer:
         c.drafter.train()
         result = {**report, "acc": correct / max(weight, 1e-6)}
         self.rd.event("eval", self.step, **result)
-        self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"])
+        self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"], tau_lookup=report.get("tau_lookup"),
+                       tau_ratio=report.get("tau_ratio"))
         if tau is None:
             self.rd.log(f"eval step {self.step}: tau not measured, acc {result['acc']:.3f}")
         else:
+            lookup = (f"; n-gram prompt lookup {report['tau_lookup']:.2f}, ratio {report['tau_ratio']:.2f}x"
+                      if report.get("tau_ratio") is not None else "")
             self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
-                        f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
+                        f"{report['tau_per_prompt']:.2f}{lookup}), acc {result['acc']:.3f}, "
+                        f"{report['samples']} conversations")
         return result
 
     def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,

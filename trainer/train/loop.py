@@ -14,7 +14,7 @@ from trainer.train import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer, Job
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config, target_replicas, template_kwargs
+from trainer.train.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
 from trainer.train.control import ControlPoller, Request
 from trainer.data.batches import select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
@@ -55,6 +55,7 @@ class Trainer:
         self.anchor_rng = torch.Generator().manual_seed(cfg.data.seed)
         self.c: Components | None = None
         self._steady = (0, 0.0)  # real tokens and seconds of the steps after the first
+        self._best_pending: tuple[int, float] | None = None  # run.keep_best: a best τ whose checkpoint is coming
         self.wandb = None
 
     # ------------------------------------------------------------------ setup
@@ -231,6 +232,7 @@ class Trainer:
             self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
                         f"{report['tau_per_prompt']:.2f}{lookup}), acc {result['acc']:.3f}, "
                         f"{report['samples']} conversations")
+        self.keep_if_best(tau)
         return result
 
     def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -255,6 +257,25 @@ class Trainer:
         state = {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
         return self.snapshot(self.step, c.drafter, c.optimizer, c.scheduler, state, request, periodic)
 
+    def keep_if_best(self, tau: float | None) -> None:
+        """run.keep_best: a τ better than the best so far marks this step's checkpoint as the best
+        (checkpoints/best.json; pruning keeps it) once it is on disk: now, or when the writer
+        finishes it. Evaluations fall on checkpoint steps (the config check: eval.every a multiple
+        of checkpoint_every; the final evaluation is followed by the final checkpoint)."""
+        best = self.checkpoints.best
+        if not self.cfg.run.keep_best or tau is None or (best is not None and tau <= best["tau"]):
+            return
+        self._best_pending = (self.step, tau)
+        if self.step in self.checkpoints.steps():
+            self._mark_best(self.step)
+
+    def _mark_best(self, step: int) -> None:
+        pending = self._best_pending
+        if pending is not None and pending[0] == step:
+            self._best_pending = None
+            self.checkpoints.mark_best(step, pending[1])
+            self.rd.log(f"checkpoint step_{step} is the best so far (tau {pending[1]:.3f}): kept (checkpoints/best.json)")
+
     def save(self, request: Request | None) -> None:
         """A checkpoint of this step, complete on disk when this returns (stop, the end of the run)."""
         self.checkpoint(request)
@@ -266,6 +287,7 @@ class Trainer:
         """On the writer thread: the event `run checkpoint --wait` waits for, then the request is done."""
         rel = str(path.relative_to(self.run_dir))
         request = job.request.id if job.request is not None else None
+        self._mark_best(job.step)
         copy = {} if job.copy_s is None else {"copy_s": round(job.copy_s, 3)}
         self.rd.event("checkpoint", job.step, path=rel, seconds=round(seconds, 3), stall_s=round(job.stall_s, 4),
                       **copy, request=request)
@@ -338,6 +360,8 @@ class Trainer:
         """status.json's `error` for a failure that reached run()."""
         if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
             return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+        if isinstance(exc, ConfigError):  # a config that does not fit what it names (model.drafter_init)
+            return {"message": f"config error: {exc}", "traceback": None, "thread": "main"}
         from trainer.models.memory_plan import DoesNotFit
 
         if isinstance(exc, DoesNotFit):  # the config, not the code: one line

@@ -359,6 +359,23 @@ def naive(tr, steps):
     return tokens[0] / (time.perf_counter() - began)
 
 
+def plan_against_peak(cfg, devices):
+    """The memory plan's bytes per device (trainer.models.memory_plan, from the config alone) beside the
+    peak the run allocated there (the pipeline, then each stage alone)."""
+    from trainer.models.memory_plan import build_plan
+
+    plan = build_plan(cfg)
+    out = {}
+    for d in plan.devices:
+        entry = {"plan_gb": round(d.total / 2**30, 2), "items_gb": {k: round(v / 2**30, 3) for k, v in d.items.items()}}
+        if torch.device(d.device.split(":target")[0].split(":drafter")[0]).type == "cuda":
+            peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+            entry["peak_gb"] = round(peak, 2)
+            entry["plan_over_peak"] = round(d.total / 2**30 / max(peak, 1e-9), 3)
+        out[d.device] = entry
+    return out
+
+
 def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
     with untruncated() if variant == "untruncated" else contextlib.nullcontext():
@@ -426,6 +443,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["bound"] = "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage"
     out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
                               if torch.device(dv).type == "cuda"]
+    out["memory_plan"] = plan_against_peak(tr.cfg, devices)
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
             torch.cuda.synchronize(dv)
@@ -509,7 +527,8 @@ def main(argv=None):
             "shapes": len(v["warm_shapes"]), "recompiles": pipe["recompiles_after_warmup"],
             "host_syncs_per_step": pipe["host_syncs_per_step"], "peak_mem_gb": v["peak_mem_gb_all"],
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
-            "pipeline_over_bound": v["pipeline_over_bound"]}
+            "pipeline_over_bound": v["pipeline_over_bound"],
+            "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()}}
     emit("summary", summary)
     print(f"{'mode':<14}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'mem GB':>8}")

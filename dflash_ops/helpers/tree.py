@@ -11,7 +11,9 @@
       unchanged files, verified whole, and swapped in with one rename (RENAME_EXCHANGE for a
       tree), so DEST holds the old complete tree or the new one, never a mix. A stream that
       ends early (dropped connection) keeps what arrived for the next push to resume (exit 4).
-  tree.py manifest SRC              {"kind", "files": {rel: {size, sha256}}} of a file or tree
+  tree.py discard BASE DEST         remove what a push to DEST staged (its sender failed)
+  tree.py manifest SRC              {"kind", "files": {rel: {size, sha256, mode}}, "dirs": {rel: mode}}
+                                    of a file or tree
   tree.py read SRC OFFSET LENGTH    raw bytes of the file SRC (for fetch, one chunk at a time)
   tree.py read-files SRC REL...     small whole files of the tree SRC in one go: per file a JSON
                                     line {"rel", "size"} and its bytes
@@ -42,9 +44,10 @@ import stat
 import sys
 import time
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
-    from typing import BinaryIO
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
 
 CHUNK = 1 << 20
 FILE_REL = "."  # the one entry of a single-file push
@@ -58,17 +61,10 @@ class Refused(Exception):
     pass
 
 
-def print_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+print_json = nodefacts.print_json
+read_json = nodefacts.read_json
+fsync_dir = nodefacts.fsync_dir
+sha256_file = nodefacts.sha256_file
 
 
 def check_dest(dest: str) -> str:
@@ -106,22 +102,9 @@ def record_path(base: str, dest: str) -> str:
     return os.path.join(base, "pushed", hashlib.sha256(dest.encode()).hexdigest()[:32] + ".json")
 
 
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def write_json_atomic(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    nodefacts.write_json_atomic(path, obj)
 
 
 def walk_files(root: str) -> list[str]:
@@ -193,6 +176,34 @@ def file_mode(path: str) -> int:
     return stat.S_IMODE(os.stat(path).st_mode) & 0o777
 
 
+def dir_modes(root: str, rels: list[str]) -> dict[str, int]:
+    """{dir rel ("." for the root): mode} of the directories holding `rels` under root, so that a
+    file inside a private directory stays out of others' reach where it arrives."""
+    dirs = {FILE_REL}
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {d: file_mode(root if d == FILE_REL else os.path.join(root, d)) for d in sorted(dirs)}
+
+
+def set_dir_modes(root: str, dirs: dict) -> None:
+    """chmod the directories of a staged tree (deepest first) to the modes the request carries."""
+    for rel in sorted(dirs, key=lambda d: -d.count("/")):
+        if rel != FILE_REL:
+            check_rel(rel)
+        path = root if rel == FILE_REL else os.path.join(root, rel)
+        if os.path.isdir(path):
+            os.chmod(path, int(dirs[rel]) & 0o777)
+
+
+def dir_modes_match(root: str, dirs: dict) -> bool:
+    try:
+        return all(file_mode(root if rel == FILE_REL else os.path.join(root, rel)) == int(mode) & 0o777
+                   for rel, mode in dirs.items())
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------- may this destination be replaced?
 #
 # The one rule for every command that replaces a file or directory with its output (push here in
@@ -206,7 +217,7 @@ def file_mode(path: str) -> int:
 #     never a file no command wrote.
 # A refusal says what would have been lost, and suggests no flag that would lose it.
 
-OUTPUT_KINDS = ("push", "fetch", "export")
+OUTPUT_KINDS = ("push", "fetch", "export", "hub-model")  # hub-model: trainer_tools.fixtures.hub_model
 SYSTEM_DIRS = frozenset((
     "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
     "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var", "/lost+found"))
@@ -385,7 +396,7 @@ def matches(path: str, want: dict, cached: dict | None = None) -> bool:
     return sha256_file(path) == want["sha256"]
 
 
-def read_request(stream: BinaryIO) -> dict:
+def read_request(stream: nodefacts.BinaryIO) -> dict:
     line = stream.readline()
     try:
         request = json.loads(line)
@@ -402,6 +413,12 @@ def read_request(stream: BinaryIO) -> dict:
             raise Refused("file %r needs size and sha256" % rel)
         if not isinstance(meta.get("mode", 0o644), int):
             raise Refused("file %r: mode must be an integer" % rel)
+    dirs = request.get("dirs") or {}
+    if not isinstance(dirs, dict) or not all(isinstance(m, int) for m in dirs.values()):
+        raise Refused("dirs must map directories to integer modes")
+    for rel in dirs:
+        if rel != FILE_REL:
+            check_rel(rel)
     return request
 
 
@@ -462,7 +479,8 @@ def plan(base: str, dest: str, request: dict) -> dict:
             size = os.path.getsize(part) if os.path.isfile(part) else 0
             steps[rel] = size if size <= want["size"] else 0
     up_to_date = same_kind and set(present) == set(files) and all(s == "dest" for s in steps.values()) \
-        and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items())
+        and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items()) \
+        and dir_modes_match(dest, request.get("dirs") or {})
     need = sum(files[rel]["size"] - step for rel, step in steps.items() if isinstance(step, int))
     if need:
         free, where = free_bytes(os.path.dirname(dest))
@@ -487,7 +505,7 @@ def lock_stage(stage: str) -> int:
             time.sleep(0.2)
 
 
-def receive_file(stream: BinaryIO, stage: str, rel: str, offset: int, length: int, want: dict) -> bool:
+def receive_file(stream: nodefacts.BinaryIO, stage: str, rel: str, offset: int, length: int, want: dict) -> bool:
     """Append one frame to rel's .part; rename it into the stage when complete and verified."""
     final = staged_path(stage, rel)
     part = final + ".part"
@@ -565,14 +583,6 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(base: str, dest: str, request: dict, stage: str) -> int:
     """Complete the staged tree from DEST's unchanged files, verify it, record it, swap it in."""
     files = request["files"]
@@ -602,6 +612,7 @@ def commit(base: str, dest: str, request: dict, stage: str) -> int:
         leftovers = set(walk_files(new)) - set(files)
         for rel in leftovers:  # .part files of an abandoned push
             os.unlink(os.path.join(new, rel))
+        set_dir_modes(new, request.get("dirs") or {})
     entries = {rel: {"size": want["size"], "sha256": want["sha256"],
                      "mtime_ns": os.stat(staged_path(stage, rel)).st_mtime_ns} for rel, want in files.items()}
     doc = {"dest": dest, "kind": request["kind"], "files": entries}
@@ -646,7 +657,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     return 0
 
 
-def receive_frames(stream: BinaryIO, stage: str, files: dict) -> tuple[str | None, int]:
+def receive_frames(stream: nodefacts.BinaryIO, stage: str, files: dict) -> tuple[str | None, int]:
     """Stage every frame up to the end frame: (None, bytes received), or (where, bytes received)
     when the stream was cut off first."""
     received = 0
@@ -663,6 +674,21 @@ def receive_frames(stream: BinaryIO, stage: str, files: dict) -> tuple[str | Non
         if not receive_file(stream, stage, rel, int(frame["offset"]), int(frame["length"]), files[rel]):
             return "inside " + rel, received
         received += int(frame["length"])
+
+
+def cmd_discard(args: argparse.Namespace) -> None:
+    """Remove what a push to DEST staged (the operator's side failed after sending began)."""
+    dest = check_dest(args.dest)
+    stage = stage_dir(dest)
+    if not os.path.isdir(stage):
+        print_json({"discarded": False})
+        return
+    fd = lock_stage(stage)
+    try:
+        shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        os.close(fd)
+    print_json({"discarded": True})
 
 
 def incomplete(where: str, received: int) -> int:
@@ -683,7 +709,9 @@ def manifest(src: str) -> dict:
         raise Refused("no such file or directory: %s" % src)
     files = {rel: {"size": os.path.getsize(path), "sha256": sha256_file(path), "mode": file_mode(path)}
              for rel, path in paths.items()}
-    return {"kind": "file" if FILE_REL in paths else "tree", "files": files}
+    if FILE_REL in paths:
+        return {"kind": "file", "files": files}
+    return {"kind": "tree", "files": files, "dirs": dir_modes(src, list(files))}
 
 
 def cmd_manifest(args: argparse.Namespace) -> None:
@@ -723,7 +751,7 @@ def cmd_read_files(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tree.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("plan", "receive"):
+    for name in ("plan", "receive", "discard"):
         p = sub.add_parser(name)
         p.add_argument("base")
         p.add_argument("dest")
@@ -737,8 +765,8 @@ def main(argv: list[str]) -> int:
     f.add_argument("src")
     f.add_argument("rels", nargs="*")
     args = parser.parse_args(argv)
-    handler = {"plan": cmd_plan, "receive": cmd_receive, "manifest": cmd_manifest, "read": cmd_read,
-               "read-files": cmd_read_files}[args.cmd]
+    handler = {"plan": cmd_plan, "receive": cmd_receive, "discard": cmd_discard, "manifest": cmd_manifest,
+               "read": cmd_read, "read-files": cmd_read_files}[args.cmd]
     try:
         return handler(args) or 0
     except (Refused, OSError) as e:

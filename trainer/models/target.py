@@ -187,18 +187,19 @@ def target_context_features(
 
 def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
                            out: torch.Tensor, doc_start: torch.Tensor | None = None,
-                           mapping: dict | None = None) -> torch.Tensor:
+                           mapping: dict | None = None,
+                           pending: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """One stage of `target_context_features`: decoder layers lo..hi-1 on x's device (x: input ids when
     lo == 0, else the hidden states after layer lo-1), tapped outputs copied into `out`; returns the
     hidden states after layer hi-1. mapping: a prebuilt per-layer-type mask mapping, else built here
-    (causal, or per document when doc_start is given)."""
+    (causal, or per document when doc_start is given). pending: see trainer.models.stages.run_layers."""
     from trainer.models.stages import run_layers, stage_inputs
 
     model = base_model(target)
     hidden = model.embed_tokens(x) if lo == 0 else x
     if mapping is None:
         mapping = packed_mask_mapping(model, doc_start)
-    return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out)
+    return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out, pending)
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:

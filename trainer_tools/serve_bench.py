@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the target's model directory")
     p.add_argument("--draft", required=True, help="the exported draft directory (python -m trainer export)")
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's config.json block_size")
-    p.add_argument("--set", action="append", required=True, metavar="NAME=FILE.jsonl", dest="sets")
+    p.add_argument("--set", action="append", required=True, metavar="NAME=FILE.jsonl[,NAME=FILE...]", dest="sets")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per set")
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON results (engine logs beside it)")
     a = p.parse_args(argv)
     block = a.block_size or json.loads((Path(a.draft) / "config.json").read_text())["block_size"]
-    templates = {**ENGINES[a.engine], **(json.loads(a.argv) if a.argv else {})}
+    templates = {**ENGINES[a.engine], **(json.loads(a.argv) if a.argv else {})}  # "{}": the defaults
     argvs = {m: fill(templates[m], model=a.model, draft=a.draft, port=a.port, k=block - 1) for m in a.modes}
     sets = {}
-    for item in a.sets:
+    for item in (part for given in a.sets for part in given.split(",") if part):
         name, _, path = item.partition("=")
         sets[name] = read_set(Path(path))[: a.limit]
     a.out.parent.mkdir(parents=True, exist_ok=True)

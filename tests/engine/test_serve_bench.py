@@ -29,9 +29,10 @@ def test_serve_bench_reports_tau_throughput_and_speedup_per_set(engine_session: 
     gsm8k = tmp_path / "gsm8k.jsonl"  # the GSM8K file shape: {"question", "answer"}
     gsm8k.write_text("".join(json.dumps({"question": c["messages"][0]["content"], "answer": "-"}) + "\n"
                              for c in conversations))
-    vllm = str(engine_python().parent / "vllm")
-    plain = ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", vllm, "serve", "{model}",
-             "--port", "{port}", "--served-model-name", "target", "--generation-config", "vllm", "--dtype", "float32",
+    # vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm" and exits
+    # (its distribution is "vllm-cpu"); its OpenAI server module is the same `vllm serve`
+    plain = ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", str(engine_python()), "-m",
+             "vllm.entrypoints.openai.api_server", "--model", "{model}", "--port", "{port}", "--served-model-name", "target", "--generation-config", "vllm", "--dtype", "float32",
              "--max-model-len", "512", "--enforce-eager"]
     argvs = {"plain": plain,
              "dflash": plain + ["--speculative-config",

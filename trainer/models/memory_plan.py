@@ -106,8 +106,13 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
         notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
         return meta_model(config, dtype), notes
     if t.path is not None:
+        from pathlib import Path
+
         from transformers import AutoConfig
 
+        if not (Path(t.path) / "config.json").is_file():
+            raise ValueError(f"model.target.path: {t.path}/config.json not found (the plan reads the model's "
+                             "config.json and its safetensors index)")
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         model = meta_model(config, dtype)
         try:

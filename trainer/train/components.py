@@ -127,6 +127,7 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
+    drafter.fused = cfg.model.fuse_drafter
     return drafter.float().train()
 
 

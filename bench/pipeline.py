@@ -6,6 +6,12 @@
     PYTHONPATH=. python bench/pipeline.py --tiny --target cpu --drafter cpu --steps 4   # CPU smoke
     PYTHONPATH=. python bench/pipeline.py --modes packed --one-rank    # + the same as rank 0 of a 1-host group
 
+--variants compares target arrangements on each mode (#24): `whole` (the default: only the layers up to
+the last tapped one run), `untruncated` (the previous default: the whole model with every hidden
+state kept, the final norm included), `splitN` (the target in N layer stages over the --target
+devices, cycled: all N on one GPU measures the stage hand-offs' cost). Each variant's key is
+`<mode>:<variant>` (plain `<mode>` for whole).
+
 --one-rank runs each mode a second time (key `<mode>/rank`) as the one rank of a host group
 (trainer.distributed.multihost on a world-1 torch.distributed group: the cross-host all-reduce of
 the gradient buffer, the per-step agreement, the host shard of the data), to show what being a
@@ -140,7 +146,48 @@ def one_rank_trainer(cfg, run_dir):
     return tr
 
 
-def build(args, run_dir, mode, target, samples, pack_length=0):
+@contextlib.contextmanager
+def untruncated():
+    """Features the previous way: the whole base model with output_hidden_states, final norm included."""
+    import trainer.pipeline.features as features
+    import trainer.pipeline.workers as workers
+    from trainer.models.target import base_model, packed_mask_mapping
+
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None):
+        model = base_model(target)
+        kwargs = {}
+        if doc_start is not None:
+            mapping = packed_mask_mapping(model, doc_start)
+            kwargs["position_ids"] = torch.arange(doc_start.shape[1], device=doc_start.device) - doc_start
+        mapping = mapping if mapping is not None else packed_mask_mapping(model, None)
+        hidden = model(input_ids=x, attention_mask=mapping, output_hidden_states=True, use_cache=False,
+                       **kwargs).hidden_states
+        order = sorted((k, i) for i, ks in taps.items() for k in ks)
+        return torch.cat([hidden[i + 1] for _, i in order], dim=-1, out=out)
+
+    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None):
+        from trainer.models.stages import tap_columns
+
+        return full(target, input_ids, 0, 0, tap_columns(layer_ids), out, doc_start,
+                    attention_mask if isinstance(attention_mask, dict) else None)
+
+    saved = workers.stage_context_features, features.target_context_features
+    workers.stage_context_features, features.target_context_features = full, full_features
+    try:
+        yield
+    finally:
+        workers.stage_context_features, features.target_context_features = saved
+
+
+def variant_targets(args, variant):
+    """devices.target for a variant: plain devices, or one replica of N stages over the --target devices."""
+    if variant.startswith("split"):
+        n = int(variant.removeprefix("split"))
+        return "[" + ", ".join(args.target[i % len(args.target)] for i in range(n)) + "]"
+    return ", ".join(args.target)
+
+
+def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
     rank = mode.endswith("/rank")
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
@@ -153,9 +200,13 @@ def build(args, run_dir, mode, target, samples, pack_length=0):
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
         ct="true" if mode == "packed+ct" else "false",
-        targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every))
+        targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
+    from trainer.models.target_loading import place, stage_plan
+    from trainer.train.config import target_replicas
+
+    place(target, stage_plan(target, drafter.config.target_layer_ids, target_replicas(cfg.devices)[0]))
     opt = build_optimizer(drafter.parameters(), cfg.optim)
     data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
     if mode != "bucketed":
@@ -308,11 +359,33 @@ def naive(tr, steps):
     return tokens[0] / (time.perf_counter() - began)
 
 
-def run_mode(args, mode, target, samples, results, pack_length=0):
+def plan_against_peak(cfg, devices):
+    """The memory plan's bytes per device (trainer.models.memory_plan, from the config alone) beside the
+    peak the run allocated there (the pipeline, then each stage alone)."""
+    from trainer.models.memory_plan import build_plan
+
+    plan = build_plan(cfg)
+    out = {}
+    for d in plan.devices:
+        entry = {"plan_gb": round(d.total / 2**30, 2), "items_gb": {k: round(v / 2**30, 3) for k, v in d.items.items()}}
+        if torch.device(d.device.split(":target")[0].split(":drafter")[0]).type == "cuda":
+            peak = torch.cuda.max_memory_allocated(d.device) / 2**30
+            entry["peak_gb"] = round(peak, 2)
+            entry["plan_over_peak"] = round(d.total / 2**30 / max(peak, 1e-9), 3)
+        out[d.device] = entry
+    return out
+
+
+def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
+    with untruncated() if variant == "untruncated" else contextlib.nullcontext():
+        return _run_mode(args, mode, target, samples, results, pack_length, variant)
+
+
+def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
     out = {}
-    tr = build(args, run_dir, mode, target, samples, pack_length)
+    tr = build(args, run_dir, mode, target, samples, pack_length, variant)
     tr.build_replicas()
     devices = tr.busy_devices()
     for d in devices:
@@ -370,6 +443,7 @@ def run_mode(args, mode, target, samples, results, pack_length=0):
     out["bound"] = "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage"
     out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
                               if torch.device(dv).type == "cuda"]
+    out["memory_plan"] = plan_against_peak(tr.cfg, devices)
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
             torch.cuda.synchronize(dv)
@@ -411,6 +485,8 @@ def main(argv=None):
     p.add_argument("--naive-steps", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile both stages of the packed mode")
     p.add_argument("--one-rank", action="store_true", help="also run each mode as the one rank of a host group")
+    p.add_argument("--variants", nargs="+", default=["whole"],
+                   help="target arrangements per mode: whole, untruncated, splitN (N layer stages)")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -437,7 +513,9 @@ def main(argv=None):
         runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
     for mode, length in runs:
         key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-        emit(key, run_mode(args, mode, target, samples, results, length))
+        for variant in args.variants:
+            emit(key if variant == "whole" else f"{key}:{variant}",
+                 run_mode(args, mode, target, samples, results, length, variant))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
     base = results.get("bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
     summary = {}
@@ -449,7 +527,8 @@ def main(argv=None):
             "shapes": len(v["warm_shapes"]), "recompiles": pipe["recompiles_after_warmup"],
             "host_syncs_per_step": pipe["host_syncs_per_step"], "peak_mem_gb": v["peak_mem_gb_all"],
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
-            "pipeline_over_bound": v["pipeline_over_bound"]}
+            "pipeline_over_bound": v["pipeline_over_bound"],
+            "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()}}
     emit("summary", summary)
     print(f"{'mode':<14}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'mem GB':>8}")

@@ -548,8 +548,8 @@ def child_env() -> dict:
 
 
 def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None,
-            started_work=None) -> tuple[int, float]:
-    """`python -m trainer ARGV` as a user runs it (in this process for the CPU test). At the
+            started_work=None, module: str = "trainer") -> tuple[int, float]:
+    """`python -m MODULE ARGV` (the trainer, or trainer_tools.regen) as a user runs it (in this process for the CPU test). At the
     deadline the process gets SIGINT (regen: stops with whole lines written); a deadline that
     passes before `started_work()` holds (a cold machine still loading and compiling) moves to
     MIN_WORK_S after it, so the stage always produces something."""
@@ -557,7 +557,9 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
     if p.inprocess:
         import contextlib
 
-        from trainer.__main__ import main
+        import importlib
+
+        main = importlib.import_module("trainer.__main__" if module == "trainer" else module).main
 
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
             rc = main(argv)
@@ -565,7 +567,7 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
     import signal
 
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", *argv], stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env(), cwd=str(ROOT), preexec_fn=default_signals)
         interrupted = None
         while proc.poll() is None:
@@ -575,11 +577,11 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
                 else:
                     deadline = max(deadline, time.time() + 1.0)
             if deadline is not None and time.time() > deadline:
-                say(f"deadline: SIGINT to `python -m trainer {argv[0]}` (pid {proc.pid})")
+                say(f"deadline: SIGINT to `python -m {module}` (pid {proc.pid})")
                 proc.send_signal(signal.SIGINT)
                 deadline, interrupted = None, time.time()
             if interrupted is not None and time.time() - interrupted > 30:
-                say(f"deadline: `python -m trainer {argv[0]}` still running 30s after SIGINT: SIGKILL")
+                say(f"deadline: `python -m {module}` still running 30s after SIGINT: SIGKILL")
                 proc.kill()
                 interrupted = None
             time.sleep(0.2)
@@ -596,7 +598,7 @@ def default_signals() -> None:
 
 
 def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
-    return ["regen", "--engine", "hf", "--model-path", str(model_dir), "--in", str(data / "prompts.jsonl"),
+    return ["--engine", "hf", "--model-path", str(model_dir), "--in", str(data / "prompts.jsonl"),
             "--out", str(data / "regen.jsonl"), "-n", str(p.regen_batch), "--max-tokens", str(p.answer_tokens),
             "--temperature", "0", "--device", p.device, "--dtype", "bf16" if p.dtype == "bf16" else "fp32",
             "--extra-body", json.dumps({"chat_template_kwargs": {"enable_thinking": False}})]
@@ -606,13 +608,13 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
     argv = regen_argv(p, model_dir, data)
     path = data / "regen.jsonl"
     rc, seconds = run_cli(p, argv, out / "regen.log", deadline,
-                          started_work=lambda: path.exists() and path.stat().st_size > 0)
+                          started_work=lambda: path.exists() and path.stat().st_size > 0, module="trainer_tools.regen")
     tail = (out / "regen.log").read_text().strip().splitlines()
     summary = next((line for line in reversed(tail) if line.startswith("regen: ") and "regenerated" in line), "")
     records = len(read_records(path)) if path.exists() else 0
     if path.exists() and rc != 0:  # keep whole lines only, for the trainer
         write_jsonl(path, read_records(path))
-    result = {"command": "python -m trainer " + " ".join(argv), "exit": rc, "seconds": round(seconds, 1),
+    result = {"command": "python -m trainer_tools.regen " + " ".join(argv), "exit": rc, "seconds": round(seconds, 1),
               "summary": summary, "conversations": records,
               "errors": [line for line in tail if line.startswith("regen: failed")][:3]}
     say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "

@@ -2,6 +2,7 @@
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
+python -m trainer plan --config CONFIG
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
@@ -104,9 +105,30 @@ def _data_report(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer plan",
+                                description="Bytes per target stage, drafter replica and device, from the config, "
+                                            "the model's config.json and its index (no weights read).")
+    p.add_argument("--config", required=True, help="trainer YAML config")
+    args = p.parse_args(argv)
+    from trainer.train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        from trainer.models.memory_plan import build_plan, format_plan
+
+        plan = build_plan(cfg)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"plan: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report}
+    commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report,
+                "plan": _plan}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

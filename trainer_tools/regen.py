@@ -266,100 +266,20 @@ def _completion(reply: dict, retries: int) -> Completion:
 
 
 def supports_static_decode(model: Any) -> bool:
-    """A decoder-only HF model of the Llama/Qwen layout (what `static_greedy_generate` runs)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if base is None or not layers or not hasattr(base, "rotary_emb") or not hasattr(model, "lm_head"):
-        return False
-    a = layers[0].self_attn
-    module = sys.modules.get(type(a).__module__)
-    return (all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            and hasattr(module, "apply_rotary_pos_emb") and getattr(model.config, "sliding_window", None) is None)
+    """Whether `static_greedy_generate` runs this model (the target decoder's rule,
+    `trainer.models.decoder.supports`)."""
+    from trainer.models import decoder
+
+    return decoder.supports(model)
 
 
 def static_greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                            prefill_rows: int = 256) -> torch.Tensor:
-    """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
+    """Greedy answers of a whole batch from the target decoder's preallocated KV cache
+    (`trainer.models.decoder.greedy`): [B, new] token ids, rows not cut at their stop tokens."""
+    from trainer.models import decoder
 
-    Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
-    tests/trainer/test_regen_static.py), without its per-step cache concatenation and mask
-    building, which made a batch of 4,096 decode at ~17k tokens/s on an H200. The prompts are
-    left-padded into one cache of width + max_new_tokens slots; a key mask hides the padding;
-    prefill runs `prefill_rows` rows at a time; each step appends one slot for every row. Rows
-    that reached a stop token keep decoding (their tokens are cut by the caller); the loop ends
-    when every row has stopped."""
-    import torch
-    import torch.nn.functional as F
-
-    base, cfg = model.model, model.config
-    layers = base.layers
-    rope = sys.modules[type(layers[0].self_attn).__module__].apply_rotary_pos_emb
-    p0 = next(model.parameters())
-    dev, dtype = p0.device, p0.dtype
-    n, width = len(prompts), max(len(p) for p in prompts)
-    slots = width + max_new_tokens
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    keys = [torch.zeros(n, cfg.num_key_value_heads, slots, head_dim, device=dev, dtype=dtype) for _ in layers]
-    values = [torch.zeros_like(k) for k in keys]
-    pads = torch.tensor([width - len(p) for p in prompts], device=dev)
-    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=dev)
-    slot = torch.arange(slots, device=dev)
-    valid = slot[None, :] >= pads[:, None]  # [B, slots]: padding never attended to
-    positions = (slot[None, :width] - pads[:, None]).clamp(min=0)
-
-    def layer_step(layer: Any, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: slice, start: int,
-                   mask: torch.Tensor) -> torch.Tensor:
-        a = layer.self_attn
-        b, t, _ = x.shape
-        h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(b, t, -1, head_dim)
-        k = a.k_proj(h).view(b, t, -1, head_dim)
-        if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        keys[i][rows, :, start:start + t] = k
-        values[i][rows, :, start:start + t] = a.v_proj(h).view(b, t, -1, head_dim).transpose(1, 2)
-        kk, vv = keys[i][rows, :, :start + t], values[i][rows, :, :start + t]
-        if t == 1:  # one query per row: the query heads of a K/V head become its queries (no K/V copies)
-            heads = q.shape[1]
-            q = q.reshape(b, kk.shape[1], heads // kk.shape[1], head_dim)
-            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=a.scaling)
-            out = out.reshape(b, heads, 1, head_dim)
-        else:
-            out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=a.scaling,
-                                                 enable_gqa=q.shape[1] != kk.shape[1])
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
-
-    def last_token(x: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(base.norm(x[:, -1])).float().argmax(dim=-1)
-
-    out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=dev)
-    causal = slot[:width, None] >= slot[None, :width]
-    eye = torch.eye(width, dtype=torch.bool, device=dev)
-    with torch.no_grad():
-        for r0 in range(0, n, prefill_rows):
-            rows = slice(r0, min(n, r0 + prefill_rows))
-            x = base.embed_tokens(ids[rows])
-            cos, sin = base.rotary_emb(x, positions[rows])
-            mask = ((valid[rows, None, :width] & causal[None]) | eye[None])[:, None]
-            for i, layer in enumerate(layers):
-                x = layer_step(layer, i, x, cos, sin, rows, 0, mask)
-            out[rows, 0] = last_token(x)
-        stop = torch.tensor(sorted(stop_ids) or [-1], device=dev)
-        done = torch.isin(out[:, 0], stop)
-        every = slice(None)
-        for t in range(1, max_new_tokens):
-            if t % 8 == 0 and bool(done.all()):
-                break
-            x = base.embed_tokens(out[:, t - 1:t])
-            cos, sin = base.rotary_emb(x, (width + t - 1 - pads)[:, None])
-            mask = valid[:, None, None, :width + t]
-            for i, layer in enumerate(layers):
-                x = layer_step(layer, i, x, cos, sin, every, width + t - 1, mask)
-            out[:, t] = last_token(x)
-            done |= torch.isin(out[:, t], stop)
-    return out
+    return decoder.greedy(model, prompts, max_new_tokens, stop_ids, prefill_rows)
 
 
 class HFEngine:
@@ -393,7 +313,8 @@ class HFEngine:
         # greedy answers from the preallocated-cache decoder unless told otherwise (or unsupported)
         self.static = decode != "hf" and sampling.temperature <= 0 and supports_static_decode(self.model)
         if decode == "static" and not self.static:
-            raise InputError("--decode static needs greedy sampling (--temperature 0) and a Llama/Qwen-layout model")
+            raise InputError("--decode static needs greedy sampling (--temperature 0) and a Qwen3/Qwen2/Llama model "
+                             "with full attention only")
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)

@@ -110,7 +110,10 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     except ConfigError as e:
         # A release may carry its own trainer: a config the bundled trainer rejects is a warning.
         return RunPlan(gpus=run_gpus, config_path=str(config), config_error=str(e))
-    cuda = sorted({_cuda_index(d) for d in [*cfg.devices.target, *cfg.devices.drafter] if d != "cpu"})
+    from trainer.train.config import target_replicas
+
+    stage_devices = [d for replica in target_replicas(cfg.devices) for d in replica]
+    cuda = sorted({_cuda_index(d) for d in [*stage_devices, *cfg.devices.drafter] if d != "cpu"})
     t = cfg.model.target
     dims, model_config_path = None, None
     if t.tiny is not None:

@@ -57,7 +57,7 @@ def test_a_failing_stage_stops_every_thread_and_lands_in_status(tmp_path, monkey
     import trainer.pipeline.workers as workers
 
     calls = {"n": 0}
-    real = workers.pack_context_features
+    real = workers.stage_context_features
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -65,7 +65,7 @@ def test_a_failing_stage_stops_every_thread_and_lands_in_status(tmp_path, monkey
             raise RuntimeError("target exploded on purpose")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(workers, "pack_context_features", flaky)
+    monkeypatch.setattr(workers, "stage_context_features", flaky)
     before = {t.name for t in threading.enumerate()}
     assert train(config(), tmp_path / "run") == 1
     st = status(tmp_path / "run")

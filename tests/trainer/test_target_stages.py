@@ -67,3 +67,174 @@ def test_packed_rows_equal_each_document_alone_through_the_truncated_walk():
             alone = model(doc[None], output_hidden_states=True).hidden_states
         assert torch.allclose(packed[:, start:start + n], torch.cat([alone[2], alone[5]], dim=-1), atol=1e-5)
         start += n
+
+
+# ---------------------------------------------------------------------------- split targets
+
+from trainer.entry import train  # noqa: E402
+from trainer.models.stages import StagePlan  # noqa: E402
+from trainer.models.target_loading import complete_for_decoding, load_staged, partition, place  # noqa: E402
+from trainer.train.config import ConfigError, parse_config  # noqa: E402
+
+from tests.trainer.tiny_config import tiny_config  # noqa: E402
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_target_placed_in_three_stages_gives_the_same_features_and_logits(family):
+    whole, split = _model(family), place(_model(family), StagePlan.from_sizes([1, 2, 1], ["cpu"] * 3))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    layer_ids = [0, 1, 3]
+    assert torch.equal(target_context_features(split, ids, None, layer_ids),
+                       target_context_features(whole, ids, None, layer_ids))
+    with torch.no_grad():
+        assert torch.equal(split(ids).logits, whole(ids).logits)
+
+
+def test_a_model_directory_is_read_stage_by_stage_up_to_the_last_tapped_layer(qwen3_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.float32).eval()
+    plan = StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3)  # layers 0..2 of 4
+    staged = load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None)
+    layers = base_model(staged).layers
+    assert [layers[i].self_attn.q_proj.weight.is_meta for i in range(4)] == [False, False, False, True]
+    assert staged.lm_head.weight.is_meta and base_model(staged).norm.weight.is_meta
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(target_context_features(staged, ids, None, [0, 2]),
+                       target_context_features(full, ids, None, [0, 2]))
+    assert complete_for_decoding(staged, plan, log=lambda _: None)  # τ needs the rest: loaded on demand
+    with torch.no_grad():
+        assert torch.equal(staged(ids).logits, full(ids).logits)
+
+
+def test_partition_balances_bytes_with_the_embedding_on_the_first_stage():
+    assert partition([10] * 6, 3) == [2, 2, 2]
+    assert partition([10] * 6, 3, first_extra=20) == [1, 2, 3] or partition([10] * 6, 3, first_extra=20)[0] == 1
+    assert sum(partition([5, 9, 1, 7, 3], 2)) == 5
+    with pytest.raises(ValueError):
+        partition([1, 2], 3)
+
+
+SPLIT = """
+model: {target: {tiny: {layers: 4}}, target_layer_ids: [1, 2]}
+data: {synthetic: {n_train: 64, n_eval: 2}}
+optim: {total_steps: 3, micro_batches: 2}
+devices: {target: %(targets)s, drafter: [cpu]}
+eval: {samples: 2, max_new_tokens: 6}
+pipeline: {kind: %(kind)s}
+"""
+
+
+def _events(run_dir, kind):
+    import json
+
+    return [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+@pytest.mark.parametrize("kind", ["reference", "threaded"])
+def test_a_split_target_trains_with_the_same_losses_and_tau_as_unsplit(tmp_path, kind):
+    runs = {}
+    for name, targets in (("whole", "[cpu]"), ("split", "[[cpu, cpu, cpu]]")):
+        assert train(parse_config(tiny_config(SPLIT % dict(targets=targets, kind=kind))), tmp_path / name) == 0
+        runs[name] = _events(tmp_path / name, "step"), _events(tmp_path / name, "eval")
+    (whole_steps, whole_eval), (split_steps, split_eval) = runs["whole"], runs["split"]
+    assert [e["loss"] for e in split_steps] == [e["loss"] for e in whole_steps]
+    assert len(split_steps) == 3
+    if kind == "threaded":  # three stage workers with bounded queues between them
+        assert {"target0.0->target0.1", "target0.1->target0.2"} <= set(split_steps[0]["queues"])
+    assert split_eval[-1]["tau"] == whole_eval[-1]["tau"] and split_eval[-1]["tau"] >= 1
+
+
+def test_a_model_directory_without_the_layers_above_the_tapped_ones_still_trains(tmp_path, qwen3_model_dir):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    trimmed = tmp_path / "trimmed"
+    shutil.copytree(qwen3_model_dir, trimmed)
+    index = json.loads((trimmed / "model.safetensors.index.json").read_text())
+    dropped = {k for k in index["weight_map"] if k.startswith(("model.layers.3.", "model.norm."))}
+    for shard in set(index["weight_map"].values()):
+        tensors = load_file(str(trimmed / shard))
+        save_file({k: v for k, v in tensors.items() if k not in dropped}, str(trimmed / shard), {"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dropped}
+    (trimmed / "model.safetensors.index.json").write_text(json.dumps(index))
+    overlay = f"""
+model: {{target: {{tiny: null, path: {trimmed}}}, target_layer_ids: [0, 2]}}
+data: {{synthetic: {{n_train: 32, n_eval: 2}}}}
+optim: {{total_steps: 2}}
+devices: {{target: [[cpu, cpu]]}}
+"""
+    run = tmp_path / "run"
+    assert train(parse_config(tiny_config(overlay)), run) == 0
+    assert len(_events(run, "step")) == 2
+    assert "τ not measured" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("devices, message", [
+    ("{target: [[cuda:0, cuda:1], [cuda:1, cuda:2]]}", "puts cuda:1 in two replicas"),
+    ("{target: [[]]}", "has an empty list"),
+    ("{target: [[cpu, cpu]], target_split: [1, 1, 1]}", "lists 3 stages, but the replica"),
+    ("{target: [[cpu, cpu, cpu, cpu, cpu]]}", "more than the target's 4 layers"),
+    ("{target: [cuda:0], target_split: [2, 2]}", "needs a split replica"),
+])
+def test_bad_splits_get_one_line_naming_the_problem(devices, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config(tiny_config(f"model: {{target: {{tiny: {{layers: 4}}}}}}\ndevices: {devices}\n"))
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------- the memory plan
+
+FAT = """
+model: {target: {tiny: {layers: 12, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 1024}},
+        target_layer_ids: [1, 10], num_target_layers: 2}
+optim: {total_steps: 2, micro_batches: 1}
+devices: {target: %(targets)s, drafter: [cpu], memory_gib: %(budget)s}
+eval: {samples: 1, max_new_tokens: 4}
+"""
+
+
+def _fat(targets, budget="null"):
+    return parse_config(tiny_config(FAT % dict(targets=targets, budget=budget)))
+
+
+def test_the_plan_counts_stages_drafter_and_devices_from_the_config_alone():
+    from trainer.models.memory_plan import build_plan, format_plan
+
+    whole, split = build_plan(_fat("[cpu]")), build_plan(_fat("[[cpu, cpu, cpu]]"))
+    assert [st["layers"] for st in split.stages] == [[0, 2], [3, 6], [7, 10]]  # layers 11 only for decoding
+    assert sum(st["target weights"] for st in split.stages) == whole.stages[0]["target weights"]
+    assert max(d.total for d in split.devices if "target" in d.device) < whole.devices[0].total
+    assert split.drafter["optimizer (fp32)"] == 2 * split.drafter["weights (fp32)"]
+    text = format_plan(split)
+    assert "stage 2 on cpu: layers 7..10" in text and "fits: yes" in text
+
+
+def test_a_target_that_does_not_fit_one_device_is_refused_unsplit_and_trains_split(tmp_path):
+    from trainer.models.memory_plan import build_plan
+
+    budget = 8 / 1024  # GiB: between the widest of three stages and the whole target
+    plan = build_plan(_fat("[cpu]", budget))
+    assert not plan.fits and plan.smallest_split in (2, 3)
+    assert "cpu:target0.0 needs" in plan.refusal() and "more than its 8.00 MiB budget" in plan.refusal()
+    assert train(_fat("[cpu]", budget), tmp_path / "whole") == 1
+    import json
+
+    status = json.loads((tmp_path / "whole" / "status.json").read_text())
+    assert status["error"]["message"].startswith("the memory plan does not fit: cpu:target0.0 needs")
+    assert status["error"]["traceback"] is None
+    assert build_plan(_fat("[[cpu, cpu, cpu]]", budget)).fits
+    assert train(_fat("[[cpu, cpu, cpu]]", budget), tmp_path / "split") == 0
+    assert len(_events(tmp_path / "split", "step")) == 2
+
+
+def test_python_m_trainer_plan_prints_the_plan_and_exits_1_when_it_does_not_fit(tmp_path, capsys):
+    from trainer.__main__ import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(FAT % dict(targets="[cpu]", budget=8 / 1024)))
+    assert main(["plan", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "SHORT by" in out and "smallest split of one replica that fits:" in out

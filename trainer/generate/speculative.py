@@ -5,8 +5,8 @@ which re-runs the target on the whole sequence every round; here each round feed
 block (anchor + drafts) to the target and keeps what it accepted. Two implementations, one result
 (`speculative_generate_cached` picks one):
 
-* Static (Qwen3, Qwen2 and Llama targets with target and drafter on one device; what evaluation
-  uses). Every buffer is allocated once: per-layer K/V of target and drafter
+* Static (targets `trainer.models.decoder.supports`, with target and drafter on one device; what
+  evaluation uses). Every buffer is allocated once: per-layer K/V of target and drafter
   [B, kv_heads, capacity, head_dim] and a per-row validity mask over the slots. All rows share
   one write pointer p: a round writes its block into slots p..p+bs-1 of every row, target and
   drafter alike (a drafter context entry is a function of the target's features at the same
@@ -18,8 +18,8 @@ block (anchor + drafts) to the target and keeps what it accepted. Two implementa
   [B, bs], acceptance, the block's drafter context); on CUDA it is captured once as a CUDA graph
   and replayed every round (eager, a round is launch-bound: thousands of small kernels), and the
   host reads back only drafts, target tokens and accepted counts. Rows that finish stay in the
-  batch, ignored. The target's decoder is run here from its own modules (norms, projections,
-  MLP, rotary embedding), the arithmetic of transformers' SDPA path.
+  batch, ignored. The target runs through the one target decoder (`trainer.models.decoder`: its
+  own modules, the arithmetic of transformers' SDPA path), the drafter's context in a KVCache too.
 * Dynamic (any other causal LM, or two devices): one Hugging Face `DynamicCache` for the batch.
   Every round appends the block's entries for every row, marks the rejected ones invalid in a
   per-row key mask and crops the cache to the longest accepted length; the target sees an
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
-from trainer.models.target import FrozenHead, base_model
+from trainer.models import decoder
+from trainer.models.target import FrozenHead
 
 
 @dataclass
@@ -74,6 +75,22 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return d.norm(x)
 
 
+def _context_kv(drafter: DFlashDrafter, features: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The drafter's context K/V per layer [B, kv_heads, T, head_dim] of target features [B, T, n*H]
+    at positions [B, T] (a context entry is a function of the target's features at its position)."""
+    d, c = drafter, drafter.config
+    ctx = d.hidden_norm(d.fc(features.to(dtype)))
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    b, t, _ = ctx.shape
+    out = []
+    for layer in d.layers:
+        a = layer.self_attn
+        k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
+        out.append((_rotate(k, cos, sin), a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)))
+    return out
+
+
 class DrafterCache:
     """Per-layer context K/V of the drafter for a batch, with a validity mask over entries."""
 
@@ -87,16 +104,8 @@ class DrafterCache:
 
     def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Add context entries: target features [B, T, n*H] at positions [B, T]."""
-        d, c = self.drafter, self.drafter.config
-        dtype = self.keys[0].dtype
-        ctx = d.hidden_norm(d.fc(features.to(dtype)))
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        b, t, _ = ctx.shape
-        for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
-            v = a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
-            self.keys[i] = torch.cat([self.keys[i], _rotate(k, cos, sin)], dim=2)
+        for i, (k, v) in enumerate(_context_kv(self.drafter, features, positions, self.keys[0].dtype)):
+            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
             self.values[i] = torch.cat([self.values[i], v], dim=2)
         self.valid = torch.cat([self.valid, valid], dim=1)
 
@@ -125,25 +134,15 @@ def _crop(cache: DynamicCache, length: int) -> None:
 
 
 def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-STATIC_FAMILIES = ("qwen3", "qwen2", "llama")  # decoders the static implementation runs from their modules
+    last = hidden_states[-1].device  # a target split in stages leaves each layer's output on its device
+    return torch.cat([hidden_states[i + 1].to(last) for i in layer_ids], dim=-1)
 
 
 def static_supported(target: torch.nn.Module, drafter_device: torch.device | str) -> bool:
-    """Whether the static implementation can run this target (see the module doc)."""
-    cfg = target.config
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and kinds == {"full_attention"}
-            and hasattr(base_model(target), "rotary_emb")
-            and next(target.parameters()).device == torch.device(drafter_device))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb for one tensor [B, heads, T, D], cos/sin [B, 1, T, D]."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+    """Whether the static implementation can run this target: the target decoder supports it
+    (`trainer.models.decoder.supports`) and target and drafter share a device (a target split in
+    stages over several devices decodes through the Hugging Face forward)."""
+    return decoder.supports(target) and {p.device for p in target.parameters()} == {torch.device(drafter_device)}
 
 
 class _StaticRounds:
@@ -151,22 +150,14 @@ class _StaticRounds:
 
     def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, batch: int, capacity: int,
                  ddtype: torch.dtype) -> None:
-        self.target, self.drafter, self.head = target, drafter, head
-        self.model = base_model(target)
-        self.lm_head = target.get_output_embeddings()
-        c, tc = drafter.config, target.config
+        self.drafter, self.head = drafter, head
+        self.decoder = decoder.TargetDecoder(target)
+        c = drafter.config
         self.bs, self.layer_ids, self.capacity, self.ddtype = c.block_size, list(c.target_layer_ids), capacity, ddtype
-        dev = self.dev = next(target.parameters()).device
-        tdtype = next(target.parameters()).dtype
-        t_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-
-        def buffers(layers: int, heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros(batch, heads, capacity, dim, device=dev, dtype=dtype) for _ in range(layers)]
-
-        self.tk = buffers(len(self.model.layers), tc.num_key_value_heads, t_head_dim, tdtype)
-        self.tv = buffers(len(self.model.layers), tc.num_key_value_heads, t_head_dim, tdtype)
-        self.dk = buffers(len(drafter.layers), c.num_key_value_heads, c.head_dim, ddtype)
-        self.dv = buffers(len(drafter.layers), c.num_key_value_heads, c.head_dim, ddtype)
+        dev = self.dev = self.decoder.device
+        self.target_cache = self.decoder.cache(batch, capacity)
+        self.drafter_cache = decoder.KVCache(len(drafter.layers), batch, c.num_key_value_heads, capacity, c.head_dim,
+                                             dev, ddtype)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
         self.slot = torch.arange(capacity, device=dev)
         self.offsets = torch.arange(self.bs, device=dev)
@@ -180,64 +171,24 @@ class _StaticRounds:
     # ---------------------------------------------------------------- the two models on the buffers
     def _target(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                 last_only: bool, expand_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target decoder on ids [B, T] at positions [B, T]; K/V written at cache slots [T]; visible
-        [B, T, capacity]: the slots each query attends to. Returns (logits, features [B, T, n*H]).
-        expand_kv: repeat K/V heads for the query heads, as transformers does with a mask on CUDA,
-        so SDPA takes a fused kernel instead of materialising [B, heads, T, capacity] scores."""
-        m = self.model
-        b, t = ids.shape
-        x = m.embed_tokens(ids)
-        cos, sin = m.rotary_emb(x, positions)
-        cos, sin = cos[:, None], sin[:, None]
-        mask = visible[:, None]
-        last = len(m.layers) - 1
-        kept = {}
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (b, t, -1, a.head_dim)
-            q, k = a.q_proj(h).view(shape), a.k_proj(h).view(shape)
-            if getattr(a, "q_norm", None) is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            v = a.v_proj(h).view(shape).transpose(1, 2)
-            self.tk[i].index_copy_(2, slots, k)
-            self.tv[i].index_copy_(2, slots, v)
-            keys, values = self.tk[i], self.tv[i]
-            groups = q.shape[1] // keys.shape[1]
-            if expand_kv and groups > 1:
-                keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])
-            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in self.layer_ids and i != last:
-                kept[i] = x
-        x = m.norm(x)
-        if last in self.layer_ids:  # transformers' last hidden state is the normed one
-            kept[last] = x
-        logits = self.lm_head(x[:, -1:] if last_only else x)
-        return logits, torch.cat([kept[i] for i in self.layer_ids], dim=-1)
+        """Target decoder on ids [B, T] at positions [B, T] (trainer.models.decoder); returns (logits,
+        features [B, T, n*H])."""
+        logits, kept = self.decoder.forward(ids, positions, self.target_cache, slots, visible, keep=self.layer_ids,
+                                            last_only=last_only, expand_kv=expand_kv)
+        return logits, torch.cat(kept, dim=-1)
 
     def _context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """The drafter's context K/V of target features [B, T, n*H] at positions [B, T], written at slots [T]."""
-        d, c = self.drafter, self.drafter.config
-        ctx = d.hidden_norm(d.fc(features.to(self.ddtype)))
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        b, t, _ = ctx.shape
-        for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
-            self.dk[i].index_copy_(2, slots, _rotate(k, cos, sin))
-            self.dv[i].index_copy_(2, slots, a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2))
+        for i, (k, v) in enumerate(_context_kv(self.drafter, features, positions, self.ddtype)):
+            self.drafter_cache.write(i, slots, k, v)
 
     def _draft(self, block: torch.Tensor, positions: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states [B, bs, H] of the block ids [B, bs] after the visible context slots."""
-        d, c = self.drafter, self.drafter.config
+        c = self.drafter.config
         x = self.head.embed(block).to(self.ddtype)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         mask = torch.cat([context, self.block_visible], dim=1)[:, None, None, :]
-        return _draft_block(d, x, cos, sin, self.dk, self.dv, mask)
+        return _draft_block(self.drafter, x, cos, sin, self.drafter_cache.keys, self.drafter_cache.values, mask)
 
     # ---------------------------------------------------------------- prefill, rounds, bookkeeping
     def prefill(self, prompts: list[list[int]]) -> list[int]:
@@ -264,17 +215,20 @@ class _StaticRounds:
 
     def round(self) -> torch.Tensor:
         """One round at write pointer `start`: [B, 2*bs] = drafts (bs-1) | target tokens (bs) | accepted drafts.
-        Fixed shapes, no host sync, writes only slots start..start+bs-1: what a CUDA graph captures."""
+        Fixed shapes, no host sync, writes only slots start..start+bs-1: what a CUDA graph captures
+        (the target cache's snapshot/restore hooks included)."""
         slots = self.start + self.offsets
         positions = self.anchor_pos[:, None] + self.offsets
         context = self.valid & (self.slot < self.start)  # [B, capacity]: accepted entries before the block
         block = torch.cat([self.anchor_token[:, None], self.masks], dim=1)
         drafts = self.head.logits(self._draft(block, positions, context)[:, 1:]).argmax(dim=-1).to(block.device)
         in_block = (self.slot[None, :] >= self.start) & (self.slot[None, :] <= slots[:, None])  # [bs, capacity]
+        snapshot = self.target_cache.snapshot()
         logits, features = self._target(torch.cat([block[:, :1], drafts], dim=1), positions, slots,
                                         context[:, None, :] | in_block[None], last_only=False)
         target_tokens = logits.argmax(dim=-1)
         accepted = (drafts == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        self.target_cache.restore(snapshot, accepted)
         self._context(features, positions, slots)
         return torch.cat([drafts, target_tokens, accepted[:, None]], dim=1)
 
@@ -295,10 +249,8 @@ class _StaticRounds:
         order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices
         counts = valid.sum(dim=1)
         packed = int(counts.max())
-        order = order[:, :packed]
-        for buf in self.tk + self.tv + self.dk + self.dv:
-            index = order[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
-            buf[:, :, :packed].copy_(buf[:, :, :used].gather(2, index))
+        self.target_cache.compact(order, packed, used)
+        self.drafter_cache.compact(order, packed, used)
         self.valid.zero_()
         self.valid[:, :packed] = self.slot[None, :packed] < counts[:, None]
         return packed

@@ -54,6 +54,15 @@ class StagePlan:
         return len(self.bounds) - 1  # above the tapped layers: with the last stage (evaluation only)
 
 
+def plan_of(target: torch.nn.Module) -> StagePlan:
+    """The stages a target was placed in (trainer.models.target_loading), else one stage on its
+    embedding's device holding every layer."""
+    plan = getattr(target, "_dflash_plan", None)
+    if isinstance(plan, StagePlan):
+        return plan
+    return StagePlan.single(int(target.config.num_hidden_layers), target.get_input_embeddings().weight.device)
+
+
 def feature_layers(layer_ids: Sequence[int]) -> int:
     """How many decoder layers the features need: up to and including the last tapped one."""
     return max(layer_ids) + 1

@@ -165,22 +165,40 @@ def target_context_features(
     trainer.data.packing): attention is causal inside each document and positions restart at every
     document; attention_mask is then ignored. out: written in place.
     """
-    from trainer.models.stages import feature_layers, run_layers, stage_inputs, tap_columns
+    from trainer.models.stages import feature_layers, plan_of, tap_columns
+
+    plan = plan_of(target)
+    taps = tap_columns(layer_ids)
+    last = feature_layers(layer_ids)
+    x: torch.Tensor = input_ids
+    if out is None:
+        width = len(layer_ids) * int(target.config.hidden_size)
+        out = torch.empty(*input_ids.shape, width, dtype=target.get_input_embeddings().weight.dtype,
+                          device=plan.devices[-1])
+    for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
+        hi = min(hi, last) if s < len(plan) - 1 else last
+        if lo >= hi:
+            break
+        mapping = attention_mask if isinstance(attention_mask, dict) and s == 0 and doc_start is None else None
+        x = stage_context_features(target, x.to(device, non_blocking=True), lo, hi, taps, out,
+                                   None if doc_start is None else doc_start.to(device, non_blocking=True), mapping)
+    return out
+
+
+def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
+                           out: torch.Tensor, doc_start: torch.Tensor | None = None,
+                           mapping: dict | None = None) -> torch.Tensor:
+    """One stage of `target_context_features`: decoder layers lo..hi-1 on x's device (x: input ids when
+    lo == 0, else the hidden states after layer lo-1), tapped outputs copied into `out`; returns the
+    hidden states after layer hi-1. mapping: a prebuilt per-layer-type mask mapping, else built here
+    (causal, or per document when doc_start is given)."""
+    from trainer.models.stages import run_layers, stage_inputs
 
     model = base_model(target)
-    if doc_start is not None:
-        doc_start = doc_start.to(input_ids.device)
+    hidden = model.embed_tokens(x) if lo == 0 else x
+    if mapping is None:
         mapping = packed_mask_mapping(model, doc_start)
-    elif isinstance(attention_mask, dict):
-        mapping = attention_mask
-    else:
-        mapping = packed_mask_mapping(model, None)
-    hidden = model.embed_tokens(input_ids)
-    if out is None:
-        out = hidden.new_empty(*hidden.shape[:-1], len(layer_ids) * hidden.shape[-1])
-    inputs = stage_inputs(model, hidden, mapping, doc_start)
-    run_layers(model, hidden, 0, feature_layers(layer_ids), inputs, tap_columns(layer_ids), out)
-    return out
+    return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out)
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:
@@ -214,9 +232,9 @@ class FrozenHead(torch.nn.Module):
 
     @classmethod
     def from_target(cls, target: torch.nn.Module, device: str | torch.device) -> "FrozenHead":
-        embed = target.get_input_embeddings().weight.detach().to(device)
-        head = target.get_output_embeddings().weight.detach().to(device)
-        return cls(embed, head)
+        from trainer.models.target_loading import head_weights
+
+        return cls(*head_weights(target, device))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed_weight)

@@ -19,7 +19,10 @@ from trainer.train.loop import Trainer, autocast_for
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.data.packing import row_anchors, warmup_packed_batch
+from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
+from trainer.models.target_loading import replica_target
+from trainer.train.config import target_replicas
 
 from trainer.pipeline.compile_safety import CompileGuard
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
@@ -30,7 +33,7 @@ from trainer.pipeline.prefetch import BatchPrefetcher, MicroBatch
 from trainer.pipeline.shapes import PackedShape, WarmShapes
 from trainer.pipeline.stages import StageQueue, StageThread, join_all
 from trainer.pipeline.stopping import PipelineFailed, StopSignal
-from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetWorker
+from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetStage, TargetWorker
 
 
 def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:
@@ -57,10 +60,14 @@ class ThreadedTrainer(Trainer):
     # ------------------------------------------------------------------ replicas
     def build_replicas(self) -> None:
         cfg, c = self.cfg, self.c
-        self.target_devices = [torch.device(d) for d in cfg.devices.target]
+        first = plan_of(c.target)
+        self.target_plans = [StagePlan(first.bounds, tuple(torch.device(d) for d in devices))
+                             for devices in target_replicas(cfg.devices)]
+        self.replica_devices = [plan.devices[0] for plan in self.target_plans]  # where each replica's input goes
+        self.target_devices = list(dict.fromkeys(d for plan in self.target_plans for d in plan.devices))
         self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
-        self.targets = [c.target if d == torch.device(c.target_device) else copy.deepcopy(c.target).to(d)
-                        for d in self.target_devices]
+        self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan, cfg.model.dtype)
+                        for plan in self.target_plans]
         self.drafters, self.heads, self.optimizers, self.schedulers = [c.drafter], [c.head], [c.optimizer], [c.scheduler]
         for d in self.drafter_devices[1:]:
             replica = copy.deepcopy(c.drafter).to(d)
@@ -112,18 +119,19 @@ class ThreadedTrainer(Trainer):
             return ids, None, torch.ones_like(ids, dtype=torch.bool)
 
         def features(t: int, ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
-            """The target worker's own call (same mask path), so a compiled target meets nothing new."""
-            tdev = self.target_devices[t]
+            """The target workers' own calls (same mask path, stage by stage), so a compiled target meets
+            nothing new."""
+            tdev = self.replica_devices[t]
             with torch.inference_mode():
                 return pack_context_features(self.targets[t], ids.to(tdev), None, layer_ids, None,
                                              None if doc_start is None else doc_start.to(tdev))
 
-        for t in range(1, len(self.target_devices)):  # targets[0] is warmed with every drafter below
-            if self.target_devices[t] not in self.target_devices[:t]:
+        for t in range(1, len(self.targets)):  # targets[0] is warmed with every drafter below
+            if self.target_plans[t].devices not in [p.devices for p in self.target_plans[:t]]:
                 def target_step(shape: tuple[int, int], t: int = t) -> None:
                     features(t, *inputs(shape)[:2])
 
-                self.guard.warm_up(f"target:{self.target_devices[t]}", shapes, target_step)
+                self.guard.warm_up(f"target{t}:{self.replica_devices[t]}", shapes, target_step)
         for rank, device in enumerate(self.drafter_devices):
             def step(shape: tuple[int, int], rank: int = rank, device: torch.device = device) -> None:
                 ids, doc_start, loss_mask = inputs(shape)
@@ -155,7 +163,7 @@ class ThreadedTrainer(Trainer):
     # ------------------------------------------------------------------ the threaded loop
     def _build_pipeline(self) -> list[StageThread]:
         cfg, c = self.cfg, self.c
-        M, T, R = self.local_micro_batches(), len(self.target_devices), len(self.drafter_devices)
+        M, T, R = self.local_micro_batches(), len(self.targets), len(self.drafter_devices)
         first = self.step
         count = (cfg.optim.total_steps - first) * M
         stop = self.stop = StopSignal()
@@ -199,14 +207,25 @@ class ThreadedTrainer(Trainer):
         max_numel = max(b * s for b, s in self.warm.shapes()) * width
         if not self.pad:
             max_numel = max(max_numel, cfg.data.token_budget * width)
-        target_dtype = next(c.target.parameters()).dtype
+        target_dtype = c.target.get_input_embeddings().weight.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
-        self.target_workers = [
-            TargetWorker(t, self.targets[t], d, layer_ids, width, self.target_inputs[t],
-                         [self.feature_queues[r][t] for r in range(R)],
-                         allocate_slots(p.queue_depth * R + 2, max_numel, target_dtype, d), stop, self.busy[d],
-                         len(range(t, count, T)), route, self.guard)
-            for t, d in enumerate(self.target_devices)]
+        self.target_workers, self.stage_queues = [], []
+        taps, last_layer = tap_columns(layer_ids), feature_layers(layer_ids)
+        for t, plan in enumerate(self.target_plans):
+            S, n = len(plan), len(range(t, count, T))
+            hops = [StageQueue(f"target{t}.{s}->target{t}.{s + 1}", p.queue_depth, stop) for s in range(S - 1)]
+            self.stage_queues += hops
+            pool: list | StageQueue = allocate_slots(p.queue_depth * (R + S - 1) + 2, max_numel, target_dtype,
+                                                     plan.devices[-1])
+            for s, ((lo, hi), d) in enumerate(zip(plan.bounds, plan.devices)):
+                stage = TargetStage(s, S, lo, last_layer if s == S - 1 else hi, taps,
+                                    None if s == S - 1 else plan.devices[s + 1])
+                outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
+                worker = TargetWorker(t, self.targets[t], d, layer_ids, width,
+                                      self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool, stop,
+                                      self.busy[d], n, route, self.guard, stage)
+                pool = worker.free
+                self.target_workers.append(worker)
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
         reducer = ReplicaAllReduce(self.flats, streams, stop, across_hosts=self.across_hosts())
         self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
@@ -219,7 +238,8 @@ class ThreadedTrainer(Trainer):
                 reducer, self.feature_queues[r], settings, stop, self.busy[d], self.guard,
                 self.metrics if r == 0 else None, self._on_step_end if r == 0 else None, streams[r]))
         threads = [StageThread("prefetch", prefetcher.run, stop)]
-        threads += [StageThread(f"target{t}", w.run, stop) for t, w in enumerate(self.target_workers)]
+        threads += [StageThread(f"target{w.rank}" if w.stage.count == 1 else f"target{w.rank}.{w.stage.index}", w.run,
+                                stop) for w in self.target_workers]
         threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
         return threads
 
@@ -301,7 +321,8 @@ class ThreadedTrainer(Trainer):
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
              "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
              "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
-             "queues": {q.name: q.depth() for q in self.target_inputs + [q for row in self.feature_queues for q in row]}}
+             "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
+                        + [q for row in self.feature_queues for q in row]}}
         # steady: every window after the first (which holds the pipeline filling up)
         self.windows_seen = getattr(self, "windows_seen", 0) + 1
         if self.windows_seen > 1:

@@ -9,11 +9,11 @@ import torch
 
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.objective import drafter_loss_sums
-from trainer.models.target import FrozenHead
+from trainer.models.target import FrozenHead, stage_context_features
 
 from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda
-from trainer.pipeline.features import FeatureSlot, pack_context_features
+from trainer.pipeline.features import FeatureSlot
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import MicroBatch
 from trainer.pipeline.stages import StageQueue
@@ -54,44 +54,105 @@ class Features:
         self.owner.free.put(self.slot)
 
 
+@dataclass(frozen=True)
+class TargetStage:
+    """Which part of a target replica a worker runs: layers [lo, hi) of stage `index` of `count`."""
+
+    index: int
+    count: int
+    lo: int
+    hi: int
+    taps: dict[int, list[int]]  # layer id -> feature columns (trainer.models.stages.tap_columns)
+    next_device: torch.device | None = None  # where the hidden states go next (None: the last stage)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+@dataclass
+class Handoff:
+    """Hidden states passed from one target stage to the next, on the next stage's device."""
+
+    mb: MicroBatch
+    hidden: torch.Tensor
+    slot: FeatureSlot
+    ready: torch.cuda.Event | None
+
+
 class TargetWorker:
+    """One stage of a target replica (the whole replica when it is not split).
+
+    The first stage takes micro-batches from the prefetcher and a feature slot from the replica's
+    pool (on the last stage's device); every stage writes its tapped layers' outputs into the slot
+    (a device-to-device copy) and hands its hidden states, already copied to the next stage's device,
+    through a bounded queue; the last stage hands the filled slot to a drafter. Ordering is GPU-side:
+    each hand-off carries an event the receiver's stream waits on; the host never waits."""
+
     def __init__(self, rank: int, target: torch.nn.Module, device: torch.device | str, layer_ids: list[int],
-                 width: int, inputs: StageQueue, outputs: list[StageQueue], slots: list[FeatureSlot],
+                 width: int, inputs: StageQueue, outputs: list[StageQueue], slots: list[FeatureSlot] | StageQueue,
                  stop: StopSignal, busy: BusyMeter, count: int, route: Callable[[int], int],
-                 guard: CompileGuard | None = None) -> None:
+                 guard: CompileGuard | None = None, stage: TargetStage | None = None) -> None:
+        from trainer.models.stages import feature_layers, tap_columns
+
         self.rank, self.target, self.device = rank, target, torch.device(device)
         self.guard = guard  # packed rows / compile_target: the target runs compiled code too
         self.layer_ids, self.width = layer_ids, width
         self.inputs, self.outputs, self.stop, self.busy = inputs, outputs, stop, busy
         self.count, self.route = count, route  # items this worker handles; micro-batch index -> drafter rank
-        self.free = StageQueue(f"target{rank}.free", len(slots), stop)
-        for slot in slots:
-            self.free.put(slot)
+        self.stage = stage or TargetStage(0, 1, 0, feature_layers(layer_ids), tap_columns(layer_ids))
+        self.key = f"target:{self.device}" if self.stage.count == 1 else f"target{rank}.{self.stage.index}:{self.device}"
+        if isinstance(slots, StageQueue):  # a later stage: the replica's pool, owned by its first stage
+            self.free = slots
+        else:
+            self.free = StageQueue(f"target{rank}.free", len(slots), stop)
+            for slot in slots:
+                self.free.put(slot)
 
     def run(self) -> None:
         configure_compile_for_thread()
         stream = worker_stream(self.device)
+        st = self.stage
         with on_stream(stream), torch.inference_mode():
             for _ in range(self.count):
-                mb: MicroBatch = self.inputs.get()
-                slot = self.free.get()
+                if st.first:
+                    mb: MicroBatch = self.inputs.get()
+                    slot = self.free.get()
+                else:
+                    hop: Handoff = self.inputs.get()
+                    mb, slot = hop.mb, hop.slot
                 with self.busy.busy():
-                    if slot.released is not None:
-                        stream.wait_event(slot.released)
-                    ids = mb.input_ids.to(self.device, non_blocking=True)
+                    if st.first:
+                        if slot.released is not None:
+                            stream.wait_event(slot.released)
+                        x = mb.input_ids.to(self.device, non_blocking=True)
+                    else:
+                        if hop.ready is not None:
+                            stream.wait_event(hop.ready)
+                            hop.hidden.record_stream(stream)  # allocated by the previous stage's thread
+                        x = hop.hidden
                     doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
-                    out = slot.view(ids.shape[0], ids.shape[1], self.width)
+                    out = slot.view(x.shape[0], x.shape[1], self.width)
 
-                    def forward(ids: torch.Tensor = ids, out: torch.Tensor = out,
+                    def forward(x: torch.Tensor = x, out: torch.Tensor = out,
                                 doc_start: torch.Tensor | None = doc_start) -> torch.Tensor:
-                        return pack_context_features(self.target, ids, None, self.layer_ids, out, doc_start)
+                        return stage_context_features(self.target, x, st.lo, st.hi, st.taps, out, doc_start)
 
                     if self.guard is None:
-                        forward()
+                        hidden = forward()
                     else:
-                        self.guard.run_warmed(f"target:{self.device}", tuple(ids.shape), forward)
+                        hidden = self.guard.run_warmed(self.key, tuple(x.shape[:2]), forward)
+                    if not st.last:
+                        hidden = hidden.to(st.next_device, non_blocking=True)
                     ready = record_event(stream)
-                self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
+                if st.last:
+                    self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
+                else:
+                    self.outputs[0].put(Handoff(mb, hidden, slot, ready))
 
 
 @dataclass

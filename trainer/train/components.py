@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.train.config import TrainerConfig, data_paths, default_gamma, template_kwargs
+from trainer.train.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.train.optim import build_optimizer, build_scheduler
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
-                            freeze, load_target, num_layers, random_8b_shape_target, tiny_target)
+                            freeze, num_layers, random_8b_shape_target, tiny_target)
+from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
 from trainer.data.tokenizer import synthetic_tokenizer
 
 if TYPE_CHECKING:
@@ -63,39 +64,64 @@ def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], l
     return train, [c for path in data_paths(cfg.data.eval_path) for c in read_conversations(path)]
 
 
+def target_layer_ids(cfg: TrainerConfig, layers: int) -> list[int]:
+    """The tapped layers: configured, else spaced from 1 to layers-3; each must be a layer of the target."""
+    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(layers, cfg.model.num_target_layers)
+    for i in layer_ids:
+        if not 0 <= i < layers:
+            raise ValueError(f"model.target_layer_ids: {i} is not a layer of the {layers}-layer target")
+    return layer_ids
+
+
 def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDataset, run_dir: Path,
-                 log: Callable[[str], None]) -> torch.nn.Module:
-    """The frozen target. A tiny target with fit_steps > 0 is fitted once and kept in run_dir/target/."""
-    t, device = cfg.model.target, cfg.devices.target[0]
+                 log: Callable[[str], None], devices: list[str] | None = None) -> torch.nn.Module:
+    """The frozen target of one replica (default the first) in its layer stages (trainer.models.stages).
+
+    A model directory is read stage by stage, only the layers training runs (the rest is read when
+    evaluation decodes); a tiny target with fit_steps > 0 is fitted once and kept in run_dir/target/."""
+    t = cfg.model.target
+    devices = devices or target_replicas(cfg.devices)[0]
+    device = devices[0]
     dtype = TORCH_DTYPES[cfg.model.dtype]
     if t.path is not None:
+        from transformers import AutoConfig
+
         began = time.perf_counter()
-        model = freeze(load_target(t.path, device, dtype))
+        config = AutoConfig.from_pretrained(t.path, local_files_only=True)
+        meta = meta_model(config, dtype)
+        plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
+        model = load_staged(t.path, plan, dtype, log)
         peak = ""
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-            peak = f", {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB peak on {device}"
-        log(f"target {t.path}: loaded in {time.perf_counter() - began:.1f}s{peak}")
+        for d in dict.fromkeys(plan.devices):
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+                peak += f", {torch.cuda.max_memory_allocated(d) / 2**30:.1f} GiB peak on {d}"
+        stages = f" in {len(plan)} stages {[hi - lo for lo, hi in plan.bounds]}" if len(plan) > 1 else ""
+        log(f"target {t.path}: layers 0..{plan.layers - 1} of {num_layers(model)} loaded{stages} in "
+            f"{time.perf_counter() - began:.1f}s{peak}")
         return model
     if t.random_8b_shape:
-        return freeze(random_8b_shape_target(device, dtype))
-    model = tiny_target(t.tiny, len(tokenizer), device)
-    if t.tiny.fit_steps > 0:
-        saved = run_dir / "target" / "model.safetensors"
-        if saved.exists():
-            model.load_state_dict(load_file(str(saved), device=device))
-        else:
-            batches = []
-            for _ in range(min(t.tiny.fit_steps, 64)):
-                b = train_data.next_batch()
-                batches.append((b.input_ids.to(device), b.attention_mask.to(device)))
-            train_data.load_state_dict({**train_data.state_dict(), "epoch": 0, "cursor": 0})
-            fit_tiny_target(model, batches, t.tiny.fit_steps, t.tiny.fit_lr, log)
-            saved.parent.mkdir(exist_ok=True)
-            tmp = saved.with_name(".model.safetensors.tmp")
-            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
-            tmp.rename(saved)
-    return freeze(model.to(dtype).eval())
+        model = freeze(random_8b_shape_target(device, dtype))
+    else:
+        model = tiny_target(t.tiny, len(tokenizer), device)
+        if t.tiny.fit_steps > 0:
+            saved = run_dir / "target" / "model.safetensors"
+            if saved.exists():
+                model.load_state_dict(load_file(str(saved), device=device))
+            else:
+                batches = []
+                for _ in range(min(t.tiny.fit_steps, 64)):
+                    b = train_data.next_batch()
+                    batches.append((b.input_ids.to(device), b.attention_mask.to(device)))
+                train_data.load_state_dict({**train_data.state_dict(), "epoch": 0, "cursor": 0})
+                fit_tiny_target(model, batches, t.tiny.fit_steps, t.tiny.fit_lr, log)
+                saved.parent.mkdir(exist_ok=True)
+                tmp = saved.with_name(".model.safetensors.tmp")
+                save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+                tmp.rename(saved)
+        model = freeze(model.to(dtype).eval())
+    plan = stage_plan(model, target_layer_ids(cfg, num_layers(model)), devices, cfg.devices.target_split)
+    return place(model, plan)
 
 
 def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:
@@ -118,10 +144,7 @@ def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | 
 
 
 def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
-    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(num_layers(target), cfg.model.num_target_layers)
-    for i in layer_ids:
-        if not 0 <= i < num_layers(target):
-            raise ValueError(f"model.target_layer_ids: {i} is not a layer of the {num_layers(target)}-layer target")
+    layer_ids = target_layer_ids(cfg, num_layers(target))
     dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
                                      mask_token_id, layer_ids)
     torch.manual_seed(cfg.run.seed)
@@ -160,5 +183,5 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.optim), train_data=train_data,
         eval_conversations=eval_conv, eval_data=eval_data,
         gamma=cfg.model.gamma or default_gamma(cfg.model.block_size),
-        target_device=cfg.devices.target[0], drafter_device=drafter_device,
+        target_device=target_replicas(cfg.devices)[0][0], drafter_device=drafter_device,
     )

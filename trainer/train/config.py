@@ -120,8 +120,10 @@ class DevicesConfig:
     """Device strings ("cpu", "cuda:0", ...): the reference loop (loop.Trainer) uses the first of
     each; the threaded pipeline runs one worker thread per entry."""
 
-    target: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding target replicas
+    target: list[str | list[str]] = field(default_factory=lambda: ["cpu"])  # target replicas: a device each, or a list = one replica split in layer stages over those devices
     drafter: list[str] = field(default_factory=lambda: ["cpu"])  # devices holding drafter replicas
+    target_split: list[int] | None = None  # layers per stage of every split replica (from layer 0); default: balanced by parameter bytes
+    memory_gib: float | None = None  # per-device memory budget: the plan and the loader refuse more (default: each GPU's memory, no limit on cpu)
 
 
 @dataclass
@@ -367,7 +369,27 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
         devices = getattr(c.devices, role)
         check(len(devices) >= 1, ("devices", role), "must list at least one device")
         for d in devices:
-            check(d == "cpu" or d.startswith("cuda"), ("devices", role), f"has unknown device {d!r}")
+            check(d != [], ("devices", role), "has an empty list (a split replica needs at least one device)")
+            for one in ([d] if isinstance(d, str) else d):
+                check(one == "cpu" or one.startswith("cuda"), ("devices", role), f"has unknown device {one!r}")
+    split = [r for r in c.devices.target if isinstance(r, list)]
+    seen: dict[str, int] = {}
+    for r, replica in enumerate(c.devices.target):
+        for d in dict.fromkeys([replica] if isinstance(replica, str) else replica):
+            check(not split or d == "cpu" or seen.setdefault(d, r) == r, ("devices", "target"),
+                  f"puts {d} in two replicas (entries {seen.get(d)} and {r}); a GPU holds stages of one replica")
+    if c.devices.target_split is not None:
+        sizes = c.devices.target_split
+        check(bool(split), ("devices", "target_split"), "needs a split replica in devices.target (a list of devices)")
+        check(all(n >= 1 for n in sizes), ("devices", "target_split"), "must list positive layer counts")
+        for replica in split:
+            check(len(replica) == len(sizes), ("devices", "target_split"),
+                  f"lists {len(sizes)} stages, but the replica {replica} has {len(replica)}")
+    if c.model.target.tiny is not None:
+        stages = max((len(r) for r in split), default=1)
+        check(stages <= c.model.target.tiny.layers, ("devices", "target"),
+              f"splits a replica in {stages} stages, more than the target's {c.model.target.tiny.layers} layers")
+    check(c.devices.memory_gib is None or c.devices.memory_gib > 0, ("devices", "memory_gib"), "must be positive")
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
@@ -402,3 +424,8 @@ def template_kwargs(data: DataConfig) -> dict:
 def default_gamma(block_size: int) -> float:
     """Loss-decay constant of the DFlash recipe: 7 for block 16, 5 for 10, 4 for 8."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 16 * 7.0))
+
+
+def target_replicas(devices: DevicesConfig) -> list[list[str]]:
+    """devices.target as one list of stage devices per replica (a plain device is one stage)."""
+    return [[r] if isinstance(r, str) else list(r) for r in devices.target]

@@ -14,7 +14,7 @@ from trainer.train import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer, Job
 from trainer.data.chat import DataError
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.config import TrainerConfig, dump_config, target_replicas
 from trainer.train.control import ControlPoller, Request
 from trainer.data.batches import select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
@@ -23,7 +23,9 @@ from trainer.models.objective import drafter_loss_sums
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
 from trainer.train.rundir import RunDir, atomic_write
+from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
+from trainer.models.target_loading import complete_for_decoding
 
 
 def compiled_graphs() -> int:
@@ -62,11 +64,16 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
         resumed_from = self.resolve_resume(resume) if resume else None
+        from trainer.models.memory_plan import DoesNotFit, build_plan
+
+        refusal = build_plan(cfg).refusal()
+        if refusal is not None:
+            raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         self.c = build_components(cfg, self.run_dir, self.rd.log)
         self.backend = resolve_backend(cfg.model.attention, self.c.drafter_device, needs_grad=True)
         if resumed_from is not None:
             self.load(resumed_from)
-        gpus = sorted({torch.device(d).index or 0 for d in cfg.devices.target[:1] + cfg.devices.drafter[:1]
+        gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
         self.rd.update(step=self.step, gpus=gpus)
         n_params = sum(p.numel() for p in self.c.drafter.parameters())
@@ -74,7 +81,7 @@ class Trainer:
         self.rd.event("start", self.step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
             "drafter_params": n_params, "drafter_layers": cfg.model.drafter_layers,
             "block_size": cfg.model.block_size, "target_layer_ids": self.c.drafter.config.target_layer_ids,
-            "attention": self.backend, "devices": {"target": cfg.devices.target[0], "drafter": cfg.devices.drafter[0]},
+            "attention": self.backend, "devices": {"target": target_replicas(cfg.devices)[0], "drafter": cfg.devices.drafter[0]},
         })
         self.rd.log(f"drafter {n_params / 1e6:.2f}M params, {len(self.c.train_data)} training conversations, "
                     f"attention {self.backend}" + (f", resumed from {rel}" if rel else ""))
@@ -195,8 +202,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         c, e = self.c, self.cfg.eval
-        report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
-                                   c.eval_conversations[: e.samples], e.max_new_tokens)
+        if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
+            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+                                       c.eval_conversations[: e.samples], e.max_new_tokens)
+        else:  # the model directory holds only the layers training runs
+            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
         tau = report["tau"]
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
@@ -211,8 +221,11 @@ class Trainer:
         result = {**report, "acc": correct / max(weight, 1e-6)}
         self.rd.event("eval", self.step, **result)
         self.rd.update(tau=tau, tau_per_prompt=report["tau_per_prompt"])
-        self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
-                    f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
+        if tau is None:
+            self.rd.log(f"eval step {self.step}: tau not measured, acc {result['acc']:.3f}")
+        else:
+            self.rd.log(f"eval step {self.step}: tau {tau:.2f} (mean acceptance length; per-prompt mean "
+                        f"{report['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {report['samples']} conversations")
         return result
 
     def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -320,6 +333,10 @@ class Trainer:
         """status.json's `error` for a failure that reached run()."""
         if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
             return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+        from trainer.models.memory_plan import DoesNotFit
+
+        if isinstance(exc, DoesNotFit):  # the config, not the code: one line
+            return {"message": str(exc), "traceback": None, "thread": "main"}
         return {"message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "thread": "main"}
 
     def run(self, resume: str | None) -> int:

@@ -1,0 +1,198 @@
+"""The target's decoder on preallocated buffers: the one hand-written decoding path of a target.
+
+Regeneration (`trainer_tools.regen`: greedy answers, `greedy`), speculative decoding
+(`trainer.generate.speculative`: verification rounds) and evaluation (which decodes through
+speculative decoding) all run the target through `TargetDecoder.forward` on a `KVCache`. It runs
+the target from its own modules (embeddings, norms, projections, rotary embedding, MLP) with the
+arithmetic of transformers' SDPA path, so its tokens are transformers' greedy tokens (tests:
+tests/trainer/test_regen_static.py, test_speculative_cached.py). Anything `supports` refuses is
+decoded by transformers itself (`generate`, or a `DynamicCache`), slower, same tokens.
+
+The cache is addressed by slot: every row has `capacity` slots per layer; a forward writes its T
+new entries at the given slots (the same slots for every row) and each query attends to the slots
+its `visible` mask allows. Holes (padding, rejected drafts) are masked, never moved, until
+`KVCache.compact` packs the valid slots of each row to the front.
+
+Hybrid and recurrent targets (issue 23: Qwen3.5/Qwen3-Next linear attention) extend this here:
+a recurrent layer's state is not addressed by slot, so a rejected draft cannot be masked away.
+`KVCache.snapshot` (before a verification) and `KVCache.restore` (after it, with each row's
+accepted count) are the hooks speculative decoding already calls; for attention-only targets
+they do nothing. A linear-attention layer keeps its state in the cache object beside the K/V
+buffers, restores it from the snapshot and re-advances it over the accepted entries; `compact`
+leaves such state alone (it does not depend on slots). Widen `supports` in the same change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.models.target import base_model
+
+FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forward` runs from their modules
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """The one rule for which targets the decoder runs: a Qwen3/Qwen2/Llama causal LM whose layers
+    are all full attention (no sliding window), with its rotary embedding and an LM head."""
+    cfg = model.config
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    return (getattr(cfg, "model_type", None) in FAMILIES and kinds == {"full_attention"}
+            and hasattr(base_model(model), "rotary_emb") and model.get_output_embeddings() is not None)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor [B, heads, T, D], cos/sin [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class KVCache:
+    """Per-layer K/V [batch, kv_heads, capacity, head_dim] of a target (or of any stack of
+    attention layers: speculative decoding keeps its drafter's context in one too)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        self.capacity = capacity
+        self.keys = [torch.zeros(batch, kv_heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rows: slice = slice(None)) -> None:
+        """Entries k, v [rows, kv_heads, T, head_dim] into slots [T] of one layer."""
+        self.keys[layer][rows].index_copy_(2, slots, k)
+        self.values[layer][rows].index_copy_(2, slots, v)
+
+    def compact(self, order: torch.Tensor, packed: int, used: int) -> None:
+        """Slots order[r, j] (of the first `used`) of row r move to slot j, for j < packed."""
+        for buf in self.keys + self.values:
+            index = order[:, None, :packed, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+            buf[:, :, :packed].copy_(buf[:, :, :used].gather(2, index))
+
+    def snapshot(self) -> Any:
+        """State to restore after a verification that may be rejected. Attention needs none: a
+        rejected slot is masked out, and overwritten by the next block."""
+        return None
+
+    def restore(self, snapshot: Any, accepted: torch.Tensor) -> None:
+        """After a verification: keep what each row accepted (accepted [B] drafts + the anchor)."""
+
+
+class TargetDecoder:
+    """A supported target (see `supports`) run layer by layer on a `KVCache`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.base = base_model(model)
+        self.lm_head = model.get_output_embeddings()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    def cache(self, batch: int, capacity: int) -> KVCache:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return KVCache(len(self.base.layers), batch, cfg.num_key_value_heads, capacity, head_dim, self.device,
+                       self.dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                visible: torch.Tensor, *, rows: slice = slice(None), upto: int | None = None,
+                keep: Sequence[int] = (), last_only: bool = False,
+                expand_kv: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """ids [B, T] at positions [B, T] (B = the cache's `rows`); their K/V written at slots [T];
+        visible [B, T or 1, S]: the slots 0..S-1 each query attends to (S = `upto`, default the
+        capacity). Returns (logits [B, 1 if last_only else T, V], the hidden states after each
+        layer in `keep`, as transformers' hidden_states[i + 1]: the last one normed).
+        expand_kv: repeat K/V heads for the query heads, as transformers does with a mask on CUDA,
+        so SDPA takes a fused kernel instead of materialising [B, heads, T, S] scores."""
+        m, wanted = self.base, set(keep)
+        b, t = ids.shape
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        mask = visible[:, None]
+        upto = cache.capacity if upto is None else upto
+        last = len(m.layers) - 1
+        kept = {}
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (b, t, -1, a.head_dim)
+            q, k = a.q_proj(h).view(shape), a.k_proj(h).view(shape)
+            if getattr(a, "q_norm", None) is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+            cache.write(i, slots, k, a.v_proj(h).view(shape).transpose(1, 2), rows)
+            out = _attend(q, cache.keys[i][rows, :, :upto], cache.values[i][rows, :, :upto], mask, a.scaling,
+                          expand_kv)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted and i != last:
+                kept[i] = x
+        if last in wanted:  # transformers' last hidden state is the normed one
+            x = kept[last] = m.norm(x)
+            x = x[:, -1:] if last_only else x
+        else:
+            x = m.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x), [kept[i] for i in keep]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            expand_kv: bool) -> torch.Tensor:
+    """SDPA of q [B, heads, T, D] over keys/values [B, kv_heads, S, D] (grouped-query heads)."""
+    b, heads, t, dim = q.shape
+    groups = heads // keys.shape[1]
+    if t == 1 and groups > 1 and mask.shape[-2] == 1:
+        # one query per row: the query heads of a K/V head become its queries (no K/V copies)
+        out = F.scaled_dot_product_attention(q.reshape(b, keys.shape[1], groups, dim), keys, values, attn_mask=mask,
+                                             scale=scale)
+        return out.reshape(b, heads, 1, dim)
+    if expand_kv and groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=keys.shape[1] != heads)
+
+
+def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+           prefill_rows: int = 256) -> torch.Tensor:
+    """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
+
+    Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
+    tests/trainer/test_regen_static.py), without its per-step cache concatenation and mask
+    building, which made a batch of 4,096 decode at ~17k tokens/s on an H200. The prompts are
+    left-padded into one cache of width + max_new_tokens slots; a key mask hides the padding;
+    prefill runs `prefill_rows` rows at a time; each step appends one slot for every row. Rows
+    that reached a stop token keep decoding (their tokens are cut by the caller); the loop ends
+    when every row has stopped."""
+    d = TargetDecoder(model)
+    dev = d.device
+    n, width = len(prompts), max(len(p) for p in prompts)
+    cache = d.cache(n, width + max_new_tokens)
+    pads = torch.tensor([width - len(p) for p in prompts], device=dev)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=dev)
+    slot = torch.arange(width + max_new_tokens, device=dev)
+    valid = slot[None, :] >= pads[:, None]  # [B, slots]: padding never attended to
+    positions = (slot[None, :width] - pads[:, None]).clamp(min=0)
+    out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=dev)
+    causal = slot[:width, None] >= slot[None, :width]
+    eye = torch.eye(width, dtype=torch.bool, device=dev)
+    with torch.no_grad():
+        for r0 in range(0, n, prefill_rows):
+            rows = slice(r0, min(n, r0 + prefill_rows))
+            visible = (valid[rows, None, :width] & causal[None]) | eye[None]
+            logits, _ = d.forward(ids[rows], positions[rows], cache, slot[:width], visible, rows=rows, upto=width,
+                                  last_only=True)
+            out[rows, 0] = logits[:, -1].float().argmax(dim=-1)
+        stop = torch.tensor(sorted(stop_ids) or [-1], device=dev)
+        done = torch.isin(out[:, 0], stop)
+        for t in range(1, max_new_tokens):
+            if t % 8 == 0 and bool(done.all()):
+                break
+            at = width + t - 1
+            logits, _ = d.forward(out[:, t - 1:t], (at - pads)[:, None], cache, slot[at:at + 1],
+                                  valid[:, None, :at + 1], upto=at + 1, last_only=True)
+            out[:, t] = logits[:, -1].float().argmax(dim=-1)
+            done |= torch.isin(out[:, t], stop)
+    return out

@@ -1,0 +1,220 @@
+"""The memory plan: bytes per target stage, per drafter replica and per device, from the config alone.
+
+`python -m trainer plan --config C` prints it. The target's sizes come from its config.json (the model
+is built on the meta device: shapes, no weights) and its safetensors index (which layers the shards
+hold); nothing is read from the weights. Activations are estimated at the configured micro-batch
+shape. A per-device budget (devices.memory_gib, else each GPU's memory; none on the CPU) decides
+whether it fits, and the plan names the smallest split that does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.train.config import TrainerConfig, target_replicas
+
+GIB = 2**30
+
+
+class DoesNotFit(ValueError):
+    """The memory plan exceeds a device's budget (one line naming the device and the shortfall)."""
+ADAM_STATE = 2  # AdamW moments, fp32, per drafter parameter
+
+
+@dataclass
+class DevicePlan:
+    device: str
+    items: dict[str, int] = field(default_factory=dict)  # what it holds -> bytes
+    budget: int | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.items.values())
+
+    @property
+    def shortfall(self) -> int:
+        return 0 if self.budget is None else max(0, self.total - self.budget)
+
+
+@dataclass
+class MemoryPlan:
+    stages: list[dict]  # per stage of replica 0: device, layers, weight and activation bytes
+    drafter: dict[str, int]  # one drafter replica: weights, grads, optimizer, head, activations
+    devices: list[DevicePlan]
+    smallest_split: int | None  # fewest stages of one replica that fit the budget (None: none does)
+    notes: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return all(d.shortfall == 0 for d in self.devices)
+
+    def refusal(self) -> str | None:
+        """One line naming the first device that does not fit and by how much, else None."""
+        for d in self.devices:
+            if d.shortfall:
+                hint = (f"; a split in {self.smallest_split} stages fits (devices.target: [[...{self.smallest_split} "
+                        "devices]])" if self.smallest_split and self.smallest_split > len(self.stages) else "")
+                return (f"{d.device} needs {size(d.total)}, {size(d.shortfall)} more than its "
+                        f"{size(d.budget or 0)} budget" + hint)
+        return None
+
+
+def _device_budget(device: str, cfg: TrainerConfig) -> int | None:
+    if cfg.devices.memory_gib is not None:
+        return int(cfg.devices.memory_gib * GIB)
+    d = torch.device(device.split(":target")[0].split(":drafter")[0])
+    if d.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(d).total_memory)
+    return None
+
+
+def _meta_target(cfg: TrainerConfig, dtype: torch.dtype) -> tuple[Any, list[str]]:
+    from trainer.models.target import QWEN3_8B_DIMS
+    from trainer.models.target_loading import ShardReader, meta_model
+
+    notes = []
+    t = cfg.model.target
+    if t.path is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(t.path, local_files_only=True)
+        model = meta_model(config, dtype)
+        try:
+            reader = ShardReader(t.path)
+            missing = [i for i in range(config.num_hidden_layers)
+                       if not any(k.startswith(f"model.layers.{i}.") for k in reader.weight_map)]
+            if missing:
+                notes.append(f"the shards lack layers {missing[0]}..{missing[-1]} (training does not need them "
+                             "if they are above the last tapped layer; τ is then not measured)")
+        except OSError as exc:
+            notes.append(f"no safetensors index read ({exc})")
+        return model, notes
+    from transformers import Qwen3Config
+
+    if t.random_8b_shape:
+        config = Qwen3Config(**QWEN3_8B_DIMS)
+    else:
+        tiny = t.tiny
+        assert tiny is not None
+        config = Qwen3Config(vocab_size=cfg.model.mask_token_id + 1 if cfg.model.mask_token_id else 512,
+                             hidden_size=tiny.hidden, intermediate_size=tiny.intermediate,
+                             num_hidden_layers=tiny.layers, num_attention_heads=tiny.heads,
+                             num_key_value_heads=tiny.kv_heads, head_dim=tiny.head_dim, tie_word_embeddings=False)
+        notes.append("tiny target: vocabulary size estimated (the synthetic tokenizer is not built for the plan)")
+    return meta_model(config, dtype), notes
+
+
+def _tokens_per_micro_batch(cfg: TrainerConfig) -> int:
+    d = cfg.data
+    return d.pack_rows * d.pack_length if d.pack_length else d.token_budget
+
+
+def build_plan(cfg: TrainerConfig) -> MemoryPlan:
+    from trainer.models.drafter import DFlashDrafter, DrafterConfig
+    from trainer.models.target import default_target_layer_ids
+    from trainer.models.target_loading import layer_bytes, module_bytes, partition
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
+    elt = torch.finfo(dtype).bits // 8
+    target, notes = _meta_target(cfg, dtype)
+    config = target.config
+    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
+    run = max(layer_ids) + 1
+    per_layer = layer_bytes(target)
+    base = getattr(target, target.base_model_prefix)
+    embed = module_bytes(base.embed_tokens)
+    head = module_bytes(target.get_output_embeddings())
+    tokens = _tokens_per_micro_batch(cfg)
+    intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    # live during one layer: the residual stream, its normed copy, q/k/v/attention out and the MLP's
+    # gate/up/product (dense) at the target's dtype
+    layer_activation = tokens * (6 * hidden + 3 * intermediate) * elt
+    replicas = target_replicas(cfg.devices)
+    R = len(cfg.devices.drafter)
+    slot_bytes = tokens * len(layer_ids) * hidden * elt
+
+    def stage_items(sizes: list[int], devices: list[str]) -> list[dict]:
+        out, lo = [], 0
+        for s, (n, device) in enumerate(zip(sizes, devices)):
+            weights = sum(per_layer[lo:lo + n]) + (embed if s == 0 else 0)
+            items = {"target weights": weights, "target activations": layer_activation + 2 * tokens * hidden * elt}
+            if s == len(sizes) - 1:
+                slots = cfg.pipeline.queue_depth * (R + len(sizes) - 1) + 2
+                items["feature slots"] = slots * slot_bytes
+                items["decoding (τ): layers above, norm, head"] = sum(per_layer[run:]) + head
+            out.append({"stage": s, "device": device, "layers": [lo, lo + n - 1], **items})
+            lo += n
+        return out
+
+    def split_sizes(stages: int) -> list[int]:
+        if cfg.devices.target_split is not None and len(cfg.devices.target_split) == stages:
+            return list(cfg.devices.target_split)
+        return partition(per_layer[:run], stages, embed)
+
+    stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
+    dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
+                                     cfg.model.mask_token_id or 0, layer_ids)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
+    anchors = cfg.data.anchors_per_row * cfg.data.pack_rows if cfg.data.pack_length and cfg.data.anchors_per_row \
+        else cfg.data.num_anchors * max(1, tokens // cfg.data.max_length)
+    block_tokens = anchors * cfg.model.block_size
+    drafter = {
+        "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
+        "embedding + head": embed + head,
+        "features": slot_bytes,
+        "activations": cfg.model.drafter_layers * block_tokens * (8 * hidden + 3 * intermediate) * 4
+        + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3,
+    }
+    by_device: dict[str, DevicePlan] = {}
+
+    def add(device: str, items: dict[str, int]) -> None:
+        plan = by_device.setdefault(device, DevicePlan(device, budget=_device_budget(device, cfg)))
+        for k, v in items.items():
+            plan.items[k] = plan.items.get(k, 0) + v
+
+    # "cpu" stands in for as many devices as it is named (tests, the CPU demo): each use its own budget
+    for t, replica in enumerate(replicas):
+        for st in stage_items(split_sizes(len(replica)), replica):
+            key = st["device"] if st["device"] != "cpu" else f"cpu:target{t}.{st['stage']}"
+            add(key, {k: v for k, v in st.items() if k not in ("stage", "device", "layers")})
+    for r, d in enumerate(cfg.devices.drafter):
+        add(d if d != "cpu" else f"cpu:drafter{r}", drafter)
+    budget = _device_budget(replicas[0][0], cfg)
+    smallest = None
+    for n in range(1, run + 1):
+        worst = max(sum(v for k, v in st.items() if k not in ("stage", "device", "layers"))
+                    for st in stage_items(split_sizes(n), [replicas[0][0]] * n))
+        if budget is None or worst <= budget:
+            smallest = n
+            break
+    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes)
+
+
+def size(b: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    lines = ["target stages (replica 0):"]
+    for st in plan.stages:
+        items = {k: v for k, v in st.items() if k not in ("stage", "device", "layers")}
+        lines.append(f"  stage {st['stage']} on {st['device']}: layers {st['layers'][0]}..{st['layers'][1]}, "
+                     + ", ".join(f"{k} {size(v)}" for k, v in items.items()))
+    lines.append("drafter replica: " + ", ".join(f"{k} {size(v)}" for k, v in plan.drafter.items()))
+    lines.append("devices:")
+    for d in plan.devices:
+        budget = "no budget" if d.budget is None else f"of {size(d.budget)}"
+        verdict = "fits" if not d.shortfall else f"SHORT by {size(d.shortfall)}"
+        lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
+    lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
+                 + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

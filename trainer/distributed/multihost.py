@@ -94,6 +94,10 @@ class MultiHostTrainer(ThreadedTrainer):
     def is_writer(self) -> bool:
         return self.group.rank == self.writer
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.is_writer
+
     def local_micro_batches(self) -> int:
         return self.cfg.optim.micro_batches // self.group.world
 

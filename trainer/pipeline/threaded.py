@@ -153,6 +153,7 @@ class ThreadedTrainer(Trainer):
             if is_cuda(device):
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+        self.prepare_checkpoints(self.drafters[0], self.optimizers[0], self.schedulers[0])
         self.guard.freeze()
         seconds = time.time() - began
         self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
@@ -253,8 +254,6 @@ class ThreadedTrainer(Trainer):
 
     def _on_step_end(self, step: int, _last: MicroBatch | None) -> None:
         self.step = step
-        if step == self.first_step + 1:  # the optimizer's state exists now: its staging is allocated meanwhile
-            self.reserve_checkpoint(self.drafters[0], self.optimizers[0], self.schedulers[0])
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
         requests = self.new_requests()
         every = self.cfg.run.checkpoint_every

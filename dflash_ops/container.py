@@ -69,7 +69,7 @@ class ContainerAPI(Protocol):
 
     def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
                on_stderr_line: LineCallback | None = None, timeout: float | None = None,
-               check: bool = False, python: str | None = None) -> Result: ...
+               check: bool = False, python: str | None = None, helpers_root: str | None = None) -> Result: ...
 
     def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
                     python: str | None = None, answers: tuple[int, ...] = ()) -> Any: ...
@@ -211,12 +211,13 @@ class Container:
 
     def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
                on_stderr_line: LineCallback | None = None, timeout: float | None = None, check: bool = False,
-               python: str | None = None) -> Result:
+               python: str | None = None, helpers_root: str | None = None) -> Result:
         """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash.
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
         missing file in the same exec; only then is it sent (one exec) and run. `python`
-        (default: the target's) runs it, e.g. a release's venv python.
+        (default: the target's) runs it, e.g. a release's venv python. `helpers_root` installs
+        it elsewhere than BASE/helpers (the doctor, when base_dir cannot be written).
         """
         source = HELPERS_DIR / (name.replace("-", "_") + ".py")
         if not source.is_file() or source.name == "__init__.py":
@@ -227,6 +228,8 @@ class Container:
             return run([python or self._target.python, str(source), *args])
         content = source.read_bytes()
         remote = self.helper_path(name, content)
+        if helpers_root is not None:
+            remote = f"{helpers_root}/{remote.split('/helpers/', 1)[1]}"
         argv = [python or self._target.python, remote, *args]
         if remote in self._installed_helpers:
             return run(argv)

@@ -6,12 +6,17 @@
 DEST is the path SRC will have (not a directory to put it in). Both directions are
 incremental by content hash, stream large files with progress, verify every file's sha256,
 resume after a dropped connection, and replace a destination in one rename: it holds the
-old complete state or the new one, never a mix. Neither replaces what it did not write
-(a DEST no push/fetch wrote, or files in it no push/fetch wrote) unless `force`.
+old complete state or the new one, never a mix. Whether DEST may be replaced is one rule,
+`tree.replace_refusal` (helpers/tree.py): absent, empty, or an earlier output of the same command;
+`force` adds an earlier output of another command (an export, say); never a file no command
+wrote, and never /, a system directory, the working or home directory, the target's base_dir or an
+ancestor of any of them. Files keep their permission bits; a tree's symlinks are read as
+`rsync -L` reads them (one that leaves the tree or dangles is refused by name).
 
 Push: one `tree.py plan` (what the container already has, what a dropped push staged), then
-one `tree.py receive` stream with only the missing bytes; the container completes, verifies
-and swaps. Fetch: one `tree.py manifest`, then `tree.py read` chunks appended to local
+one `tree.py receive` stream with only the missing bytes; the container checks free space
+first, then completes, verifies and swaps (a failed receive removes what it staged; a dropped one
+keeps it for the resume). Fetch: one `tree.py manifest`, then `tree.py read` chunks appended to local
 `.part` files beside DEST; a local record next to DEST (`.NAME.dflash-fetch.json`) says what
 the last fetch wrote, so the next one copies only changed files.
 """
@@ -94,15 +99,25 @@ def container_path(path: str, base_dir: str | None = None) -> str:
 
 
 def local_manifest(src: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
-    """(kind, {rel: {size, sha256}}, {rel: local path}) of a local file or tree (regular files only)."""
+    """(kind, {rel: {size, sha256, mode}}, {rel: local path}) of a local file or tree; a tree's
+    symlinks are read like `rsync -L` (tree.tree_files: one leaving the tree or dangling is refused)."""
     if src.is_file():
-        return "file", {FILE_REL: {"size": src.stat().st_size, "sha256": sha256_file(src)}}, {FILE_REL: src}
-    if not src.is_dir():
+        paths = {FILE_REL: src}
+        kind = "file"
+    elif src.is_dir():
+        try:
+            paths = {rel: Path(path) for rel, path in tree_helper.tree_files(str(src)).items()}
+        except tree_helper.Refused as e:
+            raise TransferRefused(str(e)) from None
+        if not paths:
+            raise TransferRefused(f"{src}: no files to send (empty directories are not carried)")
+        kind = "tree"
+    elif src.is_symlink():
+        raise TransferRefused(f"{src} -> {os.readlink(src)}: a dangling link")
+    else:
         raise TransferRefused(f"{src}: no such file or directory")
-    paths = {rel: src / rel for rel in tree_helper.walk_files(str(src))}
-    if not paths:
-        raise TransferRefused(f"{src}: no files to send (empty directories are not carried)")
-    return "tree", {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)} for rel, p in paths.items()}, paths
+    return kind, {rel: {"size": p.stat().st_size, "sha256": sha256_file(p), "mode": tree_helper.file_mode(str(p))}
+                  for rel, p in paths.items()}, paths
 
 
 def _frames(request: bytes, sends: list[tuple[str, Path, int, int]],
@@ -141,7 +156,7 @@ def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: boo
         try:
             plan = container.helper_json(HELPER, ["plan", container.base_dir, dest], stdin=request)
         except HelperFailed as e:
-            raise TransferRefused(f"{what}: {e.reason}") from None
+            raise TransferRefused(f"push to {container.target.name}: {e.reason}") from None
         if plan["up_to_date"]:
             return True
         sends = [(rel, paths[rel], step, files[rel]["size"] - step)
@@ -172,7 +187,15 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     """Fetch a file or tree from the container to the local path `dest` (see the module docstring)."""
     started = time.monotonic()
     src = container_path(src)
-    dest = Path(dest).absolute()
+    dest = Path(os.path.normpath(Path(os.path.expanduser(str(dest))).absolute()))
+    # the rule first: `fetch ... /`, `.` or `~` is refused before anything is read or staged
+    protected = [*tree_helper.protected_paths(), (container.base_dir, "the target's base_dir")]
+    record_file = Path(tree_helper.marker_path(str(dest), "fetch"))
+    record = tree_helper.read_json(str(record_file)) or {}
+    ours = tree_helper.marker_files(record) or set()
+    refusal = tree_helper.replace_refusal(str(dest), "fetch", own=ours or None, force=force, protected=protected)
+    if refusal:
+        raise TransferRefused(refusal)
     try:
         remote = container.helper_json(HELPER, ["manifest", src])
     except HelperFailed as e:
@@ -182,31 +205,17 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         tree_helper.check_rel(rel)
     summary = TransferSummary(src=src, dest=str(dest), kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
-    record_file = dest.with_name(f".{dest.name}.dflash-fetch.json")
-    record = tree_helper.read_json(str(record_file)) or {}
-    try:
-        present_kind, present = tree_helper.existing_files(str(dest))
-    except tree_helper.Refused as e:
-        raise TransferRefused(str(e)) from None
-    ours = set(record.get("files", {})) | set(record.get("previous", []))
-    if present_kind != "none" and not force:
-        if record.get("src") != src or record.get("target") != container.target.name:
-            raise TransferRefused(f"{dest} exists and is not an earlier fetch of {container.target.name}:{src} "
-                                  "(--force replaces it)")
-        foreign = sorted(set(present) - set(files) - ours)
-        if foreign:
-            raise TransferRefused(f"{dest} holds files no fetch wrote, which this fetch would drop: "
-                                  f"{', '.join(foreign[:5])} (--force drops them)")
+    present_kind, present = tree_helper.existing_files(str(dest))
     same_kind = present_kind == kind
     cached = record.get("files", {})
     if same_kind and set(present) == set(files) and all(
             tree_helper.matches(tree_helper.dest_path(str(dest), rel), want, cached.get(rel))
-            for rel, want in files.items()):
+            and tree_helper.has_mode(tree_helper.dest_path(str(dest), rel), want) for rel, want in files.items()):
         summary.up_to_date = True
         summary.seconds = round(time.monotonic() - started, 3)
         return summary
     stage = dest.with_name(f".{dest.name}.dflash-fetch")
-    stage.mkdir(parents=True, exist_ok=True)
+    stage.mkdir(mode=0o700, parents=True, exist_ok=True)
     todo: list[tuple[str, int]] = []  # (rel, offset)
     for rel, want in sorted(files.items()):
         target = Path(tree_helper.staged_path(str(stage), rel))
@@ -240,11 +249,12 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         want = files[rel]
         target = Path(tree_helper.staged_path(str(stage), rel))
         remote_path = src if rel == FILE_REL else f"{src}/{rel}"
+        ask = json.dumps({"path": remote_path}).encode() + b"\n"  # on stdin: any name, also one not UTF-8
         position = offset
         while True:  # the first pass truncates the .part to the resume offset
             length = min(chunk, want["size"] - position)
-            args = ["read", remote_path, str(position), str(length)]
-            data = _helper_bytes(container, args, remote_path, summary) if length else b""
+            args = ["read", "-", str(position), str(length)]
+            data = _helper_bytes(container, args, remote_path, summary, stdin=ask) if length else b""
             if len(data) != length:
                 raise TransferError(f"fetch {remote_path}: got {len(data)} of {length} bytes at offset "
                                     f"{position} (did it change while fetching?)")
@@ -259,6 +269,8 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
         new.mkdir(exist_ok=True)
         for rel in set(tree_helper.walk_files(str(new))) - set(files):
             (new / rel).unlink()
+    for rel, want in files.items():
+        os.chmod(tree_helper.staged_path(str(stage), rel), tree_helper.mode_of(want))
     entries = {rel: {**files[rel], "mtime_ns": Path(tree_helper.staged_path(str(stage), rel)).stat().st_mtime_ns}
                for rel in files}
     doc = {"target": container.target.name, "src": src, "kind": kind, "files": entries, "time": time.time()}
@@ -301,30 +313,35 @@ def _resuming(what: str, summary: TransferSummary, call: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def _helper_bytes(container: ContainerAPI, args: list[str], what: str, summary: TransferSummary) -> bytes:
+def _helper_bytes(container: ContainerAPI, args: list[str], what: str, summary: TransferSummary,
+                  stdin: bytes | None = None) -> bytes:
     """The stdout of one tree helper call of a fetch, resumed after a dropped connection."""
-    result = _resuming(f"fetch {what}", summary, lambda: container.helper(HELPER, args))
+    result = _resuming(f"fetch {what}", summary, lambda: container.helper(HELPER, args, stdin=stdin))
     if not result.ok:
         raise TransferError(f"fetch {what}: {result.stderr.strip() or f'exit {result.exit_code}'}")
     return result.stdout_bytes
 
 
 def _batches(rels: list[str], files: dict, limit: int) -> list[list[str]]:
+    """Groups of small files, each at most `limit` bytes of content plus names (by bytes, not by count:
+    the names travel on stdin, and many long names are as large as their files)."""
     batches: list[list[str]] = []
     size = limit
     for rel in rels:
-        if size + files[rel]["size"] > limit or len(batches[-1]) >= 512:
+        cost = files[rel]["size"] + len(rel.encode("utf-8", "surrogateescape")) + 64
+        if size + cost > limit:
             batches.append([])
             size = 0
         batches[-1].append(rel)
-        size += files[rel]["size"]
+        size += cost
     return batches
 
 
 def _append_part(target: Path, data: bytes, offset: int) -> None:
     part = target.with_name(target.name + ".part")
     part.parent.mkdir(parents=True, exist_ok=True)
-    with open(part, "ab") as f:
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # private until its mode is set
+    with os.fdopen(fd, "ab") as f:
         f.truncate(offset)
         f.write(data)
         f.flush()
@@ -342,7 +359,8 @@ def _finish_part(target: Path, want: dict, remote_path: str) -> None:
 
 
 def _read_files(container: ContainerAPI, src: str, rels: list[str], summary: TransferSummary) -> list[tuple[str, bytes]]:
-    out, data, at = [], _helper_bytes(container, ["read-files", src, *rels], src, summary), 0
+    names = json.dumps(rels).encode() + b"\n"  # on stdin: no argument-length limit, any name
+    out, data, at = [], _helper_bytes(container, ["read-files", src], src, summary, stdin=names), 0
     for rel in rels:
         end = data.index(b"\n", at)
         header = json.loads(data[at:end])

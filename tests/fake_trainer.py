@@ -6,6 +6,7 @@ like the real one. Its config is `key: value` lines:
   total_steps       steps to do (default 20)
   step_seconds      sleep per step (default 0.001)
   log_lines         train.log lines per step (default 1)
+  checkpoint_every  write a checkpoint every N steps (default 0: only on request and at the end)
   crash_at_step     raise at that step (state failed, exit 1)
   vanish_at_step    os._exit(9) at that step without touching status.json
   hog_mib_at_step   "N M": at step N allocate and touch M MiB (a container's memory limit kills it)
@@ -174,6 +175,9 @@ class FakeRun:
                 print("step %d line %d loss %.4f" % (self.step, i, 1.0 / (1 + self.step)))
             self.metric("step", loss=1.0 / (1 + self.step), acc=0.5, lr=1e-4, grad_norm=1.0, tokens_per_s=1000.0)
             self.write_status()
+            every = int(self.config.get("checkpoint_every", 0))
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self.checkpoint()
         self.checkpoint()
         self.state = "done"
         self.metric("stop", reason="done")

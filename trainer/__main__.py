@@ -59,11 +59,20 @@ def _synth(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer export", description="Export a checkpoint as a DFlash draft.")
     p.add_argument("--checkpoint", required=True, help="checkpoints/step_N directory")
-    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); replaced only "
+                   "when absent, empty or an earlier export")
+    p.add_argument("--force", action="store_true", help="also replace an earlier output of another dflash-ops "
+                   "command (a fetch, a push); never files no command wrote")
     args = p.parse_args(argv)
+    from trainer.models import destination
     from trainer.models.export import export_checkpoint
+    from trainer.train.checkpoint import CheckpointError
 
-    print(f"exported to {export_checkpoint(args.checkpoint, args.out)}")
+    try:
+        print(f"exported to {export_checkpoint(args.checkpoint, args.out, force=args.force)}")
+    except (destination.Refused, CheckpointError, OSError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

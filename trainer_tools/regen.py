@@ -20,16 +20,17 @@ from __future__ import annotations
 import argparse
 import fcntl
 import hashlib
+import http.client
 import json
 import os
 import queue
 import random
+import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import urllib.parse
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
@@ -43,6 +44,9 @@ EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
 FSYNC_EVERY_S = 1.0
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+FINISHED = ("stop", "length")  # an answer that ended otherwise (abort, error, none) did not finish
+CHARS_PER_TOKEN = 64  # an answer longer than this many characters per --max-tokens token is not an answer
+MAX_CONSECUTIVE_FAILURES = 16
 
 
 class RegenError(Exception):
@@ -193,9 +197,15 @@ def chat_url(endpoint: str) -> str:
     return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
 
 
+class Retry(Exception):
+    """This attempt gave no valid, finished answer; another attempt may."""
+
+
 class OpenAIEngine:
-    """POST /v1/chat/completions (non-streaming) with retries on connection errors, timeouts
-    and 408/429/5xx; endpoints are used round-robin (data-parallel servers)."""
+    """POST /v1/chat/completions (non-streaming) with retries on connection errors, timeouts,
+    408/429/5xx, a response cut short and an answer that did not finish (finish_reason abort,
+    an error object); endpoints are used round-robin (data-parallel servers). `timeout` bounds
+    each request whole (connect, send, every byte of the answer), not one socket read."""
 
     def __init__(self, endpoints: list[str], model: str, sampling: Sampling, *, api_key: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0):
@@ -222,19 +232,22 @@ class OpenAIEngine:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = "Bearer " + self.api_key
+        limit = CHARS_PER_TOKEN * s.max_tokens + 4096
         for attempt in range(self.retries + 1):
             url = self._url()
             try:
-                request = urllib.request.Request(url, data=data, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    reply = json.loads(response.read())
-                return _completion(reply, attempt)
-            except urllib.error.HTTPError as e:
-                why = f"{url}: HTTP {e.code}: {_server_message(e)}"
-                if e.code not in RETRY_STATUSES:
-                    raise RegenError(why) from None
-            except (urllib.error.URLError, OSError, ValueError) as e:  # refused, reset, timeout, bad JSON
-                why = f"{url}: {getattr(e, 'reason', None) or e}"
+                status, raw = post(url, data, headers, self.timeout, 4 * limit + (1 << 20))
+                if status != 200:
+                    why = f"{url}: HTTP {status}: {_server_message(raw)}"
+                    if status not in RETRY_STATUSES:
+                        raise RegenError(why)
+                else:
+                    return _completion(json.loads(raw), attempt, limit)
+            except Retry as e:
+                why = f"{url}: {e}"
+            except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, timeout, cut, bad JSON
+                why = f"{url}: {type(e).__name__}: {e}" if not str(e) or isinstance(e, http.client.HTTPException) \
+                    else f"{url}: {e}"
             if attempt < self.retries:
                 time.sleep(min(30.0, self.backoff * 2 ** attempt) * (0.5 + random.random() / 2))
         raise RegenError(f"{why} (after {self.retries + 1} attempts)")
@@ -243,26 +256,90 @@ class OpenAIEngine:
         pass
 
 
-def _server_message(e: urllib.error.HTTPError) -> str:
+def post(url: str, data: bytes, headers: dict, timeout: float, limit: int) -> tuple[int, bytes]:
+    """(status, body) of one POST, all of it within `timeout` seconds: a timer shuts the socket
+    down at the deadline, so a server that trickles bytes cannot hold a request longer. A body
+    cut short raises http.client.IncompleteRead; one larger than `limit` bytes is refused."""
+    parts = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    expired = threading.Event()
+    sockets: list[socket.socket] = []  # the response keeps reading the socket after conn lets go of it
+
+    def expire() -> None:
+        expired.set()
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
     try:
-        doc = json.loads(e.read())
+        conn.connect()
+        if conn.sock is not None:
+            sockets.append(conn.sock)
+        if expired.is_set():
+            expire()
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("POST", path, body=data, headers=headers)
+        response = conn.getresponse()
+        body = response.read(limit + 1)
+        if expired.is_set():
+            raise OSError("expired")
+        if response.length:  # the connection closed before Content-Length bytes came
+            raise http.client.IncompleteRead(body, response.length)
+        if len(body) > limit:
+            raise Retry(f"the reply is larger than {limit} bytes")
+        return response.status, body
+    except (OSError, http.client.HTTPException):
+        if expired.is_set():
+            raise TimeoutError(f"no complete reply within --timeout {timeout:g}s") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def _server_message(raw: bytes) -> str:
+    try:
+        doc = json.loads(raw)
         message = doc.get("error", doc).get("message") if isinstance(doc, dict) else None
         return str(message or doc)[:300]
-    except (ValueError, OSError, AttributeError):
-        return str(e.reason)[:300]
+    except (ValueError, AttributeError):
+        return raw[:300].decode("utf-8", "replace")
 
 
-def _completion(reply: dict, retries: int) -> Completion:
-    try:
-        choice = reply["choices"][0]
-        message = choice["message"]
-    except (KeyError, IndexError, TypeError):
-        raise RegenError(f"unexpected reply: {json.dumps(reply)[:300]}") from None
-    usage = reply.get("usage") or {}
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    return Completion(content=message.get("content") or "", finish_reason=choice.get("finish_reason") or "stop",
-                      reasoning_content=reasoning or None, prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                      completion_tokens=int(usage.get("completion_tokens") or 0), retries=retries)
+def _completion(reply: object, retries: int, limit: int) -> Completion:
+    """The answer of a reply, validated: a finished choice (finish_reason stop or length) whose
+    content is text of at most `limit` characters; anything else is a Retry."""
+    if not isinstance(reply, dict):
+        raise Retry(f"the reply is a JSON {type(reply).__name__}, not an object")
+    if reply.get("object") == "error" or "error" in reply:
+        error = reply.get("error") if isinstance(reply.get("error"), dict) else reply
+        raise Retry(f"the server answered with an error: {str(error.get('message') or error)[:300]}")
+    choices = reply.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise Retry(f"unexpected reply: {json.dumps(reply)[:300]}")
+    finish = choice.get("finish_reason")
+    if finish not in FINISHED:
+        raise Retry(f"the answer did not finish (finish_reason {finish!r})")
+    content = message.get("content")
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or None
+    if not isinstance(content, str) or not (reasoning is None or isinstance(reasoning, str)):
+        raise Retry(f"the answer's content is {type(content).__name__}, not text")
+    if len(content) + len(reasoning or "") > limit:
+        raise Retry(f"the answer has {len(content) + len(reasoning or '')} characters, more than {limit} "
+                    f"({CHARS_PER_TOKEN} per --max-tokens token)")
+    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    tokens = {k: v if isinstance(v, int) and v >= 0 else 0 for k, v in usage.items()}
+    return Completion(content=content, finish_reason=finish, reasoning_content=reasoning,
+                      prompt_tokens=tokens.get("prompt_tokens", 0), completion_tokens=tokens.get("completion_tokens", 0),
+                      retries=retries)
 
 
 def supports_static_decode(model: Any) -> bool:
@@ -451,6 +528,8 @@ class Summary:
     completion_tokens: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few distinct failures
+    last_error: str | None = None
+    stopped: str | None = None  # why it stopped before the end (N failures in a row)
 
     def line(self) -> str:
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
@@ -521,56 +600,83 @@ class Progress:
 
 
 def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: str, concurrency: int = 8,
-               on_progress: Callable[[Summary], None] | None = None, max_errors: int = 5) -> Summary:
+               on_progress: Callable[[Summary], None] | None = None, max_errors: int = 5,
+               max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES) -> Summary:
     """Regenerate every prompt not in `output.finished`, `concurrency` conversations at a time.
 
-    The calling thread is the only writer. Ctrl-C (or any error from `on_progress`) stops
-    submitting, waits for nothing, and leaves the output with whole lines only."""
+    The calling thread is the only writer. The workers are daemon threads: on Ctrl-C (or any
+    error from `on_progress`) the answers already complete are written and this returns at
+    once, leaving requests in flight behind (the output holds whole lines only). After
+    `max_consecutive_failures` failures in a row (a dead server) it stops early and says so in
+    `s.stopped`."""
     s = Summary(total=len(prompts), repaired_bytes=output.repaired_bytes)
     todo = [p for p in prompts if p.id not in output.finished]
     s.skipped = len(prompts) - len(todo)
     started = time.monotonic()
-    pending: dict[Future, Prompt] = {}
-    work = iter(todo)
-    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="regen")
-    try:
-        def fill() -> None:
-            while len(pending) < 2 * max(1, concurrency):
-                p = next(work, None)
-                if p is None:
-                    return
-                pending[pool.submit(regenerate_one, engine, p, model)] = p
+    jobs: queue.Queue[Prompt] = queue.Queue()
+    for p in todo:
+        jobs.put(p)
+    results: queue.Queue[tuple[Prompt, tuple[dict, Completion] | None, str | None]] = queue.Queue()
+    stop = threading.Event()
 
-        fill()
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                prompt = pending.pop(future)
-                try:
-                    record, c = future.result()
-                except RegenError as e:
-                    _failed(s, prompt, str(e), max_errors)
-                    continue
-                except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
-                    _failed(s, prompt, f"{type(e).__name__}: {e}", max_errors)
-                    continue
-                output.append(record)
-                s.done += 1
-                s.retries += c.retries
-                s.completion_tokens += c.completion_tokens
-                s.truncated += c.finish_reason == "length"
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                prompt = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results.put((prompt, regenerate_one(engine, prompt, model), None))
+            except RegenError as e:
+                results.put((prompt, None, str(e)))
+            except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
+                results.put((prompt, None, f"{type(e).__name__}: {e}"))
+
+    for i in range(min(max(1, concurrency), len(todo))):
+        threading.Thread(target=work, name=f"regen-{i}", daemon=True).start()
+    consecutive = 0
+
+    def take(result: tuple[Prompt, tuple[dict, Completion] | None, str | None]) -> None:
+        nonlocal consecutive
+        prompt, answer, error = result
+        if answer is None:
+            _failed(s, prompt, error or "failed", max_errors)
+            consecutive += 1
+            return
+        record, c = answer
+        output.append(record)
+        consecutive = 0
+        s.done += 1
+        s.retries += c.retries
+        s.completion_tokens += c.completion_tokens
+        s.truncated += c.finish_reason == "length"
+
+    try:
+        for _ in range(len(todo)):
+            take(results.get())
             s.seconds = time.monotonic() - started
+            if consecutive >= max_consecutive_failures:
+                s.stopped = (f"stopped after {consecutive} conversations failed in a row (last: "
+                             f"{s.last_error}); rerun the same command to resume")
+                break
             if on_progress is not None:
                 on_progress(s)
-            fill()
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop.set()
+        while True:  # answers that completed meanwhile are written, whatever ended the loop
+            try:
+                result = results.get_nowait()
+            except queue.Empty:
+                break
+            if result[1] is not None:
+                take(result)
         s.seconds = time.monotonic() - started
     return s
 
 
 def _failed(s: Summary, prompt: Prompt, message: str, max_errors: int) -> None:
     s.failed += 1
+    s.last_error = message[:300]
     if len(s.errors) < max_errors:
         s.errors.append(f"{prompt.id} (input line {prompt.line}): {message}")
 
@@ -602,9 +708,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-body", default=None,
                    help='JSON object merged into each request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'')
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key, if any")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds for a whole request (connect, send, the complete answer), each attempt")
     p.add_argument("--retries", type=int, default=3, help="retries per request on connection errors, 408/429/5xx")
     p.add_argument("--limit", type=int, default=None, help="only the first N conversations of the input")
+    p.add_argument("--max-consecutive-failures", type=int, default=MAX_CONSECUTIVE_FAILURES,
+                   help="stop early after this many conversations failed in a row (a dead server)")
     return p
 
 
@@ -617,8 +726,10 @@ def _sampling(args: argparse.Namespace) -> Sampling:
             raise InputError(f"--extra-body: not JSON: {e}") from None
         if not isinstance(extra, dict):
             raise InputError("--extra-body must be a JSON object")
-    if args.max_tokens < 1 or args.concurrency < 1:
-        raise InputError("--max-tokens and --concurrency must be at least 1")
+    if args.max_tokens < 1 or args.concurrency < 1 or args.max_consecutive_failures < 1:
+        raise InputError("--max-tokens, --concurrency and --max-consecutive-failures must be at least 1")
+    if not args.timeout > 0:
+        raise InputError("--timeout must be more than 0 seconds")
     return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
 
 
@@ -654,6 +765,7 @@ def main(argv: list[str]) -> int:
         print(f"regen: {e}", file=sys.stderr)
         return EXIT_USAGE
     engine = None
+    interrupted = False
     try:
         try:
             engine, model = build_engine(args, sampling)
@@ -665,17 +777,22 @@ def main(argv: list[str]) -> int:
               f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
         try:
             summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,
-                                 on_progress=progress.update)
+                                 on_progress=progress.update, max_consecutive_failures=args.max_consecutive_failures)
         except KeyboardInterrupt:
-            print("\nregen: interrupted; the output holds whole lines only - rerun the same command to resume",
-                  file=sys.stderr, flush=True)
+            interrupted = True  # requests in flight are left behind (daemon threads), not waited for
+            print("\nregen: interrupted; the answers that were complete are written, the output holds whole "
+                  "lines only - rerun the same command to resume", file=sys.stderr, flush=True)
             return 130
         summary.duplicates = duplicates
         progress.update(summary, final=True)
     finally:
         output.close()
-        if engine is not None:
+        if engine is not None and not interrupted:
             engine.close()
+    if summary.stopped:
+        print(f"regen: {summary.stopped}", file=sys.stderr, flush=True)
+        print(summary.line(), flush=True)
+        return EXIT_FAILURES
     for error in summary.errors:
         print(f"regen: failed {error}", file=sys.stderr)
     print(summary.line(), flush=True)

@@ -30,6 +30,11 @@ Target = Annotated[str, typer.Argument(help="Target name from the inventory.")]
 Run = Annotated[str, typer.Argument(help="Run id (see `dflash-ops run list TARGET`).")]
 OptionalRun = Annotated[Optional[str], typer.Argument(help="Run id; default: the target's latest run.")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds.")]
+Restart = Annotated[Optional[str], typer.Option(
+    "--restart", metavar="no|on-failure[:N]",
+    help="on-failure[:N]: after a crash (non-zero exit, a kill, OOM) resume from the latest checkpoint, at most N "
+         "times (default 3); each restart and its reason show in `run status`, the dashboard and metrics.jsonl. "
+         "`run stop` still stops for good.")]
 Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")]
 Follow = Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")]
 
@@ -72,6 +77,7 @@ def start(
     name: Annotated[Optional[str], typer.Option("--name", help="Run id prefix (default: run).")] = None,
     gpus: Gpus = None,
     force: Annotated[bool, typer.Option("--force", help="Start even when the doctor's fast checks fail.")] = False,
+    restart: Restart = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Start the trainer detached from TARGET's current release; prints the run id.
@@ -81,19 +87,24 @@ def start(
     on each: a run that cannot succeed is refused, naming the failed check, unless --force."""
     from dflash_ops.runs import start_run
     from dflash_ops.runs.group import check_members, start_group
+    from dflash_ops.runs.lifecycle import check_restart
 
     if not config.is_file():
         fail(f"--config {config}: no such file", 2)
     gpu_list = parse_gpus(gpus)
+    check_restart(restart)
     if len(targets) > 1:
         check_members(targets)
+        if restart not in (None, "no"):
+            fail("--restart: a run across hosts is not restarted by itself yet (its ranks would have to rejoin "
+                 "together); resume it with `dflash-ops run resume`", 2)
     containers = [open_target(inventory, t) for t in targets]
     for container in containers:
         _preflight(container, config, gpu_list, force)
     if len(targets) > 1:
         run_id = start_group(containers, targets, config, name=name, gpus=gpu_list)
     else:
-        run_id = start_run(containers[0], config, name=name, gpus=gpu_list)
+        run_id = start_run(containers[0], config, name=name, gpus=gpu_list, restart=restart)
     _announce(run_id, "started", " ".join(targets))
 
 
@@ -266,6 +277,7 @@ def resume(
     from_step: Annotated[Optional[int], typer.Option("--from", help="Checkpoint step to resume from (default: latest).")] = None,
     gpus: Gpus = None,
     config: Annotated[Optional[Path], typer.Option("--config", help="A new trainer config for the rest of the run (default: the run's own).")] = None,
+    restart: Restart = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Restart a stopped (or failed) run from its checkpoint on the current release; the step count continues."""
@@ -285,10 +297,10 @@ def resume(
         return
     container = open_target(inventory, target)
     if config is None:
-        run_id = resume_run(container, run, from_step=from_step, gpus=parse_gpus(gpus))
+        run_id = resume_run(container, run, from_step=from_step, gpus=parse_gpus(gpus), restart=restart)
     else:
         run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
-                           gpus=parse_gpus(gpus), run_id=run)
+                           gpus=parse_gpus(gpus), run_id=run, restart=restart)
     _announce(run_id, "resumed", target)
 
 

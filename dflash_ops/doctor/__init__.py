@@ -16,7 +16,7 @@ from dflash_ops.doctor.checks import Inputs, Report, evaluate
 from dflash_ops.doctor.node import NodeFacts, node_facts
 from dflash_ops.doctor.plan import RunPlan, plan_for
 from dflash_ops.doctor.verdicts import last_verdict, record_verdict
-from dflash_ops.errors import DflashOpsError, TransportError
+from dflash_ops.errors import DflashOpsError, TransferError, TransportError
 from dflash_ops.runs import list_runs
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 HELPER = "doctor"
 PROBE_TIMEOUT_S = 120.0  # torch import + CUDA init + NCCL init on a cold container
 FAST_PROBE_TIMEOUT_S = 60.0
+FALLBACK_HELPERS = "/tmp/dflash-ops-helpers"  # where the doctor runs from when base_dir cannot be written
 
 __all__ = ["Report", "RunPlan", "diagnose", "last_verdict", "plan_for", "preflight", "record_verdict",
            "unreachable_report"]
@@ -64,8 +65,12 @@ def _gather(container: ContainerAPI, plan: RunPlan, fast: bool, inputs: Inputs) 
             first.append(time.time())
 
     try:
-        result = container.helper(HELPER, helper_args(container, plan, fast), on_line=on_line,
-                                  timeout=PROBE_TIMEOUT_S + 120)
+        try:
+            result = container.helper(HELPER, helper_args(container, plan, fast), on_line=on_line,
+                                      timeout=PROBE_TIMEOUT_S + 120)
+        except TransferError:  # base_dir cannot take the helper (read-only, not writable): its facts say why
+            result = container.helper(HELPER, helper_args(container, plan, fast), on_line=on_line,
+                                      timeout=PROBE_TIMEOUT_S + 120, helpers_root=FALLBACK_HELPERS)
     except TransportError as e:
         inputs.helper_error = str(e)
         return

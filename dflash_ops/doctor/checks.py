@@ -73,7 +73,7 @@ def evaluate(i: Inputs) -> list[Check]:
         checks.append(Check("python", FAIL, i.helper_error or "the doctor helper did not run", PYTHON_NEEDED,
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
-    for judge in (config_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
+    for judge in (config_check, memory_plan_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
                   driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
@@ -162,6 +162,43 @@ def config_check(i: Inputs) -> Check | None:
         return None
     devices = ", ".join(f"cuda:{c}" for c in i.plan.cuda_indices) or "cpu"
     return Check("trainer config", OK, f"{i.plan.config_path}: devices {devices}", "a valid config")
+
+
+def memory_plan_check(i: Inputs) -> Check | None:
+    """The trainer's memory plan (trainer.models.memory_plan: bytes per target stage, drafter replica
+    and device) against each GPU's memory as torch measured it in the container. Needs the config,
+    the model's config.json (read on the node) for a model directory, and torch + transformers on
+    this side (they come with the `dflash-ops` install today); without them the check is skipped."""
+    if i.plan.config_path is None or i.plan.config_error or not i.plan.needs_gpu:
+        return None
+    devices = _torch(i).get("devices") or []
+    model = _model_dims(i) or {}
+    if not devices:
+        return None
+    try:
+        from trainer.models.memory_plan import build_plan
+        from trainer.train.config import ConfigError, load_config
+    except ImportError:
+        return None
+    try:
+        cfg = load_config(i.plan.config_path)
+    except ConfigError:
+        return None
+    if cfg.model.target.path is not None and not model.get("config"):
+        return None
+    needed = "each device's share within its memory"
+    try:
+        plan = build_plan(cfg, model.get("config"), {d["index"]: d["total"] for d in devices})
+    except (ValueError, KeyError, OSError) as e:
+        return Check("GPU memory plan", WARN, f"not sized: {e}", needed, "python -m trainer plan --config C says more")
+    measured = "; ".join(f"{d.device} {gib(d.total)}" + (f" of {gib(d.budget)}" if d.budget else "")
+                         for d in plan.devices)
+    refusal = plan.refusal()
+    if refusal is None:
+        return Check("GPU memory plan", OK, measured, needed)
+    fix = (f"split the target: devices: {plan.suggestion}" if plan.suggestion
+           else "split the target over more GPUs (devices.target: [[cuda:0, cuda:1, ...]]) or shorten the micro-batch")
+    return Check("GPU memory plan", FAIL, refusal, needed, fix)
 
 
 def python_check(i: Inputs) -> Check:
@@ -362,6 +399,13 @@ def nccl_check(i: Inputs) -> Check | None:
 
 def shm_check(i: Inputs) -> Check:
     shm, need = i.found["shm"], i.plan.shm_needed()
+    if shm.get("exists") is False:
+        return Check("/dev/shm", FAIL, f"{shm['path']} is missing", f"a tmpfs with {gib(need)} free",
+                     _shm_fix(i, need, mount=True))
+    mount = shm.get("mount")
+    if mount and (mount.get("fstype") != "tmpfs" or shm.get("mounted_here") is False):
+        return Check("/dev/shm", FAIL, f"{shm['path']} is not a tmpfs (it is {mount.get('fstype')} at {mount.get('point')})",
+                     f"a tmpfs with {gib(need)} free", _shm_fix(i, need, mount=True))
     if "error" in shm:
         return Check("/dev/shm", FAIL, f"{shm['path']}: {shm['error']}", gib(need), _shm_fix(i, need))
     measured = f"{gib(shm['total'])} ({gib(shm['free'])} free) at {shm['path']}"
@@ -375,10 +419,12 @@ def shm_check(i: Inputs) -> Check:
     return judged("/dev/shm", free >= need, measured, why, _shm_fix(i, need))
 
 
-def _shm_fix(i: Inputs, need: int) -> str:
+def _shm_fix(i: Inputs, need: int, mount: bool = False) -> str:
     size = f"{max(1, -(-need // GIB))}G"
     where = (f"; to keep it, add `lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size={size},create=dir 0 0` "
              f"to /etc/pve/lxc/{i.target.ctid}.conf") if i.node.pct else ""
+    if mount:
+        return f"in the container: mkdir -p /dev/shm && mount -t tmpfs -o size={size} tmpfs /dev/shm{where}"
     return f"in the container: mount -o remount,size={size} /dev/shm{where}"
 
 
@@ -392,6 +438,15 @@ def disk_check(i: Inputs) -> Check:
     if "error" in disk:
         return Check("disk at base_dir", FAIL, f"{disk['path']}: {disk['error']}", "a writable base_dir",
                      f"create {i.target.base_dir} in the container")
+    if disk.get("writable") is False:
+        where = disk.get("probed") or i.target.base_dir
+        fix = (f"in the container: mount -o remount,rw the filesystem holding {where} (or give the container a "
+               "writable volume there), or set base_dir in the inventory to a writable path") if disk.get("readonly") \
+            else (f"in the container: make {where} writable for the login user (chown/chmod), or set base_dir in "
+                  "the inventory to a writable path")
+        state = "read-only" if disk.get("readonly") else "not writable"
+        return Check("disk at base_dir", FAIL, f"{i.target.base_dir}: {state} ({disk.get('write_error')})",
+                     "a writable base_dir", fix)
     size = i.plan.checkpoint_bytes(_model_dims(i))
     need = i.plan.disk_needed(_model_dims(i))
     measured = f"{gib(disk['free'])} free of {gib(disk['total'])} at {disk['measured_at']}"

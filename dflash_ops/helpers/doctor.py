@@ -25,6 +25,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -57,6 +58,41 @@ def statvfs(path: str) -> dict:
         return {"path": path, "error": e.strerror or str(e)}
     return {"path": path, "measured_at": probe, "total": st.f_blocks * st.f_frsize,
             "free": st.f_bavail * st.f_frsize}
+
+
+def shm_facts(path: str) -> dict:
+    """/dev/shm as NCCL will meet it: whether it exists, and whether a tmpfs is mounted right there
+    (statvfs of a missing /dev/shm would measure /dev, a plain directory the disk under it)."""
+    exists = os.path.isdir(path)
+    doc = statvfs(path) if exists else {"path": path}
+    mount = mount_of(path) if exists else None
+    doc.update(exists=exists, mount=mount,
+               mounted_here=mount is not None and mount["point"] == os.path.realpath(path))
+    return doc
+
+
+def disk_facts(base: str) -> dict:
+    """statvfs of base_dir, and whether it can be written: a file created and removed in it (or,
+    before the first deploy, in its nearest existing ancestor, where deploy will create it)."""
+    doc = statvfs(base)
+    probe = os.path.abspath(base)
+    while not os.path.exists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    try:
+        doc["readonly"] = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        pass
+    try:
+        if probe == os.path.abspath(base):
+            fd, tmp = tempfile.mkstemp(prefix=".dflash-doctor-", dir=probe)
+            os.close(fd)
+            os.unlink(tmp)
+        elif not os.access(probe, os.W_OK | os.X_OK):
+            raise OSError(13, os.strerror(13), probe)
+        doc["writable"] = True
+    except OSError as e:
+        doc.update(writable=False, write_error=e.strerror or str(e), probed=probe)
+    return doc
 
 
 def read_text(path: str) -> str | None:
@@ -284,7 +320,9 @@ def model_dims(path: str | None) -> dict | None:
         return {"error": "cannot read %s" % path}
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "num_hidden_layers")
-    return {k: doc.get(k) for k in keys}
+    out = {k: doc.get(k) for k in keys}
+    out["config"] = doc  # the whole config.json: the operator's side sizes the memory plan from it
+    return out
 
 
 # ---------------------------------------------------------------- torch, in a short child process
@@ -385,8 +423,8 @@ def facts(args: argparse.Namespace) -> int:
         "version": VERSION,
         "python": {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
         "release": release,
-        "disk": statvfs(args.base),
-        "shm": dict(statvfs(args.shm), mount=mount_of(args.shm)),
+        "disk": disk_facts(args.base),
+        "shm": shm_facts(args.shm),
         "memory": meminfo(),
         "cgroup_memory": cgroup_memory(),
         "pid_namespace": pid_namespace(),

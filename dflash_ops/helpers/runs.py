@@ -8,11 +8,20 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py control RUNDIR checkpoint|stop
   runs.py start --base BASE --run-id ID --config FILE|- --release-root DIR --python PY
                 [--resume latest|STEP] [--gpus 0,1] [--env KEY=VALUE ...] [--wait S]
+                [--restart no|on-failure[:N]]
       PY is the fallback: the release's venv python (BASE/<venv>/bin/python from
       .dflash-release.json) is used when the release names one.
       A rank of a run across hosts adds --group JSON --nnodes N --rdzv-endpoint HOST:PORT
       --local-addr ADDR [--store-host]: the trainer starts under `python -m trainer launch`
       (torchrun) and RUNDIR/group.json records the group (docs/multi-node.md).
+      With --restart on-failure:N the trainer runs under `runs.py supervise` (below), which
+      resumes it from its latest checkpoint after a crash, at most N times.
+  runs.py supervise RUNDIR           (stdin: the launch document, then EOF = go) the parent of the
+      trainer: waits for it; after a crash (non-zero exit, a signal, an OOM kill, a lost peer)
+      that was not an operator's stop, and while restarts are left, records the restart and its
+      reason (RUNDIR/restarts.json, a `restart` event in metrics.jsonl, a line in train.log)
+      and starts it again with --resume latest. A stop request or a signal sent through this
+      helper leaves control/.no-restart: that ends supervision for good.
   runs.py address [--toward ADDR]    this container's address (the one routed toward ADDR)
   runs.py free-port --address ADDR   a TCP port free on ADDR now (for the rendezvous)
   runs.py signal RUNDIR TERM|KILL
@@ -135,6 +144,18 @@ def process_matches(pid: object, pid_start: object) -> bool:
     return pid_start is None or start == pid_start
 
 
+def supervisor_alive(run_dir: str) -> int | None:
+    """The pid of the run's live supervisor (runs.py supervise), or None."""
+    supervisor = supervisor_of(read_json(os.path.join(run_dir, "launch.json")) or {})
+    pid = supervisor.get("pid")
+    return pid if process_matches(pid, supervisor.get("pid_start")) and isinstance(pid, int) else None
+
+
+def supervisor_of(launch: dict) -> dict:
+    found = launch.get("supervisor")
+    return found if isinstance(found, dict) else {}
+
+
 def run_process(run_dir: str, status: dict | None) -> tuple[int | None, object]:
     """(pid, pid_start) of the run: status.json first, then ops' launch.json."""
     for doc in (status, read_json(os.path.join(run_dir, "launch.json"))):
@@ -213,6 +234,14 @@ def describe_run(run_dir: str, now: float) -> dict:
     info["gpus"] = run_gpus(run_dir, status)
     launch = read_json(os.path.join(run_dir, "launch.json")) or {}
     info["launched"] = launch.get("time")
+    restarts = read_json(os.path.join(run_dir, RESTARTS_FILE))
+    info["restart_policy"] = restarts.get("policy") if restarts else None
+    info["restarts"] = restarts.get("restarts", []) if restarts else []
+    supervisor = supervisor_of(launch)
+    supervised = process_matches(supervisor.get("pid"), supervisor.get("pid_start"))
+    info["supervised"] = supervised
+    # between two attempts the trainer is gone and status.json is the last attempt's
+    between = supervised and not (alive and (status or {}).get("pid") == launch.get("pid"))
     info["group"] = read_json(os.path.join(run_dir, "group.json"))
     heartbeat = info.get("heartbeat")
     info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
@@ -233,8 +262,16 @@ def describe_run(run_dir: str, now: float) -> dict:
     if broken:
         info["effective_state"] = "broken"
         info["reason"] = broken + ("; the process still runs" if alive else "")
+    elif between and state not in ("stopped", "done"):
+        info["alive"] = True
+        info["effective_state"] = "restarting"
+        last = info["restarts"][-1] if info["restarts"] else None
+        info["reason"] = ("restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
+                                                          last["reason"])
+                          if last and restarts else "the supervisor is starting the trainer")
     elif state in FINAL_STATES:
         info["effective_state"] = state
+        info["alive"] = alive or supervised  # a supervisor still ending counts: not over yet
     elif alive:
         info["effective_state"] = state or "starting"
     else:
@@ -318,6 +355,8 @@ def run_is_over(run_dir: str) -> bool:
     cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
     if not os.path.isdir(run_dir):
         return True  # the run directory was removed: nothing more will be written
+    if supervisor_alive(run_dir) is not None:
+        return False  # between two attempts, or the last one ending: its supervisor still runs
     status = read_json(os.path.join(run_dir, "status.json"))
     pid, pid_start = run_process(run_dir, status)
     if pid is not None and not process_matches(pid, pid_start):
@@ -469,6 +508,8 @@ def cmd_control(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.run_dir):
         raise Refused("no run directory %s" % args.run_dir)
     os.makedirs(control, exist_ok=True)
+    if args.kind == "stop":
+        forbid_restarts(args.run_dir, "stop requested")
     request_id = os.urandom(6).hex()
     tmp = os.path.join(control, ".%s.%s.tmp" % (args.kind, request_id))
     final = os.path.join(control, args.kind)
@@ -559,7 +600,9 @@ def gpu_conflicts(base: str, wanted: list[int], own_run_dir: str) -> list[dict]:
             continue
         pid, pid_start = run_process(run_dir, status)
         if pid is None or not process_matches(pid, pid_start):
-            continue
+            pid = supervisor_alive(run_dir)  # between two attempts the supervisor holds the GPUs
+            if pid is None:
+                continue
         held = sorted(set(run_gpus(run_dir, status)) & set(wanted))
         if held:
             conflicts.append({"run_id": os.path.basename(run_dir), "pid": pid, "gpus": held})
@@ -623,30 +666,44 @@ def cmd_start(args: argparse.Namespace) -> None:
         raise Refused("--config is required to start a fresh run")
     if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
+    max_restarts = parse_restart(args.restart)
     lock = start_lock(runs_root)
     try:
-        child = launch(args, run_dir, release_root, python, gpus, config_bytes)
+        child = launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts)
     finally:
         os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
 
     status_path = os.path.join(run_dir, "status.json")
+    launch_path = os.path.join(run_dir, "launch.json")
     deadline = time.time() + args.wait
     while time.time() < deadline:
-        code = child.poll()
+        code = child.poll()  # the trainer, or its supervisor (which exits with the trainer's status)
         status = read_json(status_path)
-        if status is not None and status.get("pid") == child.pid:
+        trainer = child.pid if max_restarts is None else (read_json(launch_path) or {}).get("pid")
+        if status is not None and trainer is not None and status.get("pid") == trainer:
             break
         if code is not None:
             tail = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
             raise Refused("trainer exited with status %d before writing status.json" % code, code=EXIT_DIED_AT_START,
                           exit_code=code, log_tail=tail, run_id=args.run_id)
         time.sleep(0.02)
-    print_json({"run_id": args.run_id, "pid": child.pid, "run_dir": run_dir,
-                "state": (read_json(status_path) or {}).get("state", "starting")})
+    print_json({"run_id": args.run_id, "pid": (read_json(launch_path) or {}).get("pid") or child.pid,
+                "run_dir": run_dir, "state": (read_json(status_path) or {}).get("state", "starting"),
+                "restart": args.restart or "no"})
+
+
+def parse_restart(text: str | None) -> int | None:
+    """--restart no|on-failure|on-failure:N -> None (not supervised) or N restarts at most."""
+    if text in (None, "", "no"):
+        return None
+    m = re.match(r"^on-failure(?::([0-9]{1,4}))?$", text or "")
+    if not m:
+        raise Refused("--restart wants no, on-failure or on-failure:N, got %r" % text)
+    return DEFAULT_RESTARTS if m.group(1) is None else int(m.group(1))
 
 
 def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: str, gpus: list[int],
-           config_bytes: bytes | None) -> subprocess.Popen[bytes]:
+           config_bytes: bytes | None, max_restarts: int | None = None) -> subprocess.Popen[bytes]:
     """Check GPUs and the run directory, then start the trainer and record launch.json
     (called under start_lock). Returns the trainer's process; it logs to RUNDIR/train.log."""
     conflicts = gpu_conflicts(args.base, gpus, run_dir)
@@ -670,6 +727,10 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
         pid, pid_start = run_process(run_dir, status)
         if pid is not None and process_matches(pid, pid_start):
             raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=EXIT_REFUSED, running_pid=pid)
+        supervisor = supervisor_alive(run_dir)
+        if supervisor is not None:
+            raise Refused("run %s is being restarted by its supervisor (pid %d); stop it first"
+                          % (args.run_id, supervisor), code=EXIT_REFUSED, running_pid=supervisor)
         stale = set_aside_stale_requests(run_dir)
         if config_bytes is not None:
             write_atomic(config_input, config_bytes)
@@ -685,8 +746,14 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
                  "--rdzv-id", args.run_id, "--local-addr", args.local_addr]
         argv += ["--store-host"] if args.store_host else []
     argv += ["--config", config_input, "--run-dir", run_dir]
+    base_argv = list(argv)
     if args.resume is not None:
         argv += ["--resume", args.resume]
+    no_restart = os.path.join(run_dir, "control", NO_RESTART)
+    if os.path.exists(no_restart):
+        os.unlink(no_restart)  # an operator's start or resume: the last stop is served
+    record = {"gpus": gpus, "release_root": release_root, "release": release, "time": time.time(),
+              "resume": args.resume, "oom_kills": oom_kills()}
     with open(os.path.join(run_dir, "train.log"), "ab") as log, open(os.devnull, "rb") as devnull:
         for kind in stale:
             log.write(("# dflash-ops: set aside a %s request left from before this start\n" % kind).encode())
@@ -694,14 +761,137 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
         log.flush()
         import subprocess  # here, not at the top: `list` and `follow` start faster without it
 
-        child = subprocess.Popen(argv, cwd=release_root, env=child_env(python, gpus, args.env),
-                                 stdin=devnull, stdout=log, stderr=subprocess.STDOUT,
-                                 close_fds=True, start_new_session=True)
-    record = {"pid": child.pid, "pid_start": pid_start_time(child.pid), "gpus": gpus, "argv": argv,
-              "release_root": release_root, "release": release, "time": time.time(),
-              "resume": args.resume, "oom_kills": oom_kills()}
+        env = child_env(python, gpus, args.env)
+        if max_restarts is None:
+            child = subprocess.Popen(argv, cwd=release_root, env=env, stdin=devnull, stdout=log,
+                                     stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
+            record.update(pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv)
+        else:  # the supervisor starts the trainer once launch.json names it (its stdin's EOF says go)
+            child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "supervise", run_dir],
+                                     cwd=release_root, env=env, stdin=subprocess.PIPE, stdout=log,
+                                     stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
+            record["supervisor"] = {"pid": child.pid, "pid_start": pid_start_time(child.pid)}
+            old = read_json(os.path.join(run_dir, RESTARTS_FILE)) if args.resume is not None else None
+            history = old.get("restarts") if old and isinstance(old.get("restarts"), list) else []
+            # the run's history is kept; this start gets N restarts of its own
+            policy = {"policy": "on-failure:%d" % max_restarts, "max": max_restarts, "restarts": history}
+            write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
+    if max_restarts is not None:
+        assert child.stdin is not None
+        child.stdin.write(json.dumps({"argv": argv, "restart_argv": base_argv + ["--resume", "latest"],
+                                      "fresh_argv": base_argv, "max": max_restarts}).encode())
+        child.stdin.close()
     return child
+
+
+# ---------------------------------------------------------------- supervising a run (--restart on-failure:N)
+
+DEFAULT_RESTARTS = 3
+NO_RESTART = ".no-restart"  # control/.no-restart: an operator stopped the run; never restart it
+RESTARTS_FILE = "restarts.json"
+RESTART_DELAY_S = 1.0
+
+
+def forbid_restarts(run_dir: str, why: str) -> None:
+    """Tell the supervisor of a run started with --restart not to restart it (others: nothing to do)."""
+    if not os.path.exists(os.path.join(run_dir, RESTARTS_FILE)):
+        return
+    control = os.path.join(run_dir, "control")
+    os.makedirs(control, exist_ok=True)
+    write_atomic(os.path.join(control, NO_RESTART), json.dumps({"why": why, "time": time.time()}).encode())
+
+
+def crash_reason(code: int, status: dict | None, pid: int, oom_before: int | None) -> str:
+    """Why the trainer ended, in words: an OOM kill, a signal, a lost peer, its own error, an exit code."""
+    oom_after = oom_kills()
+    if code < 0 and oom_before is not None and oom_after is not None and oom_after > oom_before:
+        return "OOM kill (SIG%s; the container's memory cgroup counted an OOM kill)" % signal.Signals(-code).name
+    error = (status or {}).get("error") if (status or {}).get("pid") == pid else None
+    message = str(error.get("message") or "")[:300] if isinstance(error, dict) else ""
+    if code < 0:
+        try:
+            name = "SIG" + signal.Signals(-code).name.replace("SIG", "")
+        except ValueError:
+            name = "signal %d" % -code
+        return "killed by %s" % name
+    lost = ("peer", "connection reset", "connection closed", "broken pipe", "rendezvous", "timed out", "nccl", "gloo")
+    if message and any(word in message.lower() for word in lost):
+        return "lost peer (exit %d): %s" % (code, message)
+    return "exit %d%s" % (code, ": " + message if message else "")
+
+
+def append_line(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+
+
+def cmd_supervise(args: argparse.Namespace) -> int:
+    """The trainer's parent for a run with --restart (see the module docstring)."""
+    import subprocess
+
+    run_dir = check_run_dir(args.run_dir)
+    plan = json.loads(sys.stdin.buffer.read().decode("utf-8"))  # EOF: launch.json names this supervisor
+    launch_path = os.path.join(run_dir, "launch.json")
+    restarts_path = os.path.join(run_dir, RESTARTS_FILE)
+    log = os.path.join(run_dir, "train.log")
+    argv = plan["argv"]
+    used = 0
+    while True:
+        oom_before = oom_kills()
+        with open(os.devnull, "rb") as devnull:
+            child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
+        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv,
+                      oom_kills=oom_before)
+        write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
+        code = child.wait()
+        status = read_json(os.path.join(run_dir, "status.json"))
+        state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
+        if code == 0 or state in ("stopped", "done"):
+            return 0
+        if os.path.exists(os.path.join(run_dir, "control", NO_RESTART)):
+            append_line(log, "# dflash-ops supervise: trainer ended (exit %d) after an operator's stop: not restarted\n"
+                        % code)
+            return 0
+        if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
+            append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
+                        % code)
+            return code if code > 0 else 128 - code
+        reason = crash_reason(code, status, child.pid, oom_before)
+        policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
+        if used >= plan["max"]:
+            policy["gave_up"] = {"time": time.time(), "reason": reason}
+            write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
+            append_line(log, "# dflash-ops supervise: %s; no restart left (%d used): the run stays failed\n"
+                        % (reason, used))
+            if state not in FINAL_STATES:  # killed before it could say so
+                write_status_failed(run_dir, status, reason)
+            return code if code > 0 else 128 - code
+        used += 1
+        checkpoints = complete_checkpoints(run_dir)
+        argv = plan["restart_argv"] if checkpoints else plan["fresh_argv"]
+        attempt = len(policy.get("restarts", [])) + 1
+        entry = {"attempt": attempt, "n": used, "time": time.time(), "reason": reason, "exit_code": code,
+                 "step": (status or {}).get("step"),
+                 "from": checkpoints[-1]["path"] if checkpoints else None}
+        policy.setdefault("restarts", []).append(entry)
+        write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
+        event = dict(entry, event="restart", max=plan["max"])
+        append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(event, sort_keys=True) + "\n")
+        append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
+            time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
+            entry["from"] or "the start (no checkpoint yet)"))
+        set_aside_stale_requests(run_dir)
+        time.sleep(RESTART_DELAY_S)
+
+
+def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:
+    """A trainer killed without a word leaves a live-looking status.json; say what happened."""
+    doc = dict(status or {}, state="failed", error={"message": reason, "thread": "supervisor"})
+    write_atomic(os.path.join(run_dir, "status.json"), json.dumps(doc, sort_keys=True).encode())
 
 
 def parse_group(text: str) -> dict:
@@ -784,6 +974,7 @@ def cmd_signal(args: argparse.Namespace) -> None:
     if pid is None:
         print_json({"sent": False, "pid": None, "reason": why})
         return
+    forbid_restarts(args.run_dir, "SIG%s sent by the operator" % args.signal)
     os.kill(pid, signal.SIGTERM if args.signal == "TERM" else signal.SIGKILL)
     print_json({"sent": True, "pid": pid, "signal": args.signal})
 
@@ -858,6 +1049,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rdzv-endpoint")
     s.add_argument("--local-addr")
     s.add_argument("--store-host", action="store_true")
+    s.add_argument("--restart")
+
+    command("supervise", cmd_supervise, "run_dir")
 
     command("address", cmd_address).add_argument("--toward")
     command("free-port", cmd_free_port).add_argument("--address", required=True)

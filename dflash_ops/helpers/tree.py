@@ -16,9 +16,16 @@
   tree.py read-files SRC REL...     small whole files of the tree SRC in one go: per file a JSON
                                     line {"rel", "size"} and its bytes
 
-Staging lives beside DEST as `.NAME.dflash-push/` (one push at a time: flock); what each push
-wrote is recorded in BASE/pushed/<hash of DEST>.json, with the files' mtimes so an unchanged
-file is not hashed again. Empty directories and symlinks are not carried.
+Staging lives beside DEST as `.NAME.dflash-push/` (one push at a time: flock; private, 0700);
+what each push wrote is recorded in BASE/pushed/<hash of DEST>.json, with the files' mtimes so an
+unchanged file is not hashed again. Files keep their permission bits (mode & 0777). A tree is
+read as `rsync -L` reads it: a symlink to a file or directory inside the tree is carried as
+what it points to; a link that leaves the tree, dangles or loops, and a special file, are
+refused by name (never silently left out). Empty directories are not carried.
+
+Whether DEST may be replaced at all is `replace_refusal` below: the one rule, used by push here,
+by fetch on the operator's side (dflash_ops.transfer imports this file) and, as its own copy, by
+the trainer's export (the trainer never imports dflash_ops).
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 
 def walk_files(root: str) -> list[str]:
-    """Relative paths of the regular files under root (symlinks and special files skipped)."""
+    """Relative paths of the regular files under root, not following links (what a tool wrote there)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -127,6 +134,227 @@ def walk_files(root: str) -> list[str]:
             if stat.S_ISREG(os.lstat(path).st_mode):
                 found.append(os.path.relpath(path, root).replace(os.sep, "/"))
     return found
+
+
+def tree_files(root: str) -> dict[str, str]:
+    """{rel: path to read} of every file a transfer of the tree `root` carries, as `rsync -L`
+    reads it: a symlink to a file or directory inside the tree is carried as what it points to.
+    Refuses (naming each) a link that leaves the tree, dangles or loops, and a special file:
+    nothing is silently left out."""
+    real_root = os.path.realpath(root)
+    found: dict[str, str] = {}
+    bad: list[str] = []
+
+    def visit(directory: str, prefix: str, seen: frozenset) -> None:
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            rel = prefix + name
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                link = os.readlink(path)
+                real = os.path.realpath(path)
+                if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+                    bad.append("%s -> %s (leaves the tree)" % (rel, link))
+                    continue
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    bad.append("%s -> %s (dangling or a loop)" % (rel, link))
+                    continue
+            if stat.S_ISDIR(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    bad.append("%s (a link back into its own directory)" % rel)
+                    continue
+                visit(path, rel + "/", seen | {key})
+            elif stat.S_ISREG(st.st_mode):
+                found[rel] = path
+            else:
+                bad.append("%s (%s, not a file)" % (rel, _kind_name(st.st_mode)))
+
+    top = os.stat(root)
+    visit(root, "", frozenset({(top.st_dev, top.st_ino)}))
+    if bad:
+        raise Refused("%s: %d entr%s cannot be carried: %s" % (
+            root, len(bad), "y" if len(bad) == 1 else "ies", "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else "")))
+    return found
+
+
+def _kind_name(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def file_mode(path: str) -> int:
+    """The permission bits a transfer carries (no setuid/setgid/sticky)."""
+    return stat.S_IMODE(os.stat(path).st_mode) & 0o777
+
+
+# ---------------------------------------------------------------- may this destination be replaced?
+#
+# The one rule for every command that replaces a file or directory with its output (push here in
+# the container, fetch on the operator's side, and - as a copy - trainer export):
+#   * never a protected path: /, a system directory, the working directory or an ancestor of it,
+#     the home directory or an ancestor of it, the target's base_dir or an ancestor of it;
+#   * otherwise only when DEST is absent or empty, or provably an earlier output of the same
+#     command (its record lists every file DEST holds);
+#   * `force` also lets it replace an earlier output of another command (a marker
+#     `.NAME.dflash-KIND.json` beside DEST lists every file DEST holds) - never a protected path,
+#     never a file no command wrote.
+# A refusal says what would have been lost, and suggests no flag that would lose it.
+
+OUTPUT_KINDS = ("push", "fetch", "export")
+SYSTEM_DIRS = frozenset((
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var", "/lost+found"))
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
+                "/sys", "/usr", "/var/lib", "/var/log", "/var/cache", "/var/spool", "/var/run")
+
+
+def marker_path(dest: str, kind: str) -> str:
+    """Where a command of `kind` records, beside DEST, the files its output at DEST holds."""
+    parent, name = os.path.split(dest.rstrip("/") or "/")
+    return os.path.join(parent, ".%s.dflash-%s.json" % (name, kind))
+
+
+def marker_files(doc: dict | None) -> set[str] | None:
+    """The entries a marker or record says its command wrote (None: no usable marker)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), (dict, list)):
+        return None
+    previous = doc.get("previous")
+    return set(doc["files"]) | set(previous if isinstance(previous, list) else [])
+
+
+def protected_paths(base_dir: str | None = None) -> list[tuple[str, str]]:
+    """(path, what it is) of the places no command replaces, here: the working directory,
+    the home directory, the target's base_dir."""
+    found = []
+    try:
+        found.append((os.getcwd(), "the working directory"))
+    except OSError:
+        pass
+    homes = {os.path.expanduser("~")}
+    try:
+        import pwd
+
+        homes.add(pwd.getpwuid(os.getuid()).pw_dir)
+    except (ImportError, KeyError):
+        pass
+    found += [(h, "the home directory") for h in sorted(homes) if h and h.startswith("/")]
+    if base_dir:
+        found.append((base_dir, "the target's base_dir (its releases, venvs and runs)"))
+    return found
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def protected_reason(dest: str, protected: list[tuple[str, str]]) -> str | None:
+    """Why DEST is on the protected list, or None. Compares the path as given and as resolved."""
+    spellings = {os.path.normpath(os.path.abspath(dest)), os.path.realpath(dest)}
+    for path in sorted(spellings):
+        if path == "/":
+            return "the root directory"
+        if path in SYSTEM_DIRS or any(_within(path, t) for t in SYSTEM_TREES):
+            return "a system directory"
+        places = [(spelling, what) for place, what in protected
+                  for spelling in sorted({os.path.normpath(place), os.path.realpath(place)})]
+        for spelling, what in places:
+            if path == spelling:
+                return what
+        for spelling, what in places:
+            if _within(spelling, path):
+                return "an ancestor of %s (%s)" % (what, spelling)
+    return None
+
+
+def dest_entries(dest: str) -> tuple[str, list[str]]:
+    """(kind, entries) of everything a replace of DEST would remove: ("none", []), ("file", ["."]),
+    ("tree", [every file, link and special file, relative]), or ("other", ["."])."""
+    try:
+        st = os.lstat(dest)
+    except FileNotFoundError:
+        return "none", []
+    if stat.S_ISREG(st.st_mode):
+        return "file", [FILE_REL]
+    if not stat.S_ISDIR(st.st_mode):
+        return "other", [FILE_REL]
+    entries = []
+    for dirpath, dirnames, filenames in os.walk(dest):
+        dirnames.sort()
+        for name in sorted(filenames) + sorted(d for d in dirnames if os.path.islink(os.path.join(dirpath, d))):
+            entries.append(os.path.relpath(os.path.join(dirpath, name), dest).replace(os.sep, "/"))
+    return "tree", sorted(entries)
+
+
+def _listing(dest: str, entries: list[str]) -> str:
+    """`3 files (a.txt, b/c.bin, ...), 1.2 MB` - what a refusal says would be lost."""
+    size = 0
+    for rel in entries:
+        try:
+            size += os.lstat(dest_path(dest, rel)).st_size
+        except OSError:
+            pass
+    if entries == [FILE_REL]:
+        return "a file of %s" % _size(size)
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    return "%d file%s (%s), %s" % (len(entries), "" if len(entries) == 1 else "s", shown, _size(size))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return "%.1f %s" % (n / scale, unit)
+    return "%d bytes" % n
+
+
+def _top_listing(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return "what it holds"
+    if not names:
+        return "nothing yet, but it is never replaced"
+    return "%d entr%s: %s" % (len(names), "y" if len(names) == 1 else "ies",
+                              ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
+
+
+def replace_refusal(dest: str, command: str, *, own: set[str] | None, force: bool = False,
+                    protected: list[tuple[str, str]] | None = None) -> str | None:
+    """Why `command` may not replace DEST with its output, or None when it may (the rule above).
+
+    `own`: the entries `command`'s own record says it wrote at DEST (None: no record)."""
+    why = protected_reason(dest, protected if protected is not None else protected_paths())
+    if why is not None:
+        return "refusing to replace %s: it is %s, holding %s" % (dest, why, _top_listing(dest))
+    kind, entries = dest_entries(dest)
+    if kind == "none" or not entries:
+        return None
+    if kind == "other":
+        return "refusing to replace %s: it is neither a regular file nor a directory" % dest
+    if own is not None and set(entries) <= own:
+        return None
+    others = [(k, marker_files(read_json(marker_path(dest, k)))) for k in OUTPUT_KINDS if k != command]
+    other = [k for k, files in others if files is not None and set(entries) <= files]
+    if other and force:
+        return None
+    if other:
+        return ("%s holds the output of an earlier %s (%s); --force replaces it with this %s's"
+                % (dest, other[0], _listing(dest, entries), command))
+    claimed = own or set()
+    for _, files in others:
+        claimed |= files or set()
+    foreign = [e for e in entries if e not in claimed]
+    if own is not None or claimed:
+        return ("refusing to replace %s: it holds %s that no %s wrote and that would be lost; move %s away "
+                "or choose another destination" % (dest, _listing(dest, foreign), command,
+                                                   "it" if len(foreign) == 1 else "them"))
+    return ("refusing to replace %s: it holds %s that no dflash-ops %s wrote; move %s away or choose "
+            "another destination" % (dest, _listing(dest, entries), command, "it" if len(entries) == 1 else "them"))
 
 
 def existing_files(dest: str) -> tuple[str, list[str]]:
@@ -172,25 +400,54 @@ def read_request(stream: BinaryIO) -> dict:
         check_rel(rel)
         if not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
             raise Refused("file %r needs size and sha256" % rel)
+        if not isinstance(meta.get("mode", 0o644), int):
+            raise Refused("file %r: mode must be an integer" % rel)
     return request
 
 
-def plan(base: str, dest: str, request: dict) -> dict:
-    """Per file: "dest" (DEST has it), "staged" (a previous push staged it) or the offset to send from."""
-    kind, present = existing_files(dest)
+def mode_of(want: dict) -> int:
+    return int(want.get("mode", 0o644)) & 0o777
+
+
+def has_mode(path: str, want: dict) -> bool:
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode) & 0o777 == mode_of(want)
+    except OSError:
+        return False
+
+
+SPACE_MARGIN = 64 << 20  # a push needs its bytes + this + 1% free where it stages
+
+
+def free_bytes(path: str) -> tuple[int, str]:
+    """Free bytes (for an unprivileged writer) of the filesystem that holds `path`, and where measured."""
+    probe = path
+    while not os.path.exists(probe) and probe != "/":
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize, probe
+
+
+def push_record(base: str, dest: str) -> dict:
     record = read_json(record_path(base, dest)) or {}
-    ours = set(record.get("files", {})) | set(record.get("previous", []))
+    return record if record.get("dest") == dest else {}
+
+
+def check_replace(base: str, dest: str, request: dict) -> None:
+    """The replace rule for a push to DEST (refuses, exit 3)."""
+    refusal = replace_refusal(dest, "push", own=marker_files(push_record(base, dest)) or None,
+                              force=bool(request.get("force")), protected=protected_paths(base))
+    if refusal:
+        raise Refused(refusal)
+
+
+def plan(base: str, dest: str, request: dict) -> dict:
+    """Per file: "dest" (DEST has it), "staged" (a previous push staged it) or the offset to send from.
+    Refuses a DEST the replace rule protects, and a push that would not fit (size + margin)."""
+    check_replace(base, dest, request)
+    kind, present = existing_files(dest)
+    record = push_record(base, dest)
     files = request["files"]
-    if kind != "none" and not request.get("force"):
-        if not record or record.get("dest") != dest:
-            raise Refused("%s exists and was not written by dflash-ops push (--force replaces it)" % dest)
-        if kind != request["kind"]:
-            raise Refused("%s is a %s; this push sends a %s (--force replaces it)"
-                          % (dest, "directory" if kind == "tree" else "file", request["kind"]))
-        foreign = sorted(set(present) - set(files) - ours)
-        if foreign:
-            raise Refused("%s holds files no push wrote, which this push would drop: %s (--force drops them)"
-                          % (dest, ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")))
     stage = stage_dir(dest)
     cached = record.get("files", {})
     same_kind = kind == request["kind"]
@@ -204,12 +461,20 @@ def plan(base: str, dest: str, request: dict) -> dict:
             part = staged_path(stage, rel) + ".part"
             size = os.path.getsize(part) if os.path.isfile(part) else 0
             steps[rel] = size if size <= want["size"] else 0
-    up_to_date = same_kind and set(present) == set(files) and all(s == "dest" for s in steps.values())
+    up_to_date = same_kind and set(present) == set(files) and all(s == "dest" for s in steps.values()) \
+        and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items())
+    need = sum(files[rel]["size"] - step for rel, step in steps.items() if isinstance(step, int))
+    if need:
+        free, where = free_bytes(os.path.dirname(dest))
+        want_free = need + SPACE_MARGIN + need // 100
+        if free < want_free:
+            raise Refused("not enough space for this push: it needs %s (+ %s margin) at %s, %s is free there; "
+                          "nothing was sent" % (_size(need), _size(want_free - need), where, _size(free)))
     return {"steps": steps, "up_to_date": up_to_date, "existing": kind}
 
 
 def lock_stage(stage: str) -> int:
-    os.makedirs(stage, exist_ok=True)
+    os.makedirs(stage, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(stage, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
@@ -227,7 +492,7 @@ def receive_file(stream: BinaryIO, stage: str, rel: str, offset: int, length: in
     final = staged_path(stage, rel)
     part = final + ".part"
     os.makedirs(os.path.dirname(part), exist_ok=True)
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o600)  # private until its mode is set at commit
     try:
         have = os.fstat(fd).st_size
         if offset > have:
@@ -329,6 +594,8 @@ def commit(base: str, dest: str, request: dict, stage: str) -> int:
             linked += 1
             continue
         raise Refused("%s was neither sent nor unchanged in %s; push again" % (rel, dest))
+    for rel, want in files.items():
+        os.chmod(staged_path(stage, rel), mode_of(want))
     new = staged_path(stage, FILE_REL) if request["kind"] == "file" else os.path.join(stage, "tree")
     if request["kind"] == "tree":
         os.makedirs(new, exist_ok=True)
@@ -360,31 +627,42 @@ def cmd_receive(args: argparse.Namespace) -> int:
     stream = sys.stdin.buffer
     request = read_request(stream)
     files = request["files"]
-    if not request.get("force"):
-        plan(args.base, dest, request)  # the same refusals as the plan that came before
+    check_replace(args.base, dest, request)  # the same refusal as the plan that came before
     stage = stage_dir(dest)
     fd = lock_stage(stage)
-    received = 0
     try:
-        while True:
-            line = stream.readline()
-            if not line:
-                return incomplete("early", received)
-            frame = json.loads(line)
-            if frame.get("end"):
-                break
-            rel = check_rel(frame["rel"])
-            if rel not in files:
-                raise Refused("frame for %r, which the request does not list" % rel)
-            if not receive_file(stream, stage, rel, int(frame["offset"]), int(frame["length"]), files[rel]):
-                return incomplete("inside " + rel, received)
-            received += int(frame["length"])
-        linked = commit(args.base, dest, request, stage)
+        cut, received = receive_frames(stream, stage, files)
+        if cut is None:
+            linked = commit(args.base, dest, request, stage)
+    except Exception:
+        shutil.rmtree(stage, ignore_errors=True)  # a failed push leaves nothing staged (a dropped one keeps it)
+        raise
     finally:
         os.close(fd)
+    if cut is not None:
+        return incomplete(cut, received)
     shutil.rmtree(stage, ignore_errors=True)
     print_json({"dest": dest, "received": received, "linked": linked, "files": len(files)})
     return 0
+
+
+def receive_frames(stream: BinaryIO, stage: str, files: dict) -> tuple[str | None, int]:
+    """Stage every frame up to the end frame: (None, bytes received), or (where, bytes received)
+    when the stream was cut off first."""
+    received = 0
+    while True:
+        line = stream.readline()
+        if not line.endswith(b"\n"):  # nothing, or a frame header cut off: the connection dropped
+            return "early", received
+        frame = json.loads(line)
+        if frame.get("end"):
+            return None, received
+        rel = check_rel(frame["rel"])
+        if rel not in files:
+            raise Refused("frame for %r, which the request does not list" % rel)
+        if not receive_file(stream, stage, rel, int(frame["offset"]), int(frame["length"]), files[rel]):
+            return "inside " + rel, received
+        received += int(frame["length"])
 
 
 def incomplete(where: str, received: int) -> int:
@@ -394,14 +672,18 @@ def incomplete(where: str, received: int) -> int:
 
 
 def manifest(src: str) -> dict:
-    kind, rels = existing_files(src)
-    if kind == "none":
+    """{"kind", "files": {rel: {size, sha256, mode}}} of a file or a tree (links read as tree_files does)."""
+    if os.path.isfile(src):
+        paths = {FILE_REL: src}
+    elif os.path.isdir(src):
+        paths = tree_files(src)
+    elif os.path.lexists(src):
+        raise Refused("%s is neither a regular file nor a directory" % src)
+    else:
         raise Refused("no such file or directory: %s" % src)
-    files = {}
-    for rel in rels:
-        path = dest_path(src, rel)
-        files[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-    return {"kind": kind, "files": files}
+    files = {rel: {"size": os.path.getsize(path), "sha256": sha256_file(path), "mode": file_mode(path)}
+             for rel, path in paths.items()}
+    return {"kind": "file" if FILE_REL in paths else "tree", "files": files}
 
 
 def cmd_manifest(args: argparse.Namespace) -> None:
@@ -410,7 +692,10 @@ def cmd_manifest(args: argparse.Namespace) -> None:
 
 def cmd_read(args: argparse.Namespace) -> None:
     out = sys.stdout.buffer
-    with open(check_dest(args.src), "rb") as f:
+    src = args.src
+    if src == "-":  # the path on stdin as JSON: any file name, also one that is not UTF-8
+        src = json.loads(sys.stdin.buffer.readline())["path"]
+    with open(check_dest(src), "rb") as f:
         f.seek(args.offset)
         left = args.length
         while left:
@@ -423,9 +708,11 @@ def cmd_read(args: argparse.Namespace) -> None:
 
 
 def cmd_read_files(args: argparse.Namespace) -> None:
+    """The relative paths come on stdin as one JSON list (no argument-length limit, any name)."""
     out = sys.stdout.buffer
     root = check_dest(args.src)
-    for rel in args.rels:
+    rels = json.loads(sys.stdin.buffer.readline()) if not args.rels else args.rels
+    for rel in rels:
         with open(dest_path(root, check_rel(rel)), "rb") as f:
             data = f.read()
         out.write(json.dumps({"rel": rel, "size": len(data)}).encode() + b"\n")
@@ -448,7 +735,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("length", type=int)
     f = sub.add_parser("read-files")
     f.add_argument("src")
-    f.add_argument("rels", nargs="+")
+    f.add_argument("rels", nargs="*")
     args = parser.parse_args(argv)
     handler = {"plan": cmd_plan, "receive": cmd_receive, "manifest": cmd_manifest, "read": cmd_read,
                "read-files": cmd_read_files}[args.cmd]

@@ -53,6 +53,9 @@ class RunInfo:
     release: str | None = None
     heartbeat_age: float | None = None
     launched: float | None = None
+    supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
+    restart_policy: str | None = None  # "on-failure:N" (run start --restart)
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
     # status.json's fields (docs/run-directory.md)
     version: int | None = None
     pid: int | None = None

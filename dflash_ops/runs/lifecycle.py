@@ -96,20 +96,33 @@ def _start(container: ContainerAPI, run_id: str, extra: list[str], stdin: bytes 
         raise NotDeployed(f"{what}: run `dflash-ops deploy {name}` first", e.details) from None
 
 
+RESTART_RE = re.compile(r"^(no|on-failure(:[0-9]{1,4})?)$")
+
+
+def check_restart(policy: str | None) -> list[str]:
+    """`--restart no|on-failure|on-failure:N` as the runs helper's arguments ([] for none)."""
+    if policy is None:
+        return []
+    if not RESTART_RE.match(policy):
+        raise UsageError(f"--restart {policy!r}: use no, on-failure (3 restarts) or on-failure:N")
+    return ["--restart", policy]
+
+
 def start_run(container: ContainerAPI, config_path_local: Path | str, name: str | None = None,
               resume: str | int | None = None, gpus: list[int] | None = None,
-              run_id: str | None = None) -> str:
+              run_id: str | None = None, restart: str | None = None) -> str:
     """Start a run from the current release; the config travels on the helper's stdin.
 
     Fresh run: id `<name or "run">-YYYYmmdd-HHMMSS` unless run_id is given. With `resume`
     ("latest" or a step) run_id must name an existing, stopped run: it restarts from that
     checkpoint with this new config. `gpus` defaults to the target's GPUs; the helper refuses
-    (GpusBusy) when a live run holds one of them.
+    (GpusBusy) when a live run holds one of them. `restart` ("on-failure:N"): a supervisor in
+    the container resumes the run from its latest checkpoint after a crash, at most N times.
     """
     config = Path(config_path_local).read_bytes()
     if resume is not None and run_id is None:
         raise UsageError("resuming with a new config needs the run_id of the run to resume")
-    extra = ["--config", "-"]
+    extra = ["--config", "-", *check_restart(restart)]
     if resume is not None:
         extra += ["--resume", str(resume)]
     if run_id is not None:
@@ -131,14 +144,17 @@ def launch_fresh(name: str | None, launch: Callable[[str], str], exhausted: str)
     raise RunRefused(f"run ids {base_id}..-9 all exist{exhausted}")
 
 
-def resume_run(container: ContainerAPI, run_id: str, from_step: int | None = None, gpus: list[int] | None = None) -> str:
+def resume_run(container: ContainerAPI, run_id: str, from_step: int | None = None, gpus: list[int] | None = None,
+               restart: str | None = None) -> str:
     """Restart a run that is not alive from its latest (or given) checkpoint, on the current release.
 
     A run that finished (`done`) resumes only from an explicit step: from its latest
-    checkpoint there is nothing left to train."""
-    if from_step is None and run_status(container, run_id).effective_state == "done":
+    checkpoint there is nothing left to train. `restart` defaults to the run's own policy."""
+    info = run_status(container, run_id)
+    if from_step is None and info.effective_state == "done":
         raise RunRefused(f"run {run_id} is done: nothing to resume (pass --from STEP, or --config with more steps)")
-    extra = ["--resume", "latest" if from_step is None else str(from_step)]
+    extra = ["--resume", "latest" if from_step is None else str(from_step),
+             *check_restart(restart if restart is not None else info.restart_policy)]
     return _start(container, run_id, extra, None, gpus)["run_id"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from dflash_ops.runs.info import RunInfo
@@ -53,6 +54,8 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
         return f"stop at step {step}: {event.get('reason')}"
     if kind == "error":
         return f"error at step {step} in {event.get('thread')}: {event.get('message')}"
+    if kind == "restart":
+        return f"restart {event.get('attempt')} at step {step}: {event.get('reason')}; from {event.get('from') or 'the start'}"
     if kind == "warmup":
         return f"warmup: {len(event.get('shapes') or [])} shapes in {_num(event.get('seconds'), '.1f')}s"
     extra = {k: v for k, v in event.items() if k not in ("event", "time", "step")}
@@ -69,6 +72,13 @@ def status_row(info: RunInfo) -> tuple[str, ...]:
             _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
 
 
+def restart_line(restart: dict[str, Any]) -> str:
+    """`restart 1 at step 7: killed by SIGKILL; resumed from checkpoints/step_5` (run status, the dashboard)."""
+    when = time.strftime("%H:%M:%S", time.localtime(restart["time"])) if isinstance(restart.get("time"), (int, float)) else "?"
+    source = restart.get("from") or "the start (no checkpoint yet)"
+    return f"restart {restart.get('attempt')} at {when}, step {restart.get('step')}: {restart.get('reason')}; from {source}"
+
+
 def status_detail(info: RunInfo) -> list[str]:
     """The lines `run status TARGET RUN` prints below the row: why it failed, checkpoints, log tail."""
     lines = []
@@ -77,6 +87,9 @@ def status_detail(info: RunInfo) -> list[str]:
     if info.error:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
     lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
+    if info.restart_policy:
+        lines.append(f"restart: {info.restart_policy}, {len(info.restarts)} so far")
+    lines += [f"  {restart_line(r)}" for r in info.restarts]
     if info.gpus:
         lines.append(f"gpus: {','.join(map(str, info.gpus))}")
     if info.effective_state == "failed" and info.log_tail:

@@ -25,7 +25,7 @@ from dflash_ops.tui.streams import Backoff, LinkState
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
 STATE_STYLE = {"running": "green", "warmup": "yellow", "starting": "yellow", "checkpointing": "cyan",
-               "done": "bold green", "stopped": "dim", "failed": "bold red"}
+               "done": "bold green", "stopped": "dim", "failed": "bold red", "restarting": "bold yellow"}
 
 
 class TargetUpdate(Message):

@@ -158,6 +158,12 @@ class RunDetailScreen(Screen):
         text.append(str(recompiles), style="bold red" if recompiles else "")
         ckpts = ", ".join(c.path.rsplit("/", 1)[-1] for c in h.checkpoints[-4:]) or "none"
         text.append(f"   checkpoints: {ckpts}")
+        if h.restarts or (row and row.restarts):
+            last = h.restarts[-1] if h.restarts else {}
+            text.append(f"\nrestarts: {max(len(h.restarts), row.restarts if row else 0)}", style="bold yellow")
+            if last:
+                text.append(f" (last at step {last.get('step')}: {last.get('reason')}; from "
+                            f"{last.get('from') or 'the start'})")
         text.append("\nstreams: ")
         for i, (name, link) in enumerate(self.links.items()):
             text.append(("" if i == 0 else ", ") + f"{name} {link.describe()}",

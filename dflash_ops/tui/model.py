@@ -62,6 +62,7 @@ class RunHistory:
         self.recompiles = 0
         self.tau: float | None = None
         self.error: str | None = None
+        self.restarts: list[dict] = []  # `restart` events of a run started with --restart
         self.bad_lines = 0
         self.version = 0  # bumps on every change, so screens redraw only when needed
 
@@ -100,6 +101,9 @@ class RunHistory:
             self.checkpoints.append(checkpoint)
         elif kind == "error":
             self.error = event.get("message")
+        elif kind == "restart":
+            self.restarts.append(event)
+            self.error = None  # the crash it recovered from is history (the restart line says it)
 
     def _apply_trainer_gpu(self, gpu: dict) -> None:
         try:

@@ -32,7 +32,7 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
     return RunRow(target=target, state=info.effective_state, step=info.step or 0, recompiles=info.recompiles or 0,
-                  gpus=tuple(info.gpus or ()), error=error, **{name: getattr(info, name) for name in _COPIED},
+                  gpus=tuple(info.gpus or ()), error=error, restarts=len(info.restarts), **{name: getattr(info, name) for name in _COPIED},
                   **group_fields(info.raw))
 
 

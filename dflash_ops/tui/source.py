@@ -38,6 +38,7 @@ class RunRow:
     last_checkpoint: str | None = None
     gpus: tuple[int, ...] = ()
     error: str | None = None
+    restarts: int = 0  # times the supervisor restarted the trainer (run start --restart)
     rank: int | None = None  # a run across hosts: this member's rank of `world`
     world: int | None = None
 

@@ -27,6 +27,20 @@ def sshd_container(node) -> Container:
     return Container(target, SSHTransport(target.node))
 
 
+def transfer_tier(request, tmp_path: Path):
+    """The `tier` fixture of the transfer tests: (container, a data dir for this test, sshd node or None)."""
+    if request.param == "sim":
+        container = sim_container(tmp_path)
+        node = None
+    else:
+        node = request.getfixturevalue("sshd_node")
+        container = sshd_container(node)
+    # container paths are real paths on both tiers: a data directory beside the container's base_dir
+    data = Path(container.base_dir).parent / "data" / tmp_path.name
+    yield container, data, node
+    container.transport.close()
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 

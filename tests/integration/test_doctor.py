@@ -207,3 +207,49 @@ def test_a_container_without_the_python_named_in_the_inventory(sim_inventory):
     python = rows(result.stdout)["python"]
     assert python[0] == "✘" and python[1].startswith("/no/such/python3: exit ")
     assert python[3] == "install python3 in the container, or set `python:` for host200 in the inventory"
+
+
+def _plain_dir_shm_inventory(directory: Path) -> Path:
+    """The stand-in behind `unshare -m`: /dev/shm is a plain directory of the root disk (bind-mounted)."""
+    path = write_sim_inventory(directory)
+    doc = yaml.safe_load(path.read_text())
+    sim_root = doc["nodes"]["sim"].pop("sim_root")
+    plain = directory / "plain-shm"
+    plain.mkdir()
+    mount = f'mount --bind {plain} /dev/shm && exec "$@"'
+    doc["nodes"]["sim"]["pct"] = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "pct",
+                                  sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root]
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_dev_shm_that_is_not_a_tmpfs_fails(tmp_path):
+    """Before: the free space of the disk under a plain /dev/shm directory passed the check."""
+    unavailable(_mount_namespaces_work(), "the plain /dev/shm test")
+    inventory = _plain_dir_shm_inventory(tmp_path / "simnode")
+    result = cli("doctor", "host200", "--fast", "--config", str(TINY_CPU), "--inventory", str(inventory))
+    assert result.exit_code == 1, result.stdout + result.stderr
+    shm = rows(result.stdout)["/dev/shm"]
+    assert shm[0] == "✘" and shm[1].startswith("/dev/shm is not a tmpfs (it is ") and shm[2] == "a tmpfs with 64 MiB free"
+    assert shm[3].startswith("in the container: mkdir -p /dev/shm && mount -t tmpfs -o size=1G tmpfs /dev/shm")
+
+
+def test_read_only_base_dir_fails_with_the_fix(tmp_path):
+    """Before: the helper could not be installed into base_dir and the report blamed the container."""
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    base = Path(yaml.safe_load(inventory.read_text())["targets"]["host200"]["base_dir"])
+    base.mkdir(parents=True)
+    bound = subprocess.run(["sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0"', str(base)],
+                           capture_output=True, text=True)
+    if bound.returncode != 0:
+        unavailable(f"cannot bind-mount read-only: {bound.stderr.strip()}", "the read-only base_dir test")
+    try:
+        result = cli("doctor", "host200", "--fast", "--config", str(TINY_CPU), "--inventory", str(inventory))
+    finally:
+        subprocess.run(["umount", "-l", str(base)], check=False)
+    assert result.exit_code == 1, result.stdout + result.stderr
+    table = rows(result.stdout)
+    assert table["container"][0] == "✔"
+    disk = table["disk at base_dir"]
+    assert disk[0] == "✘" and disk[1] == f"{base}: read-only (Read-only file system)"
+    assert disk[3].startswith(f"in the container: mount -o remount,rw the filesystem holding {base}")

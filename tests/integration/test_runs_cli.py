@@ -337,3 +337,83 @@ def test_patch_creating_a_file_where_the_release_has_a_file_or_directory_is_refu
         diff.write_text(f"--- /dev/null\n+++ b/{created}\n@@ -0,0 +1 @@\n+X = 1\n")
         refused = tier.cli("patch", "host200", str(diff), "--check", code=1)
         assert "patch REFUSED" in refused.stdout and "clashes with the release tree" in refused.stdout
+
+
+# ---------------------------------------------------------------- --restart on-failure[:N]
+
+
+def _trainer_pid(tier: Tier, run_id: str) -> int:
+    return json.loads((tier.base / "runs" / run_id / "launch.json").read_text())["pid"]
+
+
+def _wait_status(tier: Tier, run_id: str, done, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
+        if done(status):
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+
+
+def test_restart_on_failure_resumes_after_sigkill_with_the_same_losses(tier, tmp_path):
+    """SIGKILL the trainer mid-run: the node-side supervisor resumes it from its last checkpoint,
+    the run completes every step, each step's loss is the one it would have had, and the restart
+    and its reason show in `run status`, metrics.jsonl and the log."""
+    deployed(tier)
+    text = "total_steps: 40\nstep_seconds: 0.05\ncheckpoint_every: 5\n"
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, text), "--restart", "on-failure:2").stdout.strip()
+    first = _wait_status(tier, run_id, lambda s: s.get("step", 0) >= 12)
+    os.kill(_trainer_pid(tier, run_id), 9)  # as the OOM killer would: no word from the trainer
+    followed = tier.cli("logs", "host200", run_id, "-f").stdout  # follows across the restart to the end
+    assert followed.rstrip().endswith("done") and "killed by SIGKILL" in followed
+    done = _wait_status(tier, run_id, lambda s: s["effective_state"] in ("done", "failed"))
+    assert done["effective_state"] == "done" and done["step"] == 40, done
+    assert len(done["restarts"]) == 1 and done["restart_policy"] == "on-failure:2"
+    restart = done["restarts"][0]
+    assert restart["reason"] == "killed by SIGKILL" and restart["step"] >= first["step"]
+    last = restart["step"] // 5 * 5  # the kill may land while that checkpoint is still being written
+    assert restart["from"] in (f"checkpoints/step_{last}", f"checkpoints/step_{last - 5}")
+    events = metrics_events(tier, run_id)
+    assert [e["reason"] for e in events if e["event"] == "restart"] == ["killed by SIGKILL"]
+    steps = {}
+    for e in events:
+        if e["event"] == "step":
+            steps[e["step"]] = e["loss"]  # a step replayed after the restart overwrites the killed attempt's
+    assert sorted(steps) == list(range(1, 41)) and all(steps[s] == 1.0 / (1 + s) for s in steps)
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[-1]["resumed_from"] == restart["from"]
+    shown = tier.cli("run", "status", "host200", run_id).stdout
+    assert "restart: on-failure:2, 1 so far" in shown and "killed by SIGKILL; from checkpoints/step_" in shown
+    log = (tier.base / "runs" / run_id / "train.log").read_text()
+    assert "# dflash-ops supervise" in log and "killed by SIGKILL" in log and "restart 1 of 2" in log
+
+
+def test_restart_gives_up_after_n_and_stop_still_stops_for_good(tier, tmp_path):
+    deployed(tier)
+    crash = "total_steps: 40\nstep_seconds: 0.01\ncheckpoint_every: 2\ncrash_at_step: 7\n"
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, crash), "--restart", "on-failure:2").stdout.strip()
+    failed = _wait_status(tier, run_id, lambda s: s["effective_state"] == "failed" and not s["alive"])
+    assert [r["reason"] for r in failed["restarts"]] == ["exit 1: fake crash at step 7"] * 2  # at most N
+    log = (tier.base / "runs" / run_id / "train.log").read_text()
+    assert "no restart left (2 used): the run stays failed" in log
+
+    long = "total_steps: 100000\nstep_seconds: 0.01\ncheckpoint_every: 5\n"
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, long), "--restart", "on-failure").stdout.strip()
+    _wait_status(tier, run_id, lambda s: s.get("step", 0) >= 3)
+    stopped = tier.cli("run", "stop", "host200", run_id, "--kill", "--timeout", "60").stdout
+    assert "failed" in stopped or "stopped" in stopped
+    time.sleep(2 * 1.0)  # longer than the supervisor's restart delay
+    status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
+    assert not status["alive"] and status["restarts"] == [] and status["effective_state"] == "failed"
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, long), "--restart", "on-failure").stdout.strip()
+    _wait_status(tier, run_id, lambda s: s.get("step", 0) >= 3)
+    tier.cli("run", "stop", "host200", run_id, "--timeout", "60")
+    status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
+    assert status["effective_state"] == "stopped" and not status["alive"] and status["restarts"] == []
+
+
+def test_restart_policy_is_checked(tier, tmp_path):
+    deployed(tier)
+    bad = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--restart", "always", code=1)
+    assert "--restart 'always': use no, on-failure (3 restarts) or on-failure:N" in bad.stderr

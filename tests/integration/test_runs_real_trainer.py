@@ -97,3 +97,45 @@ def test_train_playbook_reports_final_loss_and_tau(tmp_path):
     assert report, result.stdout
     assert float(report.group(2)) >= 1.0
     assert "train: 4/4 steps OK" in result.stdout
+
+
+def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_run(tmp_path):
+    """`run start --restart on-failure`: the real trainer SIGKILLed mid-run is resumed from its last
+    checkpoint by the node-side supervisor and finishes with the same per-step losses as a run
+    that was never interrupted."""
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    cli(inventory, "deploy", "host200")
+    doc = yaml.safe_load(short_config(tmp_path, 10).read_text())
+    doc["run"].update(checkpoint_every=3, log_every=1)
+    doc["eval"].update(samples=1, max_new_tokens=4)
+    path = tmp_path / "every4.yaml"
+    path.write_text(yaml.safe_dump(doc))
+
+    def losses(run_id: str) -> dict[int, float]:
+        found = {}
+        for line in (base / "runs" / run_id / "metrics.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "step":
+                found[event["step"]] = event["loss"]  # a replayed step overwrites the killed attempt's
+        return found
+
+    def status(run_id: str) -> dict:
+        return json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
+
+    straight = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "straight").stdout.strip()
+    cli(inventory, "logs", "host200", straight, "-f")
+    assert status(straight)["effective_state"] == "done"
+    run_id = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "killed",
+                 "--restart", "on-failure:1").stdout.strip()
+    while not (base / "runs" / run_id / "checkpoints" / "step_3").is_dir() or status(run_id).get("step", 0) < 4:
+        time.sleep(0.2)
+    os.kill(json.loads((base / "runs" / run_id / "launch.json").read_text())["pid"], 9)
+    cli(inventory, "logs", "host200", run_id, "-f")  # follows across the restart to the end
+    deadline = time.monotonic() + 300
+    while (done := status(run_id))["effective_state"] not in ("done", "failed"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.5)
+    assert done["effective_state"] == "done" and done["step"] == 10, done
+    assert [r["reason"] for r in done["restarts"]] == ["killed by SIGKILL"]
+    assert losses(run_id) == losses(straight) and sorted(losses(run_id)) == list(range(1, 11))

@@ -13,21 +13,12 @@ from dflash_ops import transfer
 from dflash_ops.cli import app
 from dflash_ops.errors import ConnectionLost, TransferError
 from dflash_ops.transfer import TransferRefused, fetch_path, push_path
-from tests.integration.deploy_support import sim_container, sshd_container
+from tests.integration.deploy_support import sim_container, transfer_tier
 
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
 def tier(request, tmp_path):
-    if request.param == "sim":
-        container = sim_container(tmp_path)
-        node = None
-    else:
-        node = request.getfixturevalue("sshd_node")
-        container = sshd_container(node)
-    # container paths are real paths on both tiers: a data directory beside the container's base_dir
-    data = Path(container.base_dir).parent / "data" / tmp_path.name
-    yield container, data, node
-    container.transport.close()
+    yield from transfer_tier(request, tmp_path)
 
 
 def make_tree(root: Path, files: dict[str, bytes]) -> Path:
@@ -81,19 +72,26 @@ def test_push_never_replaces_what_it_did_not_write(tier, tmp_path):
     container, data, _ = tier
     theirs = make_tree(data / "theirs", {"keep.txt": b"user data\n"})
     src = make_tree(tmp_path / "src", {"a.txt": b"a\n"})
-    with pytest.raises(TransferRefused, match="exists and was not written by dflash-ops push"):
-        push_path(container, src, str(theirs))
+    for force in (False, True):  # --force never replaces files no command wrote
+        with pytest.raises(TransferRefused, match=r"it holds 1 file \(keep.txt\), 10 bytes that no dflash-ops push "
+                                                  r"wrote; move it away or choose another destination$"):
+            push_path(container, src, str(theirs), force=force)
     assert tree_of(theirs) == {"keep.txt": b"user data\n"}
     dest = data / "ours"
     push_path(container, src, str(dest))
     (dest / "regen.jsonl").write_bytes(b"written in the container later\n")
-    with pytest.raises(TransferRefused, match="holds files no push wrote, which this push would drop: regen.jsonl"):
-        push_path(container, src, str(dest))
+    for force in (False, True):
+        with pytest.raises(TransferRefused, match=r"holds 1 file \(regen.jsonl\), 31 bytes that no push wrote and "
+                                                  r"that would be lost; move it away"):
+            push_path(container, src, str(dest), force=force)
     assert (dest / "regen.jsonl").exists()
-    push_path(container, src, str(dest), force=True)
-    assert tree_of(dest) == {"a.txt": b"a\n"}
-    push_path(container, src, str(theirs), force=True)
-    assert tree_of(theirs) == {"a.txt": b"a\n"}
+    (dest / "regen.jsonl").unlink()
+    (src / "b.txt").write_bytes(b"b\n")
+    push_path(container, src, str(dest))
+    assert tree_of(dest) == {"a.txt": b"a\n", "b.txt": b"b\n"}
+    (theirs / "keep.txt").unlink()  # an empty directory may be replaced
+    push_path(container, src, str(theirs))
+    assert tree_of(theirs) == tree_of(src)
 
 
 @pytest.mark.parametrize("dest, message", [
@@ -225,14 +223,16 @@ def test_fetch_never_replaces_what_it_did_not_write(tier, tmp_path):
     container, data, _ = tier
     remote = make_tree(data / "export", {"a": b"a"})
     mine = make_tree(tmp_path / "mine", {"notes.txt": b"mine\n"})
-    with pytest.raises(TransferRefused, match="is not an earlier fetch"):
-        fetch_path(container, str(remote), mine)
+    for force in (False, True):
+        with pytest.raises(TransferRefused, match=r"holds 1 file \(notes.txt\), 5 bytes that no dflash-ops fetch wrote"):
+            fetch_path(container, str(remote), mine, force=force)
     assert tree_of(mine) == {"notes.txt": b"mine\n"}
-    fetch_path(container, str(remote), mine, force=True)
-    assert tree_of(mine) == {"a": b"a"}
-    (mine / "added.txt").write_bytes(b"later\n")
-    with pytest.raises(TransferRefused, match="holds files no fetch wrote"):
-        fetch_path(container, str(remote), mine)
+    ours = tmp_path / "ours"
+    fetch_path(container, str(remote), ours)
+    assert tree_of(ours) == {"a": b"a"}
+    (ours / "added.txt").write_bytes(b"later\n")
+    with pytest.raises(TransferRefused, match=r"holds 1 file \(added.txt\), 6 bytes that no fetch wrote"):
+        fetch_path(container, str(remote), ours, force=True)
     with pytest.raises(TransferRefused, match="no such file or directory"):
         fetch_path(container, str(data / "missing"), tmp_path / "x")
 

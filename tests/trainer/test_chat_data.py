@@ -163,3 +163,20 @@ def test_a_run_whose_data_has_nothing_to_train_on_fails_in_one_line(qwen3_model_
     failed = [line for line in log.splitlines() if "FAILED" in line]
     assert len(failed) == 1 and "data error: " in failed[0]
     assert "Traceback" not in log
+
+
+def test_openai_tool_call_turns_with_null_content_load_with_qwen3(qwen3_model_dir, tmp_path):
+    """OpenAI's shape of a tool-calling turn (`content: null`, `tool_calls` with id/type and JSON-string
+    arguments) loads, and the call is trained as assistant output (before: 'cannot locate assistant turn 1')."""
+    tok = AutoTokenizer.from_pretrained(qwen3_model_dir, local_files_only=True)
+    row = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."}]}
+    [conv] = read_conversations(_write(tmp_path / "tools.jsonl", [row]))
+    ids, mask = tokenize_conversation(tok, conv["messages"] if isinstance(conv, dict) else conv, 1000)
+    runs = loss_runs(tok, ids, mask)
+    assert runs == ['<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                    "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"]

@@ -248,7 +248,9 @@ def test_flop_counts_of_real_tokens_never_exceed_what_was_computed(tiny):
     blocks = prepare_blocks(ids, attn.bool(), 8, bs, 7.0, MASK_ID, g)
     counts = micro_batch_flops(target.config, drafter.config, attn, None, blocks)
     assert counts["tokens_real"] == 53 and counts["tokens_padded"] == 192
-    assert counts["target_padded"] == target_forward_flops(target.config, 3, 64)
+    used = max(drafter.config.target_layer_ids) + 1  # only the layers up to the last tapped one run
+    assert used < target.config.num_hidden_layers
+    assert counts["target_padded"] == target_forward_flops(target.config, 3, 64, used)
     assert 0 < counts["target_real"] < counts["target_padded"] / 2
     assert 0 < counts["drafter_real"] < counts["drafter_padded"]  # the empty third row's blocks are padding
     # a full unpadded row whose every anchor is valid: both counts agree, and match the formula's scale

@@ -178,6 +178,7 @@ devices: {{target: [[cpu, cpu]]}}
     ("{target: [[cpu, cpu]], target_split: [1, 1, 1]}", "lists 3 stages, but the replica"),
     ("{target: [[cpu, cpu, cpu, cpu, cpu]]}", "more than the target's 4 layers"),
     ("{target: [cuda:0], target_split: [2, 2]}", "needs a split replica"),
+    ("{target: [cuda:0, [cuda:1, cuda:2]]}", "mixes replicas of \\[1, 2\\] stages"),
 ])
 def test_bad_splits_get_one_line_naming_the_problem(devices, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -238,3 +239,28 @@ def test_python_m_trainer_plan_prints_the_plan_and_exits_1_when_it_does_not_fit(
     assert main(["plan", "--config", str(config)]) == 1
     out = capsys.readouterr().out
     assert "SHORT by" in out and "smallest split of one replica that fits:" in out
+
+
+def test_the_plan_tells_a_70b_user_with_h200s_the_smallest_split(tmp_path):
+    """Llama-3.3-70B's config.json alone (no weights): 131 GiB of bf16 weights on a 139 GiB H200."""
+    from transformers import LlamaConfig
+
+    from trainer.models.memory_plan import build_plan
+
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(tmp_path)
+    config = """
+model: {target: {tiny: null, path: %s}, mask_token_id: 128255, drafter_layers: 1, dtype: bf16}
+data: {synthetic: null, train_path: x.jsonl, max_length: 4096, token_budget: 4096, bucket_edges: [4096]}
+devices: {target: %s, drafter: [%s], memory_gib: %d}
+"""
+
+    def plan(targets, drafter, gib=139):
+        return build_plan(parse_config(tiny_config(config % (tmp_path, targets, drafter, gib))))
+
+    beside = plan("[cuda:0]", "cuda:0")  # the drafter beside the whole target: no room
+    assert not beside.fits and beside.refusal().startswith("cuda:0 needs")
+    split = plan("[[cuda:0, cuda:1, cuda:2, cuda:3]]", "cuda:4")
+    assert split.fits and len(split.stages) == 4 and split.stages[-1]["layers"][1] == 77  # the taps end at 77
+    small = plan("[cuda:0]", "cuda:4", 80)  # 80 GiB GPUs: two stages at least
+    assert not small.fits and small.smallest_split == 2 and "a split in 2 stages fits" in small.refusal()

@@ -128,3 +128,21 @@ async def test_s_then_enter_does_not_stop_the_run(static_run, wait_for):
         await pilot.pause()
         assert not isinstance(app.screen, ConfirmScreen)
     assert not (control / "stop").exists()
+
+
+async def test_a_restart_and_its_reason_show_in_the_detail(static_run, wait_for):
+    """A run started with --restart: the supervisor's `restart` event (metrics.jsonl) and
+    restarts.json reach the dashboard's detail summary, with the step, reason and checkpoint."""
+    restart = {"attempt": 1, "n": 1, "time": 1.0, "reason": "killed by SIGKILL", "exit_code": -9, "step": 27,
+               "from": "checkpoints/step_20"}
+    with open(static_run.dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(dict(restart, event="restart", max=3)) + "\n")
+    (static_run.dir / "restarts.json").write_text(json.dumps({"policy": "on-failure:3", "max": 3,
+                                                              "restarts": [restart]}))
+    async with dashboard(static_run, wait_for) as (app, pilot):
+        assert app.rows["sim/tiny-run"].restarts == 1
+        await pilot.press("enter")
+        detail = app.screen
+        summary = detail.query_one("#summary")
+        await wait_for(pilot, lambda: "restarts: 1" in str(summary.render()), "the restart in the summary")
+        assert "(last at step 27: killed by SIGKILL; from checkpoints/step_20)" in str(summary.render())

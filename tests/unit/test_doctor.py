@@ -27,7 +27,8 @@ def gpu_facts(**over) -> dict:
         "release": {"deployed": True, "hash": "abc", "venv": "venvs/x", "venv_python": "/opt/dflash/venvs/x/bin/python",
                     "venv_python_exists": True},
         "disk": {"path": "/opt/dflash", "measured_at": "/opt/dflash", "total": 2000 * GIB, "free": 1000 * GIB},
-        "shm": {"path": "/dev/shm", "total": 64 * GIB, "free": 64 * GIB},
+        "shm": {"path": "/dev/shm", "total": 64 * GIB, "free": 64 * GIB, "exists": True, "mounted_here": True,
+                "mount": {"point": "/dev/shm", "fstype": "tmpfs", "options": "rw"}},
         "memory": {"MemTotal": 512 * GIB, "MemAvailable": 500 * GIB},
         "limits": {"memlock": {"soft": None, "hard": None}, "nofile": {"soft": 1 << 20, "hard": 1 << 20}},
         "devices": {"nvidia0": "195:0", "nvidia1": "195:1", "nvidiactl": "195:255", "nvidia-uvm": "508:0"},
@@ -215,6 +216,37 @@ def test_helper_facts_on_this_machine(tmp_path):
     assert facts["torch"]["torch_found"] is True and facts["runs"] == {"error": "no runs helper given"}
 
 
+def _helper_facts(base: Path, shm: Path) -> dict:
+    done = subprocess.run([sys.executable, str(HELPER), "facts", "--base", str(base), "--python", sys.executable,
+                           "--torch", "none", "--shm", str(shm)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[1])
+
+
+def test_a_missing_or_plain_directory_dev_shm_fails(tmp_path):
+    """The helper measures the real thing: a missing /dev/shm is not /dev's free space, and a
+    directory on the root disk is not a tmpfs (NCCL needs shared memory)."""
+    missing = judge(gpu_facts(shm=_helper_facts(tmp_path, tmp_path / "no-shm")["shm"]))["/dev/shm"]
+    assert missing.status == FAIL and missing.measured == f"{tmp_path / 'no-shm'} is missing"
+    assert missing.fix.startswith("in the container: mkdir -p /dev/shm && mount -t tmpfs -o size=1G tmpfs /dev/shm; "
+                                  "to keep it, add `lxc.mount.entry: tmpfs dev/shm")
+    plain = judge(gpu_facts(shm=_helper_facts(tmp_path, tmp_path)["shm"]))["/dev/shm"]
+    assert plain.status == FAIL and plain.measured.startswith(f"{tmp_path} is not a tmpfs (it is ")
+    if Path("/dev/shm").is_dir():
+        real = _helper_facts(tmp_path, Path("/dev/shm"))["shm"]
+        if real["mount"] and real["mount"]["fstype"] == "tmpfs":
+            assert judge(gpu_facts(shm=real), plan=RunPlan(gpus=()))["/dev/shm"].status == OK
+
+
+def test_an_unwritable_base_dir_fails_with_the_fix():
+    facts = gpu_facts(disk={"path": "/opt/dflash", "measured_at": "/opt/dflash", "total": 2000 * GIB,
+                            "free": 1000 * GIB, "readonly": True, "writable": False,
+                            "write_error": "Read-only file system", "probed": "/opt/dflash"})
+    disk = judge(facts)["disk at base_dir"]
+    assert disk.status == FAIL and disk.measured == "/opt/dflash: read-only (Read-only file system)"
+    assert disk.fix.startswith("in the container: mount -o remount,rw the filesystem holding /opt/dflash")
+
+
 def test_helper_reads_nvidia_majors(monkeypatch, tmp_path):
     import importlib.util
 
@@ -236,3 +268,25 @@ def test_torch_missing_or_hanging_in_the_venv():
     hung = judge(gpu_facts(torch={"python": "/v/bin/python", "error": "timed out after 60s", "timed_out": True}))
     assert hung["torch"].measured == "/v/bin/python: timed out after 60s"
     assert hung["torch"].fix == "look at `dflash-ops exec gpu200 -- /v/bin/python -c 'import torch'`"
+
+
+def test_the_memory_plan_check_refuses_a_70b_target_with_its_drafter_on_one_h200_and_passes_it_split(tmp_path):
+    """doctor (and run start's preflight) size the trainer's memory plan from config.json as read on
+    the node and the GPUs' memory as torch measured it: a device that cannot hold its share fails."""
+    llama_70b = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    facts = gpu_facts(model={"hidden_size": 8192, "config": llama_70b})
+
+    def check(devices: str) -> checks.Check:
+        config = tmp_path / "c.yaml"
+        config.write_text("model: {target: {path: /data/models/Llama-3.3-70B}, mask_token_id: 128255, "
+                          "drafter_layers: 1}\ndata: {train_path: /data/chat.jsonl, max_length: 4096, "
+                          f"token_budget: 4096, bucket_edges: [4096]}}\ndevices: {devices}\n")
+        return judge(facts, plan=plan_for(TARGET, None, config))["GPU memory plan"]
+
+    beside = check("{target: [cuda:0], drafter: [cuda:0]}")
+    assert beside.status == FAIL and beside.measured.startswith("cuda:0 needs")
+    assert "more than its 140.00 GiB budget" in beside.measured
+    split = check("{target: [[cuda:0, cuda:1]], drafter: [cuda:1]}")
+    assert split.status == OK and "cuda:0" in split.measured and "of 140.0 GiB" in split.measured

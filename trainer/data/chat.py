@@ -208,24 +208,52 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
         if m.get("role") != "assistant" or i == 0:
             continue
         start = _common_prefix(text, render(messages[:i], True))
-        marked = {**m, "content": (m.get("content") or "") + SENTINEL}
-        whole = render(messages[:i] + [marked] + messages[i + 1:])
-        alone = render(messages[:i] + [marked])
-        if whole.count(SENTINEL) != 1 or alone.count(SENTINEL) != 1:
-            raise DataError(f"cannot locate assistant turn {i}: the chat template does not render its content")
-        after = whole[whole.index(SENTINEL) + len(SENTINEL):]
-        tail = alone[alone.index(SENTINEL) + len(SENTINEL):]
-        if not text.endswith(after):
-            raise DataError(f"cannot locate assistant turn {i}: the chat template renders it differently "
-                            "depending on its content")
-        content_end = len(text) - len(after)
-        end = content_end + len(tail[: _common_prefix(tail, after)].rstrip())
         previous = spans[-1][1] if spans else 0
-        if not previous <= start <= content_end:
-            raise DataError(f"cannot locate assistant turn {i}: its generation prompt is not where the "
-                            "conversation renders it")
-        spans.append((start, end))
+        try:
+            spans.append(_turn_span(render, messages, i, _marked_content(m), text, start, previous))
+        except DataError:
+            if not m.get("tool_calls"):
+                raise
+            # An empty content beside tool calls (OpenAI's `content: null`): templates render an
+            # empty content differently from a marked one (Qwen3 adds a newline before
+            # <tool_call>), so mark the end of the last call's name instead, which they print as is.
+            spans.append(_turn_span(render, messages, i, _marked_tool_call(m), text, start, previous))
     return text, spans
+
+
+def _marked_content(m: dict) -> dict:
+    return {**m, "content": (m.get("content") or "") + SENTINEL}
+
+
+def _marked_tool_call(m: dict) -> dict:
+    calls = [dict(c) if isinstance(c, dict) else c for c in m["tool_calls"]]
+    last = calls[-1]
+    if isinstance(last, dict) and isinstance(last.get("function"), dict):
+        last["function"] = {**last["function"], "name": str(last["function"].get("name", "")) + SENTINEL}
+    elif isinstance(last, dict):
+        last["name"] = str(last.get("name", "")) + SENTINEL
+    return {**m, "tool_calls": calls}
+
+
+def _turn_span(render: Any, messages: list[dict], i: int, marked: dict, text: str, start: int,
+               previous: int) -> tuple[int, int]:
+    """(start, end) of assistant turn i: whatever follows the sentinel in `marked` follows the
+    turn's content in the real text (see assistant_spans)."""
+    whole = render(messages[:i] + [marked] + messages[i + 1:])
+    alone = render(messages[:i] + [marked])
+    if whole.count(SENTINEL) != 1 or alone.count(SENTINEL) != 1:
+        raise DataError(f"cannot locate assistant turn {i}: the chat template does not render its content")
+    after = whole[whole.index(SENTINEL) + len(SENTINEL):]
+    tail = alone[alone.index(SENTINEL) + len(SENTINEL):]
+    if not text.endswith(after):
+        raise DataError(f"cannot locate assistant turn {i}: the chat template renders it differently "
+                        "depending on its content")
+    content_end = len(text) - len(after)
+    end = content_end + len(tail[: _common_prefix(tail, after)].rstrip())
+    if not previous <= start <= content_end:
+        raise DataError(f"cannot locate assistant turn {i}: its generation prompt is not where the "
+                        "conversation renders it")
+    return start, end
 
 
 def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int,

@@ -13,12 +13,14 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
 
+from trainer.models import destination
 from trainer.train import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
@@ -57,10 +59,22 @@ def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
     }
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write out_dir (atomically: built beside it, then renamed) from a trainer checkpoint."""
-    state = ckpt.load(checkpoint_dir)
-    out = Path(out_dir)
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                      force: bool = False) -> Path:
+    """Write out_dir (atomically: built beside it, then renamed) from a trainer checkpoint.
+
+    out_dir is replaced only when absent, empty or an earlier export (the marker
+    `.NAME.dflash-export.json` beside it lists its files); `force` also replaces an earlier
+    output of another dflash-ops command; never /, a system directory, the working or home
+    directory or an ancestor of them (trainer/models/destination.py; raises destination.Refused).
+    Only the drafter's weights and config are read from the checkpoint."""
+    out = Path(os.path.normpath(Path(out_dir).expanduser().absolute()))
+    marker = destination.marker_path(str(out), "export")
+    refusal = destination.replace_refusal(str(out), "export", own=destination.marker_files(destination.read_json(marker)),
+                                          force=force)
+    if refusal:
+        raise destination.Refused(refusal)
+    state = ckpt.load_weights(checkpoint_dir)
     with built_beside(out) as tmp:
         weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -68,7 +82,21 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
         (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
         for written, source in MODEL_CODE.items():
             shutil.copyfile(source, tmp / written)
+        files = sorted(p.name for p in tmp.iterdir())
+        # written before the swap, naming the old files too, so a crash between the two leaves them ours
+        old = destination.marker_files(destination.read_json(marker)) or set()
+        _write_marker(marker, {"files": files, "previous": sorted(old), "checkpoint": str(checkpoint_dir)})
+    _write_marker(marker, {"files": files, "checkpoint": str(checkpoint_dir)})
     return out
+
+
+def _write_marker(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({**doc, "time": time.time()}, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,8 @@ class MemoryPlan:
     devices: list[DevicePlan]
     smallest_split: int | None  # fewest stages of one replica that fit the budget (None: none does)
     notes: list[str]
+    gpus: int = 0  # GPUs this host has (0: none visible)
+    suggestion: str | None = None  # a devices: section for them with the smallest split
 
     @property
     def fits(self) -> bool:
@@ -62,21 +64,34 @@ class MemoryPlan:
         return None
 
 
-def _device_budget(device: str, cfg: TrainerConfig) -> int | None:
+def _device_budget(device: str, cfg: TrainerConfig, gpu_bytes: dict[int, int] | None = None) -> int | None:
+    """devices.memory_gib, else the GPU's memory (gpu_bytes: cuda index -> bytes, as measured on the
+    node; else this process's GPUs), else none."""
     if cfg.devices.memory_gib is not None:
         return int(cfg.devices.memory_gib * GIB)
     d = torch.device(device.split(":target")[0].split(":drafter")[0])
-    if d.type == "cuda" and torch.cuda.is_available():
+    if d.type != "cuda":
+        return None
+    if gpu_bytes is not None:
+        return gpu_bytes.get(d.index or 0)
+    if torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count():
         return int(torch.cuda.get_device_properties(d).total_memory)
     return None
 
 
-def _meta_target(cfg: TrainerConfig, dtype: torch.dtype) -> tuple[Any, list[str]]:
+def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | None) -> tuple[Any, list[str]]:
     from trainer.models.target import QWEN3_8B_DIMS
     from trainer.models.target_loading import ShardReader, meta_model
 
     notes = []
     t = cfg.model.target
+    if t.path is not None and model_config is not None:  # config.json as read on the node
+        from transformers import AutoConfig
+
+        doc = dict(model_config)
+        config = AutoConfig.for_model(doc.pop("model_type"), **doc)
+        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
+        return meta_model(config, dtype), notes
     if t.path is not None:
         from transformers import AutoConfig
 
@@ -112,14 +127,17 @@ def _tokens_per_micro_batch(cfg: TrainerConfig) -> int:
     return d.pack_rows * d.pack_length if d.pack_length else d.token_budget
 
 
-def build_plan(cfg: TrainerConfig) -> MemoryPlan:
+def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
+               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
+    """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
+    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
     from trainer.models.drafter import DFlashDrafter, DrafterConfig
     from trainer.models.target import default_target_layer_ids
     from trainer.models.target_loading import layer_bytes, module_bytes, partition
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
     elt = torch.finfo(dtype).bits // 8
-    target, notes = _meta_target(cfg, dtype)
+    target, notes = _meta_target(cfg, dtype, model_config)
     config = target.config
     n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
     layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
@@ -173,7 +191,7 @@ def build_plan(cfg: TrainerConfig) -> MemoryPlan:
     by_device: dict[str, DevicePlan] = {}
 
     def add(device: str, items: dict[str, int]) -> None:
-        plan = by_device.setdefault(device, DevicePlan(device, budget=_device_budget(device, cfg)))
+        plan = by_device.setdefault(device, DevicePlan(device, budget=_device_budget(device, cfg, gpu_bytes)))
         for k, v in items.items():
             plan.items[k] = plan.items.get(k, 0) + v
 
@@ -184,7 +202,7 @@ def build_plan(cfg: TrainerConfig) -> MemoryPlan:
             add(key, {k: v for k, v in st.items() if k not in ("stage", "device", "layers")})
     for r, d in enumerate(cfg.devices.drafter):
         add(d if d != "cpu" else f"cpu:drafter{r}", drafter)
-    budget = _device_budget(replicas[0][0], cfg)
+    budget = _device_budget(replicas[0][0], cfg, gpu_bytes)
     smallest = None
     for n in range(1, run + 1):
         worst = max(sum(v for k, v in st.items() if k not in ("stage", "device", "layers"))
@@ -192,7 +210,21 @@ def build_plan(cfg: TrainerConfig) -> MemoryPlan:
         if budget is None or worst <= budget:
             smallest = n
             break
-    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes)
+    gpus = len(gpu_bytes) if gpu_bytes is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes, gpus,
+                      suggest_devices(gpus, smallest) if gpus and smallest else None)
+
+
+def suggest_devices(gpus: int, stages: int) -> str | None:
+    """Half the GPUs (at least one replica's worth) in target replicas of `stages` stages, the rest drafters."""
+    replicas = max(1, (gpus // 2) // stages)
+    used = replicas * stages
+    if used >= gpus:
+        return None
+    target = [[f"cuda:{r * stages + s}" for s in range(stages)] for r in range(replicas)]
+    drafter = [f"cuda:{i}" for i in range(used, gpus)]
+    shown = "[" + ", ".join("[" + ", ".join(t) + "]" for t in target) + "]"
+    return f"{{target: {shown}, drafter: [{', '.join(drafter)}]}}"
 
 
 def size(b: float) -> str:
@@ -216,5 +248,7 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
+    if plan.suggestion:
+        lines.append(f"on this host's {plan.gpus} GPUs: devices: {plan.suggestion}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

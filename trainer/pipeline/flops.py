@@ -48,8 +48,8 @@ def target_flops(cfg: Any, tokens: float, pairs: float, layers_used: int | None 
 
 
 def target_forward_flops(cfg: Any, batch: int, length: int, layers_used: int | None = None) -> float:
-    """Decoder stack only (features need no LM head; every layer runs, so layers_used defaults
-    to all of them); causal attention counted at half."""
+    """Decoder stack only (features need no LM head; layers_used: the layers that run, up to the
+    last tapped one; default all of them); causal attention counted at half."""
     return target_flops(cfg, batch * length, batch * length * length / 2, layers_used)
 
 
@@ -108,9 +108,10 @@ def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mas
     span = ((blocks.anchors.cpu() - blocks.starts.cpu()).double() + bs) * valid
     pairs_slots = float(span.sum()) * bs
     n_blocks = valid.numel()
+    layers = max(drafter_cfg.target_layer_ids) + 1  # features run the layers up to the last tapped one
     return {
-        "target_real": target_flops(target_cfg, tokens_real, pairs_real),
-        "target_padded": target_flops(target_cfg, b * length, pairs_padded),
+        "target_real": target_flops(target_cfg, tokens_real, pairs_real, layers),
+        "target_padded": target_flops(target_cfg, b * length, pairs_padded, layers),
         "drafter_real": drafter_flops(drafter_cfg, tokens_real, n_valid * bs, pairs_slots, n_valid * (bs - 1)),
         "drafter_padded": drafter_flops(drafter_cfg, b * length, n_blocks * bs, pairs_slots, n_blocks * (bs - 1)),
         "tokens_real": tokens_real, "tokens_padded": float(b * length), "blocks_real": n_valid,

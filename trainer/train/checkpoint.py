@@ -159,14 +159,28 @@ class CheckpointManager:
         return self.path(step)
 
 
-def verify(path: Path) -> dict:
-    """Check every file against manifest.json; returns the manifest."""
+def verify(path: Path, only: tuple[str, ...] | None = None) -> dict:
+    """Check every file (or those named in `only`) against manifest.json; returns the manifest."""
     manifest = json.loads((path / MANIFEST).read_text())
     for name, meta in manifest["files"].items():
+        if only is not None and name not in only:
+            continue
         f = path / name
         if not f.exists() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"{f}: does not match manifest.json")
     return manifest
+
+
+def load_weights(path: str | Path) -> dict:
+    """The drafter's weights and config only (what an export needs): the optimizer and trainer
+    state files are neither verified nor read."""
+    path = Path(path)
+    manifest = verify(path, only=(MODEL_FILE, DRAFTER_CONFIG_FILE))
+    missing = [f for f in (MODEL_FILE, DRAFTER_CONFIG_FILE) if f not in manifest["files"]]
+    if missing:
+        raise CheckpointError(f"{path}: manifest.json does not list {', '.join(missing)}")
+    return {"model": load_file(str(path / MODEL_FILE), device="cpu"),
+            "drafter_config": json.loads((path / DRAFTER_CONFIG_FILE).read_text())}
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:

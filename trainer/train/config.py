@@ -378,6 +378,9 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
         for d in dict.fromkeys([replica] if isinstance(replica, str) else replica):
             check(not split or d == "cpu" or seen.setdefault(d, r) == r, ("devices", "target"),
                   f"puts {d} in two replicas (entries {seen.get(d)} and {r}); a GPU holds stages of one replica")
+    counts = {len(r) if isinstance(r, list) else 1 for r in c.devices.target}
+    check(len(counts) == 1, ("devices", "target"),
+          f"mixes replicas of {sorted(counts)} stages; every replica needs the same number of stages")
     if c.devices.target_split is not None:
         sizes = c.devices.target_split
         check(bool(split), ("devices", "target_split"), "needs a split replica in devices.target (a list of devices)")

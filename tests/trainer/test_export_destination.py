@@ -1,0 +1,157 @@
+"""`python -m trainer export` never deletes what it did not write, and no checkpoint file runs code
+(issue 26). The replace rule is the operator's (dflash_ops/helpers/tree.py), kept as a copy in
+trainer/models/destination.py; both copies are held to the same answers here."""
+
+import ast
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ops.helpers import tree
+from trainer.models import destination
+from trainer.models.export import export_checkpoint
+from trainer.train import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def checkpoint(tiny, tmp_path):
+    _, _, drafter, _ = tiny
+    opt = torch.optim.AdamW(drafter.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    path, _ = ckpt.CheckpointManager(tmp_path / "run", 2).save(
+        7, drafter.state_dict(), drafter.config.to_dict(), {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, {})
+    return Path(path)
+
+
+def tree_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def export_cli(*args: str, cwd: Path | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if home is not None:
+        env["HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "trainer", "export", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env)
+
+
+def test_export_never_deletes_what_it_did_not_write(checkpoint, tmp_path):
+    models = tmp_path / "models"
+    (models / "Qwen3-8B").mkdir(parents=True)
+    (models / "Qwen3-8B" / "model.safetensors").write_bytes(b"the user's weights")
+    for force in (False, True):
+        with pytest.raises(destination.Refused, match=r"refusing to replace .*models: it holds 1 file "
+                                                      r"\(Qwen3-8B/model.safetensors\), 18 bytes that no dflash-ops "
+                                                      r"export wrote; move it away"):
+            export_checkpoint(checkpoint, models, force=force)
+    assert tree_of(models) == {"Qwen3-8B/model.safetensors": b"the user's weights"}
+    out = export_checkpoint(checkpoint, tmp_path / "draft")
+    first = tree_of(out)
+    assert sorted(first) == ["config.json", "drafter.py", "model.safetensors", "modeling_dflash.py"]
+    again = export_checkpoint(checkpoint, tmp_path / "draft")  # an earlier export: replaced
+    assert tree_of(again) == first
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(destination.Refused, match=r"holds 1 file \(notes.md\), 4 bytes that no export wrote"):
+        export_checkpoint(checkpoint, tmp_path / "draft", force=True)
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_force_replaces_an_earlier_fetch_but_nothing_else(checkpoint, tmp_path):
+    fetched = tmp_path / "export"
+    fetched.mkdir()
+    (fetched / "config.json").write_text("{}")
+    (tmp_path / ".export.dflash-fetch.json").write_text(json.dumps({"files": {"config.json": {}}}))
+    with pytest.raises(destination.Refused, match=r"holds the output of an earlier fetch .*--force replaces it"):
+        export_checkpoint(checkpoint, fetched)
+    export_checkpoint(checkpoint, fetched, force=True)
+    assert "model.safetensors" in tree_of(fetched)
+
+
+def test_cli_out_dot_home_and_root_are_clean_errors(checkpoint, tmp_path):
+    work = tmp_path / "home" / "work"
+    work.mkdir(parents=True)
+    (work / "keep.txt").write_text("k")
+    for out, why in ((".", "the working directory"), ("~", "the home directory"), ("/", "the root directory"),
+                     ("..", "the home directory")):
+        done = export_cli("--checkpoint", str(checkpoint), "--out", out, cwd=work, home=tmp_path / "home")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("export: refusing to replace ") and f"it is {why}" in done.stderr
+        assert "--force" not in done.stderr
+    assert (work / "keep.txt").read_text() == "k" and sorted(os.listdir(tmp_path / "home")) == ["work"]
+
+
+class _Canary:
+    """A pickle that creates a file when it is unpickled (what a hostile checkpoint would do)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _poison(checkpoint: Path, canary: Path) -> None:
+    """Replace the optimizer and trainer state with code, and fix the manifest as an attacker would."""
+    manifest = json.loads((checkpoint / ckpt.MANIFEST).read_text())
+    for name in (ckpt.OPTIM_FILE, ckpt.STATE_FILE):
+        torch.save({"state": _Canary(canary)}, checkpoint / name)
+        data = (checkpoint / name).read_bytes()
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_no_checkpoint_file_runs_code(checkpoint, tmp_path):
+    canary = tmp_path / "pwned"
+    _poison(checkpoint, canary)
+    export_checkpoint(checkpoint, tmp_path / "draft")  # reads only the weights and the drafter config
+    assert not canary.exists()
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        ckpt.load(checkpoint)
+    assert not canary.exists()
+
+
+def test_every_torch_load_is_weights_only_and_nothing_unpickles():
+    """The principle over the code base, not only the known call sites."""
+    offenders = []
+    for root in ("trainer", "trainer_tools", "dflash_ops", "bench"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    name = f"{getattr(node.func.value, 'id', '?')}.{node.func.attr}"
+                    weights_only = [k for k in node.keywords if k.arg == "weights_only"]
+                    if name == "torch.load" and not (weights_only and getattr(weights_only[0].value, "value", None) is True):
+                        offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {name} without weights_only=True")
+                    if name in ("pickle.load", "pickle.loads", "dill.load", "joblib.load"):
+                        offenders.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    assert offenders == []
+
+
+@pytest.mark.parametrize("rule", [tree, destination], ids=["operator", "trainer"])
+def test_both_copies_of_the_rule_give_the_same_answers(rule, tmp_path, monkeypatch):
+    assert (rule.SYSTEM_DIRS, rule.SYSTEM_TREES, rule.OUTPUT_KINDS) == (
+        tree.SYSTEM_DIRS, tree.SYSTEM_TREES, tree.OUTPUT_KINDS)
+    home, work = tmp_path / "home", tmp_path / "home" / "w"
+    work.mkdir(parents=True)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "a").write_text("a")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    cases = {str(p): rule.replace_refusal(str(p), "export", own=None)
+             for p in ("/", "/usr/lib", "/etc", home, work, tmp_path, tmp_path / "theirs", tmp_path / "empty",
+                       tmp_path / "absent")}
+    expected = {str(p): tree.replace_refusal(str(p), "export", own=None) for p in map(Path, cases)}
+    assert cases == expected
+    assert cases[str(tmp_path / "empty")] is None and cases[str(tmp_path / "absent")] is None
+    assert "holds 1 file (a)" in cases[str(tmp_path / "theirs")]
+    source = {name: getattr(rule, name).__code__.co_code for name in ("replace_refusal", "protected_reason",
+                                                                        "dest_entries", "protected_paths")}
+    assert source == {name: getattr(tree, name).__code__.co_code for name in source}

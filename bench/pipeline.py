@@ -543,7 +543,7 @@ def trainer_cli(args, lengths, results):
     if done.returncode:
         out["log_tail"] = (done.stdout + done.stderr)[-3000:]
     shutil.rmtree(work, ignore_errors=True)
-    bench_mode = next((k for k in ("all", "packed+ct", "packed") if k in results), None)
+    bench_mode = next((k for k in ("all", "packed+ct", "packed") if "pipeline" in results.get(k, {})), None)
     if bench_mode:
         bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
         out["bench_mode"], out["cli_over_bench"] = bench_mode, round(out["tokens_per_s_steady"] / max(bench, 1e-9), 3)
@@ -614,11 +614,23 @@ def main(argv=None):
     for mode, length in runs:
         key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
         for variant in args.variants:
-            emit(key if variant == "whole" else f"{key}:{variant}",
-                 run_mode(args, mode, target, samples, results, length, variant))
+            name = key if variant == "whole" else f"{key}:{variant}"
+            try:
+                emit(name, run_mode(args, mode, target, samples, results, length, variant))
+            except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
+                import traceback
+
+                emit(name, {"error": traceback.format_exc()[-4000:]})
+                torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     if args.cli_steps:
         emit("cli", trainer_cli(args, lengths, results))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
+    for k, v in results.items():
+        if isinstance(v, dict) and "error" in v:
+            print(f"{k}: FAILED\n{v['error']}", flush=True)
     base = results.get("bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
     summary = {}
     for key, v in rows:

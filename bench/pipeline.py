@@ -62,7 +62,8 @@ from trainer.models.masks import resolve_backend  # noqa: E402
 from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
 from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
-from trainer.pipeline.threaded import ThreadedTrainer  # noqa: E402
+from trainer.pipeline.threaded import ThreadedPipeline  # noqa: E402
+from trainer.train.loop import ReferencePipeline, Trainer  # noqa: E402
 from trainer.models.target import FrozenHead, freeze, random_8b_shape_target, tiny_target  # noqa: E402
 
 CONFIG = """
@@ -143,22 +144,18 @@ def random_samples(lengths, vocab, seed=0):
     return [([rng.randrange(10, vocab) for _ in range(n)], [0] * (n // 4) + [1] * (n - n // 4)) for n in lengths]
 
 
-def one_rank_trainer(cfg, run_dir):
-    """A MultiHostTrainer on a world-1 group started here (no torchrun needed for one rank)."""
+def one_rank_env():
+    """The environment of a world-1 host group started here (no torchrun needed for one rank)."""
     import socket
 
     from trainer.distributed.group import GroupEnv
-    from trainer.distributed.multihost import MultiHostTrainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", TORCHELASTIC_RUN_ID=f"bench-{port}")
-    tr = MultiHostTrainer(cfg, run_dir, GroupEnv.from_environ())
-    tr.group.start()
-    tr.group.watch(tr._peer_lost)
-    return tr
+    return GroupEnv.from_environ()
 
 
 @contextlib.contextmanager
@@ -227,13 +224,14 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
     data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
     if mode != "bucketed":
         data = PackedDataset.from_dataset(data, pack_length, args.pack_rows)
-    tr = one_rank_trainer(cfg, run_dir) if rank else ThreadedTrainer(cfg, run_dir)
-    tr.c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
-                      optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
-                      eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
-                      drafter_device=ddev)
-    tr.backend = resolve_backend(cfg.model.attention, ddev, needs_grad=True)
-    return tr
+    tr = Trainer(cfg, run_dir, ThreadedPipeline, one_rank_env() if rank else None)
+    tr.hosts.join()
+    c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
+                   optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
+                   eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
+                   drafter_device=ddev,
+                   backend=resolve_backend(cfg.model.attention, ddev, needs_grad=True))
+    return ThreadedPipeline(tr, c)
 
 
 def build_target(args):
@@ -256,7 +254,7 @@ def stage_alone(tr, which, n_micro, peak):
     Returns real tokens/s and the MFU of real and of padded FLOPs (trainer.pipeline.flops)."""
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
-    from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features
+    from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features, WorkerLinks
     from trainer.distributed.grad_sync import ReplicaAllReduce
     from trainer.pipeline.stopping import StopSignal
     from trainer.pipeline.device_stats import BusyMeter
@@ -313,12 +311,11 @@ def stage_alone(tr, which, n_micro, peak):
                 pass
 
     stop = StopSignal()
-    settings = DrafterSettings(tr.backend, cfg.model.loss_chunk, tr.autocast_dtype[ddev], cfg.optim.grad_clip, 0,
-                               10**9, 1, 10**9)
+    settings = DrafterSettings(0, 1, ddev, c.backend, cfg.model.loss_chunk, tr.autocast_dtype[ddev],
+                               cfg.optim.grad_clip, 0, 10**9, 1, 10**9)
     stream = torch.cuda.Stream(ddev) if ddev.type == "cuda" else None
-    w = DrafterWorker(0, 1, ddev, tr.drafters[0], tr.heads[0], tr.optimizers[0], tr.schedulers[0], tr.flats[0],
-                      ReplicaAllReduce(tr.flats[:1], [stream], stop), [], settings, stop, BusyMeter(ddev), tr.guard,
-                      None, None, stream)
+    w = DrafterWorker(settings, tr.replicas[0], ReplicaAllReduce([tr.replicas[0].flat], [stream], stop), [],
+                      WorkerLinks(stop, BusyMeter(ddev), tr.guard), None, None, stream)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     sync_all([ddev])
     began = time.perf_counter()
@@ -351,6 +348,7 @@ def profile_stages(tr, out_dir, n_micro=2):
 def naive(tr, steps):
     """The reference loop's step: target forward, drafter step, .item() logging, one thread."""
     data = tr.c.train_data
+    reference = ReferencePipeline(tr.trainer, tr.c)
     tokens, next_batch = [0], data.next_batch
 
     def counting():  # padded to the warm shapes, as in the pipeline, so nothing recompiles
@@ -364,13 +362,13 @@ def naive(tr, steps):
                                                                   batch.loss_mask)))
 
     data.next_batch = counting
-    tr.train_step()  # first call allocates; not timed
-    sync_all(tr.busy_devices())
+    reference.train_step()  # first call allocates; not timed
+    sync_all(tr.devices())
     tokens[0] = 0
     began = time.perf_counter()
     for _ in range(steps):
-        tr.train_step()  # converts loss/acc/grad-norm to floats: host syncs every step
-    sync_all(tr.busy_devices())
+        reference.train_step()  # converts loss/acc/grad-norm to floats: host syncs every step
+    sync_all(tr.devices())
     data.next_batch = next_batch
     return tokens[0] / (time.perf_counter() - began)
 
@@ -401,9 +399,8 @@ def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole
 def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
     out = {}
-    tr = build(args, run_dir, mode, target, samples, pack_length, variant)
-    tr.build_replicas()
-    devices = tr.busy_devices()
+    tr = build(args, run_dir, mode, target, samples, pack_length, variant)  # the threaded pipeline, replicas built
+    devices = tr.devices()
     for d in devices:
         if torch.device(d).type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)
@@ -416,9 +413,8 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if not mode.startswith("bucketed"):
         out["pack_length"], out["anchors_per_row"] = pack_length, tr.anchors
     frames_after_warmup = compiled_frames()
-    tr.first_step = 0
     with SyncCounter() as syncs:
-        tr.step = 0
+        tr.trainer.state.step = 0
         t0 = time.time()
         reason = tr.train_steps()
         sync_all(devices)
@@ -433,9 +429,10 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         out["window_tokens_per_s"] = [[w["step"], round(w["tokens_per_s"], 1)] for w in windows]
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # gigabytes at 8B shape
     steady = windows[1:] or windows
-    blocks = sum(tr.step_flops.get(s, {}).get("blocks_real", 0) for s in range(tr.step))
+    steps = tr.trainer.state.step
+    blocks = sum(tr.step_flops.get(s, {}).get("blocks_real", 0) for s in range(steps))
     out["pipeline"] = {
-        "stop_reason": reason, "wall_s": round(wall, 2), "steps": tr.step,
+        "stop_reason": reason, "wall_s": round(wall, 2), "steps": steps,
         "tokens_per_s_steady": round(windows[-1].get("tokens_per_s_steady", steady[0]["tokens_per_s"]), 1),
         "blocks_per_s_all": round(blocks / wall, 1),
         "pad_share": round(sum(w["pad_share"] for w in steady) / len(steady), 4),
@@ -443,7 +440,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         "mfu_steady": [w.get("mfu") for w in steady],
         "peak_mem_gb": [g["mem_gb"] for g in windows[-1]["gpus"]],
         "recompiles_after_warmup": windows[-1]["recompiles"] + compiled_frames() - frames_after_warmup,
-        "host_syncs_total": syncs.count, "host_syncs_per_step": round(syncs.count / max(tr.step, 1), 3),
+        "host_syncs_total": syncs.count, "host_syncs_per_step": round(syncs.count / max(steps, 1), 3),
         "sync_sites": syncs.where, "loss": [round(w["loss"], 4) for w in windows]}
     peak = peak_tflops(results.get("gpu"))
     out["target_alone"] = stage_alone(tr, "target", args.stage_micro, peak)
@@ -456,7 +453,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
                 print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:22]), flush=True)
     tr.guard.unfreeze()
     if args.naive_steps:
-        tr.c.drafter, tr.c.optimizer = tr.drafters[0], tr.optimizers[0]
+        tr.c.drafter, tr.c.optimizer = tr.replicas[0].drafter, tr.replicas[0].optimizer
         out["naive_tokens_per_s"] = round(naive(tr, args.naive_steps), 1)
     t, d = out["target_alone"]["tokens_per_s"], out["drafter_alone"]["tokens_per_s"]
     shared = set(args.target) & set(args.drafter)
@@ -472,8 +469,8 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if mode.endswith("/rank"):
         import torch.distributed as dist
 
-        out["pipeline"]["distributed"] = tr.group.describe()
-        tr.group.close()
+        out["pipeline"]["distributed"] = tr.trainer.hosts.group.describe()
+        tr.trainer.hosts.group.close()
         dist.destroy_process_group()
     del tr
     gc.collect()

@@ -147,7 +147,9 @@ def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: boo
     kind, files, paths = local_manifest(src)
     summary = TransferSummary(src=str(src), dest=dest, kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
-    request = json.dumps({"kind": kind, "files": files, "force": force}, sort_keys=True).encode() + b"\n"
+    dirs = tree_helper.dir_modes(str(src), list(files)) if kind == "tree" else {}
+    request = json.dumps({"kind": kind, "files": files, "force": force, "dirs": dirs},
+                         sort_keys=True).encode() + b"\n"
     progress = _Counter(on_progress)
     what = f"push {src} -> {container.target.name}:{dest}"
 
@@ -171,6 +173,9 @@ def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: boo
             if e.exit_code == tree_helper.EXIT_INCOMPLETE:
                 raise ConnectionLost(e.document.get("error") or "the stream ended early") from None
             raise TransferError(f"{what}: {e.reason}") from None
+        except TransferError:  # this side failed (a file changed while it was read): nothing stays staged
+            _discard(container, dest)
+            raise
         return False
 
     summary.up_to_date = _resuming(what, summary, attempt)
@@ -210,7 +215,8 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     cached = record.get("files", {})
     if same_kind and set(present) == set(files) and all(
             tree_helper.matches(tree_helper.dest_path(str(dest), rel), want, cached.get(rel))
-            and tree_helper.has_mode(tree_helper.dest_path(str(dest), rel), want) for rel, want in files.items()):
+            and tree_helper.has_mode(tree_helper.dest_path(str(dest), rel), want) for rel, want in files.items()) \
+            and tree_helper.dir_modes_match(str(dest), remote.get("dirs") or {}):
         summary.up_to_date = True
         summary.seconds = round(time.monotonic() - started, 3)
         return summary
@@ -271,6 +277,8 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
             (new / rel).unlink()
     for rel, want in files.items():
         os.chmod(tree_helper.staged_path(str(stage), rel), tree_helper.mode_of(want))
+    if kind == "tree":
+        tree_helper.set_dir_modes(str(new), remote.get("dirs") or {})
     entries = {rel: {**files[rel], "mtime_ns": Path(tree_helper.staged_path(str(stage), rel)).stat().st_mtime_ns}
                for rel in files}
     doc = {"target": container.target.name, "src": src, "kind": kind, "files": entries, "time": time.time()}
@@ -286,6 +294,13 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     summary.bytes_sent = progress.done
     summary.seconds = round(time.monotonic() - started, 3)
     return summary
+
+
+def _discard(container: ContainerAPI, dest: str) -> None:
+    try:
+        container.helper_json(HELPER, ["discard", container.base_dir, dest])
+    except DflashOpsError:
+        pass  # the next push resumes or replaces what stayed; the error being raised says more
 
 
 class _Counter:

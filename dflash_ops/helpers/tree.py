@@ -11,7 +11,9 @@
       unchanged files, verified whole, and swapped in with one rename (RENAME_EXCHANGE for a
       tree), so DEST holds the old complete tree or the new one, never a mix. A stream that
       ends early (dropped connection) keeps what arrived for the next push to resume (exit 4).
-  tree.py manifest SRC              {"kind", "files": {rel: {size, sha256}}} of a file or tree
+  tree.py discard BASE DEST         remove what a push to DEST staged (its sender failed)
+  tree.py manifest SRC              {"kind", "files": {rel: {size, sha256, mode}}, "dirs": {rel: mode}}
+                                    of a file or tree
   tree.py read SRC OFFSET LENGTH    raw bytes of the file SRC (for fetch, one chunk at a time)
   tree.py read-files SRC REL...     small whole files of the tree SRC in one go: per file a JSON
                                     line {"rel", "size"} and its bytes
@@ -191,6 +193,34 @@ def _kind_name(mode: int) -> str:
 def file_mode(path: str) -> int:
     """The permission bits a transfer carries (no setuid/setgid/sticky)."""
     return stat.S_IMODE(os.stat(path).st_mode) & 0o777
+
+
+def dir_modes(root: str, rels: list[str]) -> dict[str, int]:
+    """{dir rel ("." for the root): mode} of the directories holding `rels` under root, so that a
+    file inside a private directory stays out of others' reach where it arrives."""
+    dirs = {FILE_REL}
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {d: file_mode(root if d == FILE_REL else os.path.join(root, d)) for d in sorted(dirs)}
+
+
+def set_dir_modes(root: str, dirs: dict) -> None:
+    """chmod the directories of a staged tree (deepest first) to the modes the request carries."""
+    for rel in sorted(dirs, key=lambda d: -d.count("/")):
+        if rel != FILE_REL:
+            check_rel(rel)
+        path = root if rel == FILE_REL else os.path.join(root, rel)
+        if os.path.isdir(path):
+            os.chmod(path, int(dirs[rel]) & 0o777)
+
+
+def dir_modes_match(root: str, dirs: dict) -> bool:
+    try:
+        return all(file_mode(root if rel == FILE_REL else os.path.join(root, rel)) == int(mode) & 0o777
+                   for rel, mode in dirs.items())
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------- may this destination be replaced?
@@ -402,6 +432,12 @@ def read_request(stream: BinaryIO) -> dict:
             raise Refused("file %r needs size and sha256" % rel)
         if not isinstance(meta.get("mode", 0o644), int):
             raise Refused("file %r: mode must be an integer" % rel)
+    dirs = request.get("dirs") or {}
+    if not isinstance(dirs, dict) or not all(isinstance(m, int) for m in dirs.values()):
+        raise Refused("dirs must map directories to integer modes")
+    for rel in dirs:
+        if rel != FILE_REL:
+            check_rel(rel)
     return request
 
 
@@ -462,7 +498,8 @@ def plan(base: str, dest: str, request: dict) -> dict:
             size = os.path.getsize(part) if os.path.isfile(part) else 0
             steps[rel] = size if size <= want["size"] else 0
     up_to_date = same_kind and set(present) == set(files) and all(s == "dest" for s in steps.values()) \
-        and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items())
+        and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items()) \
+        and dir_modes_match(dest, request.get("dirs") or {})
     need = sum(files[rel]["size"] - step for rel, step in steps.items() if isinstance(step, int))
     if need:
         free, where = free_bytes(os.path.dirname(dest))
@@ -602,6 +639,7 @@ def commit(base: str, dest: str, request: dict, stage: str) -> int:
         leftovers = set(walk_files(new)) - set(files)
         for rel in leftovers:  # .part files of an abandoned push
             os.unlink(os.path.join(new, rel))
+        set_dir_modes(new, request.get("dirs") or {})
     entries = {rel: {"size": want["size"], "sha256": want["sha256"],
                      "mtime_ns": os.stat(staged_path(stage, rel)).st_mtime_ns} for rel, want in files.items()}
     doc = {"dest": dest, "kind": request["kind"], "files": entries}
@@ -665,6 +703,21 @@ def receive_frames(stream: BinaryIO, stage: str, files: dict) -> tuple[str | Non
         received += int(frame["length"])
 
 
+def cmd_discard(args: argparse.Namespace) -> None:
+    """Remove what a push to DEST staged (the operator's side failed after sending began)."""
+    dest = check_dest(args.dest)
+    stage = stage_dir(dest)
+    if not os.path.isdir(stage):
+        print_json({"discarded": False})
+        return
+    fd = lock_stage(stage)
+    try:
+        shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        os.close(fd)
+    print_json({"discarded": True})
+
+
 def incomplete(where: str, received: int) -> int:
     print_json({"error": "the stream ended %s; %d bytes staged for the next push" % (where, received),
                 "incomplete": True, "received": received})
@@ -683,7 +736,9 @@ def manifest(src: str) -> dict:
         raise Refused("no such file or directory: %s" % src)
     files = {rel: {"size": os.path.getsize(path), "sha256": sha256_file(path), "mode": file_mode(path)}
              for rel, path in paths.items()}
-    return {"kind": "file" if FILE_REL in paths else "tree", "files": files}
+    if FILE_REL in paths:
+        return {"kind": "file", "files": files}
+    return {"kind": "tree", "files": files, "dirs": dir_modes(src, list(files))}
 
 
 def cmd_manifest(args: argparse.Namespace) -> None:
@@ -723,7 +778,7 @@ def cmd_read_files(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tree.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("plan", "receive"):
+    for name in ("plan", "receive", "discard"):
         p = sub.add_parser(name)
         p.add_argument("base")
         p.add_argument("dest")
@@ -737,8 +792,8 @@ def main(argv: list[str]) -> int:
     f.add_argument("src")
     f.add_argument("rels", nargs="*")
     args = parser.parse_args(argv)
-    handler = {"plan": cmd_plan, "receive": cmd_receive, "manifest": cmd_manifest, "read": cmd_read,
-               "read-files": cmd_read_files}[args.cmd]
+    handler = {"plan": cmd_plan, "receive": cmd_receive, "discard": cmd_discard, "manifest": cmd_manifest,
+               "read": cmd_read, "read-files": cmd_read_files}[args.cmd]
     try:
         return handler(args) or 0
     except (Refused, OSError) as e:

@@ -251,3 +251,36 @@ def test_fetch_takes_names_that_are_not_utf8_and_many_long_paths(tier, tmp_path)
     assert open(os.path.join(os.fsencode(local), b"caf\xe9.txt"), "rb").read() == b"latin-1 name"
     assert (local / deep / f"{'f' * 40}0699.json").read_bytes() == b"699"
     assert fetch_path(container, str(remote), local).up_to_date
+
+
+def test_a_private_directory_stays_private_both_ways(tier, tmp_path):
+    """A 0644 file inside a 0700 directory is private: the directory's mode travels too."""
+    container, data, _ = tier
+    src = make_tree(tmp_path / "keys", {"ssh/id_ed25519": b"secret", "README": b"r"})
+    (src / "ssh").chmod(0o700)
+    src.chmod(0o750)
+    dest = data / "keys"
+    push_path(container, src, str(dest))
+    assert (_mode(dest), _mode(dest / "ssh"), _mode(dest / "ssh" / "id_ed25519")) == (0o750, 0o700, 0o644)
+    (src / "ssh").chmod(0o750)
+    assert not push_path(container, src, str(dest)).up_to_date and _mode(dest / "ssh") == 0o750
+    (dest / "ssh").chmod(0o700)
+    back = tmp_path / "back"
+    fetch_path(container, str(dest), back)
+    assert (_mode(back), _mode(back / "ssh")) == (0o750, 0o700)
+
+
+def test_a_push_that_fails_on_this_side_leaves_nothing_staged(tier, tmp_path):
+    """A local file that shrinks while it is sent fails the push; what was staged is removed."""
+    container, data, _ = tier
+    src = make_tree(tmp_path / "src", {"big.bin": os.urandom(4 << 20), "a.txt": b"a"})
+
+    def shrink(done: int, total: int) -> None:
+        if done >= 1 << 20 and (src / "big.bin").stat().st_size > 100:
+            with open(src / "big.bin", "r+b") as f:
+                f.truncate(100)
+
+    with pytest.raises(TransferError, match="shrank"):
+        push_path(container, src, str(data / "model"), on_progress=shrink)
+    assert not (data / "model").exists() and not list(data.glob(".model*"))
+

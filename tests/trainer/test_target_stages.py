@@ -264,3 +264,71 @@ devices: {target: %s, drafter: [%s], memory_gib: %d}
     assert split.fits and len(split.stages) == 4 and split.stages[-1]["layers"][1] == 77  # the taps end at 77
     small = plan("[cuda:0]", "cuda:4", 80)  # 80 GiB GPUs: two stages at least
     assert not small.fits and small.smallest_split == 2 and "a split in 2 stages fits" in small.refusal()
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory, qwen3_model_dir):
+    """A tiny Qwen3-MoE directory as transformers saves it (per-expert tensors, the hub's format),
+    with the Qwen3 fixture's tokenizer."""
+    import json
+    import shutil
+
+    vocab = json.loads((qwen3_model_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{**DIMS, "vocab_size": vocab, "num_hidden_layers": 4}, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16)
+    out = tmp_path_factory.mktemp("hub") / "Qwen3-MoE-tiny"
+    Qwen3MoeForCausalLM(config).save_pretrained(out, max_shard_size="50KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json"):
+        shutil.copy(qwen3_model_dir / name, out / name)
+    return out
+
+
+def test_a_moe_directory_in_the_hubs_per_expert_format_loads_in_stages(moe_model_dir):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((moe_model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index  # stacked into experts.gate_up_proj on load
+    full = AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32).eval()
+    plan = StagePlan.from_sizes([1, 2], ["cpu", "cpu"])
+    staged = load_staged(moe_model_dir, plan, torch.float32, log=lambda _: None)
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(target_context_features(staged, ids, None, [0, 2]),
+                       target_context_features(full, ids, None, [0, 2]))
+    assert complete_for_decoding(staged, plan, log=lambda _: None)
+    with torch.no_grad():
+        assert torch.equal(staged(ids).logits, full(ids).logits)
+
+
+@pytest.mark.parametrize("kind", ["reference", "threaded"])
+@pytest.mark.parametrize("directory", ["qwen3_model_dir", "moe_model_dir"])
+def test_a_split_target_from_a_directory_trains_like_the_unsplit_one(tmp_path, request, directory, kind):
+    """Dense and MoE, read stage by stage from their shards: the same losses step for step and the same τ."""
+    model_dir = request.getfixturevalue(directory)
+    overlay = f"""
+model: {{target: {{tiny: null, path: {model_dir}}}, target_layer_ids: [0, 2]}}
+data: {{synthetic: {{n_train: 32, n_eval: 2}}}}
+optim: {{total_steps: 2}}
+devices: {{target: %s}}
+eval: {{samples: 2, max_new_tokens: 6}}
+pipeline: {{kind: {kind}}}
+"""
+    runs = {}
+    for name, targets in (("whole", "[cpu]"), ("split", "[[cpu, cpu, cpu]]")):
+        assert train(parse_config(tiny_config(overlay % targets)), tmp_path / name) == 0
+        runs[name] = _events(tmp_path / name, "step"), _events(tmp_path / name, "eval")
+    assert [e["loss"] for e in runs["split"][0]] == [e["loss"] for e in runs["whole"][0]]
+    assert runs["split"][1][-1]["tau"] == runs["whole"][1][-1]["tau"] >= 1
+
+
+def test_the_loader_refuses_a_stage_above_the_budget_before_reading_it(qwen3_model_dir):
+    from trainer.models.target_loading import SplitError
+
+    plan = StagePlan.from_sizes([3], ["cpu"])
+    with pytest.raises(SplitError, match=r"stage 0 on cpu \(layers 0..2\) holds .* more than the .* budget"):
+        load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None, budget=300_000)
+    split = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3), torch.float32,
+                        log=lambda _: None, budget=300_000)
+    assert not base_model(split).layers[2].self_attn.q_proj.weight.is_meta

@@ -1,4 +1,4 @@
-"""The threaded trainer as one rank of a run across hosts (torchrun; docs/multi-node.md).
+"""The Trainer as one rank of a run across hosts (torchrun; docs/multi-node.md): its `Hosts` component.
 
 What changes against one host, and nothing else:
 
@@ -24,17 +24,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer.train import checkpoint as ckpt
 from trainer.train.config import TrainerConfig
-from trainer.train.control import Request
+from trainer.train.control import ControlPoller, Request
+from trainer.train.rundir import RunDir
 from trainer.data.batches import Batch
 from trainer.distributed.group import GroupEnv, HostGroup, PeerLost, choose_backend
+from trainer.distributed.hosts import Snapshot
 from trainer.models.masks import Blocks
-
-from trainer.pipeline.threaded import ThreadedTrainer
+from trainer.pipeline.stopping import StopSignal
 
 STOP_CODES = {None: 0, "control": 1, "signal": 2}
 STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}
@@ -64,18 +66,26 @@ class HostShard:
         return self._blocks.pop(id(batch))
 
 
-class MultiHostTrainer(ThreadedTrainer):
-    def __init__(self, cfg: TrainerConfig, run_dir: str | Path, env: GroupEnv) -> None:
-        super().__init__(cfg, run_dir)
+class HostGroupMember:
+    """This host's rank in a host group: the Trainer's `Hosts` component across hosts
+    (trainer.distributed.hosts)."""
+
+    def __init__(self, cfg: TrainerConfig, env: GroupEnv, rd: RunDir, control: ControlPoller, stop: StopSignal,
+                 current_step: Callable[[], int]) -> None:
         d = cfg.distributed
+        self.cfg, self.rd, self.control, self.stop, self.current_step = cfg, rd, control, stop, current_step
         self.group = HostGroup(env, choose_backend(d.backend, cfg.devices.drafter), d.timeout_s, d.peer_timeout_s,
                                d.socket_ifname)
         self.writer = 0
         self.lost: str | None = None
         self._lost_lock = threading.Lock()
 
+    @property
+    def is_writer(self) -> bool:
+        return self.group.rank == self.writer
+
     # ------------------------------------------------------------------ joining the group
-    def setup(self, resume: str | None) -> str | None:
+    def join(self) -> None:
         g, cfg = self.group, self.cfg
         if cfg.optim.micro_batches % g.world:
             raise ValueError(f"optim.micro_batches ({cfg.optim.micro_batches}) must be a multiple of the "
@@ -86,20 +96,12 @@ class MultiHostTrainer(ThreadedTrainer):
         g.start()
         g.watch(self._peer_lost)
         self.rd.update(distributed={**g.describe(), "joined": True})
-        rel = super().setup(resume)
-        self.rd.update(distributed={**g.describe(), "joined": True, "writer": self.is_writer})
-        return rel
 
-    @property
-    def is_writer(self) -> bool:
-        return self.group.rank == self.writer
+    def joined(self) -> None:
+        self.rd.update(distributed={**self.group.describe(), "joined": True, "writer": self.is_writer})
 
-    @property
-    def writes_checkpoints(self) -> bool:
-        return self.is_writer
-
-    def local_micro_batches(self) -> int:
-        return self.cfg.optim.micro_batches // self.group.world
+    def local_micro_batches(self, micro_batches: int) -> int:
+        return micro_batches // self.group.world
 
     def batch_source(self, next_batch: Callable[[], Batch], prepare: Callable[[Batch], Blocks],
                      ) -> tuple[Callable[[], Batch], Callable[[Batch], Blocks]]:
@@ -110,9 +112,9 @@ class MultiHostTrainer(ThreadedTrainer):
         return self.group.all_reduce_
 
     # ------------------------------------------------------------------ resume: one source, every rank
-    def resolve_resume(self, which: str) -> Path:
+    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path:
         g = self.group
-        local = self.checkpoints.steps()
+        local = checkpoints.steps()
         held = g.all_gather_object(local)
         if which == "latest":
             newest = max((max(s) for s in held if s), default=None)
@@ -128,49 +130,43 @@ class MultiHostTrainer(ThreadedTrainer):
                 have = ", ".join(f"rank {r}: {s}" for r, s in enumerate(held))
                 raise ckpt.CheckpointError(f"no host holds a complete checkpoint step_{step} ({have})")
         self.writer = min(r for r, s in enumerate(held) if step in s)
-        return self.checkpoints.path(step)
+        return checkpoints.path(step)
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, map_location: str) -> dict:
         """The writer reads the checkpoint (to the CPU) and broadcasts it to every rank."""
         state = ckpt.load(path, map_location="cpu") if self.is_writer else None
         state = self.group.broadcast_object(state, src=self.writer)
-        self.restore(state)
         if not self.is_writer:
-            self.rd.log(f"restored step {self.step} from rank {self.writer}'s checkpoint {path.name}")
+            self.rd.log(f"restored step {state['state']['step']} from rank {self.writer}'s checkpoint {path.name}")
+        return state
 
     # ------------------------------------------------------------------ step boundaries, together
-    def _act(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool) -> None:
+    def at_boundary(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool,
+                    snapshot: Snapshot, stop: Callable[[str], None]) -> None:
         wants_checkpoint, stop_code = self.group.agree(
             [int(bool(checkpoints)), STOP_CODES[stop_request.reason if stop_request else None]])
         if self.is_writer:
             for r in checkpoints:
-                self._snapshot(step, r)
+                snapshot(r, False)
             if wants_checkpoint and not checkpoints:
-                self._snapshot(step, None)  # asked on another host
+                snapshot(None, False)  # asked on another host
         else:
             for r in checkpoints:
                 self.rd.log(f"checkpoint request {r.id}: rank {self.writer} writes the run's checkpoints")
                 self.control.done(r)
         if stop_code:
             if self.is_writer:
-                self._snapshot(step, stop_request)
+                snapshot(stop_request, False)
             elif stop_request is not None:
                 self.control.done(stop_request)
-            self.stop.stop(STOP_REASONS[stop_code])
+            stop(STOP_REASONS[stop_code])
             return
         if periodic and self.is_writer:
-            self._snapshot(step, None)
+            snapshot(None, False)
 
-    def evaluate(self) -> dict:
-        return super().evaluate() if self.is_writer else {}
-
-    def save(self, request: Request | None) -> None:
-        if self.is_writer:
-            super().save(request)
-
-    def _serve(self, requests: list[Request]) -> None:
+    def final_requests(self, requests: list[Request]) -> list[Request]:
         """After the last step there is nothing left to agree on: the writer's final save serves it."""
-        return None
+        return []
 
     # ------------------------------------------------------------------ failure
     def _peer_lost(self, message: str) -> None:
@@ -181,33 +177,27 @@ class MultiHostTrainer(ThreadedTrainer):
                 return
             self.lost = message
         self.rd.log(f"stopping: {message}")
-        stop = getattr(self, "stop", None)
-        if stop is not None:
-            stop.fail(PeerLost(message), thread="host-watchdog")
+        self.stop.fail(PeerLost(message), thread="host-watchdog")
         deadline = time.monotonic() + EXIT_GRACE_S
         while time.monotonic() < deadline:
             time.sleep(0.1)
         error = {"message": f"PeerLost: {message}", "traceback": "", "thread": "host-watchdog"}
-        self.rd.event("error", self.step, **error)
+        self.rd.event("error", self.current_step(), **error)
         self.rd.update(state="failed", error=error)
         self.rd.log(f"FAILED: {message} (ended by the watchdog: this rank was stuck)")
         self.rd.close()
         sys.stdout.flush()
         os._exit(1)
 
-    def error_record(self, exc: BaseException) -> dict:
-        record = super().error_record(exc)
+    def error_record(self, record: dict) -> dict:
         if self.lost is not None and "PeerLost" not in record["message"]:
             record = {**record, "message": f"PeerLost: {self.lost} (then {record['message']})"}
         return record
 
-    def run(self, resume: str | None) -> int:
-        code = super().run(resume)
-        status = self.rd.status
+    def finish(self, status: dict[str, Any]) -> None:
         if status.get("state") == "failed":
             if self.lost is None:  # this rank's own failure: tell the others why
                 self.group.report_failure(status["error"]["message"] if status.get("error") else "failed")
         else:
             self.group.report_finished()
         self.group.close()
-        return code

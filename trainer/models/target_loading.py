@@ -127,15 +127,25 @@ def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
-                log: Callable[[str], None] = print) -> torch.nn.Module:
+                log: Callable[[str], None] = print, budget: int | None = None) -> torch.nn.Module:
     """The target with the embedding on stage 0 and layers [lo, hi) of each stage on its device;
-    everything above the plan's last layer stays on the meta device (`complete_for_decoding`)."""
+    everything above the plan's last layer stays on the meta device (`complete_for_decoding`).
+    budget: bytes per device (devices.memory_gib); a stage whose weights exceed it is refused before
+    any of its tensors is read."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     model = meta_model(config, dtype)
     reader = ShardReader(path)
     base, prefix = _base(model)
+    if budget is not None:
+        per_layer = layer_bytes(model)
+        for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
+            need = sum(per_layer[lo:hi]) + (module_bytes(base.embed_tokens) if s == 0 else 0)
+            if need > budget:
+                raise SplitError(f"stage {s} on {device} (layers {lo}..{hi - 1}) holds {need / 2**30:.2f} GiB of "
+                                 f"weights, more than the {budget / 2**30:.2f} GiB budget (devices.memory_gib): "
+                                 "split the target in more stages")
     fill(base.embed_tokens, _module_tensors(reader, f"{prefix}embed_tokens.", base.embed_tokens, plan.devices[0],
                                             dtype))
     _rebuild_rotary(model, plan.devices[0])

@@ -1,18 +1,20 @@
-"""The threaded trainer: prefetcher -> target workers -> drafter replicas, one thread per device role.
+"""The threaded pipeline: prefetcher -> target workers -> drafter replicas, one thread per device role.
 
-Reuses the reference `Trainer` for setup, resume, evaluation and the final checkpoint; replaces
-the step loop. See trainer/pipeline/__init__.py for the stages and compile_safety.py for why the
-warm-up happens on one thread before any worker starts.
+A pipeline kind of the Trainer (trainer.train.loop), which keeps setup, resume, evaluation and
+the final checkpoint; this runs the steps. `ThreadedPipeline` holds the replicas and the warm-up
+state; each `train_steps` builds the stages and their threads (`_Stages`) and runs them. See
+trainer/pipeline/__init__.py for the stages and compile_safety.py for why the warm-up happens on
+one thread before any worker starts.
 """
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 
 import torch
 
 from trainer.train.config import TrainerConfig
+from trainer.train.components import Components
 from trainer.train.control import Request
 from trainer.data.batches import Batch
 from trainer.train.loop import Trainer, autocast_for
@@ -32,8 +34,9 @@ from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import BatchPrefetcher, MicroBatch
 from trainer.pipeline.shapes import PackedShape, WarmShapes
 from trainer.pipeline.stages import StageQueue, StageThread, join_all
-from trainer.pipeline.stopping import PipelineFailed, StopSignal
-from trainer.pipeline.workers import METRIC_NAMES, DrafterSettings, DrafterWorker, TargetStage, TargetWorker
+from trainer.models.objective import drafter_loss_sums
+from trainer.pipeline.workers import (METRIC_NAMES, DrafterSettings, DrafterWorker, Replica, TargetSettings,
+                                      TargetStage, TargetWorker, WorkerLinks)
 
 
 def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:
@@ -56,10 +59,27 @@ def forget_states_before(states: dict, first_kept: int) -> None:
         states.pop(old, None)
 
 
-class ThreadedTrainer(Trainer):
-    # ------------------------------------------------------------------ replicas
-    def build_replicas(self) -> None:
-        cfg, c = self.cfg, self.c
+def build_replicas(cfg: TrainerConfig, c: Components, devices: list[torch.device]) -> list[Replica]:
+    """The drafter (replica 0, on its first device) and a copy per further drafter device, each with
+    its own optimizer and scheduler in the same state."""
+    replicas = [Replica(c.drafter, c.head, c.optimizer, c.scheduler, FlatGrads(list(c.drafter.parameters())))]
+    for d in devices[1:]:
+        drafter = copy.deepcopy(c.drafter).to(d)
+        opt = build_optimizer(drafter.parameters(), cfg.optim)
+        opt.load_state_dict(c.optimizer.state_dict())
+        sched = build_scheduler(opt, cfg.optim)
+        sched.load_state_dict(c.scheduler.state_dict())
+        head = c.head if d == torch.device(c.drafter_device) else FrozenHead.from_target(c.target, d)
+        replicas.append(Replica(drafter, head, opt, sched, FlatGrads(list(drafter.parameters()))))
+    return replicas
+
+
+class ThreadedPipeline:
+    """The Trainer's threaded pipeline kind: replicas on every configured device, warmed on one thread."""
+
+    def __init__(self, trainer: Trainer, c: Components) -> None:
+        cfg = self.cfg = trainer.cfg
+        self.trainer, self.c = trainer, c
         first = plan_of(c.target)
         self.target_plans = [StagePlan(first.bounds, tuple(torch.device(d) for d in devices))
                              for devices in target_replicas(cfg.devices)]
@@ -68,51 +88,46 @@ class ThreadedTrainer(Trainer):
         self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
         self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan, cfg.model.dtype)
                         for plan in self.target_plans]
-        self.drafters, self.heads, self.optimizers, self.schedulers = [c.drafter], [c.head], [c.optimizer], [c.scheduler]
-        for d in self.drafter_devices[1:]:
-            replica = copy.deepcopy(c.drafter).to(d)
-            opt = build_optimizer(replica.parameters(), cfg.optim)
-            opt.load_state_dict(c.optimizer.state_dict())
-            sched = build_scheduler(opt, cfg.optim)
-            sched.load_state_dict(c.scheduler.state_dict())
-            self.drafters.append(replica)
-            self.heads.append(c.head if d == torch.device(c.drafter_device) else FrozenHead.from_target(c.target, d))
-            self.optimizers.append(opt)
-            self.schedulers.append(sched)
-        self.flats = [FlatGrads(list(m.parameters())) for m in self.drafters]
+        self.replicas = build_replicas(cfg, c, self.drafter_devices)
         self.replica_keys = [str(d) if len(self.drafter_devices) == 1 else f"{d}#drafter{r}"
                              for r, d in enumerate(self.drafter_devices)]
         self.autocast_dtype = {d: (torch.bfloat16 if d.type == "cuda" and cfg.model.dtype == "bf16" else None)
                                for d in self.drafter_devices}
+        self.micro_batches = trainer.hosts.local_micro_batches(cfg.optim.micro_batches)  # this host's, per step
+        remaining = (cfg.optim.total_steps - trainer.state.step) * cfg.optim.micro_batches
+        self.warm: PackedShape | WarmShapes
+        if cfg.data.pack_length:  # one shape for the whole run: nothing to pad, one warm-up
+            self.warm, self.pad = PackedShape(cfg.data.pack_rows, cfg.data.pack_length), False
+        else:
+            self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
+            mode = cfg.pipeline.pad_to_warm_shapes
+            self.pad = mode == "always" or (mode == "auto" and c.backend == "flex")
+        self.anchors = row_anchors(cfg.data, cfg.model.block_size)
+        self.guard = CompileGuard()
+        self.compiled_target = compiles_target(cfg, self.target_devices)
+        self.step_flops: dict[int, dict] = {}  # FLOP and token counts by step, of the micro-batches built
+        trainer.rd.update(gpus=sorted({d.index or 0 for d in self.devices() if is_cuda(d)}))
+
+    def devices(self) -> list[torch.device]:
+        return list(dict.fromkeys(self.target_devices + self.drafter_devices))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self) -> None:
         """Every drafter device, every warm shape, forward + backward, on this one thread; then freeze."""
-        cfg, c = self.cfg, self.c
-        remaining = (cfg.optim.total_steps - self.step) * cfg.optim.micro_batches
-        self.packed = bool(cfg.data.pack_length)
-        if self.packed:  # one shape for the whole run: nothing to pad, one warm-up
-            self.warm: PackedShape | WarmShapes = PackedShape(cfg.data.pack_rows, cfg.data.pack_length)
-            self.pad = False
-        else:
-            self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
-            mode = cfg.pipeline.pad_to_warm_shapes
-            self.pad = mode == "always" or (mode == "auto" and self.backend == "flex")
-        self.anchors = row_anchors(cfg.data, cfg.model.block_size)
-        self.compiled_target = compiles_target(cfg, self.target_devices)
+        cfg, c, rd = self.cfg, self.c, self.trainer.rd
+        packed = bool(cfg.data.pack_length)
         if self.compiled_target:
             for target in dict.fromkeys(self.targets):
                 compile_decoder_layers(target)
         shapes = self.warm.shapes()
-        self.guard = CompileGuard()
-        self.rd.update(state="warmup")
+        rd.update(state="warmup")
         began = time.time()
         gen = torch.Generator().manual_seed(12345)
         layer_ids = c.drafter.config.target_layer_ids
 
         def inputs(shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
             b, seq = shape
-            if self.packed:  # documents and boundaries like the real rows, through the packed paths
+            if packed:  # documents and boundaries like the real rows, through the packed paths
                 batch = warmup_packed_batch(b, seq, c.drafter.config.vocab_size, gen)
                 return batch.input_ids, batch.doc_start, batch.loss_mask
             ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
@@ -138,58 +153,91 @@ class ThreadedTrainer(Trainer):
                 blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
                                         c.drafter.config.mask_token_id, gen, doc_start).to(device)
                 feats = features(0, ids, doc_start).clone().to(device)
+                replica = self.replicas[rank]
                 with autocast_for(str(device), cfg.model.dtype):
-                    from trainer.models.objective import drafter_loss_sums
-
-                    loss, _, _ = drafter_loss_sums(self.drafters[rank], self.heads[rank], feats, blocks,
-                                                   self.backend, cfg.model.loss_chunk,
+                    loss, _, _ = drafter_loss_sums(replica.drafter, replica.head, feats, blocks, c.backend,
+                                                   cfg.model.loss_chunk,
                                                    doc_start=None if doc_start is None else doc_start.to(device))
                     loss.backward()
 
             self.guard.warm_up(self.replica_keys[rank], shapes, step)
-        for flat in self.flats:
-            flat.zero()
+        for replica in self.replicas:
+            replica.flat.zero()
         for device in set(self.target_devices + self.drafter_devices):
             if is_cuda(device):
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-        self.prepare_checkpoints(self.drafters[0], self.optimizers[0], self.schedulers[0])
+        r0 = self.p.replicas[0]
+        self.trainer.prepare_checkpoints(r0.drafter, r0.optimizer, r0.scheduler)
         self.guard.freeze()
         seconds = time.time() - began
-        self.rd.event("warmup", self.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
-                      compile_target=self.compiled_target)
-        self.rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
-                    f"took {seconds:.1f}s (target {'compiled' if self.compiled_target else 'eager'}); compiles frozen")
+        rd.event("warmup", self.trainer.state.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
+                 compile_target=self.compiled_target)
+        rd.log(f"warm-up of {len(self.drafter_devices)} drafter device(s) on {len(shapes)} shapes {shapes} "
+               f"took {seconds:.1f}s (target {'compiled' if self.compiled_target else 'eager'}); compiles frozen")
 
-    # ------------------------------------------------------------------ the threaded loop
-    def _build_pipeline(self) -> list[StageThread]:
-        cfg, c = self.cfg, self.c
-        M, T, R = self.local_micro_batches(), len(self.targets), len(self.drafter_devices)
-        first = self.step
+    # ------------------------------------------------------------------ the run
+    def train_steps(self) -> str | None:
+        """Run the threads until done or stopped; returns the stop reason (None when done)."""
+        stages = _Stages(self)
+        stop, checkpointer = self.trainer.stop, self.trainer.checkpointer
+        since = (self.trainer.state.step, time.time(), None)
+        for t in stages.threads:
+            t.start()
+        try:
+            while any(t.is_alive() for t in stages.threads) and not stop.is_set():
+                stop.wait(0.2)
+                for w in stages.accumulator.completed():
+                    since = stages.write_window(w, since)
+            lingering = join_all(stages.threads, stop)
+            if lingering:
+                self.trainer.rd.log(f"threads still running after stop: {lingering}")
+            if stop.error is None:
+                for w in stages.accumulator.drain():
+                    since = stages.write_window(w, since)
+        finally:
+            checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
+            self.guard.unfreeze()
+            for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
+                uncompile_decoder_layers(target)
+        if stop.error is not None:
+            raise stop.error
+        checkpointer.wait()  # a failed requested checkpoint fails the run
+        return stop.reason
+
+
+class _Stages:
+    """One run of the pipeline's stages: queues, prefetcher, workers and their threads, the
+    step-boundary hook (drafter 0's thread) and the step windows' records."""
+
+    def __init__(self, p: ThreadedPipeline) -> None:
+        cfg, c, trainer = p.cfg, p.c, p.trainer
+        self.p, self.cfg, self.trainer = p, cfg, trainer
+        M, T, R = p.micro_batches, len(p.targets), len(p.drafter_devices)
+        first = self.first_step = trainer.state.step
         count = (cfg.optim.total_steps - first) * M
-        stop = self.stop = StopSignal()
-        p = cfg.pipeline
-        self.target_inputs = [StageQueue(f"prefetch->target{t}", p.prefetch, stop) for t in range(T)]
-        self.feature_queues = [[StageQueue(f"target{t}->drafter{r}", p.queue_depth, stop) for t in range(T)]
+        stop = self.stop = trainer.stop
+        q = cfg.pipeline
+        self.target_inputs = [StageQueue(f"prefetch->target{t}", q.prefetch, stop) for t in range(T)]
+        self.feature_queues = [[StageQueue(f"target{t}->drafter{r}", q.queue_depth, stop) for t in range(T)]
                                for r in range(R)]
         self.data_states: dict[int, dict] = {}
         self.step_tokens: dict[int, int] = {}
+        self.step_flops = p.step_flops
 
         def data_state() -> dict:
-            return {"data": c.train_data.state_dict(), "anchor_rng": self.anchor_rng.get_state()}
+            return {"data": c.train_data.state_dict(), "anchor_rng": trainer.state.anchor_rng.get_state()}
 
         def prepare(batch: Batch) -> Blocks:
-            return prepare_blocks(batch.input_ids, batch.loss_mask, self.anchors, cfg.model.block_size,
-                                  c.gamma, c.drafter.config.mask_token_id, self.anchor_rng,
+            return prepare_blocks(batch.input_ids, batch.loss_mask, p.anchors, cfg.model.block_size,
+                                  c.gamma, c.drafter.config.mask_token_id, trainer.state.anchor_rng,
                                   getattr(batch, "doc_start", None))
 
-        next_batch, prepare = self.batch_source(c.train_data.next_batch, prepare)  # type: ignore[assignment]  # the source may wrap it
-        prefetcher = BatchPrefetcher(next_batch, prepare, data_state, self.target_inputs, stop, count, M,
-                                     first, self.warm.shape_for if self.pad else None,
-                                     pin=any(is_cuda(d) for d in self.target_devices + self.drafter_devices))
+        next_batch, prepare_fn = trainer.hosts.batch_source(c.train_data.next_batch, prepare)
+        prefetcher = BatchPrefetcher(next_batch, prepare_fn, data_state, self.target_inputs, stop, count, M,
+                                     first, p.warm.shape_for if p.pad else None,
+                                     pin=any(is_cuda(d) for d in p.target_devices + p.drafter_devices))
         build = prefetcher.build
-
-        self.step_flops: dict[int, dict] = {}
 
         def build_and_record(index: int) -> MicroBatch:
             mb = build(index)
@@ -202,95 +250,74 @@ class ThreadedTrainer(Trainer):
             return mb
 
         prefetcher.build = build_and_record  # type: ignore[method-assign]  # this instance records what it builds
-        self.busy = {d: BusyMeter(d) for d in dict.fromkeys(self.target_devices + self.drafter_devices)}
+        self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * c.target.config.hidden_size
-        max_numel = max(b * s for b, s in self.warm.shapes()) * width
-        if not self.pad:
+        max_numel = max(b * s for b, s in p.warm.shapes()) * width
+        if not p.pad:
             max_numel = max(max_numel, cfg.data.token_budget * width)
         target_dtype = c.target.get_input_embeddings().weight.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
-        self.target_workers, self.stage_queues = [], []
+        self.target_workers: list[TargetWorker] = []
+        self.stage_queues: list[StageQueue] = []
         taps, last_layer = tap_columns(layer_ids), feature_layers(layer_ids)
-        for t, plan in enumerate(self.target_plans):
+        for t, plan in enumerate(p.target_plans):
             S, n = len(plan), len(range(t, count, T))
-            hops = [StageQueue(f"target{t}.{s}->target{t}.{s + 1}", p.queue_depth, stop) for s in range(S - 1)]
+            hops = [StageQueue(f"target{t}.{s}->target{t}.{s + 1}", q.queue_depth, stop) for s in range(S - 1)]
             self.stage_queues += hops
-            pool: list | StageQueue = allocate_slots(p.queue_depth * (R + S - 1) + 2, max_numel, target_dtype,
+            pool: list | StageQueue = allocate_slots(q.queue_depth * (R + S - 1) + 2, max_numel, target_dtype,
                                                      plan.devices[-1])
             for s, ((lo, hi), d) in enumerate(zip(plan.bounds, plan.devices)):
                 stage = TargetStage(s, S, lo, last_layer if s == S - 1 else hi, taps,
                                     None if s == S - 1 else plan.devices[s + 1])
                 outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
-                worker = TargetWorker(t, self.targets[t], d, layer_ids, width,
-                                      self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool, stop,
-                                      self.busy[d], n, route, self.guard, stage)
+                worker = TargetWorker(TargetSettings(t, d, layer_ids, width, n, route), p.targets[t],
+                                      self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool,
+                                      WorkerLinks(stop, self.busy[d], p.guard), stage)
                 pool = worker.free
                 self.target_workers.append(worker)
-        streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in self.drafter_devices]
-        reducer = ReplicaAllReduce(self.flats, streams, stop, across_hosts=self.across_hosts())
-        self.metrics = MetricAccumulator(METRIC_NAMES, self.drafter_devices[0])
-        self.drafter_workers = []
-        for r, d in enumerate(self.drafter_devices):
-            settings = DrafterSettings(self.backend, cfg.model.loss_chunk, self.autocast_dtype[d], cfg.optim.grad_clip,
-                                       first, cfg.optim.total_steps, M, cfg.run.log_every)
-            self.drafter_workers.append(DrafterWorker(
-                r, R, d, self.drafters[r], self.heads[r], self.optimizers[r], self.schedulers[r], self.flats[r],
-                reducer, self.feature_queues[r], settings, stop, self.busy[d], self.guard,
-                self.metrics if r == 0 else None, self._on_step_end if r == 0 else None, streams[r]))
-        threads = [StageThread("prefetch", prefetcher.run, stop)]
-        threads += [StageThread(f"target{w.rank}" if w.stage.count == 1 else f"target{w.rank}.{w.stage.index}", w.run,
-                                stop) for w in self.target_workers]
-        threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
-        return threads
+        streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in p.drafter_devices]
+        reducer = ReplicaAllReduce([r.flat for r in p.replicas], streams, stop,
+                                   across_hosts=trainer.hosts.across_hosts())
+        self.accumulator = MetricAccumulator(METRIC_NAMES, p.drafter_devices[0])
+        self.drafter_workers = [
+            DrafterWorker(DrafterSettings(r, R, d, c.backend, cfg.model.loss_chunk, p.autocast_dtype[d],
+                                          cfg.optim.grad_clip, first, cfg.optim.total_steps, M, cfg.run.log_every),
+                          p.replicas[r], reducer, self.feature_queues[r], WorkerLinks(stop, self.busy[d], p.guard),
+                          self.accumulator if r == 0 else None, self.on_step_end if r == 0 else None, streams[r])
+            for r, d in enumerate(p.drafter_devices)]
+        self.threads = [StageThread("prefetch", prefetcher.run, stop)]
+        self.threads += [StageThread(f"target{w.rank}" if w.stage.count == 1 else f"target{w.rank}.{w.stage.index}",
+                                     w.run, stop) for w in self.target_workers]
+        self.threads += [StageThread(f"drafter{r}", w.run, stop) for r, w in enumerate(self.drafter_workers)]
 
-    def _snapshot(self, step: int, request: Request | None, periodic: bool = False) -> None:
-        """On drafter 0's thread at a step boundary: stage the state (trainer.train.checkpointer:
-        side-stream copies to pinned memory), written in the background while training goes on."""
-        M = self.local_micro_batches()
-        last_index = (step - self.first_step) * M - 1
-        self.snapshot(step, self.drafters[0], self.optimizers[0], self.schedulers[0], self.data_states[last_index],
-                      request, periodic)
+    # ------------------------------------------------------------------ step boundaries (drafter 0's thread)
+    def snapshot(self, step: int, request: Request | None, periodic: bool = False) -> None:
+        """Stage the state (trainer.train.checkpointer: side-stream copies to pinned memory), written
+        in the background while training goes on."""
+        last_index = (step - self.first_step) * self.p.micro_batches - 1
+        r0 = self.p.replicas[0]
+        self.trainer.snapshot(step, r0.drafter, r0.optimizer, r0.scheduler, self.data_states[last_index], request,
+                              periodic)
 
-    def _on_step_end(self, step: int, _last: MicroBatch | None) -> None:
-        self.step = step
-        forget_states_before(self.data_states, (step - self.first_step - 1) * self.local_micro_batches())
-        requests = self.new_requests()
+    def on_step_end(self, step: int, _last: MicroBatch | None) -> None:
+        trainer = self.trainer
+        trainer.state.step = step
+        forget_states_before(self.data_states, (step - self.first_step - 1) * self.p.micro_batches)
+        requests = trainer.new_requests()
         every = self.cfg.run.checkpoint_every
         periodic = bool(every and step % every == 0 and step < self.cfg.optim.total_steps)
         stops = [r for r in requests if r.kind == "stop"]
-        self._act(step, [r for r in requests if r.kind == "checkpoint"], stops[0] if stops else None, periodic)
+        trainer.hosts.at_boundary(step, [r for r in requests if r.kind == "checkpoint"], stops[0] if stops else None,
+                                  periodic, lambda request, periodic: self.snapshot(step, request, periodic),
+                                  self.stop.stop)
 
-    def _act(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool) -> None:
-        """At a step boundary: serve checkpoint requests, a stop, or the periodic checkpoint."""
-        for r in checkpoints:
-            self._snapshot(step, r)
-        if stop_request is not None:
-            self._snapshot(step, stop_request)
-            self.stop.stop(stop_request.reason)
-            return
-        if periodic and not checkpoints:  # a requested checkpoint of this step serves as the periodic one
-            self._snapshot(step, None, periodic=True)
-
-    # ------------------------------------------------------------------ what a host-group trainer changes
-    def local_micro_batches(self) -> int:
-        """Micro-batches this process trains per optimizer step (all of them on one host)."""
-        return self.cfg.optim.micro_batches
-
-    def batch_source(self, next_batch: Callable[[], Batch], prepare: Callable[[Batch], Blocks],
-                     ) -> tuple[Callable[[], Batch], Callable[[Batch], Blocks]]:
-        """(next_batch, prepare) the prefetcher calls; on one host the dataset's own."""
-        return next_batch, prepare
-
-    def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
-        """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
-        return None
-
-    # ------------------------------------------------------------------ metrics
+    # ------------------------------------------------------------------ step windows
     def _gpu_entries(self, busy: dict) -> list[dict]:
         out = []
+        p = self.p
         for i, d in enumerate(self.busy):
-            roles = [name for name, devs in (("target", self.target_devices), ("drafter", self.drafter_devices))
+            roles = [name for name, devs in (("target", p.target_devices), ("drafter", p.drafter_devices))
                      if d in devs]
             out.append({"index": d.index or 0 if is_cuda(d) else i, "role": "+".join(roles) if is_cuda(d) else "cpu",
                         "busy": None if busy[d] is None else round(busy[d], 4), "mem_gb": peak_memory_gb(d)})
@@ -304,10 +331,10 @@ class ThreadedTrainer(Trainer):
                 total[key] += value
         return total
 
-    def _write_window(self, w: dict, since: tuple) -> tuple:
+    def write_window(self, w: dict, since: tuple) -> tuple:
         """since: (step, host time, GPU time or None) where the window starts. A window is timed
         on the GPU's clock when both its ends have one (every window after the first on CUDA)."""
-        cfg = self.cfg
+        cfg, p, metrics = self.cfg, self.p, self.trainer.metrics
         step, now, gpu_now = int(w["step"]), w["time"], w.get("gpu_time")
         prev_step, prev_time, prev_gpu = since
         seconds = max((gpu_now - prev_gpu) if gpu_now is not None and prev_gpu is not None else now - prev_time, 1e-9)
@@ -319,74 +346,23 @@ class ThreadedTrainer(Trainer):
              "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
              "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
-             "recompiles": self.guard.recompiles(), "gpus": self._gpu_entries(busy),
+             "recompiles": p.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
                         + [q for row in self.feature_queues for q in row]}}
         # steady: every window after the first (which holds the pipeline filling up)
-        self.windows_seen = getattr(self, "windows_seen", 0) + 1
-        if self.windows_seen > 1:
-            self.steady_tokens = getattr(self, "steady_tokens", 0) + tokens
-            self.steady_seconds = getattr(self, "steady_seconds", 0.0) + seconds
-            m["tokens_per_s_steady"] = self.steady_tokens / self.steady_seconds
-        peak = peak_tflops(torch.cuda.get_device_name(self.drafter_devices[0]) if is_cuda(self.drafter_devices[0]) else None)
+        if prev_step > self.first_step:
+            metrics.add_steady(tokens, seconds)
+            m["tokens_per_s_steady"] = metrics.steady_rate()
+        peak = peak_tflops(torch.cuda.get_device_name(p.drafter_devices[0]) if is_cuda(p.drafter_devices[0]) else None)
         if peak:
-            nt, nd = len(self.target_devices), len(self.drafter_devices)
+            nt, nd = len(p.target_devices), len(p.drafter_devices)
             rate = {k: counts[k] / seconds / (peak * 1e12 * (nt if k.startswith("target") else nd))
                     for k in ("target_real", "target_padded", "drafter_real", "drafter_padded")}
             m["mfu"] = {"target": round(rate["target_real"], 4), "drafter": round(rate["drafter_real"], 4),
                         "target_padded": round(rate["target_padded"], 4),
                         "drafter_padded": round(rate["drafter_padded"], 4)}
             if max(rate.values()) > 1.0:
-                self.rd.log(f"warning: MFU above the {peak:.0f} TFLOP/s peak in steps {prev_step}..{step} {m['mfu']}: "
-                            "the FLOP count or the window's timing is wrong")
-        self.rd.event("step", step, **m)
-        self.rd.update(step=step, loss=m["loss"], acc=m["acc"], tokens_per_s=m["tokens_per_s"],
-                       recompiles=m["recompiles"], pad_share=m["pad_share"],
-                       **({"tokens_per_s_steady": m["tokens_per_s_steady"]} if "tokens_per_s_steady" in m else {}))
-        self.rd.log(f"step {step}/{cfg.optim.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
-                    f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} "
-                    f"pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}")
+                self.trainer.rd.log(f"warning: MFU above the {peak:.0f} TFLOP/s peak in steps {prev_step}..{step} "
+                                    f"{m['mfu']}: the FLOP count or the window's timing is wrong")
+        metrics.step(step, m)
         return step, now, gpu_now
-
-    # ------------------------------------------------------------------ the run
-    def train_steps(self) -> str | None:
-        """Run the threads until done or stopped; returns the stop reason (None when done)."""
-        self.first_step = self.step
-        threads = self._build_pipeline()
-        since = (self.step, time.time(), None)
-        for t in threads:
-            t.start()
-        try:
-            while any(t.is_alive() for t in threads) and not self.stop.is_set():
-                self.stop.wait(0.2)
-                for w in self.metrics.completed():
-                    since = self._write_window(w, since)
-            lingering = join_all(threads, self.stop)
-            if lingering:
-                self.rd.log(f"threads still running after stop: {lingering}")
-            if self.stop.error is None:
-                for w in self.metrics.drain():
-                    since = self._write_window(w, since)
-        finally:
-            self.checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
-            self.guard.unfreeze()
-            for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
-                uncompile_decoder_layers(target)
-        if self.stop.error is not None:
-            raise self.stop.error
-        self.checkpointer.wait()  # a failed requested checkpoint fails the run
-        return self.stop.reason
-
-    def setup(self, resume: str | None) -> str | None:
-        rel = super().setup(resume)
-        self.build_replicas()
-        self.rd.update(gpus=sorted({d.index or 0 for d in self.busy_devices() if is_cuda(d)}))
-        return rel
-
-    def error_record(self, exc: BaseException) -> dict:
-        if isinstance(exc, PipelineFailed):
-            return exc.record()
-        return super().error_record(exc)
-
-    def busy_devices(self) -> list[torch.device]:
-        return list(dict.fromkeys(self.target_devices + self.drafter_devices))

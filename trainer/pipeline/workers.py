@@ -55,6 +55,26 @@ class Features:
 
 
 @dataclass(frozen=True)
+class WorkerLinks:
+    """What every worker thread shares with the pipeline: the stop signal, its device's busy meter
+    and the compile guard its warmed shapes run under."""
+
+    stop: StopSignal
+    busy: BusyMeter
+    guard: CompileGuard
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    rank: int  # the target replica
+    device: torch.device
+    layer_ids: list[int]
+    width: int  # features per position: len(layer_ids) * hidden size
+    count: int  # micro-batches this worker handles
+    route: Callable[[int], int]  # micro-batch index -> drafter rank
+
+
+@dataclass(frozen=True)
 class TargetStage:
     """Which part of a target replica a worker runs: layers [lo, hi) of stage `index` of `count`."""
 
@@ -93,23 +113,20 @@ class TargetWorker:
     through a bounded queue; the last stage hands the filled slot to a drafter. Ordering is GPU-side:
     each hand-off carries an event the receiver's stream waits on; the host never waits."""
 
-    def __init__(self, rank: int, target: torch.nn.Module, device: torch.device | str, layer_ids: list[int],
-                 width: int, inputs: StageQueue, outputs: list[StageQueue], slots: list[FeatureSlot] | StageQueue,
-                 stop: StopSignal, busy: BusyMeter, count: int, route: Callable[[int], int],
-                 guard: CompileGuard | None = None, stage: TargetStage | None = None) -> None:
+    def __init__(self, settings: TargetSettings, target: torch.nn.Module, inputs: StageQueue,
+                 outputs: list[StageQueue], slots: list[FeatureSlot] | StageQueue, links: WorkerLinks,
+                 stage: TargetStage | None = None) -> None:
         from trainer.models.stages import feature_layers, tap_columns
 
-        self.rank, self.target, self.device = rank, target, torch.device(device)
-        self.guard = guard  # packed rows / compile_target: the target runs compiled code too
-        self.layer_ids, self.width = layer_ids, width
-        self.inputs, self.outputs, self.stop, self.busy = inputs, outputs, stop, busy
-        self.count, self.route = count, route  # items this worker handles; micro-batch index -> drafter rank
-        self.stage = stage or TargetStage(0, 1, 0, feature_layers(layer_ids), tap_columns(layer_ids))
+        self.s, self.rank, self.target, self.device = settings, settings.rank, target, settings.device
+        self.inputs, self.outputs, self.links = inputs, outputs, links
+        self.stage = stage or TargetStage(0, 1, 0, feature_layers(settings.layer_ids), tap_columns(settings.layer_ids))
+        rank = settings.rank
         self.key = f"target:{self.device}" if self.stage.count == 1 else f"target{rank}.{self.stage.index}:{self.device}"
         if isinstance(slots, StageQueue):  # a later stage: the replica's pool, owned by its first stage
             self.free = slots
         else:
-            self.free = StageQueue(f"target{rank}.free", len(slots), stop)
+            self.free = StageQueue(f"target{rank}.free", len(slots), links.stop)
             for slot in slots:
                 self.free.put(slot)
 
@@ -118,14 +135,14 @@ class TargetWorker:
         stream = worker_stream(self.device)
         st = self.stage
         with on_stream(stream), torch.inference_mode():
-            for _ in range(self.count):
+            for _ in range(self.s.count):
                 if st.first:
                     mb: MicroBatch = self.inputs.get()
                     slot = self.free.get()
                 else:
                     hop: Handoff = self.inputs.get()
                     mb, slot = hop.mb, hop.slot
-                with self.busy.busy():
+                with self.links.busy.busy():
                     if st.first:
                         if slot.released is not None:
                             stream.wait_event(slot.released)
@@ -136,27 +153,28 @@ class TargetWorker:
                             hop.hidden.record_stream(stream)  # allocated by the previous stage's thread
                         x = hop.hidden
                     doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
-                    out = slot.view(x.shape[0], x.shape[1], self.width)
+                    out = slot.view(x.shape[0], x.shape[1], self.s.width)
 
                     def forward(x: torch.Tensor = x, out: torch.Tensor = out,
                                 doc_start: torch.Tensor | None = doc_start) -> torch.Tensor:
                         return stage_context_features(self.target, x, st.lo, st.hi, st.taps, out, doc_start)
 
-                    if self.guard is None:
-                        hidden = forward()
-                    else:
-                        hidden = self.guard.run_warmed(self.key, tuple(x.shape[:2]), forward)
+                    # packed rows / compile_target: the target runs compiled code too
+                    hidden = self.links.guard.run_warmed(self.key, tuple(x.shape[:2]), forward)
                     if not st.last:
                         hidden = hidden.to(st.next_device, non_blocking=True)
                     ready = record_event(stream)
                 if st.last:
-                    self.outputs[self.route(mb.index)].put(Features(mb, out, ready, slot, self))
+                    self.outputs[self.s.route(mb.index)].put(Features(mb, out, ready, slot, self))
                 else:
                     self.outputs[0].put(Handoff(mb, hidden, slot, ready))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrafterSettings:
+    rank: int
+    replicas: int
+    device: torch.device
     backend: str  # "flex" | "sdpa"
     loss_chunk: int
     autocast_dtype: torch.dtype | None
@@ -167,26 +185,36 @@ class DrafterSettings:
     log_every: int
 
 
+@dataclass
+class Replica:
+    """One drafter replica and what trains it."""
+
+    drafter: DFlashDrafter
+    head: FrozenHead
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    flat: FlatGrads
+
+
 class DrafterWorker:
     """One drafter replica. Replica 0 also owns the metric accumulator and the step-end hook."""
 
-    def __init__(self, rank: int, replicas: int, device: torch.device | str, drafter: DFlashDrafter, head: FrozenHead,
-                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, flat: FlatGrads,
-                 reducer: ReplicaAllReduce, inputs: list[StageQueue], settings: DrafterSettings,
-                 stop: StopSignal, busy: BusyMeter, guard: CompileGuard, metrics: MetricAccumulator | None,
+    def __init__(self, settings: DrafterSettings, replica: Replica, reducer: ReplicaAllReduce,
+                 inputs: list[StageQueue], links: WorkerLinks, metrics: MetricAccumulator | None = None,
                  on_step_end: Callable[[int, MicroBatch | None], None] | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
-        self.rank, self.replicas, self.device = rank, replicas, torch.device(device)
-        self.drafter, self.head, self.optimizer, self.scheduler = drafter, head, optimizer, scheduler
-        self.flat, self.reducer, self.inputs, self.s = flat, reducer, inputs, settings
-        self.stop, self.busy, self.guard, self.metrics = stop, busy, guard, metrics
+        self.s, self.rank, self.device = settings, settings.rank, settings.device
+        self.drafter, self.head, self.optimizer, self.scheduler = (replica.drafter, replica.head, replica.optimizer,
+                                                                   replica.scheduler)
+        self.flat, self.reducer, self.inputs, self.links = replica.flat, reducer, inputs, links
+        self.metrics = metrics
         self.on_step_end = on_step_end  # (step_done, last MicroBatch) -> None, replica 0 only
         self.stream = stream
-        self.key = str(self.device) if replicas == 1 else f"{self.device}#drafter{rank}"
+        self.key = str(self.device) if settings.replicas == 1 else f"{self.device}#drafter{settings.rank}"
 
     def my_indices(self, step: int) -> list[int]:
         base = (step - self.s.first_step) * self.s.micro_batches
-        return [base + j for j in range(self.s.micro_batches) if j % self.replicas == self.rank]
+        return [base + j for j in range(self.s.micro_batches) if j % self.s.replicas == self.rank]
 
     def micro_step(self, feats: Features) -> None:
         """Forward + backward of one micro-batch on this replica's stream (no host sync)."""
@@ -209,7 +237,7 @@ class DrafterWorker:
                 sums[0].backward()
             return sums
 
-        loss_sum, weight_sum, correct_sum = self.guard.run_warmed(self.key, feats.mb.shape, forward_backward)
+        loss_sum, weight_sum, correct_sum = self.links.guard.run_warmed(self.key, feats.mb.shape, forward_backward)
         self.flat.add_stats(loss_sum, weight_sum, correct_sum)
         if same_device:
             feats.release(stream)
@@ -234,11 +262,11 @@ class DrafterWorker:
                     feats: Features = self.inputs[index % len(self.inputs)].get()
                     if feats.mb.index != index:
                         raise RuntimeError(f"drafter {self.rank} expected micro-batch {index}, got {feats.mb.index}")
-                    with self.busy.busy():
+                    with self.links.busy.busy():
                         self.micro_step(feats)
                     last = feats.mb
                 self.reducer.all_reduce(self.rank)
-                with self.busy.busy():
+                with self.links.busy.busy():
                     self.optimizer_step()
                 if self.metrics is not None and (step + 1) % self.s.log_every == 0:
                     self.metrics.snapshot(step + 1)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from trainer.train.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.models.masks import resolve_backend
 from trainer.train.optim import build_optimizer, build_scheduler
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
@@ -41,6 +42,7 @@ class Components:
     gamma: float
     target_device: str
     drafter_device: str
+    backend: str  # the drafter's attention kernel: "flex" | "sdpa" (trainer.models.masks.resolve_backend)
 
 
 def build_tokenizer(cfg: TrainerConfig) -> Any:
@@ -90,7 +92,8 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         meta = meta_model(config, dtype)
         plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
-        model = load_staged(t.path, plan, dtype, log)
+        budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
+        model = load_staged(t.path, plan, dtype, log, budget)
         peak = ""
         for d in dict.fromkeys(plan.devices):
             if d.type == "cuda":
@@ -184,4 +187,5 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
         eval_conversations=eval_conv, eval_data=eval_data,
         gamma=cfg.model.gamma or default_gamma(cfg.model.block_size),
         target_device=target_replicas(cfg.devices)[0][0], drafter_device=drafter_device,
+        backend=resolve_backend(cfg.model.attention, drafter_device, needs_grad=True),
     )

@@ -1,0 +1,70 @@
+"""The one writer of a run's step and evaluation records: metrics.jsonl, status.json, train.log, wandb.
+
+Both pipelines (the reference loop and the threaded one) hand their numbers here; what a record
+holds and how its log line reads is decided in this file only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from trainer.train.config import TrainerConfig, dump_config
+from trainer.train.rundir import RunDir
+
+STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
+
+
+class Metrics:
+    """Step and eval records of one run. `steady` accumulates tokens and seconds of the steps a
+    pipeline counts as steady (every step or window after the first) for tokens_per_s_steady."""
+
+    def __init__(self, cfg: TrainerConfig, rd: RunDir, run_name: str) -> None:
+        self.rd = rd
+        self.total_steps = cfg.optim.total_steps
+        self.steady_tokens, self.steady_seconds = 0, 0.0
+        self.wandb: Any = None
+        if cfg.run.wandb is not None and importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.run.wandb.project, name=cfg.run.wandb.name or run_name,
+                                    config=dump_config(cfg))
+
+    def add_steady(self, tokens: int, seconds: float) -> None:
+        self.steady_tokens += tokens
+        self.steady_seconds += seconds
+
+    def steady_rate(self) -> float | None:
+        """Tokens per second over the steady steps so far; None before the first."""
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds else None
+
+    def step(self, step: int, m: dict[str, Any]) -> None:
+        """A step record (metrics.jsonl `step`), status.json's step fields and the log line. m holds
+        loss, acc, lr, grad_norm, tokens_per_s, pad_share, recompiles; the threaded pipeline adds
+        gpus, queues and mfu (and its log line each GPU's busy share)."""
+        self.rd.event("step", step, **m)
+        steady = self.steady_rate()
+        self.rd.update(step=step, **{k: m[k] for k in STATUS_FIELDS},
+                       **({"tokens_per_s_steady": steady} if steady is not None else {}))
+        line = (f"step {step}/{self.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
+                f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")
+        if "gpus" in m:
+            line += f" pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}"
+        self.rd.log(line)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+
+    def eval(self, step: int, result: dict[str, Any]) -> None:
+        """An evaluation record: trainer.generate.evaluate.acceptance_report's fields (tau None when
+        not measured) and acc."""
+        self.rd.event("eval", step, **result)
+        self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"])
+        if result["tau"] is None:  # not measured: the target holds only the layers training runs
+            self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
+        else:
+            self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
+                        f"{result['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {result['samples']} conversations")
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

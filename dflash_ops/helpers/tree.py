@@ -236,7 +236,7 @@ def dir_modes_match(root: str, dirs: dict) -> bool:
 #     never a file no command wrote.
 # A refusal says what would have been lost, and suggests no flag that would lose it.
 
-OUTPUT_KINDS = ("push", "fetch", "export")
+OUTPUT_KINDS = ("push", "fetch", "export", "hub-model")  # hub-model: trainer_tools.fixtures.hub_model
 SYSTEM_DIRS = frozenset((
     "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
     "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var", "/lost+found"))

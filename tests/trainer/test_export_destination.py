@@ -155,3 +155,16 @@ def test_both_copies_of_the_rule_give_the_same_answers(rule, tmp_path, monkeypat
     source = {name: getattr(rule, name).__code__.co_code for name in ("replace_refusal", "protected_reason",
                                                                         "dest_entries", "protected_paths")}
     assert source == {name: getattr(tree, name).__code__.co_code for name in source}
+
+
+def test_a_model_directory_fixture_never_replaces_what_it_did_not_write(tmp_path):
+    """trainer_tools' hub-format writer (bench/quality.py --out DIR writes DIR/model) follows the rule too."""
+    from trainer_tools.fixtures.hub_model import write_hub_model
+
+    mine = tmp_path / "model"
+    mine.mkdir()
+    (mine / "weights.bin").write_bytes(b"mine")
+    with pytest.raises(destination.Refused, match=r"holds 1 file \(weights.bin\), 4 bytes that no dflash-ops "
+                                                  r"hub-model wrote"):
+        write_hub_model(mine, "qwen3")
+    assert (mine / "weights.bin").read_bytes() == b"mine"

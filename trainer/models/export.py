@@ -63,30 +63,20 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
                       force: bool = False) -> Path:
     """Write out_dir (atomically: built beside it, then renamed) from a trainer checkpoint.
 
-    out_dir is replaced only when absent, empty or an earlier export (the marker
-    `.NAME.dflash-export.json` beside it lists its files); `force` also replaces an earlier
-    output of another dflash-ops command; never /, a system directory, the working or home
-    directory or an ancestor of them (trainer/models/destination.py; raises destination.Refused).
-    Only the drafter's weights and config are read from the checkpoint."""
+    out_dir is replaced only as `built_beside` allows (an earlier export; `force`: an earlier
+    output of another dflash-ops command; raises destination.Refused otherwise). Only the
+    drafter's weights and config are read from the checkpoint."""
     out = Path(os.path.normpath(Path(out_dir).expanduser().absolute()))
-    marker = destination.marker_path(str(out), "export")
-    refusal = destination.replace_refusal(str(out), "export", own=destination.marker_files(destination.read_json(marker)),
-                                          force=force)
-    if refusal:
-        raise destination.Refused(refusal)
+    with built_beside(out, "export", force=force, check_only=True):
+        pass  # refused before the checkpoint is read
     state = ckpt.load_weights(checkpoint_dir)
-    with built_beside(out) as tmp:
+    with built_beside(out, "export", force=force) as tmp:
         weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
         (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
         for written, source in MODEL_CODE.items():
             shutil.copyfile(source, tmp / written)
-        files = sorted(p.name for p in tmp.iterdir())
-        # written before the swap, naming the old files too, so a crash between the two leaves them ours
-        old = destination.marker_files(destination.read_json(marker)) or set()
-        _write_marker(marker, {"files": files, "previous": sorted(old), "checkpoint": str(checkpoint_dir)})
-    _write_marker(marker, {"files": files, "checkpoint": str(checkpoint_dir)})
     return out
 
 
@@ -100,14 +90,38 @@ def _write_marker(path: str, doc: dict) -> None:
 
 
 @contextlib.contextmanager
-def built_beside(out: Path) -> Iterator[Path]:
+def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool = False) -> Iterator[Path]:
     """A fresh directory beside `out` to write a model directory into; when the block ends without
-    an error it is renamed to `out` (replacing it), so nobody loads a half-written one."""
+    an error it is swapped in for `out`, so nobody loads a half-written one (on an error it is
+    removed). `out` is replaced only as the replace rule allows (trainer/models/destination.py:
+    absent, empty, or an earlier output of this `kind` - its marker `.NAME.dflash-KIND.json`
+    beside it lists the files; `force`: also another command's output; raises
+    destination.Refused). check_only: only the check."""
+    out = Path(os.path.normpath(out.expanduser().absolute()))
+    marker = destination.marker_path(str(out), kind)
+    ours = destination.marker_files(destination.read_json(marker))
+    refusal = destination.replace_refusal(str(out), kind, own=ours, force=force)
+    if refusal:
+        raise destination.Refused(refusal)
+    if check_only:
+        yield out
+        return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    yield tmp
-    if out.exists():
-        shutil.rmtree(out)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+    # the marker names the old files too until the swap is done, so a crash between leaves them ours
+    _write_marker(marker, {"files": files, "previous": sorted(ours or ())})
+    aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists() or out.is_symlink():
+        os.rename(out, aside)
     os.rename(tmp, out)
+    _write_marker(marker, {"files": files})
+    if aside.exists():
+        shutil.rmtree(aside)

@@ -463,6 +463,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
                               if torch.device(dv).type == "cuda"]
     out["memory_plan"] = plan_against_peak(tr.cfg, devices)
+    tr.trainer.checkpointer.close()  # its pinned staging goes back before the next mode
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
             torch.cuda.synchronize(dv)
@@ -623,6 +624,8 @@ def main(argv=None):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     if args.cli_steps:
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
         emit("cli", trainer_cli(args, lengths, results))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
     for k, v in results.items():

@@ -167,7 +167,7 @@ class ThreadedPipeline:
             if is_cuda(device):
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-        r0 = self.p.replicas[0]
+        r0 = self.replicas[0]
         self.trainer.prepare_checkpoints(r0.drafter, r0.optimizer, r0.scheduler)
         self.guard.freeze()
         seconds = time.time() - began

@@ -118,13 +118,14 @@ class Checkpointer:
             raise fatal
 
     def close(self) -> None:
-        """Finish the writes in flight (never raises), then end the writer thread."""
+        """Finish the writes in flight (never raises), end the writer thread, free the staging."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._staging.clear()
 
     def _wait_idle(self) -> None:
         with self._cond:

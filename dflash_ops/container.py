@@ -16,12 +16,12 @@ from dflash_ops import render
 from dflash_ops.hashing import sha256_file
 from dflash_ops.errors import (CommandTimeout, ConnectionLost, DflashOpsError, HelperFailed, RemoteCommandError,
                                TransferError)
+from dflash_ops.helpers import HELPERS_DIR, Bundle, bundle, helper_source
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered
 from dflash_ops.tarstream import build_tar, stream_size
 from dflash_ops.transport.base import LineCallback, Result, Stdin, Transport
 
-HELPERS_DIR = Path(__file__).resolve().parent / "helpers"
 _HELPER_MISSING = b"dflash-ops: helper not installed\n"
 _HELPER_MISSING_STATUS = 127
 
@@ -74,7 +74,7 @@ class ContainerAPI(Protocol):
     def helper_json(self, name: str, args: list[str], *, stdin: Stdin = None, timeout: float | None = None,
                     python: str | None = None, answers: tuple[int, ...] = ()) -> Any: ...
 
-    def helper_path(self, name: str, content: bytes | None = None) -> str: ...
+    def helper_path(self, name: str) -> str: ...
 
     def push(self, local: Path, remote: str) -> None: ...
 
@@ -212,24 +212,24 @@ class Container:
     def helper(self, name: str, args: list[str], *, stdin: Stdin = None, on_line: LineCallback | None = None,
                on_stderr_line: LineCallback | None = None, timeout: float | None = None, check: bool = False,
                python: str | None = None, helpers_root: str | None = None) -> Result:
-        """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash.
+        """Run helper `name` ('-' -> '_' in the file name), installing it once per content hash
+        (with the shared modules it imports: dflash_ops/helpers/__init__.py).
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
-        missing file in the same exec; only then is it sent (one exec) and run. `python`
+        missing file in the same exec; only then is it sent (one exec a file) and run. `python`
         (default: the target's) runs it, e.g. a release's venv python. `helpers_root` installs
         it elsewhere than BASE/helpers (the doctor, when base_dir cannot be written).
         """
-        source = HELPERS_DIR / (name.replace("-", "_") + ".py")
-        if not source.is_file() or source.name == "__init__.py":
-            raise DflashOpsError(f"unknown helper {name!r} (no {source})")
+        source = helper_source(name)
+        if source is None:
+            raise DflashOpsError(f"unknown helper {name!r} (no {name.replace('-', '_')}.py helper in {HELPERS_DIR})")
         run = partial(self.exec, stdin=stdin, on_line=on_line, on_stderr_line=on_stderr_line, timeout=timeout,
                       check=check)
         if self.helpers_in_place:  # nothing is installed into the directory it reads
             return run([python or self._target.python, str(source), *args])
-        content = source.read_bytes()
-        remote = self.helper_path(name, content)
-        if helpers_root is not None:
-            remote = f"{helpers_root}/{remote.split('/helpers/', 1)[1]}"
+        found = bundle(name)
+        directory = f"{helpers_root or self.base_dir + '/helpers'}/{found.digest}"
+        remote = f"{directory}/{found.script}"
         argv = [python or self._target.python, remote, *args]
         if remote in self._installed_helpers:
             return run(argv)
@@ -243,7 +243,7 @@ class Container:
                 if check and not result.ok:
                     raise RemoteCommandError(argv, result.exit_code, result.stderr)
                 return result
-        self._install_helper(content, remote)
+        self._install_helper(found, directory)
         self._installed_helpers.add(remote)
         return run(argv)
 
@@ -256,25 +256,27 @@ class Container:
         """
         return helper_answer(name, args, self.helper(name, args, stdin=stdin, timeout=timeout, python=python), answers)
 
-    def helper_path(self, name: str, content: bytes | None = None) -> str:
-        source = HELPERS_DIR / (name.replace("-", "_") + ".py")
-        digest = hashlib.sha256(content if content is not None else source.read_bytes()).hexdigest()[:16]
-        return f"{self.base_dir}/helpers/{digest}/{source.name}"
+    def helper_path(self, name: str) -> str:
+        """Where helper `name` runs from: BASE/helpers/<its bundle's hash>/<file>."""
+        return f"{self.base_dir}/{bundle(name).rel()}"
 
-    def _install_helper(self, content: bytes, remote: str) -> None:
-        directory, _, filename = remote.rpartition("/")
-        tmp = f"{directory}/.{filename}.{uuid.uuid4().hex[:8]}.tmp"
-        result = self.exec(
-            render.script(
-                ["mkdir", "-p", "--", directory],
-                ["dd", f"of={tmp}", "status=none"],
-                ["sha256sum", "--", tmp],
-                ["mv", "-f", "--", tmp, remote],
-            ),
-            stdin=content,
-        )
-        if _parse_sha256(result) != hashlib.sha256(content).hexdigest():
-            raise TransferError(f"installing helper {remote} on {self._target.name} failed: {result.stderr.strip()}")
+    def _install_helper(self, found: Bundle, directory: str) -> None:
+        """Each file of the helper's bundle into `directory`, verified; the helper itself last, so
+        that its presence (what a call probes for) means the shared modules beside it are there too."""
+        for filename, content in found.files:
+            remote = f"{directory}/{filename}"
+            tmp = f"{directory}/.{filename}.{uuid.uuid4().hex[:8]}.tmp"
+            result = self.exec(
+                render.script(
+                    ["mkdir", "-p", "--", directory],
+                    ["dd", f"of={tmp}", "status=none"],
+                    ["sha256sum", "--", tmp],
+                    ["mv", "-f", "--", tmp, remote],
+                ),
+                stdin=content,
+            )
+            if _parse_sha256(result) != hashlib.sha256(content).hexdigest():
+                raise TransferError(f"installing helper {remote} on {self._target.name} failed: {result.stderr.strip()}")
 
 
 _WITHOUT_PCT = {

@@ -22,23 +22,30 @@ from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_ssh
 
 REPO = Path(__file__).resolve().parents[1]
 # Simulated containers the tests create (and the default inventory's) are directories unless
-# $DFLASH_OPS_SIM_BACKEND says lxc; set before any fixture, module-scoped ones included.
+# $DFLASH_OPS_SIM_BACKEND says lxc (.ci/run's second pass: the tiers that pass in real LXC
+# containers; under CI=true a machine that cannot run them fails). Set before any fixture,
+# module-scoped ones included.
 os.environ.setdefault(simct.BACKEND_ENV, "directory")
 
 
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
-                        python: str | None = None, packages: tuple[str, ...] | None = None) -> Path:
+                        python: str | None = None, packages: tuple[str, ...] | None = None,
+                        backend: str | None = None) -> Path:
     """An inventory whose node is the pct stand-in with its state under `directory`.
 
-    Each ctid is `pct create`d (running, with its own python: `python` as base interpreter,
-    `packages` provisioned, default the trainer's) unless `create` is false; the targets name
-    that python, as an inventory for a container whose python is off pct's PATH must.
+    Each ctid is `pct create`d (running; `packages` provisioned, default the trainer's) unless
+    `create` is false; `backend`: lxc or directory (default: sim_backend(); a directory container's
+    python is made from `python`). An LXC container sees its test directory DIRECTORY/ct<ctid> at
+    the same path (a bind mount point), so its base_dir there is one the test can read. The
+    targets name the container's python, as an inventory for one off pct's PATH must.
     """
     directory.mkdir(parents=True, exist_ok=True)
     sim_root = directory / "sim"
+    backend = backend or sim_backend()
     for ctid in ctids if create else ():
         if not simct.is_created(sim_root, ctid):
-            simct.create(sim_root, ctid, python=python, packages=packages, hostname=f"host{ctid}")
+            simct.create(sim_root, ctid, python=python, packages=packages, hostname=f"host{ctid}", backend=backend,
+                         binds=[str(directory / f"ct{ctid}")] if backend == "lxc" else ())
     path = directory / "inventory.yaml"
     path.write_text(yaml.safe_dump({
         "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root)}},
@@ -49,6 +56,17 @@ def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, cre
         },
     }))
     return path
+
+
+def sim_backend() -> str:
+    """The backend of the simulated containers the tests create; under CI=true a machine that
+    cannot run LXC containers fails the test instead of skipping it."""
+    backend = simct.pick_backend()
+    if backend == "lxc":
+        from dflash_ops.simnode import rootfs
+
+        unavailable(rootfs.unavailable_reason(), "the LXC backend")
+    return backend
 
 
 def play(inventory: Path, book: str, *variables: str, target: str = "host200"):
@@ -64,6 +82,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_lxc_containers():
+    """LXC containers are processes: every one simct.create made in this session is stopped at its
+    end (a directory container is only files)."""
+    yield
+    for sim_root in list(simct.CREATED_ROOTS):
+        simct.stop_all(sim_root)
 
 
 @pytest.fixture(autouse=True)

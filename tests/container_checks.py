@@ -17,8 +17,25 @@ from dflash_ops.errors import RemoteCommandError, TransferError
 ECHO_ARGV = str(Path(__file__).resolve().parent / "echo_argv.py")
 
 
+def in_container_dir(container: Container, name: str) -> Path:
+    """A path beside the container's base_dir that this machine and the container both see (a
+    directory container's paths are this machine's; an LXC container of the test tiers has its test
+    directory bound at the same path)."""
+    directory = Path(container.base_dir).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / name
+
+
+def echo_argv(container: Container) -> str:
+    """tests/echo_argv.py where the container can run it."""
+    path = in_container_dir(container, "echo_argv.py")
+    if not path.exists():
+        path.write_bytes(Path(ECHO_ARGV).read_bytes())
+    return str(path)
+
+
 def assert_argv_round_trip(container: Container, argv: list[str]) -> None:
-    result = container.exec(["python3", ECHO_ARGV, *argv], check=True)
+    result = container.exec(["python3", echo_argv(container), *argv], check=True)
     assert json.loads(result.stdout) == argv
 
 
@@ -73,7 +90,8 @@ def assert_container_environment(container: Container) -> None:
     python = container.target.python
     probe = container.exec([python, "-c", "import sys, json; print(json.dumps([sys.prefix, sys.path]))"], check=True)
     prefix, path = json.loads(probe.stdout)
-    assert python.startswith(prefix + "/")  # CT_ROOT/usr: the container's own interpreter
+    # the container's own interpreter: CT_ROOT/usr/bin/python3 (directory), Debian's python3 on pct's PATH (LXC)
+    assert python.startswith(prefix + "/") if "/" in python else prefix == "/usr"
     assert not any("site-packages" in p and not p.startswith(prefix) for p in path)
     assert not container.exec([python, "-c", "import dflash_ops"]).ok  # the operator's code is not there
     assert container.exec([python, "-c", "import torch, yaml, safetensors"]).ok  # provisioned
@@ -154,7 +172,7 @@ class ContainerTests:
         assert_argv_round_trip(container, [BIG_ARGUMENT, "{i}: {lines[i]}", "$(id)"])
 
     def test_lines_stream_before_the_command_ends(self, container, tmp_path):
-        assert_lines_stream_before_exit(container, tmp_path / "flag")
+        assert_lines_stream_before_exit(container, in_container_dir(container, f"flag-{tmp_path.name}"))
 
     def test_binary_stdin(self, container):
         assert_binary_stdin_round_trip(container)

@@ -318,12 +318,13 @@ def _completion(reply: object, retries: int, limit: int) -> Completion:
     if not isinstance(reply, dict):
         raise Retry(f"the reply is a JSON {type(reply).__name__}, not an object")
     if reply.get("object") == "error" or "error" in reply:
-        error = reply.get("error") if isinstance(reply.get("error"), dict) else reply
+        err = reply.get("error")
+        error = err if isinstance(err, dict) else reply
         raise Retry(f"the server answered with an error: {str(error.get('message') or error)[:300]}")
     choices = reply.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
     message = choice.get("message") if isinstance(choice, dict) else None
-    if not isinstance(message, dict):
+    if not isinstance(choice, dict) or not isinstance(message, dict):
         raise Retry(f"unexpected reply: {json.dumps(reply)[:300]}")
     finish = choice.get("finish_reason")
     if finish not in FINISHED:
@@ -335,7 +336,8 @@ def _completion(reply: object, retries: int, limit: int) -> Completion:
     if len(content) + len(reasoning or "") > limit:
         raise Retry(f"the answer has {len(content) + len(reasoning or '')} characters, more than {limit} "
                     f"({CHARS_PER_TOKEN} per --max-tokens token)")
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    usage = reply.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
     tokens = {k: v if isinstance(v, int) and v >= 0 else 0 for k, v in usage.items()}
     return Completion(content=content, finish_reason=finish, reasoning_content=reasoning,
                       prompt_tokens=tokens.get("prompt_tokens", 0), completion_tokens=tokens.get("completion_tokens", 0),
@@ -382,7 +384,7 @@ class HFEngine:
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
-        self.model.to(device).eval()
+        self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
         self.device = device
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -500,7 +502,9 @@ class HFEngine:
         """A generated row cut at its first stop token (HF pads finished rows; ours keep decoding)."""
         stop = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
         tokens = row if stop is None else row[:stop]
-        return Completion(content=self.tokenizer.decode(tokens, skip_special_tokens=True),
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert isinstance(text, str), "one row of ids decodes to one string"
+        return Completion(content=text,
                           finish_reason="length" if stop is None else "stop",
                           prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None))
 

@@ -15,11 +15,13 @@ from typer.core import TyperGroup
 
 from dflash_ops.cli.common import fail
 from dflash_ops.errors import CommandTimeout, DflashOpsError, TransportError
+from dflash_ops.extras import trainer_missing, trainer_module
 
 
 class _OneLineErrors(TyperGroup):
     """Expected errors become one line: DflashOpsError (RunError, PatchError, ... included),
-    timeouts (exit 124) and transport failures (exit 255)."""
+    timeouts (exit 124), transport failures (exit 255), and a trainer package this install lacks
+    (the extra to install)."""
 
     def invoke(self, ctx: Any) -> Any:  # typer's vendored click.Context
         try:
@@ -30,6 +32,11 @@ class _OneLineErrors(TyperGroup):
             fail(str(e), 255)  # like ssh(1) when the connection fails
         except DflashOpsError as e:
             fail(str(e))
+        except ImportError as e:  # a trainer package this install lacks (the `trainer` extra)
+            module = trainer_module(e)
+            if module is None:
+                raise
+            fail(str(trainer_missing(f"dflash-ops {ctx.invoked_subcommand or ''}".strip(), [module])))
 
 
 app = typer.Typer(

@@ -25,6 +25,7 @@ def hosts(
     Nodes are asked in parallel, one connection each: a dead node costs one connect timeout.
     """
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from dflash_ops.doctor.verdicts import describe, last_verdict
@@ -38,8 +39,9 @@ def hosts(
         state = s.state if not s.detail else f"{s.state} ({s.detail})"
         ctid = str(s.target.ctid) if s.target.node.pct else "-"
         backend = s.target.node.kind.backend(s.target.ctid) or "-"
-        table.add_row(s.target.name, s.target.node.name, ctid, backend, s.target.base_dir, state,
-                      describe(last_verdict(s.target)))
+        cells = (s.target.name, s.target.node.name, ctid, backend, s.target.base_dir, state,
+                 describe(last_verdict(s.target)))
+        table.add_row(*(escape(cell) for cell in cells))  # what pct or an error said is text, not markup
     console = Console()
     if not console.is_terminal:
         console = Console(width=1000)

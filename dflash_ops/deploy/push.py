@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from dflash_ops.container import HELPERS_DIR
+from dflash_ops.helpers import HELPERS_DIR, bundle, helper_names
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops.errors import HelperFailed
@@ -58,12 +58,12 @@ class DeploySummary:
 
 
 def helper_files(container: ContainerAPI) -> list[tuple[str, Path]]:
-    """Every helper as (`helpers/<content-hash>/<file>` relative to base_dir, local path)."""
-    prefix = container.base_dir.rstrip("/") + "/"
+    """Every file of every helper's bundle as (`helpers/<bundle hash>/<file>` relative to base_dir,
+    local path): a helper and the shared modules shipped beside it (dflash_ops/helpers/__init__.py)."""
     found = []
-    for path in sorted(HELPERS_DIR.glob("*.py")):
-        if path.name != "__init__.py":
-            found.append((container.helper_path(path.stem).removeprefix(prefix), path))
+    for name in helper_names():
+        one = bundle(name)
+        found += [(one.rel(filename), HELPERS_DIR / filename) for filename, _content in one.files]
     return found
 
 
@@ -112,7 +112,7 @@ def deploy_target(
         to_send = changed_files(release, state["current_files"])
         summary.action = "build"
     summary.files_sent = len(to_send)
-    summary.helpers_sent = len(missing_helpers)
+    summary.helpers_sent = len({rel.split("/")[1] for rel, _path in missing_helpers})
     summary.venv_action = None if venv is None else ("reused" if state["venv_ready"] else "build")
 
     if dry_run:

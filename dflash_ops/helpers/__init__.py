@@ -1,5 +1,107 @@
-"""Versioned helper scripts that run inside containers (stdlib only, never imported locally).
+"""Versioned helper scripts that run inside containers (stdlib only, python3.8+).
 
-A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). It is
-installed once per content hash as BASE/helpers/<sha256[:16]>/<file> by Container.helper().
+A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). Container.helper()
+installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
+
+A shared module (SHARED: nodefacts.py, the node-side facts) is not a helper: it travels with each
+helper that imports it, the way Ansible ships `module_utils` with a module. BASE/helpers/<hash>/
+then holds the helper and the shared module beside it, and <hash> covers both (bundle()), so a
+change to a shared module is a new version of every helper that imports it, and of no other.
+
+The operator's side imports helpers as modules too, for what is named once for both sides:
+nodefacts (FINAL_STATES, parse_gpus), the helpers' exit statuses (runs.py, import_check.py), and
+tree.py, whose staging and swap rules `fetch` applies on the operator's machine as `push` does in
+the container (dflash_ops/transfer.py). They import only the stdlib, so that works anywhere.
 """
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+HELPERS_DIR = Path(__file__).resolve().parent
+SHARED = ("nodefacts",)  # modules shipped beside the helpers that import them; never run
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What one helper version is: its files (shared modules first, the helper last) and the hash
+    that names BASE/helpers/<digest>/."""
+
+    files: tuple[tuple[str, bytes], ...]  # (file name, content)
+    digest: str
+
+    @property
+    def script(self) -> str:
+        """The helper's own file (the one that is run)."""
+        return self.files[-1][0]
+
+    def rel(self, filename: str | None = None) -> str:
+        """`helpers/<digest>/<file>` relative to BASE: one of its files, by default the helper
+        itself (the file that is run)."""
+        return f"helpers/{self.digest}/{filename or self.script}"
+
+
+def helper_source(name: str) -> Path | None:
+    """The helper's file, or None when `name` names no helper."""
+    path = HELPERS_DIR / (name.replace("-", "_") + ".py")
+    if path.stem in SHARED or path.name == "__init__.py" or not path.is_file():
+        return None
+    return path
+
+
+def helper_names() -> list[str]:
+    """Every helper, by file stem."""
+    return sorted(p.stem for p in HELPERS_DIR.glob("*.py") if helper_source(p.stem) is not None)
+
+
+def bundle(name: str) -> Bundle:
+    """The helper `name` with the shared modules it imports (read now; cached while unchanged)."""
+    source = helper_source(name)
+    if source is None:
+        raise ValueError(f"no helper {name!r} in {HELPERS_DIR}")
+    stamps = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                   for p in [source, *(HELPERS_DIR / f"{m}.py" for m in SHARED)])
+    return _bundle(source, stamps)
+
+
+@lru_cache(maxsize=64)
+def _bundle(source: Path, _stamps: tuple[tuple[str, int, int], ...]) -> Bundle:
+    content = source.read_bytes()
+    files: list[tuple[str, bytes]] = []
+    for module in _shared_imports(content):
+        files.append((f"{module}.py", (HELPERS_DIR / f"{module}.py").read_bytes()))
+    files.append((source.name, content))
+    digest = hashlib.sha256()
+    for filename, data in files:
+        digest.update(b"%s\0%d\0" % (filename.encode(), len(data)))
+        digest.update(data)
+    return Bundle(tuple(files), digest.hexdigest()[:16])
+
+
+def _shared_imports(content: bytes) -> list[str]:
+    """The shared modules a helper imports (`from . import m`, `from .m import ...`, `import m`),
+    with the ones those import in turn, each once, a module before what imports it."""
+    import ast
+
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def visit(code: bytes) -> None:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module] if node.module else [alias.name for alias in node.names]
+            else:
+                continue
+            for module in names:
+                if module in SHARED and module not in seen:
+                    seen.add(module)
+                    visit((HELPERS_DIR / f"{module}.py").read_bytes())
+                    found.append(module)
+
+    visit(content)
+    return found

@@ -29,20 +29,17 @@ import tempfile
 import time
 import types
 
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.doctor
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
+
 VERSION = 1
 _SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
               "--format=csv,noheader,nounits"]
 
 
-def emit(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def parse_gpus(text: str) -> list[int]:
-    if not text:
-        return []
-    return sorted({int(g) for g in text.split(",") if g.strip()})
+emit = nodefacts.print_json
 
 
 # ---------------------------------------------------------------- filesystem and limits
@@ -272,19 +269,11 @@ def _number(text: str) -> float | None:
 
 # ---------------------------------------------------------------- the deployed release and its runs
 
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def release_facts(base: str) -> dict:
     root = os.path.join(base, "current")
     if not os.path.isdir(root):
         return {"deployed": False, "root": root}
-    doc = read_json(os.path.join(root, ".dflash-release.json")) or {}
+    doc = nodefacts.read_json(os.path.join(root, ".dflash-release.json")) or {}
     facts = {"deployed": True, "root": root, "hash": doc.get("hash"), "venv": doc.get("venv")}
     if isinstance(doc.get("venv"), str) and doc["venv"]:
         python = os.path.join(base, doc["venv"], "bin", "python")
@@ -307,7 +296,7 @@ def held_gpus(runs_helper: str | None, base: str, python: str) -> dict:
         return {"error": str(e)[:300]}
     live = []
     for run in doc.get("runs", []):
-        if run.get("alive") and run.get("effective_state") not in ("stopped", "failed", "done"):
+        if run.get("alive") and run.get("effective_state") not in nodefacts.FINAL_STATES:
             live.append({"run_id": run.get("run_id"), "pid": run.get("pid"), "gpus": run.get("gpus") or []})
     return {"live": live}
 
@@ -315,7 +304,7 @@ def held_gpus(runs_helper: str | None, base: str, python: str) -> dict:
 def model_dims(path: str | None) -> dict | None:
     if not path:
         return None
-    doc = read_json(path)
+    doc = nodefacts.read_json(path)
     if doc is None:
         return {"error": "cannot read %s" % path}
     keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -416,7 +405,7 @@ def all_reduce(torch: types.ModuleType, count: int) -> dict:
 
 def facts(args: argparse.Namespace) -> int:
     emit({"clock": time.time()})
-    gpus = parse_gpus(args.gpus)
+    gpus = nodefacts.parse_gpus(args.gpus)
     release = release_facts(args.base)
     probe_python = release["venv_python"] if release.get("venv_python_exists") else args.python
     doc = {

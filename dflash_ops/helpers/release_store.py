@@ -29,29 +29,22 @@ import argparse
 import hashlib
 import json
 import os
-import re
-import secrets
 import shutil
 import sys
 import tarfile
 import time
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
-    from typing import BinaryIO
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.release_store
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
 HELPER_STAGE = ".helpers"
-FINAL_STATES = ("stopped", "failed", "done")
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+sha256_file = nodefacts.sha256_file
 
 
 def read_meta(release_dir: str) -> dict | None:
@@ -74,35 +67,9 @@ def is_complete(base: str, release: str) -> bool:
     return meta is not None and meta.get("hash") == release
 
 
-def pid_start(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def run_is_live(run_dir: str) -> bool:
-    """A run counts as live unless its status.json says final or its process is gone.
-
-    A run with a `release` file but no status.json yet is starting: it counts as live.
-    """
-    try:
-        with open(os.path.join(run_dir, "status.json")) as f:
-            status = json.load(f)
-    except (OSError, ValueError):  # missing: starting; unreadable or half-written: assume live
-        return True
-    if status.get("state") in FINAL_STATES:
-        return False
-    pid = status.get("pid")
-    started = pid_start(pid) if isinstance(pid, int) and pid > 0 else None
-    if started is None:
-        return False  # gone
-    expected = status.get("pid_start")
-    return expected is None or started == expected
-
-
 def live_run_releases(base: str) -> set[str]:
+    """The releases live runs use (nodefacts.run_is_live). The caller holds the start lock, so
+    a run being started has its launch.json by the time it is looked at."""
     runs = os.path.join(base, "runs")
     found: set[str] = set()
     try:
@@ -116,54 +83,27 @@ def live_run_releases(base: str) -> set[str]:
                 release = f.read().strip()
         except OSError:
             continue
-        if release and run_is_live(run_dir):
+        if release and nodefacts.run_is_live(run_dir, nodefacts.read_json(os.path.join(run_dir, "status.json"))):
             found.add(release)
     return found
 
 
-SCRATCH_MARK = ".dflash-scratch"
-SCRATCH_RE = re.compile(r"^\.tmp-(release|current|helper|prune)-(\d+)-(\d+)-[0-9a-f]{8}$")
-
-
-def scratch_name(kind: str) -> str:
-    """`.tmp-KIND-PID-STARTTICKS-RANDOM`: names this process owns; a later run removes one only
-    when that process is gone and the entry proves it is ours (see owned_stale_scratch)."""
-    pid = os.getpid()
-    return f".tmp-{kind}-{pid}-{pid_start(pid)}-{secrets.token_hex(4)}"
-
-
-def make_scratch_dir(parent: str, kind: str) -> str:
-    """A new scratch directory under parent, marked inside with its own name."""
-    name = scratch_name(kind)
-    path = os.path.join(parent, name)
-    os.mkdir(path)
-    try:
-        with open(os.path.join(path, SCRATCH_MARK), "w") as f:
-            f.write(name)
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    return path
+SCRATCH_KINDS = ("release", "current", "helper", "prune")
+SCRATCH_MARK = nodefacts.SCRATCH_MARK
+scratch_name = nodefacts.scratch_name
+make_scratch_dir = nodefacts.make_scratch_dir
 
 
 def owned_stale_scratch(parent: str, name: str) -> bool:
-    """True only for an entry this tool made and whose maker is gone: the name has our exact
-    shape, the process it names (pid + start time) no longer runs, and the entry itself
-    proves it: a directory holds SCRATCH_MARK with this name, a symlink points into releases/."""
-    m = SCRATCH_RE.match(name)
-    if not m:
-        return False
-    pid, ticks = int(m.group(2)), int(m.group(3))
-    if pid_start(pid) == ticks:
-        return False  # its builder still runs
+    """True only for an entry this tool made and whose maker is gone (nodefacts.stale_scratch_kind):
+    a directory proves it with SCRATCH_MARK, a `current` symlink by pointing into releases/."""
+    kind = nodefacts.stale_scratch_kind(parent, name, SCRATCH_KINDS)
     path = os.path.join(parent, name)
-    if os.path.islink(path):
-        return m.group(1) == "current" and os.readlink(path).startswith("releases/")
-    try:
-        with open(os.path.join(path, SCRATCH_MARK)) as f:
-            return f.read() == name
-    except OSError:
+    if kind is None:
         return False
+    if os.path.islink(path):
+        return kind == "current" and os.readlink(path).startswith("releases/")
+    return os.path.isdir(path)
 
 
 def remove_scratch(path: str) -> None:
@@ -211,12 +151,7 @@ def swap_current(base: str, release: str) -> None:
     fsync_dir(base)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = nodefacts.fsync_dir
 
 
 def prune(base: str, keep: int) -> list[str]:
@@ -225,6 +160,17 @@ def prune(base: str, keep: int) -> list[str]:
     Each one is renamed to `.tmp-prune-*` first, so a kill mid-removal leaves no half-deleted
     `releases/<hash>` that still holds its manifest (and would pass as complete).
     """
+    runs_root = os.path.join(base, "runs")
+    if not os.path.isdir(runs_root):
+        return prune_unlocked(base, keep)
+    lock = nodefacts.start_lock(runs_root)  # no start is halfway: its launch.json names its process
+    try:
+        return prune_unlocked(base, keep)
+    finally:
+        os.close(lock)
+
+
+def prune_unlocked(base: str, keep: int) -> list[str]:
     releases_dir = os.path.join(base, "releases")
     protected = live_run_releases(base)
     cur = current_hash(base)
@@ -244,7 +190,7 @@ def prune(base: str, keep: int) -> list[str]:
     return removed
 
 
-def extract(stream: BinaryIO, dest: str) -> list[str]:
+def extract(stream: nodefacts.BinaryIO, dest: str) -> list[str]:
     names = []
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -298,7 +244,7 @@ def install_staged_helpers(base: str, stage: str) -> list[str]:
     return installed
 
 
-def build_release(base: str, release: str, parent: str | None, stream: BinaryIO) -> dict:
+def build_release(base: str, release: str, parent: str | None, stream: nodefacts.BinaryIO) -> dict:
     releases_dir = os.path.join(base, "releases")
     os.makedirs(releases_dir, exist_ok=True)
     cleaned = clean_stale_tmp(releases_dir)
@@ -310,7 +256,7 @@ def build_release(base: str, release: str, parent: str | None, stream: BinaryIO)
         raise
 
 
-def fill_release(base: str, release: str, parent: str | None, stream: BinaryIO, releases_dir: str, tmp: str,
+def fill_release(base: str, release: str, parent: str | None, stream: nodefacts.BinaryIO, releases_dir: str, tmp: str,
                  cleaned: list[str]) -> dict:
     sent = extract(stream, tmp)
     helpers = install_staged_helpers(base, os.path.join(tmp, HELPER_STAGE))

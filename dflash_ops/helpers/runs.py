@@ -51,8 +51,13 @@ if TYPE_CHECKING:
     import subprocess
     from typing import BinaryIO
 
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
+
 # Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
-EXIT_NOT_FOUND = 2  # bad input, or no such run / file / run directory
+EXIT_NOT_FOUND = nodefacts.EXIT_BAD_INPUT  # bad input, or no such run / file / run directory (Refused's default)
 EXIT_REFUSED = 3  # a conflict: the run exists, still runs, or its GPUs are busy
 EXIT_DIED_AT_START = 4  # the trainer exited before it wrote status.json
 EXIT_NOT_DEPLOYED = 5  # no release root (nothing deployed)
@@ -60,7 +65,6 @@ EXIT_TIME_UP = 6  # a follow reached --max-seconds; the run goes on (ask again f
 EXIT_TRUNCATED = 7  # the followed file was truncated or replaced (stderr: `truncated OFFSET NEW_SIZE`)
 EXIT_BROKEN_PIPE = 141  # the reader went away (128 + SIGPIPE)
 
-FINAL_STATES = ("stopped", "failed", "done")
 LOG_TAIL_LINES = 40
 CHUNK = 1 << 20
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -68,42 +72,11 @@ CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")
 
 
-class Refused(Exception):
-    def __init__(self, message: str, code: int = EXIT_NOT_FOUND, **extra: object) -> None:
-        super().__init__(message)
-        self.code = code
-        self.extra = extra
-
-
-def print_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-# ---------------------------------------------------------------- reading a run directory
-
-def read_json(path: str) -> dict | None:
-    """The JSON object in `path`, or None (missing, unreadable, not JSON, or not an object)."""
-    doc, _problem = read_json_checked(path)
-    return doc
-
-
-def read_json_checked(path: str) -> tuple[dict | None, str | None]:
-    """(object, None), (None, None) when the file is missing, or (None, what is wrong with it)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:
-        return None, "%s is unreadable: %s" % (os.path.basename(path), e.strerror)
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except ValueError:
-        return None, "%s is not valid JSON" % os.path.basename(path)
-    if not isinstance(doc, dict):
-        return None, "%s holds a JSON %s, not an object" % (os.path.basename(path), type(doc).__name__)
-    return doc, None
+Refused = nodefacts.Refused
+print_json = nodefacts.print_json
+read_json = nodefacts.read_json
+read_json_checked = nodefacts.read_json_checked
+write_atomic = nodefacts.write_atomic
 
 
 def check_run_id(run_id: str) -> str:
@@ -120,48 +93,6 @@ def check_run_dir(run_dir: str) -> str:
         raise Refused("not a run directory (BASE/runs/ID): %r" % run_dir)
     check_run_id(name)
     return run_dir
-
-
-def pid_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat, or None when the pid is gone or a zombie."""
-    try:
-        with open("/proc/%d/stat" % int(pid), "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except (OSError, ValueError, TypeError):
-        return None
-    rest = stat[stat.rfind(")") + 2:].split()  # comm may hold spaces and parens
-    if not rest or rest[0] == "Z":
-        return None
-    return int(rest[19])
-
-
-def process_matches(pid: object, pid_start: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    start = pid_start_time(pid)
-    if start is None:
-        return False
-    return pid_start is None or start == pid_start
-
-
-def supervisor_alive(run_dir: str) -> int | None:
-    """The pid of the run's live supervisor (runs.py supervise), or None."""
-    supervisor = supervisor_of(read_json(os.path.join(run_dir, "launch.json")) or {})
-    pid = supervisor.get("pid")
-    return pid if process_matches(pid, supervisor.get("pid_start")) and isinstance(pid, int) else None
-
-
-def supervisor_of(launch: dict) -> dict:
-    found = launch.get("supervisor")
-    return found if isinstance(found, dict) else {}
-
-
-def run_process(run_dir: str, status: dict | None) -> tuple[int | None, object]:
-    """(pid, pid_start) of the run: status.json first, then ops' launch.json."""
-    for doc in (status, read_json(os.path.join(run_dir, "launch.json"))):
-        if doc and isinstance(doc.get("pid"), int):
-            return doc["pid"], doc.get("pid_start")
-    return None, None
 
 
 def tail_lines(path: str, n: int) -> str:
@@ -228,8 +159,7 @@ def describe_run(run_dir: str, now: float) -> dict:
     info["run_id"] = os.path.basename(run_dir)
     info["has_status"] = status is not None
     info["broken"] = broken
-    pid, pid_start = run_process(run_dir, status)
-    alive = process_matches(pid, pid_start)
+    alive = nodefacts.process_matches(*nodefacts.run_process(run_dir, status))
     info["alive"] = alive
     info["gpus"] = run_gpus(run_dir, status)
     launch = read_json(os.path.join(run_dir, "launch.json")) or {}
@@ -237,8 +167,7 @@ def describe_run(run_dir: str, now: float) -> dict:
     restarts = read_json(os.path.join(run_dir, RESTARTS_FILE))
     info["restart_policy"] = restarts.get("policy") if restarts else None
     info["restarts"] = restarts.get("restarts", []) if restarts else []
-    supervisor = supervisor_of(launch)
-    supervised = process_matches(supervisor.get("pid"), supervisor.get("pid_start"))
+    supervised = nodefacts.run_supervisor(run_dir) is not None
     info["supervised"] = supervised
     # between two attempts the trainer is gone and status.json is the last attempt's
     between = supervised and not (alive and (status or {}).get("pid") == launch.get("pid"))
@@ -264,12 +193,14 @@ def describe_run(run_dir: str, now: float) -> dict:
         info["reason"] = broken + ("; the process still runs" if alive else "")
     elif between and state not in ("stopped", "done"):
         info["alive"] = True
-        info["effective_state"] = "restarting"
         last = info["restarts"][-1] if info["restarts"] else None
-        info["reason"] = ("restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
-                                                          last["reason"])
-                          if last and restarts else "the supervisor is starting the trainer")
-    elif state in FINAL_STATES:
+        if last and restarts and (last.get("time") or 0) >= (launch.get("time") or 0):
+            info["effective_state"] = "restarting"
+            info["reason"] = "restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
+                                                             last["reason"])
+        else:  # the first attempt of this start has not written its status yet
+            info["effective_state"] = "starting"
+    elif state in nodefacts.FINAL_STATES:
         info["effective_state"] = state
         info["alive"] = alive or supervised  # a supervisor still ending counts: not over yet
     elif alive:
@@ -355,13 +286,13 @@ def run_is_over(run_dir: str) -> bool:
     cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
     if not os.path.isdir(run_dir):
         return True  # the run directory was removed: nothing more will be written
-    if supervisor_alive(run_dir) is not None:
+    if nodefacts.run_supervisor(run_dir) is not None:
         return False  # between two attempts, or the last one ending: its supervisor still runs
     status = read_json(os.path.join(run_dir, "status.json"))
-    pid, pid_start = run_process(run_dir, status)
-    if pid is not None and not process_matches(pid, pid_start):
+    pid, pid_start = nodefacts.run_process(run_dir, status)
+    if pid is not None and not nodefacts.process_matches(pid, pid_start):
         return True
-    if not status or status.get("state") not in FINAL_STATES:
+    if not status or status.get("state") not in nodefacts.FINAL_STATES:
         return False
     heartbeat = status.get("heartbeat")
     stale = not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > EXIT_GRACE_S
@@ -513,7 +444,7 @@ def cmd_control(args: argparse.Namespace) -> None:
     request_id = os.urandom(6).hex()
     tmp = os.path.join(control, ".%s.%s.tmp" % (args.kind, request_id))
     final = os.path.join(control, args.kind)
-    write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
+    nodefacts.write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
     try:
         os.link(tmp, final)
     except FileExistsError:
@@ -528,47 +459,7 @@ def cmd_control(args: argparse.Namespace) -> None:
     sys.stdout.write(request_id + "\n")
 
 
-def write_file_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    write_file_synced(tmp, data)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- starting a run
-
-GPUS_RE = re.compile(r"^[0-9]{1,4}(,[0-9]{1,4})*$")
-
-
-def parse_gpus(text: str | None) -> list[int]:
-    """'0,1' -> [0, 1]; '' or None -> [] (no GPU). Anything else is refused: an empty item,
-    a sign, a space, a duplicate; a silently dropped item would let two runs share a GPU."""
-    if not text:
-        return []
-    if not GPUS_RE.match(text):
-        raise Refused("--gpus must be comma-separated GPU indices like 0,1, got %r" % text)
-    gpus = [int(g) for g in text.split(",")]
-    if len(set(gpus)) != len(gpus):
-        raise Refused("--gpus names a GPU twice: %r" % text)
-    return sorted(gpus)
-
-
-def start_lock(runs_root: str) -> int:
-    """An exclusive lock on runs/.start.lock: the GPU check and the launch of one start
-    happen before the next start's check, so two starts can't both claim a free GPU."""
-    import fcntl
-
-    os.makedirs(runs_root, exist_ok=True)
-    fd = os.open(os.path.join(runs_root, ".start.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
 
 def set_aside_stale_requests(run_dir: str) -> list[str]:
     """Control requests left by a trainer that was killed before it served them: a stale
@@ -596,13 +487,9 @@ def gpu_conflicts(base: str, wanted: list[int], own_run_dir: str) -> list[dict]:
         if os.path.abspath(run_dir) == os.path.abspath(own_run_dir):
             continue
         status = read_json(os.path.join(run_dir, "status.json"))
-        if status and status.get("state") in FINAL_STATES:
+        pid = nodefacts.live_pid(run_dir, status)  # the trainer's, or between two attempts its supervisor's
+        if pid is None:
             continue
-        pid, pid_start = run_process(run_dir, status)
-        if pid is None or not process_matches(pid, pid_start):
-            pid = supervisor_alive(run_dir)  # between two attempts the supervisor holds the GPUs
-            if pid is None:
-                continue
         held = sorted(set(run_gpus(run_dir, status)) & set(wanted))
         if held:
             conflicts.append({"run_id": os.path.basename(run_dir), "pid": pid, "gpus": held})
@@ -658,7 +545,10 @@ def cmd_start(args: argparse.Namespace) -> None:
     python = release_python(args.base, release_root, args.python)
     runs_root = os.path.join(args.base, "runs")
     run_dir = os.path.join(runs_root, args.run_id)
-    gpus = parse_gpus(args.gpus)
+    try:
+        gpus = nodefacts.parse_gpus(args.gpus)
+    except ValueError as e:
+        raise Refused(str(e)) from None
     config_bytes = None
     if args.config is not None:
         config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
@@ -667,7 +557,7 @@ def cmd_start(args: argparse.Namespace) -> None:
     if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
     max_restarts = parse_restart(args.restart)
-    lock = start_lock(runs_root)
+    lock = nodefacts.start_lock(runs_root)
     try:
         child = launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts)
     finally:
@@ -724,10 +614,10 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
         if not os.path.isdir(run_dir):
             raise Refused("no run %s to resume" % args.run_id)
         status = read_json(os.path.join(run_dir, "status.json"))
-        pid, pid_start = run_process(run_dir, status)
-        if pid is not None and process_matches(pid, pid_start):
+        pid, pid_start = nodefacts.run_process(run_dir, status)
+        if pid is not None and nodefacts.process_matches(pid, pid_start):
             raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=EXIT_REFUSED, running_pid=pid)
-        supervisor = supervisor_alive(run_dir)
+        supervisor = nodefacts.run_supervisor(run_dir)
         if supervisor is not None:
             raise Refused("run %s is being restarted by its supervisor (pid %d); stop it first"
                           % (args.run_id, supervisor), code=EXIT_REFUSED, running_pid=supervisor)
@@ -765,12 +655,12 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
         if max_restarts is None:
             child = subprocess.Popen(argv, cwd=release_root, env=env, stdin=devnull, stdout=log,
                                      stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
-            record.update(pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv)
+            record.update(pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv)
         else:  # the supervisor starts the trainer once launch.json names it (its stdin's EOF says go)
             child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "supervise", run_dir],
                                      cwd=release_root, env=env, stdin=subprocess.PIPE, stdout=log,
                                      stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
-            record["supervisor"] = {"pid": child.pid, "pid_start": pid_start_time(child.pid)}
+            record["supervisor"] = {"pid": child.pid, "pid_start": nodefacts.process_start_ticks(child.pid)}
             old = read_json(os.path.join(run_dir, RESTARTS_FILE)) if args.resume is not None else None
             history = old.get("restarts") if old and isinstance(old.get("restarts"), list) else []
             # the run's history is kept; this start gets N restarts of its own
@@ -844,7 +734,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         oom_before = oom_kills()
         with open(os.devnull, "rb") as devnull:
             child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
-        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=pid_start_time(child.pid), argv=argv,
+        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv,
                       oom_kills=oom_before)
         write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
         code = child.wait()
@@ -867,7 +757,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
             write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
             append_line(log, "# dflash-ops supervise: %s; no restart left (%d used): the run stays failed\n"
                         % (reason, used))
-            if state not in FINAL_STATES:  # killed before it could say so
+            if state not in nodefacts.FINAL_STATES:  # killed before it could say so
                 write_status_failed(run_dir, status, reason)
             return code if code > 0 else 128 - code
         used += 1
@@ -884,7 +774,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
             entry["from"] or "the start (no checkpoint yet)"))
-        set_aside_stale_requests(run_dir)
+        # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
 
 
@@ -954,7 +844,7 @@ def launched_process(run_dir: str) -> tuple[int | None, str | None]:
     pid, pid_start, argv = launch.get("pid"), launch.get("pid_start"), launch.get("argv")
     if not (isinstance(pid, int) and pid > 1 and isinstance(pid_start, int) and isinstance(argv, list) and argv):
         return None, "launch.json does not identify a process"
-    if pid_start_time(pid) != pid_start:
+    if nodefacts.process_start_ticks(pid) != pid_start:
         return None, "not running"
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as f:
@@ -1066,9 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except Refused as e:
-        print_json({"error": str(e), **e.extra})
-        sys.stderr.write("runs.py %s: %s\n" % (args.command, e))
-        return e.code
+        return e.answer("runs.py %s" % args.command)
     except BrokenPipeError:
         return EXIT_BROKEN_PIPE
 

@@ -30,25 +30,25 @@ import time
 import urllib.error
 import urllib.request
 
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.service
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CHILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOG_TAIL_BYTES = 4000
-EXIT_BAD = 2
+EXIT_BAD = nodefacts.EXIT_BAD_INPUT  # (Failed's default)
 EXIT_REFUSED = 3
 EXIT_DIED = 4
 EXIT_TIME_UP = 6
 
 
-class Failed(Exception):
-    def __init__(self, message: str, code: int = EXIT_BAD, **extra: object) -> None:
-        super().__init__(message)
-        self.code = code
-        self.extra = extra
-
-
-def print_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
+Failed = nodefacts.Refused
+print_json = nodefacts.print_json
+read_json = nodefacts.read_json
+write_json_atomic = nodefacts.write_json_atomic
+proc_stat = nodefacts.proc_stat
 
 
 def service_dir(base: str, name: str) -> str:
@@ -59,39 +59,6 @@ def service_dir(base: str, name: str) -> str:
 
 def record_path(base: str, name: str) -> str:
     return os.path.join(service_dir(base, name), "service.json")
-
-
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, session id, start time) of a pid, or None when it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            text = f.read().decode("ascii", "replace")
-    except (OSError, ValueError):
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    return rest[0], int(rest[3]), int(rest[19])
-
-
-def alive(pid: int, start: int) -> bool:
-    stat = proc_stat(pid)
-    return stat is not None and stat[0] != "Z" and stat[2] == start
 
 
 def members(record: dict) -> list[int]:
@@ -188,7 +155,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
     while True:
         try:
             with opener.open(args.url, timeout=5) as response:
-                if response.status == 200 and alive(record["pid"], record["pid_start"]):
+                if response.status == 200 and nodefacts.process_matches(record["pid"], record["pid_start"]):
                     print_json({"ready": True, "url": args.url, "pid": record["pid"]})
                     return 0
                 last = "HTTP %d" % response.status
@@ -196,7 +163,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
             last = "HTTP %d" % e.code
         except (urllib.error.URLError, OSError) as e:
             last = str(getattr(e, "reason", None) or e)
-        if not alive(record["pid"], record["pid_start"]):
+        if not nodefacts.process_matches(record["pid"], record["pid_start"]):
             raise Failed("service %s exited before %s answered" % (args.name, args.url), EXIT_DIED,
                          log_tail=log_tail(record["log"]))
         if time.monotonic() > deadline:
@@ -251,9 +218,7 @@ def main(argv: list[str]) -> int:
     try:
         return args.func(args) or 0
     except Failed as e:
-        print_json({"error": str(e), **e.extra})
-        sys.stderr.write("service.py: %s\n" % e)
-        return e.code
+        return e.answer("service.py")
 
 
 if __name__ == "__main__":

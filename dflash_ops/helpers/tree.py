@@ -44,9 +44,10 @@ import stat
 import sys
 import time
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
-    from typing import BinaryIO
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
 
 CHUNK = 1 << 20
 FILE_REL = "."  # the one entry of a single-file push
@@ -60,17 +61,10 @@ class Refused(Exception):
     pass
 
 
-def print_json(obj: object) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+print_json = nodefacts.print_json
+read_json = nodefacts.read_json
+fsync_dir = nodefacts.fsync_dir
+sha256_file = nodefacts.sha256_file
 
 
 def check_dest(dest: str) -> str:
@@ -108,22 +102,9 @@ def record_path(base: str, dest: str) -> str:
     return os.path.join(base, "pushed", hashlib.sha256(dest.encode()).hexdigest()[:32] + ".json")
 
 
-def read_json(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def write_json_atomic(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    nodefacts.write_json_atomic(path, obj)
 
 
 def walk_files(root: str) -> list[str]:
@@ -415,7 +396,7 @@ def matches(path: str, want: dict, cached: dict | None = None) -> bool:
     return sha256_file(path) == want["sha256"]
 
 
-def read_request(stream: BinaryIO) -> dict:
+def read_request(stream: nodefacts.BinaryIO) -> dict:
     line = stream.readline()
     try:
         request = json.loads(line)
@@ -524,7 +505,7 @@ def lock_stage(stage: str) -> int:
             time.sleep(0.2)
 
 
-def receive_file(stream: BinaryIO, stage: str, rel: str, offset: int, length: int, want: dict) -> bool:
+def receive_file(stream: nodefacts.BinaryIO, stage: str, rel: str, offset: int, length: int, want: dict) -> bool:
     """Append one frame to rel's .part; rename it into the stage when complete and verified."""
     final = staged_path(stage, rel)
     part = final + ".part"
@@ -602,14 +583,6 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(base: str, dest: str, request: dict, stage: str) -> int:
     """Complete the staged tree from DEST's unchanged files, verify it, record it, swap it in."""
     files = request["files"]
@@ -684,7 +657,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
     return 0
 
 
-def receive_frames(stream: BinaryIO, stage: str, files: dict) -> tuple[str | None, int]:
+def receive_frames(stream: nodefacts.BinaryIO, stage: str, files: dict) -> tuple[str | None, int]:
     """Stage every frame up to the end frame: (None, bytes received), or (where, bytes received)
     when the stream was cut off first."""
     received = 0

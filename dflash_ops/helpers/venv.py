@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import secrets
 import shutil
 import site
 import subprocess
@@ -38,9 +37,10 @@ import sysconfig
 import tarfile
 import time
 
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
-if TYPE_CHECKING:
-    from typing import BinaryIO
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.venv
+    from . import nodefacts
+else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    import nodefacts  # type: ignore[no-redef]
 
 VENV_META = ".dflash-venv.json"
 PARENT_PTH = "_dflash_parent_site.pth"
@@ -181,7 +181,7 @@ def check_satisfied(venv_python: str, requirements: str) -> bool:
                           stdout=subprocess.DEVNULL).returncode == 0
 
 
-def build(base: str, lock: str, args: argparse.Namespace, stream: BinaryIO) -> dict:
+def build(base: str, lock: str, args: argparse.Namespace, stream: nodefacts.BinaryIO) -> dict:
     venvs = os.path.join(base, "venvs")
     os.makedirs(venvs, exist_ok=True)
     final = os.path.join(venvs, lock)
@@ -246,46 +246,14 @@ def build(base: str, lock: str, args: argparse.Namespace, stream: BinaryIO) -> d
             "seconds": round(time.time() - started, 3)}
 
 
-SCRATCH_MARK = ".dflash-scratch"
-SCRATCH_RE = re.compile(r"^\.tmp-venv-(\d+)-(\d+)-[0-9a-f]{8}$")
-
-
-def pid_start(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def make_scratch_dir(parent: str, kind: str) -> str:
-    """`.tmp-venv-PID-STARTTICKS-RANDOM`, marked inside with its own name (as release.py does)."""
-    pid = os.getpid()
-    name = f".tmp-{kind}-{pid}-{pid_start(pid)}-{secrets.token_hex(4)}"
-    path = os.path.join(parent, name)
-    os.mkdir(path)
-    try:
-        with open(os.path.join(path, SCRATCH_MARK), "w") as f:
-            f.write(name)
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    return path
+make_scratch_dir = nodefacts.make_scratch_dir
 
 
 def clean_stale(parent: str) -> None:
     """Remove scratch dirs of dead builds that prove they are ours; nothing else."""
     for name in os.listdir(parent):
-        m = SCRATCH_RE.match(name)
-        if not m or pid_start(int(m.group(1))) == int(m.group(2)):
-            continue
         path = os.path.join(parent, name)
-        try:
-            with open(os.path.join(path, SCRATCH_MARK)) as f:
-                ours = f.read() == name
-        except OSError:
-            ours = False
-        if ours and not os.path.islink(path):
+        if nodefacts.stale_scratch_kind(parent, name, ("venv",)) and os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
 
 

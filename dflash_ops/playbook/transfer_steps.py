@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_ops.extras import trainer_missing, trainer_module_in
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.progress import ByteBar
 from dflash_ops.services import service_log, start_service, stop_service, wait_service
@@ -64,6 +65,9 @@ def _local(ctx: StepContext, params: dict) -> dict:
         ctx.say(line)
     code = proc.wait()
     if code != 0 and params.get("check", True):
+        module = trainer_module_in("\n".join(lines[-20:]))
+        if module:
+            raise StepFailed(str(trainer_missing(f"{argv!r} (exit status {code})", [module])))
         raise StepFailed(f"{argv!r} exited with status {code}")
     return {"exit_code": code, "stdout": "\n".join(lines).strip()}
 

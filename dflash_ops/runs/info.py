@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.helpers.runs import FINAL_STATES  # the helper decides what is final; named once
+from dflash_ops.helpers.nodefacts import FINAL_STATES  # the helpers decide what is final; named once
 
 __all__ = ["FINAL_STATES", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound", "RunRefused"]
 

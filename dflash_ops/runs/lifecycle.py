@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_ops.errors import UsageError
+from dflash_ops.helpers import nodefacts
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
@@ -58,15 +59,16 @@ def new_run_id(name: str | None = None, now: float | None = None) -> str:
 
 
 def parse_gpus(text: str) -> list[int]:
-    """`--gpus 0,1` -> [0, 1]. An empty item, a sign, a non-integer or a duplicate is refused:
-    dropping one silently would let two runs claim the same GPU."""
-    items = text.split(",")
-    if not all(item.strip().isdigit() and item.strip().isascii() for item in items):
-        raise RunError(f"--gpus {text!r}: expected comma-separated GPU indices, e.g. 0,1")
+    """`--gpus 0,1` -> [0, 1], by the grammar the runs helper applies (nodefacts.parse_gpus): an
+    empty item, a sign, a space or a duplicate is refused, since dropping one silently would let
+    two runs claim the same GPU. An empty `--gpus` is refused too (leave the option out instead)."""
     try:
-        return check_gpus([int(item) for item in items])
-    except RunError as e:
-        raise RunError(f"--gpus {text!r}: {e}") from None
+        gpus = nodefacts.parse_gpus(text)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if not gpus:
+        raise RunError("--gpus '': expected comma-separated GPU indices, e.g. 0,1")
+    return gpus
 
 
 def check_gpus(gpus: object) -> list[int]:

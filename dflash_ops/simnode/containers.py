@@ -15,6 +15,7 @@ from dflash_ops.simnode import rootfs
 from dflash_ops.simnode.pct import Node as SimNode
 
 BACKENDS = ("lxc", "directory")
+CREATED_ROOTS: set[str] = set()  # state roots create() made containers in (test fixtures stop them at the end)
 BACKEND_ENV = "DFLASH_OPS_SIM_BACKEND"
 
 SIM_TEMPLATE = "local:vztmpl/dflash-sim-debian.tar.zst"  # recorded in the config; nothing is unpacked
@@ -71,12 +72,15 @@ def is_created(sim_root: str | Path, ctid: int | str) -> bool:
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,
                 python: str | None = None, packages: Sequence[str] | None = None,
-                backend: str | None = None, network: bool = False, memory_mb: int | None = None) -> list[str]:
+                backend: str | None = None, network: bool = False, memory_mb: int | None = None,
+                binds: Sequence[str] = ()) -> list[str]:
     """`pct create CTID TEMPLATE --start 1 ...` for the stand-in.
 
     `backend`: lxc or directory (default: pick_backend()); `network`: a `--net0` (an LXC
     container then shares the node's network; without one it has only loopback, as a CT without
-    net0 on a node); `memory_mb`: `--memory`, the container's memory limit.
+    net0 on a node); `memory_mb`: `--memory`, the container's memory limit; `binds`: node
+    directories an LXC container sees at the same path (`--mpN DIR,mp=DIR`, an admin's bind mount
+    points; the test tiers bind each container's test directory so tests read what it wrote).
     `python` (directory containers): the base interpreter of the container's python3 (default:
     the stand-in's); `packages`: what its python sees besides the stdlib (default: the trainer's;
     () for none): for an LXC container the operator's whole site-packages, bound read-only.
@@ -89,6 +93,9 @@ def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = N
         argv += ["--net0", "name=eth0,bridge=vmbr0,ip=dhcp"]
     if memory_mb is not None:
         argv += ["--memory", str(memory_mb)]
+    if backend == "lxc":
+        for index, directory in enumerate(binds, start=1):  # mp0: the trainer's packages
+            argv += [f"--mp{index}", f"{directory},mp={directory}"]
     if hostname:
         argv += ["--hostname", hostname]
     if python:
@@ -115,13 +122,33 @@ def stand_in_argv(sim_root: str | Path) -> list[str]:
 
 def create(sim_root: str | Path, ctid: int | str, *, python: str | None = None,
            packages: Sequence[str] | None = None, hostname: str | None = None, backend: str | None = None,
-           network: bool = False, memory_mb: int | None = None) -> str:
-    """Create (and start) a simulated container directly, as a test fixture's setup; returns its python."""
+           network: bool = False, memory_mb: int | None = None, binds: Sequence[str] = (),
+           prefix: Sequence[str] = ()) -> str:
+    """Create (and start) a simulated container directly, as a test fixture's setup; returns its python.
+
+    `prefix`: runs the stand-in under it (`ip netns exec NS`: the node of the many-node tier)."""
     import subprocess
 
-    proc = subprocess.run(create_argv(stand_in_argv(sim_root), ctid, hostname=hostname, python=python,
-                                      packages=packages, backend=backend, network=network, memory_mb=memory_mb),
-                          capture_output=True, text=True)
+    argv = create_argv(stand_in_argv(sim_root), ctid, hostname=hostname, python=python, packages=packages,
+                       backend=backend, network=network, memory_mb=memory_mb, binds=binds)
+    for directory in binds:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    CREATED_ROOTS.add(str(sim_root))
+    proc = subprocess.run([*prefix, *argv], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"pct create {ctid} failed ({proc.returncode}): {proc.stderr.strip()}")
     return container_python(sim_root, ctid)
+
+
+def stop_all(sim_root: str | Path, prefix: Sequence[str] = ()) -> None:
+    """Stop every running LXC container of a state root (lxc-stop -k; `prefix`: `ip netns exec NS`
+    for a node in a network namespace, where its containers' command sockets are)."""
+    import shutil
+    import subprocess
+
+    stop = shutil.which("lxc-stop")
+    lxcpath = SimNode(Path(sim_root)).lxc_path()
+    if stop is None or not lxcpath.is_dir():
+        return
+    for config in sorted(lxcpath.glob("*/config")):
+        subprocess.run([*prefix, stop, "-P", str(lxcpath), "-n", config.parent.name, "-k"], capture_output=True)

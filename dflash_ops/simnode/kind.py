@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from dflash_ops.errors import TransportError
+from dflash_ops.extras import require_trainer
 from dflash_ops.nodekind import Fail, KindFactory, KindKeys, NodeKind
 from dflash_ops.render import node_command
 from dflash_ops.simnode import containers as simct
@@ -56,6 +57,7 @@ class SimulatedNode(NodeKind):
         with _create_lock:
             if simct.is_created(self.root, ctid):
                 return
+            require_trainer(f"simulated CT {ctid} (its python links them from this one)")
             argv = simct.create_argv(self.pct, ctid, hostname=hostname, backend=simct.pick_backend(self.backend_choice),
                                      network=True)
             result = transport.run(node_command(argv))

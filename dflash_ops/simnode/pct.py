@@ -480,8 +480,10 @@ def cmd_create(node: Node, words: list[str]) -> int:
     an LXC container gets this interpreter's whole site-packages bound read-only (mp0) as its
     /usr/local/lib/python3.X/dist-packages, which needs the same python minor version as the rootfs's.
     """
+    mount_points = {f"mp{i}" for i in range(10)}
     positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages",
-                                             "sim-backend", "sim-rootfs", "memory", "swap", "cores", "net0"})
+                                             "sim-backend", "sim-rootfs", "memory", "swap", "cores", "net0",
+                                             *mount_points})
     vmid, template = need(positional, ["vmid", "ostemplate"], "create")
     check_vmid(vmid)
     for name in ("memory", "swap", "cores"):
@@ -498,7 +500,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
         names = list(DEFAULT_SIM_PACKAGES) if packages is None else [p for p in packages.split(",") if p]
         ct_root = node.ct_root(vmid)
         hostname = opts.get("hostname") or f"CT{vmid}"  # API2/LXC.pm: hostname defaults to "CT$vmid"
-        extra = [f"{k}: {opts[k]}\n" for k in ("memory", "swap", "cores", "net0") if k in opts]
+        extra = [f"{k}: {opts[k]}\n" for k in ("memory", "swap", "cores", "net0", *sorted(mount_points)) if k in opts]
         if backend == "lxc":
             rootfs = opts.get("sim-rootfs")
             if not rootfs or not os.path.isfile(os.path.join(rootfs, "sbin", "init.lxc")):
@@ -506,7 +508,9 @@ def cmd_create(node: Node, words: list[str]) -> int:
             if "sim-python" in opts:
                 raise PctError("sim-python: an LXC container runs its rootfs's python3\n")
             if names:
-                extra.append(f"mp0: {_site_packages_for(rootfs)},mp=/usr/local/lib/python{_rootfs_python(rootfs)}/dist-packages,ro=1\n")
+                if "mp0" in opts:
+                    raise PctError("mp0: taken by the trainer's packages (--sim-packages); use mp1..mp9\n")
+                extra.insert(0, f"mp0: {_site_packages_for(rootfs)},mp=/usr/local/lib/python{_rootfs_python(rootfs)}/dist-packages,ro=1\n")
             node.upper_dir(vmid).mkdir(parents=True, exist_ok=True)
             unprivileged = False  # runs privileged (an idmapped CT needs subuid ranges and a shifted rootfs)
             described = f"backend: lxc; rootfs: {rootfs}"

@@ -143,8 +143,10 @@ class SshdNode:
                 self.proc.wait()
 
     def close(self) -> None:
-        """stop(), and remove what start_sshd set up outside workdir (a sudo login, its keys dir)."""
+        """stop(), stop its LXC containers, and remove what start_sshd set up outside workdir (a sudo
+        login, its keys dir)."""
         self.stop()
+        simct.stop_all(self.sim_root, ["ip", "netns", "exec", self.netns] if self.netns else ())
         while self.cleanup:
             self.cleanup.pop()()
 
@@ -302,9 +304,15 @@ def start_sshd(
         "",
     ]), mode=0o600)
     sim_root = workdir / "sim"
+    backend = simct.pick_backend()
     for ctid in ctids:  # the containers exist because the node's admin created them
         if not simct.is_created(sim_root, ctid):
-            simct.create(sim_root, ctid, hostname=f"host{ctid}")
+            # An LXC container sees its test directory WORKDIR/ct<ctid> (its base_dir's) at the same
+            # path; a node in a network namespace creates (so starts) it there, with a net0: it
+            # shares the node's network, where the other nodes' ranks reach it.
+            simct.create(sim_root, ctid, hostname=f"host{ctid}", backend=backend,
+                         binds=[str(workdir / f"ct{ctid}")] if backend == "lxc" else (),
+                         network=netns is not None, prefix=["ip", "netns", "exec", netns] if netns else ())
     bin_dir = workdir / "bin"
     bin_dir.mkdir(exist_ok=True)
     pct = bin_dir / "pct"

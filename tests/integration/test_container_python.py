@@ -53,7 +53,8 @@ def test_stand_in_parses_as_the_oldest_supported_operator_python():
 @pytest.mark.slow
 def test_deploy_venv_run_pull_with_the_oldest_container_python(tmp_path):
     python = oldest_python()
-    inventory = load_inventory(write_sim_inventory(tmp_path / "simnode", python=python, packages=()))
+    inventory = load_inventory(write_sim_inventory(tmp_path / "simnode", python=python, packages=(),
+                                                         backend="directory"))
     container = open_container(inventory, "host200")
     version = container.exec([container.target.python, "-c", "import sys; print(sys.version_info[:2])"], check=True)
     if python != "/usr/bin/python3":

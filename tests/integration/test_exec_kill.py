@@ -87,7 +87,7 @@ def test_ctrl_c_stops_the_command_inside_an_lxc_container(lxc_inventory, timeout
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0 and "survived" not in out
-    _wait_for(lambda: not _sleepers(marker), "no sleep left in the container", 30)
+    _wait_for(lambda: not _sleepers(marker), f"no sleep left in the container (dflash-ops said: {_err!r})", 60)
 
 
 def test_timeout_leaves_nothing_in_an_lxc_container(lxc_inventory):

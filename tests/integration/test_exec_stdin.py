@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ops.inventory import load_inventory
+
 from tests.conftest import write_sim_inventory
 
 HANG_GUARD_S = 120  # only catches a hang; never a speed bound
@@ -32,7 +34,10 @@ def _exec(inventory: Path, *argv: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def test_piped_stdin_reaches_the_command(inventory, tmp_path):
-    out = tmp_path / "f"
+    # beside base_dir: a path this machine and the container both see (an LXC container of the
+    # test tiers has its test directory bound at the same path)
+    out = Path(load_inventory(inventory).target("host200").base_dir).parent / f"f-{tmp_path.name}"
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = _exec(inventory, "tee", str(out), input=b"important\n")
     assert result.returncode == 0, result.stderr
     assert out.read_bytes() == b"important\n"

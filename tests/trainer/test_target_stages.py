@@ -332,3 +332,30 @@ def test_the_loader_refuses_a_stage_above_the_budget_before_reading_it(qwen3_mod
     split = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3), torch.float32,
                         log=lambda _: None, budget=300_000)
     assert not base_model(split).layers[2].self_attn.q_proj.weight.is_meta
+
+
+def test_taps_for_a_stage_on_another_device_travel_whole_and_are_written_by_the_last_stage():
+    """A stage whose feature slot lives on another device sends each tapped output there contiguous
+    (`pending`); the slot's own stage writes them in (a strided write across devices could stage
+    through a temporary on the destination's default stream, outside the hand-off events)."""
+    from trainer.models.stages import run_layers, stage_inputs, tap_columns, write_pending
+    from trainer.models.target import packed_mask_mapping
+
+    model = _model("qwen3")
+    base = base_model(model)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(8))
+    layer_ids = [0, 2, 2]
+    direct = target_context_features(model, ids, None, layer_ids)
+    with torch.no_grad():
+        hidden = base.embed_tokens(ids)
+        inputs = stage_inputs(base, hidden, packed_mask_mapping(base, None), None)
+        pending: list = []
+        elsewhere = torch.empty(2, 7, 96, device="meta")  # the slot on "another device"
+        run_layers(base, hidden, 0, 3, inputs, tap_columns(layer_ids), elsewhere, pending)
+    assert [(k, t.device.type, t.is_contiguous()) for k, t in pending] == [(0, "meta", True), (1, "meta", True),
+                                                                           (2, "meta", True)]
+    out = torch.zeros_like(direct)  # what arrives on the slot's device, written there in its columns
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True).hidden_states
+    write_pending(out, [(k, full[layer_ids[k] + 1]) for k, _ in pending])
+    assert torch.equal(out, direct)

@@ -248,11 +248,8 @@ def test_an_unwritable_base_dir_fails_with_the_fix():
 
 
 def test_helper_reads_nvidia_majors(monkeypatch, tmp_path):
-    import importlib.util
+    from dflash_ops.helpers import doctor as helper
 
-    spec = importlib.util.spec_from_file_location("doctor_helper", HELPER)
-    helper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helper)
     fake = tmp_path / "devices"
     fake.write_text("Character devices:\n  1 mem\n195 nvidia-frontend\n508 nvidia-uvm\n\nBlock devices:\n  8 sd\n")
     real_open = open

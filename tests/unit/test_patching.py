@@ -16,7 +16,7 @@ from dflash_ops.patching import diff as diff_module
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "patches"
 RELEASE = FIXTURES / "release"
 IMPORT_CHECK = Path(__file__).resolve().parents[2] / "dflash_ops" / "helpers" / "import_check.py"
-DATA = "trainer/data/batches.py"
+DATA = "trainer/data.py"
 
 
 def fixture_diff(name: str) -> str:
@@ -57,7 +57,7 @@ def test_field_patch_in_its_corrected_form_is_accepted(release, tmp_path):
     patched = tmp_path / "patched"
     shutil.copytree(release, patched)
     report.write_to(patched)
-    out = subprocess.run([sys.executable, str(IMPORT_CHECK), str(patched), "trainer.data.batches"], capture_output=True)
+    out = subprocess.run([sys.executable, str(IMPORT_CHECK), str(patched), "trainer.data"], capture_output=True)
     assert out.returncode == 0 and json.loads(out.stdout)["ok"] is True
     assert not list(patched.rglob("__pycache__"))
 
@@ -82,13 +82,13 @@ def test_allow_moves_accepts_a_reachable_move(release):
              return i
 """
     refused = check_patch(release, diff)
-    assert [str(p) for p in refused.problems] == ["trainer/data/batches.py:7: def bucket_of disappears"]
+    assert [str(p) for p in refused.problems] == ["trainer/data.py:7: def bucket_of disappears"]
     allowed = check_patch(release, diff, allow_moves=True)
     assert allowed.ok and [p.kind for p in allowed.notes] == ["removed"]
 
 
 def start_hunk(old: str, new: str) -> str:
-    """A diff of trainer/data/batches.py that replaces line 24 (`old`, in BatchPrefetcher.start) by `new`."""
+    """A diff of trainer/data.py that replaces line 24 (`old`, in BatchPrefetcher.start) by `new`."""
     return f"""--- a/trainer/data.py
 +++ b/trainer/data.py
 @@ -23,3 +23,3 @@
@@ -109,7 +109,7 @@ def test_hunk_that_does_not_apply_is_refused(release):
     report = check_patch(release, start_hunk("self.thread.launch()", "self.thread.start()"))
     assert len(report.problems) == 1
     message = str(report.problems[0])
-    assert message == ("trainer/data/batches.py:23: hunk #1 (@@ -23,3 +23,3 @@) does not apply: "
+    assert message == ("trainer/data.py:23: hunk #1 (@@ -23,3 +23,3 @@) does not apply: "
                        "at line 24 expected '        self.thread.launch()', found '        self.thread.start()'")
 
 
@@ -289,7 +289,7 @@ def test_git_sections_of_plain_text_changes_and_new_regular_files_still_parse():
             "diff --git a/gone.py b/gone.py\ndeleted file mode 100644\nindex 4444444..0000000\n"
             "--- a/gone.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-z = 1\n")
     assert [(p.old_path, p.new_path) for p in parse_unified_diff(diff)] == [
-        ("trainer/data/batches.py", "trainer/data/batches.py"), (None, "new.py"), ("gone.py", None)]
+        ("trainer/data.py", "trainer/data.py"), (None, "new.py"), ("gone.py", None)]
 
 
 def test_many_hunks_each_match_at_their_stated_line_or_the_nearest_one():

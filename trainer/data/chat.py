@@ -157,7 +157,7 @@ def prompt_messages(row: object, where: str) -> list[dict]:
     if isinstance(row, dict) and "prompt" in row and detect_format(row) is None:
         row = {**row, "response": ""}
     kind = detect_format(row)
-    if kind is None:
+    if kind is None or not isinstance(row, dict):  # a known format is a JSON object
         raise DataError(f"{where}: unknown record; {PROMPT_KNOWN}")
     return CONVERTERS[kind](row, where)
 

@@ -31,6 +31,7 @@ class PackedBatch(Batch):
 
     @property
     def documents(self) -> int:
+        assert self.doc_start is not None, "a packed batch has document starts"
         ar = torch.arange(self.doc_start.shape[1])
         return int(((self.doc_start == ar) & (self.attention_mask > 0)).sum())
 

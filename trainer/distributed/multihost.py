@@ -39,7 +39,7 @@ from trainer.models.masks import Blocks
 from trainer.pipeline.stopping import StopSignal
 
 STOP_CODES = {None: 0, "control": 1, "signal": 2}
-STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}
+STOP_REASONS = {code: reason for reason, code in STOP_CODES.items() if reason is not None}
 EXIT_GRACE_S = 5.0  # after a peer is lost: time for the run to end by itself before the watchdog ends it
 
 

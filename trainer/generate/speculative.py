@@ -61,7 +61,7 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
     """The drafter's layers over one block x [B, bs, H], attending to each layer's cached context
     keys/values followed by the block itself (mask [B, 1, 1, context + bs])."""
     b, t, _ = x.shape
-    for i, layer in enumerate(d.layers):
+    for i, layer in enumerate(d.blocks()):
         a = layer.self_attn
         h = layer.input_layernorm(x)
         q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
@@ -84,7 +84,7 @@ def _context_kv(drafter: DFlashDrafter, features: torch.Tensor, positions: torch
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
     b, t, _ = ctx.shape
     out = []
-    for layer in d.layers:
+    for layer in d.blocks():
         a = layer.self_attn
         k = a.k_norm(a.k_proj(ctx).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2)
         out.append((_rotate(k, cos, sin), a.v_proj(ctx).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)))

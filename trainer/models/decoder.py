@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.models.target import base_model
+from trainer.models.hf import base_model, hf_config, output_embeddings
 
 FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forward` runs from their modules
 
@@ -38,10 +38,10 @@ FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forw
 def supports(model: torch.nn.Module) -> bool:
     """The one rule for which targets the decoder runs: a Qwen3/Qwen2/Llama causal LM whose layers
     are all full attention (no sliding window), with its rotary embedding and an LM head."""
-    cfg = model.config
+    cfg = hf_config(model)
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     return (getattr(cfg, "model_type", None) in FAMILIES and kinds == {"full_attention"}
-            and hasattr(base_model(model), "rotary_emb") and model.get_output_embeddings() is not None)
+            and hasattr(base_model(model), "rotary_emb") and output_embeddings(model) is not None)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,12 +87,12 @@ class TargetDecoder:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.base = base_model(model)
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = output_embeddings(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     def cache(self, batch: int, capacity: int) -> KVCache:
-        cfg = self.model.config
+        cfg = hf_config(self.model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return KVCache(len(self.base.layers), batch, cfg.num_key_value_heads, capacity, head_dim, self.device,
                        self.dtype)

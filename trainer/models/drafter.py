@@ -10,9 +10,10 @@ Two forwards over the same layers, deliberately separate so their parity can be 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,21 +75,20 @@ _compiled: dict[Callable, Callable] = {}
 
 
 def pointwise(fn: Callable) -> Callable:
+    @functools.wraps(fn)  # call.__wrapped__ is fn
     def call(x: torch.Tensor, *args: Any, compiled: bool | None = None) -> Any:
         if compiled is None:
             compiled = torch.is_grad_enabled()
         if not (compiled and COMPILE_POINTWISE and (x.is_cuda or CPU_BACKEND)):
             return fn(x, *args)
         if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=False, **({} if x.is_cuda else {"backend": CPU_BACKEND}))
+            _compiled[fn] = torch.compile(fn, dynamic=False, backend="inductor" if x.is_cuda else (CPU_BACKEND or ""))
         return _compiled[fn](x, *args)
 
-    call.__wrapped__ = fn
     return call
 
 
-@pointwise
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in fp32; returned in x's dtype (the fp32 master weight is cast, not x upcast)."""
     dtype = x.dtype
     x = x.float()
@@ -96,9 +96,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(dtype) * x.to(dtype)
 
 
-@pointwise
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+rms_norm, silu_mul = pointwise(_rms_norm), pointwise(_silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -119,13 +121,15 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-@pointwise
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to x [B, heads, T, D] with cos/sin [B, T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     return x * cos + rotated * sin
+
+
+_rotate = pointwise(_rotate_raw)
 
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -148,7 +152,7 @@ def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tenso
     keys/values projected apart and concatenated at 1/4 of the width (GQA). Not fused: the
     previous path, each norm and RoPE its own compiled kernel, [context | block] concatenated at
     full width before the projections (bench/pipeline.py's baseline)."""
-    norm, rotate = (rms_norm.__wrapped__, _rotate.__wrapped__) if fused else (rms_norm, _rotate)
+    norm, rotate = (_rms_norm, _rotate_raw) if fused else (rms_norm, _rotate)
     b, t, _ = x.shape
     n = ctx.shape[1] + t
     h = norm(x, w_norm, eps)
@@ -169,7 +173,7 @@ def _attention_out_and_mlp_of(x: torch.Tensor, attended: torch.Tensor, wo: torch
                               fused: bool) -> torch.Tensor:
     """Everything of a layer after attention: output projection and residual, post-attention
     norm, SiLU-gated MLP and residual (fused: one compiled region on CUDA)."""
-    norm, silu = (rms_norm.__wrapped__, silu_mul.__wrapped__) if fused else (rms_norm, silu_mul)
+    norm, silu = (_rms_norm, _silu_mul) if fused else (rms_norm, silu_mul)
     b, heads, t, d = attended.shape
     x = x + F.linear(attended.transpose(1, 2).reshape(b, t, heads * d), wo)
     h = norm(x, w_norm, eps)
@@ -307,7 +311,10 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
 
 
 class DFlashDrafter(nn.Module):
-    fc: nn.Linear  # these two as build_drafter_modules sets them
+    fc: nn.Linear  # as build_drafter_modules sets them
+    hidden_norm: RMSNorm
+    layers: nn.ModuleList
+    norm: RMSNorm
     rope: tuple[int, float]
 
     def __init__(self, c: DrafterConfig):
@@ -318,6 +325,10 @@ class DFlashDrafter(nn.Module):
         # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
         self.low_precision = LowPrecisionWeights()
         self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
+
+    def blocks(self) -> list[DrafterLayer]:
+        """The layers, typed (ModuleList's stubs type its items as Module)."""
+        return cast(list[DrafterLayer], list(self.layers))
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():

@@ -22,7 +22,7 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
     return DrafterConfig(
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
+        num_key_value_heads=config.num_key_value_heads or config.num_attention_heads,  # None: no grouping
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         vocab_size=config.vocab_size, block_size=config.block_size, mask_token_id=dflash["mask_token_id"],
         target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,

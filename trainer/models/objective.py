@@ -133,7 +133,7 @@ def drafter_loss_sums(
                              tiled=packed)
     embeds = head.embed(blocks.input_ids.view(b, a * bs))
     ctx_positions = None
-    if packed:
+    if doc_start is not None:  # packed
         doc_start = doc_start.to(ctx_features.device)
         ctx_positions = torch.arange(ctx_len, device=doc_start.device) - doc_start
     hidden = drafter.forward_train(ctx_features, embeds, blocks.positions.view(b, a * bs), attend, ctx_positions)

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from trainer.models.hf import hf_config, input_embeddings
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -60,7 +62,7 @@ def plan_of(target: torch.nn.Module) -> StagePlan:
     plan = getattr(target, "_dflash_plan", None)
     if isinstance(plan, StagePlan):
         return plan
-    return StagePlan.single(int(target.config.num_hidden_layers), target.get_input_embeddings().weight.device)
+    return StagePlan.single(int(hf_config(target).num_hidden_layers), input_embeddings(target).weight.device)
 
 
 def feature_layers(layer_ids: Sequence[int]) -> int:
@@ -85,12 +87,12 @@ class StageInputs(NamedTuple):
 
 
 def layer_types(model: torch.nn.Module) -> list[str]:
-    n = int(model.config.num_hidden_layers)
+    n = int(hf_config(model).num_hidden_layers)
     kinds = getattr(model.config, "layer_types", None)
     return list(kinds) if kinds else ["full_attention"] * n
 
 
-def stage_inputs(model: torch.nn.Module, hidden: torch.Tensor, mask_mapping: dict,
+def stage_inputs(model: Any, hidden: torch.Tensor, mask_mapping: dict,
                  doc_start: torch.Tensor | None) -> StageInputs:
     """Positions (restarting at each document of a packed row) and rotary embeddings for `hidden`'s device.
 
@@ -104,20 +106,40 @@ def stage_inputs(model: torch.nn.Module, hidden: torch.Tensor, mask_mapping: dic
 
 
 def run_layers(model: torch.nn.Module, hidden: torch.Tensor, lo: int, hi: int, inputs: StageInputs,
-               taps: dict[int, list[int]], out: torch.Tensor) -> torch.Tensor:
+               taps: dict[int, list[int]], out: torch.Tensor,
+               pending: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """Decoder layers lo..hi-1 of the base model `model` on `hidden`; each tapped layer's output is
-    copied into its columns of `out` [B, L, n*H] (on any device: a cross-device copy_ runs on the
-    source's current stream and orders itself against the destination's). Returns the hidden states
-    after layer hi-1."""
+    copied into its columns of `out` [B, L, n*H]. Returns the hidden states after layer hi-1.
+
+    pending: when `out` is on another device, each tapped output is instead copied whole (contiguous)
+    to out's device and appended as (column, tensor), for the stage on that device to write into
+    `out` on its own stream (`write_pending`). A strided write across devices may stage through a
+    temporary on the destination's default stream, which no event of ours covers."""
     width = hidden.shape[-1]
     kinds, layers = layer_types(model), model.layers
     assert isinstance(layers, torch.nn.ModuleList)
+    elsewhere = pending is not None and out.device != hidden.device
     for i in range(lo, hi):
         hidden = layers[i](hidden, attention_mask=inputs.mask_mapping[kinds[i]],
-                                 position_ids=inputs.position_ids, position_embeddings=inputs.position_embeddings,
-                                 use_cache=False)
+                           position_ids=inputs.position_ids, position_embeddings=inputs.position_embeddings,
+                           use_cache=False)
         if isinstance(hidden, tuple):  # transformers < 4.54 returns (hidden_states, ...)
             hidden = hidden[0]
         for k in taps.get(i, ()):
-            out[..., k * width:(k + 1) * width].copy_(hidden, non_blocking=True)
+            if elsewhere:
+                assert pending is not None
+                pending.append((k, hidden.to(out.device, non_blocking=True)))
+            else:
+                out[..., k * width:(k + 1) * width].copy_(hidden, non_blocking=True)
     return hidden
+
+
+def write_pending(out: torch.Tensor, pending: list[tuple[int, torch.Tensor]],
+                  stream: torch.cuda.Stream | None = None) -> None:
+    """Write the tapped outputs earlier stages sent to out's device into their columns (on this
+    thread's stream; each tensor was allocated by another thread, so it is marked used by `stream`)."""
+    for k, tensor in pending:
+        if stream is not None:
+            tensor.record_stream(stream)
+        width = tensor.shape[-1]
+        out[..., k * width:(k + 1) * width].copy_(tensor, non_blocking=True)

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from trainer.models.hf import base_model, hf_config, input_embeddings
 from trainer.train.config import TinyTargetConfig
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-QWEN3_8B_DIMS = dict(
+QWEN3_8B_DIMS: dict[str, Any] = dict(
     hidden_size=4096,
     num_hidden_layers=36,
     num_attention_heads=32,
@@ -53,7 +54,7 @@ def tiny_target(cfg: TinyTargetConfig, vocab_size: int, device: str = "cpu") -> 
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(cfg.seed)
-    return Qwen3ForCausalLM(config).to(device).eval()
+    return Qwen3ForCausalLM(config).to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
 
 
 def random_8b_shape_target(device: str, dtype: torch.dtype = torch.bfloat16) -> Qwen3ForCausalLM:
@@ -75,7 +76,7 @@ def load_target(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
     )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,12 +86,7 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def num_layers(target: torch.nn.Module) -> int:
-    return int(target.config.num_hidden_layers)
-
-
-def base_model(target: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack without the LM head (no vocab logits are computed for features)."""
-    return getattr(target, target.base_model_prefix)
+    return int(hf_config(target).num_hidden_layers)
 
 
 def _sdpa_or_flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -172,8 +168,8 @@ def target_context_features(
     last = feature_layers(layer_ids)
     x: torch.Tensor = input_ids
     if out is None:
-        width = len(layer_ids) * int(target.config.hidden_size)
-        out = torch.empty(*input_ids.shape, width, dtype=target.get_input_embeddings().weight.dtype,
+        width = len(layer_ids) * int(hf_config(target).hidden_size)
+        out = torch.empty(*input_ids.shape, width, dtype=input_embeddings(target).weight.dtype,
                           device=plan.devices[-1])
     for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
         hi = min(hi, last) if s < len(plan) - 1 else last
@@ -187,18 +183,19 @@ def target_context_features(
 
 def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
                            out: torch.Tensor, doc_start: torch.Tensor | None = None,
-                           mapping: dict | None = None) -> torch.Tensor:
+                           mapping: dict | None = None,
+                           pending: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """One stage of `target_context_features`: decoder layers lo..hi-1 on x's device (x: input ids when
     lo == 0, else the hidden states after layer lo-1), tapped outputs copied into `out`; returns the
     hidden states after layer hi-1. mapping: a prebuilt per-layer-type mask mapping, else built here
-    (causal, or per document when doc_start is given)."""
+    (causal, or per document when doc_start is given). pending: see trainer.models.stages.run_layers."""
     from trainer.models.stages import run_layers, stage_inputs
 
     model = base_model(target)
     hidden = model.embed_tokens(x) if lo == 0 else x
     if mapping is None:
         mapping = packed_mask_mapping(model, doc_start)
-    return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out)
+    return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out, pending)
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:
@@ -224,6 +221,9 @@ def uncompile_decoder_layers(target: torch.nn.Module) -> None:
 
 class FrozenHead(torch.nn.Module):
     """The target's input embedding and LM head, frozen, on the drafter's device."""
+
+    embed_weight: torch.Tensor  # buffers (register_buffer below)
+    lm_head_weight: torch.Tensor
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainer.models.hf import base_model, input_embeddings, output_embeddings
 from trainer.models.stages import StagePlan
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -177,7 +178,7 @@ def complete_for_decoding(model: torch.nn.Module, plan: StagePlan, log: Callable
     dtype = base.embed_tokens.weight.dtype
     rest = [(f"{prefix}layers.{i}.", base.layers[i]) for i in range(plan.layers, len(base.layers))]
     rest += [(f"{prefix}norm.", base.norm)]
-    head = model.get_output_embeddings()
+    head = output_embeddings(model)
     try:
         loaded = [(m, _module_tensors(reader, name, m, device, dtype)) for name, m in rest if _is_meta(m)]
         head_weight = _head_tensor(model, device) if head.weight.is_meta else None
@@ -219,13 +220,13 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
 
 def _base(model: torch.nn.Module) -> tuple[Any, str]:
     """The decoder stack and its tensors' name prefix ("model." for every causal LM we load)."""
-    return getattr(model, model.base_model_prefix), f"{model.base_model_prefix}."
+    return base_model(model), f"{model.base_model_prefix}."
 
 
 def align_devices(model: torch.nn.Module) -> None:
     """Pre-hooks moving each decoder layer's, the final norm's and the head's inputs to its device."""
     base, _ = _base(model)
-    for module in [*base.layers, base.norm, model.get_output_embeddings()]:
+    for module in [*base.layers, base.norm, output_embeddings(model)]:
         device = _device_of(module)
         old = module.__dict__.pop("_dflash_align", None)  # a hook id (survives copy.deepcopy, a handle would not)
         if old is not None:
@@ -249,7 +250,7 @@ def place(model: torch.nn.Module, plan: StagePlan) -> torch.nn.Module:
     for i, layer in enumerate(base.layers):
         layer.to(plan.devices[plan.stage_of(i)])
     base.norm.to(plan.devices[-1])
-    model.get_output_embeddings().to(plan.devices[-1])
+    output_embeddings(model).to(plan.devices[-1])
     model.__dict__["_dflash_plan"] = plan
     if len(set(plan.devices)) > 1:
         align_devices(model)
@@ -321,17 +322,17 @@ def stage_plan(model: torch.nn.Module, layer_ids: Sequence[int], devices: Sequen
 def head_weights(model: torch.nn.Module, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The input embedding and LM head weights on `device` (the drafter's): the head is read from the
     shards when the target holds it only on the meta device (a target loaded for training)."""
-    embed = model.get_input_embeddings().weight.detach().to(device)
-    head = model.get_output_embeddings().weight
+    embed = input_embeddings(model).weight.detach().to(device)
+    head = output_embeddings(model).weight
     if not head.is_meta:
         return embed, head.detach().to(device)
     return embed, _head_tensor(model, torch.device(device))
 
 
 def _head_tensor(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    reader = ShardReader(model._dflash_source)
+    reader = ShardReader(model.__dict__["_dflash_source"])  # set by load_staged
     name = "lm_head.weight" if "lm_head.weight" in reader else f"{_base(model)[1]}embed_tokens.weight"  # tied
-    return reader.read([name], device, model.get_input_embeddings().weight.dtype)[name]
+    return reader.read([name], device, input_embeddings(model).weight.dtype)[name]
 
 
 def replica_target(target: torch.nn.Module, plan: StagePlan, dtype: str) -> torch.nn.Module:

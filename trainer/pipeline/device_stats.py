@@ -56,15 +56,17 @@ class MetricAccumulator:
                 self._wait_oldest()
             slot = self._free.popleft()
             host = self._slots[slot]
-            if self._cuda:
+            side = self._side
+            event: torch.cuda.Event | None
+            if side is not None:  # CUDA
                 producer = torch.cuda.current_stream(self.device)
-                self._side.wait_stream(producer)
-                with torch.cuda.stream(self._side):
+                side.wait_stream(producer)
+                with torch.cuda.stream(side):
                     host.copy_(self.sums, non_blocking=True)
                     self.sums.zero_()
                     event = torch.cuda.Event(enable_timing=True)
-                    event.record(self._side)
-                producer.wait_stream(self._side)
+                    event.record(side)
+                producer.wait_stream(side)
             else:
                 host.copy_(self.sums)
                 self.sums.zero_()
@@ -86,7 +88,7 @@ class MetricAccumulator:
         values = dict(zip(self.names, self._slots[slot].tolist()))
         values["step"] = steps
         values["time"] = when
-        if event is not None:
+        if event is not None and self._ref is not None:  # CUDA: both are events
             values["gpu_time"] = self._ref.elapsed_time(event) / 1000.0
         return values
 
@@ -151,10 +153,12 @@ class BusyMeter:
                 self._done.append((start_ms, self._now_ms()))
 
     def _collect(self) -> None:
+        ref = self._ref
+        assert ref is not None, "only on CUDA, where the reference event exists"
         still_open = []
         for start, end in self._open:
             if end.query():
-                self._done.append((self._ref.elapsed_time(start), self._ref.elapsed_time(end)))
+                self._done.append((ref.elapsed_time(start), ref.elapsed_time(end)))
             else:
                 still_open.append((start, end))
         self._open = still_open
@@ -175,19 +179,19 @@ class BusyMeter:
             self._cut = end_of_span
         if end_of_span <= start_of_span:
             return None
-        busy, cur_s, cur_e = 0.0, None, None
+        busy, merged = 0.0, None  # merged: the union interval being built (start, end)
         for s, e in intervals:
             s, e = max(s, start_of_span), min(e, end_of_span)
             if e <= s:
                 continue
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
+            if merged is None or s > merged[1]:
+                if merged is not None:
+                    busy += merged[1] - merged[0]
+                merged = (s, e)
             else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
+                merged = (merged[0], max(merged[1], e))
+        if merged is not None:
+            busy += merged[1] - merged[0]
         return min(1.0, busy / (end_of_span - start_of_span))
 
 

@@ -16,12 +16,13 @@ import torch
 from trainer.train.config import TrainerConfig
 from trainer.train.components import Components
 from trainer.train.control import Request
-from trainer.data.batches import Batch
+from trainer.data.batches import Batch, PreloadedDataset
 from trainer.train.loop import Trainer, autocast_for
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.data.packing import row_anchors, warmup_packed_batch
 from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
+from trainer.models.hf import hf_config, input_embeddings
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 from trainer.models.target_loading import replica_target
 from trainer.train.config import target_replicas
@@ -99,6 +100,7 @@ class ThreadedPipeline:
         if cfg.data.pack_length:  # one shape for the whole run: nothing to pad, one warm-up
             self.warm, self.pad = PackedShape(cfg.data.pack_rows, cfg.data.pack_length), False
         else:
+            assert isinstance(c.train_data, PreloadedDataset), "unpacked rows: trainer.train.components"
             self.warm = WarmShapes(c.train_data, remaining, cfg.run.warmup_shapes)
             mode = cfg.pipeline.pad_to_warm_shapes
             self.pad = mode == "always" or (mode == "auto" and c.backend == "flex")
@@ -252,11 +254,11 @@ class _Stages:
         prefetcher.build = build_and_record  # type: ignore[method-assign]  # this instance records what it builds
         self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
-        width = len(layer_ids) * c.target.config.hidden_size
+        width = len(layer_ids) * int(hf_config(c.target).hidden_size)
         max_numel = max(b * s for b, s in p.warm.shapes()) * width
         if not p.pad:
             max_numel = max(max_numel, cfg.data.token_budget * width)
-        target_dtype = c.target.get_input_embeddings().weight.dtype
+        target_dtype = input_embeddings(c.target).weight.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
         self.target_workers: list[TargetWorker] = []
         self.stage_queues: list[StageQueue] = []

@@ -9,6 +9,7 @@ import torch
 
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.objective import drafter_loss_sums
+from trainer.models.stages import write_pending
 from trainer.models.target import FrozenHead, stage_context_features
 
 from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
@@ -102,15 +103,17 @@ class Handoff:
     hidden: torch.Tensor
     slot: FeatureSlot
     ready: torch.cuda.Event | None
+    pending: list[tuple[int, torch.Tensor]]  # tapped outputs already on the slot's device, not yet written
 
 
 class TargetWorker:
     """One stage of a target replica (the whole replica when it is not split).
 
     The first stage takes micro-batches from the prefetcher and a feature slot from the replica's
-    pool (on the last stage's device); every stage writes its tapped layers' outputs into the slot
-    (a device-to-device copy) and hands its hidden states, already copied to the next stage's device,
-    through a bounded queue; the last stage hands the filled slot to a drafter. Ordering is GPU-side:
+    pool (on the last stage's device); a stage on the slot's device writes its tapped layers' outputs
+    into the slot, one elsewhere sends them whole to that device with the hand-off (the last stage
+    writes them), and hands its hidden states, already copied to the next stage's device, through a
+    bounded queue; the last stage hands the filled slot to a drafter. Ordering is GPU-side:
     each hand-off carries an event the receiver's stream waits on; the host never waits."""
 
     def __init__(self, settings: TargetSettings, target: torch.nn.Module, inputs: StageQueue,
@@ -144,30 +147,34 @@ class TargetWorker:
                     mb, slot = hop.mb, hop.slot
                 with self.links.busy.busy():
                     if st.first:
-                        if slot.released is not None:
+                        if stream is not None and slot.released is not None:  # CUDA: released is an event
                             stream.wait_event(slot.released)
                         x = mb.input_ids.to(self.device, non_blocking=True)
                     else:
-                        if hop.ready is not None:
+                        if stream is not None and hop.ready is not None:
                             stream.wait_event(hop.ready)
                             hop.hidden.record_stream(stream)  # allocated by the previous stage's thread
                         x = hop.hidden
+                    pending = [] if st.first else hop.pending
                     doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
                     out = slot.view(x.shape[0], x.shape[1], self.s.width)
 
-                    def forward(x: torch.Tensor = x, out: torch.Tensor = out,
-                                doc_start: torch.Tensor | None = doc_start) -> torch.Tensor:
-                        return stage_context_features(self.target, x, st.lo, st.hi, st.taps, out, doc_start)
+                    def forward(x: torch.Tensor = x, out: torch.Tensor = out, doc_start: torch.Tensor | None = doc_start,
+                                pending: list = pending) -> torch.Tensor:
+                        return stage_context_features(self.target, x, st.lo, st.hi, st.taps, out, doc_start,
+                                                      pending=pending)
 
                     # packed rows / compile_target: the target runs compiled code too
                     hidden = self.links.guard.run_warmed(self.key, tuple(x.shape[:2]), forward)
-                    if not st.last:
+                    if st.last:
+                        write_pending(out, pending, stream)
+                    else:
                         hidden = hidden.to(st.next_device, non_blocking=True)
                     ready = record_event(stream)
                 if st.last:
                     self.outputs[self.s.route(mb.index)].put(Features(mb, out, ready, slot, self))
                 else:
-                    self.outputs[0].put(Handoff(mb, hidden, slot, ready))
+                    self.outputs[0].put(Handoff(mb, hidden, slot, ready, pending))
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class DrafterWorker:
     def micro_step(self, feats: Features) -> None:
         """Forward + backward of one micro-batch on this replica's stream (no host sync)."""
         stream = self.stream
-        if feats.ready is not None:
+        if stream is not None and feats.ready is not None:
             stream.wait_event(feats.ready)
         same_device = feats.tensor.device == self.device
         ctx = feats.tensor if same_device else feats.tensor.to(self.device, non_blocking=True)

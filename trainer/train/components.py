@@ -17,6 +17,7 @@ from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.masks import resolve_backend
 from trainer.train.optim import build_optimizer, build_scheduler
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
+from trainer.models.hf import hf_config
 from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
                             freeze, num_layers, random_8b_shape_target, tiny_target)
 from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
@@ -106,23 +107,25 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
     if t.random_8b_shape:
         model = freeze(random_8b_shape_target(device, dtype))
     else:
-        model = tiny_target(t.tiny, len(tokenizer), device)
-        if t.tiny.fit_steps > 0:
+        tiny = t.tiny
+        assert tiny is not None, "the config gives a path, random_8b_shape or tiny (trainer.train.config)"
+        model = tiny_target(tiny, len(tokenizer), device)
+        if tiny.fit_steps > 0:
             saved = run_dir / "target" / "model.safetensors"
             if saved.exists():
                 model.load_state_dict(load_file(str(saved), device=device))
             else:
                 batches = []
-                for _ in range(min(t.tiny.fit_steps, 64)):
+                for _ in range(min(tiny.fit_steps, 64)):
                     b = train_data.next_batch()
                     batches.append((b.input_ids.to(device), b.attention_mask.to(device)))
                 train_data.load_state_dict({**train_data.state_dict(), "epoch": 0, "cursor": 0})
-                fit_tiny_target(model, batches, t.tiny.fit_steps, t.tiny.fit_lr, log)
+                fit_tiny_target(model, batches, tiny.fit_steps, tiny.fit_lr, log)
                 saved.parent.mkdir(exist_ok=True)
                 tmp = saved.with_name(".model.safetensors.tmp")
                 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
                 tmp.rename(saved)
-        model = freeze(model.to(dtype).eval())
+        model = freeze(model.to(dtype).eval())  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
     plan = stage_plan(model, target_layer_ids(cfg, num_layers(model)), devices, cfg.devices.target_split)
     return place(model, plan)
 
@@ -168,17 +171,19 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
         eval_conv = train_conv[:8]
-    train_data: PreloadedDataset | PackedDataset = dataset(train_conv, cfg.data.seed)
+    conversations = dataset(train_conv, cfg.data.seed)
     eval_data = dataset(eval_conv, cfg.data.seed + 1)
-    target = build_target(cfg, tokenizer, train_data, run_dir, log)
+    target = build_target(cfg, tokenizer, conversations, run_dir, log)
+    train_data: PreloadedDataset | PackedDataset = conversations
     if cfg.data.pack_length:
         from trainer.data.packing import PackedDataset
 
-        train_data = PackedDataset.from_dataset(train_data, cfg.data.pack_length, cfg.data.pack_rows)
-        log(f"packing {len(train_data)} conversations into rows of {cfg.data.pack_length} tokens, "
-            f"{cfg.data.pack_rows} per micro-batch: {train_data.pad_share():.1%} padding")
+        packed = PackedDataset.from_dataset(conversations, cfg.data.pack_length, cfg.data.pack_rows)
+        log(f"packing {len(packed)} conversations into rows of {cfg.data.pack_length} tokens, "
+            f"{cfg.data.pack_rows} per micro-batch: {packed.pad_share():.1%} padding")
+        train_data = packed
     drafter_device = cfg.devices.drafter[0]
-    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, target.config.vocab_size),
+    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
                             drafter_device)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     return Components(

@@ -241,7 +241,7 @@ def _convert(value: Any, tp: Any, name: str, where: str) -> Any:
     for option in options:
         if option is type(None):
             continue
-        if dataclasses.is_dataclass(option):
+        if dataclasses.is_dataclass(option) and isinstance(option, type):
             if isinstance(value, dict):
                 return _build(option, value, name, where_source=where.rsplit(":", 1)[0])
             continue

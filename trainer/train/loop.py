@@ -13,6 +13,8 @@ so that a failure there lands in status.json, and is handed to the pipeline and 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import time
 import traceback
 from collections.abc import Callable
@@ -31,8 +33,9 @@ from trainer.train.components import Components, build_components
 from trainer.train.config import TrainerConfig, dump_config, target_replicas
 from trainer.train.control import ControlPoller, Request
 from trainer.train.metrics import Metrics
-from trainer.data.batches import select_target_warmup_shapes
+from trainer.data.batches import PreloadedDataset, select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
+from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
 from trainer.pipeline.stopping import PipelineFailed, StopSignal
@@ -207,7 +210,7 @@ class Trainer:
         self.metrics.eval(self.state.step, result)
         return result
 
-    def snapshot(self, step: int, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def snapshot(self, step: int, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict,
                  request: Request | None = None, periodic: bool = False) -> Job:
         """Stage the step's state for the background writer (trainer.train.checkpointer); training
@@ -349,6 +352,7 @@ class ReferencePipeline:
             loss.backward()
         else:
             data = c.train_data
+            assert isinstance(data, PreloadedDataset), "unpacked rows: trainer.train.components"
             batches, bucket_ids = data.plan_epoch(data.epoch)
             shapes = select_target_warmup_shapes(data, batches, bucket_ids, cfg.run.warmup_shapes)
             for b, seq in shapes:
@@ -376,7 +380,8 @@ class ReferencePipeline:
             batch = c.train_data.next_batch()
             doc_start = getattr(batch, "doc_start", None)
             micro.append((batch, make_blocks(cfg, c, batch.input_ids, batch.loss_mask, state.anchor_rng, doc_start)))
-        weight_total = sum(blocks.weights[:, :, 1:].sum() for _, blocks in micro).clamp(min=1e-6)
+        weight_total = functools.reduce(operator.add, [blocks.weights[:, :, 1:].sum() for _, blocks in micro])
+        weight_total = weight_total.clamp(min=1e-6)
         loss_total = torch.zeros((), device=c.drafter_device)
         correct_total = torch.zeros((), device=c.drafter_device)
         tokens, positions = 0, 0

@@ -15,7 +15,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fuse
     params = [p for p in params if p.requires_grad]
     if fused is None:
         fused = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+    beta1, beta2 = cfg.betas
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps,
                              weight_decay=cfg.weight_decay, fused=fused or None)
 
 

@@ -59,3 +59,18 @@ def test_issue_29_modes_and_the_trainer_cli_in_a_fresh_process(tmp_path, capsys)
     assert [c["step"] for c in cli["checkpoints"]] == [2, 4] and cli["bench_mode"] == "all"
     out = capsys.readouterr().out
     assert "trainer CLI, fresh process" in out and "all: checkpoint at step 2" in out
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path):
+    """#24's variants on the same data and target: the features are the same, so are the losses."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "2", "--log-every", "1",
+        "--min-len", "16", "--max-len", "64", "--samples", "60", "--anchors", "8", "--stage-micro", "2",
+        "--modes", "packed", "--pack-length", "128", "--variants", "whole", "untruncated", "split3"])
+    losses = {key: results[key]["pipeline"]["loss"] for key in ("packed", "packed:untruncated", "packed:split3")}
+    assert losses["packed"] == losses["packed:untruncated"] == losses["packed:split3"], losses
+    assert all(results[key]["pipeline"]["recompiles_after_warmup"] == 0 for key in losses)
+    assert "cpu:target0.2" in results["packed:split3"]["memory_plan"]

@@ -41,6 +41,16 @@ def test_features_equal_the_full_models_hidden_states_exactly(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_tapping_the_last_layer_reads_it_after_the_final_norm_as_transformers_does(family):
+    model = _model(family)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True).hidden_states
+    feats = target_context_features(model, ids, None, [2, 5])
+    assert torch.equal(feats, torch.cat([full[3], full[6]], dim=-1))  # full[6]: normed, as the drafts had it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_layers_above_the_last_tapped_one_and_the_final_norm_never_run(family):
     model = _model(family)
     ran = []

@@ -150,7 +150,7 @@ def untruncated():
     import trainer.pipeline.workers as workers
     from trainer.models.target import base_model, packed_mask_mapping
 
-    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None):
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None):
         model = base_model(target)
         kwargs = {}
         if doc_start is not None:

@@ -36,3 +36,18 @@ def test_every_stage_runs_on_multi_row_mixed_length_batches(tmp_path, capsys):
     assert packed["pipeline"]["pad_share"] < bucketed["pipeline"]["pad_share"]
     assert (tmp_path / "bench.json").exists()
     assert "packed" in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path):
+    """#24's variants on the same data and target: the features are the same, so are the losses."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "2", "--log-every", "1",
+        "--min-len", "16", "--max-len", "64", "--samples", "60", "--anchors", "8", "--stage-micro", "2",
+        "--modes", "packed", "--pack-length", "128", "--variants", "whole", "untruncated", "split3"])
+    losses = {key: results[key]["pipeline"]["loss"] for key in ("packed", "packed:untruncated", "packed:split3")}
+    assert losses["packed"] == losses["packed:untruncated"] == losses["packed:split3"], losses
+    assert all(results[key]["pipeline"]["recompiles_after_warmup"] == 0 for key in losses)
+    assert "cpu:target0.2" in results["packed:split3"]["memory_plan"]

@@ -369,3 +369,24 @@ def test_taps_for_a_stage_on_another_device_travel_whole_and_are_written_by_the_
         full = model(ids, output_hidden_states=True).hidden_states
     write_pending(out, [(k, full[layer_ids[k] + 1]) for k, _ in pending])
     assert torch.equal(out, direct)
+
+
+def test_plan_for_8_h200s_tells_a_70b_user_what_to_write(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from trainer.__main__ import main
+
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(f"""
+model: {{target: {{tiny: null, path: {tmp_path}}}, mask_token_id: 128255, drafter_layers: 2, dtype: bf16}}
+data: {{synthetic: null, train_path: x.jsonl, max_length: 8192, token_budget: 8192, pack_length: 8192,
+        bucket_edges: [8192]}}
+devices: {{target: [cuda:0], drafter: [cuda:1]}}
+"""))
+    assert main(["plan", "--config", str(config), "--gpus", "8", "--gpu-gib", "139"]) == 1  # does not fit unsplit
+    out = capsys.readouterr().out
+    assert "cuda:0" in out and "SHORT by" in out and "smallest split of one replica that fits: 2 stage(s)" in out
+    assert ("on this host's 8 GPUs: devices: {target: [[cuda:0, cuda:1], [cuda:2, cuda:3]], "
+            "drafter: [cuda:4, cuda:5, cuda:6, cuda:7]}") in out

@@ -157,6 +157,7 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
+    drafter.fused = cfg.model.fuse_drafter
     if weights is not None:
         drafter.load_state_dict(weights)
     return drafter.float().train()

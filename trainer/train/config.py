@@ -65,6 +65,10 @@ class ModelConfig:
     # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
     # +11% in bench/pipeline.py); off on the CPU and for bucketed lengths
     compile_target: bool | Literal["auto"] = "auto"
+    # the drafter's matmuls use bf16 copies of the fp32 master weights made once per optimizer step
+    # (not per use under autocast), and each layer runs as two compiled regions around attention on
+    # CUDA (norms, RoPE, residuals, SiLU fused with their neighbours). false: the previous path
+    fuse_drafter: bool = True
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from trainer.train import checkpoint as ckpt
-from trainer.train.checkpointer import Checkpointer, Job
+from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
 from trainer.data.chat import DataError
 from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
@@ -225,12 +225,20 @@ class Trainer:
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
             {**trainer_state, "rng": ckpt.rng_state()}, request, periodic, optimizers=(optimizer,))
 
-    def reserve_checkpoint(self, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
-                           scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Allocate the checkpoint's host buffers in the background (after the first step, once the
-        optimizer holds its state), so that no checkpoint waits for them."""
-        self.checkpointer.reserve({"model": drafter.state_dict(),
-                                   "optim": {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}})
+    def prepare_checkpoints(self, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Allocate the checkpoints' host buffers now (pinned on CUDA), in the warm-up: page-locking
+        gigabytes while the workers launch kernels would slow the steps it overlaps. The writer
+        host only (the others never write)."""
+        if not self.hosts.is_writer:
+            return
+        began = time.time()
+        template = {"model": drafter.state_dict(), "optim": {"optimizer": optimizer_state_like(optimizer),
+                                                             "scheduler": scheduler.state_dict()}}
+        self.checkpointer.reserve(template)
+        self.checkpointer.wait()
+        size = self.checkpointer.staged_bytes() / 2**30
+        self.rd.log(f"checkpoint staging: {size:.2f} GiB of host memory in {time.time() - began:.1f}s")
 
     def checkpoint(self, c: Components, request: Request | None = None, periodic: bool = False) -> Job:
         state = {"data": c.train_data.state_dict(), "anchor_rng": self.state.anchor_rng.get_state()}
@@ -378,6 +386,7 @@ class ReferencePipeline:
                 loss, _, _ = forward(cfg, c, ids, torch.ones_like(ids), make_blocks(cfg, c, ids, mask, gen))
                 loss.backward()
         c.drafter.zero_grad(set_to_none=True)
+        self.trainer.prepare_checkpoints(c.drafter, c.optimizer, c.scheduler)
         seconds = time.time() - began
         self.graphs_after_warmup = compiled_graphs()
         rd.event("warmup", self.trainer.state.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
@@ -425,15 +434,13 @@ class ReferencePipeline:
     def train_steps(self) -> str | None:
         """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
         t, c, cfg = self.trainer, self.c, self.cfg
-        total, stop_reason, first = cfg.optim.total_steps, None, t.state.step
+        total, stop_reason = cfg.optim.total_steps, None
         while t.state.step < total:
             stop_reason = t.serve(c, t.new_requests())
             if stop_reason:
                 break
             m = self.train_step()
             step = t.state.step
-            if step == first + 1:
-                t.reserve_checkpoint(c.drafter, c.optimizer, c.scheduler)
             if step % cfg.run.log_every == 0 or step == total:
                 t.metrics.step(step, {"recompiles": compiled_graphs() - self.graphs_after_warmup, **m})
             else:

@@ -5,6 +5,16 @@
     PYTHONPATH=. python bench/pipeline.py --mix lognormal --modes bucketed packed   # chat-like lengths
     PYTHONPATH=. python bench/pipeline.py --tiny --target cpu --drafter cpu --steps 4   # CPU smoke
     PYTHONPATH=. python bench/pipeline.py --modes packed --one-rank    # + the same as rank 0 of a 1-host group
+    PYTHONPATH=. python bench/pipeline.py --mix lognormal --min-len 64 --modes packed packed+ct all --cli-steps 24
+                                                                       # issue #29: one run, CLI included
+
+Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
+model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight
+copies made once per step, and a periodic checkpoint halfway through the run, written in the
+background: its `stall_s`, GPU copy time and write time are printed). --cli-steps N then runs
+`python -m trainer` on trainer/configs/gpu-8b-shape.yaml in a fresh process on the same
+conversation lengths (synthetic words, one token each), N steps with a checkpoint halfway, and
+prints its steady tokens/s beside the bench's `all`.
 
 --variants compares target arrangements on each mode (#24): `whole` (the default: only the layers up to
 the last tapped one run), `untruncated` (the previous default: the whole model with every hidden
@@ -42,6 +52,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -71,6 +82,7 @@ model:
   dtype: %(dtype)s
   mask_token_id: %(mask)d
   compile_target: %(ct)s
+  fuse_drafter: %(fuse)s
 data:
   synthetic: {n_train: 1}
   max_length: %(max_len)d
@@ -82,9 +94,12 @@ data:
   pack_rows: %(pack_rows)d
 optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0}
 devices: {target: [%(targets)s], drafter: [%(drafters)s]}
-run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10}
+run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10, checkpoint_every: %(ckpt)d, keep_checkpoints: 1}
 pipeline: {kind: threaded, pad_to_warm_shapes: always}
 """
+
+
+MODES = ["bucketed", "packed", "packed+ct", "all"]
 
 
 class SyncCounter:
@@ -157,7 +172,7 @@ def untruncated():
     import trainer.pipeline.workers as workers
     from trainer.models.target import base_model, packed_mask_mapping
 
-    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None):
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None):
         model = base_model(target)
         kwargs = {}
         if doc_start is not None:
@@ -203,7 +218,8 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
         max_len=args.max_len, anchors=args.anchors, steps=args.steps, micro=args.micro,
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
-        ct="true" if mode == "packed+ct" else "false",
+        ct="true" if mode in ("packed+ct", "all") else "false", fuse="true" if mode == "all" else "false",
+        ckpt=max(args.steps // 2, 1) if mode == "all" else 0,
         targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
@@ -422,7 +438,13 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         wall = time.time() - t0
     tr.guard.freeze()  # train_steps unfreezes at the end; the stage runs below must not compile either
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        windows = [w for w in map(json.loads, f) if w["event"] == "step"]
+        events = list(map(json.loads, f))
+    windows = [w for w in events if w["event"] == "step"]
+    if mode.startswith("all"):  # the periodic checkpoint written while the pipeline ran
+        out["checkpoints"] = [{k: e.get(k) for k in ("step", "stall_s", "copy_s", "seconds")} for e in events
+                              if e["event"] in ("checkpoint", "checkpoint_failed")]
+        out["window_tokens_per_s"] = [[w["step"], round(w["tokens_per_s"], 1)] for w in windows]
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # gigabytes at 8B shape
     steady = windows[1:] or windows
     steps = tr.trainer.state.step
     blocks = sum(tr.step_flops.get(s, {}).get("blocks_real", 0) for s in range(steps))
@@ -458,6 +480,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
                               if torch.device(dv).type == "cuda"]
     out["memory_plan"] = plan_against_peak(tr.cfg, devices)
+    tr.trainer.checkpointer.close()  # its pinned staging goes back before the next mode
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
             torch.cuda.synchronize(dv)
@@ -472,6 +495,79 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def cli_config(args, train_path, run_steps):
+    """trainer/configs/gpu-8b-shape.yaml on the bench's conversations (--tiny: a tiny CPU version)."""
+    import yaml
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "trainer", "configs", "gpu-8b-shape.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    data = cfg["data"]
+    data.pop("synthetic")
+    data.update(train_path=train_path, max_length=args.max_len, pack_length=args.pack_length[0],
+                pack_rows=args.pack_rows, num_anchors=args.anchors)
+    cfg["optim"].update(total_steps=run_steps, micro_batches=args.micro)
+    cfg["run"].update(checkpoint_every=max(run_steps // 2, 1), keep_checkpoints=1, log_every=args.log_every)
+    cfg["eval"] = {"samples": 1, "max_new_tokens": 8}
+    cfg["devices"] = {"target": args.target, "drafter": args.drafter}
+    if args.tiny:
+        cfg["model"].update(target={"tiny": {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                                             "intermediate": 128, "fit_steps": 0}},
+                            drafter_layers=2, dtype="fp32")
+    return cfg
+
+
+def trainer_cli(args, lengths, results):
+    """`python -m trainer` in a fresh process on conversations of the bench's lengths (the synthetic
+    tokenizer's words: one token each): its steady tokens/s, warm-up and checkpoint stalls."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from trainer.data.synth import synthetic_conversation, write_jsonl
+
+    work = tempfile.mkdtemp(prefix="bench-pipeline-cli-")
+    rng = random.Random(0)
+    conversations = [synthetic_conversation(rng, max(n - 16, 1), max(n - 16, 1)) for n in lengths]  # ~16 template tokens
+    train_path = str(write_jsonl(conversations, os.path.join(work, "train.jsonl")))
+    config = os.path.join(work, "config.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump(cli_config(args, train_path, args.cli_steps), f)
+    run_dir = os.path.join(work, "run")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    began = time.time()
+    done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--run-dir", run_dir], env=env,
+                          capture_output=True, text=True)
+    wall = time.time() - began
+    with open(os.path.join(run_dir, "status.json")) as f:
+        status = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        events = list(map(json.loads, f))
+    warmup = next((e for e in events if e["event"] == "warmup"), {})
+    out = {"exit": done.returncode, "state": status.get("state"), "wall_s": round(wall, 1),
+           "steps": status.get("step"), "tokens_per_s_steady": round(status.get("tokens_per_s_steady") or 0, 1),
+           "pad_share": status.get("pad_share"), "recompiles": status.get("recompiles"),
+           "warmup_s": warmup.get("seconds"), "compile_target": warmup.get("compile_target"),
+           "checkpoints": [{k: e.get(k) for k in ("step", "stall_s", "copy_s", "seconds")} for e in events
+                           if e["event"] in ("checkpoint", "checkpoint_failed")],
+           "peak_mem_gb": [g.get("mem_gb") for g in (events_last_step(events).get("gpus") or [])]}
+    if done.returncode:
+        out["log_tail"] = (done.stdout + done.stderr)[-3000:]
+    shutil.rmtree(work, ignore_errors=True)
+    bench_mode = next((k for k in ("all", "packed+ct", "packed") if "pipeline" in results.get(k, {})), None)
+    if bench_mode:
+        bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
+        out["bench_mode"], out["cli_over_bench"] = bench_mode, round(out["tokens_per_s_steady"] / max(bench, 1e-9), 3)
+    return out
+
+
+def events_last_step(events):
+    steps = [e for e in events if e["event"] == "step"]
+    return steps[-1] if steps else {}
 
 
 def main(argv=None):
@@ -491,8 +587,13 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=400)
     p.add_argument("--bucket-edges", type=int, nargs="*", default=None, help="bucketed mode; default [max-len]")
     p.add_argument("--token-budget", type=int, default=None, help="bucketed mode; default max-len")
-    p.add_argument("--modes", nargs="+", choices=["bucketed", "packed", "packed+ct"], default=["bucketed"],
-                   help="packed+ct: packed with model.compile_target (compiles the shared target: runs last)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=["bucketed"],
+                   help="packed: the drafter's previous per-op path, eager target; packed+ct: with "
+                        "model.compile_target; all: everything of issue #29 (compiled target, fused drafter, "
+                        "a background checkpoint halfway through the run: its stall is reported)")
+    p.add_argument("--cli-steps", type=int, default=0,
+                   help="then train that many steps with `python -m trainer` in a fresh process on the same "
+                        "conversations (trainer/configs/gpu-8b-shape.yaml, a checkpoint halfway)")
     p.add_argument("--pack-length", type=int, nargs="+", default=[8192])
     p.add_argument("--pack-rows", type=int, default=1)
     p.add_argument("--stage-micro", type=int, default=12)
@@ -521,7 +622,7 @@ def main(argv=None):
     lengths = sample_lengths(args.samples, args)
     emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
                      "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
-    args.modes = sorted(args.modes, key=["bucketed", "packed", "packed+ct"].index)
+    args.modes = sorted(args.modes, key=MODES.index)
     runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
     if args.one_rank:
         runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
@@ -535,13 +636,29 @@ def main(argv=None):
         for mode, length in runs:
             key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
             for variant in args.variants:
-                emit(prefix + (key if variant == "whole" else f"{key}:{variant}"),
-                     run_mode(args, mode, target, samples, results, length, variant))
+                name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                try:
+                    emit(name, run_mode(args, mode, target, samples, results, length, variant))
+                except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
+                    import traceback
+
+                    emit(name, {"error": traceback.format_exc()[-4000:]})
+                    torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
         del target, samples
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if args.cli_steps:
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
+        emit("cli", trainer_cli(args, lengths, results))
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
+    for k, v in results.items():
+        if isinstance(v, dict) and "error" in v:
+            print(f"{k}: FAILED\n{v['error']}", flush=True)
     summary = {}
     for key, v in rows:
         prefix = key.split("/")[0] + "/" if len(args.targets) > 1 else ""
@@ -567,6 +684,16 @@ def main(argv=None):
         print(f"{key:<20}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+    for key in [k for k in summary if k.startswith("all")]:
+        for c in results[key].get("checkpoints", []):
+            print(f"{key}: checkpoint at step {c['step']}: training thread blocked {c['stall_s']}s, GPU copy "
+                  f"{c['copy_s']}s (overlapping the next step), written in {c['seconds']}s in the background", flush=True)
+    cli = results.get("cli")
+    if cli:
+        print(f"trainer CLI, fresh process: {cli['tokens_per_s_steady']} tok/s steady "
+              f"({cli.get('cli_over_bench')} x the bench's {cli.get('bench_mode')}), warm-up {cli['warmup_s']}s "
+              f"(target compiled: {cli['compile_target']}), recompiles {cli['recompiles']}, checkpoints "
+              f"{[c['stall_s'] for c in cli['checkpoints']]} s blocked, state {cli['state']}", flush=True)
     return results
 
 

@@ -637,7 +637,7 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
     data_cfg = {"train_path": str(train_file), "eval_path": str(data / "eval.jsonl"),
                 "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),
                 "bucket_edges": [p.max_length // 2, p.max_length], "pad_multiple": 16 if not cuda else 64,
-                "seed": p.seed}
+                "seed": p.seed, "enable_thinking": False}  # as render() and regen_argv() render
     if p.pack_length:
         data_cfg.update(pack_length=p.pack_length, pack_rows=p.pack_rows)
     return {
@@ -662,6 +662,7 @@ def read_run(run_dir: Path) -> dict:
     ev = evals[-1] if evals else {}
     stops = [e for e in events if e.get("event") == "stop"]
     return {"tau": ev.get("tau"), "tau_per_prompt": ev.get("tau_per_prompt"), "histogram": ev.get("histogram"),
+            "tau_lookup": ev.get("tau_lookup"), "tau_ratio": ev.get("tau_ratio"),
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
             "train_acc": last.get("acc"), "steps": last.get("step"),
             "stop": stops[-1].get("reason") if stops else None,
@@ -746,6 +747,7 @@ class CheckpointEvaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.head = FrozenHead.from_target(self.target, p.device)
         self.conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
+        self.lookup: dict | None = None  # n-gram prompt lookup's τ: the same for every checkpoint, measured once
 
     def __call__(self, ck: Path) -> dict:
         from safetensors.torch import load_file
@@ -763,8 +765,14 @@ class CheckpointEvaluator:
         started = time.time()
         with autocast_for(p.device, p.dtype):
             r = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                  p.eval_new_tokens, batch=len(self.conversations))  # rounds are launch-bound
+                                  p.eval_new_tokens, batch=len(self.conversations),  # rounds are launch-bound
+                                  template_kwargs={"enable_thinking": False}, baseline=self.lookup is None)
+        if self.lookup is None:
+            self.lookup = {k: r[k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
+                                             "lookup_same_output")}
+        ratio = r["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
         return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
+                **self.lookup, "tau_ratio": ratio,
                 "histogram": r["histogram"], "samples": r["samples"], "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
@@ -800,21 +808,23 @@ def markdown(results: dict) -> str:
              f"trained on, {t['lm_loss_heldout_rows']} on held-out files",
              f"* regen: {r['summary']} (exit {r['exit']}, {r['seconds']} s wall incl. model load)",
              f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {_f(m['tau'])} pooled / "
-             f"{_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts, histogram "
+             f"{_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
+             f"lookup on the same prompts {_f(m.get('tau_lookup'))}: ratio {_f(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
              f"{m['histogram']}, train acc {_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}, "
              f"{_f(m['tokens_per_s_steady'], 0)} tok/s", ""]
     if results.get("curve"):
-        lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | histogram (1..block) |",
-                  "|---:|---:|---:|---:|---|"]
+        lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
+                  "histogram (1..block) |", "|---:|---:|---:|---:|---:|---:|---|"]
         for x in results["curve"]:
             lines.append(f"| {x['step']} | {_f(x.get('tokens'))} | {x['tau']:.3f} | {x['tau_per_prompt']:.3f} | "
-                         f"{x['histogram']} |")
+                         f"{_f(x.get('tau_lookup'))} | {_f(x.get('tau_ratio'), 2)} | {x['histogram']} |")
         lines.append("")
     if results.get("ablations"):
-        lines += ["| ablation | overrides | steps | tau pooled | tau per-prompt | train acc | held-out acc | tok/s |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
+                  "held-out acc | tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, a in results["ablations"].items():
-            lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {_f(a['tau'])} | {_f(a['tau_per_prompt'])} | "
+            lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {_f(a['tau'])} | {_f(a.get('tau_ratio'), 2)} | "
+                         f"{_f(a['tau_per_prompt'])} | "
                          f"{_f(a['train_acc'])} | {_f(a['eval_acc'])} | {_f(a['tokens_per_s_steady'], 0)} |")
     return "\n".join(lines) + "\n"
 
@@ -1009,14 +1019,18 @@ def main(argv: list[str] | None = None) -> dict:
         point = evaluated[ck]
         point["tokens"] = round(point["step"] * per_step) if per_step else None
         curve.append(point)
-        say(f"curve: step {point['step']} (~{_f(point['tokens'])} real tokens): tau {point['tau']:.3f} pooled, "
+        say(f"curve: step {point['step']} (~{_f(point['tokens'])} real tokens): tau {point['tau']:.3f} pooled "
+            f"({_f(point['tau_ratio'], 2)}x n-gram lookup's {_f(point['tau_lookup'])}), "
             f"{point['tau_per_prompt']:.3f} per-prompt mean ({point['samples']} held-out prompts, {p.eval_new_tokens} "
             f"new tokens; {ck.relative_to(out)}) [{point['eval_seconds']}s]")
     results["curve"] = curve
     if m["tau"] is None and curve:  # stopped at the deadline: its last checkpoint stands for it
         last = curve[-1]
         m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
-                 eval_samples=last["samples"], tau_from=last["checkpoint"])
+                 eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],
+                 tau_ratio=last["tau_ratio"])
+    say(f"main drafter vs n-gram prompt lookup: tau {_f(m['tau'])} vs {_f(m.get('tau_lookup'))} pooled on the same "
+        f"held-out prompts: ratio {_f(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
     say(f"main drafter: tau {_f(m['tau'])} pooled, {_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {p.drafter_steps}, {main_file.name}); histogram {m['histogram']}; train acc "
@@ -1030,10 +1044,11 @@ def main(argv: list[str] | None = None) -> dict:
         if a["tau"] is None and last in evaluated:
             point = evaluated[last]
             a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
-                     tau_from=point["checkpoint"], steps=point["step"])
+                     tau_from=point["checkpoint"], steps=point["step"], tau_lookup=point["tau_lookup"],
+                     tau_ratio=point["tau_ratio"])
         results["ablations"][j["name"]] = a
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
-            f"{_f(a['tau'])} pooled, {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
+            f"{_f(a['tau'])} pooled ({_f(a.get('tau_ratio'), 2)}x lookup), {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
             f"held-out acc {_f(a['eval_acc'])}")
     save()
     (out / "quality.md").write_text(markdown(results))

@@ -114,6 +114,8 @@ def local_manifest(src: Path) -> tuple[str, dict[str, dict], dict[str, Path]]:
         kind = "tree"
     elif src.is_symlink():
         raise TransferRefused(f"{src} -> {os.readlink(src)}: a dangling link")
+    elif src.exists():
+        raise TransferRefused(f"{src}: neither a regular file nor a directory")
     else:
         raise TransferRefused(f"{src}: no such file or directory")
     return kind, {rel: {"size": p.stat().st_size, "sha256": sha256_file(p), "mode": tree_helper.file_mode(str(p))}

@@ -2,7 +2,7 @@
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
-python -m trainer plan --config CONFIG
+python -m trainer plan --config CONFIG [--gpus N --gpu-gib G]
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
@@ -124,14 +124,20 @@ def _plan(argv: list[str]) -> int:
                                 description="Bytes per target stage, drafter replica and device, from the config, "
                                             "the model's config.json and its index (no weights read).")
     p.add_argument("--config", required=True, help="trainer YAML config")
+    p.add_argument("--gpus", type=int, default=None, help="plan for a host with this many GPUs (default: this one's)")
+    p.add_argument("--gpu-gib", type=float, default=None, help="with --gpus: each GPU's memory in GiB (H200: 139)")
     args = p.parse_args(argv)
     from trainer.train.config import ConfigError, load_config
 
+    if (args.gpus is None) != (args.gpu_gib is None):
+        print("plan: --gpus and --gpu-gib go together", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
         from trainer.models.memory_plan import build_plan, format_plan
 
-        plan = build_plan(cfg)
+        gpu_bytes = None if args.gpus is None else {i: int(args.gpu_gib * 2**30) for i in range(args.gpus)}
+        plan = build_plan(cfg, gpu_bytes=gpu_bytes)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr, flush=True)
         return 2

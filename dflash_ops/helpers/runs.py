@@ -193,11 +193,13 @@ def describe_run(run_dir: str, now: float) -> dict:
         info["reason"] = broken + ("; the process still runs" if alive else "")
     elif between and state not in ("stopped", "done"):
         info["alive"] = True
-        info["effective_state"] = "restarting"
         last = info["restarts"][-1] if info["restarts"] else None
-        info["reason"] = ("restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
-                                                          last["reason"])
-                          if last and restarts else "the supervisor is starting the trainer")
+        if last and restarts and (last.get("time") or 0) >= (launch.get("time") or 0):
+            info["effective_state"] = "restarting"
+            info["reason"] = "restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
+                                                             last["reason"])
+        else:  # the first attempt of this start has not written its status yet
+            info["effective_state"] = "starting"
     elif state in nodefacts.FINAL_STATES:
         info["effective_state"] = state
         info["alive"] = alive or supervised  # a supervisor still ending counts: not over yet
@@ -772,7 +774,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
             entry["from"] or "the start (no checkpoint yet)"))
-        set_aside_stale_requests(run_dir)
+        # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
 
 

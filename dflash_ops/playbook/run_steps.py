@@ -71,6 +71,9 @@ def _start(ctx: StepContext, params: dict) -> dict:
     targets = params.get("targets")
     if targets is not None and (ctx.open_target is None or params.get("run_id") is not None):
         raise StepFailed("start over several targets: needs the inventory (dflash-ops play) and no run_id")
+    restart = params.get("restart")
+    if targets is not None and restart not in (None, "no"):
+        raise StepFailed("start over several targets: restart is not supported across hosts yet")
     with tempfile.TemporaryDirectory(prefix="dflash-config-") as tmp:
         sent = config
         if settings:
@@ -83,7 +86,8 @@ def _start(ctx: StepContext, params: dict) -> dict:
             opened = [ctx.container if n == ctx.target else ctx.open_target(n) for n in names]  # type: ignore[misc]
             run_id = start_group(opened, names, sent, name=params.get("name"), gpus=gpus)
         else:
-            run_id = start_run(ctx.container, sent, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"))
+            run_id = start_run(ctx.container, sent, name=params.get("name"), gpus=gpus, run_id=params.get("run_id"),
+                               restart=restart)
     where = f" on {', '.join(str(t) for t in targets)}" if targets is not None else ""
     ctx.say(f"started {run_id}{where} ({config}{', with ' + ', '.join(settings) if settings else ''})")
     return {"run_id": run_id, "run_dir": f"{ctx.container.base_dir}/runs/{run_id}"}
@@ -194,9 +198,11 @@ def _stop(ctx: StepContext, params: dict) -> dict:
 
 
 RUN_STEPS = [
-    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "set", "targets"),
-             provides=("run_id", "run_dir"), types={"gpus": list, "name": str, "run_id": str, "set": dict, "targets": list},
-             help="start a detached training run (set: dotted config keys to override; targets: one run across hosts)"),
+    StepType("start", _start, required=("config",), optional=("name", "gpus", "run_id", "set", "targets", "restart"),
+             provides=("run_id", "run_dir"), types={"gpus": list, "name": str, "run_id": str, "set": dict, "targets": list,
+                                                    "restart": str},
+             help="start a detached training run (set: dotted config keys to override; targets: one run across hosts; "
+                  "restart: on-failure[:N] resumes it after a crash)"),
     StepType("follow", _follow, required=("run_id",), optional=("timeout",),
              provides=("state", "step", "final_loss", "tau"), types={"timeout": NUMBER},
              help="follow a run to its end with a progress bar; fails if the run fails"),

@@ -67,6 +67,8 @@ class RunInfo:
     loss: float | None = None
     acc: float | None = None
     tau: float | None = None
+    tau_lookup: float | None = None  # optional: τ of n-gram prompt lookup on the same prompts
+    tau_ratio: float | None = None  # optional: tau / tau_lookup
     tokens_per_s: float | None = None
     tokens_per_s_steady: float | None = None  # optional in status.json
     pad_share: float | None = None  # optional in status.json

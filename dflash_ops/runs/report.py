@@ -45,7 +45,9 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
         resumed = event.get("resumed_from")
         return f"start at step {step} of {event.get('total_steps')}" + (f" (resumed from {resumed})" if resumed else "")
     if kind == "eval":
-        return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}"
+        lookup = (f"  n-gram lookup {_num(event.get('tau_lookup'), '.3f')} ({_num(event.get('tau_ratio'), '.2f')}x)"
+                  if event.get("tau_lookup") is not None else "")
+        return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}{lookup}"
                 f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}")
     if kind == "checkpoint":
         request = f" (request {event['request']})" if event.get("request") else ""

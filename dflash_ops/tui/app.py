@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
-from dflash_ops.tui.model import fmt_age, fmt_num
+from dflash_ops.tui.model import fmt_age, fmt_num, fmt_tau
 from dflash_ops.runs.info import FINAL_STATES
 from dflash_ops.tui.source import DashSource, GpuSample, RequestKind, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
@@ -146,7 +146,7 @@ class DashApp(App):
         total = f"/{row.total_steps}" if row.total_steps else ""
         member = f" rank {row.rank if row.rank is not None else '?'}/{row.world}" if row.world else ""
         return (Text(row.target + member, style="red" if stale else ""), row.run_id, state, f"{row.step}{total}",
-                fmt_num(row.loss, 4), fmt_num(row.acc, 3), fmt_num(row.tau, 3), fmt_num(row.tokens_per_s, 4),
+                fmt_num(row.loss, 4), fmt_num(row.acc, 3), fmt_tau(row.tau, row.tau_ratio), fmt_num(row.tokens_per_s, 4),
                 fmt_age(age) if row.state not in FINAL_STATES else "-", row.release or "-")
 
     def _render_rows(self) -> None:

@@ -144,7 +144,9 @@ class RunDetailScreen(Screen):
             text.append(f"  {row.state}", style="bold")
             text.append(
                 f"  step {row.step}{total}  loss {fmt_num(row.loss, 4)}  acc {fmt_num(row.acc)}"
-                f"  tau {fmt_num(h.tau)}  tok/s {fmt_num(row.tokens_per_s, 4)}"
+                f"  tau {fmt_num(h.tau)}"
+                + ("" if h.tau_lookup is None else f" (n-gram lookup {fmt_num(h.tau_lookup)}, {fmt_num(h.tau_ratio)}x)")
+                + f"  tok/s {fmt_num(row.tokens_per_s, 4)}"
                 + ("" if row.tokens_per_s_steady is None else f" (steady {fmt_num(row.tokens_per_s_steady, 4)})")
                 + ("" if row.pad_share is None else f"  pad {row.pad_share:.1%}")
                 + f"  heartbeat {fmt_age(age)}  release {row.release or '-'}"

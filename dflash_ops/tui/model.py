@@ -61,6 +61,8 @@ class RunHistory:
         self.warmup: dict | None = None
         self.recompiles = 0
         self.tau: float | None = None
+        self.tau_lookup: float | None = None  # n-gram prompt lookup on the same prompts
+        self.tau_ratio: float | None = None
         self.error: str | None = None
         self.restarts: list[dict] = []  # `restart` events of a run started with --restart
         self.bad_lines = 0
@@ -96,6 +98,7 @@ class RunHistory:
             self.warmup = {"shapes": event.get("shapes"), "seconds": event.get("seconds")}
         elif kind == "eval":
             self.tau = event.get("tau")
+            self.tau_lookup, self.tau_ratio = event.get("tau_lookup"), event.get("tau_ratio")
         elif kind == "checkpoint":
             checkpoint = Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request"))
             self.checkpoints.append(checkpoint)
@@ -165,6 +168,11 @@ def fmt_num(value: float | None, digits: int = 3) -> str:
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.{digits}g}"
+
+
+def fmt_tau(tau: float | None, ratio: float | None) -> str:
+    """τ, and beside it how many times n-gram prompt lookup's τ on the same prompts it is."""
+    return fmt_num(tau, 3) + ("" if ratio is None else f" {ratio:.2f}x")
 
 
 def downsample(xs: Sequence[float], ys: Sequence[float], points: int = 400) -> tuple[list, list]:

@@ -24,7 +24,7 @@ from dflash_ops.transport.local import LocalTransport
 from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
-_COPIED = ("run_id", "total_steps", "loss", "acc", "tau", "tokens_per_s", "tokens_per_s_steady", "pad_share",
+_COPIED = ("run_id", "total_steps", "loss", "acc", "tau", "tau_lookup", "tau_ratio", "tokens_per_s", "tokens_per_s_steady", "pad_share",
            "heartbeat", "release", "last_checkpoint")  # the fields RunRow takes from RunInfo as they are
 
 

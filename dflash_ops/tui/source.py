@@ -29,6 +29,8 @@ class RunRow:
     loss: float | None = None
     acc: float | None = None
     tau: float | None = None
+    tau_lookup: float | None = None  # n-gram prompt lookup's τ on the same prompts (status.json, optional)
+    tau_ratio: float | None = None  # tau / tau_lookup
     tokens_per_s: float | None = None
     tokens_per_s_steady: float | None = None
     pad_share: float | None = None

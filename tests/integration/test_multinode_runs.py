@@ -10,8 +10,6 @@ last checkpoint to the same losses; logs --rank, status and pull act on the grou
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -108,9 +106,16 @@ def test_two_node_run_matches_one_host_survives_kill_minus_9_and_resumes(pair, t
     by_rank = {s["distributed"]["rank"]: t for t, s in states.items()}
     writer, victim = by_rank[0], by_rank[1]
     assert {states[t]["distributed"]["node"] for t in TARGETS} and states[writer]["distributed"]["writer"]
-    os.kill(states[writer]["pid"], signal.SIGSTOP)  # hold the group at this step: the run cannot finish first
-    os.kill(states[victim]["pid"], signal.SIGKILL)
-    os.kill(states[writer]["pid"], signal.SIGCONT)
+    # signalled from inside each container: status.json's pid is the container's (in an LXC container
+    # another PID namespace than this machine's)
+    def signal_in(target: str, name: str) -> None:
+        done = CliRunner().invoke(app, ["exec", "--inventory", str(pair.inventory), target, "--",
+                                        "kill", f"-{name}", str(states[target]["pid"])])
+        assert done.exit_code == 0, (done.stdout, done.stderr)
+
+    signal_in(writer, "STOP")  # hold the group at this step: the run cannot finish first
+    signal_in(victim, "KILL")
+    signal_in(writer, "CONT")
     wait_for(lambda: all(on_disk(d).get("state") == "failed" for d in dirs.values()), "both ranks failed")
 
     shown = json.loads(cli(pair, "run", "status", writer, run_id, "--json").stdout)

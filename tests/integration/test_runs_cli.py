@@ -364,7 +364,9 @@ def test_restart_on_failure_resumes_after_sigkill_with_the_same_losses(tier, tmp
     text = "total_steps: 40\nstep_seconds: 0.05\ncheckpoint_every: 5\n"
     run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, text), "--restart", "on-failure:2").stdout.strip()
     first = _wait_status(tier, run_id, lambda s: s.get("step", 0) >= 12)
-    os.kill(_trainer_pid(tier, run_id), 9)  # as the OOM killer would: no word from the trainer
+    # as the OOM killer would: no word from the trainer. Killed from inside the container: launch.json's
+    # pid is the container's (in an LXC container another PID namespace than this machine's)
+    tier.container.exec(["kill", "-KILL", str(_trainer_pid(tier, run_id))], check=True)
     followed = tier.cli("logs", "host200", run_id, "-f").stdout  # follows across the restart to the end
     assert followed.rstrip().endswith("done") and "killed by SIGKILL" in followed
     done = _wait_status(tier, run_id, lambda s: s["effective_state"] in ("done", "failed"))

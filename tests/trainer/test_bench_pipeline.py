@@ -36,3 +36,41 @@ def test_every_stage_runs_on_multi_row_mixed_length_batches(tmp_path, capsys):
     assert packed["pipeline"]["pad_share"] < bucketed["pipeline"]["pad_share"]
     assert (tmp_path / "bench.json").exists()
     assert "packed" in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_issue_29_modes_and_the_trainer_cli_in_a_fresh_process(tmp_path, capsys):
+    """packed (the previous drafter path) vs all (fused drafter, a background checkpoint halfway),
+    then `python -m trainer` on the same conversations in a fresh process, in one run."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "4", "--micro", "2", "--log-every", "1",
+        "--mix", "lognormal", "--min-len", "16", "--max-len", "128", "--median", "40", "--samples", "120",
+        "--anchors", "16", "--modes", "packed", "all", "--pack-length", "256", "--pack-rows", "2",
+        "--stage-micro", "2", "--cli-steps", "4", "--out", str(tmp_path / "bench.json")])
+    assert [c["step"] for c in results["all"]["checkpoints"]] == [2] and "checkpoints" not in results["packed"]
+    assert results["all"]["checkpoints"][0]["stall_s"] >= 0 and results["all"]["checkpoints"][0]["seconds"] > 0
+    for mode in ("packed", "all"):
+        assert results[mode]["pipeline"]["recompiles_after_warmup"] == 0 and results[mode]["pipeline"]["steps"] == 4
+    cli = results["cli"]
+    assert cli["exit"] == 0 and cli["state"] == "done" and cli["steps"] == 4, cli.get("log_tail")
+    assert cli["tokens_per_s_steady"] > 0 and cli["recompiles"] == 0 and cli["compile_target"] is False  # CPU
+    assert [c["step"] for c in cli["checkpoints"]] == [2, 4] and cli["bench_mode"] == "all"
+    out = capsys.readouterr().out
+    assert "trainer CLI, fresh process" in out and "all: checkpoint at step 2" in out
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path):
+    """#24's variants on the same data and target: the features are the same, so are the losses."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "2", "--log-every", "1",
+        "--min-len", "16", "--max-len", "64", "--samples", "60", "--anchors", "8", "--stage-micro", "2",
+        "--modes", "packed", "--pack-length", "128", "--variants", "whole", "untruncated", "split3"])
+    losses = {key: results[key]["pipeline"]["loss"] for key in ("packed", "packed:untruncated", "packed:split3")}
+    assert losses["packed"] == losses["packed:untruncated"] == losses["packed:split3"], losses
+    assert all(results[key]["pipeline"]["recompiles_after_warmup"] == 0 for key in losses)
+    assert "cpu:target0.2" in results["packed:split3"]["memory_plan"]

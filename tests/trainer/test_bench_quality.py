@@ -49,6 +49,9 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     assert m["exit"] == 0 and m["steps"] == 2 and m["tau"] >= 1.0 and m["train_file"] == "regen.jsonl"
     assert len(m["histogram"]) == 16 and sum(m["histogram"]) > 0
     assert [x["step"] for x in r["curve"]] == [1, 2] and r["curve"][-1]["tau"] == pytest.approx(m["tau"])
+    # τ beside n-gram prompt lookup on the same prompts: the trainer's eval and the bench's agree
+    assert m["tau_lookup"] >= 1.0 and m["tau_ratio"] == pytest.approx(m["tau"] / m["tau_lookup"])
+    assert all(x["tau_lookup"] == pytest.approx(m["tau_lookup"]) and x["lookup_same_output"] for x in r["curve"])
     a = r["ablations"]["original answers"]
     assert a["exit"] == 0 and a["tau"] >= 1.0
     assert "| ablation |" in (tmp_path / "quality.md").read_text()

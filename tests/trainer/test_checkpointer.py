@@ -196,3 +196,28 @@ def test_a_failed_requested_checkpoint_fails_the_run(tmp_path, monkeypatch):
     assert train(config(steps=4, every=0, fit=0, kind="threaded"), run) == 1
     assert status(run)["state"] == "failed" and "Input/output error" in status(run)["error"]["message"]
     assert [e["request"] for e in events(run, "checkpoint_failed")] == ["c-9"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_buffers_reserved_before_the_first_step_are_the_ones_its_snapshots_use(tmp_path, fused):
+    """The warm-up reserves the staging before AdamW has any state (optimizer_state_like guesses
+    it); a snapshot after real steps must find every buffer there, allocating nothing."""
+    from trainer.train.checkpointer import optimizer_state_like
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cp = Checkpointer(ckpt.CheckpointManager(tmp_path, keep=3), lambda *a: None, lambda *a: None)
+    cp.reserve({"model": model.state_dict(), "optim": {"optimizer": optimizer_state_like(opt),
+                                                       "scheduler": sched.state_dict()}})
+    cp.wait()
+    reserved = {key: buf.data_ptr() for key, buf in cp._staging.items()}
+    assert any("exp_avg_sq" in key for key in reserved)
+    for _ in range(2):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    job = snapshot(cp, 2, model, opt, sched)
+    cp.wait()
+    assert {key: buf.data_ptr() for key, buf in cp._staging.items()} == reserved
+    assert torch.equal(job.optim["optimizer"]["state"][0]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    cp.close()

@@ -69,6 +69,12 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
     assert len(histogram) == 4 and sum(histogram) == rounds > 0
     assert report["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / rounds)
     assert 1.0 <= report["tau_per_prompt"] <= 4.0 and report["samples"] == 3
+    # the n-gram prompt lookup baseline on the same prompts: same greedy output, its own τ, the ratio
+    assert report["lookup_same_output"] is True
+    assert sum(report["lookup_histogram"]) == report["lookup_rounds"] > 0
+    assert report["tau_lookup"] == pytest.approx(
+        sum((k + 1) * n for k, n in enumerate(report["lookup_histogram"])) / report["lookup_rounds"])
+    assert report["tau_ratio"] == pytest.approx(report["tau"] / report["tau_lookup"])
 
 
 def test_export_loads_with_automodel_trust_remote_code_and_drafts_like_the_trainer(tiny, tmp_path, monkeypatch):

@@ -41,6 +41,16 @@ def test_features_equal_the_full_models_hidden_states_exactly(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_tapping_the_last_layer_reads_it_after_the_final_norm_as_transformers_does(family):
+    model = _model(family)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True).hidden_states
+    feats = target_context_features(model, ids, None, [2, 5])
+    assert torch.equal(feats, torch.cat([full[3], full[6]], dim=-1))  # full[6]: normed, as the drafts had it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_layers_above_the_last_tapped_one_and_the_final_norm_never_run(family):
     model = _model(family)
     ran = []
@@ -359,3 +369,24 @@ def test_taps_for_a_stage_on_another_device_travel_whole_and_are_written_by_the_
         full = model(ids, output_hidden_states=True).hidden_states
     write_pending(out, [(k, full[layer_ids[k] + 1]) for k, _ in pending])
     assert torch.equal(out, direct)
+
+
+def test_plan_for_8_h200s_tells_a_70b_user_what_to_write(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from trainer.__main__ import main
+
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False).save_pretrained(tmp_path)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(f"""
+model: {{target: {{tiny: null, path: {tmp_path}}}, mask_token_id: 128255, drafter_layers: 2, dtype: bf16}}
+data: {{synthetic: null, train_path: x.jsonl, max_length: 8192, token_budget: 8192, pack_length: 8192,
+        bucket_edges: [8192]}}
+devices: {{target: [cuda:0], drafter: [cuda:1]}}
+"""))
+    assert main(["plan", "--config", str(config), "--gpus", "8", "--gpu-gib", "139"]) == 1  # does not fit unsplit
+    out = capsys.readouterr().out
+    assert "cuda:0" in out and "SHORT by" in out and "smallest split of one replica that fits: 2 stage(s)" in out
+    assert ("on this host's 8 GPUs: devices: {target: [[cuda:0, cuda:1], [cuda:2, cuda:3]], "
+            "drafter: [cuda:4, cuda:5, cuda:6, cuda:7]}") in out

@@ -1,7 +1,9 @@
 import json
 import threading
 
-from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, sparkline
+from dflash_ops.runs import RunInfo
+from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_tau, sparkline
+from dflash_ops.tui.remote import run_row_from_info
 from dflash_ops.tui.source import GpuSample
 from dflash_ops.tui.streams import Backoff, LineSink, follow_forever
 
@@ -23,6 +25,10 @@ def test_history_builds_series_gpus_and_checkpoints():
                     "seconds": 1.0, "request": "abc"}),
         json.dumps({"event": "eval", "time": 0, "step": 2, "tau": 3.2, "acc": 0.6, "samples": 8}),
     ])
+    assert history.tau_lookup is None
+    history.feed([json.dumps({"event": "eval", "time": 0, "step": 4, "tau": 3.3, "tau_lookup": 2.2, "tau_ratio": 1.5})])
+    assert (history.tau, history.tau_lookup, history.tau_ratio) == (3.3, 2.2, 1.5)
+    history.tau = 3.2
     assert list(history.loss_steps) == [1, 2] and list(history.loss) == [3.0, 2.5]
     assert list(history.tps) == [100.0, 120.0]
     assert history.gpus[0].role == "target" and list(history.gpus[0].history) == [90.0]
@@ -42,6 +48,14 @@ def test_host_samples_fill_gaps_but_do_not_override_the_trainer():
     assert history.gpus[0].busy == 50.0 and history.gpus[0].mem_total_gb == 80.0
     assert history.gpus[1].busy == 40.0 and history.gpus[1].role == "?"
     assert 7 not in history.gpus  # not held by this run
+
+
+def test_tau_is_shown_beside_the_prompt_lookup_ratio():
+    info = RunInfo.from_json({"run_id": "r", "state": "running", "effective_state": "running", "tau": 3.0,
+                              "tau_lookup": 2.0, "tau_ratio": 1.5})
+    row = run_row_from_info("host200", info)
+    assert (row.tau, row.tau_lookup, row.tau_ratio) == (3.0, 2.0, 1.5)
+    assert fmt_tau(row.tau, row.tau_ratio) == "3 1.50x" and fmt_tau(2.85, None) == "2.85"
 
 
 def test_text_renderers():

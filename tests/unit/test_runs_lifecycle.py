@@ -247,3 +247,19 @@ def test_a_done_run_resumes_only_from_an_explicit_step(container, tmp_path):
     with pytest.raises(runs.RunRefused, match="is done: nothing to resume"):
         runs.resume_run(container, run_id)
     assert runs.run_status(container, run_id).effective_state == "done"
+
+
+def test_crash_reasons_the_supervisor_records():
+    """What `run status` says a restart was for: a signal, a lost peer, the trainer's own error, an exit code."""
+    from dflash_ops.helpers.runs import crash_reason
+
+    def status(message):
+        return {"pid": 42, "state": "failed", "error": {"message": message, "thread": "main"}}
+
+    assert crash_reason(-9, None, 42, None) == "killed by SIGKILL"
+    assert crash_reason(-15, {"pid": 42, "state": "running"}, 42, None) == "killed by SIGTERM"
+    assert crash_reason(1, status("[c10d] Connection reset by peer"), 42, None) == \
+        "lost peer (exit 1): [c10d] Connection reset by peer"
+    assert crash_reason(1, status("CUDA out of memory. Tried to allocate 2 GiB"), 42, None) == \
+        "exit 1: CUDA out of memory. Tried to allocate 2 GiB"
+    assert crash_reason(3, status("an older attempt's error"), 41, None) == "exit 3"  # not this trainer's status

@@ -13,6 +13,9 @@ def test_step_event_is_one_compact_line():
 def test_other_events():
     assert metric_line({"event": "eval", "step": 300, "tau": 6.59375, "acc": 0.957, "samples": 16}) == \
         "eval at step 300: acceptance length tau 6.594  acc 0.957  samples 16"
+    assert metric_line({"event": "eval", "step": 300, "tau": 4.5, "tau_lookup": 3.0, "tau_ratio": 1.5, "acc": 0.9,
+                        "samples": 16}) == \
+        "eval at step 300: acceptance length tau 4.500  n-gram lookup 3.000 (1.50x)  acc 0.900  samples 16"
     assert metric_line({"event": "start", "step": 202, "total_steps": 3000, "resumed_from": "checkpoints/step_202"}) == \
         "start at step 202 of 3000 (resumed from checkpoints/step_202)"
     assert metric_line({"event": "stop", "step": 9, "reason": "signal"}) == "stop at step 9: signal"

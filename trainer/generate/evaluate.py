@@ -75,24 +75,36 @@ def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: 
     return seq[len(prompt):]
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Everything before the last assistant turn, with the generation prompt."""
+def prompt_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Everything before the last assistant turn, with the generation prompt, rendered with the
+    data config's chat-template arguments (`trainer.train.config.template_kwargs`: e.g. Qwen3's
+    `enable_thinking: false` pre-fills an empty think block) - the prompt training saw and the
+    engine will serve."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
-                      conversations: list[dict], max_new_tokens: int, batch: int = 16) -> dict:
+                      conversations: list[dict], max_new_tokens: int, batch: int = 16,
+                      template_kwargs: dict | None = None, baseline: bool = True) -> dict:
     """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once.
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
     prompt's own τ (what the DFlash authors' benchmark reports); histogram[k]: rounds that
-    produced k + 1 tokens (k drafts accepted, then the target's own token)."""
+    produced k + 1 tokens (k drafts accepted, then the target's own token); prompt_tokens: the
+    prompts' length in tokens, rendered with `template_kwargs` (the data config's).
+
+    baseline: also decode the same prompts with n-gram prompt lookup (trainer.generate.lookup: no
+    training, what vLLM and SGLang ship), the same target and verification: tau_lookup,
+    tau_lookup_per_prompt, lookup_rounds, lookup_histogram, tau_ratio = tau / tau_lookup (what the
+    drafter's training bought), and lookup_same_output (both decodings gave the same tokens, as
+    greedy verification must)."""
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    prompts = [prompt_ids(tokenizer, conv["messages"]) for conv in conversations]
+    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs) for conv in conversations]
     was_training = drafter.training
     drafter.eval()
     try:
@@ -101,19 +113,37 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                                                             max_new_tokens, stop_ids)]
     finally:
         drafter.train(was_training)
+    block_size = drafter.config.block_size
+    report = {**_tau(generations, block_size), "samples": len(conversations),
+              "prompt_tokens": sum(len(p) for p in prompts)}
+    if baseline:
+        from trainer.generate.lookup import lookup_generate
+
+        looked = [g for i in range(0, len(prompts), batch)
+                  for g in lookup_generate(target, prompts[i:i + batch], max_new_tokens, stop_ids, block_size)]
+        lookup = _tau(looked, block_size)
+        report.update(tau_lookup=lookup["tau"], tau_lookup_per_prompt=lookup["tau_per_prompt"],
+                      lookup_rounds=lookup["rounds"], lookup_histogram=lookup["histogram"],
+                      tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
+                      lookup_same_output=[g.tokens for g in looked] == [g.tokens for g in generations])
+    return report
+
+
+def _tau(generations: list, block_size: int) -> dict:
+    """Pooled and per-prompt τ, histogram and rounds of some decodings (see acceptance_report)."""
     rounds = [n for g in generations for n in g.acceptance_lengths]
     per_prompt = [sum(g.acceptance_lengths) / len(g.acceptance_lengths) for g in generations if g.acceptance_lengths]
-    histogram = [0] * drafter.config.block_size
+    histogram = [0] * block_size
     for n in rounds:
         histogram[n - 1] += 1
     return {"tau": sum(rounds) / len(rounds) if rounds else 0.0,
             "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-            "histogram": histogram, "samples": len(conversations), "rounds": len(rounds)}
+            "histogram": histogram, "rounds": len(rounds)}
 
 
 def mean_acceptance_length(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                            conversations: list[dict],
                            max_new_tokens: int) -> tuple[float, int]:
     """Pooled τ over held-out conversations and how many were decoded."""
-    report = acceptance_report(target, drafter, head, tokenizer, conversations, max_new_tokens)
+    report = acceptance_report(target, drafter, head, tokenizer, conversations, max_new_tokens, baseline=False)
     return report["tau"], report["samples"]

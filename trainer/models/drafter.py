@@ -11,12 +11,14 @@ Two forwards over the same layers, deliberately separate so their parity can be 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 @dataclass
@@ -68,6 +70,7 @@ class DrafterConfig:
 # (evaluation, drafting) meets a new context length at every call. Static shapes: the pipeline
 # warms each shape once on one thread before its workers start (trainer.pipeline.compile_safety).
 COMPILE_POINTWISE = True  # bench/drafter_mfu.py turns it off for its baseline
+CPU_BACKEND: str | None = None  # tests: also compile on the CPU with this backend ("aot_eager": no C compiler)
 _compiled: dict[Callable, Callable] = {}
 
 
@@ -76,17 +79,16 @@ def pointwise(fn: Callable) -> Callable:
     def call(x: torch.Tensor, *args: Any, compiled: bool | None = None) -> Any:
         if compiled is None:
             compiled = torch.is_grad_enabled()
-        if not (compiled and COMPILE_POINTWISE and x.is_cuda):
+        if not (compiled and COMPILE_POINTWISE and (x.is_cuda or CPU_BACKEND)):
             return fn(x, *args)
         if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=False)
+            _compiled[fn] = torch.compile(fn, dynamic=False, backend="inductor" if x.is_cuda else (CPU_BACKEND or ""))
         return _compiled[fn](x, *args)
 
     return call
 
 
-@pointwise
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in fp32; returned in x's dtype (the fp32 master weight is cast, not x upcast)."""
     dtype = x.dtype
     x = x.float()
@@ -94,9 +96,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(dtype) * x.to(dtype)
 
 
-@pointwise
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+rms_norm, silu_mul = pointwise(_rms_norm), pointwise(_silu_mul)
 
 
 class RMSNorm(nn.Module):
@@ -117,8 +121,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-@pointwise
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE to x [B, heads, T, D] with cos/sin [B, T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -126,10 +129,64 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+_rotate = pointwise(_rotate_raw)
+
+
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Weight = Callable[[torch.Tensor], torch.Tensor]  # a layer's weight -> the tensor its matmul uses
+
+
+def as_is(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tensor, wq: torch.Tensor,
+                         wk: torch.Tensor, wv: torch.Tensor, w_qnorm: torch.Tensor, w_knorm: torch.Tensor,
+                         cos_q: torch.Tensor, sin_q: torch.Tensor, cos_kv: torch.Tensor, sin_kv: torch.Tensor,
+                         eps: float, heads: int, kv_heads: int, head_dim: int,
+                         fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything of a layer before attention: input norm, q/k/v projections, q/k norms, RoPE.
+    Queries from the block x; keys/values from [context | block].
+
+    fused (the default, `_attention_inputs`): one compiled region (forward and backward) on CUDA,
+    keys/values projected apart and concatenated at 1/4 of the width (GQA). Not fused: the
+    previous path, each norm and RoPE its own compiled kernel, [context | block] concatenated at
+    full width before the projections (bench/pipeline.py's baseline)."""
+    norm, rotate = (_rms_norm, _rotate_raw) if fused else (rms_norm, _rotate)
+    b, t, _ = x.shape
+    n = ctx.shape[1] + t
+    h = norm(x, w_norm, eps)
+    q = norm(F.linear(h, wq).view(b, t, heads, head_dim), w_qnorm, eps).transpose(1, 2)
+    if fused:
+        k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1)
+        v = torch.cat([F.linear(ctx, wv), F.linear(h, wv)], dim=1)
+    else:
+        kv_in = torch.cat([ctx, h], dim=1)
+        k, v = F.linear(kv_in, wk), F.linear(kv_in, wv)
+    k = norm(k.view(b, n, kv_heads, head_dim), w_knorm, eps).transpose(1, 2)
+    v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
+    return rotate(q, cos_q, sin_q), rotate(k, cos_kv, sin_kv), v
+
+
+def _attention_out_and_mlp_of(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, w_norm: torch.Tensor,
+                              w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, eps: float,
+                              fused: bool) -> torch.Tensor:
+    """Everything of a layer after attention: output projection and residual, post-attention
+    norm, SiLU-gated MLP and residual (fused: one compiled region on CUDA)."""
+    norm, silu = (_rms_norm, _silu_mul) if fused else (rms_norm, silu_mul)
+    b, heads, t, d = attended.shape
+    x = x + F.linear(attended.transpose(1, 2).reshape(b, t, heads * d), wo)
+    h = norm(x, w_norm, eps)
+    return x + F.linear(silu(F.linear(h, w_gate), F.linear(h, w_up)), w_down)
+
+
+_attention_inputs = pointwise(_attention_inputs_of)
+_attention_out_and_mlp = pointwise(_attention_out_and_mlp_of)
 
 
 class DrafterAttention(nn.Module):
+    """The attention's parameters (the published names); DrafterLayer runs them."""
+
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -140,19 +197,6 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention) -> torch.Tensor:
-        """Queries from the block x; keys/values from [context | block]."""
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_in.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
-        q = _rotate(q, *rope_q)
-        k = _rotate(k, *rope_kv)
-        out = attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
 
 class DrafterMLP(nn.Module):
     def __init__(self, c: DrafterConfig):
@@ -161,7 +205,7 @@ class DrafterMLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # cached drafting (trainer.generate.speculative)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -174,9 +218,84 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(c)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
-                rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention, weight: Weight = as_is,
+                fused: bool = True) -> torch.Tensor:
+        """weight: what each matmul uses for its fp32 weight (LowPrecisionWeights while training);
+        fused: two compiled regions around attention on CUDA (see `_attention_inputs_of`)."""
+        a, m, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        before, after = ((_attention_inputs, _attention_out_and_mlp) if fused
+                         else (_attention_inputs_of, _attention_out_and_mlp_of))
+        q, k, v = before(x, ctx, self.input_layernorm.weight, weight(a.q_proj.weight), weight(a.k_proj.weight),
+                         weight(a.v_proj.weight), a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads,
+                         a.kv_heads, a.head_dim, fused)
+        return after(x, attention(q, k, v), weight(a.o_proj.weight), self.post_attention_layernorm.weight,
+                     weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
+
+
+class _UseCopy(torch.autograd.Function):
+    """A weight as its low-precision copy: the forward returns the copy (no cast kernel), the
+    backward hands the gradient back in the weight's dtype - what autocast's per-use cast does."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = weight.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
+class LowPrecisionWeights:
+    """Low-precision copies of the fp32 master weights, made once per optimizer step, not at every
+    use under autocast (one cast kernel per weight per micro-batch). Same numbers as autocast.
+
+    A copy is remade after any optimizer step over its weight (a global optimizer post-hook: a
+    fused AdamW does not bump the weights' version counters) or when the weight's version changes
+    (a checkpoint load, an init)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id -> (weight, copy, version)
+        _LIVE.add(self)
+
+    def __deepcopy__(self, memo: dict) -> "LowPrecisionWeights":
+        return LowPrecisionWeights()  # a replica makes its own copies, on its own device
+
+    def forget(self, weight_ids: set[int]) -> None:
+        """Those weights changed: remake their copies at the next use (the buffers are kept)."""
+        for key in weight_ids & self._copies.keys():
+            weight, copy, _ = self._copies[key]
+            self._copies[key] = (weight, copy, -1)
+
+    def weight(self, dtype: torch.dtype) -> Weight:
+        def use(weight: torch.Tensor) -> torch.Tensor:
+            if weight.dtype == dtype:
+                return weight
+            entry = self._copies.get(id(weight))
+            if entry is None or entry[0] is not weight or entry[1].dtype != dtype:
+                entry = (weight, torch.empty_like(weight, dtype=dtype, requires_grad=False), -1)
+            if entry[2] != weight._version:
+                with torch.no_grad():
+                    entry[1].copy_(weight)
+                entry = (weight, entry[1], weight._version)
+                self._copies[id(weight)] = entry
+            return _UseCopy.apply(weight, entry[1])
+
+        return use
+
+
+_LIVE: weakref.WeakSet[LowPrecisionWeights] = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    caches = [cache for cache in list(_LIVE) if cache._copies]
+    if caches:
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for cache in caches:
+            cache.forget(updated)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
@@ -203,6 +322,9 @@ class DFlashDrafter(nn.Module):
         self.config = c
         build_drafter_modules(self, c)
         self.reset_parameters()
+        # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
+        self.low_precision = LowPrecisionWeights()
+        self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
 
     def blocks(self) -> list[DrafterLayer]:
         """The layers, typed (ModuleList's stubs type its items as Module)."""
@@ -223,13 +345,18 @@ class DFlashDrafter(nn.Module):
     def _run(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, ctx_positions: torch.Tensor,
              block_positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         dtype = self._compute_dtype(block_embeds.device.type)
-        ctx = self.hidden_norm(self.fc(ctx_features.to(dtype)))
+        weight: Weight = as_is
+        cached = getattr(self, "low_precision", None)  # the exported model (hf_modeling) has none
+        fused = getattr(self, "fused", True)
+        if cached is not None and fused and torch.is_grad_enabled() and self.fc.weight.dtype != dtype:
+            weight = cached.weight(dtype)
+        ctx = self.hidden_norm(F.linear(ctx_features.to(dtype), weight(self.fc.weight)))
         x = block_embeds.to(dtype)
         head_dim, theta = self.rope
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, attention)
+            x = layer(x, ctx, rope_q, rope_kv, attention, weight, fused)
         return self.norm(x)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,

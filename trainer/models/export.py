@@ -125,3 +125,45 @@ def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool 
     _write_marker(marker, {"files": files})
     if aside.exists():
         shutil.rmtree(aside)
+
+
+def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A published-format draft directory (this exporter's, z-lab's, what SGLang and vLLM load)
+    as (DrafterConfig fields, fp32 weights by the trainer's names): config.json's Qwen3 fields with
+    `dflash_config` {mask_token_id, target_layer_ids} (older drafts: top-level `target_layer_ids`),
+    and model.safetensors or shards listed by model.safetensors.index.json. A `model.` prefix
+    (SpecForge's wrapper) is dropped; tensors the drafter does not own are left out."""
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{d}: not a draft model directory (config.json: {e})") from None
+    dflash = config.get("dflash_config") or {}
+    layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    missing = [k for k, v in {"dflash_config.target_layer_ids": layer_ids, "dflash_config.mask_token_id": mask,
+                              "block_size": config.get("block_size")}.items() if v is None]
+    if missing:
+        raise ValueError(f"{d}/config.json is not a DFlash draft: no {', '.join(missing)}")
+    fields = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+              "num_hidden_layers": config["num_hidden_layers"],
+              "num_attention_heads": config["num_attention_heads"],
+              "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
+              "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+              "vocab_size": config["vocab_size"], "block_size": config["block_size"], "mask_token_id": mask,
+              "target_layer_ids": list(layer_ids),
+              "num_target_layers": config.get("num_target_layers"),
+              "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+              "rope_theta": float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))),
+              "max_position_embeddings": config.get("max_position_embeddings", 40960)}
+    index = d / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, tensor in load_file(str(d / f)).items():
+            name = name.removeprefix("model.")
+            if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm"):
+                weights[name] = tensor.float()
+    return fields, weights

@@ -35,8 +35,12 @@ class DevicePlan:
         return sum(self.items.values())
 
     @property
+    def reserve(self) -> int:
+        return cuda_reserve(self.device, self.budget)
+
+    @property
     def shortfall(self) -> int:
-        return 0 if self.budget is None else max(0, self.total - self.budget)
+        return 0 if self.budget is None else max(0, self.total + self.reserve - self.budget)
 
 
 @dataclass
@@ -59,9 +63,18 @@ class MemoryPlan:
             if d.shortfall:
                 hint = (f"; a split in {self.smallest_split} stages fits (devices.target: [[...{self.smallest_split} "
                         "devices]])" if self.smallest_split and self.smallest_split > len(self.stages) else "")
-                return (f"{d.device} needs {size(d.total)}, {size(d.shortfall)} more than its "
+                reserve = f" + {size(d.reserve)} reserve" if d.reserve else ""
+                return (f"{d.device} needs {size(d.total)}{reserve}, {size(d.shortfall)} more than its "
                         f"{size(d.budget or 0)} budget" + hint)
         return None
+
+
+def cuda_reserve(device: str, budget: int | None) -> int:
+    """What a GPU loses besides the tensors the plan counts: the CUDA context, cuBLAS/compile
+    workspaces and the caching allocator's fragmentation (1 GiB + 3 % of the device; none on the CPU)."""
+    if budget is None or not device.startswith("cuda"):
+        return 0
+    return GIB + budget * 3 // 100
 
 
 def _device_budget(device: str, cfg: TrainerConfig, gpu_bytes: dict[int, int] | None = None) -> int | None:
@@ -93,8 +106,13 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
         notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
         return meta_model(config, dtype), notes
     if t.path is not None:
+        from pathlib import Path
+
         from transformers import AutoConfig
 
+        if not (Path(t.path) / "config.json").is_file():
+            raise ValueError(f"model.target.path: {t.path}/config.json not found (the plan reads the model's "
+                             "config.json and its safetensors index)")
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         model = meta_model(config, dtype)
         text_config: Any = model.config  # a vision-language checkpoint's text part (Qwen3.5)
@@ -208,7 +226,7 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     for n in range(1, run + 1):
         worst = max(sum(v for k, v in st.items() if k not in ("stage", "device", "layers"))
                     for st in stage_items(split_sizes(n), [replicas[0][0]] * n))
-        if budget is None or worst <= budget:
+        if budget is None or worst + cuda_reserve(replicas[0][0], budget) <= budget:
             smallest = n
             break
     gpus = len(gpu_bytes) if gpu_bytes is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -244,7 +262,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("drafter replica: " + ", ".join(f"{k} {size(v)}" for k, v in plan.drafter.items()))
     lines.append("devices:")
     for d in plan.devices:
-        budget = "no budget" if d.budget is None else f"of {size(d.budget)}"
+        budget = "no budget" if d.budget is None else f"of {size(d.budget)}" + (
+            f" (less {size(d.reserve)} kept for the CUDA context and fragmentation)" if d.reserve else "")
         verdict = "fits" if not d.shortfall else f"SHORT by {size(d.shortfall)}"
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "

@@ -119,18 +119,23 @@ def run_layers(model: torch.nn.Module, hidden: torch.Tensor, lo: int, hi: int, i
     kinds, layers = layer_types(model), model.layers
     assert isinstance(layers, torch.nn.ModuleList)
     elsewhere = pending is not None and out.device != hidden.device
+    last, norm = len(kinds) - 1, model.norm
+    assert callable(norm)
     for i in range(lo, hi):
         hidden = layers[i](hidden, attention_mask=inputs.mask_mapping[kinds[i]],
                            position_ids=inputs.position_ids, position_embeddings=inputs.position_embeddings,
                            use_cache=False)
         if isinstance(hidden, tuple):  # transformers < 4.54 returns (hidden_states, ...)
             hidden = hidden[0]
+        # the model's last layer, when tapped, is read as transformers' hidden_states[-1] reads it:
+        # after the final norm (the drafts' features always were; real taps stop 2 layers short of it)
+        tapped = norm(hidden) if i == last and i in taps else hidden
         for k in taps.get(i, ()):
             if elsewhere:
                 assert pending is not None
-                pending.append((k, hidden.to(out.device, non_blocking=True)))
+                pending.append((k, tapped.to(out.device, non_blocking=True)))
             else:
-                out[..., k * width:(k + 1) * width].copy_(hidden, non_blocking=True)
+                out[..., k * width:(k + 1) * width].copy_(tapped, non_blocking=True)
     return hidden
 
 

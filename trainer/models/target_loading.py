@@ -169,6 +169,8 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
         for i in range(lo, hi):
             layer = base.layers[i]
             fill(layer, _module_tensors(reader, f"{prefix}layers.{i}.", layer, device, dtype))
+    if plan.layers == len(base.layers):  # the last layer is tapped: its features are read after the norm
+        fill(base.norm, _module_tensors(reader, f"{prefix}norm.", base.norm, plan.devices[-1], dtype))
     model.__dict__["_dflash_source"] = str(path)  # where complete_for_decoding reads the rest
     model.__dict__["_dflash_plan"] = plan  # trainer.models.stages.plan_of
     if len(set(plan.devices)) > 1:

@@ -169,6 +169,8 @@ class ThreadedPipeline:
             if is_cuda(device):
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+        r0 = self.replicas[0]
+        self.trainer.prepare_checkpoints(r0.drafter, r0.optimizer, r0.scheduler)
         self.guard.freeze()
         seconds = time.time() - began
         rd.event("warmup", self.trainer.state.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3),
@@ -303,9 +305,6 @@ class _Stages:
     def on_step_end(self, step: int, _last: MicroBatch | None) -> None:
         trainer = self.trainer
         trainer.state.step = step
-        if step == self.first_step + 1:  # the optimizer's state exists now: its staging is allocated meanwhile
-            r0 = self.p.replicas[0]
-            trainer.reserve_checkpoint(r0.drafter, r0.optimizer, r0.scheduler)
         forget_states_before(self.data_states, (step - self.first_step - 1) * self.p.micro_batches)
         requests = trainer.new_requests()
         every = self.cfg.run.checkpoint_every

@@ -22,6 +22,7 @@ DRAFTER_CONFIG_FILE = "drafter_config.json"
 OPTIM_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+BEST = "best.json"  # checkpoints/best.json: {"step", "tau"} of the kept best checkpoint (run.keep_best)
 
 
 class CheckpointError(RuntimeError):
@@ -80,6 +81,24 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self.best: dict | None = self._read_best()  # never pruned while it is the best
+
+    def _read_best(self) -> dict | None:
+        try:
+            best = json.loads((self.dir / BEST).read_text())
+            return best if (self.path(int(best["step"])) / MANIFEST).exists() else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def mark_best(self, step: int, tau: float) -> None:
+        """step_N (complete) is the best so far: best.json names it and pruning keeps it beside the
+        latest `keep`; the previous best goes when it is not one of those."""
+        previous = self.best
+        self.best = {"step": step, "tau": tau}
+        _write_bytes(self.dir / ".best.json.tmp", json.dumps(self.best).encode())
+        os.replace(self.dir / ".best.json.tmp", self.dir / BEST)
+        if previous is not None and previous["step"] != step:
+            self.prune()
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (names starting with '.' are in progress: ignored)."""
@@ -140,8 +159,10 @@ class CheckpointManager:
         shutil.rmtree(trash, ignore_errors=True)
 
     def prune(self) -> None:
+        best = self.best["step"] if self.best is not None else None
         for step in self.steps()[: -self.keep]:
-            self._discard(self.path(step))
+            if step != best:
+                self._discard(self.path(step))
 
     def resolve(self, which: str) -> Path:
         """'latest' or a step number -> a complete checkpoint directory."""

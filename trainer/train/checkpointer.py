@@ -8,8 +8,8 @@ are reused), and queueing the copies. On CUDA the copies run on a side stream, o
 work that produced the state, into pinned buffers; the optimizer's next step waits for them on the
 GPU (a step pre-hook: `stream.wait_event`, no host sync), so the state written is exactly that of
 one step while the next step's forward and backward already run. The writer thread waits for the
-copies itself. The buffers are allocated once; `reserve` lets the writer thread allocate them
-while training runs, so even the first checkpoint finds them ready.
+copies itself. The buffers are allocated once, before training starts (`reserve`, from the warm-up), so
+even the first checkpoint finds them ready.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class Checkpointer:
 
         self._submit(allocate)
 
+    def staged_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
+
     def snapshot(self, step: int, model: dict[str, torch.Tensor], drafter_config: dict, optim: dict,
                  trainer_state: dict, request: Any = None, periodic: bool = False,
                  optimizers: tuple[torch.optim.Optimizer, ...] = ()) -> Job:
@@ -115,13 +118,14 @@ class Checkpointer:
             raise fatal
 
     def close(self) -> None:
-        """Finish the writes in flight (never raises), then end the writer thread."""
+        """Finish the writes in flight (never raises), end the writer thread, free the staging."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._staging.clear()
 
     def _wait_idle(self) -> None:
         with self._cond:
@@ -239,6 +243,24 @@ class Checkpointer:
             self.on_failed(job, exc)
             raise
         self.on_written(job, path, seconds)
+
+
+def optimizer_state_like(optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict(), or before its first step what AdamW's will hold after it (for sizing
+    the staging buffers: a guess that misses only makes the first snapshot allocate)."""
+    state = optimizer.state_dict()
+    if state["state"] or not isinstance(optimizer, torch.optim.AdamW):
+        return state
+    index = 0
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state["state"][index] = {"step": step, "exp_avg": p, "exp_avg_sq": p}
+            if group.get("amsgrad"):
+                state["state"][index]["max_exp_avg_sq"] = p
+            index += 1
+    return state
 
 
 def _walk(obj: Any, key: str, visit: Callable[[str, torch.Tensor], None]) -> None:

@@ -155,10 +155,39 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     layer_ids = target_layer_ids(cfg, num_layers(target))
     dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
                                      mask_token_id, layer_ids)
+    weights = published_init(cfg.model.drafter_init, dcfg) if cfg.model.drafter_init else None
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
+    drafter.fused = cfg.model.fuse_drafter
+    if weights is not None:
+        drafter.load_state_dict(weights)
     return drafter.float().train()
+
+
+def published_init(path: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """model.drafter_init: the weights of a published-format draft (trainer.models.export.read_published)
+    after checking that it is the drafter this run builds for its target: hidden size, vocab, the
+    tapped target layers, the drafter's depth and shape, the mask token. Every mismatch is named
+    in one error (block_size is not a weight: the run's own applies)."""
+    from trainer.models.export import read_published
+    from trainer.train.config import ConfigError
+
+    try:
+        fields, weights = read_published(path)
+    except ValueError as e:
+        raise ConfigError(f"model.drafter_init: {e}") from None
+    want = {**dcfg.to_dict(), "num_target_layers": fields.get("num_target_layers") or dcfg.num_target_layers}
+    names = {"hidden_size": "hidden size (the target's)", "vocab_size": "vocab (the target's)",
+             "target_layer_ids": "target layer ids (model.target_layer_ids)",
+             "num_target_layers": "target layers", "num_hidden_layers": "drafter layers (model.drafter_layers)",
+             "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
+             "head_dim": "head_dim", "intermediate_size": "MLP width", "mask_token_id": "mask token (model.mask_token_id)"}
+    problems = [f"{label} {fields[key]} (this run: {want[key]})" for key, label in names.items()
+                if fields.get(key) != want[key]]
+    if problems:
+        raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
+    return weights
 
 
 def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:

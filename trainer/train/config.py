@@ -55,6 +55,7 @@ class ModelConfig:
     block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
+    drafter_init: str | None = None  # a published-format draft directory (our export, z-lab's, what SGLang/vLLM load): its weights start training; checked against the target
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else the first embedding row past the tokenizer (151669 for Qwen3)
     attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
@@ -64,6 +65,10 @@ class ModelConfig:
     # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
     # +11% in bench/pipeline.py); off on the CPU and for bucketed lengths
     compile_target: bool | Literal["auto"] = "auto"
+    # the drafter's matmuls use bf16 copies of the fp32 master weights made once per optimizer step
+    # (not per use under autocast), and each layer runs as two compiled regions around attention on
+    # CUDA (norms, RoPE, residuals, SiLU fused with their neighbours). false: the previous path
+    fuse_drafter: bool = True
 
 
 @dataclass
@@ -137,6 +142,7 @@ class RunConfig:
     log_every: int = 1  # steps between `step` metrics lines
     checkpoint_every: int = 0  # steps between periodic checkpoints (0 = only on stop/done)
     keep_checkpoints: int = 3  # most recent checkpoints kept on disk
+    keep_best: bool = False  # also keep the checkpoint with the best τ so far (checkpoints/best.json names it)
     heartbeat_s: float = 5.0  # seconds between status.json heartbeats (contract: <= 10)
     warmup_shapes: int = 4  # largest batch shapes (one per bucket) run once before training
     threads: int | None = None  # torch CPU threads; default torch's choice
@@ -399,6 +405,9 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
+    check(not c.run.keep_best or not c.eval.every
+          or (c.run.checkpoint_every > 0 and c.eval.every % c.run.checkpoint_every == 0), ("run", "keep_best"),
+          "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")
     check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")
     check(c.distributed.backend in ("auto", "nccl", "gloo"), ("distributed", "backend"), "must be auto, nccl or gloo")

@@ -24,13 +24,13 @@ from typing import Protocol
 import torch
 
 from trainer.train import checkpoint as ckpt
-from trainer.train.checkpointer import Checkpointer, Job
+from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
 from trainer.data.chat import DataError
 from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
 from trainer.distributed.multihost import HostGroupMember
 from trainer.train.components import Components, build_components
-from trainer.train.config import TrainerConfig, dump_config, target_replicas
+from trainer.train.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
 from trainer.train.control import ControlPoller, Request
 from trainer.train.metrics import Metrics
 from trainer.data.batches import PreloadedDataset, select_target_warmup_shapes
@@ -109,6 +109,8 @@ def error_record(exc: BaseException) -> dict:
         return exc.record()
     if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
         return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
+    if isinstance(exc, ConfigError):  # a config that does not fit what it names (model.drafter_init)
+        return {"message": f"config error: {exc}", "traceback": None, "thread": "main"}
     from trainer.models.memory_plan import DoesNotFit
 
     if isinstance(exc, DoesNotFit):  # the config, not the code: one line
@@ -135,6 +137,7 @@ class Trainer:
         self.hosts: Hosts = (OneHost() if env is None else
                              HostGroupMember(cfg, env, self.rd, self.control, self.stop, lambda: self.state.step))
         self.pipeline_kind = pipeline
+        self._best_pending: tuple[int, float] | None = None  # run.keep_best: a best τ whose checkpoint is coming
 
     # ------------------------------------------------------------------ setup
     def setup(self, resume: str | None) -> tuple[Components, Pipeline]:
@@ -191,8 +194,9 @@ class Trainer:
         e = self.cfg.eval
         report: dict
         if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
-            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[: e.samples],
-                                       e.max_new_tokens)
+            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+                                       c.eval_conversations[: e.samples], e.max_new_tokens,
+                                       template_kwargs=template_kwargs(self.cfg.data))
         else:  # the model directory holds only the layers training runs
             report = {"tau": None, "tau_per_prompt": None, "samples": 0}
         data = c.eval_data
@@ -208,6 +212,7 @@ class Trainer:
         c.drafter.train()
         result = {**report, "acc": correct / max(weight, 1e-6)}
         self.metrics.eval(self.state.step, result)
+        self.keep_if_best(result.get("tau"))
         return result
 
     def snapshot(self, step: int, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
@@ -220,16 +225,43 @@ class Trainer:
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
             {**trainer_state, "rng": ckpt.rng_state()}, request, periodic, optimizers=(optimizer,))
 
-    def reserve_checkpoint(self, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
-                           scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Allocate the checkpoint's host buffers in the background (after the first step, once the
-        optimizer holds its state), so that no checkpoint waits for them."""
-        self.checkpointer.reserve({"model": drafter.state_dict(),
-                                   "optim": {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}})
+    def prepare_checkpoints(self, drafter: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        """Allocate the checkpoints' host buffers now (pinned on CUDA), in the warm-up: page-locking
+        gigabytes while the workers launch kernels would slow the steps it overlaps. The writer
+        host only (the others never write)."""
+        if not self.hosts.is_writer:
+            return
+        began = time.time()
+        template = {"model": drafter.state_dict(), "optim": {"optimizer": optimizer_state_like(optimizer),
+                                                             "scheduler": scheduler.state_dict()}}
+        self.checkpointer.reserve(template)
+        self.checkpointer.wait()
+        size = self.checkpointer.staged_bytes() / 2**30
+        self.rd.log(f"checkpoint staging: {size:.2f} GiB of host memory in {time.time() - began:.1f}s")
 
     def checkpoint(self, c: Components, request: Request | None = None, periodic: bool = False) -> Job:
         state = {"data": c.train_data.state_dict(), "anchor_rng": self.state.anchor_rng.get_state()}
         return self.snapshot(self.state.step, c.drafter, c.optimizer, c.scheduler, state, request, periodic)
+
+    def keep_if_best(self, tau: float | None) -> None:
+        """run.keep_best: a τ better than the best so far marks this step's checkpoint as the best
+        (checkpoints/best.json; pruning keeps it) once it is on disk: now, or when the writer
+        finishes it. Evaluations fall on checkpoint steps (the config check: eval.every a multiple
+        of checkpoint_every; the final evaluation is followed by the final checkpoint)."""
+        best = self.checkpoints.best
+        if not self.cfg.run.keep_best or tau is None or (best is not None and tau <= best["tau"]):
+            return
+        self._best_pending = (self.state.step, tau)
+        if self.state.step in self.checkpoints.steps():
+            self._mark_best(self.state.step)
+
+    def _mark_best(self, step: int) -> None:
+        pending = self._best_pending
+        if pending is not None and pending[0] == step:
+            self._best_pending = None
+            self.checkpoints.mark_best(step, pending[1])
+            self.rd.log(f"checkpoint step_{step} is the best so far (tau {pending[1]:.3f}): kept (checkpoints/best.json)")
 
     def save(self, c: Components, request: Request | None) -> None:
         """A checkpoint of this step, complete on disk when this returns (stop, the end of the run);
@@ -245,6 +277,7 @@ class Trainer:
         """On the writer thread: the event `run checkpoint --wait` waits for, then the request is done."""
         rel = str(path.relative_to(self.run_dir))
         request = job.request.id if job.request is not None else None
+        self._mark_best(job.step)
         copy = {} if job.copy_s is None else {"copy_s": round(job.copy_s, 3)}
         self.rd.event("checkpoint", job.step, path=rel, seconds=round(seconds, 3), stall_s=round(job.stall_s, 4),
                       **copy, request=request)
@@ -353,6 +386,7 @@ class ReferencePipeline:
                 loss, _, _ = forward(cfg, c, ids, torch.ones_like(ids), make_blocks(cfg, c, ids, mask, gen))
                 loss.backward()
         c.drafter.zero_grad(set_to_none=True)
+        self.trainer.prepare_checkpoints(c.drafter, c.optimizer, c.scheduler)
         seconds = time.time() - began
         self.graphs_after_warmup = compiled_graphs()
         rd.event("warmup", self.trainer.state.step, shapes=[list(s) for s in shapes], seconds=round(seconds, 3))
@@ -400,15 +434,13 @@ class ReferencePipeline:
     def train_steps(self) -> str | None:
         """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
         t, c, cfg = self.trainer, self.c, self.cfg
-        total, stop_reason, first = cfg.optim.total_steps, None, t.state.step
+        total, stop_reason = cfg.optim.total_steps, None
         while t.state.step < total:
             stop_reason = t.serve(c, t.new_requests())
             if stop_reason:
                 break
             m = self.train_step()
             step = t.state.step
-            if step == first + 1:
-                t.reserve_checkpoint(c.drafter, c.optimizer, c.scheduler)
             if step % cfg.run.log_every == 0 or step == total:
                 t.metrics.step(step, {"recompiles": compiled_graphs() - self.graphs_after_warmup, **m})
             else:

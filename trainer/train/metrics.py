@@ -58,12 +58,16 @@ class Metrics:
         """An evaluation record: trainer.generate.evaluate.acceptance_report's fields (tau None when
         not measured) and acc."""
         self.rd.event("eval", step, **result)
-        self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"])
+        self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"], tau_lookup=result.get("tau_lookup"),
+                       tau_ratio=result.get("tau_ratio"))
         if result["tau"] is None:  # not measured: the target holds only the layers training runs
             self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
         else:
+            lookup = (f"; n-gram prompt lookup {result['tau_lookup']:.2f}, ratio {result['tau_ratio']:.2f}x"
+                      if result.get("tau_ratio") is not None else "")
             self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
-                        f"{result['tau_per_prompt']:.2f}), acc {result['acc']:.3f}, {result['samples']} conversations")
+                        f"{result['tau_per_prompt']:.2f}{lookup}), acc {result['acc']:.3f}, "
+                        f"{result['samples']} conversations")
 
     def close(self) -> None:
         if self.wandb is not None:

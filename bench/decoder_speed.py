@@ -1,0 +1,93 @@
+"""Greedy decoding speed of the one target decoder (trainer.models.decoder.greedy: what
+`regen --engine hf` runs for greedy answers), beside transformers' `generate` on the same rows.
+
+    PYTHONPATH=. python bench/decoder_speed.py --device cuda:0 --shape 8b --rows 1024 --new 128   # H200
+    PYTHONPATH=. python bench/decoder_speed.py --device cpu --shape tiny --rows 8 --new 8         # anywhere
+
+Random weights and random prompts (lengths uniform in [--prompt-len/2, --prompt-len]), no stop
+token, so every row decodes --new tokens: the figures are tokens per second of the decode and the
+peak memory, not quality. `generate` runs on --hf-rows rows (0: skipped); the tokens of those rows
+are compared with the decoder's (exactness is the CPU parity test's job: test_regen_static.py).
+Prints one JSON line; --out also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from trainer.models import decoder
+from trainer.models.target import random_8b_shape_target, tiny_target
+from trainer.train.config import TinyTargetConfig
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--hf-rows", type=int, default=64, help="rows decoded by transformers' generate too (0: none)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    if args.shape == "8b":
+        model = random_8b_shape_target(args.device, torch.bfloat16).eval()
+    else:
+        model = tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128),
+                            512, args.device).eval()
+    assert decoder.supports(model)
+    vocab = int(model.config.vocab_size)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(args.prompt_len // 2, args.prompt_len))]
+               for _ in range(args.rows)]
+    out: dict = {"shape": args.shape, "device": args.device, "rows": args.rows, "prompt_len": args.prompt_len,
+                 "new": args.new, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(args.device)
+    decoder.greedy(model, prompts[:2], 2, set())  # first call: kernels, allocator
+    sync(args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(args.device)
+    began = time.perf_counter()
+    tokens = decoder.greedy(model, prompts, args.new, set())
+    sync(args.device)
+    seconds = time.perf_counter() - began
+    out["decoder"] = {"seconds": round(seconds, 2), "tokens_per_s": round(args.rows * args.new / seconds, 1)}
+    if args.device.startswith("cuda"):
+        out["decoder"]["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 1)
+    if args.hf_rows:
+        rows = prompts[:args.hf_rows]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=args.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=args.device)
+        sync(args.device)
+        began = time.perf_counter()
+        with torch.no_grad():
+            hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, top_k=None, use_cache=True)[:, width:]
+        sync(args.device)
+        seconds = time.perf_counter() - began
+        same = (hf == tokens[:args.hf_rows]).float().mean().item()
+        out["generate"] = {"rows": len(rows), "seconds": round(seconds, 2),
+                           "tokens_per_s": round(len(rows) * args.new / seconds, 1),
+                           "tokens_equal_to_decoder": round(same, 4)}
+    print(json.dumps(out), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

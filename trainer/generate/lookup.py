@@ -1,0 +1,140 @@
+"""N-gram prompt lookup: the training-free baseline every τ is shown beside.
+
+What vLLM (`method: ngram`) and SGLang ship and what costs no GPU hour: the last 3 tokens of the
+sequence (prompt + generated), else the last 2, else the last 1, are looked up at their earliest
+occurrence in the sequence (vLLM's rule: the longest n-gram, its earliest position); the up to `block_size - 1` tokens that followed it are the
+drafts. The target verifies them exactly as it verifies a DFlash block (greedy: the matching
+prefix plus the target's own next token are kept), so the output is the target's greedy output
+and τ (tokens per verification round) is directly comparable with the drafter's. A round with no
+match verifies the anchor alone and produces one token.
+
+The target runs through the one target decoder (`trainer.models.decoder`) on a slot-addressed
+KV cache, the whole batch at once, each round a fixed [B, block_size] verification (rows with
+fewer drafts pad their block; padding is never accepted). Targets the decoder does not support
+are verified by the Hugging Face forward on the whole sequence (no cache: slower, same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.generate.speculative import Generation
+from trainer.models import decoder
+
+NGRAMS = (3, 2, 1)
+
+
+def lookup_drafts(seq: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> list[int]:
+    """Up to k tokens that followed the earliest occurrence of the sequence's last n tokens (not the
+    tail itself), for the first n in `ngrams` that occurs; [] when none does."""
+    for n in ngrams:
+        if len(seq) <= n:
+            continue
+        tail = seq[-n:]
+        for start in range(len(seq) - n):
+            if seq[start:start + n] == tail:
+                return seq[start + n:start + n + k]
+    return []
+
+
+def _keep(new: list[int], g: Generation, accepted: int, stop_ids: set[int], max_new_tokens: int) -> bool:
+    """Append a round's tokens to g (cut at a stop token and at max_new_tokens); whether g goes on."""
+    for j, tok in enumerate(new):
+        if tok in stop_ids:
+            new = new[: j + 1]
+            break
+    new = new[: max_new_tokens - len(g.tokens)]
+    g.tokens += new
+    g.acceptance_lengths.append(len(new))
+    g.accepted.append(accepted)
+    return not (g.tokens[-1] in stop_ids or len(g.tokens) >= max_new_tokens)
+
+
+@torch.no_grad()
+def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    block_size: int) -> list[Generation]:
+    """Greedy decoding of every prompt with n-gram prompt lookup drafts (see the module doc)."""
+    if not decoder.supports(target) or len({p.device for p in target.parameters()}) != 1:
+        return [_lookup_uncached(target, p, max_new_tokens, stop_ids, block_size) for p in prompts]
+    d = decoder.TargetDecoder(target)
+    dev, bs, n = d.device, block_size, len(prompts)
+    longest = max(len(p) for p in prompts)
+    capacity = -(-(longest + max_new_tokens + 4 * bs) // 16) * 16
+    cache = d.cache(n, capacity)
+    slot = torch.arange(capacity, device=dev)
+    offsets = torch.arange(bs, device=dev)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=dev)
+    ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=dev)
+    index = slot[:longest]
+    key_valid = index[None, :] >= pads[:, None]
+    positions = (index[None, :] - pads[:, None]).clamp(min=0)
+    visible = torch.zeros(n, longest, capacity, dtype=torch.bool, device=dev)
+    visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
+        torch.eye(longest, dtype=torch.bool, device=dev)
+    logits, _ = d.forward(ids, positions, cache, index, visible, last_only=True, expand_kv=dev.type == "cuda")
+    first = logits[:, -1].argmax(dim=-1).tolist()
+    valid = torch.zeros(n, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
+    valid[:, :longest] = key_valid
+    results = [Generation([first[r]], [], []) for r in range(n)]
+    seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
+    live = [r for r in range(n) if not (first[r] in stop_ids or max_new_tokens <= 1)]
+    used = longest
+    while live:
+        if used + bs > capacity:  # pack each live row's accepted slots to the front
+            alive = torch.zeros(n, dtype=torch.bool, device=dev)
+            alive[live] = True
+            kept = valid[:, :used] & alive[:, None]
+            order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
+            kept_counts = kept.sum(dim=1)
+            packed = int(kept_counts.max())
+            cache.compact(order, packed, used)
+            valid.zero_()
+            valid[:, :packed] = slot[None, :packed] < kept_counts[:, None]
+            used = packed
+        drafts = [lookup_drafts(seqs[r], bs - 1) if r in live else [] for r in range(n)]
+        block = torch.tensor([[seqs[r][-1]] + dr + [0] * (bs - 1 - len(dr)) for r, dr in enumerate(drafts)],
+                             device=dev)
+        counts = torch.tensor([len(dr) for dr in drafts], device=dev)
+        anchor_pos = torch.tensor([len(s) - 1 for s in seqs], device=dev)
+        slots = used + offsets
+        in_block = (slot[None, :] >= used) & (slot[None, :] <= slots[:, None])  # [bs, capacity]
+        context = valid & (slot < used)
+        logits, _ = d.forward(block, anchor_pos[:, None] + offsets, cache, slots, context[:, None, :] | in_block[None])
+        target_tokens = logits.argmax(dim=-1)
+        matched = (block[:, 1:] == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        accepted = torch.minimum(matched, counts)
+        acc, tt = accepted.tolist(), target_tokens.tolist()
+        still = []
+        for r in live:
+            a = acc[r]
+            new = drafts[r][:a] + [tt[r][a]]
+            if _keep(new, results[r], a, stop_ids, max_new_tokens):
+                still.append(r)
+            seqs[r] += new
+        valid[:, used:used + bs] = offsets[None, :] <= accepted[:, None]
+        used += (max(acc[r] for r in still) + 1) if still else 0
+        live = still
+    return results
+
+
+def _lookup_uncached(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
+                     block_size: int) -> Generation:
+    """The same rounds with the target re-run on the whole sequence (any causal LM)."""
+    dev = next(target.parameters()).device
+
+    def greedy_after(ids: list[int]) -> list[int]:
+        return target(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].argmax(dim=-1).tolist()
+
+    seq = list(prompt) + [greedy_after(prompt)[-1]]
+    g = Generation([seq[-1]], [], [])
+    going = not (seq[-1] in stop_ids or max_new_tokens <= 1)
+    while going:
+        drafts = lookup_drafts(seq, block_size - 1)
+        posterior = greedy_after(seq + drafts)[len(seq) - 1:]
+        a = 0
+        while a < len(drafts) and drafts[a] == posterior[a]:
+            a += 1
+        new = drafts[:a] + [posterior[a]]
+        going = _keep(new, g, a, stop_ids, max_new_tokens)
+        seq += new
+    return g

@@ -1,0 +1,214 @@
+"""Serving benchmark on the user's node: the target in the user's engine without a draft, with the
+exported DFlash draft, and with the engine's own n-gram prompt lookup, on the same prompts.
+
+    python -m trainer_tools.serve_bench --engine vllm --model DIR --draft EXPORT \\
+        --set mt-bench=mt_bench.jsonl --set gsm8k=gsm8k.jsonl --concurrency 1 8 --out bench.json
+
+For each engine configuration (plain, dflash, ngram) the engine is started (its argv below, or
+`--argv` JSON templates of your own), waited for on /v1/models, sent every set's prompts at each
+concurrency through /v1/chat/completions (greedy, `--max-tokens`), and stopped. Per set it reports
+output tokens/s at each concurrency, the speedup over plain, and τ from the engine's Prometheus
+/metrics counted as the project counts it: (completion tokens - requests) / draft rounds
+(`spec_decode_num_drafts`; vLLM's accepted-token counter also counts drafts past max_tokens).
+Sets are JSONL files the user provides (no downloads): each line {"messages": [...]} (the last
+assistant turn, if any, is dropped), {"prompt": "..."}, {"question": ...} (GSM8K),
+{"turns": [...]} (MT-Bench: the first turn), {"problem": ...} (MATH-500) or {"text": ...} (MBPP).
+
+Default argv (`{model}`, `{draft}`, `{port}`, `{k}` = block_size - 1 are filled in):
+  vllm   plain: vllm serve {model} --port {port} --served-model-name target --generation-config vllm
+         dflash: ... --speculative-config {"method": "dflash", "model": "{draft}", "num_speculative_tokens": {k}}
+         ngram:  ... --speculative-config {"method": "ngram", "num_speculative_tokens": {k},
+                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+  sglang plain: python3 -m sglang.launch_server --model-path {model} --port {port} --served-model-name target
+         dflash: ... --speculative-algorithm DFLASH --speculative-draft-model-path {draft}
+         ngram:  ... --speculative-algorithm NGRAM --speculative-num-draft-tokens {k}
+(check your SGLang release's flag names; `--argv` replaces any of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+MODES = ("plain", "dflash", "ngram")
+VLLM = {"plain": ["vllm", "serve", "{model}", "--port", "{port}", "--served-model-name", "target",
+                  "--generation-config", "vllm"]}
+VLLM["dflash"] = VLLM["plain"] + ["--speculative-config", '{{"method": "dflash", "model": "{draft}", '
+                                  '"num_speculative_tokens": {k}}}']
+VLLM["ngram"] = VLLM["plain"] + ["--speculative-config", '{{"method": "ngram", "num_speculative_tokens": {k}, '
+                                 '"prompt_lookup_max": 3, "prompt_lookup_min": 1}}']
+SGLANG = {"plain": ["python3", "-m", "sglang.launch_server", "--model-path", "{model}", "--port", "{port}",
+                    "--served-model-name", "target"]}
+SGLANG["dflash"] = SGLANG["plain"] + ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "{draft}"]
+SGLANG["ngram"] = SGLANG["plain"] + ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "{k}"]
+ENGINES = {"vllm": VLLM, "sglang": SGLANG}
+DRAFTS = re.compile(r"^(?:vllm|sglang):spec_decode_num_drafts(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+def read_set(path: Path) -> list[list[dict]]:
+    """A prompt set as chat message lists (see the module doc for the accepted shapes)."""
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "messages" in row:
+            msgs = row["messages"]
+            last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=len(msgs))
+            msgs = msgs[:last] if last else msgs
+        else:
+            key = next((k for k in ("prompt", "question", "problem", "text", "instruction") if k in row), None)
+            text = row["turns"][0] if "turns" in row else row.get(key) if key else None
+            if not isinstance(text, str):
+                raise SystemExit(f"serve_bench: {path}:{n}: no messages, prompt, question, turns, problem or text")
+            msgs = [{"role": "user", "content": text}]
+        out.append(msgs)
+    return out
+
+
+def fill(argv: list[str], **values: object) -> list[str]:
+    return [a.format(**values) for a in argv]
+
+
+def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read()
+
+
+def drafts_so_far(base: str) -> float:
+    """The engine's draft-round counter (0 when it exposes none: no speculation)."""
+    try:
+        return sum(float(v) for v in DRAFTS.findall(http(f"{base}/metrics").decode()))
+    except (urllib.error.URLError, OSError):
+        return 0.0
+
+
+class Engine:
+    """One engine process: started, waited for, stopped (its process group, SIGTERM then SIGKILL)."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, timeout: float) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"serve_bench: the engine exited {self.proc.returncode} before serving; see {log}")
+            try:
+                http(f"{self.base}/v1/models", timeout=5)
+                return
+            except (urllib.error.URLError, OSError):
+                if time.time() > deadline:
+                    self.stop()
+                    raise SystemExit(f"serve_bench: the engine did not serve within {timeout:.0f}s; see {log}") from None
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def run_set(base: str, prompts: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
+    def one(messages: list[dict]) -> tuple[int, str]:
+        body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        answer = json.loads(http(f"{base}/v1/chat/completions", body))
+        return answer["usage"]["completion_tokens"], answer["choices"][0]["message"]["content"]
+
+    before = drafts_so_far(base)
+    started = time.time()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(one, prompts))
+    seconds = time.time() - started
+    drafts = drafts_so_far(base) - before
+    tokens = sum(n for n, _ in answers)
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": tokens / seconds,
+            "tau": (tokens - len(prompts)) / drafts if drafts else None, "draft_rounds": drafts,
+            "texts": [t for _, t in answers]}
+
+
+def bench(argvs: dict[str, list[str]], sets: dict[str, list[list[dict]]], concurrency: list[int], max_tokens: int,
+          port: int, logs: Path, timeout: float) -> dict:
+    results: dict = {}
+    for mode, argv in argvs.items():
+        engine = Engine(argv, port, logs / f"engine-{mode}.log", timeout)
+        try:
+            for name, prompts in sets.items():
+                for c in concurrency:
+                    results.setdefault(name, {}).setdefault(mode, {})[c] = run_set(engine.base, prompts, c, max_tokens)
+        finally:
+            engine.stop()
+    for modes in results.values():
+        for by_c in modes.values():
+            for c, r in by_c.items():
+                plain = modes.get("plain", {}).get(c)
+                r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+                r["same_text_as_plain"] = plain is not None and r["texts"] == plain["texts"]
+    return results
+
+
+def table(results: dict, concurrency: list[int]) -> str:
+    head = "| set | engine | tau | " + " | ".join(f"tok/s @{c} | speedup @{c}" for c in concurrency) + " | same text |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(concurrency) + 1)]
+    for name, modes in results.items():
+        for mode, by_c in modes.items():
+            first = by_c[concurrency[0]]
+            tau = "-" if first["tau"] is None else f"{first['tau']:.3f}"
+            cells = " | ".join(f"{by_c[c]['tokens_per_s']:.1f} | "
+                               + ("-" if by_c[c]["speedup"] is None else f"{by_c[c]['speedup']:.2f}x")
+                               for c in concurrency)
+            same = all(r["same_text_as_plain"] for r in by_c.values())
+            lines.append(f"| {name} | {mode} | {tau} | {cells} | {'yes' if same else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer_tools.serve_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
+    p.add_argument("--argv", default=None, help='JSON {"plain": [...], "dflash": [...], "ngram": [...]} templates')
+    p.add_argument("--model", required=True, help="the target's model directory")
+    p.add_argument("--draft", required=True, help="the exported draft directory (python -m trainer export)")
+    p.add_argument("--block-size", type=int, default=None, help="default: the draft's config.json block_size")
+    p.add_argument("--set", action="append", required=True, metavar="NAME=FILE.jsonl[,NAME=FILE...]", dest="sets")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts per set")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--serve-timeout", type=float, default=900.0)
+    p.add_argument("--out", type=Path, required=True, help="JSON results (engine logs beside it)")
+    a = p.parse_args(argv)
+    block = a.block_size or json.loads((Path(a.draft) / "config.json").read_text())["block_size"]
+    templates = {**ENGINES[a.engine], **(json.loads(a.argv) if a.argv else {})}  # "{}": the defaults
+    argvs = {m: fill(templates[m], model=a.model, draft=a.draft, port=a.port, k=block - 1) for m in a.modes}
+    sets = {}
+    for item in (part for given in a.sets for part in given.split(",") if part):
+        name, _, path = item.partition("=")
+        sets[name] = read_set(Path(path))[: a.limit]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    results = bench(argvs, sets, sorted(a.concurrency), a.max_tokens, a.port, a.out.parent, a.serve_timeout)
+    a.out.write_text(json.dumps({"argv": argvs, "max_tokens": a.max_tokens, "results": results}, indent=1))
+    print(table(results, sorted(a.concurrency)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -326,13 +326,21 @@ def compile_decoder_layers(target: torch.nn.Module) -> int:
     """torch.compile every decoder layer of the target (static shapes), fusing its norms, RoPE and
     SiLU into the matmuls' neighbours. Layers share one compiled graph (their parameters are
     inputs, not constants). Only for a fixed set of shapes warmed on one thread before workers
-    start (trainer.pipeline.compile_safety); returns the number of layers wrapped."""
-    layers = base_model(target).layers
-    for layer in layers:
+    start (trainer.pipeline.compile_safety); returns the number of layers wrapped.
+
+    Linear-attention layers stay eager: packed rows run them per document by swapping their
+    mixer's forward for the batch (`_documents_apart`), which a compiled graph would guard on and
+    recompile for at every batch."""
+    model = base_model(target)
+    wrapped = 0
+    for layer, kind in zip(base_layers(model), _kinds(model)):
+        if kind == "linear_attention":
+            continue
         if not getattr(layer, "_dflash_compiled", False):
             layer.compile(dynamic=False)
             layer._dflash_compiled = True
-    return len(layers)
+        wrapped += 1
+    return wrapped
 
 
 def uncompile_decoder_layers(target: torch.nn.Module) -> None:

@@ -46,6 +46,9 @@ def test_family_trains_evaluates_and_exports(family_dirs, tmp_path, family, pack
     assert status["state"] == "done" and status["step"] == 2
     losses = [e["loss"] for e in _events(run_dir, "step")]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
+    log = (run_dir / "train.log").read_text()
+    assert "target family: " in log  # the family, its layers and the attention implementation picked
+    assert ("attention eager (attention sinks" in log) == (family == "gpt_oss")
     [evaluation] = _events(run_dir, "eval")
     assert evaluation["tau"] >= 1.0
     checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

@@ -80,3 +80,19 @@ def test_data_report_names_the_family_its_layers_and_the_packing_verdict(family_
     assert "target: Qwen3-Next (Qwen3NextForCausalLM): 4 layers: 1 full, 3 linear" in out.stdout
     assert "layers: full 3; linear 0-2; MoE 0-3" in out.stdout and "GiB in bf16" in out.stdout
     assert "packed rows of 128: exact" in out.stdout
+
+
+def test_family_read_from_config_alone_matches_the_loaded_model(family_dirs):
+    """trainer.models.family (config.json only, no torch) agrees with the model transformers builds
+    on every layer's kind, also for a hybrid config.json without layer_types."""
+    import json
+
+    from trainer.models.family import family_of_dir, read_family
+    from trainer.models.target import target_family
+
+    for family, path in family_dirs.items():
+        loaded = target_family(load_target(str(path), "cpu", torch.float32))
+        assert family_of_dir(path).layer_kinds == loaded.layer_kinds, family
+    config = json.loads((family_dirs["qwen3_next"] / "config.json").read_text())
+    del config["layer_types"]
+    assert read_family(config).layer_kinds == ("linear_attention",) * 3 + ("full_attention",)

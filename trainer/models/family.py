@@ -107,6 +107,9 @@ def _layer_kinds(c: dict, n: int) -> tuple[str, ...]:
     kinds = c.get("layer_types")
     if kinds:
         return tuple(kinds[:n])
+    interval = c.get("full_attention_interval")
+    if interval and c.get("linear_num_value_heads"):  # hybrid configs without layer_types (transformers' default)
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n))
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     if window and c.get("model_type") in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         first = c.get("max_window_layers", n)  # Qwen: layers from max_window_layers on use the window

@@ -16,40 +16,18 @@ from trainer.train.config import TinyTargetConfig
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-QWEN3_8B_DIMS: dict[str, Any] = dict(
-    hidden_size=4096,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=12288,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-)
+# What Qwen3-8B and Qwen3-30B-A3B share (attention heads, vocabulary, positions, norms, rotary base)
+_QWEN3_SHARED: dict[str, Any] = dict(num_attention_heads=32, head_dim=128, vocab_size=151936,
+                                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                     tie_word_embeddings=False)
+QWEN3_8B_DIMS: dict[str, Any] = dict(_QWEN3_SHARED, hidden_size=4096, num_hidden_layers=36, num_key_value_heads=8,
+                                     intermediate_size=12288)
 QWEN3_8B_MASK_TOKEN_ID = 151669
 # Qwen3-30B-A3B: 48 layers, every one sparse (128 experts of 768, 8 active), about 3.3B active parameters
-QWEN3_30B_A3B_DIMS = dict(
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-)
+QWEN3_30B_A3B_DIMS: dict[str, Any] = dict(_QWEN3_SHARED, hidden_size=2048, num_hidden_layers=48, num_key_value_heads=4,
+                                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                                          mlp_only_layers=[])
 
 
 def default_target_layer_ids(num_layers: int, count: int) -> list[int]:

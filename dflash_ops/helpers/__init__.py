@@ -17,6 +17,7 @@ the container (dflash_ops/transfer.py). They import only the stdlib, so that wor
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -81,6 +82,11 @@ def _bundle(source: Path, _stamps: tuple[tuple[str, int, int], ...]) -> Bundle:
     return Bundle(tuple(files), digest.hexdigest()[:16])
 
 
+# ast.parse from several threads at once (a deploy to many targets) trips CPython 3.11's
+# "AST constructor recursion depth mismatch" (gh-106905, fixed in 3.11.8/3.12): one parse at a time.
+_PARSE_LOCK = threading.Lock()
+
+
 def _shared_imports(content: bytes) -> list[str]:
     """The shared modules a helper imports (`from . import m`, `from .m import ...`, `import m`),
     with the ones those import in turn, each once, a module before what imports it."""
@@ -90,7 +96,9 @@ def _shared_imports(content: bytes) -> list[str]:
     seen: set[str] = set()
 
     def visit(code: bytes) -> None:
-        for node in ast.walk(ast.parse(code)):
+        with _PARSE_LOCK:
+            tree = ast.parse(code)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

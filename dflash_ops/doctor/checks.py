@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash_ops import render
 from dflash_ops.doctor.node import NVIDIA_MAJOR, NodeFacts
 from dflash_ops.doctor.plan import GIB, MIB, RunPlan
 
@@ -239,9 +240,10 @@ def venv_support_check(i: Inputs) -> Check | None:
     support = i.found.get("venv_support")
     if not support or support.get("venv") is None:
         return None
-    fix = f"in the container: apt-get install -y python3-venv (on node {i.target.node.name}: " \
-          f"pct exec {i.target.ctid} -- apt-get install -y python3-venv)" if i.node.pct else \
-          "apt-get install -y python3-venv"
+    install = ["apt-get", "install", "-y", "python3-venv"]
+    fix = f"in the container: {render.node_command(install)} (on node {i.target.node.name}: " \
+          f"{render.node_command(['pct', 'exec', str(i.target.ctid), '--', *install])})" if i.node.pct else \
+          render.node_command(install)
     if not support["venv"]:
         return Check("python venv", FAIL, "no venv module", "venv, and ensurepip or pip", fix)
     if support["ensurepip"] or support["pip"]:

@@ -106,7 +106,7 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path)
     latest = manager.resolve("latest")
     assert latest.name == "step_1"
     state = ckpt.load(latest)  # verifies every file against the manifest
-    assert torch.equal(state["model"]["weight"], torch.load(tmp_path / "weights_at_step_1.pt")["weight"])
+    assert torch.equal(state["model"]["weight"], torch.load(tmp_path / "weights_at_step_1.pt", weights_only=True)["weight"])
     assert state["optim"]["optimizer"]["state"][0]["exp_avg"].shape == (2, 3)
 
 

@@ -123,16 +123,23 @@ def tagged(token: str, argv: Sequence[str]) -> list[str]:
     return ["env", f"{EXEC_TAG}={token}", *argv]
 
 
-# Kills every process in the container whose environment holds EXEC_TAG=TOKEN ($1): one GNU grep
-# over every /proc/PID/environ (NUL-separated entries, -z), two passes (a child forked during the
-# first is caught by the second). Needs only sh and grep.
-_KILL_TAGGED = r"""t="$1"; me=$$
-for pass in 1 2; do
+# Kills every process in the container whose environment holds EXEC_TAG=TOKEN ($1), found by one GNU
+# grep over every /proc/PID/environ (NUL-separated entries, -z). Stop them all first, then kill: killed
+# one by one in /proc's order, a child could die before its parent, whose shell would then run its next
+# command ("sleep 1000; echo survived" printed "survived" under `timeout`). Stop passes repeat until one
+# finds the same processes as the pass before (all stopped, none forked since; at most 20 passes).
+# Needs only sh and grep.
+_KILL_TAGGED = r"""t="$1"; me=$$; last=; pass=0
+while [ $pass -lt 20 ]; do
+  pids=
   for e in $(grep -lxzF -- "$t" /proc/[0-9]*/environ 2>/dev/null); do
     p=${e#/proc/}; p=${p%/environ}
-    [ "$p" = "$me" ] || kill -KILL "$p" 2>/dev/null
+    [ "$p" = "$me" ] || { kill -STOP "$p" 2>/dev/null; pids="$pids $p"; }
   done
+  [ "$pids" = "$last" ] && break
+  last=$pids; pass=$((pass + 1))
 done
+for p in $last; do kill -KILL "$p" 2>/dev/null; done
 exit 0"""
 
 

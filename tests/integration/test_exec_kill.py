@@ -68,10 +68,7 @@ def lxc_inventory(tmp_path_factory) -> Path:
         subprocess.run([*simct.stand_in_argv(root), *args], capture_output=True)
 
 
-@pytest.mark.parametrize("timeout", [None, pytest.param(300, marks=pytest.mark.xfail(
-    reason="known bug, open in issue 27: under --timeout (coreutils timeout in the container) the command's "
-           "shell runs its next command between the local SIGKILL of lxc-attach and the tagged kill",
-    strict=False))])
+@pytest.mark.parametrize("timeout", [None, 300])
 def test_ctrl_c_stops_the_command_inside_an_lxc_container(lxc_inventory, timeout):
     """Ctrl-C on `dflash-ops exec`: no `sleep` is left in the container, also under --timeout
     (coreutils timeout runs it in a process group of its own, out of reach of the local kill)."""

@@ -8,6 +8,7 @@ dflash_ops.testing.sshd.SshdNode whose `.inventory` has target host200 behind re
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from dflash_ops.testing.sshd import SshdNode, sshd_unavailable_reason, start_ssh
 
 REPO = Path(__file__).resolve().parents[1]
 # Simulated containers the tests create (and the default inventory's) are directories unless
-# $DFLASH_OPS_SIM_BACKEND says lxc (.ci/run's second pass: the tiers that pass in real LXC
-# containers; under CI=true a machine that cannot run them fails). Set before any fixture,
-# module-scoped ones included.
+# $DFLASH_OPS_SIM_BACKEND says lxc (.ci/run's second pass: the tests marked lxc_tier, which pass in
+# real LXC containers; under CI=true a machine that cannot run them fails). Set before any
+# fixture, module-scoped ones included.
 os.environ.setdefault(simct.BACKEND_ENV, "directory")
 
 
@@ -45,7 +46,7 @@ def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, cre
     for ctid in ctids if create else ():
         if not simct.is_created(sim_root, ctid):
             simct.create(sim_root, ctid, python=python, packages=packages, hostname=f"host{ctid}", backend=backend,
-                         binds=[str(directory / f"ct{ctid}")] if backend == "lxc" else ())
+                         binds=mount_points(directory / f"ct{ctid}") if backend == "lxc" else ())
     path = directory / "inventory.yaml"
     path.write_text(yaml.safe_dump({
         "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root)}},
@@ -56,6 +57,20 @@ def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, cre
         },
     }))
     return path
+
+
+def mount_points(directory: Path) -> list[str]:
+    """`directory` and every file system mounted below it, parents first: the bind mount points an
+    LXC container gets to see the test directory as this machine does. A bind mount (pct's mpN, as
+    `mount -o bind`) does not carry the mounts below its source, so a test's small disk (a tmpfs
+    mounted there before the container is created) is a mount point of its own, as an admin's
+    small volume would be."""
+    below = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])  # \040: a space
+        if Path(point).is_relative_to(directory) and Path(point) != directory:
+            below.append(point)
+    return [str(directory), *sorted(set(below))]
 
 
 def sim_backend() -> str:

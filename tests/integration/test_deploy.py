@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.containers import process_inside
 from tests.integration.deploy_support import make_package, sim_container, sshd_container
 from dflash_ops.deploy.push import deploy_target
 from dflash_ops.errors import HelperFailed
 from dflash_ops.deploy.venv_spec import VenvSpec
+
+pytestmark = pytest.mark.lxc_tier
 
 NO_VENV = None
 
@@ -143,16 +146,17 @@ def test_sigkill_mid_stream_leaves_previous_release_serving(tmp_path):
 def test_prune_keeps_n_and_never_the_live_runs_release(env):
     container, package, base = env
     hashes = []
-    for i in range(4):
-        (package / "part0" / "mod0.py").write_text(f"VALUE = {i}\n")
-        hashes.append(deploy_target(container, source=package, venv=NO_VENV, keep=2).release)
-        if i == 0:
-            run = base / "runs" / "r1"
-            run.mkdir(parents=True)
-            (run / "release").write_text(hashes[0] + "\n")
-            (run / "status.json").write_text(json.dumps({"state": "running", "pid": os.getpid()}))
-    assert releases(base) == sorted([hashes[0], hashes[2], hashes[3]])
-    (base / "runs" / "r1" / "status.json").write_text(json.dumps({"state": "done", "pid": os.getpid()}))
+    with process_inside(container) as trainer:  # the live run's process: a pid in the container
+        for i in range(4):
+            (package / "part0" / "mod0.py").write_text(f"VALUE = {i}\n")
+            hashes.append(deploy_target(container, source=package, venv=NO_VENV, keep=2).release)
+            if i == 0:
+                run = base / "runs" / "r1"
+                run.mkdir(parents=True)
+                (run / "release").write_text(hashes[0] + "\n")
+                (run / "status.json").write_text(json.dumps({"state": "running", "pid": trainer}))
+        assert releases(base) == sorted([hashes[0], hashes[2], hashes[3]])
+        (base / "runs" / "r1" / "status.json").write_text(json.dumps({"state": "done", "pid": trainer}))
     (package / "part0" / "mod0.py").write_text("VALUE = 'last'\n")
     last = deploy_target(container, source=package, venv=NO_VENV, keep=2).release
     assert releases(base) == sorted([hashes[3], last])

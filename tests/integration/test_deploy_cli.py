@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from dflash_ops.cli import app
@@ -17,6 +18,8 @@ from dflash_ops.transport.local import LocalTransport
 from dflash_ops.simnode import containers as simct
 from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
+
+pytestmark = pytest.mark.lxc_tier
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,8 @@ from dflash_ops.deploy.manifest import ReleasePathError, collect
 from tests.conftest import unavailable
 from tests.integration.deploy_support import make_package, sim_container
 
+pytestmark = pytest.mark.lxc_tier
+
 NO_VENV = None
 
 
@@ -75,14 +77,16 @@ def test_scratch_of_a_killed_deploy_is_removed_only_when_it_proves_it_is_ours(tm
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """base_dir on a 3 MiB tmpfs (needs root; CI=true makes a missing capability a failure)."""
+    """base_dir on a 3 MiB tmpfs (needs root; CI=true makes a missing capability a failure), mounted
+    before the container is created: an LXC container sees it as a mount point of its own."""
     package = make_package(tmp_path, files=5)
-    container = sim_container(tmp_path)
-    base = _base(container)
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"  # sim_container's base_dir
     base.mkdir(parents=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(base)], capture_output=True)
     if mounted.returncode != 0:
         unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}", "the full-disk test")
+    container = sim_container(tmp_path)
+    assert _base(container) == base
     yield container, package, base
     subprocess.run(["umount", "-l", str(base)], check=False)
 

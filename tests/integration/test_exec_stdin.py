@@ -17,6 +17,8 @@ from dflash_ops.inventory import load_inventory
 
 from tests.conftest import write_sim_inventory
 
+pytestmark = pytest.mark.lxc_tier
+
 HANG_GUARD_S = 120  # only catches a hang; never a speed bound
 
 

@@ -25,7 +25,7 @@ from dflash_ops.testing.netns import Fleet, netns_unavailable_reason, start_flee
 from tests.conftest import unavailable
 from tests.trainer.tiny_config import two_host_config
 
-pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.slow, pytest.mark.lxc_tier]
 
 TARGETS = ("n0-200", "n1-200")
 STEPS = 300

@@ -30,7 +30,7 @@ from dflash_ops.transport.ssh import SSHTransport
 from tests.conftest import unavailable
 from tests.integration.deploy_support import fake_package
 
-pytestmark = [pytest.mark.netns, pytest.mark.sshd]
+pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.lxc_tier]
 
 CONNECT_TIMEOUT = 2
 DEPLOY_NODES = ("n0", "n1", "n2", "n3")

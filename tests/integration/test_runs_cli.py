@@ -26,6 +26,8 @@ from dflash_ops.transport.local import LocalTransport
 from tests.conftest import write_sim_inventory
 from tests.integration.deploy_support import fake_package
 
+pytestmark = pytest.mark.lxc_tier
+
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "tests" / "fixtures" / "patches"
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"

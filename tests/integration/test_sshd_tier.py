@@ -15,7 +15,7 @@ from dflash_ops.transport.ssh import SSHTransport
 from tests import container_checks as checks
 from tests.container_checks import ContainerTests
 
-pytestmark = pytest.mark.sshd
+pytestmark = [pytest.mark.sshd, pytest.mark.lxc_tier]
 
 
 @pytest.fixture(scope="module")

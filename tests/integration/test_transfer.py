@@ -15,6 +15,8 @@ from dflash_ops.errors import ConnectionLost, TransferError
 from dflash_ops.transfer import TransferRefused, fetch_path, push_path
 from tests.integration.deploy_support import sim_container, transfer_tier
 
+pytestmark = pytest.mark.lxc_tier
+
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
 def tier(request, tmp_path):

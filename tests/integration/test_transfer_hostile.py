@@ -24,6 +24,8 @@ from tests.conftest import unavailable, write_sim_inventory
 from tests.integration.deploy_support import sim_container, transfer_tier
 from tests.integration.test_transfer import make_tree, tree_of
 
+pytestmark = pytest.mark.lxc_tier
+
 runner = CliRunner()
 
 
@@ -194,13 +196,15 @@ def test_modes_travel_both_ways_and_private_stays_private(tier, tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 100 MiB tmpfs inside the container's data directory (needs root; CI=true: a failure)."""
-    container = sim_container(tmp_path)
-    disk = Path(container.base_dir).parent / "data" / "small"
+    """A 100 MiB tmpfs inside the container's data directory (needs root; CI=true: a failure),
+    mounted before the container is created: an LXC container sees it as a mount point of its own."""
+    disk = tmp_path / "simnode" / "ct200" / "opt" / "data" / "small"  # beside sim_container's base_dir
     disk.mkdir(parents=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100m", "tmpfs", str(disk)], capture_output=True)
     if mounted.returncode != 0:
         unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}", "the free-space test")
+    container = sim_container(tmp_path)
+    assert Path(container.base_dir).parent / "data" / "small" == disk
     yield container, disk
     subprocess.run(["umount", "-l", str(disk)], check=False)
 

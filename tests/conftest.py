@@ -29,6 +29,13 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault(simct.BACKEND_ENV, "directory")
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The run log says what the simulated containers were (.ci/run's second pass: real LXC ones);
+    printed under -q too, unlike a report header."""
+    backend = simct.pick_backend()
+    terminalreporter.write_line(f"simulated containers: {backend} (${simct.BACKEND_ENV}={os.environ[simct.BACKEND_ENV]})")
+
+
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
                         python: str | None = None, packages: tuple[str, ...] | None = None,
                         backend: str | None = None) -> Path:

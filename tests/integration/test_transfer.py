@@ -188,8 +188,13 @@ def test_a_dropped_fetch_resumes(tier, tmp_path, monkeypatch):
         def helper(name, args, **kwargs):
             if args[0] == "read" and drop.fired and not getattr(helper, "killed", False):
                 helper.killed = True
-                kills = []
-                kwargs["on_line"] = lambda line: kills or kills.append(node.kill_sessions())
+                ask = kwargs["stdin"]
+
+                def killed_before_the_question():  # the read runs, waiting for its path: the connection dies
+                    assert node.kill_sessions()   # (killed at its first output line, it had sometimes answered)
+                    yield ask
+
+                kwargs["stdin"] = killed_before_the_question()
             return real_helper(name, args, **kwargs)
 
         monkeypatch.setattr(container, "helper", helper)

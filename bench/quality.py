@@ -83,7 +83,7 @@ class Preset:
     compile_target: bool = False  # torch.compile the target for its own training
     # prompts and regeneration
     prefix_chars: tuple[int, int] = (200, 1000)
-    n_prompts: int = 49152
+    n_prompts: int = 65536  # 4 regen batches of 16384: ~110 s on an H200
     answer_tokens: int = 256
     regen_batch: int = 16384  # rows decoded at once: 3x the tokens/s of 4096 on an H200 (bench/decoder_speed.py)
     n_eval: int = 64
@@ -96,9 +96,8 @@ class Preset:
     num_target_layers: int = 3
     gamma: float | None = None
     drafter_steps: int = 6000  # the most; with a budget and drafter_rate, sized to the time left
-    drafter_rate: float = 14.0  # optimizer steps/s the main run keeps (H200: 15.9 measured); 0: steps as given
-    drafter_startup_s: float = 45.0  # a trainer run's start before its first step (imports, data, warm-up)
-    warm_compile: bool = True  # a 3-step run beside regen fills torch.compile's on-disk cache for the main run
+    drafter_rate: float = 20.0  # optimizer steps/s the main run keeps (H200: 23 measured alone); 0: steps as given
+    drafter_startup_s: float = 45.0  # a trainer run's start before its first step (imports, data, compile: 43 s)
     drafter_lr: float = 1.5e-3
     max_length: int = 768
     num_anchors: int = 192
@@ -143,7 +142,7 @@ PRESETS = {
                    n_eval=3, eval_new_tokens=12, pipeline="reference", dtype="fp32", drafter_steps=2,
                    drafter_lr=3e-3, max_length=128, num_anchors=8, pack_length=0, pack_rows=1, curve_points=2,
                    ablation_steps=1, ablations={"original answers": {"train": "original"}},
-                   parallel=1, inprocess=True, ablation_convs=12, budget_s=0.0, regen_end_s=0.0, warm_compile=False),
+                   parallel=1, inprocess=True, ablation_convs=12, budget_s=0.0, regen_end_s=0.0),
 }
 
 
@@ -652,7 +651,7 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "pipeline": {"kind": p.pipeline},
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": p.seed, **({"threads": 2} if not cuda else {})},
-        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens},
+        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval},  # as CheckpointEvaluator
     }
 
 
@@ -667,34 +666,6 @@ def main_steps(p: Preset, deadline: float | None) -> int:
     say(f"drafter: {steps} steps for the main run ({deadline - time.time():.0f}s to its deadline, "
         f"{p.drafter_startup_s:.0f}s start-up, ~{p.drafter_rate:g} steps/s)")
     return steps
-
-
-def start_warm_run(p: Preset, model_dir: Path, data: Path, runs: Path) -> dict:
-    """A 3-step run of the main run's configuration on the original answers, started beside regen:
-    its torch.compile work (the drafter, flex attention, the target) lands in the on-disk caches,
-    so the main run, started after regen, skips most of its cold compilation. Regen is GPU-bound;
-    compiling is CPU-bound."""
-    cfg = trainer_config(p, model_dir, data / "original.jsonl", data, 3, {}, 0)
-    cfg["eval"].update(samples=1, max_new_tokens=8)  # its end-of-run τ: a token gesture, no GPU time taken from regen
-    j = job("warm", cfg, runs)
-    j["started"] = time.time()
-    j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
-                                 stderr=subprocess.STDOUT, env=child_env(), cwd=str(ROOT), preexec_fn=default_signals)
-    say(f"warm-up: a 3-step trainer run beside regen (pid {j['proc'].pid}; {j['log'].name})")
-    return j
-
-
-def finish_warm_run(j: dict, wait_s: float = 30.0) -> dict:
-    """Waits for the warm-up run at most wait_s more (it normally ended during regen), then stops it."""
-    try:
-        rc = j["proc"].wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        j["proc"].kill()
-        rc = j["proc"].wait()
-        say(f"warm-up: still running {wait_s:.0f}s after regen: killed")
-    seconds = time.time() - j["started"]
-    say(f"warm-up: exit {rc} after {seconds:.0f}s")
-    return {"exit": rc, "seconds": round(seconds, 1)}
 
 
 def read_run(run_dir: Path) -> dict:
@@ -987,12 +958,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["prompts"] = prompts["stats"]
     del corpus
 
-    # 5. regen (stopped at its deadline with the answers written so far), a warm-up run beside it
-    warm = start_warm_run(p, model_dir, data, runs) if p.warm_compile and not p.inprocess else None
+    # 5. regen (stopped at its deadline with the answers written so far)
     regen_deadline = started + p.regen_end_s if p.regen_end_s else None
     results["regen"] = regenerate(p, model_dir, data, out, regen_deadline)
-    if warm is not None:
-        results["warm_run"] = finish_warm_run(warm)
     save()
     if args.stop_after == "regen":
         return results

@@ -2,7 +2,11 @@
 `regen --engine hf` runs for greedy answers), beside transformers' `generate` on the same rows.
 
     PYTHONPATH=. python bench/decoder_speed.py --device cuda:0 --shape 8b --rows 1024 --new 128   # H200
+    PYTHONPATH=. python bench/decoder_speed.py --device cuda:0 --shape quality --rows 4096 --new 256 --profile
     PYTHONPATH=. python bench/decoder_speed.py --device cpu --shape tiny --rows 8 --new 8         # anywhere
+
+--shape quality is bench/quality.py's h200 target (33.6M parameters, vocab 8201): the regen stage's
+decode. --profile also prints torch.profiler's top operators of 8 decode steps (where a step's time goes).
 
 Random weights and random prompts (lengths uniform in [--prompt-len/2, --prompt-len]), no stop
 token, so every row decodes --new tokens: the figures are tokens per second of the decode and the
@@ -21,7 +25,9 @@ import time
 import torch
 
 from trainer.models import decoder
-from trainer.models.target import random_8b_shape_target, tiny_target
+from transformers import Qwen3Config
+
+from trainer.models.target import random_8b_shape_target, random_target, tiny_target
 from trainer.train.config import TinyTargetConfig
 
 
@@ -30,19 +36,40 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_decode(model: torch.nn.Module, prompts: list[list[int]], device: str) -> str:
+    """torch.profiler's operator table (by device time) of a greedy decode of 8 new tokens; the
+    prefill is in it too, once."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        decoder.greedy(model, prompts, 8, set())
+        sync(device)
+    key = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=20)
+    print(table, flush=True)
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
+    p.add_argument("--shape", choices=["8b", "quality", "tiny"], default="8b")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--hf-rows", type=int, default=64, help="rows decoded by transformers' generate too (0: none)")
+    p.add_argument("--profile", action="store_true", help="also print the top operators of 8 decode steps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.shape == "8b":
         model = random_8b_shape_target(args.device, torch.bfloat16).eval()
+    elif args.shape == "quality":
+        model = random_target(Qwen3Config(vocab_size=8201, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                          num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                          max_position_embeddings=4096, tie_word_embeddings=False),
+                              args.device, torch.bfloat16)
     else:
         model = tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128),
                             512, args.device).eval()
@@ -82,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["generate"] = {"rows": len(rows), "seconds": round(seconds, 2),
                            "tokens_per_s": round(len(rows) * args.new / seconds, 1),
                            "tokens_equal_to_decoder": round(same, 4)}
+    if args.profile:
+        out["profile"] = profile_decode(model, prompts[:args.rows], args.device)
     print(json.dumps(out), flush=True)
     if args.out:
         with open(args.out, "w") as f:

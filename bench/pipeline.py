@@ -463,11 +463,11 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["target_alone"] = stage_alone(tr, "target", args.stage_micro, peak)
     out["drafter_alone"] = stage_alone(tr, "drafter", args.stage_micro, peak)
     out["recompiles_after_stages"] = compiled_frames() - frames_after_warmup
-    if args.profile and mode in ("packed", "packed/rank"):
+    if args.profile and mode != "bucketed":
         tables = profile_stages(tr, args.out_dir)
         if tables:
             for which, table in tables.items():
-                print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:22]), flush=True)
+                print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:30]), flush=True)
     tr.guard.unfreeze()
     if args.naive_steps:
         tr.c.drafter, tr.c.optimizer = tr.replicas[0].drafter, tr.replicas[0].optimizer

@@ -83,9 +83,9 @@ class Preset:
     compile_target: bool = False  # torch.compile the target for its own training
     # prompts and regeneration
     prefix_chars: tuple[int, int] = (200, 1000)
-    n_prompts: int = 49152
+    n_prompts: int = 65536  # 4 regen batches of 16384: ~110 s on an H200
     answer_tokens: int = 256
-    regen_batch: int = 4096
+    regen_batch: int = 16384  # rows decoded at once: 3x the tokens/s of 4096 on an H200 (bench/decoder_speed.py)
     n_eval: int = 64
     eval_new_tokens: int = 256
     # drafter (the trainer's config)
@@ -95,7 +95,9 @@ class Preset:
     block_size: int = 16
     num_target_layers: int = 3
     gamma: float | None = None
-    drafter_steps: int = 2500
+    drafter_steps: int = 6000  # the most; with a budget and drafter_rate, sized to the time left
+    drafter_rate: float = 20.0  # optimizer steps/s the main run keeps (H200: 23 measured alone); 0: steps as given
+    drafter_startup_s: float = 45.0  # a trainer run's start before its first step (imports, data, compile: 43 s)
     drafter_lr: float = 1.5e-3
     max_length: int = 768
     num_anchors: int = 192
@@ -109,8 +111,8 @@ class Preset:
     parallel: int = 8  # trainer processes at once on the device
     ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
-    budget_s: float = 540.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
-    eval_reserve_s: float = 70.0
+    budget_s: float = 560.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
+    eval_reserve_s: float = 35.0  # the checkpoints' τ (~5 s each on an H200) and the trainer's stop
     regen_end_s: float = 230.0  # regen gets SIGINT this many seconds after the start (0: none)
     seed: int = 0
 
@@ -131,7 +133,7 @@ PRESETS = {
     "h200": Preset(),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
-    "h200-ablations": Preset(drafter_steps=300, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
+    "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
                              curve_points=2, n_eval=32),
     "tiny": Preset(device="cpu", corpus="project", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
@@ -649,8 +651,21 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "pipeline": {"kind": p.pipeline},
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": p.seed, **({"threads": 2} if not cuda else {})},
-        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens},
+        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval},  # as CheckpointEvaluator
     }
+
+
+def main_steps(p: Preset, deadline: float | None) -> int:
+    """The main run's optimizer steps: p.drafter_steps, or with a deadline and p.drafter_rate, as
+    many as fit before it, so the learning-rate schedule ends (decays) inside the budget instead of
+    being cut off halfway by the deadline's SIGTERM."""
+    if deadline is None or not p.drafter_rate:
+        return p.drafter_steps
+    fit = int((deadline - time.time() - p.drafter_startup_s) * p.drafter_rate)
+    steps = max(p.curve_points + 1, min(p.drafter_steps, fit))
+    say(f"drafter: {steps} steps for the main run ({deadline - time.time():.0f}s to its deadline, "
+        f"{p.drafter_startup_s:.0f}s start-up, ~{p.drafter_rate:g} steps/s)")
+    return steps
 
 
 def read_run(run_dir: Path) -> dict:
@@ -958,20 +973,21 @@ def main(argv: list[str] | None = None) -> dict:
         subset(data / "original.jsonl", data / "original-same.jsonl", main_ids, len(main_ids))
 
     # 6. drafter: the main run (checkpoints for the curve), then the ablations on a subset
-    every = max(1, p.drafter_steps // max(p.curve_points, 1))
-    base_is_main = "base" in p.ablations and p.ablation_steps == p.drafter_steps
+    deadline = budget_end - p.eval_reserve_s if budget_end else None
+    steps = main_steps(p, deadline)
+    every = max(1, steps // max(p.curve_points, 1))
+    base_is_main = "base" in p.ablations and p.ablation_steps == steps
     if p.ablations:
         sub_regen, sub_ids = subset(main_file, data / "ablation-regen.jsonl", None, p.ablation_convs)
         sub_orig, _ = subset(data / "original.jsonl", data / "ablation-original.jsonl", sub_ids, p.ablation_convs)
         if base_is_main:  # the main run is the base row: same data as the other rows
             main_file = sub_regen
-    jobs = [job("main", trainer_config(p, model_dir, main_file, data, p.drafter_steps, {}, every), runs)]
+    jobs = [job("main", trainer_config(p, model_dir, main_file, data, steps, {}, every), runs)]
     for name, over in p.ablations.items():
         if name == "base" and base_is_main:
             continue
         train = sub_orig if over.get("train") == "original" else sub_regen
         jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, 0), runs))
-    deadline = budget_end - p.eval_reserve_s if budget_end else None
     say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
         f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
         + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
@@ -988,7 +1004,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"a τ; its log: {main_job['run_dir'] / 'train.log'}")
     results["main"] = {**read_run(main_job["run_dir"]), "train_file": main_file.name,
                        "command": "python -m trainer " + " ".join(main_job["argv"]), "config": main_job["cfg"],
-                       "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1)}
+                       "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1),
+                       "planned_steps": steps}
     save()
 
     # 7. τ of the checkpoints: the main run's curve, and the last checkpoint of runs stopped early
@@ -1033,7 +1050,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"held-out prompts: ratio {_f(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
     say(f"main drafter: tau {_f(m['tau'])} pooled, {_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
-        f"{m['steps']} steps of {p.drafter_steps}, {main_file.name}); histogram {m['histogram']}; train acc "
+        f"{m['steps']} steps of {steps}, {main_file.name}); histogram {m['histogram']}; train acc "
         f"{_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}; {_f(m['tokens_per_s_steady'], 0)} tok/s")
     results["ablations"] = {}
     if base_is_main:

@@ -792,7 +792,9 @@ def main(argv: list[str]) -> int:
     finally:
         output.close()
         if engine is not None and not interrupted:
-            engine.close()
+            interrupted = not close_engine(engine)
+    if interrupted:
+        return 130
     if summary.stopped:
         print(f"regen: {summary.stopped}", file=sys.stderr, flush=True)
         print(summary.line(), flush=True)
@@ -801,6 +803,17 @@ def main(argv: list[str]) -> int:
         print(f"regen: failed {error}", file=sys.stderr)
     print(summary.line(), flush=True)
     return EXIT_FAILURES if summary.failed else 0
+
+
+def close_engine(engine: Engine) -> bool:
+    """engine.close() (the HF engine finishes the batch in flight); False when Ctrl-C cut it short."""
+    try:
+        engine.close()
+    except KeyboardInterrupt:
+        print("\nregen: interrupted while the batch in flight finished; the output holds whole lines only",
+              file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def iter_records(path: str | Path) -> Iterable[dict]:

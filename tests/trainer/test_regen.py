@@ -299,3 +299,23 @@ def test_the_stand_in_is_not_ready_until_its_model_is_loaded(model_dir):
             assert json.loads(response.read())["data"][0]["id"] == "tiny"
     finally:
         httpd.shutdown()
+
+
+def test_ctrl_c_while_the_last_batch_finishes_exits_130_with_whole_lines(model_dir, tmp_path, capsys, monkeypatch):
+    """A run that stops on its own (here: it is done) waits for the HF engine's batch in flight in
+    close(); a Ctrl-C arriving then (the quality bench's deadline) is an interruption (exit 130 and
+    one line), not a traceback with exit 1."""
+    close = regen.HFEngine.close
+
+    def interrupted_close(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(regen.HFEngine, "close", interrupted_close)
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "regen.jsonl"
+    code, _, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
+                            "-n", 4, "--max-tokens", 3], capsys)
+    assert code == 130
+    assert "interrupted while the batch in flight finished" in err and "Traceback" not in err
+    assert len({r["id"] for r in records(out)}) == 12

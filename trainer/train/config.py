@@ -157,6 +157,7 @@ class EvalConfig:
     every: int = 0  # steps between evaluations (0 = only at the end)
     samples: int = 16  # held-out conversations decoded
     max_new_tokens: int = 64  # tokens generated per conversation
+    batch: int = 16  # conversations decoded at once (rounds are launch-bound: more is faster, and takes more memory)
 
 
 @dataclass

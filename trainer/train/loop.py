@@ -195,7 +195,7 @@ class Trainer:
         report: dict
         if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
             report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
-                                       c.eval_conversations[: e.samples], e.max_new_tokens,
+                                       c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
                                        template_kwargs=template_kwargs(self.cfg.data))
         else:  # the model directory holds only the layers training runs
             report = {"tau": None, "tau_per_prompt": None, "samples": 0}

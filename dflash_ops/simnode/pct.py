@@ -696,12 +696,51 @@ def lxc_set_state(node: Node, vmid: str, state: str) -> None:
         log = node.ct_root(vmid) / "lxc.log"
         proc = subprocess.run([_lxc_tool("lxc-start"), "-P", lxcpath, "-n", vmid, "-d", "-o", str(log), "-l", "ERROR"],
                               capture_output=True, text=True)
-        if proc.returncode != 0 or lxc_init_pid(node, vmid) is None:
+        pid = lxc_init_pid(node, vmid)
+        if proc.returncode != 0 or pid is None:
             # pve-container src/PVE/LXC.pm vm_start: die "startup for container '$vmid' failed\n"
             detail = (proc.stderr.strip() or _tail(log)).replace("\n", "; ")
             raise PctError(f"startup for container '{vmid}' failed\n{detail}\n")
+        if "net0" not in _pct_options(node.conf(vmid).read_text()):
+            _loopback_up(pid)
     else:
         subprocess.run([_lxc_tool("lxc-stop"), "-P", lxcpath, "-n", vmid, "-k"], capture_output=True)
+
+
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def _loopback_up(init_pid: int) -> None:
+    """Bring up `lo` in the network namespace of a container without net0 (lxc.net.0.type empty).
+
+    LXC creates it down, and LXC's static init brings up nothing; on a node the CT's own init
+    does (Debian's ifupdown: `auto lo` in the /etc/network/interfaces pve-container writes), so
+    a service in the CT answers on 127.0.0.1. A forked child enters the namespace (setns), as
+    push/pull enter the mount namespace, and sets IFF_UP (SIOCSIFFLAGS: no `ip` needed here or
+    in the CT)."""
+    import socket
+    import struct
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            with open(f"/proc/{init_pid}/ns/net", "rb") as ns:
+                _setns(ns.fileno(), CLONE_NEWNET)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                flags = struct.unpack_from("H", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)), 16)[0]
+                fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+            code = 0
+        except OSError as e:
+            sys.stderr.write(f"container loopback: {e}\n")
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    if status != 0:
+        raise PctError(f"startup for container: cannot bring up its loopback (pid {init_pid})\n")
 
 
 def _tail(path: Path) -> str:
@@ -800,13 +839,13 @@ def lxc_config(node: Node, vmid: str) -> str:
 _libc = None
 
 
-def _setns(fd: int) -> None:
+def _setns(fd: int, nstype: int = CLONE_NEWNS) -> None:
     global _libc
     import ctypes
 
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.setns(fd, CLONE_NEWNS) != 0:
+    if _libc.setns(fd, nstype) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

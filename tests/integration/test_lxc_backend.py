@@ -53,8 +53,11 @@ def test_a_real_container_behind_pct(lxc_root):
     assert "PATH=/sbin:/bin:/usr/sbin:/usr/bin" in env and "container=lxc" in env
     assert pct(lxc_root, "status", "200").stdout == "status: running\n"
     assert pct(lxc_root, "list").stdout.splitlines()[1].split() == ["200", "running", "host200"]
-    # no net0: only loopback, as a CT without one
+    # no net0: only loopback, as a CT without one, and up (a service answers on 127.0.0.1; LXC made it down)
     assert pct(lxc_root, "exec", "200", "--", "ls", "/sys/class/net").stdout.split() == ["lo"]
+    echo = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "c = socket.create_connection(s.getsockname(), timeout=5); c.sendall(b'up'); print(s.accept()[0].recv(2))")
+    assert pct(lxc_root, "exec", "200", "--", "python3", "-c", echo).stdout == "b'up'\n"
 
 
 def test_push_pull_inside_the_container(lxc_root, tmp_path):

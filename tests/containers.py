@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -18,70 +19,82 @@ from dflash_ops import render
 from dflash_ops.container import Container
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode.pct import Node as SimNode, lxc_init_pid
+from tests import procs
 
 
-def sim_root(container: Container, default: str | Path | None = None) -> Path:
-    """The stand-in state of a container's simulated node (`default`: the sshd tier's, whose node
-    kind is a plain pct node that does not know it)."""
-    root = getattr(container.target.node.kind, "root", None) or default
+def sim_root(container: Container) -> Path:
+    """The stand-in state of a container on a `pct: simulated` node (the sshd tier's node is a
+    plain pct node: its SshdNode.sim_root says it)."""
+    root = getattr(container.target.node.kind, "root", None)
     if not root:
         raise ValueError(f"{container.target.name} is not on a simulated node")
     return Path(root)
 
 
-def _ns_pid(pid: int) -> list[int]:
-    """The pid of process `pid` (this machine's) in each PID namespace it is in, outermost first."""
+def _ns_pids(pid: int | str) -> list[int]:
+    """The pid of this machine's process `pid` in each PID namespace it is in, outermost first."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("NSpid:"):
             return [int(field) for field in line.split()[1:]]
-    return [pid]
+    return [int(pid)]
 
 
-def _pid_namespace(root: Path, ctid: int) -> str | None:
-    """The PID namespace of an LXC container (None: the container shares this machine's)."""
-    if simct.backend_of(root, ctid) != "lxc":
+@dataclass(frozen=True)
+class ContainerProcs:
+    """tests/procs.py for the processes of container `ctid` of the stand-in state `root`, by the
+    pids the container sees (what its helpers record)."""
+
+    root: Path
+    ctid: int
+
+    def _namespace(self) -> str | None:
+        """The container's PID namespace (None: it shares this machine's)."""
+        if simct.backend_of(self.root, self.ctid) != "lxc":
+            return None
+        init = lxc_init_pid(SimNode(Path(self.root)), str(self.ctid))
+        if init is None:
+            raise AssertionError(f"CT {self.ctid} is not running")
+        return os.readlink(f"/proc/{init}/ns/pid")
+
+    def host_pid(self, pid: int) -> int | None:
+        """This machine's pid of the container's process `pid` (None: there is none)."""
+        namespace = self._namespace()
+        if namespace is None:
+            return pid if procs.proc_stat(pid) is not None else None
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and os.readlink(entry / "ns" / "pid") == namespace \
+                        and _ns_pids(entry.name)[-1] == pid:
+                    return int(entry.name)
+            except OSError:
+                continue  # gone meanwhile
         return None
-    init = lxc_init_pid(SimNode(root), str(ctid))
-    if init is None:
-        raise AssertionError(f"CT {ctid} is not running")
-    return os.readlink(f"/proc/{init}/ns/pid")
 
+    def alive(self, pid: int) -> bool:
+        host = self.host_pid(pid)
+        return host is not None and procs.alive(host)
 
-def host_pid(root: Path, ctid: int, pid: int) -> int | None:
-    """This machine's pid of the process that the container sees as `pid` (None: no such process)."""
-    namespace = _pid_namespace(root, ctid)
-    if namespace is None:
-        return pid if Path(f"/proc/{pid}").exists() else None
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.readlink(entry / "ns" / "pid") == namespace and _ns_pid(int(entry.name))[-1] == pid:
-                return int(entry.name)
-        except OSError:
-            continue  # gone meanwhile
-    return None
+    def start_ticks(self, pid: int) -> int:
+        host = self.host_pid(pid)
+        assert host is not None, f"pid {pid} is gone from CT {self.ctid}"
+        return procs.start_ticks(host)
 
-
-def container_pid(root: Path, ctid: int, pid: int) -> int:
-    """The pid the container sees for this machine's process `pid`."""
-    return pid if _pid_namespace(root, ctid) is None else _ns_pid(pid)[-1]
-
-
-def host_path(root: Path, ctid: int, path: str | Path) -> Path:
-    """Where the file the container has at `path` is on this machine (simct.host_path; a path
-    under the test directory, bound at the same path, is itself)."""
-    return simct.host_path(root, ctid, path)
+    def session_members(self, sid: int) -> list[int]:
+        """The live processes of the container's session `sid`, by their pids there."""
+        host = self.host_pid(sid)
+        if host is None:
+            return []
+        return [_ns_pids(member)[-1] for member in procs.session_members(host)]
 
 
 @contextmanager
-def process_inside(container: Container, seconds: int = 300) -> Iterator[int]:
-    """A `sleep` running inside the container, detached; yields its pid as the container sees it
-    (what a trainer's status.json would hold) and kills it at the end, from inside."""
-    out = container.exec(render.script(["sleep", str(seconds)], background=True), check=True).stdout
+def process_inside(container: Container, argv: list[str] | None = None) -> Iterator[int]:
+    """`argv` (default: a long sleep) running detached inside the container, a session leader;
+    yields its pid as the container sees it (what a trainer's status.json would hold) and kills it
+    at the end, from inside."""
+    out = container.exec(render.script(argv or ["sleep", "300"], background=True), check=True).stdout
     pid = int(out.split()[-1])
     try:
         yield pid
     finally:
         container.exec(["kill", "-KILL", str(pid)])
-

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from dflash_ops.playbook.play import PlaybookError, load_playbook, run_playbook
 from dflash_ops.services import ServiceError, start_service, stop_service, wait_service
+from dflash_ops.simnode import containers as simct
 from tests.conftest import free_port, write_sim_inventory
 from tests.integration.deploy_support import sim_container, sshd_container
-from tests.procs import alive, session_members, start_ticks
+from tests.containers import ContainerProcs, process_inside, sim_root
+
+pytestmark = pytest.mark.lxc_tier
 
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
@@ -30,34 +33,43 @@ def container(request, tmp_path):
     box.transport.close()
 
 
-SERVER = [sys.executable, "-c", "import http.server, sys, subprocess; subprocess.Popen(['sleep', '300']); "
-          "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()"]
+@pytest.fixture
+def procs(request, container) -> ContainerProcs:
+    """The container's processes by the pids it sees (a real LXC container's are not this machine's)."""
+    on_sshd = request.node.callspec.params.get("container") == "sshd"
+    root = request.getfixturevalue("sshd_node").sim_root if on_sshd else sim_root(container)
+    return ContainerProcs(root, container.target.ctid)
 
 
-def test_start_wait_stop_stops_the_whole_session_and_nothing_else(container, tmp_path):
+def server(python: str, port: int) -> list[str]:
+    """A web server that spawns a child, run by `python` (the container's own)."""
+    return [python, "-c", "import http.server, sys, subprocess; subprocess.Popen(['sleep', '300']); "
+            "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()",
+            str(port)]
+
+
+def test_start_wait_stop_stops_the_whole_session_and_nothing_else(container, procs):
     port = free_port()
-    bystander = subprocess.Popen(["sleep", "300"])
-    try:
-        record = start_service(container, "web", [*SERVER, str(port)], cwd=str(tmp_path))
+    cwd = Path(container.base_dir).parent  # in the container's test directory (tmp_path is not in an LXC container)
+    cwd.mkdir(parents=True, exist_ok=True)
+    with process_inside(container) as bystander:
+        record = start_service(container, "web", server(container.target.python, port), cwd=str(cwd))
         wait_service(container, "web", f"http://127.0.0.1:{port}/", timeout=120, poll=0.1)
-        members = session_members(record["pid"])
+        members = procs.session_members(record["pid"])
         assert len(members) == 2, "the server and the child it spawned"
         with pytest.raises(ServiceError, match="already running"):
-            start_service(container, "web", [*SERVER, str(port)])
+            start_service(container, "web", server(container.target.python, port))
         done = stop_service(container, "web", grace=10)
         assert sorted(done["signalled"]) == sorted(members)
-        assert not any(alive(pid) for pid in members)
-        assert alive(bystander.pid), "a process the service did not start is never signalled"
+        assert not any(procs.alive(pid) for pid in members)
+        assert procs.alive(bystander), "a process the service did not start is never signalled"
         assert stop_service(container, "web")["signalled"] == [], "stopping a stopped service is fine"
         log = Path(container.base_dir) / "services" / "web" / "service.log"
         assert "# dflash-ops service start" in log.read_text()
-    finally:
-        bystander.kill()
-        bystander.wait()
 
 
 def test_a_service_that_dies_is_reported_with_its_log(container):
-    start_service(container, "bad", [sys.executable, "-c", "import sys; print('no model at /models/x'); sys.exit(3)"])
+    start_service(container, "bad", [container.target.python, "-c", "import sys; print('no model at /models/x'); sys.exit(3)"])
     with pytest.raises(ServiceError, match="exited before .* answered; the end of its log:\n  no model at /models/x"):
         wait_service(container, "bad", f"http://127.0.0.1:{free_port()}/", timeout=120, poll=0.1)
     with pytest.raises(ServiceError, match="cannot start no-such-program"):
@@ -66,29 +78,25 @@ def test_a_service_that_dies_is_reported_with_its_log(container):
         start_service(container, "../x", ["true"])
 
 
-def test_a_service_that_never_answers_times_out_with_its_log(container):
-    never = [sys.executable, "-c", "import time; print('loading shards', flush=True); time.sleep(300)"]
+def test_a_service_that_never_answers_times_out_with_its_log(container, procs):
+    never = [container.target.python, "-c", "import time; print('loading shards', flush=True); time.sleep(300)"]
     record = start_service(container, "slow", never)
     with pytest.raises(ServiceError, match=r"did not answer http://127.0.0.1:\d+/v1/models within 1s "
                                            r".*; the end of its log:\n  loading shards"):
         wait_service(container, "slow", f"http://127.0.0.1:{free_port()}/v1/models", timeout=1, poll=0.1)
-    assert alive(record["pid"]), "wait only reports; the serve step's cleanup stops it"
+    assert procs.alive(record["pid"]), "wait only reports; the serve step's cleanup stops it"
     stop_service(container, "slow", grace=5)
-    assert not alive(record["pid"])
+    assert not procs.alive(record["pid"])
 
 
-def test_stop_never_signals_a_pid_that_is_no_longer_the_service(container):
+def test_stop_never_signals_a_pid_that_is_no_longer_the_service(container, procs):
     """The recorded pid now belongs to another process (its start time differs): leave it alone."""
-    stranger = subprocess.Popen(["setsid", "sleep", "300"])  # a session leader, like a service
-    try:
-        record = start_service(container, "gone", [sys.executable, "-c", "pass"])
+    with process_inside(container) as stranger:  # a session leader, like a service
+        record = start_service(container, "gone", [container.target.python, "-c", "pass"])
         path = Path(container.base_dir) / "services" / "gone" / "service.json"
-        path.write_text(json.dumps({**record, "pid": stranger.pid, "pid_start": start_ticks(stranger.pid) - 1}))
+        path.write_text(json.dumps({**record, "pid": stranger, "pid_start": procs.start_ticks(stranger) - 1}))
         assert stop_service(container, "gone", grace=1)["signalled"] == []
-        assert alive(stranger.pid)
-    finally:
-        stranger.kill()
-        stranger.wait()
+        assert procs.alive(stranger)
 
 
 def write_playbook(path: Path, text: str) -> Path:
@@ -96,9 +104,9 @@ def write_playbook(path: Path, text: str) -> Path:
     return path
 
 
-def test_serve_step_stops_the_engine_when_a_later_step_fails(container, tmp_path):
+def test_serve_step_stops_the_engine_when_a_later_step_fails(container, procs, tmp_path):
     port = free_port()
-    argv = json.dumps([*SERVER, str(port)])
+    argv = json.dumps(server(container.target.python, port))
     book = write_playbook(tmp_path / "serve.yaml", f"""
 steps:
   - serve: {{name: web, argv: {argv}, port: {port}, health: /}}
@@ -110,13 +118,13 @@ steps:
     assert f"using http://127.0.0.1:{port}" in lines
     assert "[cleanup] stop service web" in lines
     record = json.loads((Path(container.base_dir) / "services" / "web" / "service.json").read_text())
-    assert record["state"] == "stopped" and not alive(record["pid"])
+    assert record["state"] == "stopped" and not procs.alive(record["pid"])
 
 
 def test_stop_serve_step_stops_it_once(tmp_path):
     container = sim_container(tmp_path)
     port = free_port()
-    argv = json.dumps([*SERVER, str(port)])
+    argv = json.dumps(server(container.target.python, port))
     book = write_playbook(tmp_path / "serve.yaml", f"""
 steps:
   - serve: {{name: web, argv: {argv}, port: {port}, health: /}}
@@ -169,13 +177,20 @@ steps:
 def test_serve_refuses_a_port_another_server_already_answers(tmp_path):
     """Else the wait would take the other server's answers for the engine's."""
     container = sim_container(tmp_path)
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))
-        other.listen()
-        port = other.getsockname()[1]
+    said = tmp_path / "simnode" / "ct200" / "other.port"  # the container's test directory
+    said.parent.mkdir(parents=True, exist_ok=True)
+    listen = ("import os, socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+              "open(sys.argv[1] + '.tmp', 'w').write(str(s.getsockname()[1])); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); "
+              "time.sleep(300)")
+    with process_inside(container, [container.target.python, "-c", listen, str(said)]):  # the other server
+        for _ in range(1200):
+            if said.exists():
+                break
+            time.sleep(0.05)
+        port = int(said.read_text())
         book = write_playbook(tmp_path / "serve.yaml", f"""
 steps:
-  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+  - serve: {{name: web, argv: {json.dumps(server(container.target.python, port))}, port: {port}, health: /}}
 """)
         result = run_playbook(load_playbook(book), container, say=lambda line: None)
     assert "step 1 (serve) failed: something already listens on 127.0.0.1:" in result.error
@@ -185,10 +200,12 @@ steps:
 def test_ctrl_c_during_a_playbook_stops_the_engine(tmp_path):
     inventory = write_sim_inventory(tmp_path / "simnode")
     base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+    procs = ContainerProcs(tmp_path / "simnode" / "sim", 200)
     port = free_port()
+    python = simct.container_python(procs.root, 200)
     book = write_playbook(tmp_path / "serve.yaml", f"""
 steps:
-  - serve: {{name: web, argv: {json.dumps([*SERVER, str(port)])}, port: {port}, health: /}}
+  - serve: {{name: web, argv: {json.dumps(server(python, port))}, port: {port}, health: /}}
   - sleep: 300
 """)
     proc = subprocess.Popen([sys.executable, "-m", "dflash_ops", "play", str(book), "host200", "--inventory",
@@ -200,7 +217,7 @@ steps:
             if "[2/2] sleep" in line:
                 break
         record = json.loads((base / "services" / "web" / "service.json").read_text())
-        assert alive(record["pid"])
+        assert procs.alive(record["pid"])
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(60) != 0
@@ -209,7 +226,7 @@ steps:
             proc.kill()
     assert "[cleanup] stop service web" in rest
     record = json.loads((base / "services" / "web" / "service.json").read_text())
-    assert record["state"] == "stopped" and not alive(record["pid"])
+    assert record["state"] == "stopped" and not procs.alive(record["pid"])
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -72,7 +73,8 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
     chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
     out: list[Encoded] = []
     with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker, initargs=(tokenizer, max_length, template_kwargs)) as pool:
+                             initializer=_start_worker,
+                             initargs=(pickle.dumps((tokenizer, max_length, template_kwargs)),)) as pool:
         try:
             for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                 out.extend(part)
@@ -87,10 +89,12 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
 _worker: tuple[Any, int, dict | None] | None = None  # a worker's (tokenizer, max_length, template kwargs)
 
 
-def _start_worker(tokenizer: Any, max_length: int, template_kwargs: dict | None) -> None:
+def _start_worker(pickled: bytes) -> None:
+    """pickled: (tokenizer, max_length, template kwargs), pickled once for all workers (a Qwen3
+    tokenizer is several MB of JSON: pickled again for each worker, it would delay the pool's start)."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
-    _worker = (tokenizer, max_length, template_kwargs)
+    _worker = pickle.loads(pickled)
 
 
 def _encode_chunk(conversations: list[dict]) -> list[Encoded]:

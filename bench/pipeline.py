@@ -352,6 +352,7 @@ def profile_stages(tr, out_dir, n_micro=2):
         return None
     tables = {}
     for which in ("target", "drafter"):
+        stage_alone(tr, which, 1, None)  # under the profiler's own state a compiled frame may recompile once
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             stage_alone(tr, which, n_micro, None)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
@@ -463,12 +464,12 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["target_alone"] = stage_alone(tr, "target", args.stage_micro, peak)
     out["drafter_alone"] = stage_alone(tr, "drafter", args.stage_micro, peak)
     out["recompiles_after_stages"] = compiled_frames() - frames_after_warmup
+    tr.guard.unfreeze()
     if args.profile and mode != "bucketed":
         tables = profile_stages(tr, args.out_dir)
         if tables:
             for which, table in tables.items():
                 print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:30]), flush=True)
-    tr.guard.unfreeze()
     if args.naive_steps:
         tr.c.drafter, tr.c.optimizer = tr.replicas[0].drafter, tr.replicas[0].optimizer
         out["naive_tokens_per_s"] = round(naive(tr, args.naive_steps), 1)

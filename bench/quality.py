@@ -97,7 +97,7 @@ class Preset:
     gamma: float | None = None
     drafter_steps: int = 6000  # the most; with a budget and drafter_rate, sized to the time left
     drafter_rate: float = 20.0  # optimizer steps/s the main run keeps (H200: 23 measured alone); 0: steps as given
-    drafter_startup_s: float = 45.0  # a trainer run's start before its first step (imports, data, compile: 43 s)
+    drafter_startup_s: float = 60.0  # a trainer run's start before its first step (H200: 78 s with one-process tokenisation, ~40 s of it tokenising 32768 conversations; now in worker processes, not re-measured)
     drafter_lr: float = 1.5e-3
     max_length: int = 768
     num_anchors: int = 192

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 from dflash_ops.helpers import HELPERS_DIR, bundle, helper_names
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
+from dflash_ops import render
 from dflash_ops.errors import HelperFailed
 from dflash_ops.tarstream import ProgressReader, stream_size
 
@@ -149,8 +150,10 @@ def _no_pip(container: ContainerAPI, error: HelperFailed) -> HelperFailed:
     if not error.document.get("no_pip"):
         return error
     target = container.target
-    where = f"on node {target.node.name}: pct exec {target.ctid} -- " if target.node.pct else ""
-    fix = where + str(error.document.get("fix", "apt-get install -y python3-venv"))
+    install = [str(a) for a in error.document.get("fix_argv") or ["apt-get", "install", "-y", "python3-venv"]]
+    fix = render.node_command(install)
+    if target.node.pct:
+        fix = f"on node {target.node.name}: {render.node_command(['pct', 'exec', str(target.ctid), '--', *install])}"
     document = dict(error.document, error=f"{str(error.document['error']).split('; fix:')[0]}; fix: {fix}", fix=fix)
     return HelperFailed(error.helper, ["ensure"], error.exit_code, error.stderr, "", document)
 

@@ -142,7 +142,8 @@ class NoPip(Exception):
 
 
 NO_PIP_EXIT = 3
-NO_PIP_FIX = "apt-get install -y python3-venv"
+NO_PIP_FIX_ARGV = ["apt-get", "install", "-y", "python3-venv"]
+NO_PIP_FIX = " ".join(NO_PIP_FIX_ARGV)
 
 
 def has_module(python: str, name: str) -> bool:
@@ -281,7 +282,7 @@ def main(argv: list[str]) -> int:
     try:
         print(json.dumps(build(args.base, args.lock, args, sys.stdin.buffer)))
     except NoPip as e:
-        print(json.dumps({"error": str(e), "no_pip": True, "fix": NO_PIP_FIX}))
+        print(json.dumps({"error": str(e), "no_pip": True, "fix": NO_PIP_FIX, "fix_argv": NO_PIP_FIX_ARGV}))
         return NO_PIP_EXIT
     return 0
 

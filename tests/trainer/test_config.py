@@ -27,6 +27,8 @@ def test_good_config_and_defaults():
     ("model:\n  target: {tiny: {}}\n", "data needs train_path or synthetic"),
     ("model: [1, 2\n", "<config>:"),
     (GOOD + "devices:\n  target: [tpu]\n", "has unknown device 'tpu'"),
+    (GOOD.replace("data:", "data:\n  workers: 0"), "<config>:6: data.workers must be auto or at least 1"),
+    (GOOD.replace("data:", "data:\n  workers: all"), "data.workers must be int or one of 'auto', got 'all'"),
 ])
 def test_bad_configs_name_the_problem(text, expected):
     with pytest.raises(ConfigError) as exc:

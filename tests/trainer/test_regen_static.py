@@ -22,6 +22,10 @@ def test_static_decoder_matches_hf_generate_on_left_padded_rows(family, qwen3_mo
     # prefill two rows at a time: the chunked prefill fills the same cache
     got = static_greedy_generate(model, prompts, new, stop_ids=set(), prefill_rows=2)
     assert got.tolist() == expected.tolist()
+    # a batch larger than the memory holds is decoded in chunks of rows: the same tokens
+    from trainer.models import decoder
+
+    assert decoder.greedy(model, prompts, new, set(), max_rows=2).tolist() == expected.tolist()
     # a stop token: every row decodes on; rows are cut by the caller at their first stop
     stop = int(expected[1, 3])
     cut = static_greedy_generate(model, prompts, new, stop_ids={stop})
@@ -62,3 +66,18 @@ def test_close_fails_the_queued_requests_so_their_threads_end(qwen3_model_dir):
         t.join(30)
     assert not any(t.is_alive() for t in threads)
     assert "the engine is closed" in outcomes and len(outcomes) == 4
+
+
+def test_rows_that_fit_leave_room_for_activations(qwen3_model_dir):
+    """The chunk size regen decodes at once on CUDA: KV caches of the rows, plus a quarter, within the
+    free memory less 10 % of the device (at least 2 GiB)."""
+    from trainer.models.decoder import TargetDecoder, rows_that_fit
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.bfloat16, local_files_only=True)
+    d = TargetDecoder(model)
+    capacity = 900
+    per_row = d.cache(1, capacity).keys[0].numel() * 2 * 2 * len(d.base.layers)  # K and V, bf16
+    gib = 1 << 30
+    assert rows_that_fit(d, capacity, 2 * gib + int(1.25 * per_row) * 100, 20 * gib) == 100
+    assert rows_that_fit(d, capacity, 3 * gib + int(1.25 * per_row) * 100, 30 * gib) == 100  # 10 % of 30
+    assert rows_that_fit(d, capacity, gib, 20 * gib) == 1  # never zero: one row is tried

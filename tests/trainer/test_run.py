@@ -66,6 +66,7 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path, kin
     assert train(config(kind=kind), run) == 0
     straight = {e["step"]: e["loss"] for e in events(run, "step")}
     assert status(run)["state"] == "done" and status(run)["last_checkpoint"] == "checkpoints/step_6"
+    assert "tokenized 64 training and 2 held-out conversations in " in (run / "train.log").read_text()  # start-up is not silent
     assert [e["step"] for e in events(run, "checkpoint")] == [3, 6]
     assert all(e["stall_s"] >= 0 and e["request"] is None for e in events(run, "checkpoint"))
     assert events(run, "stop")[-1]["reason"] == "done"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trainer.data.chat import DataError, encode_conversation, read_conversations, tokenize_conversation  # noqa: F401
+from trainer.data.encoding import encode_all
 
 
 @dataclass
@@ -133,13 +134,10 @@ def select_target_warmup_shapes(
 
 def build_dataset(tokenizer: Any, conversations: list[dict], max_length: int, bucket_edges: list[int],
                   token_budget: int, seed: int, pad_multiple: int = 16,
-                  template_kwargs: dict | None = None) -> PreloadedDataset:
-    samples = []
-    for c in conversations:
-        try:
-            samples.append(tokenize_conversation(tokenizer, c["messages"], max_length, template_kwargs))
-        except DataError as exc:
-            raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
+                  template_kwargs: dict | None = None, processes: int = 1) -> PreloadedDataset:
+    """processes: encode in that many processes (trainer.data.encoding; 1: in this one)."""
+    encoded = encode_all(tokenizer, conversations, max_length, template_kwargs, processes)
+    samples = [(ids, mask) for ids, mask, _ in encoded]
     return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
 
 

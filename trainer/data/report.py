@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.data.chat import DataError, encode_conversation, file_format, read_conversations
+from trainer.data.chat import file_format, read_conversations
+from trainer.data.encoding import encode_all, process_count
 from trainer.models.family import Family
 from trainer.train.config import TrainerConfig, data_paths, template_kwargs
 
@@ -40,11 +41,8 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
         for path in paths:
             conversations = read_conversations(path)
             report.files.append((path, file_format(path), len(conversations)))
-            for conv in conversations:
-                try:
-                    ids, mask, full = encode_conversation(tokenizer, conv["messages"], cfg.data.max_length, kwargs)
-                except DataError as exc:
-                    raise DataError(f"{conv['source']}: {exc}") from None
+            processes = process_count(cfg.data.workers, len(conversations))
+            for ids, mask, full in encode_all(tokenizer, conversations, cfg.data.max_length, kwargs, processes):
                 report.lengths.append(full)
                 report.kept_tokens += len(ids)
                 report.loss_tokens += sum(mask)

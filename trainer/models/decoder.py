@@ -158,8 +158,34 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
                                           enable_gqa=keys.shape[1] != heads)
 
 
+def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes: int) -> int:
+    """Rows whose KV caches of `capacity` slots fit in `free_bytes`, keeping 10 % of the device
+    (at least 2 GiB) for the prefill's and the decode step's activations, and a quarter more per
+    row for its masks and logits."""
+    cfg = hf_config(d.model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = torch.empty((), dtype=d.dtype).element_size()
+    per_row = len(d.base.layers) * 2 * cfg.num_key_value_heads * head_dim * capacity * itemsize
+    usable = free_bytes - max(2 << 30, total_bytes // 10)
+    return max(1, int(usable / (1.25 * per_row)))
+
+
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-           prefill_rows: int = 256) -> torch.Tensor:
+           prefill_rows: int = 256, max_rows: int | None = None) -> torch.Tensor:
+    """Greedy decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many
+    as the free memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]."""
+    d = TargetDecoder(model)
+    if max_rows is None and d.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(d.device)
+        max_rows = rows_that_fit(d, max(map(len, prompts)) + max_new_tokens, free, total)
+    if max_rows is None or len(prompts) <= max_rows:
+        return _greedy(d, prompts, max_new_tokens, stop_ids, prefill_rows)
+    return torch.cat([_greedy(d, prompts[i:i + max_rows], max_new_tokens, stop_ids, prefill_rows)
+                      for i in range(0, len(prompts), max_rows)])
+
+
+def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+            prefill_rows: int) -> torch.Tensor:
     """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
 
     Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
@@ -169,7 +195,6 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
     prefill runs `prefill_rows` rows at a time; each step appends one slot for every row. Rows
     that reached a stop token keep decoding (their tokens are cut by the caller); the loop ends
     when every row has stopped."""
-    d = TargetDecoder(model)
     dev = d.device
     n, width = len(prompts), max(len(p) for p in prompts)
     cache = d.cache(n, width + max_new_tokens)

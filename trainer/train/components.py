@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer.train.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
+from trainer.data.encoding import process_count
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.masks import resolve_backend
 from trainer.train.optim import build_optimizer, build_scheduler
@@ -194,15 +195,21 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
 
-    def dataset(conversations: list[dict], seed: int) -> PreloadedDataset:
+    def dataset(conversations: list[dict], seed: int, processes: int) -> PreloadedDataset:
         return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
-                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data))
+                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data), processes)
 
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
         eval_conv = train_conv[:8]
-    conversations = dataset(train_conv, cfg.data.seed)
-    eval_data = dataset(eval_conv, cfg.data.seed + 1)
+    began = time.perf_counter()  # chat templates and masks: ~2 ms a conversation (trainer.data.encoding)
+    processes = [process_count(cfg.data.workers, len(c)) for c in (train_conv, eval_conv)]
+    if processes[0] > 1:  # minutes for a million conversations: say what the wait is
+        log(f"tokenizing {len(train_conv)} training conversations in {processes[0]} processes (data.workers)")
+    conversations = dataset(train_conv, cfg.data.seed, processes[0])
+    eval_data = dataset(eval_conv, cfg.data.seed + 1, processes[1])
+    log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in "
+        f"{time.perf_counter() - began:.1f}s ({max(processes)} process{'es' if max(processes) > 1 else ''})")
     target = build_target(cfg, tokenizer, conversations, run_dir, log)
     train_data: PreloadedDataset | PackedDataset = conversations
     if cfg.data.pack_length:

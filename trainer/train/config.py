@@ -99,6 +99,7 @@ class DataConfig:
     pack_rows: int = 1  # packed rows per micro-batch
     anchors_per_row: int | None = None  # packed: draft blocks per row; default num_anchors per max_length tokens, same density
     seed: int = 0  # data order and anchor sampling seed
+    workers: int | Literal["auto"] = "auto"  # processes that tokenize the conversations (chat template, loss mask) when there are 2,000 or more (fewer: one); auto: min(usable CPUs, 16); 1: in the trainer's process
 
 
 @dataclass
@@ -361,6 +362,7 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.pack_length == 0 or (c.data.pack_length % 128 == 0 and c.data.pack_length >= c.data.max_length),
           ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
+    check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
     if c.data.pack_length and t.path is not None:  # a directory on this machine: its family decides
         from trainer.models.family import family_of_dir
 

@@ -1,0 +1,103 @@
+"""Tokenizing many conversations on the machine's cores (data.workers).
+
+encode_conversation renders the chat template four or more times a conversation and tokenizes
+with offsets: ~2 ms for Qwen3, so 32,768 conversations took ~80 s in one process on a 16-core
+H200 host, before the trainer's first log line. From PARALLEL_FROM conversations on, they are
+encoded in worker processes, a chunk of conversations per task, results taken in input order:
+each conversation goes through the same function as in one process, so ids and masks are
+identical, and the first bad conversation in input order is the one reported, with the message
+one process gives (file:line: what is wrong).
+
+Workers are spawned, never forked: the trainer may already hold CUDA state and threads when it
+reads its data, and a forked child of such a process can hang on a lock another thread held.
+A spawned worker gets the tokenizer pickled (a fast tokenizer pickles as its tokenizer.json and
+settings, chat template included) with the template kwargs, once, in its initializer; starting
+one costs about a second (importing transformers), which is why small data stays in one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from trainer.data.chat import DataError, encode_conversation
+
+PARALLEL_FROM = 2000  # conversations; fewer are encoded in this process (workers cost ~1 s to start)
+AUTO_MAX = 16  # data.workers auto: at most this many processes
+TASKS_PER_WORKER = 8  # chunks per worker: a slow chunk does not leave the others idle at the end
+MAX_CHUNK = 1024  # conversations per task
+
+Encoded = tuple[list[int], list[int], int]  # ids, loss mask (both cut at max_length), untruncated length
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def process_count(workers: int | str, conversations: int) -> int:
+    """Processes that encode `conversations` under data.workers (`auto` or a count): 1 below
+    PARALLEL_FROM conversations; auto is min(usable CPUs, AUTO_MAX)."""
+    wanted = min(usable_cpus(), AUTO_MAX) if workers == "auto" else int(workers)
+    if conversations < PARALLEL_FROM or wanted <= 1:
+        return 1
+    return min(wanted, conversations)
+
+
+def encode_each(tokenizer: Any, conversations: list[dict], max_length: int,
+                template_kwargs: dict | None = None) -> list[Encoded]:
+    """encode_conversation on each conversation in order; a DataError names its source (file:line)."""
+    out = []
+    for c in conversations:
+        try:
+            out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs))
+        except DataError as exc:
+            raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
+    return out
+
+
+def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, template_kwargs: dict | None = None,
+               processes: int = 1) -> list[Encoded]:
+    """Every conversation encoded (see encode_each), in input order, by `processes` processes
+    (see process_count); 1 runs here."""
+    if processes <= 1 or len(conversations) < 2:
+        return encode_each(tokenizer, conversations, max_length, template_kwargs)
+    size = max(1, min(MAX_CHUNK, -(-len(conversations) // (processes * TASKS_PER_WORKER))))
+    chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
+    out: list[Encoded] = []
+    with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_worker,
+                             initargs=(pickle.dumps((tokenizer, max_length, template_kwargs)),)) as pool:
+        try:
+            for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
+                out.extend(part)
+        except BaseException as exc:  # a bad conversation, Ctrl-C: the chunks not started are dropped
+            pool.shutdown(cancel_futures=True)
+            if isinstance(exc, DataError):  # the worker's message, without its remote traceback
+                raise DataError(str(exc)) from None
+            raise
+    return out
+
+
+_worker: tuple[Any, int, dict | None] | None = None  # a worker's (tokenizer, max_length, template kwargs)
+
+
+def _start_worker(pickled: bytes) -> None:
+    """pickled: (tokenizer, max_length, template kwargs), pickled once for all workers (a Qwen3
+    tokenizer is several MB of JSON: pickled again for each worker, it would delay the pool's start)."""
+    global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
+    _worker = pickle.loads(pickled)
+
+
+def _encode_chunk(conversations: list[dict]) -> list[Encoded]:
+    assert _worker is not None, "the pool's initializer sets the worker's tokenizer"
+    tokenizer, max_length, template_kwargs = _worker
+    return encode_each(tokenizer, conversations, max_length, template_kwargs)

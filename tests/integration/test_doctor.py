@@ -13,8 +13,11 @@ import yaml
 from typer.testing import CliRunner
 
 from dflash_ops.cli import app
+from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode.containers import PCT_SCRIPT as _SIM_PCT_SCRIPT
 from tests.conftest import unavailable, write_sim_inventory
+
+pytestmark = pytest.mark.lxc_tier
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "trainer" / "configs" / "tiny-cpu.yaml"
@@ -113,16 +116,32 @@ def test_pct_config_prints_like_pct(tmp_path):
     assert subprocess.run([*pct, "config"], capture_output=True, text=True).stderr.startswith("400 not enough")
 
 
-def _tiny_shm_inventory(directory: Path) -> Path:
-    """The stand-in behind `unshare -m`: every pct command sees a 1 MiB tmpfs on /dev/shm."""
+def _dev_shm_inventory(directory: Path, mount: str, lxc_entry: str) -> Path:
+    """CT 200 with another /dev/shm: in a real LXC container (its own /dev/shm) as an admin would
+    give it one, `lxc_entry` as an `lxc.mount.entry` in its config, then a restart; a directory
+    container sees the node's /dev/shm, so the stand-in runs behind `unshare -m` and `mount`
+    (a shell command given the pct argv as "$@") gives every pct command another one."""
     path = write_sim_inventory(directory)
     doc = yaml.safe_load(path.read_text())
-    sim_root = doc["nodes"]["sim"].pop("sim_root")
-    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
-    doc["nodes"]["sim"]["pct"] = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "pct",
-                                  sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root]
+    sim_root = doc["nodes"]["sim"]["sim_root"]
+    pct = [sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root]
+    if simct.backend_of(sim_root, 200) == "lxc":
+        with open(Path(sim_root) / "lxc" / "200.conf", "a") as conf:
+            conf.write(f"lxc.mount.entry: {lxc_entry}\n")
+        for command in ("stop", "start"):
+            subprocess.run([*pct, command, "200"], check=True, capture_output=True)
+        return path
+    del doc["nodes"]["sim"]["sim_root"]
+    doc["nodes"]["sim"]["pct"] = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount + ' && exec "$@"',
+                                  "pct", *pct]
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def _tiny_shm_inventory(directory: Path) -> Path:
+    """Every pct command sees a 1 MiB tmpfs on the container's /dev/shm."""
+    return _dev_shm_inventory(directory, "mount -t tmpfs -o size=1m tmpfs /dev/shm",
+                              "tmpfs dev/shm tmpfs rw,nosuid,nodev,size=1m,create=dir 0 0")
 
 
 def _mount_namespaces_work() -> str | None:
@@ -210,17 +229,10 @@ def test_a_container_without_the_python_named_in_the_inventory(sim_inventory):
 
 
 def _plain_dir_shm_inventory(directory: Path) -> Path:
-    """The stand-in behind `unshare -m`: /dev/shm is a plain directory of the root disk (bind-mounted)."""
-    path = write_sim_inventory(directory)
-    doc = yaml.safe_load(path.read_text())
-    sim_root = doc["nodes"]["sim"].pop("sim_root")
+    """The container's /dev/shm is a plain directory of the node's disk (bind-mounted)."""
     plain = directory / "plain-shm"
-    plain.mkdir()
-    mount = f'mount --bind {plain} /dev/shm && exec "$@"'
-    doc["nodes"]["sim"]["pct"] = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "pct",
-                                  sys.executable, str(_SIM_PCT_SCRIPT), "--state-root", sim_root]
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    plain.mkdir(parents=True)
+    return _dev_shm_inventory(directory, f"mount --bind {plain} /dev/shm", f"{plain} dev/shm none bind,create=dir 0 0")
 
 
 def test_dev_shm_that_is_not_a_tmpfs_fails(tmp_path):
@@ -236,13 +248,15 @@ def test_dev_shm_that_is_not_a_tmpfs_fails(tmp_path):
 
 def test_read_only_base_dir_fails_with_the_fix(tmp_path):
     """Before: the helper could not be installed into base_dir and the report blamed the container."""
-    inventory = write_sim_inventory(tmp_path / "simnode")
-    base = Path(yaml.safe_load(inventory.read_text())["targets"]["host200"]["base_dir"])
+    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"  # write_sim_inventory's base_dir
     base.mkdir(parents=True)
     bound = subprocess.run(["sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0"', str(base)],
                            capture_output=True, text=True)
     if bound.returncode != 0:
         unavailable(f"cannot bind-mount read-only: {bound.stderr.strip()}", "the read-only base_dir test")
+    # mounted before the container is created: an LXC container gets it as a mount point of its own
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    assert Path(yaml.safe_load(inventory.read_text())["targets"]["host200"]["base_dir"]) == base
     try:
         result = cli("doctor", "host200", "--fast", "--config", str(TINY_CPU), "--inventory", str(inventory))
     finally:

@@ -26,6 +26,8 @@ from dflash_ops.simnode import pct as stand_in
 from dflash_ops.deploy.venv_spec import VenvSpec
 from tests.conftest import write_sim_inventory
 
+pytestmark = pytest.mark.lxc_tier
+
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = sorted((REPO / "dflash_ops" / "helpers").glob("*.py"))
 OLDEST = (3, 8)

@@ -21,6 +21,8 @@ import yaml
 from dflash_ops.extras import TRAINER_INSTALL, TRAINER_PACKAGES
 from tests.conftest import write_sim_inventory
 
+pytestmark = pytest.mark.lxc_tier
+
 REPO = Path(__file__).resolve().parents[2]
 
 BLOCKER = f"""

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import free_port, play, write_sim_inventory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.lxc_tier]
 
 
 def test_real_path_playbook_end_to_end(tmp_path):

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, play, write_sim_inventory
-from tests.procs import alive
+from tests.containers import ContainerProcs
 from tests.trainer.test_regen import write_fixture_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.lxc_tier]
 
 
 def engine_state(base: Path) -> dict:
@@ -24,18 +24,19 @@ def engine_state(base: Path) -> dict:
 
 @pytest.fixture(params=["sim", pytest.param("sshd", marks=pytest.mark.sshd)])
 def node(request, tmp_path):
-    """(tier, inventory, base_dir) of host200."""
+    """(tier, inventory, base_dir, the container's processes) of host200."""
     if request.param == "sim":
-        return "sim", write_sim_inventory(tmp_path / "simnode"), tmp_path / "simnode" / "ct200" / "opt" / "dflash"
+        return ("sim", write_sim_inventory(tmp_path / "simnode"), tmp_path / "simnode" / "ct200" / "opt" / "dflash",
+                ContainerProcs(tmp_path / "simnode" / "sim", 200))
     sshd = request.getfixturevalue("sshd_node")
     shutil.rmtree(sshd.base_dir, ignore_errors=True)
-    return "sshd", sshd.inventory, Path(sshd.base_dir)
+    return "sshd", sshd.inventory, Path(sshd.base_dir), ContainerProcs(sshd.sim_root, 200)
 
 
 def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
     """Both tiers: the engine is stopped when the regeneration fails; the sim tier (to keep the
     suite lean) first regenerates for real."""
-    tier, inventory, base = node
+    tier, inventory, base, procs = node
     data = base.parent / "data" / tmp_path.name
     write_fixture_model(data / "models" / "tiny")
     (data / "prompts.jsonl").write_text("".join(
@@ -50,7 +51,7 @@ def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
         assert sorted(json.loads(line)["id"] for line in (data / "regen.jsonl").read_text().splitlines()) == \
             [f"q{i}" for i in range(6)]
         first = engine_state(base)
-        assert first["state"] == "stopped" and not alive(first["pid"])
+        assert first["state"] == "stopped" and not procs.alive(first["pid"])
 
     failed = play(inventory, "regen.yaml", *common, f"prompts={data}/missing.jsonl")
     assert failed.exit_code != 0
@@ -58,5 +59,5 @@ def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
     assert "cannot read" in failed.output
     assert "[cleanup] stop service engine" in failed.output
     second = engine_state(base)
-    assert second["state"] == "stopped" and not alive(second["pid"])
+    assert second["state"] == "stopped" and not procs.alive(second["pid"])
     assert first is None or second["pid"] != first["pid"]

@@ -10,17 +10,18 @@ one process gives (file:line: what is wrong).
 
 Workers are spawned, never forked: the trainer may already hold CUDA state and threads when it
 reads its data, and a forked child of such a process can hang on a lock another thread held.
-A spawned worker gets the tokenizer pickled (a fast tokenizer pickles as its tokenizer.json and
-settings, chat template included) with the template kwargs, once, in its initializer; starting
-one costs about a second (importing transformers), which is why small data stays in one process.
+A spawned worker loads the tokenizer from a temporary directory the trainer saves it to once
+(save_pretrained: tokenizer.json, settings, chat template), not from a pickle: nothing in the
+trainer unpickles (tests/trainer/test_export_destination.py). Starting one costs about a second
+(importing transformers), which is why small data stays in one process.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -72,29 +73,31 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
     size = max(1, min(MAX_CHUNK, -(-len(conversations) // (processes * TASKS_PER_WORKER))))
     chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
     out: list[Encoded] = []
-    with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_worker,
-                             initargs=(pickle.dumps((tokenizer, max_length, template_kwargs)),)) as pool:
-        try:
-            for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
-                out.extend(part)
-        except BaseException as exc:  # a bad conversation, Ctrl-C: the chunks not started are dropped
-            pool.shutdown(cancel_futures=True)
-            if isinstance(exc, DataError):  # the worker's message, without its remote traceback
-                raise DataError(str(exc)) from None
-            raise
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as saved:
+        tokenizer.save_pretrained(saved)
+        with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_start_worker, initargs=(saved, max_length, template_kwargs)) as pool:
+            try:
+                for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
+                    out.extend(part)
+            except BaseException as exc:  # a bad conversation, Ctrl-C: the chunks not started are dropped
+                pool.shutdown(cancel_futures=True)
+                if isinstance(exc, DataError):  # the worker's message, without its remote traceback
+                    raise DataError(str(exc)) from None
+                raise
     return out
 
 
 _worker: tuple[Any, int, dict | None] | None = None  # a worker's (tokenizer, max_length, template kwargs)
 
 
-def _start_worker(pickled: bytes) -> None:
-    """pickled: (tokenizer, max_length, template kwargs), pickled once for all workers (a Qwen3
-    tokenizer is several MB of JSON: pickled again for each worker, it would delay the pool's start)."""
+def _start_worker(saved: str, max_length: int, template_kwargs: dict | None) -> None:
+    """The worker's tokenizer, from the directory the trainer saved it to."""
+    from transformers import AutoTokenizer
+
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
-    _worker = pickle.loads(pickled)
+    _worker = (AutoTokenizer.from_pretrained(saved, local_files_only=True), max_length, template_kwargs)
 
 
 def _encode_chunk(conversations: list[dict]) -> list[Encoded]:

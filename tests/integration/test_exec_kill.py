@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from dflash_ops.connect import open_container
-from dflash_ops.container import exec_killed_after
+from dflash_ops import render
+from dflash_ops.container import exec_killed_after, kill_tagged
 from dflash_ops.errors import ConnectionLost, TransportError
 from dflash_ops.inventory import load_inventory
 from dflash_ops.simnode import containers as simct
@@ -97,6 +98,39 @@ def test_timeout_leaves_nothing_in_an_lxc_container(lxc_inventory):
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert result.returncode == 124, result.stderr
     _wait_for(lambda: not _sleepers(marker), "no sleep left in the container", 30)
+
+
+def test_the_tagged_kill_stops_every_process_before_killing_any(tmp_path):
+    """Killed one at a time in /proc's order, a child listed before its shell (pid 100 before 99)
+    died first, and the shell ran its next command before its own kill came (4 of 4 runs before
+    the fix, 800 processes listed between the two; under `exec --timeout` the test above printed
+    "survived"). Stopped first, no process of the tree runs on."""
+    unavailable(rootfs.unavailable_reason(), "the LXC backend")
+    root, shared = tmp_path / "sim", tmp_path / "ct200"  # shared: bound at the same path in the container
+    simct.create(root, 200, hostname="host200", backend="lxc", packages=(), binds=[str(shared)])
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root)}},
+        "targets": {"host200": {"node": "sim", "ctid": 200}},
+    }))
+    container = open_container(load_inventory(inventory), "host200")
+    # a fresh container's pids count up from 1: use them up to 98, so that the tagged shell is 99
+    container.exec(["sh", "-c", "n=$$; while [ $n -lt 98 ]; do /bin/true & n=$!; wait; done"], check=True)
+    token = uuid.uuid4().hex
+    script = (f"sleep {_marker()} & c=$!; i=0; while [ $i -lt 800 ]; do sleep 1000 & i=$((i+1)); done; "
+              f"echo $$ $c > {shared}/pids; wait $c; echo survived > {shared}/survived")
+    tree = subprocess.Popen([*simct.stand_in_argv(root), "exec", "200", "--", *render.tagged(token, ["sh", "-c", script])],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (shared / "pids").exists() and (shared / "pids").read_text().strip(), "the tree to start")
+        assert (shared / "pids").read_text().split() == ["99", "100"]  # the child sorts first in /proc
+        assert kill_tagged(container, token)
+        tree.wait(60)
+    finally:
+        if tree.poll() is None:
+            tree.kill()
+        subprocess.run([*simct.stand_in_argv(root), "stop", "200"], capture_output=True)
+    assert not (shared / "survived").exists()
 
 
 @pytest.mark.sshd

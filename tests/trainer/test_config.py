@@ -29,6 +29,7 @@ def test_good_config_and_defaults():
     (GOOD + "devices:\n  target: [tpu]\n", "has unknown device 'tpu'"),
     (GOOD.replace("data:", "data:\n  workers: 0"), "<config>:6: data.workers must be auto or at least 1"),
     (GOOD.replace("data:", "data:\n  workers: all"), "data.workers must be int or one of 'auto', got 'all'"),
+    (GOOD + "eval:\n  batch: 0\n", "<config>:8: eval.batch must be at least 1"),
 ])
 def test_bad_configs_name_the_problem(text, expected):
     with pytest.raises(ConfigError) as exc:

@@ -408,6 +408,7 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
     check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
+    check(c.eval.batch >= 1, ("eval", "batch"), "must be at least 1")
     check(not c.run.keep_best or not c.eval.every
           or (c.run.checkpoint_every > 0 and c.eval.every % c.run.checkpoint_every == 0), ("run", "keep_best"),
           "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")

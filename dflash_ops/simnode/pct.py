@@ -722,25 +722,35 @@ def _loopback_up(init_pid: int) -> None:
     import socket
     import struct
 
+    def up() -> None:
+        with open(f"/proc/{init_pid}/ns/net", "rb") as ns:
+            _setns(ns.fileno(), CLONE_NEWNET)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack_from("H", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)), 16)[0]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+    if not _in_forked_child(up, "container loopback: "):
+        raise PctError(f"startup for container: cannot bring up its loopback (pid {init_pid})\n")
+
+
+def _in_forked_child(fn: "Callable[[], None]", prefix: str = "") -> bool:
+    """fn() in a forked child, which may enter a container's namespaces (setns) without this
+    process leaving its own; an exception is printed (after `prefix`). True when fn returned."""
     sys.stdout.flush()
     sys.stderr.flush()
     child = os.fork()
     if child == 0:
         code = 1
         try:
-            with open(f"/proc/{init_pid}/ns/net", "rb") as ns:
-                _setns(ns.fileno(), CLONE_NEWNET)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                flags = struct.unpack_from("H", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0)), 16)[0]
-                fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+            fn()
             code = 0
-        except OSError as e:
-            sys.stderr.write(f"container loopback: {e}\n")
+        except Exception as e:  # noqa: BLE001 - the child's failure, printed; the parent decides
+            sys.stderr.write(f"{prefix}{e}\n")
         finally:
+            sys.stderr.flush()
             os._exit(code)
     _, status = os.waitpid(child, 0)
-    if status != 0:
-        raise PctError(f"startup for container: cannot bring up its loopback (pid {init_pid})\n")
+    return status == 0
 
 
 def _tail(path: Path) -> str:
@@ -873,20 +883,7 @@ def in_container(node: Node, vmid: str, worker: "Callable[[Callable[[], None], C
     def ct_side() -> None:
         _setns(ct_ns)
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        code = 0
-        try:
-            worker(node_side, ct_side)
-        except Exception as e:  # noqa: BLE001 - the worker's die, printed; pct still exits 0
-            sys.stderr.write(f"{e}\n")
-            code = 1
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    os.waitpid(child, 0)
+    _in_forked_child(lambda: worker(node_side, ct_side))  # a worker's die is printed; pct still exits 0
     for fd in (ct_ns, node_ns, cwd):
         os.close(fd)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from dflash_ops.helpers import HELPERS_DIR, bundle, helper_names
+from dflash_ops.helpers import bundle, helper_names, source_of
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops import render
@@ -64,7 +64,7 @@ def helper_files(container: ContainerAPI) -> list[tuple[str, Path]]:
     found = []
     for name in helper_names():
         one = bundle(name)
-        found += [(one.rel(filename), HELPERS_DIR / filename) for filename, _content in one.files]
+        found += [(one.rel(filename), source_of(filename)) for filename, _content in one.files]
     return found
 
 

@@ -3,8 +3,9 @@
 A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). Container.helper()
 installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
 
-A shared module (SHARED: nodefacts.py, the node-side facts) is not a helper: it travels with each
-helper that imports it, the way Ansible ships `module_utils` with a module. BASE/helpers/<hash>/
+A shared module (SHARED: nodefacts.py, the node-side facts; destination.py, the replace rule, whose
+one copy lives in the trainer, trainer/models/destination.py, as the trainer never imports
+dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships `module_utils` with a module. BASE/helpers/<hash>/
 then holds the helper and the shared module beside it, and <hash> covers both (bundle()), so a
 change to a shared module is a new version of every helper that imports it, and of no other.
 
@@ -17,13 +18,32 @@ the container (dflash_ops/transfer.py). They import only the stdlib, so that wor
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 HELPERS_DIR = Path(__file__).resolve().parent
-SHARED = ("nodefacts",)  # modules shipped beside the helpers that import them; never run
+# modules shipped beside the helpers that import them (never run), and where they live outside HELPERS_DIR
+SHARED_ELSEWHERE = {"destination": ("trainer.models", "destination.py")}
+SHARED = ("nodefacts", *SHARED_ELSEWHERE)
+
+
+def shared_path(module: str) -> Path:
+    """The source file of a shared module."""
+    if module not in SHARED_ELSEWHERE:
+        return HELPERS_DIR / f"{module}.py"
+    package, filename = SHARED_ELSEWHERE[module]
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations, f"{package} is installed with dflash_ops"
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def source_of(filename: str) -> Path:
+    """Where a bundle's file is read from: a helper here, or a shared module (shared_path)."""
+    stem = filename.removesuffix(".py")
+    return shared_path(stem) if stem in SHARED else HELPERS_DIR / filename
 
 
 @dataclass(frozen=True)
@@ -64,7 +84,7 @@ def bundle(name: str) -> Bundle:
     if source is None:
         raise ValueError(f"no helper {name!r} in {HELPERS_DIR}")
     stamps = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size)
-                   for p in [source, *(HELPERS_DIR / f"{m}.py" for m in SHARED)])
+                   for p in [source, *map(shared_path, SHARED)])
     return _bundle(source, stamps)
 
 
@@ -73,7 +93,7 @@ def _bundle(source: Path, _stamps: tuple[tuple[str, int, int], ...]) -> Bundle:
     content = source.read_bytes()
     files: list[tuple[str, bytes]] = []
     for module in _shared_imports(content):
-        files.append((f"{module}.py", (HELPERS_DIR / f"{module}.py").read_bytes()))
+        files.append((f"{module}.py", source_of(f"{module}.py").read_bytes()))
     files.append((source.name, content))
     digest = hashlib.sha256()
     for filename, data in files:
@@ -108,7 +128,7 @@ def _shared_imports(content: bytes) -> list[str]:
             for module in names:
                 if module in SHARED and module not in seen:
                     seen.add(module)
-                    visit((HELPERS_DIR / f"{module}.py").read_bytes())
+                    visit(shared_path(module).read_bytes())
                     found.append(module)
 
     visit(content)

@@ -25,9 +25,10 @@ read as `rsync -L` reads it: a symlink to a file or directory inside the tree is
 what it points to; a link that leaves the tree, dangles or loops, and a special file, are
 refused by name (never silently left out). Empty directories are not carried.
 
-Whether DEST may be replaced at all is `replace_refusal` below: the one rule, used by push here,
-by fetch on the operator's side (dflash_ops.transfer imports this file) and, as its own copy, by
-the trainer's export (the trainer never imports dflash_ops).
+Whether DEST may be replaced at all is `replace_refusal`: the one rule, kept in the trainer
+(trainer/models/destination.py, stdlib only: the trainer's export applies it and never imports
+dflash_ops) and shipped beside this helper like nodefacts.py; push applies it here, fetch on the
+operator's side (dflash_ops.transfer imports this file).
 """
 
 from __future__ import annotations
@@ -46,21 +47,25 @@ import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
     from . import nodefacts
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    from trainer.models import destination
+else:  # run as a script: nodefacts.py and destination.py lie beside it (dflash_ops/helpers/__init__.py)
+    import destination  # type: ignore[no-redef]
     import nodefacts  # type: ignore[no-redef]
 
 CHUNK = 1 << 20
-FILE_REL = "."  # the one entry of a single-file push
+FILE_REL = destination.FILE_REL  # the one entry of a single-file push
 EXIT_REFUSED = 3
 EXIT_INCOMPLETE = 4
 LOCK_WAIT_S = 60
 STAGE_SUFFIX = ".dflash-push"
 
 
-class Refused(Exception):
-    pass
-
-
+Refused = destination.Refused
+# the replace rule (trainer/models/destination.py, the one copy: the trainer's export applies it too)
+OUTPUT_KINDS, SYSTEM_DIRS, SYSTEM_TREES = destination.OUTPUT_KINDS, destination.SYSTEM_DIRS, destination.SYSTEM_TREES
+marker_path, marker_files = destination.marker_path, destination.marker_files
+protected_paths, replace_refusal = destination.protected_paths, destination.replace_refusal
+size_text = destination.size_text
 print_json = nodefacts.print_json
 read_json = nodefacts.read_json
 fsync_dir = nodefacts.fsync_dir
@@ -94,9 +99,7 @@ def staged_path(stage: str, rel: str) -> str:
     return os.path.join(stage, "data" if rel == FILE_REL else os.path.join("tree", rel))
 
 
-def dest_path(dest: str, rel: str) -> str:
-    return dest if rel == FILE_REL else os.path.join(dest, rel)
-
+dest_path = destination.dest_path
 
 def record_path(base: str, dest: str) -> str:
     return os.path.join(base, "pushed", hashlib.sha256(dest.encode()).hexdigest()[:32] + ".json")
@@ -202,170 +205,6 @@ def dir_modes_match(root: str, dirs: dict) -> bool:
                    for rel, mode in dirs.items())
     except OSError:
         return False
-
-
-# ---------------------------------------------------------------- may this destination be replaced?
-#
-# The one rule for every command that replaces a file or directory with its output (push here in
-# the container, fetch on the operator's side, and - as a copy - trainer export):
-#   * never a protected path: /, a system directory, the working directory or an ancestor of it,
-#     the home directory or an ancestor of it, the target's base_dir or an ancestor of it;
-#   * otherwise only when DEST is absent or empty, or provably an earlier output of the same
-#     command (its record lists every file DEST holds);
-#   * `force` also lets it replace an earlier output of another command (a marker
-#     `.NAME.dflash-KIND.json` beside DEST lists every file DEST holds) - never a protected path,
-#     never a file no command wrote.
-# A refusal says what would have been lost, and suggests no flag that would lose it.
-
-OUTPUT_KINDS = ("push", "fetch", "export", "hub-model")  # hub-model: trainer_tools.fixtures.hub_model
-SYSTEM_DIRS = frozenset((
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
-    "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var", "/lost+found"))
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin",
-                "/sys", "/usr", "/var/lib", "/var/log", "/var/cache", "/var/spool", "/var/run")
-
-
-def marker_path(dest: str, kind: str) -> str:
-    """Where a command of `kind` records, beside DEST, the files its output at DEST holds."""
-    parent, name = os.path.split(dest.rstrip("/") or "/")
-    return os.path.join(parent, ".%s.dflash-%s.json" % (name, kind))
-
-
-def marker_files(doc: dict | None) -> set[str] | None:
-    """The entries a marker or record says its command wrote (None: no usable marker)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("files"), (dict, list)):
-        return None
-    previous = doc.get("previous")
-    return set(doc["files"]) | set(previous if isinstance(previous, list) else [])
-
-
-def protected_paths(base_dir: str | None = None) -> list[tuple[str, str]]:
-    """(path, what it is) of the places no command replaces, here: the working directory,
-    the home directory, the target's base_dir."""
-    found = []
-    try:
-        found.append((os.getcwd(), "the working directory"))
-    except OSError:
-        pass
-    homes = {os.path.expanduser("~")}
-    try:
-        import pwd
-
-        homes.add(pwd.getpwuid(os.getuid()).pw_dir)
-    except (ImportError, KeyError):
-        pass
-    found += [(h, "the home directory") for h in sorted(homes) if h and h.startswith("/")]
-    if base_dir:
-        found.append((base_dir, "the target's base_dir (its releases, venvs and runs)"))
-    return found
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def protected_reason(dest: str, protected: list[tuple[str, str]]) -> str | None:
-    """Why DEST is on the protected list, or None. Compares the path as given and as resolved."""
-    spellings = {os.path.normpath(os.path.abspath(dest)), os.path.realpath(dest)}
-    for path in sorted(spellings):
-        if path == "/":
-            return "the root directory"
-        if path in SYSTEM_DIRS or any(_within(path, t) for t in SYSTEM_TREES):
-            return "a system directory"
-        places = [(spelling, what) for place, what in protected
-                  for spelling in sorted({os.path.normpath(place), os.path.realpath(place)})]
-        for spelling, what in places:
-            if path == spelling:
-                return what
-        for spelling, what in places:
-            if _within(spelling, path):
-                return "an ancestor of %s (%s)" % (what, spelling)
-    return None
-
-
-def dest_entries(dest: str) -> tuple[str, list[str]]:
-    """(kind, entries) of everything a replace of DEST would remove: ("none", []), ("file", ["."]),
-    ("tree", [every file, link and special file, relative]), or ("other", ["."])."""
-    try:
-        st = os.lstat(dest)
-    except FileNotFoundError:
-        return "none", []
-    if stat.S_ISREG(st.st_mode):
-        return "file", [FILE_REL]
-    if not stat.S_ISDIR(st.st_mode):
-        return "other", [FILE_REL]
-    entries = []
-    for dirpath, dirnames, filenames in os.walk(dest):
-        dirnames.sort()
-        for name in sorted(filenames) + sorted(d for d in dirnames if os.path.islink(os.path.join(dirpath, d))):
-            entries.append(os.path.relpath(os.path.join(dirpath, name), dest).replace(os.sep, "/"))
-    return "tree", sorted(entries)
-
-
-def _listing(dest: str, entries: list[str]) -> str:
-    """`3 files (a.txt, b/c.bin, ...), 1.2 MB` - what a refusal says would be lost."""
-    size = 0
-    for rel in entries:
-        try:
-            size += os.lstat(dest_path(dest, rel)).st_size
-        except OSError:
-            pass
-    if entries == [FILE_REL]:
-        return "a file of %s" % _size(size)
-    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    return "%d file%s (%s), %s" % (len(entries), "" if len(entries) == 1 else "s", shown, _size(size))
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return "%.1f %s" % (n / scale, unit)
-    return "%d bytes" % n
-
-
-def _top_listing(path: str) -> str:
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return "what it holds"
-    if not names:
-        return "nothing yet, but it is never replaced"
-    return "%d entr%s: %s" % (len(names), "y" if len(names) == 1 else "ies",
-                              ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
-
-
-def replace_refusal(dest: str, command: str, *, own: set[str] | None, force: bool = False,
-                    protected: list[tuple[str, str]] | None = None) -> str | None:
-    """Why `command` may not replace DEST with its output, or None when it may (the rule above).
-
-    `own`: the entries `command`'s own record says it wrote at DEST (None: no record)."""
-    why = protected_reason(dest, protected if protected is not None else protected_paths())
-    if why is not None:
-        return "refusing to replace %s: it is %s, holding %s" % (dest, why, _top_listing(dest))
-    kind, entries = dest_entries(dest)
-    if kind == "none" or not entries:
-        return None
-    if kind == "other":
-        return "refusing to replace %s: it is neither a regular file nor a directory" % dest
-    if own is not None and set(entries) <= own:
-        return None
-    others = [(k, marker_files(read_json(marker_path(dest, k)))) for k in OUTPUT_KINDS if k != command]
-    other = [k for k, files in others if files is not None and set(entries) <= files]
-    if other and force:
-        return None
-    if other:
-        return ("%s holds the output of an earlier %s (%s); --force replaces it with this %s's"
-                % (dest, other[0], _listing(dest, entries), command))
-    claimed = own or set()
-    for _, files in others:
-        claimed |= files or set()
-    foreign = [e for e in entries if e not in claimed]
-    if own is not None or claimed:
-        return ("refusing to replace %s: it holds %s that no %s wrote and that would be lost; move %s away "
-                "or choose another destination" % (dest, _listing(dest, foreign), command,
-                                                   "it" if len(foreign) == 1 else "them"))
-    return ("refusing to replace %s: it holds %s that no dflash-ops %s wrote; move %s away or choose "
-            "another destination" % (dest, _listing(dest, entries), command, "it" if len(entries) == 1 else "them"))
 
 
 def existing_files(dest: str) -> tuple[str, list[str]]:
@@ -487,7 +326,7 @@ def plan(base: str, dest: str, request: dict) -> dict:
         want_free = need + SPACE_MARGIN + need // 100
         if free < want_free:
             raise Refused("not enough space for this push: it needs %s (+ %s margin) at %s, %s is free there; "
-                          "nothing was sent" % (_size(need), _size(want_free - need), where, _size(free)))
+                          "nothing was sent" % (size_text(need), size_text(want_free - need), where, size_text(free)))
     return {"steps": steps, "up_to_date": up_to_date, "existing": kind}
 
 

@@ -1,6 +1,7 @@
 """`python -m trainer export` never deletes what it did not write, and no checkpoint file runs code
-(issue 26). The replace rule is the operator's (dflash_ops/helpers/tree.py), kept as a copy in
-trainer/models/destination.py; both copies are held to the same answers here."""
+(issue 26). The replace rule lives once, in trainer/models/destination.py: the trainer's export
+applies it, and the operator's `tree` helper (push in the container, fetch here) uses the same file,
+shipped beside the helper."""
 
 import ast
 import hashlib
@@ -139,7 +140,7 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles():
 
 
 @pytest.mark.parametrize("rule", [tree, destination], ids=["operator", "trainer"])
-def test_both_copies_of_the_rule_give_the_same_answers(rule, tmp_path, monkeypatch):
+def test_the_operator_and_the_trainer_apply_one_rule(rule, tmp_path, monkeypatch):
     assert (rule.SYSTEM_DIRS, rule.SYSTEM_TREES, rule.OUTPUT_KINDS) == (
         tree.SYSTEM_DIRS, tree.SYSTEM_TREES, tree.OUTPUT_KINDS)
     home, work = tmp_path / "home", tmp_path / "home" / "w"
@@ -156,9 +157,28 @@ def test_both_copies_of_the_rule_give_the_same_answers(rule, tmp_path, monkeypat
     assert cases == expected
     assert cases[str(tmp_path / "empty")] is None and cases[str(tmp_path / "absent")] is None
     assert "holds 1 file (a)" in cases[str(tmp_path / "theirs")]
-    source = {name: getattr(rule, name).__code__.co_code for name in ("replace_refusal", "protected_reason",
-                                                                        "dest_entries", "protected_paths")}
-    assert source == {name: getattr(tree, name).__code__.co_code for name in source}
+    for name in ("replace_refusal", "protected_paths", "marker_path", "marker_files", "Refused"):
+        assert getattr(rule, name) is getattr(destination, name)
+
+
+def test_the_tree_helper_ships_the_trainers_rule_and_runs_it_in_the_container(tmp_path):
+    """The helper's bundle carries trainer/models/destination.py byte for byte (its hash covers it), and
+    the helper run as a script from its installed directory refuses by that rule."""
+    from dflash_ops.helpers import bundle
+
+    tree_bundle = bundle("tree")
+    files = dict(tree_bundle.files)
+    assert files["destination.py"] == Path(destination.__file__).read_bytes()
+    installed = tmp_path / "helpers"
+    installed.mkdir()
+    for name, content in tree_bundle.files:
+        (installed / name).write_bytes(content)
+    request = json.dumps({"kind": "tree", "files": {"a": {"size": 1, "sha256": "0" * 64}}})
+    done = subprocess.run([sys.executable, str(installed / "tree.py"), "plan", str(tmp_path / "base"), "/etc"],
+                          input=request, capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    assert done.returncode == tree.EXIT_REFUSED, done.stderr
+    assert "/etc" in done.stdout + done.stderr
 
 
 def test_a_model_directory_fixture_never_replaces_what_it_did_not_write(tmp_path):

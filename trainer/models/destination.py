@@ -1,7 +1,7 @@
-"""May `python -m trainer export` replace its --out directory? The trainer's copy of the one rule
-(dflash_ops/helpers/tree.py `replace_refusal`, used by push and fetch): the trainer never imports
-dflash_ops, so the rule is kept here verbatim (tests/trainer/test_export_destination.py checks that
-the two copies agree). Stdlib only.
+"""May a command replace its destination? The one replace rule: the trainer's export applies it
+here; the operator's push (in the container) and fetch use this same file, which dflash-ops ships
+beside its `tree` helper as a shared module (dflash_ops/helpers/__init__.py), since the trainer never
+imports dflash_ops. Stdlib only, python 3.8+ (it runs on the container's python too).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def dest_path(dest: str, rel: str) -> str:
 
 # ---------------------------------------------------------------- may this destination be replaced?
 #
-# The one rule for every command that replaces a file or directory with its output (push here in
-# the container, fetch on the operator's side, and - as a copy - trainer export):
+# The one rule for every command that replaces a file or directory with its output (push in the
+# container, fetch on the operator's side, trainer export):
 #   * never a protected path: /, a system directory, the working directory or an ancestor of it,
 #     the home directory or an ancestor of it, the target's base_dir or an ancestor of it;
 #   * otherwise only when DEST is absent or empty, or provably an earlier output of the same
@@ -136,12 +136,12 @@ def _listing(dest: str, entries: list[str]) -> str:
         except OSError:
             pass
     if entries == [FILE_REL]:
-        return "a file of %s" % _size(size)
+        return "a file of %s" % size_text(size)
     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    return "%d file%s (%s), %s" % (len(entries), "" if len(entries) == 1 else "s", shown, _size(size))
+    return "%d file%s (%s), %s" % (len(entries), "" if len(entries) == 1 else "s", shown, size_text(size))
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return "%.1f %s" % (n / scale, unit)

@@ -1,14 +1,13 @@
-"""Content hashes of local files (releases, transfer checks, pulled checkpoints)."""
+"""Content hashes of local files (releases, transfer checks, pulled checkpoints): the helpers' own
+sha256_file (dflash_ops/helpers/nodefacts.py, stdlib only), so a file hashes the same way on the
+operator's machine and in the container."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
+
+from dflash_ops.helpers import nodefacts
 
 
 def sha256_file(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return nodefacts.sha256_file(str(path))

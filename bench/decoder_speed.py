@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.shape == "8b":
         model = random_8b_shape_target(args.device, torch.bfloat16).eval()
     elif args.shape == "quality":
-        model = random_target(Qwen3Config(vocab_size=8201, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                          num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                                          max_position_embeddings=4096, tie_word_embeddings=False),
-                              args.device, torch.bfloat16)
+        from bench.quality import PRESETS, target_dims
+
+        # the h200 preset's dims; 8201: its BPE vocabulary of 8192 plus the Qwen3 special tokens
+        model = random_target(Qwen3Config(vocab_size=8201, max_position_embeddings=4096, tie_word_embeddings=False,
+                                          **target_dims(PRESETS["h200"])), args.device, torch.bfloat16)
     else:
         model = tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128),
                             512, args.device).eval()

@@ -96,9 +96,12 @@ class TargetDecoder:
 
     def cache(self, batch: int, capacity: int) -> KVCache:
         cfg = hf_config(self.model)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVCache(len(self.base.layers), batch, cfg.num_key_value_heads, capacity, head_dim, self.device,
+        return KVCache(len(self.base.layers), batch, cfg.num_key_value_heads, capacity, self.head_dim(), self.device,
                        self.dtype)
+
+    def head_dim(self) -> int:
+        cfg = hf_config(self.model)
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 visible: torch.Tensor, *, rows: slice = slice(None), upto: int | None = None,
@@ -162,10 +165,8 @@ def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes:
     """Rows whose KV caches of `capacity` slots fit in `free_bytes`, keeping 10 % of the device
     (at least 2 GiB) for the prefill's and the decode step's activations, and a quarter more per
     row for its masks and logits."""
-    cfg = hf_config(d.model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     itemsize = torch.empty((), dtype=d.dtype).element_size()
-    per_row = len(d.base.layers) * 2 * cfg.num_key_value_heads * head_dim * capacity * itemsize
+    per_row = len(d.base.layers) * 2 * hf_config(d.model).num_key_value_heads * d.head_dim() * capacity * itemsize
     usable = free_bytes - max(2 << 30, total_bytes // 10)
     return max(1, int(usable / (1.25 * per_row)))
 

@@ -265,10 +265,23 @@ def sync_all(devices):
             torch.cuda.synchronize(d)
 
 
-def stage_alone(tr, which, n_micro, peak):
-    """Run one stage on already-built micro-batches (the run's own data), in one thread, as fast as it goes.
+def stage_alone(tr, which, n_micro, peak, around=None):
+    """Run one stage on already-built micro-batches (the run's own data), in one thread, as fast as it goes;
+    the target compiled as in the run (model.compile_target). around: a context manager entered for the
+    timed part only (a profiler).
 
     Returns real tokens/s and the MFU of real and of padded FLOPs (trainer.pipeline.flops)."""
+    from trainer.models.target import compile_decoder_layers, uncompile_decoder_layers
+
+    if tr.compiled_target:
+        compile_decoder_layers(tr.c.target)
+    try:
+        return _stage_alone(tr, which, n_micro, peak, around or contextlib.nullcontext())
+    finally:
+        uncompile_decoder_layers(tr.c.target)
+
+
+def _stage_alone(tr, which, n_micro, peak, around):
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features, WorkerLinks
@@ -307,11 +320,11 @@ def stage_alone(tr, which, n_micro, peak):
     if which == "target":
         sync_all([tdev])
         began = time.perf_counter()
-        with torch.inference_mode():
+        with around, torch.inference_mode():
             for mb in mbs:
                 ids = mb.input_ids.to(tdev, non_blocking=True)
                 pack_context_features(c.target, ids, None, layer_ids, slot.view(*ids.shape, width), doc_start(mb, tdev))
-        sync_all([tdev])
+            sync_all([tdev])
         return result(time.perf_counter() - began, "target")
     with torch.inference_mode():  # every micro-batch's own features (a batch's rows and lengths are its own)
         feats = []
@@ -336,30 +349,43 @@ def stage_alone(tr, which, n_micro, peak):
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     sync_all([ddev])
     began = time.perf_counter()
-    with ctx:
+    with around, ctx:
         for mb, f in zip(mbs, feats):
             w.micro_step(Features(mb, f, None, slot, Owner))
             w.optimizer_step()
-    sync_all([ddev])
+        sync_all([ddev])
     return result(time.perf_counter() - began, "drafter")
 
 
-def profile_stages(tr, out_dir, n_micro=2):
-    """torch.profiler over the target forward and the drafter step: the top CUDA kernels by time."""
+def profile_stages(tr, out_dir, mode, n_micro=2):
+    """torch.profiler over the target forward and the drafter step: the top CUDA kernels by time,
+    the region's wall time beside its summed kernel time (a gap means the GPU waited on the host),
+    and a gzipped Chrome trace per stage when out_dir is given."""
+    import gzip
+
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         return None
     tables = {}
+    name = mode.replace("/", "-").replace("+", "_")
     for which in ("target", "drafter"):
         stage_alone(tr, which, 1, None)  # under the profiler's own state a compiled frame may recompile once
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            stage_alone(tr, which, n_micro, None)
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        wall = stage_alone(tr, which, n_micro, None, prof)["ms_per_micro"] * n_micro / 1e3
+        events = prof.key_averages()
+        kernels_ms = sum(e.self_device_time_total for e in events) / 1e3
+        table = (f"wall {wall * 1e3:.1f} ms for {n_micro} micro-batches, kernels {kernels_ms:.1f} ms\n"
+                 + events.table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90))
         tables[which] = table
         if out_dir:
-            with open(os.path.join(out_dir, f"profile_{which}.txt"), "w") as f:
+            with open(os.path.join(out_dir, f"profile_{name}_{which}.txt"), "w") as f:
                 f.write(table)
+            trace = os.path.join(out_dir, f"trace_{name}_{which}.json")
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(trace)
     return tables
 
 
@@ -466,10 +492,10 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["recompiles_after_stages"] = compiled_frames() - frames_after_warmup
     tr.guard.unfreeze()
     if args.profile and mode != "bucketed":
-        tables = profile_stages(tr, args.out_dir)
+        tables = profile_stages(tr, args.out_dir, mode)
         if tables:
             for which, table in tables.items():
-                print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:30]), flush=True)
+                print(f"--- profile {which} ({mode})\n" + "\n".join(table.splitlines()[:50]), flush=True)
     if args.naive_steps:
         tr.c.drafter, tr.c.optimizer = tr.replicas[0].drafter, tr.replicas[0].optimizer
         out["naive_tokens_per_s"] = round(naive(tr, args.naive_steps), 1)

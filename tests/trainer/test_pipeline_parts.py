@@ -1,4 +1,5 @@
 """Pipeline building blocks on CPU: stop-aware queues, flat gradients, replica sums, metrics, padding."""
+import copy
 import threading
 
 import pytest
@@ -84,6 +85,30 @@ def test_grads_stay_views_and_clipping_caps_the_norm():
     a.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="no longer a view"):
         flat.check_views()
+
+
+@pytest.mark.parametrize("scale", [100.0, 1e-3])
+def test_a_fused_adamw_step_takes_the_normalisation_and_clip_as_its_grad_scale(scale):
+    """finish_step hands a fused AdamW the step's weight and clip as one grad scale instead of
+    rewriting the gradients: the parameters and the norm match dividing, clipping and a plain AdamW."""
+    a, _ = _linear_pair()
+    b = copy.deepcopy(a)
+    fused, plain = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    flat = FlatGrads(list(a.parameters()))
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        (a(x) * scale).sum().backward()
+        flat.add_stats(torch.tensor(0.0), torch.tensor(4.0), torch.tensor(0.0))
+        norm = flat.finish_step(max_norm=1.0, optimizer=fused)
+        fused.step()
+        flat.zero()
+        ((b(x) * scale).sum() / 4.0).backward()
+        expected = torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0)
+        plain.step()
+        plain.zero_grad()
+        torch.testing.assert_close(norm, expected)
+        for p_fused, p_plain in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p_fused, p_plain)
 
 
 def test_metric_windows_come_back_in_order_even_when_the_ring_is_full():

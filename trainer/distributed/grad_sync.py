@@ -55,14 +55,21 @@ class FlatGrads:
             if p.grad is None or p.grad.untyped_storage().data_ptr() != self.flat.untyped_storage().data_ptr():
                 raise RuntimeError("a parameter's .grad is no longer a view of the flat buffer")
 
-    def finish_step(self, max_norm: float | None) -> torch.Tensor:
-        """Normalise by the step's total weight, clip; returns the (pre-clip) grad norm tensor."""
+    def finish_step(self, max_norm: float | None, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """Normalise by the step's total weight and clip; returns the (pre-clip) grad norm tensor.
+
+        Both are one factor: the gradients are divided once. An optimizer that unscales gradients
+        inside its own update kernel (fused AdamW, the `grad_scale` torch.amp.GradScaler hands it)
+        gets the factor instead, so the gradients are only read (for the norm), not rewritten."""
         weight = self.stats[1].clamp(min=1.0)
-        self.grads.div_(weight)
-        norm = torch.linalg.vector_norm(self.grads.float())
+        norm = torch.linalg.vector_norm(self.grads) / weight
+        scale = weight
         if max_norm is not None and max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.grads.mul_(coef.to(self.grads.dtype))
+            scale = weight / (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if optimizer is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale = scale.float()  # type: ignore[attr-defined]  # read by the fused step
+        else:
+            self.grads.div_(scale.to(self.grads.dtype))
         return norm
 
 

@@ -320,12 +320,29 @@ def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, 
     return flex_with(block_mask)
 
 
+# The drafter's attention on Hopper at head_dim 128: the tiles inductor's max-autotune picks for a
+# packed row of 8192 (bench/drafter_attention.py: forward + backward 1.135 x the default tiles), set
+# here so a run gets them without autotuning in its warm-up.
+FLEX_TILES_SM90_D128 = {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
+                        "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+                        "bwd_num_stages": 3, "bwd_num_warps": 4}
+
+
+def flex_kernel_options(device: torch.device, head_dim: int) -> dict[str, Any] | None:
+    """The drafter's flex tiles for this device and head size; None: inductor's defaults."""
+    if device.type != "cuda" or head_dim != 128 or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return FLEX_TILES_SM90_D128
+
+
 def flex_with(block_mask: BlockMask) -> Attention:
     """attend(q, k, v) through (compiled on CUDA) flex_attention under `block_mask`."""
     flex = _flex_fn(block_mask.kv_num_blocks.device.type)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        options = flex_kernel_options(q.device, q.shape[-1])
+        extra = {"kernel_options": options} if options else {}
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], **extra)
 
     return attend
 

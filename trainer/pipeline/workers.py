@@ -250,7 +250,7 @@ class DrafterWorker:
             feats.release(stream)
 
     def optimizer_step(self) -> None:
-        norm = self.flat.finish_step(self.s.max_norm)
+        norm = self.flat.finish_step(self.s.max_norm, self.optimizer)
         if self.metrics is not None:
             one = torch.ones(1, dtype=self.flat.stats.dtype, device=self.device)
             self.metrics.add(torch.cat([self.flat.stats, norm.reshape(1).to(self.flat.stats.dtype), one]))

@@ -470,9 +470,9 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if mode.startswith("all"):  # the periodic checkpoint written while the pipeline ran
         out["checkpoints"] = [{k: e.get(k) for k in ("step", "stall_s", "copy_s", "seconds")} for e in events
                               if e["event"] in ("checkpoint", "checkpoint_failed")]
-        out["window_tokens_per_s"] = [[w["step"], round(w["tokens_per_s"], 1)] for w in windows]
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # gigabytes at 8B shape
-    steady = windows[1:] or windows
+    out["window_tokens_per_s"] = [[w["step"], round(w["tokens_per_s"], 1)] for w in windows]
+    steady = windows[1:-1] or windows[1:] or windows  # as the trainer's tokens_per_s_steady: not filling, not draining
     steps = tr.trainer.state.step
     blocks = sum(tr.step_flops.get(s, {}).get("blocks_real", 0) for s in range(steps))
     out["pipeline"] = {

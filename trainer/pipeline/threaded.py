@@ -351,8 +351,12 @@ class _Stages:
              "recompiles": p.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
                         + [q for row in self.feature_queues for q in row]}}
-        # steady: every window after the first (which holds the pipeline filling up)
-        if prev_step > self.first_step:
+        # steady: every window after the first (the pipeline filling up) and before the last, whose
+        # drafter steps drain features the target computed ahead in earlier windows (on a shared GPU
+        # that window runs the drafter alone: faster than the pipeline); a run of two windows counts
+        # its last
+        draining = step >= cfg.optim.total_steps and metrics.steady_rate() is not None
+        if prev_step > self.first_step and not draining:
             metrics.add_steady(tokens, seconds)
             m["tokens_per_s_steady"] = metrics.steady_rate()
         peak = peak_tflops(torch.cuda.get_device_name(p.drafter_devices[0]) if is_cuda(p.drafter_devices[0]) else None)

@@ -17,7 +17,8 @@ STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # co
 
 class Metrics:
     """Step and eval records of one run. `steady` accumulates tokens and seconds of the steps a
-    pipeline counts as steady (every step or window after the first) for tokens_per_s_steady."""
+    pipeline counts as steady (every step after the first; the threaded pipeline's windows between
+    the first and the last) for tokens_per_s_steady."""
 
     def __init__(self, cfg: TrainerConfig, rd: RunDir, run_name: str) -> None:
         self.rd = rd

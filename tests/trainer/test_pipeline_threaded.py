@@ -107,3 +107,7 @@ def test_threaded_packed_pipeline_matches_reference_loop(tmp_path, fx_trace_thre
     assert events(tmp_path / "thr", "warmup")[0]["shapes"] == [[2, 128]]
     st = status(tmp_path / "thr")
     assert st["state"] == "done" and st["tokens_per_s_steady"] > 0 and 0 <= st["pad_share"] < 0.2
+    # steady: the windows between the first (filling) and the last (draining what the target computed ahead)
+    middle = thr[1:-1]
+    seconds = sum(e["tokens"] / e["tokens_per_s"] for e in middle)
+    assert st["tokens_per_s_steady"] == pytest.approx(sum(e["tokens"] for e in middle) / seconds, rel=1e-9)

@@ -346,7 +346,7 @@ class _Stages:
         busy = {d: m.busy_fraction() for d, m in self.busy.items()}
         m = {"loss": w["loss_sum"] / weight, "acc": w["correct_sum"] / weight,
              "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
-             "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens_per_s": tokens / seconds,
+             "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens": tokens, "tokens_per_s": tokens / seconds,
              "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
              "recompiles": p.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
@@ -358,6 +358,7 @@ class _Stages:
         draining = step >= cfg.optim.total_steps and metrics.steady_rate() is not None
         if prev_step > self.first_step and not draining:
             metrics.add_steady(tokens, seconds)
+        if metrics.steady_rate() is not None:
             m["tokens_per_s_steady"] = metrics.steady_rate()
         peak = peak_tflops(torch.cuda.get_device_name(p.drafter_devices[0]) if is_cuda(p.drafter_devices[0]) else None)
         if peak:

@@ -62,7 +62,7 @@ class FlatGrads:
         inside its own update kernel (fused AdamW, the `grad_scale` torch.amp.GradScaler hands it)
         gets the factor instead, so the gradients are only read (for the norm), not rewritten."""
         weight = self.stats[1].clamp(min=1.0)
-        norm = torch.linalg.vector_norm(self.grads) / weight
+        norm = torch.linalg.vector_norm(self.grads, dtype=torch.float32) / weight
         scale = weight
         if max_norm is not None and max_norm > 0:
             scale = weight / (max_norm / (norm + 1e-6)).clamp(max=1.0)

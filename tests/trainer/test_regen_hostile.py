@@ -171,8 +171,10 @@ def test_ctrl_c_ends_regen_within_a_second_writing_what_is_complete(stub, tmp_pa
     out = tmp_path / "regen.jsonl"
     argv = [sys.executable, "-m", "trainer_tools.regen", "--endpoint", server.url, "--model", "m",
             "--in", str(prompts_file(tmp_path, 6)), "--out", str(out), "-n", "4", "--timeout", "600"]
+    # SIGINT as at a terminal: a test run started in the background has it ignored, and exec keeps that
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while server.requests < 4 or not out.exists() or out.read_text().count("\n") < 2:

@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--pack-length", type=int, default=8192)
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/drafter_attention.py times CUDA kernels: it needs a GPU (none is visible)")
     from torch.nn.attention.flex_attention import flex_attention
 
     dev = torch.device("cuda:0")

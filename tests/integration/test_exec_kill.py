@@ -26,7 +26,7 @@ from dflash_ops.errors import ConnectionLost, TransportError
 from dflash_ops.inventory import load_inventory
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode import rootfs
-from tests.conftest import unavailable
+from tests.conftest import unavailable, write_sim_inventory
 
 
 def _sleepers(marker: str) -> list[int]:
@@ -106,13 +106,8 @@ def test_the_tagged_kill_stops_every_process_before_killing_any(tmp_path):
     the fix, 800 processes listed between the two; under `exec --timeout` the test above printed
     "survived"). Stopped first, no process of the tree runs on."""
     unavailable(rootfs.unavailable_reason(), "the LXC backend")
+    inventory = write_sim_inventory(tmp_path, backend="lxc", packages=())
     root, shared = tmp_path / "sim", tmp_path / "ct200"  # shared: bound at the same path in the container
-    simct.create(root, 200, hostname="host200", backend="lxc", packages=(), binds=[str(shared)])
-    inventory = tmp_path / "inventory.yaml"
-    inventory.write_text(yaml.safe_dump({
-        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root)}},
-        "targets": {"host200": {"node": "sim", "ctid": 200}},
-    }))
     container = open_container(load_inventory(inventory), "host200")
     # a fresh container's pids count up from 1: use them up to 98, so that the tagged shell is 99
     container.exec(["sh", "-c", "n=$$; while [ $n -lt 98 ]; do /bin/true & n=$!; wait; done"], check=True)

@@ -17,6 +17,7 @@ the end of an unpacked sequence. Unpacked, starts are 0 and everything reads as 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -328,8 +329,10 @@ FLEX_TILES_SM90_D128 = {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_num_stages": 3, "fwd_
                         "bwd_num_stages": 3, "bwd_num_warps": 4}
 
 
+@functools.lru_cache(maxsize=None)
 def flex_kernel_options(device: torch.device, head_dim: int) -> dict[str, Any] | None:
-    """The drafter's flex tiles for this device and head size; None: inductor's defaults."""
+    """The drafter's flex tiles for this device and head size; None: inductor's defaults. Asked at
+    every attention call: cached, so the device's capability is read once."""
     if device.type != "cuda" or head_dim != 128 or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     return FLEX_TILES_SM90_D128

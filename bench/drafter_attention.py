@@ -91,6 +91,7 @@ def main() -> None:
             continue
         results[name] = {"fwd_ms": round(fwd, 3), "bwd_ms": round(both - fwd, 3), "fwd_bwd_ms": round(both, 3),
                          "fwd_tflops": round(fwd_flops / fwd / 1e9, 1),
+                         # backward: 2.5 x the forward's matmuls (QK^T again, dV, dP, dQ, dK)
                          "bwd_tflops": round(2.5 * fwd_flops / max(both - fwd, 1e-9) / 1e9, 1)}
         print(json.dumps({name: results[name]}), flush=True)
     base = results.get("default", {}).get("fwd_bwd_ms")

@@ -5,9 +5,10 @@ installs it once per content hash as BASE/helpers/<hash>/<file> and runs it ther
 
 A shared module (SHARED: nodefacts.py, the node-side facts; destination.py, the replace rule, whose
 one copy lives in the trainer, trainer/models/destination.py, as the trainer never imports
-dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships `module_utils` with a module. BASE/helpers/<hash>/
-then holds the helper and the shared module beside it, and <hash> covers both (bundle()), so a
-change to a shared module is a new version of every helper that imports it, and of no other.
+dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
+`module_utils` with a module. BASE/helpers/<hash>/ then holds the helper and the shared module
+beside it, and <hash> covers both (bundle()), so a change to a shared module is a new version of
+every helper that imports it, and of no other.
 
 The operator's side imports helpers as modules too, for what is named once for both sides:
 nodefacts (FINAL_STATES, parse_gpus), the helpers' exit statuses (runs.py, import_check.py), and

@@ -65,7 +65,7 @@ Refused = destination.Refused
 OUTPUT_KINDS, SYSTEM_DIRS, SYSTEM_TREES = destination.OUTPUT_KINDS, destination.SYSTEM_DIRS, destination.SYSTEM_TREES
 marker_path, marker_files = destination.marker_path, destination.marker_files
 protected_paths, replace_refusal = destination.protected_paths, destination.replace_refusal
-size_text = destination.size_text
+size_text, dest_path = destination.size_text, destination.dest_path
 print_json = nodefacts.print_json
 read_json = nodefacts.read_json
 fsync_dir = nodefacts.fsync_dir
@@ -99,7 +99,6 @@ def staged_path(stage: str, rel: str) -> str:
     return os.path.join(stage, "data" if rel == FILE_REL else os.path.join("tree", rel))
 
 
-dest_path = destination.dest_path
 
 def record_path(base: str, dest: str) -> str:
     return os.path.join(base, "pushed", hashlib.sha256(dest.encode()).hexdigest()[:32] + ".json")

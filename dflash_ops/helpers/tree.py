@@ -307,15 +307,21 @@ def plan(base: str, dest: str, request: dict) -> dict:
     cached = record.get("files", {})
     same_kind = kind == request["kind"]
     steps: dict[str, str | int] = {}
-    for rel, want in sorted(files.items()):
-        if same_kind and rel in present and matches(dest_path(dest, rel), want, cached.get(rel)):
-            steps[rel] = "dest"
-        elif matches(staged_path(stage, rel), want):
-            steps[rel] = "staged"
-        else:
-            part = staged_path(stage, rel) + ".part"
-            size = os.path.getsize(part) if os.path.isfile(part) else 0
-            steps[rel] = size if size <= want["size"] else 0
+    # a dropped push's receive may still be writing what was in flight: read the stage once it is done
+    fd = lock_stage(stage) if os.path.isdir(stage) else None
+    try:
+        for rel, want in sorted(files.items()):
+            if same_kind and rel in present and matches(dest_path(dest, rel), want, cached.get(rel)):
+                steps[rel] = "dest"
+            elif matches(staged_path(stage, rel), want):
+                steps[rel] = "staged"
+            else:
+                part = staged_path(stage, rel) + ".part"
+                size = os.path.getsize(part) if os.path.isfile(part) else 0
+                steps[rel] = size if size <= want["size"] else 0
+    finally:
+        if fd is not None:
+            os.close(fd)
     up_to_date = same_kind and set(present) == set(files) and all(s == "dest" for s in steps.values()) \
         and all(has_mode(dest_path(dest, rel), want) for rel, want in files.items()) \
         and dir_modes_match(dest, request.get("dirs") or {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 from dflash_ops import transfer
 from dflash_ops.cli import app
 from dflash_ops.errors import ConnectionLost, TransferError
+from dflash_ops.helpers import tree as tree_helper
 from dflash_ops.transfer import TransferRefused, fetch_path, push_path
 from tests.integration.deploy_support import sim_container, transfer_tier
 
@@ -138,14 +140,39 @@ def test_a_dropped_push_leaves_the_old_tree_and_resumes(tier, tmp_path, monkeypa
     with pytest.raises(TransferError, match="run the same push again to resume"):
         push_path(container, src, str(dest), on_progress=DropAfter(3 << 20, node))
     assert tree_of(dest) == {"small.txt": b"v1\n", "weights.bin": big}, "the old tree, complete"
-    part = dest.parent / ".model.dflash-push" / "tree" / "weights.bin.part"
-    staged = part.stat().st_size
+    stage = dest.parent / ".model.dflash-push"
+    os.close(tree_helper.lock_stage(str(stage)))  # the dropped receive may still be writing what was in flight
+    staged = (stage / "tree" / "weights.bin.part").stat().st_size
     assert 0 < staged < len(new_big), "the connection dropped inside the file"
     monkeypatch.setattr(transfer, "RESUME_ATTEMPTS", 3)
     resumed = push_path(container, src, str(dest))
     assert tree_of(dest) == {"small.txt": b"v2\n", "weights.bin": new_big}
     assert resumed.bytes_sent == len(new_big) - staged, "only the rest of the file was sent"
     assert resumed.files_sent == 1, "small.txt had arrived whole before the drop"
+
+
+def test_the_plan_waits_for_a_dropped_receive_still_writing_its_part(tmp_path):
+    """sshd may hand a receive what was in flight after the client is gone: the resume's plan reads
+    the .part once that receive lets go of the stage, so its offset is what was finally kept."""
+    src = make_tree(tmp_path / "src", {"weights.bin": os.urandom(1 << 20)})
+    request = tree_helper.manifest(str(src))
+    dest = str(tmp_path / "data" / "model")
+    os.makedirs(os.path.dirname(dest))
+    stage = tree_helper.stage_dir(dest)
+    part = Path(tree_helper.staged_path(stage, "weights.bin") + ".part")
+    held = tree_helper.lock_stage(stage)
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"x" * 1000)
+    planned: list[dict] = []
+    planner = threading.Thread(target=lambda: planned.append(tree_helper.plan(str(tmp_path / "base"), dest, request)))
+    planner.start()
+    planner.join(0.5)
+    assert not planned, "the plan read the stage while a receive held it"
+    with open(part, "ab") as f:
+        f.write(b"x" * 500)
+    os.close(held)
+    planner.join(30)
+    assert planned[0]["steps"] == {"weights.bin": 1500}
 
 
 def test_a_push_resumes_by_itself_after_a_drop(tier, tmp_path):

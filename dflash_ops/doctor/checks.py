@@ -167,8 +167,9 @@ def config_check(i: Inputs) -> Check | None:
 
 def target_model_check(i: Inputs) -> Check | None:
     """The target's family from its config.json in the container (trainer.models.family): layers by
-    kind, MoE, the weights' memory in the run's dtype; packed rows where the family cannot have them
-    exactly fail here (the trainer refuses them at config load)."""
+    kind, MoE, the weights' memory in the run's dtype; a quantized checkpoint the trainer cannot read,
+    and packed rows where the family cannot have them exactly, fail here (the trainer refuses both at
+    config load)."""
     from trainer.models.family import read_family
 
     model = i.found.get("model")
@@ -183,6 +184,8 @@ def target_model_check(i: Inputs) -> Check | None:
     measured = f"{fam.summary()}; layers: {fam.layer_table()}"
     needed = f"{gib(weights)} of weights" + (f" ({gib(gpu)} per GPU: split it, devices.target [[...]])"
                                              if gpu and weights > gpu else "")
+    if fam.quantization_refusal:
+        return Check("target model", FAIL, measured, "weights the trainer reads", fam.quantization_refusal)
     if i.plan.pack_length and fam.pack_refusal:
         return Check("target model", FAIL, measured, "packed rows exact for this family",
                      f"set data.pack_length: 0 ({fam.pack_refusal})")

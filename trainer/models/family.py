@@ -36,6 +36,9 @@ ATTENTION = {
     "gpt_oss": ("eager", "attention sinks: transformers' SDPA path has none for gpt-oss"),
 }
 LINEAR_MIXER = "linear_attn"  # the decoder layer's attribute holding a linear-attention layer
+# Quantized checkpoints the loader reads (quantization_config.quant_method), and how; any other is
+# refused by name: its tensors cast as plain weights would be wrong without a word.
+QUANTIZATIONS = {"mxfp4": "MXFP4 experts decoded to the run's dtype at load"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Family:
     attn_implementation: str = "sdpa"
     attn_reason: str = ""
     pack_refusal: str | None = None  # why packed rows cannot be exact, or None
+    quantization: str | None = None  # the checkpoint's quantization_config.quant_method, if any
     dims: dict = field(default_factory=dict)  # hidden_size, intermediate_size, heads, ... (the drafter's shape)
 
     @property
@@ -64,6 +68,14 @@ class Family:
     def bytes(self, dtype_bytes: int = 2) -> int:
         return self.params * dtype_bytes
 
+    @property
+    def quantization_refusal(self) -> str | None:
+        """Why the trainer cannot read this checkpoint's weights, or None."""
+        if self.quantization is None or self.quantization in QUANTIZATIONS:
+            return None
+        return (f"the checkpoint is quantized ({self.quantization}); the trainer reads plain weights and "
+                "gpt-oss's MXFP4 experts only: use the model's bf16 checkpoint")
+
     def summary(self) -> str:
         """One line: family, layers by kind, MoE, attention implementation."""
         counts = [f"{len(self.layers_of(k))} {k.replace('_attention', '')}" for k in KINDS if self.layers_of(k)]
@@ -71,8 +83,9 @@ class Family:
         moe = (f", MoE in {len(self.moe_layers)} layers ({self.experts} experts, {self.experts_active} active)"
                if self.moe_layers else "")
         attn = f", attention {self.attn_implementation}" + (f" ({self.attn_reason})" if self.attn_reason else "")
+        quant = f", {QUANTIZATIONS.get(self.quantization, self.quantization)}" if self.quantization else ""
         return (f"{self.name} ({self.architecture}): {self.layers} layers: {', '.join(counts)}{window}{moe}, "
-                f"~{_count(self.params)} parameters{attn}")
+                f"~{_count(self.params)} parameters{quant}{attn}")
 
     def layer_table(self) -> str:
         """Layer ids by kind, compressed into ranges: `linear 0-2,4-6; full 3,7`."""
@@ -172,7 +185,8 @@ def read_family(config: dict) -> Family:
                   layer_kinds=kinds, moe_layers=moe_layers, experts=experts, experts_active=active,
                   sliding_window=c.get("sliding_window") if "sliding_attention" in kinds else None,
                   params=_params(c, kinds, moe_layers, experts), attn_implementation=impl, attn_reason=reason,
-                  pack_refusal=refusal, dims=dims)
+                  pack_refusal=refusal, dims=dims,
+                  quantization=(config.get("quantization_config") or {}).get("quant_method"))
 
 
 def family_of_dir(path: str | Path) -> Family | None:

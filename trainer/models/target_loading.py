@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainer.models import mxfp4
 from trainer.models.hf import base_model, input_embeddings, output_embeddings
 from trainer.models.stages import StagePlan
 
@@ -96,17 +97,26 @@ def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
 def _module_tensors(reader: ShardReader, prefix: str, module: torch.nn.Module, device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """module's state dict read from the shards; per-expert checkpoints (the hub's Qwen MoE format) are
-    stacked into the fused expert tensors transformers 5 holds."""
+    stacked into the fused expert tensors transformers 5 holds, MXFP4 ones (gpt-oss) decoded into them."""
     wanted = list(module.state_dict())
     direct = [k for k in wanted if prefix + k in reader]
     tensors = {k[len(prefix):]: v for k, v in reader.read([prefix + k for k in direct], device, dtype).items()}
     for key in wanted:
         if key in tensors:
             continue
-        m = _EXPERTS.match(prefix + key)
+        name = prefix + key
+        m = _EXPERTS.match(name)
         if m is None:
-            raise MissingWeights(f"{reader.path}: tensor {prefix + key} is in no shard of {SAFETENSORS_INDEX}")
-        tensors[key] = _stacked_experts(reader, m["prefix"], m["kind"], device, dtype)
+            raise MissingWeights(f"{reader.path}: tensor {name} is in no shard of {SAFETENSORS_INDEX}")
+        packed = [f"{name}_blocks", f"{name}_scales"]
+        if any(p in reader for p in packed):  # MXFP4: gpt-oss as the hub ships it
+            missing = [p for p in packed if p not in reader]
+            if missing:
+                raise MissingWeights(f"{reader.path}: tensor {missing[0]} is in no shard of {SAFETENSORS_INDEX}")
+            got = reader.read(packed, device, torch.uint8)
+            tensors[key] = mxfp4.decode(got[packed[0]], got[packed[1]], dtype)
+        else:
+            tensors[key] = _stacked_experts(reader, m["prefix"], m["kind"], device, dtype)
     return tensors
 
 
@@ -150,7 +160,12 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
     any of its tensors is read."""
     from transformers import AutoConfig
 
+    from trainer.models.family import read_family
+
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    refusal = read_family(config.to_dict()).quantization_refusal
+    if refusal:
+        raise ValueError(f"{path}: {refusal}")
     model = meta_model(config, dtype)
     reader = ShardReader(path)
     base, prefix = _base(model)

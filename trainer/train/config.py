@@ -363,11 +363,13 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
           ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
     check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
-    if c.data.pack_length and t.path is not None:  # a directory on this machine: its family decides
+    if t.path is not None:  # a directory on this machine: its family decides
         from trainer.models.family import family_of_dir
 
         family = family_of_dir(t.path)
-        check(family is None or family.pack_refusal is None, ("data", "pack_length"),
+        check(family is None or family.quantization_refusal is None, ("model", "target", "path"),
+              f"{t.path}: {family.quantization_refusal if family else ''}")
+        check(not c.data.pack_length or family is None or family.pack_refusal is None, ("data", "pack_length"),
               f"cannot be exact for this target ({family.pack_refusal if family else ''}); "
               "leave it 0 (length buckets)")
     check(c.data.anchors_per_row is None or c.data.anchors_per_row >= 1, ("data", "anchors_per_row"),

@@ -21,6 +21,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
+def drafter_intermediate_size(target_config: Any) -> int:
+    """The drafter's (dense) MLP width: the target's `intermediate_size`, as the published drafts take
+    it (Qwen3-30B-A3B's config gives 6144 beside its experts' 768). A sparse target whose config has
+    none (Qwen3.5-MoE) gets 3 x hidden_size, the Qwen3 ratio (2048 -> 6144, 4096 -> 12288)."""
+    return int(getattr(target_config, "intermediate_size", None) or 3 * target_config.hidden_size)
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -45,7 +52,7 @@ class DrafterConfig:
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 1000000.0))
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=drafter_intermediate_size(target_config),
             num_hidden_layers=num_layers,
             num_attention_heads=target_config.num_attention_heads,
             num_key_value_heads=target_config.num_key_value_heads,

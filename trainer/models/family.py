@@ -77,7 +77,7 @@ class Family:
                 "gpt-oss's MXFP4 experts only: use the model's bf16 checkpoint")
 
     def summary(self) -> str:
-        """One line: family, layers by kind, MoE, attention implementation."""
+        """One line: family, layers by kind, MoE, quantization, attention implementation."""
         counts = [f"{len(self.layers_of(k))} {k.replace('_attention', '')}" for k in KINDS if self.layers_of(k)]
         window = f" (window {self.sliding_window})" if self.layers_of("sliding_attention") else ""
         moe = (f", MoE in {len(self.moe_layers)} layers ({self.experts} experts, {self.experts_active} active)"

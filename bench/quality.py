@@ -60,7 +60,7 @@ SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"
 class Preset:
     device: str = "cuda:0"
     # corpus
-    corpus: str = "machine"  # "machine": the stdlib and site-packages; "project": this repository's own files
+    corpus: str = "machine"  # "machine": the stdlib and site-packages; "project": this repository's own files; "synthetic": generated modules (write_synthetic_corpus); or a directory
     corpus_mb: float = 400.0  # most source bytes read (train + held-out)
     max_file_kb: int = 512  # larger files (generated tables) are skipped
     heldout_permille: int = 30  # share of files held out (by content hash)
@@ -135,9 +135,9 @@ PRESETS = {
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
                              curve_points=2, n_eval=32),
-    "tiny": Preset(device="cpu", corpus="project", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
+    "tiny": Preset(device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
-                   seq_len=64, batch_rows=4, target_steps=4, target_lr=3e-3, target_warmup=2, window_chars=600,
+                   seq_len=64, batch_rows=4, target_steps=60, target_lr=3e-3, target_warmup=2, window_chars=600,
                    heldout_rows=4, prefix_chars=(60, 200), n_prompts=24, answer_tokens=16, regen_batch=12,
                    n_eval=3, eval_new_tokens=12, pipeline="reference", dtype="fp32", drafter_steps=2,
                    drafter_lr=3e-3, max_length=128, num_anchors=8, pack_length=0, pack_rows=1, curve_points=2,
@@ -153,14 +153,41 @@ def say(line: str) -> None:
 # ---------------------------------------------------------------------------- 1. corpus
 
 
+SYNTHETIC_VERBS = ("count", "scale", "merge", "parse", "render", "split", "check", "load", "store", "sort")
+SYNTHETIC_NOUNS = ("values", "items", "rows", "names", "tokens", "lines", "blocks", "paths", "steps", "points")
+
+
+def write_synthetic_corpus(root: Path, seed: int, files: int = 40) -> Path:
+    """Small generated Python modules of one regular shape (and a test file, which is skipped): the
+    tiny preset's corpus. The repository's own files change with every commit, and a target fitted
+    for a few steps on them answered greedily with nothing but newlines on some of them (the chat
+    template strips those: no answer to train on); on these it learns the shape and answers in code."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        parts = [f'"""Helpers for {rng.choice(SYNTHETIC_NOUNS)} ({i})."""\n\nimport math\n']
+        for _ in range(rng.randint(4, 8)):
+            verb, noun, k = rng.choice(SYNTHETIC_VERBS), rng.choice(SYNTHETIC_NOUNS), rng.randint(2, 9)
+            parts.append(f'\n\ndef {verb}_{noun}({noun}, factor={k}):\n'
+                         f'    """{verb.capitalize()} the {noun} by {k}."""\n'
+                         f'    total = 0\n'
+                         f'    for value in {noun}:\n'
+                         f'        total += value * factor\n'
+                         f'    return math.floor(total / {k})\n')
+        (root / f"module_{i:02d}.py").write_text("".join(parts))
+    (root / "test_modules.py").write_text("def test_nothing():\n    assert True\n")
+    return root
+
+
 def source_roots(corpus: str = "machine") -> list[Path]:
-    """Where the corpus's .py files come from: the machine's Python installation, or (the CPU
-    test) this repository, whose files the project controls, so the test does not depend on
-    the machine it runs on."""
+    """Where the corpus's .py files come from: the machine's Python installation, this repository
+    ("project"), or any directory ("synthetic": write_synthetic_corpus's, under the output)."""
     if corpus == "project":
         return [ROOT]
     if corpus != "machine":
-        raise SystemExit(f"quality: corpus {corpus!r}: expected 'machine' or 'project'")
+        if not Path(corpus).is_dir():
+            raise SystemExit(f"quality: corpus {corpus!r}: expected 'machine', 'project' or a directory")
+        return [Path(corpus).resolve()]
     paths = sysconfig.get_paths()
     roots = [paths["stdlib"], paths["purelib"], paths["platlib"]]
     try:
@@ -914,7 +941,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 1. corpus
     t0 = time.time()
-    corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed, p.corpus)
+    source = str(write_synthetic_corpus(out / "corpus", p.seed)) if p.corpus == "synthetic" else p.corpus
+    corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed, source)
     results["corpus"] = corpus["stats"]
     s = corpus["stats"]
     say(f"corpus: {s['train_files']} train files ({s['train_mb']} MB) + {s['heldout_files']} held-out files "

@@ -33,7 +33,7 @@ def test_windows_cut_at_line_boundaries_and_cover_the_file_in_order():
 def test_tiny_quality_bench_runs_every_stage(tmp_path):
     r = quality.main(["--preset", "tiny", "--out", str(tmp_path)])
     c = r["corpus"]
-    assert c["roots"] == [str(quality.ROOT)]  # this repository's files: the same on every machine
+    assert c["roots"] == [str(tmp_path / "corpus")]  # generated: the same on every machine and at every commit
     assert c["train_files"] > 0 and c["heldout_files"] > 0 and c["skipped"]["test"] > 0
     t = r["target"]
     assert t["tokens_trained"] > 0 and t["lm_loss_heldout_rows"] > 0 and t["lm_loss_seen_train_rows"] > 0
@@ -45,6 +45,7 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     regen = [json.loads(line) for line in open(tmp_path / "data" / "regen.jsonl")]
     assert r["regen"]["exit"] == 0 and len(regen) == len(prompts) == r["prompts"]["prompts"]
     assert all(m["messages"][-1]["role"] == "assistant" for m in regen)
+    assert all(m["messages"][-1]["content"].strip() for m in regen)  # answers in code, not just newlines
     m = r["main"]
     assert m["exit"] == 0 and m["steps"] == 2 and m["tau"] >= 1.0 and m["train_file"] == "regen.jsonl"
     assert len(m["histogram"]) == 16 and sum(m["histogram"]) > 0

@@ -11,7 +11,7 @@ import pytest
 
 from tests.engine.conftest import EngineSession, engine_python
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("engine")]
 
 
 def free_port() -> int:

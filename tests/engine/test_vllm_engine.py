@@ -14,7 +14,7 @@ import torch
 
 from tests.engine.conftest import MAX_TOKENS, EngineSession
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("engine")]
 
 
 def engine_tau(session: EngineSession, name: str) -> tuple[Fraction, int]:

@@ -32,6 +32,7 @@ attends to [cached context | its own slots], exactly as `DFlashDrafter.draft_blo
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,6 +347,8 @@ class _HFTarget:
         # entry); only linear-attention layers need their own cache layers from it
         self.cache = DynamicCache(config=hf_config(target)) if self.recurrent else DynamicCache()
         self.states = RecurrentStates(self.cache)
+        # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns, and goes in 5.40)
+        self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               padding: torch.Tensor | None = None) -> dict | torch.Tensor:
@@ -363,7 +366,7 @@ class _HFTarget:
         return masks if len(masks) > 1 else next(iter(masks.values()))  # type: ignore[return-value]
 
     def forward(self, ids: torch.Tensor, mask: dict | torch.Tensor, positions: torch.Tensor, keep: int) -> Any:
-        return self.target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+        return self.target(input_ids=ids, attention_mask=mask, position_ids=positions, **{self.cache_arg: self.cache},
                            use_cache=True, output_hidden_states=True, logits_to_keep=keep)
 
     def crop(self, length: int) -> None:

@@ -8,9 +8,11 @@ directory with its own python), its python's path, where a path inside it is on 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Sequence
 
+from dflash_ops.simnode import pct as sim_pct
 from dflash_ops.simnode import rootfs
 from dflash_ops.simnode.pct import Node as SimNode
 
@@ -68,6 +70,48 @@ def host_path(sim_root: str | Path, ctid: int | str, path: str | Path) -> Path:
 
 def is_created(sim_root: str | Path, ctid: int | str) -> bool:
     return SimNode(Path(sim_root)).exists(str(ctid))
+
+
+def is_running(sim_root: str | Path, ctid: int | str) -> bool:
+    return SimNode(Path(sim_root)).running(str(ctid))
+
+
+_PACKAGES_MOUNT = re.compile(r"^mp0: (?P<source>[^,\n]+),mp=(?P<target>/usr/local/lib/python3\.\d+/dist-packages),ro=1$",
+                             re.M)
+
+
+def mend_packages(sim_root: str | Path, ctid: int | str) -> list[str]:
+    """Point a created container's trainer packages at this interpreter's where the site-packages
+    they came from is gone (the venv that created the container was removed), as an admin would
+    mend the node; a line per change. An LXC container binds that site-packages as mp0: a stopped
+    one's mp0 is rewritten (a running one is left as it is: its processes hold what they loaded);
+    a directory container links the packages: its dangling links are made again from this
+    interpreter's distributions."""
+    node, vmid = SimNode(Path(sim_root)), str(ctid)
+    text = node.conf(vmid).read_text()
+    if node.backend(vmid) == "lxc":
+        found = _PACKAGES_MOUNT.search(text)
+        rootfs_dir = re.search(r"; backend: lxc; rootfs: (\S+)$", text, re.M)
+        if found is None or rootfs_dir is None or os.path.isdir(found["source"]) or node.running(vmid):
+            return []
+        source = sim_pct._site_packages_for(rootfs_dir[1])
+        with node.lock(vmid):
+            sim_pct.write_atomically(node.conf(vmid), text.replace(
+                found[0], f"mp0: {source},mp={found['target']},ro=1"))
+        return [f"CT {ctid}: mp0 bound {found['source']}, which is gone; it binds {source} now"]
+    sites = sorted((node.ct_root(vmid) / "usr" / "lib").glob("python3.*/site-packages"))
+    dangling = [link for site in sites for link in site.iterdir() if link.is_symlink() and not link.exists()]
+    if not dangling:
+        return []
+    here = dict(sim_pct._package_files(list(sim_pct.DEFAULT_SIM_PACKAGES)))
+    mended = [link for link in dangling if link.name in here]
+    for link in mended:
+        fresh = link.with_name(f".{link.name}.mend")
+        fresh.unlink(missing_ok=True)
+        fresh.symlink_to(here[link.name])
+        os.replace(fresh, link)
+    return [f"CT {ctid}: {len(mended)} package links pointed into a site-packages that is gone; "
+            "they point into this interpreter's now"] if mended else []
 
 
 def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = None,

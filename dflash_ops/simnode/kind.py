@@ -15,6 +15,7 @@ was created with. Targets of the node get their `base_dir` and `python` from it 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -26,6 +27,7 @@ from dflash_ops.extras import require_trainer
 from dflash_ops.nodekind import Fail, KindFactory, KindKeys, NodeKind
 from dflash_ops.render import node_command
 from dflash_ops.simnode import containers as simct
+from dflash_ops.simnode.pct import PctError
 from dflash_ops.transport.base import Transport
 
 DEFAULT_SIM_ROOT = "~/.local/state/dflash-ops/sim"
@@ -51,11 +53,15 @@ class SimulatedNode(NodeKind):
         return simct.target_defaults(self.root, ctid, self.backend(ctid))
 
     def start(self, ctid: int, hostname: str, transport: Transport) -> None:
-        """First use of a listed container: `pct create` it (running), as an admin would have."""
+        """First use of a listed container: `pct create` it (running), as an admin would have. One
+        created before is mended and started: the venv whose packages it uses may be gone
+        (simct.mend_packages), and after this machine restarts an LXC container is stopped (a
+        node's `onboot`)."""
         if ctid not in self.containers:
             return
         with _create_lock:
             if simct.is_created(self.root, ctid):
+                self._bring_up(ctid, transport)
                 return
             require_trainer(f"simulated CT {ctid} (its python links them from this one)")
             argv = simct.create_argv(self.pct, ctid, hostname=hostname, backend=simct.pick_backend(self.backend_choice),
@@ -63,6 +69,19 @@ class SimulatedNode(NodeKind):
             result = transport.run(node_command(argv))
             if not simct.is_created(self.root, ctid):
                 raise TransportError(f"creating simulated CT {ctid} failed: {result.stderr.strip()[-500:]}")
+
+    def _bring_up(self, ctid: int, transport: Transport) -> None:
+        try:
+            mended = simct.mend_packages(self.root, ctid)
+        except PctError as exc:
+            raise TransportError(f"simulated CT {ctid}: {str(exc).strip()}") from None
+        for line in mended:
+            print(f"simulated node: {line}", file=sys.stderr)
+        if simct.is_running(self.root, ctid):
+            return
+        result = transport.run(node_command([*self.pct, "start", str(ctid)]))
+        if not simct.is_running(self.root, ctid):
+            raise TransportError(f"starting simulated CT {ctid} failed: {result.stderr.strip()[-500:]}")
 
     def identity(self) -> str:
         return self.root

@@ -7,6 +7,7 @@ failure under CI=true (.ci/run installs lxc and builds the rootfs).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -138,6 +139,37 @@ def test_the_node_kind_creates_listed_containers_as_lxc(tmp_path):
         container = open_container(inventory, "host200")
         assert container.exec(["cat", "/proc/1/comm"]).stdout == "init.lxc\n"
         assert container.exec(["ls", "/sys/class/net"]).stdout.split() != ["lo"]  # listed CTs get a net0
+    finally:
+        pct(root, "stop", "200")
+        pct(root, "destroy", "200")
+
+
+
+def test_a_listed_lxc_container_found_stopped_with_its_packages_gone_is_mended_and_started(tmp_path, capsys):
+    """After this machine restarts the default node's LXC CT is stopped, and the venv whose
+    site-packages it binds (mp0) may be gone: the next first use rebinds this interpreter's and
+    starts it, where `pct exec` said "container '200' not running!"."""
+    unavailable(rootfs.unavailable_reason(), "the LXC backend")
+    path = tmp_path / "inventory.yaml"
+    root = tmp_path / "sim"
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root),
+                          "sim_containers": [200], "sim_backend": "lxc"}},
+        "targets": {"host200": {"node": "sim", "ctid": 200}},
+    }))
+    conf = root / "lxc" / "200.conf"
+    try:
+        inventory = load_inventory(path)
+        open_container(inventory, "host200")
+        bound = re.search(r"^mp0: ([^,]+),", conf.read_text(), re.M)[1]
+        assert pct(root, "stop", "200").returncode == 0
+        conf.write_text(conf.read_text().replace(f"mp0: {bound},", f"mp0: {tmp_path / 'removed-venv'},"))
+        assert "not running" in pct(root, "exec", "200", "--", "true").stderr  # what the next command met
+
+        container = open_container(inventory, "host200")
+        assert container.exec(["python3", "-c", "import yaml"]).ok
+        assert f"mp0: {bound}," in conf.read_text()
+        assert f"mp0 bound {tmp_path / 'removed-venv'}, which is gone" in capsys.readouterr().err
     finally:
         pct(root, "stop", "200")
         pct(root, "destroy", "200")

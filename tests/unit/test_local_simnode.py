@@ -180,3 +180,32 @@ def test_sim_containers_are_created_on_first_use_and_nothing_else(tmp_path):
     assert first.exec([python, "-c", "import torch"]).ok
     assert pct(first, "list").stdout.splitlines()[1].split() == ["200", "running", "host200"]
     assert _does_not_exist(open_container(inventory, "typo").exec(["true"]), 2000)
+
+
+def test_a_listed_container_found_stopped_with_its_venv_gone_is_mended_and_started(tmp_path, capsys):
+    """The embedded default's CT on a later first use: the machine restarted (or someone ran `pct
+    stop`) and the venv whose packages its python links was removed: it is mended and started."""
+    import yaml
+
+    sim_root = tmp_path / "sim"
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root),
+                          "sim_containers": [200], "sim_backend": "directory"}},
+        "targets": {"host200": {"node": "sim", "ctid": 200}},
+    }))
+    inventory = load_inventory(path)
+    first = open_container(inventory, "host200")
+    python = first.target.python
+    [link] = (sim_root / "ct" / "200" / "usr" / "lib").glob("python3.*/site-packages/yaml")
+    assert pct(first, "stop", "200").ok
+    link.unlink()
+    link.symlink_to(tmp_path / "removed-venv" / "yaml")
+    assert not link.exists() and not first.exec(["true"]).ok  # what the next command met before
+
+    again = open_container(inventory, "host200")
+    assert pct(again, "status", "200").stdout == "status: running\n"
+    assert link.resolve().exists() and again.exec([python, "-c", "import yaml"]).ok
+    assert "simulated node: CT 200: 1 package links pointed into a site-packages that is gone" in capsys.readouterr().err
+    open_container(inventory, "host200")
+    assert "simulated node" not in capsys.readouterr().err  # nothing more to mend

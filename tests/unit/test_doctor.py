@@ -289,15 +289,18 @@ def test_the_target_family_is_named_with_its_layer_kinds_and_memory():
 
 
 def test_a_quantized_checkpoint_fails_the_target_check_unless_the_trainer_reads_it():
-    """An FP8 checkpoint (Qwen3-8B-FP8's quantization_config) cast as plain weights would train on
-    wrong features: refused with the fix; gpt-oss's MXFP4 is read, and said."""
+    """An AWQ checkpoint (Qwen3-8B-AWQ's quantization_config) cast as plain weights would train on
+    wrong features: refused with the fix; block-scaled FP8 and gpt-oss's MXFP4 are read, and said."""
     qwen3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096,
              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
              "vocab_size": 151936}
-    fp8 = {**qwen3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    refused = judge(gpu_facts(model={"config": fp8}))["target model"]
-    assert refused.status == FAIL and "quantized (fp8)" in refused.fix and "bf16 checkpoint" in refused.fix
+    awq = {**qwen3, "quantization_config": {"bits": 4, "group_size": 128, "quant_method": "awq"}}
+    refused = judge(gpu_facts(model={"config": awq}))["target model"]
+    assert refused.status == FAIL and "quantized (awq)" in refused.fix and "bf16 checkpoint" in refused.fix
     assert judge(gpu_facts(model={"config": qwen3}))["target model"].status == OK
+    fp8 = {**qwen3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    read_fp8 = judge(gpu_facts(model={"config": fp8}))["target model"]
+    assert read_fp8.status == OK and "FP8 weights decoded to the run's dtype at load" in read_fp8.measured
     gpt_oss = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 24,
                "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
                "intermediate_size": 2880, "num_local_experts": 32, "experts_per_token": 4, "vocab_size": 201088,

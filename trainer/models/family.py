@@ -38,7 +38,8 @@ ATTENTION = {
 LINEAR_MIXER = "linear_attn"  # the decoder layer's attribute holding a linear-attention layer
 # Quantized checkpoints the loader reads (quantization_config.quant_method), and how; any other is
 # refused by name: its tensors cast as plain weights would be wrong without a word.
-QUANTIZATIONS = {"mxfp4": "MXFP4 experts decoded to the run's dtype at load"}
+QUANTIZATIONS = {"mxfp4": "MXFP4 experts decoded to the run's dtype at load",
+                 "fp8": "FP8 weights decoded to the run's dtype at load"}
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class Family:
         """Why the trainer cannot read this checkpoint's weights, or None."""
         if self.quantization is None or self.quantization in QUANTIZATIONS:
             return None
-        return (f"the checkpoint is quantized ({self.quantization}); the trainer reads plain weights and "
-                "gpt-oss's MXFP4 experts only: use the model's bf16 checkpoint")
+        return (f"the checkpoint is quantized ({self.quantization}); the trainer reads plain weights, FP8 "
+                "(block-scaled, as Qwen3-FP8) and MXFP4 (gpt-oss) only: use the model's bf16 checkpoint")
 
     def summary(self) -> str:
         """One line: family, layers by kind, MoE, quantization, attention implementation."""

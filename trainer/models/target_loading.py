@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.models import mxfp4
+from trainer.models import quantized
 from trainer.models.hf import base_model, input_embeddings, output_embeddings
 from trainer.models.stages import StagePlan
 
@@ -53,6 +53,12 @@ class ShardReader:
         # a vision-language checkpoint (Qwen3.5) holds its text model under model.language_model.
         self.aliases = {k.replace("model.language_model.", "model.", 1): k for k in self.weight_map
                         if k.startswith("model.language_model.")}
+        try:  # FP8 checkpoints: the tile each weight_scale_inv entry scales
+            quantization = json.loads((self.path / "config.json").read_text()).get("quantization_config") or {}
+        except (OSError, ValueError):
+            quantization = {}
+        block = quantization.get("weight_block_size")
+        self.fp8_block: tuple[int, int] | None = (int(block[0]), int(block[1])) if block else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map or name in self.aliases
@@ -63,7 +69,22 @@ class ShardReader:
         return self.weight_map[stored], stored
 
     def read(self, names: Sequence[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The named tensors on `device` in `dtype`, opened shard by shard (each tensor read once)."""
+        """The named tensors on `device` in `dtype`, opened shard by shard (each tensor read once);
+        an FP8 weight comes decoded with its `weight_scale_inv` (trainer.models.quantized)."""
+        out = self._read_stored(names, device)
+        for key, tensor in out.items():
+            if tensor.dtype in quantized.FP8_DTYPES and dtype not in quantized.FP8_DTYPES:
+                scale = f"{key}_scale_inv"
+                if scale not in self:
+                    raise MissingWeights(f"{self.path}: tensor {scale} (the scales of FP8 {key}) is in no shard "
+                                         f"of {SAFETENSORS_INDEX}")
+                out[key] = quantized.decode_fp8(tensor, self._read_stored([scale], device)[scale], self.fp8_block,
+                                                dtype)
+            else:
+                out[key] = tensor.to(dtype)
+        return out
+
+    def _read_stored(self, names: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         by_file: dict[str, list[tuple[str, str]]] = {}
@@ -75,7 +96,7 @@ class ShardReader:
         for file, keys in by_file.items():
             with safe_open(str(self.path / file), framework="pt", device=target) as f:
                 for key, stored in keys:
-                    out[key] = f.get_tensor(stored).to(dtype)
+                    out[key] = f.get_tensor(stored)
         return out
 
 
@@ -97,7 +118,8 @@ def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
 def _module_tensors(reader: ShardReader, prefix: str, module: torch.nn.Module, device: torch.device,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """module's state dict read from the shards; per-expert checkpoints (the hub's Qwen MoE format) are
-    stacked into the fused expert tensors transformers 5 holds, MXFP4 ones (gpt-oss) decoded into them."""
+    stacked into the fused expert tensors transformers 5 holds, MXFP4 ones (gpt-oss) decoded into them;
+    a module's FP8 weights come decoded by the reader."""
     wanted = list(module.state_dict())
     direct = [k for k in wanted if prefix + k in reader]
     tensors = {k[len(prefix):]: v for k, v in reader.read([prefix + k for k in direct], device, dtype).items()}
@@ -114,7 +136,7 @@ def _module_tensors(reader: ShardReader, prefix: str, module: torch.nn.Module, d
             if missing:
                 raise MissingWeights(f"{reader.path}: tensor {missing[0]} is in no shard of {SAFETENSORS_INDEX}")
             got = reader.read(packed, device, torch.uint8)
-            tensors[key] = mxfp4.decode(got[packed[0]], got[packed[1]], dtype)
+            tensors[key] = quantized.decode_mxfp4(got[packed[0]], got[packed[1]], dtype)
         else:
             tensors[key] = _stacked_experts(reader, m["prefix"], m["kind"], device, dtype)
     return tensors

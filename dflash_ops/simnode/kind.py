@@ -82,6 +82,8 @@ class SimulatedNode(NodeKind):
         result = transport.run(node_command([*self.pct, "start", str(ctid)]))
         if not simct.is_running(self.root, ctid):
             raise TransportError(f"starting simulated CT {ctid} failed: {result.stderr.strip()[-500:]}")
+        print(f"simulated node: CT {ctid} was stopped (this machine restarted, or `pct stop`): started",
+              file=sys.stderr)
 
     def identity(self) -> str:
         return self.root

@@ -206,6 +206,8 @@ def test_a_listed_container_found_stopped_with_its_venv_gone_is_mended_and_start
     again = open_container(inventory, "host200")
     assert pct(again, "status", "200").stdout == "status: running\n"
     assert link.resolve().exists() and again.exec([python, "-c", "import yaml"]).ok
-    assert "simulated node: CT 200: 1 package links pointed into a site-packages that is gone" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "simulated node: CT 200: 1 package links pointed into a site-packages that is gone" in said
+    assert "simulated node: CT 200 was stopped (this machine restarted, or `pct stop`): started" in said
     open_container(inventory, "host200")
     assert "simulated node" not in capsys.readouterr().err  # nothing more to mend

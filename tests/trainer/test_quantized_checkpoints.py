@@ -45,7 +45,7 @@ def test_a_byte_holds_two_values_low_nibble_first_times_its_blocks_power_of_two(
     assert not decoded[0, 2:30].any()
 
 
-def test_decode_equals_transformers_own_conversion():
+def test_mxfp4_decode_equals_transformers_own_conversion():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     g = torch.Generator().manual_seed(0)
@@ -60,12 +60,12 @@ def test_decode_equals_transformers_own_conversion():
     ((2, 4, 3, 16), (2, 4, 2), "scales"),
     ((2, 4, 3, 8), (2, 4, 3), "blocks"),
 ])
-def test_blocks_and_scales_that_do_not_match_are_refused_by_shape(blocks, scales, message):
+def test_mxfp4_blocks_and_scales_that_do_not_match_are_refused_by_shape(blocks, scales, message):
     with pytest.raises(quantized.QuantizedError, match=message):
         quantized.decode_mxfp4(torch.zeros(blocks, dtype=torch.uint8), torch.zeros(scales, dtype=torch.uint8), torch.float32)
 
 
-def test_the_hub_checkpoint_loads_as_its_bf16_copy(mxfp4_dir, tmp_path):
+def test_the_mxfp4_hub_checkpoint_loads_as_its_bf16_copy(mxfp4_dir, tmp_path):
     """The MXFP4 directory, read stage by stage, equals the directory a user converts it to
     (transformers' conversion of each expert matrix, written as plain tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -159,7 +159,7 @@ def _without(model_dir: Path, out: Path, tensor: str) -> Path:
     return out
 
 
-def test_blocks_without_their_scales_name_the_missing_tensor(mxfp4_dir, tmp_path):
+def test_mxfp4_blocks_without_their_scales_name_the_missing_tensor(mxfp4_dir, tmp_path):
     broken = _without(mxfp4_dir, tmp_path / "broken", "model.layers.1.mlp.experts.down_proj_scales")
     with pytest.raises(MissingWeights, match=r"model\.layers\.1\.mlp\.experts\.down_proj_scales"):
         load_staged(broken, StagePlan.single(2, "cpu"), torch.float32, log=lambda _: None)

@@ -344,6 +344,33 @@ def _completion(reply: object, retries: int, limit: int) -> Completion:
                       retries=retries)
 
 
+def quantized_checkpoint(model_path: str) -> bool:
+    """Whether the directory's config.json names a quantization the trainer's loader decodes
+    (trainer.models.family.QUANTIZATIONS: gpt-oss's MXFP4, block-scaled FP8)."""
+    from trainer.models.family import QUANTIZATIONS, family_of_dir
+
+    family = family_of_dir(model_path)
+    return family is not None and family.quantization in QUANTIZATIONS
+
+
+def load_decoded(model_path: str, device: str, dtype: torch.dtype) -> Any:
+    """The whole model read by the trainer's staged loader onto `device`, its quantized weights
+    decoded into `dtype` (transformers' own path for these needs accelerate and, for MXFP4, a GPU
+    kernel package)."""
+    from transformers import AutoConfig
+
+    from trainer.models.stages import StagePlan
+    from trainer.models.target_loading import complete_for_decoding, load_staged
+
+    layers = int(AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config().num_hidden_layers)
+    plan = StagePlan.single(layers, device)
+    model = load_staged(model_path, plan, dtype, log=lambda _: None)
+    said: list[str] = []
+    if not complete_for_decoding(model, plan, log=said.append):
+        raise InputError(f"{model_path}: {' '.join(said)}")
+    return model.eval()
+
+
 def supports_static_decode(model: Any) -> bool:
     """Whether `static_greedy_generate` runs this model (the target decoder's rule,
     `trainer.models.decoder.supports`)."""
@@ -381,10 +408,14 @@ class HFEngine:
         self.seed = seed
         # how long a batch waits to fill after its first request
         self.gather_s = gather_s if gather_s is not None else min(1.0, 0.02 + 0.0001 * self.batch_size)
-        torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        torch_dtype: Any = dtypes[dtype] if dtype != "auto" else "auto"
         self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
-        self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
+        if quantized_checkpoint(model_path):
+            self.model = load_decoded(model_path, device, dtypes.get(dtype, torch.bfloat16))
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
+            self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
         self.device = device
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

@@ -65,9 +65,9 @@ def test_mxfp4_blocks_and_scales_that_do_not_match_are_refused_by_shape(blocks, 
         quantized.decode_mxfp4(torch.zeros(blocks, dtype=torch.uint8), torch.zeros(scales, dtype=torch.uint8), torch.float32)
 
 
-def test_the_mxfp4_hub_checkpoint_loads_as_its_bf16_copy(mxfp4_dir, tmp_path):
-    """The MXFP4 directory, read stage by stage, equals the directory a user converts it to
-    (transformers' conversion of each expert matrix, written as plain tensors)."""
+def _mxfp4_copy(mxfp4_dir: Path, out: Path) -> Path:
+    """The directory a user converts an MXFP4 one to: transformers' conversion of each expert
+    matrix, written as plain tensors."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     reader = ShardReader(mxfp4_dir)
@@ -82,10 +82,13 @@ def test_the_mxfp4_hub_checkpoint_loads_as_its_bf16_copy(mxfp4_dir, tmp_path):
             plain[base] = convert_moe_packed_tensors(got[name], scales, dtype=torch.float32)
         else:
             plain[name] = got[name]
-    copy = write_hub_model(tmp_path / "gpt-oss-bf16", "gpt_oss", dtype="float32", state_dict=plain)
+    copy = write_hub_model(out, "gpt_oss", dtype="float32", state_dict=plain)
     assert not any(n.endswith(("_blocks", "_scales")) for n in ShardReader(copy).weight_map)
+    return copy
 
-    experts = _same_model(mxfp4_dir, copy).model.layers[0].mlp.experts
+
+def test_the_mxfp4_hub_checkpoint_loads_as_its_bf16_copy(mxfp4_dir, tmp_path):
+    experts = _same_model(mxfp4_dir, _mxfp4_copy(mxfp4_dir, tmp_path / "bf16")).model.layers[0].mlp.experts
     assert experts.gate_up_proj.abs().max() > 0 and experts.down_proj.dtype == torch.float32
 
 
@@ -115,9 +118,8 @@ def test_fp8_weights_are_their_tiles_times_their_multipliers():
         quantized.decode_fp8(weight, scale_inv[:, :1], (1, 2), torch.float32)
 
 
-def test_an_fp8_checkpoint_loads_as_its_dequantized_copy(fp8_dir, tmp_path):
-    """Qwen3-FP8's format (float8 e4m3 projections, weight_scale_inv per tile, partial tiles at the
-    edges) read stage by stage equals the directory of its weights multiplied out here, tile by tile."""
+def _fp8_copy(fp8_dir: Path, out: Path) -> Path:
+    """The directory of an FP8 one's weights multiplied out here, tile by tile."""
     reader = ShardReader(fp8_dir)
     assert reader.fp8_block == FP8_BLOCK
     plain: dict[str, torch.Tensor] = {}
@@ -136,8 +138,13 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_copy(fp8_dir, tmp_path):
             plain[name] = stored.float()
     assert sum(t.dtype == torch.float8_e4m3fn for t in reader._read_stored(list(reader.weight_map),
                                                                          torch.device("cpu")).values()) == 4 * 7
-    copy = write_hub_model(tmp_path / "qwen3-bf16", "qwen3", dtype="float32", state_dict=plain)
-    q_proj = _same_model(fp8_dir, copy).model.layers[0].self_attn.q_proj.weight
+    return write_hub_model(out, "qwen3", dtype="float32", state_dict=plain)
+
+
+def test_an_fp8_checkpoint_loads_as_its_dequantized_copy(fp8_dir, tmp_path):
+    """Qwen3-FP8's format (float8 e4m3 projections, weight_scale_inv per tile, partial tiles at the
+    edges) read stage by stage equals the directory of its weights multiplied out."""
+    q_proj = _same_model(fp8_dir, _fp8_copy(fp8_dir, tmp_path / "plain")).model.layers[0].self_attn.q_proj.weight
     assert q_proj.dtype == torch.float32 and q_proj.abs().max() > 0
 
 
@@ -264,3 +271,21 @@ def test_per_expert_fp8_weights_of_a_moe_checkpoint_are_decoded_then_stacked(tmp
                        target_context_features(dirs["plain"], ids, None, [0, 1]))
     experts = dirs["fp8"].model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.abs().max() > 0
+
+
+@pytest.mark.parametrize("which, copy", [("mxfp4_dir", _mxfp4_copy), ("fp8_dir", _fp8_copy)])
+def test_regen_hf_engine_answers_from_a_quantized_directory_as_from_its_copy(which, copy, request, tmp_path):
+    """`regen --engine hf` reads these directories through the trainer's loader (transformers' own
+    path needs accelerate, and a GPU kernel package for MXFP4): greedy answers equal its copy's."""
+    from trainer_tools import regen
+
+    model_dir = request.getfixturevalue(which)
+    assert regen.quantized_checkpoint(str(model_dir))
+    answers = []
+    for directory in (model_dir, copy(model_dir, tmp_path / "copy")):
+        engine = regen.HFEngine(str(directory), regen.Sampling(max_tokens=8), dtype="fp32", batch_size=1)
+        try:
+            answers.append(engine.complete([{"role": "user", "content": "The quick brown fox"}]).content)
+        finally:
+            engine.close()
+    assert answers[0] == answers[1] and answers[0]

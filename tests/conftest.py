@@ -36,6 +36,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"simulated containers: {backend} (${simct.BACKEND_ENV}={os.environ[simct.BACKEND_ENV]})")
 
 
+def write_listed_sim_inventory(directory: Path, backend: str) -> Path:
+    """DIRECTORY/inventory.yaml: a `pct: simulated` node (state in DIRECTORY/sim) that lists CT 200
+    under sim_containers, as the embedded default does: created (or mended and started) on first use."""
+    path = directory / "inventory.yaml"
+    path.write_text(yaml.safe_dump({
+        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(directory / "sim"),
+                          "sim_containers": [200], "sim_backend": backend}},
+        "targets": {"host200": {"node": "sim", "ctid": 200}},
+    }))
+    return path
+
+
 def write_sim_inventory(directory: Path, ctids: tuple[int, ...] = (200,), *, create: bool = True,
                         python: str | None = None, packages: tuple[str, ...] | None = None,
                         backend: str | None = None) -> Path:

@@ -20,7 +20,7 @@ from dflash_ops.connect import open_container
 from dflash_ops.inventory import load_inventory
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode import rootfs
-from tests.conftest import unavailable
+from tests.conftest import unavailable, write_listed_sim_inventory
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +125,7 @@ def test_the_node_kind_creates_listed_containers_as_lxc(tmp_path):
     """A `pct: simulated` node with sim_backend lxc: CT 200 appears on first use as a real
     container, and its target needs no base_dir or python (/opt/dflash and Debian's python3)."""
     unavailable(rootfs.unavailable_reason(), "the LXC backend")
-    path = tmp_path / "inventory.yaml"
-    root = tmp_path / "sim"
-    path.write_text(yaml.safe_dump({
-        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root),
-                          "sim_containers": [200], "sim_backend": "lxc"}},
-        "targets": {"host200": {"node": "sim", "ctid": 200}},
-    }))
+    path, root = write_listed_sim_inventory(tmp_path, "lxc"), tmp_path / "sim"
     try:
         inventory = load_inventory(path)
         target = inventory.target("host200")
@@ -144,19 +138,12 @@ def test_the_node_kind_creates_listed_containers_as_lxc(tmp_path):
         pct(root, "destroy", "200")
 
 
-
 def test_a_listed_lxc_container_found_stopped_with_its_packages_gone_is_mended_and_started(tmp_path, capsys):
     """After this machine restarts the default node's LXC CT is stopped, and the venv whose
     site-packages it binds (mp0) may be gone: the next first use rebinds this interpreter's and
     starts it, where `pct exec` said "container '200' not running!"."""
     unavailable(rootfs.unavailable_reason(), "the LXC backend")
-    path = tmp_path / "inventory.yaml"
-    root = tmp_path / "sim"
-    path.write_text(yaml.safe_dump({
-        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(root),
-                          "sim_containers": [200], "sim_backend": "lxc"}},
-        "targets": {"host200": {"node": "sim", "ctid": 200}},
-    }))
+    path, root = write_listed_sim_inventory(tmp_path, "lxc"), tmp_path / "sim"
     conf = root / "lxc" / "200.conf"
     try:
         inventory = load_inventory(path)

@@ -10,7 +10,7 @@ from dflash_ops.connect import open_container
 from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
 from tests.container_checks import ContainerTests
-from tests.conftest import write_sim_inventory
+from tests.conftest import write_listed_sim_inventory, write_sim_inventory
 from tests.procs import alive
 from tests.unit.runs_double import eventually
 
@@ -185,16 +185,8 @@ def test_sim_containers_are_created_on_first_use_and_nothing_else(tmp_path):
 def test_a_listed_container_found_stopped_with_its_venv_gone_is_mended_and_started(tmp_path, capsys):
     """The embedded default's CT on a later first use: the machine restarted (or someone ran `pct
     stop`) and the venv whose packages its python links was removed: it is mended and started."""
-    import yaml
-
     sim_root = tmp_path / "sim"
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump({
-        "nodes": {"sim": {"transport": "local", "pct": "simulated", "sim_root": str(sim_root),
-                          "sim_containers": [200], "sim_backend": "directory"}},
-        "targets": {"host200": {"node": "sim", "ctid": 200}},
-    }))
-    inventory = load_inventory(path)
+    inventory = load_inventory(write_listed_sim_inventory(tmp_path, "directory"))
     first = open_container(inventory, "host200")
     python = first.target.python
     [link] = (sim_root / "ct" / "200" / "usr" / "lib").glob("python3.*/site-packages/yaml")

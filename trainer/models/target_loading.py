@@ -71,15 +71,17 @@ class ShardReader:
     def read(self, names: Sequence[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The named tensors on `device` in `dtype`, opened shard by shard (each tensor read once);
         an FP8 weight comes decoded with its `weight_scale_inv` (trainer.models.quantized)."""
-        out = self._read_stored(names, device)
-        for key, tensor in out.items():
+        scales = [f"{name}_scale_inv" for name in names if f"{name}_scale_inv" in self]
+        stored = self._read_stored([*names, *scales], device)  # each shard opened once, scales with their weights
+        out: dict[str, torch.Tensor] = {}
+        for key in names:
+            tensor = stored[key]
             if tensor.dtype in quantized.FP8_DTYPES and dtype not in quantized.FP8_DTYPES:
                 scale = f"{key}_scale_inv"
-                if scale not in self:
+                if scale not in stored:
                     raise MissingWeights(f"{self.path}: tensor {scale} (the scales of FP8 {key}) is in no shard "
                                          f"of {SAFETENSORS_INDEX}")
-                out[key] = quantized.decode_fp8(tensor, self._read_stored([scale], device)[scale], self.fp8_block,
-                                                dtype)
+                out[key] = quantized.decode_fp8(tensor, stored[scale], self.fp8_block, dtype)
             else:
                 out[key] = tensor.to(dtype)
         return out

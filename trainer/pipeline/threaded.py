@@ -238,22 +238,18 @@ class _Stages:
                                   getattr(batch, "doc_start", None))
 
         next_batch, prepare_fn = trainer.hosts.batch_source(c.train_data.next_batch, prepare)
-        prefetcher = BatchPrefetcher(next_batch, prepare_fn, data_state, self.target_inputs, stop, count, M,
-                                     first, p.warm.shape_for if p.pad else None,
-                                     pin=any(is_cuda(d) for d in p.target_devices + p.drafter_devices))
-        build = prefetcher.build
-
-        def build_and_record(index: int) -> MicroBatch:
-            mb = build(index)
-            self.data_states[index] = mb.data_state
+        def record(mb: MicroBatch) -> None:  # what each micro-batch holds, for checkpoints and the step metrics
+            self.data_states[mb.index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
             counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
             into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
             for key, value in counts.items():
                 into[key] += value
-            return mb
 
-        prefetcher.build = build_and_record  # type: ignore[method-assign]  # this instance records what it builds
+        prefetcher = BatchPrefetcher(next_batch, prepare_fn, data_state, self.target_inputs, stop, count, M,
+                                     first, p.warm.shape_for if p.pad else None,
+                                     pin=any(is_cuda(d) for d in p.target_devices + p.drafter_devices),
+                                     on_built=record)
         self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * int(hf_config(c.target).hidden_size)

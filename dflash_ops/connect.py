@@ -30,7 +30,7 @@ def transport_for(node: Node) -> Transport:
 
 
 def open_container(inventory: Inventory, target_name: str) -> Container:
-    """The target's Container; its node's kind starts what it must on first use (nodekind.NodeKind.start)."""
+    """The target's Container; its node's kind starts what it must on first use (nodekinds.base.NodeKind.start)."""
     target = inventory.target(target_name)
     transport = transport_for(target.node)
     target.node.kind.start(target.ctid, target.name, transport)

@@ -12,7 +12,7 @@ Schema (YAML)::
 or the container you are in), commands run there directly and `ctid` may be left out.
 
 `pct: simulated` (local nodes only) is the bundled simulated Proxmox node. What a node is (its
-`pct:` value) is its kind (dflash_ops/nodekinds.py), which owns its own keys (the simulated node's
+`pct:` value) is its kind (dflash_ops/nodekinds/), which owns its own keys (the simulated node's
 `sim_root`, `sim_containers`, `sim_backend`), its pct command, and defaults for its targets'
 `base_dir` and `python`; this module only asks it. On local nodes `~` in `base_dir` is expanded
 for the user running dflash-ops, so the default inventory works for root and non-root users alike.
@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_ops import nodekinds
 from dflash_ops.errors import InventoryError
-from dflash_ops.nodekind import NodeKind
+from dflash_ops.nodekinds.base import NodeKind
 from dflash_ops.yamlfile import read_yaml_node, suggest
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -52,7 +52,7 @@ class Node:
     strict_host_key_checking: bool = True
     connect_timeout: float = 10.0
     keepalive: int = 15
-    kind: NodeKind = None  # type: ignore[assignment]  # what the node is (nodekinds.py); default: pct's
+    kind: NodeKind = None  # type: ignore[assignment]  # what the node is (dflash_ops/nodekinds/); default: pct's
 
     def __post_init__(self) -> None:
         if self.kind is None:
@@ -242,14 +242,17 @@ class _Parser:
     def node(self, name: str, body: Any, line: int) -> Node:
         what = f"node {name!r}"
         m = self.mapping(body, line, what)
-        kinds = nodekinds.kind_keys()
-        kind_keys = {k for keys in kinds.values() for k in keys.model_fields}
+        own = nodekinds.keys_of(m.get("pct", "pct"))  # imports only the kind this node names
+        own_keys = set(own.model_fields) if own is not None else set()
+        # every kind (each one imported) only when a key is neither the node's nor its kind's: whose is it?
+        stray = any(k not in _NodeSpec.model_fields and k not in own_keys for k in m)
+        kinds = nodekinds.kind_keys() if stray else {}
+        kind_keys = {k for keys in kinds.values() for k in keys.model_fields} | own_keys
         spec: _NodeSpec = self.validate(_NodeSpec, m, what, {k: v for k, v in m.items() if k not in kind_keys},
                                         kind_keys)
         at: Callable[[str], int] = lambda key: m.key_lines.get(key, m.line)  # noqa: E731
         if spec.transport == "ssh" and spec.address is None:
             raise self.fail(m.line, f"{what}: missing required key 'address' (ssh nodes)")
-        own = kinds.get(spec.pct) if isinstance(spec.pct, str) else None
         for key in m:
             if key in kind_keys and (own is None or key not in own.model_fields):
                 owner = next(n for n, keys in kinds.items() if key in keys.model_fields)

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from dflash_ops.errors import TransportError
 from dflash_ops.extras import require_trainer
-from dflash_ops.nodekind import Fail, KindFactory, KindKeys, NodeKind
+from dflash_ops.nodekinds.base import Fail, KindFactory, KindKeys, NodeKind
 from dflash_ops.render import node_command
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode.pct import PctError

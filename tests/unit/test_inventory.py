@@ -1,3 +1,5 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,16 @@ def test_missing_file_is_one_line(tmp_path):
         load_inventory(tmp_path / "nope.yaml")
 
 
+def test_an_inventory_of_real_pct_nodes_does_not_import_the_simulated_node(tmp_path):
+    """The node-kind registry is lazy: a kind's module is imported only when a node names it."""
+    code = ("import sys\nfrom dflash_ops.inventory import load_inventory\n"
+            f"inv = load_inventory({str(write(tmp_path, GOOD))!r})\n"
+            "assert inv.target('host200').ctid == 200\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dflash_ops.simnode')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_sim_containers_only_on_simulated_nodes(tmp_path):
     path = tmp_path / "inv.yaml"
     path.write_text("nodes:\n  n:\n    transport: local\n    pct: pct\n    sim_containers: [200]\n"
@@ -106,3 +118,11 @@ def test_sim_containers_only_on_simulated_nodes(tmp_path):
                     "targets: {}\n")
     with pytest.raises(InventoryError, match=r"inv.yaml:5: .*sim_containers\[0\] must be greater than or equal to 100, got 12"):
         load_inventory(path)
+
+
+def test_every_registered_node_kind_resolves_to_a_factory():
+    from dflash_ops import nodekinds
+
+    for name in nodekinds.KINDS:
+        assert issubclass(nodekinds.factory(name), nodekinds.KindFactory), name
+    assert set(nodekinds.kind_keys()) == {"simulated"}

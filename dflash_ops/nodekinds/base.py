@@ -1,4 +1,4 @@
-"""The base of node kinds (dflash_ops/nodekinds.py is the registry): a Proxmox node reached by `pct`."""
+"""The base of node kinds (dflash_ops/nodekinds/__init__.py is the registry): a Proxmox node reached by `pct`."""
 
 from __future__ import annotations
 

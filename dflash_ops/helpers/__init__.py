@@ -3,7 +3,8 @@
 A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). Container.helper()
 installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
 
-A shared module (SHARED: nodefacts.py, the node-side facts; destination.py, the replace rule, whose
+A shared module (SHARED: nodefacts.py, the node-side facts; runqueue.py, the run queue on disk;
+notify.py, run events and their delivery; destination.py, the replace rule, whose
 one copy lives in the trainer, trainer/models/destination.py, as the trainer never imports
 dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
 `module_utils` with a module. BASE/helpers/<hash>/ then holds the helper and the shared module
@@ -28,7 +29,7 @@ from pathlib import Path
 HELPERS_DIR = Path(__file__).resolve().parent
 # modules shipped beside the helpers that import them (never run), and where they live outside HELPERS_DIR
 SHARED_ELSEWHERE = {"destination": ("trainer.models", "destination.py")}
-SHARED = ("nodefacts", *SHARED_ELSEWHERE)
+SHARED = ("nodefacts", "runqueue", "notify", *SHARED_ELSEWHERE)
 
 
 def shared_path(module: str) -> Path:

@@ -12,6 +12,7 @@ state is one of EVENTS. Whoever causes a change writes its event to the containe
   BASE/runs/.notify/outbox/<seq>-<run id>-<state>.json   an event and where it goes (mode 0600:
                                                           a webhook URL is a secret)
   BASE/runs/.notify/deliver.lock                          flock held by the live deliverer
+  BASE/runs/.notify/deliver.json                          its pid and pid_start
 
 Where it goes (RUNDIR/notify.json, mode 0600, written by `runs.py start --notify-stdin`):
 
@@ -198,6 +199,8 @@ def run_deliverer(base: str, sleep: Callable[[float], None] = time.sleep) -> Non
         fd = deliver_lock(base)
         if fd is None:
             return
+        me = {"pid": os.getpid(), "pid_start": nodefacts.process_start_ticks(os.getpid()), "time": time.time()}
+        nodefacts.write_atomic(os.path.join(notify_root(base), "deliver.json"), json.dumps(me).encode())
         try:
             for path in iter(lambda: next(iter(pending(base)), None), None):
                 doc = nodefacts.read_json(path)

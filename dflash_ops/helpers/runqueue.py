@@ -12,6 +12,7 @@ a kill -9 of the worker (the next helper call that finds entries and no worker s
   BASE/runs/.queue/<seq>-<run id>.starting/      claimed by the worker while it starts the run
   BASE/runs/.queue/worker.lock                   flock held by the one live worker
   BASE/runs/.queue/worker.log                    what the worker did (one line per start / failure)
+  BASE/runs/.queue/worker.json                   the last worker's pid and pid_start
 
 A queued run waits for its GPUs (a live run holding one of them) and for every run queued
 before it that wants one of the same GPUs: first come, first served per GPU, so a run never
@@ -44,7 +45,8 @@ CONFIG = "config.input.yaml"
 CLAIMED = ".starting"
 WORKER_LOCK = "worker.lock"
 WORKER_LOG = "worker.log"
-ENTRY_RE = re.compile(r"^([0-9]{20})-([A-Za-z0-9][A-Za-z0-9._-]{0,127})(\.starting)?$")
+WORKER_FILE = "worker.json"  # the live worker's pid and pid_start (what `run queue` shows)
+ENTRY_RE = re.compile(r"^([0-9]{20})-([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
 POLL_S = 1.0  # how often the worker looks: a run starts within about this after its GPUs are free
 
 
@@ -61,10 +63,11 @@ def _scan(base: str) -> list[tuple[int, str, bool, str]]:
         return []
     found = []
     for name in names:
-        m = ENTRY_RE.match(name)
+        claimed = name.endswith(CLAIMED)  # a run id may hold '.', so the suffix is cut before the match
+        m = ENTRY_RE.match(name[: -len(CLAIMED)] if claimed else name)
         path = os.path.join(root, name)
         if m and os.path.isfile(os.path.join(path, ENTRY)):
-            found.append((int(m.group(1)), m.group(2), bool(m.group(3)), path))
+            found.append((int(m.group(1)), m.group(2), claimed, path))
     found.sort()
     return found
 
@@ -86,10 +89,12 @@ def find(base: str, run_id: str) -> dict | None:
     return None
 
 
-def add(base: str, run_id: str, gpus: list[int], start_args: list[str], config: bytes, **extra: object) -> dict:
+def add(base: str, run_id: str, gpus: list[int], start_args: list[str], config: bytes,
+        files: dict[str, bytes] | None = None, **extra: object) -> dict:
     """Queue a run (the caller holds the start lock and has checked that the id is new).
     `start_args` are the `runs.py start` arguments without --config/--release-root, which the
-    worker adds: this entry's config copy and the release resolved now. Returns the entry."""
+    worker adds: this entry's config copy and the release resolved now. `files` are written into
+    the entry before it is in line (its directory is the owner's only). Returns the entry."""
     root = queue_root(base)
     os.makedirs(root, exist_ok=True)
     last = max((seq for seq, _id, _c, _p in _scan(base)), default=0)
@@ -98,6 +103,8 @@ def add(base: str, run_id: str, gpus: list[int], start_args: list[str], config: 
     tmp = os.path.join(root, ".tmp-%020d-%s" % (seq, run_id))
     os.mkdir(tmp, 0o700)  # the entry may name a notification secret
     nodefacts.write_atomic(os.path.join(tmp, CONFIG), config)
+    for name, data in (files or {}).items():
+        nodefacts.write_atomic(os.path.join(tmp, name), data)
     doc = dict(extra, run_id=run_id, gpus=gpus, time=time.time(), start_args=start_args)
     nodefacts.write_atomic(os.path.join(tmp, ENTRY), json.dumps(doc, sort_keys=True).encode())
     os.rename(tmp, final)
@@ -217,6 +224,8 @@ def run_worker(base: str, busy: Callable[[list[int]], list[dict]], start: Callab
         fd = worker_lock(base)
         if fd is None:
             return  # another worker serves the queue
+        me = {"pid": os.getpid(), "pid_start": nodefacts.process_start_ticks(os.getpid()), "time": time.time()}
+        nodefacts.write_atomic(os.path.join(queue_root(base), WORKER_FILE), json.dumps(me).encode())
         try:
             serve(base, busy, start, poll)
         finally:
@@ -251,8 +260,8 @@ def serve(base: str, busy: Callable[[list[int]], list[dict]], start: Callable[[d
             if why == "busy":
                 unclaim(path)
                 break  # someone started a run on these GPUs meanwhile: look again
-            drop(path)
             log(base, "%s %s" % (entry["run_id"], "started" if why is None else "not started: " + why))
+            drop(path)
             break  # GPUs changed hands: recompute every wait
         else:
             sleep(poll)

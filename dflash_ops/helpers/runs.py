@@ -22,6 +22,13 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
       reason (RUNDIR/restarts.json, a `restart` event in metrics.jsonl, a line in train.log)
       and starts it again with --resume latest. A stop request or a signal sent through this
       helper leaves control/.no-restart: that ends supervision for good.
+      --queue: when the GPUs are held (or wanted by an earlier queued run), the run is queued in
+      the container instead (runqueue.py) and the queue worker starts it; --notify-stdin: stdin's
+      first line is the notification spec (notify.py), the rest the config; --notify-file PATH
+      reads it from a file; either runs the trainer under `supervise`, which sends the events.
+  runs.py queue-worker BASE          (detached) start queued runs as their GPUs come free
+  runs.py unqueue BASE ID            take a queued run out of the queue (`run stop` of a queued run)
+  runs.py deliver BASE               (detached) deliver the container's outbox of run events
   runs.py address [--toward ADDR]    this container's address (the one routed toward ADDR)
   runs.py free-port --address ADDR   a TCP port free on ADDR now (for the rendezvous)
   runs.py signal RUNDIR TERM|KILL
@@ -52,9 +59,11 @@ if TYPE_CHECKING:
     from typing import BinaryIO
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
-    from . import nodefacts
+    from . import nodefacts, notify, runqueue
 else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import notify  # type: ignore[no-redef]
+    import runqueue  # type: ignore[no-redef]
 
 # Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
 EXIT_NOT_FOUND = nodefacts.EXIT_BAD_INPUT  # bad input, or no such run / file / run directory (Refused's default)
@@ -265,13 +274,19 @@ def run_dirs(base: str) -> list[str]:
 
 def cmd_list(args: argparse.Namespace) -> None:
     now = time.time()
+    queued = queued_runs(args.base)
     if args.run:
         run_dir = os.path.join(args.base, "runs", check_run_id(args.run))
-        if not os.path.isdir(run_dir):
+        waiting = [q for q in queued if q["run_id"] == args.run]
+        if waiting and not os.path.isdir(run_dir):
+            runs = waiting
+        elif not os.path.isdir(run_dir):
             raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
-        runs = [describe_run(run_dir, now)]
+        else:
+            runs = [describe_run(run_dir, now)]
     else:
         runs = [describe_run(d, now) for d in run_dirs(args.base) if RUN_ID_RE.match(os.path.basename(d))]
+        runs += [q for q in queued if not os.path.isdir(os.path.join(args.base, "runs", q["run_id"]))]
     print_json({"version": 1, "time": now, "runs": runs})
 
 
@@ -550,18 +565,35 @@ def cmd_start(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise Refused(str(e)) from None
     config_bytes = None
-    if args.config is not None:
+    spec = None
+    if args.notify_stdin:  # stdin: the spec's JSON line, then the config (the secret never is an argument)
+        data = sys.stdin.buffer.read()
+        line, _, rest = data.partition(b"\n")
+        spec = check_notify(line.decode("utf-8", "replace"), "--notify-stdin")
+        if args.config == "-":
+            config_bytes = rest
+    elif args.notify_file:
+        spec = check_notify(read_bytes(args.notify_file).decode("utf-8", "replace"), args.notify_file)
+    if config_bytes is None and args.config is not None:
         config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
     if args.resume is None and config_bytes is None:
         raise Refused("--config is required to start a fresh run")
     if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
     max_restarts = parse_restart(args.restart)
+    if spec is not None and max_restarts is None:
+        max_restarts = 0  # supervised all the same: the supervisor sees the end and sends its event
     lock = nodefacts.start_lock(runs_root)
     try:
-        child = launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts)
+        queued = queue_if_held(args, run_dir, release_root, gpus, config_bytes, spec) if args.queue else None
+        child = None if queued else launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts, spec)
     finally:
         os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
+    if child is None:
+        ensure_worker(args.base)
+        send_event(args.base, spec, args.run_id, "queued", reason="; ".join(queued["waits_for"]))
+        print_json(queued)
+        return
 
     status_path = os.path.join(run_dir, "status.json")
     launch_path = os.path.join(run_dir, "launch.json")
@@ -593,7 +625,8 @@ def parse_restart(text: str | None) -> int | None:
 
 
 def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: str, gpus: list[int],
-           config_bytes: bytes | None, max_restarts: int | None = None) -> subprocess.Popen[bytes]:
+           config_bytes: bytes | None, max_restarts: int | None = None,
+           spec: dict | None = None) -> subprocess.Popen[bytes]:
     """Check GPUs and the run directory, then start the trainer and record launch.json
     (called under start_lock). Returns the trainer's process; it logs to RUNDIR/train.log."""
     conflicts = gpu_conflicts(args.base, gpus, run_dir)
@@ -628,6 +661,10 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
             config_input = os.path.join(run_dir, "config.yaml")
     release = release_hash(release_root)
     write_atomic(os.path.join(run_dir, "release"), (release + "\n").encode())
+    if spec is not None:
+        notify.write_spec(run_dir, spec)
+    elif os.path.exists(os.path.join(run_dir, notify.NOTIFY_FILE)):
+        os.unlink(os.path.join(run_dir, notify.NOTIFY_FILE))  # this start tells nobody
 
     argv = [python, "-m", "trainer"]
     if args.group is not None:
@@ -664,7 +701,8 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
             old = read_json(os.path.join(run_dir, RESTARTS_FILE)) if args.resume is not None else None
             history = old.get("restarts") if old and isinstance(old.get("restarts"), list) else []
             # the run's history is kept; this start gets N restarts of its own
-            policy = {"policy": "on-failure:%d" % max_restarts, "max": max_restarts, "restarts": history}
+            named = "no" if parse_restart(args.restart) is None else "on-failure:%d" % max_restarts
+            policy = {"policy": named, "max": max_restarts, "restarts": history}
             write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
     if max_restarts is not None:
@@ -730,6 +768,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     log = os.path.join(run_dir, "train.log")
     argv = plan["argv"]
     used = 0
+    tell = run_events(run_dir)
     while True:
         oom_before = oom_kills()
         with open(os.devnull, "rb") as devnull:
@@ -737,18 +776,24 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv,
                       oom_kills=oom_before)
         write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
+        if used == 0:
+            tell("started")
         code = child.wait()
         status = read_json(os.path.join(run_dir, "status.json"))
         state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
+        step = (status or {}).get("step")
         if code == 0 or state in ("stopped", "done"):
+            tell(state if state in ("stopped", "done") else "done", step=step)
             return 0
         if os.path.exists(os.path.join(run_dir, "control", NO_RESTART)):
             append_line(log, "# dflash-ops supervise: trainer ended (exit %d) after an operator's stop: not restarted\n"
                         % code)
+            tell("stopped", step=step, reason="stopped by the operator (exit %d)" % code)
             return 0
         if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
             append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
                         % code)
+            tell("failed", reason="the trainer exited %d before writing status.json" % code, log_tail=True)
             return code if code > 0 else 128 - code
         reason = crash_reason(code, status, child.pid, oom_before)
         policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
@@ -759,6 +804,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
                         % (reason, used))
             if state not in nodefacts.FINAL_STATES:  # killed before it could say so
                 write_status_failed(run_dir, status, reason)
+            tell("failed", step=step, reason=reason if not used else "%s; no restart left (%d used)" % (reason, used),
+                 log_tail=True)
             return code if code > 0 else 128 - code
         used += 1
         checkpoints = complete_checkpoints(run_dir)
@@ -774,6 +821,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
             entry["from"] or "the start (no checkpoint yet)"))
+        tell("restart", step=entry["step"], reason="restart %d of %d after: %s" % (used, plan["max"], reason))
         # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
 
@@ -782,6 +830,154 @@ def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:
     """A trainer killed without a word leaves a live-looking status.json; say what happened."""
     doc = dict(status or {}, state="failed", error={"message": reason, "thread": "supervisor"})
     write_atomic(os.path.join(run_dir, "status.json"), json.dumps(doc, sort_keys=True).encode())
+
+
+# ---------------------------------------------------------------- the queue and run events (#39)
+
+def spawn_detached(command: list[str], log_path: str) -> None:
+    """Start `runs.py COMMAND...` in its own session (it outlives this call and the operator's
+    connection), output appended to log_path."""
+    import subprocess
+
+    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as out:
+        subprocess.Popen([sys.executable, os.path.abspath(__file__), *command], stdin=devnull, stdout=out,
+                         stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, cwd="/")
+
+
+def ensure_worker(base: str) -> None:
+    """A queue worker runs while runs are queued: start one when none holds the worker lock (the
+    first queued run, or after one was killed: every start and list comes here)."""
+    if runqueue.entries(base) and not runqueue.worker_running(base):
+        spawn_detached(["queue-worker", base], os.path.join(runqueue.queue_root(base), runqueue.WORKER_LOG))
+
+
+def ensure_deliverer(base: str) -> None:
+    if notify.pending(base) and not notify.deliverer_running(base):
+        spawn_detached(["deliver", base], os.path.join(notify.notify_root(base), "deliver.log"))
+
+
+def send_event(base: str, spec: dict | None, run_id: str, state: str, step: object = None,
+               reason: str | None = None, log_tail: str | None = None) -> None:
+    """Queue one run event for delivery (notify.py). Never raises: telling comes after the run."""
+    try:
+        event = notify.make_event(run_id, (spec or {}).get("target") or "", state, step=step, reason=reason,
+                                  log_tail=log_tail)
+        if notify.emit(base, spec, event):
+            ensure_deliverer(base)
+    except Exception as e:  # noqa: BLE001 (a full disk or a broken spec must not end a start or a supervisor)
+        sys.stderr.write("runs.py: the %s event of %s was not queued: %s\n" % (state, run_id, e))
+
+
+def run_events(run_dir: str) -> Callable[..., None]:
+    """tell(state, step=, reason=, log_tail=True) for the supervisor: an event of this run to whom
+    RUNDIR/notify.json names (nobody: nothing happens); log_tail=True sends train.log's tail."""
+    base = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
+    run_id = os.path.basename(os.path.normpath(run_dir))
+
+    def tell(state: str, step: object = None, reason: str | None = None, log_tail: bool = False) -> None:
+        spec = notify.read_spec(run_dir)
+        if spec is None:
+            return
+        tail = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES) if log_tail else None
+        send_event(base, spec, run_id, state, step=step, reason=reason, log_tail=tail)
+        if state in nodefacts.FINAL_STATES:
+            ensure_worker(base)  # the run's GPUs are free: a killed queue worker is replaced now
+
+    return tell
+
+
+def check_notify(text: str, where: str) -> dict:
+    try:
+        return notify.check_spec(json.loads(text))
+    except ValueError as e:  # BadSpec is a ValueError; so is bad JSON
+        raise Refused("%s: %s" % (where, e if isinstance(e, notify.BadSpec) else "not a JSON notification spec")) from None
+
+
+def queued_runs(base: str) -> list[dict]:
+    """The queued runs as `list` shows them; a queue left without a worker gets one."""
+    queued = runqueue.describe(base, lambda wanted: gpu_conflicts(base, wanted, ""))
+    if queued:
+        ensure_worker(base)
+    ensure_deliverer(base)
+    return queued
+
+
+def queue_if_held(args: argparse.Namespace, run_dir: str, release_root: str, gpus: list[int],
+                  config_bytes: bytes | None, spec: dict | None) -> dict | None:
+    """Under the start lock: queue this start (its answer) when a live run holds one of its GPUs or
+    a run queued before wants one; None: it may start now. The release is resolved now, so the run
+    starts on the code it was queued with (prune keeps it: release_store.live_run_releases)."""
+    if args.resume is not None:
+        raise Refused("--queue starts a fresh run; resume a run when its GPUs are free")
+    if os.path.exists(run_dir) or runqueue.find(args.base, args.run_id):
+        raise Refused("run %s already exists; resume it instead" % args.run_id, code=EXIT_REFUSED, exists=True)
+    why = runqueue.waits_for(args.base, {"gpus": gpus}, runqueue.entries(args.base),
+                             lambda wanted: gpu_conflicts(args.base, wanted, run_dir))
+    if not why:
+        return None
+    assert config_bytes is not None  # cmd_start refuses a fresh run without --config
+    start_args = ["--base", args.base, "--run-id", args.run_id, "--python", args.python]
+    start_args += ["--gpus", ",".join(map(str, gpus))] if gpus else []
+    start_args += [a for item in args.env for a in ("--env", item)]
+    start_args += ["--restart", args.restart] if args.restart else []
+    files = {notify.NOTIFY_FILE: json.dumps(spec, sort_keys=True).encode()} if spec else {}
+    entry = runqueue.add(args.base, args.run_id, gpus, start_args, config_bytes, files,
+                         release=release_hash(release_root), release_root=release_root, restart=args.restart)
+    return {"run_id": args.run_id, "state": "queued", "position": entry.get("position"), "waits_for": why,
+            "run_dir": run_dir, "restart": args.restart or "no"}
+
+
+def start_queued(base: str, entry: dict, path: str) -> str | None:
+    """The queue worker's start of one claimed entry: `runs.py start` with its saved arguments,
+    config and release. None: started; "busy": a run took its GPUs meanwhile (it stays queued)."""
+    import subprocess
+
+    argv = [sys.executable, os.path.abspath(__file__), "start", *entry.get("start_args", []),
+            "--config", os.path.join(path, runqueue.CONFIG), "--release-root", str(entry.get("release_root")),
+            "--wait", "5"]
+    spec_path = os.path.join(path, notify.NOTIFY_FILE)
+    if os.path.exists(spec_path):
+        argv += ["--notify-file", spec_path]
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          close_fds=True)
+    if done.returncode == 0:
+        return None
+    lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if done.returncode == EXIT_REFUSED and answer.get("conflicts"):
+        return "busy"
+    if done.returncode == EXIT_REFUSED and answer.get("exists"):
+        return "its run directory exists already (started before the last worker ended)"
+    reason = str(answer.get("error") or "runs.py start exited %d" % done.returncode)
+    if done.returncode != EXIT_DIED_AT_START:  # else its supervisor has said so
+        spec = notify.read_spec(path)
+        send_event(base, spec, entry["run_id"], "failed", reason="could not start from the queue: " + reason,
+                   log_tail=answer.get("log_tail"))
+    return reason
+
+
+def cmd_queue_worker(args: argparse.Namespace) -> None:
+    runqueue.run_worker(args.base, lambda wanted: gpu_conflicts(args.base, wanted, ""),
+                        lambda entry, path: start_queued(args.base, entry, path))
+
+
+def cmd_unqueue(args: argparse.Namespace) -> None:
+    """Take a queued run out of the queue. `result`: removed, starting (the worker got it first:
+    stop it as a run) or absent."""
+    check_run_id(args.run_id)
+    entry = runqueue.find(args.base, args.run_id)
+    spec = notify.read_spec(entry["path"]) if entry else None
+    result = runqueue.remove(args.base, args.run_id)
+    if result == "removed":
+        send_event(args.base, spec, args.run_id, "stopped", reason="removed from the queue before it started")
+    print_json({"run_id": args.run_id, "result": result})
+
+
+def cmd_deliver(args: argparse.Namespace) -> None:
+    notify.run_deliverer(args.base)
 
 
 def parse_group(text: str) -> dict:
@@ -940,8 +1136,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-addr")
     s.add_argument("--store-host", action="store_true")
     s.add_argument("--restart")
+    s.add_argument("--queue", action="store_true")
+    s.add_argument("--notify-stdin", action="store_true")
+    s.add_argument("--notify-file")
 
     command("supervise", cmd_supervise, "run_dir")
+    command("queue-worker", cmd_queue_worker, "base")
+    command("unqueue", cmd_unqueue, "base", "run_id")
+    command("deliver", cmd_deliver, "base")
 
     command("address", cmd_address).add_argument("--toward")
     command("free-port", cmd_free_port).add_argument("--address", required=True)

@@ -56,6 +56,11 @@ class RunInfo:
     supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
     restart_policy: str | None = None  # "on-failure:N" (run start --restart)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
+    # a queued run (effective_state "queued", helpers/runqueue.py): its place in line (1 = next), when it was
+    # queued and what it waits for (runs holding its GPUs, runs queued before it on them)
+    position: int | None = None
+    queued: float | None = None
+    waits_for: list[str] = field(default_factory=list)
     # status.json's fields (docs/run-directory.md)
     version: int | None = None
     pid: int | None = None

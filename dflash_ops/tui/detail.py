@@ -174,6 +174,8 @@ class RunDetailScreen(Screen):
             text.append(f"   skipped {self.dropped} log lines (too fast to show)", style="yellow")
         if self.filter_text:
             text.append(f"   filter: {self.filter_text!r}", style="cyan")
+        if row is not None and row.waits_for:
+            text.append(f"\nwaits for: {row.waits_for}", style="magenta")
         error = (row.error if row else None) or h.error
         if error:
             text.append(f"\nerror: {error}", style="bold red")

@@ -41,6 +41,7 @@ class RunRow:
     gpus: tuple[int, ...] = ()
     error: str | None = None
     restarts: int = 0  # times the supervisor restarted the trainer (run start --restart)
+    waits_for: str | None = None  # a queued run (state `queued #N`): the runs it waits for
     rank: int | None = None  # a run across hosts: this member's rank of `world`
     world: int | None = None
 

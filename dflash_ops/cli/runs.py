@@ -416,8 +416,11 @@ def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: in
     from dflash_ops.runs import follow_file, resolve_run, run_status
 
     container = open_target(inventory, target)
+    watcher = None
     try:
         run_id = run if run is not None else resolve_run(container, None).run_id
+        if follow:
+            watcher = _StateWatcher(container, run_id)
         follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
                     on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
                     on_truncated=lambda reached, size: _hint(
@@ -429,9 +432,60 @@ def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: in
         info = run_status(container, run_id)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    finally:
+        if watcher is not None:
+            watcher.close()
     _hint(_at_step(info))
     if info.effective_state == "failed":
         raise typer.Exit(1)
+
+
+class _StateWatcher:
+    """While `logs -f` / `metrics -f` follows a run, the inventory's `notify: local:` commands run
+    on its state changes (dflash_ops.runs.local_notify): a thread asks its status every POLL_S.
+    Plain thread, not asyncio: the follow itself blocks this process' main thread."""
+
+    POLL_S = 2.0
+
+    def __init__(self, container: Container, run_id: str) -> None:
+        import threading
+
+        from dflash_ops.cli.dash import local_notifier
+
+        self.container, self.run_id = container, run_id
+        self.notifier = local_notifier(container.target, _hint)  # type: ignore[arg-type]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name=f"notify-watch-{run_id}")
+        if self.notifier is not None:
+            self.thread.start()
+
+    def _watch(self) -> None:
+        from dflash_ops.errors import DflashOpsError
+        from dflash_ops.runs import run_status
+
+        assert self.notifier is not None
+        while True:
+            try:
+                self.notifier.see(run_status(self.container, self.run_id))
+            except DflashOpsError:
+                pass  # a dropped connection: the follow says so; look again next time
+            if self.stop.wait(self.POLL_S):
+                return
+
+    def close(self) -> None:
+        """One last look (the final state), then the commands started are let finish."""
+        if self.notifier is None:
+            return
+        self.stop.set()
+        self.thread.join()
+        from dflash_ops.errors import DflashOpsError
+        from dflash_ops.runs import run_status
+
+        try:
+            self.notifier.see(run_status(self.container, self.run_id))
+        except DflashOpsError:
+            pass
+        self.notifier.wait()
 
 
 def pull(

@@ -279,15 +279,19 @@ def run_command(argv: list[str], event: dict, timeout: float = COMMAND_TIMEOUT_S
         raise Failed("%s exited %d%s" % (argv[0], done.returncode, ": " + tail[0][:200] if tail[0] else ""))
 
 
+def _bind(send: Callable[..., None], to: object, event: dict) -> Callable[[], None]:
+    return lambda: send(to, event)
+
+
 def deliver(spec: dict, event: dict, log_failure: Callable[[dict], None],
             sleep: Callable[[float], None] = time.sleep, backoff: tuple[float, ...] = BACKOFF_S) -> bool:
     """Deliver one event to every webhook and command of spec, each retried after `backoff`;
     each failed attempt is handed to log_failure (secrets redacted). True when all got it."""
     sinks: list[tuple[str, Callable[[], None]]] = []
     for url in spec.get("webhooks") or ():
-        sinks.append((redact_url(url), lambda url=url: post(url, event)))
+        sinks.append((redact_url(url), _bind(post, url, event)))
     for argv in spec.get("commands") or ():
-        sinks.append((argv[0], lambda argv=argv: run_command(argv, event)))
+        sinks.append((argv[0], _bind(run_command, argv, event)))
     delivered = True
     for shown, send in sinks:
         for attempt in range(1, len(backoff) + 2):

@@ -152,6 +152,7 @@ def cmd_start(args: argparse.Namespace) -> None:
     finally:
         os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
     if child is None:
+        assert queued is not None
         run_events.ensure_worker(args.base)
         run_events.send_event(args.base, spec, args.run_id, "queued", reason="; ".join(queued["waits_for"]))
         print_json(queued)

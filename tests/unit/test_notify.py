@@ -112,3 +112,35 @@ def test_spec_file_is_private(tmp_path):
     notify.write_spec(str(tmp_path), {"webhooks": ["https://h/s3cret"]})
     assert stat.S_IMODE(os.stat(tmp_path / notify.NOTIFY_FILE).st_mode) == 0o600
     assert notify.read_spec(str(tmp_path))["webhooks"] == ["https://h/s3cret"]
+
+
+def test_a_follower_runs_local_commands_on_the_changes_it_sees(tmp_path):
+    from dflash_ops.runs.info import RunInfo
+    from dflash_ops.runs.local_notify import LocalNotifier
+
+    out = tmp_path / "events.jsonl"
+    script = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read() + '\\n')"
+    errors: list[str] = []
+    notifier = LocalNotifier("host200", [[sys.executable, "-c", script, str(out)]], errors.append)
+
+    def see(state, **fields):
+        made = notifier.see(RunInfo(run_id="r", effective_state=state, **fields))
+        notifier.wait()
+        return [e["state"] for e in made]
+
+    assert see("queued") == []  # first sight: no change seen yet
+    assert see("queued") == []
+    assert see("starting") == ["started"]
+    assert see("running", step=3) == []  # still started
+    assert see("restarting", restarts=[{"reason": "killed by SIGKILL", "step": 3}]) == ["restart"]
+    assert see("running", restarts=[{"reason": "killed by SIGKILL", "step": 3}]) == []
+    assert see("failed", reason="exit 1", log_tail="boom\n", restarts=[{}]) == ["failed"]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["state"], e["target"]) for e in got] == [("started", "host200"), ("restart", "host200"),
+                                                         ("failed", "host200")]
+    assert got[1]["reason"] == "killed by SIGKILL" and got[2]["log_tail"] == "boom\n" and not errors
+    failing = LocalNotifier("host200", [[sys.executable, "-c", "raise SystemExit(4)"]], errors.append)
+    failing.see(RunInfo(run_id="r", effective_state="running"))
+    failing.see(RunInfo(run_id="r", effective_state="done"))
+    failing.wait()
+    assert len(errors) == 1 and "done event of r" in errors[0] and "exited 4" in errors[0]

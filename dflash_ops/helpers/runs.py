@@ -86,18 +86,22 @@ describe_run = run_describe.describe_run
 def cmd_list(args: argparse.Namespace) -> None:
     now = time.time()
     queued = run_queue.queued_runs(args.base)  # not yet runs: no run directory
+    # a run the queue worker is starting has a run directory before its launch.json: still queued
+    starting = {q["run_id"] for q in queued
+                if not os.path.exists(os.path.join(args.base, "runs", q["run_id"], "launch.json"))}
     if args.run:
         run_dir = os.path.join(args.base, "runs", check_run_id(args.run))
         waiting = [q for q in queued if q["run_id"] == args.run]
-        if waiting and not os.path.isdir(run_dir):
+        if waiting and args.run in starting:
             runs = waiting
         elif not os.path.isdir(run_dir):
             raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
         else:
             runs = [describe_run(run_dir, now)]
     else:
-        runs = [describe_run(d, now) for d in run_dirs(args.base) if RUN_ID_RE.match(os.path.basename(d))]
-        runs += [q for q in queued if not os.path.isdir(os.path.join(args.base, "runs", q["run_id"]))]
+        runs = [describe_run(d, now) for d in run_dirs(args.base)
+                if RUN_ID_RE.match(os.path.basename(d)) and os.path.basename(d) not in starting]
+        runs += [q for q in queued if q["run_id"] in starting]
     print_json({"version": 1, "time": now, "runs": runs})
 
 

@@ -124,7 +124,7 @@ def test_a_follower_runs_local_commands_on_the_changes_it_sees(tmp_path):
     notifier = LocalNotifier("host200", [[sys.executable, "-c", script, str(out)]], errors.append)
 
     def see(state, **fields):
-        made = notifier.see(RunInfo(run_id="r", effective_state=state, **fields))
+        made = notifier.see(RunInfo.from_json({"run_id": "r", "effective_state": state, **fields}))
         notifier.wait()
         return [e["state"] for e in made]
 

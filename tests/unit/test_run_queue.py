@@ -70,7 +70,7 @@ def ended_at(container, run_id) -> float:
 
 
 def test_three_runs_on_one_gpu_start_one_after_another(container, tmp_path):
-    assert start(container, tmp_path, SHORT, "q1", queue=True) == "q1"  # its GPU is free: it starts at once
+    assert start(container, tmp_path, LONG, "q1", queue=True) == "q1"  # its GPU is free: it starts at once
     assert start(container, tmp_path, SHORT, "q2", queue=True) == "q2"
     assert start(container, tmp_path, SHORT, "q3", queue=True) == "q3"
     line = queued_runs(container)
@@ -79,12 +79,13 @@ def test_three_runs_on_one_gpu_start_one_after_another(container, tmp_path):
     assert line[1].waits_for[-1] == "q2 is queued before it for GPU 0"
     status = runs.run_status(container, "q3")
     assert status.effective_state == "queued" and status.position == 2 and status.release is not None
+    runs.stop_run(container, "q1", poll=0.05)
     for run_id in ("q1", "q2", "q3"):
         wait(lambda run_id=run_id: runs.run_status(container, run_id), lambda i: i.final and not i.alive)
     for before, after in (("q1", "q2"), ("q2", "q3")):
         gap = launched_at(container, after) - ended_at(container, before)
         assert 0 <= gap <= 10, f"{after} started {gap:.1f}s after {before} ended"
-    assert [r.effective_state for r in runs.list_runs(container)] == ["done", "done", "done"]
+    assert [r.effective_state for r in runs.list_runs(container)] == ["stopped", "done", "done"]
     assert (container.base / "runs" / "q3" / "config.input.yaml").read_text() == SHORT
 
 

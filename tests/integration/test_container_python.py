@@ -31,7 +31,7 @@ pytestmark = pytest.mark.lxc_tier
 REPO = Path(__file__).resolve().parents[2]
 # the helpers and the shared modules that live in the trainer (dflash_ops/helpers/__init__.py SHARED_ELSEWHERE)
 HELPERS = sorted((REPO / "dflash_ops" / "helpers").glob("*.py")) + [REPO / "trainer" / "run" / "contract.py",
-                                                                     REPO / "trainer" / "models" / "destination.py"]
+                                                                     REPO / "trainer" / "run" / "destination.py"]
 OLDEST = (3, 8)
 
 

@@ -19,6 +19,7 @@ def _load(path: Path) -> tuple[Any, Any]:
 
     yaml = YAML()  # round-trip
     yaml.preserve_quotes = True
+    yaml.width = 1 << 16  # never fold a long line the admin wrote on one
     try:
         return yaml, yaml.load(path.read_text())
     except YAMLError as e:

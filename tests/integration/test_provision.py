@@ -134,21 +134,27 @@ def test_a_version_that_cannot_be_had_is_one_line_naming_it_and_where_it_was_loo
 
 
 def test_foreign_lxc_lines_are_kept_and_our_own_line_is_replaced_in_place(node):
-    cli("provision", "host500", "--gpus", "0", "--inventory", str(node))
+    cli("provision", "host500", "--inventory", str(node))  # no GPUs: the container and nothing else
     with conf(node).open("a") as f:  # the admin's lines, and a comment (pct keeps it as description)
         f.write("lxc.cgroup2.devices.allow: c 226:* rwm\nlxc.prlimit.nofile = 4096\n# the admin's note\n")
-    pct(node, "set", "500", "--cores", "2")  # pct rewrites the file: the note moves to the top
+    pct(node, "set", "500", "--cores", "2")  # pct rewrites the file: the note moves up, `=` becomes `: `
     assert conf(node).read_text().splitlines()[1] == "# the admin's note"  # after the stand-in's own
     out = cli("provision", "host500", "--gpus", "0", "--shm", "4", "--yes", "--inventory", str(node))
-    text = conf(node).read_text()
-    assert "lxc.cgroup2.devices.allow: c 226:* rwm" in text and "lxc.prlimit.nofile: 4096" in text
-    assert "size=4G" in text and "size=1G" not in text and "lxc.prlimit.nofile: 1048576" not in text
     assert "kept the config's own `lxc.prlimit.nofile: 4096` (not written by dflash-ops)" in out.stderr
-    assert "restart CT 500" in out.stdout  # the container was running: restarted for its new /dev/shm
+    assert "restart CT 500" in out.stdout  # it was running: restarted for its devices and /dev/shm
+    lxc = [line for line in pct(node, "config", "500").stdout.splitlines() if line.startswith("lxc.")]
+    assert lxc == ["lxc.cgroup2.devices.allow: c 226:* rwm", "lxc.prlimit.nofile: 4096",
+                   "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=4G,create=dir 0 0",
+                   "lxc.prlimit.memlock: unlimited"]
+    cli("provision", "host500", "--gpus", "0", "--shm", "2", "--yes", "--inventory", str(node))
+    lxc = [line for line in pct(node, "config", "500").stdout.splitlines() if line.startswith("lxc.")]
+    assert lxc == ["lxc.cgroup2.devices.allow: c 226:* rwm", "lxc.prlimit.nofile: 4096",
+                   "lxc.mount.entry: tmpfs dev/shm tmpfs rw,nosuid,nodev,size=2G,create=dir 0 0",  # ours, in place
+                   "lxc.prlimit.memlock: unlimited"]
     owned = json.loads((Path(yaml.safe_load(node.read_text())["nodes"]["sim"]["sim_root"]) / "node"
                         / "var/lib/dflash-ops/provision/500.json").read_text())
-    assert ["lxc.cgroup2.devices.allow", "c 226:* rwm"] not in owned["lines"]
-    assert ["lxc.mount.entry", "tmpfs dev/shm tmpfs rw,nosuid,nodev,size=4G,create=dir 0 0"] in owned["lines"]
+    assert owned["lines"] == [["lxc.mount.entry", "tmpfs dev/shm tmpfs rw,nosuid,nodev,size=2G,create=dir 0 0"],
+                              ["lxc.prlimit.memlock", "unlimited"]]
 
 
 def test_a_running_container_is_restarted_only_when_the_user_says_so(node):

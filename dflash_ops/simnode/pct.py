@@ -893,6 +893,8 @@ def lxc_config(node: Node, vmid: str) -> str:
         path = _device_path(options[key])
         lines.append(f"lxc.mount.entry = {node.node_path(path)} {path.lstrip('/')} none bind,create=file 0 0")
     for key, value in _raw_lxc(text):
+        if key.startswith("lxc.prlimit."):
+            value = _prlimit_here(key[len("lxc.prlimit."):], value)
         if key.startswith("lxc.cgroup2.") and v1:  # Proxmox writes cgroup v2 keys; this host has v1
             name = key[len("lxc.cgroup2."):]
             if name in CGROUP2_TO_V1:
@@ -900,6 +902,23 @@ def lxc_config(node: Node, vmid: str) -> str:
             continue
         lines.append(f"{key} = {value}")
     return "".join(line + "\n" for line in lines)
+
+
+def _prlimit_here(name: str, value: str) -> str:
+    """An lxc.prlimit.NAME value this machine can set: a node's root raises any limit, but this
+    machine may itself be a container whose hard limit (memlock: 8 MiB) even root cannot pass
+    (lxc-start then aborts: "Failed to set limit memlock"); such a value becomes the hard limit."""
+    import resource
+
+    which = getattr(resource, f"RLIMIT_{name.upper()}", None)
+    if which is None:
+        return value
+    hard = resource.getrlimit(which)[1]
+    if hard == resource.RLIM_INFINITY:
+        return value
+    words = value.split(":")
+    capped = [str(hard) if w == "unlimited" or (w.isdigit() and int(w) > hard) else w for w in words]
+    return ":".join(capped)
 
 
 _libc = None

@@ -236,7 +236,7 @@ USERSPACE_LIBS = ("libnvidia-ml.so", "libcuda.so")
 def userspace_versions(root: str) -> dict:
     """Versions of the NVIDIA user-space libraries in the container (libnvidia-ml.so.X.Y.Z, libcuda.so.X.Y.Z)
     under `root` (its `/`; a directory container's own tree on the simulated node)."""
-    found = {}
+    found = {}  # type: dict[str, list[str]]
     for sub in USERSPACE_DIRS:
         directory = os.path.join(root, sub)
         try:

@@ -128,7 +128,7 @@ def plan_lxc(config: RawConfig, owned: list[Line], wanted: list[Line]) -> LxcPla
 
 def _is(text: str, line: Line) -> bool:
     raw = LXC_LINE.match(text)
-    return bool(raw) and (raw.group(1), raw.group(3)) == line
+    return raw is not None and (raw.group(1), raw.group(3)) == line
 
 
 def wanted_lxc(*, gpus: tuple[int, ...], devices: tuple[str, ...], devn: bool, uvm_major: int | None,

@@ -13,11 +13,13 @@ import posixpath
 import re
 from typing import TYPE_CHECKING
 
+from dflash_ops import render
 from dflash_ops.provision.node import NodeInfo, ProvisionError
+from dflash_ops.provision.session import node_rendered
 
 if TYPE_CHECKING:
     from dflash_ops.container import Container
-    from dflash_ops.provision import _Session
+    from dflash_ops.provision.session import _Session
 
 # Where provision looks for NVIDIA-Linux-x86_64-VERSION.run on the node, in order.
 INSTALLER_DIRS = ("/var/lib/dflash-ops/nvidia", "/root", "/opt/nvidia")
@@ -71,8 +73,6 @@ def ensure(s: _Session, container: Container, node: NodeInfo, root: str) -> None
             f"(it has {', '.join(sorted(have)) or 'none'}): no {installer_name(want)} on the node in "
             f"{', '.join(INSTALLER_DIRS)}; put that exact version's installer there "
             f"(download.nvidia.com/XFree86/Linux-x86_64/{want}/)")
-    from dflash_ops import render
-    from dflash_ops.provision import node_rendered
 
     inside = posixpath.join(root, "tmp", installer_name(want))
     pct = target.node.pct

@@ -1,4 +1,4 @@
-"""What ops knows about one run: status.json (docs/run-directory.md) plus fields the helper derives."""
+"""What ops knows about one run: status.json (its fields: trainer/run/contract.py) plus fields the helper derives."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.helpers.nodefacts import FINAL_STATES  # the helpers decide what is final; named once
+from trainer.run import contract
+from trainer.run.contract import FINAL_STATES  # the run directory contract decides what is final
 
 __all__ = ["FINAL_STATES", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound", "RunRefused"]
 
@@ -38,10 +39,15 @@ class NotDeployed(RunError):
 
 @dataclass
 class RunInfo:
+    """One run as the runs helper's `list` describes it (helpers/run_describe.py describe_run).
+
+    status.json's fields are the run directory contract's (trainer/run/contract.py STATUS_FIELDS,
+    named and typed there once): read them as attributes (info.loss, info.tau_ratio), each None
+    when absent or of another type; `status` holds them. The fields declared below are the ones the
+    helper derives on the node."""
+
     run_id: str
-    state: str | None = None  # as status.json says; effective_state is the helper's verdict
-    # derived by the runs helper (helpers/runs.py describe_run)
-    effective_state: str = "unknown"
+    effective_state: str = "unknown"  # the helper's verdict; status.json's own is `state`
     checkpoints: list[int] = field(default_factory=list)
     alive: bool = False
     has_status: bool = False
@@ -56,27 +62,15 @@ class RunInfo:
     supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
     restart_policy: str | None = None  # "on-failure:N" (run start --restart)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
-    # status.json's fields (docs/run-directory.md)
-    version: int | None = None
-    pid: int | None = None
-    pid_start: int | None = None
-    step: int | None = None
-    total_steps: int | None = None
-    started: float | None = None
-    heartbeat: float | None = None
-    loss: float | None = None
-    acc: float | None = None
-    tau: float | None = None
-    tau_lookup: float | None = None  # optional: τ of n-gram prompt lookup on the same prompts
-    tau_ratio: float | None = None  # optional: tau / tau_lookup
-    tokens_per_s: float | None = None
-    tokens_per_s_steady: float | None = None  # optional in status.json
-    pad_share: float | None = None  # optional in status.json
-    gpus: list[int] = field(default_factory=list)
-    last_checkpoint: str | None = None
-    recompiles: int | None = None
-    error: dict[str, Any] | None = None
+    gpus: list[int] = field(default_factory=list)  # launch.json's, else status.json's
+    status: dict[str, Any] = field(default_factory=dict)  # contract.status_fields of the document
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """A status field of the contract (None when the run's status.json lacks it)."""
+        if name in contract.status_field_names():
+            return self.__dict__.get("status", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def final(self) -> bool:
@@ -86,6 +80,6 @@ class RunInfo:
     def from_json(cls, doc: dict[str, Any] | str) -> "RunInfo":
         """Build from the helper's per-run document; unknown keys stay in `raw` only."""
         parsed: dict[str, Any] = json.loads(doc) if isinstance(doc, str) else doc
-        known = {f.name for f in fields(cls)} - {"raw"}
-        values = {k: v for k, v in parsed.items() if k in known and v is not None}
-        return cls(**values, raw=dict(parsed))
+        derived = {f.name for f in fields(cls)} - {"status", "raw"}
+        values = {k: v for k, v in parsed.items() if k in derived and v is not None}
+        return cls(**values, status=contract.status_fields(parsed), raw=dict(parsed))

@@ -35,6 +35,7 @@ from dflash_ops import nodekinds
 from dflash_ops.errors import InventoryError
 from dflash_ops.nodekind import NodeKind
 from dflash_ops.yamlfile import read_yaml_node, suggest
+from trainer.run.yamlsafe import BoundedLoader
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 
@@ -122,7 +123,7 @@ class _Mapping(dict):
     key_lines: dict
 
 
-class _MarkedLoader(yaml.SafeLoader):
+class _MarkedLoader(BoundedLoader):
     pass
 
 

@@ -344,12 +344,12 @@ class _MetricPrinter:
         self.total_steps: int | None = None
 
     def line(self, raw: bytes) -> None:
+        from dflash_ops.runs.events import BadLine, parse_event
         from dflash_ops.runs.report import metric_line
 
-        try:
-            event = json.loads(raw)
-        except ValueError:
-            write_stdout(raw)
+        event = parse_event(raw)
+        if isinstance(event, BadLine):
+            write_stdout((event.describe() + "\n").encode())
             return
         if event.get("event") == "start":
             self.total_steps = event.get("total_steps")

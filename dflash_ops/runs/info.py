@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.helpers.nodefacts import FINAL_STATES  # the helpers decide what is final; named once
@@ -77,6 +79,9 @@ class RunInfo:
     recompiles: int | None = None
     error: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    # fields of the document whose value is not of the field's type (dropped: the field reads as
+    # absent), e.g. ["loss: 'x' is not float"]: a hand-edited or foreign status.json
+    bad_fields: list[str] = field(default_factory=list, repr=False)
 
     @property
     def final(self) -> bool:
@@ -86,6 +91,40 @@ class RunInfo:
     def from_json(cls, doc: dict[str, Any] | str) -> "RunInfo":
         """Build from the helper's per-run document; unknown keys stay in `raw` only."""
         parsed: dict[str, Any] = json.loads(doc) if isinstance(doc, str) else doc
-        known = {f.name for f in fields(cls)} - {"raw"}
-        values = {k: v for k, v in parsed.items() if k in known and v is not None}
-        return cls(**values, raw=dict(parsed))
+        values: dict[str, Any] = {}
+        bad: list[str] = []
+        for name, check in _CHECKS.items():
+            value = parsed.get(name)
+            if value is None:
+                continue
+            if check(value):
+                values[name] = value
+            else:
+                bad.append(f"{name}: {value!r:.40} is not {_TYPE_NAMES[name]}")
+        if not isinstance(values.get("run_id"), str):
+            values["run_id"] = str(parsed.get("run_id"))
+        return cls(**values, raw=dict(parsed), bad_fields=bad)
+
+
+def _checker(tp: Any) -> Callable[[Any], bool]:
+    """A check for a value of the field type `tp` (str, int, float, bool, list[X], dict[...], X | None)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _checker(args[0])
+    if origin is list:
+        item = _checker(args[0])
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    if origin is dict or tp is dict:
+        return lambda v: isinstance(v, dict)
+    if tp is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if tp is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    return lambda v: isinstance(v, tp)
+
+
+_HINTS = {name: tp for name, tp in typing.get_type_hints(RunInfo).items() if name not in ("raw", "bad_fields")}
+_CHECKS = {name: _checker(tp) for name, tp in _HINTS.items()}
+_TYPE_NAMES = {name: getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "").replace(" | None", "")
+               for name, tp in _HINTS.items()}

@@ -184,7 +184,7 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
         if isinstance(event, BadLine):
             return
         if event.get("event") == "checkpoint" and event.get("request") == request_id:
-            served.append(event.get("path"))
+            served.append(str(event.get("path")))
 
     while True:
         try:

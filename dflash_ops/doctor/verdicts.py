@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer.train.rundir import atomic_write
+from trainer.run.contract import write_atomic
 
 if TYPE_CHECKING:
     from dflash_ops.doctor.checks import Report
@@ -39,7 +39,7 @@ def record_verdict(target: Target, report: Report) -> None:
            "warned": [c.name for c in report.checks if c.status == "warn"]}
     try:
         state_dir().mkdir(parents=True, exist_ok=True)
-        atomic_write(state_dir() / f"{_key(target)}.json", json.dumps(doc, sort_keys=True).encode())
+        write_atomic(state_dir() / f"{_key(target)}.json", json.dumps(doc, sort_keys=True).encode())
     except OSError:
         pass  # a verdict that cannot be remembered is still printed
 

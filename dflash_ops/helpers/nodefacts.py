@@ -27,9 +27,21 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms a
 if TYPE_CHECKING:
     from typing import BinaryIO  # noqa: F401  (the helpers annotate streams as nodefacts.BinaryIO)
 
-# The run states after which a trainer does no more work (the trainer writes them: trainer/train/rundir.py
-# holds the writer's copy of this tuple, and tests/unit/test_nodefacts.py keeps the two equal).
-FINAL_STATES = ("stopped", "failed", "done")
+if __package__:  # imported by the operator's side, as dflash_ops.helpers.nodefacts
+    from trainer.run import contract
+else:  # run as a script's module: contract.py lies beside it (dflash_ops/helpers/__init__.py)
+    try:
+        import contract  # type: ignore[no-redef]
+    except ImportError:  # run in place from dflash_ops/helpers/ (Container.helpers_in_place): the one copy
+        from trainer.run import contract  # type: ignore[no-redef]
+
+# What the trainer and the helpers agree on has one definition, the run directory's contract
+# (trainer/run/contract.py, shipped beside the helpers): the final states, a process's start time
+# (a zombie counts as gone), the atomic write, fsync and sha256.
+FINAL_STATES = contract.FINAL_STATES
+proc_stat, process_start_ticks = contract.proc_stat, contract.process_start_ticks
+write_file_synced, write_atomic = contract.write_file_synced, contract.write_atomic
+sha256_file, fsync_dir = contract.sha256_file, contract.fsync_dir
 
 START_LOCK = ".start.lock"  # BASE/runs/.start.lock
 GPUS_RE = re.compile(r"^[0-9]{1,4}(,[0-9]{1,4})*$")
@@ -121,67 +133,11 @@ def read_json_checked(path: str) -> tuple[dict | None, str | None]:
     return doc, None
 
 
-def write_file_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Replace `path` with `data` in one rename, the bytes on disk first."""
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    write_file_synced(tmp, data)
-    os.replace(tmp, path)
-
-
 def write_json_atomic(path: str, obj: dict) -> None:
     write_atomic(path, json.dumps(obj, sort_keys=True).encode())
 
 
-def sha256_file(path: str) -> str:
-    import hashlib  # here, not at the top: loading OpenSSL is most of what `runs.py list` would spend on it
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------- processes
-
-def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, session id, start time in clock ticks) from /proc/<pid>/stat, or None when the
-    pid is gone or unreadable. The command name in parentheses may hold spaces and parentheses."""
-    try:
-        with open("/proc/%d/stat" % int(pid), "rb") as f:
-            text = f.read().decode("ascii", "replace")
-    except (OSError, ValueError, TypeError):
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return rest[0], int(rest[3]), int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (the start time that tells a pid's reuse apart), or None when
-    the process is gone or a zombie (it does no more work)."""
-    stat = proc_stat(pid)
-    if stat is None or stat[0] == "Z":
-        return None
-    return stat[2]
-
 
 def process_matches(pid: object, pid_start: object) -> bool:
     """Does `pid` still run, as the process started at `pid_start` ticks (when that is known)?"""

@@ -28,239 +28,51 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
   runs.py checkpoints RUNDIR
   runs.py hash-files ROOT PATH...
 
-Exit status: 0 success, else one of the EXIT_* below (dflash_ops/runs/helper.py imports them).
-Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
+Exit status: 0 success, else one of the EXIT_* of run_protocol.py (dflash_ops/runs/helper.py imports
+them from here). Errors are one JSON object {"error": ...} on stdout (and the message on stderr).
+
+This file is the dispatcher and the small tools; the large ones live in shared modules shipped beside
+it (dflash_ops/helpers/__init__.py RUN_PARTS): run_protocol.py (exit statuses, run id rules, the run
+directory's readers), run_describe.py (list), run_follow.py (follow), run_start.py (start, and the
+trainer's argv, built once) and run_supervise.py (supervise).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import itertools
 import json
 import os
-import re
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
-
-TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms at start on 3.8)
-if TYPE_CHECKING:
-    import subprocess
-    from typing import BinaryIO
+from collections.abc import Callable
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
-    from . import nodefacts
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    from . import nodefacts, run_describe, run_follow, run_protocol, run_start, run_supervise
+else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import run_describe  # type: ignore[no-redef]
+    import run_follow  # type: ignore[no-redef]
+    import run_protocol  # type: ignore[no-redef]
+    import run_start  # type: ignore[no-redef]
+    import run_supervise  # type: ignore[no-redef]
 
-# Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
-EXIT_NOT_FOUND = nodefacts.EXIT_BAD_INPUT  # bad input, or no such run / file / run directory (Refused's default)
-EXIT_REFUSED = 3  # a conflict: the run exists, still runs, or its GPUs are busy
-EXIT_DIED_AT_START = 4  # the trainer exited before it wrote status.json
-EXIT_NOT_DEPLOYED = 5  # no release root (nothing deployed)
-EXIT_TIME_UP = 6  # a follow reached --max-seconds; the run goes on (ask again from the offset reached)
-EXIT_TRUNCATED = 7  # the followed file was truncated or replaced (stderr: `truncated OFFSET NEW_SIZE`)
-EXIT_BROKEN_PIPE = 141  # the reader went away (128 + SIGPIPE)
-
-LOG_TAIL_LINES = 40
+# Exit statuses, named once for both sides (run_protocol.py): dflash_ops.runs maps them to its exceptions.
+EXIT_NOT_FOUND, EXIT_REFUSED = run_protocol.EXIT_NOT_FOUND, run_protocol.EXIT_REFUSED
+EXIT_DIED_AT_START, EXIT_NOT_DEPLOYED = run_protocol.EXIT_DIED_AT_START, run_protocol.EXIT_NOT_DEPLOYED
+EXIT_TIME_UP, EXIT_TRUNCATED = run_protocol.EXIT_TIME_UP, run_protocol.EXIT_TRUNCATED
+EXIT_BROKEN_PIPE = run_protocol.EXIT_BROKEN_PIPE
 CHUNK = 1 << 20
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")
-
 
 Refused = nodefacts.Refused
 print_json = nodefacts.print_json
 read_json = nodefacts.read_json
 read_json_checked = nodefacts.read_json_checked
-write_atomic = nodefacts.write_atomic
-
-
-def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
-        raise Refused("bad run id %r (letters, digits, '.', '_', '-'; at most 128, not starting with '.' or '-')"
-                      % (run_id,))
-    return run_id
-
-
-def check_run_dir(run_dir: str) -> str:
-    """A run directory argument must be BASE/runs/<valid id>: nothing else is read or signalled."""
-    parent, name = os.path.split(os.path.normpath(run_dir))
-    if os.path.basename(parent) != "runs" or ".." in run_dir.split("/"):
-        raise Refused("not a run directory (BASE/runs/ID): %r" % run_dir)
-    check_run_id(name)
-    return run_dir
-
-
-def tail_lines(path: str, n: int) -> str:
-    """The text of the last n lines of a file ("" when missing)."""
-    try:
-        with open(path, "rb") as f:
-            start = start_of_last_lines(f, n)
-            f.seek(start)
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def newlines_before(f: io.BufferedReader, end: int) -> Iterator[int]:
-    """Offsets of the newlines before `end`, the last one first (read backwards in blocks)."""
-    pos = end
-    while pos > 0:
-        size = min(65536, pos)
-        pos -= size
-        f.seek(pos)
-        block = f.read(size)
-        i = block.rfind(b"\n")
-        while i >= 0:
-            yield pos + i
-            i = block.rfind(b"\n", 0, i)
-
-
-def start_of_last_lines(f: io.BufferedReader, n: int, end: int | None = None) -> int:
-    """Byte offset where the last n complete lines before `end` begin."""
-    if end is None:
-        end = f.seek(0, os.SEEK_END)
-    if n <= 0:
-        return end
-    # the newline that ends the last line does not start one
-    starts = (i + 1 for i in newlines_before(f, end) if i != end - 1)
-    return next(itertools.islice(starts, n - 1, None), 0)
-
-
-def complete_end(f: io.BufferedReader, size: int) -> int:
-    """Offset just past the last newline of the file (0 when none)."""
-    return next(newlines_before(f, size), -1) + 1
-
-
-def complete_checkpoints(run_dir: str) -> list[dict]:
-    root = os.path.join(run_dir, "checkpoints")
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found: list[dict] = []
-    for name in names:
-        m = re.match(r"^step_(\d+)$", name)
-        if not m or not os.path.isdir(os.path.join(root, name)):
-            continue
-        manifest = read_json(os.path.join(root, name, "manifest.json"))
-        found.append({"step": int(m.group(1)), "path": "checkpoints/" + name, "manifest": manifest})
-    found.sort(key=lambda c: c["step"])
-    return found
-
-
-def describe_run(run_dir: str, now: float) -> dict:
-    status, broken = read_json_checked(os.path.join(run_dir, "status.json"))
-    info = dict(status or {})
-    info["run_id"] = os.path.basename(run_dir)
-    info["has_status"] = status is not None
-    info["broken"] = broken
-    alive = nodefacts.process_matches(*nodefacts.run_process(run_dir, status))
-    info["alive"] = alive
-    info["gpus"] = run_gpus(run_dir, status)
-    launch = read_json(os.path.join(run_dir, "launch.json")) or {}
-    info["launched"] = launch.get("time")
-    restarts = read_json(os.path.join(run_dir, RESTARTS_FILE))
-    info["restart_policy"] = restarts.get("policy") if restarts else None
-    info["restarts"] = restarts.get("restarts", []) if restarts else []
-    supervised = nodefacts.run_supervisor(run_dir) is not None
-    info["supervised"] = supervised
-    # between two attempts the trainer is gone and status.json is the last attempt's
-    between = supervised and not (alive and (status or {}).get("pid") == launch.get("pid"))
-    info["group"] = read_json(os.path.join(run_dir, "group.json"))
-    heartbeat = info.get("heartbeat")
-    info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
-    try:
-        with open(os.path.join(run_dir, "release"), "rb") as f:
-            info["release"] = f.read().decode("utf-8", "replace").strip() or None
-    except OSError:
-        info["release"] = None
-    checkpoints = complete_checkpoints(run_dir)
-    info["checkpoints"] = [c["step"] for c in checkpoints]
-    if not info.get("last_checkpoint") and checkpoints:
-        info["last_checkpoint"] = checkpoints[-1]["path"]
-    state = info.get("state")
-    info["reason"] = None
-    info["log_tail"] = None
-    if not isinstance(state, str):
-        state = info["state"] = None
-    if broken:
-        info["effective_state"] = "broken"
-        info["reason"] = broken + ("; the process still runs" if alive else "")
-    elif between and state not in ("stopped", "done"):
-        info["alive"] = True
-        last = info["restarts"][-1] if info["restarts"] else None
-        if last and restarts and (last.get("time") or 0) >= (launch.get("time") or 0):
-            info["effective_state"] = "restarting"
-            info["reason"] = "restart %s of %s after: %s" % (last.get("n", last.get("attempt")), restarts.get("max"),
-                                                             last["reason"])
-        else:  # the first attempt of this start has not written its status yet
-            info["effective_state"] = "starting"
-    elif state in nodefacts.FINAL_STATES:
-        info["effective_state"] = state
-        info["alive"] = alive or supervised  # a supervisor still ending counts: not over yet
-    elif alive:
-        info["effective_state"] = state or "starting"
-    else:
-        info["effective_state"] = "failed"
-        info["reason"] = ("process died without saying so" if status is not None
-                          else "no status.json and no live process")
-        at_launch, now_count = launch.get("oom_kills"), oom_kills()
-        if isinstance(at_launch, int) and now_count is not None and now_count > at_launch:
-            info["oom_killed"] = True
-            info["reason"] = ("OOM kill: the container's memory limit was hit (its memory cgroup counted "
-                              "%d OOM kill(s) since the launch)" % (now_count - at_launch))
-    if state == "failed" or info["effective_state"] == "failed":
-        info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
-    return info
-
-
-def read_quietly(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def oom_kills() -> int | None:
-    """OOM kills counted by this process' memory cgroup (the container's, inside a CT's cgroup
-    namespace): cgroup v2 memory.events, else v1 memory.oom_control; None when unreadable."""
-    text = read_quietly("/proc/self/cgroup")
-    v1 = v2 = None
-    for line in text.splitlines():
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if "memory" in controllers.split(","):
-            v1 = path
-        elif controllers == "":
-            v2 = path
-    candidates = []
-    if v1 is not None:
-        candidates.append("/sys/fs/cgroup/memory%s/memory.oom_control" % v1.rstrip("/"))
-    if v2 is not None:
-        candidates.append("/sys/fs/cgroup%s/memory.events" % v2.rstrip("/"))
-    for path in candidates:
-        for line in read_quietly(path).splitlines():
-            if line.startswith("oom_kill "):
-                try:
-                    return int(line.split()[1])
-                except ValueError:
-                    return None
-    return None
-
-
-def run_dirs(base: str) -> list[str]:
-    root = os.path.join(base, "runs")
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    return [os.path.join(root, n) for n in names
-            if not n.startswith(".") and os.path.isdir(os.path.join(root, n))]
+check_run_id, check_run_dir = run_protocol.check_run_id, run_protocol.check_run_dir
+RUN_ID_RE, run_dirs = run_protocol.RUN_ID_RE, run_protocol.run_dirs
+complete_checkpoints, forbid_restarts = run_protocol.complete_checkpoints, run_protocol.forbid_restarts
+describe_run = run_describe.describe_run
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -273,162 +85,6 @@ def cmd_list(args: argparse.Namespace) -> None:
     else:
         runs = [describe_run(d, now) for d in run_dirs(args.base) if RUN_ID_RE.match(os.path.basename(d))]
     print_json({"version": 1, "time": now, "runs": runs})
-
-
-# ---------------------------------------------------------------- following a file
-
-EXIT_GRACE_S = 30
-
-
-def run_is_over(run_dir: str) -> bool:
-    """True once the trainer process is gone. A final status.json alone is not enough, since
-    the trainer still writes its last log lines after it; but a final state whose process
-    cannot be identified (no pid_start) or lingers past EXIT_GRACE_S counts as over."""
-    if not os.path.isdir(run_dir):
-        return True  # the run directory was removed: nothing more will be written
-    if nodefacts.run_supervisor(run_dir) is not None:
-        return False  # between two attempts, or the last one ending: its supervisor still runs
-    status = read_json(os.path.join(run_dir, "status.json"))
-    pid, pid_start = nodefacts.run_process(run_dir, status)
-    if pid is not None and not nodefacts.process_matches(pid, pid_start):
-        return True
-    if not status or status.get("state") not in nodefacts.FINAL_STATES:
-        return False
-    heartbeat = status.get("heartbeat")
-    stale = not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > EXIT_GRACE_S
-    return pid is None or pid_start is None or stale
-
-
-def cmd_follow(args: argparse.Namespace) -> int:
-    """Stream raw bytes of complete lines; the first line is `#offset <start>`.
-
-    Only whole lines are sent while following (a line still being written waits), so the
-    client's offset is always `start + bytes of complete lines received`. When the stream
-    ends for good (no --follow, or the run is over) a final unterminated fragment is sent.
-    With --max-seconds a follow that is not over by then exits EXIT_TIME_UP after its last
-    complete line (no fragment), so a client can stop following promptly or ask again.
-
-    A file that is truncated, rewritten or replaced under the reader (shorter than the
-    offset reached, the bytes before the offset changed, a new inode at PATH) ends the
-    follow with EXIT_TRUNCATED and a `truncated <offset> <new size>` line on stderr: bytes
-    written before the truncation and not yet read are gone, and the client says so.
-    """
-    out = sys.stdout.buffer
-    deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
-    while True:
-        try:
-            f = open(args.path, "rb")
-            break
-        except FileNotFoundError:
-            if not args.follow:
-                raise Refused("no such file: %s" % args.path) from None
-            over = args.until_final and run_is_over(args.until_final)
-            if over or time_is_up(deadline):
-                send_offset(out, args.offset)
-                return 0 if over else EXIT_TIME_UP
-            time.sleep(args.poll)
-    with f:
-        start = args.offset
-        size = os.fstat(f.fileno()).st_size
-        if args.tail_lines is not None:
-            f.seek(0)
-            start = start_of_last_lines(f, args.tail_lines, complete_end(f, size))
-        send_offset(out, start)
-        if start > size:
-            return truncated(start, size)
-        f.seek(start)
-        guard = FileGuard(f, args.path, start)
-        pending: list[bytes] = []  # pieces of the unfinished last line, joined once it ends (linear cost)
-        while True:
-            if args.follow and time_is_up(deadline):
-                return EXIT_TIME_UP
-            if args.follow and guard.rewritten():
-                return truncated(guard.position, guard.size)
-            chunk = f.read(CHUNK)
-            if chunk:
-                guard.advance(chunk)
-                send_lines(out, pending, chunk)
-                continue
-            if not args.follow:
-                break
-            if guard.replaced():
-                return truncated(guard.position, guard.size)
-            if args.until_final and run_is_over(args.until_final):
-                send_lines(out, pending, f.read())
-                break
-            time.sleep(args.poll)
-        out.write(b"".join(pending))
-        out.flush()
-    return 0
-
-
-def send_offset(out: BinaryIO, offset: int) -> None:
-    out.write(b"#offset %d\n" % offset)
-    out.flush()
-
-
-def send_lines(out: BinaryIO, pending: list[bytes], chunk: bytes) -> None:
-    """Send the complete lines of pending + chunk; keep what follows the last newline in pending."""
-    cut = chunk.rfind(b"\n") + 1
-    if cut:
-        out.write(b"".join(pending) + chunk[:cut] if pending else chunk[:cut])
-        out.flush()
-        del pending[:]
-    if cut < len(chunk):
-        pending.append(chunk[cut:])
-
-
-GUARD_BYTES = 64
-
-
-def truncated(offset: int, size: int) -> int:
-    sys.stdout.flush()
-    sys.stderr.write("truncated %d %d\n" % (offset, size))
-    return EXIT_TRUNCATED
-
-
-class FileGuard:
-    """Notices a followed file being truncated, rewritten or replaced under the reader.
-
-    Keeps the last GUARD_BYTES read; before each read they must still be there (one pread),
-    the file must not be shorter than what was read, and PATH must still be this file.
-    """
-
-    def __init__(self, f: io.BufferedReader, path: str, position: int) -> None:
-        self.f = f
-        self.path = path
-        self.position = position
-        self.size = position
-        self.ino = os.fstat(f.fileno()).st_ino
-        back = min(GUARD_BYTES, position)
-        self.tail = os.pread(f.fileno(), back, position - back) if back else b""
-
-    def advance(self, data: bytes) -> None:
-        self.position += len(data)
-        self.tail = (self.tail + data[-GUARD_BYTES:])[-GUARD_BYTES:]
-
-    def rewritten(self) -> bool:
-        """Shorter than what was read, or the bytes just before the offset differ."""
-        fd = self.f.fileno()
-        self.size = os.fstat(fd).st_size
-        if self.size < self.position:
-            return True
-        return bool(self.tail) and os.pread(fd, len(self.tail), self.position - len(self.tail)) != self.tail
-
-    def replaced(self) -> bool:
-        """PATH is now another file (log rotation, an editor's save): this one gets no more bytes."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False  # removed; run_is_over ends the follow when the run directory is gone
-        if st.st_ino == self.ino:
-            return False
-        self.size = st.st_size
-        return True
-
-
-def time_is_up(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
 
 
 # ---------------------------------------------------------------- control requests
@@ -458,340 +114,6 @@ def cmd_control(args: argparse.Namespace) -> None:
             os.unlink(tmp)
     sys.stdout.write(request_id + "\n")
 
-
-# ---------------------------------------------------------------- starting a run
-
-def set_aside_stale_requests(run_dir: str) -> list[str]:
-    """Control requests left by a trainer that was killed before it served them: a stale
-    `stop` would stop the resumed run at its first step. They are renamed (kept, not
-    deleted) to control/.KIND.stale-TIME; returns the kinds set aside."""
-    control = os.path.join(run_dir, "control")
-    stale = []
-    for kind in ("stop", "checkpoint"):
-        path = os.path.join(control, kind)
-        if os.path.isfile(path):
-            os.rename(path, os.path.join(control, ".%s.stale-%d" % (kind, time.time() * 1000)))
-            stale.append(kind)
-    return stale
-
-
-def run_gpus(run_dir: str, status: dict | None) -> list[int]:
-    launch = read_json(os.path.join(run_dir, "launch.json")) or {}
-    gpus = launch.get("gpus") if launch.get("gpus") else (status or {}).get("gpus")
-    return [g for g in (gpus or []) if isinstance(g, int)]
-
-
-def gpu_conflicts(base: str, wanted: list[int], own_run_dir: str) -> list[dict]:
-    conflicts = []
-    for run_dir in run_dirs(base):
-        if os.path.abspath(run_dir) == os.path.abspath(own_run_dir):
-            continue
-        status = read_json(os.path.join(run_dir, "status.json"))
-        pid = nodefacts.live_pid(run_dir, status)  # the trainer's, or between two attempts its supervisor's
-        if pid is None:
-            continue
-        held = sorted(set(run_gpus(run_dir, status)) & set(wanted))
-        if held:
-            conflicts.append({"run_id": os.path.basename(run_dir), "pid": pid, "gpus": held})
-    return conflicts
-
-
-def release_hash(release_root: str) -> str:
-    doc = read_json(os.path.join(release_root, ".dflash-release.json"))
-    if doc and isinstance(doc.get("hash"), str) and doc["hash"]:
-        return doc["hash"]
-    return "dev"
-
-
-def release_python(base: str, release_root: str, fallback: str) -> str:
-    """The release's venv python (docs/container-layout.md), else the given python."""
-    doc = read_json(os.path.join(release_root, ".dflash-release.json")) or {}
-    venv = doc.get("venv")
-    if isinstance(venv, str) and venv:
-        python = os.path.join(base, venv, "bin", "python")
-        if not os.path.exists(python):
-            raise Refused("release %s names venv %s but %s is missing; redeploy" % (
-                doc.get("hash"), venv, python), code=EXIT_NOT_DEPLOYED)
-        return python
-    return fallback
-
-
-def child_env(python: str, gpus: list[int], extra: list[str]) -> dict[str, str]:
-    env = {
-        "PATH": os.path.dirname(os.path.abspath(python)) + ":" + CHILD_PATH_TAIL,
-        "HOME": os.environ.get("HOME") or "/root",
-        "LANG": "C.UTF-8",
-        "PYTHONUNBUFFERED": "1",
-    }
-    for key in PASSED_THROUGH_ENV:
-        if key in os.environ:
-            env[key] = os.environ[key]
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    for item in extra:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise Refused("--env wants KEY=VALUE, got %r" % item)
-        env[key] = value
-    return env
-
-
-def cmd_start(args: argparse.Namespace) -> None:
-    check_run_id(args.run_id)
-    release_root = os.path.realpath(args.release_root)
-    if not os.path.isdir(release_root):
-        raise Refused("nothing deployed: %s does not exist" % args.release_root, code=EXIT_NOT_DEPLOYED, not_deployed=True)
-    python = release_python(args.base, release_root, args.python)
-    runs_root = os.path.join(args.base, "runs")
-    run_dir = os.path.join(runs_root, args.run_id)
-    try:
-        gpus = nodefacts.parse_gpus(args.gpus)
-    except ValueError as e:
-        raise Refused(str(e)) from None
-    config_bytes = None
-    if args.config is not None:
-        config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
-    if args.resume is None and config_bytes is None:
-        raise Refused("--config is required to start a fresh run")
-    if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
-        raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
-    max_restarts = parse_restart(args.restart)
-    lock = nodefacts.start_lock(runs_root)
-    try:
-        child = launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts)
-    finally:
-        os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
-
-    status_path = os.path.join(run_dir, "status.json")
-    launch_path = os.path.join(run_dir, "launch.json")
-    deadline = time.time() + args.wait
-    while time.time() < deadline:
-        code = child.poll()  # the trainer, or its supervisor (which exits with the trainer's status)
-        status = read_json(status_path)
-        trainer = child.pid if max_restarts is None else (read_json(launch_path) or {}).get("pid")
-        if status is not None and trainer is not None and status.get("pid") == trainer:
-            break
-        if code is not None:
-            tail = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
-            raise Refused("trainer exited with status %d before writing status.json" % code, code=EXIT_DIED_AT_START,
-                          exit_code=code, log_tail=tail, run_id=args.run_id)
-        time.sleep(0.02)
-    print_json({"run_id": args.run_id, "pid": (read_json(launch_path) or {}).get("pid") or child.pid,
-                "run_dir": run_dir, "state": (read_json(status_path) or {}).get("state", "starting"),
-                "restart": args.restart or "no"})
-
-
-def parse_restart(text: str | None) -> int | None:
-    """--restart no|on-failure|on-failure:N -> None (not supervised) or N restarts at most."""
-    if text in (None, "", "no"):
-        return None
-    m = re.match(r"^on-failure(?::([0-9]{1,4}))?$", text or "")
-    if not m:
-        raise Refused("--restart wants no, on-failure or on-failure:N, got %r" % text)
-    return DEFAULT_RESTARTS if m.group(1) is None else int(m.group(1))
-
-
-def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: str, gpus: list[int],
-           config_bytes: bytes | None, max_restarts: int | None = None) -> subprocess.Popen[bytes]:
-    """Check GPUs and the run directory, then start the trainer and record launch.json
-    (called under start_lock). Returns the trainer's process; it logs to RUNDIR/train.log."""
-    conflicts = gpu_conflicts(args.base, gpus, run_dir)
-    if conflicts:
-        names = ", ".join("%s (pid %d) holds GPU %s" % (c["run_id"], c["pid"], ",".join(map(str, c["gpus"])))
-                          for c in conflicts)
-        raise Refused("GPUs busy: " + names, code=EXIT_REFUSED, conflicts=conflicts)
-    config_input = os.path.join(run_dir, "config.input.yaml")
-    stale = []
-    if args.resume is None:
-        try:
-            os.mkdir(run_dir)
-        except FileExistsError:
-            raise Refused("run %s already exists; resume it instead" % args.run_id, code=EXIT_REFUSED, exists=True) from None
-        assert config_bytes is not None  # cmd_start refuses a fresh run without --config
-        write_atomic(config_input, config_bytes)
-    else:
-        if not os.path.isdir(run_dir):
-            raise Refused("no run %s to resume" % args.run_id)
-        status = read_json(os.path.join(run_dir, "status.json"))
-        pid, pid_start = nodefacts.run_process(run_dir, status)
-        if pid is not None and nodefacts.process_matches(pid, pid_start):
-            raise Refused("run %s is still running (pid %d)" % (args.run_id, pid), code=EXIT_REFUSED, running_pid=pid)
-        supervisor = nodefacts.run_supervisor(run_dir)
-        if supervisor is not None:
-            raise Refused("run %s is being restarted by its supervisor (pid %d); stop it first"
-                          % (args.run_id, supervisor), code=EXIT_REFUSED, running_pid=supervisor)
-        stale = set_aside_stale_requests(run_dir)
-        if config_bytes is not None:
-            write_atomic(config_input, config_bytes)
-        if not os.path.exists(config_input):
-            config_input = os.path.join(run_dir, "config.yaml")
-    release = release_hash(release_root)
-    write_atomic(os.path.join(run_dir, "release"), (release + "\n").encode())
-
-    argv = [python, "-m", "trainer"]
-    if args.group is not None:
-        write_atomic(os.path.join(run_dir, "group.json"), json.dumps(args.group, sort_keys=True).encode())
-        argv += ["launch", "--nnodes", str(args.nnodes), "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-id", args.run_id, "--local-addr", args.local_addr]
-        argv += ["--store-host"] if args.store_host else []
-    argv += ["--config", config_input, "--run-dir", run_dir]
-    base_argv = list(argv)
-    if args.resume is not None:
-        argv += ["--resume", args.resume]
-    no_restart = os.path.join(run_dir, "control", NO_RESTART)
-    if os.path.exists(no_restart):
-        os.unlink(no_restart)  # an operator's start or resume: the last stop is served
-    record = {"gpus": gpus, "release_root": release_root, "release": release, "time": time.time(),
-              "resume": args.resume, "oom_kills": oom_kills()}
-    with open(os.path.join(run_dir, "train.log"), "ab") as log, open(os.devnull, "rb") as devnull:
-        for kind in stale:
-            log.write(("# dflash-ops: set aside a %s request left from before this start\n" % kind).encode())
-        log.write(("# dflash-ops start %s: %s\n" % (time.strftime("%Y-%m-%d %H:%M:%S"), " ".join(argv))).encode())
-        log.flush()
-        import subprocess  # here, not at the top: `list` and `follow` start faster without it
-
-        env = child_env(python, gpus, args.env)
-        if max_restarts is None:
-            child = subprocess.Popen(argv, cwd=release_root, env=env, stdin=devnull, stdout=log,
-                                     stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
-            record.update(pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv)
-        else:  # the supervisor starts the trainer once launch.json names it (its stdin's EOF says go)
-            child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "supervise", run_dir],
-                                     cwd=release_root, env=env, stdin=subprocess.PIPE, stdout=log,
-                                     stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
-            record["supervisor"] = {"pid": child.pid, "pid_start": nodefacts.process_start_ticks(child.pid)}
-            old = read_json(os.path.join(run_dir, RESTARTS_FILE)) if args.resume is not None else None
-            history = old.get("restarts") if old and isinstance(old.get("restarts"), list) else []
-            # the run's history is kept; this start gets N restarts of its own
-            policy = {"policy": "on-failure:%d" % max_restarts, "max": max_restarts, "restarts": history}
-            write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
-    write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
-    if max_restarts is not None:
-        assert child.stdin is not None
-        child.stdin.write(json.dumps({"argv": argv, "restart_argv": base_argv + ["--resume", "latest"],
-                                      "fresh_argv": base_argv, "max": max_restarts}).encode())
-        child.stdin.close()
-    return child
-
-
-# ---------------------------------------------------------------- supervising a run (--restart on-failure:N)
-
-DEFAULT_RESTARTS = 3
-NO_RESTART = ".no-restart"  # control/.no-restart: an operator stopped the run; never restart it
-RESTARTS_FILE = "restarts.json"
-RESTART_DELAY_S = 1.0
-
-
-def forbid_restarts(run_dir: str, why: str) -> None:
-    """Tell the supervisor of a run started with --restart not to restart it (others: nothing to do)."""
-    if not os.path.exists(os.path.join(run_dir, RESTARTS_FILE)):
-        return
-    control = os.path.join(run_dir, "control")
-    os.makedirs(control, exist_ok=True)
-    write_atomic(os.path.join(control, NO_RESTART), json.dumps({"why": why, "time": time.time()}).encode())
-
-
-def crash_reason(code: int, status: dict | None, pid: int, oom_before: int | None) -> str:
-    """Why the trainer ended, in words: an OOM kill, a signal, a lost peer, its own error, an exit code."""
-    oom_after = oom_kills()
-    if code < 0 and oom_before is not None and oom_after is not None and oom_after > oom_before:
-        return "OOM kill (SIG%s; the container's memory cgroup counted an OOM kill)" % signal.Signals(-code).name
-    error = (status or {}).get("error") if (status or {}).get("pid") == pid else None
-    message = str(error.get("message") or "")[:300] if isinstance(error, dict) else ""
-    if code < 0:
-        try:
-            name = "SIG" + signal.Signals(-code).name.replace("SIG", "")
-        except ValueError:
-            name = "signal %d" % -code
-        return "killed by %s" % name
-    lost = ("peer", "connection reset", "connection closed", "broken pipe", "rendezvous", "timed out", "nccl", "gloo")
-    if message and any(word in message.lower() for word in lost):
-        return "lost peer (exit %d): %s" % (code, message)
-    return "exit %d%s" % (code, ": " + message if message else "")
-
-
-def append_line(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, text.encode("utf-8", "replace"))
-    finally:
-        os.close(fd)
-
-
-def cmd_supervise(args: argparse.Namespace) -> int:
-    """The trainer's parent for a run with --restart (see the module docstring)."""
-    import subprocess
-
-    run_dir = check_run_dir(args.run_dir)
-    plan = json.loads(sys.stdin.buffer.read().decode("utf-8"))  # EOF: launch.json names this supervisor
-    launch_path = os.path.join(run_dir, "launch.json")
-    restarts_path = os.path.join(run_dir, RESTARTS_FILE)
-    log = os.path.join(run_dir, "train.log")
-    argv = plan["argv"]
-    used = 0
-    while True:
-        oom_before = oom_kills()
-        with open(os.devnull, "rb") as devnull:
-            child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
-        record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv,
-                      oom_kills=oom_before)
-        write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
-        code = child.wait()
-        status = read_json(os.path.join(run_dir, "status.json"))
-        state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
-        if code == 0 or state in ("stopped", "done"):
-            return 0
-        if os.path.exists(os.path.join(run_dir, "control", NO_RESTART)):
-            append_line(log, "# dflash-ops supervise: trainer ended (exit %d) after an operator's stop: not restarted\n"
-                        % code)
-            return 0
-        if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
-            append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
-                        % code)
-            return code if code > 0 else 128 - code
-        reason = crash_reason(code, status, child.pid, oom_before)
-        policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
-        if used >= plan["max"]:
-            policy["gave_up"] = {"time": time.time(), "reason": reason}
-            write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
-            append_line(log, "# dflash-ops supervise: %s; no restart left (%d used): the run stays failed\n"
-                        % (reason, used))
-            if state not in nodefacts.FINAL_STATES:  # killed before it could say so
-                write_status_failed(run_dir, status, reason)
-            return code if code > 0 else 128 - code
-        used += 1
-        checkpoints = complete_checkpoints(run_dir)
-        argv = plan["restart_argv"] if checkpoints else plan["fresh_argv"]
-        attempt = len(policy.get("restarts", [])) + 1
-        entry = {"attempt": attempt, "n": used, "time": time.time(), "reason": reason, "exit_code": code,
-                 "step": (status or {}).get("step"),
-                 "from": checkpoints[-1]["path"] if checkpoints else None}
-        policy.setdefault("restarts", []).append(entry)
-        write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
-        event = dict(entry, event="restart", max=plan["max"])
-        append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(event, sort_keys=True) + "\n")
-        append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
-            time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
-            entry["from"] or "the start (no checkpoint yet)"))
-        # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
-        time.sleep(RESTART_DELAY_S)
-
-
-def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:
-    """A trainer killed without a word leaves a live-looking status.json; say what happened."""
-    doc = dict(status or {}, state="failed", error={"message": reason, "thread": "supervisor"})
-    write_atomic(os.path.join(run_dir, "status.json"), json.dumps(doc, sort_keys=True).encode())
-
-
-def parse_group(text: str) -> dict:
-    try:
-        group = json.loads(text)
-    except ValueError:
-        raise Refused("--group wants a JSON object, got %r" % text) from None
-    if not isinstance(group, dict) or not isinstance(group.get("targets"), list) or not isinstance(group.get("index"), int):
-        raise Refused("--group wants {\"targets\": [...], \"index\": N, ...}, got %r" % text)
-    return group
 
 
 def cmd_address(args: argparse.Namespace) -> None:
@@ -823,13 +145,6 @@ def sockname(kind: int, op: str, address: tuple[str, int], failure: str) -> tupl
         except OSError as e:
             raise Refused("%s: %s" % (failure, e.strerror or e)) from None
 
-
-def read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise Refused("cannot read %s: %s" % (path, e.strerror)) from None
 
 
 # ---------------------------------------------------------------- signals, checkpoints, hashes
@@ -914,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("list", cmd_list, "base").add_argument("--run")
 
-    s = command("follow", cmd_follow, "path")
+    s = command("follow", run_follow.cmd_follow, "path")
     s.add_argument("--offset", type=int, default=0)
     s.add_argument("--tail-lines", type=int)
     s.add_argument("--follow", action="store_true")
@@ -924,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("control", cmd_control, "run_dir").add_argument("kind", choices=("checkpoint", "stop"))
 
-    s = command("start", cmd_start)
+    s = command("start", run_start.cmd_start)
     s.add_argument("--base", required=True)
     s.add_argument("--run-id", required=True)
     s.add_argument("--config")
@@ -934,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus")
     s.add_argument("--env", action="append", default=[])
     s.add_argument("--wait", type=float, default=30.0)
-    s.add_argument("--group", type=parse_group)
+    s.add_argument("--group", type=run_start.parse_group)
     s.add_argument("--nnodes", type=int)
     s.add_argument("--rdzv-endpoint")
     s.add_argument("--local-addr")
     s.add_argument("--store-host", action="store_true")
     s.add_argument("--restart")
 
-    command("supervise", cmd_supervise, "run_dir")
+    command("supervise", run_supervise.cmd_supervise, "run_dir")
 
     command("address", cmd_address).add_argument("--toward")
     command("free-port", cmd_free_port).add_argument("--address", required=True)

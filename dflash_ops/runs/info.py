@@ -1,15 +1,14 @@
-"""What ops knows about one run: status.json (docs/run-directory.md) plus fields the helper derives."""
+"""What ops knows about one run: status.json (its fields: trainer/run/contract.py) plus fields the helper derives."""
 
 from __future__ import annotations
 
 import json
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.helpers.nodefacts import FINAL_STATES  # the helpers decide what is final; named once
+from trainer.run import contract
+from trainer.run.contract import FINAL_STATES  # the run directory contract decides what is final
 
 __all__ = ["FINAL_STATES", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound", "RunRefused"]
 
@@ -40,10 +39,15 @@ class NotDeployed(RunError):
 
 @dataclass
 class RunInfo:
+    """One run as the runs helper's `list` describes it (helpers/run_describe.py describe_run).
+
+    status.json's fields are the run directory contract's (trainer/run/contract.py STATUS_FIELDS,
+    named and typed there once): read them as attributes (info.loss, info.tau_ratio), each None
+    when absent or of another type; `status` holds them. The fields declared below are the ones the
+    helper derives on the node."""
+
     run_id: str
-    state: str | None = None  # as status.json says; effective_state is the helper's verdict
-    # derived by the runs helper (helpers/runs.py describe_run)
-    effective_state: str = "unknown"
+    effective_state: str = "unknown"  # the helper's verdict; status.json's own is `state`
     checkpoints: list[int] = field(default_factory=list)
     alive: bool = False
     has_status: bool = False
@@ -58,30 +62,15 @@ class RunInfo:
     supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
     restart_policy: str | None = None  # "on-failure:N" (run start --restart)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
-    # status.json's fields (docs/run-directory.md)
-    version: int | None = None
-    pid: int | None = None
-    pid_start: int | None = None
-    step: int | None = None
-    total_steps: int | None = None
-    started: float | None = None
-    heartbeat: float | None = None
-    loss: float | None = None
-    acc: float | None = None
-    tau: float | None = None
-    tau_lookup: float | None = None  # optional: τ of n-gram prompt lookup on the same prompts
-    tau_ratio: float | None = None  # optional: tau / tau_lookup
-    tokens_per_s: float | None = None
-    tokens_per_s_steady: float | None = None  # optional in status.json
-    pad_share: float | None = None  # optional in status.json
-    gpus: list[int] = field(default_factory=list)
-    last_checkpoint: str | None = None
-    recompiles: int | None = None
-    error: dict[str, Any] | None = None
+    gpus: list[int] = field(default_factory=list)  # launch.json's, else status.json's
+    status: dict[str, Any] = field(default_factory=dict)  # contract.status_fields of the document
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    # fields of the document whose value is not of the field's type (dropped: the field reads as
-    # absent), e.g. ["loss: 'x' is not float"]: a hand-edited or foreign status.json
-    bad_fields: list[str] = field(default_factory=list, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """A status field of the contract (None when the run's status.json lacks it)."""
+        if name in contract.status_field_names():
+            return self.__dict__.get("status", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def final(self) -> bool:
@@ -91,40 +80,6 @@ class RunInfo:
     def from_json(cls, doc: dict[str, Any] | str) -> "RunInfo":
         """Build from the helper's per-run document; unknown keys stay in `raw` only."""
         parsed: dict[str, Any] = json.loads(doc) if isinstance(doc, str) else doc
-        values: dict[str, Any] = {}
-        bad: list[str] = []
-        for name, check in _CHECKS.items():
-            value = parsed.get(name)
-            if value is None:
-                continue
-            if check(value):
-                values[name] = value
-            else:
-                bad.append(f"{name}: {value!r:.40} is not {_TYPE_NAMES[name]}")
-        if not isinstance(values.get("run_id"), str):
-            values["run_id"] = str(parsed.get("run_id"))
-        return cls(**values, raw=dict(parsed), bad_fields=bad)
-
-
-def _checker(tp: Any) -> Callable[[Any], bool]:
-    """A check for a value of the field type `tp` (str, int, float, bool, list[X], dict[...], X | None)."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return _checker(args[0])
-    if origin is list:
-        item = _checker(args[0])
-        return lambda v: isinstance(v, list) and all(item(x) for x in v)
-    if origin is dict or tp is dict:
-        return lambda v: isinstance(v, dict)
-    if tp is float:
-        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    if tp is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
-    return lambda v: isinstance(v, tp)
-
-
-_HINTS = {name: tp for name, tp in typing.get_type_hints(RunInfo).items() if name not in ("raw", "bad_fields")}
-_CHECKS = {name: _checker(tp) for name, tp in _HINTS.items()}
-_TYPE_NAMES = {name: getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "").replace(" | None", "")
-               for name, tp in _HINTS.items()}
+        derived = {f.name for f in fields(cls)} - {"status", "raw"}
+        values = {k: v for k, v in parsed.items() if k in derived and v is not None}
+        return cls(**values, status=contract.status_fields(parsed), raw=dict(parsed))

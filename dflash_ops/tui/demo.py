@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.train.control import ControlPoller
-from trainer.train.rundir import CONTRACT_VERSION, atomic_write, process_start_ticks
+from trainer.run.contract import CONTRACT_VERSION, process_start_ticks, write_atomic
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
@@ -60,14 +60,14 @@ class SimulatedRun:
                   "started": self._started, "heartbeat": self.clock(), "loss": self._loss, "acc": self._acc,
                   "tau": self._tau, "tokens_per_s": self._tps, "gpus": sorted(self.gpus),
                   "last_checkpoint": self.last_checkpoint, "recompiles": 0, "error": None}
-        atomic_write(self.dir / "status.json", json.dumps(status).encode())
+        write_atomic(self.dir / "status.json", json.dumps(status).encode())
 
     # -- lifecycle ---------------------------------------------------------------------
     def begin(self) -> None:
         self._control = ControlPoller(self.dir)  # creates control/ (and the run directory)
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        atomic_write(self.dir / "release", b"dev\n")
-        atomic_write(self.dir / "config.yaml", b"model: tiny\nsteps: %d\n" % self.total_steps)
+        write_atomic(self.dir / "release", b"dev\n")
+        write_atomic(self.dir / "config.yaml", b"model: tiny\nsteps: %d\n" % self.total_steps)
         self.write_status()
         self._event("start", resumed_from=None, total_steps=self.total_steps, config="tiny demo")
         self.log(f"starting run {self.run_id}: tiny demo, {self.total_steps} steps")
@@ -120,7 +120,7 @@ class SimulatedRun:
         if not final.exists():
             tmp = self.dir / "checkpoints" / f".tmp-step_{self.step}-{os.getpid()}"
             tmp.mkdir(parents=True, exist_ok=True)
-            atomic_write(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}).encode())
+            write_atomic(tmp / "manifest.json", json.dumps({"step": self.step, "files": {}}).encode())
             os.replace(tmp, final)
         self.last_checkpoint = rel
         self._event("checkpoint", path=rel, seconds=0.1, request=request_id)

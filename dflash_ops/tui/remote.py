@@ -24,16 +24,13 @@ from dflash_ops.transport.local import LocalTransport
 from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 
 
-_COPIED = ("run_id", "total_steps", "loss", "acc", "tau", "tau_lookup", "tau_ratio", "tokens_per_s", "tokens_per_s_steady", "pad_share",
-           "heartbeat", "release", "last_checkpoint")  # the fields RunRow takes from RunInfo as they are
-
-
 def run_row_from_info(target: str, info: RunInfo) -> RunRow:
-    """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed)."""
+    """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed); the
+    contract's status fields pass through as they are."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
-    return RunRow(target=target, state=info.effective_state, step=info.step or 0, recompiles=info.recompiles or 0,
-                  gpus=tuple(info.gpus or ()), error=error, restarts=len(info.restarts), **{name: getattr(info, name) for name in _COPIED},
-                  **group_fields(info.raw))
+    return RunRow(target=target, run_id=info.run_id, state=info.effective_state, step=info.step or 0,
+                  release=info.release, recompiles=info.recompiles or 0, gpus=tuple(info.gpus or ()), error=error,
+                  restarts=len(info.restarts), status=dict(info.status), **group_fields(info.raw))
 
 
 class RemoteSource:

@@ -10,8 +10,10 @@ the failure on that target and retries with backoff.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
+
+from trainer.run import contract
 
 LogName = Literal["train.log", "metrics.jsonl"]
 RequestKind = Literal["checkpoint", "stop"]
@@ -19,30 +21,30 @@ RequestKind = Literal["checkpoint", "stop"]
 
 @dataclass(frozen=True)
 class RunRow:
-    """One run as its status.json (plus its `release` file) describes it."""
+    """One run as its status.json (plus its `release` file) describes it.
+
+    The status fields the dashboard draws are the run directory contract's (trainer/run/contract.py
+    STATUS_FIELDS): row.loss, row.tau_ratio ... read `status` (None when absent). The fields below
+    are the ones a row reshapes or adds: a new status field needs only the contract and a renderer."""
 
     target: str
     run_id: str
-    state: str
+    state: str  # the helper's effective state: dead runs show failed
     step: int = 0
-    total_steps: int | None = None
-    loss: float | None = None
-    acc: float | None = None
-    tau: float | None = None
-    tau_lookup: float | None = None  # n-gram prompt lookup's τ on the same prompts (status.json, optional)
-    tau_ratio: float | None = None  # tau / tau_lookup
-    tokens_per_s: float | None = None
-    tokens_per_s_steady: float | None = None
-    pad_share: float | None = None
-    heartbeat: float | None = None
     release: str | None = None
     recompiles: int = 0
-    last_checkpoint: str | None = None
     gpus: tuple[int, ...] = ()
-    error: str | None = None
+    error: str | None = None  # the helper's reason, else status.json's error message
     restarts: int = 0  # times the supervisor restarted the trainer (run start --restart)
     rank: int | None = None  # a run across hosts: this member's rank of `world`
     world: int | None = None
+    status: dict[str, Any] = field(default_factory=dict, hash=False)  # contract.status_fields
+
+    def __getattr__(self, name: str) -> Any:
+        """A status field of the contract (None when the run's status.json lacks it)."""
+        if name in contract.status_field_names():
+            return self.__dict__.get("status", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def group_fields(status: dict) -> dict:

@@ -17,7 +17,7 @@ from tests.trainer.test_run import config, events, status
 
 
 def test_failing_status_writes_and_checkpoint_do_not_kill_the_run(tmp_path, monkeypatch):
-    real_write = rundir.atomic_write
+    real_write = rundir.write_atomic
     real_fill = ckpt.CheckpointManager._fill
     calls = {"status": 0, "fill": 0}
 
@@ -34,7 +34,7 @@ def test_failing_status_writes_and_checkpoint_do_not_kill_the_run(tmp_path, monk
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fill(self, tmp, *args, **kwargs)
 
-    monkeypatch.setattr(rundir, "atomic_write", full_for_a_while)
+    monkeypatch.setattr(rundir, "write_atomic", full_for_a_while)
     monkeypatch.setattr(ckpt.CheckpointManager, "_fill", first_checkpoint_fails)
     run = tmp_path / "run"
     assert train(config(steps=6, every=3, fit=0), run) == 0

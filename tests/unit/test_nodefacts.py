@@ -17,7 +17,6 @@ import pytest
 import dflash_ops.helpers as helpers_pkg
 from dflash_ops.helpers import bundle, helper_names, nodefacts, release_store
 from tests.procs import start_ticks
-from trainer.train import rundir
 
 
 @pytest.fixture
@@ -113,12 +112,6 @@ def test_prune_waits_for_a_start_halfway_through(tmp_path):
     assert done.is_set()
 
 
-def test_the_trainer_and_the_helpers_agree_on_the_run_directory_facts():
-    """trainer/train/rundir.py writes what the helpers read; each side has its copy (neither imports the other)."""
-    assert rundir.FINAL_STATES == nodefacts.FINAL_STATES
-    assert rundir.process_start_ticks(os.getpid()) == nodefacts.process_start_ticks(os.getpid()) == start_ticks(os.getpid())
-
-
 @pytest.mark.parametrize("text, gpus", [("0,1", [0, 1]), ("3,1", [1, 3]), ("", []), (None, [])])
 def test_gpu_lists(text, gpus):
     assert nodefacts.parse_gpus(text) == gpus
@@ -132,7 +125,8 @@ def test_gpu_lists_refused(text):
 
 def test_a_helper_ships_with_the_shared_modules_it_imports_and_its_hash_covers_them(tmp_path, monkeypatch):
     runs = bundle("runs")
-    assert [name for name, _ in runs.files] == ["nodefacts.py", "runs.py"]
+    assert [name for name, _ in runs.files] == ["contract.py", "nodefacts.py", "run_protocol.py", "run_describe.py", "run_follow.py",
+                                               "run_start.py", "run_supervise.py", "runs.py"]
     assert [name for name, _ in bundle("gpu-sample").files] == ["gpu_sample.py"]
     assert "nodefacts" not in helper_names() and "runs" in helper_names()
     with pytest.raises(ValueError):

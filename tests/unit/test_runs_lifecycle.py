@@ -251,7 +251,7 @@ def test_a_done_run_resumes_only_from_an_explicit_step(container, tmp_path):
 
 def test_crash_reasons_the_supervisor_records():
     """What `run status` says a restart was for: a signal, a lost peer, the trainer's own error, an exit code."""
-    from dflash_ops.helpers.runs import crash_reason
+    from dflash_ops.helpers.run_supervise import crash_reason
 
     def status(message):
         return {"pid": 42, "state": "failed", "error": {"message": message, "thread": "main"}}

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from trainer.train.rundir import FINAL_STATES, atomic_write, process_start_ticks
+from trainer.run.contract import CONTRACT_VERSION, FINAL_STATES, process_start_ticks, write_atomic
 
 SIOCGIFADDR = 0x8915
 
@@ -52,14 +52,14 @@ def read_status(run_dir: Path) -> dict | None:
 
 def write_status(run_dir: Path, status: dict) -> None:
     status["heartbeat"] = time.time()
-    atomic_write(run_dir / "status.json", json.dumps(status, indent=1).encode())
+    write_atomic(run_dir / "status.json", json.dumps(status, indent=1).encode())
 
 
 def initial_status(run_dir: Path, args: argparse.Namespace) -> dict:
     """What `run start` reads until the rank writes its own: this launcher, waiting for the others."""
     pid = os.getpid()
     now = time.time()
-    return {"version": 1, "run_id": run_dir.name, "state": "starting", "pid": pid, "pid_start": process_start_ticks(pid),
+    return {"version": CONTRACT_VERSION, "run_id": run_dir.name, "state": "starting", "pid": pid, "pid_start": process_start_ticks(pid),
             "step": 0, "total_steps": None, "started": now, "heartbeat": now, "loss": None, "acc": None, "tau": None,
             "tokens_per_s": None, "gpus": [], "last_checkpoint": None, "recompiles": 0, "error": None,
             "distributed": {"nnodes": args.nnodes, "rendezvous": args.rdzv_endpoint, "joined": False,

@@ -1,2 +1,1 @@
-"""The trainer's ground floor: what every role reads (config, run directory, control, the file
-formats) and the operator side may import too. Torch-free; imports nothing above it."""
+"""The ground floor every role of the trainer stands on (config, the run directory and its contract)."""

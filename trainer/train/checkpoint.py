@@ -7,7 +7,6 @@ manifest.json {"step", "files": {name: {"size", "sha256"}}} written last.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from trainer.run.contract import fsync_dir, fsync_file, sha256_file, write_file_synced
 
 MODEL_FILE = "drafter.safetensors"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
@@ -29,38 +30,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def _write_torch(path: Path, obj: object) -> None:
     """torch.save to a path (its C++ writer, not an in-memory copy of gigabytes under the GIL)."""
     torch.save(obj, str(path))
-    _fsync_file(path)
+    fsync_file(path)
 
 
 def rng_state() -> dict:
@@ -95,7 +68,7 @@ class CheckpointManager:
         latest `keep`; the previous best goes when it is not one of those."""
         previous = self.best
         self.best = {"step": step, "tau": tau}
-        _write_bytes(self.dir / ".best.json.tmp", json.dumps(self.best).encode())
+        write_file_synced(self.dir / ".best.json.tmp", json.dumps(self.best).encode())
         os.replace(self.dir / ".best.json.tmp", self.dir / BEST)
         if previous is not None and previous["step"] != step:
             self.prune()
@@ -138,20 +111,20 @@ class CheckpointManager:
         if final.exists():
             self._discard(final)
         os.rename(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.prune()
         return final, time.time() - began
 
     def _fill(self, tmp: Path, step: int, model: dict[str, torch.Tensor], drafter_config: dict, optim: dict,
               trainer_state: dict) -> None:
         save_file({k: v.contiguous() for k, v in model.items()}, str(tmp / MODEL_FILE))
-        _fsync_file(tmp / MODEL_FILE)
-        _write_bytes(tmp / DRAFTER_CONFIG_FILE, json.dumps(drafter_config, indent=1).encode())
+        fsync_file(tmp / MODEL_FILE)
+        write_file_synced(tmp / DRAFTER_CONFIG_FILE, json.dumps(drafter_config, indent=1).encode())
         _write_torch(tmp / OPTIM_FILE, optim)
         _write_torch(tmp / STATE_FILE, {**trainer_state, "step": step})
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-        _write_bytes(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
-        _fsync_dir(tmp)
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
+        write_file_synced(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+        fsync_dir(tmp)
 
     def _discard(self, path: Path) -> None:
         trash = self.dir / f".trash-{path.name}-{os.getpid()}"
@@ -187,7 +160,7 @@ def verify(path: Path, only: tuple[str, ...] | None = None) -> dict:
         if only is not None and name not in only:
             continue
         f = path / name
-        if not f.exists() or f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
+        if not f.exists() or f.stat().st_size != meta["size"] or sha256_file(f) != meta["sha256"]:
             raise CheckpointError(f"{f}: does not match manifest.json")
     return manifest
 

@@ -41,7 +41,8 @@ from trainer.models.objective import drafter_loss_sums
 from trainer.pipeline.stopping import PipelineFailed, StopSignal
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
-from trainer.train.rundir import RunDir, atomic_write
+from trainer.run.contract import write_atomic
+from trainer.train.rundir import RunDir
 from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
 from trainer.models.target_loading import complete_for_decoding
@@ -145,7 +146,7 @@ class Trainer:
         self.hosts.join()
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
+        write_atomic(self.run_dir / "config.yaml", dump_config(cfg).encode())
         resumed_from = self.hosts.resolve_resume(self.checkpoints, resume) if resume else None
         from trainer.models.memory_plan import DoesNotFit, build_plan
 

@@ -1,4 +1,5 @@
-"""The run directory (docs/run-directory.md, version 1): status.json, metrics.jsonl, train.log."""
+"""The run directory's writer (docs/run-directory.md; its contract, the version, final states, status
+fields and the atomic write, is trainer/run/contract.py): status.json, metrics.jsonl, train.log."""
 
 from __future__ import annotations
 
@@ -10,32 +11,7 @@ import time
 from typing import Any
 from pathlib import Path
 
-CONTRACT_VERSION = 1
-FINAL_STATES = ("stopped", "failed", "done")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write tmp, fsync, rename: readers see the old or the new file, never half of one.
-    A failed write (a full disk) removes its tmp file and raises."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (start time in clock ticks), or None off Linux."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+from trainer.run.contract import CONTRACT_VERSION, process_start_ticks, write_atomic
 
 
 class RunDir:
@@ -101,7 +77,7 @@ class RunDir:
             self.status["heartbeat"] = time.time()
             data = json.dumps(self.status, indent=1).encode()
             try:
-                atomic_write(self.root / "status.json", data)
+                write_atomic(self.root / "status.json", data)
             except OSError as e:
                 self._lost("status", e)
                 return False

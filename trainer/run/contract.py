@@ -1,0 +1,159 @@
+"""The run directory's contract between the trainer and the helpers (docs/run-directory.md), in code:
+its version, the final states, status.json's fields (names and types, once), the metrics.jsonl
+event kinds, a process's start time (the one liveness rule: a zombie counts as gone), and how a
+file is written (atomic replace, fsync) and hashed.
+
+Stdlib only, python 3.8+: the trainer imports it as trainer.run.contract, and dflash-ops ships this
+same file beside its helpers as a shared module (dflash_ops/helpers/__init__.py SHARED_ELSEWHERE),
+since the trainer never imports dflash_ops and the helpers run on the container's python. A change
+here is a new version of every helper that imports it (its hash covers this file).
+"""
+
+from __future__ import annotations
+
+import os
+
+CONTRACT_VERSION = 1
+
+# The run states after which a trainer does no more work.
+FINAL_STATES = ("stopped", "failed", "done")
+STATES = ("starting", "warmup", "running", "checkpointing") + FINAL_STATES
+
+# status.json's fields, each with the JSON type a reader accepts (an int passes for a float; None
+# is always allowed: a field not measured yet, or optional). The trainer writes them
+# (trainer/train/rundir.py, metrics.py); dflash_ops' RunInfo and the dashboard's RunRow read the
+# same list, so a new field is named here and in whatever draws it.
+STATUS_FIELDS = (
+    ("version", int),  # CONTRACT_VERSION
+    ("run_id", str),  # the directory's name
+    ("state", str),  # one of STATES
+    ("pid", int),  # the trainer's process id
+    ("pid_start", int),  # process_start_ticks(pid): tells a reused pid from the trainer
+    ("step", int),  # optimizer steps completed
+    ("total_steps", int),
+    ("started", float),  # unix time the process started
+    ("heartbeat", float),  # unix time of the last update (at least every 10 s while alive)
+    ("loss", float),
+    ("acc", float),
+    ("tau", float),  # pooled mean acceptance length of the last evaluation
+    ("tau_per_prompt", float),
+    ("tau_lookup", float),  # n-gram prompt lookup's tau on the same prompts
+    ("tau_ratio", float),  # tau / tau_lookup
+    ("tokens_per_s", float),
+    ("tokens_per_s_steady", float),
+    ("pad_share", float),
+    ("gpus", list),  # GPU indices the run holds
+    ("last_checkpoint", str),  # e.g. checkpoints/step_40
+    ("last_checkpoint_error", dict),  # {step, message}
+    ("recompiles", int),
+    ("error", dict),  # {message, traceback, thread} when state is failed
+    ("write_failures", dict),  # {status, metrics, log}: writes lost (a full disk)
+    ("last_write_error", dict),  # {what, message, time}
+    ("distributed", dict),  # a run across hosts (docs/multi-node.md)
+)
+
+# metrics.jsonl: every line is {"event": one of these, "time": float, "step": int, ...}
+EVENT_KINDS = ("start", "warmup", "step", "eval", "checkpoint", "checkpoint_failed", "stop", "error",
+               "restart")  # restart: written by the helpers' supervisor
+
+
+def status_field_names() -> tuple[str, ...]:
+    return tuple(name for name, _ in STATUS_FIELDS)
+
+
+def status_value(name: str, value: object) -> object:
+    """`value` when it has the contract's type for status field `name`, else None (a reader's view:
+    a wrong type is treated as absent, never trusted)."""
+    kind = dict(STATUS_FIELDS).get(name)
+    if kind is None or value is None or isinstance(value, bool):
+        return None
+    if kind is float:
+        return value if isinstance(value, (int, float)) else None
+    return value if isinstance(value, kind) else None
+
+
+def status_fields(doc: dict) -> dict:
+    """The contract's status fields of a status.json document (or a helper's document holding
+    them), each of the right type; the absent and the mistyped ones left out."""
+    found = {}
+    for name, _ in STATUS_FIELDS:
+        value = status_value(name, doc.get(name))
+        if value is not None:
+            found[name] = value
+    return found
+
+
+# ---------------------------------------------------------------- processes
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, session id, start time in clock ticks) from /proc/<pid>/stat, or None when the
+    pid is gone or unreadable. The command name in parentheses may hold spaces and parentheses."""
+    try:
+        with open("/proc/%d/stat" % int(pid), "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except (OSError, ValueError, TypeError):
+        return None
+    rest = text[text.rfind(")") + 2:].split()
+    try:
+        return rest[0], int(rest[3]), int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (the start time that tells a pid's reuse apart), or None when
+    the process is gone, unreadable (off Linux) or a zombie: a zombie does no more work, so every
+    liveness check on either side (the helpers, the trainer's launcher) counts it as gone."""
+    stat = proc_stat(pid)
+    if stat is None or stat[0] == "Z":
+        return None
+    return stat[2]
+
+
+# ---------------------------------------------------------------- files
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_synced(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` and fsync it (no rename: see write_atomic)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `path` with `data` in one rename, the bytes on disk first: readers see the old or
+    the new file, never half of one. The tmp file (.NAME.PID.tmp beside it: readers ignore names
+    starting with '.') is removed when the write fails (a full disk), and the error raised."""
+    head, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(head, ".%s.%d.tmp" % (name, os.getpid()))
+    try:
+        write_file_synced(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file's bytes, read in chunks."""
+    import hashlib  # here, not at the top: loading OpenSSL is most of what `runs.py list` would spend on it
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()

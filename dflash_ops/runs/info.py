@@ -61,6 +61,7 @@ class RunInfo:
     launched: float | None = None
     supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
     restart_policy: str | None = None  # "on-failure:N" (run start --restart)
+    unsupervised: str | None = None  # "no longer supervised: why" (a --restart run whose supervisor is gone)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
     gpus: list[int] = field(default_factory=list)  # launch.json's, else status.json's
     status: dict[str, Any] = field(default_factory=dict)  # contract.status_fields of the document

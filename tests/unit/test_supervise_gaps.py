@@ -71,3 +71,40 @@ def test_a_failed_write_of_its_own_ends_supervision_with_the_reason(tmp_path):
     assert "supervision stopped, the run is not restarted" in log and "restarts.json" in log
     assert (run / "attempts").read_text() == "x"
     assert os.path.isdir(run / "restarts.json")
+
+
+def test_a_supervisor_killed_by_a_signal_is_reported_by_run_status(tmp_path):
+    import signal
+    import time
+
+    from dflash_ops.helpers.nodefacts import process_start_ticks
+    from dflash_ops.helpers.run_describe import describe_run
+    from dflash_ops.runs.info import RunInfo
+
+    run = run_dir(tmp_path)
+    (run / "trainer.py").write_text(CRASHER.replace("sys.exit(1)", "import time; time.sleep(60)"))
+    argv = [sys.executable, str(run / "trainer.py"), str(run)]
+    sup = subprocess.Popen([sys.executable, str(RUNS), "supervise", str(run)], stdin=subprocess.PIPE)
+    (run / "launch.json").write_text(json.dumps({"supervisor": {"pid": sup.pid, "pid_start": process_start_ticks(sup.pid)}}))
+    assert sup.stdin is not None
+    sup.stdin.write(json.dumps({"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv}).encode())
+    sup.stdin.close()  # EOF: go
+    trainer = None
+    for _ in range(600):
+        launch = json.loads((run / "launch.json").read_text() or "{}")
+        if launch.get("pid") and (run / "status.json").exists():
+            trainer = launch["pid"]
+            break
+        time.sleep(0.05)
+    assert trainer
+    assert RunInfo.from_json(describe_run(str(run), time.time())).unsupervised is None
+    sup.send_signal(signal.SIGKILL)
+    sup.wait()
+    try:
+        info = RunInfo.from_json(describe_run(str(run), time.time()))
+        from dflash_ops.runs.report import status_detail
+
+        assert any(info.unsupervised in line for line in status_detail(info))  # the trainer still runs: said below the row
+        assert info.unsupervised == f"no longer supervised: its supervisor (pid {sup.pid}) is gone without a word (killed by a signal?)"
+    finally:
+        os.kill(trainer, signal.SIGKILL)

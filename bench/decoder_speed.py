@@ -28,7 +28,7 @@ from trainer.models import decoder
 from transformers import Qwen3Config
 
 from trainer.models.target import random_8b_shape_target, random_target, tiny_target
-from trainer.train.config import TinyTargetConfig
+from trainer.run.config import TinyTargetConfig
 
 
 def sync(device: str) -> None:

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 import trainer.models.drafter as drafter_module  # noqa: E402
-from trainer.train.config import OptimConfig, default_gamma  # noqa: E402
+from trainer.run.config import OptimConfig, default_gamma  # noqa: E402
 from trainer.models.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.models.masks import prepare_blocks, resolve_backend  # noqa: E402
 from trainer.models.objective import drafter_loss_sums  # noqa: E402

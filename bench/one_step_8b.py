@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainer.train.config import OptimConfig, TinyTargetConfig, default_gamma
+from trainer.run.config import OptimConfig, TinyTargetConfig, default_gamma
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.train.loop import autocast_for
 from trainer.models.masks import prepare_blocks, resolve_backend

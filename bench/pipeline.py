@@ -61,7 +61,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 from trainer.train.components import Components, build_drafter  # noqa: E402
-from trainer.train.config import TinyTargetConfig, parse_config  # noqa: E402
+from trainer.run.config import TinyTargetConfig, parse_config  # noqa: E402
 from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
@@ -224,7 +224,7 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
     from trainer.models.target_loading import place, stage_plan
-    from trainer.train.config import target_replicas
+    from trainer.run.config import target_replicas
 
     place(target, stage_plan(target, drafter.config.target_layer_ids, target_replicas(cfg.devices)[0]))
     opt = build_optimizer(drafter.parameters(), cfg.optim)
@@ -286,7 +286,7 @@ def _stage_alone(tr, which, n_micro, peak, around):
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features, WorkerLinks
     from trainer.distributed.grad_sync import ReplicaAllReduce
-    from trainer.pipeline.stopping import StopSignal
+    from trainer.run.stopping import StopSignal
     from trainer.pipeline.device_stats import BusyMeter
     from trainer.models.masks import prepare_blocks
 

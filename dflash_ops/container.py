@@ -296,15 +296,19 @@ def exec_killed_after(container: ContainerAPI, argv: list[str], timeout: float |
     by Ctrl-C, a lost connection or the transport's backstop timeout, one more exec kills every
     process carrying its tag: its whole tree, also children in process groups of their own.
     """
-    wrapped, backstop = (argv, None) if timeout is None else render.killed_after(timeout, argv)
-    token = uuid.uuid4().hex
+    return run_exec_plan(container, render.exec_plan(argv, timeout), **kwargs)
+
+
+def run_exec_plan(container: ContainerAPI, plan: render.ExecPlan, **kwargs: Any) -> Result:
+    """Run an exec plan (render.exec_plan, which `--print-command` prints): its argv, its backstop,
+    and when the call ends early, kill_tagged with its token."""
     try:
-        result = container.exec(render.tagged(token, wrapped), timeout=backstop, **kwargs)
+        result = container.exec(list(plan.argv), timeout=plan.backstop, **kwargs)
     except (KeyboardInterrupt, ConnectionLost, CommandTimeout):  # the command may still run there
-        kill_tagged(container, token)
+        kill_tagged(container, plan.token)
         raise
-    if timeout is not None and result.exit_code in render.TIMED_OUT:
-        raise CommandTimeout(render.node_command(argv), timeout)
+    if plan.timeout is not None and result.exit_code in render.TIMED_OUT:
+        raise CommandTimeout(render.node_command(plan.command), plan.timeout)
     return result
 
 

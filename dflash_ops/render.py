@@ -13,6 +13,7 @@ Everything else in dflash_ops passes lists of strings around and calls these fun
 from __future__ import annotations
 
 import shlex
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,40 @@ def tagged(token: str, argv: Sequence[str]) -> list[str]:
     if "=" in argv[0]:
         return ["env", f"{EXEC_TAG}={token}", "sh", "-c", 'exec "$@"', "sh", *argv]
     return ["env", f"{EXEC_TAG}={token}", *argv]
+
+
+@dataclass(frozen=True)
+class ExecPlan:
+    """One tagged exec (`dflash-ops exec`, a playbook step): what the user asked for, the argv the
+    container runs (under coreutils `timeout` when there is a limit, then tagged), the transport's
+    backstop timeout and the tag. The real run (container.exec_killed_after) and `--print-command`
+    both take it from exec_plan(), so what is printed is what runs."""
+
+    command: tuple[str, ...]  # the argv as given
+    argv: tuple[str, ...]  # what the container process receives: tagged(token, killed_after(...) or command)
+    backstop: float | None  # the transport gives up after this many seconds (None: never)
+    token: str  # EXEC_TAG=token marks the command's whole process tree (kill_tagged)
+    timeout: float | None = None
+
+    def layers(self) -> list[tuple[str, str]]:
+        """The plan's own lines of --print-command (the container argv and below: Rendered.layers)."""
+        lines = [("command", repr(list(self.command)))]
+        if self.timeout is not None:
+            lines.append(("timeout", f"coreutils timeout inside the container: TERM after {self.timeout:g} s, "
+                                     f"KILL {KILL_GRACE_S} s later (exit 124 or 137)"))
+        lines.append(("tag", f"{EXEC_TAG}={self.token} (a fresh token each run: one more exec kills every process "
+                             "carrying it when the call ends early)"))
+        lines.append(("backstop", "none" if self.backstop is None else f"the transport gives up after {self.backstop:g} s"))
+        return lines
+
+
+def exec_plan(argv: Sequence[str], timeout: float | None = None, token: str | None = None) -> ExecPlan:
+    """The one plan of a tagged exec (ExecPlan); `token` defaults to a fresh random one."""
+    command = _check_argv(argv)
+    wrapped, backstop = (list(command), None) if timeout is None else killed_after(timeout, command)
+    token = token or uuid.uuid4().hex
+    return ExecPlan(command=command, argv=tuple(tagged(token, wrapped)), backstop=backstop, token=token,
+                    timeout=timeout)
 
 
 # Kills every process in the container whose environment holds EXEC_TAG=TOKEN ($1), found by one GNU

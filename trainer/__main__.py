@@ -22,7 +22,7 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint step number")
     args = p.parse_args(argv)
-    from trainer.train.config import ConfigError, load_config
+    from trainer.run.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -64,9 +64,9 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="also replace an earlier output of another dflash-ops "
                    "command (a fetch, a push); never files no command wrote")
     args = p.parse_args(argv)
-    from trainer.models import destination
+    from trainer.run import destination
     from trainer.models.export import export_checkpoint
-    from trainer.train.checkpoint import CheckpointError
+    from trainer.run.checkpoint import CheckpointError
 
     try:
         print(f"exported to {export_checkpoint(args.checkpoint, args.out, force=args.force)}")
@@ -94,7 +94,7 @@ def _data_report(argv: list[str]) -> int:
     p.add_argument("--config", required=True, help="trainer YAML config")
     args = p.parse_args(argv)
     from trainer.data.chat import DataError
-    from trainer.train.config import ConfigError, load_config
+    from trainer.run.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
@@ -113,7 +113,7 @@ def _data_report(argv: list[str]) -> int:
     print(format_report(report, cfg, cfg.model.target.path or "synthetic word-level"))
     if cfg.model.target.path is not None:
         from trainer.data.report import format_family
-        from trainer.models.family import family_of_dir
+        from trainer.run.family import family_of_dir
 
         print(format_family(family_of_dir(cfg.model.target.path), cfg))
     return 0
@@ -127,7 +127,7 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--gpus", type=int, default=None, help="plan for a host with this many GPUs (default: this one's)")
     p.add_argument("--gpu-gib", type=float, default=None, help="with --gpus: each GPU's memory in GiB (H200: 139)")
     args = p.parse_args(argv)
-    from trainer.train.config import ConfigError, load_config
+    from trainer.run.config import ConfigError, load_config
 
     if (args.gpus is None) != (args.gpu_gib is None):
         print("plan: --gpus and --gpu-gib go together", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.train.config import TrainerConfig
+from trainer.run.config import TrainerConfig
 from trainer.distributed.group import GroupEnv
 from trainer.train.loop import PipelineKind, ReferencePipeline, Trainer
 from trainer.pipeline.threaded import ThreadedPipeline

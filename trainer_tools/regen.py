@@ -346,8 +346,8 @@ def _completion(reply: object, retries: int, limit: int) -> Completion:
 
 def quantized_checkpoint(model_path: str) -> bool:
     """Whether the directory's config.json names a quantization the trainer's loader decodes
-    (trainer.models.family.QUANTIZATIONS: gpt-oss's MXFP4, block-scaled FP8)."""
-    from trainer.models.family import QUANTIZATIONS, family_of_dir
+    (trainer.run.family.QUANTIZATIONS: gpt-oss's MXFP4, block-scaled FP8)."""
+    from trainer.run.family import QUANTIZATIONS, family_of_dir
 
     family = family_of_dir(model_path)
     return family is not None and family.quantization in QUANTIZATIONS

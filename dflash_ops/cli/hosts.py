@@ -9,7 +9,7 @@ import typer
 from dflash_ops import render
 from dflash_ops.cli.common import (ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, open_target,
                                   write_stderr, write_stdout)
-from dflash_ops.container import exec_killed_after
+from dflash_ops.container import run_exec_plan
 from dflash_ops.inventory import Node, load_inventory
 
 
@@ -66,14 +66,14 @@ def exec_(
     if not argv:
         fail("no command given: dflash-ops exec TARGET -- ARGV...", 2)
     container = open_target(inventory, target)
+    plan = render.exec_plan(argv, timeout)  # what --print-command shows is this plan, and it is what runs
     if print_command:
-        rendered = container.render(argv if timeout is None else render.killed_after(timeout, argv)[0])
-        for label, value in rendered.layers():
+        for label, value in [*plan.layers(), *container.render(list(plan.argv)).layers()]:
             typer.echo(f"{label}: {value}")
         typer.echo(f"transport: {_describe_transport(container.target.node)}")
         return
-    result = exec_killed_after(container, argv, timeout, stdin=None if no_stdin else forwarded_stdin(),
-                               on_line=write_stdout, on_stderr_line=write_stderr)
+    result = run_exec_plan(container, plan, stdin=None if no_stdin else forwarded_stdin(),
+                           on_line=write_stdout, on_stderr_line=write_stderr)
     raise typer.Exit(result.exit_code)
 
 

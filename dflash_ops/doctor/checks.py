@@ -166,11 +166,11 @@ def config_check(i: Inputs) -> Check | None:
 
 
 def target_model_check(i: Inputs) -> Check | None:
-    """The target's family from its config.json in the container (trainer.models.family): layers by
+    """The target's family from its config.json in the container (trainer.run.family): layers by
     kind, MoE, the weights' memory in the run's dtype; a quantized checkpoint the trainer cannot read,
     and packed rows where the family cannot have them exactly, fail here (the trainer refuses both at
     config load)."""
-    from trainer.models.family import read_family
+    from trainer.run.family import read_family
 
     model = i.found.get("model")
     if not model or "error" in model or not isinstance(model.get("config"), dict):
@@ -205,7 +205,7 @@ def memory_plan_check(i: Inputs) -> Check | None:
         return None
     try:
         from trainer.models.memory_plan import build_plan
-        from trainer.train.config import ConfigError, load_config
+        from trainer.run.config import ConfigError, load_config
     except ImportError:
         return None
     try:

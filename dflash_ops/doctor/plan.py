@@ -22,7 +22,7 @@ MIB = 1 << 20
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, num_hidden_layers=36)
 
-BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/train/checkpoint.py)
+BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/run/checkpoint.py)
 CHECKPOINT_OVERHEAD = 16 * MIB  # trainer state, RNG states, manifest, safetensors header
 SHM_CPU_RUN = 64 * MIB  # Docker's default: enough for Python's semaphores, not for NCCL
 SHM_PER_GPU = 512 * MIB
@@ -78,7 +78,7 @@ class RunPlan:
 
     def ram_needed(self, model_dims: dict | None = None) -> int:
         """A checkpoint is assembled in host memory: the weights copied to the CPU and the
-        optimizer state serialised into a buffer (trainer/train/checkpoint.py), about 2x its size."""
+        optimizer state serialised into a buffer (trainer/run/checkpoint.py), about 2x its size."""
         size = self.checkpoint_bytes(model_dims) or 0
         return RAM_BASE + 2 * size
 
@@ -107,7 +107,7 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
         return RunPlan(gpus=run_gpus)
     from dflash_ops.errors import UsageError
     from dflash_ops.yamlfile import check_bounds
-    from trainer.train.config import ConfigError, load_config
+    from trainer.run.config import ConfigError, load_config
 
     # YAML over the bounds (a few hundred bytes of aliases expand to 10^9 nodes) is refused with its
     # line before any loader walks it: no trainer can read it, so it is no mere warning.
@@ -117,7 +117,7 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     except ConfigError as e:
         # A release may carry its own trainer: a config the bundled trainer rejects is a warning.
         return RunPlan(gpus=run_gpus, config_path=str(config), config_error=str(e))
-    from trainer.train.config import target_replicas
+    from trainer.run.config import target_replicas
 
     stage_devices = [d for replica in target_replicas(cfg.devices) for d in replica]
     cuda = sorted({_cuda_index(d) for d in [*stage_devices, *cfg.devices.drafter] if d != "cpu"})

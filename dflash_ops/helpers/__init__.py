@@ -6,7 +6,7 @@ installs it once per content hash as BASE/helpers/<hash>/<file> and runs it ther
 A shared module (SHARED: nodefacts.py, the node-side facts; run_*.py, the parts of the runs helper
 that runs.py dispatches to; destination.py, the replace rule, and
 contract.py, the run directory's contract, whose one copies live in the trainer,
-trainer/models/destination.py and trainer/run/contract.py, as the trainer never imports dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
+trainer/run/destination.py and trainer/run/contract.py, as the trainer never imports dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
 `module_utils` with a module. BASE/helpers/<hash>/ then holds the helper and the shared module
 beside it, and <hash> covers both (bundle()), so a change to a shared module is a new version of
 every helper that imports it, and of no other.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 HELPERS_DIR = Path(__file__).resolve().parent
 # modules shipped beside the helpers that import them (never run), and where they live outside HELPERS_DIR
-SHARED_ELSEWHERE = {"destination": ("trainer.models", "destination.py"), "contract": ("trainer.run", "contract.py")}
+SHARED_ELSEWHERE = {"destination": ("trainer.run", "destination.py"), "contract": ("trainer.run", "contract.py")}
 # the runs helper's parts (runs.py is their dispatcher): shipped beside it, never run on their own
 RUN_PARTS = ("run_protocol", "run_describe", "run_follow", "run_start", "run_supervise")
 SHARED = ("nodefacts", *RUN_PARTS, *SHARED_ELSEWHERE)

@@ -26,7 +26,7 @@ what it points to; a link that leaves the tree, dangles or loops, and a special 
 refused by name (never silently left out). Empty directories are not carried.
 
 Whether DEST may be replaced at all is `replace_refusal`: the one rule, kept in the trainer
-(trainer/models/destination.py, stdlib only: the trainer's export applies it and never imports
+(trainer/run/destination.py, stdlib only: the trainer's export applies it and never imports
 dflash_ops) and shipped beside this helper like nodefacts.py; push applies it here, fetch on the
 operator's side (dflash_ops.transfer imports this file).
 """
@@ -47,7 +47,7 @@ import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
     from . import nodefacts
-    from trainer.models import destination
+    from trainer.run import destination
 else:  # run as a script: nodefacts.py and destination.py lie beside it (dflash_ops/helpers/__init__.py)
     import destination  # type: ignore[no-redef]
     import nodefacts  # type: ignore[no-redef]
@@ -61,7 +61,7 @@ STAGE_SUFFIX = ".dflash-push"
 
 
 Refused = destination.Refused
-# the replace rule (trainer/models/destination.py, the one copy: the trainer's export applies it too)
+# the replace rule (trainer/run/destination.py, the one copy: the trainer's export applies it too)
 OUTPUT_KINDS, SYSTEM_DIRS, SYSTEM_TREES = destination.OUTPUT_KINDS, destination.SYSTEM_DIRS, destination.SYSTEM_TREES
 marker_path, marker_files = destination.marker_path, destination.marker_files
 protected_paths, replace_refusal = destination.protected_paths, destination.replace_refusal

@@ -38,7 +38,7 @@ def train_and_export(target: Path, train: Path, held_out: Path, run_dir: Path, l
     """`trainer` on the fixture target, then `trainer export` of its last checkpoint in fp32."""
     from trainer.entry import train as run_trainer
     from trainer.models.export import export_checkpoint
-    from trainer.train.config import parse_config
+    from trainer.run.config import parse_config
 
     cfg = parse_config(json.dumps({
         "model": {"target": {"path": str(target)}, "drafter_layers": layers, "block_size": BLOCK_SIZE,

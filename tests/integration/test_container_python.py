@@ -29,7 +29,9 @@ from tests.conftest import write_sim_inventory
 pytestmark = pytest.mark.lxc_tier
 
 REPO = Path(__file__).resolve().parents[2]
-HELPERS = sorted((REPO / "dflash_ops" / "helpers").glob("*.py"))
+# the helpers and the shared modules that live in the trainer (dflash_ops/helpers/__init__.py SHARED_ELSEWHERE)
+HELPERS = sorted((REPO / "dflash_ops" / "helpers").glob("*.py")) + [REPO / "trainer" / "run" / "contract.py",
+                                                                     REPO / "trainer" / "run" / "destination.py"]
 OLDEST = (3, 8)
 
 

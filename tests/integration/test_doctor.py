@@ -190,7 +190,7 @@ def test_doctor_on_a_node_without_pct(tmp_path):
     assert deployed.exit_code == 0, deployed.stdout + deployed.stderr
     again = cli("doctor", "here", "--config", str(TINY_CPU), "--fast", "--inventory", str(inventory))  # torch: found, not imported again
     assert again.exit_code == 0 and rows(again.stdout)["release + venv"][0] == "✔"
-    assert (tmp_path / "base" / "current" / "trainer" / "train" / "config.py").is_file()
+    assert (tmp_path / "base" / "current" / "trainer" / "run" / "config.py").is_file()
 
 
 @pytest.mark.sshd

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trainer.train.config import TinyTargetConfig
+from trainer.run.config import TinyTargetConfig
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.target import FrozenHead, default_target_layer_ids, freeze, tiny_target
 

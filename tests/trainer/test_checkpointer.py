@@ -17,7 +17,7 @@ import torch
 
 import trainer
 from trainer.entry import train
-from trainer.train import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer
 
 from tests.trainer.test_run import config, events, status
@@ -50,7 +50,7 @@ KILLED_WRITER = """
 import sys, time
 from pathlib import Path
 import torch
-from trainer.train import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer
 
 run = Path(sys.argv[1])

@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.train.config import ConfigError, parse_config
+from trainer.run.config import ConfigError, parse_config
 
 GOOD = """
 model:
@@ -40,7 +40,7 @@ def test_bad_configs_name_the_problem(text, expected):
 def test_every_bundled_preset_loads():
     from pathlib import Path
 
-    from trainer.train.config import load_config
+    from trainer.run.config import load_config
 
     presets = sorted((Path(__file__).resolve().parents[2] / "trainer" / "configs").glob("*.yaml"))
     assert len(presets) >= 4

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.train.config import load_config
+from trainer.run.config import load_config
 from trainer.entry import train
 
 DEMO = Path(__file__).resolve().parents[2] / "trainer" / "configs" / "tiny-cpu.yaml"

@@ -11,7 +11,7 @@ from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.models.export import export_checkpoint
 from trainer.train.components import build_components
-from trainer.train.config import ConfigError, parse_config
+from trainer.run.config import ConfigError, parse_config
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from trainer.models.drafter import as_is
 from trainer.models.masks import prepare_blocks
 from trainer.models.objective import drafter_loss_sums
 from trainer.train.optim import build_optimizer
-from trainer.train.config import OptimConfig
+from trainer.run.config import OptimConfig
 
 
 def train_steps(target, head, drafter, once=True, steps=3, fused=True, autocast=True):

@@ -80,7 +80,7 @@ def test_one_process_starts_no_workers(monkeypatch):
 
 def _run(qwen3_model_dir, tmp_path, data, workers):
     from trainer.entry import train
-    from trainer.train.config import parse_config
+    from trainer.run.config import parse_config
 
     cfg = parse_config(f"model: {{target: {{path: {qwen3_model_dir}}}, drafter_layers: 1, block_size: 4, dtype: fp32}}\n"
                        f"data: {{train_path: {data}, max_length: 64, token_budget: 128, bucket_edges: [64],"

@@ -35,7 +35,7 @@ def test_the_runs_evaluation_uses_data_enable_thinking(qwen3_model_dir, tmp_path
     """A run with data.enable_thinking: false evaluates the prompts training rendered: its eval
     event's prompt token count is that of the thinking-off prompts (more than thinking on)."""
     from trainer.entry import train
-    from trainer.train.config import parse_config
+    from trainer.run.config import parse_config
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": CONV}) + "\n" for _ in range(4)))

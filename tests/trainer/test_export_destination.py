@@ -1,5 +1,5 @@
 """`python -m trainer export` never deletes what it did not write, and no checkpoint file runs code
-(issue 26). The replace rule lives once, in trainer/models/destination.py: the trainer's export
+(issue 26). The replace rule lives once, in trainer/run/destination.py: the trainer's export
 applies it, and the operator's `tree` helper (push in the container, fetch here) uses the same file,
 shipped beside the helper."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dflash_ops.helpers import tree
-from trainer.models import destination
+from trainer.run import destination
 from trainer.models.export import export_checkpoint
-from trainer.train import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -160,7 +160,7 @@ def test_the_operator_and_the_trainer_apply_one_rule(tmp_path, monkeypatch):
 
 
 def test_the_tree_helper_ships_the_trainers_rule_and_runs_it_in_the_container(tmp_path):
-    """The helper's bundle carries trainer/models/destination.py byte for byte (its hash covers it), and
+    """The helper's bundle carries trainer/run/destination.py byte for byte (its hash covers it), and
     the helper run as a script from its installed directory refuses by that rule."""
     from dflash_ops.helpers import bundle
 

@@ -12,7 +12,7 @@ import torch
 from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.models.export import export_checkpoint
-from trainer.train.config import parse_config
+from trainer.run.config import parse_config
 from trainer_tools.fixtures.hub_model import FAMILIES
 
 RUN = """

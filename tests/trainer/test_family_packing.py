@@ -51,7 +51,7 @@ def test_packing_is_refused_at_config_load_where_it_cannot_be_exact(tmp_path):
     import json
 
     from tests.trainer.tiny_config import tiny_config
-    from trainer.train.config import ConfigError, parse_config
+    from trainer.run.config import ConfigError, parse_config
 
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "num_hidden_layers": 2,
@@ -83,11 +83,11 @@ def test_data_report_names_the_family_its_layers_and_the_packing_verdict(family_
 
 
 def test_family_read_from_config_alone_matches_the_loaded_model(family_dirs):
-    """trainer.models.family (config.json only, no torch) agrees with the model transformers builds
+    """trainer.run.family (config.json only, no torch) agrees with the model transformers builds
     on every layer's kind, also for a hybrid config.json without layer_types."""
     import json
 
-    from trainer.models.family import family_of_dir, read_family
+    from trainer.run.family import family_of_dir, read_family
     from trainer.models.target import target_family
 
     for family, path in family_dirs.items():

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from trainer.train import checkpoint as ckpt
-from trainer.train import rundir
+from trainer.run import checkpoint as ckpt
+from trainer.run import rundir
 from trainer.entry import train
 from tests.conftest import unavailable
 from tests.trainer.test_run import config, events, status

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.train.config import ConfigError, parse_config
+from trainer.run.config import ConfigError, parse_config
 from trainer.distributed.launch import describe_exit, interface_of
 from trainer.distributed.multihost import HostShard
 

@@ -10,7 +10,7 @@ from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import pad_rows_and_length
 from trainer.pipeline.stages import StageQueue, StageThread
-from trainer.pipeline.stopping import PipelineStopped, StopSignal
+from trainer.run.stopping import PipelineStopped, StopSignal
 
 
 def test_blocked_get_and_put_give_up_when_another_thread_fails():

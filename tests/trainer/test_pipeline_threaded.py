@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from trainer.train.config import parse_config
+from trainer.run.config import parse_config
 from trainer.entry import train
 
 from tests.trainer.tiny_config import tiny_config

@@ -16,7 +16,7 @@ from trainer.models import quantized
 from trainer.models.stages import StagePlan
 from trainer.models.target import target_context_features
 from trainer.models.target_loading import MissingWeights, ShardReader, complete_for_decoding, load_staged
-from trainer.train.config import parse_config
+from trainer.run.config import parse_config
 from trainer_tools.fixtures.hub_model import write_hub_model
 
 FP8_BLOCK = (48, 48)  # tiles that do not divide the tiny model's 64 and 128: partial tiles at the edges
@@ -210,7 +210,7 @@ def _awq_checkpoint(directory: Path) -> Path:
 
 def test_a_checkpoint_quantized_otherwise_is_refused_at_config_load_with_file_and_line(tmp_path, mxfp4_dir,
                                                                                        fp8_dir):
-    from trainer.train.config import ConfigError, load_config
+    from trainer.run.config import ConfigError, load_config
 
     config = tmp_path / "c.yaml"
     config.write_text(tiny_config("model: {target: {tiny: null, path: %s}}" % _awq_checkpoint(tmp_path / "awq")))

@@ -39,7 +39,7 @@ def write_fixture_model(out: Path) -> Path:
 
 
 def _save_tiny(out: Path) -> Path:
-    from trainer.train.config import TinyTargetConfig
+    from trainer.run.config import TinyTargetConfig
     from trainer.data.synth import synthetic_words
     from trainer.models.target import tiny_target
     from trainer.data.tokenizer import synthetic_tokenizer

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import trainer
-from trainer.train import checkpoint as ckpt
-from trainer.train.config import parse_config
+from trainer.run import checkpoint as ckpt
+from trainer.run.config import parse_config
 from trainer.entry import train
 
 CONFIG = """

@@ -84,7 +84,7 @@ def test_packed_rows_equal_each_document_alone_through_the_truncated_walk():
 from trainer.entry import train  # noqa: E402
 from trainer.models.stages import StagePlan  # noqa: E402
 from trainer.models.target_loading import complete_for_decoding, load_staged, partition, place  # noqa: E402
-from trainer.train.config import ConfigError, parse_config  # noqa: E402
+from trainer.run.config import ConfigError, parse_config  # noqa: E402
 
 from tests.trainer.tiny_config import tiny_config  # noqa: E402
 

@@ -58,6 +58,7 @@ class LocalHelperContainer:
     refusals: list[Exception] = field(default_factory=list)  # raised by the next streaming calls, before they run
     corrupt_pulls: set[str] = field(default_factory=set)
     calls: list[list[str]] = field(default_factory=list)
+    helpers_dir: Path = HELPERS  # where the helper scripts run from (another release's, installed)
 
     def __post_init__(self):
         self.base_dir = str(self.base)
@@ -65,7 +66,7 @@ class LocalHelperContainer:
                                       python=sys.executable, gpus=self.gpus)
 
     def helper(self, name: str, args: list[str], **kwargs) -> Result:
-        script = HELPERS / (name.replace("-", "_") + ".py")
+        script = self.helpers_dir / (name.replace("-", "_") + ".py")
         return self.exec([sys.executable, str(script), *args], **kwargs)
 
     def helper_json(self, name: str, args: list[str], *, answers: tuple[int, ...] = (), **kwargs) -> object:

@@ -1,13 +1,16 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 import dflash_ops
 from dflash_ops.cli import app
+from dflash_ops.transport.local import LocalTransport
 
 runner = CliRunner()
 ARGS = ["it's", "$(id)", "{i}: {lines[i]}"]
@@ -30,11 +33,44 @@ def test_print_command_shows_every_layer_and_runs_nothing(sim_inventory, tmp_pat
     result = runner.invoke(app, ["exec", "--inventory", str(sim_inventory), "--print-command", "host200", "--",
                                  "touch", str(marker), "it's"])
     assert result.exit_code == 0
-    lines = result.stdout.splitlines()
-    assert lines[0] == "container argv: " + repr(["touch", str(marker), "it's"])
-    assert lines[2].startswith("node command (sent over SSH): ") and lines[2].endswith(
-        f"exec 200 -- touch {marker} 'it'\"'\"'s'")
+    lines = printed_layers(result.stdout)
+    assert lines["command"] == repr(["touch", str(marker), "it's"])
+    assert lines["node command (sent over SSH)"].endswith(f" touch {marker} 'it'\"'\"'s'")
     assert not marker.exists()
+
+
+def printed_layers(stdout: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in stdout.splitlines())
+
+
+TAG = re.compile(r"DFLASH_OPS_EXEC=[0-9a-f]{32}")
+
+
+@pytest.mark.parametrize("timeout", [[], ["--timeout", "30"]], ids=["no-timeout", "timeout"])
+def test_print_command_is_what_runs(sim_inventory, monkeypatch, timeout):
+    """The printed layers are the command the transport is handed (the tag token is fresh each run),
+    and nothing of the operator's environment (a secret in HF_TOKEN) is in either."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_to_be_shown")
+    argv = ["exec", "--inventory", str(sim_inventory), *timeout, "host200", "--", "sh", "-c", "echo hi"]
+    printed = runner.invoke(app, [*argv[:3], "--print-command", *argv[3:]])
+    assert printed.exit_code == 0, printed.output
+    layers = printed_layers(printed.stdout)
+    sent: list[str] = []
+    real_run = LocalTransport.run
+
+    def recording(self, command, **kwargs):
+        sent.append(command)
+        return real_run(self, command, **kwargs)
+
+    monkeypatch.setattr(LocalTransport, "run", recording)
+    ran = runner.invoke(app, argv)
+    assert (ran.exit_code, ran.stdout) == (0, "hi\n")
+    assert len(sent) == 1
+    token = TAG.search(layers["tag"]).group(0)
+    assert token in layers["container argv"] and token in layers["node command (sent over SSH)"]
+    assert TAG.sub("TAG", layers["node command (sent over SSH)"]) == TAG.sub("TAG", sent[0])
+    assert ("timeout --kill-after=5 30 " in sent[0]) == bool(timeout)
+    assert "hf_not_to_be_shown" not in printed.output + sent[0]
 
 
 def test_options_after_target_are_ours_and_argv_after_separator_is_untouched(sim_inventory, tmp_path):
@@ -42,7 +78,7 @@ def test_options_after_target_are_ours_and_argv_after_separator_is_untouched(sim
     result = runner.invoke(app, ["exec", "host200", "--inventory", str(sim_inventory), "--print-command", "--",
                                  "touch", str(marker), "--print-command"])
     assert result.exit_code == 0
-    assert result.stdout.splitlines()[0] == "container argv: " + repr(["touch", str(marker), "--print-command"])
+    assert result.stdout.splitlines()[0] == "command: " + repr(["touch", str(marker), "--print-command"])
     assert not marker.exists()
 
 

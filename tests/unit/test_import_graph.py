@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("dflash_ops", "trainer")
+PACKAGES = ("dflash_ops", "trainer", "trainer_tools")
 
 
 def modules() -> dict[str, Path]:
@@ -88,7 +88,7 @@ def test_graph_sees_the_imports_it_must():
     graph = import_graph()
     assert "trainer.train.loop" in graph["trainer.pipeline.threaded"]
     assert "dflash_ops.render" in graph["dflash_ops.container"]
-    assert "trainer.pipeline.stopping" in graph["trainer.pipeline.stages"]  # relative import
+    assert "trainer.run.stopping" in graph["trainer.pipeline.stages"]  # relative import
 
 
 def test_a_cycle_is_found():
@@ -97,3 +97,60 @@ def test_a_cycle_is_found():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+# The trainer's floors, lowest first: a module may import its own folder and any lower floor,
+# never a higher one or another folder of its own floor. `run/` is the ground every role stands on
+# (config, run directory, control, checkpoint format, stopping, family, the replace rule, the
+# contract); trainer_tools/ stands above the whole trainer. docs/architecture.md draws this.
+TRAINER_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("trainer.run",),
+    ("trainer.models", "trainer.data"),
+    ("trainer.generate", "trainer.distributed"),
+    ("trainer.train",),
+    ("trainer.pipeline",),
+    ("trainer.entry",),
+    ("trainer.__main__",),
+    ("trainer_tools",),
+)
+
+
+def floor_of(module: str) -> tuple[int, str] | None:
+    for level, folders in enumerate(TRAINER_FLOORS):
+        for folder in folders:
+            if module == folder or module.startswith(folder + "."):
+                return level, folder
+    return None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = floor_of(module)
+        if here is None:
+            continue
+        for target in sorted(targets):
+            there = floor_of(target)
+            if there is None or there[1] == here[1]:
+                continue
+            if there[0] >= here[0]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    graph = {
+        "trainer.run.config": {"trainer.models.family"},
+        "trainer.models.drafter": {"trainer.data.chat", "trainer.run.config"},
+        "trainer.pipeline.threaded": {"trainer.train.loop"},
+    }
+    assert layer_violations(graph) == ["trainer.models.drafter -> trainer.data.chat", "trainer.run.config -> trainer.models.family"]
+
+
+def test_every_module_has_a_floor():
+    trainer_modules = [m for m in import_graph() if m.startswith(("trainer.", "trainer_tools"))]
+    assert [m for m in trainer_modules if floor_of(m) is None] == []
+
+
+def test_the_trainer_imports_only_downwards():
+    assert layer_violations(import_graph()) == []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.train.config import DataConfig
+from trainer.run.config import DataConfig
 from trainer.data.batches import Batch, DataError, PreloadedDataset
 
 
@@ -50,39 +50,6 @@ def doc_start_of(lengths: list[int], row_length: int) -> torch.Tensor:
 def positions_of(doc_start: torch.Tensor) -> torch.Tensor:
     """Position inside its document of every token: i - doc_start[i]."""
     return torch.arange(doc_start.shape[-1], device=doc_start.device) - doc_start
-
-
-def sample_packed_anchors(loss_mask: torch.Tensor, doc_start: torch.Tensor, num_anchors: int,
-                          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """`num_anchors` slots per row, shared among its documents by length; sorted, padded invalid.
-
-    Document d covering [s, e) of a row of length L gets floor(A*e/L) - floor(A*s/L) anchors
-    (fewer if it has fewer eligible positions), drawn uniformly without replacement from its
-    positions p with loss on p and p+1 inside d. Random numbers come from the CPU generator."""
-    loss_mask, doc_start = loss_mask.cpu().bool(), doc_start.cpu()
-    b, length = loss_mask.shape
-    ar = torch.arange(length)
-    eligible = torch.zeros_like(loss_mask)
-    eligible[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_start[:, :-1] == doc_start[:, 1:])
-    scores = torch.rand(b, length, generator=generator)
-    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
-    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
-    for r in range(b):
-        starts = doc_start[r]
-        is_first = starts == ar
-        doc_index = torch.cumsum(is_first.long(), 0) - 1
-        firsts = ar[is_first]
-        ends = torch.cat([firsts[1:], torch.tensor([length])])
-        quota = (num_anchors * ends) // length - (num_anchors * firsts) // length
-        # sort by (document, eligible first, score descending): each document's segment keeps its place
-        key = doc_index.double() * 4 + torch.where(eligible[r], 1 - scores[r].double(), torch.full((length,), 2.0))
-        order = torch.argsort(key, stable=True)
-        rank = ar - starts[order]  # rank inside its document, in sorted order
-        chosen_sorted = eligible[r][order] & (rank < quota[doc_index[order]])
-        picked = order[chosen_sorted].sort().values[:num_anchors]
-        anchors[r, : len(picked)] = picked
-        valid[r, : len(picked)] = True
-    return anchors, valid
 
 
 def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_size: int) -> int:

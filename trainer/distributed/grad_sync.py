@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.pipeline.stopping import StopAwareBarrier, StopSignal
+from trainer.run.stopping import StopAwareBarrier, StopSignal
 
 STATS = ("loss_sum", "weight_sum", "correct_sum")
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.train import checkpoint as ckpt
-from trainer.train.control import Request
+from trainer.run import checkpoint as ckpt
+from trainer.run.control import Request
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class Hosts(Protocol):
         """--resume 'latest' or a step -> the checkpoint directory to restore."""
 
     def load(self, path: Path, map_location: str) -> dict:
-        """A checkpoint's contents (trainer.train.checkpoint.load) on this host."""
+        """A checkpoint's contents (trainer.run.checkpoint.load) on this host."""
 
     def at_boundary(self, step: int, checkpoints: list[Request], stop_request: Request | None, periodic: bool,
                     snapshot: Snapshot, stop: Callable[[str], None]) -> None:

@@ -77,7 +77,7 @@ def greedy_generate(target: torch.nn.Module, prompt: list[int], max_new_tokens: 
 
 def prompt_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Everything before the last assistant turn, with the generation prompt, rendered with the
-    data config's chat-template arguments (`trainer.train.config.template_kwargs`: e.g. Qwen3's
+    data config's chat-template arguments (`trainer.run.config.template_kwargs`: e.g. Qwen3's
     `enable_thinking: false` pre-fills an empty think block) - the prompt training saw and the
     engine will serve."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")

@@ -20,8 +20,8 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from trainer.models import destination
-from trainer.train import checkpoint as ckpt
+from trainer.run import destination
+from trainer.run import checkpoint as ckpt
 
 HERE = Path(__file__).resolve().parent
 # file written beside the weights -> the trainer module it is a copy of
@@ -93,7 +93,7 @@ def _write_marker(path: str, doc: dict) -> None:
 def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool = False) -> Iterator[Path]:
     """A fresh directory beside `out` to write a model directory into; when the block ends without
     an error it is swapped in for `out`, so nobody loads a half-written one (on an error it is
-    removed). `out` is replaced only as the replace rule allows (trainer/models/destination.py:
+    removed). `out` is replaced only as the replace rule allows (trainer/run/destination.py:
     absent, empty, or an earlier output of this `kind` - its marker `.NAME.dflash-KIND.json`
     beside it lists the files; `force`: also another command's output; raises
     destination.Refused). check_only: only the check."""

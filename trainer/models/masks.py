@@ -120,16 +120,47 @@ def make_blocks(
     return Blocks(anchors, valid, block_ids, positions, labels, weights, starts)
 
 
+def sample_packed_anchors(loss_mask: torch.Tensor, doc_start: torch.Tensor, num_anchors: int,
+                          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`num_anchors` slots per row, shared among its documents by length; sorted, padded invalid.
+
+    Document d covering [s, e) of a row of length L gets floor(A*e/L) - floor(A*s/L) anchors
+    (fewer if it has fewer eligible positions), drawn uniformly without replacement from its
+    positions p with loss on p and p+1 inside d. Random numbers come from the CPU generator."""
+    loss_mask, doc_start = loss_mask.cpu().bool(), doc_start.cpu()
+    b, length = loss_mask.shape
+    ar = torch.arange(length)
+    eligible = torch.zeros_like(loss_mask)
+    eligible[:, :-1] = loss_mask[:, :-1] & loss_mask[:, 1:] & (doc_start[:, :-1] == doc_start[:, 1:])
+    scores = torch.rand(b, length, generator=generator)
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for r in range(b):
+        starts = doc_start[r]
+        is_first = starts == ar
+        doc_index = torch.cumsum(is_first.long(), 0) - 1
+        firsts = ar[is_first]
+        ends = torch.cat([firsts[1:], torch.tensor([length])])
+        quota = (num_anchors * ends) // length - (num_anchors * firsts) // length
+        # sort by (document, eligible first, score descending): each document's segment keeps its place
+        key = doc_index.double() * 4 + torch.where(eligible[r], 1 - scores[r].double(), torch.full((length,), 2.0))
+        order = torch.argsort(key, stable=True)
+        rank = ar - starts[order]  # rank inside its document, in sorted order
+        chosen_sorted = eligible[r][order] & (rank < quota[doc_index[order]])
+        picked = order[chosen_sorted].sort().values[:num_anchors]
+        anchors[r, : len(picked)] = picked
+        valid[r, : len(picked)] = True
+    return anchors, valid
+
+
 def prepare_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_anchors: int, block_size: int, gamma: float,
                    mask_token_id: int, generator: torch.Generator,
                    doc_start: torch.Tensor | None = None) -> Blocks:
     """Sample anchors and build their blocks; with doc_start (packed rows) anchors are sampled
-    per document (trainer.data.packing.sample_packed_anchors) and `num_anchors` is per row."""
+    per document (sample_packed_anchors) and `num_anchors` is per row."""
     if doc_start is None:
         anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     else:
-        from trainer.data.packing import sample_packed_anchors
-
         doc_start = doc_start.cpu()
         anchors, valid = sample_packed_anchors(loss_mask, doc_start, num_anchors, generator)
     return make_blocks(input_ids.cpu(), loss_mask.cpu(), anchors, valid, block_size, gamma, mask_token_id,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.train.config import TrainerConfig, target_replicas
+from trainer.run.config import TrainerConfig, target_replicas
 
 GIB = 2**30
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.models.family import LINEAR_MIXER, Family, family_of_dir, read_family
+from trainer.run.family import LINEAR_MIXER, Family, family_of_dir, read_family
 from trainer.models.hf import base_model, hf_config, input_embeddings
-from trainer.train.config import TinyTargetConfig
+from trainer.run.config import TinyTargetConfig
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -78,7 +78,7 @@ def random_target(config: Any, device: str, dtype: torch.dtype = torch.bfloat16)
 
 def load_target(path: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     """A Hugging Face causal LM from a local directory (nothing is downloaded), with the attention
-    implementation its family needs (trainer.models.family: SDPA, or eager for gpt-oss's sinks).
+    implementation its family needs (trainer.run.family: SDPA, or eager for gpt-oss's sinks).
     A vision-language checkpoint (Qwen3.5) loads as its text part."""
     fam = family_of_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
@@ -139,7 +139,7 @@ def base_layers(model: torch.nn.Module) -> list[Any]:
 
 
 def _kinds(model: torch.nn.Module) -> list[str]:
-    """The kind of each decoder layer (trainer.models.family.KINDS)."""
+    """The kind of each decoder layer (trainer.run.family.KINDS)."""
     return list(read_family(hf_config(model).to_dict()).layer_kinds)
 
 

@@ -104,10 +104,10 @@ class ShardReader:
 
 def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM built on the meta device: every module, no memory; with the attention
-    implementation its family needs (trainer.models.family: SDPA, eager for gpt-oss's sinks)."""
+    implementation its family needs (trainer.run.family: SDPA, eager for gpt-oss's sinks)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.models.family import read_family
+    from trainer.run.family import read_family
 
     impl = read_family(config.to_dict()).attn_implementation
     config = config.get_text_config(decoder=True)  # a vision-language checkpoint (Qwen3.5): its text part
@@ -184,7 +184,7 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
     any of its tensors is read."""
     from transformers import AutoConfig
 
-    from trainer.models.family import read_family
+    from trainer.run.family import read_family
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     refusal = read_family(config.to_dict()).quantization_refusal

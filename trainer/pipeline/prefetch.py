@@ -18,7 +18,7 @@ from trainer.data.batches import Batch
 from trainer.models.masks import Blocks
 
 from trainer.pipeline.stages import StageQueue
-from trainer.pipeline.stopping import StopSignal
+from trainer.run.stopping import StopSignal
 
 
 @dataclass

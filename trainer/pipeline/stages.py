@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer.pipeline.stopping import POLL_SECONDS, PipelineStopped, StopSignal
+from trainer.run.stopping import POLL_SECONDS, PipelineStopped, StopSignal
 
 
 class StageQueue:

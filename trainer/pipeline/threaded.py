@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from trainer.train.config import TrainerConfig
+from trainer.run.config import TrainerConfig
 from trainer.train.components import Components
-from trainer.train.control import Request
+from trainer.run.control import Request
 from trainer.data.batches import Batch, PreloadedDataset
 from trainer.train.loop import Trainer, autocast_for
 from trainer.models.masks import Blocks, prepare_blocks
@@ -25,7 +25,7 @@ from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_column
 from trainer.models.hf import hf_config, input_embeddings
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 from trainer.models.target_loading import replica_target
-from trainer.train.config import target_replicas
+from trainer.run.config import target_replicas
 
 from trainer.pipeline.compile_safety import CompileGuard
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb

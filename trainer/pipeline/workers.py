@@ -18,7 +18,7 @@ from trainer.pipeline.features import FeatureSlot
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import MicroBatch
 from trainer.pipeline.stages import StageQueue
-from trainer.pipeline.stopping import StopSignal
+from trainer.run.stopping import StopSignal
 
 METRIC_NAMES = ["loss_sum", "weight_sum", "correct_sum", "grad_norm_sum", "steps"]
 

@@ -21,7 +21,7 @@ STATES = ("starting", "warmup", "running", "checkpointing") + FINAL_STATES
 
 # status.json's fields, each with the JSON type a reader accepts (an int passes for a float; None
 # is always allowed: a field not measured yet, or optional). The trainer writes them
-# (trainer/train/rundir.py, metrics.py); dflash_ops' RunInfo and the dashboard's RunRow read the
+# (trainer/run/rundir.py, metrics.py); dflash_ops' RunInfo and the dashboard's RunRow read the
 # same list, so a new field is named here and in whatever draws it.
 STATUS_FIELDS = (
     ("version", int),  # CONTRACT_VERSION

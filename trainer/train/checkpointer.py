@@ -1,5 +1,5 @@
 """Checkpoints that do not stall training: the step's state is staged in host memory at a step
-boundary, then written by one background thread (trainer.train.checkpoint: tmp dir, fsync, rename,
+boundary, then written by one background thread (trainer.run.checkpoint: tmp dir, fsync, rename,
 so a crash mid-write leaves the previous checkpoint intact).
 
 What the training thread waits for, and nothing else (reported as `stall_s` in the `checkpoint`
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.train.checkpoint import CheckpointManager
+from trainer.run.checkpoint import CheckpointManager
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.train.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
+from trainer.run.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
 from trainer.data.encoding import process_count
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
@@ -111,7 +111,7 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         model = freeze(random_8b_shape_target(device, dtype))
     else:
         tiny = t.tiny
-        assert tiny is not None, "the config gives a path, random_8b_shape or tiny (trainer.train.config)"
+        assert tiny is not None, "the config gives a path, random_8b_shape or tiny (trainer.run.config)"
         model = tiny_target(tiny, len(tokenizer), device)
         if tiny.fit_steps > 0:
             saved = run_dir / "target" / "model.safetensors"
@@ -172,7 +172,7 @@ def published_init(path: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
     tapped target layers, the drafter's depth and shape, the mask token. Every mismatch is named
     in one error (block_size is not a weight: the run's own applies)."""
     from trainer.models.export import read_published
-    from trainer.train.config import ConfigError
+    from trainer.run.config import ConfigError
 
     try:
         fields, weights = read_published(path)

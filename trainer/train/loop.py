@@ -3,7 +3,7 @@
 The Trainer holds its parts, each built by a small function or class and every one set in
 `__init__`, as torchtitan's Trainer does: the run directory's writers (RunDir, ControlPoller),
 metrics (trainer.train.metrics: the one writer of step and eval records), checkpointing
-(trainer.train.checkpoint.Checkpointer), the hosts it spans (trainer.distributed.hosts: one
+(trainer.run.checkpoint.Checkpointer), the hosts it spans (trainer.distributed.hosts: one
 host, or a rank of a host group) and the pipeline kind (`ReferencePipeline` here, or
 trainer.pipeline.threaded.ThreadedPipeline; trainer.entry chooses). What the config builds
 (tokenizer, data, target, drafter, optimizer: trainer.train.components) is built inside `run`,
@@ -23,26 +23,26 @@ from typing import Protocol
 
 import torch
 
-from trainer.train import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
 from trainer.data.chat import DataError
 from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
 from trainer.distributed.multihost import HostGroupMember
 from trainer.train.components import Components, build_components
-from trainer.train.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
-from trainer.train.control import ControlPoller, Request
+from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
+from trainer.run.control import ControlPoller, Request
 from trainer.train.metrics import Metrics
 from trainer.data.batches import PreloadedDataset, select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
-from trainer.pipeline.stopping import PipelineFailed, StopSignal
+from trainer.run.stopping import PipelineFailed, StopSignal
 from trainer.train.optim import clip_gradients
 from trainer.data.packing import row_anchors
 from trainer.run.contract import write_atomic
-from trainer.train.rundir import RunDir
+from trainer.run.rundir import RunDir
 from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
 from trainer.models.target_loading import complete_for_decoding
@@ -175,7 +175,7 @@ class Trainer:
         return c, pipeline
 
     def restore(self, c: Components, state: dict) -> None:
-        """Put a checkpoint's contents (trainer.train.checkpoint.load) into the model, optimizer and data."""
+        """Put a checkpoint's contents (trainer.run.checkpoint.load) into the model, optimizer and data."""
         c.drafter.load_state_dict(state["model"])
         c.optimizer.load_state_dict(state["optim"]["optimizer"])
         c.scheduler.load_state_dict(state["optim"]["scheduler"])

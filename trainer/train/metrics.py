@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from trainer.train.config import TrainerConfig, dump_config
-from trainer.train.rundir import RunDir
+from trainer.run.config import TrainerConfig, dump_config
+from trainer.run.rundir import RunDir
 
 STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from trainer.train.config import OptimConfig
+from trainer.run.config import OptimConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:

@@ -364,7 +364,7 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
     check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
     if t.path is not None:  # a directory on this machine: its family decides
-        from trainer.models.family import family_of_dir
+        from trainer.run.family import family_of_dir
 
         family = family_of_dir(t.path)
         check(family is None or family.quantization_refusal is None, ("model", "target", "path"),

@@ -15,9 +15,10 @@ import sys
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_supervise
-    from . import nodefacts, run_protocol
+    from . import nodefacts, run_events, run_protocol
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
 
 RESTART_DELAY_S = 1.0
@@ -100,6 +101,7 @@ def _supervise(run_dir: str, log: str) -> int:
     restarts_path = os.path.join(run_dir, RESTARTS_FILE)
     argv = plan["argv"]
     used = 0
+    tell = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
     while True:
         oom_before = oom_kills()
         with open(os.devnull, "rb") as devnull:
@@ -111,18 +113,24 @@ def _supervise(run_dir: str, log: str) -> int:
         except OSError:
             child.wait()  # the attempt it started is still its to wait for
             raise
+        if used == 0:
+            tell("started")
         code = child.wait()
         status = read_json(os.path.join(run_dir, "status.json"))
         state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
+        step = (status or {}).get("step")
         if code == 0 or state in ("stopped", "done"):
+            tell(state if state in ("stopped", "done") else "done", step=step)
             return 0
         if stop_requested(run_dir):
             append_line(log, "# dflash-ops supervise: trainer ended (exit %d) after an operator's stop: not restarted\n"
                         % code)
+            tell("stopped", step=step, reason="stopped by the operator (exit %d)" % code)
             return 0
         if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
             append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
                         % code)
+            tell("failed", reason="the trainer exited %d before writing status.json" % code, log_tail=True)
             return code if code > 0 else 128 - code
         reason = crash_reason(code, status, child.pid, oom_before)
         policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
@@ -133,6 +141,8 @@ def _supervise(run_dir: str, log: str) -> int:
                         % (reason, used))
             if state not in nodefacts.FINAL_STATES:  # killed before it could say so
                 write_status_failed(run_dir, status, reason)
+            tell("failed", step=step, reason=reason if not used else "%s; no restart left (%d used)" % (reason, used),
+                 log_tail=True)
             return code if code > 0 else 128 - code
         used += 1
         checkpoints = complete_checkpoints(run_dir)
@@ -148,10 +158,12 @@ def _supervise(run_dir: str, log: str) -> int:
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
             entry["from"] or "the start (no checkpoint yet)"))
+        tell("restart", step=entry["step"], reason="restart %d of %d after: %s" % (used, plan["max"], reason))
         # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
         if stop_requested(run_dir):  # `run stop --kill`/`--now` arrived between two attempts
             say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
+            tell("stopped", step=entry["step"], reason="stopped by the operator between two attempts")
             return 0
 
 

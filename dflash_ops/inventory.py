@@ -49,6 +49,7 @@ from dflash_ops.helpers.notify import URL_RE as WEBHOOK_RE
 from dflash_ops.helpers.notify import redact_url
 from dflash_ops.nodekind import NodeKind
 from dflash_ops.yamlfile import read_yaml_node, suggest
+from trainer.run.yamlsafe import BoundedLoader
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 
@@ -179,7 +180,7 @@ class _Mapping(dict):
     key_lines: dict
 
 
-class _MarkedLoader(yaml.SafeLoader):
+class _MarkedLoader(BoundedLoader):
     pass
 
 

@@ -83,7 +83,9 @@ def register(app: typer.Typer) -> None:
             source: DashSource = LocalDirSource(parse_local(local))
         else:
             source = inventory_source(inventory, targets or [])
-        run_dash(source, targets or None)
+        code = run_dash(source, targets or None)
+        if code:
+            raise typer.Exit(code)  # an error ended the dashboard: not a clean `q`
 
 
 def _run_demo() -> None:

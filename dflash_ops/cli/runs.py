@@ -399,12 +399,12 @@ class _MetricPrinter:
         self.total_steps: int | None = None
 
     def line(self, raw: bytes) -> None:
+        from dflash_ops.runs.events import BadLine, parse_event
         from dflash_ops.runs.report import metric_line
 
-        try:
-            event = json.loads(raw)
-        except ValueError:
-            write_stdout(raw)
+        event = parse_event(raw)
+        if isinstance(event, BadLine):
+            write_stdout((event.describe() + "\n").encode())
             return
         if event.get("event") == "start":
             self.total_steps = event.get("total_steps")
@@ -413,7 +413,7 @@ class _MetricPrinter:
 
 def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: int | None, inventory: Path | None,
                 on_line: Callable[[bytes], None]) -> None:
-    from dflash_ops.runs import follow_file, resolve_run, run_status
+    from dflash_ops.runs import RunNotFound, follow_file, resolve_run, run_status
 
     container = open_target(inventory, target)
     watcher = None
@@ -421,12 +421,21 @@ def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: in
         run_id = run if run is not None else resolve_run(container, None).run_id
         if follow:
             watcher = _StateWatcher(container, run_id)
-        follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
-                    on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
-                    on_truncated=lambda reached, size: _hint(
-                        f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
-                        f"(now {size} bytes); what was written before that and not yet shown is lost; "
-                        "following from its start"))
+        try:
+            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
+                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
+                        on_truncated=lambda reached, size: _hint(
+                            f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
+                            f"(now {size} bytes); what was written before that and not yet shown is lost; "
+                            "following from its start"))
+        except RunNotFound:
+            info = run_status(container, run_id)  # no such run: raises, and says so
+            # the run exists, its file not yet: a healthy run writes metrics.jsonl once its model loaded
+            _hint(f"dflash-ops: run {run_id} ({info.effective_state}) has not written {name} yet"
+                  + ("" if info.final else "; it starts with the first step (or follow it with -f)"))
+            if info.effective_state == "failed":
+                raise typer.Exit(1) from None
+            return
         if not follow:
             return
         info = run_status(container, run_id)

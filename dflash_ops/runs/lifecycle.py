@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dflash_ops.errors import UsageError
 from dflash_ops.helpers import nodefacts
+from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
@@ -189,12 +190,11 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
     served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
 
     def look(line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
+        event = parse_event(line)
+        if isinstance(event, BadLine):
             return
         if event.get("event") == "checkpoint" and event.get("request") == request_id:
-            served.append(event.get("path"))
+            served.append(str(event.get("path")))
 
     while True:
         try:

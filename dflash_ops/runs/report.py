@@ -94,6 +94,8 @@ def status_detail(info: RunInfo) -> list[str]:
     lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
     if info.restart_policy:
         lines.append(f"restart: {info.restart_policy}, {len(info.restarts)} so far")
+    if info.unsupervised and not (info.reason and info.unsupervised in info.reason):
+        lines.append(info.unsupervised)
     lines += [f"  {restart_line(r)}" for r in info.restarts]
     if info.gpus:
         lines.append(f"gpus: {','.join(map(str, info.gpus))}")

@@ -220,6 +220,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def run_dash(source: DashSource, targets: list[str] | None = None) -> None:
-    """The library entry point: run the dashboard in this terminal until `q`."""
-    DashApp(source, targets=targets).run()
+def run_dash(source: DashSource, targets: list[str] | None = None) -> int:
+    """The library entry point: run the dashboard in this terminal until `q`. Returns the app's
+    exit status: 0 after `q`, 1 when an error ended it (Textual printed its traceback)."""
+    app = DashApp(source, targets=targets)
+    app.run()
+    return app.return_code or 0

@@ -109,3 +109,14 @@ def test_a_plain_syntax_error_is_still_the_trainers_to_report(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("train: [1, 2\n")
     assert plan_for(TARGET, None, path).config_error  # a warning, as before
+
+
+@pytest.mark.parametrize("text", [BOMB, MIDDLE], ids=["bomb", "59049-leaves"])
+def test_the_trainers_own_config_reader(tmp_path, text):
+    """`python -m trainer`, `trainer plan` and `data-report` read a config through load_config."""
+    from trainer.run.config import ConfigError, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("optim: {micro_batches: 3}\n" + text)
+    with pytest.raises(ConfigError, match=f"^{path}:[0-9]+: invalid YAML: aliases expand"):
+        load_config(path)

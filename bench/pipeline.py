@@ -341,11 +341,12 @@ def _stage_alone(tr, which, n_micro, peak, around):
                 pass
 
     stop = StopSignal()
-    settings = DrafterSettings(0, 1, ddev, c.backend, cfg.model.loss_chunk, tr.autocast_dtype[ddev],
-                               cfg.optim.grad_clip, 0, 10**9, 1, 10**9)
+    settings = DrafterSettings(rank=0, replicas=1, device=ddev, backend=c.backend, loss_chunk=cfg.model.loss_chunk,
+                               autocast_dtype=tr.autocast_dtype[ddev], max_norm=cfg.optim.grad_clip, first_step=0,
+                               total_steps=10**9, micro_batches=1, log_every=10**9)
     stream = torch.cuda.Stream(ddev) if ddev.type == "cuda" else None
     w = DrafterWorker(settings, tr.replicas[0], ReplicaAllReduce([tr.replicas[0].flat], [stream], stop), [],
-                      WorkerLinks(stop, BusyMeter(ddev), tr.guard), None, None, stream)
+                      WorkerLinks(stop=stop, busy=BusyMeter(ddev), guard=tr.guard), None, None, stream)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     sync_all([ddev])
     began = time.perf_counter()

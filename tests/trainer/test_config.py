@@ -22,6 +22,7 @@ def test_good_config_and_defaults():
     (GOOD + "optim:\n  lr: fast\n", "<config>:8: optim.lr must be float, got 'fast'"),
     (GOOD.replace("model:", "model:\n  attention: magic"), "<config>:3: model.attention must be one of 'auto', 'flex', 'sdpa', got 'magic'"),
     (GOOD + "pipeline:\n  kind: threads\n", "<config>:8: pipeline.kind must be one of 'reference', 'threaded', got 'threads'"),
+    (GOOD + "distributed:\n  backend: mpi\n", "<config>:8: distributed.backend must be one of 'auto', 'nccl', 'gloo', got 'mpi'"),
     (GOOD + "model: {}\n", "<config>:7: duplicate key 'model'"),
     ("model:\n  target: {}\ndata:\n  synthetic: {}\n", "needs exactly one of path, tiny, random_8b_shape"),
     ("model:\n  target: {tiny: {}}\n", "data needs train_path or synthetic"),

@@ -8,7 +8,8 @@ import torch
 from trainer.models.masks import prepare_blocks
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
-from trainer.pipeline.prefetch import pad_rows_and_length
+from trainer.data.batches import Batch
+from trainer.pipeline.prefetch import BatchPrefetcher, pad_rows_and_length
 from trainer.pipeline.stages import StageQueue, StageThread
 from trainer.run.stopping import PipelineStopped, StopSignal
 
@@ -139,6 +140,22 @@ def test_padding_to_a_warm_shape_adds_rows_without_blocks_or_loss():
     assert p_attn[2].tolist() == [1] + [0] * 31  # never an all-masked row
     with pytest.raises(ValueError, match="larger than its warm shape"):
         pad_rows_and_length(ids, attn, blocks, (1, 32), pad_id=0)
+
+
+def test_the_prefetcher_reports_each_micro_batch_through_its_hook_before_queueing_it():
+    ids = torch.randint(1, 50, (2, 16))
+    gen = torch.Generator().manual_seed(0)
+    stop = StopSignal()
+    queues = [StageQueue("q0", 8, stop), StageQueue("q1", 8, stop)]
+    seen: list[tuple[int, int, int]] = []
+    prefetcher = BatchPrefetcher(
+        lambda: Batch(ids, torch.ones_like(ids), torch.ones_like(ids)),
+        lambda b: prepare_blocks(b.input_ids, b.loss_mask.bool(), 4, 4, 7.0, 99, gen),
+        lambda: {"pos": len(seen)}, queues, stop, count=4, micro_batches=2, first_step=10,
+        on_built=lambda mb: seen.append((mb.index, mb.step, mb.tokens)))
+    prefetcher.run()
+    assert seen == [(0, 10, 32), (1, 10, 32), (2, 11, 32), (3, 11, 32)]
+    assert [queues[0].get().index, queues[1].get().index, queues[0].get().index] == [0, 1, 2]
 
 
 def test_forgetting_old_data_states_is_safe_while_the_prefetcher_inserts():

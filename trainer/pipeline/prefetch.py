@@ -65,7 +65,7 @@ class BatchPrefetcher:
                  data_state: Callable[[], dict], outputs: list[StageQueue], stop: StopSignal,
                  count: int, micro_batches: int, first_step: int,
                  warm_shape_of: Callable[[Batch], tuple[int, int]] | None = None, pad_id: int = 0,
-                 pin: bool = False) -> None:
+                 pin: bool = False, on_built: Callable[[MicroBatch], None] | None = None) -> None:
         self.next_batch = next_batch  # () -> trainer.data.batches.Batch
         self.prepare_blocks = prepare_blocks  # (Batch) -> Blocks, using the run's anchor generator
         self.data_state = data_state  # () -> dict
@@ -77,6 +77,7 @@ class BatchPrefetcher:
         self.warm_shape_of = warm_shape_of  # (Batch) -> (rows, length) or None for no padding
         self.pad_id = pad_id
         self.pin = pin
+        self.on_built = on_built  # (MicroBatch) -> None, called with each micro-batch as it is built
 
     def build(self, index: int) -> MicroBatch:
         batch = self.next_batch()
@@ -90,8 +91,11 @@ class BatchPrefetcher:
             ids, attn = ids.pin_memory(), attn.pin_memory()
             doc_start = doc_start.pin_memory() if doc_start is not None else None
             blocks = Blocks(*(getattr(blocks, f.name).pin_memory() for f in fields(Blocks)))
-        return MicroBatch(index, self.first_step + index // self.micro_batches, ids, attn, blocks, tokens,
-                          self.data_state(), doc_start)
+        mb = MicroBatch(index, self.first_step + index // self.micro_batches, ids, attn, blocks, tokens,
+                        self.data_state(), doc_start)
+        if self.on_built is not None:
+            self.on_built(mb)
+        return mb
 
     def run(self) -> None:
         for index in range(self.count):

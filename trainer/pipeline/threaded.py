@@ -63,7 +63,8 @@ def forget_states_before(states: dict, first_kept: int) -> None:
 def build_replicas(cfg: TrainerConfig, c: Components, devices: list[torch.device]) -> list[Replica]:
     """The drafter (replica 0, on its first device) and a copy per further drafter device, each with
     its own optimizer and scheduler in the same state."""
-    replicas = [Replica(c.drafter, c.head, c.optimizer, c.scheduler, FlatGrads(list(c.drafter.parameters())))]
+    replicas = [Replica(drafter=c.drafter, head=c.head, optimizer=c.optimizer, scheduler=c.scheduler,
+                        flat=FlatGrads(list(c.drafter.parameters())))]
     for d in devices[1:]:
         drafter = copy.deepcopy(c.drafter).to(d)
         opt = build_optimizer(drafter.parameters(), cfg.optim)
@@ -71,7 +72,8 @@ def build_replicas(cfg: TrainerConfig, c: Components, devices: list[torch.device
         sched = build_scheduler(opt, cfg.optim)
         sched.load_state_dict(c.scheduler.state_dict())
         head = c.head if d == torch.device(c.drafter_device) else FrozenHead.from_target(c.target, d)
-        replicas.append(Replica(drafter, head, opt, sched, FlatGrads(list(drafter.parameters()))))
+        replicas.append(Replica(drafter=drafter, head=head, optimizer=opt, scheduler=sched,
+                                flat=FlatGrads(list(drafter.parameters()))))
     return replicas
 
 
@@ -236,22 +238,18 @@ class _Stages:
                                   getattr(batch, "doc_start", None))
 
         next_batch, prepare_fn = trainer.hosts.batch_source(c.train_data.next_batch, prepare)
-        prefetcher = BatchPrefetcher(next_batch, prepare_fn, data_state, self.target_inputs, stop, count, M,
-                                     first, p.warm.shape_for if p.pad else None,
-                                     pin=any(is_cuda(d) for d in p.target_devices + p.drafter_devices))
-        build = prefetcher.build
-
-        def build_and_record(index: int) -> MicroBatch:
-            mb = build(index)
-            self.data_states[index] = mb.data_state
+        def record(mb: MicroBatch) -> None:  # what each micro-batch holds, for checkpoints and the step metrics
+            self.data_states[mb.index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
             counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
             into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
             for key, value in counts.items():
                 into[key] += value
-            return mb
 
-        prefetcher.build = build_and_record  # type: ignore[method-assign]  # this instance records what it builds
+        prefetcher = BatchPrefetcher(next_batch, prepare_fn, data_state, self.target_inputs, stop, count, M,
+                                     first, p.warm.shape_for if p.pad else None,
+                                     pin=any(is_cuda(d) for d in p.target_devices + p.drafter_devices),
+                                     on_built=record)
         self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * int(hf_config(c.target).hidden_size)
@@ -270,12 +268,13 @@ class _Stages:
             pool: list | StageQueue = allocate_slots(q.queue_depth * (R + S - 1) + 2, max_numel, target_dtype,
                                                      plan.devices[-1])
             for s, ((lo, hi), d) in enumerate(zip(plan.bounds, plan.devices)):
-                stage = TargetStage(s, S, lo, last_layer if s == S - 1 else hi, taps,
-                                    None if s == S - 1 else plan.devices[s + 1])
+                stage = TargetStage(index=s, count=S, lo=lo, hi=last_layer if s == S - 1 else hi, taps=taps,
+                                    next_device=None if s == S - 1 else plan.devices[s + 1])
                 outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
-                worker = TargetWorker(TargetSettings(t, d, layer_ids, width, n, route), p.targets[t],
+                worker = TargetWorker(TargetSettings(rank=t, device=d, layer_ids=layer_ids, width=width, count=n,
+                                                     route=route), p.targets[t],
                                       self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool,
-                                      WorkerLinks(stop, self.busy[d], p.guard), stage)
+                                      WorkerLinks(stop=stop, busy=self.busy[d], guard=p.guard), stage)
                 pool = worker.free
                 self.target_workers.append(worker)
         streams = [torch.cuda.Stream(d) if is_cuda(d) else None for d in p.drafter_devices]
@@ -283,9 +282,13 @@ class _Stages:
                                    across_hosts=trainer.hosts.across_hosts())
         self.accumulator = MetricAccumulator(METRIC_NAMES, p.drafter_devices[0])
         self.drafter_workers = [
-            DrafterWorker(DrafterSettings(r, R, d, c.backend, cfg.model.loss_chunk, p.autocast_dtype[d],
-                                          cfg.optim.grad_clip, first, cfg.optim.total_steps, M, cfg.run.log_every),
-                          p.replicas[r], reducer, self.feature_queues[r], WorkerLinks(stop, self.busy[d], p.guard),
+            DrafterWorker(DrafterSettings(rank=r, replicas=R, device=d, backend=c.backend,
+                                          loss_chunk=cfg.model.loss_chunk, autocast_dtype=p.autocast_dtype[d],
+                                          max_norm=cfg.optim.grad_clip,
+                                          first_step=first, total_steps=cfg.optim.total_steps, micro_batches=M,
+                                          log_every=cfg.run.log_every),
+                          p.replicas[r], reducer, self.feature_queues[r],
+                          WorkerLinks(stop=stop, busy=self.busy[d], guard=p.guard),
                           self.accumulator if r == 0 else None, self.on_step_end if r == 0 else None, streams[r])
             for r, d in enumerate(p.drafter_devices)]
         self.threads = [StageThread("prefetch", prefetcher.run, stop)]

@@ -55,7 +55,7 @@ class Features:
         self.owner.free.put(self.slot)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerLinks:
     """What every worker thread shares with the pipeline: the stop signal, its device's busy meter
     and the compile guard its warmed shapes run under."""
@@ -65,7 +65,7 @@ class WorkerLinks:
     guard: CompileGuard
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TargetSettings:
     rank: int  # the target replica
     device: torch.device
@@ -75,7 +75,7 @@ class TargetSettings:
     route: Callable[[int], int]  # micro-batch index -> drafter rank
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TargetStage:
     """Which part of a target replica a worker runs: layers [lo, hi) of stage `index` of `count`."""
 
@@ -123,7 +123,8 @@ class TargetWorker:
 
         self.s, self.rank, self.target, self.device = settings, settings.rank, target, settings.device
         self.inputs, self.outputs, self.links = inputs, outputs, links
-        self.stage = stage or TargetStage(0, 1, 0, feature_layers(settings.layer_ids), tap_columns(settings.layer_ids))
+        self.stage = stage or TargetStage(index=0, count=1, lo=0, hi=feature_layers(settings.layer_ids),
+                                            taps=tap_columns(settings.layer_ids))
         rank = settings.rank
         self.key = f"target:{self.device}" if self.stage.count == 1 else f"target{rank}.{self.stage.index}:{self.device}"
         if isinstance(slots, StageQueue):  # a later stage: the replica's pool, owned by its first stage
@@ -177,7 +178,7 @@ class TargetWorker:
                     self.outputs[0].put(Handoff(mb, hidden, slot, ready, pending))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DrafterSettings:
     rank: int
     replicas: int
@@ -192,7 +193,7 @@ class DrafterSettings:
     log_every: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Replica:
     """One drafter replica and what trains it."""
 

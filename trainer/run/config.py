@@ -177,7 +177,7 @@ class PipelineConfig:
 class DistributedConfig:
     """Across hosts (torchrun, one rank per host; docs/multi-node.md). Unused in a one-host run."""
 
-    backend: str = "auto"  # auto (nccl when the drafters are on GPUs, else gloo) | nccl | gloo
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto (nccl when the drafters are on GPUs, else gloo) | nccl | gloo
     timeout_s: float = 900.0  # collective timeout (a slow peer's warm-up or checkpoint load waits this long)
     peer_timeout_s: float = 10.0  # a peer whose heartbeat is this old is lost: every host stops
     socket_ifname: str | None = None  # GLOO_/NCCL_SOCKET_IFNAME; default the interface holding the host's address
@@ -418,7 +418,6 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
           "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")
     check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")
-    check(c.distributed.backend in ("auto", "nccl", "gloo"), ("distributed", "backend"), "must be auto, nccl or gloo")
     check(c.distributed.timeout_s > 0, ("distributed", "timeout_s"), "must be positive")
     check(0 < c.distributed.peer_timeout_s <= 25, ("distributed", "peer_timeout_s"),
           "must be in (0, 25] (a lost host must stop the others within 30 s)")

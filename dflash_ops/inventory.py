@@ -17,12 +17,24 @@ or the container you are in), commands run there directly and `ctid` may be left
 `base_dir` and `python`; this module only asks it. On local nodes `~` in `base_dir` is expanded
 for the user running dflash-ops, so the default inventory works for root and non-root users alike.
 
+`notify:` (on a node, for all its targets, or on a target, added to its node's) names who hears
+about every state change of a run started there (docs/run-lifecycle.md, "Events")::
+
+    notify:
+      webhooks: [https://hooks.example.com/T0/B0/XXXX, env:SLACK_WEBHOOK]   # POSTed from the container
+      commands: [[/usr/local/bin/page-me, --quiet]]     # run in the container, the event on stdin
+      local: [[notify-send, dflash-ops]]                 # run on the operator's side by the followers
+
+A webhook `env:NAME` is read from the operator's environment when the run starts, so the secret
+need not be in the inventory; URLs are shown redacted (scheme and host) everywhere.
+
 Every error names file:line and says what is wrong in one line.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +45,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_ops import nodekinds
 from dflash_ops.errors import InventoryError
+from dflash_ops.helpers.notify import URL_RE as WEBHOOK_RE
+from dflash_ops.helpers.notify import redact_url
 from dflash_ops.nodekinds.base import NodeKind
 from dflash_ops.yamlfile import read_yaml_node, suggest
+from trainer.run.yamlsafe import BoundedLoader
 
 ENV_VAR = "DFLASH_OPS_INVENTORY"
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Who hears about a run's state changes: webhooks and commands in the container (sent by its
+    supervisor, the queue worker), local commands on the operator's side (run by the followers)."""
+
+    webhooks: tuple[str, ...] = ()  # URLs, or env:NAME (resolved when a run starts: resolved_webhooks)
+    commands: tuple[tuple[str, ...], ...] = ()
+    local: tuple[tuple[str, ...], ...] = ()
+
+    def __add__(self, other: "Notify | None") -> "Notify":
+        if other is None:
+            return self
+        return Notify(self.webhooks + other.webhooks, self.commands + other.commands, self.local + other.local)
+
+    def __bool__(self) -> bool:
+        return bool(self.webhooks or self.commands or self.local)
 
 
 @dataclass(frozen=True)
@@ -53,6 +86,7 @@ class Node:
     connect_timeout: float = 10.0
     keepalive: int = 15
     kind: NodeKind = None  # type: ignore[assignment]  # what the node is (dflash_ops/nodekinds/); default: pct's
+    notify: Notify | None = None  # for every target of the node
 
     def __post_init__(self) -> None:
         if self.kind is None:
@@ -71,6 +105,12 @@ class Target:
     venv: "tuple[tuple[str, Any], ...] | bool | None" = None  # venv: mapping (as items), or False for none
     keep_releases: int | None = None
     address: str | None = None  # the container's own address for runs across hosts (else asked from it)
+    notify: Notify | None = None  # added to the node's
+
+    @property
+    def notify_all(self) -> Notify:
+        """The node's notify: and the target's, together."""
+        return (self.node.notify or Notify()) + self.notify
 
     @property
     def venv_config(self) -> "dict[str, Any] | bool | None":
@@ -115,6 +155,24 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     return _Parser(path).inventory(data)
 
 
+ENV_REF_RE = re.compile(r"^env:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def resolved_webhooks(notify: Notify, extra: Iterable[str] = ()) -> list[str]:
+    """The webhook URLs of notify (env:NAME read from the environment now) and `extra` (run start
+    --notify URL), each once; an unset variable or a bad URL is an InventoryError (URL redacted)."""
+    urls: list[str] = []
+    for ref in [*notify.webhooks, *extra]:
+        url = os.environ.get(ref[4:], "") if ENV_REF_RE.match(ref) else ref
+        if not url:
+            raise InventoryError(f"notify: webhook {ref}: the environment variable {ref[4:]} is not set")
+        if not WEBHOOK_RE.match(url):
+            raise InventoryError(f"notify: webhook {redact_url(url)!r} is not an http:// or https:// URL")
+        if url not in urls:
+            urls.append(url)
+    return urls
+
+
 class _Mapping(dict):
     """A YAML mapping that remembers the line of itself and of each key."""
 
@@ -122,7 +180,7 @@ class _Mapping(dict):
     key_lines: dict
 
 
-class _MarkedLoader(yaml.SafeLoader):
+class _MarkedLoader(BoundedLoader):
     pass
 
 
@@ -170,6 +228,7 @@ class _NodeSpec(_Schema):
     pct: Any = "pct"  # a command (string or list of strings), or a kind's name (nodekinds.KINDS)
     connect_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     keepalive: Annotated[int, Field(ge=0)] = 15
+    notify: Any = None  # a mapping (_NotifySpec)
 
 
 class _TargetSpec(_Schema):
@@ -182,6 +241,16 @@ class _TargetSpec(_Schema):
     venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
     address: str | None = None  # the container's own address, for runs across hosts
+    notify: Any = None  # a mapping (_NotifySpec)
+
+
+Argv = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+
+
+class _NotifySpec(_Schema):
+    webhooks: list[str] = []
+    commands: list[Argv] = []
+    local: list[Argv] = []
 
 
 class _VenvSpec(_Schema):
@@ -262,7 +331,8 @@ class _Parser:
             self.validate(own, m, what, keys)
         kind = nodekinds.build(spec.pct, keys, spec.transport,
                                lambda key, message: self.fail(at(key), f"{what}: {message}"))
-        return Node(name=name, pct=kind.pct, kind=kind, **spec.model_dump(exclude={"pct"}))
+        return Node(name=name, pct=kind.pct, kind=kind, notify=self.notify(m, at, what),
+                    **spec.model_dump(exclude={"pct", "notify"}))
 
     def target(self, name: str, body: Any, line: int, nodes: dict[str, Node]) -> Target:
         what = f"target {name!r}"
@@ -291,7 +361,19 @@ class _Parser:
         return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
                       base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
                       extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=spec.keep_releases, address=spec.address)
+                      keep_releases=spec.keep_releases, address=spec.address, notify=self.notify(m, at, what))
+
+    def notify(self, m: _Mapping, at: Callable[[str], int], what: str) -> Notify | None:
+        if m.get("notify") is None:
+            return None
+        v = self.mapping(m["notify"], at("notify"), f"{what}: notify")
+        spec: _NotifySpec = self.validate(_NotifySpec, v, f"{what}: notify")
+        for i, url in enumerate(spec.webhooks):
+            if not (WEBHOOK_RE.match(url) or ENV_REF_RE.match(url)):
+                raise self.fail(v.key_lines.get("webhooks", v.line),
+                                f"{what}: notify: webhooks[{i}] must be an http(s):// URL or env:NAME, got "
+                                f"{redact_url(url)!r}")
+        return Notify(tuple(spec.webhooks), tuple(map(tuple, spec.commands)), tuple(map(tuple, spec.local)))
 
     def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if m.get("venv") is None:

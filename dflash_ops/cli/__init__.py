@@ -57,6 +57,7 @@ _AREAS: list[str] = [
     "patch",
     "dash",
     "doctor",
+    "provision",
     "simnode",
 ]
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption
 from dflash_ops.inventory import load_inventory
 from dflash_ops.tui.source import DashSource
+
+if TYPE_CHECKING:
+    from dflash_ops.inventory import Target
+    from dflash_ops.runs.local_notify import LocalNotifier
 
 
 def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
@@ -30,7 +36,19 @@ def inventory_source(inventory: Path | None, targets: list[str]) -> DashSource:
     names = targets or sorted(loaded.targets)
     for name in names:
         loaded.target(name)
-    return RemoteSource({name: partial(open_container, loaded, name) for name in names})
+    notifiers = {name: local_notifier(loaded.target(name)) for name in names}
+    return RemoteSource({name: partial(open_container, loaded, name) for name in names},
+                        notifiers={name: n for name, n in notifiers.items() if n is not None})
+
+
+def local_notifier(target: Target, on_error: Callable[[str], None] | None = None) -> LocalNotifier | None:
+    """The follower's runner of the target's `notify: local:` commands, or None when it names none."""
+    from dflash_ops.runs.local_notify import LocalNotifier
+
+    commands = target.notify_all.local
+    if not commands:
+        return None
+    return LocalNotifier(target.name, commands, on_error or logging.getLogger("dflash_ops.notify").warning)
 
 
 def parse_local(specs: list[str]) -> dict[str, Path]:
@@ -65,7 +83,9 @@ def register(app: typer.Typer) -> None:
             source: DashSource = LocalDirSource(parse_local(local))
         else:
             source = inventory_source(inventory, targets or [])
-        run_dash(source, targets or None)
+        code = run_dash(source, targets or None)
+        if code:
+            raise typer.Exit(code)  # an error ended the dashboard: not a clean `q`
 
 
 def _run_demo() -> None:

@@ -14,7 +14,7 @@ from dflash_ops.inventory import load_inventory
 
 if TYPE_CHECKING:
     from dflash_ops.container import Container
-    from dflash_ops.doctor import Report
+    from dflash_ops.doctor import Report, RunPlan
     from dflash_ops.inventory import Target
 
 
@@ -24,6 +24,8 @@ def doctor(
     gpus: Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run will hold, e.g. 0,1 (default: the target's).")] = None,
     fast: Annotated[bool, typer.Option("--fast", help="Only the fast subset `run start` runs (no NCCL all-reduce).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document: every check and the raw facts per target.")] = False,
+    fix: Annotated[bool, typer.Option("--fix", help="Apply the fixes provision knows (GPU entries, /dev/shm, limits, NVIDIA user-space), then check again.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="With --fix: restart a running container without asking.")] = False,
     inventory: InventoryOption = None,
 ) -> None:
     """Check that each TARGET's container can run the trainer: GPUs, torch, driver, NCCL, /dev/shm, disk, RAM, limits, clock.
@@ -47,6 +49,8 @@ def doctor(
         return report
 
     reports = map_by_node(containers, one, unreachable_report)
+    if fix:
+        reports = [_fixed(c, r, plans[id(c)], yes, fast) for c, r in zip(containers, reports)]
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in reports], indent=1, sort_keys=True))
     else:
@@ -54,6 +58,30 @@ def doctor(
             print_report(container.target, report)
     if any(r.verdict == "fail" for r in reports):
         raise typer.Exit(1)
+
+
+FIXABLE = ("gpu passthrough", "driver user-space", "/dev/shm", "memlock limit", "open files limit")
+
+
+def _fixed(container: Container, report: Report, plan: RunPlan, yes: bool, fast: bool) -> Report:
+    """provision's repair (the same code path) of a target whose fixable checks did not pass, then a new pass."""
+    from dflash_ops.doctor import diagnose, record_verdict
+    from dflash_ops.doctor.plan import GIB
+    from dflash_ops.provision import Request, provision
+
+    wrong = [c.name for c in report.checks if c.status != "ok" and c.name in FIXABLE]
+    if not wrong or not container.target.node.pct:
+        return report
+    typer.echo(f"{container.target.name}: fixing {', '.join(wrong)}", err=True)
+    gpus = tuple(plan.gpus) if plan.needs_gpu or container.target.gpus else ()
+    request = Request(gpus=gpus, shm_gib=max(1, -(-plan.shm_needed() // GIB)) if "/dev/shm" in wrong else None,
+                      create=False)
+    outcome = provision(container, request, yes=yes, confirm=lambda q: typer.confirm(q, default=False),
+                        say=lambda line: typer.echo(line, err=True))
+    typer.echo(f"{container.target.name}: {len(outcome.changes)} change(s)", err=True)
+    again = diagnose(container, plan, fast=fast)
+    record_verdict(container.target, again)
+    return again
 
 
 def print_report(target: Target, report: Report, err: bool = False) -> None:

@@ -35,6 +35,13 @@ Restart = Annotated[Optional[str], typer.Option(
     help="on-failure[:N]: after a crash (non-zero exit, a kill, OOM) resume from the latest checkpoint, at most N "
          "times (default 3); each restart and its reason show in `run status`, the dashboard and metrics.jsonl. "
          "`run stop` still stops for good.")]
+Queue = Annotated[bool, typer.Option(
+    "--queue", help="When its GPUs are held, queue the run in the container (FIFO per GPU) instead of refusing; it "
+                    "starts by itself once they are free. See `dflash-ops run queue TARGET`; `run stop` takes it out.")]
+NotifyUrls = Annotated[Optional[list[str]], typer.Option(
+    "--notify", metavar="URL",
+    help="A webhook that gets a JSON POST on every state change (queued, started, restart, stopped, failed, done), "
+         "added to the inventory's notify:; env:NAME reads the URL from $NAME. Repeatable. Shown redacted.")]
 Gpus = Annotated[Optional[str], typer.Option("--gpus", help="GPUs the run holds, e.g. 0,1 (default: the target's).")]
 Follow = Annotated[bool, typer.Option("-f", "--follow", help="Keep following until the run reaches a final state.")]
 
@@ -78,6 +85,8 @@ def start(
     gpus: Gpus = None,
     force: Annotated[bool, typer.Option("--force", help="Start even when the doctor's fast checks fail.")] = False,
     restart: Restart = None,
+    queue: Queue = False,
+    notify: NotifyUrls = None,
     inventory: InventoryOption = None,
 ) -> None:
     """Start the trainer detached from TARGET's current release; prints the run id.
@@ -98,14 +107,39 @@ def start(
         if restart not in (None, "no"):
             fail("--restart: a run across hosts is not restarted by itself yet (its ranks would have to rejoin "
                  "together); resume it with `dflash-ops run resume`", 2)
+        if queue or notify:
+            fail(f"{'--queue' if queue else '--notify'}: a run across hosts is not queued or notified yet; "
+                 "start it when the GPUs of every member are free", 2)
     containers = [open_target(inventory, t) for t in targets]
+    spec = _notify_spec(containers[0], notify or []) if len(targets) == 1 else None
     for container in containers:
         _preflight(container, config, gpu_list, force)
     if len(targets) > 1:
         run_id = start_group(containers, targets, config, name=name, gpus=gpu_list)
     else:
-        run_id = start_run(containers[0], config, name=name, gpus=gpu_list, restart=restart)
+        run_id = start_run(containers[0], config, name=name, gpus=gpu_list, restart=restart, queue=queue, notify=spec)
+    if queue:
+        from dflash_ops.runs import run_status
+
+        info = run_status(containers[0], run_id)
+        if info.effective_state == "queued":
+            typer.echo(run_id)
+            _hint(f"queued {run_id} on {targets[0]} at position {info.position}: waits for "
+                  f"{'; '.join(info.waits_for)}; see the queue: dflash-ops run queue {targets[0]}")
+            return
     _announce(run_id, "started", " ".join(targets))
+
+
+def _notify_spec(container: Container, urls: list[str]) -> dict[str, Any] | None:
+    """What the container is told about who hears of this run (notify.py's spec), or None."""
+    from dflash_ops.inventory import Notify, resolved_webhooks
+
+    target = container.target
+    wanted = getattr(target, "notify_all", None) or Notify()
+    webhooks = resolved_webhooks(wanted, urls)
+    if not webhooks and not wanted.commands:
+        return None
+    return {"target": target.name, "webhooks": webhooks, "commands": [list(c) for c in wanted.commands]}
 
 
 def _preflight(container: Container, config: Path, gpus: list[int] | None, force: bool) -> None:
@@ -213,6 +247,27 @@ def _print_members(found: list[Member], group: dict[str, Any]) -> None:
             typer.echo(f"{m.target} log tail:")
             for line in m.info.log_tail.rstrip("\n").splitlines()[-8:]:
                 typer.echo("  " + line)
+
+
+def queue_(
+    target: Target,
+    inventory: InventoryOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the helper's documents as JSON.")] = False,
+) -> None:
+    """The runs queued on TARGET, first in line first, and what each waits for."""
+    from dflash_ops.runs.lifecycle import queued_runs
+
+    line = queued_runs(open_target(inventory, target))
+    if as_json:
+        _echo_json([r.raw for r in line])
+        return
+    if not line:
+        _hint(f"no runs queued on {target}")
+        return
+    for info in line:
+        gpus = ",".join(map(str, info.gpus)) or "-"
+        typer.echo(f"{info.position}. {info.run_id} (gpus {gpus}, release {info.release or '-'}): "
+                   f"waits for {'; '.join(info.waits_for) or 'nothing: starting'}")
 
 
 def checkpoint(
@@ -344,12 +399,12 @@ class _MetricPrinter:
         self.total_steps: int | None = None
 
     def line(self, raw: bytes) -> None:
+        from dflash_ops.runs.events import BadLine, parse_event
         from dflash_ops.runs.report import metric_line
 
-        try:
-            event = json.loads(raw)
-        except ValueError:
-            write_stdout(raw)
+        event = parse_event(raw)
+        if isinstance(event, BadLine):
+            write_stdout((event.describe() + "\n").encode())
             return
         if event.get("event") == "start":
             self.total_steps = event.get("total_steps")
@@ -358,25 +413,88 @@ class _MetricPrinter:
 
 def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: int | None, inventory: Path | None,
                 on_line: Callable[[bytes], None]) -> None:
-    from dflash_ops.runs import follow_file, resolve_run, run_status
+    from dflash_ops.runs import RunNotFound, follow_file, resolve_run, run_status
 
     container = open_target(inventory, target)
+    watcher = None
     try:
         run_id = run if run is not None else resolve_run(container, None).run_id
-        follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
-                    on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
-                    on_truncated=lambda reached, size: _hint(
-                        f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
-                        f"(now {size} bytes); what was written before that and not yet shown is lost; "
-                        "following from its start"))
+        if follow:
+            watcher = _StateWatcher(container, run_id)
+        try:
+            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
+                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
+                        on_truncated=lambda reached, size: _hint(
+                            f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
+                            f"(now {size} bytes); what was written before that and not yet shown is lost; "
+                            "following from its start"))
+        except RunNotFound:
+            info = run_status(container, run_id)  # no such run: raises, and says so
+            # the run exists, its file not yet: a healthy run writes metrics.jsonl once its model loaded
+            _hint(f"dflash-ops: run {run_id} ({info.effective_state}) has not written {name} yet"
+                  + ("" if info.final else "; it starts with the first step (or follow it with -f)"))
+            if info.effective_state == "failed":
+                raise typer.Exit(1) from None
+            return
         if not follow:
             return
         info = run_status(container, run_id)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    finally:
+        if watcher is not None:
+            watcher.close()
     _hint(_at_step(info))
     if info.effective_state == "failed":
         raise typer.Exit(1)
+
+
+class _StateWatcher:
+    """While `logs -f` / `metrics -f` follows a run, the inventory's `notify: local:` commands run
+    on its state changes (dflash_ops.runs.local_notify): a thread asks its status every POLL_S.
+    Plain thread, not asyncio: the follow itself blocks this process' main thread."""
+
+    POLL_S = 2.0
+
+    def __init__(self, container: Container, run_id: str) -> None:
+        import threading
+
+        from dflash_ops.cli.dash import local_notifier
+
+        self.container, self.run_id = container, run_id
+        self.notifier = local_notifier(container.target, _hint)  # type: ignore[arg-type]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name=f"notify-watch-{run_id}")
+        if self.notifier is not None:
+            self.thread.start()
+
+    def _watch(self) -> None:
+        from dflash_ops.errors import DflashOpsError
+        from dflash_ops.runs import run_status
+
+        assert self.notifier is not None
+        while True:
+            try:
+                self.notifier.see(run_status(self.container, self.run_id))
+            except DflashOpsError:
+                pass  # a dropped connection: the follow says so; look again next time
+            if self.stop.wait(self.POLL_S):
+                return
+
+    def close(self) -> None:
+        """One last look (the final state), then the commands started are let finish."""
+        if self.notifier is None:
+            return
+        self.stop.set()
+        self.thread.join()
+        from dflash_ops.errors import DflashOpsError
+        from dflash_ops.runs import run_status
+
+        try:
+            self.notifier.see(run_status(self.container, self.run_id))
+        except DflashOpsError:
+            pass
+        self.notifier.wait()
 
 
 def pull(
@@ -429,6 +547,7 @@ def register(app: typer.Typer) -> None:
     run_app.command("start")(start)
     run_app.command("list")(list_)
     run_app.command("status")(status)
+    run_app.command("queue")(queue_)
     run_app.command("checkpoint")(checkpoint)
     run_app.command("stop")(stop)
     run_app.command("resume")(resume)

@@ -37,7 +37,8 @@ def helper_args(container: ContainerAPI, plan: RunPlan, fast: bool) -> list[str]
     args = ["facts", "--base", container.base_dir, "--python", target.python,
             "--gpus", ",".join(str(g) for g in plan.gpus), "--torch", torch_mode,
             "--runs-helper", container.helper_path("runs"),
-            "--probe-timeout", f"{FAST_PROBE_TIMEOUT_S if fast else PROBE_TIMEOUT_S:g}"]
+            "--probe-timeout", f"{FAST_PROBE_TIMEOUT_S if fast else PROBE_TIMEOUT_S:g}",
+            "--root", target.node.kind.container_root(target.ctid) if target.node.pct else "/"]
     if plan.needs_gpu and not fast:
         args.append("--nccl")
     if plan.model_config_path:

@@ -75,7 +75,7 @@ def evaluate(i: Inputs) -> list[Check]:
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
     for judge in (config_check, target_model_check, memory_plan_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
-                  driver_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
+                  driver_check, userspace_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
         if check is not None:
@@ -405,6 +405,25 @@ def driver_check(i: Inputs) -> Check:
     return judged("driver vs torch CUDA", ok, measured, needed,
                   f"install NVIDIA driver >= {branch or '?'} on node {i.target.node.name} (the container's user-space "
                   "libraries must match it), or a torch built for an older CUDA")
+
+
+def userspace_check(i: Inputs) -> Check | None:
+    """The container's NVIDIA user-space libraries are the node's kernel module version: else NVML
+    says "Driver/library version mismatch" (after every host driver upgrade). Judged where the node
+    has the module and the container is given its GPUs (or the run needs them)."""
+    module = i.node.module
+    config = i.node.config
+    given = bool(config and any(p.startswith("/dev/nvidia") for p in config.passthrough_paths() | config.bind_mounted()))
+    if not module or not (given or i.plan.needs_gpu):
+        return None
+    have = (i.found.get("userspace") or {}).get("versions") or []
+    name = "driver user-space"
+    measured = f"container {', '.join(have) or 'none'}; node kernel module {module}"
+    if have == [module]:
+        return Check(name, OK, measured, f"{module} (= node kernel module)")
+    return Check(name, FAIL, measured, f"{module} (= node kernel module)",
+                 f"dflash-ops doctor {i.target.name} --fix (installs NVIDIA-Linux-x86_64-{module}.run in the container "
+                 "with --no-kernel-module)")
 
 
 def nccl_check(i: Inputs) -> Check | None:

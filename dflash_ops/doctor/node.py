@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from dflash_ops.transport.base import Transport
 
 
-NVIDIA_MAJOR = 195  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
+NVIDIA_MAJOR = 195
+MODULE_VERSION = "/proc/driver/nvidia/version"
+
+
+def parse_module_version(text: str) -> str | None:
+    """`NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb ...` -> 550.54.14
+    (also the open module's `NVIDIA UNIX Open Kernel Module for x86_64  570.86.15 ...`)."""
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)\s", text.split("\n")[0] + " ")
+    return match.group(1) if match else None  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
 
 
 @dataclass
@@ -74,6 +82,7 @@ class NodeFacts:
     detail: str = ""
     config: PctConfig | None = None
     config_error: str | None = None
+    module: str | None = None  # the node's NVIDIA kernel module version (/proc/driver/nvidia/version)
 
 
 def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> NodeFacts:
@@ -87,7 +96,9 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     status = render.pct_argv(target.node.pct, "status", target.ctid)
     config = render.pct_argv(target.node.pct, "config", target.ctid)
     marker = "--- dflash-ops pct config ---"
-    command = render.node_sequence(status, ["echo", marker], config).command
+    module_marker = "--- dflash-ops nvidia module ---"
+    module = ["sh", "-c", 'cat "$1" 2>/dev/null; exit 0', "sh", target.node.kind.node_path(MODULE_VERSION)]
+    command = render.node_sequence(status, ["echo", marker], config, ["echo", module_marker], module).command
     try:
         result = transport.run(command, timeout=timeout)
     except TransportError as e:
@@ -96,6 +107,8 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     facts = NodeFacts(True, *read_pct_status(head, result.stderr, result.exit_code))
     if not head.strip().startswith("status: "):
         return facts
+    tail, _, module_text = tail.partition(module_marker + "\n")
+    facts.module = parse_module_version(module_text)
     if sep and result.ok:
         facts.config = parse_pct_config(tail)
     else:

@@ -105,8 +105,13 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     run_gpus = tuple(gpus if gpus is not None else target.gpus)
     if config is None:
         return RunPlan(gpus=run_gpus)
+    from dflash_ops.errors import UsageError
+    from dflash_ops.yamlfile import check_bounds
     from trainer.run.config import ConfigError, load_config
 
+    # YAML over the bounds (a few hundred bytes of aliases expand to 10^9 nodes) is refused with its
+    # line before any loader walks it: no trainer can read it, so it is no mere warning.
+    check_bounds(Path(config), "trainer config", UsageError)
     try:
         cfg = load_config(config)
     except ConfigError as e:

@@ -3,8 +3,9 @@
 A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). Container.helper()
 installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
 
-A shared module (SHARED: nodefacts.py, the node-side facts; run_*.py, the parts of the runs helper
-that runs.py dispatches to; destination.py, the replace rule, and
+A shared module (SHARED: nodefacts.py, the node-side facts; runqueue.py, the run queue on disk;
+notify.py, run events and their delivery; run_*.py, the parts of the runs helper that runs.py
+dispatches to; destination.py, the replace rule, and
 contract.py, the run directory's contract, whose one copies live in the trainer,
 trainer/run/destination.py and trainer/run/contract.py, as the trainer never imports dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
 `module_utils` with a module. BASE/helpers/<hash>/ then holds the helper and the shared module
@@ -30,8 +31,8 @@ HELPERS_DIR = Path(__file__).resolve().parent
 # modules shipped beside the helpers that import them (never run), and where they live outside HELPERS_DIR
 SHARED_ELSEWHERE = {"destination": ("trainer.run", "destination.py"), "contract": ("trainer.run", "contract.py")}
 # the runs helper's parts (runs.py is their dispatcher): shipped beside it, never run on their own
-RUN_PARTS = ("run_protocol", "run_describe", "run_follow", "run_start", "run_supervise")
-SHARED = ("nodefacts", *RUN_PARTS, *SHARED_ELSEWHERE)
+RUN_PARTS = ("run_protocol", "run_describe", "run_follow", "run_start", "run_supervise", "run_events", "run_queue")
+SHARED = ("nodefacts", "runqueue", "notify", *RUN_PARTS, *SHARED_ELSEWHERE)
 
 
 def shared_path(module: str) -> Path:

@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -227,6 +228,29 @@ def proc_driver_version() -> str | None:
     return None
 
 
+# Where the NVIDIA user-space libraries are (dflash_ops/provision/userspace.py LIB_DIRS: keep the two equal).
+USERSPACE_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
+USERSPACE_LIBS = ("libnvidia-ml.so", "libcuda.so")
+
+
+def userspace_versions(root: str) -> dict:
+    """Versions of the NVIDIA user-space libraries in the container (libnvidia-ml.so.X.Y.Z, libcuda.so.X.Y.Z)
+    under `root` (its `/`; a directory container's own tree on the simulated node)."""
+    found = {}  # type: dict[str, list[str]]
+    for sub in USERSPACE_DIRS:
+        directory = os.path.join(root, sub)
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            for lib in USERSPACE_LIBS:
+                match = re.match(re.escape(lib) + r"\.(\d+\.\d+(?:\.\d+)?)$", name)
+                if match:
+                    found.setdefault(match.group(1), []).append(os.path.join(directory, name))
+    return {"versions": sorted(found), "files": {v: sorted(f) for v, f in found.items()}}
+
+
 def libcuda_version() -> dict:
     """cuDriverGetVersion() through ctypes: the newest CUDA the installed driver supports (e.g. 13000)."""
     try:
@@ -424,6 +448,7 @@ def facts(args: argparse.Namespace) -> int:
         "devices": device_nodes(),
         "majors": char_majors(),
         "driver": {"proc": proc_driver_version(), "libcuda": libcuda_version()},
+        "userspace": userspace_versions(args.root),
         "smi": nvidia_smi(),
         "runs": held_gpus(args.runs_helper, args.base, sys.executable),
         "model": model_dims(args.model_config),
@@ -447,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-config")
     s.add_argument("--runs-helper")
     s.add_argument("--probe-timeout", type=float, default=120.0)
+    s.add_argument("--root", default="/")
     s.set_defaults(func=facts)
     s = sub.add_parser("torch-probe")
     s.add_argument("--mode", choices=("find", "full"), default="full")

@@ -81,19 +81,53 @@ def read_json(path: str) -> dict | None:
     return doc
 
 
+JSON_FILE_BYTES = 64 << 20  # a run's JSON files (status, launch, manifest, group) are KiB to a few MiB
+JSON_DEPTH = 32  # the deepest of them nests 4 levels
+
+
+def loads_bounded(data: bytes | str, max_bytes: int = JSON_FILE_BYTES, max_depth: int = JSON_DEPTH) -> tuple[object, str | None]:
+    """(value, None) or (None, what is wrong): the JSON text in `data`, refused when longer than
+    `max_bytes` or nested deeper than `max_depth`. json.loads raises ValueError for bad JSON and
+    bad UTF-8 but RecursionError for a deep nest ([[[[... a few thousand levels): both are caught."""
+    if len(data) > max_bytes:
+        return None, "longer than %d bytes" % max_bytes
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        return None, "nested deeper than %d levels" % max_depth
+    except ValueError as e:
+        return None, "not valid JSON (%s)" % (getattr(e, "msg", None) or getattr(e, "reason", None) or e)
+    if json_depth(value, max_depth) > max_depth:
+        return None, "nested deeper than %d levels" % max_depth
+    return value, None
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deep `value` nests (a scalar is 0, [1] is 1), counting no further than limit + 1."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (list, dict)):
+            depth += 1
+            if depth > limit:
+                return depth
+            deepest = max(deepest, depth)
+            todo.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def read_json_checked(path: str) -> tuple[dict | None, str | None]:
     """(object, None), (None, None) when the file is missing, or (None, what is wrong with it)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(JSON_FILE_BYTES + 1)
     except FileNotFoundError:
         return None, None
     except OSError as e:
         return None, "%s is unreadable: %s" % (os.path.basename(path), e.strerror)
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except ValueError:
-        return None, "%s is not valid JSON" % os.path.basename(path)
+    doc, problem = loads_bounded(data)
+    if problem is not None:
+        return None, "%s is %s" % (os.path.basename(path), problem if problem.startswith("not") else "not usable: " + problem)
     if not isinstance(doc, dict):
         return None, "%s holds a JSON %s, not an object" % (os.path.basename(path), type(doc).__name__)
     return doc, None

@@ -35,9 +35,10 @@ import tarfile
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.release_store
-    from . import nodefacts
+    from . import nodefacts, runqueue
 else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import runqueue  # type: ignore[no-redef]
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
@@ -85,6 +86,8 @@ def live_run_releases(base: str) -> set[str]:
             continue
         if release and nodefacts.run_is_live(run_dir, nodefacts.read_json(os.path.join(run_dir, "status.json"))):
             found.add(release)
+    # a queued run starts on the release it was queued with (runqueue.py)
+    found.update(os.path.basename(str(e.get("release_root"))) for e in runqueue.entries(base) if e.get("release_root"))
     return found
 
 

@@ -20,10 +20,13 @@ if TYPE_CHECKING:
     import subprocess
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_start
-    from . import nodefacts, run_protocol
+    from . import nodefacts, notify, run_events, run_protocol, runqueue
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import notify  # type: ignore[no-redef]
+    import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
+    import runqueue  # type: ignore[no-redef]
 
 CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")
@@ -125,18 +128,35 @@ def cmd_start(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise Refused(str(e)) from None
     config_bytes = None
-    if args.config is not None:
+    spec = None
+    if args.notify_stdin:  # stdin: the spec's JSON line, then the config (the secret never is an argument)
+        line, _, rest = sys.stdin.buffer.read().partition(b"\n")
+        spec = run_events.check_notify(line.decode("utf-8", "replace"), "--notify-stdin")
+        if args.config == "-":
+            config_bytes = rest
+    elif args.notify_file:
+        spec = run_events.check_notify(read_bytes(args.notify_file).decode("utf-8", "replace"), args.notify_file)
+    if config_bytes is None and args.config is not None:
         config_bytes = sys.stdin.buffer.read() if args.config == "-" else read_bytes(args.config)
     if args.resume is None and config_bytes is None:
         raise Refused("--config is required to start a fresh run")
     if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
     max_restarts = parse_restart(args.restart)
+    if spec is not None and max_restarts is None:
+        max_restarts = 0  # supervised all the same: the supervisor sees the end and sends its event
     lock = nodefacts.start_lock(runs_root)
     try:
-        child = launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts)
+        queued = queue_if_held(args, run_dir, release_root, gpus, config_bytes, spec) if args.queue else None
+        child = None if queued else launch(args, run_dir, release_root, python, gpus, config_bytes, max_restarts, spec)
     finally:
         os.close(lock)  # the child's launch.json is written: the next start sees its GPUs
+    if child is None:
+        assert queued is not None
+        run_events.ensure_worker(args.base)
+        run_events.send_event(args.base, spec, args.run_id, "queued", reason="; ".join(queued["waits_for"]))
+        print_json(queued)
+        return
 
     status_path = os.path.join(run_dir, "status.json")
     launch_path = os.path.join(run_dir, "launch.json")
@@ -182,7 +202,8 @@ def trainer_argv(args: argparse.Namespace, python: str, config: str, run_dir: st
 
 
 def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: str, gpus: list[int],
-           config_bytes: bytes | None, max_restarts: int | None = None) -> subprocess.Popen[bytes]:
+           config_bytes: bytes | None, max_restarts: int | None = None,
+           spec: dict | None = None) -> subprocess.Popen[bytes]:
     """Check GPUs and the run directory, then start the trainer and record launch.json
     (called under start_lock). Returns the trainer's process; it logs to RUNDIR/train.log."""
     conflicts = gpu_conflicts(args.base, gpus, run_dir)
@@ -217,6 +238,10 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
             config_input = os.path.join(run_dir, "config.yaml")
     release = release_hash(release_root)
     write_atomic(os.path.join(run_dir, "release"), (release + "\n").encode())
+    if spec is not None:
+        notify.write_spec(run_dir, spec)
+    elif os.path.exists(os.path.join(run_dir, notify.NOTIFY_FILE)):
+        os.unlink(os.path.join(run_dir, notify.NOTIFY_FILE))  # this start tells nobody
 
     if args.group is not None:
         write_atomic(os.path.join(run_dir, "group.json"), json.dumps(args.group, sort_keys=True).encode())
@@ -247,7 +272,8 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
             old = read_json(os.path.join(run_dir, RESTARTS_FILE)) if args.resume is not None else None
             history = old.get("restarts") if old and isinstance(old.get("restarts"), list) else []
             # the run's history is kept; this start gets N restarts of its own
-            policy = {"policy": "on-failure:%d" % max_restarts, "max": max_restarts, "restarts": history}
+            named = "no" if parse_restart(args.restart) is None else "on-failure:%d" % max_restarts
+            policy = {"policy": named, "max": max_restarts, "restarts": history}
             write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
     if max_restarts is not None:
@@ -258,6 +284,31 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
         child.stdin.close()
     return child
 
+
+
+def queue_if_held(args: argparse.Namespace, run_dir: str, release_root: str, gpus: list[int],
+                  config_bytes: bytes | None, spec: dict | None) -> dict | None:
+    """Under the start lock: queue this start (its answer) when a live run holds one of its GPUs or
+    a run queued before wants one; None: it may start now. The release is resolved now, so the run
+    starts on the code it was queued with (prune keeps it: release_store.live_run_releases)."""
+    if args.resume is not None:
+        raise Refused("--queue starts a fresh run; resume a run when its GPUs are free")
+    if os.path.exists(run_dir) or runqueue.find(args.base, args.run_id):
+        raise Refused("run %s already exists; resume it instead" % args.run_id, code=EXIT_REFUSED, exists=True)
+    why = runqueue.waits_for(args.base, {"gpus": gpus}, runqueue.entries(args.base),
+                             lambda wanted: gpu_conflicts(args.base, wanted, run_dir))
+    if not why:
+        return None
+    assert config_bytes is not None  # cmd_start refuses a fresh run without --config
+    start_args = ["--base", args.base, "--run-id", args.run_id, "--python", args.python]
+    start_args += ["--gpus", ",".join(map(str, gpus))] if gpus else []
+    start_args += [a for item in args.env for a in ("--env", item)]
+    start_args += ["--restart", args.restart] if args.restart else []
+    files = {notify.NOTIFY_FILE: json.dumps(spec, sort_keys=True).encode()} if spec else {}
+    entry = runqueue.add(args.base, args.run_id, gpus, start_args, config_bytes, files,
+                         release=release_hash(release_root), release_root=release_root, restart=args.restart)
+    return {"run_id": args.run_id, "state": "queued", "position": entry.get("position"), "waits_for": why,
+            "run_dir": run_dir, "restart": args.restart or "no"}
 
 
 def parse_group(text: str) -> dict:

@@ -15,9 +15,10 @@ import sys
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_supervise
-    from . import nodefacts, run_protocol
+    from . import nodefacts, run_events, run_protocol
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
 
 RESTART_DELAY_S = 1.0
@@ -56,36 +57,80 @@ def append_line(path: str, text: str) -> None:
         os.close(fd)
 
 
+def stop_requested(run_dir: str) -> bool:
+    """An operator's stop (any form: control/stop, or the .no-restart every stop and signal leaves)."""
+    control = os.path.join(run_dir, "control")
+    return os.path.exists(os.path.join(control, NO_RESTART)) or os.path.exists(os.path.join(control, "stop"))
+
+
+def say(log: str, text: str) -> None:
+    """A line in train.log, else (a full disk) on stderr: a failed write of its own must not end
+    the supervisor with a traceback before it said why it stops."""
+    try:
+        append_line(log, text)
+    except OSError:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def cmd_supervise(args: argparse.Namespace) -> int:
-    """The trainer's parent for a run with --restart (see the module docstring)."""
+    """The trainer's parent for a run with --restart (see the module docstring). Any of its own
+    writes that fails (a full disk: OSError, whatever the errno) ends supervision with the reason
+    said, after the trainer it started has ended; no attempt is started whose record failed."""
+    run_dir = check_run_dir(args.run_dir)
+    log = os.path.join(run_dir, "train.log")
+    try:
+        return _supervise(run_dir, log)
+    except OSError as e:
+        reason = "cannot write %s: %s" % (e.filename or "its files", e.strerror or e)
+        say(log, "# dflash-ops supervise: %s: supervision stopped, the run is not restarted\n" % reason)
+        try:
+            policy = read_json(os.path.join(run_dir, RESTARTS_FILE)) or {}
+            policy["supervisor_stopped"] = {"time": time.time(), "reason": reason}
+            write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
+        except OSError:
+            pass  # said on train.log or stderr above
+        return 75  # EX_TEMPFAIL: sysexits.h, "try again later" (free the disk, then run resume)
+
+
+def _supervise(run_dir: str, log: str) -> int:
     import subprocess
 
-    run_dir = check_run_dir(args.run_dir)
     plan = json.loads(sys.stdin.buffer.read().decode("utf-8"))  # EOF: launch.json names this supervisor
     launch_path = os.path.join(run_dir, "launch.json")
     restarts_path = os.path.join(run_dir, RESTARTS_FILE)
-    log = os.path.join(run_dir, "train.log")
     argv = plan["argv"]
     used = 0
+    tell = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
     while True:
         oom_before = oom_kills()
         with open(os.devnull, "rb") as devnull:
             child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
         record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv,
                       oom_kills=oom_before)
-        write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
+        try:
+            write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
+        except OSError:
+            child.wait()  # the attempt it started is still its to wait for
+            raise
+        if used == 0:
+            tell("started")
         code = child.wait()
         status = read_json(os.path.join(run_dir, "status.json"))
         state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
+        step = (status or {}).get("step")
         if code == 0 or state in ("stopped", "done"):
+            tell(state if state in ("stopped", "done") else "done", step=step)
             return 0
-        if os.path.exists(os.path.join(run_dir, "control", NO_RESTART)):
+        if stop_requested(run_dir):
             append_line(log, "# dflash-ops supervise: trainer ended (exit %d) after an operator's stop: not restarted\n"
                         % code)
+            tell("stopped", step=step, reason="stopped by the operator (exit %d)" % code)
             return 0
         if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
             append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
                         % code)
+            tell("failed", reason="the trainer exited %d before writing status.json" % code, log_tail=True)
             return code if code > 0 else 128 - code
         reason = crash_reason(code, status, child.pid, oom_before)
         policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
@@ -96,6 +141,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
                         % (reason, used))
             if state not in nodefacts.FINAL_STATES:  # killed before it could say so
                 write_status_failed(run_dir, status, reason)
+            tell("failed", step=step, reason=reason if not used else "%s; no restart left (%d used)" % (reason, used),
+                 log_tail=True)
             return code if code > 0 else 128 - code
         used += 1
         checkpoints = complete_checkpoints(run_dir)
@@ -111,8 +158,13 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
             entry["from"] or "the start (no checkpoint yet)"))
+        tell("restart", step=entry["step"], reason="restart %d of %d after: %s" % (used, plan["max"], reason))
         # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
+        if stop_requested(run_dir):  # `run stop --kill`/`--now` arrived between two attempts
+            say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
+            tell("stopped", step=entry["step"], reason="stopped by the operator between two attempts")
+            return 0
 
 
 def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:

@@ -22,6 +22,13 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
       reason (RUNDIR/restarts.json, a `restart` event in metrics.jsonl, a line in train.log)
       and starts it again with --resume latest. A stop request or a signal sent through this
       helper leaves control/.no-restart: that ends supervision for good.
+      --queue: when the GPUs are held (or wanted by an earlier queued run), the run is queued in
+      the container instead (runqueue.py) and the queue worker starts it; --notify-stdin: stdin's
+      first line is the notification spec (notify.py), the rest the config; --notify-file PATH
+      reads it from a file; either runs the trainer under `supervise`, which sends the events.
+  runs.py queue-worker BASE          (detached) start queued runs as their GPUs come free
+  runs.py unqueue BASE ID            take a queued run out of the queue (`run stop` of a queued run)
+  runs.py deliver BASE               (detached) deliver the container's outbox of run events
   runs.py address [--toward ADDR]    this container's address (the one routed toward ADDR)
   runs.py free-port --address ADDR   a TCP port free on ADDR now (for the rendezvous)
   runs.py signal RUNDIR TERM|KILL
@@ -49,9 +56,10 @@ import time
 from collections.abc import Callable
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
-    from . import nodefacts, run_describe, run_follow, run_protocol, run_start, run_supervise
+    from . import nodefacts, run_describe, run_follow, run_protocol, run_queue, run_start, run_supervise
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import run_queue  # type: ignore[no-redef]
     import run_describe  # type: ignore[no-redef]
     import run_follow  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
@@ -77,13 +85,23 @@ describe_run = run_describe.describe_run
 
 def cmd_list(args: argparse.Namespace) -> None:
     now = time.time()
+    queued = run_queue.queued_runs(args.base)  # not yet runs: no run directory
+    # a run the queue worker is starting has a run directory before its launch.json: still queued
+    starting = {q["run_id"] for q in queued
+                if not os.path.exists(os.path.join(args.base, "runs", q["run_id"], "launch.json"))}
     if args.run:
         run_dir = os.path.join(args.base, "runs", check_run_id(args.run))
-        if not os.path.isdir(run_dir):
+        waiting = [q for q in queued if q["run_id"] == args.run]
+        if waiting and args.run in starting:
+            runs = waiting
+        elif not os.path.isdir(run_dir):
             raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
-        runs = [describe_run(run_dir, now)]
+        else:
+            runs = [describe_run(run_dir, now)]
     else:
-        runs = [describe_run(d, now) for d in run_dirs(args.base) if RUN_ID_RE.match(os.path.basename(d))]
+        runs = [describe_run(d, now) for d in run_dirs(args.base)
+                if RUN_ID_RE.match(os.path.basename(d)) and os.path.basename(d) not in starting]
+        runs += [q for q in queued if q["run_id"] in starting]
     print_json({"version": 1, "time": now, "runs": runs})
 
 
@@ -255,8 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-addr")
     s.add_argument("--store-host", action="store_true")
     s.add_argument("--restart")
+    s.add_argument("--queue", action="store_true")
+    s.add_argument("--notify-stdin", action="store_true")
+    s.add_argument("--notify-file")
 
     command("supervise", run_supervise.cmd_supervise, "run_dir")
+    command("queue-worker", run_queue.cmd_queue_worker, "base")
+    command("unqueue", run_queue.cmd_unqueue, "base", "run_id")
+    command("deliver", run_queue.cmd_deliver, "base")
 
     command("address", cmd_address).add_argument("--toward")
     command("free-port", cmd_free_port).add_argument("--address", required=True)

@@ -41,6 +41,28 @@ class NodeKind:
         """What tells two nodes of this kind apart besides address/port/user (doctor's verdict key)."""
         return ""
 
+    # What provision asks of a node (dflash_ops/provision/): where its files are, its tools, its templates.
+
+    def node_path(self, path: str) -> str:
+        """Where the node's file `path` is (`/etc/pve/lxc/500.conf`, `/proc/driver/nvidia/version`)."""
+        return path
+
+    def node_tool(self, argv: list[str]) -> list[str]:
+        """The argv that runs the node's tool argv[0] (`pveversion`)."""
+        return argv
+
+    def container_root(self, ctid: int) -> str:
+        """Where the container's `/` is, as its own processes see it ("/": it has its own root)."""
+        return "/"
+
+    def create_options(self, ctid: int) -> list[str]:
+        """Options this kind's `pct create` needs besides provision's own."""
+        return []
+
+    def default_template(self) -> str | None:
+        """The OS template `pct create` uses when provision is given none (None: it must be given)."""
+        return None
+
 
 class KindFactory:
     """Makes a node kind from the node's own inventory keys."""

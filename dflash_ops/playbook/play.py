@@ -15,6 +15,7 @@ literal `${`. There are no shell strings: `exec` takes an argv list.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -165,9 +166,38 @@ def _variables(check: _Checker, node: yaml.Node | None, overrides: dict[str, str
             check.problems.append(f"--var {key}: not a variable of {check.path}{suggest(key, variables)}"
                                   f" (vars: {', '.join(sorted(variables)) or 'none'})")
             continue
-        parsed = yaml.safe_load(raw) if raw else ""
-        variables[key] = parsed if isinstance(parsed, (str, int, float, bool)) else raw
+        value, problem = typed_override(raw, variables[key])
+        if problem:
+            check.problems.append(f"--var {key}={raw}: {problem}")
+        else:
+            variables[key] = value
     return variables
+
+
+_DECIMAL = re.compile(r"[-+]?[0-9]+")
+_BOOLS = {"true": True, "false": False}
+
+
+def typed_override(raw: str, default: Any) -> tuple[Any, str | None]:
+    """A `--var` value as the type its playbook declares by its default: a string stays the
+    string given (`010`, `no`, `x # y` are not re-read as YAML), a number default takes a decimal
+    number, a true/false default takes true or false. Returns (value, problem)."""
+    if isinstance(default, bool):
+        if raw.lower() in _BOOLS:
+            return _BOOLS[raw.lower()], None
+        return None, "not true or false (the playbook's default is a boolean)"
+    if isinstance(default, (int, float)):
+        text = raw.strip()
+        if _DECIMAL.fullmatch(text):
+            return int(text, 10), None
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            return None, "not a number (the playbook's default is a number)"
+        return number, None
+    return raw, None
 
 
 def _steps(check: _Checker, node: yaml.Node | None, defined: set[str]) -> list[Step]:

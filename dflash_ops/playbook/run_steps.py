@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
+from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
 from dflash_ops.yamlfile import read_yaml_node
@@ -106,9 +106,8 @@ class RunProgress:
         self.tau: float | None = None
 
     def on_line(self, line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
+        event = parse_event(line)
+        if isinstance(event, BadLine):
             return
         kind = event.get("event")
         if kind == "start":

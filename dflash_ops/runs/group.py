@@ -106,8 +106,10 @@ def check_micro_batches(config: bytes, hosts: int, source: str) -> None:
     (The trainer refuses it too; here the user hears it before anything starts.)"""
     import yaml
 
+    from trainer.run.yamlsafe import safe_load
+
     try:
-        doc = yaml.safe_load(config) or {}
+        doc = safe_load(config.decode("utf-8", "replace")) or {}
     except yaml.YAMLError:
         return  # the trainer reports the YAML error with its line
     optim = doc.get("optim") if isinstance(doc, dict) else None

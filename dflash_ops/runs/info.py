@@ -61,7 +61,13 @@ class RunInfo:
     launched: float | None = None
     supervised: bool = False  # a `runs.py supervise` parent restarts the trainer after a crash
     restart_policy: str | None = None  # "on-failure:N" (run start --restart)
+    unsupervised: str | None = None  # "no longer supervised: why" (a --restart run whose supervisor is gone)
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {attempt, n, time, reason, exit_code, step, from}
+    # a queued run (effective_state "queued", helpers/runqueue.py): its place in line (1 = next), when it was
+    # queued and what it waits for (runs holding its GPUs, runs queued before it on them)
+    position: int | None = None
+    queued: float | None = None
+    waits_for: list[str] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)  # launch.json's, else status.json's
     status: dict[str, Any] = field(default_factory=dict)  # contract.status_fields of the document
     raw: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dflash_ops.errors import UsageError
 from dflash_ops.helpers import nodefacts
+from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
@@ -112,7 +113,8 @@ def check_restart(policy: str | None) -> list[str]:
 
 def start_run(container: ContainerAPI, config_path_local: Path | str, name: str | None = None,
               resume: str | int | None = None, gpus: list[int] | None = None,
-              run_id: str | None = None, restart: str | None = None) -> str:
+              run_id: str | None = None, restart: str | None = None, queue: bool = False,
+              notify: dict | None = None) -> str:
     """Start a run from the current release; the config travels on the helper's stdin.
 
     Fresh run: id `<name or "run">-YYYYmmdd-HHMMSS` unless run_id is given. With `resume`
@@ -120,11 +122,19 @@ def start_run(container: ContainerAPI, config_path_local: Path | str, name: str 
     checkpoint with this new config. `gpus` defaults to the target's GPUs; the helper refuses
     (GpusBusy) when a live run holds one of them. `restart` ("on-failure:N"): a supervisor in
     the container resumes the run from its latest checkpoint after a crash, at most N times.
+    `queue`: when its GPUs are held the run waits in the container's queue (its state `queued`)
+    and starts by itself once they are free. `notify` (notify_spec()): who hears of its state
+    changes; it travels on stdin, never as an argument (a webhook URL is a secret).
     """
     config = Path(config_path_local).read_bytes()
     if resume is not None and run_id is None:
         raise UsageError("resuming with a new config needs the run_id of the run to resume")
-    extra = ["--config", "-", *check_restart(restart)]
+    if queue and resume is not None:
+        raise UsageError("--queue starts a fresh run; resume a run when its GPUs are free")
+    extra = ["--config", "-", *check_restart(restart), *(["--queue"] if queue else [])]
+    if notify and (notify.get("webhooks") or notify.get("commands")):
+        extra.append("--notify-stdin")
+        config = json.dumps(notify, sort_keys=True).encode() + b"\n" + config
     if resume is not None:
         extra += ["--resume", str(resume)]
     if run_id is not None:
@@ -180,12 +190,11 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
     served: list[str] = []  # look() fills it; the loop returns as soon as it holds anything
 
     def look(line: bytes) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
+        event = parse_event(line)
+        if isinstance(event, BadLine):
             return
         if event.get("event") == "checkpoint" and event.get("request") == request_id:
-            served.append(event.get("path"))
+            served.append(str(event.get("path")))
 
     while True:
         try:
@@ -244,12 +253,37 @@ def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool
     longer answers; the run then reads as failed).
     """
     info = run_status(container, run_id)
+    if info.effective_state == "queued":
+        info = unqueue(container, run_id, timeout=timeout, poll=poll)
+        if info.effective_state == "stopped" and not info.has_status:
+            return info
     if info.final and not info.alive:
         return info
     ask_to_stop(container, run_id, info, now=now, kill=kill)
     if not wait:
         return run_status(container, run_id)
     return wait_until_final(container, run_id, timeout=timeout, poll=poll)
+
+
+def unqueue(container: ContainerAPI, run_id: str, timeout: float = 60.0, poll: float = 1.0) -> RunInfo:
+    """Take a queued run out of its queue: a RunInfo `stopped` (removed before it started), or,
+    when the queue worker was starting it just then, the run's status once it is a run."""
+    result = call_json(container, ["unqueue", container.base_dir, check_run_id(run_id)])["result"]
+    if result == "removed":
+        return RunInfo(run_id=run_id, effective_state="stopped", reason="removed from the queue before it started")
+    deadline = time.monotonic() + timeout
+    while True:
+        info = run_status(container, run_id)
+        if info.effective_state != "queued":
+            return info
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} was being started from the queue and is still not a run after {timeout:g}s")
+        time.sleep(poll)
+
+
+def queued_runs(container: ContainerAPI) -> list[RunInfo]:
+    """The container's queue, first in line first (`run queue TARGET`)."""
+    return sorted((r for r in list_runs(container) if r.effective_state == "queued"), key=lambda r: r.position or 0)
 
 
 def ask_to_stop(container: ContainerAPI, run_id: str, info: RunInfo, now: bool, kill: bool) -> None:

@@ -69,7 +69,8 @@ STATUS_COLUMNS = ("run", "state", "step", "loss", "tau", "tok/s", "heartbeat", "
 
 def status_row(info: RunInfo) -> tuple[str, ...]:
     step = "-" if info.step is None else (f"{info.step}/{info.total_steps}" if info.total_steps else str(info.step))
-    return (info.run_id, info.effective_state, step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
+    state = f"queued #{info.position}" if info.effective_state == "queued" else info.effective_state
+    return (info.run_id, state, step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
             _rate(info.tokens_per_s),
             _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
 
@@ -84,13 +85,17 @@ def restart_line(restart: dict[str, Any]) -> str:
 def status_detail(info: RunInfo) -> list[str]:
     """The lines `run status TARGET RUN` prints below the row: why it failed, checkpoints, log tail."""
     lines = []
-    if info.reason:
+    if info.effective_state == "queued":
+        lines.append(f"queued: position {info.position}, waits for {'; '.join(info.waits_for) or 'nothing (starting)'}")
+    elif info.reason:
         lines.append(f"reason: {info.reason}")
     if info.error:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
     lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
     if info.restart_policy:
         lines.append(f"restart: {info.restart_policy}, {len(info.restarts)} so far")
+    if info.unsupervised and not (info.reason and info.unsupervised in info.reason):
+        lines.append(info.unsupervised)
     lines += [f"  {restart_line(r)}" for r in info.restarts]
     if info.gpus:
         lines.append(f"gpus: {','.join(map(str, info.gpus))}")

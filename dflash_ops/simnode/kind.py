@@ -88,6 +88,38 @@ class SimulatedNode(NodeKind):
     def identity(self) -> str:
         return self.root
 
+    def node_path(self, path: str) -> str:
+        """The stand-in's state root holds the node's files: configs and locks where pct.py keeps
+        them, the rest (dev/nvidia*, proc/driver/nvidia/version) under ROOT/node (simnode/gpus.py)."""
+        for prefix, where in (("/etc/pve/lxc/", "lxc"), ("/run/lock/lxc/", "lock")):
+            if path.startswith(prefix):
+                return os.path.join(self.root, where, path[len(prefix):])
+        return os.path.join(self.root, "node", path.lstrip("/"))
+
+    def node_tool(self, argv: list[str]) -> list[str]:
+        if argv[:1] == ["pveversion"]:
+            script = os.path.join(os.path.dirname(simct.PCT_SCRIPT), "pveversion_main.py")
+            return [sys.executable, "-I", "-S", script, "--state-root", self.root, *argv[1:]]
+        return argv
+
+    def container_root(self, ctid: int) -> str:
+        """A directory container's `/` is this machine's: its own files are under ROOT/ct/CTID."""
+        if self.backend(ctid) == "lxc":
+            return "/"
+        return os.path.join(self.root, "ct", str(ctid))
+
+    def create_options(self, ctid: int) -> list[str]:
+        backend = simct.pick_backend(self.backend_choice)
+        options = ["--sim-backend", backend]
+        if backend == "lxc":
+            from dflash_ops.simnode import rootfs
+
+            options += ["--sim-rootfs", str(rootfs.path())]
+        return options
+
+    def default_template(self) -> str | None:
+        return simct.SIM_TEMPLATE
+
 
 class SimulatedFactory(KindFactory):
     keys = SimulatedKeys

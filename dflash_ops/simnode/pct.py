@@ -3,7 +3,7 @@
 Run as `python -m dflash_ops.simnode.pct [--state-root DIR] COMMAND ...` or by file path
 (stdlib only, imports nothing from dflash_ops, so it needs no PYTHONPATH behind sshd).
 
-Implemented: create, exec, push, pull, status, list, start, stop, destroy, config. Every message and
+Implemented: create, set, exec, push, pull, status, list, start, stop, shutdown, destroy, config. Every message and
 exit code below is read from the sources cited next to it (pve-container src/PVE/CLI/pct.pm,
 pve-common src/PVE/{CLIHandler,RESTEnvironment,Tools}.pm, pve-guest-common
 src/PVE/AbstractConfig.pm, lxc src/lxc/{attach.c,tools/lxc_attach.c}). A `die` in pct exits
@@ -32,6 +32,9 @@ State lives under the state root (--state-root, else $DFLASH_OPS_SIM_ROOT, else
     ROOT/lxc/<vmid>.state       "running" or "stopped"
     ROOT/lock/pve-config-<vmid>.lock   the config lock (flock), /run/lock/lxc/... on a node
     ROOT/ct/<vmid>/             the container's own files: usr/bin/python3 and its site-packages
+    ROOT/node/                  the node's own files a test gives it: dev/nvidia*, proc/driver/nvidia/version,
+                                proc/devices (dflash_ops/simnode/gpus.py writes them); a devN entry names
+                                /dev/X, which is ROOT/node/dev/X here
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ class Node:
         except OSError:
             return "directory"
         return match.group(1) if match else "directory"
+
+    def node_path(self, path: str) -> Path:
+        """Where a node file (`/dev/nvidia0`, `/proc/driver/nvidia/version`) of the simulated node is."""
+        return self.root / "node" / path.lstrip("/")
 
     def lxc_path(self) -> Path:
         """LXC's lxcpath of this node's containers (/var/lib/lxc on a node): lxc_path()/VMID/config."""
@@ -194,6 +201,28 @@ def check_vmid(vmid: str) -> None:
             "400 Parameter verification failed.\n"
             "vmid: invalid format - value does not look like a valid VM ID\n"
         )
+
+
+def check_lock(text: str) -> None:
+    """pve-guest-common src/PVE/AbstractConfig.pm check_lock: a `lock:` option (backup, migrate,
+    snapshot, create, mounted...) refuses set, start, stop and destroy: "CT is locked (backup)"."""
+    lock = config_options(text).get("lock")
+    if lock:
+        raise PctError(f"CT is locked ({lock})\n")
+
+
+def config_options(text: str) -> dict[str, str]:
+    """The options of the current section (no lxc.* keys, no '#' description lines)."""
+    options = {}
+    for line in text.splitlines():
+        if line.startswith("["):
+            break
+        if not line.strip() or line.startswith("#") or re.match(r"^lxc\.[a-z0-9_\-.]+(:|\s*=)", line):
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            options[key.strip()] = value.strip()
+    return options
 
 
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
@@ -419,7 +448,8 @@ def cmd_list(node: Node, words: list[str]) -> int:
         row = "%-10s %-10s %-12s %-20s"
         print(row % ("VMID", "Status", "Lock", "Name"))
         for vmid in vmids:
-            print(row % (vmid, "running" if node.running(vmid) else "stopped", "", _hostname(node, vmid)))
+            lock = config_options(node.conf(vmid).read_text()).get("lock", "")
+            print(row % (vmid, "running" if node.running(vmid) else "stopped", lock, _hostname(node, vmid)))
     return 0
 
 
@@ -435,9 +465,26 @@ def cmd_start(node: Node, words: list[str]) -> int:
     if node.running(vmid):
         raise PctError(f"CT {vmid} already running\n")
     with node.lock(vmid):
-        node.load_config(vmid)
+        text = node.load_config(vmid)
+        check_lock(text)
+        check_devices(node, text)
         node.set_state(vmid, "running")
     return 0
+
+
+def check_devices(node: Node, text: str) -> None:
+    """pve-container src/PVE/LXC.pm update_lxc_config: each devN's path must exist on the node
+    (`die "Device $absolute_path does not exist\n"`); here under ROOT/node."""
+    for key, value in sorted(config_options(text).items()):
+        if re.fullmatch(r"dev\d+", key):
+            path = _device_path(value)
+            if not node.node_path(path).exists():
+                raise PctError(f"Device {path} does not exist\n")
+
+
+def _device_path(value: str) -> str:
+    """`[path=]/dev/X[,gid=N,mode=M,uid=N,deny-write=1]` -> /dev/X."""
+    return value.split(",")[0].removeprefix("path=")
 
 
 def cmd_stop(node: Node, words: list[str]) -> int:
@@ -446,16 +493,24 @@ def cmd_stop(node: Node, words: list[str]) -> int:
     node.load_config(vmid)
     if not node.running(vmid):
         raise PctError(f"CT {vmid} not running\n")  # API2/LXC/Status.pm vm_stop
+    check_lock(node.conf(vmid).read_text())
     with node.lock(vmid):
         node.set_state(vmid, "stopped")
     return 0
+
+
+def cmd_shutdown(node: Node, words: list[str]) -> int:
+    """`pct shutdown VMID [--timeout S] [--forceStop 0|1]`: a clean stop (the CT's init is asked to
+    stop); here the same as stop."""
+    positional, _ = split_options(words, {"timeout", "forceStop"})
+    return cmd_stop(node, positional)
 
 
 def cmd_destroy(node: Node, words: list[str]) -> int:
     (vmid,) = need(words, ["vmid"], "destroy")
     check_vmid(vmid)
     with node.lock(vmid):
-        node.load_config(vmid)
+        check_lock(node.load_config(vmid))
         if node.running(vmid):
             raise PctError(f"unable to destroy CT {vmid} - container is running\n")
         if node.backend(vmid) == "lxc":
@@ -468,7 +523,7 @@ def cmd_destroy(node: Node, words: list[str]) -> int:
 
 def cmd_create(node: Node, words: list[str]) -> int:
     """`pct create VMID OSTEMPLATE [--hostname H] [--start 0|1] [--unprivileged 0|1] [--memory MiB]
-    [--swap MiB] [--cores N] [--net0 SPEC]`.
+    [--swap MiB] [--cores N] [--net0 SPEC] [--rootfs STORAGE:GiB] [--mpN SPEC]`.
 
     Stand-in options (a real node has `apt install` and its storage for these):
     --sim-backend lxc|directory (default directory): a real LXC container, an overlay clone of
@@ -483,7 +538,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
     mount_points = {f"mp{i}" for i in range(10)}
     positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages",
                                              "sim-backend", "sim-rootfs", "memory", "swap", "cores", "net0",
-                                             *mount_points})
+                                             "rootfs", *mount_points})
     vmid, template = need(positional, ["vmid", "ostemplate"], "create")
     check_vmid(vmid)
     for name in ("memory", "swap", "cores"):
@@ -523,7 +578,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
             f"hostname: {hostname}\n",
             *extra,
             "ostype: debian\n",
-            f"rootfs: {ct_root}\n",
+            f"rootfs: {_rootfs_volume(vmid, opts['rootfs']) if 'rootfs' in opts else ct_root}\n",
             f"unprivileged: {int(unprivileged)}\n",
             f"# dflash-ops simulated container from {template}; {described}\n",
         ]))
@@ -531,6 +586,15 @@ def cmd_create(node: Node, words: list[str]) -> int:
         if _boolean(opts, "start", False):
             node.set_state(vmid, "running")
     return 0
+
+
+def _rootfs_volume(vmid: str, spec: str) -> str:
+    """`--rootfs STORAGE:SIZE_GIB` allocates a new volume: recorded as pct does (`local-lvm:vm-500-disk-0,size=8G`);
+    the simulated container's files stay under ROOT/ct/VMID."""
+    storage, sep, size = spec.partition(":")
+    if not sep or not storage or not size.isdigit():
+        raise PctError(f"400 Parameter verification failed.\nrootfs: invalid format - unable to parse volume ID '{spec}'\n")
+    return f"{storage}:vm-{vmid}-disk-0,size={size}G"
 
 
 def _rootfs_python(rootfs: str) -> str:
@@ -701,7 +765,7 @@ def lxc_set_state(node: Node, vmid: str, state: str) -> None:
             # pve-container src/PVE/LXC.pm vm_start: die "startup for container '$vmid' failed\n"
             detail = (proc.stderr.strip() or _tail(log)).replace("\n", "; ")
             raise PctError(f"startup for container '{vmid}' failed\n{detail}\n")
-        if "net0" not in _pct_options(node.conf(vmid).read_text()):
+        if "net0" not in config_options(node.conf(vmid).read_text()):
             _loopback_up(pid)
     else:
         subprocess.run([_lxc_tool("lxc-stop"), "-P", lxcpath, "-n", vmid, "-k"], capture_output=True)
@@ -760,18 +824,6 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def _pct_options(text: str) -> dict[str, str]:
-    options = {}
-    for line in text.splitlines():
-        if line.startswith("["):
-            break
-        if line.startswith("#") or ":" not in line or line.startswith("lxc."):
-            continue
-        key, _, value = line.partition(":")
-        options[key.strip()] = value.strip()
-    return options
-
-
 def _raw_lxc(text: str) -> list[tuple[str, str]]:
     found = []
     for line in text.splitlines():
@@ -796,7 +848,7 @@ def _cgroup_v1() -> bool:
 def lxc_config(node: Node, vmid: str) -> str:
     """The LXC config of a container from its Proxmox-style config (pve-container's update_lxc_config)."""
     text = node.conf(vmid).read_text()
-    options = _pct_options(text)
+    options = config_options(text)
     rootfs = re.search(r"^# dflash-ops .*; rootfs: (\S+)", text, re.M)
     if not rootfs:
         raise PctError(f"container {vmid}: no rootfs recorded\n")
@@ -836,7 +888,13 @@ def lxc_config(node: Node, vmid: str) -> str:
         fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         flags = "bind,ro" if fields.get("ro") == "1" else "bind"
         lines.append(f"lxc.mount.entry = {parts[0]} {fields['mp'].lstrip('/')} none {flags},create=dir 0 0")
+    for key in sorted((k for k in options if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
+        # devN: pve-container's autodev hook makes the node; here the node's fixture file is bound
+        path = _device_path(options[key])
+        lines.append(f"lxc.mount.entry = {node.node_path(path)} {path.lstrip('/')} none bind,create=file 0 0")
     for key, value in _raw_lxc(text):
+        if key.startswith("lxc.prlimit."):
+            value = _prlimit_here(key[len("lxc.prlimit."):], value)
         if key.startswith("lxc.cgroup2.") and v1:  # Proxmox writes cgroup v2 keys; this host has v1
             name = key[len("lxc.cgroup2."):]
             if name in CGROUP2_TO_V1:
@@ -844,6 +902,23 @@ def lxc_config(node: Node, vmid: str) -> str:
             continue
         lines.append(f"{key} = {value}")
     return "".join(line + "\n" for line in lines)
+
+
+def _prlimit_here(name: str, value: str) -> str:
+    """An lxc.prlimit.NAME value this machine can set: a node's root raises any limit, but this
+    machine may itself be a container whose hard limit (memlock: 8 MiB) even root cannot pass
+    (lxc-start then aborts: "Failed to set limit memlock"); such a value becomes the hard limit."""
+    import resource
+
+    which = getattr(resource, f"RLIMIT_{name.upper()}", None)
+    if which is None:
+        return value
+    hard = resource.getrlimit(which)[1]
+    if hard == resource.RLIM_INFINITY:
+        return value
+    words = value.split(":")
+    capped = [str(hard) if w == "unlimited" or (w.isdigit() and int(w) > hard) else w for w in words]
+    return ":".join(capped)
 
 
 _libc = None
@@ -922,8 +997,66 @@ def cmd_config(node: Node, words: list[str]) -> int:
     return 0
 
 
+SET_OPTIONS = {"hostname", "memory", "swap", "cores", "net0", "onboot", "description",
+               *(f"mp{i}" for i in range(10)), *(f"dev{i}" for i in range(256))}
+
+
+def cmd_set(node: Node, words: list[str]) -> int:
+    """`pct set VMID [--devN SPEC] [--memory MiB] [--cores N] [--swap MiB] [--hostname H] [--mpN SPEC]
+    [--net0 SPEC] [--onboot 0|1] [--delete KEYS]`: the config rewritten under the config lock the way
+    pve-container's write_pct_config writes it (API2/LXC/Config.pm update_vm -> PVE::LXC::Config
+    update_pct_config): '#' description lines first, then the options sorted by key, then the raw
+    lxc.* lines in their order as `key: value`, then the snapshot sections as they were. A comment
+    line anywhere in the file is description, so it moves to the top: nothing can mark a line by a
+    comment beside it. A running container takes the change into its config (no pending section)."""
+    positional, opts = split_options(words, SET_OPTIONS | {"delete"})
+    (vmid,) = need(positional, ["vmid"], "set")
+    check_vmid(vmid)
+    for name in ("memory", "swap", "cores"):
+        if name in opts and not opts[name].isdigit():
+            raise PctError(f"400 Parameter verification failed.\n{name}: type check ('integer') failed - got '{opts[name]}'\n")
+    for name, value in opts.items():
+        if re.fullmatch(r"dev\d+", name) and not _device_path(value).startswith("/dev/"):
+            raise PctError(f"400 Parameter verification failed.\n{name}: invalid format - {value} is not a device path\n")
+    if not opts:
+        raise PctError("400 no options specified\n")  # API2/LXC/Config.pm update_vm
+    with node.lock(vmid):
+        text = node.load_config(vmid)
+        check_lock(text)
+        deleted = [k for k in re.split(r"[,;\s]+", opts.pop("delete", "")) if k]
+        for key in deleted:
+            if key in opts:
+                raise PctError(f"unable to delete parameter '{key}' - parameter is also set\n")
+        write_atomically(node.conf(vmid), rewrite_config(text, opts, deleted))
+    return 0
+
+
+def rewrite_config(text: str, changes: dict[str, str], deleted: "list[str] | tuple[str, ...]" = ()) -> str:
+    """parse_pct_config + write_pct_config of the current section, with `changes` set and `deleted` removed."""
+    head, sep, rest = text.partition("\n[")
+    description, options, lxc = [], {}, []
+    for line in head.splitlines():
+        if line.startswith("#"):
+            description.append(line)
+        elif not line.strip():
+            continue
+        elif (raw := re.match(r"^(lxc\.[a-z0-9_\-.]+)(:|\s*=)\s*(.*?)\s*$", line)):
+            lxc.append((raw.group(1), raw.group(3)))
+        else:
+            key, _, value = line.partition(":")
+            options[key.strip()] = value.strip()
+    for key in deleted:
+        options.pop(key, None)
+    options.update(changes)
+    out = "".join(line + "\n" for line in description)
+    out += "".join(f"{k}: {options[k]}\n" for k in sorted(options))
+    out += "".join(f"{k}: {v}\n" for k, v in lxc)
+    return out + ("\n[" + rest if sep else "")
+
+
 COMMANDS = {
     "create": cmd_create,
+    "set": cmd_set,
     "exec": cmd_exec,
     "push": cmd_push,
     "pull": cmd_pull,
@@ -931,6 +1064,7 @@ COMMANDS = {
     "list": cmd_list,
     "start": cmd_start,
     "stop": cmd_stop,
+    "shutdown": cmd_shutdown,
     "destroy": cmd_destroy,
     "config": cmd_config,
 }

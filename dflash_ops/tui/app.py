@@ -25,7 +25,8 @@ from dflash_ops.tui.streams import Backoff, LinkState
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
 STATE_STYLE = {"running": "green", "warmup": "yellow", "starting": "yellow", "checkpointing": "cyan",
-               "done": "bold green", "stopped": "dim", "failed": "bold red", "restarting": "bold yellow"}
+               "done": "bold green", "stopped": "dim", "failed": "bold red", "restarting": "bold yellow",
+               "queued": "magenta"}
 
 
 class TargetUpdate(Message):
@@ -142,7 +143,7 @@ class DashApp(App):
     def _cells(self, row: RunRow) -> tuple:
         stale = not self.links.get(row.target, LinkState(False)).connected
         age = None if row.heartbeat is None else self.clock() - row.heartbeat
-        state = Text(row.state + ("?" if stale else ""), style=STATE_STYLE.get(row.state, ""))
+        state = Text(row.state + ("?" if stale else ""), style=STATE_STYLE.get(row.state.split(" #")[0], ""))
         total = f"/{row.total_steps}" if row.total_steps else ""
         member = f" rank {row.rank if row.rank is not None else '?'}/{row.world}" if row.world else ""
         return (Text(row.target + member, style="red" if stale else ""), row.run_id, state, f"{row.step}{total}",
@@ -219,6 +220,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def run_dash(source: DashSource, targets: list[str] | None = None) -> None:
-    """The library entry point: run the dashboard in this terminal until `q`."""
-    DashApp(source, targets=targets).run()
+def run_dash(source: DashSource, targets: list[str] | None = None) -> int:
+    """The library entry point: run the dashboard in this terminal until `q`. Returns the app's
+    exit status: 0 after `q`, 1 when an error ended it (Textual printed its traceback)."""
+    app = DashApp(source, targets=targets)
+    app.run()
+    return app.return_code or 0

@@ -174,6 +174,11 @@ class RunDetailScreen(Screen):
             text.append(f"   skipped {self.dropped} log lines (too fast to show)", style="yellow")
         if self.filter_text:
             text.append(f"   filter: {self.filter_text!r}", style="cyan")
+        if h.last_bad is not None:
+            text.append(f"\nmetrics: {h.bad_lines} bad line{'s' if h.bad_lines > 1 else ''} skipped, the last: "
+                        f"{h.last_bad.problem}", style="yellow")
+        if row is not None and row.waits_for:
+            text.append(f"\nwaits for: {row.waits_for}", style="magenta")
         error = (row.error if row else None) or h.error
         if error:
             text.append(f"\nerror: {error}", style="bold red")

@@ -5,11 +5,11 @@ Pure data, no Textual: the screens feed lines in and read series out, tests do t
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.tui.source import GpuSample
 
 SERIES_POINTS = 5000  # per series; older points are dropped
@@ -65,18 +65,18 @@ class RunHistory:
         self.tau_ratio: float | None = None
         self.error: str | None = None
         self.restarts: list[dict] = []  # `restart` events of a run started with --restart
-        self.bad_lines = 0
+        self.bad_lines = 0  # metrics lines that are not events (runs/events.py); shown, then skipped
+        self.last_bad: BadLine | None = None
         self.version = 0  # bumps on every change, so screens redraw only when needed
 
     def feed(self, lines: list[str]) -> None:
         for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
+            event = parse_event(line)
+            if isinstance(event, BadLine):
                 self.bad_lines += 1
+                self.last_bad = event
                 continue
-            if isinstance(event, dict):
-                self._apply(event)
+            self._apply(event)
         if lines:
             self.version += 1
 

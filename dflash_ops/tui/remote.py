@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from dflash_ops.runs.local_notify import LocalNotifier
 from dflash_ops import runs
 from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
@@ -28,6 +29,9 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed); the
     contract's status fields pass through as they are."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
+    if info.effective_state == "queued":  # not an error: its place in line and what it waits for
+        return RunRow(target=target, run_id=info.run_id, state=f"queued #{info.position}", gpus=tuple(info.gpus or ()),
+                      release=info.release, waits_for="; ".join(info.waits_for) or "nothing: starting")
     return RunRow(target=target, run_id=info.run_id, state=info.effective_state, step=info.step or 0,
                   release=info.release, recompiles=info.recompiles or 0, gpus=tuple(info.gpus or ()), error=error,
                   restarts=len(info.restarts), status=dict(info.status), **group_fields(info.raw))
@@ -38,8 +42,9 @@ class RemoteSource:
     poll_s: how often a quiet followed file is looked at again."""
 
     def __init__(self, openers: Mapping[str, Callable[[], ContainerAPI]], gpus: bool = True,
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.2, notifiers: Mapping[str, LocalNotifier] | None = None) -> None:
         self._openers = dict(openers)
+        self._notifiers = dict(notifiers or {})  # the inventory's notify: local: commands, by target
         self._containers: dict[str, ContainerAPI] = {}
         self._lock = threading.Lock()
         self._gpus = gpus
@@ -55,7 +60,12 @@ class RemoteSource:
         return list(self._openers)
 
     def list_runs(self, target: str) -> list[RunRow]:
-        return [run_row_from_info(target, info) for info in runs.list_runs(self._container(target))]
+        infos = runs.list_runs(self._container(target))
+        notifier = self._notifiers.get(target)
+        if notifier is not None:  # the dashboard is a follower: it runs the local notify commands
+            for info in infos:
+                notifier.see(info)
+        return [run_row_from_info(target, info) for info in infos]
 
     def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
                start: int | None = None, tail_lines: int = 200) -> None:

@@ -36,6 +36,7 @@ class RunRow:
     gpus: tuple[int, ...] = ()
     error: str | None = None  # the helper's reason, else status.json's error message
     restarts: int = 0  # times the supervisor restarted the trainer (run start --restart)
+    waits_for: str | None = None  # a queued run (state `queued #N`): the runs it waits for
     rank: int | None = None  # a run across hosts: this member's rank of `world`
     world: int | None = None
     status: dict[str, Any] = field(default_factory=dict, hash=False)  # contract.status_fields

@@ -421,3 +421,20 @@ def test_restart_policy_is_checked(tier, tmp_path):
     deployed(tier)
     bad = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--restart", "always", code=1)
     assert "--restart 'always': use no, on-failure (3 restarts) or on-failure:N" in bad.stderr
+
+
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
+def test_metrics_before_the_run_wrote_any_says_so(tier, tmp_path):
+    """The first minutes of a healthy run (status.json written, the model still loading): `metrics`
+    says the run has not written metrics.jsonl yet, exit 0, not "no such file"."""
+    from dflash_ops.helpers.nodefacts import process_start_ticks
+
+    deployed(tier)
+    run = tier.base / "runs" / "loading"
+    (run / "control").mkdir(parents=True)
+    (run / "status.json").write_text(json.dumps({"version": 1, "run_id": "loading", "state": "starting", "pid": os.getpid(),
+                                                 "pid_start": process_start_ticks(os.getpid()), "step": 0,
+                                                 "heartbeat": time.time()}))
+    result = tier.cli("metrics", "host200", "loading")
+    assert "run loading (starting) has not written metrics.jsonl yet" in result.stderr
+    assert "no such file" not in result.stderr + result.stdout

@@ -146,3 +146,30 @@ async def test_a_restart_and_its_reason_show_in_the_detail(static_run, wait_for)
         summary = detail.query_one("#summary")
         await wait_for(pilot, lambda: "restarts: 1" in str(summary.render()), "the restart in the summary")
         assert "(last at step 27: killed by SIGKILL; from checkpoints/step_20)" in str(summary.render())
+
+
+BAD_METRICS_LINES = [
+    '{"event": "step", "step": 31, "time": 1.0, "gpus": 5}',                      # iterated
+    '{"event": "step", "step": "thirty-one", "time": 1.0, "loss": 1.0}',          # plotted as x
+    '{"event": "eval", "step": 31, "time": 1.0, "tau": "high"}',                  # formatted as a number
+    '{"event": "warmup", "step": 0, "time": 1.0, "shapes": 7}',                   # len() of it
+    '[1, 2]',                                                                      # not an object
+    "[" * 100_000 + "]" * 100_000,                                                 # json.loads: RecursionError
+]
+
+
+@pytest.mark.parametrize("bad", BAD_METRICS_LINES, ids=["gpus-int", "step-str", "tau-str", "shapes-int", "array", "deep"])
+async def test_a_bad_metrics_line_shows_as_bad_and_the_dashboard_goes_on(static_run, wait_for, bad):
+    """One odd line in metrics.jsonl (a field of an unexpected type, a deep nest) is counted and
+    named in the detail's summary; the lines after it still reach the plots (it ended the app)."""
+    with open(static_run.dir / "metrics.jsonl", "a") as f:
+        f.write(bad + "\n")
+        f.write(json.dumps({"event": "step", "step": 31, "time": 1.0, "loss": 0.125, "tokens_per_s": 10.0}) + "\n")
+    async with dashboard(static_run, wait_for) as (app, pilot):
+        await pilot.press("enter")
+        detail = app.screen
+        await wait_for(pilot, lambda: detail.history.loss and detail.history.loss[-1] == 0.125, "the good line after it")
+        summary = detail.query_one("#summary")
+        await wait_for(pilot, lambda: "metrics: 1 bad line skipped" in str(summary.render()), "the bad line named")
+        await pilot.pause(0.6)  # a replot and a summary after it
+        assert detail.history.bad_lines == 1 and app.return_code is None

@@ -121,3 +121,12 @@ def test_follow_forever_reconnects_at_the_offset_and_reports_the_drop():
     assert source.starts == [None, 3, 6]
     assert [s.connected for s in states] == [True, False, True, False, True]
     assert "ConnectionResetError: link dropped" in states[1].describe()
+
+
+def test_a_queued_run_shows_its_place_in_line_and_what_it_waits_for():
+    info = RunInfo.from_json({"run_id": "q", "state": "queued", "effective_state": "queued", "position": 2,
+                              "gpus": [0], "waits_for": ["a (pid 7) holds GPU 0", "b is queued before it for GPU 0"],
+                              "reason": "waits for a (pid 7) holds GPU 0"})
+    row = run_row_from_info("host200", info)
+    assert row.state == "queued #2" and row.error is None
+    assert row.waits_for == "a (pid 7) holds GPU 0; b is queued before it for GPU 0"

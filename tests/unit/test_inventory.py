@@ -120,6 +120,54 @@ def test_sim_containers_only_on_simulated_nodes(tmp_path):
         load_inventory(path)
 
 
+NOTIFY = """\
+nodes:
+  pve1:
+    transport: ssh
+    address: 10.1.2.6
+    notify:
+      webhooks: [env:H39_NODE_HOOK]
+targets:
+  host200:
+    node: pve1
+    ctid: 200
+    base_dir: /opt/dflash
+    notify:
+      webhooks: [https://hooks.example.com/T0/s3cret]
+      commands: [[/usr/local/bin/page, --quiet]]
+      local: [[notify-send, dflash-ops]]
+"""
+
+
+def test_notify_of_a_node_and_its_target_add_up(tmp_path, monkeypatch):
+    from dflash_ops.inventory import resolved_webhooks
+
+    target = load_inventory(write(tmp_path, NOTIFY)).target("host200")
+    wanted = target.notify_all
+    assert wanted.webhooks == ("env:H39_NODE_HOOK", "https://hooks.example.com/T0/s3cret")
+    assert wanted.commands == (("/usr/local/bin/page", "--quiet"),) and wanted.local == (("notify-send", "dflash-ops"),)
+    monkeypatch.delenv("H39_NODE_HOOK", raising=False)
+    with pytest.raises(InventoryError, match="H39_NODE_HOOK is not set"):
+        resolved_webhooks(wanted)
+    monkeypatch.setenv("H39_NODE_HOOK", "https://node.example.com/x")
+    assert resolved_webhooks(wanted, ["https://node.example.com/x", "http://127.0.0.1:9/y"]) == [
+        "https://node.example.com/x", "https://hooks.example.com/T0/s3cret", "http://127.0.0.1:9/y"]
+
+
+@pytest.mark.parametrize("body, line, message", [
+    ("notify: {webhooks: [ftp://h/s3cret]}", 12, "webhooks[0] must be an http(s):// URL or env:NAME, got 'ftp://h/…'"),
+    ("notify: {hooks: []}", 12, "unknown key 'hooks'"),
+    ("notify: {commands: [[]]}", 12, "commands"),
+    ("notify: [https://h/x]", 12, "notify must be a mapping"),
+])
+def test_notify_errors_name_the_line_and_never_the_secret(tmp_path, body, line, message):
+    text = GOOD + "    " + body + "\n"
+    with pytest.raises(InventoryError) as e:
+        load_inventory(write(tmp_path, text))
+    assert f"hosts.yaml:{line}: target 'host200': notify" in str(e.value), str(e.value)
+    assert message in str(e.value) and "s3cret" not in str(e.value)
+
+
 def test_every_registered_node_kind_resolves_to_a_factory():
     from dflash_ops import nodekinds
 

@@ -79,3 +79,18 @@ def test_invalid_yaml_names_the_line(tmp_path):
     path = write(tmp_path, "steps:\n  - exec: [a, b\n  - sleep: 1\n")
     [problem] = problems(path)
     assert problem.startswith(f"{path}:3: invalid YAML")
+
+
+def test_var_values_are_strings_unless_the_playbook_declares_a_type(tmp_path):
+    """`--var` is not re-read as YAML: a string var gets the characters given; a var whose default
+    is a number or true/false takes that type (decimal: 010 is 10, not octal 8) or is refused."""
+    path = write(tmp_path, "vars: {name: tiny, count: 3, rate: 0.5, flag: false}\nsteps:\n  - echo: '${name}'\n")
+    book = load_playbook(path, {"name": "010", "count": "010", "rate": "2", "flag": "True"})
+    assert book.variables == {"name": "010", "count": 10, "rate": 2, "flag": True}
+    for raw in ["no", "x # y", "[a, b]", "{k: v}", "1e3", "~", "", " padded "]:
+        assert load_playbook(path, {"name": raw}).variables["name"] == raw
+    assert load_playbook(path, {"rate": "1e-3"}).variables["rate"] == 0.001
+    assert problems(path, count="ten", flag="no", rate="inf") == [
+        "--var count=ten: not a number (the playbook's default is a number)",
+        "--var flag=no: not true or false (the playbook's default is a boolean)",
+        "--var rate=inf: not a number (the playbook's default is a number)"]

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.run import yamlsafe
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the YAML location when one is known."""
@@ -310,7 +312,7 @@ def load_config(path: str | Path) -> TrainerConfig:
 
 def parse_config(text: str, source: str = "<config>") -> TrainerConfig:
     try:
-        node = yaml.compose(text)
+        node = yamlsafe.compose(text, source)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""

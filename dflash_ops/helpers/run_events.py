@@ -1,0 +1,96 @@
+"""Run events and the container's background processes (stdlib only, python3.8+; #39).
+
+The one place that sends a run's events (notify.py: the outbox, then a deliverer) and that keeps
+the container's two background processes going: the queue worker (`runs.py queue-worker BASE`,
+runqueue.py) while runs are queued, the deliverer (`runs.py deliver BASE`) while events wait.
+Both are started detached, in their own session, so they outlive the helper call and the
+operator's connection; a start, a list and the end of a supervised run start one when none runs
+(after a kill -9, say).
+
+Not a helper: a shared module shipped beside runs.py (dflash_ops/helpers/__init__.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+if __package__:
+    from . import nodefacts, notify, run_protocol, runqueue
+else:
+    import nodefacts  # type: ignore[no-redef]
+    import notify  # type: ignore[no-redef]
+    import run_protocol  # type: ignore[no-redef]
+    import runqueue  # type: ignore[no-redef]
+
+Refused = nodefacts.Refused
+RUNS_SCRIPT = "runs.py"  # the dispatcher beside this file
+LOG_TAIL_LINES, tail_lines = run_protocol.LOG_TAIL_LINES, run_protocol.tail_lines
+
+
+def runs_script() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), RUNS_SCRIPT)
+
+
+def spawn_detached(command: list[str], log_path: str) -> None:
+    """Start `runs.py COMMAND...` in its own session (it outlives this call and the operator's
+    connection), output appended to log_path."""
+    import subprocess
+
+    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as out:
+        subprocess.Popen([sys.executable, runs_script(), *command], stdin=devnull, stdout=out,
+                         stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, cwd="/")
+
+
+def ensure_worker(base: str) -> None:
+    """A queue worker runs while runs are queued: start one when none holds the worker lock (the
+    first queued run, or after one was killed: every start and list comes here)."""
+    if runqueue.entries(base) and not runqueue.worker_running(base):
+        spawn_detached(["queue-worker", base], os.path.join(runqueue.queue_root(base), runqueue.WORKER_LOG))
+
+
+def ensure_deliverer(base: str) -> None:
+    if notify.pending(base) and not notify.deliverer_running(base):
+        spawn_detached(["deliver", base], os.path.join(notify.notify_root(base), "deliver.log"))
+
+
+def send_event(base: str, spec: dict | None, run_id: str, state: str, step: object = None,
+               reason: str | None = None, log_tail: str | None = None) -> None:
+    """Queue one run event for delivery (notify.py). Never raises: telling comes after the run."""
+    try:
+        event = notify.make_event(run_id, (spec or {}).get("target") or "", state, step=step, reason=reason,
+                                  log_tail=log_tail)
+        if notify.emit(base, spec, event):
+            ensure_deliverer(base)
+    except Exception as e:  # noqa: BLE001 (a full disk or a broken spec must not end a start or a supervisor)
+        sys.stderr.write("runs.py: the %s event of %s was not queued: %s\n" % (state, run_id, e))
+
+
+def run_events(run_dir: str) -> Callable[..., None]:
+    """tell(state, step=, reason=, log_tail=True) for the supervisor: an event of this run to whom
+    RUNDIR/notify.json names (nobody: nothing happens); log_tail=True sends train.log's tail."""
+    base = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
+    run_id = os.path.basename(os.path.normpath(run_dir))
+
+    def tell(state: str, step: object = None, reason: str | None = None, log_tail: bool = False) -> None:
+        spec = notify.read_spec(run_dir)
+        if spec is None:
+            return
+        tail = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES) if log_tail else None
+        send_event(base, spec, run_id, state, step=step, reason=reason, log_tail=tail)
+        if state in nodefacts.FINAL_STATES:
+            ensure_worker(base)  # the run's GPUs are free: a killed queue worker is replaced now
+
+    return tell
+
+
+def check_notify(text: str, where: str) -> dict:
+    try:
+        return notify.check_spec(json.loads(text))
+    except ValueError as e:  # BadSpec is a ValueError; so is bad JSON
+        raise Refused("%s: %s" % (where, e if isinstance(e, notify.BadSpec) else "not a JSON notification spec")) from None

@@ -1,0 +1,49 @@
+"""provision's rendered node commands through a real OpenSSH sshd (the sshd tier): the login shell
+parses each one (pveversion, the flock'd config rewrite with its sh -c script, pct set/create/push,
+the installer in the container) back into exactly its argv, and a rerun changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dflash_ops.container import Container
+from dflash_ops.inventory import load_inventory
+from dflash_ops.provision import Request, provision
+from dflash_ops.simnode import gpus as simgpus
+from dflash_ops.simnode.kind import SimulatedNode
+from dflash_ops.simnode.pct import Node as SimNode
+from dflash_ops.transport.ssh import SSHTransport
+
+pytestmark = [pytest.mark.sshd]
+CTID = 520
+
+
+def test_provision_over_sshd_then_a_rerun_changes_nothing(sshd_node):
+    root = sshd_node.sim_root
+    simgpus.install_gpus(root, 2, "550.54.14")
+    host = load_inventory(sshd_node.inventory).target("host200")
+    # the sshd node's pct is the stand-in behind a wrapper; its files are the stand-in's (the kind says where)
+    kind = SimulatedNode(pct=host.node.pct, root=str(root), backend_choice="directory")
+    node = dataclasses.replace(host.node, kind=kind)
+    defaults = kind.target_defaults(CTID)
+    target = dataclasses.replace(host, name="host520", node=node, ctid=CTID, base_dir=defaults["base_dir"],
+                                 python=defaults["python"], gpus=(0, 1))
+    transport = SSHTransport(node)
+    try:
+        c = Container(target, transport)
+        lines: list[str] = []
+        dry = provision(c, Request(gpus="all"), dry_run=True, say=lines.append)
+        assert not SimNode(root).exists(str(CTID)) and dry.changes
+        assert any(line.startswith("node command (sent over SSH): flock -w 10 ") for line in lines)
+        done = provision(c, Request(gpus="all"), say=lambda line: None)
+        assert any(change.startswith("install the NVIDIA user-space 550.54.14") for change in done.changes)
+        config = SimNode(root).conf(str(CTID)).read_text()
+        assert "dev0: /dev/nvidia0" in config and "lxc.prlimit.memlock: unlimited" in config
+        libs = SimNode(root).ct_root(str(CTID)) / "usr/lib/x86_64-linux-gnu"
+        assert sorted(p.name for p in libs.glob("lib*")) == ["libcuda.so.550.54.14", "libnvidia-ml.so.550.54.14"]
+        assert provision(c, Request(gpus="all"), say=lambda line: None).changes == []
+    finally:
+        transport.close()
+        SimNode(root).set_state(str(CTID), "stopped")

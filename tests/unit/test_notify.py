@@ -1,0 +1,146 @@
+"""Run events and their delivery (dflash_ops/helpers/notify.py) against a real HTTP sink on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+
+import pytest
+
+from dflash_ops.helpers import notify
+from tests.http_sink import HttpSink
+
+
+@pytest.fixture
+def sink():
+    s = HttpSink()
+    yield s
+    s.close()
+
+
+def no_wait(_seconds: float) -> None:
+    pass
+
+
+def test_redact_url_keeps_scheme_and_host_only():
+    assert notify.redact_url("https://hooks.example.com/services/T0/B0/XXXX") == "https://hooks.example.com/…"
+    assert notify.redact_url("http://user:pw@10.0.0.1:8080/x?token=1") == "http://10.0.0.1:8080/…"
+    assert notify.redact_url("https://ntfy.sh") == "https://ntfy.sh"
+    assert notify.redact_url("not a url") == "<url>"
+
+
+def test_check_spec_names_the_problem_without_the_secret():
+    assert notify.check_spec({"webhooks": ["https://h/x"]}) == {"target": "", "webhooks": ["https://h/x"],
+                                                                 "commands": []}
+    with pytest.raises(notify.BadSpec, match="unknown key 'hooks'"):
+        notify.check_spec({"hooks": []})
+    with pytest.raises(notify.BadSpec, match="http:// or https://") as bad:
+        notify.check_spec({"webhooks": ["ftp://h/s3cret"]})
+    assert "s3cret" not in str(bad.value)
+    with pytest.raises(notify.BadSpec, match="argv lists"):
+        notify.check_spec({"commands": ["echo hi"]})
+
+
+def test_a_webhook_answering_500_twice_gets_one_event_retried_under_one_key(sink):
+    sink.fail_first = [500, 503]
+    spec = notify.check_spec({"target": "host200", "webhooks": [sink.url()]})
+    event = notify.make_event("r1", "host200", "failed", step=7, reason="exit 1: boom", log_tail="a\nb\n")
+    failures: list[dict] = []
+    assert notify.deliver(spec, event, failures.append, sleep=no_wait)
+    assert [r.answered for r in sink.received] == [500, 503, 200]
+    assert {r.headers["Idempotency-Key"] for r in sink.received} == {event["id"]}
+    assert sink.delivered() == [event]
+    body = sink.delivered()[0]
+    assert (body["run_id"], body["target"], body["state"], body["step"], body["reason"]) == (
+        "r1", "host200", "failed", 7, "exit 1: boom")
+    assert body["log_tail"] == "a\nb\n" and isinstance(body["time"], float)
+    assert [(f["event"], f["attempt"], f["retry_in"]) for f in failures] == [
+        ("notify_failed", 1, 1.0), ("notify_failed", 2, 2.0)]
+    assert "s3cret" not in json.dumps(failures) and failures[0]["to"].endswith("/…")
+
+
+def test_a_4xx_is_not_retried_and_an_unreachable_hook_gives_up(sink):
+    sink.fail_first = [404]
+    event = notify.make_event("r1", "t", "done")
+    failures: list[dict] = []
+    assert not notify.deliver({"webhooks": [sink.url()]}, event, failures.append, sleep=no_wait)
+    assert len(sink.received) == 1 and [f["event"] for f in failures] == ["notify_gave_up"]
+    sink.close()
+    failures.clear()
+    assert not notify.deliver({"webhooks": [sink.url()]}, event, failures.append, sleep=no_wait, backoff=(0.0, 0.0))
+    assert [f["event"] for f in failures] == ["notify_failed", "notify_failed", "notify_gave_up"]
+    assert "cannot reach" in failures[-1]["error"] and "s3cret" not in json.dumps(failures)
+
+
+def test_a_command_gets_the_event_on_stdin_and_in_its_environment(tmp_path):
+    out = tmp_path / "got.json"
+    script = "import json,os,sys; d=json.load(sys.stdin); d['env']=os.environ['DFLASH_EVENT']; " \
+             "open(sys.argv[1],'w').write(json.dumps(d))"
+    event = notify.make_event("r2", "t", "started", step=0)
+    assert notify.deliver({"commands": [[sys.executable, "-c", script, str(out)]]}, event, [].append, sleep=no_wait)
+    got = json.loads(out.read_text())
+    assert got["id"] == event["id"] and got["env"] == "started"
+    failures: list[dict] = []
+    assert not notify.deliver({"commands": [[sys.executable, "-c", "raise SystemExit(3)"]]}, event,
+                              failures.append, sleep=no_wait, backoff=())
+    assert failures[0]["event"] == "notify_gave_up" and "exited 3" in failures[0]["error"]
+
+
+def test_the_outbox_is_delivered_in_order_and_failures_land_in_the_runs_metrics(tmp_path, sink):
+    base = str(tmp_path)
+    run_dir = tmp_path / "runs" / "r3"
+    run_dir.mkdir(parents=True)
+    sink.fail_first = [500]
+    spec = {"target": "t", "webhooks": [sink.url()], "commands": []}
+    events = [notify.make_event("r3", "t", state) for state in ("started", "restart", "done")]
+    for event in events:
+        assert notify.emit(base, spec, event)
+    box = notify.pending(base)
+    assert len(box) == 3 and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in box)
+    assert not notify.emit(base, {"webhooks": [], "commands": []}, events[0])  # nobody to tell: nothing queued
+    notify.run_deliverer(base, sleep=no_wait)
+    assert [e["state"] for e in sink.delivered()] == ["started", "restart", "done"]
+    assert notify.pending(base) == []
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["notify"]) for e in logged] == [("notify_failed", "started")]
+    assert "s3cret" not in (run_dir / "metrics.jsonl").read_text()
+
+
+def test_spec_file_is_private(tmp_path):
+    notify.write_spec(str(tmp_path), {"webhooks": ["https://h/s3cret"]})
+    assert stat.S_IMODE(os.stat(tmp_path / notify.NOTIFY_FILE).st_mode) == 0o600
+    assert notify.read_spec(str(tmp_path))["webhooks"] == ["https://h/s3cret"]
+
+
+def test_a_follower_runs_local_commands_on_the_changes_it_sees(tmp_path):
+    from dflash_ops.runs.info import RunInfo
+    from dflash_ops.runs.local_notify import LocalNotifier
+
+    out = tmp_path / "events.jsonl"
+    script = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read() + '\\n')"
+    errors: list[str] = []
+    notifier = LocalNotifier("host200", [[sys.executable, "-c", script, str(out)]], errors.append)
+
+    def see(state, **fields):
+        made = notifier.see(RunInfo.from_json({"run_id": "r", "effective_state": state, **fields}))
+        notifier.wait()
+        return [e["state"] for e in made]
+
+    assert see("queued") == []  # first sight: no change seen yet
+    assert see("queued") == []
+    assert see("starting") == ["started"]
+    assert see("running", step=3) == []  # still started
+    assert see("restarting", restarts=[{"reason": "killed by SIGKILL", "step": 3}]) == ["restart"]
+    assert see("running", restarts=[{"reason": "killed by SIGKILL", "step": 3}]) == []
+    assert see("failed", reason="exit 1", log_tail="boom\n", restarts=[{}]) == ["failed"]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["state"], e["target"]) for e in got] == [("started", "host200"), ("restart", "host200"),
+                                                         ("failed", "host200")]
+    assert got[1]["reason"] == "killed by SIGKILL" and got[2]["log_tail"] == "boom\n" and not errors
+    failing = LocalNotifier("host200", [[sys.executable, "-c", "raise SystemExit(4)"]], errors.append)
+    failing.see(RunInfo(run_id="r", effective_state="running"))
+    failing.see(RunInfo(run_id="r", effective_state="done"))
+    failing.wait()
+    assert len(errors) == 1 and "done event of r" in errors[0] and "exited 4" in errors[0]

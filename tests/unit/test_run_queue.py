@@ -1,0 +1,183 @@
+"""The run queue and run events, against the real `runs` helper, its queue worker and deliverer and
+the fake trainer (LocalHelperContainer): three runs on one GPU start one after another, a kill -9
+of the worker loses none, `run stop` takes one out, and a webhook on 127.0.0.1 that answers 500
+twice first gets exactly one event per transition."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import runs
+from dflash_ops.helpers import runqueue
+from dflash_ops.runs.lifecycle import queued_runs
+from tests.http_sink import HttpSink
+from dflash_ops.helpers import nodefacts
+from tests.procs import alive
+from tests.unit.runs_double import released_container
+
+SHORT = "total_steps: 40\nstep_seconds: 0.02\n"
+LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
+
+
+def kill_recorded(path: Path) -> None:
+    """SIGKILL the process a worker.json / deliver.json names, if it is still that process."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    if doc.get("pid") and nodefacts.process_matches(doc["pid"], doc.get("pid_start")):
+        os.kill(doc["pid"], signal.SIGKILL)
+
+
+@pytest.fixture
+def container(tmp_path):
+    with released_container(tmp_path) as c:
+        c.target.gpus = [0]
+        yield c
+        for entry in runqueue.entries(c.base_dir):
+            runqueue.remove(c.base_dir, entry["run_id"])
+        kill_recorded(c.base / "runs" / ".queue" / "worker.json")
+        kill_recorded(c.base / "runs" / ".notify" / "deliver.json")
+
+
+def start(container, tmp_path, text, run_id, **kwargs) -> str:
+    config = tmp_path / f"{run_id}.yaml"
+    config.write_text(text)
+    return runs.start_run(container, config, run_id=run_id, **kwargs)
+
+
+def wait(get, done, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        value = get()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition never met in {seconds}s; last value {value!r}")
+        time.sleep(0.05)
+
+
+def launched_at(container, run_id) -> float:
+    return json.loads((container.base / "runs" / run_id / "launch.json").read_text())["time"]
+
+
+def ended_at(container, run_id) -> float:
+    """The last heartbeat of a final run: its process ends right after."""
+    return json.loads((container.base / "runs" / run_id / "status.json").read_text())["heartbeat"]
+
+
+def test_three_runs_on_one_gpu_start_one_after_another(container, tmp_path):
+    assert start(container, tmp_path, LONG, "q1", queue=True) == "q1"  # its GPU is free: it starts at once
+    assert start(container, tmp_path, SHORT, "q2", queue=True) == "q2"
+    assert start(container, tmp_path, SHORT, "q3", queue=True) == "q3"
+    line = queued_runs(container)
+    assert [(r.run_id, r.position) for r in line] == [("q2", 1), ("q3", 2)]
+    assert any("q1" in why and "GPU 0" in why for why in line[0].waits_for)
+    assert line[1].waits_for[-1] == "q2 is queued before it for GPU 0"
+    status = runs.run_status(container, "q3")
+    assert status.effective_state == "queued" and status.position == 2 and status.release is not None
+    runs.stop_run(container, "q1", poll=0.05)
+    for run_id in ("q1", "q2", "q3"):
+        wait(lambda run_id=run_id: runs.run_status(container, run_id), lambda i: i.final and not i.alive)
+    for before, after in (("q1", "q2"), ("q2", "q3")):
+        gap = launched_at(container, after) - ended_at(container, before)
+        assert 0 <= gap <= 10, f"{after} started {gap:.1f}s after {before} ended"
+    assert [r.effective_state for r in runs.list_runs(container)] == ["stopped", "done", "done"]
+    assert (container.base / "runs" / "q3" / "config.input.yaml").read_text() == SHORT
+
+
+def test_a_queued_run_keeps_its_config_and_release(container, tmp_path):
+    start(container, tmp_path, LONG, "blocker")
+    start(container, tmp_path, SHORT + "log_lines: 2\n", "later", queue=True)
+    (tmp_path / "later.yaml").write_text("total_steps: 1\n")  # the local file changes after queueing
+    new = container.base / "releases" / "def456"
+    os.symlink(container.base / "releases" / "abc123", new)  # a deploy switches current meanwhile
+    (container.base / "current").unlink()
+    (container.base / "current").symlink_to("releases/def456")
+    runs.stop_run(container, "blocker", poll=0.05)
+    info = wait(lambda: runs.run_status(container, "later"), lambda i: i.final and not i.alive)
+    assert info.release == "abc123" and info.step == 40
+    assert (container.base / "runs" / "later" / "config.input.yaml").read_text() == SHORT + "log_lines: 2\n"
+
+
+def test_kill_9_of_the_queue_worker_loses_no_queued_run(container, tmp_path):
+    start(container, tmp_path, LONG, "blocker")
+    start(container, tmp_path, SHORT, "w1", queue=True)
+    start(container, tmp_path, SHORT, "w2", queue=True)
+    worker = container.base / "runs" / ".queue" / "worker.json"
+    pid = wait(lambda: json.loads(worker.read_text())["pid"] if worker.exists() else None, bool, 10)
+    os.kill(pid, signal.SIGKILL)
+    wait(lambda: alive(pid), lambda a: not a, 10)
+    assert [r.run_id for r in queued_runs(container)] == ["w1", "w2"]  # and that list started a new worker
+    new_pid = wait(lambda: json.loads(worker.read_text())["pid"], lambda p: p != pid, 10)
+    assert alive(new_pid)
+    runs.stop_run(container, "blocker", poll=0.05)
+    for run_id in ("w1", "w2"):
+        assert wait(lambda run_id=run_id: runs.run_status(container, run_id),
+                    lambda i: i.final and not i.alive).effective_state == "done"
+
+
+def test_stop_of_a_queued_run_takes_it_out_of_the_queue(container, tmp_path):
+    start(container, tmp_path, LONG, "blocker")
+    start(container, tmp_path, SHORT, "gone", queue=True)
+    start(container, tmp_path, SHORT, "kept", queue=True)
+    info = runs.stop_run(container, "gone", poll=0.05)
+    assert info.effective_state == "stopped" and "removed from the queue" in (info.reason or "")
+    assert [(r.run_id, r.position) for r in queued_runs(container)] == [("kept", 1)]
+    with pytest.raises(runs.RunNotFound):
+        runs.run_status(container, "gone")
+    with pytest.raises(runs.RunRefused, match="already exists"):
+        start(container, tmp_path, SHORT, "kept", queue=True)
+    runs.stop_run(container, "blocker", poll=0.05)
+    wait(lambda: runs.run_status(container, "kept"), lambda i: i.final and not i.alive)
+    assert not (container.base / "runs" / "gone").exists()
+
+
+@pytest.fixture
+def sink():
+    s = HttpSink()
+    yield s
+    s.close()
+
+
+def events_of(sink: HttpSink, run_id: str) -> list[str]:
+    return [e["state"] for e in sink.delivered() if e["run_id"] == run_id]
+
+
+def test_a_webhook_that_answers_500_twice_gets_one_event_per_transition(container, tmp_path, sink):
+    sink.fail_first = [500, 500]
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, LONG, "blocker", notify=spec)
+    start(container, tmp_path, SHORT, "next", queue=True, notify=spec)
+    wait(lambda: events_of(sink, "next"), lambda e: e == ["queued"], 30)
+    assert events_of(sink, "blocker") == ["started"]
+    runs.stop_run(container, "blocker", poll=0.05)
+    wait(lambda: runs.run_status(container, "next"), lambda i: i.final and not i.alive)
+    wait(lambda: events_of(sink, "next"), lambda e: e == ["queued", "started", "done"], 30)
+    assert events_of(sink, "blocker") == ["started", "stopped"]
+    assert [r.answered for r in sink.received[:3]] == [500, 500, 200]
+    keys = [e["id"] for e in sink.delivered()]
+    assert len(keys) == len(set(keys)) == 5  # one key per transition, the retried one sent under its own key
+    assert len({r.headers["Idempotency-Key"] for r in sink.received}) == 5
+    done = [e for e in sink.delivered() if e["state"] == "done"][0]
+    assert done["step"] == 40 and done["target"] == "local"
+    # the failed attempts are events of the run whose event they were, without the URL's secret
+    metrics = (container.base / "runs" / "blocker" / "metrics.jsonl").read_text()
+    failed = [json.loads(line) for line in metrics.splitlines() if '"notify_failed"' in line]
+    assert [f["attempt"] for f in failed] == [1, 2] and "s3cret" not in metrics
+    for run_id in ("blocker", "next"):
+        launch = (container.base / "runs" / run_id / "launch.json").read_text()
+        assert "s3cret" not in launch and "s3cret" not in (container.base / "runs" / run_id / "train.log").read_text()
+
+
+def test_a_crash_sends_restart_then_failed_with_the_reason_and_log_tail(container, tmp_path, sink):
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, "total_steps: 100\ncrash_at_step: 5\n", "crashy", restart="on-failure:1", notify=spec)
+    wait(lambda: events_of(sink, "crashy"), lambda e: e[-1:] == ["failed"], 60)
+    assert events_of(sink, "crashy") == ["started", "restart", "failed"]
+    failed = sink.delivered()[-1]
+    assert failed["reason"] and "no restart left" in failed["reason"]
+    assert failed["log_tail"] and failed["step"] == 5

@@ -1,0 +1,110 @@
+"""The --restart supervisor (helpers/run_supervise.py) run for real as `runs.py supervise`, with a
+stand-in trainer that writes its status and crashes: the gaps between its states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RUNS = Path(__file__).resolve().parents[2] / "dflash_ops" / "helpers" / "runs.py"
+
+# crashes at once, as a live-looking run (status `running`, its own pid), after counting itself
+CRASHER = r"""
+import json, os, sys
+run = sys.argv[1]
+with open(os.path.join(run, "attempts"), "a") as f:
+    f.write("x")
+json.dump({"pid": os.getpid(), "state": "running", "step": 1}, open(os.path.join(run, "status.json"), "w"))
+if os.path.exists(os.path.join(run, "stop-me-after-crash")):
+    open(os.path.join(run, "control", ".no-restart"), "w").write("{}")  # the stop lands in the gap
+sys.exit(1)
+"""
+
+
+
+def run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "r1"
+    (run / "control").mkdir(parents=True)
+    (run / "trainer.py").write_text(CRASHER)
+    (run / "restarts.json").write_text(json.dumps({"policy": "on-failure:3", "max": 3, "restarts": []}))
+    (run / "launch.json").write_text("{}")
+    return run
+
+
+def start(run: Path) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(run / "trainer.py"), str(run)]
+    plan = {"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv}
+    return subprocess.run([sys.executable, str(RUNS), "supervise", str(run)], input=json.dumps(plan).encode(),
+                          capture_output=True, timeout=120)
+
+
+def test_a_stop_between_two_attempts_starts_no_new_attempt(tmp_path):
+    run = run_dir(tmp_path)
+    (run / "stop-me-after-crash").write_text("")
+    # the stand-in leaves .no-restart as it dies: the supervisor finds it after the exit; make it
+    # arrive only in the gap instead: after the exit check, before the next start
+    (run / "trainer.py").write_text(CRASHER.replace(
+        'open(os.path.join(run, "control", ".no-restart"), "w").write("{}")',
+        'import subprocess; subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.5); '
+        'open(sys.argv[1], \'w\').write(\'{}\')", os.path.join(run, "control", ".no-restart")])'))
+    done = start(run)
+    assert done.returncode == 0, done.stderr
+    assert (run / "attempts").read_text() == "x"  # no second attempt
+    assert "an operator's stop arrived before restart 1: not restarted" in (run / "train.log").read_text()
+
+
+def test_a_failed_write_of_its_own_ends_supervision_with_the_reason(tmp_path):
+    """A real OSError from the real library: restarts.json's name taken by a directory (as root a
+    read-only directory does not refuse; a full disk is the same errno-agnostic path)."""
+    run = run_dir(tmp_path)
+    done_once = run / "restarts.json"
+    policy = done_once.read_text()
+    done_once.unlink()
+    (run / "restarts.json").mkdir()
+    (run / "restarts.json" / "keep").write_text(policy)
+    done = start(run)
+    assert done.returncode == 75 and b"Traceback" not in done.stderr, done.stderr
+    log = (run / "train.log").read_text()
+    assert "supervision stopped, the run is not restarted" in log and "restarts.json" in log
+    assert (run / "attempts").read_text() == "x"
+    assert os.path.isdir(run / "restarts.json")
+
+
+def test_a_supervisor_killed_by_a_signal_is_reported_by_run_status(tmp_path):
+    import signal
+    import time
+
+    from dflash_ops.helpers.nodefacts import process_start_ticks
+    from dflash_ops.helpers.run_describe import describe_run
+    from dflash_ops.runs.info import RunInfo
+
+    run = run_dir(tmp_path)
+    (run / "trainer.py").write_text(CRASHER.replace("sys.exit(1)", "import time; time.sleep(60)"))
+    argv = [sys.executable, str(run / "trainer.py"), str(run)]
+    sup = subprocess.Popen([sys.executable, str(RUNS), "supervise", str(run)], stdin=subprocess.PIPE)
+    (run / "launch.json").write_text(json.dumps({"supervisor": {"pid": sup.pid, "pid_start": process_start_ticks(sup.pid)}}))
+    assert sup.stdin is not None
+    sup.stdin.write(json.dumps({"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv}).encode())
+    sup.stdin.close()  # EOF: go
+    trainer = None
+    for _ in range(600):
+        launch = json.loads((run / "launch.json").read_text() or "{}")
+        if launch.get("pid") and (run / "status.json").exists():
+            trainer = launch["pid"]
+            break
+        time.sleep(0.05)
+    assert trainer
+    assert RunInfo.from_json(describe_run(str(run), time.time())).unsupervised is None
+    sup.send_signal(signal.SIGKILL)
+    sup.wait()
+    try:
+        info = RunInfo.from_json(describe_run(str(run), time.time()))
+        from dflash_ops.runs.report import status_detail
+
+        assert any(info.unsupervised in line for line in status_detail(info))  # the trainer still runs: said below the row
+        assert info.unsupervised == f"no longer supervised: its supervisor (pid {sup.pid}) is gone without a word (killed by a signal?)"
+    finally:
+        os.kill(trainer, signal.SIGKILL)

@@ -11,7 +11,11 @@ def hub_model_dir(model_dir: Path, shape: str, device: str, out: dict) -> Path:
     """`model_dir` as a Qwen3 hub-format target of `shape` ("8b" or "tiny"), random weights in 4 GiB
     shards: reused when it has a config.json, else written, with the time taken in out."""
     if not (model_dir / "config.json").exists():
-        from trainer_tools.fixtures.hub_model import QWEN3_8B_DIMS, TINY_DIMS, write_hub_model  # torch: only when needed
+        from trainer_tools.fixtures.hub_model import (  # torch: only when needed
+            QWEN3_8B_DIMS,
+            TINY_DIMS,
+            write_hub_model,
+        )
 
         began = time.perf_counter()
         write_hub_model(model_dir, "qwen3", dims=QWEN3_8B_DIMS if shape == "8b" else TINY_DIMS, shards=None,

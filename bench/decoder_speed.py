@@ -23,10 +23,9 @@ import random
 import time
 
 import torch
-
-from trainer.models import decoder
 from transformers import Qwen3Config
 
+from trainer.models import decoder
 from trainer.models.target import random_8b_shape_target, random_target, tiny_target
 from trainer.run.config import TinyTargetConfig
 

@@ -23,14 +23,14 @@ import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 import trainer.models.drafter as drafter_module  # noqa: E402
-from trainer.run.config import OptimConfig, default_gamma  # noqa: E402
 from trainer.models.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.models.masks import prepare_blocks, resolve_backend  # noqa: E402
 from trainer.models.objective import drafter_loss_sums  # noqa: E402
-from trainer.train.optim import build_optimizer, clip_gradients  # noqa: E402
+from trainer.models.target import QWEN3_8B_DIMS, QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids  # noqa: E402
 from trainer.pipeline.compile_safety import configure_compile_for_thread  # noqa: E402
 from trainer.pipeline.flops import drafter_step_flops, peak_tflops  # noqa: E402
-from trainer.models.target import QWEN3_8B_DIMS, QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids  # noqa: E402
+from trainer.run.config import OptimConfig, default_gamma  # noqa: E402
+from trainer.train.optim import build_optimizer, clip_gradients  # noqa: E402
 
 BASELINE = dict(ce="checkpoint", fused_adamw=False, compile_pointwise=False, chunk=2048)
 VARIANTS = {

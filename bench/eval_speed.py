@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from _common import hub_model_dir, report
 
-from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.generate.evaluate import speculative_generate
 from trainer.generate.speculative import speculative_generate_cached
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.target import FrozenHead, default_target_layer_ids, freeze, load_target
-
-from _common import hub_model_dir, report
 
 
 def sync(device: str) -> None:

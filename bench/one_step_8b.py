@@ -17,15 +17,22 @@ import time
 
 import torch
 
-from trainer.run.config import OptimConfig, TinyTargetConfig, default_gamma
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
-from trainer.train.loop import autocast_for
 from trainer.models.masks import prepare_blocks, resolve_backend
 from trainer.models.objective import drafter_loss_sums
-from trainer.train.optim import build_optimizer, clip_gradients
+from trainer.models.target import (
+    QWEN3_8B_MASK_TOKEN_ID,
+    FrozenHead,
+    default_target_layer_ids,
+    freeze,
+    random_8b_shape_target,
+    target_context_features,
+    tiny_target,
+)
 from trainer.pipeline.flops import drafter_step_flops, peak_tflops, target_forward_flops
-from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, freeze,
-                            random_8b_shape_target, target_context_features, tiny_target)
+from trainer.run.config import OptimConfig, TinyTargetConfig, default_gamma
+from trainer.train.loop import autocast_for
+from trainer.train.optim import build_optimizer, clip_gradients
 
 
 def sync(device: str) -> None:

@@ -60,18 +60,24 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from trainer.train.components import Components, build_drafter  # noqa: E402
-from trainer.run.config import TinyTargetConfig, parse_config  # noqa: E402
 from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
-from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
+from trainer.models.target import (  # noqa: E402
+    QWEN3_30B_A3B_DIMS,
+    FrozenHead,
+    freeze,
+    random_8b_shape_target,
+    random_target,
+    tiny_target,
+)
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
 from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedPipeline  # noqa: E402
+from trainer.run.config import TinyTargetConfig, parse_config  # noqa: E402
+from trainer.train.components import Components, build_drafter  # noqa: E402
 from trainer.train.loop import ReferencePipeline, Trainer  # noqa: E402
-from trainer.models.target import (FrozenHead, QWEN3_30B_A3B_DIMS, freeze, random_8b_shape_target,  # noqa: E402
-                                   random_target, tiny_target)
+from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
 
 CONFIG = """
 model:
@@ -282,13 +288,13 @@ def stage_alone(tr, which, n_micro, peak, around=None):
 
 
 def _stage_alone(tr, which, n_micro, peak, around):
+    from trainer.distributed.grad_sync import ReplicaAllReduce
+    from trainer.models.masks import prepare_blocks
+    from trainer.pipeline.device_stats import BusyMeter
     from trainer.pipeline.features import allocate_slots, pack_context_features
     from trainer.pipeline.prefetch import BatchPrefetcher
     from trainer.pipeline.workers import DrafterSettings, DrafterWorker, Features, WorkerLinks
-    from trainer.distributed.grad_sync import ReplicaAllReduce
     from trainer.run.stopping import StopSignal
-    from trainer.pipeline.device_stats import BusyMeter
-    from trainer.models.masks import prepare_blocks
 
     c, cfg = tr.c, tr.cfg
     gen = torch.Generator().manual_seed(1)

@@ -35,10 +35,10 @@ import json
 import math
 import os
 import random
+import site
 import subprocess
 import sys
 import sysconfig
-import site
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -585,7 +585,6 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
     started = time.time()
     if p.inprocess:
         import contextlib
-
         import importlib
 
         main = importlib.import_module("trainer.__main__" if module == "trainer" else module).main
@@ -794,8 +793,8 @@ class CheckpointEvaluator:
     def __call__(self, ck: Path) -> dict:
         from safetensors.torch import load_file
 
-        from trainer.models.drafter import DFlashDrafter, DrafterConfig
         from trainer.generate.evaluate import acceptance_report
+        from trainer.models.drafter import DFlashDrafter, DrafterConfig
         from trainer.train.loop import autocast_for
 
         p = self.p

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from trainer.data.encoding import encode_all, usable_cpus, AUTO_MAX
+    from trainer.data.encoding import AUTO_MAX, encode_all, usable_cpus
 
     out: dict = {"conversations": args.n, "usable_cpus": usable_cpus(), "max_length": MAX_LENGTH}
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import yaml
-
 from _common import hub_model_dir, report
 
 ROOT = Path(__file__).resolve().parents[1]

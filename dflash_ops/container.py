@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from dflash_ops import render
+from dflash_ops.errors import (
+    CommandTimeout,
+    ConnectionLost,
+    DflashOpsError,
+    HelperFailed,
+    RemoteCommandError,
+    TransferError,
+)
 from dflash_ops.hashing import sha256_file
-from dflash_ops.errors import (CommandTimeout, ConnectionLost, DflashOpsError, HelperFailed, RemoteCommandError,
-                               TransferError)
 from dflash_ops.helpers import HELPERS_DIR, Bundle, bundle, helper_source
 from dflash_ops.inventory import Target
 from dflash_ops.render import Rendered

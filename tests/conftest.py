@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from typer.testing import CliRunner
 
 from dflash_ops.cli import app

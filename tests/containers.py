@@ -18,7 +18,8 @@ from typing import Iterator
 from dflash_ops import render
 from dflash_ops.container import Container
 from dflash_ops.simnode import containers as simct
-from dflash_ops.simnode.pct import Node as SimNode, lxc_init_pid
+from dflash_ops.simnode.pct import Node as SimNode
+from dflash_ops.simnode.pct import lxc_init_pid
 from tests import procs
 
 

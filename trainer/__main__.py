@@ -64,8 +64,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="also replace an earlier output of another dflash-ops "
                    "command (a fetch, a push); never files no command wrote")
     args = p.parse_args(argv)
-    from trainer.run import destination
     from trainer.models.export import export_checkpoint
+    from trainer.run import destination
     from trainer.run.checkpoint import CheckpointError
 
     try:
@@ -102,8 +102,8 @@ def _data_report(argv: list[str]) -> int:
             print("data-report: the config generates synthetic data (data.synthetic); nothing to report",
                   file=sys.stderr)
             return 2
-        from trainer.train.components import build_tokenizer
         from trainer.data.report import build_report, format_report
+        from trainer.train.components import build_tokenizer
 
         tokenizer = build_tokenizer(cfg)
         report = build_report(cfg, tokenizer)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.run.config import TrainerConfig
 from trainer.distributed.group import GroupEnv
-from trainer.train.loop import PipelineKind, ReferencePipeline, Trainer
 from trainer.pipeline.threaded import ThreadedPipeline
+from trainer.run.config import TrainerConfig
+from trainer.train.loop import PipelineKind, ReferencePipeline, Trainer
 
 
 def train(cfg: TrainerConfig, run_dir: str | Path, resume: str | None = None) -> int:

@@ -6,9 +6,9 @@ import logging
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer

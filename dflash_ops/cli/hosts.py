@@ -7,8 +7,16 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_ops import render
-from dflash_ops.cli.common import (ARGV_CONTEXT, InventoryOption, check_timeout, fail, forwarded_stdin, open_target,
-                                  write_stderr, write_stdout)
+from dflash_ops.cli.common import (
+    ARGV_CONTEXT,
+    InventoryOption,
+    check_timeout,
+    fail,
+    forwarded_stdin,
+    open_target,
+    write_stderr,
+    write_stdout,
+)
 from dflash_ops.container import run_exec_plan
 from dflash_ops.inventory import Node, load_inventory
 

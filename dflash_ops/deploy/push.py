@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from dflash_ops.helpers import bundle, helper_names, source_of
+from dflash_ops import render
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
-from dflash_ops import render
 from dflash_ops.errors import HelperFailed
+from dflash_ops.helpers import bundle, helper_names, source_of
 from dflash_ops.tarstream import ProgressReader, stream_size
 
 if TYPE_CHECKING:

@@ -59,10 +59,10 @@ if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
     from . import nodefacts, run_describe, run_follow, run_protocol, run_queue, run_start, run_supervise
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
-    import run_queue  # type: ignore[no-redef]
     import run_describe  # type: ignore[no-redef]
     import run_follow  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
+    import run_queue  # type: ignore[no-redef]
     import run_start  # type: ignore[no-redef]
     import run_supervise  # type: ignore[no-redef]
 

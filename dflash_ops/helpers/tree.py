@@ -46,8 +46,9 @@ import sys
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
-    from . import nodefacts
     from trainer.run import destination
+
+    from . import nodefacts
 else:  # run as a script: nodefacts.py and destination.py lie beside it (dflash_ops/helpers/__init__.py)
     import destination  # type: ignore[no-redef]
     import nodefacts  # type: ignore[no-redef]

@@ -21,8 +21,17 @@ from dflash_ops import render
 from dflash_ops.doctor.node import node_facts
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.provision import userspace
-from dflash_ops.provision.config import (RawConfig, config_diff, gpu_device_paths, owned_path, parse_owned,
-                                         plan_lxc, render_owned, wanted_devn, wanted_lxc)
+from dflash_ops.provision.config import (
+    RawConfig,
+    config_diff,
+    gpu_device_paths,
+    owned_path,
+    parse_owned,
+    plan_lxc,
+    render_owned,
+    wanted_devn,
+    wanted_lxc,
+)
 from dflash_ops.provision.node import NodeInfo, ProvisionError, node_commands, read_node
 from dflash_ops.provision.session import Confirm, Outcome, Say, _Session, node_rendered
 

@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING, Any
 from dflash_ops.fanout import map_by_node
 from dflash_ops.runs.helper import call_json, check_run_id
 from dflash_ops.runs.info import RunError, RunInfo, RunNotFound, RunRefused
-from dflash_ops.runs.lifecycle import (_start, ask_to_stop, launch_fresh, request_checkpoint, run_status, signal_run,
-                                       wait_until_final)
+from dflash_ops.runs.lifecycle import (
+    _start,
+    ask_to_stop,
+    launch_fresh,
+    request_checkpoint,
+    run_status,
+    signal_run,
+    wait_until_final,
+)
 from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
 
 if TYPE_CHECKING:

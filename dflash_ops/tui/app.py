@@ -17,9 +17,9 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
+from dflash_ops.runs.info import FINAL_STATES
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
 from dflash_ops.tui.model import fmt_age, fmt_num, fmt_tau
-from dflash_ops.runs.info import FINAL_STATES
 from dflash_ops.tui.source import DashSource, GpuSample, RequestKind, RunRow
 from dflash_ops.tui.streams import Backoff, LinkState
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.run.control import ControlPoller
 from trainer.run.contract import CONTRACT_VERSION, process_start_ticks, write_atomic
+from trainer.run.control import ControlPoller
 
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 

@@ -16,11 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from dflash_ops.runs.local_notify import LocalNotifier
 from dflash_ops import runs
 from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
 from dflash_ops.runs.info import RunInfo
+from dflash_ops.runs.local_notify import LocalNotifier
 from dflash_ops.transport.local import LocalTransport
 from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
 

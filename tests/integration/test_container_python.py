@@ -21,9 +21,9 @@ import pytest
 from dflash_ops import runs
 from dflash_ops.connect import open_container
 from dflash_ops.deploy.push import deploy_target
+from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops.inventory import load_inventory
 from dflash_ops.simnode import pct as stand_in
-from dflash_ops.deploy.venv_spec import VenvSpec
 from tests.conftest import write_sim_inventory
 
 pytestmark = pytest.mark.lxc_tier

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ops.deploy.push import deploy_target
+from dflash_ops.deploy.venv_spec import VenvSpec
+from dflash_ops.errors import HelperFailed
 from tests.containers import process_inside
 from tests.integration.deploy_support import make_package, sim_container, sshd_container
-from dflash_ops.deploy.push import deploy_target
-from dflash_ops.errors import HelperFailed
-from dflash_ops.deploy.venv_spec import VenvSpec
 
 pytestmark = pytest.mark.lxc_tier
 

@@ -14,8 +14,8 @@ from dflash_ops.cli import app
 from dflash_ops.container import Container
 from dflash_ops.inventory import load_inventory
 from dflash_ops.playbook.play import load_playbook, run_playbook
-from dflash_ops.transport.local import LocalTransport
 from dflash_ops.simnode import containers as simct
+from dflash_ops.transport.local import LocalTransport
 from tests import container_checks as checks
 from tests.conftest import write_sim_inventory
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ops.deploy.manifest import ReleasePathError, collect
 from dflash_ops.deploy.push import deploy_target
 from dflash_ops.errors import HelperFailed
-from dflash_ops.deploy.manifest import ReleasePathError, collect
 from tests.conftest import unavailable
 from tests.integration.deploy_support import make_package, sim_container
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops.connect import open_container
 from dflash_ops import render
+from dflash_ops.connect import open_container
 from dflash_ops.container import exec_killed_after, kill_tagged
 from dflash_ops.errors import ConnectionLost, TransportError
 from dflash_ops.inventory import load_inventory

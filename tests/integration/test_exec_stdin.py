@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from dflash_ops.inventory import load_inventory
-
 from tests.conftest import write_sim_inventory
 
 pytestmark = pytest.mark.lxc_tier

@@ -78,8 +78,8 @@ def wait_for(predicate, what: str, seconds: float = 120.0):
 
 
 def test_two_node_run_matches_one_host_survives_kill_minus_9_and_resumes(pair, tmp_path):
-    from trainer.run.config import parse_config
     from trainer.entry import train
+    from trainer.run.config import parse_config
 
     config = tmp_path / "two-hosts.yaml"
     config.write_text(CONFIG)

@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from dflash_ops import connect, runs
 from dflash_ops.cli import app
 from dflash_ops.connect import open_container
+from dflash_ops.deploy.manifest import collect
 from dflash_ops.deploy.push import deploy_many, deploy_target
 from dflash_ops.inventory import load_inventory
-from dflash_ops.deploy.manifest import collect
 from dflash_ops.testing.netns import Fleet, netns_unavailable_reason, start_fleet
 from dflash_ops.transport.ssh import SSHTransport
 from tests.conftest import unavailable

@@ -17,8 +17,8 @@ from dflash_ops.playbook.play import PlaybookError, load_playbook, run_playbook
 from dflash_ops.services import ServiceError, start_service, stop_service, wait_service
 from dflash_ops.simnode import containers as simct
 from tests.conftest import free_port, write_sim_inventory
-from tests.integration.deploy_support import sim_container, sshd_container
 from tests.containers import ContainerProcs, process_inside, sim_root
+from tests.integration.deploy_support import sim_container, sshd_container
 
 pytestmark = pytest.mark.lxc_tier
 

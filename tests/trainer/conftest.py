@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from trainer.run.config import TinyTargetConfig
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.target import FrozenHead, default_target_layer_ids, freeze, tiny_target
+from trainer.run.config import TinyTargetConfig
 
 VOCAB = 97
 MASK_ID = 96

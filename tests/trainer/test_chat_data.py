@@ -146,8 +146,8 @@ def test_data_report_counts_truncation_and_loss_share(qwen3_model_dir, tmp_path,
 def test_a_run_whose_data_has_nothing_to_train_on_fails_in_one_line(qwen3_model_dir, tmp_path):
     """Every answer cut off by max_length: the run fails with one line naming the data problem,
     in train.log and status.json, and no traceback (it is the data, not the code)."""
-    from trainer.run.config import parse_config
     from trainer.entry import train
+    from trainer.run.config import parse_config
 
     rows = [{"prompt": "word " * 80, "response": "yes " * 4} for _ in range(3)]
     data = _write(tmp_path / "long.jsonl", rows)

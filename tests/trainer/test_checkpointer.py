@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import trainer
+from tests.trainer.test_run import config, events, status
 from trainer.entry import train
 from trainer.run import checkpoint as ckpt
 from trainer.train.checkpointer import Checkpointer
-
-from tests.trainer.test_run import config, events, status
 
 
 def tiny_state():

@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from trainer.data.batches import DataError, PreloadedDataset, build_dataset, select_target_warmup_shapes, tokenize_conversation
+from trainer.data.batches import (
+    DataError,
+    PreloadedDataset,
+    build_dataset,
+    select_target_warmup_shapes,
+    tokenize_conversation,
+)
 from trainer.data.synth import synthetic_conversations, synthetic_words
 from trainer.data.tokenizer import synthetic_tokenizer
 

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.run.config import load_config
 from trainer.entry import train
+from trainer.run.config import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "trainer" / "configs" / "tiny-cpu.yaml"
 

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.models.export import export_checkpoint
-from trainer.train.components import build_components
 from trainer.run.config import ConfigError, parse_config
+from trainer.train.components import build_components
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 from trainer.models.drafter import as_is
 from trainer.models.masks import prepare_blocks
 from trainer.models.objective import drafter_loss_sums
-from trainer.train.optim import build_optimizer
 from trainer.run.config import OptimConfig
+from trainer.train.optim import build_optimizer
 
 
 def train_steps(target, head, drafter, once=True, steps=3, fused=True, autocast=True):

@@ -1,13 +1,12 @@
 import json
 
 import pytest
-
 import torch
 from safetensors.torch import load_file
 
-from trainer.run import checkpoint as ckpt
 from trainer.generate.evaluate import greedy_generate, speculative_generate
 from trainer.models.export import export_checkpoint
+from trainer.run import checkpoint as ckpt
 
 
 def test_speculative_decoding_is_lossless_and_counts_acceptance(tiny):
@@ -44,10 +43,10 @@ def test_export_writes_the_published_draft_layout(tiny, tmp_path):
 
 def test_without_an_eval_file_tau_is_measured_not_reported_as_zero(tmp_path):
     """train_path alone: the evaluation falls back to the same conversations for τ as for accuracy."""
-    from trainer.train.components import build_components
-    from trainer.run.config import parse_config
-    from trainer.generate.evaluate import acceptance_report, mean_acceptance_length
     from trainer.data.synth import synthetic_conversations, write_jsonl
+    from trainer.generate.evaluate import acceptance_report, mean_acceptance_length
+    from trainer.run.config import parse_config
+    from trainer.train.components import build_components
 
     train = write_jsonl(synthetic_conversations(16, 0, 6, 12), tmp_path / "train.jsonl")
     cfg = parse_config(f"""

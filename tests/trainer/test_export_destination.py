@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dflash_ops.helpers import tree
-from trainer.run import destination
 from trainer.models.export import export_checkpoint
 from trainer.run import checkpoint as ckpt
+from trainer.run import destination
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -87,8 +87,8 @@ def test_family_read_from_config_alone_matches_the_loaded_model(family_dirs):
     on every layer's kind, also for a hybrid config.json without layer_types."""
     import json
 
-    from trainer.run.family import family_of_dir, read_family
     from trainer.models.target import target_family
+    from trainer.run.family import family_of_dir, read_family
 
     for family, path in family_dirs.items():
         loaded = target_family(load_target(str(path), "cpu", torch.float32))

@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from trainer.run import checkpoint as ckpt
-from trainer.run import rundir
-from trainer.entry import train
 from tests.conftest import unavailable
 from tests.trainer.test_run import config, events, status
+from trainer.entry import train
+from trainer.run import checkpoint as ckpt
+from trainer.run import rundir
 
 
 def test_failing_status_writes_and_checkpoint_do_not_kill_the_run(tmp_path, monkeypatch):

@@ -3,8 +3,15 @@ import math
 import pytest
 import torch
 
-from trainer.models.masks import (block_attention, dense_attention, dense_mask, flex_attention_fn, loss_decay,
-                           make_blocks, sample_anchors)
+from trainer.models.masks import (
+    block_attention,
+    dense_attention,
+    dense_mask,
+    flex_attention_fn,
+    loss_decay,
+    make_blocks,
+    sample_anchors,
+)
 from trainer.models.objective import chunked_weighted_ce, drafter_loss_sums, fused_weighted_ce
 from trainer.models.target import target_context_features
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.run.config import ConfigError, parse_config
+from tests.trainer.tiny_config import two_host_config
 from trainer.distributed.launch import describe_exit, interface_of
 from trainer.distributed.multihost import HostShard
-
-from tests.trainer.tiny_config import two_host_config
+from trainer.run.config import ConfigError, parse_config
 
 
 def test_host_shards_split_the_global_sequence_in_order():

@@ -4,12 +4,19 @@ import random
 import pytest
 import torch
 
-from trainer.models.masks import (dense_attention, dense_mask, document_causal_block_mask, document_causal_dense,
-                           draft_block_mask, flex_with, make_blocks, prepare_blocks)
+from trainer.data.packing import PackedDataset, anchors_for_row, doc_start_of, positions_of, warmup_packed_batch
+from trainer.models.masks import (
+    dense_attention,
+    dense_mask,
+    document_causal_block_mask,
+    document_causal_dense,
+    draft_block_mask,
+    flex_with,
+    make_blocks,
+    prepare_blocks,
+    sample_packed_anchors,
+)
 from trainer.models.objective import drafter_loss_sums
-from trainer.models.masks import sample_packed_anchors
-from trainer.data.packing import (PackedDataset, anchors_for_row, doc_start_of, positions_of,
-                             warmup_packed_batch)
 from trainer.models.target import target_context_features
 
 VOCAB, MASK_ID = 97, 96

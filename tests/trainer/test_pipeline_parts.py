@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
+from trainer.data.batches import Batch
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.models.masks import prepare_blocks
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator
-from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
-from trainer.data.batches import Batch
 from trainer.pipeline.prefetch import BatchPrefetcher, pad_rows_and_length
 from trainer.pipeline.stages import StageQueue, StageThread
 from trainer.run.stopping import PipelineStopped, StopSignal

@@ -4,10 +4,9 @@ import threading
 
 import pytest
 
-from trainer.run.config import parse_config
-from trainer.entry import train
-
 from tests.trainer.tiny_config import tiny_config
+from trainer.entry import train
+from trainer.run.config import parse_config
 
 OVERLAY = """
 model: {target: {tiny: {layers: 4}}}

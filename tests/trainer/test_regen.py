@@ -39,10 +39,10 @@ def write_fixture_model(out: Path) -> Path:
 
 
 def _save_tiny(out: Path) -> Path:
-    from trainer.run.config import TinyTargetConfig
     from trainer.data.synth import synthetic_words
-    from trainer.models.target import tiny_target
     from trainer.data.tokenizer import synthetic_tokenizer
+    from trainer.models.target import tiny_target
+    from trainer.run.config import TinyTargetConfig
 
     tok = synthetic_tokenizer(synthetic_words())
     model = tiny_target(TinyTargetConfig(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64), len(tok))

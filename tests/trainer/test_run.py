@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import trainer
+from trainer.entry import train
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import parse_config
-from trainer.entry import train
 
 CONFIG = """
 model:

@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from trainer.data.packing import doc_start_of
 from trainer.models.target import base_model, target_context_features
@@ -81,12 +88,11 @@ def test_packed_rows_equal_each_document_alone_through_the_truncated_walk():
 
 # ---------------------------------------------------------------------------- split targets
 
+from tests.trainer.tiny_config import tiny_config  # noqa: E402
 from trainer.entry import train  # noqa: E402
 from trainer.models.stages import StagePlan  # noqa: E402
 from trainer.models.target_loading import complete_for_decoding, load_staged, partition, place  # noqa: E402
 from trainer.run.config import ConfigError, parse_config  # noqa: E402
-
-from tests.trainer.tiny_config import tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("family", FAMILIES)

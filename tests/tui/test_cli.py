@@ -12,7 +12,6 @@ def test_parse_local_names_bad_specs(tmp_path):
 
 def test_inventory_source_checks_targets_up_front(sim_inventory):
     from dflash_ops.cli.dash import inventory_source
-
     from dflash_ops.errors import InventoryError
 
     assert inventory_source(sim_inventory, []).targets() == ["host200"]

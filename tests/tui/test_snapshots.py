@@ -4,9 +4,8 @@ from textual.widgets import DataTable
 
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.demo import SimulatedRun
-from dflash_ops.tui.remote import LocalDirSource
-
 from dflash_ops.tui.detail import RunDetailScreen
+from dflash_ops.tui.remote import LocalDirSource
 
 SIZE = (140, 45)
 

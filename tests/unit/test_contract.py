@@ -18,8 +18,7 @@ from dflash_ops.runs.info import RunInfo
 from dflash_ops.tui.remote import run_row_from_info
 from tests.procs import proc_stat
 from trainer.distributed import launch
-from trainer.run import contract
-from trainer.run import rundir
+from trainer.run import contract, rundir
 
 SAMPLES = {int: 7, float: 1.5, str: "x", list: [1, 2], dict: {"message": "m"}}
 RESHAPED_BY_THE_ROW = {"state", "step", "recompiles", "gpus", "error", "run_id"}  # RunRow's own fields

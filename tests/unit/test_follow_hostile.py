@@ -14,7 +14,6 @@ from dflash_ops.runs.follow import FileTruncated
 from dflash_ops.transport.base import LineSplitter
 from tests.unit.runs_double import HELPERS, LocalHelperContainer, eventually
 
-
 RUNS_HELPER = str(HELPERS / "runs.py")
 
 

@@ -9,8 +9,8 @@ from dflash_ops import render
 from dflash_ops.connect import open_container
 from dflash_ops.errors import CommandTimeout, TransferError
 from dflash_ops.inventory import load_inventory
-from tests.container_checks import ContainerTests
 from tests.conftest import write_listed_sim_inventory, write_sim_inventory
+from tests.container_checks import ContainerTests
 from tests.procs import alive
 from tests.unit.runs_double import eventually
 

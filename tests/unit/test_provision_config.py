@@ -1,8 +1,8 @@
 """provision's config planning: lines go before [snapshot] sections, an admin's line is never touched."""
 
+from dflash_ops.doctor.node import parse_module_version
 from dflash_ops.provision.config import RawConfig, plan_lxc, wanted_devn
 from dflash_ops.provision.node import parse_pveversion
-from dflash_ops.doctor.node import parse_module_version
 
 CONFIG = """#my container
 arch: amd64

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import runs
-from dflash_ops.helpers import runqueue
+from dflash_ops.helpers import nodefacts, runqueue
 from dflash_ops.runs.lifecycle import queued_runs
 from tests.http_sink import HttpSink
-from dflash_ops.helpers import nodefacts
 from tests.procs import alive
 from tests.unit.runs_double import released_container
 

@@ -15,7 +15,6 @@ from dflash_ops.runs import ConnectionLost, RunNotFound
 from dflash_ops.runs.helper import EXIT_TIME_UP
 from tests.unit.runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release
 
-
 RUNS_HELPER = str(HELPERS / "runs.py")
 
 

@@ -20,7 +20,6 @@ from tests.conftest import write_sim_inventory
 from tests.procs import start_ticks
 from tests.unit.runs_double import HELPERS, eventually
 
-
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
 

@@ -15,7 +15,6 @@ from dflash_ops.runs import GpusBusy, RunError, RunInfo, RunNotFound, RunRefused
 from tests.procs import start_ticks
 from tests.unit.runs_double import LocalHelperContainer, make_release
 
-
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
 

@@ -5,7 +5,6 @@ a RecursionError traceback."""
 
 from __future__ import annotations
 
-
 import pytest
 import yaml
 

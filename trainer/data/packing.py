@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.run.config import DataConfig
 from trainer.data.batches import Batch, DataError, PreloadedDataset
+from trainer.run.config import DataConfig
 
 
 @dataclass

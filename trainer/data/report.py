@@ -13,8 +13,8 @@ from typing import Any
 
 from trainer.data.chat import file_format, read_conversations
 from trainer.data.encoding import encode_all, process_count
-from trainer.run.family import Family
 from trainer.run.config import TrainerConfig, data_paths, template_kwargs
+from trainer.run.family import Family
 
 
 @dataclass

@@ -10,8 +10,8 @@ Across CUDA replicas the sum is `torch.cuda.nccl.all_reduce` on each replica's o
 is ordered after that replica's backward without a host wait); on CPU it is a plain sum.
 """
 from __future__ import annotations
-from collections.abc import Callable
 
+from collections.abc import Callable
 
 import torch
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from trainer.run import checkpoint as ckpt
-from trainer.run.config import TrainerConfig
-from trainer.run.control import ControlPoller, Request
-from trainer.run.rundir import RunDir
 from trainer.data.batches import Batch
 from trainer.distributed.group import GroupEnv, HostGroup, PeerLost, choose_backend
 from trainer.distributed.hosts import Snapshot
 from trainer.models.masks import Blocks
+from trainer.run import checkpoint as ckpt
+from trainer.run.config import TrainerConfig
+from trainer.run.control import ControlPoller, Request
+from trainer.run.rundir import RunDir
 from trainer.run.stopping import StopSignal
 
 STOP_CODES = {None: 0, "control": 1, "signal": 2}

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
+from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
 from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 

@@ -20,8 +20,8 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from trainer.run import destination
 from trainer.run import checkpoint as ckpt
+from trainer.run import destination
 
 HERE = Path(__file__).resolve().parent
 # file written beside the weights -> the trainer module it is a copy of

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from trainer.run.family import LINEAR_MIXER, Family, family_of_dir, read_family
 from trainer.models.hf import base_model, hf_config, input_embeddings
 from trainer.run.config import TinyTargetConfig
+from trainer.run.family import LINEAR_MIXER, Family, family_of_dir, read_family
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask

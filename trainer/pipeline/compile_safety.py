@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, MutableMapping
 import time
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TypeVar
 

@@ -12,8 +12,8 @@ At Qwen3-8B shape (36 layers, 5-layer drafter, 512 anchors x 16, sequence 3072) 
 token: target forward 1.48e10, drafter step 2.34e10.
 """
 from __future__ import annotations
-from typing import TYPE_CHECKING, Any
 
+from typing import TYPE_CHECKING, Any
 
 import torch
 

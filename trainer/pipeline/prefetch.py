@@ -8,7 +8,6 @@ consumers are on CUDA, then routed to the target worker that owns it.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from dataclasses import dataclass, fields
 
 import torch
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 
 from trainer.data.batches import Batch
 from trainer.models.masks import Blocks
-
 from trainer.pipeline.stages import StageQueue
 from trainer.run.stopping import StopSignal
 

@@ -13,31 +13,37 @@ import time
 
 import torch
 
-from trainer.run.config import TrainerConfig
-from trainer.train.components import Components
-from trainer.run.control import Request
 from trainer.data.batches import Batch, PreloadedDataset
-from trainer.train.loop import Trainer, autocast_for
-from trainer.models.masks import Blocks, prepare_blocks
-from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.data.packing import row_anchors, warmup_packed_batch
-from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.models.hf import hf_config, input_embeddings
+from trainer.models.masks import Blocks, prepare_blocks
+from trainer.models.objective import drafter_loss_sums
+from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 from trainer.models.target_loading import replica_target
-from trainer.run.config import target_replicas
-
 from trainer.pipeline.compile_safety import CompileGuard
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda, peak_memory_gb
 from trainer.pipeline.features import allocate_slots, pack_context_features
 from trainer.pipeline.flops import FLOP_KEYS, micro_batch_flops, peak_tflops
-from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import BatchPrefetcher, MicroBatch
 from trainer.pipeline.shapes import PackedShape, WarmShapes
 from trainer.pipeline.stages import StageQueue, StageThread, join_all
-from trainer.models.objective import drafter_loss_sums
-from trainer.pipeline.workers import (METRIC_NAMES, DrafterSettings, DrafterWorker, Replica, TargetSettings,
-                                      TargetStage, TargetWorker, WorkerLinks)
+from trainer.pipeline.workers import (
+    METRIC_NAMES,
+    DrafterSettings,
+    DrafterWorker,
+    Replica,
+    TargetSettings,
+    TargetStage,
+    TargetWorker,
+    WorkerLinks,
+)
+from trainer.run.config import TrainerConfig, target_replicas
+from trainer.run.control import Request
+from trainer.train.components import Components
+from trainer.train.loop import Trainer, autocast_for
+from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
 def compiles_target(cfg: TrainerConfig, target_devices: list[torch.device]) -> bool:

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.objective import drafter_loss_sums
 from trainer.models.stages import write_pending
 from trainer.models.target import FrozenHead, stage_context_features
-
 from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
 from trainer.pipeline.device_stats import BusyMeter, MetricAccumulator, is_cuda
 from trainer.pipeline.features import FeatureSlot
-from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.pipeline.prefetch import MicroBatch
 from trainer.pipeline.stages import StageQueue
 from trainer.run.stopping import StopSignal

@@ -8,8 +8,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from trainer.run.contract import CONTRACT_VERSION, process_start_ticks, write_atomic
 

@@ -11,18 +11,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.run.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
 from trainer.data.encoding import process_count
-from trainer.models.drafter import DFlashDrafter, DrafterConfig
-from trainer.models.masks import resolve_backend
-from trainer.train.optim import build_optimizer, build_scheduler
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
-from trainer.models.hf import hf_config
-from trainer.models.target import (QWEN3_8B_MASK_TOKEN_ID, FrozenHead, default_target_layer_ids, fit_tiny_target,
-                            freeze, num_layers, random_8b_shape_target, target_family, tiny_target)
-from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
 from trainer.data.tokenizer import synthetic_tokenizer
+from trainer.models.drafter import DFlashDrafter, DrafterConfig
+from trainer.models.hf import hf_config
+from trainer.models.masks import resolve_backend
+from trainer.models.target import (
+    QWEN3_8B_MASK_TOKEN_ID,
+    FrozenHead,
+    default_target_layer_ids,
+    fit_tiny_target,
+    freeze,
+    num_layers,
+    random_8b_shape_target,
+    target_family,
+    tiny_target,
+)
+from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
+from trainer.run.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
+from trainer.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from trainer.data.packing import PackedDataset

@@ -23,29 +23,29 @@ from typing import Protocol
 
 import torch
 
-from trainer.run import checkpoint as ckpt
-from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
+from trainer.data.batches import PreloadedDataset, select_target_warmup_shapes
 from trainer.data.chat import DataError
+from trainer.data.packing import row_anchors
 from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
 from trainer.distributed.multihost import HostGroupMember
-from trainer.train.components import Components, build_components
-from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
-from trainer.run.control import ControlPoller, Request
-from trainer.train.metrics import Metrics
-from trainer.data.batches import PreloadedDataset, select_target_warmup_shapes
 from trainer.generate.evaluate import acceptance_report
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
-from trainer.run.stopping import PipelineFailed, StopSignal
-from trainer.train.optim import clip_gradients
-from trainer.data.packing import row_anchors
-from trainer.run.contract import write_atomic
-from trainer.run.rundir import RunDir
 from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
 from trainer.models.target_loading import complete_for_decoding
+from trainer.run import checkpoint as ckpt
+from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
+from trainer.run.contract import write_atomic
+from trainer.run.control import ControlPoller, Request
+from trainer.run.rundir import RunDir
+from trainer.run.stopping import PipelineFailed, StopSignal
+from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
+from trainer.train.components import Components, build_components
+from trainer.train.metrics import Metrics
+from trainer.train.optim import clip_gradients
 
 
 def compiled_graphs() -> int:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, fail, parse_gpus
+
+if TYPE_CHECKING:
+    from dflash_ops.inventory import Inventory
 
 
 def provision(
@@ -49,12 +55,11 @@ def provision(
             fail(f"{inv.path}: no node {node!r} (nodes: {', '.join(sorted(inv.nodes))})", 2)
         if dry_run:
             typer.echo(f"# would add {target} (node {node}, ctid {ctid}) to {inv.path}")
+            inv = _with_target(inv.path, target, node, ctid, asked)
         else:
             added = add_target(inv.path, target, node, ctid, asked if isinstance(asked, tuple) else ())
             typer.echo(f"provision: added {target} to {inv.path}")
             inv = load_inventory(inventory)
-    if dry_run and target not in inv.targets:
-        fail(f"--dry-run needs {target} in the inventory: run with --write-inventory first", 2)
     t = inv.target(target)
     container = Container(t, transport_for(t.node))
     request = Request(gpus=asked, cores=cores, memory_mib=memory, rootfs=rootfs, shm_gib=shm, template=template,
@@ -73,6 +78,19 @@ def provision(
     n = len(outcome.changes)
     typer.echo(f"provision {target}: {n} change{'s' if n != 1 else ''}" + (f" ({verb}: " + "; ".join(outcome.changes) + ")"
                                                                             if n else " (as wanted already)"))
+
+
+def _with_target(path: Path, target: str, node: str, ctid: int, asked: Literal["all"] | tuple[int, ...]) -> Inventory:
+    """The inventory as --write-inventory would leave it, read from a copy: --dry-run plans against
+    the target it would add and leaves the user's file as it is."""
+    from dflash_ops.inventory import load_inventory
+    from dflash_ops.provision.inventory_file import add_target
+
+    with tempfile.TemporaryDirectory(prefix="dflash-ops-provision-") as tmp:
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        add_target(copy, target, node, ctid, asked if isinstance(asked, tuple) else ())
+        return load_inventory(copy)
 
 
 def register(app: typer.Typer) -> None:

@@ -264,3 +264,14 @@ def test_pct_set_writes_the_config_as_pct_does(tmp_path):
     subprocess.run([*stand_in, "set", "510", "--dev1", "/dev/nvidia7"], check=True)
     start = subprocess.run([*stand_in, "start", "510"], capture_output=True, text=True)
     assert (start.returncode, start.stderr) == (255, "Device /dev/nvidia7 does not exist\n")
+
+
+def test_dry_run_of_a_target_not_in_the_inventory_plans_it_and_writes_nothing(node):
+    text = node.read_text().replace("host500: {node: sim, ctid: 500, gpus: [0, 1]}", "host600: {node: sim, ctid: 600}")
+    node.write_text(text)
+    out = cli("provision", "host500", "--write-inventory", "--node", "sim", "--ctid", "500", "--gpus", "all",
+              "--dry-run", "--inventory", str(node)).stdout
+    assert out.startswith(f"# would add host500 (node sim, ctid 500) to {node}")
+    assert "# pct create 500 from local:vztmpl/dflash-sim-debian.tar.zst" in out
+    assert out.rstrip().splitlines()[-1].startswith("provision host500: 4 changes (would change: pct create 500")
+    assert node.read_text() == text and pct(node, "status", "500").returncode == 255

@@ -30,7 +30,7 @@ def test_host_shards_split_the_global_sequence_in_order():
 
 
 def test_distributed_section_is_validated():
-    with pytest.raises(ConfigError, match=r"<config>:\d+: distributed.backend must be auto, nccl or gloo"):
+    with pytest.raises(ConfigError, match=r"<config>:\d+: distributed.backend must be one of .auto., .nccl., .gloo."):
         parse_config(two_host_config(4, "distributed: {backend: mpi}"))
     with pytest.raises(ConfigError, match=r"peer_timeout_s must be in \(0, 25\]"):
         parse_config(two_host_config(4, "distributed: {peer_timeout_s: 60}"))

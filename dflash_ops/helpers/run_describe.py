@@ -78,6 +78,11 @@ def describe_run(run_dir: str, now: float) -> dict:
         info["effective_state"] = "failed"
         info["reason"] = ("process died without saying so" if status is not None
                           else "no status.json and no live process")
+        at_launch, now_count = launch.get("oom_kills"), oom_kills()
+        if isinstance(at_launch, int) and now_count is not None and now_count > at_launch:
+            info["oom_killed"] = True
+            info["reason"] = ("OOM kill: the container's memory limit was hit (its memory cgroup counted "
+                              "%d OOM kill(s) since the launch)" % (now_count - at_launch))
     recorded = launch.get("supervisor")
     info["unsupervised"] = None
     if restarts and isinstance(recorded, dict) and not supervised and info["effective_state"] not in nodefacts.FINAL_STATES:
@@ -86,11 +91,6 @@ def describe_run(run_dir: str, now: float) -> dict:
             "its supervisor (pid %s) is gone without a word (killed by a signal?)" % recorded.get("pid")
         info["unsupervised"] = "no longer supervised: %s" % why  # a crash now is not restarted
         info["reason"] = "%s; %s" % (info["reason"], info["unsupervised"]) if info["reason"] else info["unsupervised"]
-        at_launch, now_count = launch.get("oom_kills"), oom_kills()
-        if isinstance(at_launch, int) and now_count is not None and now_count > at_launch:
-            info["oom_killed"] = True
-            info["reason"] = ("OOM kill: the container's memory limit was hit (its memory cgroup counted "
-                              "%d OOM kill(s) since the launch)" % (now_count - at_launch))
     if state == "failed" or info["effective_state"] == "failed":
         info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
     return info

@@ -24,6 +24,7 @@ from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport.local import LocalTransport
 from tests.conftest import write_sim_inventory
+from tests.containers import process_inside
 from tests.integration.deploy_support import fake_package
 
 pytestmark = pytest.mark.lxc_tier
@@ -427,14 +428,12 @@ def test_restart_policy_is_checked(tier, tmp_path):
 def test_metrics_before_the_run_wrote_any_says_so(tier, tmp_path):
     """The first minutes of a healthy run (status.json written, the model still loading): `metrics`
     says the run has not written metrics.jsonl yet, exit 0, not "no such file"."""
-    from dflash_ops.helpers.nodefacts import process_start_ticks
-
     deployed(tier)
     run = tier.base / "runs" / "loading"
     (run / "control").mkdir(parents=True)
-    (run / "status.json").write_text(json.dumps({"version": 1, "run_id": "loading", "state": "starting", "pid": os.getpid(),
-                                                 "pid_start": process_start_ticks(os.getpid()), "step": 0,
-                                                 "heartbeat": time.time()}))
-    result = tier.cli("metrics", "host200", "loading")
+    with process_inside(tier.container) as trainer:  # the loading trainer: a pid the container sees
+        (run / "status.json").write_text(json.dumps({"version": 1, "run_id": "loading", "state": "starting",
+                                                     "pid": trainer, "step": 0, "heartbeat": time.time()}))
+        result = tier.cli("metrics", "host200", "loading")
     assert "run loading (starting) has not written metrics.jsonl yet" in result.stderr
     assert "no such file" not in result.stderr + result.stdout

@@ -289,3 +289,91 @@ def test_regen_hf_engine_answers_from_a_quantized_directory_as_from_its_copy(whi
         finally:
             engine.close()
     assert answers[0] == answers[1] and answers[0]
+
+
+def _altered(model_dir: Path, out: Path, tensor: str, change) -> Path:
+    """model_dir's files linked into `out`, except the shard holding `tensor`, rewritten with
+    change(tensor) in its place (the other tensors and the shard's metadata as they were)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][tensor]
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != shard:
+            (out / f.name).symlink_to(f)
+    with safe_open(str(model_dir / shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    tensors[tensor] = change(tensors[tensor].clone())
+    save_file(tensors, str(out / shard), metadata=metadata)
+    return out
+
+
+def _set_first(value):
+    def change(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[0] = value
+        return t
+    return change
+
+
+@pytest.mark.parametrize("which, tensor, value, named", [
+    # an E8M0 scale byte 0xFF is NaN: the decoded experts would be NaN wherever the block is not zero
+    ("mxfp4_dir", "model.layers.1.mlp.experts.down_proj_scales", 0xFF,
+     r"tensor model\.layers\.1\.mlp\.experts\.down_proj_scales holds 1 NaN scale"),
+    # 2 ** 127 times a block's values overflows: the decoded matrix holds inf
+    ("mxfp4_dir", "model.layers.1.mlp.experts.gate_up_proj_scales", 254,
+     r"tensor model\.layers\.1\.mlp\.experts\.gate_up_proj \(decoded with "
+     r"model\.layers\.1\.mlp\.experts\.gate_up_proj_scales\) holds \d+ NaN/inf"),
+    ("fp8_dir", "model.layers.1.mlp.up_proj.weight_scale_inv", float("inf"),
+     r"tensor model\.layers\.1\.mlp\.up_proj\.weight_scale_inv holds 1 NaN/inf value"),
+    ("fp8_dir", "model.layers.0.self_attn.q_proj.weight_scale_inv", float("nan"),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv holds 1 NaN/inf value"),
+    # a float8 e4m3 byte 0x7F is NaN: the weight decodes to NaN there
+    ("fp8_dir", "model.layers.0.mlp.down_proj.weight", float("nan"),
+     r"tensor model\.layers\.0\.mlp\.down_proj\.weight \(decoded with "
+     r"model\.layers\.0\.mlp\.down_proj\.weight_scale_inv\) holds 1 NaN/inf"),
+    ("fp8_dir", "model.layers.0.input_layernorm.weight", float("-inf"),
+     r"tensor model\.layers\.0\.input_layernorm\.weight holds 1 NaN/inf"),
+])
+def test_a_tensor_that_holds_nan_or_inf_is_refused_at_load_by_name(which, tensor, value, named, request, tmp_path):
+    from trainer.models.target_loading import NonFiniteWeights
+
+    broken = _altered(request.getfixturevalue(which), tmp_path / "broken", tensor, _set_first(value))
+    with pytest.raises(NonFiniteWeights, match=named) as err:
+        load_staged(broken, StagePlan.single(2, "cpu"), torch.float32, log=lambda _: None)
+    assert str(err.value).startswith(f"{broken}: ") and "\n" not in str(err.value)
+
+
+def test_the_layers_decoding_adds_are_checked_too(fp8_dir, tmp_path):
+    from trainer.models.target_loading import NonFiniteWeights
+
+    broken = _altered(fp8_dir, tmp_path / "broken", "model.layers.3.mlp.up_proj.weight_scale_inv",
+                      _set_first(float("nan")))
+    plan = StagePlan.single(3, "cpu")
+    model = load_staged(broken, plan, torch.float32, log=lambda _: None)  # layer 3 is not read for training
+    with pytest.raises(NonFiniteWeights, match=r"model\.layers\.3\.mlp\.up_proj\.weight_scale_inv"):
+        complete_for_decoding(model, plan, log=lambda _: None)
+
+
+def test_a_run_on_a_checkpoint_with_nan_scales_fails_at_load_naming_the_tensor(mxfp4_dir, tmp_path):
+    """Not `done` with a NaN loss and the best τ: `failed` before the first step, one line."""
+    broken = _altered(mxfp4_dir, tmp_path / "broken", "model.layers.0.mlp.experts.down_proj_scales",
+                      _set_first(0xFF))
+    run = f"""
+model:
+  target: {{tiny: null, path: {broken}}}
+  num_target_layers: 2
+optim: {{total_steps: 2, micro_batches: 1}}
+data: {{synthetic: {{n_train: 16, n_eval: 2, seed: 0, min_len: 6, max_len: 16}}}}
+"""
+    run_dir = tmp_path / "run"
+    assert train(parse_config(tiny_config(run)), run_dir) == 1
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["step"] == 0
+    message = status["error"]["message"]
+    assert "model.layers.0.mlp.experts.down_proj_scales holds 1 NaN scale" in message and "\n" not in message
+    assert status["error"]["traceback"] is None
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "step"]

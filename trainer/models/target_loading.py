@@ -35,6 +35,27 @@ class MissingWeights(ValueError):
     """The model directory lacks tensors a stage needs."""
 
 
+class NonFiniteWeights(ValueError):
+    """A tensor read from the model directory (or what a quantized one decodes to) holds NaN or inf:
+    a broken or badly converted checkpoint, refused at load instead of training on NaN features."""
+
+
+E8M0_NAN = 0xFF  # OCP Microscaling: the one E8M0 scale byte that is not a power of two
+
+
+def check_finite(path: str | Path, name: str, tensor: torch.Tensor, decoded_from: str | None = None) -> None:
+    """Refuse a floating tensor holding NaN or inf, naming it (and the scales it was decoded with)."""
+    if not tensor.is_floating_point() or tensor.dtype in quantized.FP8_DTYPES or tensor.numel() == 0:
+        return
+    lo, hi = torch.aminmax(tensor)  # NaN propagates to both; no tensor-sized temporary on a full GPU
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return
+    bad = int((~torch.isfinite(tensor)).sum())
+    how = f" (decoded with {decoded_from})" if decoded_from else ""
+    raise NonFiniteWeights(f"{path}: tensor {name}{how} holds {bad} NaN/inf value(s) of {tensor.numel()}: the "
+                           "checkpoint is broken or badly converted; re-download or re-convert it")
+
+
 class ShardReader:
     """The tensors of a model directory by name, read one by one through its index (or its one file)."""
 
@@ -81,9 +102,12 @@ class ShardReader:
                 if scale not in stored:
                     raise MissingWeights(f"{self.path}: tensor {scale} (the scales of FP8 {key}) is in no shard "
                                          f"of {SAFETENSORS_INDEX}")
+                check_finite(self.path, scale, stored[scale])
                 out[key] = quantized.decode_fp8(tensor, stored[scale], self.fp8_block, dtype)
+                check_finite(self.path, key, out[key], decoded_from=scale)
             else:
                 out[key] = tensor.to(dtype)
+                check_finite(self.path, key, out[key])
         return out
 
     def _read_stored(self, names: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -138,7 +162,12 @@ def _module_tensors(reader: ShardReader, prefix: str, module: torch.nn.Module, d
             if missing:
                 raise MissingWeights(f"{reader.path}: tensor {missing[0]} is in no shard of {SAFETENSORS_INDEX}")
             got = reader.read(packed, device, torch.uint8)
+            nan_scales = int((got[packed[1]] == E8M0_NAN).sum())
+            if nan_scales:
+                raise NonFiniteWeights(f"{reader.path}: tensor {packed[1]} holds {nan_scales} NaN scale(s) (E8M0 byte "
+                                       f"0x{E8M0_NAN:X}): the checkpoint is broken or badly converted")
             tensors[key] = quantized.decode_mxfp4(got[packed[0]], got[packed[1]], dtype)
+            check_finite(reader.path, name, tensors[key], decoded_from=packed[1])
         else:
             tensors[key] = _stacked_experts(reader, m["prefix"], m["kind"], device, dtype)
     return tensors

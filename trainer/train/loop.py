@@ -35,7 +35,7 @@ from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
 from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
-from trainer.models.target_loading import complete_for_decoding
+from trainer.models.target_loading import MissingWeights, NonFiniteWeights, complete_for_decoding
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
 from trainer.run.contract import write_atomic
@@ -112,6 +112,8 @@ def error_record(exc: BaseException) -> dict:
         return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
     if isinstance(exc, ConfigError):  # a config that does not fit what it names (model.drafter_init)
         return {"message": f"config error: {exc}", "traceback": None, "thread": "main"}
+    if isinstance(exc, (MissingWeights, NonFiniteWeights)):  # the model directory, not the code: it names the tensor
+        return {"message": f"model error: {exc}", "traceback": None, "thread": "main"}
     from trainer.models.memory_plan import DoesNotFit
 
     if isinstance(exc, DoesNotFit):  # the config, not the code: one line

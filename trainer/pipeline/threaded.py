@@ -43,6 +43,7 @@ from trainer.run.config import TrainerConfig, target_replicas
 from trainer.run.control import Request
 from trainer.train.components import Components
 from trainer.train.loop import Trainer, autocast_for
+from trainer.train.metrics import LossNotFinite
 from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
@@ -205,6 +206,10 @@ class ThreadedPipeline:
             if stop.error is None:
                 for w in stages.accumulator.drain():
                     since = stages.write_window(w, since)
+        except LossNotFinite:  # seen in a window's record: the threads stop before training on it further
+            stop.stop("loss not finite")
+            join_all(stages.threads, stop)
+            raise
         finally:
             checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
             self.guard.unfreeze()

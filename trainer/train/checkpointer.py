@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainer.run.checkpoint import CheckpointManager
+from trainer.train.metrics import LossNotFinite
 
 
 @dataclass
@@ -238,11 +239,24 @@ class Checkpointer:
         if job.copies:
             job.copy_s = sum(start.elapsed_time(done) for start, done in job.copies) / 1000
         try:
+            _refuse_non_finite(job)
             path, seconds = self.manager.save(job.step, job.model, job.drafter_config, job.optim, job.trainer_state)
         except BaseException as exc:
             self.on_failed(job, exc)
             raise
         self.on_written(job, path, seconds)
+
+
+def _refuse_non_finite(job: Job) -> None:
+    """A checkpoint of NaN/inf weights is never written: a resume from it would train on NaN. The
+    staged host copies are read on this thread, so training waits for nothing."""
+    for name, tensor in job.model.items():
+        if tensor.is_floating_point() and tensor.numel():
+            lo, hi = torch.aminmax(tensor)
+            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                raise LossNotFinite(f"the drafter's weight {name} holds NaN/inf at step {job.step}: checkpoint "
+                                    "not written (the loss went NaN; lower optim.lr, then resume from an earlier "
+                                    "checkpoint)")
 
 
 def optimizer_state_like(optimizer: torch.optim.Optimizer) -> dict:

@@ -44,7 +44,7 @@ from trainer.run.rundir import RunDir
 from trainer.run.stopping import PipelineFailed, StopSignal
 from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
 from trainer.train.components import Components, build_components
-from trainer.train.metrics import Metrics
+from trainer.train.metrics import LossNotFinite, Metrics
 from trainer.train.optim import clip_gradients
 
 
@@ -112,6 +112,8 @@ def error_record(exc: BaseException) -> dict:
         return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
     if isinstance(exc, ConfigError):  # a config that does not fit what it names (model.drafter_init)
         return {"message": f"config error: {exc}", "traceback": None, "thread": "main"}
+    if isinstance(exc, LossNotFinite):  # the numbers, not the code: one line saying what to change
+        return {"message": str(exc), "traceback": None, "thread": "main"}
     if isinstance(exc, (MissingWeights, NonFiniteWeights)):  # the model directory, not the code: it names the tensor
         return {"message": f"model error: {exc}", "traceback": None, "thread": "main"}
     from trainer.models.memory_plan import DoesNotFit

@@ -7,12 +7,18 @@ holds and how its log line reads is decided in this file only.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 from trainer.run.config import TrainerConfig, dump_config
 from trainer.run.rundir import RunDir
 
 STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
+
+
+class LossNotFinite(RuntimeError):
+    """The training loss (or the drafter's weights) went NaN or inf: the run stops as `failed`
+    instead of training on it and ending `done`."""
 
 
 class Metrics:
@@ -42,7 +48,12 @@ class Metrics:
     def step(self, step: int, m: dict[str, Any]) -> None:
         """A step record (metrics.jsonl `step`), status.json's step fields and the log line. m holds
         loss, acc, lr, grad_norm, tokens_per_s, pad_share, recompiles; the threaded pipeline adds
-        gpus, queues and mfu (and its log line each GPU's busy share)."""
+        gpus, queues and mfu (and its log line each GPU's busy share). A loss that is not finite
+        raises LossNotFinite (no record: every step after it would train on NaN gradients)."""
+        if not math.isfinite(m["loss"]):
+            raise LossNotFinite(f"the loss is {m['loss']} at step {step} (lr {m['lr']:.2e}, grad_norm "
+                                f"{m['grad_norm']}): the run stops instead of training on it; lower optim.lr "
+                                "or check the data, then resume from a checkpoint before this step")
         self.rd.event("step", step, **m)
         steady = self.steady_rate()
         self.rd.update(step=step, **{k: m[k] for k in STATUS_FIELDS},

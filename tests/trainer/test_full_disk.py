@@ -81,3 +81,63 @@ def test_run_dir_on_a_really_full_disk_keeps_going_and_reports_when_space_return
     assert doc["step"] == 2 and doc["write_failures"]["status"] >= 1 and doc["write_failures"]["metrics"] == 1
     assert not [p for p in (tiny_disk / "run").iterdir() if p.name.endswith(".tmp")]
     rd.close()
+
+
+def _mount_tmpfs(where, size: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        unavailable(f"cannot mount a tmpfs: {done.stderr.decode().strip()}", "the full-disk test")
+
+
+@pytest.fixture
+def small_disks(tmp_path):
+    mounted = []
+
+    def mount(where, size):
+        _mount_tmpfs(where, size)
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _state(n: int = 20000):
+    import torch
+
+    return ({"w": torch.ones(n)}, {"hidden": 8}, {"optimizer": {"m": torch.ones(n)}, "scheduler": {}}, {"data": 1})
+
+
+@pytest.mark.parametrize("size, library", [("32k", "SafetensorError"), ("96k", "RuntimeError")])
+def test_a_full_disk_in_any_library_s_writer_is_an_oserror_and_leaves_no_partial(small_disks, tmp_path, size,
+                                                                                   library):
+    """The real libraries on a real full file system (no patched-in exception): safetensors (the
+    80 kB weights do not fit in 32 kB) raises SafetensorError, torch.save (the optimizer file, after
+    the weights fit in 96 kB) RuntimeError without an errno; both are a full disk for the run."""
+    run = tmp_path / "run"
+    small_disks(run / "checkpoints", size)
+    manager = ckpt.CheckpointManager(run, keep=2)
+    with pytest.raises(OSError) as err:
+        manager.save(3, *_state())
+    assert err.value.errno == errno.ENOSPC and "No space left on device" in str(err.value)
+    assert type(err.value.__cause__).__name__ == library
+    assert list((run / "checkpoints").iterdir()) == []  # the partial .tmp-step_3-PID is gone
+
+
+def test_a_run_whose_checkpoints_do_not_fit_says_so_and_leaves_no_partial(small_disks, tmp_path):
+    """Each checkpoint (~170 kB) needs more than the 128 kB disk: the periodic ones are reported and
+    training goes on (it used to die at the first, on SafetensorError / RuntimeError); the final one
+    fails the run with the reason."""
+    run = tmp_path / "run"
+    small_disks(run / "checkpoints", "128k")
+    assert train(config(steps=6, every=2, fit=0), run) == 1
+    final = status(run)
+    assert final["state"] == "failed" and final["step"] == 6
+    assert "No space left on device" in final["error"]["message"]
+    assert [e["step"] for e in events(run, "step")] == [1, 2, 3, 4, 5, 6]  # no step lost
+    failed = events(run, "checkpoint_failed")
+    assert [e["step"] for e in failed] == [2, 4, 6] and all("No space left" in e["message"] for e in failed)
+    assert list((run / "checkpoints").iterdir()) == []
+    assert "training goes on, the next checkpoint tries again" in (run / "train.log").read_text()

@@ -7,8 +7,10 @@ manifest.json {"step", "files": {name: {"size", "sha256"}}} written last.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +30,36 @@ BEST = "best.json"  # checkpoints/best.json: {"step", "tau"} of the kept best ch
 
 class CheckpointError(RuntimeError):
     pass
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer quotes the errno
+NEARLY_FULL = 16 * 2**20  # bytes free below which a failed write is taken for a full disk
+
+
+def disk_error(exc: BaseException, where: Path) -> OSError | None:
+    """The OSError that a failed write under `where` stands for, whatever library wraps it (None:
+    not a disk problem). safetensors raises SafetensorError("... No space left on device (os error
+    28)"), torch.save RuntimeError("[enforce fail at inline_container.cc] unexpected pos ...") with no
+    errno at all: those are read by their errno, or by the space left on the file system."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # the exception and what caused it
+        if seen is None:
+            break
+        if isinstance(seen, OSError):
+            return seen
+        found = _OS_ERROR.search(str(seen))
+        if found:
+            code = int(found[1])
+            return OSError(code, f"{os.strerror(code)}: {where} ({type(exc).__name__}: {exc})")
+        seen = seen.__cause__ or seen.__context__
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        return None
+    if free < NEARLY_FULL:
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free): {where} "
+                                     f"({type(exc).__name__}: {exc})")
+    return None
 
 
 def _write_torch(path: Path, obj: object) -> None:
@@ -103,10 +135,14 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             self._fill(tmp, step, model, drafter_config, optim, trainer_state)
-        except Exception:
-            # A full disk: free what this attempt wrote. A kill leaves it, like SIGKILL would;
-            # the next save of that step clears it first.
+        except Exception as exc:
+            # A full disk: free what this attempt wrote, and say so as an OSError whatever the
+            # library raised (a periodic checkpoint is then retried at the next). A kill leaves it,
+            # like SIGKILL would; the next start removes it (remove_stale).
+            disk = disk_error(exc, tmp)  # before the space is freed
             shutil.rmtree(tmp, ignore_errors=True)
+            if disk is not None and disk is not exc:
+                raise disk from exc
             raise
         if final.exists():
             self._discard(final)

@@ -150,3 +150,43 @@ def test_sigterm_checkpoints_and_stops(tmp_path):
     assert st["state"] == "stopped" and st["last_checkpoint"] == f"checkpoints/step_{st['step']}"
     assert events(run, "stop")[-1]["reason"] == "signal"
     assert "step 1/100000" in (run / "train.log").read_text()
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch
+from trainer.run import checkpoint as ckpt
+
+def killed(path, obj):  # SIGKILL while the optimizer file is written: the weights are already in the tmp dir
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ckpt._write_torch = killed
+ckpt.CheckpointManager(sys.argv[1], keep=3).save(3, {"w": torch.ones(1000)}, {}, {"optimizer": {}}, {})
+"""
+
+
+def test_a_start_removes_the_temp_dirs_of_killed_checkpoint_writes_and_nothing_else(tmp_path):
+    run = tmp_path / "run"
+    root = Path(trainer.__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(run)], cwd=root)
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = run / "checkpoints"
+    [leftover] = [p for p in checkpoints.iterdir()]
+    assert leftover.name.startswith(".tmp-step_3-") and leftover.name.rsplit("-", 1)[1].isdigit()
+    assert (leftover / ckpt.MODEL_FILE).stat().st_size > 4000
+    (checkpoints / f".trash-step_1-{leftover.name.rsplit('-', 1)[1]}").mkdir()  # a discard killed midway
+    (checkpoints / f".tmp-step_2-{os.getpid()}").mkdir()  # this process's pid: no save of this process began
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.05)
+        (checkpoints / f".tmp-step_4-{live.pid}").mkdir()  # a live writer's (written after it started)
+        kept = [f".tmp-step_4-{live.pid}", ".tmp-notes", ".tmp-step_x-1", "mine.txt"]
+        (checkpoints / ".tmp-notes").mkdir()
+        (checkpoints / ".tmp-step_x-1").mkdir()
+        (checkpoints / "mine.txt").write_text("the user's")
+        assert train(config(steps=2, every=0, fit=0), run) == 0
+        assert sorted(p.name for p in checkpoints.iterdir()) == sorted([*kept, "step_2"])
+    finally:
+        live.kill()
+        live.wait()
+    log = (run / "train.log").read_text()
+    assert f"removed checkpoints/{leftover.name}: a checkpoint write its process did not finish" in log

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.run.contract import fsync_dir, fsync_file, sha256_file, write_file_synced
+from trainer.run.contract import fsync_dir, fsync_file, process_start_ticks, sha256_file, write_file_synced
 
 MODEL_FILE = "drafter.safetensors"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
@@ -33,7 +33,22 @@ class CheckpointError(RuntimeError):
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer quotes the errno
+IN_PROGRESS = re.compile(r"^\.(?:tmp|trash)-step_\d+-(?P<pid>\d+)$")  # what save and _discard name theirs
 NEARLY_FULL = 16 * 2**20  # bytes free below which a failed write is taken for a full disk
+
+
+def _writer_gone(pid: int, path: Path) -> bool:
+    if pid == os.getpid():
+        return True
+    ticks = process_start_ticks(pid)
+    if ticks is None:
+        return True
+    try:  # a live pid of a process started after the directory was last written: the pid was reused
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK") > path.stat().st_mtime + 1
+    except (OSError, StopIteration, ValueError):
+        return False
 
 
 def disk_error(exc: BaseException, where: Path) -> OSError | None:
@@ -87,6 +102,22 @@ class CheckpointManager:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.best: dict | None = self._read_best()  # never pruned while it is the best
+
+    def remove_stale(self) -> list[str]:
+        """Remove the in-progress directories of writers that are gone (a kill or a crash during a
+        save leaves `.tmp-step_N-PID`, a whole checkpoint's size): only names this class gives, and
+        only when PID is this process (which has not begun a save) or is no longer the process that
+        wrote there. Returns the names removed."""
+        removed = []
+        for p in sorted(self.dir.iterdir()):
+            found = IN_PROGRESS.match(p.name)
+            if found is None or not p.is_dir() or p.is_symlink():
+                continue
+            if not _writer_gone(int(found["pid"]), p):
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        return removed
 
     def _read_best(self) -> dict | None:
         try:

@@ -148,6 +148,9 @@ class Trainer:
     def setup(self, resume: str | None) -> tuple[Components, Pipeline]:
         cfg = self.cfg
         self.hosts.join()
+        if self.hosts.is_writer:
+            for name in self.checkpoints.remove_stale():
+                self.rd.log(f"removed checkpoints/{name}: a checkpoint write its process did not finish")
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         write_atomic(self.run_dir / "config.yaml", dump_config(cfg).encode())

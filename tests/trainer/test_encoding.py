@@ -106,3 +106,49 @@ def test_a_run_with_a_bad_conversation_fails_in_one_line_with_workers(qwen3_mode
                              "render its content" and two["traceback"] is None
     failed = [line for line in log.splitlines() if "FAILED" in line]
     assert len(failed) == 1 and "data error: " in failed[0]
+
+
+ENCODES_A_LONG_TIME = """
+from trainer.data import encoding
+from trainer.data.synth import synthetic_conversations, synthetic_words
+from trainer.data.tokenizer import synthetic_tokenizer
+
+encoding.encode_all(synthetic_tokenizer(synthetic_words()), synthetic_conversations(100000, 0, 4, 40), 32, None,
+                    processes=2)
+"""
+
+
+@pytest.mark.slow
+def test_the_workers_die_with_a_trainer_that_is_killed(tmp_path):
+    """SIGKILL (an OOM kill, `run stop --kill`) of the process whose workers tokenise: they used to
+    wait on the pool's pipes forever, holding memory and CPUs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.procs import alive, session_members
+
+    root = Path(encoding.__file__).resolve().parents[2]
+    parent = subprocess.Popen([sys.executable, "-c", ENCODES_A_LONG_TIME], cwd=root, start_new_session=True,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            workers = [p for p in session_members(parent.pid) if p != parent.pid
+                       and b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 2, f"the two workers never started (trainer exit {parent.poll()})"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if alive(w)], "workers outlived their trainer"
+    finally:
+        for pid in session_members(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()

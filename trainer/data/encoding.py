@@ -14,6 +14,11 @@ A spawned worker loads the tokenizer from a temporary directory the trainer save
 (save_pretrained: tokenizer.json, settings, chat template), not from a pickle: nothing in the
 trainer unpickles (tests/trainer/test_export_destination.py). Starting one costs about a second
 (importing transformers), which is why small data stays in one process.
+
+A worker dies with the trainer, however the trainer ends (SIGKILL, an OOM kill included): the pool's
+queues are pipes every worker holds both ends of, so a worker whose parent is gone would wait on them
+forever. Each asks the kernel for SIGKILL when its parent goes (PR_SET_PDEATHSIG) and, where that is
+not available or came too late, watches its parent pid.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -76,7 +83,8 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
     with tempfile.TemporaryDirectory(prefix="dflash-tokenizer-") as saved:
         tokenizer.save_pretrained(saved)
         with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_start_worker, initargs=(saved, max_length, template_kwargs)) as pool:
+                                 initializer=_start_worker,
+                                 initargs=(saved, max_length, template_kwargs, os.getpid())) as pool:
             try:
                 for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                     out.extend(part)
@@ -91,8 +99,35 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
 _worker: tuple[Any, int, dict | None] | None = None  # a worker's (tokenizer, max_length, template kwargs)
 
 
-def _start_worker(saved: str, max_length: int, template_kwargs: dict | None) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 1.0
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when `parent` (the pid that started it) ends: SIGKILL from the kernel on
+    Linux, and a thread that watches the parent pid everywhere (the kernel's signal follows the
+    thread that started the process; a parent gone before this call is caught here too)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:  # reparented: the trainer is gone
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int) -> None:
     """The worker's tokenizer, from the directory the trainer saved it to."""
+    die_with_parent(parent)
     from transformers import AutoTokenizer
 
     global _worker

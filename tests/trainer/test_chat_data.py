@@ -180,3 +180,69 @@ def test_openai_tool_call_turns_with_null_content_load_with_qwen3(qwen3_model_di
     runs = loss_runs(tok, ids, mask)
     assert runs == ['<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
                     "<think>\n\n</think>\n\nIt is sunny.<|im_end|>"]
+
+
+REFUSES_LONG_TURNS = """{%- for m in messages %}
+<|im_start|>{{ m.role }}
+{%- if m.content | length > 40 %}
+{{- raise_exception('a turn longer than 40 characters: ' + m.role) }}
+{%- endif %}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def _with_template(model_dir, out, template: str, as_file: bool):
+    """model_dir with its chat template replaced: in chat_template.jinja (transformers 5's layout)
+    or inside tokenizer_config.json (the hub's older one)."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer_config.json":
+            (out / f.name).symlink_to(f)
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    if as_file:
+        settings.pop("chat_template", None)
+        (out / "chat_template.jinja").write_text(template)
+    else:
+        settings["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
+    return out
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_a_chat_template_that_raises_names_the_template_line_and_the_conversation(qwen3_model_dir, tmp_path,
+                                                                                   capsys, as_file):
+    """raise_exception in the template (or any error it meets) used to abort the load with a
+    traceback: now one line, the data's file:line, then the template's file:line."""
+    from trainer.__main__ import main
+    from trainer.data import encoding
+
+    model = _with_template(qwen3_model_dir, tmp_path / "model", REFUSES_LONG_TURNS, as_file)
+    rows = [{"prompt": "short?", "response": "yes"}] * 3 + [{"prompt": "short?", "response": "word " * 20}]
+    data = _write(tmp_path / "pairs.jsonl", rows)
+    where = f"{model}/chat_template.jinja:4" if as_file else f"{model}/tokenizer_config.json chat_template line 4"
+    expected = (f"{data}:4: {where}: the chat template failed: TemplateError: a turn longer than 40 characters: "
+                "assistant")
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    conversations = list(read_conversations(data))
+    for processes in (1, 2):  # a worker names the model directory's template, not its temporary copy
+        with pytest.raises(DataError) as err:
+            encoding.encode_all(tok, conversations, 64, None, processes=processes)
+        assert str(err.value) == expected
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{target: {{path: {model}}}}}\n"
+                      f"data: {{train_path: {data}, max_length: 64, token_budget: 64, bucket_edges: [64]}}\n")
+    assert main(["data-report", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == f"data-report: {expected}\n"
+
+
+def test_a_template_syntax_error_names_its_line(tmp_path):
+    from trainer.data.chat import encode_conversation
+    from trainer.data.synth import synthetic_words
+    from trainer.data.tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(synthetic_words())
+    tok.chat_template = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
+    with pytest.raises(DataError, match=r"^the chat template line 2: the chat template failed: TemplateSyntaxError: "):
+        encode_conversation(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], 16)

@@ -200,7 +200,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
     kwargs = dict(template_kwargs or {})
 
     def render(msgs: list[dict], gen: bool = False) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kwargs)
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever the template raises (jinja2's errors, TypeError, ...)
+            raise DataError(template_failure(tokenizer, exc)) from None
 
     text = render(messages)
     spans: list[tuple[int, int]] = []
@@ -219,6 +222,47 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
             # <tool_call>), so mark the end of the last call's name instead, which they print as is.
             spans.append(_turn_span(render, messages, i, _marked_tool_call(m), text, start, previous))
     return text, spans
+
+
+TEMPLATE_SOURCE = "_dflash_template_source"  # a tokenizer's attribute: where its chat template was read from
+
+
+def template_source(tokenizer: Any) -> str:
+    """Where the tokenizer's chat template is written: its model directory's chat_template.jinja
+    or tokenizer_config.json, or what TEMPLATE_SOURCE says (a worker's tokenizer, saved to a
+    temporary directory)."""
+    given = getattr(tokenizer, TEMPLATE_SOURCE, None)
+    if given:
+        return str(given)
+    directory = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if str(directory) not in ("", ".") and directory.is_dir():
+        if (directory / "chat_template.jinja").is_file():
+            return str(directory / "chat_template.jinja")
+        if (directory / "tokenizer_config.json").is_file():
+            return f"{directory / 'tokenizer_config.json'} chat_template"
+    return "the chat template"
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line an error was raised at: a syntax error's own, else the last frame jinja2
+    maps to the template (filename "<template>") in the traceback."""
+    line = getattr(exc, "lineno", None)
+    if isinstance(line, int):
+        return line
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def template_failure(tokenizer: Any, exc: BaseException) -> str:
+    """One line: where in the chat template rendering failed, and what it said."""
+    source, line = template_source(tokenizer), _template_line(exc)
+    where = source if line is None else (f"{source}:{line}" if source.endswith(".jinja") else f"{source} line {line}")
+    message = " ".join(str(exc).split()) or "(no message)"
+    return f"{where}: the chat template failed: {type(exc).__name__}: {message}"
 
 
 def _marked_content(m: dict) -> dict:

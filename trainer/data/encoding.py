@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from trainer.data.chat import DataError, encode_conversation
+from trainer.data.chat import TEMPLATE_SOURCE, DataError, encode_conversation, template_source
 
 PARALLEL_FROM = 2000  # conversations; fewer are encoded in this process (workers cost ~1 s to start)
 AUTO_MAX = 16  # data.workers auto: at most this many processes
@@ -84,7 +84,8 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
         tokenizer.save_pretrained(saved)
         with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_start_worker,
-                                 initargs=(saved, max_length, template_kwargs, os.getpid())) as pool:
+                                 initargs=(saved, max_length, template_kwargs, os.getpid(),
+                                           template_source(tokenizer))) as pool:
             try:
                 for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                     out.extend(part)
@@ -125,14 +126,17 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int) -> None:
-    """The worker's tokenizer, from the directory the trainer saved it to."""
+def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int, source: str) -> None:
+    """The worker's tokenizer, from the directory the trainer saved it to (its chat template's
+    errors name where the trainer read it: `source`)."""
     die_with_parent(parent)
     from transformers import AutoTokenizer
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
-    _worker = (AutoTokenizer.from_pretrained(saved, local_files_only=True), max_length, template_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    setattr(tokenizer, TEMPLATE_SOURCE, source)
+    _worker = (tokenizer, max_length, template_kwargs)
 
 
 def _encode_chunk(conversations: list[dict]) -> list[Encoded]:

@@ -17,7 +17,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def _train(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Train a DFlash drafter.")
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Train a DFlash drafter.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="other commands (each takes --help):\n" + "\n".join(
+                                    f"  python -m trainer {name:<12} {summary}" for name, summary in SUMMARIES.items()))
     p.add_argument("--config", required=True, help="trainer YAML config")
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
     p.add_argument("--resume", default=None, help="'latest' or a checkpoint step number")
@@ -143,6 +146,15 @@ def _plan(argv: list[str]) -> int:
         return 2
     print(format_plan(plan))
     return 0 if plan.fits else 1
+
+
+SUMMARIES = {  # what `python -m trainer --help` lists beside training
+    "plan": "bytes per target stage, drafter replica and GPU, from the config (no weights read)",
+    "data-report": "count, measure and mask the configured chat data (loads the tokenizer only)",
+    "export": "export a checkpoint as a DFlash draft an engine serves",
+    "synth": "write synthetic conversations (JSONL)",
+    "launch": "one rank of a run across hosts (torchrun; dflash-ops starts it)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,7 +216,13 @@ def memory_plan_check(i: Inputs) -> Check | None:
         return None
     needed = "each device's share within its memory"
     try:
+        from trainer.models.target_loading import SplitError
+    except ImportError:
+        return None
+    try:
         plan = build_plan(cfg, model.get("config"), {d["index"]: d["total"] for d in devices})
+    except SplitError as e:  # the loader's own refusal: training would stop on it
+        return Check("GPU memory plan", FAIL, str(e), needed, "python -m trainer plan --config C says more")
     except (ValueError, KeyError, OSError) as e:
         return Check("GPU memory plan", WARN, f"not sized: {e}", needed, "python -m trainer plan --config C says more")
     measured = "; ".join(f"{d.device} {gib(d.total)}" + (f" of {gib(d.budget)}" if d.budget else "")
@@ -224,8 +230,11 @@ def memory_plan_check(i: Inputs) -> Check | None:
     refusal = plan.refusal()
     if refusal is None:
         return Check("GPU memory plan", OK, measured, needed)
-    fix = (f"split the target: devices: {plan.suggestion}" if plan.suggestion
-           else "split the target over more GPUs (devices.target: [[cuda:0, cuda:1, ...]]) or shorten the micro-batch")
+    if plan.missing is not None:
+        fix = "name only the container's GPUs in devices:" + (f" e.g. {plan.suggestion}" if plan.suggestion else "")
+    else:
+        fix = (f"split the target: devices: {plan.suggestion}" if plan.suggestion
+               else "split the target over more GPUs (devices.target: [[cuda:0, cuda:1, ...]]) or shorten the micro-batch")
     return Check("GPU memory plan", FAIL, refusal, needed, fix)
 
 

@@ -329,3 +329,8 @@ def test_the_memory_plan_check_refuses_a_70b_target_with_its_drafter_on_one_h200
     assert "more than its 140.00 GiB budget" in beside.measured
     split = check("{target: [[cuda:0, cuda:1]], drafter: [cuda:1]}")
     assert split.status == OK and "cuda:0" in split.measured and "of 140.0 GiB" in split.measured
+    # what training refuses, the doctor refuses: a GPU the container lacks, a split that does not sum
+    lacks = check("{target: [[cuda:0, cuda:1]], drafter: [cuda:2]}")
+    assert lacks.status == FAIL and lacks.measured == "devices.drafter names cuda:2, but this host has 2 GPUs (cuda:0..cuda:1)"
+    uneven = check("{target: [[cuda:0, cuda:1]], target_split: [10, 10], drafter: [cuda:1]}")
+    assert uneven.status == FAIL and "devices.target_split: [10, 10] sums to 20 layers; training runs" in uneven.measured

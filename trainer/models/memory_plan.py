@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.run.config import TrainerConfig, target_replicas
+from trainer.run.config import TrainerConfig, missing_devices, target_replicas
 
 GIB = 2**30
 
@@ -52,13 +52,17 @@ class MemoryPlan:
     notes: list[str]
     gpus: int = 0  # GPUs this host has (0: none visible)
     suggestion: str | None = None  # a devices: section for them with the smallest split
+    missing: str | None = None  # a device the config names that the host lacks (trainer.run.config.missing_devices)
 
     @property
     def fits(self) -> bool:
-        return all(d.shortfall == 0 for d in self.devices)
+        return self.missing is None and all(d.shortfall == 0 for d in self.devices)
 
     def refusal(self) -> str | None:
-        """One line naming the first device that does not fit and by how much, else None."""
+        """One line naming a device the host lacks, or the first device that does not fit and by how
+        much, else None."""
+        if self.missing is not None:
+            return self.missing
         for d in self.devices:
             if d.shortfall:
                 hint = (f"; a split in {self.smallest_split} stages fits (devices.target: [[...{self.smallest_split} "
@@ -106,25 +110,25 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
         notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
         return meta_model(config, dtype), notes
     if t.path is not None:
-        from pathlib import Path
-
         from transformers import AutoConfig
 
-        if not (Path(t.path) / "config.json").is_file():
-            raise ValueError(f"model.target.path: {t.path}/config.json not found (the plan reads the model's "
-                             "config.json and its safetensors index)")
+        from trainer.run.family import check_model_dir
+
+        check_model_dir(t.path, weights=False)  # what training checks first: the directory, its config.json
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         model = meta_model(config, dtype)
         text_config: Any = model.config  # a vision-language checkpoint's text part (Qwen3.5)
         try:
-            reader = ShardReader(t.path)
-            missing = [i for i in range(text_config.num_hidden_layers)
-                       if not any(k.startswith(f"model.layers.{i}.") for k in [*reader.weight_map, *reader.aliases])]
-            if missing:
-                notes.append(f"the shards lack layers {missing[0]}..{missing[-1]} (training does not need them "
-                             "if they are above the last tapped layer; τ is then not measured)")
-        except OSError as exc:
-            notes.append(f"no safetensors index read ({exc})")
+            check_model_dir(t.path)
+        except ValueError as exc:  # config.json alone plans a model not downloaded yet
+            notes.append(f"no weights read ({exc}; training needs them)")
+            return model, notes
+        reader = ShardReader(t.path)  # the index as the loader reads it (ModelDirError when it cannot)
+        missing = [i for i in range(text_config.num_hidden_layers)
+                   if not any(k.startswith(f"model.layers.{i}.") for k in [*reader.weight_map, *reader.aliases])]
+        if missing:
+            notes.append(f"the shards lack layers {missing[0]}..{missing[-1]} (training does not need them "
+                         "if they are above the last tapped layer; τ is then not measured)")
         return model, notes
     from transformers import Qwen3Config
 
@@ -151,15 +155,15 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
     from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
     from trainer.models.drafter import DFlashDrafter, DrafterConfig
-    from trainer.models.target import default_target_layer_ids
-    from trainer.models.target_loading import layer_bytes, module_bytes, partition
+    from trainer.models.target import tapped_layer_ids
+    from trainer.models.target_loading import layer_bytes, module_bytes, partition, stage_plan
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
     elt = torch.finfo(dtype).bits // 8
     target, notes = _meta_target(cfg, dtype, model_config)
     config = target.config
     n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
-    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
+    layer_ids = tapped_layer_ids(cfg.model.target_layer_ids, cfg.model.num_target_layers, n_layers)
     run = max(layer_ids) + 1
     per_layer = layer_bytes(target)
     base = getattr(target, target.base_model_prefix)
@@ -192,6 +196,8 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
             return list(cfg.devices.target_split)
         return partition(per_layer[:run], stages, embed)
 
+    for replica in replicas:  # the loader's own split check (SplitError): what training would refuse
+        stage_plan(target, layer_ids, replica, cfg.devices.target_split)
     stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
                                      cfg.model.mask_token_id or 0, layer_ids)
@@ -230,8 +236,12 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
             smallest = n
             break
     gpus = len(gpu_bytes) if gpu_bytes is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # the host's GPUs are known when given (--gpus, the doctor's measurement) or visible here; a plan
+    # made on a machine without CUDA for another host judges only the budgets
+    known = gpu_bytes is not None or torch.cuda.is_available()
     return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes, gpus,
-                      suggest_devices(gpus, smallest) if gpus and smallest else None)
+                      suggest_devices(gpus, smallest) if gpus and smallest else None,
+                      missing_devices(cfg.devices, gpus) if known else None)
 
 
 def suggest_devices(gpus: int, stages: int) -> str | None:
@@ -266,6 +276,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f" (less {size(d.reserve)} kept for the CUDA context and fragmentation)" if d.reserve else "")
         verdict = "fits" if not d.shortfall else f"SHORT by {size(d.shortfall)}"
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
+    if plan.missing:
+        lines.append(f"MISSING: {plan.missing}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
     if plan.suggestion:

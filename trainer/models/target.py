@@ -39,6 +39,16 @@ def default_target_layer_ids(num_layers: int, count: int) -> list[int]:
     return [int(round(start + (end - start) * i / (count - 1))) for i in range(count)]
 
 
+def tapped_layer_ids(configured: list[int] | None, count: int, layers: int) -> list[int]:
+    """model.target_layer_ids (configured), else `count` spaced from 1 to layers-3; each must be a
+    layer of the target (training and `python -m trainer plan` both ask here)."""
+    layer_ids = configured or default_target_layer_ids(layers, count)
+    for i in layer_ids:
+        if not 0 <= i < layers:
+            raise ValueError(f"model.target_layer_ids: {i} is not a layer of the {layers}-layer target")
+    return layer_ids
+
+
 def tiny_target(cfg: TinyTargetConfig, vocab_size: int, device: str = "cpu") -> Qwen3ForCausalLM:
     """A small random-weight Qwen3ForCausalLM of the real architecture, built in code."""
     config = Qwen3Config(

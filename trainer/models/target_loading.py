@@ -26,16 +26,17 @@ import torch
 from trainer.models import quantized
 from trainer.models.hf import base_model, input_embeddings, output_embeddings
 from trainer.models.stages import StagePlan
+from trainer.run.family import ModelDirError, check_model_dir
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
-class MissingWeights(ValueError):
+class MissingWeights(ModelDirError):
     """The model directory lacks tensors a stage needs."""
 
 
-class NonFiniteWeights(ValueError):
+class NonFiniteWeights(ModelDirError):
     """A tensor read from the model directory (or what a quantized one decodes to) holds NaN or inf:
     a broken or badly converted checkpoint, refused at load instead of training on NaN features."""
 
@@ -63,13 +64,18 @@ class ShardReader:
         self.path = Path(path)
         index = self.path / SAFETENSORS_INDEX
         if index.exists():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self.weight_map: dict[str, str] = _weight_map(index)
         else:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
             single = self.path / "model.safetensors"
-            with safe_open(str(single), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), single.name)
+            if not single.is_file():
+                raise MissingWeights(f"{self.path}: has no weights ({SAFETENSORS_INDEX} or {single.name})")
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    self.weight_map = dict.fromkeys(f.keys(), single.name)
+            except SafetensorError as exc:
+                raise ModelDirError(f"{single}: not a safetensors file ({exc})") from None
 
         # a vision-language checkpoint (Qwen3.5) holds its text model under model.language_model.
         self.aliases = {k.replace("model.language_model.", "model.", 1): k for k in self.weight_map
@@ -78,8 +84,12 @@ class ShardReader:
             quantization = json.loads((self.path / "config.json").read_text()).get("quantization_config") or {}
         except (OSError, ValueError):
             quantization = {}
-        block = quantization.get("weight_block_size")
-        self.fp8_block: tuple[int, int] | None = (int(block[0]), int(block[1])) if block else None
+        block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+        if block is not None and not (isinstance(block, list) and len(block) == 2
+                                      and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+            raise ModelDirError(f"{self.path}/config.json: quantization_config.weight_block_size must be two positive "
+                                f"integers (rows, columns of a scale's tile), got {block!r}")
+        self.fp8_block: tuple[int, int] | None = (block[0], block[1]) if block else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map or name in self.aliases
@@ -120,10 +130,27 @@ class ShardReader:
         out: dict[str, torch.Tensor] = {}
         target = "cpu" if device.type == "cpu" else str(device)
         for file, keys in by_file.items():
+            if not (self.path / file).is_file():
+                raise MissingWeights(f"{self.path}: shard {file} (of tensor {keys[0][1]}, in {SAFETENSORS_INDEX}) "
+                                     "is not in the directory")
             with safe_open(str(self.path / file), framework="pt", device=target) as f:
                 for key, stored in keys:
                     out[key] = f.get_tensor(stored)
         return out
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file), checked: one line naming
+    what is wrong instead of a KeyError."""
+    try:
+        doc = json.loads(index.read_text())
+    except ValueError as exc:
+        raise ModelDirError(f"{index}: not JSON ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ModelDirError(f"{index}: has no weight_map (an object of tensor name -> shard file)")
+    return weight_map
 
 
 def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
@@ -170,6 +197,11 @@ def _module_tensors(reader: ShardReader, prefix: str, module: torch.nn.Module, d
             check_finite(reader.path, name, tensors[key], decoded_from=packed[1])
         else:
             tensors[key] = _stacked_experts(reader, m["prefix"], m["kind"], device, dtype)
+    expected = module.state_dict()
+    for key, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise ModelDirError(f"{reader.path}: tensor {prefix + key} has shape {tuple(tensor.shape)}, but its "
+                                f"config.json makes it {tuple(expected[key].shape)}")
     return tensors
 
 
@@ -215,6 +247,7 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
 
     from trainer.run.family import read_family
 
+    check_model_dir(path)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     refusal = read_family(config.to_dict()).quantization_refusal
     if refusal:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -335,11 +337,25 @@ def _section_where(raw: Any, source: str, *keys: str) -> str:
     return _where(source, mapping, keys[-1])
 
 
+def _non_finite(obj: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], float]]:
+    """(keys, value) of every NaN or infinite number in a config section, nested sections and lists included."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _non_finite(getattr(obj, f.name), (*keys, f.name))
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        yield keys, obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _non_finite(v, keys)
+
+
 def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     def check(ok: bool, keys: tuple[str, ...], message: str) -> None:
         if not ok:
             raise ConfigError(f"{_section_where(raw, source, *keys)}: {'.'.join(keys)} {message}")
 
+    for keys, value in _non_finite(c):  # .inf / .nan parse as floats: every range below would take them
+        check(False, keys, f"must be a finite number, got {value}")
     t = c.model.target
     chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
     check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
@@ -451,3 +467,18 @@ def default_gamma(block_size: int) -> float:
 def target_replicas(devices: DevicesConfig) -> list[list[str]]:
     """devices.target as one list of stage devices per replica (a plain device is one stage)."""
     return [[r] if isinstance(r, str) else list(r) for r in devices.target]
+
+
+def missing_devices(devices: DevicesConfig, gpus: int) -> str | None:
+    """One line naming the first CUDA device the config lists that a host with `gpus` GPUs lacks,
+    else None (training refuses it before loading anything; `python -m trainer plan` and the
+    doctor judge the plan by it)."""
+    have = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''} (cuda:0..cuda:{gpus - 1})"
+    for role, listed in (("target", [d for r in target_replicas(devices) for d in r]), ("drafter", devices.drafter)):
+        for d in listed:
+            if not d.startswith("cuda"):
+                continue
+            index = d.split(":", 1)[1] if ":" in d else "0"
+            if not index.isdigit() or int(index) >= gpus:
+                return f"devices.{role} names {d}, but this host has {have}"
+    return None

@@ -197,3 +197,38 @@ def family_of_dir(path: str | Path) -> Family | None:
         return read_family(json.loads((Path(path) / "config.json").read_text()))
     except (OSError, ValueError, KeyError):
         return None
+
+
+class ModelDirError(ValueError):
+    """A model directory that cannot be what model.target.path names: one line saying what is wrong."""
+
+
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+def check_model_dir(path: str | Path, weights: bool = True) -> dict:
+    """A model directory's config.json, read; ModelDirError (one line) when the directory is missing,
+    has no readable config.json or (weights) no safetensors weights. Training, `plan` and
+    `data-report` call it before transformers does (whose errors for a missing directory read as
+    a hub repository name: "Repo id must be in the form ...")."""
+    p = Path(path)
+    where = f"model.target.path: {p}"
+    if not p.exists():
+        raise ModelDirError(f"{where}: no such directory (a Hugging Face model directory on this machine)")
+    if not p.is_dir():
+        raise ModelDirError(f"{where}: not a directory")
+    config = p / "config.json"
+    if not config.is_file():
+        raise ModelDirError(f"{where}: has no config.json (a Hugging Face model directory holds config.json, "
+                            "the tokenizer's files and safetensors weights)")
+    try:
+        doc = json.loads(config.read_text())
+    except OSError as exc:
+        raise ModelDirError(f"{config}: cannot read: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ModelDirError(f"{config}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(text_config(doc).get("num_hidden_layers"), int):
+        raise ModelDirError(f"{config}: not a causal LM's config (no num_hidden_layers)")
+    if weights and not any((p / name).is_file() for name in WEIGHT_FILES):
+        raise ModelDirError(f"{where}: has no weights ({' or '.join(WEIGHT_FILES)})")
+    return doc

@@ -21,11 +21,11 @@ from trainer.models.masks import resolve_backend
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
-    default_target_layer_ids,
     fit_tiny_target,
     freeze,
     num_layers,
     random_8b_shape_target,
+    tapped_layer_ids,
     target_family,
     tiny_target,
 )
@@ -60,6 +60,9 @@ def build_tokenizer(cfg: TrainerConfig) -> Any:
     if cfg.model.target.path is not None:
         from transformers import AutoTokenizer
 
+        from trainer.run.family import check_model_dir
+
+        check_model_dir(cfg.model.target.path, weights=False)  # one line where transformers reads a hub repo id
         return AutoTokenizer.from_pretrained(cfg.model.target.path, local_files_only=True)
     return synthetic_tokenizer(synthetic_words())
 
@@ -79,11 +82,7 @@ def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], l
 
 def target_layer_ids(cfg: TrainerConfig, layers: int) -> list[int]:
     """The tapped layers: configured, else spaced from 1 to layers-3; each must be a layer of the target."""
-    layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(layers, cfg.model.num_target_layers)
-    for i in layer_ids:
-        if not 0 <= i < layers:
-            raise ValueError(f"model.target_layer_ids: {i} is not a layer of the {layers}-layer target")
-    return layer_ids
+    return tapped_layer_ids(cfg.model.target_layer_ids, cfg.model.num_target_layers, layers)
 
 
 def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDataset, run_dir: Path,

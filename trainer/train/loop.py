@@ -35,11 +35,19 @@ from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
 from trainer.models.stages import plan_of
 from trainer.models.target import target_context_features
-from trainer.models.target_loading import MissingWeights, NonFiniteWeights, complete_for_decoding
+from trainer.models.target_loading import SplitError, complete_for_decoding
 from trainer.run import checkpoint as ckpt
-from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
+from trainer.run.config import (
+    ConfigError,
+    TrainerConfig,
+    dump_config,
+    missing_devices,
+    target_replicas,
+    template_kwargs,
+)
 from trainer.run.contract import write_atomic
 from trainer.run.control import ControlPoller, Request
+from trainer.run.family import ModelDirError
 from trainer.run.rundir import RunDir
 from trainer.run.stopping import PipelineFailed, StopSignal
 from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
@@ -110,11 +118,11 @@ def error_record(exc: BaseException) -> dict:
         return exc.record()
     if isinstance(exc, DataError):  # the user's data, not the code: one line, no traceback
         return {"message": f"data error: {exc}", "traceback": None, "thread": "main"}
-    if isinstance(exc, ConfigError):  # a config that does not fit what it names (model.drafter_init)
+    if isinstance(exc, (ConfigError, SplitError)):  # a config that does not fit what it names (drafter_init, a split)
         return {"message": f"config error: {exc}", "traceback": None, "thread": "main"}
     if isinstance(exc, LossNotFinite):  # the numbers, not the code: one line saying what to change
         return {"message": str(exc), "traceback": None, "thread": "main"}
-    if isinstance(exc, (MissingWeights, NonFiniteWeights)):  # the model directory, not the code: it names the tensor
+    if isinstance(exc, ModelDirError):  # the model directory, not the code: one line naming what is wrong
         return {"message": f"model error: {exc}", "traceback": None, "thread": "main"}
     from trainer.models.memory_plan import DoesNotFit
 
@@ -157,6 +165,9 @@ class Trainer:
         resumed_from = self.hosts.resolve_resume(self.checkpoints, resume) if resume else None
         from trainer.models.memory_plan import DoesNotFit, build_plan
 
+        missing = missing_devices(cfg.devices, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if missing is not None:  # what the plan says too (python -m trainer plan), before anything is loaded
+            raise DoesNotFit(f"{missing} (python -m trainer plan --config C)")
         refusal = build_plan(cfg).refusal()
         if refusal is not None:
             raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")

@@ -66,6 +66,7 @@ class TransferSummary:
     resumed: int = 0  # times a dropped connection was resumed within this call
     up_to_date: bool = False
     seconds: float = 0.0
+    direction: str = "push"  # "push" | "fetch": whether files_sent / bytes_sent went out or came in
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -74,7 +75,8 @@ class TransferSummary:
         if self.up_to_date:
             return f"{self.dest}: up to date ({self.files} files, {self.bytes_total / 1e6:.1f} MB, sha256 verified)"
         resumed = f", resumed {self.resumed}x after a dropped connection" if self.resumed else ""
-        return (f"{self.dest}: {self.files} files ({self.bytes_total / 1e6:.1f} MB), sent {self.files_sent} "
+        moved = "received" if self.direction == "fetch" else "sent"
+        return (f"{self.dest}: {self.files} files ({self.bytes_total / 1e6:.1f} MB), {moved} {self.files_sent} "
                 f"({self.bytes_sent / 1e6:.1f} MB) in {self.seconds:.1f}s, sha256 verified{resumed}")
 
 
@@ -211,7 +213,7 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
     for rel in files:
         tree_helper.check_rel(rel)
     summary = TransferSummary(src=src, dest=str(dest), kind=kind, files=len(files),
-                              bytes_total=sum(f["size"] for f in files.values()))
+                              bytes_total=sum(f["size"] for f in files.values()), direction="fetch")
     present_kind, present = tree_helper.existing_files(str(dest))
     same_kind = present_kind == kind
     cached = record.get("files", {})

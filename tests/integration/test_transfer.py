@@ -286,6 +286,8 @@ def test_cli_push_and_fetch(tmp_path):
     fetched = runner.invoke(app, ["fetch", "--inventory", str(inventory), "host200", f"{data}/tree", str(tmp_path / "back")])
     assert fetched.exit_code == 0, fetched.output
     assert tree_of(tmp_path / "back") == tree_of(src)
+    assert "received 2 (" in fetched.stdout and "sent" not in fetched.stdout  # it said "sent" for what it received
+    assert "sent 2 (" in pushed.stdout
     bad = runner.invoke(app, ["push", "--inventory", str(inventory), "host200", str(src), "data/tree"])
     assert bad.exit_code == 1
     assert bad.output.strip() == "dflash-ops: error: container path must be absolute: 'data/tree'"

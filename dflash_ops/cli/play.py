@@ -49,10 +49,13 @@ def play(
             with lock:
                 typer.echo(f"{name}: {text}")
 
-        backend = container.target.node.kind.backend(container.target.ctid)
-        if backend:  # a simulated node's container: say what it is (docs/simulated-node.md)
-            say(f"CT {container.target.ctid} on simulated node {container.target.node.name!r}: "
-                + ("a real LXC container" if backend == "lxc" else "a directory container (no LXC here)"))
+        kind, ctid = container.target.node.kind, container.target.ctid
+        backend = kind.backend(ctid)
+        if backend:  # a simulated node's container: say what it is, and why (docs/simulated-node.md)
+            why = kind.backend_reason(ctid)
+            say(f"CT {ctid} on simulated node {container.target.node.name!r}: "
+                + ("a real LXC container" if backend == "lxc" else "a directory container")
+                + (f" ({why})" if why else ""))
         return run_playbook(book, container, say=say, contexts=contexts,
                             open_target=lambda other: open_container(inv, other))
 

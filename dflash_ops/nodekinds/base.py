@@ -37,6 +37,10 @@ class NodeKind:
         """What runs the target's container, for `dflash-ops hosts` ("" when it is the node's own business)."""
         return ""
 
+    def backend_reason(self, ctid: int) -> str:
+        """Why `backend` is what it is, in a few words ("" when there is nothing to say)."""
+        return ""
+
     def identity(self) -> str:
         """What tells two nodes of this kind apart besides address/port/user (doctor's verdict key)."""
         return ""

@@ -33,6 +33,21 @@ def pick_backend(choice: str = "auto") -> str:
     return "lxc" if rootfs.unavailable_reason() is None else "directory"
 
 
+def backend_reason(sim_root: str | Path, ctid: int | str, choice: str = "auto") -> str:
+    """Why a container runs (or will run) on its backend, in a few words: what forced it (the
+    inventory's sim_backend, $DFLASH_OPS_SIM_BACKEND), its creation, or what this machine lacks."""
+    recorded = recorded_backend(sim_root, ctid)
+    if recorded is not None:
+        lxc_now = rootfs.unavailable_reason() is None
+        return f"created as one{'; LXC is available here' if recorded == 'directory' and lxc_now else ''}"
+    if choice in BACKENDS:
+        return f"the inventory's sim_backend: {choice}"
+    if os.environ.get(BACKEND_ENV) in BACKENDS:
+        return f"${BACKEND_ENV}={os.environ[BACKEND_ENV]}"
+    missing = rootfs.unavailable_reason()
+    return "LXC is available here" if missing is None else f"no LXC here: {missing}"
+
+
 def recorded_backend(sim_root: str | Path, ctid: int | str) -> str | None:
     """The backend a created container runs on (None: not created)."""
     node = SimNode(Path(sim_root))

@@ -49,6 +49,9 @@ class SimulatedNode(NodeKind):
     def backend(self, ctid: int) -> str:
         return simct.recorded_backend(self.root, ctid) or simct.pick_backend(self.backend_choice)
 
+    def backend_reason(self, ctid: int) -> str:
+        return simct.backend_reason(self.root, ctid, self.backend_choice)
+
     def target_defaults(self, ctid: int) -> dict[str, str]:
         return simct.target_defaults(self.root, ctid, self.backend(ctid))
 

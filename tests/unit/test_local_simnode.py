@@ -203,3 +203,17 @@ def test_a_listed_container_found_stopped_with_its_venv_gone_is_mended_and_start
     assert "simulated node: CT 200 was stopped (this machine restarted, or `pct stop`): started" in said
     open_container(inventory, "host200")
     assert "simulated node" not in capsys.readouterr().err  # nothing more to mend
+
+
+def test_a_directory_container_says_why_it_is_one(tmp_path, monkeypatch):
+    """A node forced to directories said "(no LXC here)" although LXC was there: the reason is what forced it."""
+    from dflash_ops.simnode import containers as simct
+    from dflash_ops.simnode import rootfs
+
+    monkeypatch.setenv(simct.BACKEND_ENV, "directory")
+    assert simct.backend_reason(tmp_path, 200) == "$DFLASH_OPS_SIM_BACKEND=directory"
+    assert simct.backend_reason(tmp_path, 200, "directory") == "the inventory's sim_backend: directory"
+    monkeypatch.delenv(simct.BACKEND_ENV)
+    missing = rootfs.unavailable_reason()
+    assert simct.backend_reason(tmp_path, 200) == ("LXC is available here" if missing is None
+                                                   else f"no LXC here: {missing}")

@@ -73,24 +73,50 @@ def say(log: str, text: str) -> None:
         sys.stderr.flush()
 
 
+class Terminated(Exception):
+    """The supervisor got SIGTERM (SIGHUP and SIGINT stay as nohup and the shell left them: ignored)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
 def cmd_supervise(args: argparse.Namespace) -> int:
     """The trainer's parent for a run with --restart (see the module docstring). Any of its own
     writes that fails (a full disk: OSError, whatever the errno) ends supervision with the reason
-    said, after the trainer it started has ended; no attempt is started whose record failed."""
+    said, after the trainer it started has ended; no attempt is started whose record failed. A
+    terminating signal ends supervision too, said and recorded (`run status`: no longer supervised,
+    terminated by SIGTERM); the trainer is left to its own signals (a container's shutdown sends
+    it its own SIGTERM: checkpoint and stop)."""
     run_dir = check_run_dir(args.run_dir)
     log = os.path.join(run_dir, "train.log")
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return _supervise(run_dir, log)
+    except Terminated as e:
+        name = signal.Signals(e.signum).name
+        _stopped(run_dir, log, "terminated by %s" % name, "its supervisor was terminated by %s" % name)
+        return 128 + e.signum
     except OSError as e:
         reason = "cannot write %s: %s" % (e.filename or "its files", e.strerror or e)
-        say(log, "# dflash-ops supervise: %s: supervision stopped, the run is not restarted\n" % reason)
-        try:
-            policy = read_json(os.path.join(run_dir, RESTARTS_FILE)) or {}
-            policy["supervisor_stopped"] = {"time": time.time(), "reason": reason}
-            write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
-        except OSError:
-            pass  # said on train.log or stderr above
+        _stopped(run_dir, log, reason, reason)
         return 75  # EX_TEMPFAIL: sysexits.h, "try again later" (free the disk, then run resume)
+
+
+def _stopped(run_dir: str, log: str, said: str, recorded: str) -> None:
+    """Supervision ends: said in train.log (else stderr), recorded in restarts.json (where it can be)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the record short
+    say(log, "# dflash-ops supervise: %s: supervision stopped, the run is not restarted\n" % said)
+    try:
+        policy = read_json(os.path.join(run_dir, RESTARTS_FILE)) or {}
+        policy["supervisor_stopped"] = {"time": time.time(), "reason": recorded}
+        write_atomic(os.path.join(run_dir, RESTARTS_FILE), json.dumps(policy, sort_keys=True).encode())
+    except OSError:
+        pass  # said on train.log or stderr above
 
 
 def _supervise(run_dir: str, log: str) -> int:

@@ -73,6 +73,51 @@ def test_a_failed_write_of_its_own_ends_supervision_with_the_reason(tmp_path):
     assert os.path.isdir(run / "restarts.json")
 
 
+def _supervised_sleeper(run: Path) -> tuple[subprocess.Popen, int]:
+    """A supervisor whose trainer sleeps (a live run), once the trainer has written its status."""
+    import time
+
+    from dflash_ops.helpers.nodefacts import process_start_ticks
+
+    (run / "trainer.py").write_text(CRASHER.replace("sys.exit(1)", "import time; time.sleep(60)"))
+    argv = [sys.executable, str(run / "trainer.py"), str(run)]
+    sup = subprocess.Popen([sys.executable, str(RUNS), "supervise", str(run)], stdin=subprocess.PIPE)
+    (run / "launch.json").write_text(json.dumps({"supervisor": {"pid": sup.pid, "pid_start": process_start_ticks(sup.pid)}}))
+    assert sup.stdin is not None
+    sup.stdin.write(json.dumps({"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv}).encode())
+    sup.stdin.close()  # EOF: go
+    for _ in range(600):
+        launch = json.loads((run / "launch.json").read_text() or "{}")
+        if launch.get("pid") and (run / "status.json").exists():
+            return sup, launch["pid"]
+        time.sleep(0.05)
+    raise AssertionError("the trainer never started")
+
+
+def test_a_supervisor_terminated_by_sigterm_says_so_and_run_status_tells(tmp_path):
+    """SIGTERM (a `kill`, a service manager) used to end the supervisor without a word: the run
+    read as "gone without a word (killed by a signal?)"."""
+    import signal
+    import time
+
+    from dflash_ops.helpers.run_describe import describe_run
+    from dflash_ops.runs.info import RunInfo
+
+    run = run_dir(tmp_path)
+    sup, trainer = _supervised_sleeper(run)
+    try:
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "supervise: terminated by SIGTERM: supervision stopped" in (run / "train.log").read_text()
+        stopped = json.loads((run / "restarts.json").read_text())["supervisor_stopped"]
+        assert stopped["reason"] == "its supervisor was terminated by SIGTERM"
+        info = RunInfo.from_json(describe_run(str(run), time.time()))
+        assert info.unsupervised == "no longer supervised: its supervisor was terminated by SIGTERM"
+        assert info.effective_state == "running"  # the trainer was left to its own signals
+    finally:
+        os.kill(trainer, signal.SIGKILL)
+
+
 def test_a_supervisor_killed_by_a_signal_is_reported_by_run_status(tmp_path):
     import signal
     import time

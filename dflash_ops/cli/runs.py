@@ -370,12 +370,20 @@ def logs(
     """Print a run's train.log, byte for byte; with -f follow it, resuming after a dropped connection."""
     if rank is not None:
         from dflash_ops.runs import resolve_run
-        from dflash_ops.runs.group import member_of_rank
+        from dflash_ops.runs.group import wait_for_rank
 
         run = run if run is not None else resolve_run(open_target(inventory, target), None).run_id
         found, group = _members(inventory, target, run)
         if group is not None:
-            target = member_of_rank(found, rank).target
+            asked = [found]  # the first look is the one just made
+
+            def look() -> list[Member]:
+                return asked.pop() if asked else _members(inventory, target, run)[0]
+
+            def waiting(text: str) -> None:
+                typer.echo(text, err=True)
+
+            target = wait_for_rank(look, rank, on_wait=waiting).target
         elif rank != 0:
             fail(f"run {run} on {target} runs on one host: it has rank 0 only", 2)
     _follow_cli(target, run, "train.log", follow, lines, inventory, write_stdout)

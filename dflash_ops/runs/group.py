@@ -13,6 +13,7 @@ checkpoint). docs/multi-node.md.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,31 @@ def member_of_rank(group_members: list[Member], rank: int) -> Member:
             return m
     known = ", ".join(f"{m.target}: {m.rank if m.rank is not None else '?'}" for m in group_members)
     raise RunNotFound(f"no member with rank {rank} ({known}); ranks are known once the ranks joined")
+
+
+RANK_WAIT_S = 120.0  # how long `logs --rank N` waits for the ranks to join after a start
+
+
+def wait_for_rank(look: Callable[[], list[Member]], rank: int, timeout: float = RANK_WAIT_S, poll: float = 1.0,
+                  on_wait: Callable[[str], None] | None = None) -> Member:
+    """The member of `rank`, asking `look` (the members as they are now) again while the ranks have
+    not joined yet: right after a start no member knows its rank for a moment. RunNotFound at
+    once for a rank the group cannot have or once every member is final; after `timeout` seconds
+    of waiting too. on_wait(text) once, when it waits."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        found = look()
+        try:
+            return member_of_rank(found, rank)
+        except RunNotFound:
+            if rank >= len(found) or all(m.info is not None and m.info.final for m in found) \
+                    or time.monotonic() >= deadline:
+                raise
+        if not said and on_wait is not None:
+            on_wait(f"waiting for rank {rank}: the ranks are known once they joined (up to {timeout:.0f}s)")
+            said = True
+        time.sleep(poll)
 
 
 def writer(group_members: list[Member]) -> Member:

@@ -57,3 +57,29 @@ def test_a_global_batch_that_does_not_split_over_the_hosts_is_refused_before_sta
     check_micro_batches(b"optim: {micro_batches: 4}", 2, "c.yaml")
     with pytest.raises(RunError, match=r"c.yaml: optim.micro_batches is 1, not a multiple of the 2 hosts"):
         check_micro_batches(b"model: {}", 2, "c.yaml")
+
+
+def test_logs_rank_right_after_a_start_waits_for_the_ranks_to_join():
+    """`logs --rank 1` in the first moments of a two-host run said "no member with rank 1": no member
+    knew its rank yet. It waits for them; a rank the group cannot have, or a run that is over, is
+    refused at once."""
+    from dflash_ops.runs.group import Member, wait_for_rank
+    from dflash_ops.runs.info import RunNotFound
+
+    def members(*ranks, state="running"):
+        return [Member(name, object(), RunInfo.from_json(  # type: ignore[arg-type]
+            {"run_id": "g", "state": state, "effective_state": state,
+             **({"distributed": {"rank": r, "world_size": 2}} if r is not None else {})}))
+            for name, r in zip("ab", ranks)]
+
+    looks = [members(None, None), members(None, None), members(1, 0)]
+    said = []
+    found = wait_for_rank(lambda: looks.pop(0), 1, poll=0.01, on_wait=said.append)
+    assert found.target == "a" and not looks
+    assert said == ["waiting for rank 1: the ranks are known once they joined (up to 120s)"]
+    with pytest.raises(RunNotFound, match="no member with rank 2"):
+        wait_for_rank(lambda: members(None, None), 2, poll=0.01)
+    with pytest.raises(RunNotFound, match="no member with rank 1"):
+        wait_for_rank(lambda: members(None, None, state="failed"), 1, poll=0.01)
+    with pytest.raises(RunNotFound, match="no member with rank 1"):
+        wait_for_rank(lambda: members(None, None), 1, timeout=0.05, poll=0.01)

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,35 +96,118 @@ def drafts_so_far(base: str) -> float:
         return 0.0
 
 
+def port_in_use(port: int) -> str | None:
+    """Why `port` cannot be the engine's (something answers or holds it), None when it is free: a
+    benchmark of whatever already listens there would be reported as the engine's."""
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            holders = sorted(listeners(port))
+            return f"port {port} is already in use" + (f" (pid {', '.join(map(str, holders))})" if holders else "")
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return f"port {port} cannot be bound: {exc.strerror}"
+    return None
+
+
+def listeners(port: int) -> set[int]:
+    """The pids holding a socket that listens on TCP `port` (Linux /proc; empty where unreadable)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    pids = set()
+    for entry in Path("/proc").iterdir() if inodes else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    pids.add(int(entry.name))
+                    break
+        except OSError:
+            continue
+    return pids
+
+
+def _die_with_parent() -> None:
+    """In the engine's child before exec: SIGKILL when serve_bench itself dies (a SIGKILL cannot be
+    caught to stop it); Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Engine:
-    """One engine process: started, waited for, stopped (its process group, SIGTERM then SIGKILL)."""
+    """One engine process: started on a port nothing holds, waited for until it (not another
+    process) serves there, stopped (its process group, SIGTERM then SIGKILL) on every way out:
+    a readiness timeout, an engine that exits, Ctrl-C or SIGTERM while it starts."""
 
     def __init__(self, argv: list[str], port: int, log: Path, timeout: float) -> None:
         self.base = f"http://127.0.0.1:{port}"
+        taken = port_in_use(port)
+        if taken:
+            raise SystemExit(f"serve_bench: {taken}; stop what holds it or pass --port")
         self.log = open(log, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._wait_ready(port, log, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, port: int, log: Path, timeout: float) -> None:
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(f"serve_bench: the engine exited {self.proc.returncode} before serving; see {log}")
             try:
                 http(f"{self.base}/v1/models", timeout=5)
-                return
             except (urllib.error.URLError, OSError):
                 if time.time() > deadline:
-                    self.stop()
                     raise SystemExit(f"serve_bench: the engine did not serve within {timeout:.0f}s; see {log}") from None
                 time.sleep(1.0)
+                continue
+            holders = listeners(port)
+            if holders and not any(self._ours(pid) for pid in holders):
+                raise SystemExit(f"serve_bench: port {port} is answered by pid {', '.join(map(str, sorted(holders)))}, "
+                                 f"not by the engine it started (pid {self.proc.pid}); see {log}")
+            return
+
+    def _ours(self, pid: int) -> bool:
+        """pid is the engine or in its process group (its workers)."""
+        try:
+            return pid == self.proc.pid or os.getpgid(pid) == self.proc.pid
+        except OSError:
+            return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """The engine's whole process group, also when its leader has already exited."""
+        try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.log.close()
 
 
@@ -196,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, required=True, help="JSON results (engine logs beside it)")
     a = p.parse_args(argv)
+
+    def terminated(signum: int, _frame: object) -> None:  # SIGTERM (a playbook's stop): the engines stop too
+        raise SystemExit(f"serve_bench: terminated by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, terminated)
     block = a.block_size or json.loads((Path(a.draft) / "config.json").read_text())["block_size"]
     templates = {**ENGINES[a.engine], **(json.loads(a.argv) if a.argv else {})}  # "{}": the defaults
     argvs = {m: fill(templates[m], model=a.model, draft=a.draft, port=a.port, k=block - 1) for m in a.modes}

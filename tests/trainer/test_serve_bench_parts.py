@@ -1,6 +1,9 @@
 """trainer_tools.serve_bench's pieces that need no engine: prompt sets, argv templates, the metric."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from trainer_tools.serve_bench import DRAFTS, ENGINES, fill, read_set
 
@@ -27,3 +30,118 @@ def test_the_draft_round_counter_is_read_from_prometheus_text():
             'vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 154.0\n'
             'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 462.0\n')
     assert [float(v) for v in DRAFTS.findall(text)] == [154.0]
+
+
+# A stand-in engine: writes its pid, then (unless told to hang) serves /v1/models on the port.
+STAND_IN = r"""
+import http.server, os, sys, time
+open(sys.argv[2], "w").write(str(os.getpid()))
+if sys.argv[3] == "hang":
+    time.sleep(600)
+
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"data": []}')
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Models).serve_forever()
+"""
+
+
+def _serve_bench_argv(tmp_path, port: int, how: str, timeout: float = 600.0) -> list[str]:
+    import sys
+
+    engine = tmp_path / "engine.py"
+    engine.write_text(STAND_IN)
+    (tmp_path / "draft").mkdir(exist_ok=True)
+    (tmp_path / "draft" / "config.json").write_text('{"block_size": 4}')
+    (tmp_path / "p.jsonl").write_text('{"prompt": "p"}\n')
+    argv = {"plain": [sys.executable, str(engine), "{port}", str(tmp_path / "engine.pid"), how]}
+    return ["--argv", json.dumps(argv), "--modes", "plain", "--model", "/m", "--draft", str(tmp_path / "draft"),
+            "--set", f"p={tmp_path / 'p.jsonl'}", "--port", str(port), "--serve-timeout", str(timeout),
+            "--out", str(tmp_path / "out" / "bench.json")]
+
+
+def test_a_port_something_already_answers_is_refused_before_an_engine_starts(tmp_path):
+    """serve-bench benchmarked whatever already listened on its port and exited 0."""
+    import http.server
+    import threading
+
+    from tests.conftest import free_port
+    from trainer_tools.serve_bench import main
+
+    port = free_port()
+    other = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit) as done:
+            main(_serve_bench_argv(tmp_path, port, "serve"))
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert str(done.value).startswith(f"serve_bench: port {port} is already in use")
+    assert not (tmp_path / "engine.pid").exists()  # no engine was started
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_a_server_that_is_not_the_engine_started_is_not_taken_for_it(tmp_path):
+    """The engine started answers nothing itself; another process (not of its process group) serves
+    the port: that is not readiness."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+    from trainer_tools.serve_bench import main
+
+    port = free_port()
+    (tmp_path / "engine.py").write_text(STAND_IN)
+    # the "engine" starts a server in a session of its own, then hangs
+    detach = tmp_path / "detach.py"
+    detach.write_text("import subprocess, sys, time\n"
+                      f"subprocess.Popen([sys.executable, {str(tmp_path / 'engine.py')!r}, sys.argv[1], "
+                      f"{str(tmp_path / 'other.pid')!r}, 'serve'], start_new_session=True)\n"
+                      "time.sleep(600)\n")
+    argv = _serve_bench_argv(tmp_path, port, "serve")
+    argv[1] = json.dumps({"plain": [sys.executable, str(detach), "{port}"]})
+    try:
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert f"port {port} is answered by pid" in str(done.value) and "not by the engine it started" in str(done.value)
+    finally:
+        if (tmp_path / "other.pid").exists():
+            os.kill(int((tmp_path / "other.pid").read_text()), signal.SIGKILL)
+    assert subprocess.run(["pgrep", "-f", str(detach)], capture_output=True).returncode == 1  # the engine was stopped
+
+
+@pytest.mark.parametrize("how", ["timeout", "SIGINT", "SIGTERM"])
+def test_an_engine_still_starting_is_stopped_on_every_way_out(tmp_path, how):
+    """Ctrl-C (or SIGTERM, or the readiness timeout) while the engine starts used to leave it running,
+    holding the GPU."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import free_port
+    from tests.procs import alive
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "trainer_tools.serve_bench",
+            *_serve_bench_argv(tmp_path, free_port(), "hang", timeout=3 if how == "timeout" else 600)]
+    bench = subprocess.Popen(argv, cwd=root, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "engine.pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    engine = int(pid_file.read_text())
+    if how != "timeout":
+        bench.send_signal(getattr(signal, how))
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode != 0
+    assert not alive(engine), "the engine outlived serve_bench"
+    if how == "timeout":
+        assert "the engine did not serve within 3s" in err

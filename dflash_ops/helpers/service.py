@@ -127,9 +127,35 @@ def cmd_start(args: argparse.Namespace) -> None:
             raise Failed("cannot start %s: %s" % (args.argv[0], e.strerror or e)) from None
     stat = proc_stat(proc.pid)
     record = {"name": args.name, "pid": proc.pid, "pid_start": stat[2] if stat else None, "argv": args.argv,
-              "cwd": args.cwd, "log": log, "started": time.time(), "state": "running"}
+              "cwd": args.cwd, "log": log, "started": time.time(), "state": "running", "port": args.port}
     write_json_atomic(record_path(args.base, args.name), record)
     print_json(record)
+
+
+def listeners(port: int) -> set[int]:
+    """Pids holding a socket that listens on TCP `port` (/proc/net/tcp{,6} and /proc/*/fd; empty
+    where unreadable)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add("socket:[%s]" % fields[9])
+    pids = set()
+    for entry in os.listdir("/proc") if inodes else ():
+        if not entry.isdigit():
+            continue
+        try:
+            if any(os.readlink("/proc/%s/fd/%s" % (entry, fd)) in inodes for fd in os.listdir("/proc/%s/fd" % entry)):
+                pids.add(int(entry))
+        except OSError:
+            continue
+    return pids
 
 
 def listening(port: int) -> bool:
@@ -156,6 +182,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
         try:
             with opener.open(args.url, timeout=5) as response:
                 if response.status == 200 and nodefacts.process_matches(record["pid"], record["pid_start"]):
+                    stranger = answered_by_another(record)
+                    if stranger:
+                        raise Failed(stranger, EXIT_REFUSED, log_tail=log_tail(record["log"]))
                     print_json({"ready": True, "url": args.url, "pid": record["pid"]})
                     return 0
                 last = "HTTP %d" % response.status
@@ -170,6 +199,17 @@ def cmd_wait(args: argparse.Namespace) -> int:
             raise Failed("service %s did not answer %s within %gs (last: %s)" % (args.name, args.url, args.timeout, last),
                          EXIT_TIME_UP, log_tail=log_tail(record["log"]))
         time.sleep(args.poll)
+
+
+def answered_by_another(record: dict) -> str | None:
+    """Readiness is proof: the process listening on the service's port must be one of its own
+    (its session), not a server that happened to be there; None when it is (or cannot be told)."""
+    port = record.get("port")
+    holders = listeners(port) if isinstance(port, int) else set()
+    if not holders or holders & set(members(record)):
+        return None
+    return ("127.0.0.1:%d is answered by pid %s, not by service %s (pid %d): another server took the port"
+            % (port, ", ".join(str(p) for p in sorted(holders)), record["name"], record["pid"]))
 
 
 def cmd_stop(args: argparse.Namespace) -> None:

@@ -89,6 +89,26 @@ def test_a_service_that_never_answers_times_out_with_its_log(container, procs):
     assert not procs.alive(record["pid"])
 
 
+def test_an_answer_from_a_server_the_service_did_not_start_is_not_readiness(container, procs):
+    """The service's own pid lives, but the port is answered by a process outside its session (here
+    one it detached; a server already there that bound first): "something answered" is not "my
+    process is ready"."""
+    port = free_port()
+    stranger = ("import http.server, sys, threading, time; s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+                "http.server.SimpleHTTPRequestHandler); threading.Thread(target=s.serve_forever, daemon=True).start(); "
+                "time.sleep(30)")
+    detaches = [container.target.python, "-c",
+                "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+                "start_new_session=True); time.sleep(300)", stranger, str(port)]
+    record = start_service(container, "detached", detaches, port=port)
+    try:
+        with pytest.raises(ServiceError, match=rf"127\.0\.0\.1:{port} is answered by pid \d+, not by service "
+                                               rf"detached \(pid {record['pid']}\)"):
+            wait_service(container, "detached", f"http://127.0.0.1:{port}/", timeout=120, poll=0.1)
+    finally:
+        stop_service(container, "detached", grace=5)
+
+
 def test_stop_never_signals_a_pid_that_is_no_longer_the_service(container, procs):
     """The recorded pid now belongs to another process (its start time differs): leave it alone."""
     with process_inside(container) as stranger:  # a session leader, like a service

@@ -205,7 +205,9 @@ def answered_by_another(record: dict) -> str | None:
     """Readiness is proof: the process listening on the service's port must be one of its own
     (its session), not a server that happened to be there; None when it is (or cannot be told)."""
     port = record.get("port")
-    holders = listeners(port) if isinstance(port, int) else set()
+    if not isinstance(port, int):
+        return None
+    holders = listeners(port)
     if not holders or holders & set(members(record)):
         return None
     return ("127.0.0.1:%d is answered by pid %s, not by service %s (pid %d): another server took the port"

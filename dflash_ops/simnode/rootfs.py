@@ -110,10 +110,43 @@ def _suite_matches(candidate: str, suite: str) -> bool:
     return candidate == suite or candidate.startswith(suite + "-") or candidate.startswith(suite + "/")
 
 
+def users(tree: Path) -> list[str]:
+    """The running containers (any process whose mount namespace holds an overlay over `tree`),
+    one mount namespace each: "CT 200 (pid 1234)" for the simulated node's, else "pid N (command)".
+    Their overlay reads `tree` as its lower directory: replacing it under them breaks them."""
+    needle = f"lowerdir={tree}"
+    found: dict[str, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            namespace = os.readlink(f"/proc/{entry}/ns/mnt")
+            if namespace in found:
+                continue
+            with open(f"/proc/{entry}/mountinfo") as f:
+                if not any(" overlay " in line and (needle + "," in line or needle + ":" in line
+                                                    or line.rstrip().endswith(needle)) for line in f):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        vmid = argv[argv.index("-n") + 1] if "-n" in argv[:-1] and argv[0].endswith("init.lxc") else None
+        found[namespace] = f"CT {vmid} (pid {entry})" if vmid else f"pid {entry} ({' '.join(argv).strip()[:60]})"
+    return sorted(found.values())
+
+
 def build(force: bool = False) -> Path:
-    """Build the tree for the current RECIPE unless it is there; remove older builds. Returns path()."""
+    """Build the tree for the current RECIPE unless it is there; remove older builds that no running
+    container uses. Returns path(). A rebuild is refused while running containers use the tree (it
+    would be replaced under them): they are named."""
     if built() and not force:
         return path()
+    if build_dir().exists():
+        using = users(path())
+        if using:
+            raise SystemExit(f"dflash-ops sim-rootfs --rebuild: running containers use {path()}: {', '.join(using)}; "
+                             "stop them first (pct stop VMID), or leave the tree as it is")
     if os.geteuid() != 0:
         raise SystemExit("dflash-ops sim-rootfs: must run as root (mmdebstrap builds a root-owned tree)")
     if shutil.which("mmdebstrap") is None:
@@ -137,8 +170,8 @@ def build(force: bool = False) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     for old in cache_dir().glob(f"{RECIPE['suite']}-*"):
-        if old != target:
-            shutil.rmtree(old, ignore_errors=True)
+        if old != target and not users(old / "rootfs"):
+            shutil.rmtree(old, ignore_errors=True)  # an older build still in use stays until the next build
     return path()
 
 

@@ -217,3 +217,41 @@ def test_a_directory_container_says_why_it_is_one(tmp_path, monkeypatch):
     missing = rootfs.unavailable_reason()
     assert simct.backend_reason(tmp_path, 200) == ("LXC is available here" if missing is None
                                                    else f"no LXC here: {missing}")
+
+
+def test_sim_rootfs_rebuild_is_refused_while_a_container_uses_the_tree(tmp_path, monkeypatch):
+    """`sim-rootfs --rebuild` replaced the lower directory of running LXC containers under them. A
+    process in a mount namespace of its own with an overlay over the tree (what an LXC container of
+    the simulated node is) makes the rebuild refuse, naming it; the tree is left as it was."""
+    import time
+
+    from dflash_ops.simnode import rootfs
+    from tests.conftest import unavailable
+
+    monkeypatch.setenv("DFLASH_OPS_ROOTFS_CACHE", str(tmp_path / "cache"))
+    tree = rootfs.path()
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "os-release").write_text("bookworm\n")
+    (rootfs.build_dir() / "complete").write_text("")
+    for d in ("upper", "work", "merged"):
+        (tmp_path / d).mkdir()
+    script = (f"mount -t overlay overlay -o lowerdir={tree},upperdir={tmp_path / 'upper'},workdir={tmp_path / 'work'} "
+              f"{tmp_path / 'merged'} && touch {tmp_path / 'ready'} && exec sleep 60")
+    user = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script], stderr=subprocess.PIPE)
+    try:
+        for _ in range(200):
+            if (tmp_path / "ready").exists() or user.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not (tmp_path / "ready").exists():
+            unavailable(f"cannot mount an overlay in a mount namespace: {user.stderr.read().decode().strip()}",
+                        "the sim-rootfs in-use test")
+        assert rootfs.users(tree) == [f"pid {user.pid} (sleep 60)"]
+        with pytest.raises(SystemExit, match=rf"--rebuild: running containers use {tree}: pid {user.pid} \(sleep 60\); "
+                                             r"stop them first"):
+            rootfs.build(force=True)
+        assert (tree / "etc" / "os-release").read_text() == "bookworm\n" and rootfs.built()
+    finally:
+        user.kill()
+        user.wait()
+    assert rootfs.users(tree) == []

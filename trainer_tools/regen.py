@@ -242,7 +242,7 @@ class OpenAIEngine:
                     if status not in RETRY_STATUSES:
                         raise RegenError(why)
                 else:
-                    return _completion(json.loads(raw), attempt, limit)
+                    return _completion(json.loads(raw), attempt, limit, s.max_tokens)
             except Retry as e:
                 why = f"{url}: {e}"
             except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, timeout, cut, bad JSON
@@ -312,9 +312,11 @@ def _server_message(raw: bytes) -> str:
         return raw[:300].decode("utf-8", "replace")
 
 
-def _completion(reply: object, retries: int, limit: int) -> Completion:
+def _completion(reply: object, retries: int, limit: int, max_tokens: int | None = None) -> Completion:
     """The answer of a reply, validated: a finished choice (finish_reason stop or length) whose
-    content is text of at most `limit` characters; anything else is a Retry."""
+    content is text of at most `limit` characters, of no more tokens than the `max_tokens` asked
+    for (an answer the target could not have produced for this request is not written); anything
+    else is a Retry."""
     if not isinstance(reply, dict):
         raise Retry(f"the reply is a JSON {type(reply).__name__}, not an object")
     if reply.get("object") == "error" or "error" in reply:
@@ -339,6 +341,9 @@ def _completion(reply: object, retries: int, limit: int) -> Completion:
     usage = reply.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     tokens = {k: v if isinstance(v, int) and v >= 0 else 0 for k, v in usage.items()}
+    if max_tokens is not None and tokens.get("completion_tokens", 0) > max_tokens:
+        raise Retry(f"the server reports {tokens['completion_tokens']} completion tokens, more than the "
+                    f"--max-tokens {max_tokens} asked for: not an answer to this request")
     return Completion(content=content, finish_reason=finish, reasoning_content=reasoning,
                       prompt_tokens=tokens.get("prompt_tokens", 0), completion_tokens=tokens.get("completion_tokens", 0),
                       retries=retries)

@@ -123,6 +123,8 @@ def run(url: str, tmp_path: Path, capsys, *extra: object, n: int = 1) -> tuple[i
     (answer(content=["a", "list"]), "the answer's content is list, not text"),
     (answer(content="x" * (64 * 16 + 4097)), "more than 5120 (64 per --max-tokens token)"),
     ([1, 2], "the reply is a JSON list, not an object"),
+    ({**answer(), "usage": {"prompt_tokens": 3, "completion_tokens": 17}},
+     "the server reports 17 completion tokens, more than the --max-tokens 16 asked for"),
 ])
 def test_an_answer_that_did_not_finish_or_is_not_text_is_retried_then_failed(stub, tmp_path, capsys, bad, why):
     server = stub(bad)

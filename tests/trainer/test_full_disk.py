@@ -141,3 +141,16 @@ def test_a_run_whose_checkpoints_do_not_fit_says_so_and_leaves_no_partial(small_
     assert [e["step"] for e in failed] == [2, 4, 6] and all("No space left" in e["message"] for e in failed)
     assert list((run / "checkpoints").iterdir()) == []
     assert "training goes on, the next checkpoint tries again" in (run / "train.log").read_text()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disks, tmp_path, capsys):
+    """`python -m trainer export` onto a disk too small for the draft: SafetensorError was a traceback."""
+    from trainer.__main__ import main
+
+    run = tmp_path / "run"
+    assert train(config(steps=1, every=0, fit=0), run) == 0
+    disk = small_disks(tmp_path / "disk", "16k")
+    assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_1"), "--out", str(disk / "draft")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("export: [Errno 28] No space left on device") and err.count("\n") == 1
+    assert list(disk.iterdir()) == []  # neither the draft nor its .draft.tmp-PID

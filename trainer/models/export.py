@@ -112,8 +112,11 @@ def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool 
     tmp.mkdir(parents=True)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        disk = ckpt.disk_error(exc, tmp) if isinstance(exc, Exception) else None  # before the space is freed
         shutil.rmtree(tmp, ignore_errors=True)
+        if disk is not None and disk is not exc:  # a full disk under safetensors / torch.save: an OSError
+            raise disk from exc
         raise
     files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
     # the marker names the old files too until the swap is done, so a crash between leaves them ours

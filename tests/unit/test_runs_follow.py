@@ -109,13 +109,16 @@ def test_unreachable_node_is_retried_with_backoff_from_the_same_offset(container
     container.refusals = [Unreachable("refused"), Unreachable("timed out"), ConnectionLost("reset"), Unreachable("x")]
     retries: list[tuple[str, float]] = []
     got: list[bytes] = []
-    callbacks = FollowCallbacks(on_line=got.append, on_retry=lambda error, delay: retries.append((str(error), delay)))
+    resumed: list[int] = []
+    callbacks = FollowCallbacks(on_line=got.append, on_retry=lambda error, delay: retries.append((str(error), delay)),
+                                on_resumed=resumed.append)
     end = runs.follow_file(container, "r1", "train.log", callbacks, retry=RetryPolicy(backoff=0.001, max_backoff=0.004))
     assert b"".join(got) == data and end == len(data)
     assert [e for e, _d in retries][:4] == ["refused", "timed out", "reset", "x"]
     assert [d for _e, d in retries] == [0.001, 0.002, 0.004, 0.004, 0.001]  # progress resets the backoff
     ten_lines = str(len(b"".join(data.splitlines(keepends=True)[:10])))
     assert [c[c.index("--offset") + 1] for c in container.calls] == ["0"] * 5 + [ten_lines]
+    assert resumed == [0, int(ten_lines)]  # the helper answered again after each failure, from there
 
 
 def test_unreachable_for_longer_than_give_up_after_raises(container):

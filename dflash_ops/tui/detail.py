@@ -17,8 +17,8 @@ from textual.widgets import Button, Footer, Input, Log, Static
 from textual_plotext import PlotextPlot
 
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
-from dflash_ops.tui.source import DashSource, GpuSample, LinkState, RunRow
-from dflash_ops.tui.streams import LineSink, follow_forever
+from dflash_ops.tui.source import DashSource, GpuSample, RunRow
+from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
 
 LOG_BUFFER = 20_000  # lines kept for filtering and the full log
 LOG_VIEW = 2_000  # lines in the detail's tail

@@ -7,6 +7,7 @@ and memory stays bounded (the oldest undrained lines are dropped and counted).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import deque
 from typing import Callable
@@ -41,6 +42,14 @@ class LineSink:
         return lines, dropped
 
 
+def _takes_on_link(source: DashSource) -> bool:
+    try:
+        parameters = inspect.signature(source.follow).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return "on_link" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def follow_forever(source: DashSource, target: str, run_id: str, name: LogName, sink: LineSink, stop: threading.Event,
                    on_state: Callable[[LinkState], None], tail_lines: int, retry: RetryPolicy = RetryPolicy(),
                    idle_s: float = 2.0) -> None:
@@ -51,6 +60,8 @@ def follow_forever(source: DashSource, target: str, run_id: str, name: LogName, 
     reconnect) is shown and asked again after `retry`'s backoff, reset by every line received."""
     offset: int | None = None
     failures = 0
+    # a DashSource written before `on_link` existed (run_dash's library users) is called as before
+    link = {"on_link": on_state} if _takes_on_link(source) else {}
 
     def on_lines(lines: list[str], end: int) -> None:
         nonlocal offset, failures
@@ -61,7 +72,7 @@ def follow_forever(source: DashSource, target: str, run_id: str, name: LogName, 
     while not stop.is_set():
         on_state(LinkState(True))
         try:
-            source.follow(target, run_id, name, on_lines, stop, start=offset, tail_lines=tail_lines, on_link=on_state)
+            source.follow(target, run_id, name, on_lines, stop, start=offset, tail_lines=tail_lines, **link)
         except Exception as exc:  # noqa: BLE001 - any failure is shown and retried
             delay = retry.delay(failures)
             failures += 1

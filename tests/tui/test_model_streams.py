@@ -87,7 +87,8 @@ class FlakySource:
         self.drops = drops
         self.starts: list = []
 
-    def follow(self, target, run_id, name, on_lines, stop, start=None, tail_lines=200, on_link=None):
+    # no on_link: a source written to the protocol before it, raising on every drop (still served)
+    def follow(self, target, run_id, name, on_lines, stop, start=None, tail_lines=200):
         self.starts.append(start)
         index = 0 if start is None else start  # offsets are line numbers here
         sent = 0

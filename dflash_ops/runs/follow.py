@@ -177,8 +177,8 @@ def follow_file(
     def stopped() -> bool:
         return stop is not None and stop.is_set()
 
-    def on_header(start: int, first: bool, resumed: bool) -> None:
-        if first and hooks.on_start is not None:
+    def on_header(start: int, *, initial: bool, resumed: bool) -> None:
+        if initial and hooks.on_start is not None:
             hooks.on_start(start)
         if resumed and hooks.on_resumed is not None:
             hooks.on_resumed(start)
@@ -194,7 +194,7 @@ def follow_file(
             if stop is not None:
                 args += ["--max-seconds", str(stop_check_s)]
         stream = _Stream(hooks.on_line, None if first else position, stop,
-                         partial(on_header, first=first, resumed=failing_since is not None))
+                         partial(on_header, initial=first, resumed=failing_since is not None))
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             result = call(container, args, on_line=stream.feed, timeout=remaining,

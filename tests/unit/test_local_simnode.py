@@ -1,6 +1,7 @@
 """Local transport + pct stand-in: the whole command layer without SSH."""
 
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,21 @@ def test_sim_rootfs_rebuild_is_refused_while_a_container_uses_the_tree(tmp_path,
         user.kill()
         user.wait()
     assert rootfs.users(tree) == []
+
+
+def test_no_line_arrives_after_a_timed_out_command_raised():
+    """The pipe's buffered output was still being delivered after CommandTimeout was raised."""
+    from dflash_ops.transport.local import LocalTransport
+
+    received: list[bytes] = []
+
+    def slow_reader(line: bytes) -> None:
+        received.append(line)
+        threading.Event().wait(0.002)
+
+    with pytest.raises(CommandTimeout):
+        LocalTransport().run("i=0; while [ $i -lt 5000 ]; do echo line $i; i=$((i+1)); done; sleep 30",
+                             on_line=slow_reader, timeout=0.3)
+    seen = len(received)
+    threading.Event().wait(0.5)
+    assert len(received) == seen

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.tiny_config import two_host_config
-from trainer.distributed.launch import describe_exit, host_store, interface_of, wait_for_new_store
+from trainer.distributed.launch import StoppedBeforeStart, describe_exit, host_store, interface_of, wait_for_new_store
 from trainer.distributed.multihost import HostShard
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import ConfigError, parse_config
@@ -79,6 +79,8 @@ def test_a_host_rejoins_only_the_store_host_s_new_store():
     assert wait_for_new_store(endpoint, None, timeout_s=5.0) == first  # the first start: any store
     with pytest.raises(TimeoutError, match="only the store of the last attempt answers"):
         wait_for_new_store(endpoint, first, timeout_s=0.5, poll_s=0.1)
+    with pytest.raises(StoppedBeforeStart, match="stopped by the operator while waiting"):
+        wait_for_new_store(endpoint, first, timeout_s=30.0, poll_s=0.1, stop_asked=lambda: True)
     del old  # the old attempt's launcher ends, the store host's new one serves the endpoint
     _new, second = host_store(endpoint, 5.0)
     assert second != first and wait_for_new_store(endpoint, first, timeout_s=5.0) == second

@@ -29,6 +29,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -156,18 +157,28 @@ def store_generation(endpoint: str) -> str | None:
         return None
 
 
-def wait_for_new_store(endpoint: str, last: str | None, timeout_s: float, poll_s: float = 0.5) -> str:
+def wait_for_new_store(endpoint: str, last: str | None, timeout_s: float, poll_s: float = 0.5,
+                       stop_asked: Callable[[], bool] = lambda: False) -> str:
     """Wait until the store at the endpoint carries a generation other than `last` (the one this
-    host joined before): the store host's new launcher is up. Returns it."""
+    host joined before): the store host's new launcher is up. Returns it. An operator's stop
+    meanwhile (stop_asked) ends the wait: the other hosts are not coming back."""
     deadline = time.monotonic() + timeout_s
     while True:
         generation = store_generation(endpoint)
         if generation is not None and generation != last:
             return generation
+        if stop_asked():
+            raise StoppedBeforeStart("stopped by the operator while waiting for the other hosts")
         if time.monotonic() > deadline:
             what = "only the store of the last attempt answers" if generation else "no store answers"
             raise TimeoutError(f"the rendezvous store at {endpoint} did not come up within {timeout_s:.0f} s ({what})")
         time.sleep(poll_s)
+
+
+def stop_asked(run_dir: Path) -> bool:
+    """A stop request (control/stop) or an operator's stop or signal (control/.no-restart, left by
+    the runs helper) is there."""
+    return any((run_dir / "control" / name).exists() for name in ("stop", ".no-restart"))
 
 
 def read_rejoin(run_dir: Path) -> str | None:
@@ -229,7 +240,8 @@ def main(argv: list[str]) -> int:
         if args.store_host:
             store, generation = host_store(args.rdzv_endpoint, args.join_timeout)
         else:
-            generation = wait_for_new_store(args.rdzv_endpoint, read_rejoin(run_dir), args.join_timeout)
+            generation = wait_for_new_store(args.rdzv_endpoint, read_rejoin(run_dir), args.join_timeout,
+                                            stop_asked=lambda: stop_asked(run_dir))
         write_atomic(run_dir / REJOIN_FILE, json.dumps({"generation": generation, "endpoint": args.rdzv_endpoint}).encode())
         run(parse_args(torchrun_argv(args)))
     except ChildFailedError as exc:

@@ -137,7 +137,10 @@ def _notify_spec(container: Container, urls: list[str]) -> dict[str, Any] | None
     webhooks = resolved_webhooks(wanted, urls)
     if not webhooks and not wanted.commands:
         return None
-    return {"target": target.name, "webhooks": webhooks, "commands": [list(c) for c in wanted.commands]}
+    spec: dict[str, Any] = {"target": target.name, "webhooks": webhooks, "commands": [list(c) for c in wanted.commands]}
+    if wanted.checkpoints:
+        spec["checkpoints"] = True
+    return spec
 
 
 def _preflight(container: Container, config: Path, gpus: list[int] | None, force: bool) -> None:

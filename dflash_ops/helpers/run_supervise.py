@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_supervise
-    from . import nodefacts, run_events, run_protocol
+    from . import nodefacts, notify, run_events, run_protocol
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import notify  # type: ignore[no-redef]
     import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
 
@@ -107,7 +108,10 @@ def wait_watching(child: subprocess.Popen[bytes], metrics: str, offset: int,
             except ValueError:
                 continue
             if isinstance(event, dict):
-                on_event(event)
+                try:
+                    on_event(event)
+                except Exception as e:  # noqa: BLE001 - watching is extra: it must not end the supervision
+                    sys.stderr.write("# dflash-ops supervise: reading an event failed: %r\n" % (e,))
         if code is not None and not chunk:
             return code
         if not chunk:
@@ -175,9 +179,13 @@ def _supervise(run_dir: str, log: str) -> int:
     group = plan.get("group") if isinstance(plan.get("group"), dict) else None
     argv = plan["argv"]
     used = 0
-    tell = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
+    tell_any = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
+    tell = tell_any
     if group is not None and group.get("index") != 0:
         tell = lambda *_a, **_k: None  # noqa: E731 - the group's first member tells the group's events
+    spec = notify.read_spec(run_dir)
+    # the optional checkpoint events: told where the checkpoint is written (a group's writer host)
+    checkpoint_events = checkpoint_teller(tell_any) if spec and spec.get("checkpoints") else None
     while True:
         oom_before = oom_kills()
         began = time.time()
@@ -193,7 +201,8 @@ def _supervise(run_dir: str, log: str) -> int:
             raise
         if used == 0:
             tell("started")
-        code = wait_watching(child, metrics, offset, source_of_restart(restarts_path) if group and used else None)
+        code = wait_watching(child, metrics, offset,
+                             both(source_of_restart(restarts_path) if group and used else None, checkpoint_events))
         status = read_json(os.path.join(run_dir, "status.json"))
         mine, wrote = attempt_status(status, child.pid, began, group is not None)
         state = (mine or {}).get("state")
@@ -248,6 +257,29 @@ def _supervise(run_dir: str, log: str) -> int:
             say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
             tell("stopped", step=entry["step"], reason="stopped by the operator between two attempts")
             return 0
+
+
+def checkpoint_teller(tell: Callable[..., None]) -> Callable[[dict], None]:
+    """The `checkpoint` event for each checkpoint the attempt writes (its metrics.jsonl event)."""
+    def on_event(event: dict) -> None:
+        if event.get("event") == "checkpoint" and event.get("path"):
+            request = " (request %s)" % event["request"] if event.get("request") else ""
+            tell("checkpoint", step=event.get("step"), reason="%s written%s" % (event["path"], request))
+
+    return on_event
+
+
+def both(*watchers: Callable[[dict], None] | None) -> Callable[[dict], None] | None:
+    """One on_event for wait_watching calling each watcher given (None: none given)."""
+    given = [w for w in watchers if w is not None]
+    if not given:
+        return None
+
+    def on_event(event: dict) -> None:
+        for watcher in given:
+            watcher(event)
+
+    return on_event
 
 
 def source_of_restart(restarts_path: str) -> Callable[[dict], None]:

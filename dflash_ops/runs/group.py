@@ -80,7 +80,8 @@ def _node_address(container: ContainerAPI) -> str | None:
 def _launch(containers: Sequence[ContainerAPI], run_id: str, extra: list[str], stdin: bytes | None, names: list[str],
             gpus: list[int] | None, notify: dict | None = None) -> None:
     """Start every rank; if one cannot start, stop the ones already started (they wait for it).
-    `notify` (a notify spec) goes to the first member only: it tells the group's events."""
+    `notify` (a notify spec) goes to the first member, which tells the group's events; with
+    "checkpoints" to every member (a checkpoint is told where it is written: the writer's host)."""
     toward = _node_address(containers[1]) if len(containers) > 1 else None
     addresses = [container_address(c, _node_address(containers[0]) if i else toward) for i, c in enumerate(containers)]
     port = call_json(containers[0], ["free-port", "--address", addresses[0]])["port"]
@@ -93,7 +94,7 @@ def _launch(containers: Sequence[ContainerAPI], run_id: str, extra: list[str], s
                     "--rdzv-endpoint", endpoint, "--local-addr", addresses[i]]
             args += ["--store-host"] if i == 0 else []
             sent = stdin
-            if i == 0 and notify and (notify.get("webhooks") or notify.get("commands")):
+            if (i == 0 or (notify or {}).get("checkpoints")) and notify and (notify.get("webhooks") or notify.get("commands")):
                 args.append("--notify-stdin")  # the spec's line, then the config: a webhook URL is never an argument
                 sent = json.dumps(notify, sort_keys=True).encode() + b"\n" + (stdin or b"")
             _start(c, run_id, args, sent, gpus)

@@ -97,7 +97,7 @@ def check_spec(doc: object) -> dict:
     if not isinstance(commands, list) or not all(
             isinstance(c, list) and c and all(isinstance(a, str) for a in c) for c in commands):
         raise BadSpec("notify: commands must be argv lists of strings, e.g. [[\"/usr/local/bin/page\", \"--run\"]]")
-    spec = {"target": str(doc.get("target") or ""), "webhooks": list(webhooks), "commands": [list(c) for c in commands]}
+    spec: dict = {"target": str(doc.get("target") or ""), "webhooks": list(webhooks), "commands": [list(c) for c in commands]}
     if doc.get("checkpoints"):
         spec["checkpoints"] = True  # absent when false: a spec of this shape is one an earlier helper reads
     return spec

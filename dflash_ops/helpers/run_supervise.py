@@ -205,6 +205,11 @@ def _supervise(run_dir: str, log: str) -> int:
                              both(source_of_restart(restarts_path) if group and used else None, checkpoint_events))
         status = read_json(os.path.join(run_dir, "status.json"))
         mine, wrote = attempt_status(status, child.pid, began, group is not None)
+        while group is not None and wrote and mine and nodefacts.process_matches(mine.get("pid"), mine.get("pid_start")):
+            # the launcher is gone (killed?) but its rank lives on with the group: it is the run
+            time.sleep(WATCH_S)
+            status = read_json(os.path.join(run_dir, "status.json"))
+            mine, wrote = attempt_status(status, child.pid, began, True)
         state = (mine or {}).get("state")
         step = (mine or {}).get("step")
         if code == 0 or state in ("stopped", "done"):

@@ -149,8 +149,9 @@ def say(log: str, text: str) -> None:
         sys.stderr.flush()
 
 
-class Terminated(Exception):
-    """The supervisor got SIGTERM (SIGHUP and SIGINT stay as nohup and the shell left them: ignored)."""
+class Terminated(BaseException):
+    """The supervisor got SIGTERM (SIGHUP and SIGINT stay as nohup and the shell left them: ignored).
+    A BaseException, like KeyboardInterrupt: no `except Exception` on the way swallows it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

@@ -107,6 +107,15 @@ def _wrong_shape(model_dir, out):
     return out
 
 
+def _dims(**values):
+    def make(model_dir, out):
+        _copy(model_dir, out, ("config.json",))
+        doc = json.loads((model_dir / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**doc, **values}))
+        return out
+    return make
+
+
 def _not_json(model_dir, out):
     _copy(model_dir, out, ("config.json",))
     (out / "config.json").write_text("{not json")
@@ -124,8 +133,10 @@ def _not_json(model_dir, out):
     (_block_size_zero, r"{out}/config\.json: quantization_config\.weight_block_size must be two positive integers"),
     (_wrong_shape, r"{out}: tensor model\.layers\.0\.mlp\.up_proj\.weight has shape \(\d+, \d+\), but its config\.json "
                    r"makes it \(\d+, \d+\)"),
+    (_dims(num_attention_heads=0), r"{out}/config\.json: num_attention_heads must be a positive integer, got 0"),
+    (_dims(hidden_size=0), r"{out}/config\.json: hidden_size must be a positive integer, got 0"),
 ], ids=["missing", "no-config", "config-not-json", "no-weights", "index-without-weight-map", "missing-shard",
-        "block-size-0", "wrong-shape"])
+        "block-size-0", "wrong-shape", "no-heads", "hidden-0"])
 def test_a_bad_model_directory_is_one_line_in_training(qwen3_model_dir, tmp_path, make, expected):
     import re
 
@@ -137,7 +148,7 @@ def test_a_bad_model_directory_is_one_line_in_training(qwen3_model_dir, tmp_path
 @pytest.mark.parametrize("make, command", [
     (lambda m, out: out, "plan"), (lambda m, out: out, "data-report"),
     (lambda m, out: _copy(m, out, ("config.json",)), "data-report"),
-    (_bad_index, "plan"), (_not_json, "plan"),
+    (_bad_index, "plan"), (_not_json, "plan"), (_dims(num_attention_heads=0), "plan"),
 ])
 def test_plan_and_data_report_name_a_bad_model_directory_in_one_line(qwen3_model_dir, tmp_path, capsys, make,
                                                                       command):

@@ -247,11 +247,12 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
 
     from trainer.run.family import read_family
 
-    check_model_dir(path)
+    check_model_dir(path, weights=False)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     refusal = read_family(config.to_dict()).quantization_refusal
     if refusal:
         raise ValueError(f"{path}: {refusal}")
+    check_model_dir(path)  # its weights, after the quantization it could not read is named
     model = meta_model(config, dtype)
     reader = ShardReader(path)
     base, prefix = _base(model)

@@ -204,6 +204,8 @@ class ModelDirError(ValueError):
 
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+POSITIVE_DIMS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+                 "num_key_value_heads", "head_dim")
 
 
 def check_model_dir(path: str | Path, weights: bool = True) -> dict:
@@ -229,6 +231,11 @@ def check_model_dir(path: str | Path, weights: bool = True) -> dict:
         raise ModelDirError(f"{config}: not JSON ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(text_config(doc).get("num_hidden_layers"), int):
         raise ModelDirError(f"{config}: not a causal LM's config (no num_hidden_layers)")
+    text = text_config(doc)
+    for key in POSITIVE_DIMS:  # a 0 here builds an empty model, or divides by zero when it is built
+        value = text.get(key, doc.get(key))
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ModelDirError(f"{config}: {key} must be a positive integer, got {value!r}")
     if weights and not any((p / name).is_file() for name in WEIGHT_FILES):
         raise ModelDirError(f"{where}: has no weights ({' or '.join(WEIGHT_FILES)})")
     return doc

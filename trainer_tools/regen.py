@@ -415,12 +415,21 @@ class HFEngine:
         self.gather_s = gather_s if gather_s is not None else min(1.0, 0.02 + 0.0001 * self.batch_size)
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         torch_dtype: Any = dtypes[dtype] if dtype != "auto" else "auto"
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        if quantized_checkpoint(model_path):
-            self.model = load_decoded(model_path, device, dtypes.get(dtype, torch.bfloat16))
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
-            self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
+        from trainer.models.target_loading import check_finite
+        from trainer.run.family import ModelDirError, check_model_dir
+
+        try:
+            check_model_dir(model_path, weights=False)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            if quantized_checkpoint(model_path):
+                self.model = load_decoded(model_path, device, dtypes.get(dtype, torch.bfloat16))
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch_dtype)
+                self.model.to(device).eval()  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
+                for name, tensor in self.model.state_dict().items():  # NaN weights decode garbage "answers"
+                    check_finite(model_path, name, tensor)
+        except ModelDirError as e:  # the directory, not the code: one line
+            raise InputError(str(e)) from None
         self.device = device
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

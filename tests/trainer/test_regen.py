@@ -319,3 +319,18 @@ def test_ctrl_c_while_the_last_batch_finishes_exits_130_with_whole_lines(model_d
     assert code == 130
     assert "interrupted while the batch in flight finished" in err and "Traceback" not in err
     assert len({r["id"] for r in records(out)}) == 12
+
+
+def test_the_hf_engine_refuses_a_model_whose_weights_hold_nan(model_dir, tmp_path, capsys):
+    """A checkpoint with NaN weights decoded garbage, written as successful answers."""
+    from tests.trainer.test_quantized_checkpoints import _altered, _set_first
+
+    broken = _altered(Path(model_dir), tmp_path / "broken", "model.layers.1.mlp.down_proj.weight",
+                      _set_first(float("nan")))
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:4])
+    out = tmp_path / "o.jsonl"
+    code, _, err = run_cli(["--engine", "hf", "--model-path", broken, "--in", prompts, "--out", out], capsys)
+    assert code == regen.EXIT_USAGE and (not out.exists() or records(out) == [])
+    [said] = [line for line in err.splitlines() if line.startswith("regen: ")]  # beside transformers' progress bar
+    assert said.startswith(f"regen: {broken}: tensor model.layers.1.mlp.down_proj.weight holds 1 NaN/inf value(s)")
+    assert "Traceback" not in err

@@ -272,7 +272,9 @@ devices: {target: %s, drafter: [%s], memory_gib: %d}
 """
 
     def plan(targets, drafter, gib=139):
-        return build_plan(parse_config(tiny_config(config % (tmp_path, targets, drafter, gib))))
+        # a host of 8 such GPUs (this one's may have fewer: the plan judges the devices against the host's)
+        return build_plan(parse_config(tiny_config(config % (tmp_path, targets, drafter, gib))),
+                          gpu_bytes={i: gib * 2**30 for i in range(8)})
 
     beside = plan("[cuda:0]", "cuda:0")  # the drafter beside the whole target: no room
     assert not beside.fits and beside.refusal().startswith("cuda:0 needs")

@@ -190,3 +190,30 @@ def test_a_model_directory_fixture_never_replaces_what_it_did_not_write(tmp_path
                                                   r"hub-model wrote"):
         write_hub_model(mine, "qwen3")
     assert (mine / "weights.bin").read_bytes() == b"mine"
+
+
+def test_an_export_removes_what_a_killed_export_left_and_nothing_else(checkpoint, tmp_path):
+    """A killed export left `.NAME.tmp-PID` (a whole draft) beside its destination, forever."""
+    import time
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    out = tmp_path / "draft"
+    stale = tmp_path / f".draft.tmp-{dead_pid}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 1000)
+    aside = tmp_path / f".draft.old-{dead_pid}"  # the previous output moved aside: never removed here
+    aside.mkdir()
+    other = tmp_path / f".other.tmp-{dead_pid}"  # another destination's
+    other.mkdir()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.05)
+        writing = tmp_path / f".draft.tmp-{live.pid}"  # a live export's (written after it started)
+        writing.mkdir()
+        export_checkpoint(checkpoint, out)
+        assert (out / "config.json").exists()
+        assert not stale.exists() and aside.exists() and other.exists() and writing.exists()
+    finally:
+        live.kill()
+        live.wait()

@@ -107,8 +107,7 @@ def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool 
         yield out
         return
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove_stale_builds(out)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -128,6 +127,22 @@ def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool 
     _write_marker(marker, {"files": files})
     if aside.exists():
         shutil.rmtree(aside)
+
+
+def _remove_stale_builds(out: Path) -> None:
+    """The `.NAME.tmp-PID` directories a killed build of `out` left beside it (a whole model's size
+    each): only that name, only when PID no longer writes it (trainer.run.checkpoint.writer_gone).
+    `.NAME.old-PID` (the previous output, moved aside for the swap) is never removed here."""
+    prefix = f".{out.name}.tmp-"
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        pid = p.name[len(prefix):]
+        if p.name.startswith(prefix) and pid.isdigit() and p.is_dir() and not p.is_symlink() \
+                and ckpt.writer_gone(int(pid), p):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -37,7 +37,9 @@ IN_PROGRESS = re.compile(r"^\.(?:tmp|trash)-step_\d+-(?P<pid>\d+)$")  # what sav
 NEARLY_FULL = 16 * 2**20  # bytes free below which a failed write is taken for a full disk
 
 
-def _writer_gone(pid: int, path: Path) -> bool:
+def writer_gone(pid: int, path: Path) -> bool:
+    """Whether the process `pid` that named `path` after itself is no longer writing it: it is this
+    process (which has not begun), gone, or a later process that reuses its pid."""
     if pid == os.getpid():
         return True
     ticks = process_start_ticks(pid)
@@ -113,7 +115,7 @@ class CheckpointManager:
             found = IN_PROGRESS.match(p.name)
             if found is None or not p.is_dir() or p.is_symlink():
                 continue
-            if not _writer_gone(int(found["pid"]), p):
+            if not writer_gone(int(found["pid"]), p):
                 continue
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)

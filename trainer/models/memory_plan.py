@@ -162,6 +162,10 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
     run = max(layer_ids) + 1
     per_layer = layer_bytes(target)
+    if cfg.model.target.precision == "fp8":  # the layers training runs hold 1 byte a linear weight; those above
+        per_layer = layer_bytes(target, "fp8")[:run] + per_layer[run:]  # (decoding) load in bf16
+        notes.append(f"precision fp8: layers 0..{run - 1} counted at 1 byte a linear weight (+ fp32 per-channel "
+                     "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)
     embed = module_bytes(base.embed_tokens)
     head = module_bytes(target.get_output_embeddings())

@@ -73,6 +73,8 @@ class FP8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W in e4m3 and one scale per output channel, x quantized per token at
     each call; y in `out_dtype` (bf16). Frozen: no gradients flow through it."""
 
+    fast_accum = False  # torch._scaled_mm's use_fast_accum (Hopper: no periodic fp32 promotion); bench/pipeline.py fp8fast
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -107,7 +109,8 @@ class FP8Linear(torch.nn.Module):
             if pad and rows.device.type == "cuda":
                 q = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(E4M3)
                 sx = torch.nn.functional.pad(sx, (0, 0, 0, pad), value=1.0)
-            y = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=self.out_dtype)
+            fast = {"use_fast_accum": True} if self.fast_accum and rows.device.type == "cuda" else {}
+            y = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=self.out_dtype, **fast)
             y = y[:m] if pad and rows.device.type == "cuda" else y
         else:  # a torch without the CPU kernel: the same product, dequantized (tests only: the CPU is refused)
             y = (dequantize(q, sx) @ dequantize(self.weight, self.scale.t()).t()).to(self.out_dtype)

@@ -98,12 +98,13 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
 
     notes = []
     t = cfg.model.target
-    if t.path is not None and model_config is not None:  # config.json as read on the node
+    if model_config is not None:  # config.json as read on the node (or a random target's, bench/pipeline.py)
         from transformers import AutoConfig
 
         doc = dict(model_config)
         config = AutoConfig.for_model(doc.pop("model_type"), **doc)
-        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
+        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)" if t.path
+                     else f"sized from the given {config.model_type} config")
         return meta_model(config, dtype), notes
     if t.path is not None:
         from pathlib import Path

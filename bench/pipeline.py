@@ -674,12 +674,19 @@ def quantize_target(args, target, precision, emit, prefix):
 
 
 def drafter_layers_for(args, shape, precision, target, emit, prefix):
-    """--drafter-layers: a number, or auto: the most layers of 5..1 whose memory plan fits the device
-    (trainer.models.memory_plan on the bench's config at this shape and precision)."""
-    if args.drafter_layers in (None, "auto") and not (args.drafter_layers == "auto" or shape == "70b"):
-        return None
-    if args.drafter_layers not in (None, "auto"):
-        return int(args.drafter_layers)
+    """--drafter-layers: numbers, or auto: the most layers of 5..1 whose memory plan fits the device
+    (trainer.models.memory_plan on the bench's config at this shape and precision); a list, each run."""
+    wanted = args.drafter_layers or (["auto"] if shape == "70b" else [None])
+    out = []
+    for w in wanted:
+        layers = None if w is None else _plan_layers(args, shape, precision, target, emit, prefix) if w == "auto" \
+            else int(w)
+        if layers not in out:
+            out.append(layers)
+    return out
+
+
+def _plan_layers(args, shape, precision, target, emit, prefix):
     from trainer.models.memory_plan import build_plan
 
     tried = {}
@@ -767,8 +774,9 @@ def main(argv=None):
     p.add_argument("--experts", nargs="+", choices=["grouped_mm", "eager"], default=None,
                    help="a MoE target's experts implementations per mode (keys <mode>~eager); default: the "
                         "installed transformers' choice. eager (the per-expert loop) runs only with an eager target")
-    p.add_argument("--drafter-layers", default=None,
-                   help="drafter layers (default 5, --tiny 2); auto: the most of 5..1 the memory plan fits")
+    p.add_argument("--drafter-layers", nargs="+", default=None,
+                   help="drafter layers, each a run (keys <mode>#dN when several; default 5, --tiny 2); auto: the "
+                        "most of 5..1 the memory plan fits (the default for 70b)")
     p.add_argument("--cli-precision", choices=["bf16", "fp8"], default="bf16",
                    help="model.target.precision of the --cli-steps run")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
@@ -823,35 +831,40 @@ def main(argv=None):
         for precision in shape_precisions:
             if precision != "bf16":
                 quantize_target(args, target, precision, emit, prefix)
-            layers = drafter_layers_for(args, shape, precision, target, emit, prefix)
-            for experts in experts_for(args, target):
-                for mode, length in runs:
-                    key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-                    if len(precisions) > 1 or precision != "bf16":
-                        key += f"@{precision}"
-                    if experts is not None and len(args.experts or []) > 1:
-                        key += f"~{experts}"
-                    if experts == "eager" and mode_compiles(args, mode):
-                        emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
-                                                       "expert counts): run it with --modes packed"})
-                        continue
-                    for variant in args.variants:
-                        name = prefix + (key if variant == "whole" else f"{key}:{variant}")
-                        try:
-                            if experts is not None:
-                                from trainer.models.moe import set_experts
+            layer_counts = drafter_layers_for(args, shape, precision, target, emit, prefix)
+            for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
+                                                    for r in runs]:
+                key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
+                if len(precisions) > 1 or precision != "bf16":
+                    key += f"@{precision}"
+                if experts is not None and len(args.experts or []) > 1:
+                    key += f"~{experts}"
+                if len(layer_counts) > 1:
+                    key += f"#d{layers}"
+                if experts == "eager" and mode_compiles(args, mode):
+                    emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
+                                                   "expert counts): run it with --modes packed"})
+                    continue
+                for variant in args.variants:
+                    name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                    failed = False
+                    try:
+                        if experts is not None:
+                            from trainer.models.moe import set_experts
 
-                                set_experts(target, experts)
-                            emit(name, run_mode(args, mode, target, samples, results, length, variant,
-                                                precision.removesuffix("fast"), layers))
-                        except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
-                            import traceback
+                            set_experts(target, experts)
+                        emit(name, run_mode(args, mode, target, samples, results, length, variant,
+                                            precision.removesuffix("fast"), layers))
+                    except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
+                        import traceback
 
-                            emit(name, {"error": traceback.format_exc()[-4000:]})
-                            torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
-                            gc.collect()
-                            if torch.cuda.is_available():
-                                torch.cuda.empty_cache()
+                        emit(name, {"error": traceback.format_exc()[-4000:]})
+                        failed = True
+                    if failed:  # outside the except block: its traceback (holding the mode's tensors) is gone
+                        torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
         del target, samples
         gc.collect()
         if torch.cuda.is_available():

@@ -728,6 +728,23 @@ def experts_for(args, target):
     return args.experts
 
 
+def shape_options(parser, args):
+    """--modes-for and --steps-for as {shape: modes} and {shape: steps}."""
+    modes_for, steps_for = {}, {}
+    for item in args.modes_for:
+        shape, _, modes = item.partition("=")
+        bad = [m for m in modes.split(",") if m not in MODES]
+        if shape not in args.targets or not modes or bad:
+            parser.error(f"--modes-for {item}: SHAPE (one of --targets) = modes of {', '.join(MODES)}")
+        modes_for[shape] = modes.split(",")
+    for item in args.steps_for:
+        shape, _, steps = item.partition("=")
+        if shape not in args.targets or not steps.isdigit() or int(steps) < 1:
+            parser.error(f"--steps-for {item}: SHAPE (one of --targets) = a positive number of steps")
+        steps_for[shape] = int(steps)
+    return modes_for, steps_for
+
+
 def mode_compiles(args, mode):
     """Whether the mode compiles the target (model.compile_target on CUDA for packed+ct and all)."""
     return mode.removesuffix("/rank") in ("packed+ct", "all") and torch.device(args.target[0]).type == "cuda"
@@ -778,7 +795,13 @@ def main(argv=None):
                    help="drafter layers, each a run (keys <mode>#dN when several; default 5, --tiny 2); auto: the "
                         "most of 5..1 the memory plan fits (the default for 70b)")
     p.add_argument("--cli-precision", choices=["bf16", "fp8"], default="bf16",
-                   help="model.target.precision of the --cli-steps run")
+                   help="model.target.precision of the --cli-steps run (it runs after the 8b shape, else at the end)")
+    p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
+                   help="modes of one shape instead of --modes, e.g. 30b-a3b=packed,packed+ct 70b=packed+ct")
+    p.add_argument("--steps-for", nargs="*", default=[], metavar="SHAPE=N", help="steps of one shape instead of --steps")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="modes not started this many seconds after the start are skipped (0: none), so that one "
+                        "device call ends with its summary; figures are written to --out as each mode ends")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -797,14 +820,23 @@ def main(argv=None):
     lengths = sample_lengths(args.samples, args)
     emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
                      "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
-    args.modes = sorted(args.modes, key=MODES.index)
-    runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
-    if args.one_rank:
-        runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
-    results["runs"] = [f"{shape}:{m}@{q}" for shape in args.targets for q in args.precisions for m, _ in runs]
+    started = time.time()
+    modes_for, steps_for = shape_options(p, args)
+
+    def runs_of(shape):
+        modes = sorted(modes_for.get(shape, args.modes), key=MODES.index)
+        runs = [(m, L) for m in modes for L in (args.pack_length if m != "bucketed" else [0])]
+        if args.one_rank:
+            runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
+        return runs
+
+    default_steps = args.steps
+    cli_after = "8b" if "8b" in args.targets else args.targets[-1]
     precisions = sorted(dict.fromkeys(args.precisions), key=PRECISIONS.index)
     for shape in args.targets:
         prefix = f"{shape}/" if len(args.targets) > 1 else ""
+        runs = runs_of(shape)
+        args.steps = steps_for.get(shape, default_steps)
         shape_precisions = precisions
         if shape == "70b" and not args.tiny and "bf16" in precisions:
             emit(f"{prefix}bf16", {"error": "70b in bf16: 133 GB of weights for layers 0..77, more than one H200; "
@@ -841,6 +873,10 @@ def main(argv=None):
                     key += f"~{experts}"
                 if len(layer_counts) > 1:
                     key += f"#d{layers}"
+                if args.budget_s and time.time() - started > args.budget_s:
+                    emit(prefix + key, {"skipped": f"--budget-s {args.budget_s:g}: not started "
+                                                   f"{time.time() - started:.0f}s after the start"})
+                    continue
                 if experts == "eager" and mode_compiles(args, mode):
                     emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
                                                    "expert counts): run it with --modes packed"})
@@ -869,10 +905,12 @@ def main(argv=None):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if args.cli_steps:
-        if hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
-        emit("cli", trainer_cli(args, lengths, results))
+        if args.cli_steps and shape == cli_after:
+            if hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
+            args.steps = default_steps
+            emit("cli", trainer_cli(args, lengths, results))
+    args.steps = default_steps
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
     for k, v in results.items():
         if isinstance(v, dict) and "error" in v:

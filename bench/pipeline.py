@@ -729,8 +729,15 @@ def experts_for(args, target):
 
 
 def shape_options(parser, args):
-    """--modes-for and --steps-for as {shape: modes} and {shape: steps}."""
+    """--modes-for, --steps-for and --precisions-for as {shape: modes}, {shape: steps}, {shape: precisions}."""
     modes_for, steps_for = {}, {}
+    args.precisions_of = {}
+    for item in args.precisions_for:
+        shape, _, values = item.partition("=")
+        bad = [q for q in values.split(",") if q not in PRECISIONS]
+        if shape not in args.targets or not values or bad:
+            parser.error(f"--precisions-for {item}: SHAPE (one of --targets) = precisions of {', '.join(PRECISIONS)}")
+        args.precisions_of[shape] = sorted(dict.fromkeys(values.split(",")), key=PRECISIONS.index)
     for item in args.modes_for:
         shape, _, modes = item.partition("=")
         bad = [m for m in modes.split(",") if m not in MODES]
@@ -799,6 +806,8 @@ def main(argv=None):
     p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
                    help="modes of one shape instead of --modes, e.g. 30b-a3b=packed,packed+ct 70b=packed+ct")
     p.add_argument("--steps-for", nargs="*", default=[], metavar="SHAPE=N", help="steps of one shape instead of --steps")
+    p.add_argument("--precisions-for", nargs="*", default=[], metavar="SHAPE=P,P",
+                   help="precisions of one shape instead of --precisions, e.g. 30b-a3b=bf16")
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="modes not started this many seconds after the start are skipped (0: none), so that one "
                         "device call ends with its summary; figures are written to --out as each mode ends")
@@ -837,7 +846,7 @@ def main(argv=None):
         prefix = f"{shape}/" if len(args.targets) > 1 else ""
         runs = runs_of(shape)
         args.steps = steps_for.get(shape, default_steps)
-        shape_precisions = precisions
+        shape_precisions = args.precisions_of.get(shape, precisions)
         if shape == "70b" and not args.tiny and "bf16" in precisions:
             emit(f"{prefix}bf16", {"error": "70b in bf16: 133 GB of weights for layers 0..77, more than one H200; "
                                             "run it at --precisions fp8"})
@@ -867,7 +876,7 @@ def main(argv=None):
             for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
                                                     for r in runs]:
                 key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-                if len(precisions) > 1 or precision != "bf16":
+                if len(set(precisions) | {q for v in args.precisions_of.values() for q in v}) > 1 or precision != "bf16":
                     key += f"@{precision}"
                 if experts is not None and len(args.experts or []) > 1:
                     key += f"~{experts}"

@@ -86,8 +86,11 @@ def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path):
         "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "1", "--log-every", "1",
         "--mix", "lognormal", "--min-len", "16", "--max-len", "128", "--median", "40", "--samples", "40",
         "--anchors", "16", "--modes", "packed", "--pack-length", "256", "--stage-micro", "1",
-        "--targets", "30b-a3b", "70b", "--precisions", "bf16", "fp8", "--experts", "grouped_mm", "eager",
+        "--targets", "8b", "30b-a3b", "70b", "--precisions", "bf16", "fp8", "--experts", "grouped_mm", "eager",
+        "--modes-for", "8b=packed", "--steps-for", "8b=1", "--precisions-for", "8b=fp8",
         "--drafter-layers", "auto", "--out", str(tmp_path / "bench.json")])
+    assert results["8b/packed@fp8"]["pipeline"]["steps"] == 1 and "8b/packed@bf16" not in results
+    assert results["8b/quantized"]["linears"] == 6 * 7
     for key in ("30b-a3b/packed@bf16~grouped_mm", "30b-a3b/packed@bf16~eager", "30b-a3b/packed@fp8~grouped_mm",
                 "70b/packed@bf16", "70b/packed@fp8"):
         assert results[key]["pipeline"]["steps"] == 2, results[key].get("error")
@@ -116,3 +119,13 @@ def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_v
     assert bench.mask_id(args, LlamaConfig(**bench.LLAMA_3_3_70B_DIMS)) == 128255
     assert bench.mask_id(args, Qwen3Config(vocab_size=151936)) == 151669
     assert bench.mask_id(SimpleNamespace(tiny=True), None) == 5
+
+
+def test_shape_options_name_the_bad_item(capsys):
+    bench = load_bench()
+    for argv, message in ((["--modes-for", "8b=fast"], "--modes-for 8b=fast"),
+                          (["--steps-for", "70b=3"], "--steps-for 70b=3: SHAPE (one of --targets)"),
+                          (["--precisions-for", "8b=fp4"], "--precisions-for 8b=fp4")):
+        with pytest.raises(SystemExit):
+            bench.main(["--tiny", "--target", "cpu", "--drafter", "cpu", "--samples", "4", *argv])
+        assert message in capsys.readouterr().err

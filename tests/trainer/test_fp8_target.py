@@ -241,3 +241,26 @@ def test_the_trainer_builds_an_fp8_target_on_cuda_only(tmp_path: Path):
 class _Tok:
     def __len__(self) -> int:
         return 512
+
+
+def test_the_plan_fits_a_70b_shaped_fp8_target_beside_a_2_layer_drafter_on_one_h200():
+    """Llama-3.3-70B truncated at its last tap (layers 0..77): ~64 GiB in FP8; a 5-layer drafter at its width
+    (~74 GB with fp32 weights, gradients and AdamW) does not fit beside it on a 139 GiB H200, 2 layers do."""
+    import unittest.mock
+
+    from transformers import LlamaConfig
+
+    from trainer.models.memory_plan import build_plan
+    from trainer.models.target import LLAMA_3_3_70B_DIMS
+
+    config = LlamaConfig(**LLAMA_3_3_70B_DIMS).to_dict()
+    verdict = {}
+    for layers in (5, 3, 2):
+        text = tiny_config(FP8_CUDA, f"model: {{drafter_layers: {layers}, mask_token_id: 128255, block_size: 16, num_target_layers: 5}}\n"
+                           "devices: {memory_gib: 139}\ndata: {pack_length: 8192, max_length: 3072, num_anchors: 512, "
+                           "token_budget: 3072}\n")
+        with unittest.mock.patch("trainer.run.config._fp8_refusal", lambda d: None):
+            plan = build_plan(parse_config(text), config)
+        verdict[layers] = plan.fits
+        assert 63 < plan.stages[0]["target weights"] / 2**30 < 65
+    assert verdict == {5: False, 3: False, 2: True}

@@ -109,8 +109,11 @@ class FP8Linear(torch.nn.Module):
             if pad and rows.device.type == "cuda":
                 q = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(E4M3)
                 sx = torch.nn.functional.pad(sx, (0, 0, 0, pad), value=1.0)
-            fast = {"use_fast_accum": True} if self.fast_accum and rows.device.type == "cuda" else {}
-            y = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=self.out_dtype, **fast)
+            if self.fast_accum and rows.device.type == "cuda":
+                y = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=self.out_dtype,
+                                     use_fast_accum=True)
+            else:
+                y = torch._scaled_mm(q, self.weight.t(), scale_a=sx, scale_b=self.scale, out_dtype=self.out_dtype)
             y = y[:m] if pad and rows.device.type == "cuda" else y
         else:  # a torch without the CPU kernel: the same product, dequantized (tests only: the CPU is refused)
             y = (dequantize(q, sx) @ dequantize(self.weight, self.scale.t()).t()).to(self.out_dtype)
@@ -165,7 +168,7 @@ def fp8_bytes(module: torch.nn.Module) -> int:
     total = 0
     for m in module.modules():
         own = list(m.parameters(recurse=False))
-        if quantizable(m):
+        if isinstance(m, torch.nn.Linear) and quantizable(m):
             total += m.weight.numel() + 4 * m.out_features + sum(
                 p.numel() * p.element_size() for p in own if p is not m.weight)
         else:

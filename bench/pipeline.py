@@ -804,7 +804,8 @@ def main(argv=None):
     p.add_argument("--cli-precision", choices=["bf16", "fp8"], default="bf16",
                    help="model.target.precision of the --cli-steps run (it runs after the 8b shape, else at the end)")
     p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
-                   help="modes of one shape instead of --modes, e.g. 30b-a3b=packed,packed+ct 70b=packed+ct")
+                   help="modes of one shape instead of --modes, run in the order given (first what matters most "
+                        "under --budget-s), e.g. 30b-a3b=packed+ct,packed 70b=packed+ct")
     p.add_argument("--steps-for", nargs="*", default=[], metavar="SHAPE=N", help="steps of one shape instead of --steps")
     p.add_argument("--precisions-for", nargs="*", default=[], metavar="SHAPE=P,P",
                    help="precisions of one shape instead of --precisions, e.g. 30b-a3b=bf16")
@@ -833,7 +834,7 @@ def main(argv=None):
     modes_for, steps_for = shape_options(p, args)
 
     def runs_of(shape):
-        modes = sorted(modes_for.get(shape, args.modes), key=MODES.index)
+        modes = modes_for[shape] if shape in modes_for else sorted(args.modes, key=MODES.index)  # --modes-for: its order
         runs = [(m, L) for m in modes for L in (args.pack_length if m != "bucketed" else [0])]
         if args.one_rank:
             runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]

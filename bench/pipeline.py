@@ -589,7 +589,9 @@ def cli_config(args, train_path, run_steps):
     cfg["eval"] = {"samples": 1, "max_new_tokens": 8}
     cfg["devices"] = {"target": args.target, "drafter": args.drafter}
     if args.cli_precision != "bf16":
-        cfg["model"]["target"]["precision"] = args.cli_precision
+        cfg["model"]["target"]["precision"] = "fp8"
+    if args.cli_precision == "fp8fast":
+        cfg["model"]["target"]["fp8_fast_accum"] = True
     if args.tiny:
         cfg["model"].update(target={"tiny": {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
                                              "intermediate": 128, "fit_steps": 0}},
@@ -801,7 +803,7 @@ def main(argv=None):
     p.add_argument("--drafter-layers", nargs="+", default=None,
                    help="drafter layers, each a run (keys <mode>#dN when several; default 5, --tiny 2); auto: the "
                         "most of 5..1 the memory plan fits (the default for 70b)")
-    p.add_argument("--cli-precision", choices=["bf16", "fp8"], default="bf16",
+    p.add_argument("--cli-precision", choices=["bf16", "fp8", "fp8fast"], default="bf16",
                    help="model.target.precision of the --cli-steps run (it runs after the 8b shape, else at the end)")
     p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
                    help="modes of one shape instead of --modes, run in the order given (first what matters most "

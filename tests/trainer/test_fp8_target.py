@@ -264,3 +264,18 @@ def test_the_plan_fits_a_70b_shaped_fp8_target_beside_a_2_layer_drafter_on_one_h
         verdict[layers] = plan.fits
         assert 63 < plan.stages[0]["target weights"] / 2**30 < 65
     assert verdict == {5: False, 3: False, 2: True}
+
+
+def test_fast_accumulation_is_a_choice_of_fp8_only():
+    with pytest.raises(ConfigError, match="model.target.fp8_fast_accum needs precision fp8"):
+        parse_config(tiny_config("model: {target: {fp8_fast_accum: true}}\n"))
+    import unittest.mock
+
+    with unittest.mock.patch("trainer.run.config._fp8_refusal", lambda d: None):
+        cfg = parse_config(tiny_config(FP8_CUDA.replace("precision: fp8", "precision: fp8, fp8_fast_accum: true")))
+    assert cfg.model.target.fp8_fast_accum
+    layers = [torch.nn.Sequential(torch.nn.Linear(32, 16)), torch.nn.Sequential(torch.nn.Linear(32, 16))]
+    fp8.quantize_layers(layers, fast_accum=True)
+    assert all(layer[0].fast_accum for layer in layers) and not fp8.FP8Linear.fast_accum
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    assert layers[0](x).shape == (4, 16)  # the CPU ignores it (the flag is Hopper's kernel choice)

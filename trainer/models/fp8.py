@@ -157,10 +157,22 @@ def quantize_linears(module: torch.nn.Module, out_dtype: torch.dtype = torch.bfl
     return replaced
 
 
-def quantize_layers(layers: Iterable[torch.nn.Module], out_dtype: torch.dtype = torch.bfloat16) -> int:
+def quantize_layers(layers: Iterable[torch.nn.Module], out_dtype: torch.dtype = torch.bfloat16,
+                    fast_accum: bool = False) -> int:
     """quantize_linears over decoder layers; layers still on the meta device (above the last tap
-    of a target loaded for training) are quantized as shapes."""
-    return sum(quantize_linears(layer, out_dtype) for layer in layers)
+    of a target loaded for training) are quantized as shapes. fast_accum: model.target.fp8_fast_accum."""
+    layers = list(layers)
+    n = sum(quantize_linears(layer, out_dtype) for layer in layers)
+    if fast_accum:
+        set_fast_accum(layers)
+    return n
+
+
+def set_fast_accum(modules: Iterable[torch.nn.Module], on: bool = True) -> None:
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, FP8Linear):
+                m.fast_accum = on
 
 
 def fp8_bytes(module: torch.nn.Module) -> int:

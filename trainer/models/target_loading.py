@@ -417,6 +417,11 @@ def replica_target(target: torch.nn.Module, plan: StagePlan, dtype: str) -> torc
 
     source = getattr(target, "_dflash_source", None)
     if source is not None:
-        return load_staged(source, plan, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-                           precision=target.__dict__.get("_dflash_precision", "bf16"))
+        replica = load_staged(source, plan, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                              precision=target.__dict__.get("_dflash_precision", "bf16"))
+        from trainer.models.fp8 import FP8Linear, set_fast_accum
+
+        if any(isinstance(m, FP8Linear) and m.fast_accum for m in target.modules()):
+            set_fast_accum([replica])
+        return replica
     return place(copy.deepcopy(target), plan)

@@ -50,6 +50,7 @@ class TargetConfig:
     # output channel; activations per token; torch._scaled_mm), the tapped features in bf16; an FP8
     # checkpoint stays 1 byte a weight. Needs CUDA devices of compute capability 8.9+ and model.dtype bf16
     precision: Literal["bf16", "fp8"] = "bf16"
+    fp8_fast_accum: bool = False  # fp8: torch._scaled_mm's fast accumulation (Hopper: no periodic fp32 promotion; faster, coarser sums)
     # a MoE target's experts: grouped_mm (every expert's matmul in one grouped GEMM), eager (transformers'
     # per-expert loop); auto: grouped_mm where the installed transformers and torch offer it
     experts: Literal["auto", "grouped_mm", "eager"] = "auto"
@@ -367,6 +368,7 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     t = c.model.target
     chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
     check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
+    check(not t.fp8_fast_accum or t.precision == "fp8", ("model", "target", "fp8_fast_accum"), "needs precision fp8")
     if t.precision == "fp8":
         check(c.model.dtype == "bf16", ("model", "target", "precision"),
               "fp8 returns bf16 features: it needs model.dtype bf16")

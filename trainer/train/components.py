@@ -106,6 +106,10 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
         budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
         model = load_staged(t.path, plan, dtype, log, budget, t.precision)
+        if t.fp8_fast_accum:
+            from trainer.models.fp8 import set_fast_accum
+
+            set_fast_accum(base_layers(base_model(model))[:plan.layers])
         fam = target_family(meta)
         log(f"target family: {fam.summary()}; layers: {fam.layer_table()}")
         target_kernels(model, cfg, log)
@@ -147,7 +151,7 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
 
         for d in dict.fromkeys(plan.devices):
             check_device(d)
-        quantize_layers(base_layers(base_model(model))[:plan.layers], dtype)
+        quantize_layers(base_layers(base_model(model))[:plan.layers], dtype, t.fp8_fast_accum)
         model.__dict__["_dflash_precision"] = "fp8"
     target_kernels(model, cfg, log)
     return model
@@ -164,7 +168,8 @@ def target_kernels(model: torch.nn.Module, cfg: TrainerConfig, log: Callable[[st
     if cfg.model.target.precision == "fp8":
         from trainer.models.fp8 import fp8_summary
 
-        log(f"target precision fp8: {fp8_summary(model)}")
+        fast = ", fast accumulation" if cfg.model.target.fp8_fast_accum else ""
+        log(f"target precision fp8{fast}: {fp8_summary(model)}")
 
 
 def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:

@@ -279,3 +279,21 @@ def test_fast_accumulation_is_a_choice_of_fp8_only():
     assert all(layer[0].fast_accum for layer in layers) and not fp8.FP8Linear.fast_accum
     x = torch.randn(4, 32).to(torch.bfloat16)
     assert layers[0](x).shape == (4, 16)  # the CPU ignores it (the flag is Hopper's kernel choice)
+
+
+def test_the_trainer_quantizes_the_layers_training_runs(tmp_path: Path, monkeypatch):
+    """With the device check passed (a GPU's), a target built in code has its layers up to the last tap
+    in FP8, those above (decoding) in bf16, and says so in the log."""
+    from trainer.train.components import build_target
+
+    cfg = parse_config(tiny_config("model: {target: {tiny: {layers: 4, hidden: 32, heads: 2, kv_heads: 1, head_dim: 16, "
+                                   "intermediate: 64}}, target_layer_ids: [0, 1]}\n"))
+    cfg.model.target.precision, cfg.model.target.fp8_fast_accum = "fp8", True
+    monkeypatch.setattr(fp8, "check_device", lambda d: None)
+    lines: list[str] = []
+    target = build_target(cfg, _Tok(), None, tmp_path, lines.append)  # type: ignore[arg-type]
+    layers = target.model.layers
+    assert isinstance(layers[1].mlp.down_proj, fp8.FP8Linear) and layers[1].mlp.down_proj.fast_accum
+    assert type(layers[2].mlp.down_proj) is torch.nn.Linear  # above the last tap: decoding, bf16
+    assert target.__dict__["_dflash_precision"] == "fp8"
+    assert any(line.startswith("target precision fp8, fast accumulation: 14 linear layers in FP8") for line in lines)

@@ -137,7 +137,7 @@ PRESETS = {
     # one H200, one call (issue #42): the drafter trained on the bf16 target's features (the main run, "base")
     # and on the FP8 target's ("fp8 target": model.target.precision fp8) side by side, the same steps and data,
     # both evaluated against the bf16 target (as served): the τ FP8 features cost
-    "h200-fp8": Preset(drafter_rate=9.0, ablations={"base": {}, "fp8 target": {"precision": "fp8"}},
+    "h200-fp8": Preset(drafter_rate=8.0, ablations={"base": {}, "fp8 target": {"precision": "fp8"}},
                        ablation_steps_as_main=True, parallel=2, curve_points=2),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)

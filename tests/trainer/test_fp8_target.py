@@ -222,7 +222,7 @@ def test_grouped_experts_equal_the_per_expert_loop_and_packed_rows_stay_exact(mo
 
 def test_experts_config_is_read_and_grouped_refused_where_not_offered(monkeypatch):
     assert parse_config(tiny_config("model: {target: {experts: eager}}\n")).model.target.experts == "eager"
-    monkeypatch.setattr(moe, "grouped_available", lambda: "this torch (2.1) has no grouped_mm")
+    monkeypatch.setattr("trainer.run.accel.grouped_available", lambda: "this torch (2.1) has no grouped_mm")
     with pytest.raises(ConfigError, match="model.target.experts grouped_mm is not offered here: this torch"):
         parse_config(tiny_config("model: {target: {experts: grouped_mm}}\n"))
 

@@ -24,35 +24,18 @@ from typing import Any
 
 import torch
 
+from trainer.run.accel import MIN_CAPABILITY, fp8_refusal
+
+__all__ = ["MIN_CAPABILITY", "fp8_refusal"]  # re-exported: the refusal lives with the config (trainer.run.accel)
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-MIN_CAPABILITY = (8, 9)  # Ada; Hopper is (9, 0)
 ALIGN = 16  # torch._scaled_mm: both matrix dimensions of the weight a multiple of 16
 _AMAX_FLOOR = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 
 
 class FP8Error(RuntimeError):
     """FP8 matmuls cannot run here (one line naming the device and why)."""
-
-
-def fp8_refusal(device: str) -> str | None:
-    """Why the target cannot run its matmuls in FP8 on `device`, or None. A CUDA device this process
-    cannot see (the config read on a control machine) is not judged here: the trainer checks it
-    again where it builds the target (`check_device`)."""
-    d = torch.device(device)
-    if d.type != "cuda":
-        return (f"{device}: FP8 needs a GPU with FP8 tensor cores (compute capability 8.9 or later, "
-                "torch._scaled_mm); the CPU has none: use precision bf16")
-    if not hasattr(torch, "_scaled_mm"):
-        return f"this torch ({torch.__version__}) has no torch._scaled_mm: use precision bf16"
-    if not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count():
-        return None
-    capability = torch.cuda.get_device_capability(d)
-    if tuple(capability) < MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(d)
-        return (f"{device} ({name}) has compute capability {capability[0]}.{capability[1]}; FP8 matmuls need "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada) or 9.0 (Hopper) and later: use precision bf16")
-    return None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,22 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-EXPERTS = ("auto", "grouped_mm", "eager")
-
-
-def grouped_available() -> str | None:
-    """Why grouped expert matmuls are not offered here, or None."""
-    try:
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    except ImportError:
-        return "this transformers has no experts interface (transformers.integrations.moe)"
-    if "grouped_mm" not in ALL_EXPERTS_FUNCTIONS:
-        return "this transformers' experts interface has no grouped_mm"
-    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
-        return f"this torch ({torch.__version__}) has no grouped_mm"
-    return None
+from trainer.run.accel import EXPERTS, grouped_available
 
 
 def is_moe(model: Any) -> bool:

@@ -337,20 +337,24 @@ def parse_config(text: str, source: str = "<config>") -> TrainerConfig:
 
 
 def _fp8_refusal(device: str) -> str | None:
-    """trainer.models.fp8.fp8_refusal, where torch is installed (else only the CPU is refused here)."""
+    """trainer.run.accel.fp8_refusal, where torch is installed (else only the CPU is refused here)."""
     try:
-        from trainer.models.fp8 import fp8_refusal
+        import torch  # noqa: F401
     except ImportError:
         return None if device.startswith("cuda") else f"{device}: FP8 needs a GPU with FP8 tensor cores"
-    return fp8_refusal(device)
+    from trainer.run import accel
+
+    return accel.fp8_refusal(device)
 
 
 def _grouped_refusal() -> str | None:
     try:
-        from trainer.models.moe import grouped_available
+        import torch  # noqa: F401
     except ImportError:
         return None
-    return grouped_available()
+    from trainer.run import accel
+
+    return accel.grouped_available()
 
 
 def _section_where(raw: Any, source: str, *keys: str) -> str:

@@ -638,7 +638,8 @@ def trainer_cli(args, lengths, results):
     if done.returncode:
         out["log_tail"] = (done.stdout + done.stderr)[-3000:]
     shutil.rmtree(work, ignore_errors=True)
-    keys = [k + suffix for k in ("all", "packed+ct", "packed") for suffix in (f"@{args.cli_precision}", "")]
+    keys = [prefix + k + suffix for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
+            for suffix in (f"@{args.cli_precision.removesuffix('fast')}", "")]
     bench_mode = next((k for k in keys if "pipeline" in results.get(k, {})), None)
     if bench_mode:
         bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
@@ -913,6 +914,19 @@ def main(argv=None):
                         gc.collect()
                         if torch.cuda.is_available():
                             torch.cuda.empty_cache()
+                    if failed and precision != "bf16" and mode_compiles(args, mode) and not args.tiny:
+                        # the FP8 target compiled failed: its eager figure still says what FP8 gives
+                        fallback = f"{name}:eager-fallback"
+                        try:
+                            emit(fallback, run_mode(args, "packed", target, samples, results, length, variant,
+                                                    precision.removesuffix("fast"), layers))
+                        except Exception:  # noqa: BLE001 - reported like any mode
+                            import traceback
+
+                            emit(fallback, {"error": traceback.format_exc()[-4000:]})
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
         del target, samples
         gc.collect()
         if torch.cuda.is_available():
@@ -942,7 +956,7 @@ def main(argv=None):
             "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()},
             "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts")}
     emit("summary", summary)
-    print(f"{'mode':<32}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
+    print(f"{'mode':<36}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
     def pipe_mfu(m):
         return "-" if not m else f"{m['target']:.2f}+{m['drafter']:.2f}"
@@ -950,7 +964,7 @@ def main(argv=None):
     for key, v in summary.items():
         ta, da = v["target_alone"], v["drafter_alone"]
         mfu = lambda s: "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"  # noqa: E731
-        print(f"{key:<32}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
+        print(f"{key:<36}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     for key in [k for k in summary if k.startswith("all")]:

@@ -928,6 +928,8 @@ def main(argv=None):
                         if torch.cuda.is_available():
                             torch.cuda.empty_cache()
         del target, samples
+        if len(args.targets) > 1:  # compiled graphs and their guards may hold the last shape's weights (70B: 66 GB)
+            torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

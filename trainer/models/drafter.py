@@ -417,7 +417,7 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
     module.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     # the mask slots' own embedding where the draft ships one (vLLM: mask_embedding.pt), else None:
     # the target's embedding row of mask_token_id
-    module.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_embedding else None
+    module.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_embedding else None  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     module.rope = (c.head_dim, c.rope_theta)  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
 
 
@@ -516,6 +516,6 @@ class DFlashDrafter(nn.Module):
         block_positions = torch.arange(start, start + block_embeds.shape[1], device=dev).expand(b, -1)
 
         valid = torch.ones(b, length, dtype=torch.bool, device=dev)
-        c = self.dflash if hasattr(self, "dflash") else self.config  # the exported model's config is Qwen3Config
+        c: DrafterConfig = getattr(self, "dflash", None) or self.config  # the exported model's config is Qwen3Config
         attends = serving_attention(c.kinds(), valid, ctx_positions, block_positions)
         return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attends)

@@ -196,3 +196,17 @@ def test_the_draft_shape_is_its_own_and_the_default_is_the_2025_layout(tiny):
     with pytest.raises(ValueError, match="neither every layer alike nor causal exactly on the sliding layers"):
         DrafterConfig.from_target(target.config, 3, 8, MASK_ID, [1, 2], layer_types=[SLIDING, FULL, FULL],
                                   sliding_window=4, causal=[False, True, False])
+
+
+def test_model_flops_count_a_sliding_layers_window_not_the_whole_context(tiny):
+    from trainer.pipeline.flops import micro_batch_flops
+
+    target, _, _, layer_ids = tiny
+    ds = doc_start_of([1024], 1024)[None]
+    anchors, valid = sample_packed_anchors(torch.ones(1, 1024, dtype=torch.bool), ds, 64, torch.Generator().manual_seed(0))
+    blocks = make_blocks(torch.zeros(1, 1024, dtype=torch.long), torch.ones(1, 1024, dtype=torch.bool), anchors, valid,
+                         8, 7.0, MASK_ID, ds)
+    cfgs = [DrafterConfig.from_target(target.config, 2, 8, MASK_ID, layer_ids, layer_types=types, sliding_window=w)
+            for types, w in ((None, None), ([SLIDING, SLIDING], 10**6), ([SLIDING, SLIDING], 64))]
+    full, huge, small = (micro_batch_flops(target.config, c, torch.ones(1, 1024), ds, blocks)["drafter_real"] for c in cfgs)
+    assert full == huge > small

@@ -235,3 +235,39 @@ def test_doctor_sizes_the_checkpoint_from_the_drafts_own_shape(tmp_path):
                                               drafter_shape=own).checkpoint_bytes()
     assert plan.checkpoint_bytes() != RunPlan(dims={**dims, "num_hidden_layers": 2}, drafter_layers=3,
                                               num_target_layers=2).checkpoint_bytes()
+
+
+def test_packed_rows_through_the_threaded_pipeline_train_a_mixed_layout(tmp_path):
+    cfg = parse_config(tiny_config("optim: {total_steps: 2}", "pipeline: {kind: threaded}",
+                                   "data: {pack_length: 128, max_length: 64}", """
+model:
+  drafter_layers: 2
+  drafter: {layer_types: [sliding_attention, full_attention], sliding_window: 8, attention_sink: true}
+"""))
+    assert train(cfg, tmp_path / "run") == 0
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_2" / "drafter_config.json").read_text())
+    assert (saved["layer_types"], saved["sliding_window"], saved["causal"], saved["attention_sink"]) == (
+        [SLIDING, "full_attention"], 8, [True, False], True)
+
+
+def test_the_exported_model_code_loads_a_layout_draft_and_drafts_as_the_trainer(vocab_and_mask, tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic
+    from transformers import AutoModel
+
+    from trainer.models.export import read_published
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    vocab, mask_id = vocab_and_mask
+    draft = write_draft(tmp_path / "draft", vocab, mask_id, "mixed_sinks_mask")
+    cfg = parse_config(run_config(draft))
+    assert train(cfg, tmp_path / "run") == 0
+    out = export_checkpoint(tmp_path / "run" / "checkpoints" / "step_4", tmp_path / "export", dtype=torch.float32)
+    loaded, info = AutoModel.from_pretrained(out, trust_remote_code=True, output_loading_info=True, dtype=torch.float32)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set())
+    assert loaded.dflash.kinds() == [(4, True), (4, True), (None, False)] and loaded.dflash.attention_sink
+    fields, weights = read_published(out)
+    trained = DFlashDrafter(DrafterConfig(**fields))
+    trained.load_state_dict(weights)
+    torch.manual_seed(0)
+    ctx, block = torch.randn(1, 9, 64), torch.randn(1, 4, 32)
+    assert torch.allclose(trained.draft_block(ctx, block, 9), loaded(ctx, block, 9), atol=1e-5)

@@ -33,6 +33,13 @@ bf16, one H200), each with its own drafter; MFU counts the active experts' FLOPs
 
     PYTHONPATH=. python bench/pipeline.py --targets 8b 30b-a3b --modes packed --mix lognormal
 
+--drafter-layouts compares drafter layouts on each mode (issue 41; keys `<mode>@<layout>`): `full`
+(the 2025 layout), `swa4+1` (4 sliding-window causal layers then 1 full, --sliding-window tokens):
+at long packed rows the sliding layers' flex block mask lists only the tiles of their window.
+
+    PYTHONPATH=. python bench/pipeline.py --modes all --pack-length 32768 --drafter-layouts full swa4+1 \
+        --sliding-window 2048 --mix lognormal --min-len 64 --max-len 32768 --median 2000
+
 By default a Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
 sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
 that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one process on the same
@@ -92,6 +99,7 @@ model:
   mask_token_id: %(mask)d
   compile_target: %(ct)s
   fuse_drafter: %(fuse)s
+  drafter: {%(drafter)s}
 data:
   synthetic: {n_train: 1}
   max_length: %(max_len)d
@@ -216,6 +224,23 @@ def variant_targets(args, variant):
     return ", ".join(args.target)
 
 
+def drafter_layout(name, layers, window):
+    """--drafter-layouts: `full` (every layer full attention, the 2025 layout: `layers` of them), `swa`
+    (every layer sliding, causal), `swaN+M` (N sliding causal layers, then M full ones: z-lab's 2026
+    drafts are swa4+1) -> (drafter layers, model.drafter as YAML flow)."""
+    if name == "full":
+        return layers, ""
+    if name == "swa":
+        sliding, full = layers, 0
+    else:
+        try:
+            sliding, full = (int(n) for n in name.removeprefix("swa").split("+"))
+        except ValueError:
+            raise SystemExit(f"--drafter-layouts: {name!r} is not full, swa or swaN+M") from None
+    types = ["sliding_attention"] * sliding + ["full_attention"] * full
+    return len(types), f"layer_types: [{', '.join(types)}], sliding_window: {window}"
+
+
 def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", precision="bf16", drafter_layers=None):
     """precision: the config's model.target.precision (the memory plan counts FP8 weights at 1 byte;
     the target itself is quantized by main). On the CPU (--tiny) the config stays bf16: fp8 is refused
@@ -225,10 +250,11 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
+    layers, drafter_yaml = drafter_layout(getattr(args, "layout", "full"), drafter_layers, args.sliding_window)
     cfg = parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
-        layers=drafter_layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
+        layers=layers, drafter=drafter_yaml, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
         max_len=args.max_len, anchors=args.anchors, steps=args.steps, micro=args.micro,
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
@@ -717,7 +743,7 @@ def plan_fields(args, layers, precision, config):
     tiny = args.tiny
     return dict(target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
                 else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
-                layers=layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, config), max_len=args.max_len,
+                layers=layers, drafter="", dtype="fp32" if tiny else "bf16", mask=mask_id(args, config), max_len=args.max_len,
                 anchors=args.anchors, steps=args.steps, micro=args.micro,
                 budget=max(args.token_budget or args.max_len, args.max_len), edges=str(args.max_len),
                 pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
@@ -815,6 +841,10 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="modes not started this many seconds after the start are skipped (0: none), so that one "
                         "device call ends with its summary; figures are written to --out as each mode ends")
+    p.add_argument("--drafter-layouts", nargs="+", default=["full"],
+                   help="drafter layouts, each through every mode (keys <mode>@<layout> when more than one): full, "
+                        "swa (all sliding), swaN+M (N sliding causal layers then M full: swa4+1)")
+    p.add_argument("--sliding-window", type=int, default=2048, help="window of the sliding drafter layers")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -894,8 +924,10 @@ def main(argv=None):
                     emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
                                                    "expert counts): run it with --modes packed"})
                     continue
-                for variant in args.variants:
+                for variant, layout in [(v, lay) for v in args.variants for lay in args.drafter_layouts]:
                     name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                    name += f"@{layout}" if len(args.drafter_layouts) > 1 else ""
+                    args.layout = layout
                     failed = False
                     try:
                         if experts is not None:

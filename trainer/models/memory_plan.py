@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.run.config import TrainerConfig, target_replicas
+from trainer.run.config import TrainerConfig, drafter_own, target_replicas
 
 GIB = 2**30
 
@@ -199,7 +199,8 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
 
     stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     cfg.model.mask_token_id or 0, layer_ids)
+                                     cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
+    q_width = dcfg.num_attention_heads * dcfg.head_dim  # the draft's own attention shape
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     anchors = cfg.data.anchors_per_row * cfg.data.pack_rows if cfg.data.pack_length and cfg.data.anchors_per_row \
@@ -209,7 +210,7 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
         "embedding + head": embed + head,
         "features": slot_bytes,
-        "activations": cfg.model.drafter_layers * block_tokens * (8 * hidden + 3 * intermediate) * 4
+        "activations": cfg.model.drafter_layers * block_tokens * (6 * hidden + 2 * q_width + 3 * dcfg.intermediate_size) * 4
         + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3,
     }
     by_device: dict[str, DevicePlan] = {}

@@ -102,7 +102,8 @@ def stage_inputs(model: Any, hidden: torch.Tensor, mask_mapping: dict,
         position_ids = torch.arange(length, device=hidden.device) - doc_start
     else:
         position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
-    return StageInputs(mask_mapping, position_ids, model.rotary_emb(hidden, rotary_positions(model.rotary_emb, position_ids)))
+    rotary = model.rotary_emb
+    return StageInputs(mask_mapping, position_ids, rotary(hidden, rotary_positions(rotary, position_ids)))
 
 
 def rotary_positions(rotary: Any, position_ids: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ ATTENTION = {
     "gpt_oss": ("eager", "attention sinks: transformers' SDPA path has none for gpt-oss"),
 }
 # The oldest transformers the trainer runs with (pyproject's trainer extra and trainer/requirements.txt
-# declare the same; tests/unit/test_dependency_floors.py holds them equal), and, where a family needs a
+# declare the same; tests/trainer/test_dependency_floors.py holds them equal), and, where a family needs a
 # newer one, that family's own minimum. Both are checked at config load (`transformers_refusal`). The
 # deps_floor tier (.ci/deps-venv) trains every family under each of these versions and under the newest.
 TRANSFORMERS_FLOOR = "5.5"  # 5.5: transformers.cache_utils.LinearAttentionCacheLayerMixin (τ on a model's cache)

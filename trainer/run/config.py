@@ -424,9 +424,11 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
     check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
     if t.path is not None:  # a directory on this machine: its family decides
-        from trainer.run.family import family_of_dir
+        from trainer.run.family import family_of_dir, installed_transformers, transformers_refusal
 
         family = family_of_dir(t.path)
+        refusal = family and transformers_refusal(family.model_type, installed_transformers())
+        check(not refusal, ("model", "target", "path"), f"{t.path}: {refusal}")
         check(family is None or family.quantization_refusal is None, ("model", "target", "path"),
               f"{t.path}: {family.quantization_refusal if family else ''}")
         check(not c.data.pack_length or family is None or family.pack_refusal is None, ("data", "pack_length"),

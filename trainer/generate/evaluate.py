@@ -39,7 +39,7 @@ def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: 
     while going:
         start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
         block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
-        hidden = drafter.draft_block(feats[:, :start].to(ddev), head.embed(block), start)
+        hidden = drafter.draft_block(feats[:, :start].to(ddev), drafter.embed_block(head.embed, block), start)
         drafts = head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
         greedy, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
         posterior = greedy[start:]  # posterior[i] = target's choice for position start+i+1

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.run.config import TrainerConfig, missing_devices, target_replicas
+from trainer.run.config import TrainerConfig, drafter_own, missing_devices, target_replicas
 
 GIB = 2**30
 
@@ -102,12 +102,13 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
 
     notes = []
     t = cfg.model.target
-    if t.path is not None and model_config is not None:  # config.json as read on the node
+    if model_config is not None:  # config.json as read on the node (or a random target's, bench/pipeline.py)
         from transformers import AutoConfig
 
         doc = dict(model_config)
         config = AutoConfig.for_model(doc.pop("model_type"), **doc)
-        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
+        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)" if t.path
+                     else f"sized from the given {config.model_type} config")
         return meta_model(config, dtype), notes
     if t.path is not None:
         from transformers import AutoConfig
@@ -166,6 +167,10 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     layer_ids = tapped_layer_ids(cfg.model.target_layer_ids, cfg.model.num_target_layers, n_layers)
     run = max(layer_ids) + 1
     per_layer = layer_bytes(target)
+    if cfg.model.target.precision == "fp8":  # the layers training runs hold 1 byte a linear weight; those above
+        per_layer = layer_bytes(target, "fp8")[:run] + per_layer[run:]  # (decoding) load in bf16
+        notes.append(f"precision fp8: layers 0..{run - 1} counted at 1 byte a linear weight (+ fp32 per-channel "
+                     "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)
     embed = module_bytes(base.embed_tokens)
     head = module_bytes(target.get_output_embeddings())
@@ -200,7 +205,8 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         stage_plan(target, layer_ids, replica, cfg.devices.target_split)
     stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     cfg.model.mask_token_id or 0, layer_ids)
+                                     cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
+    q_width = dcfg.num_attention_heads * dcfg.head_dim  # the draft's own attention shape
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     anchors = cfg.data.anchors_per_row * cfg.data.pack_rows if cfg.data.pack_length and cfg.data.anchors_per_row \
@@ -210,7 +216,7 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
         "embedding + head": embed + head,
         "features": slot_bytes,
-        "activations": cfg.model.drafter_layers * block_tokens * (8 * hidden + 3 * intermediate) * 4
+        "activations": cfg.model.drafter_layers * block_tokens * (6 * hidden + 2 * q_width + 3 * dcfg.intermediate_size) * 4
         + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3,
     }
     by_device: dict[str, DevicePlan] = {}

@@ -120,8 +120,11 @@ def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mas
     bs = drafter_cfg.block_size
     valid = blocks.valid.cpu()
     n_valid = float(valid.sum())
-    span = ((blocks.anchors.cpu() - blocks.starts.cpu()).double() + bs) * valid
-    pairs_slots = float(span.sum()) * bs
+    before = (blocks.anchors.cpu() - blocks.starts.cpu()).double()  # context before each anchor
+    # per layer: a sliding layer's slots see at most its window of that context; averaged over the layers
+    kinds = drafter_cfg.kinds() if hasattr(drafter_cfg, "kinds") else [(None, False)]
+    pairs_slots = sum(float(((before if w is None else before.clamp(max=w)) + bs).mul(valid).sum()) * bs
+                      for w, _ in kinds) / len(kinds)
     n_blocks = valid.numel()
     layers = max(drafter_cfg.target_layer_ids) + 1  # features run the layers up to the last tapped one
     return {

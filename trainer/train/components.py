@@ -16,11 +16,12 @@ from trainer.data.encoding import process_count
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
-from trainer.models.hf import hf_config
+from trainer.models.hf import base_model, hf_config
 from trainer.models.masks import resolve_backend
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
+    base_layers,
     fit_tiny_target,
     freeze,
     num_layers,
@@ -30,7 +31,7 @@ from trainer.models.target import (
     tiny_target,
 )
 from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
-from trainer.run.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
+from trainer.run.config import TrainerConfig, data_paths, default_gamma, drafter_own, target_replicas, template_kwargs
 from trainer.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -103,9 +104,14 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         meta = meta_model(config, dtype)
         plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
         budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
-        model = load_staged(t.path, plan, dtype, log, budget)
+        model = load_staged(t.path, plan, dtype, log, budget, t.precision)
+        if t.fp8_fast_accum:
+            from trainer.models.fp8 import set_fast_accum
+
+            set_fast_accum(base_layers(base_model(model))[:plan.layers])
         fam = target_family(meta)
         log(f"target family: {fam.summary()}; layers: {fam.layer_table()}")
+        target_kernels(model, cfg, log)
         peak = ""
         for d in dict.fromkeys(plan.devices):
             if d.type == "cuda":
@@ -138,7 +144,31 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
                 tmp.rename(saved)
         model = freeze(model.to(dtype).eval())  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
     plan = stage_plan(model, target_layer_ids(cfg, num_layers(model)), devices, cfg.devices.target_split)
-    return place(model, plan)
+    model = place(model, plan)
+    if t.precision == "fp8":
+        from trainer.models.fp8 import check_device, quantize_layers
+
+        for d in dict.fromkeys(plan.devices):
+            check_device(d)
+        quantize_layers(base_layers(base_model(model))[:plan.layers], dtype, t.fp8_fast_accum)
+        model.__dict__["_dflash_precision"] = "fp8"
+    target_kernels(model, cfg, log)
+    return model
+
+
+def target_kernels(model: torch.nn.Module, cfg: TrainerConfig, log: Callable[[str], None]) -> None:
+    """A MoE target's experts implementation (model.target.experts, trainer.models.moe) and, at
+    precision fp8, what runs in FP8; one log line each."""
+    from trainer.models.moe import set_experts
+
+    experts = set_experts(model, cfg.model.target.experts)
+    if experts is not None:
+        log(f"target experts: {experts} (model.target.experts: {cfg.model.target.experts})")
+    if cfg.model.target.precision == "fp8":
+        from trainer.models.fp8 import fp8_summary
+
+        fast = ", fast accumulation" if cfg.model.target.fp8_fast_accum else ""
+        log(f"target precision fp8{fast}: {fp8_summary(model)}")
 
 
 def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:
@@ -162,9 +192,17 @@ def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | 
 
 def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
     layer_ids = target_layer_ids(cfg, num_layers(target))
-    dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     mask_token_id, layer_ids)
-    weights = published_init(cfg.model.drafter_init, dcfg) if cfg.model.drafter_init else None
+    published = read_init(cfg.model.drafter_init) if cfg.model.drafter_init else None
+    if published is None:
+        dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
+                                         mask_token_id, layer_ids, **drafter_own(cfg.model))
+        weights = None
+    else:  # the draft's own config decides its architecture (model.drafter agreed at config load)
+        fields, weights = published
+        own = {k: fields[k] for k in OWN_FIELDS}
+        dcfg = DrafterConfig.from_target(target.config, fields["num_hidden_layers"], cfg.model.block_size,
+                                         mask_token_id, layer_ids, **own)
+        check_init(cfg, fields, dcfg)
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
@@ -174,29 +212,42 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     return drafter.float().train()
 
 
-def published_init(path: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """model.drafter_init: the weights of a published-format draft (trainer.models.export.read_published)
-    after checking that it is the drafter this run builds for its target: hidden size, vocab, the
-    tapped target layers, the drafter's depth and shape, the mask token. Every mismatch is named
-    in one error (block_size is not a weight: the run's own applies)."""
+# the draft's own architecture, as read_published gives it (DrafterConfig fields)
+OWN_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
+              "sliding_window", "causal", "attention_sink", "mask_embedding")
+
+
+def read_init(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     from trainer.models.export import read_published
     from trainer.run.config import ConfigError
 
     try:
-        fields, weights = read_published(path)
+        return read_published(path)
     except ValueError as e:
         raise ConfigError(f"model.drafter_init: {e}") from None
+
+
+def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
+    """model.drafter_init against this run: the target's hidden size and vocab, the tapped target
+    layers, the mask token, and what model.drafter / drafter_layers set (the draft decides, they must
+    agree). Every mismatch is named in one error (block_size is not a weight: the run's own applies)."""
+    from trainer.run.config import ConfigError
+
+    path = cfg.model.drafter_init
     want = {**dcfg.to_dict(), "num_target_layers": fields.get("num_target_layers") or dcfg.num_target_layers}
     names = {"hidden_size": "hidden size (the target's)", "vocab_size": "vocab (the target's)",
              "target_layer_ids": "target layer ids (model.target_layer_ids)",
-             "num_target_layers": "target layers", "num_hidden_layers": "drafter layers (model.drafter_layers)",
-             "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
-             "head_dim": "head_dim", "intermediate_size": "MLP width", "mask_token_id": "mask token (model.mask_token_id)"}
+             "num_target_layers": "target layers", "mask_token_id": "mask token (model.mask_token_id)"}
     problems = [f"{label} {fields[key]} (this run: {want[key]})" for key, label in names.items()
                 if fields.get(key) != want[key]]
+    own = {k: v for k, v in drafter_own(cfg.model).items() if v is not None}
+    own.pop("attention_sink", None) if not cfg.model.drafter.attention_sink else None
+    problems += [f"model.drafter.{k} {v!r} (the draft: {fields[k]!r})" for k, v in own.items()
+                 if k != "causal" and v != fields[k]]
+    if own.get("causal") is not None and own["causal"] != (fields["causal"] or [False] * dcfg.num_hidden_layers):
+        problems.append(f"model.drafter.causal {own['causal']} (the draft: {fields['causal']})")
     if problems:
         raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
-    return weights
 
 
 def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:

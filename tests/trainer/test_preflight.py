@@ -5,6 +5,7 @@ directory, a number that is not finite), instead of "fits: yes" or a traceback."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -138,8 +139,6 @@ def _not_json(model_dir, out):
 ], ids=["missing", "no-config", "config-not-json", "no-weights", "index-without-weight-map", "missing-shard",
         "block-size-0", "wrong-shape", "no-heads", "hidden-0"])
 def test_a_bad_model_directory_is_one_line_in_training(qwen3_model_dir, tmp_path, make, expected):
-    import re
-
     out = make(qwen3_model_dir, tmp_path / "model")
     message = _train(_config(tmp_path, out), tmp_path / "run")
     assert re.search(expected.format(out=re.escape(str(out))), message), message
@@ -169,3 +168,23 @@ def test_plan_and_data_report_name_a_bad_model_directory_in_one_line(qwen3_model
 def test_a_number_that_is_not_finite_is_refused_at_its_line(line):
     with pytest.raises(ConfigError, match=r"^c\.yaml:\d+: .* must be a finite number, got (-?inf|nan)$"):
         parse_config(tiny_config(line), "c.yaml")
+
+
+@pytest.mark.parametrize("line, key, message", [
+    ("optim: {eps: -1.0e-8}", "optim.eps", "must be positive"),
+    ("optim: {betas: [1.5, 0.9]}", "optim.betas", "must be in [0, 1)"),
+    ("optim: {weight_decay: -0.1}", "optim.weight_decay", "must be at least 0"),
+    ("optim: {min_lr_ratio: 2.0}", "optim.min_lr_ratio", "must be in [0, 1]"),
+    ("optim: {grad_clip: -1.0}", "optim.grad_clip", "must be at least 0"),
+    ("run: {checkpoint_every: -5}", "run.checkpoint_every", "must be at least 0"),
+    ("eval: {every: -1}", "eval.every", "must be at least 0"),
+    ("eval: {samples: 0}", "eval.samples", "must be at least 1"),
+    ("eval: {max_new_tokens: 0}", "eval.max_new_tokens", "must be at least 1"),
+    ("run: {warmup_shapes: 0}", "run.warmup_shapes", "must be at least 1"),
+])
+def test_a_number_out_of_its_range_is_refused_at_its_line(line, key, message):
+    """A negative grad_clip turned clipping off without a word; a negative eps or beta above 1 was
+    AdamW's ValueError traceback at the first step; min_lr_ratio 2 made the lr grow."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(tiny_config(line), "c.yaml")
+    assert re.match(rf"^c\.yaml:\d+: {re.escape(key)} {re.escape(message)}", str(err.value)), str(err.value)

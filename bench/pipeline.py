@@ -63,6 +63,7 @@ import torch  # noqa: E402
 from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
+from trainer.models.objective import objective_of  # noqa: E402
 from trainer.models.target import (  # noqa: E402
     QWEN3_30B_A3B_DIMS,
     FrozenHead,
@@ -241,7 +242,7 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
     tr.hosts.join()
     c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
                    optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
-                   eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
+                   eval_conversations=[], eval_data=data, gamma=7.0, objective=objective_of(cfg.model), target_device=args.target[0],
                    drafter_device=ddev,
                    backend=resolve_backend(cfg.model.attention, ddev, needs_grad=True))
     return ThreadedPipeline(tr, c)

@@ -227,3 +227,8 @@ def test_every_objective_trains_the_same_in_both_pipelines(tmp_path, name, rows)
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (key, x["step"])
     assert a[-1]["loss"] != a[0]["loss"]
     assert "objective: " in (tmp_path / "thr" / "train.log").read_text()
+    # the final evaluation: per-position acceptance beside tau, in the event and status.json
+    lines = (tmp_path / "thr" / "metrics.jsonl").read_text().splitlines()
+    (ev,) = [e for e in map(json.loads, lines) if e["event"] == "eval"]
+    assert len(ev["acceptance"]) == 3 and ev["tau"] == pytest.approx(1 + sum(ev["acceptance"]))
+    assert json.loads((tmp_path / "thr" / "status.json").read_text())["acceptance"] == ev["acceptance"]

@@ -201,7 +201,7 @@ class Trainer:
                                        c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
                                        template_kwargs=template_kwargs(self.cfg.data))
         else:  # the model directory holds only the layers training runs
-            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
+            report = {"tau": None, "tau_per_prompt": None, "acceptance": None, "samples": 0}
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
         gen = torch.Generator().manual_seed(0)

@@ -232,3 +232,45 @@ def test_every_objective_trains_the_same_in_both_pipelines(tmp_path, name, rows)
     (ev,) = [e for e in map(json.loads, lines) if e["event"] == "eval"]
     assert len(ev["acceptance"]) == 3 and ev["tau"] == pytest.approx(1 + sum(ev["acceptance"]))
     assert json.loads((tmp_path / "thr" / "status.json").read_text())["acceptance"] == ev["acceptance"]
+
+
+def trimmed_copy(model_dir, into):
+    """The model directory without its last layer and final norm (what training alone reads)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, into)
+    index = json.loads((into / "model.safetensors.index.json").read_text())
+    dropped = {k for k in index["weight_map"] if k.startswith(("model.layers.3.", "model.norm."))}
+    for shard in set(index["weight_map"].values()):
+        tensors = load_file(str(into / shard))
+        save_file({k: v for k, v in tensors.items() if k not in dropped}, str(into / shard), {"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dropped}
+    (into / "model.safetensors.index.json").write_text(json.dumps(index))
+    return into
+
+
+def test_kl_loads_the_layers_above_the_tapped_ones_of_a_split_target_or_says_they_are_missing(tmp_path,
+                                                                                            qwen3_model_dir):
+    """A model directory read stage by stage: kl loads the layers above the last tapped one, the norm
+    and the head onto the last stage, and both pipelines train with the same losses; a directory
+    without them is refused in one line."""
+    overlay = """
+model: {target: {tiny: null, path: %s}, target_layer_ids: [0, 1], loss: {ce: 1, kl: 1}}
+data: {synthetic: {n_train: 32, n_eval: 2}}
+optim: {total_steps: 2}
+devices: {target: [[cpu, cpu]]}
+pipeline: {kind: %s}
+"""
+    losses = {}
+    for kind in ("reference", "threaded"):
+        assert train(parse_config(tiny_config(overlay % (qwen3_model_dir, kind))), tmp_path / kind) == 0
+        losses[kind] = [e["loss"] for e in steps(tmp_path / kind)]
+    assert losses["threaded"] == pytest.approx(losses["reference"], rel=1e-5) and len(losses["reference"]) == 2
+    trimmed = trimmed_copy(qwen3_model_dir, tmp_path / "trimmed")
+    run = tmp_path / "refused"
+    assert train(parse_config(tiny_config(overlay % (trimmed, "reference"))), run) == 1
+    error = json.loads((run / "status.json").read_text())["error"]
+    assert error["message"].startswith("config error: model.loss: kl needs the target's layers above the last tapped")
+    assert error["traceback"] is None

@@ -137,7 +137,9 @@ def chunked_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
     terms, ces, corrects = [], [], []
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
-        th = None if not objective.needs_target else target_rows.index_select(0, slot_rows[sl])  # type: ignore[union-attr]  # checked above
+        th = None
+        if target_rows is not None and slot_rows is not None and objective.needs_target:
+            th = target_rows.index_select(0, slot_rows[sl])
         args = (hidden[sl], lm_head_weight, labels[sl], th, objective.ce, objective.kl, objective.temperature)
         if torch.is_grad_enabled() and hidden.requires_grad:
             t, e, c = checkpoint(_chunk_terms, *args, use_reentrant=False)
@@ -222,7 +224,8 @@ class _HeadLoss(torch.autograd.Function):
                 sl = slice(start, start + chunk)
                 logits = hidden[sl].to(dtype) @ w.t()
                 if kl:
-                    target_logits = target_rows.index_select(0, slot_rows[sl]).to(dtype) @ w.t()  # type: ignore[union-attr]  # given with kl
+                    assert target_rows is not None and slot_rows is not None, "fused_objective checks them"
+                    target_logits = target_rows.index_select(0, slot_rows[sl]).to(dtype) @ w.t()
                     t, e, c, grad_logits = _mix_slots(logits, labels[sl], target_logits, objective.ce, objective.kl,
                                                       objective.temperature, compiled=need_grad)
                     term[sl] = t

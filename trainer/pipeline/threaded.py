@@ -265,7 +265,8 @@ class _Stages:
         def record(mb: MicroBatch) -> None:  # what each micro-batch holds, for checkpoints and the step metrics
             self.data_states[mb.index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
-            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
+            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks,
+                                       kl=c.objective.needs_target)
             into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
             for key, value in counts.items():
                 into[key] += value

@@ -293,8 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
     results["code_prompts"] = len(code)
     results["code_prompt_example"] = code[0]["messages"][0]["content"]
 
-    def config(name: str, seed: int, steps: int) -> dict:
-        cfg = quality.trainer_config(qp, model_dir, train_file, data, steps, {}, max(1, steps))
+    timing_file, _ = quality.subset(train_file, data / "objectives-timing.jsonl", None, 512)  # quick to tokenise
+
+    def config(name: str, seed: int, steps: int, train: Path = train_file) -> dict:
+        cfg = quality.trainer_config(qp, model_dir, train, data, steps, {}, max(1, steps))
         cfg["model"].update(OBJECTIVES[name])
         cfg["run"]["seed"], cfg["data"]["seed"] = seed, seed
         return cfg
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 3. step time of each objective alone: equal wall clock
     timing = {}
     for name in p.objectives:
-        cfg = config(name, 0, p.timing_steps + p.timing_warmup)
+        cfg = config(name, 0, p.timing_steps + p.timing_warmup, timing_file)
         cfg["pipeline"] = {"kind": "reference"}
         timing[name] = step_seconds(cfg, runs / f"timing-{name}", p.timing_steps, p.timing_warmup)
         say(f"step time alone: {name} {timing[name] * 1000:.1f} ms")
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             for seed in p.seeds for name in p.objectives]
     deadline = budget_end - p.eval_reserve_s if budget_end else None
     quality.run_all(qp, jobs, deadline)
+    heldout = quality.CheckpointEvaluator(qp, model_dir, data)  # for a run stopped before its own final evaluation
     evaluator = quality.CheckpointEvaluator(qp, model_dir, data)
     evaluator.conversations = code
     evaluator.p = dataclasses.replace(qp, eval_new_tokens=p.code_new_tokens)
@@ -330,8 +333,10 @@ def main(argv: list[str] | None = None) -> dict:
             point = evaluator(last[-1])
             r.update(tau_code=point["tau"], tau_code_lookup=point["tau_lookup"], acceptance_code=point.get("acceptance"),
                      code_checkpoint=str(last[-1]))
-            if r.get("tau") is None:  # stopped at the deadline: its held-out τ was not measured by the trainer
-                r["tau_from"] = "not measured (stopped before the trainer's final evaluation)"
+            if r.get("tau") is None:  # stopped at the deadline: the trainer did not measure its held-out τ
+                point = heldout(last[-1])
+                r.update(tau=point["tau"], tau_ratio=point["tau_ratio"], acceptance=point["acceptance"],
+                         tau_lookup=point["tau_lookup"], steps=point["step"], tau_from=str(last[-1]))
         rows[name].append(r)
         say(f"{j['name']}: exit {r['exit']}, {r['steps']} steps, tau held-out {quality._f(r.get('tau'))}, "
             f"code {quality._f(r.get('tau_code'))}, acceptance {r.get('acceptance')}")

@@ -274,3 +274,38 @@ pipeline: {kind: %s}
     error = json.loads((run / "status.json").read_text())["error"]
     assert error["message"].startswith("config error: model.loss: kl needs the target's layers above the last tapped")
     assert error["traceback"] is None
+
+
+def test_the_compiled_pointwise_path_cuda_takes_gives_the_eager_sums_without_graph_breaks(monkeypatch):
+    """The slot kernels CUDA compiles (_ce_slots, _mix_slots), compiled here with a backend that needs
+    no C compiler: the same sums and gradients as eager, whole graphs, no recompile on a second call."""
+    from torch._dynamo.utils import counters
+
+    import trainer.models.drafter as drafter_module
+
+    hidden, head, labels, weights, target_rows, slot_rows, block = head_case()
+    eager = {}
+    for name, objective in OBJECTIVES.items():
+        hidden.grad = None
+        loss, correct = fused_objective(hidden, head, labels, weights, 8, objective, target_rows, slot_rows, block)
+        loss.backward()
+        eager[name] = (loss.detach(), correct, hidden.grad.clone())
+    monkeypatch.setattr(drafter_module, "CPU_BACKEND", "aot_eager")
+    monkeypatch.setattr(drafter_module, "_compiled", {})
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for _ in range(2):
+            for name, objective in OBJECTIVES.items():
+                hidden.grad = None
+                loss, correct = fused_objective(hidden, head, labels, weights, 8, objective, target_rows, slot_rows,
+                                                block)
+                loss.backward()
+                assert torch.allclose(loss.detach(), eager[name][0], rtol=1e-5) and torch.equal(correct, eager[name][1])
+                assert torch.allclose(hidden.grad, eager[name][2], atol=1e-6, rtol=1e-4), name
+            if _ == 0:
+                graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs and graphs >= 2
+        assert not counters["graph_break"]
+    finally:
+        torch._dynamo.reset()

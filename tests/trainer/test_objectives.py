@@ -309,3 +309,37 @@ def test_the_compiled_pointwise_path_cuda_takes_gives_the_eager_sums_without_gra
         assert not counters["graph_break"]
     finally:
         torch._dynamo.reset()
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_across_hosts_train_like_one_host(tmp_path):
+    """Two torchrun ranks on this machine (`python -m trainer launch`, gloo; each host one micro-batch
+    of the step, rows with fewer eligible positions than num_anchors: uneven anchor counts) give the
+    losses of one host running both micro-batches, under ce+kl with D-PACE weights."""
+    import subprocess
+    import sys
+
+    from tests.trainer.tiny_config import two_host_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(two_host_config(3, "model: {loss: {ce: 0.5, kl: 1}, position_weight: dpace}",
+                                      "data: {num_anchors: 24}"))
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-m", "trainer", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "--rdzv-id", "objectives", *(["--store-host"] if r == 0 else []),
+                               "--local-addr", "127.0.0.1", "--config", str(config), "--run-dir", str(tmp_path / f"rank{r}")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+    assert train(parse_config(config.read_text()), tmp_path / "one") == 0
+    assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
+    one = [e["loss"] for e in steps(tmp_path / "one")]
+    assert len(one) == 3
+    for r in range(2):
+        assert [e["loss"] for e in steps(tmp_path / f"rank{r}")] == pytest.approx(one, rel=1e-6)

@@ -179,7 +179,7 @@ def untruncated():
     import trainer.pipeline.workers as workers
     from trainer.models.target import base_model, packed_mask_mapping
 
-    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None):
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None, top=None):
         model = base_model(target)
         kwargs = {}
         if doc_start is not None:
@@ -191,7 +191,7 @@ def untruncated():
         order = sorted((k, i) for i, ks in taps.items() for k in ks)
         return torch.cat([hidden[i + 1] for _, i in order], dim=-1, out=out)
 
-    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None):
+    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None, top=None):
         from trainer.models.stages import tap_columns
 
         return full(target, input_ids, 0, 0, tap_columns(layer_ids), out, doc_start,

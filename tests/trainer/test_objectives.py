@@ -155,6 +155,28 @@ def test_one_micro_batch_or_two_give_the_same_loss_and_gradient(tiny, name):
     drafter.zero_grad(set_to_none=True)
 
 
+def test_the_targets_last_hidden_states_give_its_own_logits(tiny, qwen3_model_dir):
+    """`top` is what the target's LM head reads: its logits equal the Hugging Face forward's, for a
+    target built in code and for a model directory read in two stages (the layers above the tapped
+    ones loaded onto the last stage), while the features stay those of the tapped layers."""
+    from trainer.models.stages import StagePlan
+    from trainer.models.target_loading import complete_for_decoding, load_staged
+
+    target, head, _, layer_ids = tiny
+    ids = torch.randint(0, VOCAB - 1, (2, 20), generator=torch.Generator().manual_seed(1))
+    top = last_hidden_buffer(target, *ids.shape)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids, top=top)
+    out = target(ids, output_hidden_states=True)
+    assert torch.allclose(head.logits(top), out.logits, atol=1e-5)
+    assert torch.equal(feats, target_context_features(target, ids, torch.ones_like(ids), layer_ids))
+    staged = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1], ["cpu", "cpu"]), torch.float32)
+    assert complete_for_decoding(staged, StagePlan.from_sizes([1, 1], ["cpu", "cpu"]), lambda *_: None)
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(2))
+    top = last_hidden_buffer(staged, *ids.shape)
+    target_context_features(staged, ids, torch.ones_like(ids), [0, 1], top=top)
+    assert torch.allclose(top @ staged.get_output_embeddings().weight.t(), staged(ids).logits, atol=1e-4)
+
+
 def test_slot_k_reads_the_targets_state_at_the_previous_position(tiny):
     """The target's next-token distribution for the token at anchor+k is its output at anchor+k-1."""
     from trainer.models.objective import slot_rows_of

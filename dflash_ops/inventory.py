@@ -24,6 +24,7 @@ about every state change of a run started there (docs/run-lifecycle.md, "Events"
       webhooks: [https://hooks.example.com/T0/B0/XXXX, env:SLACK_WEBHOOK]   # POSTed from the container
       commands: [[/usr/local/bin/page-me, --quiet]]     # run in the container, the event on stdin
       local: [[notify-send, dflash-ops]]                 # run on the operator's side by the followers
+      checkpoints: true                                  # also an event per checkpoint written (default: no)
 
 A webhook `env:NAME` is read from the operator's environment when the run starts, so the secret
 need not be in the inventory; URLs are shown redacted (scheme and host) everywhere.
@@ -62,11 +63,13 @@ class Notify:
     webhooks: tuple[str, ...] = ()  # URLs, or env:NAME (resolved when a run starts: resolved_webhooks)
     commands: tuple[tuple[str, ...], ...] = ()
     local: tuple[tuple[str, ...], ...] = ()
+    checkpoints: bool = False  # also the optional `checkpoint` event, one per checkpoint written
 
     def __add__(self, other: "Notify | None") -> "Notify":
         if other is None:
             return self
-        return Notify(self.webhooks + other.webhooks, self.commands + other.commands, self.local + other.local)
+        return Notify(self.webhooks + other.webhooks, self.commands + other.commands, self.local + other.local,
+                      self.checkpoints or other.checkpoints)
 
     def __bool__(self) -> bool:
         return bool(self.webhooks or self.commands or self.local)
@@ -238,7 +241,7 @@ class _TargetSpec(_Schema):
     python: Path_ | None = None  # default: the node kind's, else python3
     gpus: list[Annotated[int, Field(ge=0)]] = []
     extra_paths: list[Path_] = []
-    venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
+    venv: Any = None  # a mapping (VenvConfig), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
     address: str | None = None  # the container's own address, for runs across hosts
     notify: Any = None  # a mapping (_NotifySpec)
@@ -251,14 +254,36 @@ class _NotifySpec(_Schema):
     webhooks: list[str] = []
     commands: list[Argv] = []
     local: list[Argv] = []
+    checkpoints: bool = False
 
 
-class _VenvSpec(_Schema):
+UvMode = Literal["auto", "always", "never"]
+
+
+class VenvConfig(_Schema):
+    """A `venv:` mapping (an inventory target's, a playbook deploy step's): the one schema of it.
+    dflash_ops.deploy.venv_spec.VenvSpec.from_config builds the deploy's venv from it."""
+
     requirements: str | None = None
     system_site_packages: bool = True
     wheelhouse: str | None = None
-    uv: Literal["auto", "always", "never"] = "auto"
+    uv: UvMode = "auto"
     index: bool = True
+
+
+def schema_problem(spec: type[BaseModel], error: ValidationError, known: Iterable[str] = ()) -> tuple[str, str, str]:
+    """The first problem of a failed `spec.model_validate` (unknown keys first), as (its key, its
+    kind: pydantic's error type, a one-line message: `key: problem, got VALUE`)."""
+    first = min(error.errors(), key=lambda err: err["type"] != "extra_forbidden")
+    key = str(first["loc"][0]) if first["loc"] else ""
+    if first["type"] == "extra_forbidden":
+        message = f"unknown key {key!r}{suggest(key, [*spec.model_fields, *known])}"
+    elif first["type"] == "missing":
+        message = f"missing required key {key!r}"
+    else:
+        field = key + "".join(f"[{part}]" for part in first["loc"][1:])
+        message = f"{field} {first['msg'].replace('Input should be', 'must be')}, got {first['input']!r}"
+    return key, first["type"], message
 
 
 class _Parser:
@@ -282,16 +307,8 @@ class _Parser:
         try:
             return spec.model_validate(dict(m) if keys is None else keys)
         except ValidationError as e:
-            error = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")  # unknown keys first
-            key = str(error["loc"][0]) if error["loc"] else ""
-            if error["type"] == "extra_forbidden":
-                message = f"unknown key {key!r}{suggest(key, [*spec.model_fields, *known])}"
-            elif error["type"] == "missing":
-                message = f"missing required key {key!r}"
-            else:
-                field = key + "".join(f"[{part}]" for part in error["loc"][1:])
-                message = f"{field} {error['msg'].replace('Input should be', 'must be')}, got {error['input']!r}"
-            line = m.line if error["type"] == "missing" else m.key_lines.get(key, m.line)
+            key, kind, message = schema_problem(spec, e, known)
+            line = m.line if kind == "missing" else m.key_lines.get(key, m.line)
             raise self.fail(line, f"{what}: {message}") from None
 
     def inventory(self, data: Any) -> Inventory:
@@ -373,7 +390,8 @@ class _Parser:
                 raise self.fail(v.key_lines.get("webhooks", v.line),
                                 f"{what}: notify: webhooks[{i}] must be an http(s):// URL or env:NAME, got "
                                 f"{redact_url(url)!r}")
-        return Notify(tuple(spec.webhooks), tuple(map(tuple, spec.commands)), tuple(map(tuple, spec.local)))
+        return Notify(tuple(spec.webhooks), tuple(map(tuple, spec.commands)), tuple(map(tuple, spec.local)),
+                      spec.checkpoints)
 
     def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if m.get("venv") is None:
@@ -381,5 +399,5 @@ class _Parser:
         if m["venv"] is False:
             return False
         v = self.mapping(m["venv"], at("venv"), f"{what}: venv")
-        self.validate(_VenvSpec, v, f"{what}: venv")
+        self.validate(VenvConfig, v, f"{what}: venv")
         return tuple(sorted(dict(v).items()))

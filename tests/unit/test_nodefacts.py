@@ -73,6 +73,14 @@ def test_between_two_attempts_the_supervisor_keeps_a_run_live(tmp_path, sleeper)
     gone = write_run(tmp_path / "gave-up", {"state": "running", "pid": pid, "pid_start": ticks},
                      launch={"pid": pid, "pid_start": ticks, "supervisor": {"pid": pid, "pid_start": ticks}})
     assert not live(gone)
+    # a rank of a run across hosts (and a trainer that failed with an error) says `failed` before its
+    # supervisor restarts it: still live (its GPUs and release stay held); stopped or done is over
+    failed = write_run(tmp_path / "rank-failed", {"state": "failed", "pid": pid, "pid_start": ticks},
+                       launch={"pid": pid, "pid_start": ticks, "supervisor": supervisor})
+    assert live(failed)
+    over = write_run(tmp_path / "rank-done", {"state": "done", "pid": pid, "pid_start": ticks},
+                     launch={"pid": pid, "pid_start": ticks, "supervisor": supervisor})
+    assert not live(over)
 
 
 def test_before_status_json_launch_json_names_the_trainer(tmp_path, sleeper):
@@ -126,7 +134,7 @@ def test_gpu_lists_refused(text):
 def test_a_helper_ships_with_the_shared_modules_it_imports_and_its_hash_covers_them(tmp_path, monkeypatch):
     runs = bundle("runs")
     assert [name for name, _ in runs.files] == ["contract.py", "nodefacts.py", "run_protocol.py", "run_describe.py",
-                                               "run_follow.py", "notify.py", "runqueue.py", "run_events.py",
+                                               "run_follow.py", "notify.py", "runqueue.py", "run_events.py", "venvs.py",
                                                "run_start.py", "run_queue.py", "run_supervise.py", "runs.py"]
     assert [name for name, _ in bundle("gpu-sample").files] == ["gpu_sample.py"]
     assert "nodefacts" not in helper_names() and "runs" in helper_names()

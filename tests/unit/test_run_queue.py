@@ -180,3 +180,15 @@ def test_a_crash_sends_restart_then_failed_with_the_reason_and_log_tail(containe
     failed = sink.delivered()[-1]
     assert failed["reason"] and "no restart left" in failed["reason"]
     assert failed["log_tail"] and failed["step"] == 5
+
+
+def test_checkpoint_events_only_when_asked_one_per_checkpoint_written(container, tmp_path, sink):
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": [], "checkpoints": True}
+    start(container, tmp_path, "total_steps: 30\nstep_seconds: 0.01\ncheckpoint_every: 10\n", "saver", notify=spec)
+    wait(lambda: events_of(sink, "saver"), lambda e: e[-1:] == ["done"], 60)
+    written = [json.loads(line) for line in (container.base / "runs" / "saver" / "metrics.jsonl").read_text().splitlines()]
+    written = [e for e in written if e.get("event") == "checkpoint"]
+    told = [e for e in sink.delivered() if e["run_id"] == "saver" and e["state"] == "checkpoint"]
+    assert len(written) >= 3 and [e["step"] for e in told] == [e["step"] for e in written]
+    assert told[0]["reason"] == f"{written[0]['path']} written"
+    assert events_of(sink, "saver") == ["started", *["checkpoint"] * len(written), "done"]

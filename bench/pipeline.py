@@ -70,6 +70,7 @@ import torch  # noqa: E402
 from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
+from trainer.models.objective import objective_of  # noqa: E402
 from trainer.models.target import (  # noqa: E402
     LLAMA_3_3_70B_DIMS,
     QWEN3_30B_A3B_DIMS,
@@ -190,7 +191,7 @@ def untruncated():
     import trainer.pipeline.workers as workers
     from trainer.models.target import base_model, packed_mask_mapping
 
-    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None):
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None, top=None):
         model = base_model(target)
         kwargs = {}
         if doc_start is not None:
@@ -202,7 +203,7 @@ def untruncated():
         order = sorted((k, i) for i, ks in taps.items() for k in ks)
         return torch.cat([hidden[i + 1] for _, i in order], dim=-1, out=out)
 
-    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None):
+    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None, top=None):
         from trainer.models.stages import tap_columns
 
         return full(target, input_ids, 0, 0, tap_columns(layer_ids), out, doc_start,
@@ -275,7 +276,7 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     tr.hosts.join()
     c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
                    optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
-                   eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
+                   eval_conversations=[], eval_data=data, gamma=7.0, objective=objective_of(cfg.model), target_device=args.target[0],
                    drafter_device=ddev,
                    backend=resolve_backend(cfg.model.attention, ddev, needs_grad=True))
     return ThreadedPipeline(tr, c)

@@ -64,6 +64,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "gpus": (_list_of(_gpu), "a list of {index: int, role, busy, mem_gb}"),
     "shapes": (_list_of(_list_of(_int)), "a list of [batch, seq]"),
     "histogram": (_list_of(_int), "a list of integers"),
+    "acceptance": (_optional(_list_of(_number)), "a list of numbers or null"),
 }
 
 

@@ -29,6 +29,15 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def acceptance_text(acceptance: Any, prefix: str = "") -> str:
+    """Per-position acceptance (an eval's `acceptance`: the share of rounds accepting draft position
+    k = 1, 2, ...) as `prefix` + `0.91 0.80 0.62 ...`; empty when absent or not a list of numbers."""
+    if not isinstance(acceptance, list) or not acceptance or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) for a in acceptance):
+        return ""
+    return prefix + " ".join(f"{a:.2f}" for a in acceptance)
+
+
 def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
     """One metrics.jsonl event as a short line, e.g. `step 40/300 loss 2.3456 acc 0.412 ...`."""
     kind = event.get("event", "?")
@@ -48,6 +57,7 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
         lookup = (f"  n-gram lookup {_num(event.get('tau_lookup'), '.3f')} ({_num(event.get('tau_ratio'), '.2f')}x)"
                   if event.get("tau_lookup") is not None else "")
         return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}{lookup}"
+                f"{acceptance_text(event.get('acceptance'), '  by position ')}"
                 f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}")
     if kind == "checkpoint":
         request = f" (request {event['request']})" if event.get("request") else ""
@@ -92,6 +102,9 @@ def status_detail(info: RunInfo) -> list[str]:
         lines.append(f"reason: {info.reason}")
     if info.error:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
+    if acceptance_text(info.acceptance):
+        lines.append(f"accepted by draft position (last eval, tau {_num(info.tau, '.2f')}): "
+                     f"{acceptance_text(info.acceptance)}")
     lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
     if info.restart_policy:
         lines.append(f"restart: {info.restart_policy}, {len(info.restarts)} so far")

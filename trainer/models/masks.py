@@ -82,7 +82,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
-    """Per-slot weight: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    """Per-slot weight: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1 (gamma = inf: 1, D-PACE's base)."""
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0

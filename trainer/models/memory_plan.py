@@ -181,7 +181,10 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     layer_activation = tokens * (6 * hidden + 3 * intermediate) * elt
     replicas = target_replicas(cfg.devices)
     R = len(cfg.devices.drafter)
-    slot_bytes = tokens * len(layer_ids) * hidden * elt
+    from trainer.models.objective import objective_of
+
+    kl = objective_of(cfg.model).needs_target  # the slots also carry the target's last hidden states
+    slot_bytes = tokens * (len(layer_ids) + kl) * hidden * elt
 
     def stage_items(sizes: list[int], devices: list[str]) -> list[dict]:
         out, lo = [], 0
@@ -217,7 +220,8 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         "embedding + head": embed + head,
         "features": slot_bytes,
         "activations": cfg.model.drafter_layers * block_tokens * (6 * hidden + 2 * q_width + 3 * dcfg.intermediate_size) * 4
-        + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3,
+        # a chunk's logits, their fp32 copy and gradient; under kl also the target's logits and probabilities
+        + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * (5 if kl else 3),
     }
     by_device: dict[str, DevicePlan] = {}
 

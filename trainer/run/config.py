@@ -76,6 +76,14 @@ class DrafterShapeConfig:
 
 
 @dataclass
+class LossMix:
+    """model.loss as a mapping: a·CE + b·KL (docs/objectives.md)."""
+
+    ce: float = 0.0  # weight of cross-entropy on the data's tokens
+    kl: float = 0.0  # weight of forward KL to the target's next-token distribution
+
+
+@dataclass
 class ModelConfig:
     """The target and the DFlash drafter."""
 
@@ -90,6 +98,13 @@ class ModelConfig:
     attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
+    # the objective (docs/objectives.md): ce = cross-entropy on the data's tokens (the DFlash recipe);
+    # kl = forward KL to the target's next-token distribution at each block position (runs the target's
+    # layers above the last tapped one and its head); {ce: a, kl: b} = a·CE + b·KL
+    loss: Literal["ce", "kl"] | LossMix = "ce"
+    kl_temperature: float = 1.0  # softens target and drafter in the KL term (scaled by T²)
+    position_weight: Literal["decay", "dpace"] = "decay"  # decay: exp(-(k-1)/gamma); dpace: D-PACE weights from the drafter's own confidence (detached)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing floor, in (0, 1]
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
     # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only).
     # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
@@ -420,6 +435,13 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
     check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
     check(c.model.loss_chunk >= 1, ("model", "loss_chunk"), "must be positive")
+    check(c.model.gamma is None or c.model.gamma > 0, ("model", "gamma"), "must be positive")
+    if isinstance(c.model.loss, LossMix):
+        mix = c.model.loss
+        check(mix.ce >= 0 and mix.kl >= 0 and mix.ce + mix.kl > 0, ("model", "loss"),
+              f"needs non-negative weights, not all zero (got ce {mix.ce:g}, kl {mix.kl:g})")
+    check(c.model.kl_temperature > 0, ("model", "kl_temperature"), "must be positive")
+    check(0 < c.model.dpace_alpha <= 1, ("model", "dpace_alpha"), "must be in (0, 1]")
     if c.model.target_layer_ids is not None:
         check(len(c.model.target_layer_ids) == c.model.num_target_layers, ("model", "target_layer_ids"),
               "must list num_target_layers ids")

@@ -18,6 +18,7 @@ from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.hf import base_model, hf_config
 from trainer.models.masks import resolve_backend
+from trainer.models.objective import Objective, base_gamma, objective_of
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
@@ -30,7 +31,7 @@ from trainer.models.target import (
     target_family,
     tiny_target,
 )
-from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
+from trainer.models.target_loading import complete_for_decoding, load_staged, meta_model, place, stage_plan
 from trainer.run.config import TrainerConfig, data_paths, default_gamma, drafter_own, target_replicas, template_kwargs
 from trainer.train.optim import build_optimizer, build_scheduler
 
@@ -51,7 +52,8 @@ class Components:
     train_data: PreloadedDataset | PackedDataset  # PackedDataset when data.pack_length is set
     eval_conversations: list[dict]
     eval_data: PreloadedDataset
-    gamma: float
+    gamma: float  # what the blocks' base weights are built with (trainer.models.objective.base_gamma)
+    objective: Objective  # model.loss, kl_temperature, position_weight (trainer.models.objective)
     target_device: str
     drafter_device: str
     backend: str  # the drafter's attention kernel: "flex" | "sdpa" (trainer.models.masks.resolve_backend)
@@ -250,6 +252,17 @@ def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
         raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
 
 
+def require_logits(target: torch.nn.Module, log: Callable[[str], None]) -> None:
+    """model.loss kl reads the target's logits: its layers above the last tapped one, its final norm
+    and LM head, loaded onto the last stage now (training alone would leave them unread)."""
+    from trainer.models.stages import plan_of
+    from trainer.run.config import ConfigError
+
+    if not complete_for_decoding(target, plan_of(target), log):
+        raise ConfigError("model.loss: kl needs the target's layers above the last tapped one, its final norm "
+                          "and LM head, and the model directory lacks some; use loss: ce")
+
+
 def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
@@ -282,11 +295,15 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
                             drafter_device)
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    objective = objective_of(cfg.model)
+    if objective.needs_target:
+        require_logits(target, log)
+    log(f"objective: {objective.describe()}")
     return Components(
         tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.optim), train_data=train_data,
         eval_conversations=eval_conv, eval_data=eval_data,
-        gamma=cfg.model.gamma or default_gamma(cfg.model.block_size),
+        gamma=base_gamma(objective, cfg.model.gamma or default_gamma(cfg.model.block_size)), objective=objective,
         target_device=target_replicas(cfg.devices)[0][0], drafter_device=drafter_device,
         backend=resolve_backend(cfg.model.attention, drafter_device, needs_grad=True),
     )

@@ -25,6 +25,7 @@ class SplitReport:
     kept_tokens: int = 0  # tokens after truncation at max_length
     loss_tokens: int = 0  # of those, tokens on assistant turns
     no_loss: int = 0  # conversations left with fewer than 2 loss tokens (dropped by the trainer)
+    with_tools: int = 0  # conversations whose row carries function schemas (rendered by the template)
 
     @property
     def conversations(self) -> int:
@@ -41,6 +42,7 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
         for path in paths:
             conversations = read_conversations(path)
             report.files.append((path, file_format(path), len(conversations)))
+            report.with_tools += sum(bool(c.get("tools")) for c in conversations)
             processes = process_count(cfg.data.workers, len(conversations))
             for ids, mask, full in encode_all(tokenizer, conversations, cfg.data.max_length, kwargs, processes):
                 report.lengths.append(full)
@@ -94,6 +96,8 @@ def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name:
                    f"({(total - s.kept_tokens) / max(total, 1):.1%}) cut")
         out.append(f"  loss tokens (assistant turns): {s.loss_tokens} of {s.kept_tokens} kept tokens "
                    f"({s.loss_tokens / max(s.kept_tokens, 1):.1%})")
+        if s.with_tools:
+            out.append(f"  with tools (schemas rendered by the chat template): {s.with_tools} of {s.conversations}")
         if s.no_loss:
             out.append(f"  {s.no_loss} conversations have fewer than 2 loss tokens after truncation "
                        "and are skipped by the trainer")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainer.data.chat import template_kwargs_for
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.target import FrozenHead
 
@@ -104,7 +105,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs) for conv in conversations]
+    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs_for(conv, template_kwargs))
+               for conv in conversations]  # with the row's tools, as training rendered it
     was_training = drafter.training
     drafter.eval()
     try:

@@ -643,7 +643,7 @@ def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Co
         if not answers_after(prompt.messages, i):
             continue
         c = engine.complete(list(history), prompt.tools)
-        answer = {"role": "assistant", "content": c.content}
+        answer: dict[str, Any] = {"role": "assistant", "content": c.content}
         if c.reasoning_content:
             answer["reasoning_content"] = c.reasoning_content
         if c.tool_calls:

@@ -17,6 +17,7 @@ from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -332,6 +333,7 @@ class DFlashDrafter(nn.Module):
         # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
         self.low_precision = LowPrecisionWeights()
         self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
+        self.checkpoint_layers = False  # model.checkpoint_drafter: each layer recomputed in backward (run_layer)
 
     def blocks(self) -> list[DrafterLayer]:
         """The layers, typed (ModuleList's stubs type its items as Module)."""
@@ -363,8 +365,18 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, attention, weight, fused)
+            x = self.run_layer(layer, x, ctx, rope_q, rope_kv, attention, weight, fused)
         return self.norm(x)
+
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """One layer; under model.checkpoint_drafter (training only) through activation checkpointing:
+        only its input is kept for backward, which runs its forward again (a third more drafter
+        compute), so the drafter's activations no longer grow with layers x anchors (rows of 65,536
+        tokens on one H200). Non-reentrant: the recompute sees the same autocast state and the same
+        low-precision weight copies; no RNG state is kept, the layers draw none."""
+        if getattr(self, "checkpoint_layers", False) and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, preserve_rng_state=False)
+        return layer(x, *args)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                       attention: Attention,

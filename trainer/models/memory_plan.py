@@ -9,6 +9,7 @@ whether it fits, and the plan names the smallest split that does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,11 @@ class MemoryPlan:
     notes: list[str]
     gpus: int = 0  # GPUs this host has (0: none visible)
     suggestion: str | None = None  # a devices: section for them with the smallest split
+    checkpoint_drafter: bool = False  # the drafter's layers checkpointed (model.checkpoint_drafter, auto resolved)
+    checkpoint_reason: str = ""  # why (auto: what the step needs without it)
+    # per device with a budget: the largest data.pack_length whose step fits there (None: none does)
+    largest_pack_length: dict[str, int | None] = field(default_factory=dict)  # checkpointed unless it is off
+    largest_pack_length_unchecked: dict[str, int | None] = field(default_factory=dict)  # auto: without, beside it
 
     @property
     def fits(self) -> bool:
@@ -146,25 +152,82 @@ def _tokens_per_micro_batch(cfg: TrainerConfig) -> int:
     return d.pack_rows * d.pack_length if d.pack_length else d.token_budget
 
 
-def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
-               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
-    """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
-    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
+@dataclass
+class _Sizes:
+    """What the plan reads of the models once (the meta target, the drafter's parameter count)."""
+
+    config: Any  # the target's (text) config
+    layer_ids: list[int]
+    per_layer: list[int]  # parameter bytes of each target layer
+    embed: int
+    head: int
+    drafter_params: int
+    elt: int  # bytes per element of the run's dtype (target weights and activations, drafter autocast)
+    notes: list[str]
+
+
+def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
     from trainer.models.drafter import DFlashDrafter, DrafterConfig
     from trainer.models.target import default_target_layer_ids
-    from trainer.models.target_loading import layer_bytes, module_bytes, partition
+    from trainer.models.target_loading import layer_bytes, module_bytes
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
-    elt = torch.finfo(dtype).bits // 8
     target, notes = _meta_target(cfg, dtype, model_config)
     config = target.config
-    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    n_layers = int(config.num_hidden_layers)
     layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
-    run = max(layer_ids) + 1
-    per_layer = layer_bytes(target)
     base = getattr(target, target.base_model_prefix)
-    embed = module_bytes(base.embed_tokens)
-    head = module_bytes(target.get_output_embeddings())
+    dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
+                                     cfg.model.mask_token_id or 0, layer_ids)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
+    return _Sizes(config, list(layer_ids), layer_bytes(target), module_bytes(base.embed_tokens),
+                  module_bytes(target.get_output_embeddings()), params, torch.finfo(dtype).bits // 8, notes)
+
+
+def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: int, block_tokens: int,
+                             checkpointed: bool) -> int:
+    """Peak bytes of one drafter step's activations (the backward's peak), at the autocast dtype.
+
+    Each layer keeps for backward what its two compiled regions and attention save: per block slot
+    the residual stream before and after attention and its normed copy, the query before and after
+    RoPE and the attention output, the MLP's gate, up and product (3 x hidden + 3 x q width + 3 x
+    MLP width), and the keys and values of [context | block] before and after their norm and RoPE.
+    Checkpointed (model.checkpoint_drafter), a layer keeps its input only and one layer's worth is
+    recomputed at a time. Around the layers: the context's projection and its norm, the block
+    embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
+    backward's transient gradients of one layer (the MLP's two products, two residual widths) and
+    the LM-head logits chunks (loss_chunk x vocab in fp32, three alive). Measured against
+    bench/pipeline.py's peaks at 8,192 / 16,384 / 32,768-token rows (bench/RESULTS.md, issue #35)."""
+    elt = 4 if cfg.model.dtype == "fp32" else 2
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_width = int(config.num_key_value_heads) * head_dim
+    from trainer.models.drafter import drafter_intermediate_size
+
+    mlp = drafter_intermediate_size(config)
+    per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
+                 + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
+    layers = cfg.model.drafter_layers
+    kept = layers * block_tokens * hidden * elt + per_layer if checkpointed else layers * per_layer
+    around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
+    transient = block_tokens * (2 * mlp + 2 * hidden) * elt
+    logits = min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3
+    return kept + around + transient + logits
+
+
+def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: bool, gpu_bytes: dict[int, int] | None,
+              notes: list[str], find_split: bool = True) -> MemoryPlan:
+    """The plan for `cfg` with the drafter's layers checkpointed or not (find_split: also the
+    smallest split that fits)."""
+    from trainer.models.target_loading import partition
+    from trainer.run.config import row_anchors
+
+    config = z.config
+    hidden, elt = int(config.hidden_size), z.elt
+    layer_ids, per_layer, embed, head = z.layer_ids, z.per_layer, z.embed, z.head
+    run = max(layer_ids) + 1
     tokens = _tokens_per_micro_batch(cfg)
     intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     # live during one layer: the residual stream, its normed copy, q/k/v/attention out and the MLP's
@@ -193,19 +256,15 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         return partition(per_layer[:run], stages, embed)
 
     stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
-    dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     cfg.model.mask_token_id or 0, layer_ids)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
-    anchors = cfg.data.anchors_per_row * cfg.data.pack_rows if cfg.data.pack_length and cfg.data.anchors_per_row \
-        else cfg.data.num_anchors * max(1, tokens // cfg.data.max_length)
-    block_tokens = anchors * cfg.model.block_size
+    params = z.drafter_params
+    rows = cfg.data.pack_rows if cfg.data.pack_length else max(1, tokens // cfg.data.max_length)
+    block_tokens = row_anchors(cfg.data, cfg.model.block_size) * rows * cfg.model.block_size
     drafter = {
         "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
         "embedding + head": embed + head,
         "features": slot_bytes,
-        "activations": cfg.model.drafter_layers * block_tokens * (8 * hidden + 3 * intermediate) * 4
-        + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3,
+        "activations" + (" (layers checkpointed)" if checkpointed else ""):
+            drafter_activation_bytes(cfg, config, tokens, block_tokens, checkpointed),
     }
     by_device: dict[str, DevicePlan] = {}
 
@@ -223,15 +282,90 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         add(d if d != "cpu" else f"cpu:drafter{r}", drafter)
     budget = _device_budget(replicas[0][0], cfg, gpu_bytes)
     smallest = None
-    for n in range(1, run + 1):
+    for n in range(1, run + 1 if find_split else 1):
         worst = max(sum(v for k, v in st.items() if k not in ("stage", "device", "layers"))
                     for st in stage_items(split_sizes(n), [replicas[0][0]] * n))
         if budget is None or worst + cuda_reserve(replicas[0][0], budget) <= budget:
             smallest = n
             break
     gpus = len(gpu_bytes) if gpu_bytes is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes, gpus,
-                      suggest_devices(gpus, smallest) if gpus and smallest else None)
+    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, list(notes), gpus,
+                      suggest_devices(gpus, smallest) if gpus and smallest else None, checkpointed)
+
+
+PACK_STEP = 1024  # the largest pack_length the plan names is a multiple of this
+PACK_LIMIT = 1 << 20  # and at most this
+
+
+def _with_pack_length(cfg: TrainerConfig, pack_length: int) -> TrainerConfig:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_length=pack_length))
+
+
+def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None) -> tuple[MemoryPlan, str]:
+    """The plan with model.checkpoint_drafter resolved (auto: on when the step does not fit without
+    it), and why."""
+    choice = cfg.model.checkpoint_drafter
+    if choice != "auto":
+        return _assemble(cfg, z, bool(choice), gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
+    off = _assemble(cfg, z, False, gpu_bytes, z.notes)
+    if off.fits or all(d.budget is None for d in off.devices):
+        return off, "model.checkpoint_drafter auto: off (the step fits without)"
+    short = off.refusal()
+    on = _assemble(cfg, z, True, gpu_bytes, z.notes)
+    return on, f"model.checkpoint_drafter auto: on (without it {short})"
+
+
+def drafter_checkpointing(cfg: TrainerConfig) -> bool:
+    """Whether the drafter's layers train checkpointed: model.checkpoint_drafter, auto resolved by the
+    memory plan (on where the step would not fit without it; off where no drafter device is a GPU)."""
+    choice = cfg.model.checkpoint_drafter
+    if choice != "auto":
+        return bool(choice)
+    if not any(d.startswith("cuda") for d in cfg.devices.drafter) and cfg.devices.memory_gib is None:
+        return False
+    return build_plan(cfg).checkpoint_drafter
+
+
+def largest_pack_lengths(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None,
+                         checkpointed: bool) -> dict[str, int | None]:
+    """Per device with a budget, the largest pack_length (a multiple of PACK_STEP, at least max_length)
+    whose step fits there, the drafter's layers checkpointed or not; None: not even the smallest fits."""
+    lowest = max(PACK_STEP, -(-cfg.data.max_length // PACK_STEP) * PACK_STEP)
+    seen: dict[int, dict[str, bool]] = {}
+
+    def fitting(length: int) -> dict[str, bool]:
+        if length not in seen:
+            plan = _assemble(_with_pack_length(cfg, length), z, checkpointed, gpu_bytes, [], find_split=False)
+            seen[length] = {d.device: d.shortfall == 0 for d in plan.devices if d.budget is not None}
+        return seen[length]
+
+    out: dict[str, int | None] = {}
+    for device, fits in fitting(lowest).items():
+        if not fits:
+            out[device] = None
+            continue
+        lo, hi = lowest // PACK_STEP, PACK_LIMIT // PACK_STEP  # lo fits; find the last multiple that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fitting(mid * PACK_STEP)[device]:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[device] = lo * PACK_STEP
+    return out
+
+
+def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
+               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
+    """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
+    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
+    z = _sizes(cfg, model_config)
+    plan, why = _checkpointing(cfg, z, gpu_bytes)
+    plan.checkpoint_reason = why
+    plan.largest_pack_length = largest_pack_lengths(cfg, z, gpu_bytes, cfg.model.checkpoint_drafter is not False)
+    if cfg.model.checkpoint_drafter == "auto":
+        plan.largest_pack_length_unchecked = largest_pack_lengths(cfg, z, gpu_bytes, False)
+    return plan
 
 
 def suggest_devices(gpus: int, stages: int) -> str | None:
@@ -268,6 +402,13 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
+    lines.append(f"drafter layers checkpointed: {'yes' if plan.checkpoint_drafter else 'no'} ({plan.checkpoint_reason})")
+    for device, length in plan.largest_pack_length.items():
+        unchecked = plan.largest_pack_length_unchecked.get(device, 0)
+        lines.append(f"largest data.pack_length that fits {device}: "
+                     + (f"{length}" if length else "none (not even the shortest row)")
+                     + (" with the drafter's layers checkpointed" if plan.largest_pack_length_unchecked else "")
+                     + (f", {unchecked or 'none'} without" if plan.largest_pack_length_unchecked else ""))
     if plan.suggestion:
         lines.append(f"on this host's {plan.gpus} GPUs: devices: {plan.suggestion}")
     lines += [f"note: {n}" for n in plan.notes]

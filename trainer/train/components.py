@@ -18,6 +18,7 @@ from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.hf import hf_config
 from trainer.models.masks import resolve_backend
+from trainer.models.memory_plan import drafter_checkpointing
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
@@ -170,6 +171,7 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
     drafter.fused = cfg.model.fuse_drafter
+    drafter.checkpoint_layers = drafter_checkpointing(cfg)  # auto: the memory plan decides
     if weights is not None:
         drafter.load_state_dict(weights)
     return drafter.float().train()
@@ -231,6 +233,9 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     drafter_device = cfg.devices.drafter[0]
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
                             drafter_device)
+    if drafter.checkpoint_layers:
+        log(f"drafter layers checkpointed (model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): each layer's "
+            "forward runs again in backward, its activations are not kept")
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     return Components(
         tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,

@@ -8,6 +8,14 @@
     PYTHONPATH=. python bench/pipeline.py --mix lognormal --min-len 64 --modes packed packed+ct all --cli-steps 24
                                                                        # issue #29: one run, CLI included
 
+Issue #35, long rows: each --pack-length once per --checkpoint-drafter choice (model.checkpoint_drafter
+off/on/auto), steps sized by --tokens-per-mode so a 64K row takes no longer than an 8K one; a
+measurement the memory plan refuses is skipped and named (64K not checkpointed on one H200); each
+row's tokens/s over the shortest rows' (x_shortest), its peak and the plan's over it:
+
+    PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 8192 16384 32768 65536 \
+        --checkpoint-drafter off on --tokens-per-mode 196608 --stage-micro 2 --out $OUT/long.json
+
 Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
 model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight
 copies made once per step, and a periodic checkpoint halfway through the run, written in the
@@ -89,6 +97,7 @@ model:
   mask_token_id: %(mask)d
   compile_target: %(ct)s
   fuse_drafter: %(fuse)s
+  checkpoint_drafter: %(ckpt_drafter)s
 data:
   synthetic: {n_train: 1}
   max_length: %(max_len)d
@@ -99,7 +108,7 @@ data:
   pack_length: %(pack_length)d
   pack_rows: %(pack_rows)d
 optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0}
-devices: {target: [%(targets)s], drafter: [%(drafters)s]}
+devices: {target: [%(targets)s], drafter: [%(drafters)s], memory_gib: %(memory_gib)s}
 run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10, checkpoint_every: %(ckpt)d, keep_checkpoints: 1}
 pipeline: {kind: threaded, pad_to_warm_shapes: always}
 """
@@ -212,12 +221,15 @@ def variant_targets(args, variant):
     return ", ".join(args.target)
 
 
-def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
-    rank = mode.endswith("/rank")
+CHECKPOINT_DRAFTER = {"auto": "auto", "on": "true", "off": "false"}  # --checkpoint-drafter -> model.checkpoint_drafter
+
+
+def bench_config(args, mode, pack_length=0, variant="whole", ckpt_drafter="auto"):
+    """The trainer config of one measurement (mode, row length, target variant, drafter checkpointing)."""
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
-    cfg = parse_config(CONFIG % dict(
+    return parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true",
         layers=2 if tiny else 5, dtype="fp32" if tiny else "bf16", mask=5 if tiny else 151669,
@@ -225,8 +237,16 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole"):
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
         ct="true" if mode in ("packed+ct", "all") else "false", fuse="true" if mode == "all" else "false",
-        ckpt=max(args.steps // 2, 1) if mode == "all" else 0,
+        ckpt=max(args.steps // 2, 1) if mode == "all" and not args.no_save else 0,
+        ckpt_drafter=CHECKPOINT_DRAFTER[ckpt_drafter], memory_gib="null" if args.memory_gib is None else args.memory_gib,
         targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
+
+
+def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", ckpt_drafter="auto"):
+    rank = mode.endswith("/rank")
+    mode = mode.removesuffix("/rank")
+    edges = args.bucket_edges or [args.max_len]
+    cfg = bench_config(args, mode, pack_length, variant, ckpt_drafter)
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
     from trainer.models.target_loading import place, stage_plan
@@ -443,16 +463,19 @@ def plan_against_peak(cfg, devices):
     return out
 
 
-def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
+def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", ckpt_drafter="auto"):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
     with untruncated() if variant == "untruncated" else contextlib.nullcontext():
-        return _run_mode(args, mode, target, samples, results, pack_length, variant)
+        return _run_mode(args, mode, target, samples, results, pack_length, variant, ckpt_drafter)
 
 
-def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole"):
+def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", ckpt_drafter="auto"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
     out = {}
-    tr = build(args, run_dir, mode, target, samples, pack_length, variant)  # the threaded pipeline, replicas built
+    # the threaded pipeline, replicas built
+    tr = build(args, run_dir, mode, target, samples, pack_length, variant, ckpt_drafter)
+    out["checkpoint_drafter"] = bool(tr.replicas[0].drafter.checkpoint_layers)
+    out["steps_planned"] = args.steps
     devices = tr.devices()
     for d in devices:
         if torch.device(d).type == "cuda":
@@ -531,6 +554,42 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def long_rows(summary):
+    """#35's figure: each packed measurement's tokens/s over the shortest rows' of its mode and target
+    (x_shortest; the shortest measured without checkpointing when it was, else with), when the run
+    measured several row lengths."""
+    lengths = {v["pack_length"] for v in summary.values() if v.get("pack_length")}
+    if len(lengths) < 2:
+        return
+    for key, v in summary.items():
+        if not v.get("pack_length"):
+            continue
+        group = key.split("_")[0]
+        peers = [(w["pack_length"], bool(w["checkpoint_drafter"]), w["tokens_per_s"]) for k, w in summary.items()
+                 if k.split("_")[0] == group and w.get("pack_length")]
+        shortest = min(peers)  # the shortest rows, not checkpointed (False sorts first) where measured
+        v["shortest"], v["x_shortest"] = shortest[0], round(v["tokens_per_s"] / max(shortest[2], 1e-9), 3)
+
+
+def per_length_args(args, pack_length):
+    """--tokens-per-mode: the steps (and log interval: 3 windows at least, for a steady figure between
+    the first and the last) of a measurement of rows of pack_length; else args as given."""
+    if not args.tokens_per_mode or not pack_length:
+        return args
+    per_step = pack_length * args.pack_rows * args.micro
+    steps = max(3, -(-args.tokens_per_mode // per_step))
+    log_every = max(1, steps // 4)
+    steps = max(steps, 3 * log_every)
+    return argparse.Namespace(**{**vars(args), "steps": steps, "log_every": log_every})
+
+
+def plan_refusal(cfg):
+    """The memory plan's one-line refusal of a measurement's config on this machine, None when it fits."""
+    from trainer.models.memory_plan import build_plan
+
+    return build_plan(cfg).refusal()
 
 
 def cli_config(args, train_path, run_steps):
@@ -640,6 +699,17 @@ def main(argv=None):
                    help="target arrangements per mode: whole, untruncated, splitN (N layer stages)")
     p.add_argument("--targets", nargs="+", choices=["8b", "30b-a3b"], default=["8b"],
                    help="target shapes, each through every mode (dense Qwen3-8B, Qwen3-30B-A3B MoE)")
+    p.add_argument("--checkpoint-drafter", nargs="+", choices=list(CHECKPOINT_DRAFTER), default=["auto"],
+                   help="model.checkpoint_drafter per measurement (#35): each row length runs once per choice "
+                        "(keys <mode>_<length>:ckpt-<choice> when several); a choice the memory plan says does not "
+                        "fit is skipped and reported, unless --force")
+    p.add_argument("--tokens-per-mode", type=int, default=0,
+                   help="steps per measurement from its row length: about this many tokens each (at least 3 "
+                        "logged windows; replaces --steps and --log-every), so long rows take no longer than short")
+    p.add_argument("--no-save", action="store_true", help="mode all without its periodic checkpoint (long rows: "
+                                                           "16 GB of drafter state written per measurement)")
+    p.add_argument("--memory-gib", type=float, default=None, help="devices.memory_gib: the plan's budget per device")
+    p.add_argument("--force", action="store_true", help="run measurements the memory plan says do not fit")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -662,6 +732,7 @@ def main(argv=None):
     runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
     if args.one_rank:
         runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
+    runs_ck = [(m, L, ck) for m, L in runs for ck in args.checkpoint_drafter]
     for shape in args.targets:
         target = build_target(args, shape)
         prefix = f"{shape}/" if len(args.targets) > 1 else ""
@@ -669,12 +740,20 @@ def main(argv=None):
             emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters()),
                                      "config": type(target.config).__name__})
         samples = random_samples(lengths, target.config.vocab_size)
-        for mode, length in runs:
+        for mode, length, ck in runs_ck:
             key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
+            if len(args.checkpoint_drafter) > 1:
+                key += f":ckpt-{ck}"
+            margs = per_length_args(args, length)
             for variant in args.variants:
                 name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                refusal = None if args.force else plan_refusal(bench_config(margs, mode, length, variant, ck))
+                if refusal is not None:
+                    emit(name, {"skipped": f"the memory plan does not fit: {refusal} (--force runs it)",
+                                "pack_length": length, "checkpoint_drafter": ck})
+                    continue
                 try:
-                    emit(name, run_mode(args, mode, target, samples, results, length, variant))
+                    emit(name, run_mode(margs, mode, target, samples, results, length, variant, ck))
                 except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
                     import traceback
 
@@ -707,7 +786,9 @@ def main(argv=None):
             "host_syncs_per_step": pipe["host_syncs_per_step"], "peak_mem_gb": v["peak_mem_gb_all"],
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
             "pipeline_over_bound": v["pipeline_over_bound"], "mfu": (pipe["mfu_steady"] or [None])[-1],
-            "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()}}
+            "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()},
+            "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter")}
+    long_rows(summary)
     emit("summary", summary)
     print(f"{'mode':<20}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
@@ -720,6 +801,15 @@ def main(argv=None):
         print(f"{key:<20}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+    for key, v in summary.items():
+        if v.get("x_shortest") is not None:
+            print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed {v['checkpoint_drafter']}: "
+                  f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']} "
+                  f"(not checkpointed where measured), peak {max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak "
+                  f"{v['plan_over_peak']}, recompiles {v['recompiles']}", flush=True)
+    for key, v in results.items():
+        if isinstance(v, dict) and "skipped" in v:
+            print(f"{key}: skipped: {v['skipped']}", flush=True)
     for key in [k for k in summary if k.startswith("all")]:
         for c in results[key].get("checkpoints", []):
             print(f"{key}: checkpoint at step {c['step']}: training thread blocked {c['stall_s']}s, GPU copy "

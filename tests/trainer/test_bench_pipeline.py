@@ -74,3 +74,30 @@ def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path
     assert losses["packed"] == losses["packed:untruncated"] == losses["packed:split3"], losses
     assert all(results[key]["pipeline"]["recompiles_after_warmup"] == 0 for key in losses)
     assert "cpu:target0.2" in results["packed:split3"]["memory_plan"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_rows_of_several_lengths_with_the_drafter_checkpointed_and_not_in_one_run(tmp_path, capsys):
+    """#35's measurement, tiny: each row length with model.checkpoint_drafter off and on, steps from
+    --tokens-per-mode; the one the memory plan says does not fit (512 not checkpointed, under a
+    budget of 10.5 MiB) is skipped and said so; checkpointing trains the same losses."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--micro", "1", "--min-len", "16", "--max-len", "128",
+        "--samples", "120", "--anchors", "16", "--modes", "packed", "--pack-length", "256", "512",
+        "--checkpoint-drafter", "off", "on", "--tokens-per-mode", "1024", "--stage-micro", "2",
+        "--memory-gib", str(10.5 / 1024), "--out", str(tmp_path / "bench.json")])
+    measured = ["packed_256:ckpt-off", "packed_256:ckpt-on", "packed_512:ckpt-on"]
+    assert "the memory plan does not fit: cpu:drafter0 needs" in results["packed_512:ckpt-off"]["skipped"]
+    for key in measured:
+        r = results[key]
+        assert r["pipeline"]["recompiles_after_warmup"] == 0 and r["checkpoint_drafter"] == key.endswith("on")
+        assert r["pipeline"]["steps"] == r["steps_planned"] == (4 if "256" in key else 3)  # ~1024 tokens each
+    assert results["packed_256:ckpt-off"]["pipeline"]["loss"] == results["packed_256:ckpt-on"]["pipeline"]["loss"]
+    summary = results["summary"]
+    assert set(summary) == set(measured) and summary["packed_256:ckpt-off"]["x_shortest"] == 1.0
+    assert summary["packed_512:ckpt-on"]["shortest"] == 256
+    out = capsys.readouterr().out
+    assert "packed_512:ckpt-off: skipped: the memory plan does not fit" in out
+    assert "packed_512:ckpt-on: rows of 512, drafter layers checkpointed True:" in out

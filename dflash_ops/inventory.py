@@ -238,7 +238,7 @@ class _TargetSpec(_Schema):
     python: Path_ | None = None  # default: the node kind's, else python3
     gpus: list[Annotated[int, Field(ge=0)]] = []
     extra_paths: list[Path_] = []
-    venv: Any = None  # a mapping (_VenvSpec), false (no venv) or null (the default)
+    venv: Any = None  # a mapping (VenvConfig), false (no venv) or null (the default)
     keep_releases: Annotated[int, Field(ge=1)] | None = None
     address: str | None = None  # the container's own address, for runs across hosts
     notify: Any = None  # a mapping (_NotifySpec)
@@ -253,12 +253,33 @@ class _NotifySpec(_Schema):
     local: list[Argv] = []
 
 
-class _VenvSpec(_Schema):
+UvMode = Literal["auto", "always", "never"]
+
+
+class VenvConfig(_Schema):
+    """A `venv:` mapping (an inventory target's, a playbook deploy step's): the one schema of it.
+    dflash_ops.deploy.venv_spec.VenvSpec.from_config builds the deploy's venv from it."""
+
     requirements: str | None = None
     system_site_packages: bool = True
     wheelhouse: str | None = None
-    uv: Literal["auto", "always", "never"] = "auto"
+    uv: UvMode = "auto"
     index: bool = True
+
+
+def schema_problem(spec: type[BaseModel], error: ValidationError, known: Iterable[str] = ()) -> tuple[str, str, str]:
+    """The first problem of a failed `spec.model_validate` (unknown keys first), as (its key, its
+    kind: pydantic's error type, a one-line message: `key: problem, got VALUE`)."""
+    first = min(error.errors(), key=lambda err: err["type"] != "extra_forbidden")
+    key = str(first["loc"][0]) if first["loc"] else ""
+    if first["type"] == "extra_forbidden":
+        message = f"unknown key {key!r}{suggest(key, [*spec.model_fields, *known])}"
+    elif first["type"] == "missing":
+        message = f"missing required key {key!r}"
+    else:
+        field = key + "".join(f"[{part}]" for part in first["loc"][1:])
+        message = f"{field} {first['msg'].replace('Input should be', 'must be')}, got {first['input']!r}"
+    return key, first["type"], message
 
 
 class _Parser:
@@ -282,16 +303,8 @@ class _Parser:
         try:
             return spec.model_validate(dict(m) if keys is None else keys)
         except ValidationError as e:
-            error = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")  # unknown keys first
-            key = str(error["loc"][0]) if error["loc"] else ""
-            if error["type"] == "extra_forbidden":
-                message = f"unknown key {key!r}{suggest(key, [*spec.model_fields, *known])}"
-            elif error["type"] == "missing":
-                message = f"missing required key {key!r}"
-            else:
-                field = key + "".join(f"[{part}]" for part in error["loc"][1:])
-                message = f"{field} {error['msg'].replace('Input should be', 'must be')}, got {error['input']!r}"
-            line = m.line if error["type"] == "missing" else m.key_lines.get(key, m.line)
+            key, kind, message = schema_problem(spec, e, known)
+            line = m.line if kind == "missing" else m.key_lines.get(key, m.line)
             raise self.fail(line, f"{what}: {message}") from None
 
     def inventory(self, data: Any) -> Inventory:
@@ -381,5 +394,5 @@ class _Parser:
         if m["venv"] is False:
             return False
         v = self.mapping(m["venv"], at("venv"), f"{what}: venv")
-        self.validate(_VenvSpec, v, f"{what}: venv")
+        self.validate(VenvConfig, v, f"{what}: venv")
         return tuple(sorted(dict(v).items()))

@@ -413,7 +413,7 @@ class _MetricPrinter:
 
 def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: int | None, inventory: Path | None,
                 on_line: Callable[[bytes], None]) -> None:
-    from dflash_ops.runs import RunNotFound, follow_file, resolve_run, run_status
+    from dflash_ops.runs import FollowCallbacks, RunNotFound, follow_file, resolve_run, run_status
 
     container = open_target(inventory, target)
     watcher = None
@@ -422,12 +422,14 @@ def _follow_cli(target: str, run: str | None, name: str, follow: bool, lines: in
         if follow:
             watcher = _StateWatcher(container, run_id)
         try:
-            follow_file(container, run_id, name, on_line, tail_lines=lines, follow=follow,
-                        on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
-                        on_truncated=lambda reached, size: _hint(
-                            f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
-                            f"(now {size} bytes); what was written before that and not yet shown is lost; "
-                            "following from its start"))
+            callbacks = FollowCallbacks(
+                on_line=on_line,
+                on_retry=lambda error, delay: _hint(f"dflash-ops: {error}; retrying in {delay:.1f}s"),
+                on_truncated=lambda reached, size: _hint(
+                    f"dflash-ops: warning: {name} of {run_id} was truncated or replaced at byte {reached} "
+                    f"(now {size} bytes); what was written before that and not yet shown is lost; "
+                    "following from its start"))
+            follow_file(container, run_id, name, callbacks, tail_lines=lines, follow=follow)
         except RunNotFound:
             info = run_status(container, run_id)  # no such run: raises, and says so
             # the run exists, its file not yet: a healthy run writes metrics.jsonl once its model loaded

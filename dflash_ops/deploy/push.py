@@ -20,7 +20,7 @@ from dflash_ops import render
 from dflash_ops.deploy.manifest import changed_files, collect, release_tar, trainer_dir
 from dflash_ops.deploy.venv_spec import VenvSpec
 from dflash_ops.errors import HelperFailed
-from dflash_ops.helpers import bundle, helper_names, source_of
+from dflash_ops.helpers import bundle, helper_names, source_of, venvs
 from dflash_ops.tarstream import ProgressReader, stream_size
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def _no_pip(container: ContainerAPI, error: HelperFailed) -> HelperFailed:
     if not error.document.get("no_pip"):
         return error
     target = container.target
-    install = [str(a) for a in error.document.get("fix_argv") or ["apt-get", "install", "-y", "python3-venv"]]
+    install = [str(a) for a in error.document.get("fix_argv") or venvs.NO_PIP_FIX_ARGV]
     fix = render.node_command(install)
     if target.node.pct:
         fix = f"on node {target.node.name}: {render.node_command(['pct', 'exec', str(target.ctid), '--', *install])}"

@@ -11,18 +11,22 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, get_args
+
+from pydantic import ValidationError
 
 from dflash_ops.deploy.manifest import trainer_dir
 from dflash_ops.errors import UsageError
+from dflash_ops.helpers import venvs
+from dflash_ops.inventory import UvMode, VenvConfig, schema_problem
 from dflash_ops.tarstream import build_tar
 
-UV_MODES = ("auto", "always", "never")
+UV_MODES: tuple[str, ...] = get_args(UvMode)
 
 
 @dataclass(frozen=True)
 class VenvSpec:
-    """How a target's venv is built (inventory key `venv:`).
+    """How a target's venv is built (inventory key `venv:`, schema inventory.VenvConfig).
 
     requirements: the requirements file (default: the trainer's requirements.txt).
     system_site_packages: let the venv see the container's own packages (its CUDA torch).
@@ -63,7 +67,7 @@ class VenvSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def rel_path(self) -> str:
-        return f"venvs/{self.lock_hash()}"
+        return venvs.rel_path(self.lock_hash())
 
     def helper_args(self, base_dir: str) -> list[str]:
         args = ["ensure", base_dir, self.lock_hash(), "--uv", self.uv]
@@ -80,20 +84,18 @@ class VenvSpec:
 
     @classmethod
     def from_config(cls, config: dict | None, *, base: Path | None = None) -> "VenvSpec":
-        """From an inventory/playbook `venv:` mapping; relative paths resolve against `base`."""
-        config = dict(config or {})
-        unknown = set(config) - {"requirements", "system_site_packages", "wheelhouse", "uv", "index"}
-        if unknown:
-            raise UsageError(f"venv: unknown key(s) {sorted(unknown)}")
+        """From an inventory/playbook `venv:` mapping (checked against VenvConfig: a wrong key or
+        type is a one-line UsageError); relative paths resolve against `base`."""
+        try:
+            checked = VenvConfig.model_validate(dict(config or {}))
+        except ValidationError as e:
+            raise UsageError(f"venv: {schema_problem(VenvConfig, e)[2]}") from None
 
-        def path(key: str) -> Path | None:
-            value = config.get(key)
+        def path(value: str | None) -> Path | None:
             if value is None:
                 return None
             p = Path(value).expanduser()
             return p if p.is_absolute() or base is None else base / p
 
-        return cls(requirements=path("requirements"),
-                   system_site_packages=bool(config.get("system_site_packages", True)),
-                   wheelhouse=path("wheelhouse"), uv=str(config.get("uv", "auto")),
-                   index=bool(config.get("index", True)))
+        return cls(requirements=path(checked.requirements), system_site_packages=checked.system_site_packages,
+                   wheelhouse=path(checked.wheelhouse), uv=checked.uv, index=checked.index)

@@ -13,6 +13,7 @@ from typing import Any
 from dflash_ops import render
 from dflash_ops.doctor.node import NVIDIA_MAJOR, NodeFacts
 from dflash_ops.doctor.plan import GIB, MIB, RunPlan
+from dflash_ops.helpers import venvs
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SYMBOLS = {OK: "✔", WARN: "!", FAIL: "✘"}
@@ -243,7 +244,7 @@ def venv_support_check(i: Inputs) -> Check | None:
     support = i.found.get("venv_support")
     if not support or support.get("venv") is None:
         return None
-    install = ["apt-get", "install", "-y", "python3-venv"]
+    install = venvs.NO_PIP_FIX_ARGV
     fix = f"in the container: {render.node_command(install)} (on node {i.target.node.name}: " \
           f"{render.node_command(['pct', 'exec', str(i.target.ctid), '--', *install])})" if i.node.pct else \
           render.node_command(install)

@@ -4,7 +4,7 @@ A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'
 installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
 
 A shared module (SHARED: nodefacts.py, the node-side facts; runqueue.py, the run queue on disk;
-notify.py, run events and their delivery; run_*.py, the parts of the runs helper that runs.py
+notify.py, run events and their delivery; venvs.py, the venvs' layout on disk; run_*.py, the parts of the runs helper that runs.py
 dispatches to; destination.py, the replace rule, and
 contract.py, the run directory's contract, whose one copies live in the trainer,
 trainer/run/destination.py and trainer/run/contract.py, as the trainer never imports dflash_ops) is not a helper: it travels with each helper that imports it, the way Ansible ships
@@ -32,7 +32,7 @@ HELPERS_DIR = Path(__file__).resolve().parent
 SHARED_ELSEWHERE = {"destination": ("trainer.run", "destination.py"), "contract": ("trainer.run", "contract.py")}
 # the runs helper's parts (runs.py is their dispatcher): shipped beside it, never run on their own
 RUN_PARTS = ("run_protocol", "run_describe", "run_follow", "run_start", "run_supervise", "run_events", "run_queue")
-SHARED = ("nodefacts", "runqueue", "notify", *RUN_PARTS, *SHARED_ELSEWHERE)
+SHARED = ("nodefacts", "runqueue", "notify", "venvs", *RUN_PARTS, *SHARED_ELSEWHERE)
 
 
 def shared_path(module: str) -> Path:

@@ -31,9 +31,10 @@ import time
 import types
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.doctor
-    from . import nodefacts
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    from . import nodefacts, venvs
+else:  # run as a script: nodefacts.py and venvs.py lie beside it (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import venvs  # type: ignore[no-redef]
 
 VERSION = 1
 _SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",
@@ -299,8 +300,8 @@ def release_facts(base: str) -> dict:
         return {"deployed": False, "root": root}
     doc = nodefacts.read_json(os.path.join(root, ".dflash-release.json")) or {}
     facts = {"deployed": True, "root": root, "hash": doc.get("hash"), "venv": doc.get("venv")}
-    if isinstance(doc.get("venv"), str) and doc["venv"]:
-        python = os.path.join(base, doc["venv"], "bin", "python")
+    python = venvs.release_python(base, doc)
+    if python is not None:
         facts["venv_python"] = python
         facts["venv_python_exists"] = os.path.exists(python)
     return facts

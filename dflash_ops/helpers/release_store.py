@@ -35,10 +35,11 @@ import tarfile
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.release_store
-    from . import nodefacts, runqueue
+    from . import nodefacts, runqueue, venvs
 else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
     import runqueue  # type: ignore[no-redef]
+    import venvs  # type: ignore[no-redef]
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"
@@ -342,11 +343,11 @@ def cmd_query(args: argparse.Namespace) -> dict:
     meta = read_meta(os.path.join(base, "releases", cur)) if cur else None
     venv_ready = None
     if args.venv:
-        venv_ready = os.path.exists(os.path.join(base, args.venv, ".dflash-venv.json"))
+        venv_ready = venvs.is_complete(base, args.venv)
     return {
         "current": cur if meta else None,
         "current_files": meta.get("files") if meta else None,
-        "current_venv": meta.get("venv") if meta else None,
+        "current_venv": venvs.release_venv(meta),
         "has_release": is_complete(base, args.release),
         "venv_ready": venv_ready,
         "helpers_present": [p for p in args.helper if os.path.exists(os.path.join(base, p))],

@@ -20,13 +20,14 @@ if TYPE_CHECKING:
     import subprocess
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_start
-    from . import nodefacts, notify, run_events, run_protocol, runqueue
+    from . import nodefacts, notify, run_events, run_protocol, runqueue, venvs
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
     import notify  # type: ignore[no-redef]
     import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
     import runqueue  # type: ignore[no-redef]
+    import venvs  # type: ignore[no-redef]
 
 CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")
@@ -84,14 +85,13 @@ def release_hash(release_root: str) -> str:
 def release_python(base: str, release_root: str, fallback: str) -> str:
     """The release's venv python (docs/container-layout.md), else the given python."""
     doc = read_json(os.path.join(release_root, ".dflash-release.json")) or {}
-    venv = doc.get("venv")
-    if isinstance(venv, str) and venv:
-        python = os.path.join(base, venv, "bin", "python")
-        if not os.path.exists(python):
-            raise Refused("release %s names venv %s but %s is missing; redeploy" % (
-                doc.get("hash"), venv, python), code=EXIT_NOT_DEPLOYED)
-        return python
-    return fallback
+    python = venvs.release_python(base, doc)
+    if python is None:
+        return fallback
+    if not os.path.exists(python):
+        raise Refused("release %s names venv %s but %s is missing; redeploy" % (
+            doc.get("hash"), venvs.release_venv(doc), python), code=EXIT_NOT_DEPLOYED)
+    return python
 
 
 def child_env(python: str, gpus: list[int], extra: list[str]) -> dict[str, str]:

@@ -38,11 +38,12 @@ import tarfile
 import time
 
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.venv
-    from . import nodefacts
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
+    from . import nodefacts, venvs
+else:  # run as a script: nodefacts.py and venvs.py lie beside it (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import venvs  # type: ignore[no-redef]
 
-VENV_META = ".dflash-venv.json"
+VENV_META = venvs.META
 PARENT_PTH = "_dflash_parent_site.pth"
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)$")
 _SPEC = re.compile(r"^\s*(==|>=|<=|!=|~=|>|<)\s*([0-9][0-9A-Za-z.*+!-]*)\s*$")
@@ -142,7 +143,7 @@ class NoPip(Exception):
 
 
 NO_PIP_EXIT = 3
-NO_PIP_FIX_ARGV = ["apt-get", "install", "-y", "python3-venv"]
+NO_PIP_FIX_ARGV = venvs.NO_PIP_FIX_ARGV
 NO_PIP_FIX = " ".join(NO_PIP_FIX_ARGV)
 
 
@@ -183,14 +184,15 @@ def check_satisfied(venv_python: str, requirements: str) -> bool:
 
 
 def build(base: str, lock: str, args: argparse.Namespace, stream: nodefacts.BinaryIO) -> dict:
-    venvs = os.path.join(base, "venvs")
-    os.makedirs(venvs, exist_ok=True)
-    final = os.path.join(venvs, lock)
-    if os.path.exists(os.path.join(final, VENV_META)):
-        return {"venv": f"venvs/{lock}", "built": False, "pip": False}
-    clean_stale(venvs)
+    rel = venvs.rel_path(lock)
+    parent = os.path.join(base, venvs.VENVS_DIR)
+    os.makedirs(parent, exist_ok=True)
+    final = os.path.join(base, rel)
+    if venvs.is_complete(base, rel):
+        return {"venv": rel, "built": False, "pip": False}
+    clean_stale(parent)
     started = time.time()
-    scratch = make_scratch_dir(venvs, "venv")
+    scratch = make_scratch_dir(parent, "venv")
     tmp = os.path.join(scratch, "venv")
     stage = os.path.join(scratch, "input")
     try:
@@ -230,8 +232,7 @@ def build(base: str, lock: str, args: argparse.Namespace, stream: nodefacts.Bina
             if not check_satisfied(venv_python, requirements):
                 raise SystemExit("venv: requirements still unsatisfied after install")
         with open(requirements) as f:
-            meta = {"version": 1, "lock": lock, "created": time.time(), "pip": used_pip,
-                    "uv": bool(uv), "requirements": parse_requirements(f.read())}
+            meta = venvs.make_meta(lock, pip=used_pip, uv=bool(uv), requirements=parse_requirements(f.read()))
         with open(os.path.join(tmp, VENV_META), "w") as f:
             json.dump(meta, f, indent=1)
         os.rename(tmp, final)
@@ -239,11 +240,11 @@ def build(base: str, lock: str, args: argparse.Namespace, stream: nodefacts.Bina
         shutil.rmtree(scratch, ignore_errors=True)  # a full disk or a failed install: nothing left
     if not check_satisfied(os.path.join(final, "bin", "python"), "-"):
         # Renamed aside first: a kill during the delete must not leave a venv that looks complete.
-        aside = make_scratch_dir(venvs, "venv")
+        aside = make_scratch_dir(parent, "venv")
         os.rename(final, os.path.join(aside, "venv"))
         shutil.rmtree(aside, ignore_errors=True)
         raise SystemExit("venv: python does not start after the rename")
-    return {"venv": f"venvs/{lock}", "built": True, "pip": used_pip,
+    return {"venv": rel, "built": True, "pip": used_pip,
             "seconds": round(time.time() - started, 3)}
 
 

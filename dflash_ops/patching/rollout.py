@@ -28,6 +28,7 @@ from dflash_ops import render
 from dflash_ops.deploy.manifest import RELEASE_META, LocalRelease, release_tar
 from dflash_ops.deploy.push import DEFAULT_KEEP
 from dflash_ops.errors import DflashOpsError, HelperFailed
+from dflash_ops.helpers import venvs
 from dflash_ops.helpers.import_check import EXIT_IMPORT_FAILED
 from dflash_ops.patching.diff import DiffError, parse_unified_diff
 from dflash_ops.patching.guard import PatchReport, Problem, check_patch
@@ -102,8 +103,7 @@ def fetch_release_files(container: ContainerAPI, meta: dict, rels: list[str], de
 
 
 def release_python(container: ContainerAPI, meta: dict) -> str:
-    venv = meta.get("venv")
-    return posixpath.join(container.base_dir, venv, "bin", "python") if venv else container.target.python
+    return venvs.release_python(container.base_dir, meta) or container.target.python
 
 
 def module_names(rels: list[str]) -> list[str]:

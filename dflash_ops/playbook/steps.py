@@ -6,6 +6,7 @@ import time
 
 from dflash_ops.container import exec_killed_after
 from dflash_ops.errors import RemoteCommandError, UsageError
+from dflash_ops.helpers import venvs
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepType, register_step
 
 
@@ -33,7 +34,7 @@ def _deploy(ctx: StepContext, params: dict) -> dict:
     ctx.say(f"release {summary.release} ({summary.action}; {summary.files_sent} files, "
             f"{summary.bytes_sent} bytes sent; venv {summary.venv_action})")
     base = container.base_dir
-    python = f"{base}/{summary.venv}/bin/python" if summary.venv else container.target.python
+    python = venvs.python(base, summary.venv) if summary.venv else container.target.python
     return {"release": summary.release, "release_python": python}
 
 

@@ -5,7 +5,7 @@ talks to the stdlib helper `dflash_ops/helpers/runs.py` inside it. Protocol: doc
 """
 
 from dflash_ops.errors import ConnectionLost
-from dflash_ops.runs.follow import follow_file
+from dflash_ops.runs.follow import FollowCallbacks, RetryPolicy, follow_file
 from dflash_ops.runs.info import FINAL_STATES, GpusBusy, NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
 from dflash_ops.runs.lifecycle import (
     checkpoint_run,
@@ -25,8 +25,8 @@ from dflash_ops.runs.lifecycle import (
 from dflash_ops.runs.pull import find_checkpoint, pull_checkpoint
 
 __all__ = [
-    "FINAL_STATES", "ConnectionLost", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound",
-    "RunRefused", "checkpoint_run", "find_checkpoint", "follow_file", "latest_run", "list_runs",
+    "FINAL_STATES", "ConnectionLost", "FollowCallbacks", "GpusBusy", "NotDeployed", "RunError", "RunInfo", "RunNotFound",
+    "RetryPolicy", "RunRefused", "checkpoint_run", "find_checkpoint", "follow_file", "latest_run", "list_runs",
     "new_run_id", "pull_checkpoint", "request", "resolve_run", "resume_run", "run_status",
     "signal_run", "start_run", "stop_run", "wait_for_checkpoint", "wait_until_final",
 ]

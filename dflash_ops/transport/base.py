@@ -50,7 +50,10 @@ class Transport(Protocol):
     connections_opened: int  # SSH connections made (0 for local)
 
     def run(self, command: str, *, stdin: Stdin = None, on_line: LineCallback | None = None,
-            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result: ...
+            on_stderr_line: LineCallback | None = None, timeout: float | None = None) -> Result:
+        """Run `command`; its lines go to the callbacks, none after run() has returned or raised
+        (a reader that counts offsets from what it received resumes from exactly there)."""
+        ...
 
     def put(self, local: Path, remote: str) -> None: ...
 
@@ -70,6 +73,8 @@ class LineSplitter:
         self.callback = callback
         self.chunks: list[bytes] = []
         self._pending: list[bytes] = []  # pieces of the unfinished line: joined once, when it ends
+        self._delivering = threading.Lock()
+        self._stopped = False
 
     def feed(self, data: bytes) -> None:
         self.chunks.append(data)
@@ -80,9 +85,20 @@ class LineSplitter:
             lines[0] = b"".join(self._pending) + lines[0]
             self._pending = []
         for line in lines:
-            self.callback(line + b"\n")
+            with self._delivering:
+                if self._stopped:
+                    return
+                self.callback(line + b"\n")
         if rest:
             self._pending.append(rest)
+
+    def stop_delivering(self) -> None:
+        """No callback from now on; returns once a callback in progress has finished.
+
+        A transport whose run() fails while its reader threads still drain buffered output
+        calls this before raising, so that no line arrives after the caller took its offset."""
+        with self._delivering:
+            self._stopped = True
 
     def finish(self) -> bytes:
         if self.callback is not None and self._pending:

@@ -52,11 +52,12 @@ class LocalTransport:
                 reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if not reader.join(0):
                     raise subprocess.TimeoutExpired(command, timeout or 0.0)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:
             _kill_group(proc)
-            raise CommandTimeout(command, timeout) from None
-        except BaseException:
-            _kill_group(proc)
+            out.stop_delivering()
+            err.stop_delivering()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise CommandTimeout(command, timeout) from None
             raise
         if writer is not None and writer.join(0) and (error := _stdin_error(writer)) is not None:
             raise error

@@ -176,12 +176,16 @@ class SSHTransport:
                 raise _lost(self.node, command)
             _check_calls(writer, *readers)
             code = chan.recv_exit_status()
-        except _CallFailed as e:
-            raise e.args[0] from None
-        except (paramiko.SSHException, EOFError, socket.error) as e:
-            if not transport.is_active():
-                raise _lost(self.node, command) from None
-            raise TransportError(f"node {self.node.name!r}: {e}") from None
+        except BaseException as e:
+            out.stop_delivering()
+            err.stop_delivering()
+            if isinstance(e, _CallFailed):
+                raise e.args[0] from None
+            if isinstance(e, (paramiko.SSHException, EOFError, socket.error)):
+                if not transport.is_active():
+                    raise _lost(self.node, command) from None
+                raise TransportError(f"node {self.node.name!r}: {e}") from None
+            raise
         finally:
             chan.close()
         if code == -1:  # killed by a signal (exit-signal) or closed without a status

@@ -17,16 +17,17 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import DataTable, Footer, Static
 
+from dflash_ops.runs.follow import RetryPolicy
 from dflash_ops.runs.info import FINAL_STATES
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
 from dflash_ops.tui.model import fmt_age, fmt_num, fmt_tau
-from dflash_ops.tui.source import DashSource, GpuSample, RequestKind, RunRow
-from dflash_ops.tui.streams import Backoff, LinkState
+from dflash_ops.tui.source import DashSource, GpuSample, LinkState, RequestKind, RunRow, describe_error
 
 COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
 STATE_STYLE = {"running": "green", "warmup": "yellow", "starting": "yellow", "checkpointing": "cyan",
                "done": "bold green", "stopped": "dim", "failed": "bold red", "restarting": "bold yellow",
                "queued": "magenta"}
+POLL_RETRY = RetryPolicy(max_backoff=30.0)  # a target's poller: list_runs again after 0.5, 1, 2 ... 30 s
 
 
 class TargetUpdate(Message):
@@ -101,16 +102,17 @@ class DashApp(App):
 
     # -- pollers (threads) ---------------------------------------------------------------
     def _poll_target(self, target: str) -> None:
-        backoff = Backoff(maximum=30.0)
+        failures = 0
         while not self._stop.is_set():
             try:
                 rows = self.source.list_runs(target)
             except Exception as exc:  # noqa: BLE001 - shown on the target, then retried
-                delay = backoff.next()
-                self.post_message(TargetUpdate(target, LinkState(False, _describe(exc), delay)))
+                delay = POLL_RETRY.delay(failures)
+                failures += 1
+                self.post_message(TargetUpdate(target, LinkState.lost(exc, delay)))
                 self._stop.wait(delay)
                 continue
-            backoff.reset()
+            failures = 0
             try:
                 gpus = self.source.gpu_samples(target)
             except Exception:  # noqa: BLE001 - GPU sampling is best effort; runs still show
@@ -209,15 +211,11 @@ class DashApp(App):
             try:
                 request_id = self.source.request(target, run_id, kind)
             except Exception as exc:  # noqa: BLE001 - reported to the user, nothing to retry
-                self.notify(f"{kind} {target}/{run_id} failed: {_describe(exc)}", severity="error")
+                self.notify(f"{kind} {target}/{run_id} failed: {describe_error(exc)}", severity="error")
             else:
                 self.notify(f"{kind} requested for {target}/{run_id} (id {request_id})")  # notify is thread-safe
 
         threading.Thread(target=work, name=f"dash-request-{kind}", daemon=True).start()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def run_dash(source: DashSource, targets: list[str] | None = None) -> int:

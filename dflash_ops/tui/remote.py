@@ -9,6 +9,7 @@ directory through the one reader, the runs helper.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Mapping
@@ -22,7 +23,19 @@ from dflash_ops.inventory import Node, Target
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.local_notify import LocalNotifier
 from dflash_ops.transport.local import LocalTransport
-from dflash_ops.tui.source import GpuSample, LogName, OnLines, RequestKind, RunRow, gpu_samples_from_json, group_fields
+from dflash_ops.tui.source import (
+    GpuSample,
+    LinkState,
+    LogName,
+    OnLines,
+    OnLink,
+    RequestKind,
+    RunRow,
+    gpu_samples_from_json,
+    group_fields,
+)
+
+DASH_RETRY = runs.RetryPolicy(give_up_after=math.inf)  # a dashboard keeps trying while it is open
 
 
 def run_row_from_info(target: str, info: RunInfo) -> RunRow:
@@ -39,10 +52,13 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
 
 class RemoteSource:
     """openers: {target: a function opening its container}; gpus=False: no GPU panel;
-    poll_s: how often a quiet followed file is looked at again."""
+    poll_s: how often a quiet followed file is looked at again; retry: how a followed file
+    rides out a dropped link (default: retried for as long as the dashboard is open)."""
 
     def __init__(self, openers: Mapping[str, Callable[[], ContainerAPI]], gpus: bool = True,
-                 poll_s: float = 0.2, notifiers: Mapping[str, LocalNotifier] | None = None) -> None:
+                 poll_s: float = 0.2, notifiers: Mapping[str, LocalNotifier] | None = None,
+                 retry: runs.RetryPolicy = DASH_RETRY) -> None:
+        self._retry = retry
         self._openers = dict(openers)
         self._notifiers = dict(notifiers or {})  # the inventory's notify: local: commands, by target
         self._containers: dict[str, ContainerAPI] = {}
@@ -68,11 +84,12 @@ class RemoteSource:
         return [run_row_from_info(target, info) for info in infos]
 
     def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
-               start: int | None = None, tail_lines: int = 200) -> None:
+               start: int | None = None, tail_lines: int = 200, on_link: OnLink | None = None) -> None:
         """One cancellable `follow_file`: the tail (start=None) or byte `start`, then live lines.
 
-        `reconnect=False`: a drop raises, and the dashboard's own loop shows it and resumes
-        at the last offset handed to `on_lines`. Returns when `stop` is set or the run is over.
+        A dropped link is retried by follow_file (`retry`: for as long as the dashboard is open,
+        by default) from the exact offset reached; `on_link` hears of each drop (disconnected ...
+        retry in Ns) and of each recovery. Returns when `stop` is set or the run is over.
         """
         position = start or 0  # on_start sets it first when following the tail
 
@@ -93,9 +110,19 @@ class RemoteSource:
             on_lines([f"[dflash-ops: {name} was truncated or replaced at byte {reached} (now {size} bytes); "
                       "what was written before that and not yet shown is lost; following from its start]"], 0)
 
-        runs.follow_file(self._container(target), run_id, name, on_line, offset=start or 0,
-                         tail_lines=tail_lines if start is None else None, follow=True, reconnect=False, stop=stop,
-                         on_start=on_start, on_truncated=on_truncated, poll=self._poll_s)
+        def on_retry(error: Exception, delay: float) -> None:
+            if on_link is not None:
+                on_link(LinkState.lost(error, delay))
+
+        def on_resumed(offset: int) -> None:
+            if on_link is not None:
+                on_link(LinkState(True))
+
+        callbacks = runs.FollowCallbacks(on_line=on_line, on_start=on_start, on_truncated=on_truncated,
+                                         on_retry=on_retry, on_resumed=on_resumed)
+        runs.follow_file(self._container(target), run_id, name, callbacks, offset=start or 0,
+                         tail_lines=tail_lines if start is None else None, follow=True, retry=self._retry,
+                         stop=stop, poll=self._poll_s)
 
     def request(self, target: str, run_id: str, kind: RequestKind) -> str:
         return runs.request(self._container(target), run_id, kind)

@@ -4,7 +4,8 @@ The dashboard never touches files, SSH or containers itself; it calls a `DashSou
 worker threads. `dflash_ops.tui.remote` adapts `dflash_ops.runs` to the same five methods, for
 inventory targets (RemoteSource) and run directories on this machine (LocalDirSource). Every
 method may block and may raise (a dropped connection, an unreachable node); the dashboard shows
-the failure on that target and retries with backoff.
+the failure on that target and retries with backoff (the same RetryPolicy that follow_file's
+reconnects use).
 """
 
 from __future__ import annotations
@@ -68,8 +69,35 @@ class GpuSample:
     mem_total_gb: float | None = None
 
 
+def describe_error(error: BaseException) -> str:
+    """`Type: message`, as the dashboard shows a failure."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """How a stream or a target is doing, as the UI shows it."""
+
+    connected: bool
+    error: str | None = None
+    retry_in: float | None = None
+
+    @classmethod
+    def lost(cls, error: BaseException, retry_in: float) -> LinkState:
+        """Disconnected by `error`, tried again in `retry_in` seconds."""
+        return cls(False, describe_error(error), retry_in)
+
+    def describe(self) -> str:
+        if self.connected:
+            return "live"
+        if self.error is None:
+            return "connecting"
+        return f"disconnected: {self.error} (retry in {self.retry_in:g}s)"
+
+
 # on_lines(lines, end_offset): complete lines (no newline) and the byte offset just past them.
 OnLines = Callable[[list[str], int], None]
+OnLink = Callable[[LinkState], None]
 
 
 class DashSource(Protocol):
@@ -80,12 +108,15 @@ class DashSource(Protocol):
         """Every run under the target's base dir. Polled every ~2 s per target."""
 
     def follow(self, target: str, run_id: str, name: LogName, on_lines: OnLines, stop: threading.Event,
-               start: int | None = None, tail_lines: int = 200) -> None:
+               start: int | None = None, tail_lines: int = 200, on_link: OnLink | None = None) -> None:
         """Stream a run file's complete lines until `stop` is set.
 
         `start=None` begins with the last `tail_lines` lines; `start=N` resumes at byte
         offset N (the last `end_offset` handed to `on_lines`), so a reconnect neither
-        loses nor repeats a line. Blocks; raises on a dropped connection.
+        loses nor repeats a line. Blocks. A source may ride out a dropped connection itself
+        (RemoteSource does, by follow_file's RetryPolicy): it then reports each drop to
+        `on_link` as LinkState.lost(error, retry_in) and each recovery as LinkState(True).
+        What it raises (a drop it does not retry, a file not written yet) the caller retries.
         """
 
     def request(self, target: str, run_id: str, kind: RequestKind) -> str:

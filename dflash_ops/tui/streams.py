@@ -1,4 +1,4 @@
-"""Thread-side plumbing: bounded line buffers, backoff, and a self-reconnecting follower.
+"""Thread-side plumbing: bounded line buffers and a follower that keeps going after failures.
 
 A follower thread pushes lines into a `LineSink` at whatever rate the run writes them; the
 UI drains the sink on a timer, so 10,000 lines a second cost one widget update per tick
@@ -7,29 +7,15 @@ and memory stays bounded (the oldest undrained lines are dropped and counted).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
-from dflash_ops.tui.source import DashSource, LogName
+from dflash_ops.runs.follow import RetryPolicy
+from dflash_ops.tui.source import DashSource, LinkState, LogName
 
-
-class Backoff:
-    """Delays 0.5, 1, 2, ... capped at `maximum`; `reset()` after a success."""
-
-    def __init__(self, initial: float = 0.5, maximum: float = 10.0) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self._next = initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.maximum, self._next * 2)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self.initial
+__all__ = ["LineSink", "LinkState", "follow_forever"]
 
 
 class LineSink:
@@ -56,42 +42,41 @@ class LineSink:
         return lines, dropped
 
 
-@dataclass(frozen=True)
-class LinkState:
-    """How a stream or a target is doing, as the UI shows it."""
-
-    connected: bool
-    error: str | None = None
-    retry_in: float | None = None
-
-    def describe(self) -> str:
-        if self.connected:
-            return "live"
-        if self.error is None:
-            return "connecting"
-        return f"disconnected: {self.error} (retry in {self.retry_in:g}s)"
+def _takes_on_link(source: DashSource) -> bool:
+    try:
+        parameters = inspect.signature(source.follow).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return "on_link" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def follow_forever(source: DashSource, target: str, run_id: str, name: LogName, sink: LineSink, stop: threading.Event,
-                   on_state: Callable[[LinkState], None], tail_lines: int, backoff: Backoff | None = None,
+                   on_state: Callable[[LinkState], None], tail_lines: int, retry: RetryPolicy = RetryPolicy(),
                    idle_s: float = 2.0) -> None:
-    """Follow one run file until `stop`, reconnecting with backoff where the offset left off."""
-    backoff = backoff or Backoff()
+    """Follow one run file until `stop`, from where the offset left off after every failure.
+
+    A dropped link is the source's to ride out (RemoteSource: follow_file's reconnects, reported
+    through `on_state`). What it raises instead (a file not written yet, a source that does not
+    reconnect) is shown and asked again after `retry`'s backoff, reset by every line received."""
     offset: int | None = None
+    failures = 0
+    # a DashSource written before `on_link` existed (run_dash's library users) is called as before
+    link = {"on_link": on_state} if _takes_on_link(source) else {}
 
     def on_lines(lines: list[str], end: int) -> None:
-        nonlocal offset
+        nonlocal offset, failures
         offset = end
         sink.add(lines)
-        backoff.reset()
+        failures = 0
 
     while not stop.is_set():
         on_state(LinkState(True))
         try:
-            source.follow(target, run_id, name, on_lines, stop, start=offset, tail_lines=tail_lines)
-        except Exception as exc:  # noqa: BLE001 - any failure of the link is shown and retried
-            delay = backoff.next()
-            on_state(LinkState(False, f"{type(exc).__name__}: {exc}", delay))
+            source.follow(target, run_id, name, on_lines, stop, start=offset, tail_lines=tail_lines, **link)
+        except Exception as exc:  # noqa: BLE001 - any failure is shown and retried
+            delay = retry.delay(failures)
+            failures += 1
+            on_state(LinkState.lost(exc, delay))
             stop.wait(delay)
         else:
             stop.wait(idle_s)  # follow returned without stop: the source gave up; try again

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.generate.evaluate import greedy_generate, speculative_generate
-from trainer.generate.speculative import speculative_generate_cached
+from trainer.generate.speculative import Generation, speculative_generate_cached
 from trainer.models.target import FrozenHead
 
 
@@ -66,7 +66,7 @@ def test_cached_equals_uncached_token_for_token_and_round_for_round(oracle):
     for prompt, got in zip(PROMPTS, cached):
         ref = speculative_generate(target, drafter, head, prompt, max_new_tokens=30, stop_ids=set())
         assert got.tokens == ref.tokens == greedy_generate(target, prompt, 30, set())
-        assert got.acceptance_lengths == ref.acceptance_lengths
+        assert got == ref  # one Generation type: tokens, acceptance lengths and accepted drafts, every round
         seen_lengths |= set(got.acceptance_lengths)
     assert len(seen_lengths) >= 3 and max(seen_lengths) > 1  # partial and longer acceptances both happen
 
@@ -135,3 +135,14 @@ def test_static_equals_dynamic_on_a_llama_target(llama3_model_dir):
     for prompt, got, other in zip(PROMPTS[:3], static, dynamic):
         assert got.tokens == other.tokens == greedy_generate(target, prompt, 10, set())
         assert got.acceptance_lengths == other.acceptance_lengths
+
+
+def test_a_round_is_cut_after_a_stop_token_and_at_max_new_tokens():
+    """The one round cut every decoder applies (Generation.add_round)."""
+    g = Generation([1], [], [])
+    assert g.add_round([2, 3], 1, stop_ids={9}, max_new_tokens=10)
+    assert not g.add_round([4, 9, 5], 2, stop_ids={9}, max_new_tokens=10)  # cut after the stop token
+    assert (g.tokens, g.acceptance_lengths, g.accepted) == ([1, 2, 3, 4, 9], [2, 2], [1, 2])
+    h = Generation([1], [], [])
+    assert not h.add_round([2, 3, 4], 3, stop_ids=set(), max_new_tokens=3)  # cut at max_new_tokens
+    assert (h.tokens, h.acceptance_lengths, h.accepted) == ([1, 2, 3], [2], [3])

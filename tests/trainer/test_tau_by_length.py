@@ -5,7 +5,8 @@ import json
 
 from transformers import AutoTokenizer
 
-from trainer.generate.evaluate import Generation, tau_by_length
+from trainer.generate.evaluate import tau_by_length
+from trainer.generate.speculative import Generation
 from trainer.run.contract import length_bucket, tau_by_length_text
 
 

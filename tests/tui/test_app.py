@@ -2,12 +2,17 @@
 
 import contextlib
 import json
+import sys
 
 import pytest
 
+from dflash_ops.container import Container
+from dflash_ops.errors import ConnectionLost, Unreachable
+from dflash_ops.inventory import Node, Target
+from dflash_ops.transport.local import LocalTransport
 from dflash_ops.tui.app import DashApp
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
-from dflash_ops.tui.remote import LocalDirSource
+from dflash_ops.tui.remote import LocalDirSource, RemoteSource
 
 pytestmark = pytest.mark.anyio
 
@@ -74,30 +79,85 @@ async def test_filter_shows_only_matching_log_lines(static_run, wait_for):
         assert list(full.lines) == ["needle here", "another NEEDLE"]
 
 
-class DroppingSource(LocalDirSource):
-    """A local source whose links can be cut: follow and list_runs raise while `down`."""
+class CutLink(LocalTransport):
+    """The local transport with a switch, as a dropped ssh link: while `down`, a command cannot
+    start (Unreachable) and one running loses its connection at its next line (ConnectionLost)."""
 
     down = False
 
-    def follow(self, target, run_id, name, on_lines, stop, start=None, tail_lines=200):
+    def run(self, command, *, on_line=None, **kwargs):
         if self.down:
-            raise ConnectionResetError("ssh link lost")
+            raise Unreachable("node 'local': cannot connect (the test cut the link)")
 
-        def guarded(lines, end):
+        def guarded(line):
             if self.down:
-                raise ConnectionResetError("ssh link lost")
-            on_lines(lines, end)
+                raise ConnectionLost("ssh link lost")
+            on_line(line)
 
-        super().follow(target, run_id, name, guarded, stop, start, tail_lines)
+        return super().run(command, on_line=None if on_line is None else guarded, **kwargs)
 
-    def list_runs(self, target):
-        if self.down:
-            raise ConnectionResetError("ssh link lost")
-        return super().list_runs(target)
+
+class DroppingSource(RemoteSource):
+    """The dashboard's own source over `base` on a link that can be cut (`down`): what rides
+    out the drop is RemoteSource's follow_file reconnect, as over SSH."""
+
+    def __init__(self, base) -> None:
+        self.link = CutLink()
+        node = Node(name="local", transport="local", pct=())
+        target = Target(name="sim", node=node, ctid=0, base_dir=str(base), python=sys.executable)
+        super().__init__({"sim": lambda: Container(target, self.link, helpers_in_place=True)}, gpus=False)
+
+    @property
+    def down(self) -> bool:
+        return self.link.down
+
+    @down.setter
+    def down(self, value: bool) -> None:
+        self.link.down = value
+
+
+def test_remote_source_rides_out_a_cut_link_and_reports_it(live_run):
+    """RemoteSource.follow itself reconnects (follow_file's RetryPolicy) instead of raising on a
+    drop: on_link hears 'disconnected ... (retry in Ns)' then live, and the offsets stay exact."""
+    import threading
+
+    from tests.unit.runs_double import eventually
+
+    source = DroppingSource(live_run.dir.parents[1])
+    got: list[tuple[str, int]] = []
+    links: list = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            source.follow("sim", live_run.run_id, "train.log", lambda lines, end: got.extend((l, end) for l in lines),
+                          stop, start=0, on_link=links.append)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    try:
+        eventually(lambda: len(got) > 5, "log lines")
+        source.down = True
+        eventually(lambda: any(not link.connected for link in links) or errors, "the drop reported")
+        source.down = False
+        seen = len(got)
+        eventually(lambda: len(got) > seen + 5 or errors, "lines flowing again")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors and not thread.is_alive()
+    drop = next(i for i, link in enumerate(links) if not link.connected)
+    assert "disconnected: " in links[drop].describe() and "(retry in " in links[drop].describe()
+    assert any(link.connected for link in links[drop:])  # recovered, said so
+    log = (live_run.dir / "train.log").read_bytes()
+    assert b"".join(line.encode() + b"\n" for line, _end in got) == log[:got[-1][1]]  # none lost or repeated
 
 
 async def test_dropped_link_shows_disconnected_and_recovers_without_losing_lines(tmp_path, live_run, wait_for):
-    source = DroppingSource({"sim": tmp_path}, gpus=False)
+    source = DroppingSource(tmp_path)
     async with dashboard(live_run, wait_for, source) as (app, pilot):
         await pilot.press("enter")
         detail = app.screen

@@ -1,11 +1,11 @@
 import json
 import threading
 
-from dflash_ops.runs import RunInfo
+from dflash_ops.runs import RetryPolicy, RunInfo
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_tau, sparkline
 from dflash_ops.tui.remote import run_row_from_info
 from dflash_ops.tui.source import GpuSample
-from dflash_ops.tui.streams import Backoff, LineSink, follow_forever
+from dflash_ops.tui.streams import LineSink, follow_forever
 
 
 def _step(step, **extra):
@@ -74,11 +74,9 @@ def test_line_sink_is_bounded_and_counts_drops():
     assert sink.drain() == ([], 0)
 
 
-def test_backoff_doubles_to_a_cap_and_resets():
-    backoff = Backoff(0.5, 2.0)
-    assert [backoff.next() for _ in range(4)] == [0.5, 1.0, 2.0, 2.0]
-    backoff.reset()
-    assert backoff.next() == 0.5
+def test_retry_policy_doubles_to_a_cap():
+    policy = RetryPolicy(backoff=0.5, max_backoff=2.0)
+    assert [policy.delay(n) for n in range(4)] == [0.5, 1.0, 2.0, 2.0]
 
 
 class FlakySource:
@@ -89,6 +87,7 @@ class FlakySource:
         self.drops = drops
         self.starts: list = []
 
+    # no on_link: a source written to the protocol before it, raising on every drop (still served)
     def follow(self, target, run_id, name, on_lines, stop, start=None, tail_lines=200):
         self.starts.append(start)
         index = 0 if start is None else start  # offsets are line numbers here
@@ -108,7 +107,7 @@ def test_follow_forever_reconnects_at_the_offset_and_reports_the_drop():
     sink, stop, states = LineSink(100), threading.Event(), []
     thread = threading.Thread(
         target=follow_forever,
-        args=(source, "t", "r", "train.log", sink, stop, states.append, 50, Backoff(0.01, 0.02)),
+        args=(source, "t", "r", "train.log", sink, stop, states.append, 50, RetryPolicy(backoff=0.01, max_backoff=0.02)),
     )
     thread.start()
     for _ in range(2000):  # a hang guard, not a time bound

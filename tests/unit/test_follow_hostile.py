@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_ops import runs
-from dflash_ops.runs.follow import FileTruncated
+from dflash_ops.runs.follow import FileTruncated, FollowCallbacks
 from dflash_ops.transport.base import LineSplitter
 from tests.unit.runs_double import HELPERS, LocalHelperContainer, eventually
 
@@ -30,8 +30,9 @@ def _log(container) -> Path:
 def _follow_in_thread(container, got, truncations):
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(runs.follow_file(
-        container, "r1", "train.log", got.append, follow=True, poll=0.01,
-        on_truncated=lambda reached, size: truncations.append((reached, size)))), daemon=True)
+        container, "r1", "train.log", FollowCallbacks(on_line=got.append, on_truncated=lambda reached, size:
+                                                      truncations.append((reached, size))),
+        follow=True, poll=0.01)), daemon=True)
     thread.start()
     return thread, result
 

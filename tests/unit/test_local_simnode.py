@@ -1,6 +1,7 @@
 """Local transport + pct stand-in: the whole command layer without SSH."""
 
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,21 @@ def test_a_listed_container_found_stopped_with_its_venv_gone_is_mended_and_start
     assert "simulated node: CT 200 was stopped (this machine restarted, or `pct stop`): started" in said
     open_container(inventory, "host200")
     assert "simulated node" not in capsys.readouterr().err  # nothing more to mend
+
+
+def test_no_line_arrives_after_a_timed_out_command_raised():
+    """The pipe's buffered output was still being delivered after CommandTimeout was raised."""
+    from dflash_ops.transport.local import LocalTransport
+
+    received: list[bytes] = []
+
+    def slow_reader(line: bytes) -> None:
+        received.append(line)
+        threading.Event().wait(0.002)
+
+    with pytest.raises(CommandTimeout):
+        LocalTransport().run("i=0; while [ $i -lt 5000 ]; do echo line $i; i=$((i+1)); done; sleep 30",
+                             on_line=slow_reader, timeout=0.3)
+    seen = len(received)
+    threading.Event().wait(0.5)
+    assert len(received) == seen

@@ -12,10 +12,12 @@ import pytest
 from dflash_ops import runs
 from dflash_ops.errors import TransportError, Unreachable
 from dflash_ops.runs import ConnectionLost, RunNotFound
+from dflash_ops.runs.follow import NO_RETRY, FollowCallbacks, RetryPolicy
 from dflash_ops.runs.helper import EXIT_TIME_UP
 from tests.unit.runs_double import HELPERS, Drop, LocalHelperContainer, eventually, make_release
 
 RUNS_HELPER = str(HELPERS / "runs.py")
+FAST = RetryPolicy(backoff=0)  # retried at once
 
 
 @pytest.fixture
@@ -82,7 +84,7 @@ def test_drops_lose_and_repeat_nothing(container, mid_line):
     log_path(container).write_bytes(data)
     container.drops = [Drop(0, mid_line), Drop(1, mid_line), Drop(137, mid_line), Drop(1, mid_line), Drop(901, mid_line)]
     got: list[bytes] = []
-    end = runs.follow_file(container, "r1", "train.log", got.append, tail_lines=1500, backoff=0)
+    end = runs.follow_file(container, "r1", "train.log", got.append, tail_lines=1500, retry=FAST)
     assert b"".join(got) == data[len(data) - len(b"".join(data.splitlines(keepends=True)[-1500:])):]
     assert len(got) == 1500 and end == len(data)
     assert container.drops == []
@@ -95,7 +97,7 @@ def test_no_reconnect_raises(container):
     log_path(container).write_bytes(numbered(10))
     container.drops = [Drop(3)]
     with pytest.raises(ConnectionLost):
-        runs.follow_file(container, "r1", "train.log", lambda line: None, reconnect=False)
+        runs.follow_file(container, "r1", "train.log", lambda line: None, retry=NO_RETRY)
 
 
 def test_unreachable_node_is_retried_with_backoff_from_the_same_offset(container):
@@ -107,20 +109,24 @@ def test_unreachable_node_is_retried_with_backoff_from_the_same_offset(container
     container.refusals = [Unreachable("refused"), Unreachable("timed out"), ConnectionLost("reset"), Unreachable("x")]
     retries: list[tuple[str, float]] = []
     got: list[bytes] = []
-    end = runs.follow_file(container, "r1", "train.log", got.append, backoff=0.001, max_backoff=0.004,
-                           on_retry=lambda error, delay: retries.append((str(error), delay)))
+    resumed: list[int] = []
+    callbacks = FollowCallbacks(on_line=got.append, on_retry=lambda error, delay: retries.append((str(error), delay)),
+                                on_resumed=resumed.append)
+    end = runs.follow_file(container, "r1", "train.log", callbacks, retry=RetryPolicy(backoff=0.001, max_backoff=0.004))
     assert b"".join(got) == data and end == len(data)
     assert [e for e, _d in retries][:4] == ["refused", "timed out", "reset", "x"]
     assert [d for _e, d in retries] == [0.001, 0.002, 0.004, 0.004, 0.001]  # progress resets the backoff
     ten_lines = str(len(b"".join(data.splitlines(keepends=True)[:10])))
     assert [c[c.index("--offset") + 1] for c in container.calls] == ["0"] * 5 + [ten_lines]
+    assert resumed == [0, int(ten_lines)]  # the helper answered again after each failure, from there
 
 
 def test_unreachable_for_longer_than_give_up_after_raises(container):
     log_path(container).write_bytes(numbered(5))
     container.refusals = [Unreachable("down")] * 50
     with pytest.raises(Unreachable):
-        runs.follow_file(container, "r1", "train.log", lambda line: None, backoff=0.01, give_up_after=0.05)
+        runs.follow_file(container, "r1", "train.log", lambda line: None,
+                         retry=RetryPolicy(backoff=0.01, give_up_after=0.05))
     assert 2 <= len(container.calls) < 50
 
 
@@ -128,7 +134,7 @@ def test_a_refused_host_key_is_not_retried(container):
     log_path(container).write_bytes(numbered(5))
     container.refusals = [TransportError("host key does not match known_hosts")]
     with pytest.raises(TransportError, match="host key"):
-        runs.follow_file(container, "r1", "train.log", lambda line: None, backoff=0)
+        runs.follow_file(container, "r1", "train.log", lambda line: None, retry=FAST)
     assert len(container.calls) == 1
 
 
@@ -147,7 +153,7 @@ def test_follow_live_run_to_the_end_through_drops(tmp_path):
     run_id = runs.start_run(c, config, run_id="live")
     c.drops = [Drop(40, True), Drop(200), Drop(3, True)]
     got: list[bytes] = []
-    end = runs.follow_file(c, run_id, "train.log", got.append, follow=True, poll=0.01, backoff=0)
+    end = runs.follow_file(c, run_id, "train.log", got.append, follow=True, poll=0.01, retry=FAST)
     final = (base / "runs" / run_id / "train.log").read_bytes()
     assert b"".join(got) == final and end == len(final)
     assert got[-1] == b"done\n"
@@ -205,8 +211,8 @@ def test_stop_ends_a_quiet_follow_and_reissues_keep_exact_offsets(container):
     stop = threading.Event()
     result: list[int] = []
     follower = threading.Thread(target=lambda: result.append(runs.follow_file(
-        container, "r1", "train.log", got.append, tail_lines=10, follow=True, poll=0.01,
-        stop=stop, on_start=starts.append, stop_check_s=0.1)))
+        container, "r1", "train.log", FollowCallbacks(on_line=got.append, on_start=starts.append), tail_lines=10,
+        follow=True, poll=0.01, stop=stop, stop_check_s=0.1)))
     follower.start()
     try:
         eventually(lambda: len(got) == 10, "the tail")

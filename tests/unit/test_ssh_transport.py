@@ -1,6 +1,7 @@
 """SSHTransport against a Paramiko-level double (no network)."""
 
 import socket
+import threading
 
 import paramiko
 import pytest
@@ -202,3 +203,21 @@ def test_line_callback_error_stops_the_command(ssh):
 
     with pytest.raises(BrokenPipeError, match="stdout closed"):
         ssh.run("yes", on_line=closed_pipe, timeout=10)
+
+
+def test_no_line_arrives_after_a_dropped_command_raised(ssh, server):
+    """Output buffered before the drop is still being read when run() raises; delivering it
+    afterwards put lines behind the offset a follower had taken (logs -f repeated them)."""
+    received = []
+
+    def slow_reader(line):
+        if len(received) == 100:  # the shell has filled the pipe by now
+            server.connections[-1].client.transport.drop()
+        received.append(line)
+        threading.Event().wait(0.002)
+
+    with pytest.raises(ConnectionLost):
+        ssh.run("i=0; while [ $i -lt 5000 ]; do echo line $i; i=$((i+1)); done; sleep 30", on_line=slow_reader)
+    seen = len(received)
+    threading.Event().wait(0.5)
+    assert len(received) == seen

@@ -9,20 +9,14 @@ the KV-cached decoder in trainer.generate.speculative (what evaluation uses) is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer.data.chat import template_kwargs_for
+from trainer.generate.speculative import Generation
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.target import FrozenHead
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # generated tokens (prompt excluded)
-    acceptance_lengths: list[int]  # tokens produced per verification round (accepted drafts + 1)
 
 
 def _target_pass(target: torch.nn.Module, ids: list[int], device: torch.device | str,
@@ -41,8 +35,9 @@ def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: 
     ddev = head.embed_weight.device
     greedy, feats = _target_pass(target, prompt, tdev, c.target_layer_ids)
     seq = list(prompt) + [greedy[-1]]
-    lengths: list[int] = []
-    while len(seq) - len(prompt) < max_new_tokens and seq[-1] not in stop_ids:
+    g = Generation([greedy[-1]], [], [])
+    going = not (seq[-1] in stop_ids or max_new_tokens <= 1)
+    while going:
         start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
         block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
         hidden = drafter.draft_block(feats[:, :start].to(ddev), head.embed(block), start)
@@ -52,15 +47,9 @@ def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: 
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
             accepted += 1
-        new = drafts[:accepted] + [posterior[accepted]]
-        for i, tok in enumerate(new):
-            if tok in stop_ids:
-                new = new[: i + 1]
-                break
-        new = new[: max_new_tokens - (len(seq) - len(prompt))]
-        seq += new
-        lengths.append(len(new))
-    return Generation(seq[len(prompt):], lengths)
+        going = g.add_round(drafts[:accepted] + [posterior[accepted]], accepted, stop_ids, max_new_tokens)
+        seq = list(prompt) + g.tokens
+    return g
 
 
 @torch.no_grad()

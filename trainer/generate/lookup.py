@@ -37,19 +37,6 @@ def lookup_drafts(seq: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> l
     return []
 
 
-def _keep(new: list[int], g: Generation, accepted: int, stop_ids: set[int], max_new_tokens: int) -> bool:
-    """Append a round's tokens to g (cut at a stop token and at max_new_tokens); whether g goes on."""
-    for j, tok in enumerate(new):
-        if tok in stop_ids:
-            new = new[: j + 1]
-            break
-    new = new[: max_new_tokens - len(g.tokens)]
-    g.tokens += new
-    g.acceptance_lengths.append(len(new))
-    g.accepted.append(accepted)
-    return not (g.tokens[-1] in stop_ids or len(g.tokens) >= max_new_tokens)
-
-
 @torch.no_grad()
 def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                     block_size: int) -> list[Generation]:
@@ -108,7 +95,7 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
         for r in live:
             a = acc[r]
             new = drafts[r][:a] + [tt[r][a]]
-            if _keep(new, results[r], a, stop_ids, max_new_tokens):
+            if results[r].add_round(new, a, stop_ids, max_new_tokens):
                 still.append(r)
             seqs[r] += new
         valid[:, used:used + bs] = offsets[None, :] <= accepted[:, None]
@@ -135,6 +122,6 @@ def _lookup_uncached(target: torch.nn.Module, prompt: list[int], max_new_tokens:
         while a < len(drafts) and drafts[a] == posterior[a]:
             a += 1
         new = drafts[:a] + [posterior[a]]
-        going = _keep(new, g, a, stop_ids, max_new_tokens)
+        going = g.add_round(new, a, stop_ids, max_new_tokens)
         seq += new
     return g

@@ -50,9 +50,25 @@ from trainer.models.target import FrozenHead
 
 @dataclass
 class Generation:
+    """One prompt's greedy decoding, round by round: what every decoder here returns (the cached
+    ones, the uncached reference `trainer.generate.evaluate.speculative_generate`, n-gram lookup)."""
+
     tokens: list[int]  # generated tokens (prompt excluded)
     acceptance_lengths: list[int]  # tokens produced per verification round (accepted drafts + 1)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (before any stop cut)
+
+    def add_round(self, new: list[int], accepted: int, stop_ids: set[int], max_new_tokens: int) -> bool:
+        """One verification round's tokens (the accepted drafts, then the target's own), cut after
+        the first stop token and at max_new_tokens; whether the decoding goes on."""
+        for j, tok in enumerate(new):
+            if tok in stop_ids:
+                new = new[: j + 1]
+                break
+        new = new[: max_new_tokens - len(self.tokens)]
+        self.tokens += new
+        self.acceptance_lengths.append(len(new))
+        self.accepted.append(accepted)
+        return not (self.tokens[-1] in stop_ids or len(self.tokens) >= max_new_tokens)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -305,18 +321,8 @@ def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: Froz
         still = []
         for r in live:
             row = rows[r]
-            a = row[-1]
-            new = row[:a] + [row[bs - 1 + a]]  # accepted drafts, then the target's own token
-            for j, tok in enumerate(new):
-                if tok in stop_ids:
-                    new = new[: j + 1]
-                    break
-            g = results[r]
-            new = new[: max_new_tokens - len(g.tokens)]
-            g.tokens += new
-            g.acceptance_lengths.append(len(new))
-            g.accepted.append(a)
-            if not (g.tokens[-1] in stop_ids or len(g.tokens) >= max_new_tokens):
+            a = row[-1]  # accepted drafts, then the target's own token:
+            if results[r].add_round(row[:a] + [row[bs - 1 + a]], a, stop_ids, max_new_tokens):
                 still.append(r)
         if not still:
             break
@@ -459,18 +465,9 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         still = []
         for i, r in enumerate(rows):
             a = accepted[i]
-            new = drf[i][:a] + [post[i][a]]
-            for j, tok in enumerate(new):
-                if tok in stop_ids:
-                    new = new[: j + 1]
-                    break
-            new = new[: max_new_tokens - len(results[r].tokens)]
-            g = results[r]
-            g.tokens += new
-            g.acceptance_lengths.append(len(new))
-            g.accepted.append(a)
-            lengths[r] += len(new)
-            if not (g.tokens[-1] in stop_ids or len(g.tokens) >= max_new_tokens):
+            going = results[r].add_round(drf[i][:a] + [post[i][a]], a, stop_ids, max_new_tokens)
+            lengths[r] = len(prompts[r]) + len(results[r].tokens)
+            if going:
                 still.append(i)
         if not still:
             break

@@ -240,6 +240,17 @@ class DrafterLayer(nn.Module):
                      weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
 
 
+def run_layer(layer: nn.Module, checkpointed: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """One layer; checkpointed (model.checkpoint_drafter, training only): through activation
+    checkpointing, only its input kept for backward, which runs its forward again (a third more
+    drafter compute), so the drafter's activations no longer grow with layers x anchors (rows of
+    65,536 tokens on one H200). Non-reentrant: the recompute sees the same autocast state and the
+    same low-precision weight copies; no RNG state is kept, the layers draw none."""
+    if checkpointed and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, preserve_rng_state=False)
+    return layer(x, *args)
+
+
 class _UseCopy(torch.autograd.Function):
     """A weight as its low-precision copy: the forward returns the copy (no cast kernel), the
     backward hands the gradient back in the weight's dtype - what autocast's per-use cast does."""
@@ -364,19 +375,10 @@ class DFlashDrafter(nn.Module):
         head_dim, theta = self.rope
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
+        checkpointed = getattr(self, "checkpoint_layers", False)  # the exported model has none
         for layer in self.layers:
-            x = self.run_layer(layer, x, ctx, rope_q, rope_kv, attention, weight, fused)
+            x = run_layer(layer, checkpointed, x, ctx, rope_q, rope_kv, attention, weight, fused)
         return self.norm(x)
-
-    def run_layer(self, layer: nn.Module, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        """One layer; under model.checkpoint_drafter (training only) through activation checkpointing:
-        only its input is kept for backward, which runs its forward again (a third more drafter
-        compute), so the drafter's activations no longer grow with layers x anchors (rows of 65,536
-        tokens on one H200). Non-reentrant: the recompute sees the same autocast state and the same
-        low-precision weight copies; no RNG state is kept, the layers draw none."""
-        if getattr(self, "checkpoint_layers", False) and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, preserve_rng_state=False)
-        return layer(x, *args)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                       attention: Attention,

@@ -14,7 +14,9 @@ measurement the memory plan refuses is skipped and named (64K not checkpointed o
 row's tokens/s over the shortest rows' (x_shortest), its peak and the plan's over it:
 
     PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 8192 16384 32768 65536 \
-        --checkpoint-drafter off on --tokens-per-mode 196608 --stage-micro 2 --out $OUT/long.json
+        --checkpoint-drafter off on auto --tokens-per-mode 131072 --stage-micro 2 --out $OUT/long.json
+
+(auto where it resolves to what off or on measured already is skipped as the same.)
 
 Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
 model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight
@@ -474,7 +476,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out = {}
     # the threaded pipeline, replicas built
     tr = build(args, run_dir, mode, target, samples, pack_length, variant, ckpt_drafter)
-    out["checkpoint_drafter"] = bool(tr.replicas[0].drafter.checkpoint_layers)
+    out["checkpoint_drafter"] = int(tr.replicas[0].drafter.checkpoint_layers)  # layers checkpointed
     out["steps_planned"] = args.steps
     devices = tr.devices()
     for d in devices:
@@ -567,9 +569,9 @@ def long_rows(summary):
         if not v.get("pack_length"):
             continue
         group = key.split("_")[0]
-        peers = [(w["pack_length"], bool(w["checkpoint_drafter"]), w["tokens_per_s"]) for k, w in summary.items()
+        peers = [(w["pack_length"], w["checkpoint_drafter"], w["tokens_per_s"]) for k, w in summary.items()
                  if k.split("_")[0] == group and w.get("pack_length")]
-        shortest = min(peers)  # the shortest rows, not checkpointed (False sorts first) where measured
+        shortest = min(peers)  # the shortest rows, with the fewest layers checkpointed
         v["shortest"], v["x_shortest"] = shortest[0], round(v["tokens_per_s"] / max(shortest[2], 1e-9), 3)
 
 
@@ -583,6 +585,13 @@ def per_length_args(args, pack_length):
     log_every = max(1, steps // 4)
     steps = max(steps, 3 * log_every)
     return argparse.Namespace(**{**vars(args), "steps": steps, "log_every": log_every})
+
+
+def drafter_checkpointing(cfg):
+    """The drafter layers a measurement's config checkpoints (model.checkpoint_drafter, auto resolved)."""
+    from trainer.models.memory_plan import drafter_checkpointing
+
+    return drafter_checkpointing(cfg)
 
 
 def plan_refusal(cfg):
@@ -740,6 +749,7 @@ def main(argv=None):
             emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters()),
                                      "config": type(target.config).__name__})
         samples = random_samples(lengths, target.config.vocab_size)
+        measured: dict[tuple, str] = {}  # (mode, length, variant, layers checkpointed) -> its key
         for mode, length, ck in runs_ck:
             key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
             if len(args.checkpoint_drafter) > 1:
@@ -747,11 +757,18 @@ def main(argv=None):
             margs = per_length_args(args, length)
             for variant in args.variants:
                 name = prefix + (key if variant == "whole" else f"{key}:{variant}")
-                refusal = None if args.force else plan_refusal(bench_config(margs, mode, length, variant, ck))
+                cfg = bench_config(margs, mode, length, variant, ck)
+                refusal = None if args.force else plan_refusal(cfg)
                 if refusal is not None:
                     emit(name, {"skipped": f"the memory plan does not fit: {refusal} (--force runs it)",
                                 "pack_length": length, "checkpoint_drafter": ck})
                     continue
+                same = (mode, length, variant, drafter_checkpointing(cfg))
+                if same in measured:  # auto resolved to what another choice measured already
+                    emit(name, {"skipped": f"the same as {measured[same]} ({same[3]} drafter layers checkpointed)",
+                                "pack_length": length, "checkpoint_drafter": ck})
+                    continue
+                measured[same] = name
                 try:
                     emit(name, run_mode(margs, mode, target, samples, results, length, variant, ck))
                 except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
@@ -803,7 +820,7 @@ def main(argv=None):
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     for key, v in summary.items():
         if v.get("x_shortest") is not None:
-            print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed {v['checkpoint_drafter']}: "
+            print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed: {v['checkpoint_drafter']}: "
                   f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']} "
                   f"(not checkpointed where measured), peak {max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak "
                   f"{v['plan_over_peak']}, recompiles {v['recompiles']}", flush=True)

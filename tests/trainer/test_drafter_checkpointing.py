@@ -20,16 +20,17 @@ from trainer.run.config import ConfigError, parse_config
 
 def checkpointed(drafter, on=True):
     drafter = copy.deepcopy(drafter)
-    drafter.checkpoint_layers = on
+    drafter.checkpoint_layers = len(drafter.layers) if on is True else on or 0
     return drafter
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_checkpointed_layers_give_the_same_losses_and_gradients(tiny, autocast):
+@pytest.mark.parametrize("autocast, layers", [(False, True), (True, True), (False, 1)],
+                         ids=["fp32", "bf16-autocast", "first-layer-only"])
+def test_checkpointed_layers_give_the_same_losses_and_gradients(tiny, autocast, layers):
     target, head, drafter, _ = tiny
     plain, plain_grads, _ = train_steps(target, head, drafter, autocast=autocast)
-    ckpt, ckpt_grads, trained = train_steps(target, head, checkpointed(drafter), autocast=autocast)
-    assert trained.checkpoint_layers  # kept through train_steps' deepcopy
+    ckpt, ckpt_grads, trained = train_steps(target, head, checkpointed(drafter, layers), autocast=autocast)
+    assert trained.checkpoint_layers == (2 if layers is True else layers)  # kept through train_steps' deepcopy
     for a, b in zip(plain + plain_grads, ckpt + ckpt_grads):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert plain[0] != pytest.approx(plain[-1].item())
@@ -147,8 +148,11 @@ def test_the_plan_predicts_the_measured_peaks_of_long_rows_within_10_percent():
 
 def test_auto_checkpoints_where_the_step_would_not_fit_and_names_the_largest_rows():
     short, long = build_plan(eight_b(32768), gpu_bytes=H200), build_plan(eight_b(65536), gpu_bytes=H200)
-    assert not short.checkpoint_drafter and short.fits
-    assert long.checkpoint_drafter and long.fits and "without it cuda:0 needs" in long.checkpoint_reason
+    assert short.checkpoint_drafter == 0 and short.fits
+    assert long.fits and "without it cuda:0 needs" in long.checkpoint_reason
+    assert 0 < long.checkpoint_drafter < 5  # the fewest that fit: each costs its forward again
+    n = long.checkpoint_drafter
+    assert not build_plan(eight_b(65536, "false"), gpu_bytes=H200).fits
     assert not build_plan(eight_b(65536, "false"), gpu_bytes=H200).fits
     largest = long.largest_pack_length["cuda:0"]
     unchecked = long.largest_pack_length_unchecked["cuda:0"]
@@ -157,15 +161,15 @@ def test_auto_checkpoints_where_the_step_would_not_fit_and_names_the_largest_row
     assert not build_plan(eight_b(largest + 1024, "true"), gpu_bytes=H200).fits
     assert not build_plan(eight_b(unchecked + 1024, "false"), gpu_bytes=H200).fits
     text = format_plan(long)
-    assert "drafter layers checkpointed: yes (model.checkpoint_drafter auto: on" in text
-    assert f"largest data.pack_length that fits cuda:0: {largest} with the drafter's layers checkpointed, " \
+    assert f"drafter layers checkpointed: {n} of 5 (model.checkpoint_drafter auto: the fewest" in text
+    assert f"largest data.pack_length that fits cuda:0: {largest} with every drafter layer checkpointed, " \
            f"{unchecked} without" in text
-    assert "activations (layers checkpointed)" in text
+    assert f"activations ({n} layers checkpointed)" in text
 
 
 def test_the_trainer_takes_the_plans_decision():
-    assert drafter_checkpointing(parse_config(tiny_config())) is False  # on the CPU: no budget, off
+    assert drafter_checkpointing(parse_config(tiny_config())) == 0  # on the CPU: no budget, none
     budget = parse_config(tiny_config("devices: {memory_gib: 0.0004}"))  # 420 KB: off does not fit
     plan = build_plan(budget)
-    assert drafter_checkpointing(budget) is plan.checkpoint_drafter
-    assert drafter_checkpointing(parse_config(tiny_config("model: {checkpoint_drafter: true}"))) is True
+    assert drafter_checkpointing(budget) == plan.checkpoint_drafter == 1
+    assert drafter_checkpointing(parse_config(tiny_config("model: {checkpoint_drafter: true, drafter_layers: 3}"))) == 3

@@ -344,7 +344,7 @@ class DFlashDrafter(nn.Module):
         # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
         self.low_precision = LowPrecisionWeights()
         self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
-        self.checkpoint_layers = False  # model.checkpoint_drafter: each layer recomputed in backward (run_layer)
+        self.checkpoint_layers = 0  # model.checkpoint_drafter: the first this many layers recomputed in backward (run_layer)
 
     def blocks(self) -> list[DrafterLayer]:
         """The layers, typed (ModuleList's stubs type its items as Module)."""
@@ -375,9 +375,9 @@ class DFlashDrafter(nn.Module):
         head_dim, theta = self.rope
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
-        checkpointed = getattr(self, "checkpoint_layers", False)  # the exported model has none
-        for layer in self.layers:
-            x = run_layer(layer, checkpointed, x, ctx, rope_q, rope_kv, attention, weight, fused)
+        checkpointed = getattr(self, "checkpoint_layers", 0)  # the exported model has none
+        for i, layer in enumerate(self.layers):
+            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attention, weight, fused)
         return self.norm(x)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,

@@ -53,7 +53,8 @@ class MemoryPlan:
     notes: list[str]
     gpus: int = 0  # GPUs this host has (0: none visible)
     suggestion: str | None = None  # a devices: section for them with the smallest split
-    checkpoint_drafter: bool = False  # the drafter's layers checkpointed (model.checkpoint_drafter, auto resolved)
+    checkpoint_drafter: int = 0  # the drafter's layers checkpointed, the first ones (model.checkpoint_drafter resolved)
+    drafter_layers: int = 0
     checkpoint_reason: str = ""  # why (auto: what the step needs without it)
     # per device with a budget: the largest data.pack_length whose step fits there (None: none does)
     largest_pack_length: dict[str, int | None] = field(default_factory=dict)  # checkpointed unless it is off
@@ -186,15 +187,15 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
 
 
 def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: int, block_tokens: int,
-                             checkpointed: bool) -> int:
+                             checkpointed: int) -> int:
     """Peak bytes of one drafter step's activations (the backward's peak), at the autocast dtype.
 
     Each layer keeps for backward what its two compiled regions and attention save: per block slot
     the residual stream before and after attention and its normed copy, the query before and after
     RoPE and the attention output, the MLP's gate, up and product (3 x hidden + 3 x q width + 3 x
     MLP width), and the keys and values of [context | block] before and after their norm and RoPE.
-    Checkpointed (model.checkpoint_drafter), a layer keeps its input only and one layer's worth is
-    recomputed at a time. Around the layers: the context's projection and its norm, the block
+    The first `checkpointed` layers (model.checkpoint_drafter) keep their input only; backward meets
+    the others first (the last layers), then recomputes one checkpointed layer's worth at a time. Around the layers: the context's projection and its norm, the block
     embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
     backward's transient gradients of one layer (the MLP's two products, two residual widths) and
     the LM-head logits chunks (loss_chunk x vocab in fp32, three alive). Measured against
@@ -210,16 +211,18 @@ def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: in
     per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
                  + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
     layers = cfg.model.drafter_layers
-    kept = layers * block_tokens * hidden * elt + per_layer if checkpointed else layers * per_layer
+    checkpointed = min(checkpointed, layers)
+    kept = checkpointed * block_tokens * hidden * elt + max((layers - checkpointed) * per_layer,
+                                                             per_layer if checkpointed else 0)
     around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
     transient = block_tokens * (2 * mlp + 2 * hidden) * elt
     logits = min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3
     return kept + around + transient + logits
 
 
-def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: bool, gpu_bytes: dict[int, int] | None,
+def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,
               notes: list[str], find_split: bool = True) -> MemoryPlan:
-    """The plan for `cfg` with the drafter's layers checkpointed or not (find_split: also the
+    """The plan for `cfg` with the first `checkpointed` drafter layers checkpointed (find_split: also the
     smallest split that fits)."""
     from trainer.models.target_loading import partition
     from trainer.run.config import row_anchors
@@ -263,7 +266,7 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: bool, gpu_bytes: dict
         "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
         "embedding + head": embed + head,
         "features": slot_bytes,
-        "activations" + (" (layers checkpointed)" if checkpointed else ""):
+        "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
             drafter_activation_bytes(cfg, config, tokens, block_tokens, checkpointed),
     }
     by_device: dict[str, DevicePlan] = {}
@@ -290,7 +293,8 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: bool, gpu_bytes: dict
             break
     gpus = len(gpu_bytes) if gpu_bytes is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
     return MemoryPlan(stages, drafter, list(by_device.values()), smallest, list(notes), gpus,
-                      suggest_devices(gpus, smallest) if gpus and smallest else None, checkpointed)
+                      suggest_devices(gpus, smallest) if gpus and smallest else None, checkpointed,
+                      cfg.model.drafter_layers)
 
 
 PACK_STEP = 1024  # the largest pack_length the plan names is a multiple of this
@@ -302,34 +306,40 @@ def _with_pack_length(cfg: TrainerConfig, pack_length: int) -> TrainerConfig:
 
 
 def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None) -> tuple[MemoryPlan, str]:
-    """The plan with model.checkpoint_drafter resolved (auto: on when the step does not fit without
-    it), and why."""
-    choice = cfg.model.checkpoint_drafter
+    """The plan with model.checkpoint_drafter resolved, and why: true checkpoints every layer; auto
+    none when the step fits without, else the fewest first layers with which it fits (each one
+    costs its forward again in backward), all of them when none fits."""
+    choice, layers = cfg.model.checkpoint_drafter, cfg.model.drafter_layers
     if choice != "auto":
-        return _assemble(cfg, z, bool(choice), gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
-    off = _assemble(cfg, z, False, gpu_bytes, z.notes)
+        n = layers if choice else 0
+        return _assemble(cfg, z, n, gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
+    off = _assemble(cfg, z, 0, gpu_bytes, z.notes)
     if off.fits or all(d.budget is None for d in off.devices):
-        return off, "model.checkpoint_drafter auto: off (the step fits without)"
+        return off, "model.checkpoint_drafter auto: none (the step fits without)"
     short = off.refusal()
-    on = _assemble(cfg, z, True, gpu_bytes, z.notes)
-    return on, f"model.checkpoint_drafter auto: on (without it {short})"
+    for n in range(1, layers + 1):
+        plan = _assemble(cfg, z, n, gpu_bytes, z.notes)
+        if plan.fits:
+            break
+    return plan, f"model.checkpoint_drafter auto: the fewest that fit (without it {short})"
 
 
-def drafter_checkpointing(cfg: TrainerConfig) -> bool:
-    """Whether the drafter's layers train checkpointed: model.checkpoint_drafter, auto resolved by the
-    memory plan (on where the step would not fit without it; off where no drafter device is a GPU)."""
+def drafter_checkpointing(cfg: TrainerConfig) -> int:
+    """How many of the drafter's layers (the first ones) train checkpointed: model.checkpoint_drafter,
+    auto resolved by the memory plan (the fewest with which the step fits; none where it fits
+    without, or where no drafter device is a GPU)."""
     choice = cfg.model.checkpoint_drafter
     if choice != "auto":
-        return bool(choice)
+        return cfg.model.drafter_layers if choice else 0
     if not any(d.startswith("cuda") for d in cfg.devices.drafter) and cfg.devices.memory_gib is None:
-        return False
+        return 0
     return build_plan(cfg).checkpoint_drafter
 
 
 def largest_pack_lengths(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None,
-                         checkpointed: bool) -> dict[str, int | None]:
+                         checkpointed: int) -> dict[str, int | None]:
     """Per device with a budget, the largest pack_length (a multiple of PACK_STEP, at least max_length)
-    whose step fits there, the drafter's layers checkpointed or not; None: not even the smallest fits."""
+    whose step fits there, the first `checkpointed` drafter layers checkpointed; None: not even the smallest fits."""
     lowest = max(PACK_STEP, -(-cfg.data.max_length // PACK_STEP) * PACK_STEP)
     seen: dict[int, dict[str, bool]] = {}
 
@@ -362,9 +372,10 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     z = _sizes(cfg, model_config)
     plan, why = _checkpointing(cfg, z, gpu_bytes)
     plan.checkpoint_reason = why
-    plan.largest_pack_length = largest_pack_lengths(cfg, z, gpu_bytes, cfg.model.checkpoint_drafter is not False)
+    every = 0 if cfg.model.checkpoint_drafter is False else cfg.model.drafter_layers
+    plan.largest_pack_length = largest_pack_lengths(cfg, z, gpu_bytes, every)
     if cfg.model.checkpoint_drafter == "auto":
-        plan.largest_pack_length_unchecked = largest_pack_lengths(cfg, z, gpu_bytes, False)
+        plan.largest_pack_length_unchecked = largest_pack_lengths(cfg, z, gpu_bytes, 0)
     return plan
 
 
@@ -402,12 +413,12 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  {d.device:<18}{size(d.total):>12} {budget}: {verdict}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
-    lines.append(f"drafter layers checkpointed: {'yes' if plan.checkpoint_drafter else 'no'} ({plan.checkpoint_reason})")
+    lines.append(f"drafter layers checkpointed: {plan.checkpoint_drafter} of {plan.drafter_layers} ({plan.checkpoint_reason})")
     for device, length in plan.largest_pack_length.items():
         unchecked = plan.largest_pack_length_unchecked.get(device, 0)
         lines.append(f"largest data.pack_length that fits {device}: "
                      + (f"{length}" if length else "none (not even the shortest row)")
-                     + (" with the drafter's layers checkpointed" if plan.largest_pack_length_unchecked else "")
+                     + (" with every drafter layer checkpointed" if plan.largest_pack_length_unchecked else "")
                      + (f", {unchecked or 'none'} without" if plan.largest_pack_length_unchecked else ""))
     if plan.suggestion:
         lines.append(f"on this host's {plan.gpus} GPUs: devices: {plan.suggestion}")

@@ -234,8 +234,9 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
                             drafter_device)
     if drafter.checkpoint_layers:
-        log(f"drafter layers checkpointed (model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): each layer's "
-            "forward runs again in backward, its activations are not kept")
+        log(f"drafter layers checkpointed: the first {drafter.checkpoint_layers} of {cfg.model.drafter_layers} "
+            f"(model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): their forward runs again in backward, "
+            "their activations are not kept")
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     return Components(
         tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,

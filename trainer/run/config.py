@@ -74,8 +74,9 @@ class ModelConfig:
     fuse_drafter: bool = True
     # activation checkpointing of the drafter's layers: only each layer's input is kept for backward,
     # which runs the layer's forward again (a third more drafter compute), so activations stop growing
-    # with layers x anchors. auto: on where the memory plan says the step would not fit without it
-    # (trainer/models/memory_plan.py; long packed rows, e.g. 65,536 tokens on one H200), off elsewhere
+    # with layers x anchors. true: every layer; auto: none where the memory plan says the step fits
+    # without, else the fewest first layers with which it fits (trainer/models/memory_plan.py; long
+    # packed rows: 3 of 5 at 65,536 tokens on one H200)
     checkpoint_drafter: bool | Literal["auto"] = "auto"
 
 

@@ -314,7 +314,9 @@ def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | No
         n = layers if choice else 0
         return _assemble(cfg, z, n, gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
     off = _assemble(cfg, z, 0, gpu_bytes, z.notes)
-    if off.fits or all(d.budget is None for d in off.devices):
+    if all(d.budget is None for d in off.devices):
+        return off, "model.checkpoint_drafter auto: none (no device has a memory budget)"
+    if off.fits:
         return off, "model.checkpoint_drafter auto: none (the step fits without)"
     short = off.refusal()
     for n in range(1, layers + 1):

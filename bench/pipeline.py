@@ -10,13 +10,12 @@
 
 Issue #35, long rows: each --pack-length once per --checkpoint-drafter choice (model.checkpoint_drafter
 off/on/auto), steps sized by --tokens-per-mode so a 64K row takes no longer than an 8K one; a
-measurement the memory plan refuses is skipped and named (64K not checkpointed on one H200); each
-row's tokens/s over the shortest rows' (x_shortest), its peak and the plan's over it:
+measurement the memory plan refuses is skipped and named (64K not checkpointed on one H200), so is an
+auto that resolves to what off or on measured already; each row's tokens/s over the shortest rows'
+(x_shortest), its peak and the plan's over it:
 
     PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 8192 16384 32768 65536 \
         --checkpoint-drafter off on auto --tokens-per-mode 131072 --stage-micro 2 --out $OUT/long.json
-
-(auto where it resolves to what off or on measured already is skipped as the same.)
 
 Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
 model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight
@@ -74,11 +73,14 @@ from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
 from trainer.models.target import (  # noqa: E402
+    LLAMA_3_3_70B_DIMS,
     QWEN3_30B_A3B_DIMS,
     FrozenHead,
+    default_target_layer_ids,
     freeze,
     random_8b_shape_target,
     random_target,
+    random_truncated_target,
     tiny_target,
 )
 from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
@@ -117,6 +119,7 @@ pipeline: {kind: threaded, pad_to_warm_shapes: always}
 
 
 MODES = ["bucketed", "packed", "packed+ct", "all"]
+PRECISIONS = ["bf16", "fp8", "fp8fast"]
 
 
 class SyncCounter:
@@ -226,15 +229,20 @@ def variant_targets(args, variant):
 CHECKPOINT_DRAFTER = {"auto": "auto", "on": "true", "off": "false"}  # --checkpoint-drafter -> model.checkpoint_drafter
 
 
-def bench_config(args, mode, pack_length=0, variant="whole", ckpt_drafter="auto"):
-    """The trainer config of one measurement (mode, row length, target variant, drafter checkpointing)."""
+def bench_config(args, mode, target, pack_length=0, variant="whole", precision="bf16", drafter_layers=None,
+                 ckpt_drafter="auto"):
+    """The trainer config of one measurement. precision: the config's model.target.precision (the memory
+    plan counts FP8 weights at 1 byte; the target itself is quantized by main). On the CPU (--tiny) the
+    config stays bf16: fp8 is refused there at config load, and the bench runs the quantized tiny target
+    to test its own code. ckpt_drafter: --checkpoint-drafter's choice (model.checkpoint_drafter)."""
+    drafter_layers = drafter_layers or (2 if args.tiny else 5)
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
     return parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
-        else "random_8b_shape: true",
-        layers=2 if tiny else 5, dtype="fp32" if tiny else "bf16", mask=5 if tiny else 151669,
+        else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
+        layers=drafter_layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
         max_len=args.max_len, anchors=args.anchors, steps=args.steps, micro=args.micro,
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
@@ -244,11 +252,12 @@ def bench_config(args, mode, pack_length=0, variant="whole", ckpt_drafter="auto"
         targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
 
 
-def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", ckpt_drafter="auto"):
+def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", precision="bf16", drafter_layers=None,
+          ckpt_drafter="auto"):
     rank = mode.endswith("/rank")
     mode = mode.removesuffix("/rank")
     edges = args.bucket_edges or [args.max_len]
-    cfg = bench_config(args, mode, pack_length, variant, ckpt_drafter)
+    cfg = bench_config(args, mode, target, pack_length, variant, precision, drafter_layers, ckpt_drafter)
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
     from trainer.models.target_loading import place, stage_plan
@@ -269,16 +278,39 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     return ThreadedPipeline(tr, c)
 
 
-def build_target(args, shape="8b"):
+TINY_DIMS = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=512)
+
+
+def target_run_layers(config, layer_ids=None):
+    """Layers training runs: up to the last of the default 5 taps (80 layers: 1, 20, 39, 58, 77 -> 78)."""
+    return max(layer_ids or default_target_layer_ids(config.num_hidden_layers, 5)) + 1
+
+
+def build_target(args, shape="8b", precision="bf16"):
+    """The random target of a shape. 70b: Llama-3.3-70B's shape truncated at its last tap (layers 0..77 of
+    80 built, the rest left on the meta device), made one layer at a time and quantized as it is made at
+    precision fp8 (~62 GiB of FP8 weights beside the bf16 embedding and head, 2 GiB each); in bf16 it
+    would hold 133 GB of weights, more than an H200."""
     tdev = args.target[0]
+    if shape == "70b":
+        from transformers import LlamaConfig
+
+        dims = dict(LLAMA_3_3_70B_DIMS, **(TINY_DIMS if args.tiny else {}))
+        config = LlamaConfig(**dims)
+        if precision != "bf16" and not args.tiny:
+            from trainer.models.fp8 import check_device
+
+            check_device(tdev)
+        torch.manual_seed(0)
+        return freeze(random_truncated_target(config, tdev, target_run_layers(config), precision,
+                                              torch.float32 if args.tiny else torch.bfloat16))
     if shape == "30b-a3b":
         from transformers import Qwen3MoeConfig
 
         dims = dict(QWEN3_30B_A3B_DIMS)
         if args.tiny:  # the same architecture, tiny: 6 layers of 8 experts (2 active)
-            dims.update(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-                        num_experts_per_tok=2, vocab_size=512)
+            dims.update(TINY_DIMS, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
         torch.manual_seed(0)
         return freeze(random_target(Qwen3MoeConfig(**dims), tdev, torch.float32 if args.tiny else torch.bfloat16))
     if args.tiny:
@@ -448,12 +480,13 @@ def naive(tr, steps):
     return tokens[0] / (time.perf_counter() - began)
 
 
-def plan_against_peak(cfg, devices):
+def plan_against_peak(cfg, devices, model_config=None):
     """The memory plan's bytes per device (trainer.models.memory_plan, from the config alone) beside the
-    peak the run allocated there (the pipeline, then each stage alone)."""
+    peak the run allocated there (the pipeline, then each stage alone). model_config: the target's
+    config as a dict (a shape other than the 8B the config names)."""
     from trainer.models.memory_plan import build_plan
 
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, model_config)
     out = {}
     for d in plan.devices:
         entry = {"plan_gb": round(d.total / 2**30, 2), "items_gb": {k: round(v / 2**30, 3) for k, v in d.items.items()}}
@@ -465,17 +498,25 @@ def plan_against_peak(cfg, devices):
     return out
 
 
-def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", ckpt_drafter="auto"):
+def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", precision="bf16",
+             drafter_layers=None, ckpt_drafter="auto"):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
     with untruncated() if variant == "untruncated" else contextlib.nullcontext():
-        return _run_mode(args, mode, target, samples, results, pack_length, variant, ckpt_drafter)
+        return _run_mode(args, mode, target, samples, results, pack_length, variant, precision, drafter_layers,
+                         ckpt_drafter)
 
 
-def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", ckpt_drafter="auto"):
+def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", precision="bf16",
+              drafter_layers=None, ckpt_drafter="auto"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
-    out = {}
+    out = {"precision": precision, "drafter_layers": drafter_layers or (2 if args.tiny else 5)}
+    experts = getattr(target.config, "_experts_implementation", None) if getattr(target.config, "num_experts", 0) else None
+    if experts:
+        out["experts"] = experts
+    began = time.time()
     # the threaded pipeline, replicas built
-    tr = build(args, run_dir, mode, target, samples, pack_length, variant, ckpt_drafter)
+    tr = build(args, run_dir, mode, target, samples, pack_length, variant, precision, drafter_layers, ckpt_drafter)
+    out["build_s"] = round(time.time() - began, 1)
     out["checkpoint_drafter"] = int(tr.replicas[0].drafter.checkpoint_layers)  # layers checkpointed
     out["steps_planned"] = args.steps
     devices = tr.devices()
@@ -540,7 +581,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     out["bound"] = "shared device: 1/(1/target+1/drafter)" if shared else "slowest stage"
     out["peak_mem_gb_all"] = [round(torch.cuda.max_memory_allocated(dv) / 2**30, 1) for dv in devices
                               if torch.device(dv).type == "cuda"]
-    out["memory_plan"] = plan_against_peak(tr.cfg, devices)
+    out["memory_plan"] = plan_against_peak(tr.cfg, devices, getattr(args, "model_config", None))
     tr.trainer.checkpointer.close()  # its pinned staging goes back before the next mode
     for dv in devices:  # free this mode's drafter, optimizer and features before the next mode
         if torch.device(dv).type == "cuda":
@@ -560,8 +601,8 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
 
 def long_rows(summary):
     """#35's figure: each packed measurement's tokens/s over the shortest rows' of its mode and target
-    (x_shortest; the shortest measured without checkpointing when it was, else with), when the run
-    measured several row lengths."""
+    (x_shortest; the shortest with the fewest drafter layers checkpointed), when the run measured
+    several row lengths."""
     lengths = {v["pack_length"] for v in summary.values() if v.get("pack_length")}
     if len(lengths) < 2:
         return
@@ -587,20 +628,6 @@ def per_length_args(args, pack_length):
     return argparse.Namespace(**{**vars(args), "steps": steps, "log_every": log_every})
 
 
-def drafter_checkpointing(cfg):
-    """The drafter layers a measurement's config checkpoints (model.checkpoint_drafter, auto resolved)."""
-    from trainer.models.memory_plan import drafter_checkpointing
-
-    return drafter_checkpointing(cfg)
-
-
-def plan_refusal(cfg):
-    """The memory plan's one-line refusal of a measurement's config on this machine, None when it fits."""
-    from trainer.models.memory_plan import build_plan
-
-    return build_plan(cfg).refusal()
-
-
 def cli_config(args, train_path, run_steps):
     """trainer/configs/gpu-8b-shape.yaml on the bench's conversations (--tiny: a tiny CPU version)."""
     import yaml
@@ -616,6 +643,10 @@ def cli_config(args, train_path, run_steps):
     cfg["run"].update(checkpoint_every=max(run_steps // 2, 1), keep_checkpoints=1, log_every=args.log_every)
     cfg["eval"] = {"samples": 1, "max_new_tokens": 8}
     cfg["devices"] = {"target": args.target, "drafter": args.drafter}
+    if args.cli_precision != "bf16":
+        cfg["model"]["target"]["precision"] = "fp8"
+    if args.cli_precision == "fp8fast":
+        cfg["model"]["target"]["fp8_fast_accum"] = True
     if args.tiny:
         cfg["model"].update(target={"tiny": {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
                                              "intermediate": 128, "fit_steps": 0}},
@@ -662,7 +693,9 @@ def trainer_cli(args, lengths, results):
     if done.returncode:
         out["log_tail"] = (done.stdout + done.stderr)[-3000:]
     shutil.rmtree(work, ignore_errors=True)
-    bench_mode = next((k for k in ("all", "packed+ct", "packed") if "pipeline" in results.get(k, {})), None)
+    keys = [prefix + k + suffix for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
+            for suffix in (f"@{args.cli_precision.removesuffix('fast')}", "")]
+    bench_mode = next((k for k in keys if "pipeline" in results.get(k, {})), None)
     if bench_mode:
         bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
         out["bench_mode"], out["cli_over_bench"] = bench_mode, round(out["tokens_per_s_steady"] / max(bench, 1e-9), 3)
@@ -672,6 +705,130 @@ def trainer_cli(args, lengths, results):
 def events_last_step(events):
     steps = [e for e in events if e["event"] == "step"]
     return steps[-1] if steps else {}
+
+
+def quantize_target(args, target, precision, emit, prefix):
+    """The target's layers that training runs, in FP8 (trainer.models.fp8), in place; once (fp8 and
+    fp8fast share the quantized weights, fp8fast only turns on torch._scaled_mm's fast accumulation)."""
+    from trainer.models import fp8
+
+    fp8.FP8Linear.fast_accum = precision == "fp8fast"
+    if not args.tiny:
+        fp8.check_device(args.target[0])  # refuses with the reason where torch._scaled_mm cannot run
+    if target.__dict__.get("_dflash_precision") == "fp8":
+        return
+    began = time.time()
+    from trainer.models.target import base_layers, base_model
+
+    n = fp8.quantize_layers(base_layers(base_model(target))[:target_run_layers(target.config)],
+                            torch.float32 if args.tiny else torch.bfloat16)
+    target.__dict__["_dflash_precision"] = "fp8"
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    emit(f"{prefix}quantized", {"linears": n, "seconds": round(time.time() - began, 2), "summary": fp8.fp8_summary(target),
+                                "mem_gb": round(torch.cuda.memory_allocated(args.target[0]) / 2**30, 1)
+                                if torch.device(args.target[0]).type == "cuda" else None})
+
+
+def drafter_layers_for(args, shape, precision, target, emit, prefix):
+    """--drafter-layers: numbers, or auto: the most layers of 5..1 whose memory plan fits the device
+    (trainer.models.memory_plan on the bench's config at this shape and precision); a list, each run."""
+    wanted = args.drafter_layers or (["auto"] if shape == "70b" else [None])
+    out = []
+    for w in wanted:
+        layers = None if w is None else _plan_layers(args, shape, precision, target, emit, prefix) if w == "auto" \
+            else int(w)
+        if layers not in out:
+            out.append(layers)
+    return out
+
+
+def _plan_layers(args, shape, precision, target, emit, prefix):
+    from trainer.models.memory_plan import build_plan
+
+    tried = {}
+    for layers in range(5, 0, -1):
+        cfg = parse_config(CONFIG % plan_fields(args, layers, precision.removesuffix("fast"), target.config))
+        plan = build_plan(cfg, None if shape == "8b" else target.config.to_dict())
+        tried[layers] = {"fits": plan.fits, "refusal": plan.refusal(),
+                         "gb": {d.device: round(d.total / 2**30, 1) for d in plan.devices}}
+        if plan.fits:
+            break
+    emit(f"{prefix}drafter_plan@{precision}", {"chosen": layers, "tried": tried})
+    return layers
+
+
+def mask_id(args, config):
+    """The drafter's mask token: Qwen3's 151669 where the vocabulary has it, else its last row (Llama-3's
+    128 256-row vocabulary ends in reserved special tokens)."""
+    if args.tiny:
+        return 5
+    return 151669 if config.vocab_size > 151669 else config.vocab_size - 1
+
+
+def plan_fields(args, layers, precision, config):
+    """The CONFIG fields of a packed run (the memory plan's view of it)."""
+    tiny = args.tiny
+    return dict(target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
+                else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
+                layers=layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, config), max_len=args.max_len,
+                anchors=args.anchors, steps=args.steps, micro=args.micro,
+                budget=max(args.token_budget or args.max_len, args.max_len), edges=str(args.max_len),
+                pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
+                targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every)
+
+
+def experts_for(args, target):
+    """The experts implementations to run a MoE target with (None: dense, or the installed default)."""
+    if not args.experts or not getattr(target.config, "num_experts", 0):
+        return [None]
+    return args.experts
+
+
+def shape_options(parser, args):
+    """--modes-for, --steps-for and --precisions-for as {shape: modes}, {shape: steps}, {shape: precisions}."""
+    modes_for, steps_for = {}, {}
+    args.precisions_of = {}
+    for item in args.precisions_for:
+        shape, _, values = item.partition("=")
+        bad = [q for q in values.split(",") if q not in PRECISIONS]
+        if shape not in args.targets or not values or bad:
+            parser.error(f"--precisions-for {item}: SHAPE (one of --targets) = precisions of {', '.join(PRECISIONS)}")
+        args.precisions_of[shape] = sorted(dict.fromkeys(values.split(",")), key=PRECISIONS.index)
+    for item in args.modes_for:
+        shape, _, modes = item.partition("=")
+        bad = [m for m in modes.split(",") if m not in MODES]
+        if shape not in args.targets or not modes or bad:
+            parser.error(f"--modes-for {item}: SHAPE (one of --targets) = modes of {', '.join(MODES)}")
+        modes_for[shape] = modes.split(",")
+    for item in args.steps_for:
+        shape, _, steps = item.partition("=")
+        if shape not in args.targets or not steps.isdigit() or int(steps) < 1:
+            parser.error(f"--steps-for {item}: SHAPE (one of --targets) = a positive number of steps")
+        steps_for[shape] = int(steps)
+    return modes_for, steps_for
+
+
+def plan_skip(args, cfg, where, name, measured):
+    """Why a measurement (--checkpoint-drafter's) is not run, else None (and it is noted in `measured`):
+    the memory plan does not fit it (unless --force), or auto resolved to the drafter layers another
+    choice measured already at the same mode, length and variant."""
+    from trainer.models.memory_plan import build_plan
+
+    plan = build_plan(cfg, getattr(args, "model_config", None))
+    if not args.force and plan.refusal() is not None:
+        return f"the memory plan does not fit: {plan.refusal()} (--force runs it)"
+    same = (*where, plan.checkpoint_drafter)
+    if same in measured:
+        return f"the same as {measured[same]} ({plan.checkpoint_drafter} drafter layers checkpointed)"
+    measured[same] = name
+    return None
+
+
+def mode_compiles(args, mode):
+    """Whether the mode compiles the target (model.compile_target on CUDA for packed+ct and all)."""
+    return mode.removesuffix("/rank") in ("packed+ct", "all") and torch.device(args.target[0]).type == "cuda"
 
 
 def main(argv=None):
@@ -706,12 +863,34 @@ def main(argv=None):
     p.add_argument("--one-rank", action="store_true", help="also run each mode as the one rank of a host group")
     p.add_argument("--variants", nargs="+", default=["whole"],
                    help="target arrangements per mode: whole, untruncated, splitN (N layer stages)")
-    p.add_argument("--targets", nargs="+", choices=["8b", "30b-a3b"], default=["8b"],
-                   help="target shapes, each through every mode (dense Qwen3-8B, Qwen3-30B-A3B MoE)")
+    p.add_argument("--targets", nargs="+", choices=["8b", "30b-a3b", "70b"], default=["8b"],
+                   help="target shapes, each through every mode (dense Qwen3-8B, Qwen3-30B-A3B MoE, Llama-3.3-70B "
+                        "truncated at its last tap: fp8 only on one H200)")
+    p.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["bf16"],
+                   help="model.target.precision per mode (keys <mode>@fp8): bf16 first, then the same target "
+                        "quantized in place; fp8fast: fp8 with torch._scaled_mm's fast accumulation")
+    p.add_argument("--experts", nargs="+", choices=["grouped_mm", "eager"], default=None,
+                   help="a MoE target's experts implementations per mode (keys <mode>~eager); default: the "
+                        "installed transformers' choice. eager (the per-expert loop) runs only with an eager target")
+    p.add_argument("--drafter-layers", nargs="+", default=None,
+                   help="drafter layers, each a run (keys <mode>#dN when several; default 5, --tiny 2); auto: the "
+                        "most of 5..1 the memory plan fits (the default for 70b)")
+    p.add_argument("--cli-precision", choices=["bf16", "fp8", "fp8fast"], default="bf16",
+                   help="model.target.precision of the --cli-steps run (it runs after the 8b shape, else at the end)")
+    p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
+                   help="modes of one shape instead of --modes, run in the order given (first what matters most "
+                        "under --budget-s), e.g. 30b-a3b=packed+ct,packed 70b=packed+ct")
+    p.add_argument("--steps-for", nargs="*", default=[], metavar="SHAPE=N", help="steps of one shape instead of --steps")
+    p.add_argument("--precisions-for", nargs="*", default=[], metavar="SHAPE=P,P",
+                   help="precisions of one shape instead of --precisions, e.g. 30b-a3b=bf16")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="modes not started this many seconds after the start are skipped (0: none), so that one "
+                        "device call ends with its summary; figures are written to --out as each mode ends")
     p.add_argument("--checkpoint-drafter", nargs="+", choices=list(CHECKPOINT_DRAFTER), default=["auto"],
                    help="model.checkpoint_drafter per measurement (#35): each row length runs once per choice "
                         "(keys <mode>_<length>:ckpt-<choice> when several); a choice the memory plan says does not "
-                        "fit is skipped and reported, unless --force")
+                        "fit is skipped and reported, unless --force, and so is an auto that resolves to what "
+                        "another choice measured")
     p.add_argument("--tokens-per-mode", type=int, default=0,
                    help="steps per measurement from its row length: about this many tokens each (at least 3 "
                         "logged windows; replaces --steps and --log-every), so long rows take no longer than short")
@@ -737,56 +916,122 @@ def main(argv=None):
     lengths = sample_lengths(args.samples, args)
     emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
                      "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
-    args.modes = sorted(args.modes, key=MODES.index)
-    runs = [(m, L) for m in args.modes for L in (args.pack_length if m != "bucketed" else [0])]
-    if args.one_rank:
-        runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
-    runs_ck = [(m, L, ck) for m, L in runs for ck in args.checkpoint_drafter]
-    for shape in args.targets:
-        target = build_target(args, shape)
-        prefix = f"{shape}/" if len(args.targets) > 1 else ""
-        if prefix:
-            emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters()),
-                                     "config": type(target.config).__name__})
-        samples = random_samples(lengths, target.config.vocab_size)
-        measured: dict[tuple, str] = {}  # (mode, length, variant, layers checkpointed) -> its key
-        for mode, length, ck in runs_ck:
-            key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-            if len(args.checkpoint_drafter) > 1:
-                key += f":ckpt-{ck}"
-            margs = per_length_args(args, length)
-            for variant in args.variants:
-                name = prefix + (key if variant == "whole" else f"{key}:{variant}")
-                cfg = bench_config(margs, mode, length, variant, ck)
-                refusal = None if args.force else plan_refusal(cfg)
-                if refusal is not None:
-                    emit(name, {"skipped": f"the memory plan does not fit: {refusal} (--force runs it)",
-                                "pack_length": length, "checkpoint_drafter": ck})
-                    continue
-                same = (mode, length, variant, drafter_checkpointing(cfg))
-                if same in measured:  # auto resolved to what another choice measured already
-                    emit(name, {"skipped": f"the same as {measured[same]} ({same[3]} drafter layers checkpointed)",
-                                "pack_length": length, "checkpoint_drafter": ck})
-                    continue
-                measured[same] = name
-                try:
-                    emit(name, run_mode(margs, mode, target, samples, results, length, variant, ck))
-                except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
-                    import traceback
+    started = time.time()
+    modes_for, steps_for = shape_options(p, args)
 
-                    emit(name, {"error": traceback.format_exc()[-4000:]})
-                    torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+    def runs_of(shape):
+        modes = modes_for[shape] if shape in modes_for else sorted(args.modes, key=MODES.index)  # --modes-for: its order
+        runs = [(m, L) for m in modes for L in (args.pack_length if m != "bucketed" else [0])]
+        if args.one_rank:
+            runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
+        return runs
+
+    default_steps = args.steps
+    cli_after = "8b" if "8b" in args.targets else args.targets[-1]
+    precisions = sorted(dict.fromkeys(args.precisions), key=PRECISIONS.index)
+    for shape in args.targets:
+        prefix = f"{shape}/" if len(args.targets) > 1 else ""
+        runs = runs_of(shape)
+        args.steps = steps_for.get(shape, default_steps)
+        shape_precisions = args.precisions_of.get(shape, precisions)
+        if shape == "70b" and not args.tiny and "bf16" in precisions:
+            emit(f"{prefix}bf16", {"error": "70b in bf16: 133 GB of weights for layers 0..77, more than one H200; "
+                                            "run it at --precisions fp8"})
+            shape_precisions = [q for q in precisions if q != "bf16"]
+        if not shape_precisions:
+            continue
+        try:
+            began = time.time()
+            target = build_target(args, shape, shape_precisions[0].removesuffix("fast") if shape == "70b" else "bf16")
+            built_s = round(time.time() - began, 1)
+        except Exception:  # noqa: BLE001 - one GPU run: a shape that cannot be built is reported, the others run
+            import traceback
+
+            emit(f"{prefix}target", {"error": traceback.format_exc()[-4000:]})
+            continue
+        args.model_config = None if shape == "8b" else target.config.to_dict()
+        emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters() if not p.is_meta),
+                                 "config": type(target.config).__name__, "build_s": built_s,
+                                 "layers_run": target_run_layers(target.config),
+                                 "mem_gb": round(torch.cuda.memory_allocated(args.target[0]) / 2**30, 1)
+                                 if torch.device(args.target[0]).type == "cuda" else None})
+        samples = random_samples(lengths, target.config.vocab_size)
+        for precision in shape_precisions:
+            if precision != "bf16":
+                quantize_target(args, target, precision, emit, prefix)
+            layer_counts = drafter_layers_for(args, shape, precision, target, emit, prefix)
+            measured: dict[tuple, str] = {}  # (key, variant, drafter layers checkpointed) -> the measurement's name
+            for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
+                                                    for r in runs]:
+                key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
+                if len(set(precisions) | {q for v in args.precisions_of.values() for q in v}) > 1 or precision != "bf16":
+                    key += f"@{precision}"
+                if experts is not None and len(args.experts or []) > 1:
+                    key += f"~{experts}"
+                if len(layer_counts) > 1:
+                    key += f"#d{layers}"
+                if args.budget_s and time.time() - started > args.budget_s:
+                    emit(prefix + key, {"skipped": f"--budget-s {args.budget_s:g}: not started "
+                                                   f"{time.time() - started:.0f}s after the start"})
+                    continue
+                if experts == "eager" and mode_compiles(args, mode):
+                    emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
+                                                   "expert counts): run it with --modes packed"})
+                    continue
+                for variant, ck in [(v, c) for v in args.variants for c in args.checkpoint_drafter]:
+                    name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                    if len(args.checkpoint_drafter) > 1:
+                        name += f":ckpt-{ck}"
+                    margs = per_length_args(args, length)
+                    skip = plan_skip(margs, bench_config(margs, mode, target, length, variant,
+                                                         precision.removesuffix("fast"), layers, ck),
+                                     (key, variant), name, measured)
+                    if skip is not None:
+                        emit(name, {"skipped": skip, "pack_length": length, "checkpoint_drafter": ck})
+                        continue
+                    failed = False
+                    try:
+                        if experts is not None:
+                            from trainer.models.moe import set_experts
+
+                            set_experts(target, experts)
+                        emit(name, run_mode(margs, mode, target, samples, results, length, variant,
+                                            precision.removesuffix("fast"), layers, ck))
+                    except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
+                        import traceback
+
+                        emit(name, {"error": traceback.format_exc()[-4000:]})
+                        failed = True
+                    if failed:  # outside the except block: its traceback (holding the mode's tensors) is gone
+                        torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
+                    if failed and precision != "bf16" and mode_compiles(args, mode) and not args.tiny:
+                        # the FP8 target compiled failed: its eager figure still says what FP8 gives
+                        fallback = f"{name}:eager-fallback"
+                        try:
+                            emit(fallback, run_mode(args, "packed", target, samples, results, length, variant,
+                                                    precision.removesuffix("fast"), layers))
+                        except Exception:  # noqa: BLE001 - reported like any mode
+                            import traceback
+
+                            emit(fallback, {"error": traceback.format_exc()[-4000:]})
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
         del target, samples
+        if len(args.targets) > 1:  # compiled graphs and their guards may hold the last shape's weights (70B: 66 GB)
+            torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if args.cli_steps:
-        if hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
-        emit("cli", trainer_cli(args, lengths, results))
+        if args.cli_steps and shape == cli_after:
+            if hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
+            args.steps = default_steps
+            emit("cli", trainer_cli(args, lengths, results))
+    args.steps = default_steps
     rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
     for k, v in results.items():
         if isinstance(v, dict) and "error" in v:
@@ -804,10 +1049,11 @@ def main(argv=None):
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
             "pipeline_over_bound": v["pipeline_over_bound"], "mfu": (pipe["mfu_steady"] or [None])[-1],
             "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()},
+            "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts"),
             "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter")}
     long_rows(summary)
     emit("summary", summary)
-    print(f"{'mode':<20}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
+    print(f"{'mode':<36}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
     def pipe_mfu(m):
         return "-" if not m else f"{m['target']:.2f}+{m['drafter']:.2f}"
@@ -815,15 +1061,15 @@ def main(argv=None):
     for key, v in summary.items():
         ta, da = v["target_alone"], v["drafter_alone"]
         mfu = lambda s: "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"  # noqa: E731
-        print(f"{key:<20}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
+        print(f"{key:<36}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     for key, v in summary.items():
         if v.get("x_shortest") is not None:
             print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed: {v['checkpoint_drafter']}: "
-                  f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']} "
-                  f"(not checkpointed where measured), peak {max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak "
-                  f"{v['plan_over_peak']}, recompiles {v['recompiles']}", flush=True)
+                  f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']}, peak "
+                  f"{max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak {v['plan_over_peak']}, recompiles "
+                  f"{v['recompiles']}", flush=True)
     for key, v in results.items():
         if isinstance(v, dict) and "skipped" in v:
             print(f"{key}: skipped: {v['skipped']}", flush=True)

@@ -91,6 +91,7 @@ class Preset:
     # drafter (the trainer's config)
     pipeline: str = "threaded"
     dtype: str = "bf16"
+    target_precision: str = "bf16"  # model.target.precision of the drafter's training runs (fp8: FP8 features); τ is measured against the bf16 target either way
     drafter_layers: int = 2
     block_size: int = 16
     num_target_layers: int = 3
@@ -108,6 +109,7 @@ class Preset:
     # ablations: name -> overrides of the drafter config; they run with ablation_steps
     ablation_steps: int = 250
     ablations: dict = field(default_factory=dict)
+    ablation_steps_as_main: bool = False  # the ablations train as many steps as the main run (sized to the budget)
     parallel: int = 8  # trainer processes at once on the device
     ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
@@ -126,11 +128,17 @@ ABLATIONS = {  # what the h200 preset runs; more can be named with --ablations
     "gamma 3": {"gamma": 3.0},
     "5 layers tapped": {"num_target_layers": 5},
 }
-MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_layers": 1}}
+MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_layers": 1},
+                  "fp8 target": {"precision": "fp8"}}
 
 PRESETS = {
     # one H200, one call of < 10 min: the main run alone after target and regen
     "h200": Preset(),
+    # one H200, one call (issue #42): the drafter trained on the bf16 target's features (the main run, "base")
+    # and on the FP8 target's ("fp8 target": model.target.precision fp8) side by side, the same steps and data,
+    # both evaluated against the bf16 target (as served): the τ FP8 features cost
+    "h200-fp8": Preset(drafter_rate=8.0, ablations={"base": {}, "fp8 target": {"precision": "fp8"}},
+                       ablation_steps_as_main=True, parallel=2, curve_points=2),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -655,8 +663,9 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
 def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, steps: int, overrides: dict,
                    checkpoint_every: int) -> dict:
     o = {"drafter_layers": p.drafter_layers, "block_size": p.block_size, "num_target_layers": p.num_target_layers,
-         "gamma": p.gamma, **{k: v for k, v in overrides.items() if k != "train"}}
-    model = {"target": {"path": str(model_dir)}, "drafter_layers": o["drafter_layers"],
+         "gamma": p.gamma, "precision": p.target_precision, **{k: v for k, v in overrides.items() if k != "train"}}
+    target = {"path": str(model_dir), **({"precision": o["precision"]} if o["precision"] != "bf16" else {})}
+    model = {"target": target, "drafter_layers": o["drafter_layers"],
              "block_size": o["block_size"], "num_target_layers": o["num_target_layers"], "attention": "auto",
              "dtype": p.dtype, "loss_chunk": 4096}
     if o["gamma"] is not None:
@@ -822,6 +831,27 @@ class CheckpointEvaluator:
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length,
                 "histogram": r["histogram"], "samples": r["samples"], "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
+
+
+def fp8_run(j: dict) -> bool:
+    return (j["cfg"]["model"]["target"].get("precision") or "bf16") != "bf16"
+
+
+def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: dict, main_ckpts: list) -> dict | None:
+    """τ of the drafter trained on FP8 features over τ of the one trained on bf16 features, both the
+    last checkpoint of equal runs evaluated by the same CheckpointEvaluator (the bf16 target)."""
+    by_precision: dict[str, dict] = {}
+    for j in jobs:
+        ck = main_ckpts[-1] if j is main_job and main_ckpts else (checkpoints(j["run_dir"]) or [None])[-1]
+        if ck in evaluated and (j is main_job or set(results["ablations"].get(j["name"], {}).get("overrides", {}))
+                                <= {"precision"}):
+            by_precision.setdefault("fp8" if fp8_run(j) else "bf16", {"name": j["name"], **evaluated[ck]})
+    if set(by_precision) != {"bf16", "fp8"}:
+        return None
+    b, f = by_precision["bf16"], by_precision["fp8"]
+    return {"tau_bf16": b["tau"], "tau_fp8": f["tau"], "fp8_over_bf16": f["tau"] / b["tau"] if b["tau"] else None,
+            "steps": [b["step"], f["step"]], "runs": [b["name"], f["name"]],
+            "tau_per_prompt": [b["tau_per_prompt"], f["tau_per_prompt"]], "samples": b["samples"]}
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -1020,6 +1050,8 @@ def main(argv: list[str] | None = None) -> dict:
     # 6. drafter: the main run (checkpoints for the curve), then the ablations on a subset
     deadline = budget_end - p.eval_reserve_s if budget_end else None
     steps = main_steps(p, deadline)
+    if p.ablation_steps_as_main:
+        p.ablation_steps = steps
     every = max(1, steps // max(p.curve_points, 1))
     base_is_main = "base" in p.ablations and p.ablation_steps == steps
     if p.ablations:
@@ -1032,7 +1064,9 @@ def main(argv: list[str] | None = None) -> dict:
         if name == "base" and base_is_main:
             continue
         train = sub_orig if over.get("train") == "original" else sub_regen
-        jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, 0), runs))
+        # an FP8-features run also checkpoints halfway: τ against the bf16 target is read from checkpoints
+        halfway = max(1, p.ablation_steps // 2) if over.get("precision", "bf16") != "bf16" else 0
+        jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, halfway), runs))
     say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
         f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
         + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
@@ -1067,7 +1101,10 @@ def main(argv: list[str] | None = None) -> dict:
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
-    stopped = [j for j in jobs[1:] if read_run(j["run_dir"])["tau"] is None and checkpoints(j["run_dir"])]
+    # runs stopped early, and runs on FP8 features (their own τ was measured against the FP8 target;
+    # served, the drafter meets the bf16 one): their last checkpoint against the bf16 target
+    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or fp8_run(j))
+               and checkpoints(j["run_dir"])]
     for j in stopped:
         if time_left():
             evaluated[checkpoints(j["run_dir"])[-1]] = evaluator(checkpoints(j["run_dir"])[-1])
@@ -1086,7 +1123,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{point['tau_per_prompt']:.3f} per-prompt mean ({point['samples']} held-out prompts, {p.eval_new_tokens} "
             f"new tokens; {ck.relative_to(out)}) [{point['eval_seconds']}s]")
     results["curve"] = curve
-    if m["tau"] is None and curve:  # stopped at the deadline: its last checkpoint stands for it
+    if fp8_run(main_job) and curve:  # FP8 features: τ against the bf16 target, from its last checkpoint
+        m["tau_fp8_target"], m["tau"] = m["tau"], None
+    if m["tau"] is None and curve:  # stopped at the deadline (or FP8 features): its last checkpoint stands for it
         last = curve[-1]
         m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
                  eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],
@@ -1107,6 +1146,8 @@ def main(argv: list[str] | None = None) -> dict:
     for j in jobs[1:]:
         a = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]], "exit": j.get("rc")}
         last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None
+        if fp8_run(j) and last in evaluated:
+            a["tau_fp8_target"], a["tau"] = a["tau"], None
         if a["tau"] is None and last in evaluated:
             point = evaluated[last]
             a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
@@ -1116,6 +1157,12 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
             f"{_f(a['tau'])} pooled ({_f(a.get('tau_ratio'), 2)}x lookup), {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
             f"held-out acc {_f(a['eval_acc'])}")
+    precision = precision_cost(results, main_job, jobs, evaluated, main_ckpts)
+    if precision:
+        results["precision"] = precision
+        say(f"τ cost of FP8 features (both drafters evaluated against the bf16 target, {precision['steps']} steps "
+            f"each): bf16 {_f(precision['tau_bf16'])}, fp8 {_f(precision['tau_fp8'])}: fp8/bf16 "
+            f"{_f(precision['fp8_over_bf16'], 4)} (goal >= 0.98)")
     save()
     (out / "quality.md").write_text(markdown(results))
     say(f"quality: done in {time.time() - started:.0f}s; {out / 'quality.json'}, {out / 'quality.md'}")

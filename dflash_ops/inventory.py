@@ -24,6 +24,7 @@ about every state change of a run started there (docs/run-lifecycle.md, "Events"
       webhooks: [https://hooks.example.com/T0/B0/XXXX, env:SLACK_WEBHOOK]   # POSTed from the container
       commands: [[/usr/local/bin/page-me, --quiet]]     # run in the container, the event on stdin
       local: [[notify-send, dflash-ops]]                 # run on the operator's side by the followers
+      checkpoints: true                                  # also an event per checkpoint written (default: no)
 
 A webhook `env:NAME` is read from the operator's environment when the run starts, so the secret
 need not be in the inventory; URLs are shown redacted (scheme and host) everywhere.
@@ -62,11 +63,13 @@ class Notify:
     webhooks: tuple[str, ...] = ()  # URLs, or env:NAME (resolved when a run starts: resolved_webhooks)
     commands: tuple[tuple[str, ...], ...] = ()
     local: tuple[tuple[str, ...], ...] = ()
+    checkpoints: bool = False  # also the optional `checkpoint` event, one per checkpoint written
 
     def __add__(self, other: "Notify | None") -> "Notify":
         if other is None:
             return self
-        return Notify(self.webhooks + other.webhooks, self.commands + other.commands, self.local + other.local)
+        return Notify(self.webhooks + other.webhooks, self.commands + other.commands, self.local + other.local,
+                      self.checkpoints or other.checkpoints)
 
     def __bool__(self) -> bool:
         return bool(self.webhooks or self.commands or self.local)
@@ -251,6 +254,7 @@ class _NotifySpec(_Schema):
     webhooks: list[str] = []
     commands: list[Argv] = []
     local: list[Argv] = []
+    checkpoints: bool = False
 
 
 UvMode = Literal["auto", "always", "never"]
@@ -386,7 +390,8 @@ class _Parser:
                 raise self.fail(v.key_lines.get("webhooks", v.line),
                                 f"{what}: notify: webhooks[{i}] must be an http(s):// URL or env:NAME, got "
                                 f"{redact_url(url)!r}")
-        return Notify(tuple(spec.webhooks), tuple(map(tuple, spec.commands)), tuple(map(tuple, spec.local)))
+        return Notify(tuple(spec.webhooks), tuple(map(tuple, spec.commands)), tuple(map(tuple, spec.local)),
+                      spec.checkpoints)
 
     def venv(self, m: _Mapping, at: Callable[[str], int], what: str) -> "tuple[tuple[str, Any], ...] | bool | None":
         if m.get("venv") is None:

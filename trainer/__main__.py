@@ -1,4 +1,4 @@
-"""python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP]
+"""python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP|auto]
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
@@ -20,7 +20,8 @@ def _train(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer", description="Train a DFlash drafter.")
     p.add_argument("--config", required=True, help="trainer YAML config")
     p.add_argument("--run-dir", required=True, help="run directory (created if missing)")
-    p.add_argument("--resume", default=None, help="'latest' or a checkpoint step number")
+    p.add_argument("--resume", default=None, help="'latest', a checkpoint step number, or 'auto' (the latest, "
+                   "else a fresh start: a supervisor's restart before the first checkpoint)")
     args = p.parse_args(argv)
     from trainer.run.config import ConfigError, load_config
 

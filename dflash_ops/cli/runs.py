@@ -34,6 +34,7 @@ Restart = Annotated[Optional[str], typer.Option(
     "--restart", metavar="no|on-failure[:N]",
     help="on-failure[:N]: after a crash (non-zero exit, a kill, OOM) resume from the latest checkpoint, at most N "
          "times (default 3); each restart and its reason show in `run status`, the dashboard and metrics.jsonl. "
+         "Across hosts every host's rank restarts, all from the newest checkpoint of the group. "
          "`run stop` still stops for good.")]
 Queue = Annotated[bool, typer.Option(
     "--queue", help="When its GPUs are held, queue the run in the container (FIFO per GPU) instead of refusing; it "
@@ -104,18 +105,15 @@ def start(
     check_restart(restart)
     if len(targets) > 1:
         check_members(targets)
-        if restart not in (None, "no"):
-            fail("--restart: a run across hosts is not restarted by itself yet (its ranks would have to rejoin "
-                 "together); resume it with `dflash-ops run resume`", 2)
-        if queue or notify:
-            fail(f"{'--queue' if queue else '--notify'}: a run across hosts is not queued or notified yet; "
-                 "start it when the GPUs of every member are free", 2)
+        if queue:
+            fail("--queue: a run across hosts is not queued (its ranks must start together); start it when the "
+                 "GPUs of every member are free", 2)
     containers = [open_target(inventory, t) for t in targets]
-    spec = _notify_spec(containers[0], notify or []) if len(targets) == 1 else None
+    spec = _notify_spec(containers[0], notify or [])  # a group's events are told by its first member
     for container in containers:
         _preflight(container, config, gpu_list, force)
     if len(targets) > 1:
-        run_id = start_group(containers, targets, config, name=name, gpus=gpu_list)
+        run_id = start_group(containers, targets, config, name=name, gpus=gpu_list, restart=restart, notify=spec)
     else:
         run_id = start_run(containers[0], config, name=name, gpus=gpu_list, restart=restart, queue=queue, notify=spec)
     if queue:
@@ -139,7 +137,10 @@ def _notify_spec(container: Container, urls: list[str]) -> dict[str, Any] | None
     webhooks = resolved_webhooks(wanted, urls)
     if not webhooks and not wanted.commands:
         return None
-    return {"target": target.name, "webhooks": webhooks, "commands": [list(c) for c in wanted.commands]}
+    spec: dict[str, Any] = {"target": target.name, "webhooks": webhooks, "commands": [list(c) for c in wanted.commands]}
+    if wanted.checkpoints:
+        spec["checkpoints"] = True
+    return spec
 
 
 def _preflight(container: Container, config: Path, gpus: list[int] | None, force: bool) -> None:
@@ -240,8 +241,9 @@ def _print_members(found: list[Member], group: dict[str, Any]) -> None:
             typer.echo(f"{m.target}: cannot ask: {m.error}", err=True)
             continue
         for line in status_detail(m.info):
-            if not line.startswith("log tail") and not line.startswith("  "):
-                typer.echo(f"{m.target}: {line}")
+            if line.startswith("log tail"):
+                break  # shown below, for the failed members
+            typer.echo(f"{m.target}: {line.strip()}")  # a restart's line too: every member counts its own
     for m in found:
         if m.info is not None and m.info.effective_state == "failed" and m.info.log_tail:
             typer.echo(f"{m.target} log tail:")
@@ -338,6 +340,7 @@ def resume(
     """Restart a stopped (or failed) run from its checkpoint on the current release; the step count continues."""
     from dflash_ops.runs import resume_run, start_run
     from dflash_ops.runs.group import resume_group
+    from dflash_ops.runs.lifecycle import check_restart
 
     if config is not None and not config.is_file():
         fail(f"--config {config}: no such file", 2)
@@ -346,7 +349,8 @@ def resume(
         if config is not None:
             fail("--config: a run across hosts resumes on its own config (edit each member's "
                  "runs/RUN/config.input.yaml to change it)", 2)
-        resume_group(found, run, from_step=from_step, gpus=parse_gpus(gpus))
+        check_restart(restart)
+        resume_group(found, run, from_step=from_step, gpus=parse_gpus(gpus), restart=restart)
         typer.echo(run)
         _hint(f"resumed {run} on {' '.join(m.target for m in found)}; see it: dflash-ops run status {found[0].target} {run}")
         return

@@ -43,7 +43,7 @@ class RunPlan:
     config_path: str | None = None
     config_error: str | None = None  # the config is not one of the bundled trainer's
     pack_length: int = 0  # data.pack_length: packed rows (the target's family must allow them)
-    dtype_bytes: int = 2  # bytes per target weight (model.dtype: bf16 2, fp32 4)
+    dtype_bytes: int = 2  # bytes per target weight (model.dtype: bf16 2, fp32 4; model.target.precision fp8: 1)
 
     @property
     def needs_gpu(self) -> bool:
@@ -134,7 +134,7 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     return RunPlan(gpus=run_gpus, cuda_indices=tuple(cuda), keep_checkpoints=cfg.run.keep_checkpoints,
                    dims=dims, model_config_path=model_config_path, drafter_layers=cfg.model.drafter_layers,
                    num_target_layers=cfg.model.num_target_layers, config_path=str(config),
-                   pack_length=cfg.data.pack_length, dtype_bytes=4 if cfg.model.dtype == "fp32" else 2)
+                   pack_length=cfg.data.pack_length, dtype_bytes=4 if cfg.model.dtype == "fp32" else 1 if t.precision == "fp8" else 2)
 
 
 def _cuda_index(device: str) -> int:

@@ -173,9 +173,11 @@ def run_supervisor(run_dir: str) -> int | None:
 
 def live_pid(run_dir: str, status: dict | None) -> int | None:
     """The pid that makes a run live (run_is_live): its trainer's, or between two attempts of a
-    run that restarts itself, its supervisor's (it holds the run's GPUs and release meanwhile)."""
+    run that restarts itself, its supervisor's (it holds the run's GPUs and release meanwhile).
+    A `failed` status with a live supervisor is such a pause too: a rank of a group, or a trainer
+    that failed with an error, said so before its supervisor restarts it."""
     if status and status.get("state") in FINAL_STATES:
-        return None
+        return run_supervisor(run_dir) if status.get("state") == "failed" else None
     pid, pid_start = run_process(run_dir, status)
     if isinstance(pid, int) and process_matches(pid, pid_start):
         return pid

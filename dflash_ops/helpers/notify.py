@@ -5,7 +5,8 @@ Every state change of a run is one event (docs/run-lifecycle.md, "Events"):
   {"version": 1, "id": IDEMPOTENCY KEY, "run_id", "target", "state", "step", "reason", "time",
    "log_tail" (failed only)}
 
-state is one of EVENTS. Whoever causes a change writes its event to the container's outbox
+state is one of EVENTS; `checkpoint` (one per checkpoint the run writes) only for a spec with
+"checkpoints": true. Whoever causes a change writes its event to the container's outbox
 (emit(): one file, atomically, before anything is delivered), and one deliverer per container
 (`runs.py deliver BASE`, started by emit's caller when none runs) sends the outbox oldest first:
 
@@ -78,12 +79,15 @@ def redact(text: str, spec: dict) -> str:
 
 
 def check_spec(doc: object) -> dict:
-    """The spec in its one shape ({"target", "webhooks", "commands"}), or BadSpec naming the problem."""
+    """The spec in its one shape ({"target", "webhooks", "commands"}, and "checkpoints": true when
+    the optional `checkpoint` events are wanted), or BadSpec naming the problem."""
     if not isinstance(doc, dict):
         raise BadSpec("notify: expected an object with webhooks and/or commands, got %s" % type(doc).__name__)
-    unknown = sorted(set(doc) - {"target", "webhooks", "commands"})
+    unknown = sorted(set(doc) - {"target", "webhooks", "commands", "checkpoints"})
     if unknown:
-        raise BadSpec("notify: unknown key %r (webhooks, commands)" % unknown[0])
+        raise BadSpec("notify: unknown key %r (webhooks, commands, checkpoints)" % unknown[0])
+    if not isinstance(doc.get("checkpoints", False), bool):
+        raise BadSpec("notify: checkpoints must be true or false, got %r" % (doc["checkpoints"],))
     webhooks = doc.get("webhooks") or []
     commands = doc.get("commands") or []
     if not isinstance(webhooks, list) or not all(isinstance(u, str) and URL_RE.match(u) for u in webhooks):
@@ -93,7 +97,10 @@ def check_spec(doc: object) -> dict:
     if not isinstance(commands, list) or not all(
             isinstance(c, list) and c and all(isinstance(a, str) for a in c) for c in commands):
         raise BadSpec("notify: commands must be argv lists of strings, e.g. [[\"/usr/local/bin/page\", \"--run\"]]")
-    return {"target": str(doc.get("target") or ""), "webhooks": list(webhooks), "commands": [list(c) for c in commands]}
+    spec: dict = {"target": str(doc.get("target") or ""), "webhooks": list(webhooks), "commands": [list(c) for c in commands]}
+    if doc.get("checkpoints"):
+        spec["checkpoints"] = True  # absent when false: a spec of this shape is one an earlier helper reads
+    return spec
 
 
 def make_event(run_id: str, target: str, state: str, *, step: object = None, reason: str | None = None,

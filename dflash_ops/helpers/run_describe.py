@@ -38,9 +38,10 @@ def describe_run(run_dir: str, now: float) -> dict:
     info["restarts"] = restarts.get("restarts", []) if restarts else []
     supervised = nodefacts.run_supervisor(run_dir) is not None
     info["supervised"] = supervised
-    # between two attempts the trainer is gone and status.json is the last attempt's
-    between = supervised and not (alive and (status or {}).get("pid") == launch.get("pid"))
     info["group"] = read_json(os.path.join(run_dir, "group.json"))
+    # between two attempts the trainer is gone and status.json is the last attempt's (a rank of a
+    # group: its status.json holds the rank's pid, not the launcher's that launch.json records)
+    between = supervised and not (alive and (info["group"] is not None or (status or {}).get("pid") == launch.get("pid")))
     heartbeat = info.get("heartbeat")
     info["heartbeat_age"] = (now - heartbeat) if isinstance(heartbeat, (int, float)) else None
     try:

@@ -142,6 +142,8 @@ def cmd_start(args: argparse.Namespace) -> None:
         raise Refused("--config is required to start a fresh run")
     if args.group is not None and not (args.nnodes and args.rdzv_endpoint and args.local_addr):
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
+    if args.group is not None and args.queue:
+        raise Refused("--queue: a run across hosts is not queued (its ranks must start together)")
     max_restarts = parse_restart(args.restart)
     if spec is not None and max_restarts is None:
         max_restarts = 0  # supervised all the same: the supervisor sees the end and sends its event
@@ -278,9 +280,12 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
     write_atomic(os.path.join(run_dir, "launch.json"), json.dumps(record, sort_keys=True).encode())
     if max_restarts is not None:
         assert child.stdin is not None
-        child.stdin.write(json.dumps({"argv": argv, "max": max_restarts,
-                                      "restart_argv": trainer_argv(args, python, config_input, run_dir, "latest"),
-                                      "fresh_argv": trainer_argv(args, python, config_input, run_dir, None)}).encode())
+        # a rank restarts with `--resume auto`: the ranks agree on the newest checkpoint a host
+        # holds (a fresh start when none does); this host's own checkpoints do not decide it
+        restart_from, fresh_from = ("auto", "auto") if args.group is not None else ("latest", None)
+        child.stdin.write(json.dumps({"argv": argv, "max": max_restarts, "group": args.group,
+                                      "restart_argv": trainer_argv(args, python, config_input, run_dir, restart_from),
+                                      "fresh_argv": trainer_argv(args, python, config_input, run_dir, fresh_from)}).encode())
         child.stdin.close()
     return child
 

@@ -2,6 +2,16 @@
 restarts the trainer after a crash from its latest checkpoint (stdlib only, python3.8+; see
 runs.py's docstring).
 
+A rank of a run across hosts (the plan names its group) is supervised the same way, its trainer
+being the rank's launcher (`python -m trainer launch`): a rank that dies stops every rank (the
+group's own failure handling), so every member's supervisor sees its launcher fail and starts it
+again after RESTART_DELAY_S with `--resume auto`. The launchers meet again at the run's endpoint
+(the store host's new store; trainer/distributed/launch.py) and the ranks agree there on the newest
+complete checkpoint a host holds, read by its host and broadcast: every rank resumes from the same
+step. Each member counts its own restarts (one per group restart: every rank fails once) and
+records them in its restarts.json; the group's events are told by its first member only (index
+0 of group.json), so a webhook hears of a group restart once.
+
 Not a helper: a shared module shipped beside runs.py (dflash_ops/helpers/__init__.py).
 """
 
@@ -14,14 +24,21 @@ import signal
 import sys
 import time
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Callable
+
 if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_supervise
-    from . import nodefacts, run_events, run_protocol
+    from . import nodefacts, notify, run_events, run_protocol
 else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
     import nodefacts  # type: ignore[no-redef]
+    import notify  # type: ignore[no-redef]
     import run_events  # type: ignore[no-redef]
     import run_protocol  # type: ignore[no-redef]
 
 RESTART_DELAY_S = 1.0
+WATCH_S = 0.5  # how often a group member's supervisor reads its rank's new events
 
 read_json = nodefacts.read_json
 write_atomic = nodefacts.write_atomic
@@ -33,10 +50,13 @@ oom_kills = run_protocol.oom_kills
 def crash_reason(code: int, status: dict | None, pid: int, oom_before: int | None) -> str:
     """Why the trainer ended, in words: an OOM kill, a signal, a lost peer, its own error, an exit code."""
     oom_after = oom_kills()
-    if code < 0 and oom_before is not None and oom_after is not None and oom_after > oom_before:
-        return "OOM kill (SIG%s; the container's memory cgroup counted an OOM kill)" % signal.Signals(-code).name
     error = (status or {}).get("error") if (status or {}).get("pid") == pid else None
     message = str(error.get("message") or "")[:300] if isinstance(error, dict) else ""
+    # a rank's launcher exits 1 and says how its rank ended: "the trainer process (pid N) killed by signal 9 (SIGKILL)"
+    rank_killed = code > 0 and "killed by signal 9" in message
+    if (code < 0 or rank_killed) and oom_before is not None and oom_after is not None and oom_after > oom_before:
+        return "OOM kill (SIG%s; the container's memory cgroup counted an OOM kill)" % (
+            signal.Signals(-code).name if code < 0 else "KILL")
     if code < 0:
         try:
             name = "SIG" + signal.Signals(-code).name.replace("SIG", "")
@@ -47,6 +67,62 @@ def crash_reason(code: int, status: dict | None, pid: int, oom_before: int | Non
     if message and any(word in message.lower() for word in lost):
         return "lost peer (exit %d): %s" % (code, message)
     return "exit %d%s" % (code, ": " + message if message else "")
+
+
+def attempt_status(status: dict | None, child_pid: int, began: float, group: bool) -> tuple[dict | None, bool]:
+    """(this attempt's status.json, or None; whether the trainer itself wrote it). On one host the
+    trainer is the child and writes its pid. A rank's launcher (the child) writes status.json
+    first with its own pid, then its rank replaces it with the rank's: this attempt's is any
+    status started since the attempt began (clocks of one host)."""
+    if not status:
+        return None, False
+    if not group:
+        return (status, True) if status.get("pid") == child_pid else (None, False)
+    started = status.get("started")
+    if not isinstance(started, (int, float)) or started < began - 1.0:
+        return None, False
+    return status, status.get("pid") != child_pid
+
+
+def wait_watching(child: subprocess.Popen[bytes], metrics: str, offset: int,
+                  on_event: Callable[[dict], None] | None) -> int:
+    """child.wait(), reading the events the attempt appends to metrics.jsonl (from `offset`) for
+    on_event meanwhile (None: just wait)."""
+    if on_event is None:
+        return child.wait()
+    held = b""
+    while True:
+        code = child.poll()  # first: the lines written before the exit are read below, once more
+        try:
+            with open(metrics, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(1 << 20)
+        except OSError:
+            chunk = b""
+        offset += len(chunk)
+        lines = (held + chunk).split(b"\n")
+        held = lines.pop()
+        for line in lines:
+            try:
+                event = json.loads(line.decode("utf-8", "replace"))
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                try:
+                    on_event(event)
+                except Exception as e:  # noqa: BLE001 - watching is extra: it must not end the supervision
+                    sys.stderr.write("# dflash-ops supervise: reading an event failed: %r\n" % (e,))
+        if code is not None and not chunk:
+            return code
+        if not chunk:
+            time.sleep(WATCH_S)
+
+
+def file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def append_line(path: str, text: str) -> None:
@@ -99,15 +175,25 @@ def _supervise(run_dir: str, log: str) -> int:
     plan = json.loads(sys.stdin.buffer.read().decode("utf-8"))  # EOF: launch.json names this supervisor
     launch_path = os.path.join(run_dir, "launch.json")
     restarts_path = os.path.join(run_dir, RESTARTS_FILE)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    group = plan.get("group") if isinstance(plan.get("group"), dict) else None
     argv = plan["argv"]
     used = 0
-    tell = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
+    tell_any = run_events.run_events(run_dir)  # this run's events (notify.json; nobody named: nothing sent)
+    tell = tell_any
+    if group is not None and group.get("index") != 0:
+        tell = lambda *_a, **_k: None  # noqa: E731 - the group's first member tells the group's events
+    spec = notify.read_spec(run_dir)
+    # the optional checkpoint events: told where the checkpoint is written (a group's writer host)
+    checkpoint_events = checkpoint_teller(tell_any) if spec and spec.get("checkpoints") else None
     while True:
         oom_before = oom_kills()
+        began = time.time()
+        offset = file_size(metrics)
         with open(os.devnull, "rb") as devnull:
             child = subprocess.Popen(argv, stdin=devnull, close_fds=True)
         record = dict(read_json(launch_path) or {}, pid=child.pid, pid_start=nodefacts.process_start_ticks(child.pid), argv=argv,
-                      oom_kills=oom_before)
+                      oom_kills=oom_before, attempt_time=began)
         try:
             write_atomic(launch_path, json.dumps(record, sort_keys=True).encode())
         except OSError:
@@ -115,10 +201,17 @@ def _supervise(run_dir: str, log: str) -> int:
             raise
         if used == 0:
             tell("started")
-        code = child.wait()
+        code = wait_watching(child, metrics, offset,
+                             both(source_of_restart(restarts_path) if group and used else None, checkpoint_events))
         status = read_json(os.path.join(run_dir, "status.json"))
-        state = (status or {}).get("state") if (status or {}).get("pid") == child.pid else None
-        step = (status or {}).get("step")
+        mine, wrote = attempt_status(status, child.pid, began, group is not None)
+        while group is not None and wrote and mine and nodefacts.process_matches(mine.get("pid"), mine.get("pid_start")):
+            # the launcher is gone (killed?) but its rank lives on with the group: it is the run
+            time.sleep(WATCH_S)
+            status = read_json(os.path.join(run_dir, "status.json"))
+            mine, wrote = attempt_status(status, child.pid, began, True)
+        state = (mine or {}).get("state")
+        step = (mine or {}).get("step")
         if code == 0 or state in ("stopped", "done"):
             tell(state if state in ("stopped", "done") else "done", step=step)
             return 0
@@ -127,12 +220,14 @@ def _supervise(run_dir: str, log: str) -> int:
                         % code)
             tell("stopped", step=step, reason="stopped by the operator (exit %d)" % code)
             return 0
-        if state is None:  # it never wrote status.json: a start failure (config, import), not a crash
-            append_line(log, "# dflash-ops supervise: trainer exited %d before writing status.json: not restarted\n"
-                        % code)
-            tell("failed", reason="the trainer exited %d before writing status.json" % code, log_tail=True)
+        if (state is None) if group is None else (not wrote and used == 0):
+            # it never wrote status.json (one host), or the rank never started (the group's first
+            # attempt: the rendezvous failed): a start failure (config, import, a host missing), not a crash
+            what = "before writing status.json" if group is None else "before its rank started"
+            append_line(log, "# dflash-ops supervise: trainer exited %d %s: not restarted\n" % (code, what))
+            tell("failed", reason="the trainer exited %d %s" % (code, what), log_tail=True)
             return code if code > 0 else 128 - code
-        reason = crash_reason(code, status, child.pid, oom_before)
+        reason = crash_reason(code, mine, (mine or {}).get("pid", child.pid), oom_before)
         policy = read_json(restarts_path) or {"max": plan["max"], "restarts": []}
         if used >= plan["max"]:
             policy["gave_up"] = {"time": time.time(), "reason": reason}
@@ -149,15 +244,17 @@ def _supervise(run_dir: str, log: str) -> int:
         argv = plan["restart_argv"] if checkpoints else plan["fresh_argv"]
         attempt = len(policy.get("restarts", [])) + 1
         entry = {"attempt": attempt, "n": used, "time": time.time(), "reason": reason, "exit_code": code,
-                 "step": (status or {}).get("step"),
-                 "from": checkpoints[-1]["path"] if checkpoints else None}
+                 "step": step, "from": checkpoints[-1]["path"] if checkpoints and group is None else None}
+        if group is not None:
+            entry["group"] = True  # `from` is filled in once the ranks agreed on it (source_of_restart)
         policy.setdefault("restarts", []).append(entry)
         write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
         event = dict(entry, event="restart", max=plan["max"])
-        append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(event, sort_keys=True) + "\n")
+        append_line(metrics, json.dumps(event, sort_keys=True) + "\n")
+        source = entry["from"] or ("the start (no checkpoint yet)" if group is None else
+                                   "the newest checkpoint a host of the group holds (every host's rank restarts)")
         append_line(log, "# dflash-ops supervise %s: %s at step %s; restart %d of %d from %s\n" % (
-            time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"],
-            entry["from"] or "the start (no checkpoint yet)"))
+            time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"], source))
         tell("restart", step=entry["step"], reason="restart %d of %d after: %s" % (used, plan["max"], reason))
         # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
         time.sleep(RESTART_DELAY_S)
@@ -165,6 +262,48 @@ def _supervise(run_dir: str, log: str) -> int:
             say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
             tell("stopped", step=entry["step"], reason="stopped by the operator between two attempts")
             return 0
+
+
+def checkpoint_teller(tell: Callable[..., None]) -> Callable[[dict], None]:
+    """The `checkpoint` event for each checkpoint the attempt writes (its metrics.jsonl event)."""
+    def on_event(event: dict) -> None:
+        if event.get("event") == "checkpoint" and event.get("path"):
+            request = " (request %s)" % event["request"] if event.get("request") else ""
+            tell("checkpoint", step=event.get("step"), reason="%s written%s" % (event["path"], request))
+
+    return on_event
+
+
+def both(*watchers: Callable[[dict], None] | None) -> Callable[[dict], None] | None:
+    """One on_event for wait_watching calling each watcher given (None: none given)."""
+    given = [w for w in watchers if w is not None]
+    if not given:
+        return None
+
+    def on_event(event: dict) -> None:
+        for watcher in given:
+            watcher(event)
+
+    return on_event
+
+
+def source_of_restart(restarts_path: str) -> Callable[[dict], None]:
+    """For a group's restarted attempt: when its rank says where it resumed from (its `start`
+    event), the last restart entry gets it as `from` (or the start, when no host held a checkpoint)."""
+    def on_event(event: dict) -> None:
+        if event.get("event") != "start":
+            return
+        policy = read_json(restarts_path) or {}
+        restarts = policy.get("restarts") or []
+        if not restarts or restarts[-1].get("from"):
+            return
+        restarts[-1]["from"] = event.get("resumed_from") or "the start (no host held a checkpoint)"
+        try:
+            write_atomic(restarts_path, json.dumps(policy, sort_keys=True).encode())
+        except OSError:
+            pass  # only the record of where it resumed from is lost; the run goes on
+
+    return on_event
 
 
 def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:

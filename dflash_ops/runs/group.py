@@ -24,6 +24,7 @@ from dflash_ops.runs.info import RunError, RunInfo, RunNotFound, RunRefused
 from dflash_ops.runs.lifecycle import (
     _start,
     ask_to_stop,
+    check_restart,
     launch_fresh,
     request_checkpoint,
     run_status,
@@ -77,8 +78,10 @@ def _node_address(container: ContainerAPI) -> str | None:
 
 
 def _launch(containers: Sequence[ContainerAPI], run_id: str, extra: list[str], stdin: bytes | None, names: list[str],
-            gpus: list[int] | None) -> None:
-    """Start every rank; if one cannot start, stop the ones already started (they wait for it)."""
+            gpus: list[int] | None, notify: dict | None = None) -> None:
+    """Start every rank; if one cannot start, stop the ones already started (they wait for it).
+    `notify` (a notify spec) goes to the first member, which tells the group's events; with
+    "checkpoints" to every member (a checkpoint is told where it is written: the writer's host)."""
     toward = _node_address(containers[1]) if len(containers) > 1 else None
     addresses = [container_address(c, _node_address(containers[0]) if i else toward) for i, c in enumerate(containers)]
     port = call_json(containers[0], ["free-port", "--address", addresses[0]])["port"]
@@ -90,7 +93,11 @@ def _launch(containers: Sequence[ContainerAPI], run_id: str, extra: list[str], s
             args = [*extra, "--group", json.dumps(group, sort_keys=True), "--nnodes", str(len(containers)),
                     "--rdzv-endpoint", endpoint, "--local-addr", addresses[i]]
             args += ["--store-host"] if i == 0 else []
-            _start(c, run_id, args, stdin, gpus)
+            sent = stdin
+            if (i == 0 or (notify or {}).get("checkpoints")) and notify and (notify.get("webhooks") or notify.get("commands")):
+                args.append("--notify-stdin")  # the spec's line, then the config: a webhook URL is never an argument
+                sent = json.dumps(notify, sort_keys=True).encode() + b"\n" + (stdin or b"")
+            _start(c, run_id, args, sent, gpus)
             started.append(c)
     except BaseException:
         for c in started:
@@ -127,14 +134,20 @@ def check_micro_batches(config: bytes, hosts: int, source: str) -> None:
 
 
 def start_group(containers: Sequence[ContainerAPI], names: list[str], config_path_local: Path | str, name: str | None = None,
-                gpus: list[int] | None = None) -> str:
-    """Start one run over `containers` (targets `names`, in rank-hint order); returns the run id."""
+                gpus: list[int] | None = None, restart: str | None = None, notify: dict | None = None) -> str:
+    """Start one run over `containers` (targets `names`, in rank-hint order); returns the run id.
+
+    `restart` ("on-failure:N"): every member's rank runs under a supervisor in its container; after
+    a rank dies (which stops them all) each restarts its rank and the ranks resume together from
+    the newest complete checkpoint of the group, at most N times (docs/multi-node.md). `notify`:
+    who hears of the group's state changes (told by the first member)."""
     check_members(names)
     config = Path(config_path_local).read_bytes()
     check_micro_batches(config, len(names), str(config_path_local))
+    extra = ["--config", "-", *check_restart(restart)]
 
     def launch(run_id: str) -> str:
-        _launch(containers, run_id, ["--config", "-"], config, names, gpus)
+        _launch(containers, run_id, extra, config, names, gpus, notify)
         return run_id
 
     return launch_fresh(name, launch, " on a member; pass --name")
@@ -203,9 +216,10 @@ def checkpoint_group(group_members: list[Member], run_id: str, wait: bool = Fals
 
 
 def resume_group(group_members: list[Member], run_id: str, from_step: int | None = None,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int] | None = None, restart: str | None = None) -> None:
     """Restart every member from the newest checkpoint any of them holds (or step `from_step`),
-    with a fresh rendezvous endpoint."""
+    with a fresh rendezvous endpoint. `restart` defaults to the run's own policy (its first
+    member's restarts.json)."""
     asked = _asked(group_members)
     running = [m.target for m, info in asked if info.alive]
     if running:
@@ -217,7 +231,8 @@ def resume_group(group_members: list[Member], run_id: str, from_step: int | None
         raise RunRefused(f"run {run_id} is done: nothing to resume (pass --from STEP)")
     if from_step is not None and from_step not in held:
         raise RunNotFound(f"no member of run {run_id} holds checkpoint step_{from_step} (held: {held})")
-    extra = ["--resume", "latest" if from_step is None else str(from_step)]
+    policy = restart if restart is not None else asked[0][1].restart_policy
+    extra = ["--resume", "latest" if from_step is None else str(from_step), *check_restart(policy)]
     _launch([m.container for m in group_members], run_id, extra, None, [m.target for m in group_members], gpus)
 
 

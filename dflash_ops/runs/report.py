@@ -81,7 +81,8 @@ def status_row(info: RunInfo) -> tuple[str, ...]:
 def restart_line(restart: dict[str, Any]) -> str:
     """`restart 1 at step 7: killed by SIGKILL; resumed from checkpoints/step_5` (run status, the dashboard)."""
     when = time.strftime("%H:%M:%S", time.localtime(restart["time"])) if isinstance(restart.get("time"), (int, float)) else "?"
-    source = restart.get("from") or "the start (no checkpoint yet)"
+    source = restart.get("from") or ("the newest checkpoint of the group (the ranks agree on it as they rejoin)"
+                                     if restart.get("group") else "the start (no checkpoint yet)")
     return f"restart {restart.get('attempt')} at {when}, step {restart.get('step')}: {restart.get('reason')}; from {source}"
 
 

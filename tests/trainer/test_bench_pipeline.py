@@ -78,6 +78,61 @@ def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path):
+    """bf16 then the same target in FP8 (quantized in place), a MoE target with grouped expert matmuls and
+    with the per-expert loop, and the 70B shape (tiny) built truncated at its last tap, layer by layer."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "1", "--log-every", "1",
+        "--mix", "lognormal", "--min-len", "16", "--max-len", "128", "--median", "40", "--samples", "40",
+        "--anchors", "16", "--modes", "packed", "--pack-length", "256", "--stage-micro", "1",
+        "--targets", "8b", "30b-a3b", "70b", "--precisions", "bf16", "fp8", "--experts", "grouped_mm", "eager",
+        "--modes-for", "8b=packed", "--steps-for", "8b=1", "--precisions-for", "8b=fp8",
+        "--drafter-layers", "auto", "--out", str(tmp_path / "bench.json")])
+    assert results["8b/packed@fp8"]["pipeline"]["steps"] == 1 and "8b/packed@bf16" not in results
+    assert results["8b/quantized"]["linears"] == 6 * 7
+    for key in ("30b-a3b/packed@bf16~grouped_mm", "30b-a3b/packed@bf16~eager", "30b-a3b/packed@fp8~grouped_mm",
+                "70b/packed@bf16", "70b/packed@fp8"):
+        assert results[key]["pipeline"]["steps"] == 2, results[key].get("error")
+        assert results[key]["target_alone"]["tokens_per_s"] > 0
+    assert results["30b-a3b/packed@bf16~eager"]["experts"] == "eager"
+    assert results["30b-a3b/packed@fp8~grouped_mm"]["experts"] == "grouped_mm"
+    assert results["70b/packed@fp8"]["precision"] == "fp8" and "70b/quantized" in results
+    assert "linear layers in FP8" in results["30b-a3b/quantized"]["summary"]
+    assert results["70b/target"]["layers_run"] == 6 and results["70b/drafter_plan@fp8"]["chosen"] == 5  # no budget
+    # the memory plan sized from the target's own config, not the 8B the bench config names
+    plan = results["70b/packed@fp8"]["memory_plan"]
+    assert all(e["plan_gb"] < 1 for e in plan.values())
+
+
+def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_vocabulary():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, Qwen3Config
+
+    bench = load_bench()
+    args = bench.argparse.Namespace(max_len=3072, pack_length=[8192], pack_rows=1, anchors=512, micro=2,
+                                    log_every=3, target=["cuda:0"], drafter=["cuda:0"], tiny=False,
+                                    cli_precision="fp8")
+    cfg = bench.cli_config(args, "/tmp/train.jsonl", 24)
+    assert cfg["model"]["target"] == {"random_8b_shape": True, "precision": "fp8"}
+    assert bench.mask_id(args, LlamaConfig(**bench.LLAMA_3_3_70B_DIMS)) == 128255
+    assert bench.mask_id(args, Qwen3Config(vocab_size=151936)) == 151669
+    assert bench.mask_id(SimpleNamespace(tiny=True), None) == 5
+
+
+def test_shape_options_name_the_bad_item(capsys):
+    bench = load_bench()
+    for argv, message in ((["--modes-for", "8b=fast"], "--modes-for 8b=fast"),
+                          (["--steps-for", "70b=3"], "--steps-for 70b=3: SHAPE (one of --targets)"),
+                          (["--precisions-for", "8b=fp4"], "--precisions-for 8b=fp4")):
+        with pytest.raises(SystemExit):
+            bench.main(["--tiny", "--target", "cpu", "--drafter", "cpu", "--samples", "4", *argv])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_rows_of_several_lengths_with_the_drafter_checkpointed_and_not_in_one_run(tmp_path, capsys):
     """#35's measurement, tiny: each row length with model.checkpoint_drafter off, on and auto, steps
     from --tokens-per-mode; the one the memory plan says does not fit (512 not checkpointed, under a

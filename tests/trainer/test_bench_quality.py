@@ -82,3 +82,37 @@ def test_held_out_windows_leave_answer_tokens_within_max_length():
     assert quality.fits(tok, p, short_prompt, answer)
     assert not quality.fits(tok, p, long_prompt, answer)
     assert not quality.fits(tok, p, short_prompt, "x\n")  # too short an answer to measure anything
+
+
+def test_the_fp8_preset_trains_both_precisions_at_equal_steps_and_tells_their_trainer_configs_apart(tmp_path):
+    p = quality.PRESETS["h200-fp8"]
+    assert p.ablation_steps_as_main and set(p.ablations) == {"base", "fp8 target"}
+    base = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, {}, 50)
+    fp8 = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, p.ablations["fp8 target"], 50)
+    assert base["model"]["target"] == {"path": str(tmp_path / "model")}
+    assert fp8["model"]["target"] == {"path": str(tmp_path / "model"), "precision": "fp8"}
+    assert {k: v for k, v in fp8.items() if k != "model"} == {k: v for k, v in base.items() if k != "model"}
+    whole = quality.trainer_config(quality.Preset(target_precision="fp8"), tmp_path, tmp_path / "t.jsonl", tmp_path,
+                                   10, {}, 5)
+    assert whole["model"]["target"]["precision"] == "fp8"  # --set target_precision=fp8: the main run on FP8 features
+
+
+def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp_path):
+    def job(name, precision):
+        run = tmp_path / name
+        (run / "checkpoints" / "step_40").mkdir(parents=True)
+        target = {"path": "m", **({"precision": precision} if precision != "bf16" else {})}
+        return {"name": name, "run_dir": run, "cfg": {"model": {"target": target}}}
+
+    main, fp8, other = job("main", "bf16"), job("fp8 target", "fp8"), job("depth 1", "bf16")
+    evaluated = {main["run_dir"] / "checkpoints" / "step_40": {"tau": 4.0, "step": 40, "tau_per_prompt": 3.9,
+                                                                "samples": 64},
+                 fp8["run_dir"] / "checkpoints" / "step_40": {"tau": 3.96, "step": 40, "tau_per_prompt": 3.8,
+                                                               "samples": 64}}
+    results = {"ablations": {"fp8 target": {"overrides": {"precision": "fp8"}}, "depth 1": {"overrides": {"drafter_layers": 1}}}}
+    cost = quality.precision_cost(results, main, [main, fp8, other], evaluated,
+                                  [main["run_dir"] / "checkpoints" / "step_40"])
+    assert cost["tau_bf16"] == 4.0 and cost["tau_fp8"] == 3.96 and cost["fp8_over_bf16"] == pytest.approx(0.99)
+    assert cost["runs"] == ["main", "fp8 target"] and cost["steps"] == [40, 40]
+    assert quality.fp8_run(fp8) and not quality.fp8_run(main)
+    assert quality.precision_cost(results, main, [main, other], evaluated, []) is None  # no FP8 run: no figure

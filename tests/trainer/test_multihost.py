@@ -5,11 +5,15 @@ start`, with the same-losses / kill -9 / resume promises: tests/integration/test
 """
 from __future__ import annotations
 
+import socket
+
 import pytest
+import torch
 
 from tests.trainer.tiny_config import two_host_config
-from trainer.distributed.launch import describe_exit, interface_of
+from trainer.distributed.launch import StoppedBeforeStart, describe_exit, host_store, interface_of, wait_for_new_store
 from trainer.distributed.multihost import HostShard
+from trainer.run import checkpoint as ckpt
 from trainer.run.config import ConfigError, parse_config
 
 
@@ -41,3 +45,42 @@ def test_launcher_helpers():
     assert interface_of("203.0.113.77") is None
     assert describe_exit(-9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(3) == "exited with status 3"
+
+
+def _checkpoint(manager, step: int) -> None:
+    model = {"w": torch.arange(4, dtype=torch.float32)}
+    manager.save(step, model, {"layers": 1}, {"optimizer": {}, "scheduler": {}}, {"data": {}})
+
+
+def test_a_half_written_checkpoint_is_not_resumed_from_and_auto_starts_fresh_without_one(tmp_path):
+    manager = ckpt.CheckpointManager(tmp_path, keep=5)
+    assert manager.resolve("auto") is None  # a supervisor's restart before the first checkpoint: fresh
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+        manager.resolve("latest")
+    _checkpoint(manager, 5)
+    _checkpoint(manager, 10)
+    model = manager.path(10) / ckpt.MODEL_FILE
+    model.write_bytes(model.read_bytes()[:-8])  # truncated: its manifest names another size
+    assert manager.steps() == [5, 10] and manager.restorable_steps() == [5]
+    assert manager.resolve("auto") == manager.resolve("latest") == manager.path(5)
+    with pytest.raises(ckpt.CheckpointError, match=r"no complete checkpoint step_10 .*\(have: \[5\]\)"):
+        manager.resolve("10")
+
+
+def test_a_host_rejoins_only_the_store_host_s_new_store():
+    """After a crash every launcher restarts at the same endpoint: a host that is back first must
+    not join the old attempt's store, still up while its host's launcher ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(TimeoutError, match="no store answers"):
+        wait_for_new_store(endpoint, None, timeout_s=0.5, poll_s=0.1)
+    old, first = host_store(endpoint, 5.0)
+    assert wait_for_new_store(endpoint, None, timeout_s=5.0) == first  # the first start: any store
+    with pytest.raises(TimeoutError, match="only the store of the last attempt answers"):
+        wait_for_new_store(endpoint, first, timeout_s=0.5, poll_s=0.1)
+    with pytest.raises(StoppedBeforeStart, match="stopped by the operator while waiting"):
+        wait_for_new_store(endpoint, first, timeout_s=30.0, poll_s=0.1, stop_asked=lambda: True)
+    del old  # the old attempt's launcher ends, the store host's new one serves the endpoint
+    _new, second = host_store(endpoint, 5.0)
+    assert second != first and wait_for_new_store(endpoint, first, timeout_s=5.0) == second

@@ -127,6 +127,7 @@ nodes:
     address: 10.1.2.6
     notify:
       webhooks: [env:H39_NODE_HOOK]
+      checkpoints: true
 targets:
   host200:
     node: pve1
@@ -146,6 +147,7 @@ def test_notify_of_a_node_and_its_target_add_up(tmp_path, monkeypatch):
     wanted = target.notify_all
     assert wanted.webhooks == ("env:H39_NODE_HOOK", "https://hooks.example.com/T0/s3cret")
     assert wanted.commands == (("/usr/local/bin/page", "--quiet"),) and wanted.local == (("notify-send", "dflash-ops"),)
+    assert wanted.checkpoints  # the node's asks for the optional checkpoint events
     monkeypatch.delenv("H39_NODE_HOOK", raising=False)
     with pytest.raises(InventoryError, match="H39_NODE_HOOK is not set"):
         resolved_webhooks(wanted)
@@ -159,6 +161,7 @@ def test_notify_of_a_node_and_its_target_add_up(tmp_path, monkeypatch):
     ("notify: {hooks: []}", 12, "unknown key 'hooks'"),
     ("notify: {commands: [[]]}", 12, "commands"),
     ("notify: [https://h/x]", 12, "notify must be a mapping"),
+    ("notify: {checkpoints: often}", 12, "checkpoints"),
 ])
 def test_notify_errors_name_the_line_and_never_the_secret(tmp_path, body, line, message):
     text = GOOD + "    " + body + "\n"

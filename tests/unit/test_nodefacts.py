@@ -73,6 +73,14 @@ def test_between_two_attempts_the_supervisor_keeps_a_run_live(tmp_path, sleeper)
     gone = write_run(tmp_path / "gave-up", {"state": "running", "pid": pid, "pid_start": ticks},
                      launch={"pid": pid, "pid_start": ticks, "supervisor": {"pid": pid, "pid_start": ticks}})
     assert not live(gone)
+    # a rank of a run across hosts (and a trainer that failed with an error) says `failed` before its
+    # supervisor restarts it: still live (its GPUs and release stay held); stopped or done is over
+    failed = write_run(tmp_path / "rank-failed", {"state": "failed", "pid": pid, "pid_start": ticks},
+                       launch={"pid": pid, "pid_start": ticks, "supervisor": supervisor})
+    assert live(failed)
+    over = write_run(tmp_path / "rank-done", {"state": "done", "pid": pid, "pid_start": ticks},
+                     launch={"pid": pid, "pid_start": ticks, "supervisor": supervisor})
+    assert not live(over)
 
 
 def test_before_status_json_launch_json_names_the_trainer(tmp_path, sleeper):

@@ -44,8 +44,9 @@ class Hosts(Protocol):
     def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
         """A function summing a flat gradient buffer over the hosts in place, or None on one host."""
 
-    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path:
-        """--resume 'latest' or a step -> the checkpoint directory to restore."""
+    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path | None:
+        """--resume 'latest', 'auto' or a step -> the checkpoint directory to restore (None: 'auto'
+        found none, the run starts fresh)."""
 
     def load(self, path: Path, map_location: str) -> dict:
         """A checkpoint's contents (trainer.run.checkpoint.load) on this host."""
@@ -86,7 +87,7 @@ class OneHost:
     def across_hosts(self) -> Callable[[torch.Tensor], None] | None:
         return None
 
-    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path:
+    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path | None:
         return checkpoints.resolve(which)
 
     def load(self, path: Path, map_location: str) -> dict:

@@ -10,6 +10,13 @@ it writes why into the rank's status.json. `--store-host` marks the host that se
 rendezvous store at the endpoint (the host whose address it is). `--local-addr` is this host's
 address the others reach; the interface holding it becomes GLOO_SOCKET_IFNAME and
 NCCL_SOCKET_IFNAME unless those are set already.
+
+The store at the endpoint carries a generation (a fresh token per store-host launcher, key
+GENERATION_KEY): a host that is not the store host joins only a store whose generation differs
+from the one it joined last (RUNDIR/REJOIN_FILE). When a supervisor restarts the group after a
+crash (`runs.py supervise`, docs/multi-node.md), every host's launcher starts again at the same
+endpoint; a host that comes back before the store host's old launcher has ended would otherwise
+join the dying store of the failed attempt and fail with it.
 """
 from __future__ import annotations
 
@@ -22,12 +29,15 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from trainer.run.contract import CONTRACT_VERSION, FINAL_STATES, process_start_ticks, write_atomic
 
 SIOCGIFADDR = 0x8915
+GENERATION_KEY = "dflash/generation"
+REJOIN_FILE = ".rendezvous.json"  # RUNDIR/.rendezvous.json: the store generation this host joined last
 
 
 def interface_of(address: str) -> str | None:
@@ -108,6 +118,77 @@ def forward_sigterm(run_dir: Path) -> None:
     signal.signal(signal.SIGTERM, forward)
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def host_store(endpoint: str, timeout_s: float) -> tuple[object, str]:
+    """The store host's TCPStore at the endpoint, with a new generation in it. torchrun's c10d
+    rendezvous (is_host=1) opens the same host and port multi-tenant, so it shares this server;
+    returns (the store, kept alive by the caller; its generation)."""
+    import uuid
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = split_endpoint(endpoint)
+    store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=timeout_s))
+    generation = uuid.uuid4().hex
+    store.set(GENERATION_KEY, generation)
+    return store, generation
+
+
+def store_generation(endpoint: str) -> str | None:
+    """The generation of the store answering at the endpoint now, or None (none answers yet)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = split_endpoint(endpoint)
+    try:  # a plain connect first: TCPStore's own retries log a stack of errors per refused try
+        socket.create_connection((host, port), timeout=1.0).close()
+        client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
+        if not client.check([GENERATION_KEY]):
+            return None
+        return client.get(GENERATION_KEY).decode()
+    except (OSError, RuntimeError, ValueError):  # refused, reset, DistNetworkError (a RuntimeError)
+        return None
+
+
+def wait_for_new_store(endpoint: str, last: str | None, timeout_s: float, poll_s: float = 0.5,
+                       stop_asked: Callable[[], bool] = lambda: False) -> str:
+    """Wait until the store at the endpoint carries a generation other than `last` (the one this
+    host joined before): the store host's new launcher is up. Returns it. An operator's stop
+    meanwhile (stop_asked) ends the wait: the other hosts are not coming back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        generation = store_generation(endpoint)
+        if generation is not None and generation != last:
+            return generation
+        if stop_asked():
+            raise StoppedBeforeStart("stopped by the operator while waiting for the other hosts")
+        if time.monotonic() > deadline:
+            what = "only the store of the last attempt answers" if generation else "no store answers"
+            raise TimeoutError(f"the rendezvous store at {endpoint} did not come up within {timeout_s:.0f} s ({what})")
+        time.sleep(poll_s)
+
+
+def stop_asked(run_dir: Path) -> bool:
+    """A stop request (control/stop) or an operator's stop or signal (control/.no-restart, left by
+    the runs helper) is there."""
+    return any((run_dir / "control" / name).exists() for name in ("stop", ".no-restart"))
+
+
+def read_rejoin(run_dir: Path) -> str | None:
+    try:
+        generation = json.loads((run_dir / REJOIN_FILE).read_text()).get("generation")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return generation if isinstance(generation, str) else None
+
+
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     conf = [f"join_timeout={int(args.join_timeout)}", f"is_host={1 if args.store_host else 0}"]
     argv = ["--nnodes", str(args.nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -154,7 +235,14 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    store = None  # the store host's server: alive as long as this launcher
     try:
+        if args.store_host:
+            store, generation = host_store(args.rdzv_endpoint, args.join_timeout)
+        else:
+            generation = wait_for_new_store(args.rdzv_endpoint, read_rejoin(run_dir), args.join_timeout,
+                                            stop_asked=lambda: stop_asked(run_dir))
+        write_atomic(run_dir / REJOIN_FILE, json.dumps({"generation": generation, "endpoint": args.rdzv_endpoint}).encode())
         run(parse_args(torchrun_argv(args)))
     except ChildFailedError as exc:
         failures = exc.failures
@@ -170,6 +258,8 @@ def main(argv: list[str]) -> int:
         message = f"{type(exc).__name__}: {exc}".strip()
         record_failure(run_dir, f"launch failed: {message}", status)
         return 1
+    finally:
+        del store
     final = read_status(run_dir) or {}
     if final.get("state") not in FINAL_STATES:
         record_failure(run_dir, "the trainer process ended without a final state", status)

@@ -112,24 +112,32 @@ class HostGroupMember:
         return self.group.all_reduce_
 
     # ------------------------------------------------------------------ resume: one source, every rank
-    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path:
+    def resolve_resume(self, checkpoints: ckpt.CheckpointManager, which: str) -> Path | None:
+        """One step for every rank: 'latest' (and 'auto', a supervisor's restart of the group: None
+        when no host holds one, every rank starts fresh) is the newest checkpoint a host holds
+        complete (every file at its manifest's size: a half-written one is not offered); its host
+        reads it and broadcasts it (load), so the ranks restart from the same state."""
         g = self.group
-        local = checkpoints.steps()
-        held = g.all_gather_object(local)
-        if which == "latest":
+        held = g.all_gather_object(checkpoints.restorable_steps())
+        if which in ("latest", "auto"):
             newest = max((max(s) for s in held if s), default=None)
             if newest is None:
+                if which == "auto":
+                    self.rd.log("no host holds a complete checkpoint: every rank starts from step 0")
+                    return None
                 raise ckpt.CheckpointError("no complete checkpoint on any host of the run")
             step = newest
         else:
             try:
                 step = int(which)
             except ValueError:
-                raise ckpt.CheckpointError(f"--resume takes 'latest' or a step number, got {which!r}") from None
+                raise ckpt.CheckpointError(f"--resume takes 'latest', 'auto' or a step number, got {which!r}") from None
             if not any(step in s for s in held):
                 have = ", ".join(f"rank {r}: {s}" for r, s in enumerate(held))
                 raise ckpt.CheckpointError(f"no host holds a complete checkpoint step_{step} ({have})")
         self.writer = min(r for r, s in enumerate(held) if step in s)
+        self.rd.log(f"resuming every rank from step_{step} (held by rank {self.writer}; held: "
+                    + ", ".join(f"rank {r}: {s}" for r, s in enumerate(held)) + ")")
         return checkpoints.path(step)
 
     def load(self, path: Path, map_location: str) -> dict:

@@ -105,12 +105,13 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
 
     notes = []
     t = cfg.model.target
-    if t.path is not None and model_config is not None:  # config.json as read on the node
+    if model_config is not None:  # config.json as read on the node (or a random target's, bench/pipeline.py)
         from transformers import AutoConfig
 
         doc = dict(model_config)
         config = AutoConfig.for_model(doc.pop("model_type"), **doc)
-        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)")
+        notes.append(f"sized from {t.path}/config.json as read on the node (its index not read)" if t.path
+                     else f"sized from the given {config.model_type} config")
         return meta_model(config, dtype), notes
     if t.path is not None:
         from pathlib import Path
@@ -177,12 +178,18 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
     config = target.config
     n_layers = int(config.num_hidden_layers)
     layer_ids = cfg.model.target_layer_ids or default_target_layer_ids(n_layers, cfg.model.num_target_layers)
+    run = max(layer_ids) + 1
+    per_layer = layer_bytes(target)
+    if cfg.model.target.precision == "fp8":  # the layers training runs hold 1 byte a linear weight; those above
+        per_layer = layer_bytes(target, "fp8")[:run] + per_layer[run:]  # (decoding) load in bf16
+        notes.append(f"precision fp8: layers 0..{run - 1} counted at 1 byte a linear weight (+ fp32 per-channel "
+                     "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
                                      cfg.model.mask_token_id or 0, layer_ids)
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
-    return _Sizes(config, list(layer_ids), layer_bytes(target), module_bytes(base.embed_tokens),
+    return _Sizes(config, list(layer_ids), per_layer, module_bytes(base.embed_tokens),
                   module_bytes(target.get_output_embeddings()), params, torch.finfo(dtype).bits // 8, notes)
 
 

@@ -29,6 +29,12 @@ QWEN3_30B_A3B_DIMS: dict[str, Any] = dict(_QWEN3_SHARED, hidden_size=2048, num_h
                                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                                           mlp_only_layers=[])
 
+# Llama-3.3-70B (config.json of meta-llama/Llama-3.3-70B-Instruct; its llama3 rope scaling left out: shapes only)
+LLAMA_3_3_70B_DIMS: dict[str, Any] = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                          num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                                          vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                          rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+
 
 def default_target_layer_ids(num_layers: int, count: int) -> list[int]:
     """`count` layer ids spaced evenly from 1 to num_layers-3 (36 layers, 5 -> 1, 9, 17, 25, 33)."""
@@ -73,6 +79,49 @@ def random_target(config: Any, device: str, dtype: torch.dtype = torch.bfloat16)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     finally:
         torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def random_truncated_target(config: Any, device: str, layers: int, precision: str = "bf16",
+                            dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02) -> Any:
+    """A random causal LM of `config`'s architecture with only its embedding, LM head and decoder
+    layers 0..layers-1 on `device` (the others stay on the meta device, as a target loaded for
+    training: trainer.models.target_loading), built one layer at a time; precision fp8 quantizes each
+    layer's linear layers as it is made (trainer.models.fp8), so a 70B-shaped target never holds more
+    than one layer in bf16. Weights normal(0, std), norms one, biases zero."""
+    from trainer.models.hf import output_embeddings
+    from trainer.models.target_loading import _rebuild_rotary, meta_model
+
+    model = meta_model(config, dtype)
+    base = base_model(model)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if "norm" in name.rsplit(".", 1)[0].lower() or name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif p.dim() < 2:
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=generator)
+        for p in module.parameters():
+            p.requires_grad_(False)
+
+    materialize(base.embed_tokens)
+    _rebuild_rotary(model, torch.device(device))
+    for i in range(layers):
+        materialize(base.layers[i])
+        if precision == "fp8":
+            from trainer.models.fp8 import quantize_linears
+
+            quantize_linears(base.layers[i], dtype)
+    materialize(output_embeddings(model))
+    if layers == len(base.layers):
+        materialize(base.norm)
+    if precision == "fp8":
+        model.__dict__["_dflash_precision"] = "fp8"
     return model.eval()
 
 

@@ -177,11 +177,13 @@ def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
-                log: Callable[[str], None] = print, budget: int | None = None) -> torch.nn.Module:
+                log: Callable[[str], None] = print, budget: int | None = None,
+                precision: str = "bf16") -> torch.nn.Module:
     """The target with the embedding on stage 0 and layers [lo, hi) of each stage on its device;
     everything above the plan's last layer stays on the meta device (`complete_for_decoding`).
     budget: bytes per device (devices.memory_gib); a stage whose weights exceed it is refused before
-    any of its tensors is read."""
+    any of its tensors is read. precision fp8: each layer's linear weights are quantized to e4m3 as
+    the layer loads (trainer.models.fp8), so a device never holds more than one layer in bf16."""
     from transformers import AutoConfig
 
     from trainer.run.family import read_family
@@ -193,8 +195,13 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
     model = meta_model(config, dtype)
     reader = ShardReader(path)
     base, prefix = _base(model)
+    if precision == "fp8":
+        from trainer.models.fp8 import check_device
+
+        for device in dict.fromkeys(plan.devices):
+            check_device(device)
     if budget is not None:
-        per_layer = layer_bytes(model)
+        per_layer = layer_bytes(model, precision)
         for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
             need = sum(per_layer[lo:hi]) + (module_bytes(base.embed_tokens) if s == 0 else 0)
             if need > budget:
@@ -208,9 +215,14 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
         for i in range(lo, hi):
             layer = base.layers[i]
             fill(layer, _module_tensors(reader, f"{prefix}layers.{i}.", layer, device, dtype))
+            if precision == "fp8":
+                from trainer.models.fp8 import quantize_linears
+
+                quantize_linears(layer, dtype)
     if plan.layers == len(base.layers):  # the last layer is tapped: its features are read after the norm
         fill(base.norm, _module_tensors(reader, f"{prefix}norm.", base.norm, plan.devices[-1], dtype))
     model.__dict__["_dflash_source"] = str(path)  # where complete_for_decoding reads the rest
+    model.__dict__["_dflash_precision"] = precision  # replica_target loads replicas the same way
     model.__dict__["_dflash_plan"] = plan  # trainer.models.stages.plan_of
     if len(set(plan.devices)) > 1:
         align_devices(model)
@@ -304,9 +316,11 @@ def place(model: torch.nn.Module, plan: StagePlan) -> torch.nn.Module:
     base.embed_tokens.to(plan.devices[0])
     _rebuild_rotary(model, plan.devices[0])
     for i, layer in enumerate(base.layers):
-        layer.to(plan.devices[plan.stage_of(i)])
-    base.norm.to(plan.devices[-1])
-    output_embeddings(model).to(plan.devices[-1])
+        if not _is_meta(layer):  # a target built truncated keeps the layers above its last tap on meta
+            layer.to(plan.devices[plan.stage_of(i)])
+    for module in (base.norm, output_embeddings(model)):
+        if not _is_meta(module):
+            module.to(plan.devices[-1])
     model.__dict__["_dflash_plan"] = plan
     if len(set(plan.devices)) > 1:
         align_devices(model)
@@ -344,8 +358,13 @@ def partition(layer_bytes: Sequence[int], stages: int, first_extra: int = 0, las
     return sizes[::-1]
 
 
-def layer_bytes(model: torch.nn.Module) -> list[int]:
-    """Parameter bytes of each decoder layer (from the meta model: no weights read)."""
+def layer_bytes(model: torch.nn.Module, precision: str = "bf16") -> list[int]:
+    """Parameter bytes of each decoder layer (from the meta model: no weights read); precision fp8:
+    as the layer holds them once quantized (trainer.models.fp8: 1 byte a linear weight + its scales)."""
+    if precision == "fp8":
+        from trainer.models.fp8 import fp8_bytes
+
+        return [fp8_bytes(layer) for layer in _base(model)[0].layers]
     return [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in _base(model)[0].layers]
 
 
@@ -398,5 +417,11 @@ def replica_target(target: torch.nn.Module, plan: StagePlan, dtype: str) -> torc
 
     source = getattr(target, "_dflash_source", None)
     if source is not None:
-        return load_staged(source, plan, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        replica = load_staged(source, plan, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                              precision=target.__dict__.get("_dflash_precision", "bf16"))
+        from trainer.models.fp8 import FP8Linear, set_fast_accum
+
+        if any(isinstance(m, FP8Linear) and m.fast_accum for m in target.modules()):
+            set_fast_accum([replica])
+        return replica
     return place(copy.deepcopy(target), plan)

@@ -84,6 +84,11 @@ class CheckpointManager:
                     continue
         return sorted(found)
 
+    def restorable_steps(self) -> list[int]:
+        """Steps of the complete checkpoints whose files are all there at the sizes their manifest
+        names (looks_complete): a half-written or truncated one is never resumed from."""
+        return [s for s in self.steps() if looks_complete(self.path(s))]
+
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step}"
 
@@ -137,20 +142,33 @@ class CheckpointManager:
             if step != best:
                 self._discard(self.path(step))
 
-    def resolve(self, which: str) -> Path:
-        """'latest' or a step number -> a complete checkpoint directory."""
-        steps = self.steps()
-        if which == "latest":
+    def resolve(self, which: str) -> Path | None:
+        """'latest' or a step number -> a complete checkpoint directory; 'auto': the latest, or None
+        (start fresh) when there is none (a supervisor's restart before the first checkpoint)."""
+        steps = self.restorable_steps()
+        if which == "auto" and not steps:
+            return None
+        if which in ("latest", "auto"):
             if not steps:
                 raise CheckpointError(f"no complete checkpoint in {self.dir}")
             return self.path(steps[-1])
         try:
             step = int(which)
         except ValueError:
-            raise CheckpointError(f"--resume takes 'latest' or a step number, got {which!r}") from None
+            raise CheckpointError(f"--resume takes 'latest', 'auto' or a step number, got {which!r}") from None
         if step not in steps:
             raise CheckpointError(f"no complete checkpoint step_{step} in {self.dir} (have: {steps})")
         return self.path(step)
+
+
+def looks_complete(path: Path) -> bool:
+    """manifest.json is readable and every file it lists is there with its size (the cheap check;
+    load() verifies the sha256 of what it reads)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return all((path / name).stat().st_size == meta["size"] for name, meta in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def verify(path: Path, only: tuple[str, ...] | None = None) -> dict:

@@ -47,6 +47,14 @@ class TargetConfig:
     path: str | None = None  # local Hugging Face model directory (nothing is downloaded)
     tiny: TinyTargetConfig | None = None  # build a tiny random Qwen3 in code
     random_8b_shape: bool = False  # build a Qwen3-8B-shaped random bf16 target on the device
+    # fp8: the decoder layers' linear layers run in FP8 e4m3 (weights quantized once at load, one scale per
+    # output channel; activations per token; torch._scaled_mm), the tapped features in bf16; an FP8
+    # checkpoint stays 1 byte a weight. Needs CUDA devices of compute capability 8.9+ and model.dtype bf16
+    precision: Literal["bf16", "fp8"] = "bf16"
+    fp8_fast_accum: bool = False  # fp8: torch._scaled_mm's fast accumulation (Hopper: no periodic fp32 promotion; faster, coarser sums)
+    # a MoE target's experts: grouped_mm (every expert's matmul in one grouped GEMM), eager (transformers'
+    # per-expert loop); auto: grouped_mm where the installed transformers and torch offer it
+    experts: Literal["auto", "grouped_mm", "eager"] = "auto"
 
 
 @dataclass
@@ -335,6 +343,27 @@ def parse_config(text: str, source: str = "<config>") -> TrainerConfig:
     return config
 
 
+def _fp8_refusal(device: str) -> str | None:
+    """trainer.run.accel.fp8_refusal, where torch is installed (else only the CPU is refused here)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None if device.startswith("cuda") else f"{device}: FP8 needs a GPU with FP8 tensor cores"
+    from trainer.run import accel
+
+    return accel.fp8_refusal(device)
+
+
+def _grouped_refusal() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    from trainer.run import accel
+
+    return accel.grouped_available()
+
+
 def _section_where(raw: Any, source: str, *keys: str) -> str:
     mapping = raw
     for key in keys[:-1]:
@@ -350,6 +379,16 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     t = c.model.target
     chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
     check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
+    check(not t.fp8_fast_accum or t.precision == "fp8", ("model", "target", "fp8_fast_accum"), "needs precision fp8")
+    if t.precision == "fp8":
+        check(c.model.dtype == "bf16", ("model", "target", "precision"),
+              "fp8 returns bf16 features: it needs model.dtype bf16")
+        for d in dict.fromkeys(one for r in c.devices.target for one in ([r] if isinstance(r, str) else r)):
+            reason = _fp8_refusal(d)
+            check(reason is None, ("model", "target", "precision"), f"fp8 is refused: {reason}")
+    if t.experts == "grouped_mm":
+        reason = _grouped_refusal()
+        check(reason is None, ("model", "target", "experts"), f"grouped_mm is not offered here: {reason}")
     check(c.model.block_size >= 2, ("model", "block_size"), "must be at least 2")
     check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
     check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")

@@ -16,12 +16,13 @@ from trainer.data.encoding import process_count
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
-from trainer.models.hf import hf_config
+from trainer.models.hf import base_model, hf_config
 from trainer.models.masks import resolve_backend
 from trainer.models.memory_plan import drafter_checkpointing
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
+    base_layers,
     default_target_layer_ids,
     fit_tiny_target,
     freeze,
@@ -105,9 +106,14 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
         meta = meta_model(config, dtype)
         plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
         budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
-        model = load_staged(t.path, plan, dtype, log, budget)
+        model = load_staged(t.path, plan, dtype, log, budget, t.precision)
+        if t.fp8_fast_accum:
+            from trainer.models.fp8 import set_fast_accum
+
+            set_fast_accum(base_layers(base_model(model))[:plan.layers])
         fam = target_family(meta)
         log(f"target family: {fam.summary()}; layers: {fam.layer_table()}")
+        target_kernels(model, cfg, log)
         peak = ""
         for d in dict.fromkeys(plan.devices):
             if d.type == "cuda":
@@ -140,7 +146,31 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
                 tmp.rename(saved)
         model = freeze(model.to(dtype).eval())  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
     plan = stage_plan(model, target_layer_ids(cfg, num_layers(model)), devices, cfg.devices.target_split)
-    return place(model, plan)
+    model = place(model, plan)
+    if t.precision == "fp8":
+        from trainer.models.fp8 import check_device, quantize_layers
+
+        for d in dict.fromkeys(plan.devices):
+            check_device(d)
+        quantize_layers(base_layers(base_model(model))[:plan.layers], dtype, t.fp8_fast_accum)
+        model.__dict__["_dflash_precision"] = "fp8"
+    target_kernels(model, cfg, log)
+    return model
+
+
+def target_kernels(model: torch.nn.Module, cfg: TrainerConfig, log: Callable[[str], None]) -> None:
+    """A MoE target's experts implementation (model.target.experts, trainer.models.moe) and, at
+    precision fp8, what runs in FP8; one log line each."""
+    from trainer.models.moe import set_experts
+
+    experts = set_experts(model, cfg.model.target.experts)
+    if experts is not None:
+        log(f"target experts: {experts} (model.target.experts: {cfg.model.target.experts})")
+    if cfg.model.target.precision == "fp8":
+        from trainer.models.fp8 import fp8_summary
+
+        fast = ", fast accumulation" if cfg.model.target.fp8_fast_accum else ""
+        log(f"target precision fp8{fast}: {fp8_summary(model)}")
 
 
 def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:

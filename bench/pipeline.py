@@ -776,6 +776,8 @@ def plan_fields(args, layers, precision, config):
                 anchors=args.anchors, steps=args.steps, micro=args.micro,
                 budget=max(args.token_budget or args.max_len, args.max_len), edges=str(args.max_len),
                 pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
+                ckpt_drafter="false",  # the layers that fit without checkpointing (#35's switch left as it was)
+                memory_gib="null" if args.memory_gib is None else args.memory_gib,
                 targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every)
 
 

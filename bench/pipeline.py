@@ -14,8 +14,8 @@ measurement the memory plan refuses is skipped and named (64K not checkpointed o
 auto that resolves to what off or on measured already; each row's tokens/s over the shortest rows'
 (x_shortest), its peak and the plan's over it:
 
-    PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 8192 16384 32768 65536 \
-        --checkpoint-drafter off on auto --tokens-per-mode 131072 --stage-micro 2 --out $OUT/long.json
+    PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 65536 8192 32768 16384 \
+        --checkpoint-drafter off on auto --tokens-per-mode 131072 --stage-micro 2 --budget-s 480 --out $OUT/long.json
 
 Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
 model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight

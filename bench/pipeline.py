@@ -42,6 +42,13 @@ bf16, one H200), each with its own drafter; MFU counts the active experts' FLOPs
 
     PYTHONPATH=. python bench/pipeline.py --targets 8b 30b-a3b --modes packed --mix lognormal
 
+--drafter-layouts compares drafter layouts on each mode (issue 41; keys `<mode>@<layout>`): `full`
+(the 2025 layout), `swa4+1` (4 sliding-window causal layers then 1 full, --sliding-window tokens):
+at long packed rows the sliding layers' flex block mask lists only the tiles of their window.
+
+    PYTHONPATH=. python bench/pipeline.py --modes all --pack-length 32768 --drafter-layouts full swa4+1 \
+        --sliding-window 2048 --mix lognormal --min-len 64 --max-len 32768 --median 2000
+
 By default a Qwen3-8B-shaped random bf16 target and a 5-layer drafter (512 anchors x 16 slots per 3072 tokens),
 sequences of --min-len..--max-len tokens (--mix uniform) or log-normal around --median clipped to
 that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one process on the same
@@ -72,6 +79,7 @@ import torch  # noqa: E402
 from trainer.data.batches import Batch, PreloadedDataset  # noqa: E402
 from trainer.data.packing import PackedDataset  # noqa: E402
 from trainer.models.masks import resolve_backend  # noqa: E402
+from trainer.models.objective import objective_of  # noqa: E402
 from trainer.models.target import (  # noqa: E402
     LLAMA_3_3_70B_DIMS,
     QWEN3_30B_A3B_DIMS,
@@ -102,6 +110,7 @@ model:
   compile_target: %(ct)s
   fuse_drafter: %(fuse)s
   checkpoint_drafter: %(ckpt_drafter)s
+  drafter: {%(drafter)s}
 data:
   synthetic: {n_train: 1}
   max_length: %(max_len)d
@@ -192,7 +201,7 @@ def untruncated():
     import trainer.pipeline.workers as workers
     from trainer.models.target import base_model, packed_mask_mapping
 
-    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None):
+    def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None, top=None):
         model = base_model(target)
         kwargs = {}
         if doc_start is not None:
@@ -204,7 +213,7 @@ def untruncated():
         order = sorted((k, i) for i, ks in taps.items() for k in ks)
         return torch.cat([hidden[i + 1] for _, i in order], dim=-1, out=out)
 
-    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None):
+    def full_features(target, input_ids, attention_mask, layer_ids, doc_start=None, out=None, top=None):
         from trainer.models.stages import tap_columns
 
         return full(target, input_ids, 0, 0, tap_columns(layer_ids), out, doc_start,
@@ -226,6 +235,23 @@ def variant_targets(args, variant):
     return ", ".join(args.target)
 
 
+def drafter_layout(name, layers, window):
+    """--drafter-layouts: `full` (every layer full attention, the 2025 layout: `layers` of them), `swa`
+    (every layer sliding, causal), `swaN+M` (N sliding causal layers, then M full ones: z-lab's 2026
+    drafts are swa4+1) -> (drafter layers, model.drafter as YAML flow)."""
+    if name == "full":
+        return layers, ""
+    if name == "swa":
+        sliding, full = layers, 0
+    else:
+        try:
+            sliding, full = (int(n) for n in name.removeprefix("swa").split("+"))
+        except ValueError:
+            raise SystemExit(f"--drafter-layouts: {name!r} is not full, swa or swaN+M") from None
+    types = ["sliding_attention"] * sliding + ["full_attention"] * full
+    return len(types), f"layer_types: [{', '.join(types)}], sliding_window: {window}"
+
+
 CHECKPOINT_DRAFTER = {"auto": "auto", "on": "true", "off": "false"}  # --checkpoint-drafter -> model.checkpoint_drafter
 
 
@@ -239,10 +265,11 @@ def bench_config(args, mode, target, pack_length=0, variant="whole", precision="
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
+    layers, drafter_yaml = drafter_layout(getattr(args, "layout", "full"), drafter_layers, args.sliding_window)
     return parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
-        layers=drafter_layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
+        layers=layers, drafter=drafter_yaml, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
         max_len=args.max_len, anchors=args.anchors, steps=args.steps, micro=args.micro,
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
@@ -272,7 +299,7 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     tr.hosts.join()
     c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
                    optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
-                   eval_conversations=[], eval_data=data, gamma=7.0, target_device=args.target[0],
+                   eval_conversations=[], eval_data=data, gamma=7.0, objective=objective_of(cfg.model), target_device=args.target[0],
                    drafter_device=ddev,
                    backend=resolve_backend(cfg.model.attention, ddev, needs_grad=True))
     return ThreadedPipeline(tr, c)
@@ -772,7 +799,7 @@ def plan_fields(args, layers, precision, config):
     tiny = args.tiny
     return dict(target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
                 else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
-                layers=layers, dtype="fp32" if tiny else "bf16", mask=mask_id(args, config), max_len=args.max_len,
+                layers=layers, drafter="", dtype="fp32" if tiny else "bf16", mask=mask_id(args, config), max_len=args.max_len,
                 anchors=args.anchors, steps=args.steps, micro=args.micro,
                 budget=max(args.token_budget or args.max_len, args.max_len), edges=str(args.max_len),
                 pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
@@ -900,6 +927,10 @@ def main(argv=None):
                                                            "16 GB of drafter state written per measurement)")
     p.add_argument("--memory-gib", type=float, default=None, help="devices.memory_gib: the plan's budget per device")
     p.add_argument("--force", action="store_true", help="run measurements the memory plan says do not fit")
+    p.add_argument("--drafter-layouts", nargs="+", default=["full"],
+                   help="drafter layouts, each through every mode (keys <mode>@<layout> when more than one): full, "
+                        "swa (all sliding), swaN+M (N sliding causal layers then M full: swa4+1)")
+    p.add_argument("--sliding-window", type=int, default=2048, help="window of the sliding drafter layers")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
     args.out_dir = os.path.dirname(args.out) if args.out else None
@@ -980,14 +1011,17 @@ def main(argv=None):
                     emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
                                                    "expert counts): run it with --modes packed"})
                     continue
-                for variant, ck in [(v, c) for v in args.variants for c in args.checkpoint_drafter]:
+                for variant, layout, ck in [(v, lay, c) for v in args.variants for lay in args.drafter_layouts
+                                            for c in args.checkpoint_drafter]:
                     name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                    name += f"@{layout}" if len(args.drafter_layouts) > 1 else ""
+                    args.layout = layout
                     if len(args.checkpoint_drafter) > 1:
                         name += f":ckpt-{ck}"
                     margs = per_length_args(args, length)
                     skip = plan_skip(margs, bench_config(margs, mode, target, length, variant,
                                                          precision.removesuffix("fast"), layers, ck),
-                                     (key, variant), name, measured)
+                                     (key, variant, layout), name, measured)
                     if skip is not None:
                         emit(name, {"skipped": skip, "pack_length": length, "checkpoint_drafter": ck})
                         continue

@@ -712,6 +712,7 @@ def read_run(run_dir: Path) -> dict:
     ev = evals[-1] if evals else {}
     stops = [e for e in events if e.get("event") == "stop"]
     return {"tau": ev.get("tau"), "tau_per_prompt": ev.get("tau_per_prompt"), "histogram": ev.get("histogram"),
+            "acceptance": ev.get("acceptance"),
             "tau_lookup": ev.get("tau_lookup"), "tau_ratio": ev.get("tau_ratio"),
             "tau_by_length": ev.get("tau_by_length"),
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
@@ -829,7 +830,8 @@ class CheckpointEvaluator:
                             else None} for name, b in r["tau_by_length"].items()}
         return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length,
-                "histogram": r["histogram"], "samples": r["samples"], "eval_seconds": round(time.time() - started, 1),
+                "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
+                "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
 

@@ -39,6 +39,7 @@ class RunPlan:
     dims: dict | None = None  # the drafter's shape source (target dims), when known locally
     model_config_path: str | None = None  # the target model's config.json in the container
     drafter_layers: int = 5
+    drafter_shape: dict | None = None  # model.drafter's own attention shape / MLP width / sinks (None: the target's)
     num_target_layers: int = 5
     config_path: str | None = None
     config_error: str | None = None  # the config is not one of the bundled trainer's
@@ -67,7 +68,8 @@ class RunPlan:
         if not dims or not all(isinstance(dims.get(k), int) for k in
                                ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")):
             return None
-        return drafter_params(dims, self.drafter_layers, self.num_target_layers) * BYTES_PER_PARAM + CHECKPOINT_OVERHEAD
+        return drafter_params(dims, self.drafter_layers, self.num_target_layers,
+                              self.drafter_shape) * BYTES_PER_PARAM + CHECKPOINT_OVERHEAD
 
     def shm_needed(self) -> int:
         """One GPU: a single-rank NCCL communicator uses no shared memory (measured on an H200 with
@@ -90,12 +92,19 @@ class RunPlan:
         return size * (self.keep_checkpoints + 1) + DISK_MARGIN
 
 
-def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int) -> int:
-    """Parameters of trainer/models/drafter.py DFlashDrafter for a target of these dimensions."""
-    h, inter = dims["hidden_size"], dims["intermediate_size"]
-    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
-    head_dim = dims.get("head_dim") or h // heads
+def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int, own: dict | None = None) -> int:
+    """Parameters of trainer/models/drafter.py DFlashDrafter for a target of these dimensions, with
+    the draft's own attention shape and MLP width where `own` (model.drafter) gives them (the
+    defaults of DrafterConfig.from_target: the target's)."""
+    own = {k: v for k, v in (own or {}).items() if v is not None}
+    h = dims["hidden_size"]
+    inter = own.get("intermediate_size") or dims["intermediate_size"]
+    heads = own.get("num_attention_heads") or dims["num_attention_heads"]
+    kv_heads = own.get("num_key_value_heads") or (dims["num_key_value_heads"] if heads % dims["num_key_value_heads"] == 0
+                                                  else heads)
+    head_dim = own.get("head_dim") or dims.get("head_dim") or h // dims["num_attention_heads"]
     attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * head_dim
+    attention += heads if own.get("attention_sink") else 0
     layer = attention + 3 * h * inter + 2 * h
     return num_target_layers * h * h + 2 * h + drafter_layers * layer
 
@@ -133,6 +142,8 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
         model_config_path = posixpath.join(t.path, "config.json")
     return RunPlan(gpus=run_gpus, cuda_indices=tuple(cuda), keep_checkpoints=cfg.run.keep_checkpoints,
                    dims=dims, model_config_path=model_config_path, drafter_layers=cfg.model.drafter_layers,
+                   drafter_shape={k: getattr(cfg.model.drafter, k) for k in ("num_attention_heads", "num_key_value_heads",
+                                                                            "head_dim", "intermediate_size", "attention_sink")},
                    num_target_layers=cfg.model.num_target_layers, config_path=str(config),
                    pack_length=cfg.data.pack_length, dtype_bytes=4 if cfg.model.dtype == "fp32" else 1 if t.precision == "fp8" else 2)
 

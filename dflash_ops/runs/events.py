@@ -73,6 +73,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "shapes": (_list_of(_list_of(_int)), "a list of [batch, seq]"),
     "histogram": (_list_of(_int), "a list of integers"),
     "tau_by_length": (_by_length, "an object of {prompts: int, tau: number, tau_lookup: number or null} by bucket"),
+    "acceptance": (_optional(_list_of(_number)), "a list of numbers or null"),
 }
 
 

@@ -30,6 +30,15 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def acceptance_text(acceptance: Any, prefix: str = "") -> str:
+    """Per-position acceptance (an eval's `acceptance`: the share of rounds accepting draft position
+    k = 1, 2, ...) as `prefix` + `0.91 0.80 0.62 ...`; empty when absent or not a list of numbers."""
+    if not isinstance(acceptance, list) or not acceptance or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) for a in acceptance):
+        return ""
+    return prefix + " ".join(f"{a:.2f}" for a in acceptance)
+
+
 def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
     """One metrics.jsonl event as a short line, e.g. `step 40/300 loss 2.3456 acc 0.412 ...`."""
     kind = event.get("event", "?")
@@ -50,6 +59,7 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
                   if event.get("tau_lookup") is not None else "")
         by_length = tau_by_length_text(event.get("tau_by_length"))
         return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}{lookup}"
+                f"{acceptance_text(event.get('acceptance'), '  by position ')}"
                 f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}"
                 + (f"  by prompt length: {by_length}" if by_length else ""))
     if kind == "checkpoint":
@@ -97,6 +107,9 @@ def status_detail(info: RunInfo) -> list[str]:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
     if tau_by_length_text(info.tau_by_length):
         lines.append(f"tau by prompt length: {tau_by_length_text(info.tau_by_length)}")
+    if acceptance_text(info.acceptance):
+        lines.append(f"accepted by draft position (last eval, tau {_num(info.tau, '.2f')}): "
+                     f"{acceptance_text(info.acceptance)}")
     lines.append(f"checkpoints: {', '.join(f'step_{s}' for s in info.checkpoints) or 'none'}")
     if info.restart_policy:
         lines.append(f"restart: {info.restart_policy}, {len(info.restarts)} so far")

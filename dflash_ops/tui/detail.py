@@ -16,6 +16,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Log, Static
 from textual_plotext import PlotextPlot
 
+from dflash_ops.runs.report import acceptance_text
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
 from dflash_ops.tui.source import DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
@@ -152,6 +153,9 @@ class RunDetailScreen(Screen):
                 + ("" if row.pad_share is None else f"  pad {row.pad_share:.1%}")
                 + f"  heartbeat {fmt_age(age)}  release {row.release or '-'}"
             )
+        accepted = acceptance_text(h.acceptance if h.acceptance is not None else row.acceptance if row else None)
+        if accepted:
+            text.append(f"\naccepted by draft position (last eval): {accepted}")
         warm = "not seen"
         if h.warmup is not None:
             shapes = h.warmup.get("shapes") or []

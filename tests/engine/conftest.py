@@ -104,3 +104,57 @@ def engine_session(tmp_path_factory) -> EngineSession:
             "runs": [{"name": "plain"}] + [{"name": name, "draft": str(d), "num_speculative_tokens": k}
                                            for name, d in drafts.items()]}
     return EngineSession(work, target, prompts, drafts, run_driver(spec, work))
+
+
+# The draft layouts the engine tier serves (issue 41): 1-layer drafts (immune to vLLM-CPU's k_norm
+# difference), a window smaller than every prompt. The mixed layout needs the V2 runner, in a
+# process of its own (vLLM reads VLLM_USE_V2_MODEL_RUNNER once).
+WINDOW = 8
+LAYOUT_DRAFTS = {
+    "swa": {"layer_types": ["sliding_attention"], "sliding_window": WINDOW, "causal": False},
+    "causal": {"causal": True},
+    "swa_causal_own_shape_sinks": {"layer_types": ["sliding_attention"], "sliding_window": WINDOW,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                   "intermediate_size": 96, "attention_sink": True},
+}
+MIXED = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
+
+
+@pytest.fixture(scope="session")
+def layout_session(tmp_path_factory) -> EngineSession:
+    """The fixture target, drafts of each layout in LAYOUT_DRAFTS (and the mixed one) trained and
+    exported by the project; one vLLM process serves the target alone and each draft, a second one
+    the mixed draft under VLLM_USE_V2_MODEL_RUNNER=1 (its refusal recorded where it has one)."""
+    unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
+    from transformers import AutoTokenizer
+
+    from tests.engine import fixture
+    from trainer.data.chat import read_conversations
+    from trainer.generate.evaluate import prompt_ids
+
+    work = tmp_path_factory.mktemp("engine-layouts")
+    target = fixture.build_target(work / "target")
+    train, held_out = fixture.write_data(work)
+    drafts = {name: fixture.train_and_export(target, train, held_out, work / f"run-{name}",
+                                             len(d.get("layer_types", [0])), drafter=d)
+              for name, d in {**LAYOUT_DRAFTS, "mixed": MIXED}.items()}
+    tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
+    k = fixture.BLOCK_SIZE - 1
+    spec = {"target": str(target), "prompts": prompts, "max_tokens": MAX_TOKENS,
+            "runs": [{"name": "plain"}] + [{"name": name, "draft": str(drafts[name]), "num_speculative_tokens": k}
+                                           for name in LAYOUT_DRAFTS]}
+    out = run_driver(spec, work)
+    (work / "v2").mkdir()
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        mixed = run_driver({**spec, "runs": [{"name": "mixed", "draft": str(drafts["mixed"]),
+                                              "num_speculative_tokens": k, "may_fail": True}]}, work / "v2")
+    finally:
+        if env is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
+    out["runs"]["mixed"] = mixed["runs"]["mixed"]
+    return EngineSession(work, target, prompts, drafts, out)

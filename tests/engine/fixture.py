@@ -34,15 +34,17 @@ def write_data(out: Path) -> tuple[Path, Path]:
     return train, held_out
 
 
-def train_and_export(target: Path, train: Path, held_out: Path, run_dir: Path, layers: int, steps: int = 30) -> Path:
-    """`trainer` on the fixture target, then `trainer export` of its last checkpoint in fp32."""
+def train_and_export(target: Path, train: Path, held_out: Path, run_dir: Path, layers: int, steps: int = 30,
+                     drafter: dict | None = None) -> Path:
+    """`trainer` on the fixture target, then `trainer export` of its last checkpoint in fp32;
+    drafter: model.drafter (the draft's own layout and shape)."""
     from trainer.entry import train as run_trainer
     from trainer.models.export import export_checkpoint
     from trainer.run.config import parse_config
 
     cfg = parse_config(json.dumps({
         "model": {"target": {"path": str(target)}, "drafter_layers": layers, "block_size": BLOCK_SIZE,
-                  "num_target_layers": 2, "dtype": "fp32", "loss_chunk": 256},
+                  "num_target_layers": 2, "dtype": "fp32", "loss_chunk": 256, "drafter": drafter or {}},
         "data": {"train_path": str(train), "eval_path": str(held_out), "max_length": 96, "num_anchors": 8,
                  "token_budget": 384, "bucket_edges": [96], "pad_multiple": 16},
         "optim": {"lr": 3e-3, "total_steps": steps},

@@ -41,6 +41,15 @@ def test_export_writes_the_published_draft_layout(tiny, tmp_path):
     assert torch.allclose(weights["fc.weight"].float(), drafter.fc.weight.detach(), atol=1e-2)
 
 
+def test_per_position_acceptance_from_a_hand_histogram():
+    from trainer.generate.evaluate import position_acceptance
+
+    # 6 rounds: 2 produced 1 token (nothing accepted), 1 produced 2, 3 produced 4 (all 3 drafts accepted)
+    assert position_acceptance([2, 1, 0, 3]) == pytest.approx([4 / 6, 3 / 6, 3 / 6])
+    assert 1 + sum(position_acceptance([2, 1, 0, 3])) == pytest.approx((2 * 1 + 1 * 2 + 3 * 4) / 6)  # tau
+    assert position_acceptance([0, 0, 0, 0]) == [0.0, 0.0, 0.0]
+
+
 def test_without_an_eval_file_tau_is_measured_not_reported_as_zero(tmp_path):
     """train_path alone: the evaluation falls back to the same conversations for τ as for accuracy."""
     from trainer.data.synth import synthetic_conversations, write_jsonl
@@ -68,6 +77,8 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
     assert len(histogram) == 4 and sum(histogram) == rounds > 0
     assert report["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / rounds)
     assert 1.0 <= report["tau_per_prompt"] <= 4.0 and report["samples"] == 3
+    # per-position acceptance: the share of rounds accepting draft position k = 1..3; tau = 1 + its sum
+    assert len(report["acceptance"]) == 3 and report["tau"] == pytest.approx(1 + sum(report["acceptance"]))
     # the n-gram prompt lookup baseline on the same prompts: same greedy output, its own τ, the ratio
     assert report["lookup_same_output"] is True
     assert sum(report["lookup_histogram"]) == report["lookup_rounds"] > 0

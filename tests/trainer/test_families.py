@@ -12,7 +12,8 @@ import torch
 from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.models.export import export_checkpoint
-from trainer.run.config import parse_config
+from trainer.run.config import ConfigError, parse_config
+from trainer.run.family import family_of_dir, installed_transformers, transformers_minimum, version_tuple
 from trainer_tools.fixtures.hub_model import FAMILIES
 
 RUN = """
@@ -34,11 +35,26 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["reference", "threaded"])
+# deps_floor: the reference loop's cells (bucketed and packed: the transformers calls differ); the
+# threaded pipeline makes the same calls from its threads, so the floor tier leaves it to the main run
+@pytest.mark.parametrize("kind", [pytest.param("reference", marks=pytest.mark.deps_floor), "threaded"])
 @pytest.mark.parametrize("packed", [False, True], ids=["bucketed", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_evaluates_and_exports(family_dirs, tmp_path, family, packed, kind):
-    cfg = parse_config(tiny_config(RUN % {"path": family_dirs[family], "kind": kind}, *([PACKED] if packed else [])))
+    """Under the newest transformers and, in the deps_floor tier (.ci/deps-venv), under each floor the
+    project declares: a family whose own minimum is newer than the installed transformers is refused at
+    config load in one line naming both versions, every other family trains."""
+    text = tiny_config(RUN % {"path": family_dirs[family], "kind": kind}, *([PACKED] if packed else []))
+    model_type = family_of_dir(family_dirs[family]).model_type
+    installed = installed_transformers()
+    if version_tuple(installed) < version_tuple(transformers_minimum(model_type)):
+        with pytest.raises(ConfigError) as refused:
+            parse_config(text)
+        need = transformers_minimum(model_type)
+        assert f"targets need transformers >= {need} (installed: {installed})" in str(refused.value)
+        assert "\n" not in str(refused.value)
+        return
+    cfg = parse_config(text)
     run_dir = tmp_path / "run"
     rc = train(cfg, run_dir)
     status = json.loads((run_dir / "status.json").read_text())

@@ -208,6 +208,18 @@ async def test_a_restart_and_its_reason_show_in_the_detail(static_run, wait_for)
         assert "(last at step 27: killed by SIGKILL; from checkpoints/step_20)" in str(summary.render())
 
 
+async def test_per_position_acceptance_shows_in_the_detail(static_run, wait_for):
+    """An evaluation's per-position acceptance (metrics.jsonl `eval`) reaches the detail's summary."""
+    with open(static_run.dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "eval", "step": 30, "time": 1.0, "tau": 2.6, "acceptance": [0.95, 0.6, 0.05],
+                            "acc": 0.8, "samples": 4}) + "\n")
+    async with dashboard(static_run, wait_for) as (app, pilot):
+        await pilot.press("enter")
+        summary = app.screen.query_one("#summary")
+        await wait_for(pilot, lambda: "accepted by draft position" in str(summary.render()), "acceptance in the summary")
+        assert "accepted by draft position (last eval): 0.95 0.60 0.05" in str(summary.render())
+
+
 BAD_METRICS_LINES = [
     '{"event": "step", "step": 31, "time": 1.0, "gpus": 5}',                      # iterated
     '{"event": "step", "step": "thirty-one", "time": 1.0, "loss": 1.0}',          # plotted as x

@@ -31,6 +31,19 @@ def test_status_row_and_failed_detail():
                                    "  a", "  b"]
 
 
+def test_per_position_acceptance_in_the_eval_line_and_run_status():
+    event = {"event": "eval", "step": 300, "tau": 2.5, "acceptance": [0.9, 0.5, 0.1], "acc": 0.9, "samples": 16}
+    assert metric_line(event) == \
+        "eval at step 300: acceptance length tau 2.500  by position 0.90 0.50 0.10  acc 0.900  samples 16"
+    info = RunInfo.from_json({"run_id": "r1", "state": "running", "effective_state": "running", "tau": 2.5,
+                              "acceptance": [0.9, 0.5, 0.1], "checkpoints": []})
+    assert status_detail(info)[0] == "accepted by draft position (last eval, tau 2.50): 0.90 0.50 0.10"
+    # status.json without it (an older trainer), or of another type: no line
+    for status in ({}, {"acceptance": "high"}, {"acceptance": [0.5, "x"]}):
+        other = RunInfo.from_json({"run_id": "r1", "effective_state": "running", "checkpoints": [], **status})
+        assert not any(line.startswith("accepted by") for line in status_detail(other))
+
+
 def test_latest_run_prefers_launch_time():
     runs = [RunInfo(run_id="b", launched=1.0), RunInfo(run_id="a", launched=2.0), RunInfo(run_id="c")]
     assert latest_run(runs).run_id == "a" and latest_run([]) is None

@@ -40,7 +40,7 @@ def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: 
     while going:
         start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
         block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
-        hidden = drafter.draft_block(feats[:, :start].to(ddev), head.embed(block), start)
+        hidden = drafter.draft_block(feats[:, :start].to(ddev), drafter.embed_block(head.embed, block), start)
         drafts = head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
         greedy, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
         posterior = greedy[start:]  # posterior[i] = target's choice for position start+i+1
@@ -83,7 +83,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
     prompt's own τ (what the DFlash authors' benchmark reports); histogram[k]: rounds that
-    produced k + 1 tokens (k drafts accepted, then the target's own token); prompt_tokens: the
+    produced k + 1 tokens (k drafts accepted, then the target's own token); acceptance[k-1]: the
+    share of rounds that accepted draft position k (`position_acceptance`); prompt_tokens: the
     prompts' length in tokens, rendered with `template_kwargs` (the data config's).
 
     baseline: also decode the same prompts with n-gram prompt lookup (trainer.generate.lookup: no
@@ -152,7 +153,14 @@ def _tau(generations: list, block_size: int) -> dict:
         histogram[n - 1] += 1
     return {"tau": sum(rounds) / len(rounds) if rounds else 0.0,
             "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-            "histogram": histogram, "rounds": len(rounds)}
+            "histogram": histogram, "rounds": len(rounds), "acceptance": position_acceptance(histogram)}
+
+
+def position_acceptance(histogram: list[int]) -> list[float]:
+    """acceptance[k-1]: the share of rounds that accepted draft position k (k = 1..block-1), from a
+    histogram of tokens produced per round; tau = 1 + sum(acceptance)."""
+    rounds = max(sum(histogram), 1)
+    return [sum(histogram[k:]) / rounds for k in range(1, len(histogram))]
 
 
 def mean_acceptance_length(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,

@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
-from trainer.models.drafter import DFlashDrafter, _rotate, rope_cos_sin
+from trainer.models.drafter import Attention, DFlashDrafter, _rotate, rope_cos_sin, serving_attention
 from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 
@@ -77,11 +76,12 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+                 keys: list[torch.Tensor], values: list[torch.Tensor], attends: list[Attention]) -> torch.Tensor:
     """The drafter's layers over one block x [B, bs, H], attending to each layer's cached context
-    keys/values followed by the block itself (mask [B, 1, 1, context + bs])."""
+    keys/values followed by the block itself, each layer under its own serving mask
+    (trainer.models.drafter.serving_attention: its window and causality, its sinks)."""
     b, t, _ = x.shape
-    for i, layer in enumerate(d.blocks()):
+    for i, (layer, attend) in enumerate(zip(d.blocks(), attends, strict=True)):
         a = layer.self_attn
         h = layer.input_layernorm(x)
         q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
@@ -89,7 +89,8 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
         v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
         k = torch.cat([keys[i], k], dim=2)
         v = torch.cat([values[i], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.kv_heads != a.heads)
+        sink = a.attention_sink_bias
+        out = attend(q, k, v) if sink is None else attend(q, k, v, sink=sink)
         x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return d.norm(x)
@@ -121,6 +122,7 @@ class DrafterCache:
                      for _ in drafter.layers]
         self.values = [k.clone() for k in self.keys]
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, 0, dtype=torch.long, device=device)  # of each entry (sliding windows)
 
     def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """Add context entries: target features [B, T, n*H] at positions [B, T]."""
@@ -128,11 +130,13 @@ class DrafterCache:
             self.keys[i] = torch.cat([self.keys[i], k], dim=2)
             self.values[i] = torch.cat([self.values[i], v], dim=2)
         self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions.to(self.positions.device)], dim=1)
 
     def select(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.valid = self.valid[rows]
+        self.positions = self.positions[rows]
 
     def draft(self, block_embeds: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states [B, bs, H] of one block per row after the cached context."""
@@ -140,9 +144,8 @@ class DrafterCache:
         x = block_embeds.to(self.keys[0].dtype)
         b, t, _ = x.shape
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta)
-        visible = torch.cat([self.valid, torch.ones(b, t, dtype=torch.bool, device=x.device)], dim=1)
-        mask = visible[:, None, None, :]
-        return _draft_block(d, x, cos, sin, self.keys, self.values, mask)
+        attends = serving_attention(c.kinds(), self.valid, self.positions, block_positions)
+        return _draft_block(d, x, cos, sin, self.keys, self.values, attends)
 
 
 def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -171,6 +174,7 @@ class _StaticRounds:
         self.drafter_cache = decoder.KVCache(len(drafter.layers), batch, c.num_key_value_heads, capacity, c.head_dim,
                                              dev, ddtype)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
+        self.slot_pos = torch.zeros(batch, capacity, dtype=torch.long, device=dev)  # its position (sliding windows)
         self.slot = torch.arange(capacity, device=dev)
         self.offsets = torch.arange(self.bs, device=dev)
         self.block_visible = torch.ones(batch, self.bs, dtype=torch.bool, device=dev)
@@ -193,14 +197,15 @@ class _StaticRounds:
         """The drafter's context K/V of target features [B, T, n*H] at positions [B, T], written at slots [T]."""
         for i, (k, v) in enumerate(_context_kv(self.drafter, features, positions, self.ddtype)):
             self.drafter_cache.write(i, slots, k, v)
+        self.slot_pos.index_copy_(1, slots, positions)
 
     def _draft(self, block: torch.Tensor, positions: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states [B, bs, H] of the block ids [B, bs] after the visible context slots."""
         c = self.drafter.config
-        x = self.head.embed(block).to(self.ddtype)
+        x = self.drafter.embed_block(self.head.embed, block).to(self.ddtype)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        mask = torch.cat([context, self.block_visible], dim=1)[:, None, None, :]
-        return _draft_block(self.drafter, x, cos, sin, self.drafter_cache.keys, self.drafter_cache.values, mask)
+        attends = serving_attention(c.kinds(), context, self.slot_pos, positions)
+        return _draft_block(self.drafter, x, cos, sin, self.drafter_cache.keys, self.drafter_cache.values, attends)
 
     # ---------------------------------------------------------------- prefill, rounds, bookkeeping
     def prefill(self, prompts: list[list[int]]) -> list[int]:
@@ -263,6 +268,7 @@ class _StaticRounds:
         packed = int(counts.max())
         self.target_cache.compact(order, packed, used)
         self.drafter_cache.compact(order, packed, used)
+        self.slot_pos[:, :packed] = self.slot_pos[:, :used].gather(1, order[:, :packed])
         self.valid.zero_()
         self.valid[:, :packed] = self.slot[None, :packed] < counts[:, None]
         return packed
@@ -435,7 +441,7 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         anchor_pos = torch.tensor([lengths[r] - 1 for r in rows], device=tdev)
         block = torch.full((b, bs), c.mask_token_id, dtype=torch.long, device=ddev)
         block[:, 0] = torch.tensor([results[r].tokens[-1] for r in rows], device=ddev)
-        hidden = dcache.draft(head.embed(block), (anchor_pos[:, None] + offsets).to(ddev))
+        hidden = dcache.draft(drafter.embed_block(head.embed, block), (anchor_pos[:, None] + offsets).to(ddev))
         drafts = head.logits(hidden[:, 1:]).argmax(dim=-1).to(tdev)  # [b, bs-1]
 
         verify = torch.cat([block[:, :1].to(tdev), drafts], dim=1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, cast
 
@@ -27,6 +28,9 @@ def drafter_intermediate_size(target_config: Any) -> int:
     it (Qwen3-30B-A3B's config gives 6144 beside its experts' 768). A sparse target whose config has
     none (Qwen3.5-MoE) gets 3 x hidden_size, the Qwen3 ratio (2048 -> 6144, 4096 -> 12288)."""
     return int(getattr(target_config, "intermediate_size", None) or 3 * target_config.hidden_size)
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
 
 
 @dataclass
@@ -45,20 +49,65 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_position_embeddings: int = 40960
+    # the draft's own layout (trainer.models.layout: as vLLM resolves the published fields); the
+    # defaults are the 2025 one: every layer full attention, non-causal inside the block, no sinks
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
+    sliding_window: int | None = None  # window of the sliding layers
+    causal: list[bool] | None = None  # per layer: causal inside the block; None: none
+    attention_sink: bool = False  # a learned per-head sink logit on every layer (layers.N.self_attn.attention_sink_bias)
+    mask_embedding: bool = False  # a separate learned embedding of the mask slots (exported as mask_embedding.pt)
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if self.layer_types is not None:
+            if len(self.layer_types) != n or not set(self.layer_types) <= {FULL, SLIDING}:
+                raise ValueError(f"layer_types {self.layer_types} must list {n} of {FULL!r} / {SLIDING!r}")
+            if SLIDING not in self.layer_types:
+                self.layer_types = None
+        if self.layer_types is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        if self.layer_types is None:
+            self.sliding_window = None
+        if self.causal is not None:
+            if len(self.causal) != n:
+                raise ValueError(f"causal {self.causal} must list {n} layers")
+            sliding = [t == SLIDING for t in self.layer_types or [FULL] * n]
+            if list(self.causal) != sliding and len(set(self.causal)) > 1:
+                raise ValueError(f"per-layer causality {self.causal} is neither every layer alike nor causal exactly "
+                                 "on the sliding layers: vLLM cannot serve it (dflash_config.causal sets all layers)")
+            if not any(self.causal):
+                self.causal = None
+        if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
+            raise ValueError(f"attention heads {self.num_attention_heads} must be a multiple of the key/value heads "
+                             f"{self.num_key_value_heads}, and head_dim {self.head_dim} even (RoPE)")
+
+    def kinds(self) -> list[tuple[int | None, bool]]:
+        """(sliding window or None, causal inside the block) of each layer."""
+        n = self.num_hidden_layers
+        return [(self.sliding_window if t == SLIDING else None, bool(c))
+                for t, c in zip(self.layer_types or [FULL] * n, self.causal or [False] * n)]
 
     @classmethod
     def from_target(cls, target_config: Any, num_layers: int, block_size: int, mask_token_id: int,
-                    target_layer_ids: list[int]) -> "DrafterConfig":
+                    target_layer_ids: list[int], **own: Any) -> "DrafterConfig":
+        """The drafter for a target; `own`: fields of the draft's own architecture (heads, KV heads,
+        head_dim, MLP width, layout) that replace what the target's config gives (None: the default)."""
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 1000000.0))
+        heads = own.pop("num_attention_heads", None) or target_config.num_attention_heads
+        kv_heads = own.pop("num_key_value_heads", None) or (target_config.num_key_value_heads
+                                                            if heads % target_config.num_key_value_heads == 0 else heads)
+        head_dim = own.pop("head_dim", None) or getattr(target_config, "head_dim", None) \
+            or target_config.hidden_size // target_config.num_attention_heads
+        intermediate = own.pop("intermediate_size", None) or drafter_intermediate_size(target_config)
         return cls(
             hidden_size=target_config.hidden_size,
-            intermediate_size=drafter_intermediate_size(target_config),
+            intermediate_size=intermediate,
             num_hidden_layers=num_layers,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=target_config.num_key_value_heads,
-            head_dim=getattr(target_config, "head_dim", None)
-            or target_config.hidden_size // target_config.num_attention_heads,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            **{k: v for k, v in own.items() if v is not None},
             vocab_size=target_config.vocab_size,
             block_size=block_size,
             mask_token_id=mask_token_id,
@@ -140,12 +189,60 @@ def _rotate_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 _rotate = pointwise(_rotate_raw)
 
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attention = Callable[..., torch.Tensor]  # attend(q, k, v) or, on a layer with sinks, attend(q, k, v, sink=sink)
 Weight = Callable[[torch.Tensor], torch.Tensor]  # a layer's weight -> the tensor its matmul uses
 
 
 def as_is(weight: torch.Tensor) -> torch.Tensor:
     return weight
+
+
+def serving_mask(ctx_valid: torch.Tensor, ctx_pos: torch.Tensor, block_pos: torch.Tensor, window: int | None,
+                 causal: bool) -> torch.Tensor:
+    """What a draft layer's block queries see at serving time, [B, 1, T, S + T] (or [B, 1, 1, S + T]
+    for a full non-causal layer): context entries ctx_valid [B, S] at positions ctx_pos [B, S], then
+    the block's own T slots at block_pos [B, T]. Query position i sees key position j iff i - j <
+    window (a sliding layer), j - i < window (sliding, non-causal: vLLM's window is symmetric) and
+    j <= i (a causal layer); the context lies before the anchor, so only the first rule touches it."""
+    b, t = block_pos.shape
+    if window is None and not causal:
+        return torch.cat([ctx_valid, torch.ones(b, t, dtype=torch.bool, device=ctx_valid.device)], dim=1)[:, None, None]
+    ctx = ctx_valid[:, None, :].expand(b, t, -1)
+    if window is not None:
+        ctx = ctx & (block_pos[:, :, None] - ctx_pos[:, None, :] < window)
+    d = block_pos[:, :, None] - block_pos[:, None, :]  # query minus key position
+    own = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+    if window is not None:
+        own = own & (d < window) & (-d < window)
+    return torch.cat([ctx, own], dim=2)[:, None]
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  sink: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of q [B, heads, T, D] over k/v [B, kv_heads, S, D] under a boolean or additive mask;
+    with a per-head sink logit [heads], a key of value 0 every query sees (vLLM's s_aux). Rows that
+    see nothing give zeros only with a sink (callers without one never build such rows)."""
+    if sink is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    column = sink.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return (probs.to(v.dtype) @ v).to(q.dtype)
+
+
+def serving_attention(kinds: Sequence[tuple[int | None, bool]], ctx_valid: torch.Tensor, ctx_pos: torch.Tensor,
+                      block_pos: torch.Tensor) -> list[Attention]:
+    """One attend(q, k, v[, sink]) per layer over [context | block] under its `serving_mask`."""
+    masks: dict[tuple[int | None, bool], torch.Tensor] = {}
+    out: list[Attention] = []
+    for kind in kinds:
+        if kind not in masks:
+            masks[kind] = serving_mask(ctx_valid, ctx_pos, block_pos, *kind)
+        out.append(functools.partial(attend_masked, mask=masks[kind]))
+    return out
 
 
 def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tensor, wq: torch.Tensor,
@@ -204,6 +301,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        # vLLM's per-head sink logit (a key of value 0 every query also attends to): learned here
+        self.attention_sink_bias = nn.Parameter(torch.zeros(c.num_attention_heads)) if c.attention_sink else None
 
 
 class DrafterMLP(nn.Module):
@@ -236,7 +335,9 @@ class DrafterLayer(nn.Module):
         q, k, v = before(x, ctx, self.input_layernorm.weight, weight(a.q_proj.weight), weight(a.k_proj.weight),
                          weight(a.v_proj.weight), a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads,
                          a.kv_heads, a.head_dim, fused)
-        return after(x, attention(q, k, v), weight(a.o_proj.weight), self.post_attention_layernorm.weight,
+        sink = a.attention_sink_bias
+        attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
+        return after(x, attended, weight(a.o_proj.weight), self.post_attention_layernorm.weight,
                      weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
 
 
@@ -326,6 +427,9 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
     module.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     module.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
     module.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    # the mask slots' own embedding where the draft ships one (vLLM: mask_embedding.pt), else None:
+    # the target's embedding row of mask_token_id
+    module.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_embedding else None  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     module.rope = (c.head_dim, c.rope_theta)  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
 
 
@@ -334,6 +438,7 @@ class DFlashDrafter(nn.Module):
     hidden_norm: RMSNorm
     layers: nn.ModuleList
     norm: RMSNorm
+    mask_embedding: nn.Parameter | None
     rope: tuple[int, float]
 
     def __init__(self, c: DrafterConfig):
@@ -357,13 +462,24 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """The block slots' input embeddings: embed(ids) (the target's), with the draft's own mask
+        embedding in the mask slots where it has one (as vLLM's embed_input_ids)."""
+        embeds = embed(ids)
+        own = getattr(self, "mask_embedding", None)
+        if own is None:
+            return embeds
+        is_mask = (ids == self.config.mask_token_id)[..., None].to(embeds.device)
+        return torch.where(is_mask, own.to(embeds.dtype), embeds)
+
     def _compute_dtype(self, device_type: str) -> torch.dtype:
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
         return self.fc.weight.dtype
 
     def _run(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, ctx_positions: torch.Tensor,
-             block_positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+             block_positions: torch.Tensor, attention: Attention | Sequence[Attention]) -> torch.Tensor:
+        """attention: one for every layer, or one per layer (layers of different windows/causality)."""
         dtype = self._compute_dtype(block_embeds.device.type)
         weight: Weight = as_is
         cached = getattr(self, "low_precision", None)  # the exported model (hf_modeling) has none
@@ -375,19 +491,21 @@ class DFlashDrafter(nn.Module):
         head_dim, theta = self.rope
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
+        attends = list(attention) if isinstance(attention, (list, tuple)) else [attention] * len(self.layers)
         checkpointed = getattr(self, "checkpoint_layers", 0)  # the exported model has none
-        for i, layer in enumerate(self.layers):
-            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attention, weight, fused)
+        for i, (layer, attend) in enumerate(zip(self.layers, attends, strict=True)):
+            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attend, weight, fused)
         return self.norm(x)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                      attention: Attention,
+                      attention: Attention | Sequence[Attention],
                       ctx_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Training forward: all blocks of each sequence at once.
 
         ctx_features [B, L, n*H] (context position j = j, unless ctx_positions [B, L] says
         otherwise: packed rows restart positions per document), block_embeds [B, A*bs, H],
-        block_positions [B, A*bs]; `attention` applies the block mask (see trainer.models.masks).
+        block_positions [B, A*bs]; `attention` applies the block mask (see trainer.models.masks), one
+        per layer where the layers' windows or causality differ (masks.block_attention).
         Returns the final hidden states of every block slot, [B, A*bs, H].
         """
         b, length = ctx_features.shape[:2]
@@ -401,8 +519,9 @@ class DFlashDrafter(nn.Module):
     def draft_block(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         """Inference: one block at positions start.. after a context of positions 0..start-1.
 
-        Everything is visible (the context lies strictly before the anchor by construction,
-        the block is bidirectional), so no mask is needed. Returns hidden states [B, bs, H].
+        A full-attention non-causal layer sees everything (the context lies strictly before the
+        anchor by construction, the block is bidirectional); a sliding or causal layer sees what
+        vLLM's draft layer sees (`serving_mask`). Returns hidden states [B, bs, H].
         """
         b, length = ctx_features.shape[:2]
         assert length == start, f"context holds {length} positions but the block starts at {start}"
@@ -410,7 +529,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions = torch.arange(length, device=dev).expand(b, length)
         block_positions = torch.arange(start, start + block_embeds.shape[1], device=dev).expand(b, -1)
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-
-        return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attend)
+        valid = torch.ones(b, length, dtype=torch.bool, device=dev)
+        c: DrafterConfig = getattr(self, "dflash", None) or self.config  # the exported model's config is Qwen3Config
+        attends = serving_attention(c.kinds(), valid, ctx_positions, block_positions)
+        return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attends)

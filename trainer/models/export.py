@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,15 +21,25 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from trainer.models.layout import Layout, LayoutError, engine_warnings, published_fields, resolve_published
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
 
 HERE = Path(__file__).resolve().parent
+MASK_EMBEDDING = "mask_embedding.pt"  # a draft's separate mask embedding, as vLLM reads it
 # file written beside the weights -> the trainer module it is a copy of
 MODEL_CODE = {"modeling_dflash.py": HERE / "hf_modeling.py", "drafter.py": HERE / "drafter.py"}
 
 
+def layout_of(d: dict) -> Layout:
+    """The layout of a DrafterConfig dict (a checkpoint's drafter_config; older ones: the 2025 one)."""
+    return Layout(d.get("layer_types"), d.get("sliding_window"), d.get("causal"), bool(d.get("attention_sink")))
+
+
 def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
+    """The published config.json of a DrafterConfig dict: its layout in the fields vLLM resolves
+    back to it (trainer.models.layout.published_fields)."""
+    top, dflash = published_fields(layout_of(d), d["num_hidden_layers"])
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -48,13 +59,13 @@ def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
         "rope_scaling": None,
         "tie_word_embeddings": False,
         "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        **top,
         "initializer_range": 0.02,
         "torch_dtype": dtype,
         "block_size": d["block_size"],
         "num_target_layers": d["num_target_layers"],
-        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"])},
+        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"]),
+                          **dflash},
         "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
     }
 
@@ -70,11 +81,17 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     with built_beside(out, "export", force=force, check_only=True):
         pass  # refused before the checkpoint is read
     state = ckpt.load_weights(checkpoint_dir)
+    d = state["drafter_config"]
+    for warning in engine_warnings(layout_of(d), d["num_hidden_layers"]):
+        print(f"export: warning: {warning}", file=sys.stderr)
     with built_beside(out, "export", force=force) as tmp:
         weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
+        mask_embedding = weights.pop("mask_embedding", None)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if mask_embedding is not None:  # vLLM reads it from this file, not from the weights
+            torch.save({"embedding": mask_embedding, "mask_token_id": d["mask_token_id"]}, tmp / MASK_EMBEDDING)
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(hf_config(state["drafter_config"], name), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(d, name), indent=2) + "\n")
         for written, source in MODEL_CODE.items():
             shutil.copyfile(source, tmp / written)
     return out
@@ -132,7 +149,10 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     as (DrafterConfig fields, fp32 weights by the trainer's names): config.json's Qwen3 fields with
     `dflash_config` {mask_token_id, target_layer_ids} (older drafts: top-level `target_layer_ids`),
     and model.safetensors or shards listed by model.safetensors.index.json. A `model.` prefix
-    (SpecForge's wrapper) is dropped; tensors the drafter does not own are left out."""
+    (SpecForge's wrapper) is dropped; tensors the drafter does not own are left out. The layout
+    (sliding/causal layers, sinks) is vLLM's reading of the config (trainer.models.layout), a
+    mask_embedding.pt beside it the drafter's `mask_embedding`; what the trainer cannot train as
+    served raises ValueError naming the field."""
     from safetensors.torch import load_file
 
     d = Path(model_dir)
@@ -147,6 +167,10 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
                               "block_size": config.get("block_size")}.items() if v is None]
     if missing:
         raise ValueError(f"{d}/config.json is not a DFlash draft: no {', '.join(missing)}")
+    try:
+        layout = resolve_published(config, f"{d}/config.json")
+    except LayoutError as e:
+        raise ValueError(f"cannot be trained as served: {e}") from None
     fields = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
               "num_hidden_layers": config["num_hidden_layers"],
               "num_attention_heads": config["num_attention_heads"],
@@ -157,7 +181,9 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
               "num_target_layers": config.get("num_target_layers"),
               "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
               "rope_theta": float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))),
-              "max_position_embeddings": config.get("max_position_embeddings", 40960)}
+              "max_position_embeddings": config.get("max_position_embeddings", 40960),
+              "layer_types": layout.layer_types, "sliding_window": layout.sliding_window, "causal": layout.causal,
+              "attention_sink": layout.attention_sink, "mask_embedding": (d / MASK_EMBEDDING).is_file()}
     index = d / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     weights: dict[str, torch.Tensor] = {}
@@ -166,4 +192,12 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
             name = name.removeprefix("model.")
             if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm"):
                 weights[name] = tensor.float()
+    if fields["mask_embedding"]:  # a tensor, or {"embedding": tensor, "mask_token_id": id} (vLLM's two forms)
+        state = torch.load(d / MASK_EMBEDDING, weights_only=True, map_location="cpu")
+        if isinstance(state, dict):
+            if state.get("mask_token_id", mask) != mask:
+                raise ValueError(f"{d}/{MASK_EMBEDDING}: mask_token_id {state.get('mask_token_id')} is not "
+                                 f"dflash_config.mask_token_id {mask}")
+            state = state["embedding"]
+        weights["mask_embedding"] = state.reshape(-1).float()
     return fields, weights

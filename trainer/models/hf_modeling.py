@@ -28,7 +28,25 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
         target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000000.0))),
-        max_position_embeddings=config.max_position_embeddings)
+        max_position_embeddings=config.max_position_embeddings, **layout(config))
+
+
+def layout(config: Qwen3Config) -> dict:
+    """The layer layout vLLM reads from this config (trainer.models.layout.resolve_published, which
+    the trainer checked at export; restated here: the exported model code is torch + transformers)."""
+    dflash = config.dflash_config
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    sliding = [dflash.get("use_swa", False)] * n if dflash.get("use_swa") and "sliding_attention" not in types \
+        else [t == "sliding_attention" for t in types]
+    causal = [t == "sliding_attention" for t in types]
+    for value in (dflash.get("causal"), getattr(config, "is_causal", None)):
+        if value is not None:
+            causal = [bool(value)] * n
+    window = dflash.get("swa_window_size", getattr(config, "sliding_window", None)) if any(sliding) else None
+    return {"layer_types": ["sliding_attention" if s else "full_attention" for s in sliding] if any(sliding) else None,
+            "sliding_window": window, "causal": causal if any(causal) else None,
+            "attention_sink": bool(dflash.get("attention_sink_bias", getattr(config, "add_swa_attention_sink_bias", False)))}
 
 
 class DFlashDraftModel(PreTrainedModel):

@@ -8,6 +8,12 @@ queries are the A*bs block slots. A block with anchor p:
   * a padding block (no anchor) sees nothing, and its output is zero.
 Slot k of the block sits at position p+k and predicts the token at p+k (not shifted).
 
+A layer of the draft's own layout (DrafterConfig.kinds) narrows this as vLLM's draft layer does at
+serving time (trainer.models.drafter.serving_mask): a sliding layer of window W lets slot k see
+context key j only if (p + k) - j < W and its own slot m only if |k - m| < W; a causal layer lets
+slot k see its own slots m <= k only. Every mask takes the layer's (window, causal): (None, False)
+is the rule above.
+
 Packed rows (trainer.data.packing) hold several documents back to back. Then every block also carries
 the row index where its anchor's document starts (`starts`): it sees context key j iff
 start <= j < p, so never another document; its positions and the target's restart at each
@@ -76,7 +82,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 
 def loss_decay(block_size: int, gamma: float) -> torch.Tensor:
-    """Per-slot weight: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    """Per-slot weight: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1 (gamma = inf: 1, D-PACE's base)."""
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
@@ -167,28 +173,43 @@ def prepare_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_anchors
                        doc_start)
 
 
+Kind = tuple[int | None, bool]  # a layer's (sliding window or None, causal inside the block)
+FULL_KIND: Kind = (None, False)
+
+
 def visible(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int, q_idx: torch.Tensor,
-            kv_idx: torch.Tensor, b: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """The mask rule for query slot q_idx and key kv_idx of sequence b (shared by both backends)."""
+            kv_idx: torch.Tensor, b: torch.Tensor, starts: torch.Tensor | None = None,
+            window: int | None = None, causal: bool = False) -> torch.Tensor:
+    """The mask rule for query slot q_idx and key kv_idx of sequence b (shared by both backends),
+    for a layer of that window and causality."""
     block = q_idx // block_size
     anchor = anchors[b, block]
     is_ctx = kv_idx < ctx_len
     sees_ctx = is_ctx & (kv_idx < anchor)
     if starts is not None:
         sees_ctx = sees_ctx & (kv_idx >= starts[b, block])
-    sees_own_block = (~is_ctx) & ((kv_idx - ctx_len) // block_size == block)
+    own = kv_idx - ctx_len
+    sees_own_block = (~is_ctx) & (own // block_size == block)
+    if window is not None or causal:
+        k = q_idx - block * block_size  # the query's slot: position anchor + k (context key j: position j)
+        m = own - block * block_size  # the key's slot in the block
+        if window is not None:
+            sees_ctx = sees_ctx & (anchor + k - kv_idx < window)
+            sees_own_block = sees_own_block & (k - m < window) & (m - k < window)
+        if causal:
+            sees_own_block = sees_own_block & (m <= k)
     return valid[b, block] & (sees_ctx | sees_own_block)
 
 
 def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
-               starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean mask [B, 1, A*bs, ctx_len + A*bs]."""
+               starts: torch.Tensor | None = None, window: int | None = None, causal: bool = False) -> torch.Tensor:
+    """Boolean mask [B, 1, A*bs, ctx_len + A*bs] of a layer of that window and causality."""
     b, a = anchors.shape
     dev = anchors.device
     q = torch.arange(a * block_size, device=dev)[None, :, None]
     kv = torch.arange(ctx_len + a * block_size, device=dev)[None, None, :]
     bidx = torch.arange(b, device=dev)[:, None, None]
-    return visible(anchors, valid, ctx_len, block_size, q, kv, bidx, starts)[:, None]
+    return visible(anchors, valid, ctx_len, block_size, q, kv, bidx, starts, window, causal)[:, None]
 
 
 def document_causal_dense(doc_start: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -253,13 +274,15 @@ def document_causal_block_mask(doc_start: torch.Tensor) -> BlockMask:
 
 
 def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.Tensor, ctx_len: int,
-                     block_size: int) -> BlockMask:
+                     block_size: int, window: int | None = None, causal: bool = False) -> BlockMask:
     """The drafter's mask (`visible`) as a flex BlockMask from tile arithmetic, for long packed
     rows where evaluating the rule densely over [A*bs, ctx_len + A*bs] would cost gigabytes.
 
     Per query tile: context tiles meeting [min start, max anchor) of its valid blocks are
     partial, those inside [max start, min anchor) of all its blocks (all valid) are full; the
-    tiles holding its blocks' own slots are partial. Needs ctx_len % 128 == 0."""
+    tiles holding its blocks' own slots are partial. A sliding layer's slot k sees context from
+    max(start, anchor + k - window + 1) on: its tiles start there, so the mask stays as sparse as
+    the window (a few tiles per query tile, not the whole row). Needs ctx_len % 128 == 0."""
     if ctx_len % TILE:
         raise ValueError(f"context length {ctx_len} is not a multiple of {TILE}")
     b, a = anchors.shape
@@ -277,6 +300,9 @@ def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.T
     slot_valid = per_slot(valid, False)
     slot_anchor = per_slot(anchors, 0)
     slot_start = per_slot(starts, 0)
+    if window is not None:  # the lowest context key of slot k: max(start, anchor + k - window + 1)
+        k_of_slot = torch.nn.functional.pad(torch.arange(block_size, device=dev).repeat(a), (0, pad)).view(1, nq, TILE)
+        slot_start = torch.maximum(slot_start, slot_anchor + k_of_slot - window + 1)
     own_lo = per_slot(ctx_len + torch.arange(a, device=dev)[None].expand(b, a) * block_size, 0)
     any_valid, all_valid = slot_valid.any(-1), slot_valid.all(-1)
     union_lo = torch.where(slot_valid, slot_start, big).amin(-1)
@@ -294,18 +320,21 @@ def draft_block_mask(anchors: torch.Tensor, valid: torch.Tensor, starts: torch.T
         & (kv_hi <= inter_hi[..., None])
 
     def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
+        return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts, window, causal)
 
     return _tile_block_mask(partial, full, mask_mod, q_len, ctx_len + q_len)
 
 
 def dense_attention(mask: torch.Tensor) -> Attention:
-    """SDPA with a dense boolean mask; rows that see nothing give zeros (as flex_attention does)."""
+    """SDPA with a dense boolean mask; rows that see nothing give zeros (as flex_attention does).
+    A layer with sinks passes sink= (per-head logits [heads]: trainer.models.drafter.attend_masked)."""
+    from trainer.models.drafter import attend_masked
+
     any_visible = mask.any(dim=-1, keepdim=True)
     safe_mask = mask | ~any_visible  # keep softmax finite on empty rows; their output is zeroed below
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, enable_gqa=k.shape[1] != q.shape[1])
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
+        out = attend_masked(q, k, v, safe_mask, sink)
         return out * any_visible.to(out.dtype)
 
     return attend
@@ -331,7 +360,8 @@ def _flex_fn(device_type: str) -> Callable[..., Any]:
 
 
 def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
-                      starts: torch.Tensor | None = None, tiled: bool = False) -> Attention:
+                      starts: torch.Tensor | None = None, tiled: bool = False, window: int | None = None,
+                      causal: bool = False) -> Attention:
     """flex_attention with a BlockMask built from the same rule as `dense_mask`.
 
     tiled: build it by tile arithmetic (`draft_block_mask`, for packed rows) instead of
@@ -341,10 +371,10 @@ def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, 
     b, a = anchors.shape
     if tiled:
         block_mask = draft_block_mask(anchors, valid, torch.zeros_like(anchors) if starts is None else starts,
-                                      ctx_len, block_size)
+                                      ctx_len, block_size, window, causal)
     else:
         def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-            return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts)
+            return visible(anchors, valid, ctx_len, block_size, q_idx, kv_idx, bi, starts, window, causal)
 
         block_mask = create_block_mask(
             mask_mod, b, None, a * block_size, ctx_len + a * block_size, device=anchors.device
@@ -373,10 +403,18 @@ def flex_with(block_mask: BlockMask) -> Attention:
     """attend(q, k, v) through (compiled on CUDA) flex_attention under `block_mask`."""
     flex = _flex_fn(block_mask.kv_num_blocks.device.type)
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
         options = flex_kernel_options(q.device, q.shape[-1])
         extra = {"kernel_options": options} if options else {}
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], **extra)
+        if sink is None:
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1], **extra)
+        # a sink is one more key of value 0 and logit `sink`: out * Z / (Z + e^sink) = out * sigmoid(lse - sink)
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1],
+                        return_aux=AuxRequest(lse=True), **extra)
+        lse = aux.lse
+        return out * torch.sigmoid(lse.float() - sink.float()[None, :, None])[..., None].to(out.dtype)
 
     return attend
 
@@ -392,7 +430,17 @@ def resolve_backend(name: str, device: torch.device | str, needs_grad: bool) -> 
 
 
 def block_attention(backend: str, anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
-                    starts: torch.Tensor | None = None, tiled: bool = False) -> Attention:
-    if backend == "flex":
-        return flex_attention_fn(anchors, valid, ctx_len, block_size, starts, tiled)
-    return dense_attention(dense_mask(anchors, valid, ctx_len, block_size, starts))
+                    starts: torch.Tensor | None = None, tiled: bool = False,
+                    kinds: list[Kind] | None = None) -> Attention | list[Attention]:
+    """One attention per drafter layer of `kinds` (DrafterConfig.kinds()), a mask built once per
+    distinct (window, causal); kinds None: one attention (full, non-causal) for every layer."""
+    built: dict[Kind, Attention] = {}
+    out = []
+    for kind in kinds or [FULL_KIND]:
+        if kind not in built:
+            window, causal = kind
+            built[kind] = (flex_attention_fn(anchors, valid, ctx_len, block_size, starts, tiled, window, causal)
+                           if backend == "flex" else
+                           dense_attention(dense_mask(anchors, valid, ctx_len, block_size, starts, window, causal)))
+        out.append(built[kind])
+    return out if kinds is not None else out[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.run.config import TrainerConfig, target_replicas
+from trainer.run.config import TrainerConfig, drafter_own, target_replicas
 
 GIB = 2**30
 
@@ -164,6 +164,7 @@ class _Sizes:
     embed: int
     head: int
     drafter_params: int
+    drafter: Any  # the draft's own DrafterConfig (model.drafter: its attention shape and MLP)
     elt: int  # bytes per element of the run's dtype (target weights and activations, drafter autocast)
     notes: list[str]
 
@@ -186,15 +187,15 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
                      "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     cfg.model.mask_token_id or 0, layer_ids)
+                                     cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
     return _Sizes(config, list(layer_ids), per_layer, module_bytes(base.embed_tokens),
-                  module_bytes(target.get_output_embeddings()), params, torch.finfo(dtype).bits // 8, notes)
+                  module_bytes(target.get_output_embeddings()), params, dcfg, torch.finfo(dtype).bits // 8, notes)
 
 
-def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: int, block_tokens: int,
-                             checkpointed: int) -> int:
+def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int, block_tokens: int,
+                             checkpointed: int, kl: bool = False) -> int:
     """Peak bytes of one drafter step's activations (the backward's peak), at the autocast dtype.
 
     Each layer keeps for backward what its two compiled regions and attention save: per block slot
@@ -205,16 +206,13 @@ def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: in
     the others first (the last layers), then recomputes one checkpointed layer's worth at a time. Around the layers: the context's projection and its norm, the block
     embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
     backward's transient gradients of one layer (the MLP's two products, two residual widths) and
-    the LM-head logits chunks (loss_chunk x vocab in fp32, three alive). Measured against
+    the LM-head logits chunks (loss_chunk x vocab in fp32: the logits, their copy and gradient; under kl
+    also the target's logits and probabilities). dcfg: the draft's own DrafterConfig. Measured against
     bench/pipeline.py's peaks at 8,192 / 16,384 / 32,768-token rows (bench/RESULTS.md, issue #35)."""
     elt = 4 if cfg.model.dtype == "fp32" else 2
-    hidden = int(config.hidden_size)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    kv_width = int(config.num_key_value_heads) * head_dim
-    from trainer.models.drafter import drafter_intermediate_size
-
-    mlp = drafter_intermediate_size(config)
+    hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)
+    kv_width = int(dcfg.num_key_value_heads) * head_dim
+    mlp = int(dcfg.intermediate_size)
     per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
                  + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
     layers = cfg.model.drafter_layers
@@ -223,7 +221,7 @@ def drafter_activation_bytes(cfg: TrainerConfig, config: Any, context_tokens: in
                                                              per_layer if checkpointed else 0)
     around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
     transient = block_tokens * (2 * mlp + 2 * hidden) * elt
-    logits = min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * 3
+    logits = min(block_tokens, cfg.model.loss_chunk) * int(dcfg.vocab_size) * 4 * (5 if kl else 3)
     return kept + around + transient + logits
 
 
@@ -245,7 +243,10 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
     layer_activation = tokens * (6 * hidden + 3 * intermediate) * elt
     replicas = target_replicas(cfg.devices)
     R = len(cfg.devices.drafter)
-    slot_bytes = tokens * len(layer_ids) * hidden * elt
+    from trainer.models.objective import objective_of
+
+    kl = objective_of(cfg.model).needs_target  # the slots also carry the target's last hidden states
+    slot_bytes = tokens * (len(layer_ids) + kl) * hidden * elt
 
     def stage_items(sizes: list[int], devices: list[str]) -> list[dict]:
         out, lo = [], 0
@@ -274,7 +275,7 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
         "embedding + head": embed + head,
         "features": slot_bytes,
         "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
-            drafter_activation_bytes(cfg, config, tokens, block_tokens, checkpointed),
+            drafter_activation_bytes(cfg, z.drafter, tokens, block_tokens, checkpointed, kl),
     }
     by_device: dict[str, DevicePlan] = {}
 

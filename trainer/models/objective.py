@@ -1,12 +1,27 @@
 """The DFlash training objective as sums, so a step can be normalised over all micro-batches.
 
-loss = Σ w·CE / Σ w over every block slot of every micro-batch and replica of a step;
-accuracy = Σ w·[argmax == label] / Σ w. Callers add up the three sums and divide once.
+Every block slot k >= 1 carries a loss term and a weight (docs/objectives.md):
+
+  term   = a·CE(drafter, the data's token) + b·T²·KL(softmax(target/T) || softmax(drafter/T))
+           (model.loss: `ce` is a=1, b=0; `kl` a=0, b=1; `{ce: a, kl: b}`; T = model.kl_temperature);
+           the target's logits for slot k are its next-token logits at position anchor+k-1;
+  weight = base · dynamic. base is known before any forward (trainer.models.masks: 0 for slot 0,
+           padding, out-of-bounds and non-loss tokens; exp(-(k-1)/γ) under `decay`, 1 under `dpace`);
+           dynamic is 1 under `decay`, and under `dpace` the D-PACE weight from the drafter's own
+           confidence on the data's token (`dpace_weights`, detached).
+
+loss = Σ weight·term / Σ base over every block slot of every micro-batch and replica of a step;
+accuracy = Σ base·[argmax == label] / Σ base. Callers add up the three sums and divide once: since
+the denominator never depends on the model, one number per step normalises 1 or N micro-batches,
+replicas and hosts alike (the same rule speculators uses for D-PACE: its weights are divided by
+the count of loss tokens, not by their own sum).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -16,74 +31,216 @@ from trainer.models.drafter import DFlashDrafter, pointwise
 from trainer.models.masks import Blocks, block_attention
 from trainer.models.target import FrozenHead
 
+if TYPE_CHECKING:
+    from trainer.run.config import ModelConfig
 
-def _chunk_sums(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ lm_head_weight.to(hidden.dtype).t()).float()
+
+@dataclass(frozen=True)
+class Objective:
+    """What a block slot's loss is (see the module doc): model.loss, kl_temperature, position_weight."""
+
+    ce: float = 1.0  # weight of cross-entropy on the data's tokens
+    kl: float = 0.0  # weight of forward KL to the target's next-token distribution
+    temperature: float = 1.0  # softens both distributions of the KL term (scaled by T² so its gradient keeps its size)
+    position_weight: str = "decay"  # "decay" (static exp(-(k-1)/γ)) | "dpace" (dpace_weights)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing floor: q~ = α + (1-α)·q
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether the loss reads the target's logits (its layers above the last tapped one and its head)."""
+        return self.kl > 0
+
+    def describe(self) -> str:
+        terms = [f"{w:g}·{name}" if w != 1 else name for name, w in (("ce", self.ce), ("kl", self.kl)) if w]
+        t = f" (T={self.temperature:g})" if self.kl and self.temperature != 1 else ""
+        weight = f"dpace α={self.dpace_alpha:g}" if self.position_weight == "dpace" else "decay"
+        return f"{' + '.join(terms)}{t}, {weight}"
+
+
+CE_DECAY = Objective()  # the DFlash recipe: hard cross-entropy, exp(-(k-1)/γ) over the block
+
+
+def objective_of(model: ModelConfig) -> Objective:
+    """The Objective a model config asks for (trainer.run.config has validated it)."""
+    loss = model.loss
+    ce, kl = (1.0, 0.0) if loss == "ce" else (0.0, 1.0) if loss == "kl" else (float(loss.ce), float(loss.kl))  # type: ignore[union-attr]  # LossMix
+    return Objective(ce=ce, kl=kl, temperature=model.kl_temperature, position_weight=model.position_weight,
+                     dpace_alpha=model.dpace_alpha)
+
+
+def base_gamma(objective: Objective, gamma: float) -> float:
+    """The γ the blocks' base weights are built with: the decay's, or ∞ (uniform) under D-PACE."""
+    return math.inf if objective.position_weight == "dpace" else gamma
+
+
+def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's per-slot weights (arXiv:2605.18810 Eq. 7-8; speculators' and Model-Optimizer's default).
+
+    confidence [..., K]: the drafter's probability of the label at slots 1..K of each block;
+    mask [..., K]: the slots that carry loss. With q~ = α + (1-α)·q (masked slots: 1, a no-op)
+    and C_j = Π_{i<=j} q~_i, the weight of slot j is Σ_{m>=j} C_m·mask_m (0 where masked): the
+    gradient of the expected accepted length Σ_m C_m with respect to log q~_j. Non-increasing
+    along the slots that carry loss (w_j - w_{j+1} = C_j >= 0). Detached: it only reweights."""
+    with torch.no_grad():
+        keep = mask.bool()
+        smoothed = torch.where(keep, alpha + (1.0 - alpha) * confidence.float(), torch.ones_like(confidence.float()))
+        cumulative = torch.cumprod(smoothed, dim=-1) * keep
+        suffix = cumulative.flip(-1).cumsum(-1).flip(-1)
+        return suffix * keep
+
+
+def slot_weights(base: torch.Tensor, ce: torch.Tensor, objective: Objective, block: int) -> torch.Tensor:
+    """weight = base · dynamic for flat slots [N] (N a multiple of `block`, the slots 1..bs-1 of each
+    block in order); ce [N]: the drafter's cross-entropy on the label (D-PACE's confidence)."""
+    if objective.position_weight != "dpace":
+        return base
+    q = torch.exp(-ce.detach().float()).view(-1, block)
+    return base * dpace_weights(q, (base > 0).view(-1, block), objective.dpace_alpha).view(-1)
+
+
+# ---------------------------------------------------------------------------- the reference path
+
+
+def _kl_terms(logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T²·KL(softmax(target/T) || softmax(drafter/T)) per row, fp32."""
+    log_q = F.log_softmax(logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(target_logits.float() / temperature, dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * temperature ** 2
+
+
+def _chunk_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                 target_hidden: torch.Tensor | None, ce_w: float, kl_w: float,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(term, CE, correct) per slot of one chunk, from its logits (and the target's)."""
+    w = lm_head_weight.to(hidden.dtype)
+    logits = (hidden @ w.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     correct = (logits.argmax(dim=-1) == labels).float()
-    return (ce * weights).sum(), (correct * weights).sum()
+    term = ce * ce_w if ce_w else torch.zeros_like(ce)
+    if target_hidden is not None and kl_w:
+        term = term + kl_w * _kl_terms(logits, (target_hidden.to(hidden.dtype) @ w.t()).float(), temperature)
+    return term, ce.detach(), correct
+
+
+def chunked_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor, chunk: int, objective: Objective = CE_DECAY,
+                      target_rows: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None,
+                      block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ weight·term and Σ base·correct (the module doc), computing vocab logits `chunk` slots at a time.
+
+    Each chunk runs under activation checkpointing, so only the hidden states are kept for backward
+    and the [slots, vocab] logits (the drafter's and the target's) never exist for more than one
+    chunk. target_rows [M, H]: the target's final hidden states; slot_rows [N]: each slot's row in
+    them (its position anchor+k-1); both only when objective.kl. block: slots per block (bs - 1)."""
+    if objective.needs_target and (target_rows is None or slot_rows is None):
+        raise ValueError("model.loss kl needs the target's final hidden states at the block positions")
+    terms, ces, corrects = [], [], []
+    for start in range(0, hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        th = None
+        if target_rows is not None and slot_rows is not None and objective.needs_target:
+            th = target_rows.index_select(0, slot_rows[sl])
+        args = (hidden[sl], lm_head_weight, labels[sl], th, objective.ce, objective.kl, objective.temperature)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            t, e, c = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            t, e, c = _chunk_terms(*args)
+        terms.append(t)
+        ces.append(e)
+        corrects.append(c)
+    term, ce, correct = torch.cat(terms), torch.cat(ces), torch.cat(corrects)
+    loss_sum = (term * slot_weights(weights, ce, objective, block)).sum()
+    return loss_sum, (correct * weights).sum().detach()
 
 
 def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                         weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ w·CE and Σ w·correct, computing vocab logits `chunk` positions at a time.
+    """Σ w·CE and Σ w·correct (the `ce`, `decay` objective) by `chunked_objective`."""
+    return chunked_objective(hidden, lm_head_weight, labels, weights, chunk)
 
-    Each chunk runs under activation checkpointing, so only the hidden states are kept for
-    backward and the [positions, vocab] logits never exist for more than one chunk.
-    """
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    correct_sum = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            l, c = checkpoint(_chunk_sums, hidden[sl], lm_head_weight, labels[sl], weights[sl], use_reentrant=False)
-        else:
-            l, c = _chunk_sums(hidden[sl], lm_head_weight, labels[sl], weights[sl])
-        loss_sum = loss_sum + l
-        correct_sum = correct_sum + c.detach()
-    return loss_sum, correct_sum
+
+# ---------------------------------------------------------------------------- the fused path
 
 
 @pointwise
-def _ce_and_grad(logits: torch.Tensor, labels: torch.Tensor,
-                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Σ w·CE, Σ w·correct and d(Σ w·CE)/d logits for one chunk (one fused pass on CUDA)."""
+def _ce_slots(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CE, correct and d CE / d logits per slot of one chunk (one fused pass on CUDA)."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     picked = logits32.gather(1, labels[:, None]).squeeze(1)
     correct = (logits32.argmax(dim=-1) == labels).float()
-    grad = torch.exp(logits32 - lse[:, None]) * weights[:, None]
-    grad = grad.scatter_add(1, labels[:, None], -weights[:, None])
-    return ((lse - picked) * weights).sum(), (correct * weights).sum(), grad.to(logits.dtype)
+    grad = torch.exp(logits32 - lse[:, None])
+    grad = grad.scatter_add(1, labels[:, None], -torch.ones_like(lse)[:, None])
+    return lse - picked, correct, grad.to(logits.dtype)
 
 
-class _HeadCE(torch.autograd.Function):
-    """Σ w·CE through a frozen LM head, with d/d hidden computed chunk by chunk in the forward.
+@pointwise
+def _mix_slots(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor, ce_w: float, kl_w: float,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """term, CE, correct and d term / d logits per slot of one chunk, with the KL term (module doc).
 
-    The loss is a scalar, so its gradient is grad_output x (the gradient computed here): the
-    backward is one multiply, the [positions, vocab] logits never outlive their chunk, and the
-    LM-head matmul runs twice (logits, grad of hidden), not three times as under checkpointing.
-    """
+    d(T²·KL)/d logits = T·(softmax(drafter/T) - softmax(target/T))."""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    picked = logits32.gather(1, labels[:, None]).squeeze(1)
+    correct = (logits32.argmax(dim=-1) == labels).float()
+    ce = lse - picked
+    log_q = torch.log_softmax(logits32 / temperature, dim=-1)
+    log_p = torch.log_softmax(target_logits.float() / temperature, dim=-1)
+    p = torch.exp(log_p)
+    kl = (p * (log_p - log_q)).sum(-1) * temperature ** 2
+    grad = (kl_w * temperature) * (torch.exp(log_q) - p)
+    if ce_w:
+        grad = grad + ce_w * torch.exp(logits32 - lse[:, None])
+        grad = grad.scatter_add(1, labels[:, None], torch.full_like(lse, -ce_w)[:, None])
+    return ce_w * ce + kl_w * kl, ce, correct, grad.to(logits.dtype)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Σ weight·term through a frozen LM head, with d/d hidden computed chunk by chunk in the forward.
+
+    The loss is a scalar and the weights are detached, so its gradient is grad_output x (each slot's
+    weight x the gradient of its own term, computed here at unit weight and scaled once the weights
+    are known: D-PACE's need every slot of a block): the backward is one multiply, the [slots, vocab]
+    logits never outlive their chunk, and the LM-head matmul runs twice (logits, grad of hidden), not
+    three times as under checkpointing (three and four with the target's logits under kl)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor, chunk: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                weights: torch.Tensor, chunk: int, need_grad: bool, objective: Objective,
+                target_rows: torch.Tensor | None, slot_rows: torch.Tensor | None,
+                block: int) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else hidden.dtype
+        n = hidden.shape[0]
+        kl = objective.needs_target
         with torch.autocast(hidden.device.type, enabled=False):
             w = lm_head_weight.to(dtype)
-            loss_sum = hidden.new_zeros((), dtype=torch.float32)
-            correct_sum = hidden.new_zeros((), dtype=torch.float32)
+            term = hidden.new_empty(n, dtype=torch.float32)
+            ce = hidden.new_empty(n, dtype=torch.float32)
+            correct = hidden.new_empty(n, dtype=torch.float32)
             grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if need_grad else None
-            for start in range(0, hidden.shape[0], chunk):
+            for start in range(0, n, chunk):
                 sl = slice(start, start + chunk)
                 logits = hidden[sl].to(dtype) @ w.t()
-                l, c, grad_logits = _ce_and_grad(logits, labels[sl], weights[sl], compiled=need_grad)
-                loss_sum += l
-                correct_sum += c
+                if kl:
+                    assert target_rows is not None and slot_rows is not None, "fused_objective checks them"
+                    target_logits = target_rows.index_select(0, slot_rows[sl]).to(dtype) @ w.t()
+                    t, e, c, grad_logits = _mix_slots(logits, labels[sl], target_logits, objective.ce, objective.kl,
+                                                      objective.temperature, compiled=need_grad)
+                    term[sl] = t
+                else:
+                    e, c, grad_logits = _ce_slots(logits, labels[sl], compiled=need_grad)
+                ce[sl], correct[sl] = e, c
                 if need_grad:
                     torch.matmul(grad_logits, w, out=grad_hidden[sl])  # type: ignore[index]  # allocated when need_grad
+            scale = slot_weights(weights.float(), ce, objective, block)
+            if not kl:  # the term is ce_w·CE: the factor folds into the scale
+                term, scale = ce, scale * objective.ce
+            loss_sum = (term * scale).sum()
+            correct_sum = (correct * weights.float()).sum()
+            if grad_hidden is not None:
+                grad_hidden.mul_(scale[:, None].to(dtype))
         ctx.save_for_backward(grad_hidden)
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(correct_sum)
@@ -93,18 +250,42 @@ class _HeadCE(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor,
                  _grad_correct: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype), None, None, None, None, None
+        grad = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype)
+        return (grad,) + (None,) * 9
+
+
+def fused_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                    weights: torch.Tensor, chunk: int, objective: Objective = CE_DECAY,
+                    target_rows: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None,
+                    block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same sums as `chunked_objective`, without recomputing the LM head in backward."""
+    if objective.needs_target and (target_rows is None or slot_rows is None):
+        raise ValueError("model.loss kl needs the target's final hidden states at the block positions")
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    loss_sum, correct_sum = _HeadLoss.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad, objective,
+                                            target_rows, slot_rows, block)
+    return loss_sum, correct_sum.detach()
 
 
 def fused_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                       weights: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same sums as `chunked_weighted_ce`, without recomputing the LM head in backward."""
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss_sum, correct_sum = _HeadCE.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad)
-    return loss_sum, correct_sum.detach()
+    """Σ w·CE and Σ w·correct (the `ce`, `decay` objective) by `fused_objective`."""
+    return fused_objective(hidden, lm_head_weight, labels, weights, chunk)
 
 
 WEIGHTED_CE = {"fused": fused_weighted_ce, "checkpoint": chunked_weighted_ce}
+OBJECTIVE_PATHS = {"fused": fused_objective, "checkpoint": chunked_objective}
+
+
+def slot_rows_of(blocks: Blocks, length: int) -> torch.Tensor:
+    """Each loss slot's row in the target's flattened [B*L, H] hidden states: slot k >= 1 of the block
+    anchored at p reads the target's next-token distribution at position p+k-1 (clamped: a slot past
+    the row's end carries no weight)."""
+    b, a, bs = blocks.input_ids.shape
+    offsets = torch.arange(bs - 1, device=blocks.anchors.device)
+    positions = (blocks.anchors[..., None] + offsets).clamp(max=length - 1)
+    rows = torch.arange(b, device=positions.device)[:, None, None] * length
+    return (rows + positions).reshape(-1)
 
 
 def drafter_loss_sums(
@@ -116,22 +297,27 @@ def drafter_loss_sums(
     chunk: int = 2048,
     ce: str = "fused",
     doc_start: torch.Tensor | None = None,
+    objective: Objective = CE_DECAY,
+    target_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training forward of the drafter on one micro-batch.
 
     ctx_features: [B, L, n*H] from `target_context_features`; blocks: from
-    `trainer.models.masks.prepare_blocks` (on the drafter's device). Returns (loss_sum, weight_sum,
-    correct_sum) as 0-d fp32 tensors (loss_sum differentiable); no host sync happens here.
+    `trainer.models.masks.prepare_blocks` (on the drafter's device, its base weights built for
+    `objective`: `base_gamma`). Returns (loss_sum, weight_sum, correct_sum) as 0-d fp32 tensors
+    (loss_sum differentiable; weight_sum = Σ base); no host sync happens here.
     ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and the bench).
     doc_start [B, L]: packed rows (trainer.data.packing): context positions restart per document, a
     block sees only its own document, and flex builds its mask from tiles (long rows).
+    target_hidden [B, L, H]: the target's final (normed) hidden states, what its LM head reads
+    (`target_context_features(top=...)`): needed when objective.kl.
     """
     b, a, bs = blocks.input_ids.shape
     ctx_len = ctx_features.shape[1]
     packed = doc_start is not None
     attend = block_attention(backend, blocks.anchors, blocks.valid, ctx_len, bs, blocks.starts if packed else None,
-                             tiled=packed)
-    embeds = head.embed(blocks.input_ids.view(b, a * bs))
+                             tiled=packed, kinds=drafter.config.kinds())
+    embeds = drafter.embed_block(head.embed, blocks.input_ids.view(b, a * bs))
     ctx_positions = None
     if doc_start is not None:  # packed
         doc_start = doc_start.to(ctx_features.device)
@@ -140,5 +326,12 @@ def drafter_loss_sums(
     hidden = hidden.view(b, a, bs, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])  # slot 0 carries no loss
     labels = blocks.labels[:, :, 1:].reshape(-1)
     weights = blocks.weights[:, :, 1:].reshape(-1)
-    loss_sum, correct_sum = WEIGHTED_CE[ce](hidden, head.lm_head_weight, labels, weights, chunk)
+    target_rows = slot_rows = None
+    if objective.needs_target:
+        if target_hidden is None:
+            raise ValueError("model.loss kl needs the target's final hidden states (target_hidden)")
+        target_rows = target_hidden.reshape(-1, target_hidden.shape[-1])
+        slot_rows = slot_rows_of(blocks, target_hidden.shape[1])
+    loss_sum, correct_sum = OBJECTIVE_PATHS[ce](hidden, head.lm_head_weight, labels, weights, chunk, objective,
+                                                target_rows, slot_rows, bs - 1)
     return loss_sum, weights.sum(), correct_sum

@@ -102,7 +102,23 @@ def stage_inputs(model: Any, hidden: torch.Tensor, mask_mapping: dict,
         position_ids = torch.arange(length, device=hidden.device) - doc_start
     else:
         position_ids = torch.arange(length, device=hidden.device).unsqueeze(0)
-    return StageInputs(mask_mapping, position_ids, model.rotary_emb(hidden, position_ids))
+    rotary = model.rotary_emb
+    return StageInputs(mask_mapping, position_ids, rotary(hidden, rotary_positions(rotary, position_ids)))
+
+
+def rotary_positions(rotary: Any, position_ids: torch.Tensor) -> torch.Tensor:
+    """`position_ids` [B, L] as the model's rotary embedding takes them.
+
+    A multimodal rotary (Qwen3.5's: its config's `mrope_section` splits the frequencies between
+    the temporal, height and width grids) wants one row of positions per grid, [len(mrope_section), B, L],
+    as the text model's own forward builds them; a text token has the same position in every grid.
+    transformers 5.17's Qwen3.5 rotary indexes `position_ids[:, :, None, :]` and fails on [B, L]
+    (IndexError: too many indices), 5.24's broadcasts [B, L] itself: both take the 3-D form.
+    The decoder layers keep the [B, L] positions (the text model passes them its text row)."""
+    sections = getattr(rotary, "mrope_section", None)
+    if sections and position_ids.ndim == 2:
+        return position_ids.unsqueeze(0).expand(len(sections), *position_ids.shape)
+    return position_ids
 
 
 def run_layers(model: torch.nn.Module, hidden: torch.Tensor, lo: int, hi: int, inputs: StageInputs,

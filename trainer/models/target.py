@@ -293,6 +293,7 @@ def target_context_features(
     layer_ids: list[int],
     doc_start: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    top: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
 
@@ -306,7 +307,9 @@ def target_context_features(
     trainer.data.packing): attention is causal inside each document, positions restart at every
     document and linear-attention layers restart their state at every document, so each
     document's features equal those of the document run alone; attention_mask is then ignored.
-    out: written in place.
+    out: written in place. top [B, L, H]: also run the layers above the last tapped one and the final
+    norm on the last stage, written into `top`: the target's last hidden states, what its LM head reads
+    (model.loss kl; the layers must be loaded: trainer.models.target_loading.complete_for_decoding).
     """
     from trainer.models.stages import feature_layers, plan_of, tap_columns
 
@@ -324,18 +327,30 @@ def target_context_features(
             break
         mapping = attention_mask if isinstance(attention_mask, dict) and s == 0 and doc_start is None else None
         x = stage_context_features(target, x.to(device, non_blocking=True), lo, hi, taps, out,
-                                   None if doc_start is None else doc_start.to(device, non_blocking=True), mapping)
+                                   None if doc_start is None else doc_start.to(device, non_blocking=True), mapping,
+                                   top=top if s == len(plan) - 1 else None)
     return out
+
+
+def last_hidden_buffer(target: torch.nn.Module, batch: int, length: int) -> torch.Tensor:
+    """An uninitialised [B, L, H] tensor for `target_context_features(top=...)`, on the last stage."""
+    from trainer.models.stages import plan_of
+
+    return torch.empty(batch, length, int(hf_config(target).hidden_size), dtype=input_embeddings(target).weight.dtype,
+                       device=plan_of(target).devices[-1])
 
 
 def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
                            out: torch.Tensor, doc_start: torch.Tensor | None = None,
                            mapping: dict | None = None,
-                           pending: list[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
+                           pending: list[tuple[int, torch.Tensor]] | None = None,
+                           top: torch.Tensor | None = None) -> torch.Tensor:
     """One stage of `target_context_features`: decoder layers lo..hi-1 on x's device (x: input ids when
     lo == 0, else the hidden states after layer lo-1), tapped outputs copied into `out`; returns the
     hidden states after layer hi-1. mapping: a prebuilt per-layer-type mask mapping, else built here
-    (causal, or per document when doc_start is given). pending: see trainer.models.stages.run_layers."""
+    (causal, or per document when doc_start is given). pending: see trainer.models.stages.run_layers.
+    top: the last stage of a model.loss kl run: also the layers from hi to the model's last and the
+    final norm, written into top [B, L, H] (see target_context_features)."""
     from trainer.models.stages import run_layers, stage_inputs
 
     model = base_model(target)
@@ -346,7 +361,12 @@ def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi
     elif mapping is None:
         mapping = packed_mask_mapping(model, doc_start)
     with _documents_apart(model, doc_start):
-        return run_layers(model, hidden, lo, hi, stage_inputs(model, hidden, mapping, doc_start), taps, out, pending)
+        inputs = stage_inputs(model, hidden, mapping, doc_start)
+        hidden = run_layers(model, hidden, lo, hi, inputs, taps, out, pending)
+        if top is not None:
+            above = run_layers(model, hidden, hi, len(model.layers), inputs, {}, out)  # pre-norm, as returned
+            top.copy_(model.norm(above))
+        return hidden
 
 
 def compile_decoder_layers(target: torch.nn.Module) -> int:

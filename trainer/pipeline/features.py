@@ -32,7 +32,8 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
 
 
 def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
-                          layer_ids: list[int], out: torch.Tensor | None, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+                          layer_ids: list[int], out: torch.Tensor | None, doc_start: torch.Tensor | None = None,
+                          top: torch.Tensor | None = None) -> torch.Tensor:
     """Like `trainer.models.target.target_context_features`, but writes the concatenation into `out`.
 
     The pipeline passes attention_mask=None: batches are right-padded and attention is causal,
@@ -40,7 +41,7 @@ def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, atte
     over as a prebuilt per-layer-type mapping of None, so SDPA runs with is_causal=True and
     transformers' mask builder (whose packed-sequence and all-ones checks each cost a host sync)
     is skipped. doc_start [B, L]: packed rows (causal per document, positions restart per
-    document; see trainer.data.packing)."""
+    document; see trainer.data.packing). top: the target's last hidden states too (model.loss kl)."""
     if attention_mask is None and doc_start is None:
         attention_mask = packed_mask_mapping(base_model(target), None)
-    return target_context_features(target, input_ids, attention_mask, layer_ids, doc_start, out=out)
+    return target_context_features(target, input_ids, attention_mask, layer_ids, doc_start, out=out, top=top)

@@ -94,7 +94,7 @@ FLOP_KEYS = ("target_real", "target_padded", "drafter_real", "drafter_padded", "
 
 
 def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mask: torch.Tensor,
-                      doc_start: torch.Tensor | None, blocks: Blocks) -> dict:
+                      doc_start: torch.Tensor | None, blocks: Blocks, kl: bool = False) -> dict:
     """Model FLOPs of one micro-batch, on real tokens and on everything computed (padding included).
 
     Real: the target over real tokens with attention inside each document (or each unpadded
@@ -102,7 +102,9 @@ def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mas
     its document's context before the anchor plus the block. Padded: the whole [B, L] shape
     (the pad tail of a packed row is one more document; an unpacked row is causal over its padded
     length) and every block slot, valid or not, through the projections, MLP and LM head (a
-    padding block sees nothing, so attention is the same). CPU tensors in, floats out."""
+    padding block sees nothing, so attention is the same). kl (model.loss reads the target's logits):
+    the target runs every layer, and its LM head runs once more on the drafter for each loss slot.
+    CPU tensors in, floats out."""
     b, length = attention_mask.shape
     real_len = attention_mask.sum(1).double()
     tokens_real = float(real_len.sum())
@@ -120,14 +122,21 @@ def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mas
     bs = drafter_cfg.block_size
     valid = blocks.valid.cpu()
     n_valid = float(valid.sum())
-    span = ((blocks.anchors.cpu() - blocks.starts.cpu()).double() + bs) * valid
-    pairs_slots = float(span.sum()) * bs
+    before = (blocks.anchors.cpu() - blocks.starts.cpu()).double()  # context before each anchor
+    # per layer: a sliding layer's slots see at most its window of that context; averaged over the layers
+    kinds = drafter_cfg.kinds() if hasattr(drafter_cfg, "kinds") else [(None, False)]
+    pairs_slots = sum(float(((before if w is None else before.clamp(max=w)) + bs).mul(valid).sum()) * bs
+                      for w, _ in kinds) / len(kinds)
     n_blocks = valid.numel()
-    layers = max(drafter_cfg.target_layer_ids) + 1  # features run the layers up to the last tapped one
+    # features run the layers up to the last tapped one; kl: all of them
+    layers = target_cfg.num_hidden_layers if kl else max(drafter_cfg.target_layer_ids) + 1
+    target_head = 2 * drafter_cfg.hidden_size * drafter_cfg.vocab_size * (bs - 1) if kl else 0.0  # per block
     return {
         "target_real": target_flops(target_cfg, tokens_real, pairs_real, layers),
         "target_padded": target_flops(target_cfg, b * length, pairs_padded, layers),
-        "drafter_real": drafter_flops(drafter_cfg, tokens_real, n_valid * bs, pairs_slots, n_valid * (bs - 1)),
-        "drafter_padded": drafter_flops(drafter_cfg, b * length, n_blocks * bs, pairs_slots, n_blocks * (bs - 1)),
+        "drafter_real": drafter_flops(drafter_cfg, tokens_real, n_valid * bs, pairs_slots, n_valid * (bs - 1))
+        + target_head * n_valid,
+        "drafter_padded": drafter_flops(drafter_cfg, b * length, n_blocks * bs, pairs_slots, n_blocks * (bs - 1))
+        + target_head * n_blocks,
         "tokens_real": tokens_real, "tokens_padded": float(b * length), "blocks_real": n_valid,
     }

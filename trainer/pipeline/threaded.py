@@ -38,10 +38,11 @@ from trainer.pipeline.workers import (
     TargetStage,
     TargetWorker,
     WorkerLinks,
+    split_features,
 )
 from trainer.run.config import TrainerConfig, target_replicas
 from trainer.run.control import Request
-from trainer.train.components import Components
+from trainer.train.components import Components, require_logits
 from trainer.train.loop import Trainer, autocast_for
 from trainer.train.optim import build_optimizer, build_scheduler, lr_factor
 
@@ -97,6 +98,9 @@ class ThreadedPipeline:
         self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
         self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan, cfg.model.dtype)
                         for plan in self.target_plans]
+        if c.objective.needs_target:  # model.loss kl: every replica runs its layers above the tapped ones
+            for target in self.targets[1:]:
+                require_logits(target, trainer.rd.log)
         self.replicas = build_replicas(cfg, c, self.drafter_devices)
         self.replica_keys = [str(d) if len(self.drafter_devices) == 1 else f"{d}#drafter{r}"
                              for r, d in enumerate(self.drafter_devices)]
@@ -117,6 +121,11 @@ class ThreadedPipeline:
         self.compiled_target = compiles_target(cfg, self.target_devices)
         self.step_flops: dict[int, dict] = {}  # FLOP and token counts by step, of the micro-batches built
         trainer.rd.update(gpus=sorted({d.index or 0 for d in self.devices() if is_cuda(d)}))
+
+    def top_width(self) -> int:
+        """Columns a feature slot holds after the features: the target's hidden size when the loss
+        reads its logits (its last hidden states, trainer.pipeline.workers.split_features), else 0."""
+        return int(hf_config(self.c.target).hidden_size) if self.c.objective.needs_target else 0
 
     def devices(self) -> list[torch.device]:
         return list(dict.fromkeys(self.target_devices + self.drafter_devices))
@@ -143,13 +152,20 @@ class ThreadedPipeline:
             ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
             return ids, None, torch.ones_like(ids, dtype=torch.bool)
 
+        width = len(layer_ids) * int(hf_config(c.target).hidden_size)
+        top_width = self.top_width()
+
         def features(t: int, ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
-            """The target workers' own calls (same mask path, stage by stage), so a compiled target meets
-            nothing new."""
+            """The target workers' own calls (same mask path, stage by stage, the same slot layout), so a
+            compiled target meets nothing new."""
             tdev = self.replica_devices[t]
+            target = self.targets[t]
+            out = torch.empty(*ids.shape, width + top_width, dtype=input_embeddings(target).weight.dtype,
+                              device=self.target_plans[t].devices[-1])
             with torch.inference_mode():
-                return pack_context_features(self.targets[t], ids.to(tdev), None, layer_ids, None,
-                                             None if doc_start is None else doc_start.to(tdev))
+                return pack_context_features(target, ids.to(tdev), None, layer_ids, out,
+                                             None if doc_start is None else doc_start.to(tdev),
+                                             top=out[..., width:] if top_width else None)
 
         for t in range(1, len(self.targets)):  # targets[0] is warmed with every drafter below
             if self.target_plans[t].devices not in [p.devices for p in self.target_plans[:t]]:
@@ -163,11 +179,13 @@ class ThreadedPipeline:
                 blocks = prepare_blocks(ids, loss_mask, self.anchors, cfg.model.block_size, c.gamma,
                                         c.drafter.config.mask_token_id, gen, doc_start).to(device)
                 feats = features(0, ids, doc_start).clone().to(device)
+                ctx, top = split_features(feats, c.objective, c.drafter.config.hidden_size)
                 replica = self.replicas[rank]
                 with autocast_for(str(device), cfg.model.dtype):
-                    loss, _, _ = drafter_loss_sums(replica.drafter, replica.head, feats, blocks, c.backend,
+                    loss, _, _ = drafter_loss_sums(replica.drafter, replica.head, ctx, blocks, c.backend,
                                                    cfg.model.loss_chunk,
-                                                   doc_start=None if doc_start is None else doc_start.to(device))
+                                                   doc_start=None if doc_start is None else doc_start.to(device),
+                                                   objective=c.objective, target_hidden=top)
                     loss.backward()
 
             self.guard.warm_up(self.replica_keys[rank], shapes, step)
@@ -247,7 +265,8 @@ class _Stages:
         def record(mb: MicroBatch) -> None:  # what each micro-batch holds, for checkpoints and the step metrics
             self.data_states[mb.index] = mb.data_state
             self.step_tokens[mb.step] = self.step_tokens.get(mb.step, 0) + mb.tokens
-            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks)
+            counts = micro_batch_flops(c.target.config, c.drafter.config, mb.attention_mask, mb.doc_start, mb.blocks,
+                                       kl=c.objective.needs_target)
             into = self.step_flops.setdefault(mb.step, dict.fromkeys(FLOP_KEYS, 0.0))
             for key, value in counts.items():
                 into[key] += value
@@ -259,9 +278,10 @@ class _Stages:
         self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
         width = len(layer_ids) * int(hf_config(c.target).hidden_size)
-        max_numel = max(b * s for b, s in p.warm.shapes()) * width
+        top_width = p.top_width()
+        max_numel = max(b * s for b, s in p.warm.shapes()) * (width + top_width)
         if not p.pad:
-            max_numel = max(max_numel, cfg.data.token_budget * width)
+            max_numel = max(max_numel, cfg.data.token_budget * (width + top_width))
         target_dtype = input_embeddings(c.target).weight.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
         self.target_workers: list[TargetWorker] = []
@@ -277,8 +297,8 @@ class _Stages:
                 stage = TargetStage(index=s, count=S, lo=lo, hi=last_layer if s == S - 1 else hi, taps=taps,
                                     next_device=None if s == S - 1 else plan.devices[s + 1])
                 outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
-                worker = TargetWorker(TargetSettings(rank=t, device=d, layer_ids=layer_ids, width=width, count=n,
-                                                     route=route), p.targets[t],
+                worker = TargetWorker(TargetSettings(rank=t, device=d, layer_ids=layer_ids, width=width,
+                                                     top_width=top_width, count=n, route=route), p.targets[t],
                                       self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool,
                                       WorkerLinks(stop=stop, busy=self.busy[d], guard=p.guard), stage)
                 pool = worker.free
@@ -292,7 +312,7 @@ class _Stages:
                                           loss_chunk=cfg.model.loss_chunk, autocast_dtype=p.autocast_dtype[d],
                                           max_norm=cfg.optim.grad_clip,
                                           first_step=first, total_steps=cfg.optim.total_steps, micro_batches=M,
-                                          log_every=cfg.run.log_every),
+                                          log_every=cfg.run.log_every, objective=c.objective),
                           p.replicas[r], reducer, self.feature_queues[r],
                           WorkerLinks(stop=stop, busy=self.busy[d], guard=p.guard),
                           self.accumulator if r == 0 else None, self.on_step_end if r == 0 else None, streams[r])

@@ -9,7 +9,7 @@ import torch
 
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.models.drafter import DFlashDrafter
-from trainer.models.objective import drafter_loss_sums
+from trainer.models.objective import CE_DECAY, Objective, drafter_loss_sums
 from trainer.models.stages import write_pending
 from trainer.models.target import FrozenHead, stage_context_features
 from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
@@ -54,6 +54,14 @@ class Features:
         self.owner.free.put(self.slot)
 
 
+def split_features(tensor: torch.Tensor, objective: Objective, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A feature slot's view [B, L, n*H (+ H)] as (context features, the target's last hidden states
+    or None): the second only when the objective reads the target's logits."""
+    if not objective.needs_target:
+        return tensor, None
+    return tensor[..., :-hidden], tensor[..., -hidden:]
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerLinks:
     """What every worker thread shares with the pipeline: the stop signal, its device's busy meter
@@ -70,6 +78,8 @@ class TargetSettings:
     device: torch.device
     layer_ids: list[int]
     width: int  # features per position: len(layer_ids) * hidden size
+    top_width: int = 0  # hidden size when the loss reads the target's logits (model.loss kl): its last
+    # hidden states ride in the slot after the features (`split_features`), written by the last stage
     count: int  # micro-batches this worker handles
     route: Callable[[int], int]  # micro-batch index -> drafter rank
 
@@ -157,12 +167,13 @@ class TargetWorker:
                         x = hop.hidden
                     pending = [] if st.first else hop.pending
                     doc_start = None if mb.doc_start is None else mb.doc_start.to(self.device, non_blocking=True)
-                    out = slot.view(x.shape[0], x.shape[1], self.s.width)
+                    out = slot.view(x.shape[0], x.shape[1], self.s.width + self.s.top_width)
+                    top = out[..., self.s.width:] if st.last and self.s.top_width else None
 
                     def forward(x: torch.Tensor = x, out: torch.Tensor = out, doc_start: torch.Tensor | None = doc_start,
-                                pending: list = pending) -> torch.Tensor:
+                                pending: list = pending, top: torch.Tensor | None = top) -> torch.Tensor:
                         return stage_context_features(self.target, x, st.lo, st.hi, st.taps, out, doc_start,
-                                                      pending=pending)
+                                                      pending=pending, top=top)
 
                     # packed rows / compile_target: the target runs compiled code too
                     hidden = self.links.guard.run_warmed(self.key, tuple(x.shape[:2]), forward)
@@ -190,6 +201,7 @@ class DrafterSettings:
     total_steps: int
     micro_batches: int  # per optimizer step, over all replicas
     log_every: int
+    objective: Objective = CE_DECAY  # trainer.models.objective; kl: the features carry the target's last hidden states
 
 
 @dataclass(kw_only=True)
@@ -232,6 +244,7 @@ class DrafterWorker:
         ctx = feats.tensor if same_device else feats.tensor.to(self.device, non_blocking=True)
         if not same_device:
             feats.release(stream)
+        ctx, top = split_features(ctx, self.s.objective, self.drafter.config.hidden_size)
         blocks = feats.mb.blocks.to(self.device)
         doc_start = None if feats.mb.doc_start is None else feats.mb.doc_start.to(self.device, non_blocking=True)
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
@@ -240,7 +253,7 @@ class DrafterWorker:
         def forward_backward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             with autocast:
                 sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk,
-                                         doc_start=doc_start)
+                                         doc_start=doc_start, objective=self.s.objective, target_hidden=top)
                 sums[0].backward()
             return sums
 

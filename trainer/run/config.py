@@ -58,11 +58,37 @@ class TargetConfig:
 
 
 @dataclass
+class DrafterShapeConfig:
+    """The drafter's own architecture (docs/engine-vllm.md: what each engine serves). Unset: the
+    2025 layout (every layer full attention, non-causal inside the block, no sinks) with the
+    target's heads, KV heads, head_dim and MLP width; the hidden size is always the target's.
+    With model.drafter_init the draft's config.json decides, and what is set here must agree."""
+
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None  # per drafter layer
+    sliding_window: int | None = None  # window of the sliding_attention layers (needed with any)
+    causal: bool | list[bool] | None = None  # inside the block: all layers, or per layer; default: the sliding layers (vLLM's reading)
+    num_attention_heads: int | None = None  # default: the target's
+    num_key_value_heads: int | None = None  # default: the target's (or num_attention_heads)
+    head_dim: int | None = None  # default: the target's
+    intermediate_size: int | None = None  # MLP width; default: the target's intermediate_size
+    attention_sink: bool | None = None  # a learned per-head attention-sink logit on every layer (vLLM: attention_sink_bias)
+
+
+@dataclass
+class LossMix:
+    """model.loss as a mapping: a·CE + b·KL (docs/objectives.md)."""
+
+    ce: float = 0.0  # weight of cross-entropy on the data's tokens
+    kl: float = 0.0  # weight of forward KL to the target's next-token distribution
+
+
+@dataclass
 class ModelConfig:
     """The target and the DFlash drafter."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter_layers: int = 5  # decoder layers of the drafter (5 for a Qwen3-8B target)
+    drafter_layers: int = 5  # decoder layers of the drafter (5 for a Qwen3-8B target); default with drafter.layer_types or drafter_init: theirs
+    drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)  # the drafter's own architecture
     block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
@@ -71,6 +97,13 @@ class ModelConfig:
     attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
     gamma: float | None = None  # loss decay; default 7 (block 16), 5 (10), 4 (8)
+    # the objective (docs/objectives.md): ce = cross-entropy on the data's tokens (the DFlash recipe);
+    # kl = forward KL to the target's next-token distribution at each block position (runs the target's
+    # layers above the last tapped one and its head); {ce: a, kl: b} = a·CE + b·KL
+    loss: Literal["ce", "kl"] | LossMix = "ce"
+    kl_temperature: float = 1.0  # softens target and drafter in the KL term (scaled by T²)
+    position_weight: Literal["decay", "dpace"] = "decay"  # decay: exp(-(k-1)/gamma); dpace: D-PACE weights from the drafter's own confidence (detached)
+    dpace_alpha: float = 0.5  # D-PACE's smoothing floor, in (0, 1]
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
     # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only).
     # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
@@ -393,9 +426,17 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
     check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
     check(c.model.loss_chunk >= 1, ("model", "loss_chunk"), "must be positive")
+    check(c.model.gamma is None or c.model.gamma > 0, ("model", "gamma"), "must be positive")
+    if isinstance(c.model.loss, LossMix):
+        mix = c.model.loss
+        check(mix.ce >= 0 and mix.kl >= 0 and mix.ce + mix.kl > 0, ("model", "loss"),
+              f"needs non-negative weights, not all zero (got ce {mix.ce:g}, kl {mix.kl:g})")
+    check(c.model.kl_temperature > 0, ("model", "kl_temperature"), "must be positive")
+    check(0 < c.model.dpace_alpha <= 1, ("model", "dpace_alpha"), "must be in (0, 1]")
     if c.model.target_layer_ids is not None:
         check(len(c.model.target_layer_ids) == c.model.num_target_layers, ("model", "target_layer_ids"),
               "must list num_target_layers ids")
+    _validate_drafter(c, raw, source, check)
     check(c.data.synthetic is not None or c.data.train_path is not None, ("data",),
           "needs train_path or synthetic")
     for key in ("train_path", "eval_path"):
@@ -412,9 +453,11 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
     check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
     if t.path is not None:  # a directory on this machine: its family decides
-        from trainer.run.family import family_of_dir
+        from trainer.run.family import family_of_dir, installed_transformers, transformers_refusal
 
         family = family_of_dir(t.path)
+        refusal = family and transformers_refusal(family.model_type, installed_transformers())
+        check(not refusal, ("model", "target", "path"), f"{t.path}: {refusal}")
         check(family is None or family.quantization_refusal is None, ("model", "target", "path"),
               f"{t.path}: {family.quantization_refusal if family else ''}")
         check(not c.data.pack_length or family is None or family.pack_refusal is None, ("data", "pack_length"),
@@ -467,6 +510,90 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check(c.distributed.timeout_s > 0, ("distributed", "timeout_s"), "must be positive")
     check(0 < c.distributed.peer_timeout_s <= 25, ("distributed", "peer_timeout_s"),
           "must be in (0, 25] (a lost host must stop the others within 30 s)")
+
+
+SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> None:
+    """model.drafter, and model.drafter_init's own architecture (which decides: the keys set here must
+    agree). Fills model.drafter / drafter_layers from the draft so `plan` and doctor size it."""
+    from trainer.models.layout import LayoutError, causal_refusal, default_causal, resolve_published
+
+    d, m = c.model.drafter, c.model
+    model_raw = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}
+    layers_given = "drafter_layers" in model_raw
+    if m.drafter_init is not None:
+        path = Path(m.drafter_init).expanduser() / "config.json"
+        if path.is_file():
+            import json
+
+            try:
+                published = json.loads(path.read_text())
+                layout = resolve_published(published, str(path))
+            except (ValueError, OSError) as e:
+                message = str(e) if isinstance(e, LayoutError) else f"{path}: {e}"
+                check(False, ("model", "drafter_init"), f"cannot be trained as served: {message}")
+                return
+            n = published["num_hidden_layers"]
+            theirs: dict[str, Any] = {
+                "drafter_layers": n, "layer_types": layout.layer_types or ["full_attention"] * n,
+                "sliding_window": layout.sliding_window, "causal": layout.causal or [False] * n,
+                "attention_sink": layout.attention_sink,
+                "num_attention_heads": published.get("num_attention_heads"),
+                "num_key_value_heads": published.get("num_key_value_heads", published.get("num_attention_heads")),
+                "head_dim": published.get("head_dim") or published["hidden_size"] // published["num_attention_heads"],
+                "intermediate_size": published.get("intermediate_size")}
+            ours: dict[str, Any] = {k: getattr(d, k) for k in ("layer_types", "sliding_window", "attention_sink",
+                                                                *SHAPE_FIELDS) if getattr(d, k) is not None}
+            if d.causal is not None:
+                ours["causal"] = [d.causal] * n if isinstance(d.causal, bool) else d.causal
+            if layers_given:
+                ours["drafter_layers"] = m.drafter_layers
+            differ = [f"{'model.' if k == 'drafter_layers' else 'model.drafter.'}{k} {v!r} (the draft: {theirs[k]!r})"
+                      for k, v in ours.items() if v != theirs[k]]
+            check(not differ, ("model", "drafter_init"),
+                  f"{m.drafter_init}: the draft's own config decides its architecture, and this config differs: "
+                  + "; ".join(differ))
+            m.drafter_layers = n
+            for k in ("layer_types", "sliding_window", "causal", "attention_sink", *SHAPE_FIELDS):
+                setattr(d, k, theirs[k] if k != "layer_types" or layout.layer_types else None)
+            if layout.layer_types is None:
+                d.sliding_window = None
+            return
+    if d.layer_types is not None:
+        if not layers_given:
+            m.drafter_layers = len(d.layer_types)
+        check(len(d.layer_types) == m.drafter_layers, ("model", "drafter", "layer_types"),
+              f"lists {len(d.layer_types)} layers, model.drafter_layers is {m.drafter_layers}")
+    sliding = "sliding_attention" in (d.layer_types or [])
+    check(not sliding or d.sliding_window is not None, ("model", "drafter", "layer_types"),
+          "has sliding_attention layers: model.drafter.sliding_window is needed")
+    check(d.sliding_window is None or sliding, ("model", "drafter", "sliding_window"),
+          "is set, but no layer of model.drafter.layer_types is sliding_attention")
+    check(d.sliding_window is None or d.sliding_window >= 1, ("model", "drafter", "sliding_window"), "must be positive")
+    if isinstance(d.causal, list):
+        check(len(d.causal) == m.drafter_layers, ("model", "drafter", "causal"),
+              f"lists {len(d.causal)} layers, the drafter has {m.drafter_layers}")
+        refusal = causal_refusal(d.layer_types, d.causal, m.drafter_layers)
+        check(refusal is None, ("model", "drafter", "causal"), f"cannot be served: {refusal}")
+    for key in SHAPE_FIELDS:
+        value = getattr(d, key)
+        check(value is None or value >= 1, ("model", "drafter", key), "must be positive")
+    check(d.head_dim is None or d.head_dim % 2 == 0, ("model", "drafter", "head_dim"), "must be even (RoPE)")
+    if d.num_attention_heads is not None and d.num_key_value_heads is not None:
+        check(d.num_attention_heads % d.num_key_value_heads == 0, ("model", "drafter", "num_key_value_heads"),
+              f"must divide num_attention_heads ({d.num_attention_heads})")
+    if d.causal is None and sliding:
+        d.causal = default_causal(d.layer_types, m.drafter_layers)
+
+
+def drafter_own(c: ModelConfig) -> dict[str, Any]:
+    """model.drafter as DrafterConfig fields (trainer.models.drafter.DrafterConfig.from_target's `own`)."""
+    d = c.drafter
+    causal = [d.causal] * c.drafter_layers if isinstance(d.causal, bool) else d.causal
+    return {"layer_types": d.layer_types, "sliding_window": d.sliding_window, "causal": causal,
+            "attention_sink": bool(d.attention_sink), **{k: getattr(d, k) for k in SHAPE_FIELDS}}
 
 
 def config_to_dict(config: Any) -> dict:

@@ -40,6 +40,7 @@ STATUS_FIELDS = (
     ("tau_lookup", float),  # n-gram prompt lookup's tau on the same prompts
     ("tau_ratio", float),  # tau / tau_lookup
     ("tau_by_length", dict),  # {bucket: {prompts, tau, tau_lookup}} per PROMPT_LENGTH_BUCKETS, buckets with prompts
+    ("acceptance", list),  # the last evaluation's share of rounds accepting draft position k, k = 1..block-1
     ("tokens_per_s", float),
     ("tokens_per_s_steady", float),
     ("pad_share", float),

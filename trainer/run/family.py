@@ -17,7 +17,9 @@ many parameters (so bytes) the target holds.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,17 @@ SUPPORTED = {
 ATTENTION = {
     "gpt_oss": ("eager", "attention sinks: transformers' SDPA path has none for gpt-oss"),
 }
+# The oldest transformers the trainer runs with (pyproject's trainer extra and trainer/requirements.txt
+# declare the same; tests/trainer/test_dependency_floors.py holds them equal), and, where a family needs a
+# newer one, that family's own minimum. Both are checked at config load (`transformers_refusal`). The
+# deps_floor tier (.ci/deps-venv) trains every family under each of these versions and under the newest.
+TRANSFORMERS_FLOOR = "5.5"  # 5.5: transformers.cache_utils.LinearAttentionCacheLayerMixin (τ on a model's cache)
+# Linear-attention models (Qwen3.5, Qwen3-Next) take a per-layer-type mask mapping (the trainer's packed
+# and τ masks) from 5.13 on (before: 'dict' object has no attribute 'ndim'), and 5.13's linear-attention
+# cache layers hold their states in a layout τ's per-row restore does not match (a size mismatch): 5.14.
+_LINEAR_MIN = "5.14"
+TRANSFORMERS_MIN = {"qwen3_5": _LINEAR_MIN, "qwen3_5_text": _LINEAR_MIN, "qwen3_5_moe": _LINEAR_MIN,
+                    "qwen3_5_moe_text": _LINEAR_MIN, "qwen3_next": _LINEAR_MIN}
 LINEAR_MIXER = "linear_attn"  # the decoder layer's attribute holding a linear-attention layer
 # Quantized checkpoints the loader reads (quantization_config.quant_method), and how; any other is
 # refused by name: its tensors cast as plain weights would be wrong without a word.
@@ -188,6 +201,43 @@ def read_family(config: dict) -> Family:
                   params=_params(c, kinds, moe_layers, experts), attn_implementation=impl, attn_reason=reason,
                   pack_refusal=refusal, dims=dims,
                   quantization=(config.get("quantization_config") or {}).get("quant_method"))
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string: "5.13.0.dev0" -> (5, 13, 0), "2.13.0+cpu" -> (2, 13, 0)."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
+
+
+def installed_transformers() -> str | None:
+    """The version of transformers this python would import (package metadata: nothing imported), or None."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def transformers_minimum(model_type: str) -> str:
+    """The oldest transformers a target of this model_type trains with: its family's own, else the floor."""
+    return TRANSFORMERS_MIN.get(model_type, TRANSFORMERS_FLOOR)
+
+
+def transformers_refusal(model_type: str, installed: str | None) -> str | None:
+    """One line where the installed transformers is older than this family needs, else None (also when
+    transformers is not installed here: the operator's side reads configs of runs elsewhere)."""
+    need = transformers_minimum(model_type)
+    if installed is None or version_tuple(installed) >= version_tuple(need):
+        return None
+    if model_type in TRANSFORMERS_MIN:
+        return f"{SUPPORTED[model_type].split(' (')[0]} targets need transformers >= {need} (installed: {installed})"
+    return f"the trainer needs transformers >= {need} (installed: {installed})"
 
 
 def family_of_dir(path: str | Path) -> Family | None:

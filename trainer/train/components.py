@@ -19,6 +19,7 @@ from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.hf import base_model, hf_config
 from trainer.models.masks import resolve_backend
 from trainer.models.memory_plan import drafter_checkpointing
+from trainer.models.objective import Objective, base_gamma, objective_of
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
@@ -31,8 +32,8 @@ from trainer.models.target import (
     target_family,
     tiny_target,
 )
-from trainer.models.target_loading import load_staged, meta_model, place, stage_plan
-from trainer.run.config import TrainerConfig, data_paths, default_gamma, target_replicas, template_kwargs
+from trainer.models.target_loading import complete_for_decoding, load_staged, meta_model, place, stage_plan
+from trainer.run.config import TrainerConfig, data_paths, default_gamma, drafter_own, target_replicas, template_kwargs
 from trainer.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ class Components:
     train_data: PreloadedDataset | PackedDataset  # PackedDataset when data.pack_length is set
     eval_conversations: list[dict]
     eval_data: PreloadedDataset
-    gamma: float
+    gamma: float  # what the blocks' base weights are built with (trainer.models.objective.base_gamma)
+    objective: Objective  # model.loss, kl_temperature, position_weight (trainer.models.objective)
     target_device: str
     drafter_device: str
     backend: str  # the drafter's attention kernel: "flex" | "sdpa" (trainer.models.masks.resolve_backend)
@@ -194,9 +196,17 @@ def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | 
 
 def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
     layer_ids = target_layer_ids(cfg, num_layers(target))
-    dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     mask_token_id, layer_ids)
-    weights = published_init(cfg.model.drafter_init, dcfg) if cfg.model.drafter_init else None
+    published = read_init(cfg.model.drafter_init) if cfg.model.drafter_init else None
+    if published is None:
+        dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
+                                         mask_token_id, layer_ids, **drafter_own(cfg.model))
+        weights = None
+    else:  # the draft's own config decides its architecture (model.drafter agreed at config load)
+        fields, weights = published
+        own = {k: fields[k] for k in OWN_FIELDS}
+        dcfg = DrafterConfig.from_target(target.config, fields["num_hidden_layers"], cfg.model.block_size,
+                                         mask_token_id, layer_ids, **own)
+        check_init(cfg, fields, dcfg)
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
@@ -207,29 +217,53 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     return drafter.float().train()
 
 
-def published_init(path: str, dcfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """model.drafter_init: the weights of a published-format draft (trainer.models.export.read_published)
-    after checking that it is the drafter this run builds for its target: hidden size, vocab, the
-    tapped target layers, the drafter's depth and shape, the mask token. Every mismatch is named
-    in one error (block_size is not a weight: the run's own applies)."""
+# the draft's own architecture, as read_published gives it (DrafterConfig fields)
+OWN_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
+              "sliding_window", "causal", "attention_sink", "mask_embedding")
+
+
+def read_init(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     from trainer.models.export import read_published
     from trainer.run.config import ConfigError
 
     try:
-        fields, weights = read_published(path)
+        return read_published(path)
     except ValueError as e:
         raise ConfigError(f"model.drafter_init: {e}") from None
+
+
+def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
+    """model.drafter_init against this run: the target's hidden size and vocab, the tapped target
+    layers, the mask token, and what model.drafter / drafter_layers set (the draft decides, they must
+    agree). Every mismatch is named in one error (block_size is not a weight: the run's own applies)."""
+    from trainer.run.config import ConfigError
+
+    path = cfg.model.drafter_init
     want = {**dcfg.to_dict(), "num_target_layers": fields.get("num_target_layers") or dcfg.num_target_layers}
     names = {"hidden_size": "hidden size (the target's)", "vocab_size": "vocab (the target's)",
              "target_layer_ids": "target layer ids (model.target_layer_ids)",
-             "num_target_layers": "target layers", "num_hidden_layers": "drafter layers (model.drafter_layers)",
-             "num_attention_heads": "attention heads", "num_key_value_heads": "key/value heads",
-             "head_dim": "head_dim", "intermediate_size": "MLP width", "mask_token_id": "mask token (model.mask_token_id)"}
+             "num_target_layers": "target layers", "mask_token_id": "mask token (model.mask_token_id)"}
     problems = [f"{label} {fields[key]} (this run: {want[key]})" for key, label in names.items()
                 if fields.get(key) != want[key]]
+    own = {k: v for k, v in drafter_own(cfg.model).items() if v is not None}
+    own.pop("attention_sink", None) if not cfg.model.drafter.attention_sink else None
+    problems += [f"model.drafter.{k} {v!r} (the draft: {fields[k]!r})" for k, v in own.items()
+                 if k != "causal" and v != fields[k]]
+    if own.get("causal") is not None and own["causal"] != (fields["causal"] or [False] * dcfg.num_hidden_layers):
+        problems.append(f"model.drafter.causal {own['causal']} (the draft: {fields['causal']})")
     if problems:
         raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
-    return weights
+
+
+def require_logits(target: torch.nn.Module, log: Callable[[str], None]) -> None:
+    """model.loss kl reads the target's logits: its layers above the last tapped one, its final norm
+    and LM head, loaded onto the last stage now (training alone would leave them unread)."""
+    from trainer.models.stages import plan_of
+    from trainer.run.config import ConfigError
+
+    if not complete_for_decoding(target, plan_of(target), log):
+        raise ConfigError("model.loss: kl needs the target's layers above the last tapped one, its final norm "
+                          "and LM head, and the model directory lacks some; use loss: ce")
 
 
 def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:
@@ -268,11 +302,15 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
             f"(model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): their forward runs again in backward, "
             "their activations are not kept")
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    objective = objective_of(cfg.model)
+    if objective.needs_target:
+        require_logits(target, log)
+    log(f"objective: {objective.describe()}")
     return Components(
         tokenizer=tokenizer, target=target, head=FrozenHead.from_target(target, drafter_device), drafter=drafter,
         optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.optim), train_data=train_data,
         eval_conversations=eval_conv, eval_data=eval_data,
-        gamma=cfg.model.gamma or default_gamma(cfg.model.block_size),
+        gamma=base_gamma(objective, cfg.model.gamma or default_gamma(cfg.model.block_size)), objective=objective,
         target_device=target_replicas(cfg.devices)[0][0], drafter_device=drafter_device,
         backend=resolve_backend(cfg.model.attention, drafter_device, needs_grad=True),
     )

@@ -34,7 +34,7 @@ from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums
 from trainer.models.stages import plan_of
-from trainer.models.target import target_context_features
+from trainer.models.target import last_hidden_buffer, target_context_features
 from trainer.models.target_loading import complete_for_decoding
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import ConfigError, TrainerConfig, dump_config, target_replicas, template_kwargs
@@ -93,15 +93,17 @@ def make_blocks(cfg: TrainerConfig, c: Components, input_ids: torch.Tensor, loss
 
 def forward(cfg: TrainerConfig, c: Components, input_ids: torch.Tensor, attention_mask: torch.Tensor, blocks: Blocks,
             doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target features, then the drafter's loss sums (loss, weight, correct). doc_start: packed
-    rows (trainer.data.packing), else None."""
+    """Target features (and, when the loss reads the target's logits, its last hidden states), then
+    the drafter's loss sums (loss, weight, correct). doc_start: packed rows (trainer.data.packing), else None."""
+    top = last_hidden_buffer(c.target, *input_ids.shape) if c.objective.needs_target else None
     feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),
                                     c.drafter.config.target_layer_ids,
-                                    None if doc_start is None else doc_start.to(c.target_device))
+                                    None if doc_start is None else doc_start.to(c.target_device), top=top)
     feats = feats.to(c.drafter_device, non_blocking=True)
     with autocast_for(c.drafter_device, cfg.model.dtype):
         return drafter_loss_sums(c.drafter, c.head, feats, blocks, c.backend, cfg.model.loss_chunk,
-                                 doc_start=doc_start)
+                                 doc_start=doc_start, objective=c.objective,
+                                 target_hidden=None if top is None else top.to(c.drafter_device, non_blocking=True))
 
 
 def error_record(exc: BaseException) -> dict:
@@ -199,7 +201,7 @@ class Trainer:
                                        c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
                                        template_kwargs=template_kwargs(self.cfg.data))
         else:  # the model directory holds only the layers training runs
-            report = {"tau": None, "tau_per_prompt": None, "samples": 0}
+            report = {"tau": None, "tau_per_prompt": None, "acceptance": None, "samples": 0}
         data = c.eval_data
         batches, _ = data.plan_epoch(0)
         gen = torch.Generator().manual_seed(0)

@@ -61,18 +61,20 @@ class Metrics:
         not measured) and acc."""
         self.rd.event("eval", step, **result)
         self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"], tau_lookup=result.get("tau_lookup"),
-                       tau_ratio=result.get("tau_ratio"), tau_by_length=result.get("tau_by_length"))
+                       tau_ratio=result.get("tau_ratio"), acceptance=result.get("acceptance"),
+                       tau_by_length=result.get("tau_by_length"))
         if result["tau"] is None:  # not measured: the target holds only the layers training runs
             self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
         else:
             lookup = (f"; n-gram prompt lookup {result['tau_lookup']:.2f}, ratio {result['tau_ratio']:.2f}x"
                       if result.get("tau_ratio") is not None else "")
+            accepted = (f", accepted by position {' '.join(f'{a:.2f}' for a in result['acceptance'])}"
+                        if result.get("acceptance") else "")
             self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
-                        f"{result['tau_per_prompt']:.2f}{lookup}), acc {result['acc']:.3f}, "
+                        f"{result['tau_per_prompt']:.2f}{lookup}){accepted}, acc {result['acc']:.3f}, "
                         f"{result['samples']} conversations")
             if result.get("tau_by_length"):
                 self.rd.log(f"eval step {step}: tau by prompt length: {tau_by_length_text(result['tau_by_length'])}")
-
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -1,0 +1,57 @@
+"""bench/quality_objectives.py: the second prompt set, the table and its verdict, and (slow) the
+tiny preset end to end on CPU."""
+import json
+
+import pytest
+
+from bench import quality_objectives as qo
+
+
+def test_code_prompts_are_signatures_with_docstrings_and_deterministic():
+    prompts = qo.code_prompts(50, 7)
+    assert prompts == qo.code_prompts(50, 7) and prompts != qo.code_prompts(50, 8)
+    for p in prompts:
+        user, assistant = p["messages"]
+        assert user["role"] == "user" and assistant == {"role": "assistant", "content": ""}
+        text = user["content"]
+        assert text.startswith("def ") and ") -> " in text and text.count('"""') == 2 and "Args:" in text
+    assert len({p["messages"][0]["content"] for p in prompts}) == 50
+
+
+def run(tau, code, steps=10):
+    return {"tau": tau, "tau_code": code, "tau_ratio": tau / 2, "steps": steps, "acceptance": [tau - 1, 0.0],
+            "tokens_per_s_steady": 100.0}
+
+
+def test_the_table_gives_each_objective_its_seed_spread_and_the_verdict_needs_more_than_it():
+    rows = {"ce+decay": [run(3.0, 2.0), run(3.2, 2.1), run(3.1, 2.2)],
+            "ce+dpace": [run(3.2, 2.1), run(3.3, 2.0), run(3.25, 2.2)],  # +0.15: inside the 0.2 range
+            "kl": [run(3.6, 2.1), run(3.7, 2.0), run(3.65, 2.15)]}  # +0.55 held-out: beyond it
+    table = qo.summarise(rows, {"ce+decay": 0.010, "ce+dpace": 0.0102, "kl": 0.0125})
+    assert table["ce+decay"]["tau"]["mean"] == pytest.approx(3.1)
+    assert table["ce+decay"]["tau"]["std"] == pytest.approx(0.1)
+    assert (table["ce+decay"]["tau"]["min"], table["ce+decay"]["tau"]["max"]) == (3.0, 3.2)
+    assert table["kl"]["step_cost"] == pytest.approx(0.25) and table["ce+decay"]["step_cost"] == 0
+    assert table["kl"]["acceptance"] == pytest.approx([2.65, 0.0])
+    held, code = qo.verdict(table)
+    assert held.startswith("held-out: kl (+0.550") and "ce+dpace" not in held
+    assert code == "code prompts: no objective beats ce+decay beyond the seed spread: keep the default"
+    assert "| kl | [10, 10, 10] | 3.650 ± 0.050 (3.600-3.700) |" in qo.markdown(
+        {"table": table, "verdict": [held, code], "command": "c", "train_convs": 1, "heldout_prompts": 1,
+         "code_prompts": 1, "preset": {"quality": "tiny", "seeds": [0, 1, 2], "code_new_tokens": 8}})
+
+
+@pytest.mark.slow
+def test_tiny_objectives_bench_runs_every_objective_and_seed(tmp_path):
+    r = qo.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "seeds=[0, 1]"])
+    assert set(r["table"]) == set(qo.OBJECTIVES) and set(r["timing"]) == set(qo.OBJECTIVES)
+    for name, runs in r["runs"].items():
+        assert [x["seed"] for x in runs] == [0, 1]
+        for x in runs:
+            assert x["exit"] == 0 and x["tau"] >= 1.0 and x["tau_code"] >= 1.0, (name, x)
+            assert len(x["acceptance"]) == 15
+        assert r["table"][name]["tau"]["n"] == 2 and r["table"][name]["step_s"] > 0
+    logs = {name: (tmp_path / "runs-objectives" / f"{name}-seed-0" / "train.log").read_text() for name in qo.OBJECTIVES}
+    assert "objective: kl, decay" in logs["kl"] and "objective: ce, dpace" in logs["ce+dpace"]
+    assert len(r["verdict"]) == 2 and "| ce+kl |" in (tmp_path / "objectives.md").read_text()
+    assert json.loads((tmp_path / "objectives.json").read_text())["code_prompts"] == 4

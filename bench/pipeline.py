@@ -8,6 +8,15 @@
     PYTHONPATH=. python bench/pipeline.py --mix lognormal --min-len 64 --modes packed packed+ct all --cli-steps 24
                                                                        # issue #29: one run, CLI included
 
+Issue #35, long rows: each --pack-length once per --checkpoint-drafter choice (model.checkpoint_drafter
+off/on/auto), steps sized by --tokens-per-mode so a 64K row takes no longer than an 8K one; a
+measurement the memory plan refuses is skipped and named (64K not checkpointed on one H200), so is an
+auto that resolves to what off or on measured already; each row's tokens/s over the shortest rows'
+(x_shortest), its peak and the plan's over it:
+
+    PYTHONPATH=. python bench/pipeline.py --modes all --no-save --pack-length 65536 8192 32768 16384 \
+        --checkpoint-drafter off on auto --tokens-per-mode 131072 --stage-micro 2 --budget-s 480 --out $OUT/long.json
+
 Issue #29's modes: `packed` (the drafter's previous per-op path, eager target), `packed+ct` (with
 model.compile_target), `all` (compiled target, the drafter's fused layer regions and bf16 weight
 copies made once per step, and a periodic checkpoint halfway through the run, written in the
@@ -100,6 +109,7 @@ model:
   mask_token_id: %(mask)d
   compile_target: %(ct)s
   fuse_drafter: %(fuse)s
+  checkpoint_drafter: %(ckpt_drafter)s
   drafter: {%(drafter)s}
 data:
   synthetic: {n_train: 1}
@@ -111,7 +121,7 @@ data:
   pack_length: %(pack_length)d
   pack_rows: %(pack_rows)d
 optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0}
-devices: {target: [%(targets)s], drafter: [%(drafters)s]}
+devices: {target: [%(targets)s], drafter: [%(drafters)s], memory_gib: %(memory_gib)s}
 run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10, checkpoint_every: %(ckpt)d, keep_checkpoints: 1}
 pipeline: {kind: threaded, pad_to_warm_shapes: always}
 """
@@ -242,17 +252,21 @@ def drafter_layout(name, layers, window):
     return len(types), f"layer_types: [{', '.join(types)}], sliding_window: {window}"
 
 
-def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", precision="bf16", drafter_layers=None):
-    """precision: the config's model.target.precision (the memory plan counts FP8 weights at 1 byte;
-    the target itself is quantized by main). On the CPU (--tiny) the config stays bf16: fp8 is refused
-    there at config load, and the bench runs the quantized tiny target to test its own code."""
-    rank = mode.endswith("/rank")
+CHECKPOINT_DRAFTER = {"auto": "auto", "on": "true", "off": "false"}  # --checkpoint-drafter -> model.checkpoint_drafter
+
+
+def bench_config(args, mode, target, pack_length=0, variant="whole", precision="bf16", drafter_layers=None,
+                 ckpt_drafter="auto"):
+    """The trainer config of one measurement. precision: the config's model.target.precision (the memory
+    plan counts FP8 weights at 1 byte; the target itself is quantized by main). On the CPU (--tiny) the
+    config stays bf16: fp8 is refused there at config load, and the bench runs the quantized tiny target
+    to test its own code. ckpt_drafter: --checkpoint-drafter's choice (model.checkpoint_drafter)."""
     drafter_layers = drafter_layers or (2 if args.tiny else 5)
     mode = mode.removesuffix("/rank")
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
     layers, drafter_yaml = drafter_layout(getattr(args, "layout", "full"), drafter_layers, args.sliding_window)
-    cfg = parse_config(CONFIG % dict(
+    return parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),
         layers=layers, drafter=drafter_yaml, dtype="fp32" if tiny else "bf16", mask=mask_id(args, target.config),
@@ -260,8 +274,17 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
         budget=max(args.token_budget or args.max_len, args.max_len), edges=", ".join(map(str, edges)),
         pack_length=pack_length if mode != "bucketed" else 0, pack_rows=args.pack_rows,
         ct="true" if mode in ("packed+ct", "all") else "false", fuse="true" if mode == "all" else "false",
-        ckpt=max(args.steps // 2, 1) if mode == "all" else 0,
+        ckpt=max(args.steps // 2, 1) if mode == "all" and not args.no_save else 0,
+        ckpt_drafter=CHECKPOINT_DRAFTER[ckpt_drafter], memory_gib="null" if args.memory_gib is None else args.memory_gib,
         targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
+
+
+def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", precision="bf16", drafter_layers=None,
+          ckpt_drafter="auto"):
+    rank = mode.endswith("/rank")
+    mode = mode.removesuffix("/rank")
+    edges = args.bucket_edges or [args.max_len]
+    cfg = bench_config(args, mode, target, pack_length, variant, precision, drafter_layers, ckpt_drafter)
     ddev = args.drafter[0]
     drafter = build_drafter(cfg, target, cfg.model.mask_token_id, ddev)
     from trainer.models.target_loading import place, stage_plan
@@ -503,14 +526,15 @@ def plan_against_peak(cfg, devices, model_config=None):
 
 
 def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", precision="bf16",
-             drafter_layers=None):
+             drafter_layers=None, ckpt_drafter="auto"):
     """One mode end to end: warm-up, the threaded pipeline, each stage alone; returns its figures."""
     with untruncated() if variant == "untruncated" else contextlib.nullcontext():
-        return _run_mode(args, mode, target, samples, results, pack_length, variant, precision, drafter_layers)
+        return _run_mode(args, mode, target, samples, results, pack_length, variant, precision, drafter_layers,
+                         ckpt_drafter)
 
 
 def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", precision="bf16",
-              drafter_layers=None):
+              drafter_layers=None, ckpt_drafter="auto"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
     out = {"precision": precision, "drafter_layers": drafter_layers or (2 if args.tiny else 5)}
     experts = getattr(target.config, "_experts_implementation", None) if getattr(target.config, "num_experts", 0) else None
@@ -518,8 +542,10 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         out["experts"] = experts
     began = time.time()
     # the threaded pipeline, replicas built
-    tr = build(args, run_dir, mode, target, samples, pack_length, variant, precision, drafter_layers)
+    tr = build(args, run_dir, mode, target, samples, pack_length, variant, precision, drafter_layers, ckpt_drafter)
     out["build_s"] = round(time.time() - began, 1)
+    out["checkpoint_drafter"] = int(tr.replicas[0].drafter.checkpoint_layers)  # layers checkpointed
+    out["steps_planned"] = args.steps
     devices = tr.devices()
     for d in devices:
         if torch.device(d).type == "cuda":
@@ -598,6 +624,35 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def long_rows(summary):
+    """#35's figure: each packed measurement's tokens/s over the shortest rows' of its mode and target
+    (x_shortest; the shortest with the fewest drafter layers checkpointed), when the run measured
+    several row lengths."""
+    lengths = {v["pack_length"] for v in summary.values() if v.get("pack_length")}
+    if len(lengths) < 2:
+        return
+    for key, v in summary.items():
+        if not v.get("pack_length"):
+            continue
+        group = key.split("_")[0]
+        peers = [(w["pack_length"], w["checkpoint_drafter"], w["tokens_per_s"]) for k, w in summary.items()
+                 if k.split("_")[0] == group and w.get("pack_length")]
+        shortest = min(peers)  # the shortest rows, with the fewest layers checkpointed
+        v["shortest"], v["x_shortest"] = shortest[0], round(v["tokens_per_s"] / max(shortest[2], 1e-9), 3)
+
+
+def per_length_args(args, pack_length):
+    """--tokens-per-mode: the steps (and log interval: 3 windows at least, for a steady figure between
+    the first and the last) of a measurement of rows of pack_length; else args as given."""
+    if not args.tokens_per_mode or not pack_length:
+        return args
+    per_step = pack_length * args.pack_rows * args.micro
+    steps = max(3, -(-args.tokens_per_mode // per_step))
+    log_every = max(1, steps // 4)
+    steps = max(steps, 3 * log_every)
+    return argparse.Namespace(**{**vars(args), "steps": steps, "log_every": log_every})
 
 
 def cli_config(args, train_path, run_steps):
@@ -748,6 +803,8 @@ def plan_fields(args, layers, precision, config):
                 anchors=args.anchors, steps=args.steps, micro=args.micro,
                 budget=max(args.token_budget or args.max_len, args.max_len), edges=str(args.max_len),
                 pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
+                ckpt_drafter="false",  # the layers that fit without checkpointing (#35's switch left as it was)
+                memory_gib="null" if args.memory_gib is None else args.memory_gib,
                 targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every)
 
 
@@ -780,6 +837,22 @@ def shape_options(parser, args):
             parser.error(f"--steps-for {item}: SHAPE (one of --targets) = a positive number of steps")
         steps_for[shape] = int(steps)
     return modes_for, steps_for
+
+
+def plan_skip(args, cfg, where, name, measured):
+    """Why a measurement (--checkpoint-drafter's) is not run, else None (and it is noted in `measured`):
+    the memory plan does not fit it (unless --force), or auto resolved to the drafter layers another
+    choice measured already at the same mode, length and variant."""
+    from trainer.models.memory_plan import build_plan
+
+    plan = build_plan(cfg, getattr(args, "model_config", None))
+    if not args.force and plan.refusal() is not None:
+        return f"the memory plan does not fit: {plan.refusal()} (--force runs it)"
+    same = (*where, plan.checkpoint_drafter)
+    if same in measured:
+        return f"the same as {measured[same]} ({plan.checkpoint_drafter} drafter layers checkpointed)"
+    measured[same] = name
+    return None
 
 
 def mode_compiles(args, mode):
@@ -842,6 +915,18 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="modes not started this many seconds after the start are skipped (0: none), so that one "
                         "device call ends with its summary; figures are written to --out as each mode ends")
+    p.add_argument("--checkpoint-drafter", nargs="+", choices=list(CHECKPOINT_DRAFTER), default=["auto"],
+                   help="model.checkpoint_drafter per measurement (#35): each row length runs once per choice "
+                        "(keys <mode>_<length>:ckpt-<choice> when several); a choice the memory plan says does not "
+                        "fit is skipped and reported, unless --force, and so is an auto that resolves to what "
+                        "another choice measured")
+    p.add_argument("--tokens-per-mode", type=int, default=0,
+                   help="steps per measurement from its row length: about this many tokens each (at least 3 "
+                        "logged windows; replaces --steps and --log-every), so long rows take no longer than short")
+    p.add_argument("--no-save", action="store_true", help="mode all without its periodic checkpoint (long rows: "
+                                                           "16 GB of drafter state written per measurement)")
+    p.add_argument("--memory-gib", type=float, default=None, help="devices.memory_gib: the plan's budget per device")
+    p.add_argument("--force", action="store_true", help="run measurements the memory plan says do not fit")
     p.add_argument("--drafter-layouts", nargs="+", default=["full"],
                    help="drafter layouts, each through every mode (keys <mode>@<layout> when more than one): full, "
                         "swa (all sliding), swaN+M (N sliding causal layers then M full: swa4+1)")
@@ -908,6 +993,7 @@ def main(argv=None):
             if precision != "bf16":
                 quantize_target(args, target, precision, emit, prefix)
             layer_counts = drafter_layers_for(args, shape, precision, target, emit, prefix)
+            measured: dict[tuple, str] = {}  # (key, variant, drafter layers checkpointed) -> the measurement's name
             for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
                                                     for r in runs]:
                 key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
@@ -925,18 +1011,28 @@ def main(argv=None):
                     emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
                                                    "expert counts): run it with --modes packed"})
                     continue
-                for variant, layout in [(v, lay) for v in args.variants for lay in args.drafter_layouts]:
+                for variant, layout, ck in [(v, lay, c) for v in args.variants for lay in args.drafter_layouts
+                                            for c in args.checkpoint_drafter]:
                     name = prefix + (key if variant == "whole" else f"{key}:{variant}")
                     name += f"@{layout}" if len(args.drafter_layouts) > 1 else ""
                     args.layout = layout
+                    if len(args.checkpoint_drafter) > 1:
+                        name += f":ckpt-{ck}"
+                    margs = per_length_args(args, length)
+                    skip = plan_skip(margs, bench_config(margs, mode, target, length, variant,
+                                                         precision.removesuffix("fast"), layers, ck),
+                                     (key, variant, layout), name, measured)
+                    if skip is not None:
+                        emit(name, {"skipped": skip, "pack_length": length, "checkpoint_drafter": ck})
+                        continue
                     failed = False
                     try:
                         if experts is not None:
                             from trainer.models.moe import set_experts
 
                             set_experts(target, experts)
-                        emit(name, run_mode(args, mode, target, samples, results, length, variant,
-                                            precision.removesuffix("fast"), layers))
+                        emit(name, run_mode(margs, mode, target, samples, results, length, variant,
+                                            precision.removesuffix("fast"), layers, ck))
                     except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
                         import traceback
 
@@ -989,7 +1085,9 @@ def main(argv=None):
             "target_alone": v["target_alone"], "drafter_alone": v["drafter_alone"],
             "pipeline_over_bound": v["pipeline_over_bound"], "mfu": (pipe["mfu_steady"] or [None])[-1],
             "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()},
-            "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts")}
+            "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts"),
+            "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter")}
+    long_rows(summary)
     emit("summary", summary)
     print(f"{'mode':<36}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
@@ -1002,6 +1100,15 @@ def main(argv=None):
         print(f"{key:<36}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+    for key, v in summary.items():
+        if v.get("x_shortest") is not None:
+            print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed: {v['checkpoint_drafter']}: "
+                  f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']}, peak "
+                  f"{max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak {v['plan_over_peak']}, recompiles "
+                  f"{v['recompiles']}", flush=True)
+    for key, v in results.items():
+        if isinstance(v, dict) and "skipped" in v:
+            print(f"{key}: skipped: {v['skipped']}", flush=True)
     for key in [k for k in summary if k.startswith("all")]:
         for c in results[key].get("checkpoints", []):
             print(f"{key}: checkpoint at step {c['step']}: training thread blocked {c['stall_s']}s, GPU copy "

@@ -714,6 +714,7 @@ def read_run(run_dir: Path) -> dict:
     return {"tau": ev.get("tau"), "tau_per_prompt": ev.get("tau_per_prompt"), "histogram": ev.get("histogram"),
             "acceptance": ev.get("acceptance"),
             "tau_lookup": ev.get("tau_lookup"), "tau_ratio": ev.get("tau_ratio"),
+            "tau_by_length": ev.get("tau_by_length"),
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
             "train_acc": last.get("acc"), "steps": last.get("step"),
             "stop": stops[-1].get("reason") if stops else None,
@@ -799,6 +800,7 @@ class CheckpointEvaluator:
         self.head = FrozenHead.from_target(self.target, p.device)
         self.conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
         self.lookup: dict | None = None  # n-gram prompt lookup's τ: the same for every checkpoint, measured once
+        self.lookup_by_length: dict = {}  # and per prompt-length bucket
 
     def __call__(self, ck: Path) -> dict:
         from safetensors.torch import load_file
@@ -821,9 +823,13 @@ class CheckpointEvaluator:
         if self.lookup is None:
             self.lookup = {k: r[k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
                                              "lookup_same_output")}
+            self.lookup_by_length = {name: b["tau_lookup"] for name, b in r["tau_by_length"].items()}
         ratio = r["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
+        by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
+                            "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
+                            else None} for name, b in r["tau_by_length"].items()}
         return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
-                **self.lookup, "tau_ratio": ratio,
+                **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length,
                 "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
@@ -869,6 +875,17 @@ def _f(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else ("-" if v is None else str(v))
 
 
+def by_length_rows(by_length: dict | None) -> list[str]:
+    """τ and the lookup baseline per prompt-length bucket (trainer.run.contract.PROMPT_LENGTH_BUCKETS) as a
+    markdown table after a blank line; nothing when the evaluation had none."""
+    if not by_length:
+        return []
+    rows = ["", "| prompt length | prompts | tau pooled | n-gram lookup tau | ratio |", "|---|---:|---:|---:|---:|"]
+    rows += [f"| {name} | {b['prompts']} | {_f(b['tau'])} | {_f(b.get('tau_lookup'))} | {_f(b.get('tau_ratio'), 2)} |"
+             for name, b in by_length.items()]
+    return rows
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -884,7 +901,8 @@ def markdown(results: dict) -> str:
              f"{_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
              f"lookup on the same prompts {_f(m.get('tau_lookup'))}: ratio {_f(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
              f"{m['histogram']}, train acc {_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}, "
-             f"{_f(m['tokens_per_s_steady'], 0)} tok/s", ""]
+             f"{_f(m['tokens_per_s_steady'], 0)} tok/s",
+             *by_length_rows(m.get("tau_by_length")), ""]
     if results.get("curve"):
         lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
                   "histogram (1..block) |", "|---:|---:|---:|---:|---:|---:|---|"]
@@ -1113,9 +1131,13 @@ def main(argv: list[str] | None = None) -> dict:
         last = curve[-1]
         m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
                  eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],
-                 tau_ratio=last["tau_ratio"])
+                 tau_ratio=last["tau_ratio"], tau_by_length=last["tau_by_length"])
     say(f"main drafter vs n-gram prompt lookup: tau {_f(m['tau'])} vs {_f(m.get('tau_lookup'))} pooled on the same "
         f"held-out prompts: ratio {_f(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
+    if m.get("tau_by_length"):
+        from trainer.run.contract import tau_by_length_text
+
+        say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
     say(f"main drafter: tau {_f(m['tau'])} pooled, {_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {main_file.name}); histogram {m['histogram']}; train acc "

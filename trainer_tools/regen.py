@@ -1,7 +1,18 @@
 """Regenerate a chat dataset's assistant turns with the target itself (`python -m trainer_tools.regen`).
 
 Every user turn of every conversation is answered by the target, in order, with the answers
-so far as context; the dataset's own assistant turns are dropped. Two engines answer:
+so far as context; the dataset's own assistant turns are dropped. A row's `tools` go with every
+request (the server's chat template renders them, as training does).
+
+Agentic traces (assistant `tool_calls`, `tool` results): the tools were run when the trace was
+made and cannot be run again here, so the trace's tool calls and tool results are kept as they are,
+and the target answers after each user turn and after each run of tool results (the turns the
+trace's own text answers held). With `--agentic` the target acts on its own instead: only the
+system and user turns are kept, and the conversation ends at the target's first tool call (there
+is no result to continue with); either way a record that ends at a tool call of the target's says
+so (`"stopped": "tool_call"`) and the summary counts them. A tool call is the server's parsed
+`tool_calls`, or a `<tool_call>` block in the text (Qwen3/Hermes templates; the HF engine), kept as
+the text the target wrote. Two engines answer:
 
 * `OpenAIEngine`: any OpenAI-compatible server (SGLang, vLLM) at /v1/chat/completions, over
   stdlib urllib from worker threads (no dependency beyond the standard library);
@@ -35,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
 
-from trainer.data.chat import DataError, jsonl_records, prompt_messages
+from trainer.data.chat import DataError, jsonl_records, prompt_messages, row_tools
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +55,7 @@ EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
 FSYNC_EVERY_S = 1.0
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
-FINISHED = ("stop", "length")  # an answer that ended otherwise (abort, error, none) did not finish
+FINISHED = ("stop", "length", "tool_calls")  # an answer that ended otherwise (abort, error, none) did not finish
 CHARS_PER_TOKEN = 64  # an answer longer than this many characters per --max-tokens token is not an answer
 MAX_CONSECUTIVE_FAILURES = 16
 
@@ -68,15 +79,24 @@ class Sampling:
 @dataclass
 class Completion:
     content: str
-    finish_reason: str  # "stop" | "length" (as the server says)
+    finish_reason: str  # "stop" | "length" | "tool_calls" (as the server says)
     reasoning_content: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     retries: int = 0
+    tool_calls: list | None = None  # the server's parsed calls (OpenAI's form), when it parses them
+
+    @property
+    def calls_tool(self) -> bool:
+        """Whether the answer calls a tool: parsed calls, or a `<tool_call>` block in its text."""
+        return bool(self.tool_calls) or TOOL_CALL_TAG in self.content
+
+
+TOOL_CALL_TAG = "<tool_call>"  # how Qwen3's and Hermes' templates open a call
 
 
 class Engine(Protocol):
-    def complete(self, messages: list[dict]) -> Completion: ...
+    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion: ...
 
     def close(self) -> None: ...
 
@@ -87,22 +107,44 @@ class Engine(Protocol):
 @dataclass
 class Prompt:
     id: str
-    messages: list[dict]  # system/user turns (and others) in order; assistant turns are dropped
+    messages: list[dict]  # the turns kept, in order: system, user, tool results, the trace's tool calls
     line: int
+    tools: list[dict] | None = None  # the row's function schemas (OpenAI's form)
 
 
-def _prompt_id(row: dict, messages: list[dict]) -> str:
+def _prompt_id(row: dict, messages: list[dict], tools: list[dict] | None = None) -> str:
     if isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool):
         return str(row["id"])
-    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    blob = json.dumps({"messages": messages, "tools": tools} if tools else messages,
+                      sort_keys=True, ensure_ascii=False).encode()
     return "sha256:" + hashlib.sha256(blob).hexdigest()[:20]
 
 
-def read_prompts(path: str | Path) -> tuple[list[Prompt], int]:
+KEPT_KEYS = {"user": ("content",), "system": ("content",), "tool": ("content", "tool_call_id", "name"),
+             "assistant": ("content", "tool_calls")}
+
+
+def kept_turns(messages: list[dict], agentic: bool = False) -> list[dict]:
+    """The turns regeneration keeps (see the module docstring): system and user turns; unless
+    agentic, also the trace's tool results and the assistant turns that made its calls."""
+    keep = ("system", "user") if agentic else ("system", "user", "tool")
+    return [{"role": m["role"], **{k: m[k] for k in KEPT_KEYS[m["role"]] if k in m}} for m in messages
+            if m["role"] in keep or (not agentic and m["role"] == "assistant" and m.get("tool_calls"))]
+
+
+def answers_after(turns: list[dict], i: int) -> bool:
+    """Whether the target answers after turns[i]: a user turn, or the last of a run of tool
+    results, unless the trace's own tool call comes next."""
+    if turns[i]["role"] not in ("user", "tool"):
+        return False
+    return i + 1 == len(turns) or turns[i + 1]["role"] not in ("tool", "assistant")
+
+
+def read_prompts(path: str | Path, agentic: bool = False) -> tuple[list[Prompt], int]:
     """Every conversation to regenerate, and how many rows repeated an earlier one exactly.
 
-    A row's id is its `id` field, else a hash of its prompt turns; an explicit id used twice
-    is an error (resume would silently skip the second row)."""
+    A row's id is its `id` field, else a hash of its kept turns (and tools); an explicit id used
+    twice is an error (resume would silently skip the second row)."""
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
     duplicates = 0
@@ -113,17 +155,18 @@ def read_prompts(path: str | Path) -> tuple[list[Prompt], int]:
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InputError(f"{where}: turn {i + 1} needs a string 'role' and 'content'")
-            kept = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "assistant"]
+            kept = kept_turns(messages, agentic)
             if not any(m["role"] == "user" for m in kept):
                 raise InputError(f"{where}: no user turn to answer")
-            pid = _prompt_id(row, kept)
+            tools = row_tools(row, where)
+            pid = _prompt_id(row, kept, tools)
             if pid in seen:
                 if not pid.startswith("sha256:"):
                     raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
                 duplicates += 1
                 continue
             seen[pid] = lineno
-            prompts.append(Prompt(pid, kept, lineno))
+            prompts.append(Prompt(pid, kept, lineno, tools))
     except DataError as e:
         raise InputError(str(e)) from None
     return prompts, duplicates
@@ -224,10 +267,10 @@ class OpenAIEngine:
             self._next += 1
             return self.urls[self._next % len(self.urls)]
 
-    def complete(self, messages: list[dict]) -> Completion:
+    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
         s = self.sampling
         body = {**s.extra, "model": self.model, "messages": messages, "max_tokens": s.max_tokens,
-                "temperature": s.temperature, "top_p": s.top_p, "stream": False}
+                "temperature": s.temperature, "top_p": s.top_p, "stream": False, **({"tools": tools} if tools else {})}
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -332,6 +375,11 @@ def _completion(reply: object, retries: int, limit: int, max_tokens: int | None 
     if finish not in FINISHED:
         raise Retry(f"the answer did not finish (finish_reason {finish!r})")
     content = message.get("content")
+    calls = message.get("tool_calls") or None
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        raise Retry(f"the answer's tool_calls is {type(calls).__name__}, not a list of calls")
+    if content is None and calls:  # OpenAI's shape of a turn that only calls tools
+        content = ""
     reasoning = message.get("reasoning_content") or message.get("reasoning") or None
     if not isinstance(content, str) or not (reasoning is None or isinstance(reasoning, str)):
         raise Retry(f"the answer's content is {type(content).__name__}, not text")
@@ -346,7 +394,7 @@ def _completion(reply: object, retries: int, limit: int, max_tokens: int | None 
                     f"--max-tokens {max_tokens} asked for: not an answer to this request")
     return Completion(content=content, finish_reason=finish, reasoning_content=reasoning,
                       prompt_tokens=tokens.get("prompt_tokens", 0), completion_tokens=tokens.get("completion_tokens", 0),
-                      retries=retries)
+                      retries=retries, tool_calls=calls)
 
 
 def quantized_checkpoint(model_path: str) -> bool:
@@ -451,23 +499,25 @@ class HFEngine:
             ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         return ids
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.prompt_ids_batch([messages])[0]
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.prompt_ids_batch([(messages, tools)])[0]
 
-    def prompt_ids_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
-        """Chat-template renders, then one tokenizer call for the whole batch (it runs on all cores)."""
+    def prompt_ids_batch(self, conversations: list[tuple[list[dict], list[dict] | None]]) -> list[list[int]]:
+        """Chat-template renders (each with its tools), then one tokenizer call for the whole batch
+        (it runs on all cores)."""
         extra = self.sampling.extra.get("chat_template_kwargs") or {}
-        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **extra)
-                 for m in conversations]
+        texts = [self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True,
+                                                    **({**extra, "tools": tools} if tools else extra))
+                 for m, tools in conversations]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def complete(self, messages: list[dict]) -> Completion:
+    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
         """Queue one conversation for the generation thread, which renders and decodes a batch at a
         time (thousands of worker threads rendering prompts under one GIL starved the GPU)."""
         if self._closed:
             raise RegenError("the engine is closed")
         done: Future = Future()
-        self._queue.put((messages, done))
+        self._queue.put(((messages, tools), done))
         return done.result()
 
     def _serve(self) -> None:
@@ -490,7 +540,7 @@ class HFEngine:
                     break
                 batch.append(more)
             try:
-                ids = self.prompt_ids_batch([messages for messages, _ in batch])
+                ids = self.prompt_ids_batch([request for request, _ in batch])  # (messages, tools) each
             except Exception as e:  # noqa: BLE001 - a template error fails the batch's requests
                 for _, done in batch:
                     done.set_exception(RegenError(f"chat template failed: {type(e).__name__}: {e}"))
@@ -571,6 +621,7 @@ class Summary:
     done: int = 0  # regenerated and written by this run
     failed: int = 0
     truncated: int = 0  # written, with at least one turn cut at max_tokens (finish_reason length)
+    tool_stops: int = 0  # written, ending at the target's first tool call ("stopped": "tool_call")
     duplicates: int = 0  # input rows repeating an earlier conversation exactly
     retries: int = 0
     repaired_bytes: int = 0  # a torn last line cut off the output before resuming
@@ -585,6 +636,8 @@ class Summary:
         text = (f"regen: {self.done} regenerated, {self.skipped} already done, {self.failed} failed, "
                 f"{self.truncated} truncated (finish_reason length), {self.retries} retries; "
                 f"{self.completion_tokens} tokens in {self.seconds:.1f}s ({rate:.1f} tokens/s)")
+        if self.tool_stops:
+            text += f"; {self.tool_stops} stopped at the target's first tool call (no result to continue with)"
         if self.duplicates:
             text += f"; {self.duplicates} duplicate rows skipped"
         if self.repaired_bytes:
@@ -593,18 +646,22 @@ class Summary:
 
 
 def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Completion]:
-    """Answer every user turn in order; returns the output record and the summed completion."""
+    """Answer where the target answers (answers_after), in order, up to its first tool call;
+    returns the output record and the summed completion."""
     history: list[dict] = []
     finish_reasons: list[str] = []
     total = Completion(content="", finish_reason="stop")
-    for m in prompt.messages:
+    stopped = None
+    for i, m in enumerate(prompt.messages):
         history.append(m)
-        if m["role"] != "user":
+        if not answers_after(prompt.messages, i):
             continue
-        c = engine.complete(list(history))
-        answer = {"role": "assistant", "content": c.content}
+        c = engine.complete(list(history), prompt.tools)
+        answer: dict[str, Any] = {"role": "assistant", "content": c.content}
         if c.reasoning_content:
             answer["reasoning_content"] = c.reasoning_content
+        if c.tool_calls:
+            answer["tool_calls"] = c.tool_calls
         history.append(answer)
         finish_reasons.append(c.finish_reason)
         total.completion_tokens += c.completion_tokens
@@ -612,7 +669,11 @@ def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Co
         total.retries += c.retries
         if c.finish_reason == "length":
             total.finish_reason = "length"
-    record = {"id": prompt.id, "messages": history, "finish_reasons": finish_reasons, "model": model}
+        if c.calls_tool:
+            stopped = "tool_call"
+            break
+    record = {"id": prompt.id, "messages": history, **({"tools": prompt.tools} if prompt.tools else {}),
+              "finish_reasons": finish_reasons, "model": model, **({"stopped": stopped} if stopped else {})}
     return record, total
 
 
@@ -699,6 +760,7 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         s.retries += c.retries
         s.completion_tokens += c.completion_tokens
         s.truncated += c.finish_reason == "length"
+        s.tool_stops += record.get("stopped") == "tool_call"
 
     try:
         for _ in range(len(todo)):
@@ -760,6 +822,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds for a whole request (connect, send, the complete answer), each attempt")
     p.add_argument("--retries", type=int, default=3, help="retries per request on connection errors, 408/429/5xx")
+    p.add_argument("--agentic", action="store_true",
+                   help="the target acts on its own: keep only system and user turns (not the trace's tool calls "
+                        "and results) and end each conversation at the target's first tool call")
     p.add_argument("--limit", type=int, default=None, help="only the first N conversations of the input")
     p.add_argument("--max-consecutive-failures", type=int, default=MAX_CONSECUTIVE_FAILURES,
                    help="stop early after this many conversations failed in a row (a dead server)")
@@ -806,7 +871,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         sampling = _sampling(args)
-        prompts, duplicates = read_prompts(args.inp)
+        prompts, duplicates = read_prompts(args.inp, agentic=args.agentic)
         if args.limit is not None:
             prompts = prompts[: args.limit]
         output = Output(args.out)

@@ -41,6 +41,14 @@ def _gpu(value: Any) -> bool:
             and _optional(lambda role: isinstance(role, str))(value.get("role")))
 
 
+def _by_length(value: Any) -> bool:
+    """An eval's tau_by_length: {bucket: {prompts: int, tau: number, tau_lookup/tau_ratio: number or null}}."""
+    return isinstance(value, dict) and all(
+        isinstance(b, dict) and _int(b.get("prompts")) and _number(b.get("tau"))
+        and all(_optional(_number)(b.get(k)) for k in ("tau_lookup", "tau_ratio", "prompt_tokens"))
+        for b in value.values())
+
+
 def _str(value: Any) -> bool:
     return isinstance(value, str)
 
@@ -64,6 +72,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "gpus": (_list_of(_gpu), "a list of {index: int, role, busy, mem_gb}"),
     "shapes": (_list_of(_list_of(_int)), "a list of [batch, seq]"),
     "histogram": (_list_of(_int), "a list of integers"),
+    "tau_by_length": (_by_length, "an object of {prompts: int, tau: number, tau_lookup: number or null} by bucket"),
     "acceptance": (_optional(_list_of(_number)), "a list of numbers or null"),
 }
 

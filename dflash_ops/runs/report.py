@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from dflash_ops.runs.info import RunInfo
+from trainer.run.contract import tau_by_length_text
 
 
 def _num(value: Any, spec: str) -> str:
@@ -56,9 +57,11 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
     if kind == "eval":
         lookup = (f"  n-gram lookup {_num(event.get('tau_lookup'), '.3f')} ({_num(event.get('tau_ratio'), '.2f')}x)"
                   if event.get("tau_lookup") is not None else "")
+        by_length = tau_by_length_text(event.get("tau_by_length"))
         return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}{lookup}"
                 f"{acceptance_text(event.get('acceptance'), '  by position ')}"
-                f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}")
+                f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}"
+                + (f"  by prompt length: {by_length}" if by_length else ""))
     if kind == "checkpoint":
         request = f" (request {event['request']})" if event.get("request") else ""
         return f"checkpoint at step {step}: {event.get('path')} in {_num(event.get('seconds'), '.1f')}s{request}"
@@ -102,6 +105,8 @@ def status_detail(info: RunInfo) -> list[str]:
         lines.append(f"reason: {info.reason}")
     if info.error:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
+    if tau_by_length_text(info.tau_by_length):
+        lines.append(f"tau by prompt length: {tau_by_length_text(info.tau_by_length)}")
     if acceptance_text(info.acceptance):
         lines.append(f"accepted by draft position (last eval, tau {_num(info.tau, '.2f')}): "
                      f"{acceptance_text(info.acceptance)}")

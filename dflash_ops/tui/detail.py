@@ -20,6 +20,7 @@ from dflash_ops.runs.report import acceptance_text
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
 from dflash_ops.tui.source import DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
+from trainer.run.contract import tau_by_length_text
 
 LOG_BUFFER = 20_000  # lines kept for filtering and the full log
 LOG_VIEW = 2_000  # lines in the detail's tail
@@ -160,6 +161,9 @@ class RunDetailScreen(Screen):
             shapes = h.warmup.get("shapes") or []
             warm = f"{len(shapes)} shapes in {fmt_num(h.warmup.get('seconds'))}s"
         recompiles = max(h.recompiles, row.recompiles if row else 0)
+        by_length = tau_by_length_text(h.tau_by_length)
+        if by_length:
+            text.append(f"\ntau by prompt length: {by_length}")
         text.append(f"\nwarm-up: {warm}   recompiles: ")
         text.append(str(recompiles), style="bold red" if recompiles else "")
         ckpts = ", ".join(c.path.rsplit("/", 1)[-1] for c in h.checkpoints[-4:]) or "none"

@@ -129,3 +129,32 @@ def test_shape_options_name_the_bad_item(capsys):
         with pytest.raises(SystemExit):
             bench.main(["--tiny", "--target", "cpu", "--drafter", "cpu", "--samples", "4", *argv])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_rows_of_several_lengths_with_the_drafter_checkpointed_and_not_in_one_run(tmp_path, capsys):
+    """#35's measurement, tiny: each row length with model.checkpoint_drafter off, on and auto, steps
+    from --tokens-per-mode; the one the memory plan says does not fit (512 not checkpointed, under a
+    budget of 10.5 MiB) is skipped and said so, so is auto where it is what off measured (256);
+    at 512 auto checkpoints the fewest layers that fit (1 of 2); checkpointing trains the same losses."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--micro", "1", "--min-len", "16", "--max-len", "128",
+        "--samples", "120", "--anchors", "16", "--modes", "packed", "--pack-length", "256", "512",
+        "--checkpoint-drafter", "off", "on", "auto", "--tokens-per-mode", "1024", "--stage-micro", "2",
+        "--memory-gib", str(10.5 / 1024), "--out", str(tmp_path / "bench.json")])
+    measured = {"packed_256:ckpt-off": 0, "packed_256:ckpt-on": 2, "packed_512:ckpt-on": 2, "packed_512:ckpt-auto": 1}
+    assert "the memory plan does not fit: cpu:drafter0 needs" in results["packed_512:ckpt-off"]["skipped"]
+    assert results["packed_256:ckpt-auto"]["skipped"] == "the same as packed_256:ckpt-off (0 drafter layers checkpointed)"
+    for key, layers in measured.items():
+        r = results[key]
+        assert r["pipeline"]["recompiles_after_warmup"] == 0 and r["checkpoint_drafter"] == layers
+        assert r["pipeline"]["steps"] == r["steps_planned"] == (4 if "256" in key else 3)  # ~1024 tokens each
+    assert results["packed_256:ckpt-off"]["pipeline"]["loss"] == results["packed_256:ckpt-on"]["pipeline"]["loss"]
+    summary = results["summary"]
+    assert set(summary) == set(measured) and summary["packed_256:ckpt-off"]["x_shortest"] == 1.0
+    assert summary["packed_512:ckpt-on"]["shortest"] == 256
+    out = capsys.readouterr().out
+    assert "packed_512:ckpt-off: skipped: the memory plan does not fit" in out
+    assert "packed_512:ckpt-on: rows of 512, drafter layers checkpointed: 2:" in out

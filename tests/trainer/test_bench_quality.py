@@ -56,6 +56,11 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     a = r["ablations"]["original answers"]
     assert a["exit"] == 0 and a["tau"] >= 1.0
     assert "| ablation |" in (tmp_path / "quality.md").read_text()
+    # τ per prompt-length bucket, the lookup baseline beside it, in the results and the report
+    for point in r["curve"]:
+        assert sum(b["prompts"] for b in point["tau_by_length"].values()) == point["samples"]
+        assert all(b["tau_lookup"] is not None for b in point["tau_by_length"].values())
+    assert "| prompt length | prompts | tau pooled |" in (tmp_path / "quality.md").read_text()
 
 
 def test_split_is_by_file_content():

@@ -6,8 +6,18 @@ Formats, detected per file from its first record (every line must then have that
   * prompt/response:  {"prompt": ..., "response": ...} (or "completion"), optional "system"
 Each file is JSON Lines; anything else is one error naming file:line.
 
-Every conversation becomes {"messages": [...], "source": "file:line"}; extra message keys
-(`reasoning_content`, `tool_calls`, ...) are kept for the template.
+Every conversation becomes {"messages": [...], "source": "file:line"}, plus "tools" when the
+record carries function schemas; extra message keys (`reasoning_content`, `tool_calls`, ...) are
+kept for the template.
+
+Tools, in any format: a record's `tools` is OpenAI's list ({"type": "function", "function":
+{...}}) or a list of bare function schemas ({"name", "description", "parameters"}, LLaMA-Factory's
+ShareGPT form, wrapped into OpenAI's), either as JSON or as a JSON string (ShareGPT/Hermes files
+keep it a string). They reach the chat template as its `tools` variable wherever the row is
+rendered (`template_kwargs_for`): training, held-out τ, data-report and regeneration, so the system
+prompt holds the schemas exactly as the template writes them. A ShareGPT `function_call` turn whose
+value is a call ({"name", "arguments"} or a list of them) becomes an assistant turn with
+`tool_calls`; `observation` and `tool` turns are tool results (never trained on).
 """
 
 from __future__ import annotations
@@ -59,6 +69,53 @@ def _entries(row: dict, key: str, where: str) -> list:
     return entries
 
 
+def row_tools(row: dict, where: str) -> list[dict] | None:
+    """A record's function schemas in OpenAI's form (see the module docstring), None when it has none."""
+    tools = row.get("tools")
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: 'tools' is a string but not JSON: {exc.msg}") from None
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list of function schemas, got {type(tools).__name__}")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise DataError(f"{where}: tools[{i}] must be an object, got {type(tool).__name__}")
+        function = tool.get("function") if tool.get("type") == "function" else tool
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise DataError(f"{where}: tools[{i}] needs a function 'name' ({{\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}} or {\"name\": ...})")
+        out.append(tool if tool.get("type") == "function" else {"type": "function", "function": tool})
+    return out
+
+
+def template_kwargs_for(conversation: dict, template_kwargs: dict | None = None) -> dict:
+    """The chat-template variables one conversation is rendered with: the data config's
+    (`trainer.run.config.template_kwargs`) and the row's own `tools`."""
+    kwargs = dict(template_kwargs or {})
+    if conversation.get("tools"):
+        kwargs["tools"] = conversation["tools"]
+    return kwargs
+
+
+def _sharegpt_call(value: str) -> list[dict] | None:
+    """The tool calls a ShareGPT `function_call` value holds ({"name", "arguments"} or a list of
+    them, as JSON), in OpenAI's form; None when it is not one (kept as text)."""
+    try:
+        doc = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    calls = doc if isinstance(doc, list) else [doc]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return None
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+            for c in calls]
+
+
 def _from_messages(row: dict, where: str) -> list[dict]:
     out = []
     for i, m in enumerate(_entries(row, "messages", where)):
@@ -91,7 +148,9 @@ def _from_sharegpt(row: dict, where: str) -> list[dict]:
         if role is None:
             raise DataError(f"{where}: conversations[{i}] is from {t['from']!r} "
                             f"(known: {', '.join(sorted(SHAREGPT_ROLES))})")
-        out.append({"role": role, "content": _text(t["value"], where, f"conversations[{i}].value")})
+        value = _text(t["value"], where, f"conversations[{i}].value")
+        calls = _sharegpt_call(value) if str(t["from"]).lower() == "function_call" else None
+        out.append({"role": role, "content": "", "tool_calls": calls} if calls else {"role": role, "content": value})
     return out
 
 
@@ -148,7 +207,8 @@ def read_conversations(path: str | Path) -> list[dict]:
         messages = CONVERTERS[kind](row, where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: the conversation has no assistant turn to train on")
-        rows.append({"messages": messages, "source": where})
+        tools = row_tools(row, where)
+        rows.append({"messages": messages, "source": where, **({"tools": tools} if tools else {})})
     return rows
 
 

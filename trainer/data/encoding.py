@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from trainer.data.chat import TEMPLATE_SOURCE, DataError, encode_conversation, template_source
+from trainer.data.chat import TEMPLATE_SOURCE, DataError, encode_conversation, template_kwargs_for, template_source
 
 PARALLEL_FROM = 2000  # conversations; fewer are encoded in this process (workers cost ~1 s to start)
 AUTO_MAX = 16  # data.workers auto: at most this many processes
@@ -61,11 +61,12 @@ def process_count(workers: int | str, conversations: int) -> int:
 
 def encode_each(tokenizer: Any, conversations: list[dict], max_length: int,
                 template_kwargs: dict | None = None) -> list[Encoded]:
-    """encode_conversation on each conversation in order; a DataError names its source (file:line)."""
+    """encode_conversation on each conversation in order, rendered with its own tools
+    (chat.template_kwargs_for); a DataError names its source (file:line)."""
     out = []
     for c in conversations:
         try:
-            out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs))
+            out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs_for(c, template_kwargs)))
         except DataError as exc:
             raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
     return out

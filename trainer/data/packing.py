@@ -15,14 +15,13 @@ Loss normalisation is unchanged: Σ w·CE / Σ w over every block slot of the st
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
 import torch
 
 from trainer.data.batches import Batch, DataError, PreloadedDataset
-from trainer.run.config import DataConfig
+from trainer.run.config import anchors_for_row, row_anchors  # noqa: F401 - their home is the config; imported from here too
 
 
 @dataclass
@@ -50,23 +49,6 @@ def doc_start_of(lengths: list[int], row_length: int) -> torch.Tensor:
 def positions_of(doc_start: torch.Tensor) -> torch.Tensor:
     """Position inside its document of every token: i - doc_start[i]."""
     return torch.arange(doc_start.shape[-1], device=doc_start.device) - doc_start
-
-
-def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_size: int) -> int:
-    """The anchor density of `num_anchors` per `max_length` tokens, for a row of pack_length,
-    rounded up so that a row's slots fill whole 128-query tiles."""
-    step = 128 // math.gcd(128, block_size)
-    want = -(-num_anchors * pack_length // max_length)
-    return -(-want // step) * step
-
-
-def row_anchors(data_cfg: DataConfig, block_size: int) -> int:
-    """Draft blocks per micro-batch row: data.num_anchors unpacked; packed, data.anchors_per_row or
-    the density of num_anchors per max_length tokens (`anchors_for_row`)."""
-    if not data_cfg.pack_length:
-        return data_cfg.num_anchors
-    return data_cfg.anchors_per_row or anchors_for_row(data_cfg.num_anchors, data_cfg.max_length,
-                                                       data_cfg.pack_length, block_size)
 
 
 class PackedDataset:

@@ -14,6 +14,7 @@ from typing import Any
 from trainer.data.chat import file_format, read_conversations
 from trainer.data.encoding import encode_all, process_count
 from trainer.run.config import TrainerConfig, data_paths, template_kwargs
+from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
 from trainer.run.family import Family
 
 
@@ -22,9 +23,11 @@ class SplitReport:
     name: str  # train | eval
     files: list[tuple[str, str, int]] = field(default_factory=list)  # (path, format, conversations)
     lengths: list[int] = field(default_factory=list)  # untruncated token counts
+    kept: list[int] = field(default_factory=list)  # token counts after truncation at max_length
     kept_tokens: int = 0  # tokens after truncation at max_length
     loss_tokens: int = 0  # of those, tokens on assistant turns
     no_loss: int = 0  # conversations left with fewer than 2 loss tokens (dropped by the trainer)
+    with_tools: int = 0  # conversations whose row carries function schemas (rendered by the template)
 
     @property
     def conversations(self) -> int:
@@ -41,9 +44,11 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
         for path in paths:
             conversations = read_conversations(path)
             report.files.append((path, file_format(path), len(conversations)))
+            report.with_tools += sum(bool(c.get("tools")) for c in conversations)
             processes = process_count(cfg.data.workers, len(conversations))
             for ids, mask, full in encode_all(tokenizer, conversations, cfg.data.max_length, kwargs, processes):
                 report.lengths.append(full)
+                report.kept.append(len(ids))
                 report.kept_tokens += len(ids)
                 report.loss_tokens += sum(mask)
                 report.no_loss += sum(mask) < 2
@@ -73,6 +78,25 @@ def histogram(lengths: list[int], max_length: int, width: int = 40) -> list[str]
     return lines
 
 
+def by_bucket(s: SplitReport, max_length: int) -> list[str]:
+    """Conversations per length bucket (trainer.run.contract.PROMPT_LENGTH_BUCKETS, the buckets τ is
+    reported in), only those that hold some, and how much of each max_length cuts."""
+    rows: dict[str, list[int]] = {}
+    for i, n in enumerate(s.lengths):
+        rows.setdefault(length_bucket(n), []).append(i)
+    lines = ["  by length bucket (tokens per conversation; the buckets tau is reported in):"]
+    for name, _ in PROMPT_LENGTH_BUCKETS:
+        if name not in rows:
+            continue
+        idx = rows[name]
+        total = sum(s.lengths[i] for i in idx)
+        cut = total - sum(s.kept[i] for i in idx)
+        truncated = sum(s.lengths[i] > max_length for i in idx)
+        lines.append(f"  {name:>6} {len(idx):>8} conversations ({len(idx) / s.conversations:.1%}); truncated "
+                     f"{truncated} ({truncated / len(idx):.1%}), {cut} of {total} tokens cut ({cut / max(total, 1):.1%})")
+    return lines
+
+
 def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name: str) -> str:
     m = cfg.data.max_length
     out = [f"tokenizer: {tokenizer_name}   max_length: {m}"
@@ -94,11 +118,14 @@ def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name:
                    f"({(total - s.kept_tokens) / max(total, 1):.1%}) cut")
         out.append(f"  loss tokens (assistant turns): {s.loss_tokens} of {s.kept_tokens} kept tokens "
                    f"({s.loss_tokens / max(s.kept_tokens, 1):.1%})")
+        if s.with_tools:
+            out.append(f"  with tools (schemas rendered by the chat template): {s.with_tools} of {s.conversations}")
         if s.no_loss:
             out.append(f"  {s.no_loss} conversations have fewer than 2 loss tokens after truncation "
                        "and are skipped by the trainer")
         out.append("  length histogram (tokens, conversations):")
         out.extend(histogram(s.lengths, m))
+        out.extend(by_bucket(s, m))
     return "\n".join(out)
 
 

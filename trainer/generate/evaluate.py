@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trainer.data.chat import template_kwargs_for
 from trainer.generate.speculative import Generation
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.target import FrozenHead
@@ -90,11 +91,12 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     training, what vLLM and SGLang ship), the same target and verification: tau_lookup,
     tau_lookup_per_prompt, lookup_rounds, lookup_histogram, tau_ratio = tau / tau_lookup (what the
     drafter's training bought), and lookup_same_output (both decodings gave the same tokens, as
-    greedy verification must)."""
+    greedy verification must); tau_by_length: the same per prompt-length bucket (tau_by_length)."""
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs) for conv in conversations]
+    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs_for(conv, template_kwargs))
+               for conv in conversations]  # with the row's tools, as training rendered it
     was_training = drafter.training
     drafter.eval()
     try:
@@ -106,6 +108,7 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     block_size = drafter.config.block_size
     report = {**_tau(generations, block_size), "samples": len(conversations),
               "prompt_tokens": sum(len(p) for p in prompts)}
+    looked = None
     if baseline:
         from trainer.generate.lookup import lookup_generate
 
@@ -116,7 +119,29 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       lookup_rounds=lookup["rounds"], lookup_histogram=lookup["histogram"],
                       tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
                       lookup_same_output=[g.tokens for g in looked] == [g.tokens for g in generations])
+    report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
     return report
+
+
+def tau_by_length(prompts: list[list[int]], generations: list, looked: list | None, block_size: int) -> dict:
+    """Pooled τ (and the lookup baseline's, when it ran) per prompt-length bucket
+    (trainer.run.contract.PROMPT_LENGTH_BUCKETS), only the buckets that hold prompts:
+    {bucket: {"prompts", "prompt_tokens", "tau", "tau_lookup", "tau_ratio"}}."""
+    from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
+
+    members: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        members.setdefault(length_bucket(len(p)), []).append(i)
+    out = {}
+    for name, _ in PROMPT_LENGTH_BUCKETS:
+        if name not in members:
+            continue
+        idx = members[name]
+        tau = _tau([generations[i] for i in idx], block_size)["tau"]
+        lookup = _tau([looked[i] for i in idx], block_size)["tau"] if looked is not None else None
+        out[name] = {"prompts": len(idx), "prompt_tokens": sum(len(prompts[i]) for i in idx), "tau": tau,
+                     "tau_lookup": lookup, "tau_ratio": tau / lookup if lookup else None}
+    return out
 
 
 def _tau(generations: list, block_size: int) -> dict:

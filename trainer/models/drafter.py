@@ -18,6 +18,7 @@ from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -340,6 +341,17 @@ class DrafterLayer(nn.Module):
                      weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
 
 
+def run_layer(layer: nn.Module, checkpointed: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
+    """One layer; checkpointed (model.checkpoint_drafter, training only): through activation
+    checkpointing, only its input kept for backward, which runs its forward again (a third more
+    drafter compute), so the drafter's activations no longer grow with layers x anchors (rows of
+    65,536 tokens on one H200). Non-reentrant: the recompute sees the same autocast state and the
+    same low-precision weight copies; no RNG state is kept, the layers draw none."""
+    if checkpointed and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(layer, x, *args, use_reentrant=False, preserve_rng_state=False)
+    return layer(x, *args)
+
+
 class _UseCopy(torch.autograd.Function):
     """A weight as its low-precision copy: the forward returns the copy (no cast kernel), the
     backward hands the gradient back in the weight's dtype - what autocast's per-use cast does."""
@@ -437,6 +449,7 @@ class DFlashDrafter(nn.Module):
         # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
         self.low_precision = LowPrecisionWeights()
         self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
+        self.checkpoint_layers = 0  # model.checkpoint_drafter: the first this many layers recomputed in backward (run_layer)
 
     def blocks(self) -> list[DrafterLayer]:
         """The layers, typed (ModuleList's stubs type its items as Module)."""
@@ -479,8 +492,9 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
         rope_kv = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), head_dim, theta)
         attends = list(attention) if isinstance(attention, (list, tuple)) else [attention] * len(self.layers)
-        for layer, attend in zip(self.layers, attends, strict=True):
-            x = layer(x, ctx, rope_q, rope_kv, attend, weight, fused)
+        checkpointed = getattr(self, "checkpoint_layers", 0)  # the exported model has none
+        for i, (layer, attend) in enumerate(zip(self.layers, attends, strict=True)):
+            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attend, weight, fused)
         return self.norm(x)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,

@@ -9,6 +9,7 @@ whether it fits, and the plan names the smallest split that does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,12 @@ class MemoryPlan:
     notes: list[str]
     gpus: int = 0  # GPUs this host has (0: none visible)
     suggestion: str | None = None  # a devices: section for them with the smallest split
+    checkpoint_drafter: int = 0  # the drafter's layers checkpointed, the first ones (model.checkpoint_drafter resolved)
+    drafter_layers: int = 0
+    checkpoint_reason: str = ""  # why (auto: what the step needs without it)
+    # per device with a budget: the largest data.pack_length whose step fits there (None: none does)
+    largest_pack_length: dict[str, int | None] = field(default_factory=dict)  # checkpointed unless it is off
+    largest_pack_length_unchecked: dict[str, int | None] = field(default_factory=dict)  # auto: without, beside it
     missing: str | None = None  # a device the config names that the host lacks (trainer.run.config.missing_devices)
 
     @property
@@ -151,20 +158,33 @@ def _tokens_per_micro_batch(cfg: TrainerConfig) -> int:
     return d.pack_rows * d.pack_length if d.pack_length else d.token_budget
 
 
-def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
-               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
-    """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
-    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
+@dataclass
+class _Sizes:
+    """What the plan reads of the models once (the meta target, the drafter's parameter count)."""
+
+    config: Any  # the target's (text) config
+    layer_ids: list[int]
+    per_layer: list[int]  # parameter bytes of each target layer
+    embed: int
+    head: int
+    drafter_params: int
+    drafter: Any  # the draft's own DrafterConfig (model.drafter: its attention shape and MLP)
+    elt: int  # bytes per element of the run's dtype (target weights and activations, drafter autocast)
+    notes: list[str]
+
+
+def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
     from trainer.models.drafter import DFlashDrafter, DrafterConfig
     from trainer.models.target import tapped_layer_ids
-    from trainer.models.target_loading import layer_bytes, module_bytes, partition, stage_plan
+    from trainer.models.target_loading import layer_bytes, module_bytes, stage_plan
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.model.dtype]
-    elt = torch.finfo(dtype).bits // 8
     target, notes = _meta_target(cfg, dtype, model_config)
     config = target.config
-    n_layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    n_layers = int(config.num_hidden_layers)
     layer_ids = tapped_layer_ids(cfg.model.target_layer_ids, cfg.model.num_target_layers, n_layers)
+    for replica in target_replicas(cfg.devices):  # the loader's own split check (SplitError): what training would refuse
+        stage_plan(target, layer_ids, replica, cfg.devices.target_split)
     run = max(layer_ids) + 1
     per_layer = layer_bytes(target)
     if cfg.model.target.precision == "fp8":  # the layers training runs hold 1 byte a linear weight; those above
@@ -172,8 +192,56 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         notes.append(f"precision fp8: layers 0..{run - 1} counted at 1 byte a linear weight (+ fp32 per-channel "
                      "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)
-    embed = module_bytes(base.embed_tokens)
-    head = module_bytes(target.get_output_embeddings())
+    dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
+                                     cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
+    return _Sizes(config, list(layer_ids), per_layer, module_bytes(base.embed_tokens),
+                  module_bytes(target.get_output_embeddings()), params, dcfg, torch.finfo(dtype).bits // 8, notes)
+
+
+def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int, block_tokens: int,
+                             checkpointed: int, kl: bool = False) -> int:
+    """Peak bytes of one drafter step's activations (the backward's peak), at the autocast dtype.
+
+    Each layer keeps for backward what its two compiled regions and attention save: per block slot
+    the residual stream before and after attention and its normed copy, the query before and after
+    RoPE and the attention output, the MLP's gate, up and product (3 x hidden + 3 x q width + 3 x
+    MLP width), and the keys and values of [context | block] before and after their norm and RoPE.
+    The first `checkpointed` layers (model.checkpoint_drafter) keep their input only; backward meets
+    the others first (the last layers), then recomputes one checkpointed layer's worth at a time. Around the layers: the context's projection and its norm, the block
+    embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
+    backward's transient gradients of one layer (the MLP's two products, two residual widths) and
+    the LM-head logits chunks (loss_chunk x vocab in fp32: the logits, their copy and gradient; under kl
+    also the target's logits and probabilities). dcfg: the draft's own DrafterConfig. Measured against
+    bench/pipeline.py's peaks at 8,192 / 16,384 / 32,768-token rows (bench/RESULTS.md, issue #35)."""
+    elt = 4 if cfg.model.dtype == "fp32" else 2
+    hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)
+    kv_width = int(dcfg.num_key_value_heads) * head_dim
+    mlp = int(dcfg.intermediate_size)
+    per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
+                 + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
+    layers = cfg.model.drafter_layers
+    checkpointed = min(checkpointed, layers)
+    kept = checkpointed * block_tokens * hidden * elt + max((layers - checkpointed) * per_layer,
+                                                             per_layer if checkpointed else 0)
+    around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
+    transient = block_tokens * (2 * mlp + 2 * hidden) * elt
+    logits = min(block_tokens, cfg.model.loss_chunk) * int(dcfg.vocab_size) * 4 * (5 if kl else 3)
+    return kept + around + transient + logits
+
+
+def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,
+              notes: list[str], find_split: bool = True) -> MemoryPlan:
+    """The plan for `cfg` with the first `checkpointed` drafter layers checkpointed (find_split: also the
+    smallest split that fits)."""
+    from trainer.models.target_loading import partition
+    from trainer.run.config import row_anchors
+
+    config = z.config
+    hidden, elt = int(config.hidden_size), z.elt
+    layer_ids, per_layer, embed, head = z.layer_ids, z.per_layer, z.embed, z.head
+    run = max(layer_ids) + 1
     tokens = _tokens_per_micro_batch(cfg)
     intermediate = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     # live during one layer: the residual stream, its normed copy, q/k/v/attention out and the MLP's
@@ -204,24 +272,16 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
             return list(cfg.devices.target_split)
         return partition(per_layer[:run], stages, embed)
 
-    for replica in replicas:  # the loader's own split check (SplitError): what training would refuse
-        stage_plan(target, layer_ids, replica, cfg.devices.target_split)
     stages = stage_items(split_sizes(len(replicas[0])), replicas[0])
-    dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
-                                     cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
-    q_width = dcfg.num_attention_heads * dcfg.head_dim  # the draft's own attention shape
-    with torch.device("meta"):
-        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
-    anchors = cfg.data.anchors_per_row * cfg.data.pack_rows if cfg.data.pack_length and cfg.data.anchors_per_row \
-        else cfg.data.num_anchors * max(1, tokens // cfg.data.max_length)
-    block_tokens = anchors * cfg.model.block_size
+    params = z.drafter_params
+    rows = cfg.data.pack_rows if cfg.data.pack_length else max(1, tokens // cfg.data.max_length)
+    block_tokens = row_anchors(cfg.data, cfg.model.block_size) * rows * cfg.model.block_size
     drafter = {
         "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
         "embedding + head": embed + head,
         "features": slot_bytes,
-        "activations": cfg.model.drafter_layers * block_tokens * (6 * hidden + 2 * q_width + 3 * dcfg.intermediate_size) * 4
-        # a chunk's logits, their fp32 copy and gradient; under kl also the target's logits and probabilities
-        + min(block_tokens, cfg.model.loss_chunk) * int(config.vocab_size) * 4 * (5 if kl else 3),
+        "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
+            drafter_activation_bytes(cfg, z.drafter, tokens, block_tokens, checkpointed, kl),
     }
     by_device: dict[str, DevicePlan] = {}
 
@@ -239,7 +299,7 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
         add(d if d != "cpu" else f"cpu:drafter{r}", drafter)
     budget = _device_budget(replicas[0][0], cfg, gpu_bytes)
     smallest = None
-    for n in range(1, run + 1):
+    for n in range(1, run + 1 if find_split else 1):
         worst = max(sum(v for k, v in st.items() if k not in ("stage", "device", "layers"))
                     for st in stage_items(split_sizes(n), [replicas[0][0]] * n))
         if budget is None or worst + cuda_reserve(replicas[0][0], budget) <= budget:
@@ -249,9 +309,93 @@ def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
     # the host's GPUs are known when given (--gpus, the doctor's measurement) or visible here; a plan
     # made on a machine without CUDA for another host judges only the budgets
     known = gpu_bytes is not None or torch.cuda.is_available()
-    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, notes, gpus,
-                      suggest_devices(gpus, smallest) if gpus and smallest else None,
-                      missing_devices(cfg.devices, gpus) if known else None)
+    return MemoryPlan(stages, drafter, list(by_device.values()), smallest, list(notes), gpus,
+                      suggest_devices(gpus, smallest) if gpus and smallest else None, checkpointed,
+                      cfg.model.drafter_layers, missing=missing_devices(cfg.devices, gpus) if known else None)
+
+
+PACK_STEP = 1024  # the largest pack_length the plan names is a multiple of this
+PACK_LIMIT = 1 << 20  # and at most this
+
+
+def _with_pack_length(cfg: TrainerConfig, pack_length: int) -> TrainerConfig:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_length=pack_length))
+
+
+def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None) -> tuple[MemoryPlan, str]:
+    """The plan with model.checkpoint_drafter resolved, and why: true checkpoints every layer; auto
+    none when the step fits without, else the fewest first layers with which it fits (each one
+    costs its forward again in backward), all of them when none fits."""
+    choice, layers = cfg.model.checkpoint_drafter, cfg.model.drafter_layers
+    if choice != "auto":
+        n = layers if choice else 0
+        return _assemble(cfg, z, n, gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
+    off = _assemble(cfg, z, 0, gpu_bytes, z.notes)
+    if all(d.budget is None for d in off.devices):
+        return off, "model.checkpoint_drafter auto: none (no device has a memory budget)"
+    if off.fits:
+        return off, "model.checkpoint_drafter auto: none (the step fits without)"
+    short = off.refusal()
+    for n in range(1, layers + 1):
+        plan = _assemble(cfg, z, n, gpu_bytes, z.notes)
+        if plan.fits:
+            break
+    return plan, f"model.checkpoint_drafter auto: the fewest that fit (without it {short})"
+
+
+def drafter_checkpointing(cfg: TrainerConfig) -> int:
+    """How many of the drafter's layers (the first ones) train checkpointed: model.checkpoint_drafter,
+    auto resolved by the memory plan (the fewest with which the step fits; none where it fits
+    without, or where no drafter device is a GPU)."""
+    choice = cfg.model.checkpoint_drafter
+    if choice != "auto":
+        return cfg.model.drafter_layers if choice else 0
+    if not any(d.startswith("cuda") for d in cfg.devices.drafter) and cfg.devices.memory_gib is None:
+        return 0
+    return build_plan(cfg).checkpoint_drafter
+
+
+def largest_pack_lengths(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None,
+                         checkpointed: int) -> dict[str, int | None]:
+    """Per device with a budget, the largest pack_length (a multiple of PACK_STEP, at least max_length)
+    whose step fits there, the first `checkpointed` drafter layers checkpointed; None: not even the smallest fits."""
+    lowest = max(PACK_STEP, -(-cfg.data.max_length // PACK_STEP) * PACK_STEP)
+    seen: dict[int, dict[str, bool]] = {}
+
+    def fitting(length: int) -> dict[str, bool]:
+        if length not in seen:
+            plan = _assemble(_with_pack_length(cfg, length), z, checkpointed, gpu_bytes, [], find_split=False)
+            seen[length] = {d.device: d.shortfall == 0 for d in plan.devices if d.budget is not None}
+        return seen[length]
+
+    out: dict[str, int | None] = {}
+    for device, fits in fitting(lowest).items():
+        if not fits:
+            out[device] = None
+            continue
+        lo, hi = lowest // PACK_STEP, PACK_LIMIT // PACK_STEP  # lo fits; find the last multiple that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fitting(mid * PACK_STEP)[device]:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[device] = lo * PACK_STEP
+    return out
+
+
+def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
+               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
+    """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
+    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
+    z = _sizes(cfg, model_config)
+    plan, why = _checkpointing(cfg, z, gpu_bytes)
+    plan.checkpoint_reason = why
+    every = 0 if cfg.model.checkpoint_drafter is False else cfg.model.drafter_layers
+    plan.largest_pack_length = largest_pack_lengths(cfg, z, gpu_bytes, every)
+    if cfg.model.checkpoint_drafter == "auto":
+        plan.largest_pack_length_unchecked = largest_pack_lengths(cfg, z, gpu_bytes, 0)
+    return plan
 
 
 def suggest_devices(gpus: int, stages: int) -> str | None:
@@ -290,6 +434,13 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"MISSING: {plan.missing}")
     lines.append(f"fits: {'yes' if plan.fits else 'no'}; smallest split of one replica that fits: "
                  + (f"{plan.smallest_split} stage(s)" if plan.smallest_split else "none (more devices or memory)"))
+    lines.append(f"drafter layers checkpointed: {plan.checkpoint_drafter} of {plan.drafter_layers} ({plan.checkpoint_reason})")
+    for device, length in plan.largest_pack_length.items():
+        unchecked = plan.largest_pack_length_unchecked.get(device, 0)
+        lines.append(f"largest data.pack_length that fits {device}: "
+                     + (f"{length}" if length else "none (not even the shortest row)")
+                     + (" with every drafter layer checkpointed" if plan.largest_pack_length_unchecked else "")
+                     + (f", {unchecked or 'none'} without" if plan.largest_pack_length_unchecked else ""))
     if plan.suggestion:
         lines.append(f"on this host's {plan.gpus} GPUs: devices: {plan.suggestion}")
     lines += [f"note: {n}" for n in plan.notes]

@@ -114,6 +114,12 @@ class ModelConfig:
     # (not per use under autocast), and each layer runs as two compiled regions around attention on
     # CUDA (norms, RoPE, residuals, SiLU fused with their neighbours). false: the previous path
     fuse_drafter: bool = True
+    # activation checkpointing of the drafter's layers: only each layer's input is kept for backward,
+    # which runs the layer's forward again (a third more drafter compute), so activations stop growing
+    # with layers x anchors. true: every layer; auto: none where the memory plan says the step fits
+    # without, else the fewest first layers with which it fits (trainer/models/memory_plan.py; long
+    # packed rows: 3 of 5 at 65,536 tokens on one H200)
+    checkpoint_drafter: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -633,6 +639,24 @@ def data_paths(paths: str | list[str] | None) -> list[str]:
 def template_kwargs(data: DataConfig) -> dict:
     """Extra chat-template variables from the data config (only those the user set)."""
     return {} if data.enable_thinking is None else {"enable_thinking": data.enable_thinking}
+
+
+def anchors_for_row(num_anchors: int, max_length: int, pack_length: int, block_size: int) -> int:
+    """The anchor density of `num_anchors` per `max_length` tokens, for a row of pack_length,
+    rounded up so that a row's slots fill whole 128-query tiles."""
+    step = 128 // math.gcd(128, block_size)
+    want = -(-num_anchors * pack_length // max_length)
+    return -(-want // step) * step
+
+
+def row_anchors(data_cfg: DataConfig, block_size: int) -> int:
+    """Draft blocks per micro-batch row: data.num_anchors unpacked; packed, data.anchors_per_row or
+    the density of num_anchors per max_length tokens (`anchors_for_row`). Here, on the ground floor,
+    because the packed data, the pipelines and the memory plan all count them."""
+    if not data_cfg.pack_length:
+        return data_cfg.num_anchors
+    return data_cfg.anchors_per_row or anchors_for_row(data_cfg.num_anchors, data_cfg.max_length,
+                                                       data_cfg.pack_length, block_size)
 
 
 def default_gamma(block_size: int) -> float:

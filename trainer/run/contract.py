@@ -39,6 +39,7 @@ STATUS_FIELDS = (
     ("tau_per_prompt", float),
     ("tau_lookup", float),  # n-gram prompt lookup's tau on the same prompts
     ("tau_ratio", float),  # tau / tau_lookup
+    ("tau_by_length", dict),  # {bucket: {prompts, tau, tau_lookup}} per PROMPT_LENGTH_BUCKETS, buckets with prompts
     ("acceptance", list),  # the last evaluation's share of rounds accepting draft position k, k = 1..block-1
     ("tokens_per_s", float),
     ("tokens_per_s_steady", float),
@@ -52,6 +53,34 @@ STATUS_FIELDS = (
     ("last_write_error", dict),  # {what, message, time}
     ("distributed", dict),  # a run across hosts (docs/multi-node.md)
 )
+
+# The prompt-length buckets evaluation reports tau in (tokens of the rendered prompt): (name, upper
+# bound inclusive; None: no bound). Acceptance collapses on long prompts where a drafter saw short
+# ones only: one pooled tau hides where.
+PROMPT_LENGTH_BUCKETS = (("<=2K", 2048), ("2-8K", 8192), ("8-32K", 32768), (">32K", None))
+
+
+def length_bucket(tokens: int) -> str:
+    """The PROMPT_LENGTH_BUCKETS name of a prompt of `tokens` tokens."""
+    for name, bound in PROMPT_LENGTH_BUCKETS:
+        if bound is None or tokens <= bound:
+            return name
+    raise AssertionError("the last bucket has no bound")
+
+
+def tau_by_length_text(by_length: object) -> str:
+    """`<=2K 3.21 (lookup 1.50, 12 prompts); 2-8K ...` from an evaluation's tau_by_length (the
+    trainer's log, `run status`, the dashboard); entries not of the contract's shape are left out."""
+    parts = []
+    for name, b in (by_length.items() if isinstance(by_length, dict) else ()):
+        if not isinstance(b, dict) or not isinstance(b.get("tau"), (int, float)):
+            continue
+        lookup = b.get("tau_lookup")
+        lookup_text = "lookup %.2f, " % lookup if isinstance(lookup, (int, float)) else ""
+        n = b.get("prompts", "?")
+        parts.append("%s %.2f (%s%s prompt%s)" % (name, b["tau"], lookup_text, n, "" if n == 1 else "s"))
+    return "; ".join(parts)
+
 
 # metrics.jsonl: every line is {"event": one of these, "time": float, "step": int, ...}
 EVENT_KINDS = ("start", "warmup", "step", "eval", "checkpoint", "checkpoint_failed", "stop", "error",

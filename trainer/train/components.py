@@ -18,6 +18,7 @@ from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.hf import base_model, hf_config
 from trainer.models.masks import resolve_backend
+from trainer.models.memory_plan import drafter_checkpointing
 from trainer.models.objective import Objective, base_gamma, objective_of
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
@@ -209,6 +210,7 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
     drafter.fused = cfg.model.fuse_drafter
+    drafter.checkpoint_layers = drafter_checkpointing(cfg)  # auto: the memory plan decides
     if weights is not None:
         drafter.load_state_dict(weights)
     return drafter.float().train()
@@ -294,6 +296,10 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     drafter_device = cfg.devices.drafter[0]
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
                             drafter_device)
+    if drafter.checkpoint_layers:
+        log(f"drafter layers checkpointed: the first {drafter.checkpoint_layers} of {cfg.model.drafter_layers} "
+            f"(model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): their forward runs again in backward, "
+            "their activations are not kept")
     optimizer = build_optimizer(drafter.parameters(), cfg.optim)
     objective = objective_of(cfg.model)
     if objective.needs_target:

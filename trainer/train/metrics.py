@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from trainer.run.config import TrainerConfig, dump_config
+from trainer.run.contract import tau_by_length_text
 from trainer.run.rundir import RunDir
 
 STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
@@ -71,7 +72,8 @@ class Metrics:
         not measured) and acc."""
         self.rd.event("eval", step, **result)
         self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"], tau_lookup=result.get("tau_lookup"),
-                       tau_ratio=result.get("tau_ratio"), acceptance=result.get("acceptance"))
+                       tau_ratio=result.get("tau_ratio"), acceptance=result.get("acceptance"),
+                       tau_by_length=result.get("tau_by_length"))
         if result["tau"] is None:  # not measured: the target holds only the layers training runs
             self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
         else:
@@ -82,6 +84,8 @@ class Metrics:
             self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
                         f"{result['tau_per_prompt']:.2f}{lookup}){accepted}, acc {result['acc']:.3f}, "
                         f"{result['samples']} conversations")
+            if result.get("tau_by_length"):
+                self.rd.log(f"eval step {step}: tau by prompt length: {tau_by_length_text(result['tau_by_length'])}")
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("eng
 
 
 def test_the_drafts_are_the_layouts_they_claim_and_the_window_is_shorter_than_every_prompt(layout_session):
-    from trainer.models.layout import resolve_published
+    from trainer.run.layout import resolve_published
 
     s: EngineSession = layout_session
     assert min(len(p) for p in s.prompts) > WINDOW

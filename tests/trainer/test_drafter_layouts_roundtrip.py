@@ -13,8 +13,8 @@ from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.export import MASK_EMBEDDING, export_checkpoint, hf_config
-from trainer.models.layout import SLIDING, resolve_published
 from trainer.run.config import ConfigError, parse_config
+from trainer.run.layout import SLIDING, resolve_published
 
 # the tiny target of tiny_config: hidden 32, 4 heads, 2 KV heads, head_dim 8, MLP 64, vocab of the synthetic tokenizer
 TINY = dict(hidden_size=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096)

@@ -30,7 +30,7 @@ def drafter_intermediate_size(target_config: Any) -> int:
     return int(getattr(target_config, "intermediate_size", None) or 3 * target_config.hidden_size)
 
 
-FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
+from trainer.run.layout import FULL, SLIDING  # noqa: E402 - the published layer_types
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_position_embeddings: int = 40960
-    # the draft's own layout (trainer.models.layout: as vLLM resolves the published fields); the
+    # the draft's own layout (trainer.run.layout: as vLLM resolves the published fields); the
     # defaults are the 2025 one: every layer full attention, non-causal inside the block, no sinks
     layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
     sliding_window: int | None = None  # window of the sliding layers

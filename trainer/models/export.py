@@ -21,9 +21,9 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from trainer.models.layout import Layout, LayoutError, engine_warnings, published_fields, resolve_published
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
+from trainer.run.layout import Layout, LayoutError, engine_warnings, published_fields, resolve_published
 
 HERE = Path(__file__).resolve().parent
 MASK_EMBEDDING = "mask_embedding.pt"  # a draft's separate mask embedding, as vLLM reads it
@@ -38,7 +38,7 @@ def layout_of(d: dict) -> Layout:
 
 def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
     """The published config.json of a DrafterConfig dict: its layout in the fields vLLM resolves
-    back to it (trainer.models.layout.published_fields)."""
+    back to it (trainer.run.layout.published_fields)."""
     top, dflash = published_fields(layout_of(d), d["num_hidden_layers"])
     return {
         "architectures": ["DFlashDraftModel"],
@@ -168,7 +168,7 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     `dflash_config` {mask_token_id, target_layer_ids} (older drafts: top-level `target_layer_ids`),
     and model.safetensors or shards listed by model.safetensors.index.json. A `model.` prefix
     (SpecForge's wrapper) is dropped; tensors the drafter does not own are left out. The layout
-    (sliding/causal layers, sinks) is vLLM's reading of the config (trainer.models.layout), a
+    (sliding/causal layers, sinks) is vLLM's reading of the config (trainer.run.layout), a
     mask_embedding.pt beside it the drafter's `mask_embedding`; what the trainer cannot train as
     served raises ValueError naming the field."""
     from safetensors.torch import load_file

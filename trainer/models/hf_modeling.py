@@ -32,7 +32,7 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
 
 
 def layout(config: Qwen3Config) -> dict:
-    """The layer layout vLLM reads from this config (trainer.models.layout.resolve_published, which
+    """The layer layout vLLM reads from this config (trainer.run.layout.resolve_published, which
     the trainer checked at export; restated here: the exported model code is torch + transformers)."""
     dflash = config.dflash_config
     n = config.num_hidden_layers

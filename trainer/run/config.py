@@ -543,7 +543,7 @@ SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "inter
 def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> None:
     """model.drafter, and model.drafter_init's own architecture (which decides: the keys set here must
     agree). Fills model.drafter / drafter_layers from the draft so `plan` and doctor size it."""
-    from trainer.models.layout import LayoutError, causal_refusal, default_causal, resolve_published
+    from trainer.run.layout import LayoutError, causal_refusal, default_causal, resolve_published
 
     d, m = c.model.drafter, c.model
     model_raw = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}

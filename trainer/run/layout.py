@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.models.drafter import FULL, SLIDING
+FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
 
 # dflash_config fields vLLM reads: the ones the trainer represents, and those it refuses unless neutral
 DFLASH_FIELDS = {"mask_token_id", "target_layer_ids", "use_swa", "swa_window_size", "causal", "attention_sink_bias",

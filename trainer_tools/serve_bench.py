@@ -105,6 +105,7 @@ def port_in_use(port: int) -> str | None:
             holders = sorted(listeners(port))
             return f"port {port} is already in use" + (f" (pid {', '.join(map(str, holders))})" if holders else "")
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engine's server binds: TIME_WAIT is no holder
         try:
             probe.bind(("0.0.0.0", port))
         except OSError as exc:

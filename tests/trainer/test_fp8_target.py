@@ -245,7 +245,8 @@ class _Tok:
 
 def test_the_plan_fits_a_70b_shaped_fp8_target_beside_a_2_layer_drafter_on_one_h200():
     """Llama-3.3-70B truncated at its last tap (layers 0..77): ~64 GiB in FP8; a 5-layer drafter at its width
-    (~74 GB with fp32 weights, gradients and AdamW) does not fit beside it on a 139 GiB H200, 2 layers do."""
+    (~74 GB with fp32 weights, gradients and AdamW) does not fit beside it on a 139 GiB H200, 2 layers do.
+    3 layers fit only with drafter activation checkpointing, which `auto` turns on for exactly 2 of them."""
     import unittest.mock
 
     from transformers import LlamaConfig
@@ -255,15 +256,18 @@ def test_the_plan_fits_a_70b_shaped_fp8_target_beside_a_2_layer_drafter_on_one_h
 
     config = LlamaConfig(**LLAMA_3_3_70B_DIMS).to_dict()
     verdict = {}
-    for layers in (5, 3, 2):
-        text = tiny_config(FP8_CUDA, f"model: {{drafter_layers: {layers}, mask_token_id: 128255, block_size: 16, num_target_layers: 5}}\n"
-                           "devices: {memory_gib: 139}\ndata: {pack_length: 8192, max_length: 3072, num_anchors: 512, "
-                           "token_budget: 3072}\n")
-        with unittest.mock.patch("trainer.run.config._fp8_refusal", lambda d: None):
-            plan = build_plan(parse_config(text), config)
-        verdict[layers] = plan.fits
-        assert 63 < plan.stages[0]["target weights"] / 2**30 < 65
-    assert verdict == {5: False, 3: False, 2: True}
+    for checkpointing in ("false", "auto"):
+        for layers in (5, 3, 2):
+            text = tiny_config(FP8_CUDA, f"model: {{drafter_layers: {layers}, mask_token_id: 128255, block_size: 16, "
+                               f"num_target_layers: 5, checkpoint_drafter: {checkpointing}}}\n"
+                               "devices: {memory_gib: 139}\ndata: {pack_length: 8192, max_length: 3072, num_anchors: 512, "
+                               "token_budget: 3072}\n")
+            with unittest.mock.patch("trainer.run.config._fp8_refusal", lambda d: None):
+                plan = build_plan(parse_config(text), config)
+            verdict[checkpointing, layers] = (plan.fits, plan.checkpoint_drafter if plan.fits else None)
+            assert 63 < plan.stages[0]["target weights"] / 2**30 < 65
+    assert verdict == {("false", 5): (False, None), ("false", 3): (False, None), ("false", 2): (True, 0),
+                       ("auto", 5): (False, None), ("auto", 3): (True, 2), ("auto", 2): (True, 0)}
 
 
 def test_fast_accumulation_is_a_choice_of_fp8_only():

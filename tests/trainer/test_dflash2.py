@@ -356,3 +356,47 @@ def test_an_unknown_architecture_is_refused(tmp_path):
     with pytest.raises(LayoutError, match="dflash_config.selector_rank must be a positive integer"):
         generation({"architectures": ["DFlash2DraftModel"], "dflash_config": {"conv_kernel_size": 2,
                                                                               "conv_group_size": 16}})
+
+
+def test_threaded_packed_dflash2_with_a_sliding_layer_matches_the_reference_loop(tmp_path):
+    """kind dflash2 on packed rows, with a sliding-window layer, activation checkpointing: the threaded
+    pipeline (two drafter replicas) gives the reference loop's numbers, and the run checkpoints the
+    DFlash2 parts."""
+    from tests.trainer.test_pipeline_threaded import config, events
+    from trainer.entry import train
+
+    extra = """
+data: {pack_length: 128, pack_rows: 2}
+model:
+  checkpoint_drafter: true
+  drafter: {kind: dflash2, conv_group_size: 8, selector_rank: 4, selector_top_k: 4,
+            layer_types: [sliding_attention], sliding_window: 8}
+optim: {total_steps: 3}
+"""
+    assert train(config(kind="reference", targets="cpu", drafters="cpu", extra=extra), tmp_path / "ref") == 0
+    assert train(config(extra=extra), tmp_path / "thr") == 0
+    ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
+    assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3]
+    for a, b in zip(ref, thr):
+        for key in ("loss", "acc", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+    saved = json.loads(next((tmp_path / "thr" / "checkpoints").glob("step_*/drafter_config.json")).read_text())
+    assert saved["kind"] == "dflash2" and saved["layer_types"] == ["sliding_attention"]
+
+
+def test_the_memory_plan_counts_the_dflash2_parts():
+    from trainer.models.memory_plan import _sizes, build_plan
+
+    base = TINY.replace("  dtype: fp32\n", "  dtype: fp32\n  drafter:\n")
+    cfg1, cfg2 = parse_config(TINY), parse_config(base + "    kind: dflash2\n    conv_group_size: 8\n")
+    z1, z2 = _sizes(cfg1, None), _sizes(cfg2, None)
+    assert z2.drafter.kind == "dflash2" and z2.drafter.conv_group_size == 8
+    with torch.device("meta"):
+        new = DFlashDrafter(z2.drafter)
+        added = sum(new.get_parameter(n).numel() for n in new.dflash2_parameters())
+    vocab = z2.drafter.vocab_size  # per layer two convolutions [2, 2, 32] + [16, 32]; the selector 2 x [V, 256] + [256, 32]
+    assert added == 2 * 2 * (2 * 2 * 32 + 16 * 32) + 2 * vocab * 256 + 256 * 32
+    assert z2.drafter_params - z1.drafter_params == added
+    one, two = build_plan(cfg1).drafter, build_plan(cfg2).drafter
+    assert two["weights (fp32)"] - one["weights (fp32)"] == 4 * added
+    assert two["activations"] > one["activations"]

@@ -660,7 +660,7 @@ def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, 
         check("kind" not in drafter_raw or d.kind == DFLASH2, ("model", "drafter", "kind"),
               f"is {d.kind!r}, but model.drafter_init {c.model.drafter_init} is a DFlash2 draft (set kind: dflash2, "
               "or leave it unset)")
-        d.kind = DFLASH2
+        d.kind = "dflash2"
         for key in DFLASH2_DEFAULTS:
             mine = getattr(d, key)
             check(mine is None or mine == theirs[key], ("model", "drafter", key),
@@ -680,10 +680,11 @@ def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, 
     check(d.selector_loss_weight > 0, ("model", "drafter", "selector_loss_weight"),
           "must be positive (the selector has no other loss)")
     hidden, vocab = _target_dims(c)
-    check(hidden is None or hidden % d.conv_group_size == 0, ("model", "drafter", "conv_group_size"),
-          f"{d.conv_group_size} does not divide the target's hidden size {hidden}")
-    check(vocab is None or d.selector_top_k <= vocab, ("model", "drafter", "selector_top_k"),
-          f"{d.selector_top_k} exceeds the target's vocabulary of {vocab}")
+    group, top_k = int(d.conv_group_size or 1), int(d.selector_top_k or 1)  # set just above
+    check(hidden is None or hidden % group == 0, ("model", "drafter", "conv_group_size"),
+          f"{group} does not divide the target's hidden size {hidden}")
+    check(vocab is None or top_k <= vocab, ("model", "drafter", "selector_top_k"),
+          f"{top_k} exceeds the target's vocabulary of {vocab}")
 
 
 def drafter_own(c: ModelConfig) -> dict[str, Any]:

@@ -5,6 +5,10 @@ prompts and on a second, unseen prompt set, with the seed spread and the step-ti
     PYTHONPATH=. python bench/quality_objectives.py --preset h200 --out /tmp/objectives   # one H200, < 10 min
     PYTHONPATH=. python bench/quality_objectives.py --preset tiny --out /tmp/objectives   # CPU (the test)
 
+The same machinery compares drafter generations (issue #37): `--preset dflash2-h200` (one H200, < 10 min)
+and `--preset dflash2-cpu` (a 2-core CPU, ~10 min, tiny shapes) train DFlash1 and DFlash2
+(`model.drafter.kind: dflash2`, its defaults) at equal wall clock over 3 seeds, with the same table.
+
 Stages:
 
 1. bench/quality.py up to its regeneration (`--stop-after regen`): corpus, tokenizer, the code target
@@ -54,14 +58,23 @@ OBJECTIVES = {
     "kl": {"loss": "kl"},
     "ce+kl": {"loss": {"ce": 1.0, "kl": 1.0}},
 }
+# name -> the model section's drafter generation (issue #37, docs/dflash2.md): DFlash2 beside DFlash1,
+# the same objective (the default), DFlash2 with the trainer's defaults for its five fields
+GENERATIONS = {
+    "dflash1": {},
+    "dflash2": {"drafter": {"kind": "dflash2"}},
+}
+VARIANTS = {**OBJECTIVES, **GENERATIONS}
 
 
 @dataclass
 class Preset:
+    title: str = "objectives ablation"
+    baseline: str = "ce+decay"  # the row every other is timed against and judged against (equal wall clock)
     quality: str = "h200"  # the bench/quality.py preset that builds target, answers and the trainer config
     quality_set: dict = field(default_factory=dict)  # its fields overridden (e.g. a shorter target fit)
     seeds: tuple[int, ...] = (0, 1, 2)
-    objectives: tuple[str, ...] = tuple(OBJECTIVES)
+    objectives: tuple[str, ...] = tuple(OBJECTIVES)  # the rows: names of VARIANTS
     steps: int = 200  # ce+decay's optimizer steps; the others get as many as fit the same device time
     parallel: int = 12  # trainer processes at once on the device
     train_convs: int = 8192  # every run trains on the first this many regenerated answers
@@ -78,6 +91,16 @@ PRESETS = {
     "h200": Preset(quality_set={"n_prompts": 16384}),
     "tiny": Preset(quality="tiny", steps=2, parallel=1, train_convs=12, code_prompts=4, code_new_tokens=8,
                    timing_steps=2, timing_warmup=1, budget_s=0.0),
+    # issue #37: DFlash2 vs DFlash1 at equal wall clock, 3 seeds, on one H200 (< 10 min)
+    "dflash2-h200": Preset(title="DFlash2 vs DFlash1", baseline="dflash1", objectives=tuple(GENERATIONS),
+                           quality_set={"n_prompts": 16384}, steps=400, parallel=6),
+    # the same on this repository's 2-core CPU machines, ~10 min: the tiny quality preset with a longer
+    # target fit and more answers, 6 runs one at a time (a CPU figure: tiny shapes, not the H200's)
+    "dflash2-cpu": Preset(title="DFlash2 vs DFlash1 (CPU, tiny shapes)", baseline="dflash1",
+                          objectives=tuple(GENERATIONS), quality="tiny",
+                          quality_set={"n_prompts": 64, "target_steps": 120, "n_eval": 8},
+                          steps=80, parallel=1, train_convs=64, code_prompts=8, code_new_tokens=12,
+                          timing_steps=4, timing_warmup=1, budget_s=0.0),
 }
 
 
@@ -166,11 +189,11 @@ def spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def summarise(rows: dict[str, list[dict]], timing: dict[str, float]) -> dict:
+def summarise(rows: dict[str, list[dict]], timing: dict[str, float], baseline: str = "ce+decay") -> dict:
     """Per objective: τ on both prompt sets over its seeds (mean, std, range), steps, step time and its
-    cost over ce+decay, and the mean per-position acceptance."""
+    cost over the baseline, the mean per-position acceptance and training tokens/s."""
     table = {}
-    base_time = timing.get("ce+decay")
+    base_time = timing.get(baseline)
     for name, runs in rows.items():
         done = [r for r in runs if r.get("tau") is not None and r.get("tau_code") is not None]
         entry: dict = {"runs": len(runs), "measured": len(done), "steps": [r.get("steps") for r in runs],
@@ -187,26 +210,26 @@ def summarise(rows: dict[str, list[dict]], timing: dict[str, float]) -> dict:
     return table
 
 
-def verdict(table: dict) -> list[str]:
-    """Which objective beats ce+decay by more than the seed spread, on each prompt set: the difference of
-    the means must exceed the larger of the two rows' ranges (max - min over the seeds)."""
-    base = table.get("ce+decay", {})
+def verdict(table: dict, baseline: str = "ce+decay") -> list[str]:
+    """Which objective beats the baseline by more than the seed spread, on each prompt set: the difference
+    of the means must exceed the larger of the two rows' ranges (max - min over the seeds)."""
+    base = table.get(baseline, {})
     lines = []
     for key, label in (("tau", "held-out"), ("tau_code", "code prompts")):
         if key not in base:
-            lines.append(f"{label}: ce+decay not measured, no verdict")
+            lines.append(f"{label}: {baseline} not measured, no verdict")
             continue
         b = base[key]
         winners = []
         for name, e in table.items():
-            if name == "ce+decay" or key not in e:
+            if name == baseline or key not in e:
                 continue
             gain = e[key]["mean"] - b["mean"]
             bar = max(e[key]["max"] - e[key]["min"], b["max"] - b["min"])
             if gain > bar:
                 winners.append(f"{name} (+{gain:.3f}, spread {bar:.3f})")
-        lines.append(f"{label}: " + ("; ".join(winners) + " beat ce+decay beyond the seed spread" if winners
-                                     else "no objective beats ce+decay beyond the seed spread: keep the default"))
+        lines.append(f"{label}: " + ("; ".join(winners) + f" beat {baseline} beyond the seed spread" if winners
+                                     else f"no objective beats {baseline} beyond the seed spread: keep the default"))
     return lines
 
 
@@ -219,21 +242,24 @@ def _ms(e: dict | None, key: str) -> str:
 
 def markdown(results: dict) -> str:
     t = results["table"]
-    lines = [f"# objectives ablation ({results['command']})", "",
+    preset = results["preset"]
+    baseline = preset.get("baseline", "ce+decay")
+    lines = [f"# {preset.get('title', 'objectives ablation')} ({results['command']})", "",
              f"* target and answers: bench/quality.py --preset {results['preset']['quality']} (up to regen); "
              f"{results['train_convs']} answers per run; seeds {list(results['preset']['seeds'])}",
              f"* held-out: {results['heldout_prompts']} prompts of held-out files; code: {results['code_prompts']} "
              f"signature+docstring prompts written by the bench ({results['preset']['code_new_tokens']} new tokens)",
-             "* equal wall clock: ce+decay's steps x its step time / each objective's (timed alone, reference loop)",
-             "", "| objective | steps (per seed) | τ held-out: mean ± std (range) | τ code prompts | ratio to lookup "
-             "(held-out) | step time | cost vs ce+decay | acceptance by position (mean) |",
-             "|---|---|---|---|---|---:|---:|---|"]
+             f"* equal wall clock: {baseline}'s steps x its step time / each row's (timed alone, reference loop)",
+             "", "| row | steps (per seed) | τ held-out: mean ± std (range) | τ code prompts | ratio to lookup "
+             f"(held-out) | step time | cost vs {baseline} | acceptance by position (mean) | training tokens/s |",
+             "|---|---|---|---|---|---:|---:|---|---:|"]
     for name, e in t.items():
         cost = "-" if e.get("step_cost") is None else f"{e['step_cost']:+.1%}"
         step = "-" if e.get("step_s") is None else f"{e['step_s'] * 1000:.1f} ms"
         acc = " ".join(f"{a:.2f}" for a in e["acceptance"]) if e.get("acceptance") else "-"
+        tps = "-" if not e.get("tokens_per_s") else f"{e['tokens_per_s']:,.0f}"
         lines.append(f"| {name} | {e['steps']} | {_ms(e, 'tau')} | {_ms(e, 'tau_code')} | "
-                     f"{_ms(e, 'tau_ratio')} | {step} | {cost} | {acc} |")
+                     f"{_ms(e, 'tau_ratio')} | {step} | {cost} | {acc} | {tps} |")
     lines += ["", *[f"* {v}" for v in results["verdict"]]]
     return "\n".join(lines) + "\n"
 
@@ -258,9 +284,11 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
         v = yaml.safe_load(value)
         setattr(p, key, tuple(v) if isinstance(v, list) else v)
-    unknown = [o for o in p.objectives if o not in OBJECTIVES]
+    unknown = [o for o in p.objectives if o not in VARIANTS]
     if unknown:
-        ap.error(f"objectives: unknown {unknown}; known: {', '.join(OBJECTIVES)}")
+        ap.error(f"objectives: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    if p.baseline not in p.objectives:
+        ap.error(f"baseline {p.baseline!r} is not one of the rows {list(p.objectives)}")
     out = args.out.resolve()
     started = time.time()
     budget_end = started + p.budget_s if p.budget_s else None
@@ -298,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def config(name: str, seed: int, steps: int, train: Path = train_file) -> dict:
         cfg = quality.trainer_config(qp, model_dir, train, data, steps, {}, max(1, steps))
-        cfg["model"].update(OBJECTIVES[name])
+        cfg["model"].update(VARIANTS[name])
         cfg["run"]["seed"], cfg["data"]["seed"] = seed, seed
         return cfg
 
@@ -311,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"step time alone: {name} {timing[name] * 1000:.1f} ms")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the components of the timing run are gone
-    base = timing.get("ce+decay", min(timing.values()))
+    base = timing[p.baseline]
     plan = {name: max(1, round(p.steps * base / timing[name])) for name in p.objectives}
     results["timing"], results["planned_steps"] = timing, plan
     say("equal wall clock: " + ", ".join(f"{n} {s} steps" for n, s in plan.items()))
@@ -342,8 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"{j['name']}: exit {r['exit']}, {r['steps']} steps, tau held-out {quality._f(r.get('tau'))}, "
             f"code {quality._f(r.get('tau_code'))}, acceptance {r.get('acceptance')}")
     results["runs"] = rows
-    results["table"] = summarise(rows, timing)
-    results["verdict"] = verdict(results["table"])
+    results["table"] = summarise(rows, timing, p.baseline)
+    results["verdict"] = verdict(results["table"], p.baseline)
     for line in results["verdict"]:
         say(f"verdict: {line}")
     save()

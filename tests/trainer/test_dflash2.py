@@ -180,15 +180,14 @@ def test_speculative_decoding_with_a_dflash2_draft_is_lossless(tiny):
         nxt = bigram(input_ids=torch.arange(VOCAB)[:, None]).logits[:, -1].argmax(-1).tolist()
     oracle = SecondBestHead(head, dict(enumerate(nxt)))
     drafter = dflash2_drafter(target, layer_ids).eval()
-    seen = set()
+    refs = [speculative_generate(bigram, drafter, oracle, p, max_new_tokens=20, stop_ids=set()) for p in PROMPTS]
+    for prompt, ref in zip(PROMPTS, refs):
+        assert ref.tokens == greedy_generate(bigram, prompt, 20, set())
+    seen = {n for ref in refs for n in ref.acceptance_lengths}
     for implementation in ("static", "dynamic"):
-        cached = speculative_generate_cached(bigram, drafter, oracle, PROMPTS, max_new_tokens=30, stop_ids=set(),
+        cached = speculative_generate_cached(bigram, drafter, oracle, PROMPTS, max_new_tokens=20, stop_ids=set(),
                                              implementation=implementation)
-        for prompt, got in zip(PROMPTS, cached):
-            ref = speculative_generate(bigram, drafter, oracle, prompt, max_new_tokens=30, stop_ids=set())
-            assert got.tokens == ref.tokens == greedy_generate(bigram, prompt, 30, set())
-            assert got == ref  # round for round
-            seen |= set(got.acceptance_lengths)
+        assert cached == refs  # token for token, round for round
     assert len(seen) >= 3 and max(seen) > 1  # partial and longer acceptances both happen
     # the walk is what drafted: the selector turns some second-best tokens into drafts
     with torch.no_grad():

@@ -439,3 +439,17 @@ def test_compiled_regions_train_as_eager_and_compile_nothing_after_warm_up(tiny,
     assert not counters["graph_break"]
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(compiled[1], eager[1]))
+
+
+def test_the_doctor_sizes_a_dflash2_checkpoint_from_its_parts():
+    from dflash_ops.doctor.plan import drafter_params
+
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                vocab_size=100)
+    own = dict(kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=4, selector_top_k=5)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100,
+                                              block_size=4, mask_token_id=1, target_layer_ids=[1, 1],
+                                              num_target_layers=2, **own))
+    assert drafter_params(dims, 3, 2, own) == sum(p.numel() for p in drafter.parameters())

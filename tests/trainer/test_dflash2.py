@@ -453,3 +453,20 @@ def test_the_doctor_sizes_a_dflash2_checkpoint_from_its_parts():
                                               block_size=4, mask_token_id=1, target_layer_ids=[1, 1],
                                               num_target_layers=2, **own))
     assert drafter_params(dims, 3, 2, own) == sum(p.numel() for p in drafter.parameters())
+
+
+def test_the_pipeline_bench_measures_a_dflash2_drafter_beside_dflash(tmp_path):
+    """bench/pipeline.py --drafter-layouts full full/dflash2: both train through the threaded pipeline
+    (the GPU command of issue 37's tokens/s), keyed <mode>@<layout>."""
+    import bench.pipeline as bench
+
+    assert bench.drafter_layout("swa4+1/dflash2", 5, 2048)[1].endswith("sliding_window: 2048, kind: dflash2")
+    assert bench.drafter_layout("full/dflash2", 5, 2048) == (5, "kind: dflash2")
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "1", "--log-every", "1",
+        "--min-len", "16", "--max-len", "64", "--samples", "40", "--anchors", "8", "--stage-micro", "1",
+        "--modes", "packed", "--pack-length", "128", "--drafter-layouts", "full", "full/dflash2",
+        "--out", str(tmp_path / "bench.json")])
+    one, two = results["packed@full"], results["packed@full/dflash2"]
+    assert one["pipeline"]["loss"] != two["pipeline"]["loss"]  # the selector's term is in DFlash2's loss
+    assert two["pipeline"]["recompiles_after_warmup"] == 0

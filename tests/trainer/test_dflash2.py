@@ -130,7 +130,7 @@ def test_a_few_steps_lower_the_token_and_the_selector_loss(tiny):
     objective = Objective(selector=1.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     seen = []
-    for _ in range(25):
+    for _ in range(15):
         parts: dict = {}
         loss, weight, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", chunk=17, objective=objective,
                                             parts=parts)
@@ -142,7 +142,7 @@ def test_a_few_steps_lower_the_token_and_the_selector_loss(tiny):
         for name in drafter.dflash2_parameters():  # every new part learns
             assert drafter.get_parameter(name).grad.abs().sum() > 0, name
         opt.step()
-    assert seen[-1][0] < 0.95 * seen[0][0] and seen[-1][1] < 0.8 * seen[0][1], seen
+    assert seen[-1][0] < 0.97 * seen[0][0] and seen[-1][1] < 0.8 * seen[0][1], seen
     assert 0 < float(parts["selector_recall"]) <= float(weight)
 
 
@@ -180,15 +180,14 @@ def test_speculative_decoding_with_a_dflash2_draft_is_lossless(tiny):
         nxt = bigram(input_ids=torch.arange(VOCAB)[:, None]).logits[:, -1].argmax(-1).tolist()
     oracle = SecondBestHead(head, dict(enumerate(nxt)))
     drafter = dflash2_drafter(target, layer_ids).eval()
-    seen = set()
+    refs = [speculative_generate(bigram, drafter, oracle, p, max_new_tokens=20, stop_ids=set()) for p in PROMPTS]
+    for prompt, ref in zip(PROMPTS, refs):
+        assert ref.tokens == greedy_generate(bigram, prompt, 20, set())
+    seen = {n for ref in refs for n in ref.acceptance_lengths}
     for implementation in ("static", "dynamic"):
-        cached = speculative_generate_cached(bigram, drafter, oracle, PROMPTS, max_new_tokens=30, stop_ids=set(),
+        cached = speculative_generate_cached(bigram, drafter, oracle, PROMPTS, max_new_tokens=20, stop_ids=set(),
                                              implementation=implementation)
-        for prompt, got in zip(PROMPTS, cached):
-            ref = speculative_generate(bigram, drafter, oracle, prompt, max_new_tokens=30, stop_ids=set())
-            assert got.tokens == ref.tokens == greedy_generate(bigram, prompt, 30, set())
-            assert got == ref  # round for round
-            seen |= set(got.acceptance_lengths)
+        assert cached == refs  # token for token, round for round
     assert len(seen) >= 3 and max(seen) > 1  # partial and longer acceptances both happen
     # the walk is what drafted: the selector turns some second-best tokens into drafts
     with torch.no_grad():
@@ -400,3 +399,74 @@ def test_the_memory_plan_counts_the_dflash2_parts():
     one, two = build_plan(cfg1).drafter, build_plan(cfg2).drafter
     assert two["weights (fp32)"] - one["weights (fp32)"] == 4 * added
     assert two["activations"] > one["activations"]
+
+
+def test_compiled_regions_train_as_eager_and_compile_nothing_after_warm_up(tiny, monkeypatch):
+    """The DFlash2 layer's compiled regions (here with a backend that needs no C compiler, as CUDA
+    compiles them): the same loss and gradients as eager, nothing compiled after one warm-up step."""
+    from torch._dynamo.utils import counters
+
+    import trainer.models.drafter as drafter_module
+    from trainer.pipeline.compile_safety import CompileGuard
+
+    target, head, _, layer_ids = tiny
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+
+    def step(drafter):
+        loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", objective=Objective(selector=1.0))
+        loss.backward()
+        return float(loss), [p.grad.clone() for p in drafter.parameters()]
+
+    eager = step(dflash2_drafter(target, layer_ids))
+    monkeypatch.setattr(drafter_module, "CPU_BACKEND", "aot_eager")
+    monkeypatch.setattr(drafter_module, "_compiled", {})
+    torch._dynamo.reset()
+    counters.clear()
+    guard = CompileGuard()
+    try:
+        guard.warm_up("cpu", [(2, 24)], lambda shape: step(dflash2_drafter(target, layer_ids)))
+        guard.freeze()
+        compiled = step(dflash2_drafter(target, layer_ids))
+        assert guard.recompiles() == 0
+    finally:
+        guard.unfreeze()
+        torch._dynamo.reset()
+    assert grouped_conv in drafter_module._compiled
+    assert not counters["graph_break"]
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(compiled[1], eager[1]))
+
+
+def test_the_doctor_sizes_a_dflash2_checkpoint_from_its_parts():
+    from dflash_ops.doctor.plan import drafter_params
+
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                vocab_size=100)
+    own = dict(kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=4, selector_top_k=5)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100,
+                                              block_size=4, mask_token_id=1, target_layer_ids=[1, 1],
+                                              num_target_layers=2, **own))
+    assert drafter_params(dims, 3, 2, own) == sum(p.numel() for p in drafter.parameters())
+
+
+def test_the_pipeline_bench_measures_a_dflash2_drafter_beside_dflash(tmp_path):
+    """bench/pipeline.py --drafter-layouts full full/dflash2: both train through the threaded pipeline
+    (the GPU command of issue 37's tokens/s), keyed <mode>@<layout>."""
+    import bench.pipeline as bench
+
+    assert bench.drafter_layout("swa4+1/dflash2", 5, 2048)[1].endswith("sliding_window: 2048, kind: dflash2")
+    assert bench.drafter_layout("full/dflash2", 5, 2048) == (5, "kind: dflash2")
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "1", "--log-every", "1",
+        "--min-len", "16", "--max-len", "64", "--samples", "40", "--anchors", "8", "--stage-micro", "1",
+        "--modes", "packed", "--pack-length", "128", "--drafter-layouts", "full", "full/dflash2",
+        "--out", str(tmp_path / "bench.json")])
+    one, two = results["packed@full"], results["packed@full/dflash2"]
+    assert one["pipeline"]["loss"] != two["pipeline"]["loss"]  # the selector's term is in DFlash2's loss
+    assert two["pipeline"]["recompiles_after_warmup"] == 0

@@ -84,14 +84,16 @@ class GroupedConv(nn.Module):
             self.base_kernel[:, 0] = 1.0
             self.kernel_projection.weight.zero_()
 
-    def prepare(self, h: torch.Tensor, block_size: int,
-                weight: Weight = _as_is) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h convolved with side 0, side 1's coefficients [..., T, taps, groups] for `finish`)."""
+    def prepare(self, h: torch.Tensor, block_size: int, weight: Weight = _as_is,
+                conv: Callable[..., torch.Tensor] = grouped_conv) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h convolved with side 0, side 1's coefficients [..., T, taps, groups] for `finish`).
+        conv: `grouped_conv`, or its compiled region (the drafter's layer while training on CUDA)."""
         delta = F.linear(h, weight(self.kernel_projection.weight)).unflatten(-1, (2, self.taps, self.groups))
-        return grouped_conv(h, delta[..., 0, :, :], self.base_kernel[0], block_size), delta[..., 1, :, :]
+        return conv(h, delta[..., 0, :, :], self.base_kernel[0], block_size), delta[..., 1, :, :]
 
-    def finish(self, y: torch.Tensor, delta: torch.Tensor, block_size: int) -> torch.Tensor:
-        return grouped_conv(y, delta, self.base_kernel[1], block_size)
+    def finish(self, y: torch.Tensor, delta: torch.Tensor, block_size: int,
+               conv: Callable[..., torch.Tensor] = grouped_conv) -> torch.Tensor:
+        return conv(y, delta, self.base_kernel[1], block_size)
 
 
 def unary_scores(values: torch.Tensor, output_multiplier: float = 1.0,

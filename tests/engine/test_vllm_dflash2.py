@@ -11,7 +11,8 @@ patches in the driver process (vllm_driver.dflash2_walk: the guard lifted, the p
 replaced by vLLM's compute_candidates and CandidateSelector with the temperature-0 walk of its V2
 kernel), so vLLM's load_weights name mapping, its grouped convolutions' CPU path, its candidate
 scores and its verification meet the project's decoder: the text equals plain greedy text and the
-acceptance equals the project's τ exactly, for the trained draft and for one whose selector decides.
+acceptance equals the project's τ exactly, for the trained draft, for one whose selector decides, and
+for one with non-neutral input_embedding_scale, output_multiplier and final_logit_softcapping.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_vllm_cpu_serves_the_dflash2_export_or_its_refusal_is_recorded(engine_se
     assert engine_tau(engine_session, f"dflash2_{runner}") == project_tau(engine_session, "dflash2")
 
 
-@pytest.mark.parametrize("name", ["dflash2", "dflash2_strong_selector"])
+@pytest.mark.parametrize("name", ["dflash2", "dflash2_strong_selector", "dflash2_scaled"])
 def test_vllms_dflash2_model_drafts_as_the_projects_decoder_exactly(engine_session, name):
     runs = engine_session.out["runs"]
     assert runs[name]["tokens"] == runs["plain"]["tokens"] and runs[name]["num_drafts"] > 0
@@ -74,14 +75,16 @@ def test_vllms_dflash2_model_drafts_as_the_projects_decoder_exactly(engine_sessi
 
 def test_the_selector_and_the_convolutions_decide_the_drafts_compared(engine_session, tmp_path):
     """The equalities above are the DFlash2 parts' and not DFlash1's: the strong selector drafts
-    other tokens than the trained one (whose edges are too small to overturn the argmax), and the
-    trained draft with identity convolutions (its dynamic coefficients zeroed) drafts otherwise."""
+    other tokens than the trained one (whose edges are too small to overturn the argmax), the scales
+    change the strong selector's drafts, and the trained draft with static convolutions (its dynamic
+    coefficients zeroed) drafts otherwise."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     s: EngineSession = engine_session
     assert project_tau(s, "dflash2_strong_selector") != project_tau(s, "dflash2")
+    assert project_tau(s, "dflash2_scaled") != project_tau(s, "dflash2_strong_selector")
     still = tmp_path / "static-convolutions"
     shutil.copytree(s.drafts["dflash2"], still)
     weights = load_file(str(still / "model.safetensors"))

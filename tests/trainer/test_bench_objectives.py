@@ -55,3 +55,40 @@ def test_tiny_objectives_bench_runs_every_objective_and_seed(tmp_path):
     assert "objective: kl, decay" in logs["kl"] and "objective: ce, dpace" in logs["ce+dpace"]
     assert len(r["verdict"]) == 2 and "| ce+kl |" in (tmp_path / "objectives.md").read_text()
     assert json.loads((tmp_path / "objectives.json").read_text())["code_prompts"] == 4
+
+
+def test_the_dflash2_presets_compare_the_two_generations_against_dflash1():
+    for name in ("dflash2-h200", "dflash2-cpu"):
+        p = qo.PRESETS[name]
+        assert p.objectives == ("dflash1", "dflash2") and p.baseline == "dflash1" and p.seeds == (0, 1, 2)
+    assert qo.VARIANTS["dflash2"] == {"drafter": {"kind": "dflash2"}} and qo.VARIANTS["dflash1"] == {}
+    rows = {"dflash1": [run(2.0, 1.5), run(2.1, 1.6), run(2.2, 1.5)],
+            "dflash2": [run(2.6, 1.6), run(2.7, 1.5), run(2.65, 1.55)]}
+    table = qo.summarise(rows, {"dflash1": 0.010, "dflash2": 0.012}, "dflash1")
+    assert table["dflash2"]["step_cost"] == pytest.approx(0.2) and table["dflash1"]["step_cost"] == 0
+    held, code = qo.verdict(table, "dflash1")
+    assert held.startswith("held-out: dflash2 (+0.550") and "beat dflash1" in held
+    assert code == "code prompts: no objective beats dflash1 beyond the seed spread: keep the default"
+    md = qo.markdown({"table": table, "verdict": [held, code], "command": "c", "train_convs": 1, "heldout_prompts": 1,
+                      "code_prompts": 1, "preset": {"quality": "tiny", "seeds": [0, 1, 2], "code_new_tokens": 8,
+                                                    "title": "DFlash2 vs DFlash1", "baseline": "dflash1"}})
+    assert md.startswith("# DFlash2 vs DFlash1 (c)") and "cost vs dflash1" in md
+    assert "| dflash2 | [10, 10, 10] | 2.650 ± 0.050 (2.600-2.700) |" in md and md.count("| 100 |") == 2
+
+
+def test_a_baseline_that_is_not_a_row_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        qo.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "baseline=dflash1"])
+    assert "baseline 'dflash1' is not one of the rows" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_bench_trains_dflash1_and_dflash2_side_by_side(tmp_path):
+    r = qo.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "objectives=[dflash1, dflash2]",
+                 "--set", "baseline=dflash1", "--set", "seeds=[0]"])
+    assert set(r["table"]) == {"dflash1", "dflash2"} and r["table"]["dflash1"]["step_cost"] == 0
+    for name, runs in r["runs"].items():
+        assert [x["exit"] for x in runs] == [0] and runs[0]["tau"] >= 1.0 and runs[0]["tau_code"] >= 1.0, name
+    log = (tmp_path / "runs-objectives" / "dflash2-seed-0" / "train.log").read_text()
+    assert "selector CE" in log
+    assert "selector" not in (tmp_path / "runs-objectives" / "dflash1-seed-0" / "train.log").read_text()

@@ -377,8 +377,9 @@ optim: {total_steps: 3}
     ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
     assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3]
     for a, b in zip(ref, thr):
-        for key in ("loss", "acc", "grad_norm"):
+        for key in ("loss", "acc", "grad_norm", "selector_loss", "selector_acc", "candidate_recall"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+        assert 0 < a["candidate_recall"] <= 1 and 0 <= a["selector_acc"] <= 1 and a["selector_loss"] > 0
     saved = json.loads(next((tmp_path / "thr" / "checkpoints").glob("step_*/drafter_config.json")).read_text())
     assert saved["kind"] == "dflash2" and saved["layer_types"] == ["sliding_attention"]
 

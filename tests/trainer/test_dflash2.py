@@ -343,6 +343,13 @@ def test_warm_start_from_a_dflash_draft_keeps_the_shared_weights_bit_equal(tiny,
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in d2.state_dict().items())
     with pytest.raises(ConfigError, match="is a DFlash2 draft"):
         parse_config(text + "  drafter: {kind: dflash}\n")
+    # a DFlash2 run's checkpoint: the same (its drafter_config.json decides)
+    step = save_checkpoint(d2, tmp_path / "run4")
+    cfg = parse_config(TINY + f"  drafter_init: {step}\n  mask_token_id: {MASK_ID}\n"
+                              f"  target_layer_ids: {json.dumps(layer_ids)}\n")
+    assert (cfg.model.drafter.kind, cfg.model.drafter.conv_kernel_size) == ("dflash2", 3)
+    resumed = build_drafter(cfg, target, MASK_ID, "cpu")
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in d2.state_dict().items())
     with pytest.raises(ConfigError, match="selector_top_k is 5, but"):
         parse_config(text + "  drafter: {selector_top_k: 5}\n")
 

@@ -313,7 +313,9 @@ def test_warm_start_from_a_dflash_draft_keeps_the_shared_weights_bit_equal(tiny,
     dflash = copy.deepcopy(drafter)
     export = export_checkpoint(save_checkpoint(dflash, tmp_path / "run"), tmp_path / "dflash", dtype=torch.float32)
     lines = []
-    for init in (export, save_checkpoint(dflash, tmp_path / "run2")):  # a published DFlash draft, a checkpoint
+    save_checkpoint(dflash, tmp_path / "run5")  # run5/checkpoints/step_3
+    # a published DFlash draft, a checkpoint, a run directory (its latest checkpoint)
+    for init in (export, save_checkpoint(dflash, tmp_path / "run2"), tmp_path / "run5"):
         cfg = parse_config(TINY + f"  drafter_init: {init}\n  mask_token_id: {MASK_ID}\n  drafter: {{kind: dflash2}}\n"
                                   "  target_layer_ids: " + json.dumps(layer_ids) + "\n")
         warm = build_drafter(cfg, target, MASK_ID, "cpu", lines.append)

@@ -313,7 +313,9 @@ def test_warm_start_from_a_dflash_draft_keeps_the_shared_weights_bit_equal(tiny,
     dflash = copy.deepcopy(drafter)
     export = export_checkpoint(save_checkpoint(dflash, tmp_path / "run"), tmp_path / "dflash", dtype=torch.float32)
     lines = []
-    for init in (export, save_checkpoint(dflash, tmp_path / "run2")):  # a published DFlash draft, a checkpoint
+    save_checkpoint(dflash, tmp_path / "run5")  # run5/checkpoints/step_3
+    # a published DFlash draft, a checkpoint, a run directory (its latest checkpoint)
+    for init in (export, save_checkpoint(dflash, tmp_path / "run2"), tmp_path / "run5"):
         cfg = parse_config(TINY + f"  drafter_init: {init}\n  mask_token_id: {MASK_ID}\n  drafter: {{kind: dflash2}}\n"
                                   "  target_layer_ids: " + json.dumps(layer_ids) + "\n")
         warm = build_drafter(cfg, target, MASK_ID, "cpu", lines.append)
@@ -343,6 +345,13 @@ def test_warm_start_from_a_dflash_draft_keeps_the_shared_weights_bit_equal(tiny,
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in d2.state_dict().items())
     with pytest.raises(ConfigError, match="is a DFlash2 draft"):
         parse_config(text + "  drafter: {kind: dflash}\n")
+    # a DFlash2 run's checkpoint: the same (its drafter_config.json decides)
+    step = save_checkpoint(d2, tmp_path / "run4")
+    cfg = parse_config(TINY + f"  drafter_init: {step}\n  mask_token_id: {MASK_ID}\n"
+                              f"  target_layer_ids: {json.dumps(layer_ids)}\n")
+    assert (cfg.model.drafter.kind, cfg.model.drafter.conv_kernel_size) == ("dflash2", 3)
+    resumed = build_drafter(cfg, target, MASK_ID, "cpu")
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in d2.state_dict().items())
     with pytest.raises(ConfigError, match="selector_top_k is 5, but"):
         parse_config(text + "  drafter: {selector_top_k: 5}\n")
 
@@ -377,8 +386,9 @@ optim: {total_steps: 3}
     ref, thr = events(tmp_path / "ref", "step"), events(tmp_path / "thr", "step")
     assert [e["step"] for e in thr] == [e["step"] for e in ref] == [1, 2, 3]
     for a, b in zip(ref, thr):
-        for key in ("loss", "acc", "grad_norm"):
+        for key in ("loss", "acc", "grad_norm", "selector_loss", "selector_acc", "candidate_recall"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+        assert 0 < a["candidate_recall"] <= 1 and 0 <= a["selector_acc"] <= 1 and a["selector_loss"] > 0
     saved = json.loads(next((tmp_path / "thr" / "checkpoints").glob("step_*/drafter_config.json")).read_text())
     assert saved["kind"] == "dflash2" and saved["layer_types"] == ["sliding_attention"]
 

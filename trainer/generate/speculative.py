@@ -81,9 +81,9 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
     keys/values followed by the block itself, each layer under its own serving mask
     (trainer.models.drafter.serving_attention: its window and causality, its sinks)."""
     b, t, _ = x.shape
-    bs = d.config.block_size
     for i, (layer, attend) in enumerate(zip(d.blocks(), attends, strict=True)):
         a, conv_a, conv_m = layer.self_attn, layer.attention_conv, layer.mlp_conv  # convolutions: DFlash2
+        bs = layer.block_size
         h = layer.input_layernorm(x)
         if conv_a is not None:
             h, delta = conv_a.prepare(h, bs)

@@ -31,6 +31,7 @@ from trainer.run.layout import (
     published_fields,
     published_generation,
     resolve_published,
+    run_checkpoint,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -196,7 +197,7 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     served raises ValueError naming the field."""
     from safetensors.torch import load_file
 
-    d = Path(model_dir)
+    d = run_checkpoint(model_dir) or Path(model_dir)  # a run directory: its latest checkpoint
     if (d / ckpt.DRAFTER_CONFIG_FILE).is_file() and not (d / "config.json").is_file():
         return _read_checkpoint(d)
     try:

@@ -281,6 +281,22 @@ WEIGHTED_CE = {"fused": fused_weighted_ce, "checkpoint": chunked_weighted_ce}
 OBJECTIVE_PATHS = {"fused": fused_objective, "checkpoint": chunked_objective}
 
 
+def selector_sums_of(parts: dict) -> tuple[torch.Tensor, ...]:
+    """(selector_loss, selector_correct, selector_recall) of a drafter_loss_sums `parts`, () without a selector."""
+    if "selector_loss" not in parts:
+        return ()
+    return parts["selector_loss"], parts["selector_correct"], parts["selector_recall"]
+
+
+def selector_metrics(loss_sum: float, correct_sum: float, recall_sum: float, weight: float) -> dict:
+    """A DFlash2 step's selector metrics from its sums over a step's base weight Σw: selector_loss (its
+    K-way CE, Σ / Σw, before selector_loss_weight), candidate_recall (the share of weight whose token is
+    among the top-k) and selector_acc (the selector's best is the token, among those slots)."""
+    weight = max(weight, 1e-6)
+    return {"selector_loss": loss_sum / weight, "candidate_recall": recall_sum / weight,
+            "selector_acc": correct_sum / max(recall_sum, 1e-6)}
+
+
 def slot_rows_of(blocks: Blocks, length: int) -> torch.Tensor:
     """Each loss slot's row in the target's flattened [B*L, H] hidden states: slot k >= 1 of the block
     anchored at p reads the target's next-token distribution at position p+k-1 (clamped: a slot past

@@ -103,7 +103,7 @@ class ModelConfig:
     block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
-    drafter_init: str | None = None  # a published-format draft directory (our export, z-lab's, what SGLang/vLLM load): its weights start training; checked against the target
+    drafter_init: str | None = None  # a published-format draft directory (our export, z-lab's, what SGLang/vLLM load), a trainer checkpoint or run directory (its latest): its weights start training; checked against the target
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else the first embedding row past the tokenizer (151669 for Qwen3)
     attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
@@ -623,7 +623,32 @@ def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> N
               f"must divide num_attention_heads ({d.num_attention_heads})")
     if d.causal is None and sliding:
         d.causal = default_causal(d.layer_types, m.drafter_layers)
-    _validate_kind(c, drafter_raw, None, check)
+    _validate_kind(c, drafter_raw, _checkpoint_generation(m.drafter_init), check)
+
+
+def _checkpoint_generation(init: str | None) -> dict | None:
+    """model.drafter_init naming a trainer checkpoint (drafter_config.json, no config.json) or a run
+    directory (its latest): its generation as the config.json fields `_validate_kind` reads, else None."""
+    if init is None:
+        return None
+    from trainer.run.layout import run_checkpoint
+
+    init = str(run_checkpoint(init) or init)  # a run directory: its latest checkpoint
+    saved_path = Path(init).expanduser() / "drafter_config.json"
+    if (Path(init).expanduser() / "config.json").is_file() or not saved_path.is_file():
+        return None
+    import json
+
+    from trainer.run.layout import DFLASH2_ARCHITECTURE, DFLASH2_FIELDS, DFLASH_ARCHITECTURE
+
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):
+        return None  # the build reads it again and says what is wrong
+    if not isinstance(saved, dict) or saved.get("kind", "dflash") != "dflash2":
+        return {"architectures": [DFLASH_ARCHITECTURE]}
+    return {"architectures": [DFLASH2_ARCHITECTURE], "hidden_size": saved.get("hidden_size"),
+            "vocab_size": saved.get("vocab_size"), "dflash_config": {k: saved[k] for k in DFLASH2_FIELDS if k in saved}}
 
 
 def _target_dims(c: TrainerConfig) -> tuple[int | None, int | None]:

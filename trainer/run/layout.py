@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
@@ -184,6 +185,17 @@ def engine_warnings(layout: Layout, layers: int) -> list[str]:
                    "serves them only with VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses to load the draft), "
                    "and its CPU build not at all (docs/engine-vllm.md)")
     return out
+
+
+def run_checkpoint(path: str | Path) -> Path | None:
+    """A run directory's latest checkpoint (RUN/checkpoints/step_N with a manifest.json, the highest N),
+    for model.drafter_init naming a run; None when `path` is no run directory (or has none)."""
+    root = Path(path).expanduser() / "checkpoints"
+    if (Path(path).expanduser() / "config.json").is_file() or not root.is_dir():
+        return None
+    steps = sorted((int(p.name[len("step_"):]), p) for p in root.iterdir()
+                   if p.name.startswith("step_") and p.name[len("step_"):].isdigit() and (p / "manifest.json").is_file())
+    return steps[-1][1] if steps else None
 
 
 def _is_dflash2(config: dict) -> bool:

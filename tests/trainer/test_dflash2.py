@@ -429,7 +429,7 @@ def test_compiled_regions_train_as_eager_and_compile_nothing_after_warm_up(tiny,
     def step(drafter):
         loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", objective=Objective(selector=1.0))
         loss.backward()
-        return float(loss), [p.grad.clone() for p in drafter.parameters()]
+        return float(loss.detach()), [p.grad.clone() for p in drafter.parameters()]
 
     eager = step(dflash2_drafter(target, layer_ids))
     monkeypatch.setattr(drafter_module, "CPU_BACKEND", "aot_eager")

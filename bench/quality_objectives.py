@@ -98,9 +98,10 @@ PRESETS = {
     # target fit and more answers, 6 runs one at a time (a CPU figure: tiny shapes, not the H200's)
     "dflash2-cpu": Preset(title="DFlash2 vs DFlash1 (CPU, tiny shapes)", baseline="dflash1",
                           objectives=tuple(GENERATIONS), quality="tiny",
-                          quality_set={"n_prompts": 64, "target_steps": 120, "n_eval": 8},
-                          steps=80, parallel=1, train_convs=64, code_prompts=8, code_new_tokens=12,
-                          timing_steps=4, timing_warmup=1, budget_s=0.0),
+                          quality_set={"n_prompts": 384, "answer_tokens": 32, "n_eval": 24,
+                                       "eval_new_tokens": 32, "regen_batch": 64, "target_steps": 300},
+                          steps=400, parallel=1, train_convs=384, code_prompts=24, code_new_tokens=32,
+                          timing_steps=30, timing_warmup=5, budget_s=0.0),
 }
 
 
@@ -184,6 +185,18 @@ def step_seconds(cfg: dict, run_dir: Path, steps: int, warmup: int) -> float:
 # ---------------------------------------------------------------------------- 5. the table
 
 
+def training_pace(run_dir: Path) -> dict:
+    """A run's training wall seconds (its start to its last step) and its tokens/s as the mean of its logged
+    intervals' (the last interval alone, quality.read_run's steady figure, is a few steps on a CPU)."""
+    path = run_dir / "metrics.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    start = next((e["time"] for e in events if e.get("event") == "start"), None)
+    steps = [e for e in events if e.get("event") == "step"]
+    rates = [e["tokens_per_s"] for e in steps[1:] if e.get("tokens_per_s")]  # the first includes the warm-up
+    return {"train_s": round(steps[-1]["time"] - start, 1) if steps and start else None,
+            "tokens_per_s_mean": statistics.fmean(rates) if rates else None}
+
+
 def spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values), "n": len(values)}
@@ -205,7 +218,10 @@ def summarise(rows: dict[str, list[dict]], timing: dict[str, float], baseline: s
             entry["tau_ratio"] = spread([r["tau_ratio"] for r in done if r.get("tau_ratio") is not None] or [0.0])
             acc = [r["acceptance"] for r in done if r.get("acceptance")]
             entry["acceptance"] = [statistics.fmean(col) for col in zip(*acc)] if acc else None
-            entry["tokens_per_s"] = statistics.fmean(r["tokens_per_s_steady"] or 0.0 for r in done)
+            entry["tokens_per_s"] = statistics.fmean(r.get("tokens_per_s_mean") or r["tokens_per_s_steady"] or 0.0
+                                                     for r in done)
+            walls = [r["train_s"] for r in done if r.get("train_s")]
+            entry["train_s"] = statistics.fmean(walls) if walls else None
         table[name] = entry
     return table
 
@@ -251,15 +267,16 @@ def markdown(results: dict) -> str:
              f"signature+docstring prompts written by the bench ({results['preset']['code_new_tokens']} new tokens)",
              f"* equal wall clock: {baseline}'s steps x its step time / each row's (timed alone, reference loop)",
              "", "| row | steps (per seed) | τ held-out: mean ± std (range) | τ code prompts | ratio to lookup "
-             f"(held-out) | step time | cost vs {baseline} | acceptance by position (mean) | training tokens/s |",
-             "|---|---|---|---|---|---:|---:|---|---:|"]
+             f"(held-out) | step time | cost vs {baseline} | acceptance by position (mean) | training tokens/s | "
+             "training s (mean) |", "|---|---|---|---|---|---:|---:|---|---:|---:|"]
     for name, e in t.items():
         cost = "-" if e.get("step_cost") is None else f"{e['step_cost']:+.1%}"
         step = "-" if e.get("step_s") is None else f"{e['step_s'] * 1000:.1f} ms"
         acc = " ".join(f"{a:.2f}" for a in e["acceptance"]) if e.get("acceptance") else "-"
         tps = "-" if not e.get("tokens_per_s") else f"{e['tokens_per_s']:,.0f}"
+        wall = "-" if not e.get("train_s") else f"{e['train_s']:.0f}"
         lines.append(f"| {name} | {e['steps']} | {_ms(e, 'tau')} | {_ms(e, 'tau_code')} | "
-                     f"{_ms(e, 'tau_ratio')} | {step} | {cost} | {acc} | {tps} |")
+                     f"{_ms(e, 'tau_ratio')} | {step} | {cost} | {acc} | {tps} | {wall} |")
     lines += ["", *[f"* {v}" for v in results["verdict"]]]
     return "\n".join(lines) + "\n"
 
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     evaluator.p = dataclasses.replace(qp, eval_new_tokens=p.code_new_tokens)
     rows: dict[str, list[dict]] = {name: [] for name in p.objectives}
     for j, (seed, name) in zip(jobs, [(s, n) for s in p.seeds for n in p.objectives]):
-        r = {**quality.read_run(j["run_dir"]), "seed": seed, "exit": j.get("rc")}
+        r = {**quality.read_run(j["run_dir"]), **training_pace(j["run_dir"]), "seed": seed, "exit": j.get("rc")}
         last = quality.checkpoints(j["run_dir"])
         if last and (budget_end is None or time.time() < budget_end - 5):
             point = evaluator(last[-1])

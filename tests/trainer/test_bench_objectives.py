@@ -73,7 +73,16 @@ def test_the_dflash2_presets_compare_the_two_generations_against_dflash1():
                       "code_prompts": 1, "preset": {"quality": "tiny", "seeds": [0, 1, 2], "code_new_tokens": 8,
                                                     "title": "DFlash2 vs DFlash1", "baseline": "dflash1"}})
     assert md.startswith("# DFlash2 vs DFlash1 (c)") and "cost vs dflash1" in md
-    assert "| dflash2 | [10, 10, 10] | 2.650 ± 0.050 (2.600-2.700) |" in md and md.count("| 100 |") == 2
+    assert "| dflash2 | [10, 10, 10] | 2.650 ± 0.050 (2.600-2.700) |" in md and md.count("| 100 | - |") == 2
+
+
+def test_training_pace_is_the_runs_wall_time_and_the_mean_of_its_logged_rates(tmp_path):
+    events = [{"event": "start", "time": 100.0}, {"event": "step", "time": 103.0, "tokens_per_s": 10.0},
+              {"event": "step", "time": 110.0, "tokens_per_s": 400.0}, {"event": "step", "time": 112.5, "tokens_per_s": 200.0},
+              {"event": "eval", "time": 130.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert qo.training_pace(tmp_path) == {"train_s": 12.5, "tokens_per_s_mean": 300.0}
+    assert qo.training_pace(tmp_path / "none") == {"train_s": None, "tokens_per_s_mean": None}
 
 
 def test_a_baseline_that_is_not_a_row_is_refused(tmp_path, capsys):

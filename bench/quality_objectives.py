@@ -94,8 +94,8 @@ PRESETS = {
     # issue #37: DFlash2 vs DFlash1 at equal wall clock, 3 seeds, on one H200 (< 10 min)
     "dflash2-h200": Preset(title="DFlash2 vs DFlash1", baseline="dflash1", objectives=tuple(GENERATIONS),
                            quality_set={"n_prompts": 16384}, steps=200, parallel=6),
-    # the same on this repository's 2-core CPU machines, ~10 min: the tiny quality preset with a longer
-    # target fit and more answers, 6 runs one at a time (a CPU figure: tiny shapes, not the H200's)
+    # the same on this repository's 2-core CPU machines (105 s idle, ~15 min with the cores shared): the tiny
+    # quality preset with a longer target fit and more answers, 6 runs one at a time (a CPU figure: tiny shapes)
     "dflash2-cpu": Preset(title="DFlash2 vs DFlash1 (CPU, tiny shapes)", baseline="dflash1",
                           objectives=tuple(GENERATIONS), quality="tiny",
                           quality_set={"n_prompts": 384, "answer_tokens": 32, "n_eval": 24,

@@ -132,6 +132,7 @@ class Preset:
     ablation_steps_as_main: bool = False  # the ablations train as many steps as the main run (sized to the budget)
     anchors_per_row: int | None = None  # packed rows: draft blocks a row (default: num_anchors per max_length)
     parallel: int = 8  # trainer processes at once on the device
+    first_alone: bool = True  # the main run starts alone until it trains (the others then find its compiled kernels)
     ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
     budget_s: float = 560.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
@@ -177,7 +178,8 @@ PRESETS = {
                         regen_end_s=290.0, n_eval=48, eval_per_bucket=(12, 12, 12, 12), max_length=16896, pack_length=16896, pack_rows=1,
                         num_anchors=1024, drafter_rate=7.0, drafter_startup_s=60.0, curve_points=1,
                         ablations={"base": {}, "sliding 2048": {"sliding_window": 2048}}, ablation_steps_as_main=True,
-                        parallel=2, eval_reserve_s=90.0, trainer_eval="eval-short.jsonl", tau_from_checkpoints=True),
+                        parallel=2, first_alone=False, eval_reserve_s=90.0, trainer_eval="eval-short.jsonl",
+                        tau_from_checkpoints=True),
     "tiny": Preset(device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=60, target_lr=3e-3, target_warmup=2, window_chars=600,
@@ -195,7 +197,8 @@ PRESETS["cpu-long"] = dataclasses.replace(
     doc_tokens=(2500, 4000), train_prompt_tokens=((100, 1500), (2100, 3000)),
     eval_prompt_tokens=((100, 1500), (2100, 3000), (8300, 9000), (32900, 33300)), eval_per_bucket=(2, 1, 1, 1),
     n_eval=5, eval_new_tokens=8, max_length=3328, drafter_steps=40, ablation_steps_as_main=True, curve_points=1,
-    ablations={"base": {}, "sliding 512": {"sliding_window": 512}}, parallel=2, inprocess=False, budget_s=900.0,
+    ablations={"base": {}, "sliding 512": {"sliding_window": 512}}, parallel=2, first_alone=False, inprocess=False,
+    budget_s=900.0,
     eval_reserve_s=400.0, drafter_rate=0.0, trainer_eval="eval-short.jsonl", tau_from_checkpoints=True)
 
 
@@ -666,7 +669,8 @@ def write_long_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Ran
                         p.answer_tokens * 5)
     pairs = [pair for g in groups for pair in g][: p.n_prompts]
     answers = cut_tokens(tok, [a for _, a in pairs], p.answer_tokens)
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # similar prompt lengths batch together
+    # similar prompt lengths batch together, the longest first: regen's deadline cuts the short ones, the cheapest
+    order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]))
     write_jsonl(data / "prompts.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]}]}
                                          for i in order))
     write_jsonl(data / "original.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]},
@@ -907,12 +911,19 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
     time, in the order given (a queue). At the deadline every run still going gets SIGTERM: the
     trainer saves a checkpoint and stops; runs not started by then never start. In-process (the CPU
     test): one after the other. on_done(job), when given, is called as each run ends (its results
-    can be written while the others train); first_alone False: the first `p.parallel` start together."""
+    can be written while the others train); first_alone False: the first `p.parallel` start together. A job
+    with `expect_s` (its expected wall seconds) does not start when less than that is left to the deadline."""
+    def too_late(j: dict) -> bool:  # a run expected to take longer than is left would only be stopped half-trained
+        if deadline is None or time.time() + j.get("expect_s", 0.0) <= deadline:
+            return False
+        j["rc"], j["seconds"] = None, 0.0
+        say(f"deadline: trainer run {j['name']!r} not started: {deadline - time.time():.0f}s left, it needs "
+            f"~{j.get('expect_s', 0.0):.0f}s")
+        return True
+
     if p.inprocess:
         for j in jobs:
-            if deadline is not None and time.time() > deadline:
-                j["rc"], j["seconds"] = None, 0.0
-                say(f"deadline: trainer run {j['name']!r} never started")
+            if too_late(j):
                 continue
             j["rc"], j["seconds"] = run_cli(p, j["argv"], j["log"])
             if on_done:
@@ -925,6 +936,8 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
                       or time.time() - jobs[0]["started"] > 90)
         while waiting and len(running) < p.parallel and not stopping and (not running or main_ready):
             j = waiting.pop(0)
+            if too_late(j):
+                continue
             j["started"] = time.time()
             j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
                                          stderr=subprocess.STDOUT, env=child_env(), cwd=str(ROOT),
@@ -1284,7 +1297,7 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
         f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
         + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
-    run_all(p, jobs, deadline)
+    run_all(p, jobs, deadline, first_alone=p.first_alone)
     for j in jobs:
         if j.get("rc") not in (0,):
             tail = j["log"].read_text().strip().splitlines()[-12:] if j["log"].exists() else []

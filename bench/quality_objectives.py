@@ -3,7 +3,7 @@ default), `ce+dpace`, `kl` and `ce+kl`, each over 3 seeds at equal wall clock, Ï
 prompts and on a second, unseen prompt set, with the seed spread and the step-time cost of kl.
 
     PYTHONPATH=. python bench/quality_objectives.py --preset h200 --out $OUT/objectives   # one H200 call
-    PYTHONPATH=. python bench/quality_objectives.py --preset cpu --out /tmp/objectives    # CPU, ~5 min
+    PYTHONPATH=. python bench/quality_objectives.py --preset cpu --out /tmp/objectives    # CPU, 10 min
     PYTHONPATH=. python bench/quality_objectives.py --preset tiny --out /tmp/objectives   # CPU (the test)
     ... --plan-only     # what fits the budget, and nothing run
 
@@ -107,7 +107,7 @@ PRESETS = {
     # this machine's CPU: the tiny target, the runs as subprocesses two at a time under a budget
     "cpu": Preset(quality="tiny", quality_set={"inprocess": False}, parallel=2,
                   train_convs=12, code_prompts=4, code_new_tokens=8, timing_steps=3, timing_warmup=1,
-                  budget_s=300.0, eval_reserve_s=20.0, prep_s=40.0, timing_s=15.0, startup_s=12.0, startup_share=2.0,
+                  budget_s=600.0, eval_reserve_s=20.0, prep_s=90.0, timing_s=40.0, startup_s=40.0, startup_share=2.0,
                   cold_start_s=0.0, end_s=4.0, eval_s=3.0, share_gain=1.0, min_train_s=0.5, max_steps=60),
     "tiny": Preset(quality="tiny", steps=2, parallel=1, train_convs=12, code_prompts=4, code_new_tokens=8,
                    timing_steps=2, timing_warmup=1, budget_s=0.0),
@@ -354,6 +354,8 @@ def markdown(results: dict) -> str:
     lines += ["", *[f"* {v}" for v in results.get("verdict", [])]]
     if results.get("partial"):
         lines += [f"* partial: {results['partial']}"]
+    if results.get("refused"):
+        lines += [f"* refused after the step timing: {results['refused']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -461,7 +463,12 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"step time alone: {name} {t * 1000:.1f} ms (the fastest of 3 rounds of {p.timing_steps} steps)")
     results["timing"], results["timing_seconds"] = timing, round(time.time() - t0, 1)
     left = budget_end - time.time() - margin if budget_end else None
-    plan = plan_runs(p, left, timing)
+    try:
+        plan = plan_runs(p, left, timing)
+    except PlanError as e:  # the preparation took longer than planned: the step times are still a figure
+        results["refused"], results["table"] = str(e), summarise({name: [] for name in p.objectives}, timing)
+        save()
+        raise
     say(f"plan (measured step times{f', {left:.0f}s left' if left is not None else ''}): {plan.text(p.objectives)}")
     for note in plan.notes:
         say(f"plan: {note}")
@@ -472,8 +479,9 @@ def main(argv: list[str] | None = None) -> dict:
     # 4. the runs (seed after seed: a deadline leaves whole seeds), then Ï„ on the code prompts as each ends
     order = [(seed, name) for seed in plan.seeds for name in p.objectives]
     jobs = [quality.job(f"{name} seed {seed}", config(name, seed, plan.steps[name]), runs) for seed, name in order]
+    expect = p.startup_s + plan.train_s * p.parallel / max(1.0, min(p.parallel, p.share_gain)) + p.end_s
     for j, (seed, name) in zip(jobs, order):
-        j["seed"], j["objective"] = seed, name
+        j["seed"], j["objective"], j["expect_s"] = seed, name, expect
     deadline = budget_end - margin if budget_end else None
     heldout = quality.CheckpointEvaluator(qp, model_dir, data)  # for a run stopped before its own final evaluation
     evaluator = quality.CheckpointEvaluator(qp, model_dir, data)
@@ -495,6 +503,10 @@ def main(argv: list[str] | None = None) -> dict:
                 point = heldout(last[-1])
                 r.update(tau=point["tau"], tau_ratio=point["tau_ratio"], acceptance=point["acceptance"],
                          tau_lookup=point["tau_lookup"], steps=point["step"], tau_from=str(last[-1]))
+        if j.get("rc") not in (0, None):
+            log = j["run_dir"] / "train.log"
+            tail = (log if log.exists() else j["log"]).read_text().strip().splitlines()[-8:] if j["log"].exists() else []
+            say(f"{j['name']}: exit {j.get('rc')}:\n" + "\n".join(tail))
         rows[name].append(r)
         rows[name].sort(key=lambda x: x["seed"])
         say(f"{j['name']}: exit {r['exit']}, {r['steps']} of {plan.steps[name]} steps in {r['seconds']:.0f}s, tau "

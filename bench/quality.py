@@ -1234,6 +1234,7 @@ def main(argv: list[str] | None = None) -> dict:
         chars = (int(p.doc_tokens[0] * cpt), int(p.doc_tokens[1] * cpt))
         longest = int((max(hi for _, hi in p.eval_prompt_tokens) + 2 * p.answer_tokens) * cpt)
         corpus["train_docs"] = long_documents(corpus["train"], corpus["train_dirs"], chars, random.Random(p.seed))
+        random.Random(p.seed).shuffle(corpus["train_docs"])  # the target's rows from every package, not a-z
         corpus["heldout_docs"] = long_documents(corpus["heldout"], corpus["heldout_dirs"], (longest, longest),
                                                 random.Random(p.seed + 1))
         say(f"long documents: {len(corpus['train_docs'])} train documents of {chars[0]}-{chars[1]} chars "

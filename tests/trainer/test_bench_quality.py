@@ -172,3 +172,16 @@ def test_the_long_preset_trainer_configs_are_valid_and_only_the_layout_differs(t
         cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}  # parse on a machine without CUDA
         c = parse_config(yaml.safe_dump(cfg))
         assert c.data.pack_length == c.data.max_length == 16896 and c.data.pack_length % 128 == 0
+
+
+def test_a_queued_run_that_would_not_finish_before_the_deadline_is_not_started(tmp_path, capsys):
+    import time
+
+    p = quality.Preset(inprocess=True)
+    jobs = [{"name": f"run {i}", "argv": [], "log": tmp_path / f"{i}.log", "expect_s": 100.0} for i in range(2)]
+    ended = []
+    quality.run_all(p, jobs, time.time() + 30.0, on_done=ended.append)
+    assert [j["rc"] for j in jobs] == [None, None] and ended == [] and not any(j["log"].exists() for j in jobs)
+    import re
+
+    assert re.search(r"trainer run 'run 0' not started: \d+s left, it needs ~100s", capsys.readouterr().out)

@@ -1176,6 +1176,14 @@ def main(argv: list[str] | None = None) -> dict:
         setattr(p, key, tuple(v) if isinstance(v, list) and key in TUPLE_FIELDS else v)
     if args.budget_s is not None:
         p.budget_s = args.budget_s
+    if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget
+        left = p.budget_s - p.eval_reserve_s - p.regen_end_s
+        if left < p.drafter_startup_s + MIN_WORK_S:
+            ap.error(f"budget_s {p.budget_s:g}: after regen's end at {p.regen_end_s:g}s and {p.eval_reserve_s:g}s kept "
+                     f"for τ, {left:.0f}s are left for the drafters, less than their start-up {p.drafter_startup_s:g}s "
+                     f"+ {MIN_WORK_S:g}s; raise it or lower regen_end_s (--set regen_end_s=...)")
+        say(f"budget {p.budget_s:g}s: regen ends by t={p.regen_end_s:g}s, the drafters by t={p.budget_s - p.eval_reserve_s:g}s "
+            f"(~{left - p.drafter_startup_s:.0f}s of training after ~{p.drafter_startup_s:g}s of start-up), then τ")
     if args.no_ablations:
         p.ablations = {}
     elif args.ablations:

@@ -185,3 +185,11 @@ def test_a_queued_run_that_would_not_finish_before_the_deadline_is_not_started(t
     import re
 
     assert re.search(r"trainer run 'run 0' not started: \d+s left, it needs ~100s", capsys.readouterr().out)
+
+
+def test_a_budget_that_leaves_the_drafters_no_time_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--preset", "h200-long", "--out", str(tmp_path / "q"), "--budget-s", "400"])
+    err = capsys.readouterr().err
+    assert "budget_s 400: after regen's end at 290s and 90s kept for τ, 20s are left for the drafters" in err
+    assert not (tmp_path / "q").exists()  # refused before anything ran

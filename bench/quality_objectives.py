@@ -177,9 +177,12 @@ def plan_runs(p: Preset, available_s: float | None, step_s: dict[str, float] | N
             seeds = seeds[:-1]
     steps = {}
     if step_s:
-        steps = {o: max(1, min(p.max_steps, round(train_s / step_s[o]))) for o in objectives}
-        if max(steps.values()) == p.max_steps:
-            notes.append(f"steps capped at max_steps {p.max_steps}")
+        fastest = min(step_s[o] for o in objectives)
+        if train_s / fastest > p.max_steps:  # less training for all, so that the device time stays equal
+            notes.append(f"train_s {train_s:.1f}s lowered to {p.max_steps * fastest:.1f}s: the fastest objective "
+                         f"would have passed max_steps {p.max_steps}")
+            train_s = p.max_steps * fastest
+        steps = {o: max(1, round(train_s / step_s[o])) for o in objectives}
     estimate, waves = runs_wall(p, len(objectives) * len(seeds), train_s)
     return Plan(seeds, train_s, waves, estimate, steps, notes)
 

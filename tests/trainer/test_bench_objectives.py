@@ -62,6 +62,11 @@ def test_equal_wall_clock_gives_slower_objectives_fewer_steps():
     # no budget: ce+decay's `steps`, the others the same device time
     plan = qo.plan_runs(preset(steps=100), None, {"ce+decay": 0.02, "ce+dpace": 0.02, "kl": 0.04, "ce+kl": 0.05})
     assert plan.steps == {"ce+decay": 100, "ce+dpace": 100, "kl": 50, "ce+kl": 40} and plan.seeds == (0, 1, 2)
+    # max_steps caps the fastest objective, the others keep its device time
+    plan = qo.plan_runs(preset(train_s=6.0, max_steps=100), 1000.0, {"ce+decay": 0.02, "ce+dpace": 0.02, "kl": 0.04,
+                                                                      "ce+kl": 0.05})
+    assert plan.train_s == pytest.approx(2.0) and plan.steps == {"ce+decay": 100, "ce+dpace": 100, "kl": 50, "ce+kl": 40}
+    assert "lowered to 2.0s" in plan.notes[0]
 
 
 def test_a_tight_budget_shrinks_the_training_then_drops_seeds_then_refuses():

@@ -44,7 +44,8 @@ bf16, one H200), each with its own drafter; MFU counts the active experts' FLOPs
 
 --drafter-layouts compares drafter layouts on each mode (issue 41; keys `<mode>@<layout>`): `full`
 (the 2025 layout), `swa4+1` (4 sliding-window causal layers then 1 full, --sliding-window tokens):
-at long packed rows the sliding layers' flex block mask lists only the tiles of their window.
+at long packed rows the sliding layers' flex block mask lists only the tiles of their window. A
+`/dflash2` suffix makes it a DFlash2 drafter (issue 37: `full/dflash2`, `swa4+1/dflash2`).
 
     PYTHONPATH=. python bench/pipeline.py --modes all --pack-length 32768 --drafter-layouts full swa4+1 \
         --sliding-window 2048 --mix lognormal --min-len 64 --max-len 32768 --median 2000
@@ -238,7 +239,11 @@ def variant_targets(args, variant):
 def drafter_layout(name, layers, window):
     """--drafter-layouts: `full` (every layer full attention, the 2025 layout: `layers` of them), `swa`
     (every layer sliding, causal), `swaN+M` (N sliding causal layers, then M full ones: z-lab's 2026
-    drafts are swa4+1) -> (drafter layers, model.drafter as YAML flow)."""
+    drafts are swa4+1), each with a `/dflash2` suffix for a DFlash2 drafter (model.drafter.kind
+    dflash2, its published sizes) -> (drafter layers, model.drafter as YAML flow)."""
+    if name.endswith("/dflash2"):
+        layers, flow = drafter_layout(name.removesuffix("/dflash2"), layers, window)
+        return layers, ", ".join(part for part in (flow, "kind: dflash2") if part)
     if name == "full":
         return layers, ""
     if name == "swa":
@@ -266,6 +271,8 @@ def bench_config(args, mode, target, pack_length=0, variant="whole", precision="
     tiny = args.tiny
     edges = args.bucket_edges or [args.max_len]
     layers, drafter_yaml = drafter_layout(getattr(args, "layout", "full"), drafter_layers, args.sliding_window)
+    if tiny and "kind: dflash2" in drafter_yaml:  # the tiny target's vocabulary is a few tokens
+        drafter_yaml += ", selector_top_k: 4, selector_rank: 8"
     return parse_config(CONFIG % dict(
         target="tiny: {layers: 6, hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 128}" if tiny
         else "random_8b_shape: true" + (", precision: fp8" if precision != "bf16" else ""),

@@ -61,7 +61,7 @@ def _synth(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer export", description="Export a checkpoint as a DFlash draft.")
+    p = argparse.ArgumentParser(prog="python -m trainer export", description="Export a checkpoint as a DFlash (or DFlash2) draft.")
     p.add_argument("--checkpoint", required=True, help="checkpoints/step_N directory")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors); replaced only "
                    "when absent, empty or an earlier export")
@@ -152,7 +152,7 @@ def _plan(argv: list[str]) -> int:
 SUMMARIES = {  # what `python -m trainer --help` lists beside training
     "plan": "bytes per target stage, drafter replica and GPU, from the config (no weights read)",
     "data-report": "count, measure and mask the configured chat data (loads the tokenizer only)",
-    "export": "export a checkpoint as a DFlash draft an engine serves",
+    "export": "export a checkpoint as a DFlash (or DFlash2) draft an engine serves",
     "synth": "write synthetic conversations (JSONL)",
     "launch": "one rank of a run across hosts (torchrun; dflash-ops starts it)",
 }

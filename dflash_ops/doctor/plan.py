@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 # trainer/models/target.py QWEN3_8B_DIMS (that module imports torch; tests keep the two equal)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, num_hidden_layers=36)
+                head_dim=128, num_hidden_layers=36, vocab_size=151936)
 
 BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (trainer/run/checkpoint.py)
 CHECKPOINT_OVERHEAD = 16 * MIB  # trainer state, RNG states, manifest, safetensors header
@@ -95,7 +95,8 @@ class RunPlan:
 def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int, own: dict | None = None) -> int:
     """Parameters of trainer/models/drafter.py DFlashDrafter for a target of these dimensions, with
     the draft's own attention shape and MLP width where `own` (model.drafter) gives them (the
-    defaults of DrafterConfig.from_target: the target's)."""
+    defaults of DrafterConfig.from_target: the target's); a DFlash2 draft (own kind) adds its
+    convolutions and selector (whose codebooks need dims' vocab_size)."""
     own = {k: v for k, v in (own or {}).items() if v is not None}
     h = dims["hidden_size"]
     inter = own.get("intermediate_size") or dims["intermediate_size"]
@@ -106,7 +107,12 @@ def drafter_params(dims: dict, drafter_layers: int, num_target_layers: int, own:
     attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * head_dim
     attention += heads if own.get("attention_sink") else 0
     layer = attention + 3 * h * inter + 2 * h
-    return num_target_layers * h * h + 2 * h + drafter_layers * layer
+    selector = 0
+    if own.get("kind") == "dflash2":  # trainer/models/dflash2.py: two convolutions a layer, the candidate selector
+        taps, group, rank = own.get("conv_kernel_size") or 2, own.get("conv_group_size") or 16, own.get("selector_rank") or 256
+        layer += 2 * (2 * taps * h + 2 * taps * (h // group) * h)
+        selector = 2 * int(dims.get("vocab_size") or 0) * rank + rank * h
+    return num_target_layers * h * h + 2 * h + drafter_layers * layer + selector
 
 
 def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str | None = None) -> RunPlan:
@@ -143,7 +149,9 @@ def plan_for(target: Target, gpus: list[int] | None = None, config: Path | str |
     return RunPlan(gpus=run_gpus, cuda_indices=tuple(cuda), keep_checkpoints=cfg.run.keep_checkpoints,
                    dims=dims, model_config_path=model_config_path, drafter_layers=cfg.model.drafter_layers,
                    drafter_shape={k: getattr(cfg.model.drafter, k) for k in ("num_attention_heads", "num_key_value_heads",
-                                                                            "head_dim", "intermediate_size", "attention_sink")},
+                                                                            "head_dim", "intermediate_size", "attention_sink",
+                                                                            "kind", "conv_kernel_size", "conv_group_size",
+                                                                            "selector_rank")},
                    num_target_layers=cfg.model.num_target_layers, config_path=str(config),
                    pack_length=cfg.data.pack_length, dtype_bytes=4 if cfg.model.dtype == "fp32" else 1 if t.precision == "fp8" else 2)
 

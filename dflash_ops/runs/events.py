@@ -66,7 +66,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attempt": (_int, "an integer"),
     **{name: (_NUMBER_OR_NULL, "a number or null") for name in (
         "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_steady", "tokens", "pad_share",
-        "tau", "tau_per_prompt", "tau_lookup", "tau_ratio", "seconds", "stall_s", "copy_s")},
+        "tau", "tau_per_prompt", "tau_lookup", "tau_ratio", "seconds", "stall_s", "copy_s",
+        "selector_loss", "selector_acc", "candidate_recall")},
     **{name: (_STR_OR_NULL, "a string or null") for name in (
         "path", "request", "reason", "message", "thread", "resumed_from", "from")},
     "gpus": (_list_of(_gpu), "a list of {index: int, role, busy, mem_gb}"),

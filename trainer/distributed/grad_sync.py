@@ -1,7 +1,7 @@
 """Gradients of drafter replicas in one flat buffer each, summed across replicas in-process.
 
 Each replica's trainable parameters get `.grad` views into one flat buffer, followed by STAT
-slots (loss_sum, weight_sum, correct_sum). Backward runs on the *unnormalised* loss sum, so one
+slots (loss_sum, weight_sum, correct_sum, and DFlash2's selector sums). Backward runs on the *unnormalised* loss sum, so one
 all-reduce of the flat buffers gives the gradient of (sum of losses) and the total weight of the
 whole step (all micro-batches, all replicas); `finish_step` then divides by that weight and clips,
 all on the device (the grad norm stays a tensor: no `.item()`).
@@ -17,7 +17,8 @@ import torch
 
 from trainer.run.stopping import StopAwareBarrier, StopSignal
 
-STATS = ("loss_sum", "weight_sum", "correct_sum")
+# DFlash2 adds its selector's sums (zero for a DFlash drafter): trainer.models.objective.selector_metrics
+STATS = ("loss_sum", "weight_sum", "correct_sum", "selector_loss_sum", "selector_correct_sum", "selector_recall_sum")
 
 
 class FlatGrads:
@@ -42,8 +43,12 @@ class FlatGrads:
         self.grads = self.flat[: self.numel]
         self.stats = self.flat[self.numel :]
 
-    def add_stats(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor, correct_sum: torch.Tensor) -> None:
-        values = torch.stack([loss_sum.detach().float(), weight_sum.float(), correct_sum.float()])
+    def add_stats(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor, correct_sum: torch.Tensor,
+                  selector: tuple[torch.Tensor, ...] = ()) -> None:
+        """selector: DFlash2's (selector_loss, selector_correct, selector_recall) sums, else ()."""
+        zero = torch.zeros((), device=self.device)
+        extra = [t.detach().float() for t in selector] or [zero] * 3
+        values = torch.stack([loss_sum.detach().float(), weight_sum.float(), correct_sum.float(), *extra])
         self.stats.add_(values.to(self.flat.dtype))
 
     def zero(self) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from trainer.data.chat import template_kwargs_for
 from trainer.generate.speculative import Generation
-from trainer.models.drafter import DFlashDrafter
+from trainer.models.drafter import DFlashDrafter, propose
 from trainer.models.target import FrozenHead
 
 
@@ -41,7 +41,7 @@ def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: 
         start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
         block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
         hidden = drafter.draft_block(feats[:, :start].to(ddev), drafter.embed_block(head.embed, block), start)
-        drafts = head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+        drafts = propose(drafter, head.logits, hidden[:, 1:], block[:, 0])[0].tolist()
         greedy, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
         posterior = greedy[start:]  # posterior[i] = target's choice for position start+i+1
         accepted = 0

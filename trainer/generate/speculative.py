@@ -42,7 +42,7 @@ from transformers import DynamicCache
 
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
-from trainer.models.drafter import Attention, DFlashDrafter, _rotate, rope_cos_sin, serving_attention
+from trainer.models.drafter import Attention, DFlashDrafter, _rotate, propose, rope_cos_sin, serving_attention
 from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 
@@ -82,8 +82,11 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
     (trainer.models.drafter.serving_attention: its window and causality, its sinks)."""
     b, t, _ = x.shape
     for i, (layer, attend) in enumerate(zip(d.blocks(), attends, strict=True)):
-        a = layer.self_attn
+        a, conv_a, conv_m = layer.self_attn, layer.attention_conv, layer.mlp_conv  # convolutions: DFlash2
+        bs = layer.block_size
         h = layer.input_layernorm(x)
+        if conv_a is not None:
+            h, delta = conv_a.prepare(h, bs)
         q = _rotate(a.q_norm(a.q_proj(h).view(b, t, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
         k = _rotate(a.k_norm(a.k_proj(h).view(b, t, a.kv_heads, a.head_dim)).transpose(1, 2), cos, sin)
         v = a.v_proj(h).view(b, t, a.kv_heads, a.head_dim).transpose(1, 2)
@@ -91,8 +94,14 @@ def _draft_block(d: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, sin: torc
         v = torch.cat([values[i], v], dim=2)
         sink = a.attention_sink_bias
         out = attend(q, k, v) if sink is None else attend(q, k, v, sink=sink)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = a.o_proj(out.transpose(1, 2).reshape(b, t, a.heads * a.head_dim))
+        x = x + (out if conv_a is None else conv_a.finish(out, delta, bs))
+        h = layer.post_attention_layernorm(x)
+        if conv_m is None:
+            x = x + layer.mlp(h)
+        else:
+            h, delta = conv_m.prepare(h, bs)
+            x = x + conv_m.finish(layer.mlp(h), delta, bs)
     return d.norm(x)
 
 
@@ -238,7 +247,8 @@ class _StaticRounds:
         positions = self.anchor_pos[:, None] + self.offsets
         context = self.valid & (self.slot < self.start)  # [B, capacity]: accepted entries before the block
         block = torch.cat([self.anchor_token[:, None], self.masks], dim=1)
-        drafts = self.head.logits(self._draft(block, positions, context)[:, 1:]).argmax(dim=-1).to(block.device)
+        drafts = propose(self.drafter, self.head.logits, self._draft(block, positions, context)[:, 1:],
+                         self.anchor_token).to(block.device)
         in_block = (self.slot[None, :] >= self.start) & (self.slot[None, :] <= slots[:, None])  # [bs, capacity]
         snapshot = self.target_cache.snapshot()
         logits, features = self._target(torch.cat([block[:, :1], drafts], dim=1), positions, slots,
@@ -442,7 +452,7 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         block = torch.full((b, bs), c.mask_token_id, dtype=torch.long, device=ddev)
         block[:, 0] = torch.tensor([results[r].tokens[-1] for r in rows], device=ddev)
         hidden = dcache.draft(drafter.embed_block(head.embed, block), (anchor_pos[:, None] + offsets).to(ddev))
-        drafts = head.logits(hidden[:, 1:]).argmax(dim=-1).to(tdev)  # [b, bs-1]
+        drafts = propose(drafter, head.logits, hidden[:, 1:], block[:, 0]).to(tdev)  # [b, bs-1]
 
         verify = torch.cat([block[:, :1].to(tdev), drafts], dim=1)
         past = key_valid.shape[1]

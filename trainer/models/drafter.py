@@ -22,6 +22,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from trainer.models.dflash2 import CandidateSelector, GroupedConv, grouped_conv, walk
+
 
 def drafter_intermediate_size(target_config: Any) -> int:
     """The drafter's (dense) MLP width: the target's `intermediate_size`, as the published drafts take
@@ -56,9 +58,32 @@ class DrafterConfig:
     causal: list[bool] | None = None  # per layer: causal inside the block; None: none
     attention_sink: bool = False  # a learned per-head sink logit on every layer (layers.N.self_attn.attention_sink_bias)
     mask_embedding: bool = False  # a separate learned embedding of the mask slots (exported as mask_embedding.pt)
+    # the draft's generation (trainer.models.dflash2): "dflash" or "dflash2" (grouped convolutions
+    # around every layer's attention and MLP, a candidate selector over each slot's top-k); the rest
+    # are DFlash2's dflash_config fields, as vLLM reads them
+    kind: str = "dflash"
+    conv_kernel_size: int = 2  # taps of the convolutions
+    conv_group_size: int = 16  # channels sharing one dynamic coefficient
+    selector_rank: int = 256  # rank of the selector's codebooks
+    selector_top_k: int = 16  # candidates per draft slot
+    input_embedding_scale: float = 1.0  # multiplies the block's input embeddings
+    output_multiplier: float = 1.0  # multiplies the candidates' unary logits
+    final_logit_softcapping: float | None = None  # soft cap of the unary logits (None or 0: none)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
+        if self.kind not in ("dflash", "dflash2"):
+            raise ValueError(f"drafter kind {self.kind!r} must be 'dflash' or 'dflash2'")
+        if self.kind == "dflash2":
+            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size} "
+                                 f"and conv_kernel_size {self.conv_kernel_size} be at least 1")
+            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_rank {self.selector_rank} must be at least 1 and selector_top_k "
+                                 f"{self.selector_top_k} in 1..{self.vocab_size} (the vocabulary)")
+        elif (self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping or 0.0) != (1.0, 1.0, 0.0):
+            raise ValueError("input_embedding_scale, output_multiplier and final_logit_softcapping are DFlash2 fields: "
+                             "a DFlash draft has none")
         if self.layer_types is not None:
             if len(self.layer_types) != n or not set(self.layer_types) <= {FULL, SLIDING}:
                 raise ValueError(f"layer_types {self.layer_types} must list {n} of {FULL!r} / {SLIDING!r}")
@@ -158,6 +183,7 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 rms_norm, silu_mul = pointwise(_rms_norm), pointwise(_silu_mul)
+dflash2_conv = pointwise(grouped_conv)  # DFlash2's convolution: one compiled region on CUDA while training
 
 
 class RMSNorm(nn.Module):
@@ -323,12 +349,19 @@ class DrafterLayer(nn.Module):
         self.self_attn = DrafterAttention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = DrafterMLP(c)
+        # DFlash2: a grouped convolution around the attention and one around the MLP (vLLM's names)
+        dflash2 = c.kind == "dflash2"
+        self.attention_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size) if dflash2 else None
+        self.mlp_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size) if dflash2 else None
+        self.block_size = c.block_size  # the convolutions' block (a served block is one)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention, weight: Weight = as_is,
                 fused: bool = True) -> torch.Tensor:
         """weight: what each matmul uses for its fp32 weight (LowPrecisionWeights while training);
         fused: two compiled regions around attention on CUDA (see `_attention_inputs_of`)."""
+        if self.attention_conv is not None:
+            return self._forward_dflash2(x, ctx, rope_q, rope_kv, attention, weight)
         a, m, eps = self.self_attn, self.mlp, self.input_layernorm.eps
         before, after = ((_attention_inputs, _attention_out_and_mlp) if fused
                          else (_attention_inputs_of, _attention_out_and_mlp_of))
@@ -339,6 +372,33 @@ class DrafterLayer(nn.Module):
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
         return after(x, attended, weight(a.o_proj.weight), self.post_attention_layernorm.weight,
                      weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
+
+    def _forward_dflash2(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
+                         rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention,
+                         weight: Weight) -> torch.Tensor:
+        """vLLM's DFlash2 layer: norm, convolve (side 0), attention (the block's queries, keys and values
+        from the convolved input; the context's as in DFlash), convolve its output (side 1 of the same
+        projection), residual; the same around the MLP. On CUDA while training: the norms, RoPE, SiLU
+        and each convolution are compiled regions (not the DFlash layer's two fused ones)."""
+        a, m, eps, bs = self.self_attn, self.mlp, self.input_layernorm.eps, self.block_size
+        conv_a, conv_m = cast(GroupedConv, self.attention_conv), cast(GroupedConv, self.mlp_conv)
+        b, t, _ = x.shape
+        n = ctx.shape[1] + t
+        h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight, dflash2_conv)
+        wk, wv = weight(a.k_proj.weight), weight(a.v_proj.weight)
+        q = rms_norm(F.linear(h, weight(a.q_proj.weight)).view(b, t, a.heads, a.head_dim), a.q_norm.weight, eps)
+        k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1).view(b, n, a.kv_heads, a.head_dim)
+        v = torch.cat([F.linear(ctx, wv), F.linear(h, wv)], dim=1).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
+        q = _rotate(q.transpose(1, 2), *rope_q)
+        k = _rotate(rms_norm(k, a.k_norm.weight, eps).transpose(1, 2), *rope_kv)
+        sink = a.attention_sink_bias
+        attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
+        out = F.linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))
+        x = x + conv_a.finish(out, delta, bs, dflash2_conv)
+        h, delta = conv_m.prepare(rms_norm(x, self.post_attention_layernorm.weight, eps), bs, weight, dflash2_conv)
+        out = F.linear(silu_mul(F.linear(h, weight(m.gate_proj.weight)), F.linear(h, weight(m.up_proj.weight))),
+                       weight(m.down_proj.weight))
+        return x + conv_m.finish(out, delta, bs, dflash2_conv)
 
 
 def run_layer(layer: nn.Module, checkpointed: bool, x: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -427,10 +487,26 @@ def build_drafter_modules(module: nn.Module, c: DrafterConfig) -> None:
     module.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     module.layers = nn.ModuleList(DrafterLayer(c) for _ in range(c.num_hidden_layers))
     module.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    # DFlash2: the candidate selector (vLLM: candidate_selector.*), else None
+    module.candidate_selector = CandidateSelector(c.hidden_size, c.vocab_size, c.selector_rank, c.selector_top_k) \
+        if c.kind == "dflash2" else None  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     # the mask slots' own embedding where the draft ships one (vLLM: mask_embedding.pt), else None:
     # the target's embedding row of mask_token_id
     module.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_embedding else None  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     module.rope = (c.head_dim, c.rope_theta)  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
+
+
+def propose(drafter: nn.Module, logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+            anchor: torch.Tensor) -> torch.Tensor:
+    """Greedy draft tokens [B, bs - 1] of the block's final hidden states past the anchor slot [B, bs - 1, H]
+    (anchor [B]: the block's first token): each slot's LM-head argmax (DFlash), or the candidate
+    selector's walk over each slot's top-k (DFlash2, trainer.models.dflash2.walk). No host sync."""
+    logits = logits_of(hidden)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return logits.argmax(dim=-1)
+    c: DrafterConfig = getattr(drafter, "dflash", None) or drafter.config  # type: ignore[assignment]
+    return walk(selector, hidden, logits, anchor, c.output_multiplier, c.final_logit_softcapping)
 
 
 class DFlashDrafter(nn.Module):
@@ -439,6 +515,7 @@ class DFlashDrafter(nn.Module):
     layers: nn.ModuleList
     norm: RMSNorm
     mask_embedding: nn.Parameter | None
+    candidate_selector: CandidateSelector | None
     rope: tuple[int, float]
 
     def __init__(self, c: DrafterConfig):
@@ -461,16 +538,27 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(m.weight, std=std)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        for m in self.modules():  # DFlash2's parts: identity convolutions, a selector adding nothing yet
+            if isinstance(m, GroupedConv):
+                m.reset_parameters()
+            elif isinstance(m, CandidateSelector):
+                m.reset_parameters(std)
+
+    def dflash2_parameters(self) -> list[str]:
+        """The names of the DFlash2 parts' parameters (what a DFlash1 draft lacks)."""
+        return [name for name, _ in self.named_parameters()
+                if name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name]
 
     def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
         """The block slots' input embeddings: embed(ids) (the target's), with the draft's own mask
         embedding in the mask slots where it has one (as vLLM's embed_input_ids)."""
         embeds = embed(ids)
         own = getattr(self, "mask_embedding", None)
-        if own is None:
-            return embeds
-        is_mask = (ids == self.config.mask_token_id)[..., None].to(embeds.device)
-        return torch.where(is_mask, own.to(embeds.dtype), embeds)
+        c: DrafterConfig = getattr(self, "dflash", None) or self.config  # the exported model's config is Qwen3Config
+        if own is not None:
+            is_mask = (ids == c.mask_token_id)[..., None].to(embeds.device)
+            embeds = torch.where(is_mask, own.to(embeds.dtype), embeds)
+        return embeds * c.input_embedding_scale if c.input_embedding_scale != 1.0 else embeds
 
     def _compute_dtype(self, device_type: str) -> torch.dtype:
         if torch.is_autocast_enabled(device_type):

@@ -23,12 +23,22 @@ from safetensors.torch import save_file
 
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
-from trainer.run.layout import Layout, LayoutError, engine_warnings, published_fields, resolve_published
+from trainer.run.layout import (
+    Layout,
+    LayoutError,
+    engine_warnings,
+    generation,
+    published_fields,
+    published_generation,
+    resolve_published,
+    run_checkpoint,
+)
 
 HERE = Path(__file__).resolve().parent
 MASK_EMBEDDING = "mask_embedding.pt"  # a draft's separate mask embedding, as vLLM reads it
 # file written beside the weights -> the trainer module it is a copy of
 MODEL_CODE = {"modeling_dflash.py": HERE / "hf_modeling.py", "drafter.py": HERE / "drafter.py"}
+DFLASH2_CODE = {"dflash2.py": HERE / "dflash2.py"}  # beside them in a DFlash2 export
 
 
 def layout_of(d: dict) -> Layout:
@@ -40,8 +50,9 @@ def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
     """The published config.json of a DrafterConfig dict: its layout in the fields vLLM resolves
     back to it (trainer.run.layout.published_fields)."""
     top, dflash = published_fields(layout_of(d), d["num_hidden_layers"])
+    architectures, generation = published_generation(d)
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": architectures,
         "model_type": "qwen3",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -65,7 +76,7 @@ def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
         "block_size": d["block_size"],
         "num_target_layers": d["num_target_layers"],
         "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"]),
-                          **dflash},
+                          **dflash, **generation},
         "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
     }
 
@@ -92,7 +103,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
             torch.save({"embedding": mask_embedding, "mask_token_id": d["mask_token_id"]}, tmp / MASK_EMBEDDING)
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
         (tmp / "config.json").write_text(json.dumps(hf_config(d, name), indent=2) + "\n")
-        for written, source in MODEL_CODE.items():
+        for written, source in {**MODEL_CODE, **(DFLASH2_CODE if d.get("kind") == "dflash2" else {})}.items():
             shutil.copyfile(source, tmp / written)
     return out
 
@@ -162,6 +173,19 @@ def _remove_stale_builds(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A trainer checkpoint directory (checkpoints/step-N: its drafter_config.json and weights) as
+    read_published gives a published draft; an older checkpoint's missing fields are the defaults."""
+    from trainer.models.drafter import DrafterConfig
+
+    try:
+        state = ckpt.load_weights(d)
+        fields = DrafterConfig(**state["drafter_config"]).to_dict()
+    except (ckpt.CheckpointError, TypeError, ValueError) as e:
+        raise ValueError(f"{d}: not a usable trainer checkpoint ({e})") from None
+    return fields, {k: v.float() for k, v in state["model"].items()}
+
+
 def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """A published-format draft directory (this exporter's, z-lab's, what SGLang and vLLM load)
     as (DrafterConfig fields, fp32 weights by the trainer's names): config.json's Qwen3 fields with
@@ -173,7 +197,9 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     served raises ValueError naming the field."""
     from safetensors.torch import load_file
 
-    d = Path(model_dir)
+    d = run_checkpoint(model_dir) or Path(model_dir)  # a run directory: its latest checkpoint
+    if (d / ckpt.DRAFTER_CONFIG_FILE).is_file() and not (d / "config.json").is_file():
+        return _read_checkpoint(d)
     try:
         config = json.loads((d / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -201,14 +227,15 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
               "rope_theta": float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))),
               "max_position_embeddings": config.get("max_position_embeddings", 40960),
               "layer_types": layout.layer_types, "sliding_window": layout.sliding_window, "causal": layout.causal,
-              "attention_sink": layout.attention_sink, "mask_embedding": (d / MASK_EMBEDDING).is_file()}
+              "attention_sink": layout.attention_sink, "mask_embedding": (d / MASK_EMBEDDING).is_file(),
+              **generation(config)}
     index = d / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         for name, tensor in load_file(str(d / f)).items():
             name = name.removeprefix("model.")
-            if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm"):
+            if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm", "candidate_selector"):
                 weights[name] = tensor.float()
     if fields["mask_embedding"]:  # a tensor, or {"embedding": tensor, "mask_token_id": id} (vLLM's two forms)
         state = torch.load(d / MASK_EMBEDDING, weights_only=True, map_location="cpu")

@@ -1,18 +1,23 @@
 """The exported draft's model code, for `AutoModel.from_pretrained(export, trust_remote_code=True)`.
 
 `trainer.models.export` writes this file beside the weights as `modeling_dflash.py`, with
-`trainer/models/drafter.py` as `drafter.py` (torch only), and names the class in config.json's
-`auto_map`. The class holds the drafter's weights under the published names (fc, hidden_norm,
-layers.N.*, norm) and runs the trainer's own drafting code, so it drafts exactly what the
-trained drafter drafts. config.json stays the Qwen3 config SGLang and vLLM read.
+`trainer/models/drafter.py` as `drafter.py` (torch only; a DFlash2 export also `dflash2.py`), and
+names the class in config.json's `auto_map`. The class holds the drafter's weights under the
+published names (fc, hidden_norm, layers.N.*, norm; DFlash2: layers.N.attention_conv.*,
+layers.N.mlp_conv.*, candidate_selector.*) and runs the trainer's own drafting code, so it drafts
+exactly what the trained drafter drafts (`propose(hidden, logits_of, anchor)`: DFlash2's selector
+walk). config.json stays the Qwen3 config SGLang and vLLM read.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import PreTrainedModel, Qwen3Config
 
-from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules
+from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules, propose
+from trainer.run.layout import generation
 
 
 def drafter_config(config: Qwen3Config) -> DrafterConfig:
@@ -28,7 +33,9 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
         target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000000.0))),
-        max_position_embeddings=config.max_position_embeddings, **layout(config))
+        max_position_embeddings=config.max_position_embeddings, **layout(config),
+        **generation({"architectures": getattr(config, "architectures", None), "dflash_config": dflash,
+                      "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}))
 
 
 def layout(config: Qwen3Config) -> dict:
@@ -71,3 +78,13 @@ class DFlashDraftModel(PreTrainedModel):
 
     def forward(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         return self.draft_block(ctx_features, block_embeds, start)  # type: ignore[misc]  # borrowed method
+
+    def embed_block(self, embed: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """The block's input embeddings from the target's `embed` (mask embedding, DFlash2's scale)."""
+        return DFlashDrafter.embed_block(self, embed, ids)  # type: ignore[arg-type]  # same attributes
+
+    def propose(self, hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
+                anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens of the slots past the anchor (hidden [B, bs - 1, H]; logits_of: the
+        target's LM head): the argmax (DFlash) or the candidate selector's walk (DFlash2)."""
+        return propose(self, logits_of, hidden, anchor)

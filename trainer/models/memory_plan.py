@@ -208,6 +208,7 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     the residual stream before and after attention and its normed copy, the query before and after
     RoPE and the attention output, the MLP's gate, up and product (3 x hidden + 3 x q width + 3 x
     MLP width), and the keys and values of [context | block] before and after their norm and RoPE.
+    A DFlash2 drafter (dcfg.kind) adds its convolutions' and selector's share (an estimate).
     The first `checkpointed` layers (model.checkpoint_drafter) keep their input only; backward meets
     the others first (the last layers), then recomputes one checkpointed layer's worth at a time. Around the layers: the context's projection and its norm, the block
     embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
@@ -221,6 +222,13 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     mlp = int(dcfg.intermediate_size)
     per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
                  + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
+    selector = 0
+    if getattr(dcfg, "kind", "dflash") == "dflash2":
+        # DFlash2 (an estimate, not yet measured): each of a layer's four convolutions keeps its input,
+        # the shifted copies and the product per tap; the selector its candidates' successor rows and
+        # the projected hidden states (fp32), per loss slot
+        per_layer += block_tokens * 4 * (int(dcfg.conv_kernel_size) + 1) * hidden * elt
+        selector = block_tokens * (int(dcfg.selector_top_k) + 2) * int(dcfg.selector_rank) * 4
     layers = cfg.model.drafter_layers
     checkpointed = min(checkpointed, layers)
     kept = checkpointed * block_tokens * hidden * elt + max((layers - checkpointed) * per_layer,
@@ -228,7 +236,7 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
     transient = block_tokens * (2 * mlp + 2 * hidden) * elt
     logits = min(block_tokens, cfg.model.loss_chunk) * int(dcfg.vocab_size) * 4 * (5 if kl else 3)
-    return kept + around + transient + logits
+    return kept + around + transient + logits + selector
 
 
 def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from trainer.models.dflash2 import selector_sums
 from trainer.models.drafter import DFlashDrafter, pointwise
 from trainer.models.masks import Blocks, block_attention
 from trainer.models.target import FrozenHead
@@ -44,6 +45,7 @@ class Objective:
     temperature: float = 1.0  # softens both distributions of the KL term (scaled by T² so its gradient keeps its size)
     position_weight: str = "decay"  # "decay" (static exp(-(k-1)/γ)) | "dpace" (dpace_weights)
     dpace_alpha: float = 0.5  # D-PACE's smoothing floor: q~ = α + (1-α)·q
+    selector: float = 0.0  # DFlash2: weight of the candidate selector's K-way CE (trainer.models.dflash2.selector_sums)
 
     @property
     def needs_target(self) -> bool:
@@ -54,7 +56,8 @@ class Objective:
         terms = [f"{w:g}·{name}" if w != 1 else name for name, w in (("ce", self.ce), ("kl", self.kl)) if w]
         t = f" (T={self.temperature:g})" if self.kl and self.temperature != 1 else ""
         weight = f"dpace α={self.dpace_alpha:g}" if self.position_weight == "dpace" else "decay"
-        return f"{' + '.join(terms)}{t}, {weight}"
+        selector = f" + {self.selector:g}·selector CE (top-k, teacher-forced predecessor)" if self.selector else ""
+        return f"{' + '.join(terms)}{t}{selector}, {weight}"
 
 
 CE_DECAY = Objective()  # the DFlash recipe: hard cross-entropy, exp(-(k-1)/γ) over the block
@@ -64,8 +67,9 @@ def objective_of(model: ModelConfig) -> Objective:
     """The Objective a model config asks for (trainer.run.config has validated it)."""
     loss = model.loss
     ce, kl = (1.0, 0.0) if loss == "ce" else (0.0, 1.0) if loss == "kl" else (float(loss.ce), float(loss.kl))  # type: ignore[union-attr]  # LossMix
+    selector = float(model.drafter.selector_loss_weight or 1.0) if model.drafter.kind == "dflash2" else 0.0
     return Objective(ce=ce, kl=kl, temperature=model.kl_temperature, position_weight=model.position_weight,
-                     dpace_alpha=model.dpace_alpha)
+                     dpace_alpha=model.dpace_alpha, selector=selector)
 
 
 def base_gamma(objective: Objective, gamma: float) -> float:
@@ -277,6 +281,22 @@ WEIGHTED_CE = {"fused": fused_weighted_ce, "checkpoint": chunked_weighted_ce}
 OBJECTIVE_PATHS = {"fused": fused_objective, "checkpoint": chunked_objective}
 
 
+def selector_sums_of(parts: dict) -> tuple[torch.Tensor, ...]:
+    """(selector_loss, selector_correct, selector_recall) of a drafter_loss_sums `parts`, () without a selector."""
+    if "selector_loss" not in parts:
+        return ()
+    return parts["selector_loss"], parts["selector_correct"], parts["selector_recall"]
+
+
+def selector_metrics(loss_sum: float, correct_sum: float, recall_sum: float, weight: float) -> dict:
+    """A DFlash2 step's selector metrics from its sums over a step's base weight Σw: selector_loss (its
+    K-way CE, Σ / Σw, before selector_loss_weight), candidate_recall (the share of weight whose token is
+    among the top-k) and selector_acc (the selector's best is the token, among those slots)."""
+    weight = max(weight, 1e-6)
+    return {"selector_loss": loss_sum / weight, "candidate_recall": recall_sum / weight,
+            "selector_acc": correct_sum / max(recall_sum, 1e-6)}
+
+
 def slot_rows_of(blocks: Blocks, length: int) -> torch.Tensor:
     """Each loss slot's row in the target's flattened [B*L, H] hidden states: slot k >= 1 of the block
     anchored at p reads the target's next-token distribution at position p+k-1 (clamped: a slot past
@@ -299,6 +319,7 @@ def drafter_loss_sums(
     doc_start: torch.Tensor | None = None,
     objective: Objective = CE_DECAY,
     target_hidden: torch.Tensor | None = None,
+    parts: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training forward of the drafter on one micro-batch.
 
@@ -311,6 +332,10 @@ def drafter_loss_sums(
     block sees only its own document, and flex builds its mask from tiles (long rows).
     target_hidden [B, L, H]: the target's final (normed) hidden states, what its LM head reads
     (`target_context_features(top=...)`): needed when objective.kl.
+    A DFlash2 drafter (its candidate selector) adds objective.selector x the selector's sum
+    (trainer.models.dflash2.selector_sums: the data's previous token as each slot's predecessor,
+    the base weights). parts, when given, receives the terms apart (0-d tensors, detached):
+    token_loss, selector_loss, selector_correct, selector_recall (sums over the same weights).
     """
     b, a, bs = blocks.input_ids.shape
     ctx_len = ctx_features.shape[1]
@@ -334,4 +359,16 @@ def drafter_loss_sums(
         slot_rows = slot_rows_of(blocks, target_hidden.shape[1])
     loss_sum, correct_sum = OBJECTIVE_PATHS[ce](hidden, head.lm_head_weight, labels, weights, chunk, objective,
                                                 target_rows, slot_rows, bs - 1)
+    selector = getattr(drafter, "candidate_selector", None)
+    if parts is not None:
+        parts["token_loss"] = loss_sum.detach()
+    if selector is not None and objective.selector:
+        c = drafter.config
+        previous = blocks.labels[:, :, :-1].reshape(-1)  # slot k's predecessor: the data's token at k - 1
+        sel_loss, sel_correct, sel_recall = selector_sums(selector, hidden, head.lm_head_weight, labels, previous,
+                                                          weights, chunk, c.output_multiplier,
+                                                          c.final_logit_softcapping)
+        loss_sum = loss_sum + objective.selector * sel_loss
+        if parts is not None:
+            parts.update(selector_loss=sel_loss.detach(), selector_correct=sel_correct, selector_recall=sel_recall)
     return loss_sum, weights.sum(), correct_sum

@@ -18,7 +18,7 @@ from trainer.data.packing import row_anchors, warmup_packed_batch
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
 from trainer.models.hf import hf_config, input_embeddings
 from trainer.models.masks import Blocks, prepare_blocks
-from trainer.models.objective import drafter_loss_sums
+from trainer.models.objective import drafter_loss_sums, selector_metrics
 from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 from trainer.models.target_loading import replica_target
@@ -382,6 +382,8 @@ class _Stages:
              "lr": cfg.optim.lr * lr_factor(step - 1, cfg.optim),
              "grad_norm": w["grad_norm_sum"] / max(w["steps"], 1), "tokens": tokens, "tokens_per_s": tokens / seconds,
              "pad_share": round(1 - counts["tokens_real"] / max(counts["tokens_padded"], 1.0), 4),
+             **(selector_metrics(w["selector_loss_sum"], w["selector_correct_sum"], w["selector_recall_sum"],
+                                 weight) if cfg.model.drafter.kind == "dflash2" else {}),
              "recompiles": p.guard.recompiles(), "gpus": self._gpu_entries(busy),
              "queues": {q.name: q.depth() for q in self.target_inputs + self.stage_queues
                         + [q for row in self.feature_queues for q in row]}}

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
+from trainer.distributed.grad_sync import STATS, FlatGrads, ReplicaAllReduce
 from trainer.models.drafter import DFlashDrafter
-from trainer.models.objective import CE_DECAY, Objective, drafter_loss_sums
+from trainer.models.objective import CE_DECAY, Objective, drafter_loss_sums, selector_sums_of
 from trainer.models.stages import write_pending
 from trainer.models.target import FrozenHead, stage_context_features
 from trainer.pipeline.compile_safety import CompileGuard, configure_compile_for_thread
@@ -19,7 +19,7 @@ from trainer.pipeline.prefetch import MicroBatch
 from trainer.pipeline.stages import StageQueue
 from trainer.run.stopping import StopSignal
 
-METRIC_NAMES = ["loss_sum", "weight_sum", "correct_sum", "grad_norm_sum", "steps"]
+METRIC_NAMES = [*STATS, "grad_norm_sum", "steps"]  # the flat buffer's stats, then the step's norm and count
 
 
 def worker_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -250,15 +250,18 @@ class DrafterWorker:
         autocast = (torch.autocast(self.device.type, dtype=self.s.autocast_dtype)
                     if self.s.autocast_dtype is not None else contextlib.nullcontext())
 
+        parts: dict = {}
+
         def forward_backward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             with autocast:
                 sums = drafter_loss_sums(self.drafter, self.head, ctx, blocks, self.s.backend, self.s.loss_chunk,
-                                         doc_start=doc_start, objective=self.s.objective, target_hidden=top)
+                                         doc_start=doc_start, objective=self.s.objective, target_hidden=top,
+                                         parts=parts)
                 sums[0].backward()
             return sums
 
         loss_sum, weight_sum, correct_sum = self.links.guard.run_warmed(self.key, feats.mb.shape, forward_backward)
-        self.flat.add_stats(loss_sum, weight_sum, correct_sum)
+        self.flat.add_stats(loss_sum, weight_sum, correct_sum, selector_sums_of(parts))
         if same_device:
             feats.release(stream)
 

@@ -73,6 +73,16 @@ class DrafterShapeConfig:
     head_dim: int | None = None  # default: the target's
     intermediate_size: int | None = None  # MLP width; default: the target's intermediate_size
     attention_sink: bool | None = None  # a learned per-head attention-sink logit on every layer (vLLM: attention_sink_bias)
+    # the draft's generation: dflash (the DFlash drafter) or dflash2 (vLLM's DFlash2DraftModel: a grouped
+    # dynamic convolution around every layer's attention and MLP, a candidate selector re-scoring each
+    # slot's top-k; docs/objectives.md, docs/engine-vllm.md). The next five are dflash2's (unset: the
+    # published draft's values); with drafter_init a DFlash2 draft's own decide, a DFlash draft warm-starts one
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int | None = None  # dflash2: taps of the convolutions (default 2)
+    conv_group_size: int | None = None  # dflash2: channels sharing a dynamic coefficient; divides the hidden size (default 16)
+    selector_rank: int | None = None  # dflash2: rank of the selector's codebooks (default 256)
+    selector_top_k: int | None = None  # dflash2: candidates per draft slot, at most the vocabulary (default 16)
+    selector_loss_weight: float | None = None  # dflash2: weight of the selector's K-way cross-entropy beside the token loss (default 1)
 
 
 @dataclass
@@ -93,7 +103,7 @@ class ModelConfig:
     block_size: int = 16  # tokens per draft block: the anchor plus block_size-1 masks
     num_target_layers: int = 5  # how many target layers feed the context features
     target_layer_ids: list[int] | None = None  # explicit layer ids; default: spaced from 1 to T-3
-    drafter_init: str | None = None  # a published-format draft directory (our export, z-lab's, what SGLang/vLLM load): its weights start training; checked against the target
+    drafter_init: str | None = None  # a published-format draft directory (our export, z-lab's, what SGLang/vLLM load), a trainer checkpoint or run directory (its latest): its weights start training; checked against the target
     mask_token_id: int | None = None  # default: the tokenizer's mask token, else the first embedding row past the tokenizer (151669 for Qwen3)
     attention: Literal["auto", "flex", "sdpa"] = "auto"  # auto: flex on cuda, sdpa dense mask on cpu
     dtype: Literal["bf16", "fp32"] = "bf16"  # target dtype and drafter autocast dtype
@@ -548,6 +558,7 @@ def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> N
     d, m = c.model.drafter, c.model
     model_raw = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}
     layers_given = "drafter_layers" in model_raw
+    drafter_raw = model_raw.get("drafter", {}) if isinstance(model_raw.get("drafter"), dict) else {}
     if m.drafter_init is not None:
         path = Path(m.drafter_init).expanduser() / "config.json"
         if path.is_file():
@@ -580,6 +591,7 @@ def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> N
             check(not differ, ("model", "drafter_init"),
                   f"{m.drafter_init}: the draft's own config decides its architecture, and this config differs: "
                   + "; ".join(differ))
+            _validate_kind(c, drafter_raw, published, check)
             m.drafter_layers = n
             for k in ("layer_types", "sliding_window", "causal", "attention_sink", *SHAPE_FIELDS):
                 setattr(d, k, theirs[k] if k != "layer_types" or layout.layer_types else None)
@@ -611,6 +623,93 @@ def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> N
               f"must divide num_attention_heads ({d.num_attention_heads})")
     if d.causal is None and sliding:
         d.causal = default_causal(d.layer_types, m.drafter_layers)
+    _validate_kind(c, drafter_raw, _checkpoint_generation(m.drafter_init), check)
+
+
+def _checkpoint_generation(init: str | None) -> dict | None:
+    """model.drafter_init naming a trainer checkpoint (drafter_config.json, no config.json) or a run
+    directory (its latest): its generation as the config.json fields `_validate_kind` reads, else None."""
+    if init is None:
+        return None
+    from trainer.run.layout import run_checkpoint
+
+    init = str(run_checkpoint(init) or init)  # a run directory: its latest checkpoint
+    saved_path = Path(init).expanduser() / "drafter_config.json"
+    if (Path(init).expanduser() / "config.json").is_file() or not saved_path.is_file():
+        return None
+    import json
+
+    from trainer.run.layout import DFLASH2_ARCHITECTURE, DFLASH2_FIELDS, DFLASH_ARCHITECTURE
+
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):
+        return None  # the build reads it again and says what is wrong
+    if not isinstance(saved, dict) or saved.get("kind", "dflash") != "dflash2":
+        return {"architectures": [DFLASH_ARCHITECTURE]}
+    return {"architectures": [DFLASH2_ARCHITECTURE], "hidden_size": saved.get("hidden_size"),
+            "vocab_size": saved.get("vocab_size"), "dflash_config": {k: saved[k] for k in DFLASH2_FIELDS if k in saved}}
+
+
+def _target_dims(c: TrainerConfig) -> tuple[int | None, int | None]:
+    """(hidden size, vocabulary) of the target where the config alone tells (a tiny target: its
+    hidden size; the 8B shape; a model directory's config.json), else None each."""
+    t = c.model.target
+    if t.tiny is not None:
+        return t.tiny.hidden, None
+    if t.random_8b_shape:
+        return 4096, 151936
+    if t.path is not None:
+        import json
+
+        try:
+            config = json.loads((Path(t.path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None, None
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        hidden, vocab = text.get("hidden_size"), text.get("vocab_size")
+        return (hidden if isinstance(hidden, int) else None), (vocab if isinstance(vocab, int) else None)
+    return None, None
+
+
+def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, check: Any) -> None:
+    """model.drafter.kind and DFlash2's fields; `published`: model.drafter_init's config.json. A
+    DFlash2 draft's own fields decide (what is set here must agree; kind dflash refuses it: the
+    run would train something other than the draft); a DFlash draft under kind dflash2 is a warm
+    start (its weights, the new parts initialised). Fills the unset fields with their defaults."""
+    from trainer.run.layout import DFLASH2, DFLASH2_DEFAULTS, generation
+
+    d = c.model.drafter
+    theirs = generation(published) if published is not None else {"kind": "dflash"}
+    if theirs["kind"] == DFLASH2:
+        check("kind" not in drafter_raw or d.kind == DFLASH2, ("model", "drafter", "kind"),
+              f"is {d.kind!r}, but model.drafter_init {c.model.drafter_init} is a DFlash2 draft (set kind: dflash2, "
+              "or leave it unset)")
+        d.kind = "dflash2"
+        for key in DFLASH2_DEFAULTS:
+            mine = getattr(d, key)
+            check(mine is None or mine == theirs[key], ("model", "drafter", key),
+                  f"is {mine}, but model.drafter_init's draft has {theirs[key]} (the draft's own config decides)")
+            setattr(d, key, theirs[key])
+    if d.kind != DFLASH2:
+        for key in (*DFLASH2_DEFAULTS, "selector_loss_weight"):
+            check(getattr(d, key) is None, ("model", "drafter", key), "is a dflash2 field: it needs model.drafter.kind: dflash2")
+        return
+    for key, default in DFLASH2_DEFAULTS.items():
+        value = getattr(d, key)
+        check(value is None or value >= 1, ("model", "drafter", key), "must be at least 1")
+        if value is None:
+            setattr(d, key, default)
+    if d.selector_loss_weight is None:
+        d.selector_loss_weight = 1.0
+    check(d.selector_loss_weight > 0, ("model", "drafter", "selector_loss_weight"),
+          "must be positive (the selector has no other loss)")
+    hidden, vocab = _target_dims(c)
+    group, top_k = int(d.conv_group_size or 1), int(d.selector_top_k or 1)  # set just above
+    check(hidden is None or hidden % group == 0, ("model", "drafter", "conv_group_size"),
+          f"{group} does not divide the target's hidden size {hidden}")
+    check(vocab is None or top_k <= vocab, ("model", "drafter", "selector_top_k"),
+          f"{top_k} exceeds the target's vocabulary of {vocab}")
 
 
 def drafter_own(c: ModelConfig) -> dict[str, Any]:
@@ -618,7 +717,19 @@ def drafter_own(c: ModelConfig) -> dict[str, Any]:
     d = c.drafter
     causal = [d.causal] * c.drafter_layers if isinstance(d.causal, bool) else d.causal
     return {"layer_types": d.layer_types, "sliding_window": d.sliding_window, "causal": causal,
-            "attention_sink": bool(d.attention_sink), **{k: getattr(d, k) for k in SHAPE_FIELDS}}
+            "attention_sink": bool(d.attention_sink), **{k: getattr(d, k) for k in SHAPE_FIELDS},
+            **generation_own(c)}
+
+
+GENERATION_FIELDS = ("kind", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def generation_own(c: ModelConfig) -> dict[str, Any]:
+    """model.drafter's generation as DrafterConfig fields (the DFlash2 ones only under kind dflash2)."""
+    d = c.drafter
+    if d.kind != "dflash2":
+        return {"kind": "dflash"}
+    return {k: getattr(d, k) for k in GENERATION_FIELDS}
 
 
 def config_to_dict(config: Any) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
@@ -33,6 +34,14 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_typ
 # dflash_config fields vLLM reads: the ones the trainer represents, and those it refuses unless neutral
 DFLASH_FIELDS = {"mask_token_id", "target_layer_ids", "use_swa", "swa_window_size", "causal", "attention_sink_bias",
                  "use_aux_hidden_state", "attention_value_scale", "sample_from_anchor"}
+
+
+# DFlash2 (vLLM's qwen3_dflash2.py, architecture DFlash2DraftModel): its dflash_config fields and the
+# trainer's defaults for them (the published draft's: z-lab's Qwen3.8-27B-DFlash2, speculators' defaults)
+DFLASH2, DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE = "dflash2", "DFlash2DraftModel", "DFlashDraftModel"
+DFLASH2_DEFAULTS: dict[str, Any] = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_SCALES: dict[str, Any] = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+DFLASH2_FIELDS = set(DFLASH2_DEFAULTS) | set(DFLASH2_SCALES)
 
 
 class LayoutError(ValueError):
@@ -87,7 +96,8 @@ def resolve_published(config: dict, where: str = "config.json") -> Layout:
     dflash = config.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise LayoutError(f"{where}: dflash_config must be a mapping")
-    unknown = sorted(set(dflash) - DFLASH_FIELDS)
+    generation(config, where)  # the architecture and DFlash2's fields
+    unknown = sorted(set(dflash) - DFLASH_FIELDS - (DFLASH2_FIELDS if _is_dflash2(config) else set()))
     if unknown:
         raise LayoutError(f"{where}: dflash_config.{unknown[0]} is a field the trainer does not know "
                           f"(known: {', '.join(sorted(DFLASH_FIELDS))}); refused rather than dropped")
@@ -175,3 +185,72 @@ def engine_warnings(layout: Layout, layers: int) -> list[str]:
                    "serves them only with VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses to load the draft), "
                    "and its CPU build not at all (docs/engine-vllm.md)")
     return out
+
+
+def run_checkpoint(path: str | Path) -> Path | None:
+    """A run directory's latest checkpoint (RUN/checkpoints/step_N with a manifest.json, the highest N),
+    for model.drafter_init naming a run; None when `path` is no run directory (or has none)."""
+    root = Path(path).expanduser() / "checkpoints"
+    if (Path(path).expanduser() / "config.json").is_file() or not root.is_dir():
+        return None
+    steps = sorted((int(p.name[len("step_"):]), p) for p in root.iterdir()
+                   if p.name.startswith("step_") and p.name[len("step_"):].isdigit() and (p / "manifest.json").is_file())
+    return steps[-1][1] if steps else None
+
+
+def _is_dflash2(config: dict) -> bool:
+    return DFLASH2_ARCHITECTURE in (config.get("architectures") or [])
+
+
+def generation(config: dict, where: str = "config.json") -> dict[str, Any]:
+    """The draft's generation as DrafterConfig fields: {"kind": "dflash"} for a DFlashDraftModel (or
+    a config naming no architecture), {"kind": "dflash2", conv_kernel_size, conv_group_size,
+    selector_rank, selector_top_k, input_embedding_scale, output_multiplier,
+    final_logit_softcapping} for a DFlash2DraftModel (vLLM reads the four sizes from dflash_config,
+    required; the three scales default to neutral). Raises LayoutError for another architecture."""
+    architectures = config.get("architectures") or [DFLASH_ARCHITECTURE]
+    if not isinstance(architectures, list) or len(architectures) != 1 \
+            or architectures[0] not in (DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE):
+        raise LayoutError(f"{where}: architectures {architectures!r}: the trainer trains {DFLASH_ARCHITECTURE} and "
+                          f"{DFLASH2_ARCHITECTURE} drafts")
+    if architectures[0] == DFLASH_ARCHITECTURE:
+        return {"kind": "dflash"}
+    dflash = config.get("dflash_config") or {}
+    out: dict[str, Any] = {"kind": DFLASH2}
+    for key in DFLASH2_DEFAULTS:
+        value = dflash.get(key)
+        if not _positive_int(value):
+            raise LayoutError(f"{where}: dflash_config.{key} must be a positive integer for a {DFLASH2_ARCHITECTURE} "
+                              f"(vLLM requires it), got {value!r}")
+        out[key] = value
+    for key, neutral in DFLASH2_SCALES.items():
+        value = dflash.get(key, neutral)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise LayoutError(f"{where}: dflash_config.{key} must be a number, got {value!r}")
+        out[key] = float(value) if value is not None else None
+    if not out["final_logit_softcapping"]:
+        out["final_logit_softcapping"] = None  # vLLM: 0 or absent is no cap
+    if out["output_multiplier"] <= 0:
+        raise LayoutError(f"{where}: dflash_config.output_multiplier must be positive (vLLM's top-k needs it), "
+                          f"got {out['output_multiplier']!r}")
+    hidden = config.get("hidden_size")
+    if isinstance(hidden, int) and hidden % out["conv_group_size"]:
+        raise LayoutError(f"{where}: dflash_config.conv_group_size {out['conv_group_size']} does not divide "
+                          f"hidden_size {hidden}")
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and out["selector_top_k"] > vocab:
+        raise LayoutError(f"{where}: dflash_config.selector_top_k {out['selector_top_k']} exceeds vocab_size {vocab}")
+    return out
+
+
+def published_generation(d: dict) -> tuple[list[str], dict[str, Any]]:
+    """(config.json's architectures, dflash_config fields) of a DrafterConfig dict's generation (an
+    older checkpoint without `kind`: DFlash). The scales only where not neutral."""
+    if d.get("kind", "dflash") != DFLASH2:
+        return [DFLASH_ARCHITECTURE], {}
+    fields = {k: d.get(k, v) for k, v in DFLASH2_DEFAULTS.items()}
+    for key, neutral in DFLASH2_SCALES.items():
+        value = d.get(key, neutral)
+        if value != neutral and not (key == "final_logit_softcapping" and not value):
+            fields[key] = value
+    return [DFLASH2_ARCHITECTURE], fields

@@ -33,7 +33,16 @@ from trainer.models.target import (
     tiny_target,
 )
 from trainer.models.target_loading import complete_for_decoding, load_staged, meta_model, place, stage_plan
-from trainer.run.config import TrainerConfig, data_paths, default_gamma, drafter_own, target_replicas, template_kwargs
+from trainer.run.config import (
+    ConfigError,
+    TrainerConfig,
+    data_paths,
+    default_gamma,
+    drafter_own,
+    generation_own,
+    target_replicas,
+    template_kwargs,
+)
 from trainer.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -193,9 +202,15 @@ def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | 
                      "unused row; set one in the config")
 
 
-def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str) -> DFlashDrafter:
+def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str,
+                  log: Callable[[str], None] | None = None) -> DFlashDrafter:
+    """The drafter model.drafter describes, or model.drafter_init's draft: its weights; a DFlash draft
+    (a published directory or a trainer checkpoint) under kind dflash2 is a warm start: the shared
+    weights loaded, the DFlash2 parts initialised (trainer.models.dflash2: identity convolutions,
+    a selector adding nothing yet), said in the log."""
     layer_ids = target_layer_ids(cfg, num_layers(target))
     published = read_init(cfg.model.drafter_init) if cfg.model.drafter_init else None
+    warm = False
     if published is None:
         dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
                                          mask_token_id, layer_ids, **drafter_own(cfg.model))
@@ -203,6 +218,13 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     else:  # the draft's own config decides its architecture (model.drafter agreed at config load)
         fields, weights = published
         own = {k: fields[k] for k in OWN_FIELDS}
+        own.update({k: fields[k] for k in GENERATION_OWN if k in fields})
+        if cfg.model.drafter.kind == "dflash2" and fields.get("kind", "dflash") != "dflash2":
+            own.update(generation_own(cfg.model))  # DFlash -> DFlash2
+            warm = True
+        elif cfg.model.drafter.kind != fields.get("kind", "dflash"):
+            raise ConfigError(f"model.drafter_init: {cfg.model.drafter_init} is a {fields.get('kind')} draft, "
+                              f"model.drafter.kind is {cfg.model.drafter.kind}")
         dcfg = DrafterConfig.from_target(target.config, fields["num_hidden_layers"], cfg.model.block_size,
                                          mask_token_id, layer_ids, **own)
         check_init(cfg, fields, dcfg)
@@ -212,13 +234,24 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     drafter.fused = cfg.model.fuse_drafter
     drafter.checkpoint_layers = drafter_checkpointing(cfg)  # auto: the memory plan decides
     if weights is not None:
-        drafter.load_state_dict(weights)
+        result = drafter.load_state_dict(weights, strict=not warm)
+        if warm:
+            new = drafter.dflash2_parameters()
+            if sorted(result.missing_keys) != sorted(new) or result.unexpected_keys:
+                raise ConfigError(f"model.drafter_init: {cfg.model.drafter_init} does not hold the DFlash weights "
+                                  f"(missing {sorted(set(result.missing_keys) - set(new))}, unexpected "
+                                  f"{result.unexpected_keys})")
+            (log or print)(f"warm start from the DFlash draft {cfg.model.drafter_init}: {len(weights)} shared tensors "
+                           f"loaded; the DFlash2 parts initialised ({len(new)} tensors: identity convolutions, a "
+                           "candidate selector adding nothing yet, so it drafts what the DFlash draft drafts)")
     return drafter.float().train()
 
 
 # the draft's own architecture, as read_published gives it (DrafterConfig fields)
 OWN_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
               "sliding_window", "causal", "attention_sink", "mask_embedding")
+GENERATION_OWN = ("kind", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                  "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
 def read_init(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -244,7 +277,7 @@ def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
              "num_target_layers": "target layers", "mask_token_id": "mask token (model.mask_token_id)"}
     problems = [f"{label} {fields[key]} (this run: {want[key]})" for key, label in names.items()
                 if fields.get(key) != want[key]]
-    own = {k: v for k, v in drafter_own(cfg.model).items() if v is not None}
+    own = {k: v for k, v in drafter_own(cfg.model).items() if v is not None and k not in GENERATION_OWN}
     own.pop("attention_sink", None) if not cfg.model.drafter.attention_sink else None
     problems += [f"model.drafter.{k} {v!r} (the draft: {fields[k]!r})" for k, v in own.items()
                  if k != "causal" and v != fields[k]]
@@ -295,7 +328,7 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
         train_data = packed
     drafter_device = cfg.devices.drafter[0]
     drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
-                            drafter_device)
+                            drafter_device, log)
     if drafter.checkpoint_layers:
         log(f"drafter layers checkpointed: the first {drafter.checkpoint_layers} of {cfg.model.drafter_layers} "
             f"(model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): their forward runs again in backward, "

@@ -32,7 +32,7 @@ from trainer.distributed.multihost import HostGroupMember
 from trainer.generate.evaluate import acceptance_report
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
-from trainer.models.objective import drafter_loss_sums
+from trainer.models.objective import drafter_loss_sums, selector_metrics, selector_sums_of
 from trainer.models.stages import plan_of
 from trainer.models.target import last_hidden_buffer, target_context_features
 from trainer.models.target_loading import SplitError, complete_for_decoding
@@ -100,9 +100,11 @@ def make_blocks(cfg: TrainerConfig, c: Components, input_ids: torch.Tensor, loss
 
 
 def forward(cfg: TrainerConfig, c: Components, input_ids: torch.Tensor, attention_mask: torch.Tensor, blocks: Blocks,
-            doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            doc_start: torch.Tensor | None = None,
+            parts: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Target features (and, when the loss reads the target's logits, its last hidden states), then
-    the drafter's loss sums (loss, weight, correct). doc_start: packed rows (trainer.data.packing), else None."""
+    the drafter's loss sums (loss, weight, correct). doc_start: packed rows (trainer.data.packing), else None;
+    parts: receives the terms apart (drafter_loss_sums)."""
     top = last_hidden_buffer(c.target, *input_ids.shape) if c.objective.needs_target else None
     feats = target_context_features(c.target, input_ids.to(c.target_device), attention_mask.to(c.target_device),
                                     c.drafter.config.target_layer_ids,
@@ -111,7 +113,8 @@ def forward(cfg: TrainerConfig, c: Components, input_ids: torch.Tensor, attentio
     with autocast_for(c.drafter_device, cfg.model.dtype):
         return drafter_loss_sums(c.drafter, c.head, feats, blocks, c.backend, cfg.model.loss_chunk,
                                  doc_start=doc_start, objective=c.objective,
-                                 target_hidden=None if top is None else top.to(c.drafter_device, non_blocking=True))
+                                 target_hidden=None if top is None else top.to(c.drafter_device, non_blocking=True),
+                                 parts=parts)
 
 
 def error_record(exc: BaseException) -> dict:
@@ -430,13 +433,17 @@ class ReferencePipeline:
         weight_total = weight_total.clamp(min=1e-6)
         loss_total = torch.zeros((), device=c.drafter_device)
         correct_total = torch.zeros((), device=c.drafter_device)
+        selector_total = torch.zeros(3, device=c.drafter_device)  # DFlash2: selector loss, correct, recall sums
         tokens, positions = 0, 0
         for batch, blocks in micro:
+            parts: dict = {}
             loss_sum, _, correct_sum = forward(cfg, c, batch.input_ids, batch.attention_mask, blocks,
-                                               getattr(batch, "doc_start", None))
+                                               getattr(batch, "doc_start", None), parts)
             (loss_sum / weight_total).backward()
             loss_total += loss_sum.detach()
             correct_total += correct_sum
+            if selector_sums_of(parts):
+                selector_total += torch.stack([t.float() for t in selector_sums_of(parts)])
             tokens += batch.tokens
             positions += batch.input_ids.numel()
         grad_norm = clip_gradients(c.drafter.parameters(), cfg.optim.grad_clip)
@@ -448,7 +455,10 @@ class ReferencePipeline:
         seconds = max(time.time() - began, 1e-9)
         if state.step > 1:  # steady: every step after the first
             self.trainer.metrics.add_steady(tokens, seconds)
-        return {"loss": float(loss_total / weight_total), "acc": float(correct_total / weight_total), "lr": lr,
+        sel_loss, sel_correct, sel_recall = selector_total.tolist()
+        selector = selector_metrics(sel_loss, sel_correct, sel_recall, float(weight_total)) \
+            if cfg.model.drafter.kind == "dflash2" else {}
+        return {"loss": float(loss_total / weight_total), "acc": float(correct_total / weight_total), "lr": lr, **selector,
                 "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds,
                 "pad_share": round(1 - tokens / max(positions, 1), 4)}
 

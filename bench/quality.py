@@ -4,6 +4,14 @@ the project's trainer from the saved model directory, and τ on held-out prompts
 
     PYTHONPATH=. python bench/quality.py --preset h200 --out /tmp/quality      # one H200, < 10 min
     PYTHONPATH=. python bench/quality.py --preset tiny --out /tmp/quality      # CPU, seconds (the test)
+    PYTHONPATH=. python bench/quality.py --preset h200-long --out /tmp/quality-long   # one H200, long contexts (#35)
+    PYTHONPATH=. python bench/quality.py --preset cpu-long --out /tmp/quality-long    # CPU, a few minutes
+
+Long contexts (`long` presets, issue #35 item 4): the target trains on documents of one package's files
+concatenated (8-16K tokens); regen prompts and held-out prompts are cut from such documents at token
+lengths in given ranges, the held-out ones in every τ bucket (<=2K, 2-8K, 8-32K, >32K); a full-attention
+drafter (the main run) and a sliding-window one train side by side at equal steps, and each one's last
+checkpoint is evaluated by the bench on every held-out prompt: τ per bucket, side by side.
 
 Stages (each prints its figures with what produced them; everything lands in OUT/quality.json
 and a markdown summary in OUT/quality.md):
@@ -81,6 +89,18 @@ class Preset:
     window_chars: int = 4000  # characters per training window (prefix + continuation)
     heldout_rows: int = 256  # rows of held-out files for the LM loss
     compile_target: bool = False  # torch.compile the target for its own training
+    target_budget_s: float = 0.0  # with a value: the target's steps are cut (at step RESIZE_AT) to what fits this long since its start
+    target_prefix_chars: tuple[int, int] | None = None  # the target's windows' prompt part (default prefix_chars)
+    # long contexts (issue #35): the texts are documents of one package's files concatenated; prompts and
+    # held-out prompts are cut from them at token lengths in these ranges (one range per bucket)
+    long: bool = False
+    doc_tokens: tuple[int, int] = (8192, 16384)  # a long document's length (estimated from chars/token)
+    train_prompt_tokens: tuple = ((200, 2000), (2100, 8000), (8300, 16000))  # regen prompts, an equal share each
+    eval_prompt_tokens: tuple = ((200, 2000), (2100, 8000), (8300, 30000), (33000, 38000))  # <=2K, 2-8K, 8-32K, >32K
+    eval_per_bucket: tuple = (16, 16, 16, 16)  # held-out prompts per range
+    trainer_eval: str = "eval.jsonl"  # the trainer's own held-out file (long: the <=2K prompts; the bench evaluates all)
+    tau_from_checkpoints: bool = False  # every run's τ from the bench's evaluation of its last checkpoint
+    synthetic_files: int = 40  # corpus "synthetic": modules written
     # prompts and regeneration
     prefix_chars: tuple[int, int] = (200, 1000)
     n_prompts: int = 65536  # 4 regen batches of 16384: ~110 s on an H200
@@ -110,7 +130,9 @@ class Preset:
     ablation_steps: int = 250
     ablations: dict = field(default_factory=dict)
     ablation_steps_as_main: bool = False  # the ablations train as many steps as the main run (sized to the budget)
+    anchors_per_row: int | None = None  # packed rows: draft blocks a row (default: num_anchors per max_length)
     parallel: int = 8  # trainer processes at once on the device
+    first_alone: bool = True  # the main run starts alone until it trains (the others then find its compiled kernels)
     ablation_convs: int = 16384  # ablations train on the first this many answers (less tokenization per run)
     inprocess: bool = False  # call the CLI entry points in this process (the CPU test: no interpreter start-up)
     budget_s: float = 560.0  # whole-bench wall budget (0: none); trainer runs get SIGTERM eval_reserve_s before its end
@@ -129,7 +151,10 @@ ABLATIONS = {  # what the h200 preset runs; more can be named with --ablations
     "5 layers tapped": {"num_target_layers": 5},
 }
 MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_layers": 1},
-                  "fp8 target": {"precision": "fp8"}}
+                  "fp8 target": {"precision": "fp8"},
+                  # drafter layouts (model.drafter, issue #41): every layer sliding (causal, vLLM's reading), or
+                  # the last one full as z-lab's 2026 drafts (swa4+1)
+                  "sliding 2048": {"sliding_window": 2048}, "sliding 2048 + full": {"sliding_window": 2048, "full_layers": 1}}
 
 PRESETS = {
     # one H200, one call of < 10 min: the main run alone after target and regen
@@ -143,6 +168,18 @@ PRESETS = {
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
                              curve_points=2, n_eval=32),
+    # one H200, one call (issue #35 item 4): the target trained on documents of one package's files (8-16K
+    # tokens, rows of 16,384), regen prompts of <=2K, 2-8K and 8-16K tokens, held-out prompts in every
+    # τ bucket up to 38K tokens; a full-attention drafter (the main run) and a sliding-window one (every
+    # layer, window 2,048) side by side at equal steps on packed rows of 16,896, τ per bucket from each
+    # one's last checkpoint
+    "h200-long": Preset(long=True, seq_len=16384, batch_rows=4, target_steps=400, target_budget_s=110.0,
+                        target_prefix_chars=(2000, 40000), window_chars=16000, n_prompts=3072, regen_batch=1024,
+                        regen_end_s=290.0, n_eval=48, eval_per_bucket=(12, 12, 12, 12), max_length=16896, pack_length=16896, pack_rows=1,
+                        num_anchors=1024, drafter_rate=7.0, drafter_startup_s=60.0, curve_points=1,
+                        ablations={"base": {}, "sliding 2048": {"sliding_window": 2048}}, ablation_steps_as_main=True,
+                        parallel=2, first_alone=False, eval_reserve_s=90.0, trainer_eval="eval-short.jsonl",
+                        tau_from_checkpoints=True),
     "tiny": Preset(device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=60, target_lr=3e-3, target_warmup=2, window_chars=600,
@@ -152,6 +189,17 @@ PRESETS = {
                    ablation_steps=1, ablations={"original answers": {"train": "original"}},
                    parallel=1, inprocess=True, ablation_convs=12, budget_s=0.0, regen_end_s=0.0),
 }
+# the long preset's plumbing on this machine's CPU in a few minutes: the tiny target, prompts in every bucket
+# (one of 33K tokens), a full and a sliding-window (512) drafter, subprocesses under a budget
+PRESETS["cpu-long"] = dataclasses.replace(
+    PRESETS["tiny"], long=True, synthetic_files=420, corpus_mb=2.0, heldout_permille=300, seq_len=1024, batch_rows=2,
+    target_steps=40, target_budget_s=60.0, target_prefix_chars=(200, 3000), window_chars=1500, n_prompts=12,
+    doc_tokens=(2500, 4000), train_prompt_tokens=((100, 1500), (2100, 3000)),
+    eval_prompt_tokens=((100, 1500), (2100, 3000), (8300, 9000), (32900, 33300)), eval_per_bucket=(2, 1, 1, 1),
+    n_eval=5, eval_new_tokens=8, max_length=3328, drafter_steps=40, ablation_steps_as_main=True, curve_points=1,
+    ablations={"base": {}, "sliding 512": {"sliding_window": 512}}, parallel=2, first_alone=False, inprocess=False,
+    budget_s=900.0,
+    eval_reserve_s=400.0, drafter_rate=0.0, trainer_eval="eval-short.jsonl", tau_from_checkpoints=True)
 
 
 def say(line: str) -> None:
@@ -252,8 +300,9 @@ def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, 
     random.Random(seed).shuffle(files)  # a byte budget then samples every package, not the first few
     seen: set[str] = set()
     train, heldout, total = [], [], 0
+    dirs: dict[str, list[str]] = {"train": [], "heldout": []}  # each text's directory: its package
     with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) * 2)) as pool:
-        for _path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
+        for path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
             if total >= max_bytes:
                 break
             if data is None:
@@ -274,12 +323,15 @@ def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, 
             if any(s in text for s in SPECIALS):
                 skipped["special tokens"] += 1
                 continue
-            (heldout if int(digest[:8], 16) % 1000 < heldout_permille else train).append(text)
+            side = "heldout" if int(digest[:8], 16) % 1000 < heldout_permille else "train"
+            (heldout if side == "heldout" else train).append(text)
+            dirs[side].append(str(path.parent))
             total += len(data)
     stats = {"roots": [str(r) for r in roots], "files_found": found, "train_files": len(train),
              "heldout_files": len(heldout), "train_mb": round(sum(map(len, train)) / 1e6, 2),
              "heldout_mb": round(sum(map(len, heldout)) / 1e6, 2), "skipped": skipped}
-    return {"train": train, "heldout": heldout, "stats": stats}
+    return {"train": train, "heldout": heldout, "stats": stats, "train_dirs": dirs["train"],
+            "heldout_dirs": dirs["heldout"]}
 
 
 # ---------------------------------------------------------------------------- windows and chat text
@@ -363,7 +415,8 @@ class RowStream:
         chunk = min(256, self.chunk)  # a small first chunk: training starts at once
         while True:
             for text in self.texts:
-                for u, a in windows(text, self.rng, self.p.prefix_chars, self.p.window_chars):
+                for u, a in windows(text, self.rng, self.p.target_prefix_chars or self.p.prefix_chars,
+                                    self.p.window_chars):
                     pending.append(render(u, a))
                 if len(pending) >= chunk:
                     self._emit(pending)
@@ -414,6 +467,9 @@ def lm_loss(model, rows: torch.Tensor, device: str, batch: int, autocast) -> flo
     return total / max(count, 1)
 
 
+RESIZE_AT = 10  # target steps timed before target_budget_s resizes the schedule
+
+
 def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
                  chars_per_token: float) -> tuple[Path, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -421,10 +477,12 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
     from trainer_tools.fixtures.hub_model import model_config, write_hub_model
 
     started = time.time()
-    stream = RowStream(tok, corpus["train"], p, p.seed, p.target_steps * p.batch_rows)
+    p = dataclasses.replace(p)  # target_steps may be resized to target_budget_s below
+    texts, held_texts = corpus.get("train_docs", corpus["train"]), corpus.get("heldout_docs", corpus["heldout"])
+    stream = RowStream(tok, texts, p, p.seed, p.target_steps * p.batch_rows)
     held_pairs = []
-    for text in corpus["heldout"]:
-        held_pairs += list(windows(text, rng, p.prefix_chars, p.window_chars))
+    for text in held_texts:
+        held_pairs += list(windows(text, rng, p.target_prefix_chars or p.prefix_chars, p.window_chars))
         if len(held_pairs) * p.window_chars > 2 * p.heldout_rows * p.seq_len * 4:
             break
     held_rows = token_rows(tok, [render(u, a) for u, a in held_pairs], p.seq_len)[: p.heldout_rows]
@@ -451,12 +509,22 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
         return p.target_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     forward = torch.compile(model) if p.compile_target else model
-    rows_needed = p.target_steps * p.batch_rows
     model.train()
     losses = []
     seen_rows = None
     t0 = time.time()
-    for step in range(p.target_steps):
+    step = -1
+    while step + 1 < p.target_steps:
+        step += 1
+        if step == 2:
+            t2 = time.time()  # the first steps' start-up (allocations, kernels) left out of the rate
+        if step == RESIZE_AT and p.target_budget_s:  # still warming up: the schedule is resized to fit
+            rate = (RESIZE_AT - 2) / (time.time() - t2)
+            fit = RESIZE_AT + int((p.target_budget_s - (time.time() - started)) * rate)
+            if fit < p.target_steps:
+                say(f"target: {max(fit, RESIZE_AT + 1)} steps of {p.target_steps} fit target_budget_s "
+                    f"{p.target_budget_s:g}s ({rate:.2f} steps/s)")
+                p.target_steps = max(fit, RESIZE_AT + 1)
         rows = stream.take(p.batch_rows)
         if seen_rows is None:
             seen_rows = rows[: p.heldout_rows].clone()
@@ -477,7 +545,8 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
         torch.cuda.synchronize()
     train_seconds = time.time() - t0
     stream.close()
-    chars = sum(map(len, corpus["train"]))
+    rows_needed = p.target_steps * p.batch_rows
+    chars = sum(map(len, texts))
     available = chars / chars_per_token  # estimated: the stream tokenizes only what training takes
     epochs = rows_needed * p.seq_len / available
     result = {
@@ -533,6 +602,98 @@ def fits(tok, p: Preset, user: str, answer: str) -> bool:
     n_prompt = len(tok.encode(prompt, add_special_tokens=False).ids)
     n_answer = len(tok.encode(answer, add_special_tokens=False).ids)
     return n_prompt + min(n_answer, MIN_EVAL_ANSWER) <= p.max_length and n_answer >= MIN_EVAL_ANSWER
+
+
+# ---------------------------------------------------------------------------- long contexts (issue #35)
+
+
+def long_documents(texts: list[str], dirs: list[str], chars: tuple[int, int], rng: random.Random) -> list[str]:
+    """Files of one directory (a package) concatenated, in path order within it, into documents of
+    `chars` characters (a random length in that range each); a package's remainder shorter than the
+    lower end carries on into the next package's files. Deterministic for the rng's seed."""
+    by_dir: dict[str, list[str]] = {}
+    for text, d in zip(texts, dirs):
+        by_dir.setdefault(d, []).append(text)
+    docs, part, size, want = [], [], 0, rng.randint(*chars)
+    for d in sorted(by_dir):
+        for text in by_dir[d]:
+            part.append(text if text.endswith("\n") else text + "\n")
+            size += len(part[-1])
+            if size >= want:
+                docs.append("\n".join(part)[: chars[1]])
+                part, size, want = [], 0, rng.randint(*chars)
+    return docs
+
+
+def prompt_tokens(tok, user: str) -> int:
+    """Tokens of the prompt the evaluation and regen render for a user turn (render(user, "") up to
+    the generation prompt; enable_thinking false)."""
+    return len(tok.encode(render(user, "")[: -len("<|im_end|>\n")], add_special_tokens=False).ids)
+
+
+def long_pairs(tok, docs: list[str], ranges, counts, rng: random.Random, answer_chars: int) -> list[list]:
+    """Per token range, up to counts[i] (prompt, continuation) pairs cut from `docs` at a line
+    boundary, whose rendered prompt (prompt_tokens) lies inside the range: [[pairs of range 0], ...].
+    Documents that reach the whole range are cut first; fewer documents than pairs: several cuts of
+    each. Tokenised in batches (the tokenizer's threads): thousands of 16K-token prompts take seconds."""
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    sample = [docs[i] for i in order[: max(8, 2 * sum(counts))]]
+    encoded = list(zip(sample, tok.encode_batch(sample, add_special_tokens=False)))
+    end = len("<|im_end|>\n")
+    out: list[list] = []
+    for (lo, hi), count in zip(ranges, counts):
+        room = [(d, e) for d, e in encoded if len(e.ids) > lo + 64]
+        room = room * (-(-2 * count // len(room)) if room else 0)
+        rng.shuffle(room)
+        room.sort(key=lambda de: len(de[1].ids) < hi)  # documents that can reach anywhere in the range first
+        candidates = []
+        for d, e in room[: 2 * count]:  # twice the pairs wanted: a cut can land outside the range
+            n = rng.randint(lo, min(hi, len(e.ids) - 32))
+            cut = d.rfind("\n", 0, e.offsets[n - 16][1]) + 1  # a line boundary just before token n - 16
+            if d[:cut].strip() and d[cut:cut + answer_chars].strip():
+                candidates.append((d[:cut], d[cut:cut + answer_chars]))
+        sizes = [len(x.ids) for x in tok.encode_batch([render(u, "")[:-end] for u, _ in candidates],
+                                                      add_special_tokens=False)]
+        out.append([c for c, n in zip(candidates, sizes) if lo <= n <= hi][:count])
+    return out
+
+
+def write_long_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) -> dict:
+    """prompts.jsonl / original.jsonl from the train documents, an equal share of p.n_prompts in each
+    of p.train_prompt_tokens; eval.jsonl: p.eval_per_bucket held-out prompts in each of
+    p.eval_prompt_tokens (held-out documents), shortest first; p.trainer_eval: the first range's."""
+    per = -(-p.n_prompts // len(p.train_prompt_tokens))
+    train_docs = corpus["train_docs"]
+    groups = long_pairs(tok, train_docs, p.train_prompt_tokens, [per] * len(p.train_prompt_tokens), rng,
+                        p.answer_tokens * 5)
+    pairs = [pair for g in groups for pair in g][: p.n_prompts]
+    answers = cut_tokens(tok, [a for _, a in pairs], p.answer_tokens)
+    # similar prompt lengths batch together, the longest first: regen's deadline cuts the short ones, the cheapest
+    order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]))
+    write_jsonl(data / "prompts.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]}]}
+                                         for i in order))
+    write_jsonl(data / "original.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]},
+                                                                       {"role": "assistant", "content": answers[i]}]}
+                                          for i in order))
+    held = long_pairs(tok, corpus["heldout_docs"], p.eval_prompt_tokens, p.eval_per_bucket, rng, p.answer_tokens * 5)
+    missing = [f"{lo}-{hi}" for (lo, hi), g in zip(p.eval_prompt_tokens, held) if not g]
+    if missing:
+        raise SystemExit(f"quality: prompts: no held-out document is long enough for a prompt of {', '.join(missing)} "
+                         f"tokens ({len(corpus['heldout_docs'])} held-out documents); raise corpus_mb or heldout_permille")
+    conv = [{"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]} for g in held for u, a in g]
+    write_jsonl(data / "eval.jsonl", conv)
+    write_jsonl(data / p.trainer_eval, conv[: len(held[0])])
+    by_range = {f"{lo}-{hi}": len(g) for (lo, hi), g in zip(p.eval_prompt_tokens, held)}
+    stats = {"prompts": len(pairs), "eval_prompts": len(conv), "eval_by_tokens": by_range,
+             "train_by_tokens": {f"{lo}-{hi}": len(g) for (lo, hi), g in zip(p.train_prompt_tokens, groups)},
+             "prompt_chars_mean": round(sum(len(u) for u, _ in pairs) / max(len(pairs), 1)),
+             "train_docs": len(train_docs), "heldout_docs": len(corpus["heldout_docs"])}
+    say(f"prompts: {len(pairs)} prefixes of {len(train_docs)} train documents by prompt tokens "
+        f"{stats['train_by_tokens']}; {len(conv)} held-out prompts of {len(corpus['heldout_docs'])} held-out "
+        f"documents by prompt tokens {by_range}")
+    return {"stats": stats, "check": pairs[:4] + [pair for g in held for pair in g[:1]],
+            "ids": [f"p{i}" for i in order]}
 
 
 def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) -> dict:
@@ -670,13 +831,19 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
              "dtype": p.dtype, "loss_chunk": 4096}
     if o["gamma"] is not None:
         model["gamma"] = float(o["gamma"])
+    if o.get("sliding_window"):  # every layer sliding, or the last full_layers of them full
+        full = int(o.get("full_layers", 0))
+        model["drafter"] = {"layer_types": ["sliding_attention"] * (o["drafter_layers"] - full) + ["full_attention"] * full,
+                            "sliding_window": int(o["sliding_window"])}
     cuda = p.device.startswith("cuda")
-    data_cfg = {"train_path": str(train_file), "eval_path": str(data / "eval.jsonl"),
+    data_cfg = {"train_path": str(train_file), "eval_path": str(data / p.trainer_eval),
                 "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),
                 "bucket_edges": [p.max_length // 2, p.max_length], "pad_multiple": 16 if not cuda else 64,
                 "seed": p.seed, "enable_thinking": False}  # as render() and regen_argv() render
     if p.pack_length:
         data_cfg.update(pack_length=p.pack_length, pack_rows=p.pack_rows)
+        if p.anchors_per_row:
+            data_cfg["anchors_per_row"] = p.anchors_per_row
     return {
         "model": model,
         "data": data_cfg,
@@ -738,27 +905,45 @@ def started_training(j: dict) -> bool:
     return status.get("state") in ("running", "done", "stopped", "failed") and (status.get("step") or 0) > 0
 
 
-def run_all(p: Preset, jobs: list[dict], deadline: float | None) -> None:
+def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, first_alone: bool = True) -> None:
     """The first job (the main run) starts alone; the others once it trains (they then find its
     compiled kernels in the on-disk cache and the CPU free of its tokenization), p.parallel at a
-    time. At the deadline every run still going gets SIGTERM: the trainer saves a checkpoint and
-    stops. In-process (the CPU test): one after the other."""
+    time, in the order given (a queue). At the deadline every run still going gets SIGTERM: the
+    trainer saves a checkpoint and stops; runs not started by then never start. In-process (the CPU
+    test): one after the other. on_done(job), when given, is called as each run ends (its results
+    can be written while the others train); first_alone False: the first `p.parallel` start together. A job
+    with `expect_s` (its expected wall seconds) does not start when less than that is left to the deadline."""
+    def too_late(j: dict) -> bool:  # a run expected to take longer than is left would only be stopped half-trained
+        if deadline is None or time.time() + j.get("expect_s", 0.0) <= deadline:
+            return False
+        j["rc"], j["seconds"] = None, 0.0
+        say(f"deadline: trainer run {j['name']!r} not started: {deadline - time.time():.0f}s left, it needs "
+            f"~{j.get('expect_s', 0.0):.0f}s")
+        return True
+
     if p.inprocess:
         for j in jobs:
+            if too_late(j):
+                continue
             j["rc"], j["seconds"] = run_cli(p, j["argv"], j["log"])
+            if on_done:
+                on_done(j)
         return
     waiting, running = list(jobs), []
     stopping = False
     while waiting or running:
-        main_ready = jobs[0] not in running or started_training(jobs[0]) or time.time() - jobs[0]["started"] > 90
+        main_ready = (not first_alone or jobs[0] not in running or started_training(jobs[0])
+                      or time.time() - jobs[0]["started"] > 90)
         while waiting and len(running) < p.parallel and not stopping and (not running or main_ready):
             j = waiting.pop(0)
+            if too_late(j):
+                continue
             j["started"] = time.time()
             j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
                                          stderr=subprocess.STDOUT, env=child_env(), cwd=str(ROOT),
                                          preexec_fn=default_signals)
             running.append(j)
-            if j is jobs[0]:
+            if j is jobs[0] and first_alone:
                 break
         time.sleep(0.5)
         if deadline is not None and time.time() > deadline and not stopping:
@@ -779,6 +964,8 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None) -> None:
                 j["rc"], j["seconds"] = j["proc"].returncode, time.time() - j["started"]
                 running.remove(j)
                 say(f"trainer run {j['name']!r}: exit {j['rc']} after {j['seconds']:.0f}s ({read_run(j['run_dir'])['steps']} steps)")
+                if on_done:
+                    on_done(j)
 
 
 # ---------------------------------------------------------------------------- evaluation of checkpoints
@@ -886,6 +1073,23 @@ def by_length_rows(by_length: dict | None) -> list[str]:
     return rows
 
 
+def by_length_side_by_side(runs: dict) -> list[str]:
+    """τ per prompt-length bucket of several drafters side by side (a markdown table), the n-gram
+    lookup baseline (the same for every drafter: the same target and prompts) as the last row."""
+    from trainer.run.contract import PROMPT_LENGTH_BUCKETS
+
+    buckets = [name for name, _ in PROMPT_LENGTH_BUCKETS if any(name in (r["tau_by_length"] or {}) for r in runs.values())]
+    first = next(iter(runs.values()))["tau_by_length"]
+    rows = ["| drafter | steps | tau pooled | " + " | ".join(f"{b} ({first.get(b, {}).get('prompts', 0)} prompts)"
+                                                      for b in buckets) + " |",
+            "|---|---:|---:|" + "---:|" * len(buckets)]
+    for name, r in runs.items():
+        rows.append(f"| {name} | {_f(r['steps'])} | {_f(r['tau'])} | "
+                    + " | ".join(_f(r["tau_by_length"].get(b, {}).get("tau")) for b in buckets) + " |")
+    rows.append("| n-gram prompt lookup | - | - | " + " | ".join(_f(first.get(b, {}).get("tau_lookup")) for b in buckets) + " |")
+    return rows
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -910,6 +1114,9 @@ def markdown(results: dict) -> str:
             lines.append(f"| {x['step']} | {_f(x.get('tokens'))} | {x['tau']:.3f} | {x['tau_per_prompt']:.3f} | "
                          f"{_f(x.get('tau_lookup'))} | {_f(x.get('tau_ratio'), 2)} | {x['histogram']} |")
         lines.append("")
+    if results.get("by_length") and results["preset"].get("long"):
+        lines += ["τ by prompt length (tokens), each drafter's last checkpoint:", "",
+                  *by_length_side_by_side(results["by_length"]), ""]
     if results.get("ablations"):
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
                   "held-out acc | tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -943,6 +1150,10 @@ def subset(src: Path, dst: Path, ids: list[str] | None, n: int) -> tuple[Path, l
     return dst, [r.get("id") for r in rows]
 
 
+TUPLE_FIELDS = {"prefix_chars", "target_prefix_chars", "doc_tokens", "train_prompt_tokens", "eval_prompt_tokens",
+                "eval_per_bucket"}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
@@ -952,6 +1163,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--ablations", default=None, help="comma-separated names of the preset's ablations to run")
     ap.add_argument("--stop-after", choices=["target", "regen"], default=None)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="whole-bench wall budget in seconds (the preset's budget_s; 0: none)")
     args = ap.parse_args(argv)
     p = dataclasses.replace(PRESETS[args.preset])
     fields = {f.name for f in dataclasses.fields(Preset)}
@@ -960,7 +1173,17 @@ def main(argv: list[str] | None = None) -> dict:
         if key not in fields:
             ap.error(f"--set {item}: no preset field {key!r}")
         v = yaml.safe_load(value)
-        setattr(p, key, tuple(v) if isinstance(v, list) and key == "prefix_chars" else v)
+        setattr(p, key, tuple(v) if isinstance(v, list) and key in TUPLE_FIELDS else v)
+    if args.budget_s is not None:
+        p.budget_s = args.budget_s
+    if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget
+        left = p.budget_s - p.eval_reserve_s - p.regen_end_s
+        if left < p.drafter_startup_s + MIN_WORK_S:
+            ap.error(f"budget_s {p.budget_s:g}: after regen's end at {p.regen_end_s:g}s and {p.eval_reserve_s:g}s kept "
+                     f"for τ, {left:.0f}s are left for the drafters, less than their start-up {p.drafter_startup_s:g}s "
+                     f"+ {MIN_WORK_S:g}s; raise it or lower regen_end_s (--set regen_end_s=...)")
+        say(f"budget {p.budget_s:g}s: regen ends by t={p.regen_end_s:g}s, the drafters by t={p.budget_s - p.eval_reserve_s:g}s "
+            f"(~{left - p.drafter_startup_s:.0f}s of training after ~{p.drafter_startup_s:g}s of start-up), then τ")
     if args.no_ablations:
         p.ablations = {}
     elif args.ablations:
@@ -990,7 +1213,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 1. corpus
     t0 = time.time()
-    source = str(write_synthetic_corpus(out / "corpus", p.seed)) if p.corpus == "synthetic" else p.corpus
+    source = (str(write_synthetic_corpus(out / "corpus", p.seed, p.synthetic_files)) if p.corpus == "synthetic"
+              else p.corpus)
     corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed, source)
     results["corpus"] = corpus["stats"]
     s = corpus["stats"]
@@ -1013,6 +1237,16 @@ def main(argv: list[str] | None = None) -> dict:
     tok = train_tokenizer("qwen3", sample, p.tokenizer_vocab)
     probe = corpus["heldout"][: 200]
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(probe, add_special_tokens=False))
+    if p.long:  # documents of one package's files, of p.doc_tokens tokens (estimated from the chars per token)
+        cpt = sum(map(len, probe)) / max(n_tokens, 1)
+        chars = (int(p.doc_tokens[0] * cpt), int(p.doc_tokens[1] * cpt))
+        longest = int((max(hi for _, hi in p.eval_prompt_tokens) + 2 * p.answer_tokens) * cpt)
+        corpus["train_docs"] = long_documents(corpus["train"], corpus["train_dirs"], chars, random.Random(p.seed))
+        random.Random(p.seed).shuffle(corpus["train_docs"])  # the target's rows from every package, not a-z
+        corpus["heldout_docs"] = long_documents(corpus["heldout"], corpus["heldout_dirs"], (longest, longest),
+                                                random.Random(p.seed + 1))
+        say(f"long documents: {len(corpus['train_docs'])} train documents of {chars[0]}-{chars[1]} chars "
+            f"(~{p.doc_tokens[0]}-{p.doc_tokens[1]} tokens), {len(corpus['heldout_docs'])} held-out of {longest} chars")
     results["tokenizer"] = {"vocab": tok.get_vocab_size(), "sample_mb": round(size / 1e6, 2),
                             "heldout_chars_per_token": round(sum(map(len, probe)) / max(n_tokens, 1), 2),
                             "seconds": round(time.time() - t0, 1)}
@@ -1030,7 +1264,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    prompts = write_prompts(p, tok, corpus, data, rng)
+    prompts = (write_long_prompts if p.long else write_prompts)(p, tok, corpus, data, rng)
     check_render(hf_tok, prompts["check"])
     results["prompts"] = prompts["stats"]
     del corpus
@@ -1072,7 +1306,7 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
         f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
         + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
-    run_all(p, jobs, deadline)
+    run_all(p, jobs, deadline, first_alone=p.first_alone)
     for j in jobs:
         if j.get("rc") not in (0,):
             tail = j["log"].read_text().strip().splitlines()[-12:] if j["log"].exists() else []
@@ -1105,7 +1339,7 @@ def main(argv: list[str] | None = None) -> dict:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
     # runs stopped early, and runs on FP8 features (their own τ was measured against the FP8 target;
     # served, the drafter meets the bf16 one): their last checkpoint against the bf16 target
-    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or fp8_run(j))
+    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or fp8_run(j) or p.tau_from_checkpoints)
                and checkpoints(j["run_dir"])]
     for j in stopped:
         if time_left():
@@ -1127,7 +1361,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["curve"] = curve
     if fp8_run(main_job) and curve:  # FP8 features: τ against the bf16 target, from its last checkpoint
         m["tau_fp8_target"], m["tau"] = m["tau"], None
-    if m["tau"] is None and curve:  # stopped at the deadline (or FP8 features): its last checkpoint stands for it
+    if (m["tau"] is None or p.tau_from_checkpoints) and curve:  # stopped at the deadline (or FP8 features, or the
+        # trainer evaluated only a few short prompts): its last checkpoint stands for it
         last = curve[-1]
         m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
                  eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],
@@ -1150,15 +1385,21 @@ def main(argv: list[str] | None = None) -> dict:
         last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None
         if fp8_run(j) and last in evaluated:
             a["tau_fp8_target"], a["tau"] = a["tau"], None
-        if a["tau"] is None and last in evaluated:
+        if (a["tau"] is None or p.tau_from_checkpoints) and last in evaluated:
             point = evaluated[last]
             a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
                      tau_from=point["checkpoint"], steps=point["step"], tau_lookup=point["tau_lookup"],
-                     tau_ratio=point["tau_ratio"])
+                     tau_ratio=point["tau_ratio"], tau_by_length=point["tau_by_length"], eval_samples=point["samples"])
         results["ablations"][j["name"]] = a
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
             f"{_f(a['tau'])} pooled ({_f(a.get('tau_ratio'), 2)}x lookup), {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
             f"held-out acc {_f(a['eval_acc'])}")
+    results["by_length"] = {name: {"steps": a.get("steps"), "overrides": a.get("overrides"), "tau": a.get("tau"),
+                                   "tau_by_length": a.get("tau_by_length")}
+                            for name, a in results["ablations"].items() if a.get("tau_by_length")}
+    if p.long and results["by_length"]:
+        for line in by_length_side_by_side(results["by_length"]):
+            say(line)
     precision = precision_cost(results, main_job, jobs, evaluated, main_ckpts)
     if precision:
         results["precision"] = precision

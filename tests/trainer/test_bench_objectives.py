@@ -36,9 +36,55 @@ def test_the_table_gives_each_objective_its_seed_spread_and_the_verdict_needs_mo
     held, code = qo.verdict(table)
     assert held.startswith("held-out: kl (+0.550") and "ce+dpace" not in held
     assert code == "code prompts: no objective beats ce+decay beyond the seed spread: keep the default"
-    assert "| kl | [10, 10, 10] | 3.650 ± 0.050 (3.600-3.700) |" in qo.markdown(
+    assert "| kl | 3/3 | [10, 10, 10] | 3.650 ± 0.050 (3.600-3.700) |" in qo.markdown(
         {"table": table, "verdict": [held, code], "command": "c", "train_convs": 1, "heldout_prompts": 1,
          "code_prompts": 1, "preset": {"quality": "tiny", "seeds": [0, 1, 2], "code_new_tokens": 8}})
+
+
+def preset(**kw):
+    return qo.Preset(**{"parallel": 4, "startup_s": 40.0, "startup_share": 5.0, "cold_start_s": 30.0, "end_s": 10.0,
+                        "eval_s": 3.0, "share_gain": 1.5, "min_train_s": 4.0, **kw})
+
+
+def test_the_plan_gives_every_run_what_the_budget_leaves_after_its_fixed_costs():
+    plan = qo.plan_runs(preset(), 400.0)
+    assert plan.seeds == (0, 1, 2) and plan.waves == [4, 4, 4]
+    # per wave: 40 s start + 3 x 5 s beside it + 10 s end; 30 s cold; 12 x 3 s of code τ: 261 s fixed,
+    # 3 waves x 4 runs / 1.5: 8 s of wall per second of a run's training
+    assert plan.train_s == pytest.approx((400 - 261) / 8)
+    assert plan.estimate_s == pytest.approx(400.0)
+    assert qo.runs_wall(preset(), 12, plan.train_s)[0] == pytest.approx(400.0)
+
+
+def test_equal_wall_clock_gives_slower_objectives_fewer_steps():
+    plan = qo.plan_runs(preset(train_s=6.0), 1000.0, {"ce+decay": 0.02, "ce+dpace": 0.02, "kl": 0.03, "ce+kl": 0.04})
+    assert plan.train_s == 6.0 and plan.steps == {"ce+decay": 300, "ce+dpace": 300, "kl": 200, "ce+kl": 150}
+    # no budget: ce+decay's `steps`, the others the same device time
+    plan = qo.plan_runs(preset(steps=100), None, {"ce+decay": 0.02, "ce+dpace": 0.02, "kl": 0.04, "ce+kl": 0.05})
+    assert plan.steps == {"ce+decay": 100, "ce+dpace": 100, "kl": 50, "ce+kl": 40} and plan.seeds == (0, 1, 2)
+    # max_steps caps the fastest objective, the others keep its device time
+    plan = qo.plan_runs(preset(train_s=6.0, max_steps=100), 1000.0, {"ce+decay": 0.02, "ce+dpace": 0.02, "kl": 0.04,
+                                                                      "ce+kl": 0.05})
+    assert plan.train_s == pytest.approx(2.0) and plan.steps == {"ce+decay": 100, "ce+dpace": 100, "kl": 50, "ce+kl": 40}
+    assert "lowered to 2.0s" in plan.notes[0]
+
+
+def test_a_tight_budget_shrinks_the_training_then_drops_seeds_then_refuses():
+    shrunk = qo.plan_runs(preset(train_s=30.0), 400.0)
+    assert shrunk.train_s < 30.0 and shrunk.seeds == (0, 1, 2) and "does not fit" in shrunk.notes[0]
+    dropped = qo.plan_runs(preset(), 262.0)  # 3 seeds: 1 s of training a run; 2 seeds fit more than 4 s
+    assert dropped.seeds == (0, 1) and dropped.train_s >= 4.0 and "seed 2 dropped" in dropped.notes[0]
+    with pytest.raises(qo.PlanError, match=r"8 runs \(4 objectives x 2 seeds, 2 waves of 4\) at 4s of training each "
+                                            r"need 205s, 200s are left"):
+        qo.plan_runs(preset(), 200.0)
+
+
+def test_plan_only_says_what_fits_and_runs_nothing(tmp_path, capsys):
+    r = qo.main(["--preset", "h200", "--out", str(tmp_path / "out"), "--plan-only", "--budget-s", "570"])
+    assert r["plan"]["seeds"] == (0, 1, 2) and r["plan"]["train_s"] > 4 and not (tmp_path / "out").exists()
+    assert "12 runs in 2 waves [6, 6]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the plan does not fit"):
+        qo.main(["--preset", "h200", "--out", str(tmp_path / "out"), "--plan-only", "--budget-s", "400"])
 
 
 @pytest.mark.slow
@@ -73,7 +119,7 @@ def test_the_dflash2_presets_compare_the_two_generations_against_dflash1():
                       "code_prompts": 1, "preset": {"quality": "tiny", "seeds": [0, 1, 2], "code_new_tokens": 8,
                                                     "title": "DFlash2 vs DFlash1", "baseline": "dflash1"}})
     assert md.startswith("# DFlash2 vs DFlash1 (c)") and "cost vs dflash1" in md
-    assert "| dflash2 | [10, 10, 10] | 2.650 ± 0.050 (2.600-2.700) |" in md and md.count("| 100 | - |") == 2
+    assert "| dflash2 | 3/3 | [10, 10, 10] | 2.650 ± 0.050 (2.600-2.700) |" in md and md.count("| 100 | - |") == 2
 
 
 def test_training_pace_is_the_runs_wall_time_and_the_mean_of_its_logged_rates(tmp_path):

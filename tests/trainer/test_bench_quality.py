@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench import quality
 
@@ -116,3 +117,79 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     assert cost["runs"] == ["main", "fp8 target"] and cost["steps"] == [40, 40]
     assert quality.fp8_run(fp8) and not quality.fp8_run(main)
     assert quality.precision_cost(results, main, [main, other], evaluated, []) is None  # no FP8 run: no figure
+
+
+def test_long_documents_concatenate_one_package_files_in_path_order():
+    import random
+
+    texts = [f"# {d} file {i}\n" + "x = 1\n" * 40 for d in ("b", "a") for i in range(4)]
+    dirs = ["pkg/b"] * 4 + ["pkg/a"] * 4
+    docs = quality.long_documents(texts, dirs, (500, 500), random.Random(0))  # 252 chars a file: two a document
+    assert len(docs) == 4 and all(len(d) == 500 for d in docs)
+    assert [d[:10] for d in docs] == ["# a file 0", "# a file 2", "# b file 0", "# b file 2"]  # directories sorted
+    assert "# b" not in docs[0] + docs[1] and "# a file 1" in docs[0]  # one package's files together
+
+
+def test_long_held_out_prompts_fall_in_every_length_bucket():
+    """The long preset's held-out set: prompts in each range, every one of them in its τ bucket
+    (trainer.run.contract.length_bucket of the rendered prompt), cut at line boundaries."""
+    import random
+
+    from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
+    from trainer_tools.fixtures.hub_model import train_tokenizer
+
+    text = "".join(f"def f_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(12000))
+    tok = train_tokenizer("qwen3", [text[:20000]], 400)
+    p = quality.PRESETS["cpu-long"]
+    assert len(p.eval_prompt_tokens) == len(PROMPT_LENGTH_BUCKETS) == len(p.eval_per_bucket)
+    groups = quality.long_pairs(tok, [text], p.eval_prompt_tokens, p.eval_per_bucket, random.Random(0), 400)
+    assert [len(g) for g in groups] == list(p.eval_per_bucket)
+    for (name, _), (lo, hi), pairs in zip(PROMPT_LENGTH_BUCKETS, p.eval_prompt_tokens, groups):
+        for user, answer in pairs:
+            n = quality.prompt_tokens(tok, user)
+            assert lo <= n <= hi and length_bucket(n) == name and user.endswith("\n") and text.startswith(user + answer)
+    # the H200 preset's ranges lie inside the buckets too
+    h = quality.PRESETS["h200-long"]
+    assert [length_bucket(lo) for lo, _ in h.eval_prompt_tokens] == [name for name, _ in PROMPT_LENGTH_BUCKETS]
+    assert [length_bucket(hi) for _, hi in h.eval_prompt_tokens] == [name for name, _ in PROMPT_LENGTH_BUCKETS]
+
+
+def test_the_long_preset_trainer_configs_are_valid_and_only_the_layout_differs(tmp_path):
+    from trainer.run.config import parse_config
+
+    p = quality.PRESETS["h200-long"]
+    assert set(p.ablations) == {"base", "sliding 2048"} and p.ablation_steps_as_main and p.tau_from_checkpoints
+    full = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, {}, 100)
+    swa = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, p.ablations["sliding 2048"], 100)
+    assert swa["model"]["drafter"] == {"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048}
+    assert "drafter" not in full["model"] and {k: v for k, v in swa.items() if k != "model"} == \
+        {k: v for k, v in full.items() if k != "model"}
+    mixed = quality.trainer_config(p, tmp_path, tmp_path / "t.jsonl", tmp_path, 100,
+                                   quality.MORE_ABLATIONS["sliding 2048 + full"], 100)
+    assert mixed["model"]["drafter"]["layer_types"] == ["sliding_attention", "full_attention"]
+    assert full["data"]["eval_path"] == str(tmp_path / "eval-short.jsonl")  # the trainer's own τ: the short prompts
+    for cfg in (full, swa, mixed):
+        cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}  # parse on a machine without CUDA
+        c = parse_config(yaml.safe_dump(cfg))
+        assert c.data.pack_length == c.data.max_length == 16896 and c.data.pack_length % 128 == 0
+
+
+def test_a_queued_run_that_would_not_finish_before_the_deadline_is_not_started(tmp_path, capsys):
+    import time
+
+    p = quality.Preset(inprocess=True)
+    jobs = [{"name": f"run {i}", "argv": [], "log": tmp_path / f"{i}.log", "expect_s": 100.0} for i in range(2)]
+    ended = []
+    quality.run_all(p, jobs, time.time() + 30.0, on_done=ended.append)
+    assert [j["rc"] for j in jobs] == [None, None] and ended == [] and not any(j["log"].exists() for j in jobs)
+    import re
+
+    assert re.search(r"trainer run 'run 0' not started: \d+s left, it needs ~100s", capsys.readouterr().out)
+
+
+def test_a_budget_that_leaves_the_drafters_no_time_is_refused_up_front(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--preset", "h200-long", "--out", str(tmp_path / "q"), "--budget-s", "400"])
+    err = capsys.readouterr().err
+    assert "budget_s 400: after regen's end at 290s and 90s kept for τ, 20s are left for the drafters" in err
+    assert not (tmp_path / "q").exists()  # refused before anything ran

@@ -81,3 +81,19 @@ def test_rows_that_fit_leave_room_for_activations(qwen3_model_dir):
     assert rows_that_fit(d, capacity, 2 * gib + int(1.25 * per_row) * 100, 20 * gib) == 100
     assert rows_that_fit(d, capacity, 3 * gib + int(1.25 * per_row) * 100, 30 * gib) == 100  # 10 % of 30
     assert rows_that_fit(d, capacity, gib, 20 * gib) == 1  # never zero: one row is tried
+
+
+def test_long_prompts_prefill_fewer_rows_at_once_with_the_same_tokens(qwen3_model_dir, monkeypatch):
+    """The prefill's [rows, width, width] mask is bounded: 256 rows of 16K-token prompts would ask for
+    69 GB, so they prefill 8 at a time; bounded or not, the tokens are the same."""
+    from trainer.models import decoder
+
+    assert decoder.prefill_rows_for(16384, 256) == 8
+    assert decoder.prefill_rows_for(1024, 256) == 256 and decoder.prefill_rows_for(70000, 256) == 1
+    model = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.float32, local_files_only=True).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (7, 12, 3, 12)]
+    expected = decoder.greedy(model, prompts, 6, set())
+    monkeypatch.setattr(decoder, "PREFILL_MASK_ELEMENTS", 12 * 12 + 1)  # one row of width 12 at a time
+    assert decoder.prefill_rows_for(12, 256) == 1
+    assert decoder.greedy(model, prompts, 6, set()).tolist() == expected.tolist()

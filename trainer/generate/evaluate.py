@@ -99,9 +99,10 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                for conv in conversations]  # with the row's tools, as training rendered it
     was_training = drafter.training
     drafter.eval()
+    groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * drafter.config.block_size)
     try:
-        generations = [g for i in range(0, len(prompts), batch)
-                       for g in speculative_generate_cached(target, drafter, head, prompts[i:i + batch],
+        generations = [g for i, j in groups
+                       for g in speculative_generate_cached(target, drafter, head, prompts[i:j],
                                                             max_new_tokens, stop_ids)]
     finally:
         drafter.train(was_training)
@@ -112,8 +113,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     if baseline:
         from trainer.generate.lookup import lookup_generate
 
-        looked = [g for i in range(0, len(prompts), batch)
-                  for g in lookup_generate(target, prompts[i:i + batch], max_new_tokens, stop_ids, block_size)]
+        looked = [g for i, j in groups
+                  for g in lookup_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size)]
         lookup = _tau(looked, block_size)
         report.update(tau_lookup=lookup["tau"], tau_lookup_per_prompt=lookup["tau_per_prompt"],
                       lookup_rounds=lookup["rounds"], lookup_histogram=lookup["histogram"],
@@ -121,6 +122,28 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       lookup_same_output=[g.tokens for g in looked] == [g.tokens for g in generations])
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
     return report
+
+
+PREFILL_MASK_ELEMENTS = 1 << 31  # a decode batch's prefill mask [rows, longest, slots] holds at most this many booleans
+
+
+def decode_batches(lengths: list[int], batch: int, extra_slots: int,
+                   mask_elements: int = PREFILL_MASK_ELEMENTS) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive prompts decoded together: at most `batch` prompts, and no more
+    than the prefill's visibility mask (rows x longest prompt x (longest + extra_slots) booleans)
+    keeps under `mask_elements` (one prompt alone always goes). Prompts of a few thousand tokens
+    batch as `batch` says; 64 prompts of 38K tokens at once would ask for a 94 GB mask."""
+    groups: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        wider = max(longest, n)
+        if i > start and (i - start >= batch or (i - start + 1) * wider * (wider + extra_slots) > mask_elements):
+            groups.append((start, i))
+            start, wider = i, n
+        longest = wider
+    if lengths:
+        groups.append((start, len(lengths)))
+    return groups
 
 
 def tau_by_length(prompts: list[list[int]], generations: list, looked: list | None, block_size: int) -> dict:

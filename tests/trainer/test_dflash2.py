@@ -7,13 +7,14 @@ import json
 import pytest
 import torch
 
+from tests.trainer.test_speculative_cached import OracleHead
 from trainer.generate.evaluate import greedy_generate, speculative_generate
 from trainer.generate.speculative import speculative_generate_cached
 from trainer.models.dflash2 import CandidateSelector, GroupedConv, grouped_conv, walk
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, propose
 from trainer.models.masks import block_attention, make_blocks, sample_anchors
 from trainer.models.objective import Objective, drafter_loss_sums
-from trainer.models.target import FrozenHead, target_context_features
+from trainer.models.target import target_context_features
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import ConfigError, parse_config
 
@@ -146,18 +147,12 @@ def test_a_few_steps_lower_the_token_and_the_selector_loss(tiny):
     assert 0 < float(parts["selector_recall"]) <= float(weight)
 
 
-class SecondBestHead(FrozenHead):
+class SecondBestHead(OracleHead):
     """The bigram target's greedy chain from each block's anchor as logits, with the true token
     second best (a wrong one best) where (anchor + slot) % 4 == 0: the selector's walk decides."""
 
     def __init__(self, base, successor):
-        super().__init__(base.embed_weight, base.lm_head_weight)
-        self.successor, self.anchors = successor, None
-
-    def embed(self, ids):
-        if ids.dim() == 2 and ids.shape[1] > 1:
-            self.anchors = ids[:, 0].tolist()
-        return super().embed(ids)
+        super().__init__(base, successor, wrong_every=4)
 
     def logits(self, hidden):
         out = torch.zeros(*hidden.shape[:-1], self.embed_weight.shape[0])

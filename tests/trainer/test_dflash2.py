@@ -161,7 +161,7 @@ class SecondBestHead(OracleHead):
             for k in range(hidden.shape[1]):
                 token = self.successor[token]
                 out[r, k, token] = 2.0
-                if (anchor + k + 1) % 4 == 0:
+                if (anchor + k + 1) % self.wrong_every == 0:
                     out[r, k, (token + 1) % out.shape[-1]] = 2.7
         return out
 

@@ -283,12 +283,24 @@ def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tenso
     keys/values projected apart and concatenated at 1/4 of the width (GQA). Not fused: the
     previous path, each norm and RoPE its own compiled kernel, [context | block] concatenated at
     full width before the projections (bench/pipeline.py's baseline)."""
-    norm, rotate = (_rms_norm, _rotate_raw) if fused else (rms_norm, _rotate)
-    b, t, _ = x.shape
+    norm = _rms_norm if fused else rms_norm
+    return _qkv_of(norm(x, w_norm, eps), ctx, wq, wk, wv, w_qnorm, w_knorm, cos_q, sin_q, cos_kv, sin_kv,
+                   eps, heads, kv_heads, head_dim, fused, fused)
+
+
+def _qkv_of(h: torch.Tensor, ctx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+            w_qnorm: torch.Tensor, w_knorm: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
+            cos_kv: torch.Tensor, sin_kv: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
+            raw: bool, apart: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v of the normed block input h (DFlash: the layer's input norm; DFlash2: its convolution of it):
+    projections, q/k norms, RoPE. raw: the plain norm and RoPE (inside a compiled region), else each
+    its own compiled kernel; apart: context and block projected apart and concatenated (1/4 width),
+    else [context | block] concatenated before the projections."""
+    norm, rotate = (_rms_norm, _rotate_raw) if raw else (rms_norm, _rotate)
+    b, t, _ = h.shape
     n = ctx.shape[1] + t
-    h = norm(x, w_norm, eps)
     q = norm(F.linear(h, wq).view(b, t, heads, head_dim), w_qnorm, eps).transpose(1, 2)
-    if fused:
+    if apart:
         k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1)
         v = torch.cat([F.linear(ctx, wv), F.linear(h, wv)], dim=1)
     else:
@@ -383,14 +395,10 @@ class DrafterLayer(nn.Module):
         a, m, eps, bs = self.self_attn, self.mlp, self.input_layernorm.eps, self.block_size
         conv_a, conv_m = cast(GroupedConv, self.attention_conv), cast(GroupedConv, self.mlp_conv)
         b, t, _ = x.shape
-        n = ctx.shape[1] + t
         h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight, dflash2_conv)
-        wk, wv = weight(a.k_proj.weight), weight(a.v_proj.weight)
-        q = rms_norm(F.linear(h, weight(a.q_proj.weight)).view(b, t, a.heads, a.head_dim), a.q_norm.weight, eps)
-        k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1).view(b, n, a.kv_heads, a.head_dim)
-        v = torch.cat([F.linear(ctx, wv), F.linear(h, wv)], dim=1).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        q = _rotate(q.transpose(1, 2), *rope_q)
-        k = _rotate(rms_norm(k, a.k_norm.weight, eps).transpose(1, 2), *rope_kv)
+        q, k, v = _qkv_of(h, ctx, weight(a.q_proj.weight), weight(a.k_proj.weight), weight(a.v_proj.weight),
+                          a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads, a.kv_heads, a.head_dim,
+                          raw=False, apart=True)
         sink = a.attention_sink_bias
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
         out = F.linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))

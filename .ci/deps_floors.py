@@ -4,7 +4,7 @@
       its `>=` version (trainer.run.family.TRANSFORMERS_FLOOR says the same; a test holds them equal);
   each family's own minimum (trainer.run.family.TRANSFORMERS_MIN): that transformers, with the
       safetensors and tokenizers pip picks for it (5.14 needs a newer safetensors than 5.5 does).
-torch stays the test venv's (.ci/deps-venv says why)."""
+torch is the test venv's version (.ci/deps-venv says why)."""
 
 from __future__ import annotations
 

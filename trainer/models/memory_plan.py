@@ -209,13 +209,16 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     RoPE and the attention output, the MLP's gate, up and product (3 x hidden + 3 x q width + 3 x
     MLP width), and the keys and values of [context | block] before and after their norm and RoPE.
     A DFlash2 drafter (dcfg.kind) adds its convolutions' and selector's share (an estimate).
-    The first `checkpointed` layers (model.checkpoint_drafter) keep their input only; backward meets
-    the others first (the last layers), then recomputes one checkpointed layer's worth at a time. Around the layers: the context's projection and its norm, the block
-    embeddings, the final norm's input and output, the LM head's gradient of the hidden states; the
-    backward's transient gradients of one layer (the MLP's two products, two residual widths) and
-    the LM-head logits chunks (loss_chunk x vocab in fp32: the logits, their copy and gradient; under kl
-    also the target's logits and probabilities). dcfg: the draft's own DrafterConfig. Measured against
-    bench/pipeline.py's peaks at 8,192 / 16,384 / 32,768-token rows (bench/RESULTS.md, issue #35)."""
+    The first `checkpointed` layers (model.checkpoint_drafter) keep their input only. Around the
+    layers: the context's projection and its norm, the block embeddings, the final norm's input and
+    output, the LM head's gradient of the hidden states. On top of those, the larger of two phases
+    that never overlap: the loss, with every layer's saved activations and the LM-head logits chunks
+    (loss_chunk x vocab in fp32: the logits, their copy and gradient; under kl also the target's
+    logits and probabilities); and the layers' backward, which meets the saved layers first (the last
+    ones, freed as it goes) and then recomputes one checkpointed layer at a time, beside one layer's
+    transient gradients (the MLP's two products, two residual widths). dcfg: the draft's own
+    DrafterConfig. Measured against bench/pipeline.py's
+    peaks at 8,192 to 65,536-token rows, checkpointing off and on (bench/RESULTS.md, issue #35)."""
     elt = 4 if cfg.model.dtype == "fp32" else 2
     hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)
     kv_width = int(dcfg.num_key_value_heads) * head_dim
@@ -231,12 +234,14 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
         selector = block_tokens * (int(dcfg.selector_top_k) + 2) * int(dcfg.selector_rank) * 4
     layers = cfg.model.drafter_layers
     checkpointed = min(checkpointed, layers)
-    kept = checkpointed * block_tokens * hidden * elt + max((layers - checkpointed) * per_layer,
-                                                             per_layer if checkpointed else 0)
+    inputs = checkpointed * block_tokens * hidden * elt
+    saved = (layers - checkpointed) * per_layer
     around = (2 * context_tokens + 4 * block_tokens) * hidden * elt
-    transient = block_tokens * (2 * mlp + 2 * hidden) * elt
     logits = min(block_tokens, cfg.model.loss_chunk) * int(dcfg.vocab_size) * 4 * (5 if kl else 3)
-    return kept + around + transient + logits + selector
+    transient = block_tokens * (2 * mlp + 2 * hidden) * elt
+    loss_phase = saved + logits
+    backward_phase = max(saved, per_layer if checkpointed else 0) + transient
+    return inputs + around + max(loss_phase, backward_phase) + selector
 
 
 def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,

@@ -883,7 +883,7 @@ def read_run(run_dir: Path) -> dict:
             "tau_lookup": ev.get("tau_lookup"), "tau_ratio": ev.get("tau_ratio"),
             "tau_by_length": ev.get("tau_by_length"),
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
-            "train_acc": last.get("acc"), "steps": last.get("step"),
+            "train_acc": last.get("acc"), "steps": stops[-1]["step"] if stops else last.get("step"),  # steps log every log_every
             "stop": stops[-1].get("reason") if stops else None,
             "pad_share": (sum(e.get("pad_share", 0.0) for e in steps) / len(steps)) if steps else None,
             "tokens_per_s_steady": last.get("tokens_per_s_steady", last.get("tokens_per_s"))}

@@ -193,3 +193,19 @@ def test_a_budget_that_leaves_the_drafters_no_time_is_refused_up_front(tmp_path,
     err = capsys.readouterr().err
     assert "budget_s 400: after regen's end at 290s and 90s kept for τ, 20s are left for the drafters" in err
     assert not (tmp_path / "q").exists()  # refused before anything ran
+
+
+def test_a_run_read_back_counts_its_steps_from_its_stop_not_its_last_logged_step(tmp_path):
+    """Steps log every log_every steps: a run of 125 steps logged every 2 last logged step 124 (the H200
+    objectives table counted such runs as stopped short and left them out of the table)."""
+    from trainer.run.rundir import RunDir
+
+    rd = RunDir(tmp_path, total_steps=125)
+    for step in range(2, 125, 2):
+        rd.event("step", step, loss=1.0, acc=0.5, tokens_per_s=10.0)
+    rd.event("stop", 125, reason="done")
+    run = quality.read_run(tmp_path)
+    assert (run["steps"], run["stop"], run["train_loss"]) == (125, "done", 1.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in (tmp_path / "metrics.jsonl").read_text()
+                                                    .splitlines() if '"stop"' not in line))
+    assert quality.read_run(tmp_path)["steps"] == 124  # killed before its stop: what it logged

@@ -173,12 +173,15 @@ PRESETS = {
     # τ bucket up to 38K tokens; a full-attention drafter (the main run) and a sliding-window one (every
     # layer, window 2,048) side by side at equal steps on packed rows of 16,896, τ per bucket from each
     # one's last checkpoint
-    "h200-long": Preset(long=True, seq_len=16384, batch_rows=4, target_steps=400, target_budget_s=110.0,
-                        target_prefix_chars=(2000, 40000), window_chars=16000, n_prompts=3072, regen_batch=1024,
-                        regen_end_s=290.0, n_eval=48, eval_per_bucket=(12, 12, 12, 12), max_length=16896, pack_length=16896, pack_rows=1,
+    # Sized from its first H200 call (bench/RESULTS.md, 2026-12-03): regen of 1,024 of the longest prompts at 256
+    # tokens took ~170 s, τ per bucket of two checkpoints (48 prompts, 256 new tokens) over 133 s
+    "h200-long": Preset(long=True, seq_len=16384, batch_rows=4, target_steps=600, target_budget_s=150.0,
+                        target_prefix_chars=(2000, 40000), window_chars=16000, n_prompts=768, regen_batch=256,
+                        answer_tokens=128, eval_new_tokens=128,
+                        regen_end_s=250.0, n_eval=32, eval_per_bucket=(8, 8, 8, 8), max_length=16896, pack_length=16896, pack_rows=1,
                         num_anchors=1024, drafter_rate=7.0, drafter_startup_s=60.0, curve_points=1,
                         ablations={"base": {}, "sliding 2048": {"sliding_window": 2048}}, ablation_steps_as_main=True,
-                        parallel=2, first_alone=False, eval_reserve_s=90.0, trainer_eval="eval-short.jsonl",
+                        parallel=2, first_alone=False, eval_reserve_s=150.0, trainer_eval="eval-short.jsonl",
                         tau_from_checkpoints=True),
     "tiny": Preset(device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,

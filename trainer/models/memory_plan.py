@@ -217,8 +217,8 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     logits and probabilities); and the layers' backward, which meets the saved layers first (the last
     ones, freed as it goes) and then recomputes one checkpointed layer at a time, beside one layer's
     transient gradients (the MLP's two products, two residual widths). dcfg: the draft's own
-    DrafterConfig. Measured against bench/pipeline.py's
-    peaks at 8,192 to 65,536-token rows, checkpointing off and on (bench/RESULTS.md, issue #35)."""
+    DrafterConfig. Measured against bench/pipeline.py's peaks at 8,192 to 65,536-token rows,
+    checkpointing off and on (bench/RESULTS.md, issue #35)."""
     elt = 4 if cfg.model.dtype == "fp32" else 2
     hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)
     kv_width = int(dcfg.num_key_value_heads) * head_dim

@@ -200,12 +200,14 @@ def test_a_run_read_back_counts_its_steps_from_its_stop_not_its_last_logged_step
     objectives table counted such runs as stopped short and left them out of the table)."""
     from trainer.run.rundir import RunDir
 
-    rd = RunDir(tmp_path, total_steps=125)
-    for step in range(2, 125, 2):
-        rd.event("step", step, loss=1.0, acc=0.5, tokens_per_s=10.0)
-    rd.event("stop", 125, reason="done")
-    run = quality.read_run(tmp_path)
+    def logged(root: Path, stopped: bool) -> Path:
+        rd = RunDir(root, total_steps=125)
+        for step in range(2, 125, 2):
+            rd.event("step", step, loss=1.0, acc=0.5, tokens_per_s=10.0)
+        if stopped:
+            rd.event("stop", 125, reason="done")
+        return root
+
+    run = quality.read_run(logged(tmp_path / "done", stopped=True))
     assert (run["steps"], run["stop"], run["train_loss"]) == (125, "done", 1.0)
-    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in (tmp_path / "metrics.jsonl").read_text()
-                                                    .splitlines() if '"stop"' not in line))
-    assert quality.read_run(tmp_path)["steps"] == 124  # killed before its stop: what it logged
+    assert quality.read_run(logged(tmp_path / "killed", stopped=False))["steps"] == 124  # before its stop: what it logged

@@ -846,6 +846,16 @@ def shape_options(parser, args):
     return modes_for, steps_for
 
 
+def precisions_of_shape(args, shape, precisions):
+    """The precisions one shape runs at (--precisions-for, else --precisions) and why bf16 is dropped
+    (None: it is not): the 70B in bf16 is more than one H200 holds."""
+    chosen = args.precisions_of.get(shape, precisions)
+    if shape == "70b" and not args.tiny and "bf16" in chosen:
+        return ([q for q in chosen if q != "bf16"],
+                "70b in bf16: 133 GB of weights for layers 0..77, more than one H200; run it at --precisions fp8")
+    return chosen, None
+
+
 def plan_skip(args, cfg, where, name, measured):
     """Why a measurement (--checkpoint-drafter's) is not run, else None (and it is noted in `measured`):
     the memory plan does not fit it (unless --force), or auto resolved to the drafter layers another
@@ -973,11 +983,9 @@ def main(argv=None):
         prefix = f"{shape}/" if len(args.targets) > 1 else ""
         runs = runs_of(shape)
         args.steps = steps_for.get(shape, default_steps)
-        shape_precisions = args.precisions_of.get(shape, precisions)
-        if shape == "70b" and not args.tiny and "bf16" in precisions:
-            emit(f"{prefix}bf16", {"error": "70b in bf16: 133 GB of weights for layers 0..77, more than one H200; "
-                                            "run it at --precisions fp8"})
-            shape_precisions = [q for q in precisions if q != "bf16"]
+        shape_precisions, refusal = precisions_of_shape(args, shape, precisions)
+        if refusal:
+            emit(f"{prefix}bf16", {"error": refusal})
         if not shape_precisions:
             continue
         try:

@@ -121,6 +121,20 @@ def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_v
     assert bench.mask_id(SimpleNamespace(tiny=True), None) == 5
 
 
+def test_the_70b_runs_at_the_precisions_given_for_it_and_only_bf16_is_refused():
+    """--precisions-for 70b=fp8fast is what the 70B runs at, whatever --precisions says (its bf16 refusal
+    once read the global list and dropped the shape's own)."""
+    bench = load_bench()
+    args = bench.argparse.Namespace(tiny=False, precisions_of={"70b": ["fp8fast"]})
+    assert bench.precisions_of_shape(args, "70b", ["bf16"]) == (["fp8fast"], None)
+    args.precisions_of = {}
+    chosen, refusal = bench.precisions_of_shape(args, "70b", ["bf16", "fp8"])
+    assert chosen == ["fp8"] and "70b in bf16" in refusal
+    assert bench.precisions_of_shape(args, "30b-a3b", ["bf16"]) == (["bf16"], None)
+    args.tiny = True  # the tiny 70B shape fits anywhere
+    assert bench.precisions_of_shape(args, "70b", ["bf16"]) == (["bf16"], None)
+
+
 def test_shape_options_name_the_bad_item(capsys):
     bench = load_bench()
     for argv, message in ((["--modes-for", "8b=fast"], "--modes-for 8b=fast"),

@@ -87,12 +87,18 @@ def test_held_out_windows_leave_answer_tokens_within_max_length():
 
 def test_the_fp8_preset_trains_both_precisions_at_equal_steps_and_tells_their_trainer_configs_apart(tmp_path):
     p = quality.PRESETS["h200-fp8"]
-    assert p.ablation_steps_as_main and set(p.ablations) == {"base", "fp8 target"}
+    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 4
     base = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, {}, 50)
     fp8 = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, p.ablations["fp8 target"], 50)
     assert base["model"]["target"] == {"path": str(tmp_path / "model")}
     assert fp8["model"]["target"] == {"path": str(tmp_path / "model"), "precision": "fp8"}
     assert {k: v for k, v in fp8.items() if k != "model"} == {k: v for k, v in base.items() if k != "model"}
+    # the seed twins differ from their precision's run in the drafter's initialisation alone, not in the data
+    for twin, of in (("base, drafter seed 1", base), ("fp8 target, drafter seed 1", fp8)):
+        cfg = quality.trainer_config(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, p.ablations[twin], 50)
+        assert cfg["run"]["seed"] == 1 != of["run"]["seed"] and cfg["data"] == of["data"]
+        assert cfg["model"] == of["model"] and {k: v for k, v in cfg.items() if k != "run"} == \
+            {k: v for k, v in of.items() if k != "run"}
     whole = quality.trainer_config(quality.Preset(target_precision="fp8"), tmp_path, tmp_path / "t.jsonl", tmp_path,
                                    10, {}, 5)
     assert whole["model"]["target"]["precision"] == "fp8"  # --set target_precision=fp8: the main run on FP8 features
@@ -117,6 +123,23 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     assert cost["runs"] == ["main", "fp8 target"] and cost["steps"] == [40, 40]
     assert quality.fp8_run(fp8) and not quality.fp8_run(main)
     assert quality.precision_cost(results, main, [main, other], evaluated, []) is None  # no FP8 run: no figure
+    assert cost["seed_spread"] == {} and quality.precision_line(cost).endswith("fp8/bf16 0.9900 (goal >= 0.98)")
+
+    # a second drafter seed of each precision: the cost is the ratio of the means, the spread each one's own
+    twin, fp8_twin = job("base, drafter seed 1", "bf16"), job("fp8 target, drafter seed 1", "fp8")
+    evaluated[twin["run_dir"] / "checkpoints" / "step_40"] = {"tau": 4.2, "step": 40, "tau_per_prompt": 4.0, "samples": 64}
+    evaluated[fp8_twin["run_dir"] / "checkpoints" / "step_40"] = {"tau": 4.0, "step": 40, "tau_per_prompt": 3.9,
+                                                                  "samples": 64}
+    results["ablations"].update({twin["name"]: {"overrides": {"run_seed": 1}},
+                                 fp8_twin["name"]: {"overrides": {"precision": "fp8", "run_seed": 1}}})
+    cost = quality.precision_cost(results, main, [main, fp8, other, twin, fp8_twin], evaluated,
+                                  [main["run_dir"] / "checkpoints" / "step_40"])
+    assert cost["tau_bf16"] == pytest.approx(4.1) and cost["tau_fp8"] == pytest.approx(3.98)
+    assert cost["fp8_over_bf16"] == pytest.approx(3.98 / 4.1)
+    assert cost["seeds"]["bf16"] == {"main": 4.0, "base, drafter seed 1": 4.2}  # "depth 1" is not a twin
+    assert cost["seed_spread"]["bf16"] == pytest.approx(0.2 / 4.1) and cost["seed_spread"]["fp8"] == pytest.approx(0.04 / 3.98)
+    assert quality.precision_line(cost).endswith("fp8/bf16 0.9707 (goal >= 0.98) (means of 2 drafter seeds; their own "
+                                                  "spread bf16 4.9 %, fp8 1.0 %)")
 
 
 def test_long_documents_concatenate_one_package_files_in_path_order():

@@ -1115,6 +1115,9 @@ def main(argv=None):
         print(f"{key:<36}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+    if any((v.get("precision") or "bf16") != "bf16" for v in summary.values()):
+        print("MFU is against the bf16 dense peak everywhere (989 TFLOP/s on an H100/H200); FP8 tensor cores peak at "
+              "twice that, so an fp8 target's 't MFU' halved is its share of the FP8 peak", flush=True)
     for key, v in summary.items():
         if v.get("x_shortest") is not None:
             print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed: {v['checkpoint_drafter']}: "

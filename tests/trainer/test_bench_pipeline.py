@@ -78,7 +78,7 @@ def test_target_variants_truncated_untruncated_and_split_train_the_same(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path):
+def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path, capsys):
     """bf16 then the same target in FP8 (quantized in place), a MoE target with grouped expert matmuls and
     with the per-expert loop, and the 70B shape (tiny) built truncated at its last tap, layer by layer."""
     bench = load_bench()
@@ -103,6 +103,7 @@ def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path):
     # the memory plan sized from the target's own config, not the 8B the bench config names
     plan = results["70b/packed@fp8"]["memory_plan"]
     assert all(e["plan_gb"] < 1 for e in plan.values())
+    assert "an fp8 target's 't MFU' halved is its share of the FP8 peak" in capsys.readouterr().out
 
 
 def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_vocabulary():

@@ -1042,33 +1042,41 @@ def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: d
     runs differ only in their `run_seed`: the drafter's initialisation), each the last checkpoint of equal
     runs evaluated by the same CheckpointEvaluator (the bf16 target). With two or more seeds of a
     precision, `seed_spread` is that precision's (max - min) / mean τ: the difference the drafter's own
-    initialisation makes, beside the difference the features make."""
+    initialisation makes, beside the difference the features make. `tau_fp8_served`: the FP8 runs' own
+    end-of-run τ, their trainer evaluating against its FP8 target (the drafter as an FP8 engine serves it)."""
     by_precision: dict[str, list[dict]] = {}
     for j in jobs:
         ck = main_ckpts[-1] if j is main_job and main_ckpts else (checkpoints(j["run_dir"]) or [None])[-1]
-        if ck in evaluated and (j is main_job or set(results["ablations"].get(j["name"], {}).get("overrides", {}))
-                                <= {"precision", "run_seed"}):
-            by_precision.setdefault("fp8" if fp8_run(j) else "bf16", []).append({"name": j["name"], **evaluated[ck]})
+        run = results.get("main", {}) if j is main_job else results["ablations"].get(j["name"], {})
+        if ck in evaluated and (j is main_job or set(run.get("overrides", {})) <= {"precision", "run_seed"}):
+            by_precision.setdefault("fp8" if fp8_run(j) else "bf16", []).append(
+                {"name": j["name"], **evaluated[ck], "served_by_fp8": run.get("tau_fp8_target")})
     if set(by_precision) != {"bf16", "fp8"}:
         return None
     b, f = by_precision["bf16"], by_precision["fp8"]
     tau_b, tau_f = (sum(r["tau"] for r in runs) / len(runs) for runs in (b, f))
+    served = [r["served_by_fp8"] for r in f]
+    tau_served = sum(served) / len(served) if all(x is not None for x in served) else None
     spread = {name: (max(r["tau"] for r in runs) - min(r["tau"] for r in runs)) / (sum(r["tau"] for r in runs) / len(runs))
               for name, runs in by_precision.items() if len(runs) > 1 and all(r["tau"] for r in runs)}
     return {"tau_bf16": tau_b, "tau_fp8": tau_f, "fp8_over_bf16": tau_f / tau_b if tau_b else None,
             "steps": [b[0]["step"], f[0]["step"]], "runs": [b[0]["name"], f[0]["name"]],
             "tau_per_prompt": [b[0]["tau_per_prompt"], f[0]["tau_per_prompt"]], "samples": b[0]["samples"],
             "seeds": {name: {r["name"]: r["tau"] for r in runs} for name, runs in by_precision.items()},
-            "seed_spread": spread}
+            "seed_spread": spread, "tau_fp8_served": tau_served,
+            "fp8_served_over_bf16": tau_served / tau_b if tau_served is not None and tau_b else None}
 
 
 def precision_line(cost: dict) -> str:
     seeds = max(len(v) for v in cost["seeds"].values())
     spread = "" if seeds == 1 else f" (means of {seeds} drafter seeds; their own spread " + ", ".join(
         f"{name} {100 * v:.1f} %" for name, v in cost["seed_spread"].items()) + ")"
+    served = "" if cost.get("tau_fp8_served") is None else (
+        f"; the fp8 drafters served by the FP8 target {_f(cost['tau_fp8_served'])} "
+        f"({_f(cost['fp8_served_over_bf16'], 4)} of bf16's)")
     return (f"τ cost of FP8 features (the drafters evaluated against the bf16 target, {cost['steps']} steps each): "
             f"bf16 {_f(cost['tau_bf16'])}, fp8 {_f(cost['tau_fp8'])}: fp8/bf16 {_f(cost['fp8_over_bf16'], 4)} "
-            f"(goal >= 0.98){spread}")
+            f"(goal >= 0.98){spread}{served}")
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

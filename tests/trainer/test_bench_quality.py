@@ -132,6 +132,7 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
                                                                   "samples": 64}
     results["ablations"].update({twin["name"]: {"overrides": {"run_seed": 1}},
                                  fp8_twin["name"]: {"overrides": {"precision": "fp8", "run_seed": 1}}})
+    assert cost["tau_fp8_served"] is None  # no FP8 run's own τ read back: none stated
     cost = quality.precision_cost(results, main, [main, fp8, other, twin, fp8_twin], evaluated,
                                   [main["run_dir"] / "checkpoints" / "step_40"])
     assert cost["tau_bf16"] == pytest.approx(4.1) and cost["tau_fp8"] == pytest.approx(3.98)
@@ -140,6 +141,13 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     assert cost["seed_spread"]["bf16"] == pytest.approx(0.2 / 4.1) and cost["seed_spread"]["fp8"] == pytest.approx(0.04 / 3.98)
     assert quality.precision_line(cost).endswith("fp8/bf16 0.9707 (goal >= 0.98) (means of 2 drafter seeds; their own "
                                                   "spread bf16 4.9 %, fp8 1.0 %)")
+    # each FP8 run's own end-of-run τ (its trainer against its FP8 target): the drafters as an FP8 engine serves them
+    results["ablations"]["fp8 target"]["tau_fp8_target"] = 4.05
+    results["ablations"][fp8_twin["name"]]["tau_fp8_target"] = 4.15
+    cost = quality.precision_cost(results, main, [main, fp8, other, twin, fp8_twin], evaluated,
+                                  [main["run_dir"] / "checkpoints" / "step_40"])
+    assert cost["tau_fp8_served"] == pytest.approx(4.1) and cost["fp8_served_over_bf16"] == pytest.approx(1.0)
+    assert quality.precision_line(cost).endswith("; the fp8 drafters served by the FP8 target 4.100 (1.0000 of bf16's)")
 
 
 def test_long_documents_concatenate_one_package_files_in_path_order():

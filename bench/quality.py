@@ -1053,12 +1053,12 @@ def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: d
                 {"name": j["name"], **evaluated[ck], "served_by_fp8": run.get("tau_fp8_target")})
     if set(by_precision) != {"bf16", "fp8"}:
         return None
+    taus = {name: [r["tau"] for r in runs] for name, runs in by_precision.items()}
     b, f = by_precision["bf16"], by_precision["fp8"]
-    tau_b, tau_f = (sum(r["tau"] for r in runs) / len(runs) for runs in (b, f))
+    tau_b, tau_f = (sum(taus[name]) / len(taus[name]) for name in ("bf16", "fp8"))
     served = [r["served_by_fp8"] for r in f]
     tau_served = sum(served) / len(served) if all(x is not None for x in served) else None
-    spread = {name: (max(r["tau"] for r in runs) - min(r["tau"] for r in runs)) / (sum(r["tau"] for r in runs) / len(runs))
-              for name, runs in by_precision.items() if len(runs) > 1 and all(r["tau"] for r in runs)}
+    spread = {name: (max(t) - min(t)) / (sum(t) / len(t)) for name, t in taus.items() if len(t) > 1 and all(t)}
     return {"tau_bf16": tau_b, "tau_fp8": tau_f, "fp8_over_bf16": tau_f / tau_b if tau_b else None,
             "steps": [b[0]["step"], f[0]["step"]], "runs": [b[0]["name"], f[0]["name"]],
             "tau_per_prompt": [b[0]["tau_per_prompt"], f[0]["tau_per_prompt"]], "samples": b[0]["samples"],

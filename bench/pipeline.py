@@ -1116,8 +1116,10 @@ def main(argv=None):
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
               f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     if any((v.get("precision") or "bf16") != "bf16" for v in summary.values()):
-        print("MFU is against the bf16 dense peak everywhere (989 TFLOP/s on an H100/H200); FP8 tensor cores peak at "
-              "twice that, so an fp8 target's 't MFU' halved is its share of the FP8 peak", flush=True)
+        peak = peak_tflops(results.get("gpu"))
+        print(f"MFU is against the bf16 dense peak everywhere ({f'{peak:g} TFLOP/s on this GPU' if peak else 'unknown here'}"
+              "); FP8 tensor cores peak at twice that, so an fp8 target's 't MFU' halved is its share of the FP8 peak",
+              flush=True)
     for key, v in summary.items():
         if v.get("x_shortest") is not None:
             print(f"{key}: rows of {v['pack_length']}, drafter layers checkpointed: {v['checkpoint_drafter']}: "

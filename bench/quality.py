@@ -1037,7 +1037,16 @@ def fp8_run(j: dict) -> bool:
     return (j["cfg"]["model"]["target"].get("precision") or "bf16") != "bf16"
 
 
-def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: dict, main_ckpts: list) -> dict | None:
+def precision_runs(main_job: dict, jobs: list[dict], ablations: dict) -> list[dict]:
+    """The runs the τ cost of FP8 features compares: the main run and those that differ from it in the
+    target's precision and the drafter's seed alone; none when no FP8 run is among them. Each one's last
+    checkpoint is evaluated by the bench, whether or not its trainer measured τ itself, so that every
+    figure of the comparison comes from one evaluator."""
+    runs = [j for j in jobs if j is main_job or set(ablations.get(j["name"], {})) <= {"precision", "run_seed"}]
+    return runs if any(fp8_run(j) for j in runs) else []
+
+
+def precision_cost(results: dict, main_job: dict, compared: list[dict], evaluated: dict, main_ckpts: list) -> dict | None:
     """τ of the drafters trained on FP8 features over τ of those trained on bf16 features (the means, where
     runs differ only in their `run_seed`: the drafter's initialisation), each the last checkpoint of equal
     runs evaluated by the same CheckpointEvaluator (the bf16 target). With two or more seeds of a
@@ -1045,10 +1054,13 @@ def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: d
     initialisation makes, beside the difference the features make. `tau_fp8_served`: the FP8 runs' own
     end-of-run τ, their trainer evaluating against its FP8 target (the drafter as an FP8 engine serves it)."""
     by_precision: dict[str, list[dict]] = {}
-    for j in jobs:
+    unevaluated = []
+    for j in compared:
         ck = main_ckpts[-1] if j is main_job and main_ckpts else (checkpoints(j["run_dir"]) or [None])[-1]
         run = results.get("main", {}) if j is main_job else results["ablations"].get(j["name"], {})
-        if ck in evaluated and (j is main_job or set(run.get("overrides", {})) <= {"precision", "run_seed"}):
+        if ck not in evaluated:
+            unevaluated.append(j["name"])
+        else:
             by_precision.setdefault("fp8" if fp8_run(j) else "bf16", []).append(
                 {"name": j["name"], **evaluated[ck], "served_by_fp8": run.get("tau_fp8_target")})
     if set(by_precision) != {"bf16", "fp8"}:
@@ -1063,7 +1075,7 @@ def precision_cost(results: dict, main_job: dict, jobs: list[dict], evaluated: d
             "steps": [b[0]["step"], f[0]["step"]], "runs": [b[0]["name"], f[0]["name"]],
             "tau_per_prompt": [b[0]["tau_per_prompt"], f[0]["tau_per_prompt"]], "samples": b[0]["samples"],
             "seeds": {name: {r["name"]: r["tau"] for r in runs} for name, runs in by_precision.items()},
-            "seed_spread": spread, "tau_fp8_served": tau_served,
+            "seed_spread": spread, "tau_fp8_served": tau_served, "unevaluated": unevaluated,
             "fp8_served_over_bf16": tau_served / tau_b if tau_served is not None and tau_b else None}
 
 
@@ -1074,9 +1086,11 @@ def precision_line(cost: dict) -> str:
     served = "" if cost.get("tau_fp8_served") is None else (
         f"; the fp8 drafters served by the FP8 target {_f(cost['tau_fp8_served'])} "
         f"({_f(cost['fp8_served_over_bf16'], 4)} of bf16's)")
+    left = "" if not cost.get("unevaluated") else (
+        f"; left out, their last checkpoint not evaluated in time: {', '.join(cost['unevaluated'])}")
     return (f"τ cost of FP8 features (the drafters evaluated against the bf16 target, {cost['steps']} steps each): "
             f"bf16 {_f(cost['tau_bf16'])}, fp8 {_f(cost['tau_fp8'])}: fp8/bf16 {_f(cost['fp8_over_bf16'], 4)} "
-            f"(goal >= 0.98){spread}{served}")
+            f"(goal >= 0.98){spread}{served}{left}")
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -1373,9 +1387,10 @@ def main(argv: list[str] | None = None) -> dict:
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
-    # runs stopped early, and runs on FP8 features (their own τ was measured against the FP8 target;
-    # served, the drafter meets the bf16 one): their last checkpoint against the bf16 target
-    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or fp8_run(j) or p.tau_from_checkpoints)
+    # runs stopped early, and the runs the FP8 cost compares (an FP8 run's own τ was measured against the
+    # FP8 target; served, the drafter meets the bf16 one): their last checkpoint against the bf16 target
+    compared = precision_runs(main_job, jobs, p.ablations)
+    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or j in compared or p.tau_from_checkpoints)
                and checkpoints(j["run_dir"])]
     for j in stopped:
         if time_left():
@@ -1421,7 +1436,7 @@ def main(argv: list[str] | None = None) -> dict:
         last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None
         if fp8_run(j) and last in evaluated:
             a["tau_fp8_target"], a["tau"] = a["tau"], None
-        if (a["tau"] is None or p.tau_from_checkpoints) and last in evaluated:
+        if (a["tau"] is None or p.tau_from_checkpoints or j in compared) and last in evaluated:
             point = evaluated[last]
             a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
                      tau_from=point["checkpoint"], steps=point["step"], tau_lookup=point["tau_lookup"],
@@ -1436,7 +1451,7 @@ def main(argv: list[str] | None = None) -> dict:
     if p.long and results["by_length"]:
         for line in by_length_side_by_side(results["by_length"]):
             say(line)
-    precision = precision_cost(results, main_job, jobs, evaluated, main_ckpts)
+    precision = precision_cost(results, main_job, compared, evaluated, main_ckpts)
     if precision:
         results["precision"] = precision
         say(precision_line(precision))

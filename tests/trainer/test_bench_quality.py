@@ -116,13 +116,16 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
                                                                 "samples": 64},
                  fp8["run_dir"] / "checkpoints" / "step_40": {"tau": 3.96, "step": 40, "tau_per_prompt": 3.8,
                                                                "samples": 64}}
-    results = {"ablations": {"fp8 target": {"overrides": {"precision": "fp8"}}, "depth 1": {"overrides": {"drafter_layers": 1}}}}
-    cost = quality.precision_cost(results, main, [main, fp8, other], evaluated,
+    ablations = {"fp8 target": {"precision": "fp8"}, "depth 1": {"drafter_layers": 1}}
+    results = {"ablations": {name: {"overrides": o} for name, o in ablations.items()}}
+    assert quality.precision_runs(main, [main, fp8, other], ablations) == [main, fp8]  # "depth 1" differs in more
+    assert quality.precision_runs(main, [main, other], ablations) == []  # no FP8 run: nothing to compare
+    cost = quality.precision_cost(results, main, [main, fp8], evaluated,
                                   [main["run_dir"] / "checkpoints" / "step_40"])
     assert cost["tau_bf16"] == 4.0 and cost["tau_fp8"] == 3.96 and cost["fp8_over_bf16"] == pytest.approx(0.99)
     assert cost["runs"] == ["main", "fp8 target"] and cost["steps"] == [40, 40]
     assert quality.fp8_run(fp8) and not quality.fp8_run(main)
-    assert quality.precision_cost(results, main, [main, other], evaluated, []) is None  # no FP8 run: no figure
+    assert quality.precision_cost(results, main, [], evaluated, []) is None  # no FP8 run: no figure
     assert cost["seed_spread"] == {} and quality.precision_line(cost).endswith("fp8/bf16 0.9900 (goal >= 0.98)")
 
     # a second drafter seed of each precision: the cost is the ratio of the means, the spread each one's own
@@ -130,11 +133,12 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     evaluated[twin["run_dir"] / "checkpoints" / "step_40"] = {"tau": 4.2, "step": 40, "tau_per_prompt": 4.0, "samples": 64}
     evaluated[fp8_twin["run_dir"] / "checkpoints" / "step_40"] = {"tau": 4.0, "step": 40, "tau_per_prompt": 3.9,
                                                                   "samples": 64}
-    results["ablations"].update({twin["name"]: {"overrides": {"run_seed": 1}},
-                                 fp8_twin["name"]: {"overrides": {"precision": "fp8", "run_seed": 1}}})
+    ablations.update({twin["name"]: {"run_seed": 1}, fp8_twin["name"]: {"precision": "fp8", "run_seed": 1}})
+    results["ablations"].update({name: {"overrides": ablations[name]} for name in (twin["name"], fp8_twin["name"])})
     assert cost["tau_fp8_served"] is None  # no FP8 run's own τ read back: none stated
-    cost = quality.precision_cost(results, main, [main, fp8, other, twin, fp8_twin], evaluated,
-                                  [main["run_dir"] / "checkpoints" / "step_40"])
+    compared = quality.precision_runs(main, [main, fp8, other, twin, fp8_twin], ablations)
+    assert compared == [main, fp8, twin, fp8_twin]  # the bf16 twin too, whose trainer measured a τ of its own
+    cost = quality.precision_cost(results, main, compared, evaluated, [main["run_dir"] / "checkpoints" / "step_40"])
     assert cost["tau_bf16"] == pytest.approx(4.1) and cost["tau_fp8"] == pytest.approx(3.98)
     assert cost["fp8_over_bf16"] == pytest.approx(3.98 / 4.1)
     assert cost["seeds"]["bf16"] == {"main": 4.0, "base, drafter seed 1": 4.2}  # "depth 1" is not a twin
@@ -144,10 +148,15 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     # each FP8 run's own end-of-run τ (its trainer against its FP8 target): the drafters as an FP8 engine serves them
     results["ablations"]["fp8 target"]["tau_fp8_target"] = 4.05
     results["ablations"][fp8_twin["name"]]["tau_fp8_target"] = 4.15
-    cost = quality.precision_cost(results, main, [main, fp8, other, twin, fp8_twin], evaluated,
-                                  [main["run_dir"] / "checkpoints" / "step_40"])
+    cost = quality.precision_cost(results, main, compared, evaluated, [main["run_dir"] / "checkpoints" / "step_40"])
     assert cost["tau_fp8_served"] == pytest.approx(4.1) and cost["fp8_served_over_bf16"] == pytest.approx(1.0)
     assert quality.precision_line(cost).endswith("; the fp8 drafters served by the FP8 target 4.100 (1.0000 of bf16's)")
+    # a compared run whose checkpoint the bench had no time to evaluate is named, not silently dropped
+    del evaluated[twin["run_dir"] / "checkpoints" / "step_40"]
+    cost = quality.precision_cost(results, main, compared, evaluated, [main["run_dir"] / "checkpoints" / "step_40"])
+    assert cost["unevaluated"] == ["base, drafter seed 1"] and cost["tau_bf16"] == 4.0
+    assert quality.precision_line(cost).endswith("; left out, their last checkpoint not evaluated in time: "
+                                                  "base, drafter seed 1")
 
 
 def test_long_documents_concatenate_one_package_files_in_path_order():

@@ -1412,8 +1412,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["curve"] = curve
     if fp8_run(main_job) and curve:  # FP8 features: τ against the bf16 target, from its last checkpoint
         m["tau_fp8_target"], m["tau"] = m["tau"], None
-    if (m["tau"] is None or p.tau_from_checkpoints) and curve:  # stopped at the deadline (or FP8 features, or the
-        # trainer evaluated only a few short prompts): its last checkpoint stands for it
+    # stopped at the deadline, or FP8 features, or the trainer evaluated only a few short prompts, or a run
+    # of the FP8 comparison (one evaluator for all its figures): its last checkpoint stands for it
+    if (m["tau"] is None or p.tau_from_checkpoints or main_job in compared) and curve:
         last = curve[-1]
         m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
                  eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],

@@ -1046,6 +1046,14 @@ def precision_runs(main_job: dict, jobs: list[dict], ablations: dict) -> list[di
     return runs if any(fp8_run(j) for j in runs) else []
 
 
+def bench_evaluates(j: dict, compared: list[dict], tau_from_checkpoints: bool) -> bool:
+    """Whether the bench evaluates a run's last checkpoint itself (against the bf16 target): a run stopped
+    before its own τ, a run on FP8 features (its own τ was measured against the FP8 target; served, the
+    drafter meets the bf16 one), a run the FP8 cost compares, or every run with tau_from_checkpoints."""
+    return (read_run(j["run_dir"])["tau"] is None or fp8_run(j) or j in compared or tau_from_checkpoints) \
+        and bool(checkpoints(j["run_dir"]))
+
+
 def precision_cost(results: dict, main_job: dict, compared: list[dict], evaluated: dict, main_ckpts: list) -> dict | None:
     """τ of the drafters trained on FP8 features over τ of those trained on bf16 features (the means, where
     runs differ only in their `run_seed`: the drafter's initialisation), each the last checkpoint of equal
@@ -1387,11 +1395,8 @@ def main(argv: list[str] | None = None) -> dict:
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
-    # runs stopped early, and the runs the FP8 cost compares (an FP8 run's own τ was measured against the
-    # FP8 target; served, the drafter meets the bf16 one): their last checkpoint against the bf16 target
     compared = precision_runs(main_job, jobs, p.ablations)
-    stopped = [j for j in jobs[1:] if (read_run(j["run_dir"])["tau"] is None or j in compared or p.tau_from_checkpoints)
-               and checkpoints(j["run_dir"])]
+    stopped = [j for j in jobs[1:] if bench_evaluates(j, compared, p.tau_from_checkpoints)]
     for j in stopped:
         if time_left():
             evaluated[checkpoints(j["run_dir"])[-1]] = evaluator(checkpoints(j["run_dir"])[-1])

@@ -151,6 +151,17 @@ def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp
     cost = quality.precision_cost(results, main, compared, evaluated, [main["run_dir"] / "checkpoints" / "step_40"])
     assert cost["tau_fp8_served"] == pytest.approx(4.1) and cost["fp8_served_over_bf16"] == pytest.approx(1.0)
     assert quality.precision_line(cost).endswith("; the fp8 drafters served by the FP8 target 4.100 (1.0000 of bf16's)")
+    # which last checkpoints the bench evaluates itself: every compared run's, though its trainer measured τ;
+    # an FP8 run's outside the comparison too (its own τ is against the FP8 target); not a finished bf16 run's
+    from trainer.run.rundir import RunDir
+
+    fp8_deeper = job("fp8, depth 1", "fp8")
+    for j in (main, fp8, other, twin, fp8_twin, fp8_deeper):
+        RunDir(j["run_dir"], total_steps=40).event("eval", 40, tau=3.0)
+    assert [j["name"] for j in (fp8, other, twin, fp8_twin, fp8_deeper)
+            if quality.bench_evaluates(j, compared, False)] == ["fp8 target", "base, drafter seed 1",
+                                                                 "fp8 target, drafter seed 1", "fp8, depth 1"]
+    assert quality.bench_evaluates(other, compared, True)  # tau_from_checkpoints: every run
     # a compared run whose checkpoint the bench had no time to evaluate is named, not silently dropped
     del evaluated[twin["run_dir"] / "checkpoints" / "step_40"]
     cost = quality.precision_cost(results, main, compared, evaluated, [main["run_dir"] / "checkpoints" / "step_40"])

@@ -427,13 +427,44 @@ def _non_finite(obj: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[st
             yield from _non_finite(v, keys)
 
 
-def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
-    def check(ok: bool, keys: tuple[str, ...], message: str) -> None:
-        if not ok:
-            raise ConfigError(f"{_section_where(raw, source, *keys)}: {'.'.join(keys)} {message}")
+class _Check:
+    """Raises the first problem as `file:line: section.key message`; every section's validator gets one."""
 
+    def __init__(self, raw: dict, source: str) -> None:
+        self.raw, self.source = raw, source
+
+    def __call__(self, ok: bool, keys: tuple[str, ...], message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{_section_where(self.raw, self.source, *keys)}: {'.'.join(keys)} {message}")
+
+
+def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
+    """Every section's own validator, in the file's order; a key added to a section is checked in its
+    section's function. Values that cross sections are checked by the section whose key is named."""
+    check = _Check(raw, source)
     for keys, value in _non_finite(c):  # .inf / .nan parse as floats: every range below would take them
         check(False, keys, f"must be a finite number, got {value}")
+    _validate_target(c, check)
+    _validate_model(c, check)
+    _validate_drafter(c, check)
+    _validate_data(c, check)
+    _validate_optim(c, check)
+    _validate_devices(c, check)
+    _validate_run(c, check)
+    _validate_eval(c, check)
+    _validate_pipeline(c, check)
+    _validate_distributed(c, check)
+
+
+def _target_family(c: TrainerConfig) -> Any:
+    """The family of model.target.path's directory on this machine (None: not a directory we know)."""
+    from trainer.run.family import family_of_dir
+
+    return family_of_dir(c.model.target.path) if c.model.target.path is not None else None
+
+
+def _validate_target(c: TrainerConfig, check: _Check) -> None:
+    """model.target: one source, its precision and experts, and a model directory's family."""
     t = c.model.target
     chosen = [t.path is not None, t.tiny is not None, t.random_8b_shape]
     check(sum(chosen) == 1, ("model", "target"), "needs exactly one of path, tiny, random_8b_shape")
@@ -447,64 +478,76 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     if t.experts == "grouped_mm":
         reason = _grouped_refusal()
         check(reason is None, ("model", "target", "experts"), f"grouped_mm is not offered here: {reason}")
-    check(c.model.block_size >= 2, ("model", "block_size"), "must be at least 2")
-    check(c.model.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
-    check(c.model.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
-    check(c.model.loss_chunk >= 1, ("model", "loss_chunk"), "must be positive")
-    check(c.model.gamma is None or c.model.gamma > 0, ("model", "gamma"), "must be positive")
-    if isinstance(c.model.loss, LossMix):
-        mix = c.model.loss
-        check(mix.ce >= 0 and mix.kl >= 0 and mix.ce + mix.kl > 0, ("model", "loss"),
-              f"needs non-negative weights, not all zero (got ce {mix.ce:g}, kl {mix.kl:g})")
-    check(c.model.kl_temperature > 0, ("model", "kl_temperature"), "must be positive")
-    check(0 < c.model.dpace_alpha <= 1, ("model", "dpace_alpha"), "must be in (0, 1]")
-    if c.model.target_layer_ids is not None:
-        check(len(c.model.target_layer_ids) == c.model.num_target_layers, ("model", "target_layer_ids"),
-              "must list num_target_layers ids")
-    _validate_drafter(c, raw, source, check)
-    check(c.data.synthetic is not None or c.data.train_path is not None, ("data",),
-          "needs train_path or synthetic")
-    for key in ("train_path", "eval_path"):
-        paths = getattr(c.data, key)
-        check(paths is None or (paths != [] and all(isinstance(p, str) and p for p in ([paths] if isinstance(paths, str) else paths))),
-              ("data", key), "must be a file path or a non-empty list of them")
-    check(c.data.max_length >= c.model.block_size, ("data", "max_length"), "must be at least block_size")
-    check(c.data.num_anchors >= 1, ("data", "num_anchors"), "must be positive")
-    check(c.data.token_budget >= c.data.max_length, ("data", "token_budget"), "must be at least max_length")
-    check(c.data.bucket_edges == sorted(c.data.bucket_edges) and len(c.data.bucket_edges) > 0,
-          ("data", "bucket_edges"), "must be a non-empty increasing list")
-    check(c.data.pack_length == 0 or (c.data.pack_length % 128 == 0 and c.data.pack_length >= c.data.max_length),
-          ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
-    check(c.data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
-    check(c.data.workers == "auto" or (isinstance(c.data.workers, int) and c.data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
     if t.path is not None:  # a directory on this machine: its family decides
-        from trainer.run.family import family_of_dir, installed_transformers, transformers_refusal
+        from trainer.run.family import installed_transformers, transformers_refusal
 
-        family = family_of_dir(t.path)
+        family = _target_family(c)
         refusal = family and transformers_refusal(family.model_type, installed_transformers())
         check(not refusal, ("model", "target", "path"), f"{t.path}: {refusal}")
         check(family is None or family.quantization_refusal is None, ("model", "target", "path"),
               f"{t.path}: {family.quantization_refusal if family else ''}")
-        check(not c.data.pack_length or family is None or family.pack_refusal is None, ("data", "pack_length"),
+
+
+def _validate_model(c: TrainerConfig, check: _Check) -> None:
+    """model's own keys (the drafter's shape and kind: `_validate_drafter`)."""
+    m = c.model
+    check(m.block_size >= 2, ("model", "block_size"), "must be at least 2")
+    check(m.drafter_layers >= 1, ("model", "drafter_layers"), "must be at least 1")
+    check(m.num_target_layers >= 1, ("model", "num_target_layers"), "must be at least 1")
+    check(m.loss_chunk >= 1, ("model", "loss_chunk"), "must be positive")
+    check(m.gamma is None or m.gamma > 0, ("model", "gamma"), "must be positive")
+    if isinstance(m.loss, LossMix):
+        mix = m.loss
+        check(mix.ce >= 0 and mix.kl >= 0 and mix.ce + mix.kl > 0, ("model", "loss"),
+              f"needs non-negative weights, not all zero (got ce {mix.ce:g}, kl {mix.kl:g})")
+    check(m.kl_temperature > 0, ("model", "kl_temperature"), "must be positive")
+    check(0 < m.dpace_alpha <= 1, ("model", "dpace_alpha"), "must be in (0, 1]")
+    if m.target_layer_ids is not None:
+        check(len(m.target_layer_ids) == m.num_target_layers, ("model", "target_layer_ids"),
+              "must list num_target_layers ids")
+
+
+def _validate_data(c: TrainerConfig, check: _Check) -> None:
+    data = c.data
+    check(data.synthetic is not None or data.train_path is not None, ("data",), "needs train_path or synthetic")
+    for key in ("train_path", "eval_path"):
+        paths = getattr(data, key)
+        check(paths is None or (paths != [] and all(isinstance(p, str) and p for p in ([paths] if isinstance(paths, str) else paths))),
+              ("data", key), "must be a file path or a non-empty list of them")
+    check(data.max_length >= c.model.block_size, ("data", "max_length"), "must be at least block_size")
+    check(data.num_anchors >= 1, ("data", "num_anchors"), "must be positive")
+    check(data.token_budget >= data.max_length, ("data", "token_budget"), "must be at least max_length")
+    check(data.bucket_edges == sorted(data.bucket_edges) and len(data.bucket_edges) > 0,
+          ("data", "bucket_edges"), "must be a non-empty increasing list")
+    check(data.pack_length == 0 or (data.pack_length % 128 == 0 and data.pack_length >= data.max_length),
+          ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
+    check(data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
+    check(data.workers == "auto" or (isinstance(data.workers, int) and data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
+    if data.pack_length:
+        family = _target_family(c)
+        check(family is None or family.pack_refusal is None, ("data", "pack_length"),
               f"cannot be exact for this target ({family.pack_refusal if family else ''}); "
               "leave it 0 (length buckets)")
-    check(c.data.anchors_per_row is None or c.data.anchors_per_row >= 1, ("data", "anchors_per_row"),
+    check(data.anchors_per_row is None or data.anchors_per_row >= 1, ("data", "anchors_per_row"),
           "must be positive")
-    check(c.optim.lr > 0, ("optim", "lr"), "must be positive")
-    check(0 <= c.optim.warmup_ratio < 1, ("optim", "warmup_ratio"), "must be in [0, 1)")
-    check(c.optim.total_steps >= 1, ("optim", "total_steps"), "must be at least 1")
-    check(c.optim.micro_batches >= 1, ("optim", "micro_batches"), "must be at least 1")
-    check(len(c.optim.betas) == 2, ("optim", "betas"), "must hold two numbers")
-    check(all(0 <= b < 1 for b in c.optim.betas), ("optim", "betas"), "must be in [0, 1)")
-    check(c.optim.eps > 0, ("optim", "eps"), "must be positive")
-    check(c.optim.weight_decay >= 0, ("optim", "weight_decay"), "must be at least 0")
-    check(0 <= c.optim.min_lr_ratio <= 1, ("optim", "min_lr_ratio"), "must be in [0, 1]")
-    check(c.optim.grad_clip >= 0, ("optim", "grad_clip"), "must be at least 0 (0: no clipping)")
-    check(c.run.checkpoint_every >= 0, ("run", "checkpoint_every"), "must be at least 0 (0: only on stop and done)")
-    check(c.eval.every >= 0, ("eval", "every"), "must be at least 0 (0: only at the end)")
-    check(c.eval.samples >= 1, ("eval", "samples"), "must be at least 1")
-    check(c.eval.max_new_tokens >= 1, ("eval", "max_new_tokens"), "must be at least 1")
-    check(c.run.warmup_shapes >= 1, ("run", "warmup_shapes"), "must be at least 1")
+
+
+def _validate_optim(c: TrainerConfig, check: _Check) -> None:
+    o = c.optim
+    check(o.lr > 0, ("optim", "lr"), "must be positive")
+    check(0 <= o.warmup_ratio < 1, ("optim", "warmup_ratio"), "must be in [0, 1)")
+    check(o.total_steps >= 1, ("optim", "total_steps"), "must be at least 1")
+    check(o.micro_batches >= 1, ("optim", "micro_batches"), "must be at least 1")
+    check(len(o.betas) == 2, ("optim", "betas"), "must hold two numbers")
+    check(all(0 <= b < 1 for b in o.betas), ("optim", "betas"), "must be in [0, 1)")
+    check(o.eps > 0, ("optim", "eps"), "must be positive")
+    check(o.weight_decay >= 0, ("optim", "weight_decay"), "must be at least 0")
+    check(0 <= o.min_lr_ratio <= 1, ("optim", "min_lr_ratio"), "must be in [0, 1]")
+    check(o.grad_clip >= 0, ("optim", "grad_clip"), "must be at least 0 (0: no clipping)")
+
+
+def _validate_devices(c: TrainerConfig, check: _Check) -> None:
+    """devices: known devices, replicas that do not share a GPU, stages that agree with target_split."""
     for role in ("target", "drafter"):
         devices = getattr(c.devices, role)
         check(len(devices) >= 1, ("devices", role), "must list at least one device")
@@ -533,15 +576,34 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
         check(stages <= c.model.target.tiny.layers, ("devices", "target"),
               f"splits a replica in {stages} stages, more than the target's {c.model.target.tiny.layers} layers")
     check(c.devices.memory_gib is None or c.devices.memory_gib > 0, ("devices", "memory_gib"), "must be positive")
+
+
+def _validate_run(c: TrainerConfig, check: _Check) -> None:
+    r = c.run
+    check(r.checkpoint_every >= 0, ("run", "checkpoint_every"), "must be at least 0 (0: only on stop and done)")
+    check(r.warmup_shapes >= 1, ("run", "warmup_shapes"), "must be at least 1")
+    check(r.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
+    check(not r.keep_best or not c.eval.every
+          or (r.checkpoint_every > 0 and c.eval.every % r.checkpoint_every == 0), ("run", "keep_best"),
+          "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")
+    check(0 < r.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
+    check(r.log_every >= 1, ("run", "log_every"), "must be at least 1")
+
+
+def _validate_eval(c: TrainerConfig, check: _Check) -> None:
+    e = c.eval
+    check(e.every >= 0, ("eval", "every"), "must be at least 0 (0: only at the end)")
+    check(e.samples >= 1, ("eval", "samples"), "must be at least 1")
+    check(e.max_new_tokens >= 1, ("eval", "max_new_tokens"), "must be at least 1")
+    check(e.batch >= 1, ("eval", "batch"), "must be at least 1")
+
+
+def _validate_pipeline(c: TrainerConfig, check: _Check) -> None:
     check(c.pipeline.prefetch >= 1, ("pipeline", "prefetch"), "must be at least 1")
     check(c.pipeline.queue_depth >= 1, ("pipeline", "queue_depth"), "must be at least 1")
-    check(c.run.keep_checkpoints >= 1, ("run", "keep_checkpoints"), "must be at least 1")
-    check(c.eval.batch >= 1, ("eval", "batch"), "must be at least 1")
-    check(not c.run.keep_best or not c.eval.every
-          or (c.run.checkpoint_every > 0 and c.eval.every % c.run.checkpoint_every == 0), ("run", "keep_best"),
-          "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")
-    check(0 < c.run.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
-    check(c.run.log_every >= 1, ("run", "log_every"), "must be at least 1")
+
+
+def _validate_distributed(c: TrainerConfig, check: _Check) -> None:
     check(c.distributed.timeout_s > 0, ("distributed", "timeout_s"), "must be positive")
     check(0 < c.distributed.peer_timeout_s <= 25, ("distributed", "peer_timeout_s"),
           "must be in (0, 25] (a lost host must stop the others within 30 s)")
@@ -550,12 +612,12 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
 SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
 
 
-def _validate_drafter(c: TrainerConfig, raw: dict, source: str, check: Any) -> None:
+def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
     """model.drafter, and model.drafter_init's own architecture (which decides: the keys set here must
     agree). Fills model.drafter / drafter_layers from the draft so `plan` and doctor size it."""
     from trainer.run.layout import LayoutError, causal_refusal, default_causal, resolve_published
 
-    d, m = c.model.drafter, c.model
+    d, m, raw = c.model.drafter, c.model, check.raw
     model_raw = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}
     layers_given = "drafter_layers" in model_raw
     drafter_raw = model_raw.get("drafter", {}) if isinstance(model_raw.get("drafter"), dict) else {}
@@ -672,7 +734,7 @@ def _target_dims(c: TrainerConfig) -> tuple[int | None, int | None]:
     return None, None
 
 
-def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, check: Any) -> None:
+def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, check: _Check) -> None:
     """model.drafter.kind and DFlash2's fields; `published`: model.drafter_init's config.json. A
     DFlash2 draft's own fields decide (what is set here must agree; kind dflash refuses it: the
     run would train something other than the draft); a DFlash draft under kind dflash2 is a warm

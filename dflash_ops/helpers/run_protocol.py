@@ -168,12 +168,28 @@ def run_gpus(run_dir: str, status: dict | None) -> list[int]:
 
 
 
-def forbid_restarts(run_dir: str, why: str) -> None:
-    """Tell the supervisor of a run started with --restart not to restart it (others: nothing to do)."""
-    if not os.path.exists(os.path.join(run_dir, RESTARTS_FILE)):
-        return
+def forbid_restarts(run_dir: str, why: str, signal: str | None = None) -> None:
+    """Record an operator's stop first, unconditionally, before anything acts on it: the run's
+    supervisor (a run started with --restart) reads it before each attempt and again once the
+    attempt is recorded in launch.json, so a stop that finds no trainer (between two attempts, or
+    before the first one is recorded) is still served; `signal` (TERM or KILL) is what the
+    supervisor sends an attempt it started meanwhile. A run without a supervisor ignores it (a start
+    or resume clears it)."""
     control = os.path.join(run_dir, "control")
     os.makedirs(control, exist_ok=True)
-    write_atomic(os.path.join(control, NO_RESTART), json.dumps({"why": why, "time": time.time()}).encode())
+    doc = {"why": why, "time": time.time(), "signal": signal}
+    write_atomic(os.path.join(control, NO_RESTART), json.dumps(doc).encode())
+
+
+def stop_intent(run_dir: str) -> dict | None:
+    """The operator's recorded stop ({"why", "time", "signal"}; a control/stop request counts as one
+    without a signal), or None. An unreadable record is a stop all the same."""
+    control = os.path.join(run_dir, "control")
+    if os.path.exists(os.path.join(control, NO_RESTART)):
+        doc = read_json(os.path.join(control, NO_RESTART))
+        return doc if isinstance(doc, dict) else {"why": "stop requested", "signal": None}
+    if os.path.exists(os.path.join(control, "stop")):
+        return {"why": "stop requested", "signal": None}
+    return None
 
 

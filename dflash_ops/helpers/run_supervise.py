@@ -135,8 +135,19 @@ def append_line(path: str, text: str) -> None:
 
 def stop_requested(run_dir: str) -> bool:
     """An operator's stop (any form: control/stop, or the .no-restart every stop and signal leaves)."""
-    control = os.path.join(run_dir, "control")
-    return os.path.exists(os.path.join(control, NO_RESTART)) or os.path.exists(os.path.join(control, "stop"))
+    return run_protocol.stop_intent(run_dir) is not None
+
+
+def serve_stop(run_dir: str, log: str, child: subprocess.Popen[bytes]) -> None:
+    """Re-read the operator's intent once this attempt is recorded in launch.json: a `run stop
+    --now`/`--kill` that read the previous record (no trainer to signal) has left its signal here,
+    and this attempt gets it; a stop request is the trainer's own to serve (control/stop)."""
+    intent = run_protocol.stop_intent(run_dir)
+    name = (intent or {}).get("signal")
+    if name in ("TERM", "KILL") and child.poll() is None:
+        say(log, "# dflash-ops supervise: an operator's SIG%s arrived while attempt pid %d started: sent to it\n"
+            % (name, child.pid))
+        os.kill(child.pid, signal.SIGTERM if name == "TERM" else signal.SIGKILL)
 
 
 def say(log: str, text: str) -> None:
@@ -214,6 +225,13 @@ def _supervise(run_dir: str, log: str) -> int:
     # the optional checkpoint events: told where the checkpoint is written (a group's writer host)
     checkpoint_events = checkpoint_teller(tell_any) if spec and spec.get("checkpoints") else None
     while True:
+        # re-read before every restart: a stop may have come at any time since the crash (the first
+        # attempt's stop is served by serve_stop below: the start cleared the last one)
+        if used and stop_requested(run_dir):
+            say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
+            step = stopped_between(run_dir)
+            tell("stopped", step=step, reason="stopped by the operator between two attempts")
+            return 0
         oom_before = oom_kills()
         began = time.time()
         offset = file_size(metrics)
@@ -226,6 +244,7 @@ def _supervise(run_dir: str, log: str) -> int:
         except OSError:
             child.wait()  # the attempt it started is still its to wait for
             raise
+        serve_stop(run_dir, log, child)
         if used == 0:
             tell("started")
         code = wait_watching(child, metrics, offset,
@@ -284,11 +303,7 @@ def _supervise(run_dir: str, log: str) -> int:
             time.strftime("%Y-%m-%d %H:%M:%S"), reason, entry["step"], used, plan["max"], source))
         tell("restart", step=entry["step"], reason="restart %d of %d after: %s" % (used, plan["max"], reason))
         # a pending checkpoint request stays for the next attempt to serve (a stop one ended supervision above)
-        time.sleep(RESTART_DELAY_S)
-        if stop_requested(run_dir):  # `run stop --kill`/`--now` arrived between two attempts
-            say(log, "# dflash-ops supervise: an operator's stop arrived before restart %d: not restarted\n" % used)
-            tell("stopped", step=entry["step"], reason="stopped by the operator between two attempts")
-            return 0
+        time.sleep(RESTART_DELAY_S)  # the stop check at the loop's top sees a stop that came meanwhile
 
 
 def checkpoint_teller(tell: Callable[..., None]) -> Callable[[dict], None]:
@@ -331,6 +346,16 @@ def source_of_restart(restarts_path: str) -> Callable[[dict], None]:
             pass  # only the record of where it resumed from is lost; the run goes on
 
     return on_event
+
+
+def stopped_between(run_dir: str) -> int | None:
+    """An operator's stop served between two attempts: status.json (the crashed attempt's, which
+    would read as a crash) says `stopped`. Returns its step."""
+    status_path = os.path.join(run_dir, "status.json")
+    status = read_json(status_path)
+    if status is not None and status.get("state") not in ("stopped", "done"):
+        write_atomic(status_path, json.dumps(dict(status, state="stopped"), sort_keys=True).encode())
+    return (status or {}).get("step")
 
 
 def write_status_failed(run_dir: str, status: dict | None, reason: str) -> None:

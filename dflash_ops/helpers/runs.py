@@ -193,11 +193,16 @@ def launched_process(run_dir: str) -> tuple[int | None, str | None]:
 
 def cmd_signal(args: argparse.Namespace) -> None:
     check_run_dir(args.run_dir)
+    if not os.path.isdir(args.run_dir):
+        raise Refused("no run directory %s" % args.run_dir)
+    # the intent first: a supervisor between two attempts (no trainer to signal now) reads it
+    # before it starts the next one, and sends the signal to an attempt it started meanwhile
+    forbid_restarts(args.run_dir, "SIG%s sent by the operator" % args.signal, signal=args.signal)
     pid, why = launched_process(args.run_dir)
     if pid is None:
-        print_json({"sent": False, "pid": None, "reason": why})
+        supervised = nodefacts.run_supervisor(args.run_dir) is not None
+        print_json({"sent": False, "pid": None, "reason": why, "recorded": True, "supervised": supervised})
         return
-    forbid_restarts(args.run_dir, "SIG%s sent by the operator" % args.signal)
     os.kill(pid, signal.SIGTERM if args.signal == "TERM" else signal.SIGKILL)
     print_json({"sent": True, "pid": pid, "signal": args.signal})
 

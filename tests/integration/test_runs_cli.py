@@ -418,6 +418,27 @@ def test_restart_gives_up_after_n_and_stop_still_stops_for_good(tier, tmp_path):
     assert status["effective_state"] == "stopped" and not status["alive"] and status["restarts"] == []
 
 
+@pytest.mark.parametrize("how", ["--now", "--kill", None])
+def test_run_stop_between_two_attempts_stops_the_run_for_good(tier, tmp_path, how):
+    """A run that crashes at step 7 each attempt (resumed from step 6): `run stop` (any form) while
+    its supervisor waits to restart it found no trainer to signal and the run trained on until it
+    gave up (issue 55). Now the stop is recorded first and the supervisor serves it: `stopped`,
+    no further attempt."""
+    deployed(tier)
+    crash = "total_steps: 40\nstep_seconds: 0.01\ncheckpoint_every: 2\ncrash_at_step: 7\n"
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, crash), "--restart", "on-failure:5").stdout.strip()
+    deadline = time.monotonic() + 60
+    while runs.run_status(tier.container, run_id).effective_state != "restarting":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    tier.cli("run", "stop", "host200", run_id, *([how] if how else []), "--timeout", "60")
+    time.sleep(2 * 1.0)  # longer than the supervisor's restart delay
+    status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
+    # --kill of an attempt already restarted: no checkpoint, the run reads failed (docs/run-lifecycle.md)
+    assert status["effective_state"] in (("stopped", "failed") if how == "--kill" else ("stopped",)), status
+    assert not status["alive"] and len(status["restarts"]) <= 2  # the stop landed in the gap (1), or just after the restart (2)
+
+
 def test_restart_policy_is_checked(tier, tmp_path):
     deployed(tier)
     bad = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--restart", "always", code=1)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUNS = Path(__file__).resolve().parents[2] / "dflash_ops" / "helpers" / "runs.py"
 
 # crashes at once, as a live-looking run (status `running`, its own pid), after counting itself
@@ -153,3 +155,68 @@ def test_a_supervisor_killed_by_a_signal_is_reported_by_run_status(tmp_path):
         assert info.unsupervised == f"no longer supervised: its supervisor (pid {sup.pid}) is gone without a word (killed by a signal?)"
     finally:
         os.kill(trainer, signal.SIGKILL)
+
+
+def _crasher_then(run: Path, *helper_args: str) -> None:
+    """The stand-in crashes once; 0.3 s later (inside the supervisor's restart delay: no trainer
+    to signal, launch.json still naming the dead one) `runs.py HELPER_ARGS` runs, as `run stop` does."""
+    call = json.dumps([sys.executable, str(RUNS), *helper_args])
+    (run / "trainer.py").write_text(CRASHER.replace(
+        'if os.path.exists(os.path.join(run, "stop-me-after-crash")):',
+        'import subprocess; subprocess.Popen([sys.executable, "-c", "import time, subprocess, json, sys; '
+        'time.sleep(0.3); subprocess.run(json.loads(sys.argv[1]))", %r])\nif False:' % call))
+
+
+@pytest.mark.parametrize("how", [("signal", "TERM"), ("signal", "KILL"), ("control", "stop")])
+def test_run_stop_in_any_form_between_two_attempts_is_served(tmp_path, how):
+    """`run stop --now` / `--kill` between two attempts found no trainer to signal and recorded
+    nothing: the supervisor restarted the run and it trained on (issue 55). The intent is recorded
+    first; the supervisor reads it before the restart; the run reads `stopped`."""
+    import time
+
+    from dflash_ops.helpers.run_describe import describe_run
+
+    run = run_dir(tmp_path)
+    _crasher_then(run, how[0], str(run), how[1])
+    done = start(run)
+    assert done.returncode == 0, done.stderr
+    time.sleep(0.5)  # the helper's own call has ended (it ran 0.3 s after the crash)
+    assert (run / "attempts").read_text() == "x"  # no second attempt
+    assert "an operator's stop arrived before restart 1: not restarted" in (run / "train.log").read_text()
+    intent = json.loads((run / "control" / ".no-restart").read_text())
+    assert intent["signal"] == (how[1] if how[0] == "signal" else None)
+    info = describe_run(str(run), time.time())
+    assert info["effective_state"] == "stopped" and not info["alive"]
+
+
+def test_a_signal_that_read_the_last_attempts_record_reaches_the_next_attempt(tmp_path, monkeypatch):
+    """The window after the supervisor's last stop check: it starts the next attempt while `run stop
+    --now` reads launch.json still naming the dead trainer. The intent recorded first reaches the
+    new attempt once it is recorded (the supervisor re-reads it), so the run stops instead of
+    training on. The Popen of the supervisor is wrapped: the stop lands right after the spawn."""
+    import io
+    import subprocess as sp
+    import time
+
+    from dflash_ops.helpers import run_protocol, run_supervise
+
+    run = run_dir(tmp_path)
+    (run / "trainer.py").write_text(CRASHER.replace("sys.exit(1)", "import time; time.sleep(60)"))
+    argv = [sys.executable, str(run / "trainer.py"), str(run)]
+    real_popen = sp.Popen
+
+    def popen_then_stop(*a, **k):
+        child = real_popen(*a, **k)
+        run_protocol.forbid_restarts(str(run), "SIGTERM sent by the operator", signal="TERM")  # the helper's record
+        return child
+
+    monkeypatch.setattr(sp, "Popen", popen_then_stop)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(
+        {"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv}).encode())))
+    began = time.monotonic()
+    assert run_supervise._supervise(str(run), str(run / "train.log")) == 0
+    assert time.monotonic() - began < 50  # the 60 s sleeper was signalled, not waited out
+    log = (run / "train.log").read_text()
+    assert "an operator's SIGTERM arrived while attempt pid" in log and "not restarted" in log
+    attempts = run / "attempts"  # the one attempt may have died of the signal before counting itself
+    assert not attempts.exists() or attempts.read_text() == "x"

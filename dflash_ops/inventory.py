@@ -132,15 +132,31 @@ class Inventory:
         except KeyError:
             raise InventoryError(
                 f"{self.path}: no target {name!r}{suggest(name, self.targets)}"
-                f" (targets: {', '.join(sorted(self.targets)) or 'none'})"
+                f" (targets: {', '.join(sorted(self.targets)) or 'none'}){self._new_target_hint(name)}"
             ) from None
 
+    def _new_target_hint(self, name: str) -> str:
+        """How a target that is not there gets made (a provision --dry-run adds none): the command,
+        with the node when the inventory has one node of pct's, else NODE, and a ctid to choose."""
+        pct_nodes = [n for n, node in self.nodes.items() if node.pct]
+        if not pct_nodes or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            return ""
+        node = pct_nodes[0] if len(pct_nodes) == 1 else "NODE"
+        return (f"; to create it: dflash-ops provision {name} --write-inventory --node {node} --ctid N"
+                f"{'' if self.path == user_inventory_path() or self.path == packaged_inventory_path() else f' --inventory {self.path}'}")
 
-def default_inventory_path() -> Path:
-    """$DFLASH_OPS_INVENTORY, else the repository's inventory/hosts.yaml, else the packaged copy."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
+
+def user_inventory_path() -> Path:
+    """The user's own inventory: $XDG_CONFIG_HOME/dflash-ops/hosts.yaml (~/.config/... by default).
+
+    It lives outside the repository, so a command that adds a target (provision --write-inventory)
+    never edits a tracked file; it is seeded from the packaged default the first time one does."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "dflash-ops" / "hosts.yaml"
+
+
+def packaged_inventory_path() -> Path:
+    """The default shipped with dflash-ops: the repository's inventory/hosts.yaml, else the packaged copy."""
     package_dir = Path(__file__).resolve().parent
     repo_file = package_dir.parent / "inventory" / "hosts.yaml"
     if repo_file.is_file():
@@ -148,9 +164,48 @@ def default_inventory_path() -> Path:
     return package_dir / "data" / "hosts.yaml"
 
 
-def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
+def default_inventory_path() -> Path:
+    """$DFLASH_OPS_INVENTORY, else the user's inventory (user_inventory_path) once it exists, else
+    the packaged default (the embedded simulated node)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    user = user_inventory_path()
+    return user if user.exists() or user.is_symlink() else packaged_inventory_path()
+
+
+def writable_inventory_path(path: str | os.PathLike | None = None) -> tuple[Path, bool]:
+    """The inventory file a command that adds to it edits, and whether it was seeded just now.
+
+    A file named by --inventory or $DFLASH_OPS_INVENTORY is edited where it is. Otherwise it is the
+    user's (user_inventory_path), created from the packaged default when it does not exist yet
+    (O_EXCL: of two commands seeding at once, one copies and both then edit the same file)."""
+    if path:
+        return Path(path).expanduser(), False
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser(), False
+    user = user_inventory_path()
+    if user.exists() or user.is_symlink():
+        return user, False
+    text = packaged_inventory_path().read_bytes()
+    try:
+        user.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(user, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return user, False
+    except OSError as e:
+        raise InventoryError(f"{user}: cannot create the user's inventory: {e.strerror or e}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(text)
+    return user, True
+
+
+def load_inventory(path: str | os.PathLike | None = None, text: str | None = None) -> Inventory:
+    """The inventory in `path` (default: default_inventory_path()); `text`: parse this instead of
+    the file's content, errors still naming `path` (what an edit would write, checked before it is)."""
     path = Path(path).expanduser() if path else default_inventory_path()
-    loader, root = read_yaml_node(path, "inventory", InventoryError, _MarkedLoader)
+    loader, root = read_yaml_node(path, "inventory", InventoryError, _MarkedLoader, text=text)
     try:
         data = None if root is None else loader.construct_document(root)
     finally:

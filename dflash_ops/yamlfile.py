@@ -22,12 +22,15 @@ def suggest(word: object, choices: Iterable[object]) -> str:
 
 
 def read_yaml_node(path: Path, what: str, error: ErrorFactory,
-                   loader_class: type[BoundedLoader] = BoundedLoader) -> tuple[yaml.SafeLoader, yaml.Node | None]:
+                   loader_class: type[BoundedLoader] = BoundedLoader,
+                   text: str | None = None) -> tuple[yaml.SafeLoader, yaml.Node | None]:
     """The file's single document as a node (None when empty) and the loader to construct values
     with (their marks give lines). Unreadable files, invalid YAML and YAML over the bounds (size,
-    nesting, alias expansion) raise error("FILE[:LINE]: ...")."""
+    nesting, alias expansion) raise error("FILE[:LINE]: ..."). `text`: what the file would hold
+    (an edit checked before it is written), read instead of the file and named as it."""
     try:
-        text = read_text(path)
+        if text is None:
+            text = read_text(path)
     except OSError as e:
         raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:

@@ -128,8 +128,10 @@ def _stop_lxc_containers():
 
 @pytest.fixture(autouse=True)
 def _private_state_home(tmp_path_factory, monkeypatch) -> None:
-    """Doctor verdicts (and anything else under $XDG_STATE_HOME) stay out of the real home."""
+    """Doctor verdicts (and anything else under $XDG_STATE_HOME) stay out of the real home, and the
+    user's own inventory ($XDG_CONFIG_HOME/dflash-ops/hosts.yaml) is never read nor written by a test."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
 
 
 @pytest.fixture

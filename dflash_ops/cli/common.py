@@ -23,7 +23,7 @@ InventoryOption = Annotated[
         "--inventory",
         envvar=ENV_VAR,
         show_envvar=True,
-        help="Inventory YAML (default: the repository's inventory/hosts.yaml, the simulated node).",
+        help="Inventory YAML (default: yours, $XDG_CONFIG_HOME/dflash-ops/hosts.yaml, once provision --write-inventory made it; else the packaged default, the simulated node).",
     ),
 ]
 

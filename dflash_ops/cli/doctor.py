@@ -81,7 +81,28 @@ def _fixed(container: Container, report: Report, plan: RunPlan, yes: bool, fast:
     typer.echo(f"{container.target.name}: {len(outcome.changes)} change(s)", err=True)
     again = diagnose(container, plan, fast=fast)
     record_verdict(container.target, again)
+    for check in again.checks:
+        if check.name in wrong and check.status != "ok":
+            typer.echo(f"{container.target.name}: {check.name} still {check.measured}: "
+                       f"{_why_unfixed(container, check.name)}", err=True)
     return again
+
+
+_LIMITS = {"memlock limit": "memlock", "open files limit": "nofile"}
+
+
+def _why_unfixed(container: Container, name: str) -> str:
+    """Why a check provision repaired still does not pass, in one line: what the config holds now
+    and what caps it beyond the config."""
+    target = container.target
+    if name in _LIMITS:
+        key = _LIMITS[name]
+        cap = target.node.kind.limit_cap(key)
+        held = f"/etc/pve/lxc/{target.ctid}.conf has its lxc.prlimit.{key} line"
+        return f"{held}; {cap}" if cap else (
+            f"{held}; the process that starts containers on node {target.node.name} caps it: raise its limit "
+            f"(systemctl edit pve-container@{target.ctid}: {'LimitMEMLOCK' if key == 'memlock' else 'LimitNOFILE'}=infinity), then restart the CT")
+    return "see its fix column below"
 
 
 def print_report(target: Target, report: Report, err: bool = False) -> None:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, Optional
+import os
+from typing import Annotated, Literal, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, fail, parse_gpus
-
-if TYPE_CHECKING:
-    from dflash_ops.inventory import Inventory
+from dflash_ops.inventory import ENV_VAR, user_inventory_path
 
 
 def provision(
@@ -26,7 +22,7 @@ def provision(
     privileged: Annotated[bool, typer.Option("--privileged", help="Create a privileged container (default unprivileged).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node command and the config diff; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Restart a running container without asking.")] = False,
-    write_inventory: Annotated[bool, typer.Option("--write-inventory", help="Add TARGET to the inventory file (comments and order kept) when it is not there.")] = False,
+    write_inventory: Annotated[bool, typer.Option("--write-inventory", help="Add TARGET to the inventory when it is not there: the file of --inventory, else yours ($XDG_CONFIG_HOME/dflash-ops/hosts.yaml, made from the default the first time), edited in place (comments, order, mode kept).")] = False,
     node: Annotated[Optional[str], typer.Option("--node", help="With --write-inventory: the node of a new target.")] = None,
     ctid: Annotated[Optional[int], typer.Option("--ctid", help="With --write-inventory: the CTID of a new target.")] = None,
     inventory: InventoryOption = None,
@@ -38,10 +34,10 @@ def provision(
     """
     from dflash_ops.connect import transport_for
     from dflash_ops.container import Container
-    from dflash_ops.inventory import load_inventory
+    from dflash_ops.inventory import load_inventory, writable_inventory_path
     from dflash_ops.provision import Request
     from dflash_ops.provision import provision as run_provision
-    from dflash_ops.provision.inventory_file import add_target, set_gpus
+    from dflash_ops.provision.inventory_file import add_target, set_gpus, with_target
 
     asked: Literal["all"] | tuple[int, ...] = "all" if gpus == "all" else tuple(parse_gpus(gpus) or ())
     inv = load_inventory(inventory)
@@ -53,13 +49,22 @@ def provision(
             fail(f"{target} is not in {inv.path}: --write-inventory needs --node NODE and --ctid N", 2)
         if node not in inv.nodes:
             fail(f"{inv.path}: no node {node!r} (nodes: {', '.join(sorted(inv.nodes))})", 2)
+        listed = asked if isinstance(asked, tuple) else ()
+        # a real node's kind gives its targets no base_dir: the container layout's usual one (docs/container-layout.md)
+        base_dir = None if inv.nodes[node].kind.target_defaults(ctid).get("base_dir") else "/opt/dflash"
         if dry_run:
-            typer.echo(f"# would add {target} (node {node}, ctid {ctid}) to {inv.path}")
-            inv = _with_target(inv.path, target, node, ctid, asked)
+            # planned against the inventory as it would be written; the user's file stays as it is
+            text = with_target(inv.path.read_text(), inv.path, target, node, ctid, listed, base_dir) or inv.path.read_text()
+            where = inv.path if inventory or os.environ.get(ENV_VAR) else user_inventory_path()
+            typer.echo(f"# would add {target} (node {node}, ctid {ctid}) to {where}")
+            inv = load_inventory(where, text=text)
         else:
-            added = add_target(inv.path, target, node, ctid, asked if isinstance(asked, tuple) else ())
-            typer.echo(f"provision: added {target} to {inv.path}")
-            inv = load_inventory(inventory)
+            path, seeded = writable_inventory_path(inventory)
+            if seeded:
+                typer.echo(f"provision: created your inventory {path} from the default {inv.path}")
+            added = add_target(path, target, node, ctid, listed, base_dir)
+            typer.echo(f"provision: added {target} to {path}")
+            inv = load_inventory(path)
     t = inv.target(target)
     container = Container(t, transport_for(t.node))
     request = Request(gpus=asked, cores=cores, memory_mib=memory, rootfs=rootfs, shm_gib=shm, template=template,
@@ -78,19 +83,6 @@ def provision(
     n = len(outcome.changes)
     typer.echo(f"provision {target}: {n} change{'s' if n != 1 else ''}" + (f" ({verb}: " + "; ".join(outcome.changes) + ")"
                                                                             if n else " (as wanted already)"))
-
-
-def _with_target(path: Path, target: str, node: str, ctid: int, asked: Literal["all"] | tuple[int, ...]) -> Inventory:
-    """The inventory as --write-inventory would leave it, read from a copy: --dry-run plans against
-    the target it would add and leaves the user's file as it is."""
-    from dflash_ops.inventory import load_inventory
-    from dflash_ops.provision.inventory_file import add_target
-
-    with tempfile.TemporaryDirectory(prefix="dflash-ops-provision-") as tmp:
-        copy = Path(tmp) / path.name
-        shutil.copyfile(path, copy)
-        add_target(copy, target, node, ctid, asked if isinstance(asked, tuple) else ())
-        return load_inventory(copy)
 
 
 def register(app: typer.Typer) -> None:

@@ -51,10 +51,12 @@ def _hint(text: str) -> None:
     typer.echo(text, err=True)
 
 
-def _announce(run_id: str, verb: str, target: str) -> None:
-    """The run id alone on stdout (for scripts), the follow hint on stderr."""
+def _announce(run_id: str, verb: str, targets: list[str]) -> None:
+    """The run id alone on stdout (for scripts), the follow hint on stderr: a command `logs` takes
+    (one target; a run across hosts is followed through its first member, `--rank` for another)."""
     typer.echo(run_id)
-    _hint(f"{verb} {run_id} on {target}; follow it: dflash-ops logs {target} {run_id} -f")
+    rank = " (another host's rank: --rank N)" if len(targets) > 1 else ""
+    _hint(f"{verb} {run_id} on {' '.join(targets)}; follow it: dflash-ops logs {targets[0]} {run_id} -f{rank}")
 
 
 def _echo_json(doc: object) -> None:
@@ -125,7 +127,7 @@ def start(
             _hint(f"queued {run_id} on {targets[0]} at position {info.position}: waits for "
                   f"{'; '.join(info.waits_for)}; see the queue: dflash-ops run queue {targets[0]}")
             return
-    _announce(run_id, "started", " ".join(targets))
+    _announce(run_id, "started", targets)
 
 
 def _notify_spec(container: Container, urls: list[str]) -> dict[str, Any] | None:
@@ -360,7 +362,7 @@ def resume(
     else:
         run_id = start_run(container, config, resume="latest" if from_step is None else from_step,
                            gpus=parse_gpus(gpus), run_id=run, restart=restart)
-    _announce(run_id, "resumed", target)
+    _announce(run_id, "resumed", [target])
 
 
 def logs(

@@ -63,6 +63,14 @@ class NodeKind:
         """Options this kind's `pct create` needs besides provision's own."""
         return []
 
+    def no_gpus_hint(self, node: str) -> str:
+        """What gives a node without the NVIDIA module GPUs ("": the admin installs the driver)."""
+        return ""
+
+    def limit_cap(self, name: str) -> str:
+        """Why an `lxc.prlimit.NAME` the config asks for cannot reach the container ("" when nothing here caps it)."""
+        return ""
+
     def default_template(self) -> str | None:
         """The OS template `pct create` uses when provision is given none (None: it must be given)."""
         return None

@@ -151,7 +151,8 @@ def _resolve_gpus(asked: Literal["all"] | tuple[int, ...], node: NodeInfo, targe
         return ()
     if node.module is None:
         raise ProvisionError(f"node {node.name} has no NVIDIA kernel module loaded (no /proc/driver/nvidia/version): "
-                             "install the driver on the node first, then provision")
+                             + (target.node.kind.no_gpus_hint(node.name)
+                                or "install the driver on the node first, then provision"))
     if asked == "all":
         if not node.gpus:
             raise ProvisionError(f"node {node.name} has the NVIDIA module {node.module} but no /dev/nvidiaN")

@@ -211,3 +211,38 @@ def stop_all(sim_root: str | Path, prefix: Sequence[str] = ()) -> None:
         return
     for config in sorted(lxcpath.glob("*/config")):
         subprocess.run([*prefix, stop, "-P", str(lxcpath), "-n", config.parent.name, "-k"], capture_output=True)
+
+
+def remake(sim_root: str | Path, pct: Sequence[str], ctid: int | str, backend: str, *, hostname: str,
+           listed: bool) -> list[str]:
+    """Make a simulated container again on `backend` (a container keeps the backend it was created
+    with): `pct stop` when it runs, `pct destroy`, then, for a container the node lists under
+    sim_containers, `pct create` as its first use would. Everything in it is gone (releases, runs).
+    A container provision made is left destroyed: provision makes it again, on the new backend when
+    `backend` is what a new container gets. Returns what was done, a line each."""
+    import subprocess
+
+    if backend not in BACKENDS:
+        raise sim_pct.PctError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "lxc" and rootfs.unavailable_reason() is not None:
+        raise sim_pct.PctError(f"no LXC here: {rootfs.unavailable_reason()}")
+    done: list[str] = []
+
+    def pct_run(*words: str) -> None:
+        proc = subprocess.run([*pct, *words], capture_output=True, text=True)
+        if proc.returncode != 0:
+            said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise sim_pct.PctError(f"pct {' '.join(words)}: {said}")
+        done.append(f"pct {' '.join(words[:2])}")
+
+    if is_created(sim_root, ctid):
+        if is_running(sim_root, ctid):
+            pct_run("stop", str(ctid))
+        pct_run("destroy", str(ctid))
+    if listed:
+        argv = create_argv(pct, ctid, hostname=hostname, backend=backend, network=True)
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0 or not is_created(sim_root, ctid):
+            raise sim_pct.PctError(f"pct create {ctid}: {proc.stderr.strip()[-300:]}")
+        done.append(f"pct create {ctid} (backend {backend}, running)")
+    return done

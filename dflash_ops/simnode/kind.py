@@ -120,6 +120,24 @@ class SimulatedNode(NodeKind):
             options += ["--sim-rootfs", str(rootfs.path())]
         return options
 
+    def no_gpus_hint(self, node: str) -> str:
+        return f"the simulated node has no GPUs until it is given fixture ones: dflash-ops sim-gpus {node}"
+
+    def limit_cap(self, name: str) -> str:
+        """The stand-in gives an LXC container at most this machine's own hard limit (pct.py
+        _prlimit_here): this machine may be a container itself, whose limit even root cannot pass."""
+        import resource
+
+        which = getattr(resource, f"RLIMIT_{name.upper()}", None)
+        if which is None:
+            return ""
+        hard = resource.getrlimit(which)[1]
+        if hard == resource.RLIM_INFINITY:
+            return ""
+        return (f"this machine's own hard {name} limit is {hard} bytes and the simulated node cannot give a "
+                f"container more (a node's root can); nothing to fix here" if name == "memlock" else
+                f"this machine's own hard {name} limit is {hard} and the simulated node cannot give a container more")
+
     def default_template(self) -> str | None:
         return simct.SIM_TEMPLATE
 

@@ -240,7 +240,11 @@ def drafter_layout(name, layers, window):
     """--drafter-layouts: `full` (every layer full attention, the 2025 layout: `layers` of them), `swa`
     (every layer sliding, causal), `swaN+M` (N sliding causal layers, then M full ones: z-lab's 2026
     drafts are swa4+1), each with a `/dflash2` suffix for a DFlash2 drafter (model.drafter.kind
-    dflash2, its published sizes) -> (drafter layers, model.drafter as YAML flow)."""
+    dflash2, its published sizes) and then a `/fp8` suffix for FP8 matmuls while training
+    (model.drafter.precision fp8) -> (drafter layers, model.drafter as YAML flow)."""
+    if name.endswith("/fp8"):
+        layers, flow = drafter_layout(name.removesuffix("/fp8"), layers, window)
+        return layers, ", ".join(part for part in (flow, "precision: fp8") if part)
     if name.endswith("/dflash2"):
         layers, flow = drafter_layout(name.removesuffix("/dflash2"), layers, window)
         return layers, ", ".join(part for part in (flow, "kind: dflash2") if part)

@@ -467,6 +467,7 @@ def test_the_pipeline_bench_measures_a_dflash2_drafter_beside_dflash(tmp_path):
 
     assert bench.drafter_layout("swa4+1/dflash2", 5, 2048)[1].endswith("sliding_window: 2048, kind: dflash2")
     assert bench.drafter_layout("full/dflash2", 5, 2048) == (5, "kind: dflash2")
+    assert bench.drafter_layout("full/dflash2/fp8", 5, 2048) == (5, "kind: dflash2, precision: fp8")
     results = bench.main([
         "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "1", "--log-every", "1",
         "--min-len", "16", "--max-len", "64", "--samples", "40", "--anchors", "8", "--stage-micro", "1",

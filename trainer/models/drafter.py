@@ -217,6 +217,7 @@ _rotate = pointwise(_rotate_raw)
 
 Attention = Callable[..., torch.Tensor]  # attend(q, k, v) or, on a layer with sinks, attend(q, k, v, sink=sink)
 Weight = Callable[[torch.Tensor], torch.Tensor]  # a layer's weight -> the tensor its matmul uses
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # F.linear, or fp8_training.fp8_linear (model.drafter.precision)
 
 
 def as_is(weight: torch.Tensor) -> torch.Tensor:
@@ -275,7 +276,7 @@ def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tenso
                          wk: torch.Tensor, wv: torch.Tensor, w_qnorm: torch.Tensor, w_knorm: torch.Tensor,
                          cos_q: torch.Tensor, sin_q: torch.Tensor, cos_kv: torch.Tensor, sin_kv: torch.Tensor,
                          eps: float, heads: int, kv_heads: int, head_dim: int,
-                         fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         fused: bool, linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything of a layer before attention: input norm, q/k/v projections, q/k norms, RoPE.
     Queries from the block x; keys/values from [context | block].
 
@@ -285,13 +286,13 @@ def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tenso
     full width before the projections (bench/pipeline.py's baseline)."""
     norm = _rms_norm if fused else rms_norm
     return _qkv_of(norm(x, w_norm, eps), ctx, wq, wk, wv, w_qnorm, w_knorm, cos_q, sin_q, cos_kv, sin_kv,
-                   eps, heads, kv_heads, head_dim, fused, fused)
+                   eps, heads, kv_heads, head_dim, fused, fused, linear)
 
 
 def _qkv_of(h: torch.Tensor, ctx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
             w_qnorm: torch.Tensor, w_knorm: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor,
             cos_kv: torch.Tensor, sin_kv: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
-            raw: bool, apart: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            raw: bool, apart: bool, linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k/v of the normed block input h (DFlash: the layer's input norm; DFlash2: its convolution of it):
     projections, q/k norms, RoPE. raw: the plain norm and RoPE (inside a compiled region), else each
     its own compiled kernel; apart: context and block projected apart and concatenated (1/4 width),
@@ -299,13 +300,13 @@ def _qkv_of(h: torch.Tensor, ctx: torch.Tensor, wq: torch.Tensor, wk: torch.Tens
     norm, rotate = (_rms_norm, _rotate_raw) if raw else (rms_norm, _rotate)
     b, t, _ = h.shape
     n = ctx.shape[1] + t
-    q = norm(F.linear(h, wq).view(b, t, heads, head_dim), w_qnorm, eps).transpose(1, 2)
+    q = norm(linear(h, wq).view(b, t, heads, head_dim), w_qnorm, eps).transpose(1, 2)
     if apart:
-        k = torch.cat([F.linear(ctx, wk), F.linear(h, wk)], dim=1)
-        v = torch.cat([F.linear(ctx, wv), F.linear(h, wv)], dim=1)
+        k = torch.cat([linear(ctx, wk), linear(h, wk)], dim=1)
+        v = torch.cat([linear(ctx, wv), linear(h, wv)], dim=1)
     else:
         kv_in = torch.cat([ctx, h], dim=1)
-        k, v = F.linear(kv_in, wk), F.linear(kv_in, wv)
+        k, v = linear(kv_in, wk), linear(kv_in, wv)
     k = norm(k.view(b, n, kv_heads, head_dim), w_knorm, eps).transpose(1, 2)
     v = v.view(b, n, kv_heads, head_dim).transpose(1, 2)
     return rotate(q, cos_q, sin_q), rotate(k, cos_kv, sin_kv), v
@@ -313,14 +314,14 @@ def _qkv_of(h: torch.Tensor, ctx: torch.Tensor, wq: torch.Tensor, wk: torch.Tens
 
 def _attention_out_and_mlp_of(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, w_norm: torch.Tensor,
                               w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, eps: float,
-                              fused: bool) -> torch.Tensor:
+                              fused: bool, linear: Linear = F.linear) -> torch.Tensor:
     """Everything of a layer after attention: output projection and residual, post-attention
     norm, SiLU-gated MLP and residual (fused: one compiled region on CUDA)."""
     norm, silu = (_rms_norm, _silu_mul) if fused else (rms_norm, silu_mul)
     b, heads, t, d = attended.shape
-    x = x + F.linear(attended.transpose(1, 2).reshape(b, t, heads * d), wo)
+    x = x + linear(attended.transpose(1, 2).reshape(b, t, heads * d), wo)
     h = norm(x, w_norm, eps)
-    return x + F.linear(silu(F.linear(h, w_gate), F.linear(h, w_up)), w_down)
+    return x + linear(silu(linear(h, w_gate), linear(h, w_up)), w_down)
 
 
 _attention_inputs = pointwise(_attention_inputs_of)
@@ -369,25 +370,27 @@ class DrafterLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                 rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention, weight: Weight = as_is,
-                fused: bool = True) -> torch.Tensor:
+                fused: bool = True, linear: Linear = F.linear) -> torch.Tensor:
         """weight: what each matmul uses for its fp32 weight (LowPrecisionWeights while training);
-        fused: two compiled regions around attention on CUDA (see `_attention_inputs_of`)."""
+        fused: two compiled regions around attention on CUDA (see `_attention_inputs_of`); linear: the
+        projections' matmul (fp8_linear while training with model.drafter.precision fp8)."""
         if self.attention_conv is not None:
-            return self._forward_dflash2(x, ctx, rope_q, rope_kv, attention, weight)
+            return self._forward_dflash2(x, ctx, rope_q, rope_kv, attention, weight, linear)
         a, m, eps = self.self_attn, self.mlp, self.input_layernorm.eps
         before, after = ((_attention_inputs, _attention_out_and_mlp) if fused
                          else (_attention_inputs_of, _attention_out_and_mlp_of))
         q, k, v = before(x, ctx, self.input_layernorm.weight, weight(a.q_proj.weight), weight(a.k_proj.weight),
                          weight(a.v_proj.weight), a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads,
-                         a.kv_heads, a.head_dim, fused)
+                         a.kv_heads, a.head_dim, fused, linear)
         sink = a.attention_sink_bias
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
         return after(x, attended, weight(a.o_proj.weight), self.post_attention_layernorm.weight,
-                     weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused)
+                     weight(m.gate_proj.weight), weight(m.up_proj.weight), weight(m.down_proj.weight), eps, fused,
+                     linear)
 
     def _forward_dflash2(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                          rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention,
-                         weight: Weight) -> torch.Tensor:
+                         weight: Weight, linear: Linear = F.linear) -> torch.Tensor:
         """vLLM's DFlash2 layer: norm, convolve (side 0), attention (the block's queries, keys and values
         from the convolved input; the context's as in DFlash), convolve its output (side 1 of the same
         projection), residual; the same around the MLP. On CUDA while training: the norms, RoPE, SiLU
@@ -398,13 +401,13 @@ class DrafterLayer(nn.Module):
         h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight, dflash2_conv)
         q, k, v = _qkv_of(h, ctx, weight(a.q_proj.weight), weight(a.k_proj.weight), weight(a.v_proj.weight),
                           a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads, a.kv_heads, a.head_dim,
-                          raw=False, apart=True)
+                          raw=False, apart=True, linear=linear)
         sink = a.attention_sink_bias
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
-        out = F.linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))
+        out = linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))
         x = x + conv_a.finish(out, delta, bs, dflash2_conv)
         h, delta = conv_m.prepare(rms_norm(x, self.post_attention_layernorm.weight, eps), bs, weight, dflash2_conv)
-        out = F.linear(silu_mul(F.linear(h, weight(m.gate_proj.weight)), F.linear(h, weight(m.up_proj.weight))),
+        out = linear(silu_mul(linear(h, weight(m.gate_proj.weight)), linear(h, weight(m.up_proj.weight))),
                        weight(m.down_proj.weight))
         return x + conv_m.finish(out, delta, bs, dflash2_conv)
 
@@ -534,6 +537,7 @@ class DFlashDrafter(nn.Module):
         # training (grad on) under a lower autocast dtype: matmuls use copies made once per step
         self.low_precision = LowPrecisionWeights()
         self.fused = True  # model.fuse_drafter: copies once per step, compiled layer regions (CUDA)
+        self.linear: Linear = F.linear  # the projections' matmul while training (model.drafter.precision fp8: fp8_linear)
         self.checkpoint_layers = 0  # model.checkpoint_drafter: the first this many layers recomputed in backward (run_layer)
 
     def blocks(self) -> list[DrafterLayer]:
@@ -582,7 +586,9 @@ class DFlashDrafter(nn.Module):
         fused = getattr(self, "fused", True)
         if cached is not None and fused and torch.is_grad_enabled() and self.fc.weight.dtype != dtype:
             weight = cached.weight(dtype)
-        ctx = self.hidden_norm(F.linear(ctx_features.to(dtype), weight(self.fc.weight)))
+        # FP8 matmuls while training only: evaluation drafts as the export serves, in bf16
+        linear: Linear = getattr(self, "linear", F.linear) if torch.is_grad_enabled() else F.linear
+        ctx = self.hidden_norm(linear(ctx_features.to(dtype), weight(self.fc.weight)))
         x = block_embeds.to(dtype)
         head_dim, theta = self.rope
         rope_q = rope_cos_sin(block_positions, head_dim, theta)
@@ -590,7 +596,7 @@ class DFlashDrafter(nn.Module):
         attends = list(attention) if isinstance(attention, (list, tuple)) else [attention] * len(self.layers)
         checkpointed = getattr(self, "checkpoint_layers", 0)  # the exported model has none
         for i, (layer, attend) in enumerate(zip(self.layers, attends, strict=True)):
-            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attend, weight, fused)
+            x = run_layer(layer, i < checkpointed, x, ctx, rope_q, rope_kv, attend, weight, fused, linear)
         return self.norm(x)
 
     def forward_train(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,

@@ -244,6 +244,18 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     return inputs + around + max(loss_phase, backward_phase) + selector
 
 
+def fp8_operand_bytes(cfg: TrainerConfig, dcfg: Any, params: int, context_tokens: int, block_tokens: int,
+                      checkpointed: int) -> int:
+    """What model.drafter.precision fp8 keeps beside the bf16 activations (an estimate, 1 byte an
+    element): each projection's quantized input and weight, saved by fp8_linear for its backward, in
+    the layers not checkpointed (a checkpointed layer's are remade one layer at a time)."""
+    hidden, q_width = int(dcfg.hidden_size), int(dcfg.num_attention_heads) * int(dcfg.head_dim)
+    mlp = int(dcfg.intermediate_size)
+    per_layer = block_tokens * (5 * hidden + q_width + mlp) + 2 * context_tokens * hidden
+    kept = cfg.model.drafter_layers - min(checkpointed, cfg.model.drafter_layers)
+    return params + max(kept, 1 if checkpointed else 0) * per_layer + context_tokens * len(dcfg.target_layer_ids) * hidden
+
+
 def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,
               notes: list[str], find_split: bool = True) -> MemoryPlan:
     """The plan for `cfg` with the first `checkpointed` drafter layers checkpointed (find_split: also the
@@ -296,6 +308,9 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
         "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
             drafter_activation_bytes(cfg, z.drafter, tokens, block_tokens, checkpointed, kl),
     }
+    if cfg.model.drafter.precision == "fp8":
+        drafter["fp8 operands (e4m3, kept for backward)"] = fp8_operand_bytes(cfg, z.drafter, params, tokens,
+                                                                              block_tokens, checkpointed)
     by_device: dict[str, DevicePlan] = {}
 
     def add(device: str, items: dict[str, int]) -> None:

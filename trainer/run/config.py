@@ -83,6 +83,10 @@ class DrafterShapeConfig:
     selector_rank: int | None = None  # dflash2: rank of the selector's codebooks (default 256)
     selector_top_k: int | None = None  # dflash2: candidates per draft slot, at most the vocabulary (default 16)
     selector_loss_weight: float | None = None  # dflash2: weight of the selector's K-way cross-entropy beside the token loss (default 1)
+    # the drafter's linear layers while training: bf16 matmuls (over fp32 master weights), or fp8 (e4m3,
+    # dynamic per-tensor scales, forward and backward on FP8 tensor cores; trainer/models/fp8_training.py).
+    # Master weights, optimizer, evaluation and the export stay as with bf16; needs a GPU of 8.9 or later
+    precision: Literal["bf16", "fp8"] = "bf16"
 
 
 @dataclass
@@ -475,6 +479,11 @@ def _validate_target(c: TrainerConfig, check: _Check) -> None:
         for d in dict.fromkeys(one for r in c.devices.target for one in ([r] if isinstance(r, str) else r)):
             reason = _fp8_refusal(d)
             check(reason is None, ("model", "target", "precision"), f"fp8 is refused: {reason}")
+    if c.model.drafter.precision == "fp8":
+        check(c.model.dtype == "bf16", ("model", "drafter", "precision"), "fp8 needs model.dtype bf16")
+        for d in dict.fromkeys(c.devices.drafter):
+            reason = _fp8_refusal(d)
+            check(reason is None, ("model", "drafter", "precision"), f"fp8 is refused: {reason}")
     if t.experts == "grouped_mm":
         reason = _grouped_refusal()
         check(reason is None, ("model", "target", "experts"), f"grouped_mm is not offered here: {reason}")

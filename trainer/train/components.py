@@ -232,6 +232,10 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
     drafter.fused = cfg.model.fuse_drafter
+    if cfg.model.drafter.precision == "fp8":
+        from trainer.models.fp8_training import fp8_linear
+
+        drafter.linear = fp8_linear
     drafter.checkpoint_layers = drafter_checkpointing(cfg)  # auto: the memory plan decides
     if weights is not None:
         result = drafter.load_state_dict(weights, strict=not warm)

@@ -1,0 +1,160 @@
+"""The drafter's linear layers trained with FP8 matmuls (model.drafter.precision fp8): each matmul of
+fp8_linear equals its dequantized reference, a drafter step with it trains like bf16, evaluation stays
+bf16, the compiled regions take it without a graph break, and the config refuses it where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.conftest import MASK_ID, VOCAB
+from tests.trainer.tiny_config import tiny_config
+from trainer.models.drafter import DFlashDrafter
+from trainer.models.fp8_training import E4M3_MAX, fp8_linear, quantize_tensor
+from trainer.models.masks import make_blocks, sample_anchors
+from trainer.models.objective import drafter_loss_sums
+from trainer.models.target import target_context_features
+from trainer.run.config import ConfigError, parse_config
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_tensor(t)
+    return q.float() * s
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def test_quantize_tensor_maps_the_largest_magnitude_to_e4m3s_largest():
+    x = torch.tensor([[0.5, -3.0], [1.0, 2.0]])
+    q, s = quantize_tensor(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == ()
+    assert float(q.float().abs().max()) == E4M3_MAX
+    assert torch.allclose(q.float() * s, x, rtol=0.07)
+    zeros, scale = quantize_tensor(torch.zeros(3, 16))  # no division by zero
+    assert torch.isfinite(scale) and not zeros.float().any()
+
+
+@pytest.mark.parametrize("rows", [32, 37])  # 37: the weight gradient's inner dimension padded to 16
+def test_every_matmul_equals_its_dequantized_reference(rows):
+    torch.manual_seed(0)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(rows, 48, dtype=torch.bfloat16)
+    y = fp8_linear(x, w)
+    y.backward(g)
+    xd, wd, gd = dequantized(x.detach()), dequantized(w.detach()), dequantized(g)
+    assert relative(y, xd @ wd.t()) < 1e-2
+    assert relative(x.grad, gd @ wd) < 1e-2
+    assert relative(w.grad, gd.t() @ xd) < 1e-2
+    assert (y.dtype, x.grad.dtype, w.grad.dtype) == (torch.bfloat16,) * 3
+    # and all three stay near the exact product: 3 mantissa bits, not a wrong layout
+    exact = x.detach().float() @ w.detach().float().t()
+    assert relative(y, exact) < 0.08
+    assert relative(w.grad, g.float().t() @ x.detach().float()) < 0.08
+
+
+def test_a_wrong_layout_would_be_caught():
+    """The reference comparison above can fail: the weight's gradient of the transposed product differs."""
+    torch.manual_seed(0)
+    x, g = torch.randn(32, 64), torch.randn(32, 48)
+    assert relative(dequantized(g).t() @ dequantized(x), g.t() @ x) < 0.08
+    assert relative((dequantized(g).t() @ dequantized(x)).flip(0), g.t() @ x) > 0.5
+
+
+def _step(tiny, linear, seed=4):
+    target, head, drafter, layer_ids = tiny
+    drafter = DFlashDrafter(drafter.config)
+    torch.manual_seed(1)
+    drafter.reset_parameters()
+    drafter.linear = linear
+    torch.manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa")
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+def test_a_drafter_step_with_fp8_matmuls_trains_like_bf16(tiny):
+    loss_bf16, grads_bf16 = _step(tiny, F.linear)
+    loss_fp8, grads_fp8 = _step(tiny, fp8_linear)
+    assert loss_fp8 == pytest.approx(loss_bf16, rel=0.02)
+    assert grads_fp8.keys() == grads_bf16.keys()
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
+        cosine = F.cosine_similarity(grads_fp8[name].flatten(), grads_bf16[name].flatten(), dim=0)
+        assert cosine > 0.98, (name, float(cosine))
+        assert not torch.equal(grads_fp8[name], grads_bf16[name])  # the FP8 path really ran
+
+
+def test_evaluation_drafts_in_bf16_as_the_export_serves(tiny):
+    target, head, drafter, layer_ids = tiny
+    ids = torch.randint(0, VOCAB - 1, (1, 12))
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    block = head.embed(torch.tensor([[ids[0, -1].item()] + [MASK_ID] * 7]))
+    plain = drafter.draft_block(feats, block, start=12)
+    drafter.linear = fp8_linear
+    try:
+        assert torch.equal(drafter.draft_block(feats, block, start=12), plain)
+    finally:
+        drafter.linear = F.linear
+
+
+def test_compiled_regions_take_fp8_matmuls_without_a_graph_break(tiny, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    import trainer.models.drafter as drafter_module
+
+    eager = _step(tiny, fp8_linear)
+    monkeypatch.setattr(drafter_module, "CPU_BACKEND", "aot_eager")
+    monkeypatch.setattr(drafter_module, "_compiled", {})
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = _step(tiny, fp8_linear)
+    finally:
+        torch._dynamo.reset()
+    assert drafter_module._compiled and not counters["graph_break"]
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+    # the same numbers up to where a fused region rounds a product differently before it is quantized
+    cosines = [float(F.cosine_similarity(compiled[1][n].flatten(), eager[1][n].flatten(), dim=0)) for n in eager[1]]
+    assert min(cosines) > 0.995, cosines
+
+
+FP8_DRAFTER = "model: {drafter: {precision: fp8}, dtype: bf16}\n"
+
+
+def test_fp8_drafter_on_the_cpu_is_refused_at_config_load_with_the_reason():
+    with pytest.raises(ConfigError, match=r"c\.yaml:\d+: model\.drafter\.precision fp8 is refused: cpu: FP8 needs"):
+        parse_config(tiny_config(FP8_DRAFTER), source="c.yaml")
+
+
+def test_fp8_drafter_below_compute_capability_8_9_is_refused(monkeypatch):
+    cuda = "devices: {target: [cuda:0], drafter: [cuda:1]}\n"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"model\.drafter\.precision fp8 is refused: cuda:1 \(NVIDIA A100"):
+        parse_config(tiny_config(FP8_DRAFTER, cuda))
+    with pytest.raises(ConfigError, match=r"model\.drafter\.precision fp8 needs model\.dtype bf16"):
+        parse_config(tiny_config(FP8_DRAFTER, cuda, "model: {dtype: fp32}\n"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert parse_config(tiny_config(FP8_DRAFTER, cuda)).model.drafter.precision == "fp8"
+
+
+def test_the_memory_plan_counts_the_fp8_operands(monkeypatch):
+    from trainer.models.memory_plan import build_plan
+
+    cuda = "devices: {target: [cuda:0], drafter: [cuda:0], memory_gib: 140}\n"
+    monkeypatch.setattr("trainer.run.config._fp8_refusal", lambda d: None)  # no GPU here
+    bf16 = build_plan(parse_config(tiny_config(cuda, "model: {dtype: bf16}\n")))
+    fp8 = build_plan(parse_config(tiny_config(cuda, FP8_DRAFTER)))
+    item = "fp8 operands (e4m3, kept for backward)"
+    assert item not in bf16.drafter and fp8.drafter[item] > 0
+    assert sum(fp8.drafter.values()) == sum(bf16.drafter.values()) + fp8.drafter[item]

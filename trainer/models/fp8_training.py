@@ -1,0 +1,111 @@
+"""The drafter's linear layers trained with FP8 matmuls (`model.drafter.precision: fp8`).
+
+`fp8_linear(x, w)` computes y = x w^T like `F.linear`, but each of its three matmuls (the forward,
+the input's gradient and the weight's gradient) multiplies float8 e4m3 operands on the GPU's FP8
+tensor cores (`torch._scaled_mm`, fp32 accumulation, a bf16 result), about twice Hopper's bf16
+rate. Scales are dynamic and per tensor, computed from each operand's largest magnitude at every
+call (the "tensorwise" recipe of float8 training libraries): one scale per tensor lets the same
+quantized copy serve both layouts a matmul pair needs (x w^T in the forward, g^T x for the weight's
+gradient), so each operand is quantized once per call and only transposed.
+
+What stays as today: the fp32 master weights and AdamW states, the bf16 copies the drafter's
+matmuls take (trainer.models.drafter.LowPrecisionWeights), the norms, attention and the loss. What
+changes is the rounding of the linear layers' inputs, weights and output gradients (3 mantissa
+bits), whose cost is τ (bench/quality.py's drafter precision comparison).
+
+The function also runs on the CPU (torch 2.13's `_scaled_mm`, else the dequantized product): the
+tests check its gradients there; a run is refused FP8 on a CPU drafter at config load
+(trainer.run.accel.fp8_refusal), as the target's FP8 is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+ALIGN = 16  # torch._scaled_mm: every dimension it reads as a matrix's inner or column count
+_AMAX_FLOOR = 1e-12  # an all-zero tensor gets a tiny scale, not a division by zero
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as e4m3 values q and one fp32 scale s (a 0-d tensor) with x ~= q * s: the tensor's largest
+    magnitude maps to 448. No host sync: the scale stays on x's device."""
+    amax = x.detach().abs().amax().float()
+    scale = torch.clamp(amax, min=_AMAX_FLOOR) / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    if not pad:
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, pad)).view(t.dtype)
+
+
+def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """(a * sa) @ (b * sb) for e4m3 a [M, K] (row-major) and b [K, N] (column-major), fp32 accumulation.
+    K and N must be multiples of 16 (the callers pad); a CPU torch without the kernel takes the
+    dequantized product (same values up to accumulation order)."""
+    if a.device.type == "cuda" or _cpu_kernel():
+        return torch._scaled_mm(a, b, scale_a=sa.reshape(1, 1), scale_b=sb.reshape(1, 1), out_dtype=out_dtype)
+    return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x w^T with every matmul in e4m3, tensorwise scales. x [M, K], w [N, K], both 2-D."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        xq, sx = quantize_tensor(x)
+        wq, sw = quantize_tensor(w)
+        ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.x_dtype, ctx.w_dtype, ctx.m = x.dtype, w.dtype, x.shape[0]
+        return scaled_mm(xq, sx, wq.t(), sw, out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        xq, sx, wq, sw = ctx.saved_tensors
+        gq, sg = quantize_tensor(grad)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: w column-major is w^T made contiguous
+            dx = scaled_mm(gq, sg, wq.t().contiguous().t(), sw, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]: M is the inner dimension, padded to 16
+            g_t = _pad_rows(gq, ALIGN).t().contiguous()
+            x_cols = _pad_rows(xq, ALIGN).t().contiguous().t()
+            dw = scaled_mm(g_t, sg, x_cols, sx, torch.float32).to(ctx.w_dtype)
+        return dx, dw
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) (no bias) with FP8 matmuls forward and backward; x [..., K], weight [N, K]
+    (K and N multiples of 16: every drafter projection of a real target is)."""
+    shape = x.shape
+    y = _FP8Linear.apply(x.reshape(-1, shape[-1]), weight)
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+def fp8_trainable(weight_shape: tuple[int, ...] | torch.Size) -> bool:
+    """Whether a weight of this shape can take FP8 matmuls (both dimensions multiples of 16)."""
+    return len(weight_shape) == 2 and weight_shape[0] % ALIGN == 0 and weight_shape[1] % ALIGN == 0
+
+
+_CPU_KERNEL: bool | None = None
+
+
+def _cpu_kernel() -> bool:
+    """Whether this torch runs tensorwise torch._scaled_mm on the CPU."""
+    global _CPU_KERNEL
+    if _CPU_KERNEL is None:
+        try:
+            a = torch.ones(16, 16).to(E4M3)
+            one = torch.ones(1, 1)
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            _CPU_KERNEL = True
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            _CPU_KERNEL = False
+    return _CPU_KERNEL

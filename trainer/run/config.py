@@ -451,6 +451,7 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     _validate_target(c, check)
     _validate_model(c, check)
     _validate_drafter(c, check)
+    _validate_drafter_precision(c, check)
     _validate_data(c, check)
     _validate_optim(c, check)
     _validate_devices(c, check)
@@ -479,11 +480,6 @@ def _validate_target(c: TrainerConfig, check: _Check) -> None:
         for d in dict.fromkeys(one for r in c.devices.target for one in ([r] if isinstance(r, str) else r)):
             reason = _fp8_refusal(d)
             check(reason is None, ("model", "target", "precision"), f"fp8 is refused: {reason}")
-    if c.model.drafter.precision == "fp8":
-        check(c.model.dtype == "bf16", ("model", "drafter", "precision"), "fp8 needs model.dtype bf16")
-        for d in dict.fromkeys(c.devices.drafter):
-            reason = _fp8_refusal(d)
-            check(reason is None, ("model", "drafter", "precision"), f"fp8 is refused: {reason}")
     if t.experts == "grouped_mm":
         reason = _grouped_refusal()
         check(reason is None, ("model", "target", "experts"), f"grouped_mm is not offered here: {reason}")
@@ -619,6 +615,15 @@ def _validate_distributed(c: TrainerConfig, check: _Check) -> None:
 
 
 SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
+def _validate_drafter_precision(c: TrainerConfig, check: _Check) -> None:
+    """model.drafter.precision: fp8 matmuls need bf16 autocast and FP8 tensor cores on every drafter device."""
+    if c.model.drafter.precision == "fp8":
+        check(c.model.dtype == "bf16", ("model", "drafter", "precision"), "fp8 needs model.dtype bf16")
+        for d in dict.fromkeys(c.devices.drafter):
+            reason = _fp8_refusal(d)
+            check(reason is None, ("model", "drafter", "precision"), f"fp8 is refused: {reason}")
 
 
 def _validate_drafter(c: TrainerConfig, check: _Check) -> None:

@@ -56,7 +56,7 @@ def test_export_never_deletes_what_it_did_not_write(checkpoint, tmp_path):
     assert tree_of(models) == {"Qwen3-8B/model.safetensors": b"the user's weights"}
     out = export_checkpoint(checkpoint, tmp_path / "draft")
     first = tree_of(out)
-    assert sorted(first) == ["config.json", "drafter.py", "model.safetensors", "modeling_dflash.py"]
+    assert sorted(first) == ["config.json", "dflash2.py", "drafter.py", "layout.py", "model.safetensors", "modeling_dflash.py"]
     again = export_checkpoint(checkpoint, tmp_path / "draft")  # an earlier export: replaced
     assert tree_of(again) == first
     (out / "notes.md").write_text("mine")

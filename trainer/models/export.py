@@ -3,12 +3,15 @@
 The directory has the layout of z-lab's drafts (e.g. Qwen3-8B-DFlash-b16): a Qwen3 config
 with `dflash_config` {mask_token_id, target_layer_ids}, `block_size` and `num_target_layers`,
 and bf16 weights named fc, hidden_norm, layers.N.*, norm - what SGLang and vLLM load. For
-`AutoModel.from_pretrained(dir, trust_remote_code=True)` it also carries the model code
-(modeling_dflash.py + drafter.py, see trainer.models.hf_modeling) and config.json's `auto_map`.
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` it also carries the model code and
+config.json's `auto_map`: trainer.models.hf_modeling as modeling_dflash.py beside every trainer
+module it reaches (drafter.py, dflash2.py, layout.py), their imports of each other made relative
+(`model_code`), so the export loads where only torch and transformers are installed.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -24,6 +27,7 @@ from safetensors.torch import save_file
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
 from trainer.run.layout import (
+    MASK_EMBEDDING,
     Layout,
     LayoutError,
     engine_warnings,
@@ -35,10 +39,11 @@ from trainer.run.layout import (
 )
 
 HERE = Path(__file__).resolve().parent
-MASK_EMBEDDING = "mask_embedding.pt"  # a draft's separate mask embedding, as vLLM reads it
-# file written beside the weights -> the trainer module it is a copy of
-MODEL_CODE = {"modeling_dflash.py": HERE / "hf_modeling.py", "drafter.py": HERE / "drafter.py"}
-DFLASH2_CODE = {"dflash2.py": HERE / "dflash2.py"}  # beside them in a DFlash2 export
+SOURCES = HERE.parents[1]  # the directory holding the trainer package
+MODEL_ENTRY = "trainer.models.hf_modeling"  # the exported model's code (config.json's auto_map names it)
+MODEL_FILE = "modeling_dflash"  # ... written as this module beside the weights
+# what the exported code may import besides the files written beside it and the standard library
+MODEL_CODE_PACKAGES = ("torch", "transformers")
 
 
 def layout_of(d: dict) -> Layout:
@@ -103,9 +108,92 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
             torch.save({"embedding": mask_embedding, "mask_token_id": d["mask_token_id"]}, tmp / MASK_EMBEDDING)
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
         (tmp / "config.json").write_text(json.dumps(hf_config(d, name), indent=2) + "\n")
-        for written, source in {**MODEL_CODE, **(DFLASH2_CODE if d.get("kind") == "dflash2" else {})}.items():
-            shutil.copyfile(source, tmp / written)
+        for written, source in model_code().items():
+            (tmp / written).write_text(source)
     return out
+
+
+class ModelCodeError(ValueError):
+    """A trainer module the exported model code reaches cannot stand alone beside the weights."""
+
+
+def module_file(module: str, root: Path = SOURCES) -> Path:
+    """The source file of a module under `root` (a package: its __init__.py)."""
+    path = root.joinpath(*module.split("."))
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+
+
+def model_code(entry: str = MODEL_ENTRY, entry_as: str = MODEL_FILE, root: Path = SOURCES) -> dict[str, str]:
+    """The exported model code, file name -> source: `entry` (as `entry_as`.py) and every module of
+    its package that it imports, directly or through another, at the top or inside a function (each
+    as its own file name, e.g. trainer.run.layout as layout.py).
+
+    These are the trainer's own files, not a second copy to keep in step: each import of one of them
+    becomes `from .NAME import ...`, the form transformers' dynamic-module loader follows and copies
+    (it reads `from .NAME import` lines, one dot). Every other import must be the standard library's
+    or MODEL_CODE_PACKAGES', so the export loads where this repository is not installed; anything
+    else raises ModelCodeError naming file:line, at export time rather than at the user's load."""
+    package = entry.split(".")[0]
+    names = {entry: entry_as}
+    edits: dict[str, tuple[str, list[tuple[ast.ImportFrom, str]]]] = {}
+    todo = [entry]
+    while todo:
+        module = todo.pop()
+        path = module_file(module, root)
+        text = path.read_text()
+        own = []
+        for node in ast.walk(ast.parse(text, str(path))):
+            target = _own_import(module, path, node, package, root)
+            if target is not None and isinstance(node, ast.ImportFrom):
+                own.append((node, target))
+                if target not in names:
+                    names[target] = target.rsplit(".", 1)[-1]
+                    todo.append(target)
+        edits[module] = (text, own)
+    written = sorted(names.values())
+    clash = sorted({n for n in written if written.count(n) > 1})
+    if clash:
+        raise ModelCodeError(f"the exported model code would write two modules as {', '.join(clash)}.py")
+    return {f"{names[m]}.py": _made_relative(text, own, names) for m, (text, own) in sorted(edits.items())}
+
+
+def _own_import(module: str, path: Path, node: ast.AST, package: str, root: Path) -> str | None:
+    """The module of `package` an import statement of `module` takes names from (None: another
+    package's, which must be one the exported code may import; ModelCodeError otherwise)."""
+    if isinstance(node, ast.Import):
+        imported = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        anchor = module.split(".")[: None if path.name == "__init__.py" else -1]
+        anchor = anchor[: len(anchor) - max(node.level - 1, 0)] if node.level else []
+        imported = [".".join([*anchor, *([node.module] if node.module else [])])]
+    else:
+        return None
+    where = f"{path}:{node.lineno}"
+    for name in imported:
+        top = name.split(".")[0]
+        if top == package:
+            if isinstance(node, ast.Import) or module_file(name, root).name == "__init__.py":
+                raise ModelCodeError(f"{where}: the exported model code takes {package}'s names only as "
+                                     f"`from {package}.PACKAGE.MODULE import NAME` (here: {name})")
+            return name
+        if top not in MODEL_CODE_PACKAGES and top not in sys.stdlib_module_names:
+            raise ModelCodeError(f"{where}: the exported model code may import only the standard library, "
+                                 f"{', '.join(MODEL_CODE_PACKAGES)} and its own package's modules, not {name}")
+    return None
+
+
+def _made_relative(text: str, own: list[tuple[ast.ImportFrom, str]], names: dict[str, str]) -> str:
+    """`text` with each import statement of `own` replaced by `from .NAME import ...` (the statement's
+    span only: comments after it stay). ast's columns count UTF-8 bytes, so the edit is on bytes."""
+    lines = text.encode().splitlines(keepends=True)
+    for node, target in sorted(own, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
+        first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
+        head, tail = lines[first][:node.col_offset], lines[last][node.end_col_offset:]
+        if head.strip():  # transformers finds the files to copy by `^\s*from \.NAME import` lines
+            raise ModelCodeError(f"line {node.lineno}: an import of {target} that does not begin its line")
+        imported = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
+        lines[first:last + 1] = [head + f"from .{names[target]} import {imported}".encode() + tail]
+    return b"".join(lines).decode()
 
 
 def _write_marker(path: str, doc: dict) -> None:
@@ -237,12 +325,8 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
             name = name.removeprefix("model.")
             if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm", "candidate_selector"):
                 weights[name] = tensor.float()
-    if fields["mask_embedding"]:  # a tensor, or {"embedding": tensor, "mask_token_id": id} (vLLM's two forms)
-        state = torch.load(d / MASK_EMBEDDING, weights_only=True, map_location="cpu")
-        if isinstance(state, dict):
-            if state.get("mask_token_id", mask) != mask:
-                raise ValueError(f"{d}/{MASK_EMBEDDING}: mask_token_id {state.get('mask_token_id')} is not "
-                                 f"dflash_config.mask_token_id {mask}")
-            state = state["embedding"]
-        weights["mask_embedding"] = state.reshape(-1).float()
+    if fields["mask_embedding"]:
+        from trainer.models.hf_modeling import load_mask_embedding
+
+        weights["mask_embedding"] = load_mask_embedding(d / MASK_EMBEDDING, mask)
     return fields, weights

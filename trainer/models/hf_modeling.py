@@ -1,23 +1,40 @@
 """The exported draft's model code, for `AutoModel.from_pretrained(export, trust_remote_code=True)`.
 
-`trainer.models.export` writes this file beside the weights as `modeling_dflash.py`, with
-`trainer/models/drafter.py` as `drafter.py` (torch only; a DFlash2 export also `dflash2.py`), and
-names the class in config.json's `auto_map`. The class holds the drafter's weights under the
+`trainer.models.export` writes this file beside the weights as `modeling_dflash.py`, with the
+trainer modules it reaches (drafter.py, dflash2.py, layout.py), their imports of each other made
+relative (`export.model_code`: so they may import only torch, transformers, the standard library and
+each other), and names the class in config.json's `auto_map`. The class holds the drafter's weights under the
 published names (fc, hidden_norm, layers.N.*, norm; DFlash2: layers.N.attention_conv.*,
 layers.N.mlp_conv.*, candidate_selector.*) and runs the trainer's own drafting code, so it drafts
 exactly what the trained drafter drafts (`propose(hidden, logits_of, anchor)`: DFlash2's selector
-walk). config.json stays the Qwen3 config SGLang and vLLM read.
+walk). config.json stays the Qwen3 config SGLang and vLLM read; a separate mask embedding is read
+from mask_embedding.pt beside the weights, as vLLM reads it (`from_pretrained`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Any, Callable
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
+from transformers.utils import cached_file
 
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules, propose
-from trainer.run.layout import generation
+from trainer.run.layout import MASK_EMBEDDING, generation
+
+
+def load_mask_embedding(path: str | os.PathLike, mask_token_id: int) -> torch.Tensor:
+    """A draft's mask_embedding.pt as a [hidden] fp32 tensor: a tensor, or {"embedding": tensor,
+    "mask_token_id": id} (vLLM's two forms; ValueError when the id is not the config's)."""
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if isinstance(state, dict):
+        if state.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise ValueError(f"{path}: mask_token_id {state.get('mask_token_id')} is not "
+                             f"dflash_config.mask_token_id {mask_token_id}")
+        state = state["embedding"]
+    return state.reshape(-1).float()
 
 
 def drafter_config(config: Qwen3Config) -> DrafterConfig:
@@ -75,6 +92,22 @@ class DFlashDraftModel(PreTrainedModel):
     _compute_dtype = DFlashDrafter._compute_dtype
     _run = DFlashDrafter._run
     draft_block = DFlashDrafter.draft_block  # the same code on the same weight names
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' loading, then the mask slots' own embedding where the draft ships one
+        (mask_embedding.pt: vLLM reads it from there, so it is not among model.safetensors' tensors)."""
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model: Any = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)
+        path = cached_file(pretrained_model_name_or_path, MASK_EMBEDDING, _raise_exceptions_for_missing_entries=False,
+                           **{k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only",
+                                                    "subfolder") if k in kwargs})
+        if path is not None:
+            weight = model.fc.weight
+            embedding = load_mask_embedding(path, model.dflash.mask_token_id)
+            model.mask_embedding = nn.Parameter(embedding.to(weight.device, weight.dtype))
+            model.dflash.mask_embedding = True
+        return loaded
 
     def forward(self, ctx_features: torch.Tensor, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         return self.draft_block(ctx_features, block_embeds, start)  # type: ignore[misc]  # borrowed method

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # the published layer_types
+MASK_EMBEDDING = "mask_embedding.pt"  # beside the weights: the mask slots' own embedding (vLLM reads it there)
 
 # dflash_config fields vLLM reads: the ones the trainer represents, and those it refuses unless neutral
 DFLASH_FIELDS = {"mask_token_id", "target_layer_ids", "use_swa", "swa_window_size", "causal", "attention_sink_bias",

@@ -25,10 +25,11 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+def imports(name: str, path: Path, known: dict[str, Path], nodes: list[ast.AST] | None = None) -> set[str]:
+    """The known modules that `name` (file `path`) imports; nodes: only these statements of it."""
     is_package = path.name == "__init__.py"
     targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))) if nodes is None else nodes:
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

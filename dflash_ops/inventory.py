@@ -109,6 +109,7 @@ class Target:
     keep_releases: int | None = None
     address: str | None = None  # the container's own address for runs across hosts (else asked from it)
     notify: Notify | None = None  # added to the node's
+    user: str | None = None  # a non-root user of the container the runs are meant for: doctor checks its GPU access
 
     @property
     def notify_all(self) -> Notify:
@@ -300,6 +301,7 @@ class _TargetSpec(_Schema):
     keep_releases: Annotated[int, Field(ge=1)] | None = None
     address: str | None = None  # the container's own address, for runs across hosts
     notify: Any = None  # a mapping (_NotifySpec)
+    user: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_-]*$")] | None = None  # a non-root user in the CT
 
 
 Argv = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
@@ -433,7 +435,8 @@ class _Parser:
         return Target(name=name, node=node, ctid=100 if spec.ctid is None else spec.ctid,
                       base_dir=base_dir.rstrip("/") or "/", python=python, gpus=tuple(spec.gpus),
                       extra_paths=tuple(spec.extra_paths), venv=self.venv(m, at, what),
-                      keep_releases=spec.keep_releases, address=spec.address, notify=self.notify(m, at, what))
+                      keep_releases=spec.keep_releases, address=spec.address, notify=self.notify(m, at, what),
+                      user=spec.user)
 
     def notify(self, m: _Mapping, at: Callable[[str], int], what: str) -> Notify | None:
         if m.get("notify") is None:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, Optional
+import re
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
 from dflash_ops.cli.common import InventoryOption, fail, parse_gpus
 from dflash_ops.inventory import ENV_VAR, user_inventory_path
+from dflash_ops.provision.config import DeviceAccess
+
+if TYPE_CHECKING:
+    from dflash_ops.container import Container
 
 
 def provision(
@@ -19,7 +24,11 @@ def provision(
     memory: Annotated[Optional[int], typer.Option("--memory", help="Memory limit in MiB (pct --memory).")] = None,
     rootfs: Annotated[Optional[str], typer.Option("--rootfs", help="STORAGE:GiB of a new container's root disk.")] = None,
     shm: Annotated[Optional[int], typer.Option("--shm", help="/dev/shm size in GiB (default: 1, half a GiB per GPU from 2 on).")] = None,
-    privileged: Annotated[bool, typer.Option("--privileged", help="Create a privileged container (default unprivileged).")] = False,
+    privileged: Annotated[bool, typer.Option("--privileged/--unprivileged", help="Create a privileged container (default: unprivileged; with --device-gid its group is mapped to the node's by lxc.idmap lines).")] = False,
+    device_gid: Annotated[Optional[str], typer.Option("--device-gid", metavar="GID|GROUP", help="The group that may open the GPU device nodes in the container (gid= on every devN entry; a GROUP name is looked up in the running container).")] = None,
+    device_uid: Annotated[Optional[int], typer.Option("--device-uid", min=0, max=65535, help="The owner of the GPU device nodes in the container (uid= on every devN entry).")] = None,
+    device_mode: Annotated[Optional[str], typer.Option("--device-mode", metavar="MODE", help="The device nodes' mode, octal (mode= on every devN entry, e.g. 0660).")] = None,
+    features: Annotated[Optional[str], typer.Option("--features", help="pct's features: of the container, e.g. nesting=1.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node command and the config diff; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Restart a running container without asking.")] = False,
     write_inventory: Annotated[bool, typer.Option("--write-inventory", help="Add TARGET to the inventory when it is not there: the file of --inventory, else yours ($XDG_CONFIG_HOME/dflash-ops/hosts.yaml, made from the default the first time), edited in place (comments, order, mode kept).")] = False,
@@ -67,8 +76,11 @@ def provision(
             inv = load_inventory(path)
     t = inv.target(target)
     container = Container(t, transport_for(t.node))
+    access = DeviceAccess(uid=device_uid, gid=_gid(container, device_gid), mode=_mode(device_mode))
+    if features is not None and not re.fullmatch(r"[a-z_]+=[01](,[a-z_]+=[01])*", features):
+        fail(f"--features {features!r}: pct's form, e.g. nesting=1 or nesting=1,keyctl=1", 2)
     request = Request(gpus=asked, cores=cores, memory_mib=memory, rootfs=rootfs, shm_gib=shm, template=template,
-                      unprivileged=not privileged)
+                      unprivileged=not privileged, device=access, features=features)
     outcome = run_provision(container, request, dry_run=dry_run, yes=yes,
                             confirm=lambda q: typer.confirm(q, default=False), say=typer.echo)
     if dry_run:
@@ -83,6 +95,32 @@ def provision(
     n = len(outcome.changes)
     typer.echo(f"provision {target}: {n} change{'s' if n != 1 else ''}" + (f" ({verb}: " + "; ".join(outcome.changes) + ")"
                                                                             if n else " (as wanted already)"))
+
+
+def _mode(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if not re.fullmatch(r"0?[0-7]{3}", text):
+        fail(f"--device-mode {text!r}: an octal mode such as 0660", 2)
+    return text.rjust(4, "0")
+
+
+def _gid(container: Container, text: str | None) -> int | None:
+    """--device-gid: a number, or a group name as the container knows it (`getent group` in it: a
+    name is the container's, not the node's)."""
+    if text is None:
+        return None
+    if text.isdigit():
+        if int(text) >= 65536:
+            fail(f"--device-gid {text}: a gid of the container, below 65536", 2)
+        return int(text)
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]*", text):
+        fail(f"--device-gid {text!r}: a number or a group name", 2)
+    found = container.exec(["getent", "group", text], timeout=60)
+    if not found.ok or not found.stdout.split(":")[2:3]:
+        fail(f"--device-gid {text}: no group {text!r} in CT {container.target.ctid} (is it running? "
+             f"pass the number instead)", 2)
+    return int(found.stdout.split(":")[2])
 
 
 def register(app: typer.Typer) -> None:

@@ -41,6 +41,9 @@ def helper_args(container: ContainerAPI, plan: RunPlan, fast: bool) -> list[str]
             "--root", target.node.kind.container_root(target.ctid) if target.node.pct else "/"]
     if plan.needs_gpu and not fast:
         args.append("--nccl")
+    user = getattr(target, "user", None)
+    if user:
+        args += ["--device-user", user]
     if plan.model_config_path:
         args += ["--model-config", plan.model_config_path]
     return args

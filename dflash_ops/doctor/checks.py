@@ -76,7 +76,7 @@ def evaluate(i: Inputs) -> list[Check]:
                             f"install python3 in the container, or set `python:` for {i.target.name} in the inventory"))
         return checks
     for judge in (config_check, target_model_check, memory_plan_check, python_check, venv_support_check, pid_namespace_check, release_check, torch_check, gpus_container_check, gpus_torch_check, held_check,
-                  driver_check, userspace_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
+                  device_access_check, driver_check, userspace_check, nccl_check, shm_check, disk_check, ram_check, memlock_check, nofile_check,
                   clock_check):
         check = judge(i)
         if check is not None:
@@ -543,6 +543,29 @@ def ram_check(i: Inputs) -> Check:
 
 def _limit(value: int | None) -> str:
     return "unlimited" if value is None else gib(value) if value >= MIB else f"{value // 1024} KiB"
+
+
+def device_access_check(i: Inputs) -> Check | None:
+    """The target's `user:` (a non-root user the runs are meant for) opens every NVIDIA device node."""
+    found = i.found.get("device_access")
+    if not found:
+        return None
+    user, t = found["user"], i.target
+    needed = f"{user} opens /dev/nvidia* read-write"
+    if found.get("error"):
+        return Check("device access", FAIL, f"{user}: {found['error']}", needed,
+                     f"create the user in CT {t.ctid}, or fix `user:` of {t.name} in the inventory")
+    paths = found.get("paths") or {}
+    denied = {p: why for p, why in paths.items() if why != "ok"}
+    if not paths:
+        return Check("device access", OK if not i.plan.needs_gpu else WARN, f"{user}: no /dev/nvidia* in the container",
+                     needed, "" if not i.plan.needs_gpu else "see `gpu passthrough`")
+    if not denied:
+        return Check("device access", OK, f"{user}: {len(paths)} device node(s)", needed)
+    listed = ", ".join(f"{p.rsplit('/', 1)[-1]} ({why})" for p, why in sorted(denied.items()))
+    fix = (f"dflash-ops provision {t.name} --device-gid GROUP (a group {user} is in; --unprivileged maps it) "
+           "--device-mode 0660 --yes" if i.node.pct else f"add {user} to the device nodes' group")
+    return Check("device access", FAIL, f"{user}: {listed}", needed, fix)
 
 
 def memlock_check(i: Inputs) -> Check:

@@ -428,6 +428,58 @@ def all_reduce(torch: types.ModuleType, count: int) -> dict:
     return {"ok": True, "gpus": count, "mib": 4, "seconds": round(time.time() - began, 3)}
 
 
+# ---------------------------------------------------------------- a non-root user's device access
+
+def device_access(user: "str | None", root: str = "/") -> "dict | None":
+    """Whether `user` (the inventory's `user:` of the target) can open each NVIDIA device node for
+    reading and writing, as CUDA does: a child takes the user's uid, gid and groups and opens each
+    one. {"user", "paths": {path: "ok" | error}} or {"user", "error"}; None when no user is asked."""
+    if not user:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return {"user": user, "error": "no such user in the container"}
+    dev = os.path.join(root, "dev")
+    try:
+        paths = sorted(os.path.join(dev, n) for n in os.listdir(dev) if n.startswith("nvidia"))
+    except OSError:
+        paths = []
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drops to the user, opens, reports on the pipe, exits
+        try:
+            os.close(read_fd)
+            os.initgroups(user, entry.pw_gid)
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)
+            found = {}
+            for path in paths:
+                try:
+                    os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY))
+                    found[path] = "ok"
+                except OSError as e:
+                    found[path] = e.strerror or str(e)
+            os.write(write_fd, json.dumps(found).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    while True:
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    try:
+        return {"user": user, "paths": json.loads(b"".join(chunks).decode() or "{}")}
+    except ValueError:
+        return {"user": user, "error": "could not become the user (uid %d)" % entry.pw_uid}
+
+
 # ---------------------------------------------------------------- the facts document
 
 def facts(args: argparse.Namespace) -> int:
@@ -455,6 +507,7 @@ def facts(args: argparse.Namespace) -> int:
         "model": model_dims(args.model_config),
         "torch": run_probe(probe_python, gpus, args.torch, args.nccl, args.probe_timeout),
         "gpus": gpus,
+        "device_access": device_access(args.device_user, args.root),
     }
     emit(doc)
     return 0
@@ -474,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runs-helper")
     s.add_argument("--probe-timeout", type=float, default=120.0)
     s.add_argument("--root", default="/")
+    s.add_argument("--device-user")
     s.set_defaults(func=facts)
     s = sub.add_parser("torch-probe")
     s.add_argument("--mode", choices=("find", "full"), default="full")

@@ -22,13 +22,18 @@ from dflash_ops.doctor.node import node_facts
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.provision import userspace
 from dflash_ops.provision.config import (
+    ID_BASE,
+    ID_RANGE,
+    DeviceAccess,
     RawConfig,
     config_diff,
     gpu_device_paths,
+    idmap_lines,
     owned_path,
     parse_owned,
     plan_lxc,
     render_owned,
+    subid_missing,
     wanted_devn,
     wanted_lxc,
 )
@@ -60,6 +65,8 @@ class Request:
     shm_gib: int | None = None  # default: 1 GiB, 512 MiB per GPU from two GPUs on (docs/doctor.md)
     template: str | None = None
     unprivileged: bool = True
+    device: DeviceAccess = DeviceAccess()  # uid/gid/mode on every devN entry (a non-root user's GPUs)
+    features: str | None = None  # pct's features: (e.g. nesting=1)
     create: bool = True  # doctor --fix repairs; it never creates
 
 
@@ -88,6 +95,8 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
         if not request.create:
             raise ProvisionError(f"container {target.ctid} does not exist on node {target.node.name}: "
                                  f"dflash-ops provision {target.name} creates it")
+        if request.unprivileged and request.device.gid is not None:  # asked before anything is made
+            _subids(s, target, request.device.gid, yes, confirm)
         _create(s, target, request)
     conf_path = kind.node_path(f"/etc/pve/lxc/{target.ctid}.conf")
     sidecar = kind.node_path(owned_path(target.ctid))
@@ -97,13 +106,20 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
         raise ProvisionError(f"CT {target.ctid} is locked ({config.lock}): provision changes nothing while a "
                              f"{config.lock} holds it (`pct unlock {target.ctid}` only when none runs)")
     paths = gpu_device_paths(gpus, node.devices)
-    options = wanted_devn(config, paths) if node.devn else {}
+    options = wanted_devn(config, paths, request.device) if node.devn else {}
+    if request.features and config.options.get("features") != request.features:
+        options["features"] = request.features
     for key, value in (("memory", request.memory_mib), ("cores", request.cores)):
         if value is not None and state != "missing" and config.options.get(key) != str(value):
             options[key] = str(value)
     shm = request.shm_gib if request.shm_gib is not None else (default_shm_gib(gpus) if gpus else None)
     wanted = wanted_lxc(gpus=gpus, devices=node.devices, devn=node.devn, uvm_major=node.uvm_major, shm_gib=shm,
                         limits=bool(gpus))
+    unprivileged = config.options.get("unprivileged", "1" if state == "missing" and request.unprivileged else "0") == "1"
+    if unprivileged and request.device.gid is not None:
+        wanted += idmap_lines(request.device.gid)
+        if state != "missing":
+            _subids(s, target, request.device.gid, yes, confirm)
     plan = plan_lxc(config, owned, wanted)
     for theirs, ours in plan.kept_foreign:
         s.outcome.notes.append(f"kept the config's own `{theirs[0]}: {theirs[1]}` (not written by dflash-ops) "
@@ -177,6 +193,38 @@ def _create(s: _Session, target: Target, request: Request) -> None:
             args += [option, str(value)]
     argv = list(render.pct_argv(target.node.pct, "create", target.ctid, *args, *kind.create_options(target.ctid)))
     s.change(f"pct create {target.ctid} from {template}", node_rendered(argv))
+
+
+_APPEND = 'printf "%s\\n" "$2" >> "$1"'  # the node's file edited in place (it is the admin's)
+
+
+def _subids(s: _Session, target: Target, gid: int, yes: bool, confirm: Confirm) -> None:
+    """An idmap of group `gid` needs the node's /etc/subuid and /etc/subgid to let root map it (else
+    lxc-start: "newgidmap failed to write mapping"): read them; a missing line is added, in place, only
+    after a yes (--yes)."""
+    kind = target.node.kind
+    files = {name: kind.node_path(f"/etc/{name}") for name in ("subuid", "subgid")}
+    out = s.read("the node's /etc/subuid and /etc/subgid", ["sh", "-c", _READ, "sh", *files.values()])
+    texts: dict[str, list[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if line.startswith("--- dflash-ops "):
+            current = line[len("--- dflash-ops "):]
+            texts[current] = []
+        elif current is not None:
+            texts[current].append(line)
+    wanted = {"subuid": [(ID_BASE, ID_RANGE)], "subgid": [(ID_BASE, ID_RANGE), (gid, 1)]}
+    lines = [(name, f"root:{start}:{count}") for name, ranges in wanted.items()
+             for start, count in subid_missing("\n".join(texts.get(files[name], [])), ranges)]
+    if not lines:
+        return
+    what = ", ".join(f"`{line}` to /etc/{name}" for name, line in lines)
+    if not (s.dry_run or yes or confirm(f"node {target.node.name}: add {what} (root may map group {gid})?")):
+        raise ProvisionError(f"node {target.node.name}: /etc/subgid does not let root map group {gid} and was not "
+                             f"changed: add {what} yourself, or rerun with --yes")
+    for name, line in lines:
+        s.change(f"node {target.node.name}: add `{line}` to /etc/{name}",
+                 node_rendered(["sh", "-c", _APPEND, "sh", files[name], line]))
 
 
 def _read_config(s: _Session, conf_path: str, sidecar: str, created: bool = False) -> tuple[str, list]:

@@ -71,6 +71,8 @@ def slot(line: Line) -> str:
         return f"{key} {words[1] if len(words) > 1 else value}"
     if key.startswith("lxc.prlimit."):
         return key
+    if key == "lxc.idmap":  # what a map decides: the kind and first id inside the container
+        return f"{key} {' '.join(value.split()[:2])}"
     return f"{key} {value}"
 
 
@@ -156,12 +158,74 @@ def gpu_device_paths(gpus: tuple[int, ...], devices: tuple[str, ...]) -> list[st
     return [f"/dev/nvidia{g}" for g in gpus] + extra
 
 
-def wanted_devn(config: RawConfig, paths: list[str]) -> dict[str, str]:
+@dataclass(frozen=True)
+class DeviceAccess:
+    """Who may open the device nodes inside the container: pct's devN `uid=`, `gid=`, `mode=`
+    (pve-container creates each node with them; without, root:root 0660 and a non-root user gets
+    `permission denied`). None: not asked (the entry says nothing of it)."""
+
+    uid: int | None = None
+    gid: int | None = None
+    mode: str | None = None  # octal, e.g. 0660
+
+    def __bool__(self) -> bool:
+        return self.uid is not None or self.gid is not None or self.mode is not None
+
+    def entry(self, path: str) -> str:
+        """The devN value for `path` (pct's property string: path first, then the keys sorted)."""
+        keys = {"gid": self.gid, "mode": self.mode, "uid": self.uid}
+        return ",".join([path, *(f"{k}={v}" for k, v in sorted(keys.items()) if v is not None)])
+
+    def held_by(self, value: str) -> bool:
+        """Whether a devN value already says what is asked (other keys of it are left alone)."""
+        fields = dict(part.split("=", 1) for part in value.split(",")[1:] if "=" in part)
+        asked = {"gid": self.gid, "mode": self.mode, "uid": self.uid}
+        return all(v is None or fields.get(k) == str(v) for k, v in asked.items())
+
+
+def wanted_devn(config: RawConfig, paths: list[str], access: DeviceAccess = DeviceAccess()) -> dict[str, str]:
     """`pct set` options giving the container each path not yet passed through (or bind-mounted by
-    the admin): devK in the first free slots."""
-    have = config.passthrough() | config.mounted()
+    the admin): devK in the first free slots; with `access`, an entry of one of `paths` that does
+    not say it yet is set again in its own slot (asked for by the user, so it is no silent rewrite)."""
+    entries = {v.split(",")[0].removeprefix("path="): (k, v) for k, v in config.options.items()
+               if re.fullmatch(r"dev\d+", k)}
+    have = set(entries) | config.mounted()
     missing = [p for p in paths if p not in have]
-    return dict(zip(config.free_dev_slots(), missing))
+    options = dict(zip(config.free_dev_slots(), [access.entry(p) for p in missing]))
+    if access:
+        for path in paths:
+            if path in entries and not access.held_by(entries[path][1]):
+                options[entries[path][0]] = access.entry(path)
+    return options
+
+
+ID_RANGE = 65536  # pve-container's unprivileged map: container ids 0..65535 -> node 100000..165535
+ID_BASE = 100000
+
+
+def idmap_lines(gid: int) -> list[Line]:
+    """lxc.idmap lines of an unprivileged container whose group `gid` is the node's group `gid`
+    (the rest as pve-container maps it), so files of that group (device nodes bound from the node,
+    a dataset directory) are the container's group too. The node's /etc/subgid must allow root to
+    map `gid` (subgid_line)."""
+    lines: list[Line] = [("lxc.idmap", f"u 0 {ID_BASE} {ID_RANGE}")]
+    if gid > 0:
+        lines.append(("lxc.idmap", f"g 0 {ID_BASE} {gid}"))
+    lines.append(("lxc.idmap", f"g {gid} {gid} 1"))
+    if gid + 1 < ID_RANGE:
+        lines.append(("lxc.idmap", f"g {gid + 1} {ID_BASE + gid + 1} {ID_RANGE - gid - 1}"))
+    return lines
+
+
+def subid_missing(text: str, wanted: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Of `wanted` (start, count) ranges, those root may not map by an /etc/subuid or /etc/subgid text."""
+    held = []
+    for line in text.splitlines():
+        parts = line.strip().split(":")
+        if len(parts) == 3 and parts[0] in ("root", "0") and parts[1].isdigit() and parts[2].isdigit():
+            held.append((int(parts[1]), int(parts[2])))
+    return [(start, count) for start, count in wanted
+            if not any(a <= start and start + count <= a + n for a, n in held)]
 
 
 def config_diff(old: str, new: str, label: str) -> list[str]:

@@ -62,6 +62,11 @@ def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550
         path.write_text(installer_script(wanted))
         os.chmod(path, 0o755)
     node.node_path(PVEVERSION_FILE).write_text((pve or DEFAULT_PVEVERSION) + "\n")
+    for name in ("subuid", "subgid"):  # a PVE node's: root maps the unprivileged containers' range
+        ids = node.node_path(f"/etc/{name}")
+        if not ids.exists():
+            ids.parent.mkdir(parents=True, exist_ok=True)
+            ids.write_text("root:100000:65536\n")
 
 
 def upgrade_driver(sim_root: str | Path, driver: str, keep_installers: bool = True) -> None:

@@ -482,6 +482,22 @@ def check_devices(node: Node, text: str) -> None:
                 raise PctError(f"Device {path} does not exist\n")
 
 
+def _check_dev(name: str, value: str) -> None:
+    """pve-container's `dev` property string: [path=]/dev/X[,deny-write=0|1][,gid=N][,mode=OCTAL][,uid=N]."""
+    fields = value.split(",")
+    if not _device_path(value).startswith("/dev/"):
+        raise PctError(f"400 Parameter verification failed.\n{name}: invalid format - {value} is not a device path\n")
+    for field_ in fields[1:]:
+        key, _, v = field_.partition("=")
+        good = {"gid": r"\d+", "uid": r"\d+", "mode": r"0?[0-7]{3}", "deny-write": r"[01]"}.get(key)
+        if good is None or not re.fullmatch(good, v):
+            raise PctError(f"400 Parameter verification failed.\n{name}: invalid format - {field_}\n")
+
+
+def _dev_fields(value: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in value.split(",")[1:] if "=" in part)
+
+
 def _device_path(value: str) -> str:
     """`[path=]/dev/X[,gid=N,mode=M,uid=N,deny-write=1]` -> /dev/X."""
     return value.split(",")[0].removeprefix("path=")
@@ -516,6 +532,7 @@ def cmd_destroy(node: Node, words: list[str]) -> int:
         if node.backend(vmid) == "lxc":
             shutil.rmtree(node.lxc_path() / vmid, ignore_errors=True)
             shutil.rmtree(node.ct_root(vmid), ignore_errors=True)
+        shutil.rmtree(node.lxc / f"{vmid}.dev", ignore_errors=True)
         node.conf(vmid).unlink()
         (node.lxc / f"{vmid}.state").unlink(missing_ok=True)
     return 0
@@ -567,7 +584,8 @@ def cmd_create(node: Node, words: list[str]) -> int:
                     raise PctError("mp0: taken by the trainer's packages (--sim-packages); use mp1..mp9\n")
                 extra.insert(0, f"mp0: {_site_packages_for(rootfs)},mp=/usr/local/lib/python{_rootfs_python(rootfs)}/dist-packages,ro=1\n")
             node.upper_dir(vmid).mkdir(parents=True, exist_ok=True)
-            unprivileged = False  # runs privileged (an idmapped CT needs subuid ranges and a shifted rootfs)
+            # recorded as asked, run privileged: an idmapped CT needs a shifted rootfs (lxc_config)
+            unprivileged = _boolean(opts, "unprivileged", True)
             described = f"backend: lxc; rootfs: {rootfs}"
         else:
             python = provision_python(ct_root, opts.get("sim-python") or _base_interpreter(), names)
@@ -889,10 +907,14 @@ def lxc_config(node: Node, vmid: str) -> str:
         flags = "bind,ro" if fields.get("ro") == "1" else "bind"
         lines.append(f"lxc.mount.entry = {parts[0]} {fields['mp'].lstrip('/')} none {flags},create=dir 0 0")
     for key in sorted((k for k in options if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
-        # devN: pve-container's autodev hook makes the node; here the node's fixture file is bound
+        # devN: pve-container's autodev hook makes the node with the entry's uid, gid and mode (else
+        # root:root 0660); here a file of the container's own with them, a copy of the node's, is bound
         path = _device_path(options[key])
-        lines.append(f"lxc.mount.entry = {node.node_path(path)} {path.lstrip('/')} none bind,create=file 0 0")
+        lines.append(f"lxc.mount.entry = {_device_node(node, vmid, path, _dev_fields(options[key]))} "
+                     f"{path.lstrip('/')} none bind,create=file 0 0")
     for key, value in _raw_lxc(text):
+        if key == "lxc.idmap":  # runs privileged: the map is recorded, not applied (docs/simulated-node.md)
+            continue
         if key.startswith("lxc.prlimit."):
             value = _prlimit_here(key[len("lxc.prlimit."):], value)
         if key.startswith("lxc.cgroup2.") and v1:  # Proxmox writes cgroup v2 keys; this host has v1
@@ -902,6 +924,20 @@ def lxc_config(node: Node, vmid: str) -> str:
             continue
         lines.append(f"{key} = {value}")
     return "".join(line + "\n" for line in lines)
+
+
+def _device_node(node: Node, vmid: str, path: str, fields: dict[str, str]) -> Path:
+    """The container's device node `path` as pve-container makes it from a devN entry: owner
+    uid (default 0), group gid (default 0), mode (default 0660), a node's own file under
+    ROOT/lxc/VMID.dev/ (the node's fixture is a plain file, so nothing opens it as a GPU)."""
+    if not node.node_path(path).exists():
+        raise PctError(f"Device {path} does not exist\n")
+    made = node.lxc / f"{vmid}.dev" / path.lstrip("/").replace("/", "_")
+    made.parent.mkdir(parents=True, exist_ok=True)
+    made.touch()
+    os.chown(made, int(fields.get("uid", "0")), int(fields.get("gid", "0")))
+    os.chmod(made, int(fields.get("mode", "0660"), 8))
+    return made
 
 
 def _prlimit_here(name: str, value: str) -> str:
@@ -997,7 +1033,7 @@ def cmd_config(node: Node, words: list[str]) -> int:
     return 0
 
 
-SET_OPTIONS = {"hostname", "memory", "swap", "cores", "net0", "onboot", "description",
+SET_OPTIONS = {"hostname", "memory", "swap", "cores", "net0", "onboot", "description", "features",
                *(f"mp{i}" for i in range(10)), *(f"dev{i}" for i in range(256))}
 
 
@@ -1016,8 +1052,10 @@ def cmd_set(node: Node, words: list[str]) -> int:
         if name in opts and not opts[name].isdigit():
             raise PctError(f"400 Parameter verification failed.\n{name}: type check ('integer') failed - got '{opts[name]}'\n")
     for name, value in opts.items():
-        if re.fullmatch(r"dev\d+", name) and not _device_path(value).startswith("/dev/"):
-            raise PctError(f"400 Parameter verification failed.\n{name}: invalid format - {value} is not a device path\n")
+        if re.fullmatch(r"dev\d+", name):
+            _check_dev(name, value)
+        if name == "features" and not re.fullmatch(r"(?:(?:nesting|keyctl|fuse|mknod|force_rw_sys)=[01],?)+", value):
+            raise PctError(f"400 Parameter verification failed.\nfeatures: invalid format - {value}\n")
     if not opts:
         raise PctError("400 no options specified\n")  # API2/LXC/Config.pm update_vm
     with node.lock(vmid):

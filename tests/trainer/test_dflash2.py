@@ -440,10 +440,39 @@ def test_compiled_regions_train_as_eager_and_compile_nothing_after_warm_up(tiny,
     finally:
         guard.unfreeze()
         torch._dynamo.reset()
-    assert grouped_conv in drafter_module._compiled
+    # the layer's two fused regions, convolutions inside (as the DFlash layer's)
+    assert drafter_module._dflash2_inputs_of in drafter_module._compiled
+    assert drafter_module._dflash2_out_and_mlp_of in drafter_module._compiled
     assert not counters["graph_break"]
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(compiled[1], eager[1]))
+
+
+def test_the_fused_layer_computes_what_the_unfused_one_does(tiny):
+    """model.fuse_drafter on a DFlash2 drafter: the layer's two regions (convolutions inside) give the
+    loss and gradients of the per-op path, with trained (not identity) convolutions and selector."""
+    target, head, _, layer_ids = tiny
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    drafter = dflash2_drafter(target, layer_ids)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if ".attention_conv." in name or ".mlp_conv." in name:
+                p.add_(0.05 * torch.randn_like(p))
+
+    def step(fused):
+        drafter.fused = fused
+        drafter.zero_grad()
+        loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", objective=Objective(selector=1.0))
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in drafter.parameters()]
+
+    fused, per_op = step(True), step(False)
+    assert fused[0] == pytest.approx(per_op[0], rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(fused[1], per_op[1]))
 
 
 def test_the_doctor_sizes_a_dflash2_checkpoint_from_its_parts():

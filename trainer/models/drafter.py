@@ -328,6 +328,47 @@ _attention_inputs = pointwise(_attention_inputs_of)
 _attention_out_and_mlp = pointwise(_attention_out_and_mlp_of)
 
 
+def _conv_coefficients(h: torch.Tensor, w_conv: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """A DFlash2 convolution's dynamic coefficients of h: [..., T, 2 sides, taps, groups]."""
+    taps = base.shape[1]
+    return F.linear(h, w_conv).unflatten(-1, (2, taps, w_conv.shape[0] // (2 * taps)))
+
+
+def _dflash2_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tensor, w_conv: torch.Tensor,
+                       base: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, w_qnorm: torch.Tensor,
+                       w_knorm: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, cos_kv: torch.Tensor,
+                       sin_kv: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                       linear: Linear = F.linear) -> tuple[torch.Tensor, ...]:
+    """DFlash2's layer before attention as one region (fused, like DFlash's `_attention_inputs_of`): the
+    input norm, the attention convolution's coefficients and its side 0, then q/k/v as in DFlash; side
+    1's coefficients are returned for `_dflash2_out_and_mlp_of`. GroupedConv.prepare's arithmetic."""
+    h = _rms_norm(x, w_norm, eps)
+    delta = _conv_coefficients(h, w_conv, base)
+    h = grouped_conv(h, delta[..., 0, :, :], base[0], block_size)
+    q, k, v = _qkv_of(h, ctx, wq, wk, wv, w_qnorm, w_knorm, cos_q, sin_q, cos_kv, sin_kv, eps, heads, kv_heads,
+                      head_dim, True, True, linear)
+    return q, k, v, delta[..., 1, :, :]
+
+
+def _dflash2_out_and_mlp_of(x: torch.Tensor, attended: torch.Tensor, wo: torch.Tensor, delta: torch.Tensor,
+                            base_a: torch.Tensor, w_norm: torch.Tensor, w_conv: torch.Tensor, base_m: torch.Tensor,
+                            w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, eps: float,
+                            block_size: int, linear: Linear = F.linear) -> torch.Tensor:
+    """DFlash2's layer after attention as one region: the output projection convolved (side 1) and the
+    residual, then the MLP between its own convolution's two sides, and the residual."""
+    b, heads, t, d = attended.shape
+    x = x + grouped_conv(linear(attended.transpose(1, 2).reshape(b, t, heads * d), wo), delta, base_a[1], block_size)
+    h = _rms_norm(x, w_norm, eps)
+    delta = _conv_coefficients(h, w_conv, base_m)
+    h = grouped_conv(h, delta[..., 0, :, :], base_m[0], block_size)
+    out = linear(_silu_mul(linear(h, w_gate), linear(h, w_up)), w_down)
+    return x + grouped_conv(out, delta[..., 1, :, :], base_m[1], block_size)
+
+
+_dflash2_inputs = pointwise(_dflash2_inputs_of)
+_dflash2_out_and_mlp = pointwise(_dflash2_out_and_mlp_of)
+
+
 class DrafterAttention(nn.Module):
     """The attention's parameters (the published names); DrafterLayer runs them."""
 
@@ -375,7 +416,7 @@ class DrafterLayer(nn.Module):
         fused: two compiled regions around attention on CUDA (see `_attention_inputs_of`); linear: the
         projections' matmul (fp8_linear while training with model.drafter.precision fp8)."""
         if self.attention_conv is not None:
-            return self._forward_dflash2(x, ctx, rope_q, rope_kv, attention, weight, linear)
+            return self._forward_dflash2(x, ctx, rope_q, rope_kv, attention, weight, linear, fused)
         a, m, eps = self.self_attn, self.mlp, self.input_layernorm.eps
         before, after = ((_attention_inputs, _attention_out_and_mlp) if fused
                          else (_attention_inputs_of, _attention_out_and_mlp_of))
@@ -390,19 +431,30 @@ class DrafterLayer(nn.Module):
 
     def _forward_dflash2(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                          rope_kv: tuple[torch.Tensor, torch.Tensor], attention: Attention,
-                         weight: Weight, linear: Linear = F.linear) -> torch.Tensor:
+                         weight: Weight, linear: Linear = F.linear, fused: bool = True) -> torch.Tensor:
         """vLLM's DFlash2 layer: norm, convolve (side 0), attention (the block's queries, keys and values
         from the convolved input; the context's as in DFlash), convolve its output (side 1 of the same
-        projection), residual; the same around the MLP. On CUDA while training: the norms, RoPE, SiLU
-        and each convolution are compiled regions (not the DFlash layer's two fused ones)."""
+        projection), residual; the same around the MLP. fused: two compiled regions around attention on
+        CUDA while training, as the DFlash layer's (convolutions inside); else the norms, RoPE, SiLU and
+        each convolution are compiled regions of their own."""
         a, m, eps, bs = self.self_attn, self.mlp, self.input_layernorm.eps, self.block_size
         conv_a, conv_m = cast(GroupedConv, self.attention_conv), cast(GroupedConv, self.mlp_conv)
+        sink = a.attention_sink_bias
+        if fused:
+            q, k, v, delta = _dflash2_inputs(
+                x, ctx, self.input_layernorm.weight, weight(conv_a.kernel_projection.weight), conv_a.base_kernel,
+                weight(a.q_proj.weight), weight(a.k_proj.weight), weight(a.v_proj.weight), a.q_norm.weight,
+                a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads, a.kv_heads, a.head_dim, bs, linear)
+            attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
+            return _dflash2_out_and_mlp(
+                x, attended, weight(a.o_proj.weight), delta, conv_a.base_kernel, self.post_attention_layernorm.weight,
+                weight(conv_m.kernel_projection.weight), conv_m.base_kernel, weight(m.gate_proj.weight),
+                weight(m.up_proj.weight), weight(m.down_proj.weight), eps, bs, linear)
         b, t, _ = x.shape
         h, delta = conv_a.prepare(rms_norm(x, self.input_layernorm.weight, eps), bs, weight, dflash2_conv)
         q, k, v = _qkv_of(h, ctx, weight(a.q_proj.weight), weight(a.k_proj.weight), weight(a.v_proj.weight),
                           a.q_norm.weight, a.k_norm.weight, *rope_q, *rope_kv, eps, a.heads, a.kv_heads, a.head_dim,
                           raw=False, apart=True, linear=linear)
-        sink = a.attention_sink_bias
         attended = attention(q, k, v) if sink is None else attention(q, k, v, sink=sink)
         out = linear(attended.transpose(1, 2).reshape(b, t, a.heads * a.head_dim), weight(a.o_proj.weight))
         x = x + conv_a.finish(out, delta, bs, dflash2_conv)

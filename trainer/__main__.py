@@ -2,7 +2,7 @@
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
-python -m trainer plan --config CONFIG [--gpus N --gpu-gib G]
+python -m trainer plan --config CONFIG [--gpus N --gpu-gib G] [--gpu h100|h200] [--calibrate N]
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
@@ -123,21 +123,43 @@ def _data_report(argv: list[str]) -> int:
     return 0
 
 
+def _entry_train():  # noqa: ANN202 - trainer.entry.train, imported only when a calibration runs
+    from trainer.entry import train
+
+    return train
+
+
 def _plan(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer plan",
-                                description="Bytes per target stage, drafter replica and device, from the config, "
-                                            "the model's config.json and its index (no weights read).")
+                                description="Time, cost and memory of a config: tokens, tokens/s, wall time and "
+                                            "GPU-hours (trainer.models.time_plan), then bytes per target stage, drafter "
+                                            "replica and device, from the config, the model's config.json and its "
+                                            "index (no weights read).")
     p.add_argument("--config", required=True, help="trainer YAML config")
     p.add_argument("--gpus", type=int, default=None, help="plan for a host with this many GPUs (default: this one's)")
     p.add_argument("--gpu-gib", type=float, default=None, help="with --gpus: each GPU's memory in GiB (H200: 139)")
+    p.add_argument("--gpu", choices=["h100", "h200"], default=None,
+                   help="the GPU kind the time plan is for (default: this host's, else h200)")
+    p.add_argument("--calibrate", type=int, default=None, metavar="N",
+                   help="measure the rate with N training steps of this config on this host's devices")
     args = p.parse_args(argv)
     from trainer.run.config import ConfigError, load_config
 
     if (args.gpus is None) != (args.gpu_gib is None):
         print("plan: --gpus and --gpu-gib go together", file=sys.stderr)
         return 2
+    if args.calibrate is not None and args.calibrate < 2:
+        print("plan: --calibrate needs at least 2 steps (the first fills the pipeline)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config)
+        from trainer.models.time_plan import NoThroughput, build_time_plan, calibrate, format_time_plan
+
+        try:
+            measured = calibrate(cfg, args.calibrate, _entry_train()) if args.calibrate else None
+            print(format_time_plan(build_time_plan(cfg, args.gpu, measured)), flush=True)
+        except NoThroughput as exc:
+            print(f"time and cost: {exc}", flush=True)
         from trainer.models.memory_plan import build_plan, format_plan
 
         gpu_bytes = None if args.gpus is None else {i: int(args.gpu_gib * 2**30) for i in range(args.gpus)}
@@ -150,7 +172,7 @@ def _plan(argv: list[str]) -> int:
 
 
 SUMMARIES = {  # what `python -m trainer --help` lists beside training
-    "plan": "bytes per target stage, drafter replica and GPU, from the config (no weights read)",
+    "plan": "tokens, wall time and GPU-hours; bytes per target stage, drafter replica and GPU (no weights read)",
     "data-report": "count, measure and mask the configured chat data (loads the tokenizer only)",
     "export": "export a checkpoint as a DFlash (or DFlash2) draft an engine serves",
     "synth": "write synthetic conversations (JSONL)",

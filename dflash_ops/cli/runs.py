@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -259,9 +260,13 @@ def queue_(
     as_json: Annotated[bool, typer.Option("--json", help="Print the helper's documents as JSON.")] = False,
 ) -> None:
     """The runs queued on TARGET, first in line first, and what each waits for."""
-    from dflash_ops.runs.lifecycle import queued_runs
+    from dflash_ops.runs import list_runs
+    from dflash_ops.runs.lifecycle import expected_starts
+    from trainer.run.contract import duration_text
 
-    line = queued_runs(open_target(inventory, target))
+    runs = list_runs(open_target(inventory, target))
+    line = sorted((r for r in runs if r.effective_state == "queued"), key=lambda r: r.position or 0)
+    starts = expected_starts(runs)
     if as_json:
         _echo_json([r.raw for r in line])
         return
@@ -270,8 +275,10 @@ def queue_(
         return
     for info in line:
         gpus = ",".join(map(str, info.gpus)) or "-"
+        start = starts.get(info.run_id)
+        expected = "not known yet (a run it waits for has no ETA)" if start is None else f"in {duration_text(start)}"
         typer.echo(f"{info.position}. {info.run_id} (gpus {gpus}, release {info.release or '-'}): "
-                   f"waits for {'; '.join(info.waits_for) or 'nothing: starting'}")
+                   f"waits for {'; '.join(info.waits_for) or 'nothing: starting'}; expected start {expected}")
 
 
 def checkpoint(
@@ -301,6 +308,25 @@ def checkpoint(
         typer.echo(f"checkpoint {path} written (request {request_id})")
 
 
+class _StopWaiter:
+    """Says on stderr what `run stop` waits for: at once, on every change of state or phase, and
+    every WAIT_REPEAT_S while nothing changes (a stop is never silent)."""
+
+    WAIT_REPEAT_S = 15.0
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id, self.said, self.when = run_id, "", 0.0
+
+    def __call__(self, info: RunInfo) -> None:
+        from dflash_ops.runs.lifecycle import waiting_for
+
+        text = waiting_for(info)
+        key = f"{info.effective_state} {(info.phase or {}).get('name')} {info.final}"  # a count moving is not news
+        if key != self.said or time.monotonic() - self.when >= self.WAIT_REPEAT_S:
+            _hint(f"waiting for {self.run_id} to stop: {text}")
+            self.said, self.when = key, time.monotonic()
+
+
 def stop(
     target: Target,
     run: Run,
@@ -313,6 +339,7 @@ def stop(
     """Stop a run: a final checkpoint, then state `stopped` (resume it with `run resume`)."""
     from dflash_ops.runs import stop_run
     from dflash_ops.runs.group import stop_group
+    from trainer.run.contract import phase_text
 
     if now and kill:
         fail("--now and --kill exclude each other", 2)
@@ -322,10 +349,13 @@ def stop(
         infos = stop_group(found, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
         prefixes = [f"{m.target}: " for m in found]
     else:
-        infos = [stop_run(open_target(inventory, target), run, now=now, kill=kill, wait=not no_wait, timeout=timeout)]
+        infos = [stop_run(open_target(inventory, target), run, now=now, kill=kill, wait=not no_wait, timeout=timeout,
+                          on_wait=_StopWaiter(run))]
         prefixes = [""]
     for prefix, info in zip(prefixes, infos):
-        typer.echo(f"{prefix}{_at_step(info)}; last checkpoint {info.last_checkpoint or 'none'}")
+        phase = phase_text(info.phase)
+        where = f" (while {phase})" if phase and (info.phase or {}).get("name") != "finished" else ""
+        typer.echo(f"{prefix}{_at_step(info)}{where}; last checkpoint {info.last_checkpoint or 'none'}")
     if any(info.effective_state == "failed" for info in infos) and not kill:
         raise typer.Exit(1)
 

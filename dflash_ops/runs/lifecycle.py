@@ -16,6 +16,7 @@ from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.follow import follow_file
 from dflash_ops.runs.helper import call, call_json, check_run_id, run_dir
 from dflash_ops.runs.info import NotDeployed, RunError, RunInfo, RunNotFound, RunRefused
+from trainer.run.contract import phase_text
 
 if TYPE_CHECKING:
     from dflash_ops.container import ContainerAPI
@@ -211,17 +212,30 @@ def wait_for_checkpoint(container: ContainerAPI, run_id: str, request_id: str, t
         time.sleep(poll)
 
 
-def wait_until_final(container: ContainerAPI, run_id: str, timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
+def waiting_for(info: RunInfo) -> str:
+    """What a stop waits for, from the run's own status: `state starting, phase fitting the target
+    120/300` (run stop prints it while it waits)."""
+    phase = phase_text(info.phase)
+    if info.final:
+        return f"{info.effective_state}; waiting for pid {info.pid} to exit"
+    return f"state {info.effective_state}" + (f", phase {phase}" if phase else "") + (
+        f", step {info.step}" if info.step else "")
+
+
+def wait_until_final(container: ContainerAPI, run_id: str, timeout: float = 600.0, poll: float = 1.0,
+                     on_wait: Callable[[RunInfo], None] | None = None) -> RunInfo:
     """Wait for a final state AND the trainer's exit (it writes `stopped` before it tears down),
-    so that a resume right after never finds the run still running."""
+    so that a resume right after never finds the run still running. on_wait: called with each
+    status read while waiting (run stop says what it waits for)."""
     deadline = time.monotonic() + timeout
     while True:
         info = run_status(container, run_id)
         if info.final and not info.alive:
             return info
+        if on_wait is not None:
+            on_wait(info)
         if time.monotonic() > deadline:
-            still = f"{info.effective_state} but pid {info.pid} has not exited" if info.final else info.effective_state
-            raise TimeoutError(f"run {run_id} still {still} after {timeout:g}s")
+            raise TimeoutError(f"run {run_id} not stopped after {timeout:g}s: {waiting_for(info)}")
         time.sleep(poll)
 
 
@@ -244,7 +258,7 @@ def request_checkpoint(container: ContainerAPI, run_id: str, wait: bool, timeout
 
 
 def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool = False, wait: bool = True,
-             timeout: float = 600.0, poll: float = 1.0) -> RunInfo:
+             timeout: float = 600.0, poll: float = 1.0, on_wait: Callable[[RunInfo], None] | None = None) -> RunInfo:
     """Stop a run and (by default) wait until its state is final.
 
     Default: a `stop` request, served at the next step boundary (final checkpoint, `stopped`).
@@ -262,7 +276,7 @@ def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool
     ask_to_stop(container, run_id, info, now=now, kill=kill)
     if not wait:
         return run_status(container, run_id)
-    return wait_until_final(container, run_id, timeout=timeout, poll=poll)
+    return wait_until_final(container, run_id, timeout=timeout, poll=poll, on_wait=on_wait)
 
 
 def unqueue(container: ContainerAPI, run_id: str, timeout: float = 60.0, poll: float = 1.0) -> RunInfo:
@@ -279,6 +293,27 @@ def unqueue(container: ContainerAPI, run_id: str, timeout: float = 60.0, poll: f
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} was being started from the queue and is still not a run after {timeout:g}s")
         time.sleep(poll)
+
+
+def expected_starts(runs: list[RunInfo]) -> dict[str, float | None]:
+    """Seconds until each queued run is expected to start: when the last run it waits for ends, from
+    those runs' own ETAs (a queued run it waits for: that run's expected start, its length unknown
+    until it trains: None). None when any of them has no ETA yet."""
+    from dflash_ops.runs.report import run_eta
+
+    by_id = {r.run_id: r for r in runs}
+    out: dict[str, float | None] = {}
+    for r in sorted((r for r in runs if r.effective_state == "queued"), key=lambda r: r.position or 0):
+        ends = []
+        for name in r.waits_for:
+            other = by_id.get(name.split()[0])
+            if other is None:  # "being started": not a run
+                ends.append(0.0)
+            else:
+                ends.append(None if other.effective_state == "queued" else run_eta(other))
+        known = [e for e in ends if e is not None]
+        out[r.run_id] = max(known, default=0.0) if len(known) == len(ends) else None
+    return out
 
 
 def queued_runs(container: ContainerAPI) -> list[RunInfo]:

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from dflash_ops.runs.info import RunInfo
-from trainer.run.contract import tau_by_length_text
+from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text
 
 
 def _num(value: Any, spec: str) -> str:
@@ -77,14 +77,41 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
     return f"{kind} at step {step}: {json.dumps(extra, sort_keys=True)}"
 
 
-STATUS_COLUMNS = ("run", "state", "step", "loss", "tau", "tok/s", "heartbeat", "release")
+STATUS_COLUMNS = ("run", "state", "phase", "step", "loss", "tau", "tok/s", "eta", "heartbeat", "release")
+
+
+def run_eta(info: RunInfo) -> float | None:
+    """Seconds to a live run's end from its own recent throughput (trainer.run.contract.eta_seconds);
+    None for a run that is not alive and training."""
+    return eta_seconds({**info.status, "state": info.effective_state}) if info.alive else None
+
+
+def _tokens(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def progress_line(info: RunInfo) -> str | None:
+    """`tokens: 1.2M done, 3.4M to go (26%), eta 12m at 4.1k tok/s (recent)` for a run that counts them."""
+    done, total = info.tokens_done, info.tokens_total
+    if done is None or total is None:
+        return None
+    share = f" ({done / total:.0%})" if total else ""
+    eta = run_eta(info)
+    rate = info.tokens_per_s_recent or info.tokens_per_s
+    when = f", eta {duration_text(eta)} at {_rate(rate)} tok/s (recent)" if eta is not None else ""
+    return f"tokens: {_tokens(done)} done, {_tokens(max(total - done, 0))} to go{share}{when}"
 
 
 def status_row(info: RunInfo) -> tuple[str, ...]:
     step = "-" if info.step is None else (f"{info.step}/{info.total_steps}" if info.total_steps else str(info.step))
     state = f"queued #{info.position}" if info.effective_state == "queued" else info.effective_state
-    return (info.run_id, state, step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
-            _rate(info.tokens_per_s),
+    return (info.run_id, state, phase_text(info.phase) or "-", step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
+            _rate(info.tokens_per_s), duration_text(run_eta(info)),
             _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
 
 
@@ -103,6 +130,10 @@ def status_detail(info: RunInfo) -> list[str]:
         lines.append(f"queued: position {info.position}, waits for {'; '.join(info.waits_for) or 'nothing (starting)'}")
     elif info.reason:
         lines.append(f"reason: {info.reason}")
+    if phase_text(info.phase):
+        lines.append(f"phase: {phase_text(info.phase)}" + ("" if info.alive else " (when it ended)"))
+    if progress_line(info):
+        lines.append(progress_line(info) or "")
     if info.error:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
     if tau_by_length_text(info.tau_by_length):

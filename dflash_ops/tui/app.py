@@ -22,8 +22,9 @@ from dflash_ops.runs.info import FINAL_STATES
 from dflash_ops.tui.detail import ConfirmScreen, RunDetailScreen
 from dflash_ops.tui.model import fmt_age, fmt_num, fmt_tau
 from dflash_ops.tui.source import DashSource, GpuSample, LinkState, RequestKind, RunRow, describe_error
+from trainer.run.contract import duration_text, eta_seconds, phase_text
 
-COLUMNS = ("target", "run", "state", "step", "loss", "acc", "tau", "tok/s", "heartbeat", "release")
+COLUMNS = ("target", "run", "state", "phase", "step", "loss", "acc", "tau", "tok/s", "eta", "heartbeat", "release")
 STATE_STYLE = {"running": "green", "warmup": "yellow", "starting": "yellow", "checkpointing": "cyan",
                "done": "bold green", "stopped": "dim", "failed": "bold red", "restarting": "bold yellow",
                "queued": "magenta"}
@@ -148,8 +149,10 @@ class DashApp(App):
         state = Text(row.state + ("?" if stale else ""), style=STATE_STYLE.get(row.state.split(" #")[0], ""))
         total = f"/{row.total_steps}" if row.total_steps else ""
         member = f" rank {row.rank if row.rank is not None else '?'}/{row.world}" if row.world else ""
-        return (Text(row.target + member, style="red" if stale else ""), row.run_id, state, f"{row.step}{total}",
-                fmt_num(row.loss, 4), fmt_num(row.acc, 3), fmt_tau(row.tau, row.tau_ratio), fmt_num(row.tokens_per_s, 4),
+        eta = eta_seconds({**row.status, "state": row.state}) if not stale else None
+        return (Text(row.target + member, style="red" if stale else ""), row.run_id, state, phase_text(row.phase) or "-",
+                f"{row.step}{total}", fmt_num(row.loss, 4), fmt_num(row.acc, 3), fmt_tau(row.tau, row.tau_ratio),
+                fmt_num(row.tokens_per_s, 4), duration_text(eta),
                 fmt_age(age) if row.state not in FINAL_STATES else "-", row.release or "-")
 
     def _render_rows(self) -> None:

@@ -23,6 +23,10 @@ from trainer.run.control import ControlPoller
 ROLES = {0: "target", 1: "target", 2: "drafter", 3: "drafter"}
 
 
+TOKENS_PER_STEP = 4096  # real tokens a simulated step trains
+PHASE_OF = {"starting": "starting", "warmup": "compiling and warming up", "running": "training"}  # status.json `phase`
+
+
 class SimulatedRun:
     def __init__(self, base_dir: str | Path, run_id: str = "demo", total_steps: int = 200,
                  gpus: dict[int, str] | None = None, seed: int = 0, clock: Callable[[], float] = time.time,
@@ -59,7 +63,11 @@ class SimulatedRun:
                   "pid_start": process_start_ticks(pid), "step": self.step, "total_steps": self.total_steps,
                   "started": self._started, "heartbeat": self.clock(), "loss": self._loss, "acc": self._acc,
                   "tau": self._tau, "tokens_per_s": self._tps, "gpus": sorted(self.gpus),
-                  "last_checkpoint": self.last_checkpoint, "recompiles": 0, "error": None}
+                  "last_checkpoint": self.last_checkpoint, "recompiles": 0, "error": None,
+                  "phase": {"name": PHASE_OF.get(self.state, "finished"), "done": None, "total": None,
+                            "since": self._started},
+                  "tokens_done": self.step * TOKENS_PER_STEP, "tokens_total": self.total_steps * TOKENS_PER_STEP,
+                  "tokens_per_s_recent": self._tps}
         write_atomic(self.dir / "status.json", json.dumps(status).encode())
 
     # -- lifecycle ---------------------------------------------------------------------

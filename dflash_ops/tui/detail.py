@@ -20,7 +20,7 @@ from dflash_ops.runs.report import acceptance_text
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
 from dflash_ops.tui.source import DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
-from trainer.run.contract import tau_by_length_text
+from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text
 
 LOG_BUFFER = 20_000  # lines kept for filtering and the full log
 LOG_VIEW = 2_000  # lines in the detail's tail
@@ -143,9 +143,14 @@ class RunDetailScreen(Screen):
         else:
             age = None if row.heartbeat is None else self.dash.clock() - row.heartbeat
             total = f"/{row.total_steps}" if row.total_steps else ""
-            text.append(f"  {row.state}", style="bold")
+            text.append("  state ")
+            text.append(row.state, style="bold")
+            if phase_text(row.phase):
+                text.append(f"  phase {phase_text(row.phase)}")
+            eta = eta_seconds({**row.status, "state": row.state})
             text.append(
-                f"  step {row.step}{total}  loss {fmt_num(row.loss, 4)}  acc {fmt_num(row.acc)}"
+                ("" if eta is None else f"  eta {duration_text(eta)}")
+                + f"  step {row.step}{total}  loss {fmt_num(row.loss, 4)}  acc {fmt_num(row.acc)}"
                 f"  tau {fmt_num(h.tau)}"
                 + ("" if h.tau_lookup is None else f" (n-gram lookup {fmt_num(h.tau_lookup)}, {fmt_num(h.tau_ratio)}x)")
                 + f"  tok/s {fmt_num(row.tokens_per_s, 4)}"

@@ -142,3 +142,28 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
     assert done["effective_state"] == "done" and done["step"] == 10, done
     assert [r["reason"] for r in done["restarts"]] == ["killed by SIGKILL"]
     assert losses(run_id) == losses(straight) and sorted(losses(run_id)) == list(range(1, 11))
+
+
+def test_run_stop_now_during_the_target_fit_stops_the_run_in_that_phase(tmp_path):
+    """Issue #53: the demo's first seconds name their phase, and `run stop --now` during the target fit
+    stops the run (it printed nothing for 10 minutes, then timed out). The 30 s are the command's own
+    --timeout: the stop either lands in them or the command fails."""
+    inventory = write_sim_inventory(tmp_path / "simnode")
+    cli(inventory, "deploy", "host200")
+    config = yaml.safe_load(short_config(tmp_path, 300).read_text())
+    config["model"]["target"]["tiny"]["fit_steps"] = 1000000
+    path = tmp_path / "fit-forever.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_id = cli(inventory, "run", "start", "host200", "--config", str(path)).stdout.strip()
+    while True:
+        doc = json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
+        assert doc["effective_state"] not in ("failed", "done", "stopped"), doc
+        if (doc.get("phase") or {}).get("name") == "fitting the target":
+            break
+        time.sleep(0.5)
+    shown = cli(inventory, "run", "status", "host200", run_id).stdout
+    assert "phase: fitting the target " in shown
+    stopped = cli(inventory, "run", "stop", "host200", run_id, "--now", "--timeout", "30")
+    assert f"{run_id}: stopped at step 0 (while fitting the target " in stopped.stdout
+    doc = json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
+    assert doc["effective_state"] == "stopped" and doc["phase"]["name"] == "fitting the target"

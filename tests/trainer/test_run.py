@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,18 +80,30 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(tmp_path, kin
     assert manifest["step"] == 6 and "drafter.safetensors" in manifest["files"]
 
 
+def request(run, kind, rid):
+    (run / "control" / f".{kind}.{rid}.tmp").write_text(json.dumps({"id": rid, "time": time.time()}))
+    os.rename(run / "control" / f".{kind}.{rid}.tmp", run / "control" / kind)
+
+
 def test_control_checkpoint_and_stop_are_honoured(tmp_path):
+    """A checkpoint asked for before the start is served at the first step boundary; a stop asked for
+    while training, at the next one (a stop before training stops at once: tests/trainer/test_phases.py)."""
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True)
-    for kind, rid in (("checkpoint", "c-1"), ("stop", "s-1")):
-        (run / "control" / f".{kind}.{rid}.tmp").write_text(json.dumps({"id": rid, "time": time.time()}))
-        os.rename(run / "control" / f".{kind}.{rid}.tmp", run / "control" / kind)
-    assert train(config(steps=50, every=0, fit=0), run) == 0
+    request(run, "checkpoint", "c-1")
+
+    def stop_once_training() -> None:
+        while not ((run / "status.json").exists() and status(run)["step"] >= 1):
+            time.sleep(0.01)
+        request(run, "stop", "s-1")
+
+    threading.Thread(target=stop_once_training, daemon=True).start()
+    assert train(config(steps=100000, every=0, fit=0), run) == 0
     assert status(run)["state"] == "stopped"
     assert [e["request"] for e in events(run, "checkpoint")] == ["c-1", "s-1"]
     assert events(run, "stop")[-1]["reason"] == "control"
     assert not (run / "control" / "stop").exists() and not (run / "control" / "checkpoint").exists()
-    assert train(config(steps=2, every=0, fit=0), run, resume="latest") == 0  # the stop was consumed
+    assert train(config(steps=status(run)["step"] + 2, every=0, fit=0), run, resume="latest") == 0  # the stop was consumed
     assert status(run)["state"] == "done"
 
 

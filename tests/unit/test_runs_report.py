@@ -1,7 +1,7 @@
 """The human lines of `metrics` and `run status`."""
 
 from dflash_ops.runs import RunInfo, latest_run
-from dflash_ops.runs.report import metric_line, status_detail, status_row
+from dflash_ops.runs.report import STATUS_COLUMNS, metric_line, status_detail, status_row
 
 
 def test_step_event_is_one_compact_line():
@@ -26,7 +26,7 @@ def test_status_row_and_failed_detail():
     info = RunInfo.from_json({"run_id": "r1", "state": "running", "effective_state": "failed", "step": 5,
                               "total_steps": 10, "loss": 0.5, "tau": 3.456, "tokens_per_s": 800.0, "release": "abc",
                               "reason": "process died without saying so", "log_tail": "a\nb\n", "checkpoints": [4]})
-    assert status_row(info) == ("r1", "failed", "5/10", "0.5000", "3.46", "800", "-", "abc")
+    assert status_row(info) == ("r1", "failed", "-", "5/10", "0.5000", "3.46", "800", "-", "-", "abc")
     assert status_detail(info) == ["reason: process died without saying so", "checkpoints: step_4", "log tail:",
                                    "  a", "  b"]
 
@@ -47,3 +47,33 @@ def test_per_position_acceptance_in_the_eval_line_and_run_status():
 def test_latest_run_prefers_launch_time():
     runs = [RunInfo(run_id="b", launched=1.0), RunInfo(run_id="a", launched=2.0), RunInfo(run_id="c")]
     assert latest_run(runs).run_id == "a" and latest_run([]) is None
+
+
+def test_a_live_run_shows_its_phase_tokens_and_eta():
+    info = RunInfo.from_json({"run_id": "r2", "state": "running", "effective_state": "running", "alive": True,
+                              "step": 50, "total_steps": 200, "tokens_per_s": 900.0, "tokens_per_s_recent": 1000.0,
+                              "tokens_done": 1_000_000, "tokens_total": 4_000_000,
+                              "phase": {"name": "training", "done": None, "total": None, "since": 1.0}})
+    row = dict(zip(STATUS_COLUMNS, status_row(info)))
+    assert row["phase"] == "training" and row["eta"] == "50m"  # 3M tokens to go at 1,000 tok/s
+    assert "tokens: 1.0M done, 3.0M to go (25%), eta 50m at 1.0k tok/s (recent)" in status_detail(info)
+    fitting = RunInfo.from_json({"run_id": "r3", "effective_state": "starting", "alive": True,
+                                 "phase": {"name": "fitting the target", "done": 12, "total": 200, "since": 1.0}})
+    assert dict(zip(STATUS_COLUMNS, status_row(fitting)))["phase"] == "fitting the target 12/200"
+    assert "phase: fitting the target 12/200" in status_detail(fitting)
+
+
+def test_a_queued_run_expects_to_start_when_the_runs_it_waits_for_end():
+    from dflash_ops.runs.lifecycle import expected_starts
+
+    live = RunInfo.from_json({"run_id": "a", "effective_state": "running", "alive": True, "tokens_done": 100,
+                              "tokens_total": 1100, "tokens_per_s_recent": 10.0})
+    fresh = RunInfo.from_json({"run_id": "b", "effective_state": "warmup", "alive": True})
+    q1 = RunInfo.from_json({"run_id": "q1", "effective_state": "queued", "position": 1,
+                            "waits_for": ["a (pid 7) holds GPU 0"]})
+    q2 = RunInfo.from_json({"run_id": "q2", "effective_state": "queued", "position": 2,
+                            "waits_for": ["a (pid 7) holds GPU 0", "q1 is queued before it for GPU 0"]})
+    q3 = RunInfo.from_json({"run_id": "q3", "effective_state": "queued", "position": 3,
+                            "waits_for": ["b (pid 8) holds GPU 1"]})
+    q4 = RunInfo.from_json({"run_id": "q4", "effective_state": "queued", "position": 4, "waits_for": []})
+    assert expected_starts([live, fresh, q1, q2, q3, q4]) == {"q1": 100.0, "q2": None, "q3": None, "q4": 0.0}

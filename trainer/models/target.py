@@ -438,6 +438,7 @@ def fit_tiny_target(
     steps: int,
     lr: float,
     log: Callable[[str], None] = print,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Briefly train a tiny random target as a language model on the training conversations.
 
@@ -456,6 +457,8 @@ def fit_tiny_target(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if progress is not None:
+            progress(step + 1)
         if step % 50 == 0 or step == steps - 1:
             log(f"target fit step {step + 1}/{steps} lm_loss {loss.item():.3f}")
     freeze(target).eval()

@@ -52,7 +52,54 @@ STATUS_FIELDS = (
     ("write_failures", dict),  # {status, metrics, log}: writes lost (a full disk)
     ("last_write_error", dict),  # {what, message, time}
     ("distributed", dict),  # a run across hosts (docs/multi-node.md)
+    ("phase", dict),  # what the run is doing now: {name, done, total, since} (phase_text)
+    ("tokens_done", int),  # real tokens trained so far (this process and the checkpoint it resumed)
+    ("tokens_total", int),  # tokens the whole run will train: tokens_done per step x total_steps (an estimate)
+    ("tokens_per_s_recent", float),  # real tokens per second over the last logged windows (eta_seconds)
 )
+
+# status.json `phase` names, in the order a run meets them: each says what the process is doing
+# from its first second, so a long load or fit is never silent (docs/run-directory.md).
+PHASES = ("starting", "tokenising", "loading the target", "fitting the target", "building the drafter",
+          "compiling and warming up", "training", "evaluating", "checkpointing", "stopping", "finished")
+
+
+def phase_text(phase: object) -> str:
+    """`fitting the target 120/300` from status.json's `phase`; empty when absent or malformed."""
+    if not isinstance(phase, dict) or not isinstance(phase.get("name"), str):
+        return ""
+    done, total = phase.get("done"), phase.get("total")
+    count = ""
+    if isinstance(done, int) and not isinstance(done, bool):
+        count = " %d/%d" % (done, total) if isinstance(total, int) and not isinstance(total, bool) else " %d" % done
+    return phase["name"] + count
+
+
+def eta_seconds(status: dict) -> float | None:
+    """Seconds until a live run's last step as of its last logged window: the tokens to go over its
+    own recent throughput (tokens_per_s_recent, else the last window's tokens_per_s). None when the
+    run is final, not training yet or not measured."""
+    done, total = status.get("tokens_done"), status.get("tokens_total")
+    rate = status.get("tokens_per_s_recent") or status.get("tokens_per_s")
+    if status.get("state") in FINAL_STATES or not isinstance(done, int) or not isinstance(total, int):
+        return None
+    if not isinstance(rate, (int, float)) or rate <= 0:
+        return None
+    return max(0.0, (total - done) / rate)
+
+
+def duration_text(seconds: object) -> str:
+    """`45s`, `12m`, `3h05m`, `2d04h`; `-` for None."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return "%ds" % s
+    if s < 3600:
+        return "%dm" % (s // 60)
+    if s < 86400:
+        return "%dh%02dm" % (s // 3600, s % 3600 // 60)
+    return "%dd%02dh" % (s // 86400, s % 86400 // 3600)
 
 # The prompt-length buckets evaluation reports tau in (tokens of the rendered prompt): (name, upper
 # bound inclusive; None: no bound). Acceptance collapses on long prompts where a drafter saw short

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.run.contract import CONTRACT_VERSION, process_start_ticks, write_atomic
+from trainer.run.contract import CONTRACT_VERSION, phase_text, process_start_ticks, write_atomic
 
 
 class RunDir:
@@ -29,7 +29,9 @@ class RunDir:
             "pid_start": process_start_ticks(pid), "step": 0, "total_steps": total_steps,
             "started": time.time(), "heartbeat": time.time(), "loss": None, "acc": None, "tau": None,
             "tokens_per_s": None, "gpus": [], "last_checkpoint": None, "recompiles": 0, "error": None,
+            "phase": {"name": "starting", "done": None, "total": None, "since": time.time()},
         }
+        self._phase_written = 0.0  # when a progress count was last written to status.json
         self._log_copy = None if self._stdout_is_train_log() else open(self.root / "train.log", "a")
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -69,6 +71,22 @@ class RunDir:
         with self._lock:
             self.status.update(fields)
         self.write_status()
+
+    def phase(self, name: str, done: int | None = None, total: int | None = None) -> None:
+        """What the run does now (status.json `phase`, trainer.run.contract.PHASES), from its first
+        second: a new phase is written and logged at once; a progress count within one (`done` of
+        `total`) is written at most once a second, so a fast loop costs no fsync per item."""
+        with self._lock:
+            current = self.status["phase"]
+            new = current.get("name") != name
+            self.status["phase"] = {"name": name, "done": done, "total": total,
+                                    "since": time.time() if new else current.get("since")}
+            due = new or time.time() - self._phase_written >= 1.0 or (done is not None and done == total)
+        if due:
+            self._phase_written = time.time()
+            self.write_status()
+        if new:
+            self.log(f"phase: {phase_text(self.status['phase'])}")
 
     def write_status(self) -> bool:
         """Replace status.json. A failure never stops training: it is counted, and the next

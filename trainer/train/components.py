@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -49,6 +49,17 @@ if TYPE_CHECKING:
     from trainer.data.packing import PackedDataset
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Phase(Protocol):
+    """Reports what is being built (trainer.run.rundir.RunDir.phase): a name, and progress where
+    there is a count."""
+
+    def __call__(self, name: str, done: int | None = None, total: int | None = None) -> None: ...
+
+
+def _no_phase(name: str, done: int | None = None, total: int | None = None) -> None:
+    """A phase reporter that reports nothing (callers outside a run directory)."""
 
 
 @dataclass
@@ -99,7 +110,8 @@ def target_layer_ids(cfg: TrainerConfig, layers: int) -> list[int]:
 
 
 def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDataset, run_dir: Path,
-                 log: Callable[[str], None], devices: list[str] | None = None) -> torch.nn.Module:
+                 log: Callable[[str], None], devices: list[str] | None = None,
+                 phase: Phase = _no_phase) -> torch.nn.Module:
     """The frozen target of one replica (default the first) in its layer stages (trainer.models.stages).
 
     A model directory is read stage by stage, only the layers training runs (the rest is read when
@@ -149,7 +161,9 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
                     b = train_data.next_batch()
                     batches.append((b.input_ids.to(device), b.attention_mask.to(device)))
                 train_data.load_state_dict({**train_data.state_dict(), "epoch": 0, "cursor": 0})
-                fit_tiny_target(model, batches, tiny.fit_steps, tiny.fit_lr, log)
+                phase("fitting the target", 0, tiny.fit_steps)
+                fit_tiny_target(model, batches, tiny.fit_steps, tiny.fit_lr, log,
+                                progress=lambda done: phase("fitting the target", done, tiny.fit_steps))
                 saved.parent.mkdir(exist_ok=True)
                 tmp = saved.with_name(".model.safetensors.tmp")
                 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
@@ -302,7 +316,10 @@ def require_logits(target: torch.nn.Module, log: Callable[[str], None]) -> None:
                           "and LM head, and the model directory lacks some; use loss: ce")
 
 
-def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None]) -> Components:
+def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None],
+                     phase: Phase = _no_phase) -> Components:
+    """phase(name, done, total): what is being built, for status.json (trainer.run.rundir.RunDir.phase)."""
+    phase("tokenising")
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
 
@@ -321,7 +338,9 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     eval_data = dataset(eval_conv, cfg.data.seed + 1, processes[1])
     log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in "
         f"{time.perf_counter() - began:.1f}s ({max(processes)} process{'es' if max(processes) > 1 else ''})")
-    target = build_target(cfg, tokenizer, conversations, run_dir, log)
+    phase("loading the target")
+    target = build_target(cfg, tokenizer, conversations, run_dir, log, phase=phase)
+    phase("building the drafter")
     train_data: PreloadedDataset | PackedDataset = conversations
     if cfg.data.pack_length:
         from trainer.data.packing import PackedDataset

@@ -45,8 +45,8 @@ from trainer.run.config import (
     target_replicas,
     template_kwargs,
 )
-from trainer.run.contract import write_atomic
-from trainer.run.control import ControlPoller, Request
+from trainer.run.contract import phase_text, write_atomic
+from trainer.run.control import ControlPoller, Request, SetupStop
 from trainer.run.family import ModelDirError
 from trainer.run.rundir import RunDir
 from trainer.run.stopping import PipelineFailed, StopSignal
@@ -176,13 +176,14 @@ class Trainer:
         refusal = build_plan(cfg).refusal()
         if refusal is not None:
             raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
-        c = build_components(cfg, self.run_dir, self.rd.log)
+        c = build_components(cfg, self.run_dir, self.rd.log, self.rd.phase)
         if resumed_from is not None:
             self.restore(c, self.hosts.load(resumed_from, c.drafter_device))
         step = self.state.step
         gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
         self.rd.update(step=step, gpus=gpus)
+        self.metrics.start_at(step)
         n_params = sum(p.numel() for p in c.drafter.parameters())
         rel = str(resumed_from.relative_to(self.run_dir)) if resumed_from else None
         self.rd.event("start", step, resumed_from=rel, total_steps=cfg.optim.total_steps, config={
@@ -293,6 +294,7 @@ class Trainer:
         if not self.hosts.is_writer:
             return
         self.checkpoint(c, request)
+        self.rd.phase("checkpointing")
         self.rd.update(state="checkpointing")
         self.checkpointer.wait()
         self.rd.update(state="running")
@@ -341,29 +343,49 @@ class Trainer:
                 return r.reason
         return None
 
+    def stopped_in_setup(self, stop: SetupStop) -> int:
+        """A stop before the first step (SetupStop): nothing trained, so no checkpoint; the run ends
+        `stopped` and says in which phase (a stop request served is removed, so a resume runs)."""
+        phase = phase_text(self.rd.status.get("phase")) or "setup"
+        if stop.reason == "control":
+            self.control.done(Request("stop", None, "control"))
+        self.rd.event("stop", self.state.step, reason=stop.reason, phase=phase)
+        self.rd.update(state="stopped")  # its phase stays the one it stopped in
+        self.rd.log(f"stopped while {phase} ({stop.reason}): nothing trained yet in this process, no checkpoint written")
+        return 0
+
     # ------------------------------------------------------------------ the run
     def run(self, resume: str | None) -> int:
         self.control.install_sigterm()
         self.rd.start_heartbeat(self.cfg.run.heartbeat_s)
         try:
+            self.control.arm_setup()  # until the first step, a stop acts at once (trainer.run.control)
             c, pipeline = self.setup(resume)
+            self.rd.phase("compiling and warming up")
             pipeline.warmup()
+            self.control.disarm_setup()
             self.rd.update(state="running")
+            self.rd.phase("training")
             stop_reason = pipeline.train_steps()
             if stop_reason is None:
                 stop_reason = self.serve(c, self.hosts.final_requests(self.new_requests()))
             step = self.state.step
             if stop_reason:
                 self.rd.event("stop", step, reason=stop_reason)
+                self.rd.phase("finished")
                 self.rd.update(state="stopped")
                 self.rd.log(f"stopped at step {step} ({stop_reason})")
                 return 0
+            self.rd.phase("evaluating")
             self.evaluate(c)
             self.save(c, None)
             self.rd.event("stop", step, reason="done")
+            self.rd.phase("finished")
             self.rd.update(state="done")
             self.rd.log(f"done: {step} steps")
             return 0
+        except SetupStop as stop:
+            return self.stopped_in_setup(stop)
         except BaseException as exc:  # noqa: BLE001 - every failure must land in status.json
             error = self.hosts.error_record(error_record(exc))
             self.rd.event("error", self.state.step, **error)
@@ -372,6 +394,7 @@ class Trainer:
             self.rd.log(f"FAILED in thread {error['thread']}: {error['message']}{trace}")
             return 1
         finally:
+            self.control.disarm_setup()
             self.checkpointer.close()
             self.rd.close()
             self.metrics.close()
@@ -459,21 +482,25 @@ class ReferencePipeline:
         selector = selector_metrics(sel_loss, sel_correct, sel_recall, float(weight_total)) \
             if cfg.model.drafter.kind == "dflash2" else {}
         return {"loss": float(loss_total / weight_total), "acc": float(correct_total / weight_total), "lr": lr, **selector,
-                "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds,
+                "grad_norm": float(grad_norm), "tokens_per_s": tokens / seconds, "step_tokens": tokens,
                 "pad_share": round(1 - tokens / max(positions, 1), 4)}
 
     def train_steps(self) -> str | None:
         """Steps until total_steps or a stop request; returns the stop reason (None when done)."""
         t, c, cfg = self.trainer, self.c, self.cfg
         total, stop_reason = cfg.optim.total_steps, None
+        window_tokens = 0  # real tokens since the last step record
         while t.state.step < total:
             stop_reason = t.serve(c, t.new_requests())
             if stop_reason:
                 break
             m = self.train_step()
             step = t.state.step
+            window_tokens += m.pop("step_tokens")
             if step % cfg.run.log_every == 0 or step == total:
-                t.metrics.step(step, {"recompiles": compiled_graphs() - self.graphs_after_warmup, **m})
+                t.metrics.step(step, {"recompiles": compiled_graphs() - self.graphs_after_warmup, **m,
+                                      "tokens": window_tokens})
+                window_tokens = 0
             else:
                 t.rd.update(step=step)
             if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 and step < total:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import time
+from collections import deque
 from typing import Any
 
 from trainer.run.config import TrainerConfig, dump_config
@@ -15,6 +17,7 @@ from trainer.run.contract import tau_by_length_text
 from trainer.run.rundir import RunDir
 
 STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
+RECENT_WINDOWS = 5  # logged windows the recent throughput (and so the ETA) is measured over
 
 
 class LossNotFinite(RuntimeError):
@@ -31,12 +34,40 @@ class Metrics:
         self.rd = rd
         self.total_steps = cfg.optim.total_steps
         self.steady_tokens, self.steady_seconds = 0, 0.0
+        self.first_step = 0  # the step this process started training from (start_at)
+        self.counted_tokens = 0  # real tokens this process trained (step records' `tokens`)
+        self.windows: deque[tuple[float, int]] = deque(maxlen=RECENT_WINDOWS + 1)  # (time, counted_tokens)
         self.wandb: Any = None
         if cfg.run.wandb is not None and importlib.util.find_spec("wandb") is not None:
             import wandb
 
             self.wandb = wandb.init(project=cfg.run.wandb.project, name=cfg.run.wandb.name or run_name,
                                     config=dump_config(cfg))
+
+    def start_at(self, step: int) -> None:
+        """Training starts (or resumes) at `step`; status.json gets the run's planned token count."""
+        self.first_step = step
+        self.windows.clear()
+        self.windows.append((time.time(), 0))
+
+    def progress(self, step: int, tokens: int | None) -> dict[str, Any]:
+        """status.json's tokens_done, tokens_total and tokens_per_s_recent after a step record whose
+        window trained `tokens` real tokens: this process's tokens per step, times the steps done and
+        the steps in all (a resumed run counts its earlier steps at this process's rate); the recent
+        rate over the last RECENT_WINDOWS windows (the ETA reads it: trainer.run.contract.eta_seconds)."""
+        if tokens is None:
+            return {}
+        self.counted_tokens += tokens
+        self.windows.append((time.time(), self.counted_tokens))
+        steps = step - self.first_step
+        if steps <= 0:
+            return {}
+        per_step = self.counted_tokens / steps
+        out: dict[str, Any] = {"tokens_done": round(per_step * step), "tokens_total": round(per_step * self.total_steps)}
+        (t0, n0), (t1, n1) = self.windows[0], self.windows[-1]
+        if t1 > t0 and n1 > n0:
+            out["tokens_per_s_recent"] = (n1 - n0) / (t1 - t0)
+        return out
 
     def add_steady(self, tokens: int, seconds: float) -> None:
         self.steady_tokens += tokens
@@ -57,7 +88,7 @@ class Metrics:
                                 "or check the data, then resume from a checkpoint before this step")
         self.rd.event("step", step, **m)
         steady = self.steady_rate()
-        self.rd.update(step=step, **{k: m[k] for k in STATUS_FIELDS},
+        self.rd.update(step=step, **{k: m[k] for k in STATUS_FIELDS}, **self.progress(step, m.get("tokens")),
                        **({"tokens_per_s_steady": steady} if steady is not None else {}))
         line = (f"step {step}/{self.total_steps} loss {m['loss']:.4f} acc {m['acc']:.3f} "
                 f"lr {m['lr']:.2e} grad_norm {m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f}")

@@ -1,0 +1,105 @@
+"""No silent phase (issue #53): a run names what it does in status.json from its first second, and a
+stop acts in every phase - here during the demo's target fit, long before the first step boundary."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import trainer
+from tests.trainer.tiny_config import tiny_config
+from trainer.entry import train
+from trainer.run.config import parse_config
+from trainer.run.contract import eta_seconds, phase_text
+
+FIT_FOREVER = tiny_config("""
+model: {target: {tiny: {fit_steps: 1000000}}}
+optim: {total_steps: 5}
+""")
+
+
+def status(run_dir: Path) -> dict:
+    return json.loads((run_dir / "status.json").read_text())
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def start_fitting(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A trainer whose target fit would take hours, once status.json says it is fitting."""
+    run, cfg = tmp_path / "run", tmp_path / "c.yaml"
+    cfg.write_text(FIT_FOREVER)
+    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
+    out = open(tmp_path / "out.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--run-dir", str(run)],
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
+    out.close()
+    seen = []
+    while proc.poll() is None:
+        if (run / "status.json").exists():
+            phase = status(run).get("phase") or {}
+            seen.append(phase.get("name"))
+            if phase.get("name") == "fitting the target" and (phase.get("done") or 0) >= 1:
+                return proc, run
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer ended before fitting: {(tmp_path / 'out.log').read_text()}")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "control"])
+def test_a_stop_during_the_target_fit_stops_the_run_in_that_phase(tmp_path, how):
+    proc, run = start_fitting(tmp_path)
+    try:
+        if how == "sigterm":  # what `run stop --now` sends
+            proc.send_signal(signal.SIGTERM)
+        else:  # what `run stop` writes
+            (run / "control" / ".stop.tmp").write_text(json.dumps({"id": "r1", "time": time.time()}))
+            os.rename(run / "control" / ".stop.tmp", run / "control" / "stop")
+        assert proc.wait(timeout=30) == 0, (tmp_path / "out.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = status(run)
+    assert st["state"] == "stopped" and st["step"] == 0 and st["last_checkpoint"] is None
+    assert st["phase"]["name"] == "fitting the target" and st["phase"]["total"] == 1000000
+    stop = events(run, "stop")[-1]
+    assert stop["reason"] == ("signal" if how == "sigterm" else "control")
+    assert stop["phase"].startswith("fitting the target ")
+    assert not (run / "control" / "stop").exists()  # served: a resume is not stopped by it again
+    log = (run / "train.log").read_text()
+    assert "phase: tokenising" in log and "phase: fitting the target 0/1000000" in log
+    assert "stopped while fitting the target" in log
+
+
+def test_a_run_reports_its_phases_and_token_progress(tmp_path):
+    cfg = parse_config(tiny_config("optim: {total_steps: 6}\nrun: {log_every: 2}"))
+    assert train(cfg, tmp_path / "run") == 0
+    run = tmp_path / "run"
+    log = (run / "train.log").read_text()
+    names = [line.split("phase: ", 1)[1] for line in log.splitlines() if "phase: " in line]
+    assert names == ["tokenising", "loading the target", "building the drafter", "compiling and warming up",
+                     "training", "evaluating", "checkpointing", "finished"]
+    st = status(run)
+    assert st["phase"]["name"] == "finished" and st["state"] == "done"
+    steps = events(run, "step")
+    counted = sum(e["tokens"] for e in steps)
+    assert counted > 0 and st["tokens_done"] == counted and st["tokens_total"] == counted  # all 6 steps ran
+    assert eta_seconds(st) is None  # final
+
+
+def test_eta_is_the_tokens_to_go_over_the_recent_rate():
+    live = {"state": "running", "tokens_done": 1000, "tokens_total": 5000, "tokens_per_s_recent": 100.0,
+            "tokens_per_s": 50.0}
+    assert eta_seconds(live) == 40.0
+    assert eta_seconds({**live, "tokens_per_s_recent": None}) == 80.0  # the last window's rate
+    assert eta_seconds({**live, "tokens_per_s_recent": None, "tokens_per_s": None}) is None
+    assert eta_seconds({**live, "state": "done"}) is None
+    assert phase_text({"name": "fitting the target", "done": 3, "total": 200}) == "fitting the target 3/200"
+    assert phase_text({"name": "tokenising", "done": None}) == "tokenising"
+    assert phase_text("garbage") == "" and phase_text({"name": 3}) == ""

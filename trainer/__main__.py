@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 # Before torch initialises CUDA: fewer fragmentation OOMs with many batch shapes (issue #5).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -123,7 +124,8 @@ def _data_report(argv: list[str]) -> int:
     return 0
 
 
-def _entry_train():  # noqa: ANN202 - trainer.entry.train, imported only when a calibration runs
+def _entry_train() -> Callable[..., int]:
+    """trainer.entry.train, imported only when a calibration runs (it imports torch and the pipelines)."""
     from trainer.entry import train
 
     return train

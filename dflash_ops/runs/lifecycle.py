@@ -304,7 +304,7 @@ def expected_starts(runs: list[RunInfo]) -> dict[str, float | None]:
     by_id = {r.run_id: r for r in runs}
     out: dict[str, float | None] = {}
     for r in sorted((r for r in runs if r.effective_state == "queued"), key=lambda r: r.position or 0):
-        ends = []
+        ends: list[float | None] = []
         for name in r.waits_for:
             other = by_id.get(name.split()[0])
             if other is None:  # "being started": not a run

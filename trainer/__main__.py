@@ -34,6 +34,12 @@ def _train(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         return 2
+    from trainer.train.trackers import missing_trackers
+
+    missing = missing_trackers(cfg)  # where the run will log, not where the config was written
+    if missing is not None:
+        print(f"config error: {args.config}: {missing}", file=sys.stderr, flush=True)
+        return 2
     from trainer.entry import train
 
     code = train(cfg, args.run_dir, args.resume)

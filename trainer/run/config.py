@@ -213,7 +213,9 @@ class RunConfig:
     warmup_shapes: int = 4  # largest batch shapes (one per bucket) run once before training
     threads: int | None = None  # torch CPU threads; default torch's choice
     seed: int = 0  # model initialisation seed
-    wandb: WandbConfig | None = None  # also log to wandb when set and installed
+    wandb: WandbConfig | None = None  # W&B's project and run name; setting it names wandb as a tracker
+    trackers: list[Literal["wandb", "tensorboard", "mlflow"]] = field(default_factory=list)  # also log the metrics there (trainer.train.trackers); one not installed is refused before the run
+    mlflow_uri: str | None = None  # MLflow tracking URI; default a file store in RUN_DIR/mlruns
 
 
 @dataclass
@@ -593,6 +595,7 @@ def _validate_run(c: TrainerConfig, check: _Check) -> None:
           "needs eval.every to be a multiple of run.checkpoint_every (the best τ's checkpoint must exist)")
     check(0 < r.heartbeat_s <= 10, ("run", "heartbeat_s"), "must be in (0, 10]")
     check(r.log_every >= 1, ("run", "log_every"), "must be at least 1")
+    check(len(set(r.trackers)) == len(r.trackers), ("run", "trackers"), "names a tracker twice")
 
 
 def _validate_eval(c: TrainerConfig, check: _Check) -> None:

@@ -6,15 +6,15 @@ holds and how its log line reads is decided in this file only.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 from collections import deque
 from typing import Any
 
-from trainer.run.config import TrainerConfig, dump_config
+from trainer.run.config import TrainerConfig
 from trainer.run.contract import tau_by_length_text
 from trainer.run.rundir import RunDir
+from trainer.train.trackers import Trackers
 
 STATUS_FIELDS = ("loss", "acc", "tokens_per_s", "recompiles", "pad_share")  # copied from a step record to status.json
 RECENT_WINDOWS = 5  # logged windows the recent throughput (and so the ETA) is measured over
@@ -37,12 +37,7 @@ class Metrics:
         self.first_step = 0  # the step this process started training from (start_at)
         self.counted_tokens = 0  # real tokens this process trained (step records' `tokens`)
         self.windows: deque[tuple[float, int]] = deque(maxlen=RECENT_WINDOWS + 1)  # (time, counted_tokens)
-        self.wandb: Any = None
-        if cfg.run.wandb is not None and importlib.util.find_spec("wandb") is not None:
-            import wandb
-
-            self.wandb = wandb.init(project=cfg.run.wandb.project, name=cfg.run.wandb.name or run_name,
-                                    config=dump_config(cfg))
+        self.trackers = Trackers(cfg, rd.root, self.tracker_failed)
 
     def start_at(self, step: int) -> None:
         """Training starts (or resumes) at `step`; status.json gets the run's planned token count."""
@@ -95,13 +90,13 @@ class Metrics:
         if "gpus" in m:
             line += f" pad {m['pad_share']:.1%} busy {[g['busy'] for g in m['gpus']]}"
         self.rd.log(line)
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in m.items() if isinstance(v, (int, float))}, step=step)
+        self.trackers.log(m, step)
 
     def eval(self, step: int, result: dict[str, Any]) -> None:
         """An evaluation record: trainer.generate.evaluate.acceptance_report's fields (tau None when
         not measured) and acc."""
         self.rd.event("eval", step, **result)
+        self.trackers.log({"eval": result}, step)
         self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"], tau_lookup=result.get("tau_lookup"),
                        tau_ratio=result.get("tau_ratio"), acceptance=result.get("acceptance"),
                        tau_by_length=result.get("tau_by_length"))
@@ -118,6 +113,12 @@ class Metrics:
             if result.get("tau_by_length"):
                 self.rd.log(f"eval step {step}: tau by prompt length: {tau_by_length_text(result['tau_by_length'])}")
 
+    def tracker_failed(self, name: str, stage: str, exc: BaseException) -> None:
+        """A tracker failed (opening, logging or closing): a `tracker_error` event and a log line; the
+        tracker is dropped and the run goes on (trainer.train.trackers)."""
+        message = f"{type(exc).__name__}: {exc}"
+        self.rd.event("tracker_error", 0, tracker=name, stage=stage, message=message)
+        self.rd.log(f"tracker {name} failed ({stage}): {message}; no longer logged to, the run goes on")
+
     def close(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
+        self.trackers.close()

@@ -168,6 +168,14 @@ PRESETS = {
                                                     "base, drafter seed 1": {"run_seed": 1},
                                                     "fp8 target, drafter seed 1": {"precision": "fp8", "run_seed": 1}},
                        ablation_steps_as_main=True, parallel=4, curve_points=2),
+    # one H200, one call (issue #51): the drafter trained with FP8 matmuls ("fp8 drafter": model.drafter.precision
+    # fp8) beside the bf16 one, two drafter seeds each, the same steps and data; each run's own τ is measured by its
+    # trainer in bf16 (evaluation drafts as the export serves) against the bf16 target
+    "h200-fp8-drafter": Preset(drafter_rate=5.0, ablations={"base": {}, "fp8 drafter": {"drafter_precision": "fp8"},
+                                                            "base, drafter seed 1": {"run_seed": 1},
+                                                            "fp8 drafter, drafter seed 1": {"drafter_precision": "fp8",
+                                                                                            "run_seed": 1}},
+                               ablation_steps_as_main=True, parallel=4, curve_points=2),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -845,6 +853,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         full = int(o.get("full_layers", 0))
         model["drafter"] = {"layer_types": ["sliding_attention"] * (o["drafter_layers"] - full) + ["full_attention"] * full,
                             "sliding_window": int(o["sliding_window"])}
+    if o.get("drafter_precision", "bf16") != "bf16":  # the drafter's matmuls while training (model.drafter.precision)
+        model.setdefault("drafter", {})["precision"] = o["drafter_precision"]
     cuda = p.device.startswith("cuda")
     data_cfg = {"train_path": str(train_file), "eval_path": str(data / p.trainer_eval),
                 "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),

@@ -104,6 +104,18 @@ def test_the_fp8_preset_trains_both_precisions_at_equal_steps_and_tells_their_tr
     assert whole["model"]["target"]["precision"] == "fp8"  # --set target_precision=fp8: the main run on FP8 features
 
 
+def test_the_fp8_drafter_preset_differs_from_its_bf16_twin_in_the_drafters_precision_alone(tmp_path):
+    p = quality.PRESETS["h200-fp8-drafter"]
+    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 4
+    args = (p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100)
+    base = quality.trainer_config(*args, {}, 50)
+    for name, twin in (("fp8 drafter", base),
+                       ("fp8 drafter, drafter seed 1", quality.trainer_config(*args, p.ablations["base, drafter seed 1"], 50))):
+        fp8 = quality.trainer_config(*args, p.ablations[name], 50)
+        assert fp8["model"].pop("drafter") == {"precision": "fp8"} and "drafter" not in twin["model"]
+        assert fp8 == twin
+
+
 def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp_path):
     def job(name, precision):
         run = tmp_path / name

@@ -56,6 +56,7 @@ _AREAS: list[str] = [
     "transfer",
     "patch",
     "dash",
+    "exporter",
     "doctor",
     "provision",
     "simnode",

@@ -431,9 +431,25 @@ def metrics(
     follow: Follow = False,
     lines: Annotated[Optional[int], typer.Option("-n", "--lines", min=0, help="Start with the last N events (default: all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The raw JSON lines of metrics.jsonl.")] = False,
+    output_format: Annotated[str, typer.Option(
+        "--format", help="text (a line per event), json (as --json) or prometheus: the target's runs, GPUs and "
+                         "queue now, in Prometheus's text exposition format (RUN, -f and -n do not apply)")] = "text",
     inventory: InventoryOption = None,
 ) -> None:
     """A compact line per metrics event (step: loss, acc, lr, grad norm, tokens/s; eval: tau)."""
+    if output_format not in ("text", "json", "prometheus"):
+        fail(f"--format {output_format!r}: one of text, json, prometheus", 2)
+    if output_format == "prometheus":
+        from dflash_ops.runs.prometheus import exposition, scrape_target
+
+        if run is not None or follow or lines is not None:
+            fail("--format prometheus shows the target's runs now: no RUN, -f or -n", 2)
+        scrape = scrape_target(target, lambda: open_target(inventory, target))
+        if scrape.error is not None:
+            fail(f"{target}: {scrape.error}", 1)
+        typer.echo(exposition([scrape]), nl=False)
+        return
+    as_json = as_json or output_format == "json"
     on_line = write_stdout if as_json else _MetricPrinter().line
     _follow_cli(target, run, "metrics.jsonl", follow, lines, inventory, on_line)
 

@@ -146,13 +146,20 @@ def test_a_module_the_model_code_reaches_is_copied_and_one_it_may_not_import_is_
     write(tmp_path, {"pkg/__init__.py": "", "pkg/models/__init__.py": "", "pkg/run/__init__.py": "",
                      "pkg/models/entry.py": "import torch\nfrom pkg.models.parts import (\n    a,\n    b,\n)  # why\n"
                                             "\n\ndef f():\n    from ..run.lower import c  # lazy, relative\n",
-                     "pkg/models/parts.py": "import json\na = b = 1\n",
+                     "pkg/models/parts.py": "import json\n\nfrom pkg.run.lower import c\na = b = c\n",
                      "pkg/run/lower.py": "c = 'τ'\n"})
     code = model_code("pkg.models.entry", "modeling", root=tmp_path)
     assert sorted(code) == ["lower.py", "modeling.py", "parts.py"]
     assert code["modeling.py"] == "import torch\nfrom .parts import a, b  # why\n\n\ndef f():\n" \
                                   "    from .lower import c  # lazy, relative\n"
+    assert code["parts.py"] == "import json\n\nfrom .lower import c\na = b = c\n"
     assert code["lower.py"] == "c = 'τ'\n"
+
+    write(tmp_path, {"pkg/models/entry.py": "from pkg.models.parts import a\n"})  # lower.py only through parts.py
+    with pytest.raises(ModelCodeError, match=r"entry.py: the exported model code needs pkg.run.lower, which "
+                                             r"pkg.models.entry does not import itself"):
+        model_code("pkg.models.entry", "modeling", root=tmp_path)
+    write(tmp_path, {"pkg/models/entry.py": "from pkg.models.parts import a\nfrom pkg.run.lower import c\n"})
 
     write(tmp_path, {"pkg/run/lower.py": "import numpy\nc = 1\n"})  # planted: a package the export lacks
     with pytest.raises(ModelCodeError, match=r"pkg/run/lower.py:1: the exported model code may import only the "

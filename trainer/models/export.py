@@ -130,7 +130,8 @@ def model_code(entry: str = MODEL_ENTRY, entry_as: str = MODEL_FILE, root: Path 
 
     These are the trainer's own files, not a second copy to keep in step: each import of one of them
     becomes `from .NAME import ...`, the form transformers' dynamic-module loader follows and copies
-    (it reads `from .NAME import` lines, one dot). Every other import must be the standard library's
+    (it reads `from .NAME import` lines, one dot; 5.5 only the entry's own, so the entry imports every
+    module itself). Every other import must be the standard library's
     or MODEL_CODE_PACKAGES', so the export loads where this repository is not installed; anything
     else raises ModelCodeError naming file:line, at export time rather than at the user's load."""
     package = entry.split(".")[0]
@@ -154,6 +155,12 @@ def model_code(entry: str = MODEL_ENTRY, entry_as: str = MODEL_FILE, root: Path 
     clash = sorted({n for n in written if written.count(n) > 1})
     if clash:
         raise ModelCodeError(f"the exported model code would write two modules as {', '.join(clash)}.py")
+    # transformers 5.5 (a declared floor) copies from a local directory only the files the entry imports
+    # itself, so a module reached only through another would be missing at load
+    unnamed = sorted(set(names) - {entry} - {target for _, target in edits[entry][1]})
+    if unnamed:
+        raise ModelCodeError(f"{module_file(entry, root)}: the exported model code needs {', '.join(unnamed)}, "
+                             f"which {entry} does not import itself (transformers copies only what it imports)")
     return {f"{names[m]}.py": _made_relative(text, own, names) for m, (text, own) in sorted(edits.items())}
 
 

@@ -21,6 +21,9 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 from transformers.utils import cached_file
 
+# transformers copies into its module cache only the files this one imports itself (5.5, a declared
+# floor: not those its imports import), so it names every module of the export (export.model_code checks)
+from trainer.models.dflash2 import walk  # noqa: F401 - imported for the copy (drafter.py uses it)
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules, propose
 from trainer.run.layout import MASK_EMBEDDING, generation
 

@@ -60,7 +60,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-FIXABLE = ("gpu passthrough", "driver user-space", "/dev/shm", "memlock limit", "open files limit")
+FIXABLE = ("gpu passthrough", "driver user-space", "/dev/shm", "memlock limit", "open files limit", "boot unit")
 
 
 def _fixed(container: Container, report: Report, plan: RunPlan, yes: bool, fast: bool) -> Report:
@@ -75,9 +75,10 @@ def _fixed(container: Container, report: Report, plan: RunPlan, yes: bool, fast:
     typer.echo(f"{container.target.name}: fixing {', '.join(wrong)}", err=True)
     gpus = tuple(plan.gpus) if plan.needs_gpu or container.target.gpus else ()
     request = Request(gpus=gpus, shm_gib=max(1, -(-plan.shm_needed() // GIB)) if "/dev/shm" in wrong else None,
-                      create=False)
-    outcome = provision(container, request, yes=yes, confirm=lambda q: typer.confirm(q, default=False),
-                        say=lambda line: typer.echo(line, err=True))
+                      boot_unit="offer" if "boot unit" in wrong else "", create=False)
+    outcome = provision(container, request, yes=yes, confirm=_confirm, say=lambda line: typer.echo(line, err=True))
+    for note in outcome.notes:
+        typer.echo(f"note: {note}", err=True)
     typer.echo(f"{container.target.name}: {len(outcome.changes)} change(s)", err=True)
     again = diagnose(container, plan, fast=fast)
     record_verdict(container.target, again)
@@ -86,6 +87,15 @@ def _fixed(container: Container, report: Report, plan: RunPlan, yes: bool, fast:
             typer.echo(f"{container.target.name}: {check.name} still {check.measured}: "
                        f"{_why_unfixed(container, check.name)}", err=True)
     return again
+
+
+def _confirm(question: str) -> bool:
+    """A yes from the terminal; no answer (end of input) is a no."""
+    try:
+        return typer.confirm(question, default=False)
+    except typer.Abort:
+        typer.echo("", err=True)
+        return False
 
 
 _LIMITS = {"memlock limit": "memlock", "open files limit": "nofile"}

@@ -28,6 +28,7 @@ def provision(
     device_gid: Annotated[Optional[str], typer.Option("--device-gid", metavar="GID|GROUP", help="The group that may open the GPU device nodes in the container (gid= on every devN entry; a GROUP name is looked up in the running container).")] = None,
     device_uid: Annotated[Optional[int], typer.Option("--device-uid", min=0, max=65535, help="The owner of the GPU device nodes in the container (uid= on every devN entry).")] = None,
     device_mode: Annotated[Optional[str], typer.Option("--device-mode", metavar="MODE", help="The device nodes' mode, octal (mode= on every devN entry, e.g. 0660).")] = None,
+    boot_unit: Annotated[bool, typer.Option("--boot-unit", help="Install (asks; --yes) and enable a systemd unit on the node that makes the NVIDIA device nodes at boot, before pve-guests starts the containers.")] = False,
     features: Annotated[Optional[str], typer.Option("--features", help="pct's features: of the container, e.g. nesting=1.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print every node command and the config diff; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Restart a running container without asking.")] = False,
@@ -80,7 +81,7 @@ def provision(
     if features is not None and not re.fullmatch(r"[a-z_]+=[01](,[a-z_]+=[01])*", features):
         fail(f"--features {features!r}: pct's form, e.g. nesting=1 or nesting=1,keyctl=1", 2)
     request = Request(gpus=asked, cores=cores, memory_mib=memory, rootfs=rootfs, shm_gib=shm, template=template,
-                      unprivileged=not privileged, device=access, features=features)
+                      unprivileged=not privileged, device=access, features=features, boot_unit="install" if boot_unit else "")
     outcome = run_provision(container, request, dry_run=dry_run, yes=yes,
                             confirm=lambda q: typer.confirm(q, default=False), say=typer.echo)
     if dry_run:

@@ -67,6 +67,21 @@ def sim_gpus(
                                                      f"{count} GPU(s), NVIDIA module {driver}") + f" (under {root}/node)")
 
 
+def sim_reboot(
+    node: Annotated[Optional[str], typer.Argument(help="The simulated node (default: the inventory's only one).")] = None,
+    inventory: InventoryOption = None,
+) -> None:
+    """Reboot the simulated node: its containers stop, /dev/nvidia* are gone until a boot unit makes
+    them (provision --boot-unit), then the containers with onboot: 1 are started by `pct start`,
+    which refuses a devN path that does not exist; a line per step."""
+    from dflash_ops.inventory import load_inventory
+    from dflash_ops.simnode import gpus
+
+    chosen = _simulated_node(load_inventory(inventory), node)
+    for line in gpus.reboot(chosen.kind.identity()):
+        typer.echo(f"simulated node {chosen.name}: {line}")
+
+
 def sim_remake(
     target: Annotated[str, typer.Argument(help="A target of a simulated node.")],
     backend: Annotated[Optional[str], typer.Option("--backend", help="lxc or directory (default: the other one).")] = None,
@@ -112,3 +127,4 @@ def register(app: typer.Typer) -> None:
     app.command("sim-rootfs")(sim_rootfs)
     app.command("sim-gpus")(sim_gpus)
     app.command("sim-remake")(sim_remake)
+    app.command("sim-reboot")(sim_reboot)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_ops import render
-from dflash_ops.doctor.node import NVIDIA_MAJOR, NodeFacts
+from dflash_ops.doctor.node import NVIDIA_MAJOR, UNIT, NodeFacts
 from dflash_ops.doctor.plan import GIB, MIB, RunPlan
 from dflash_ops.helpers import venvs
 
@@ -69,6 +69,9 @@ def evaluate(i: Inputs) -> list[Check]:
     checks = [container_check(i)]
     if i.node.pct and i.node.state in ("running", "stopped"):
         checks.append(passthrough_check(i))
+        unit = boot_unit_check(i)
+        if unit is not None:
+            checks.append(unit)
     if i.node.state != "running":
         return checks
     if i.facts is None:
@@ -152,6 +155,20 @@ def passthrough_check(i: Inputs) -> Check:
         fix = f"on node {t.node.name}: pct set {t.ctid} {args} (then restart the CT)"
     gaps = [p.removeprefix("/dev/") for p in missing_paths] + [f"cgroup allow {a}" for a in missing_allow]
     return Check("gpu passthrough", FAIL, f"{measured}; missing {', '.join(gaps)}", needed, fix)
+
+
+def boot_unit_check(i: Inputs) -> Check | None:
+    """A container with devN GPU entries starts only where the device nodes exist (pct start checks
+    each path): after a node reboot they may not, unless a boot unit makes them (provision/bootunit.py)."""
+    config, state, t = i.node.config, i.node.boot_unit, i.target
+    if config is None or state is None or not any(p.startswith("/dev/nvidia") for p in config.passthrough_paths()):
+        return None
+    needed = "enabled: the device nodes exist at boot, before pve-guests"
+    if state == "enabled":
+        return Check("boot unit", OK, f"{UNIT}: enabled", needed)
+    return Check("boot unit", WARN, f"{UNIT} on node {t.node.name}: {state}", needed,
+                 f"dflash-ops provision {t.name} --boot-unit --yes (or doctor --fix): else after a node reboot "
+                 "`pct start` may fail with `Device /dev/nvidia-uvm does not exist`")
 
 
 # ---------------------------------------------------------------- inside the container

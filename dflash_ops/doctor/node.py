@@ -19,11 +19,51 @@ from dflash_ops.target_states import read_pct_status
 
 if TYPE_CHECKING:
     from dflash_ops.inventory import Target
+    from dflash_ops.nodekinds.base import NodeKind
     from dflash_ops.transport.base import Transport
 
 
 NVIDIA_MAJOR = 195
 MODULE_VERSION = "/proc/driver/nvidia/version"
+
+# The node's boot unit (dflash_ops/provision/bootunit.py installs it; doctor reads its state here).
+UNIT = "dflash-ops-nvidia-devices.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+UNIT_TEXT = """\
+# Installed by `dflash-ops provision --boot-unit` (docs/provision.md): the NVIDIA device nodes exist
+# before pve-guests starts the GPU containers (pct start checks every devN path).
+[Unit]
+Description=NVIDIA device nodes for GPU containers (dflash-ops)
+After=systemd-modules-load.service
+Before=pve-guests.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+# /dev/nvidia0..N and /dev/nvidiactl (loads the nvidia module when it is not loaded)
+ExecStart=/usr/bin/nvidia-smi -L
+# /dev/nvidia-uvm and /dev/nvidia-uvm-tools: otherwise made on first CUDA use only
+ExecStart=/usr/bin/nvidia-modprobe -u -c 0
+
+[Install]
+WantedBy=multi-user.target
+"""
+UNIT_MARKER = "--- dflash-ops unit state"
+
+
+def unit_state_argvs(kind: NodeKind) -> list[list[str]]:
+    """Node commands whose output (after UNIT_MARKER) says the unit's state: its file, then `enabled`
+    or something else (systemctl is-enabled); every one exits 0, so it can join a sequence."""
+    return [["sh", "-c", 'cat "$1" 2>/dev/null; exit 0', "sh", kind.node_path(UNIT_PATH)], ["echo", UNIT_MARKER],
+            ["sh", "-c", '"$@" 2>/dev/null; exit 0', "sh", *kind.node_tool(["systemctl", "is-enabled", UNIT])]]
+
+
+def parse_unit_state(text: str) -> tuple[str, str]:
+    """(the unit file's text, its is-enabled word) from state_argvs' output."""
+    body, _, state = text.partition(UNIT_MARKER + "\n")
+    return body, (state.split() or ["not-found"])[0]
+
+
 
 
 def parse_module_version(text: str) -> str | None:
@@ -83,6 +123,7 @@ class NodeFacts:
     config: PctConfig | None = None
     config_error: str | None = None
     module: str | None = None  # the node's NVIDIA kernel module version (/proc/driver/nvidia/version)
+    boot_unit: str | None = None  # `systemctl is-enabled` of UNIT (enabled, disabled, not-found); None: not read
 
 
 def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> NodeFacts:
@@ -98,7 +139,9 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     marker = "--- dflash-ops pct config ---"
     module_marker = "--- dflash-ops nvidia module ---"
     module = ["sh", "-c", 'cat "$1" 2>/dev/null; exit 0', "sh", target.node.kind.node_path(MODULE_VERSION)]
-    command = render.node_sequence(status, ["echo", marker], config, ["echo", module_marker], module).command
+    unit_marker = "--- dflash-ops boot unit ---"
+    command = render.node_sequence(status, ["echo", marker], config, ["echo", module_marker], module,
+                                   ["echo", unit_marker], *unit_state_argvs(target.node.kind)).command
     try:
         result = transport.run(command, timeout=timeout)
     except TransportError as e:
@@ -108,7 +151,10 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     if not head.strip().startswith("status: "):
         return facts
     tail, _, module_text = tail.partition(module_marker + "\n")
+    module_text, found_unit, unit_text = module_text.partition(unit_marker + "\n")
     facts.module = parse_module_version(module_text)
+    if found_unit:
+        facts.boot_unit = parse_unit_state(unit_text)[1]
     if sep and result.ok:
         facts.config = parse_pct_config(tail)
     else:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from dflash_ops import render
 from dflash_ops.doctor.node import node_facts
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.provision import userspace
+from dflash_ops.provision import bootunit, userspace
 from dflash_ops.provision.config import (
     ID_BASE,
     ID_RANGE,
@@ -67,6 +67,9 @@ class Request:
     unprivileged: bool = True
     device: DeviceAccess = DeviceAccess()  # uid/gid/mode on every devN entry (a non-root user's GPUs)
     features: str | None = None  # pct's features: (e.g. nesting=1)
+    # the node's unit that makes the NVIDIA device nodes at boot (bootunit.py): "install" (a no stops
+    # provision), "offer" (doctor --fix: a no leaves it out, noted), "" (not asked)
+    boot_unit: Literal["", "install", "offer"] = ""
     create: bool = True  # doctor --fix repairs; it never creates
 
 
@@ -85,6 +88,8 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
     for argv in node_commands(kind):
         s.show("the node's PVE version and NVIDIA module (read)", node_rendered(argv))
     node = read_node(target.node.name, kind, container.transport)
+    if request.boot_unit:  # asked first: a "no" changes nothing anywhere
+        bootunit.ensure(s, target, yes, confirm, required=request.boot_unit == "install")
     gpus = _resolve_gpus(request.gpus, node, target)
     s.outcome.gpus = gpus
     state = node_facts(target, container.transport).state
@@ -171,7 +176,9 @@ def _resolve_gpus(asked: Literal["all"] | tuple[int, ...], node: NodeInfo, targe
                                 or "install the driver on the node first, then provision"))
     if asked == "all":
         if not node.gpus:
-            raise ProvisionError(f"node {node.name} has the NVIDIA module {node.module} but no /dev/nvidiaN")
+            raise ProvisionError(f"node {node.name} has the NVIDIA module {node.module} but no /dev/nvidiaN (after a "
+                                 "reboot they appear once nvidia-smi runs on the node; --boot-unit installs a unit "
+                                 "that makes them at every boot)")
         return node.gpus
     missing = [g for g in asked if g not in node.gpus]
     if missing:

@@ -14,12 +14,15 @@ a container fails to load its module).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 from dflash_ops.simnode.pct import Node
 
 UVM_MAJOR = 511
+DEVICES_RECORD = "/var/lib/dflash-ops-sim/nvidia-devices"  # what the boot unit makes again at a simulated boot
+BOOT_UNIT = "dflash-ops-nvidia-devices.service"
 INSTALLER_DIR = "/var/lib/dflash-ops/nvidia"
 PVEVERSION_FILE = "pveversion"  # ROOT/node/pveversion: what `pveversion` prints on the simulated node
 DEFAULT_PVEVERSION = "pve-manager/8.2.4/faa83925c9641325 (running kernel: 6.8.12-1-pve)"
@@ -43,13 +46,17 @@ def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550
             old.unlink()
     dev.mkdir(parents=True, exist_ok=True)
     version = node.node_path("/proc/driver/nvidia/version")
+    names = [*(f"nvidia{i}" for i in range(count)), "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
     if driver is None:
         version.unlink(missing_ok=True)
     else:
         version.parent.mkdir(parents=True, exist_ok=True)
         version.write_text(version_text(driver))
-        for name in [*(f"nvidia{i}" for i in range(count)), "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]:
+        for name in names:
             (dev / name).write_text("")
+    names = [] if driver is None else names
+    node.node_path(DEVICES_RECORD).parent.mkdir(parents=True, exist_ok=True)
+    node.node_path(DEVICES_RECORD).write_text("".join(name + "\n" for name in names))
     node.node_path("/proc/devices").write_text(
         "Character devices:\n  1 mem\n  4 tty\n195 nvidia-frontend\n"
         + (f"{UVM_MAJOR} nvidia-uvm\n" if driver else "") + "\nBlock devices:\n  8 sd\n")
@@ -67,6 +74,42 @@ def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550
         if not ids.exists():
             ids.parent.mkdir(parents=True, exist_ok=True)
             ids.write_text("root:100000:65536\n")
+
+
+def reboot(sim_root: str | Path) -> list[str]:
+    """A node reboot (or a kernel update's): every container stops; the NVIDIA module is loaded
+    again but makes no device files, so /dev/nvidia* are gone; an enabled boot unit
+    (provision --boot-unit, the stand-in's systemctl) makes them again; then pve-guests starts the
+    containers with `onboot: 1` through `pct start`, which checks every devN path. Returns a line
+    per container started or refused (`Device /dev/nvidia0 does not exist`)."""
+    import subprocess
+
+    from dflash_ops.simnode import containers as simct
+
+    root = Path(sim_root)
+    node = Node(root)
+    simct.stop_all(root)
+    for vmid in node.vmids():
+        if node.running(vmid) or (node.lxc / f"{vmid}.state").read_text().strip() == "running":
+            node.set_state(vmid, "stopped")
+    dev = node.node_path("/dev")
+    for old in dev.glob("nvidia*") if dev.is_dir() else ():
+        old.unlink()
+    said = []
+    units = node.node_path("/etc/systemd/system")
+    if (units / "multi-user.target.wants" / BOOT_UNIT).is_symlink() and (units / BOOT_UNIT).is_file():
+        record = node.node_path(DEVICES_RECORD)
+        names = record.read_text().split() if record.is_file() else []
+        for name in names:
+            (dev / name).write_text("")
+        said.append(f"{BOOT_UNIT}: made /dev/{', /dev/'.join(names)}" if names else f"{BOOT_UNIT}: no GPUs")
+    for vmid in node.vmids():
+        if not re.search(r"^onboot: 1$", node.conf(vmid).read_text(), re.M):
+            continue
+        started = subprocess.run([*simct.stand_in_argv(root), "start", vmid], capture_output=True, text=True)
+        said.append(f"pve-guests: CT {vmid} " + ("started" if started.returncode == 0 else
+                                                  f"not started: {started.stderr.strip().splitlines()[-1]}"))
+    return said
 
 
 def upgrade_driver(sim_root: str | Path, driver: str, keep_installers: bool = True) -> None:

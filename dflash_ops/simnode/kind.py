@@ -100,8 +100,9 @@ class SimulatedNode(NodeKind):
         return os.path.join(self.root, "node", path.lstrip("/"))
 
     def node_tool(self, argv: list[str]) -> list[str]:
-        if argv[:1] == ["pveversion"]:
-            script = os.path.join(os.path.dirname(simct.PCT_SCRIPT), "pveversion_main.py")
+        """pveversion and systemctl are the stand-in's (pveversion_main.py, systemctl_main.py)."""
+        if argv[:1] in (["pveversion"], ["systemctl"]):
+            script = os.path.join(os.path.dirname(simct.PCT_SCRIPT), f"{argv[0]}_main.py")
             return [sys.executable, "-I", "-S", script, "--state-root", self.root, *argv[1:]]
         return argv
 

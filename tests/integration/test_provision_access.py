@@ -107,3 +107,44 @@ def test_bad_device_options_are_one_line_each(node):
                           (["--features", "nesting"], "--features 'nesting': pct's form")):
         result = cli("provision", "host500", "--gpus", "all", *args, "--inventory", str(node), code=2)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_node_reboot_leaves_the_gpu_container_startable_with_the_boot_unit_and_not_without(node):
+    """issue #54 item 2: after a reboot /dev/nvidia* are gone and `pct start` refuses a devN path that
+    does not exist; the unit provision --boot-unit installs makes them again before pve-guests."""
+    cli("provision", "host500", "--gpus", "all", "--inventory", str(node))
+    assert pct(node, "set", "500", "--onboot", "1").returncode == 0
+    table = rows(cli("doctor", "host500", "--config", TINY_CPU, "--inventory", str(node)).stdout)
+    assert table["boot unit"][:2] == ["!", "dflash-ops-nvidia-devices.service on node sim: not-found"]
+    assert table["boot unit"][3].startswith("dflash-ops provision host500 --boot-unit --yes")
+
+    rebooted = cli("sim-reboot", "--inventory", str(node)).stdout
+    assert rebooted == "simulated node sim: pve-guests: CT 500 not started: Device /dev/nvidia0 does not exist\n"
+    assert pct(node, "status", "500").stdout == "status: stopped\n"
+    refused = pct(node, "start", "500")
+    assert (refused.returncode, refused.stderr) == (255, "Device /dev/nvidia0 does not exist\n")
+
+    # what an admin does once (nvidia-smi on the node), then the unit, asked for (a "no" changes nothing)
+    simgpus.install_gpus(Path(yaml.safe_load(node.read_text())["nodes"]["sim"]["sim_root"]), 2, DRIVER)
+    assert pct(node, "start", "500").returncode == 0
+    declined = cli("provision", "host500", "--gpus", "all", "--boot-unit", "--inventory", str(node), code=1,
+                   input="n\n")
+    assert declined.stderr.endswith("dflash-ops-nvidia-devices.service not installed, nothing changed: rerun with "
+                                    "--yes to install it\n")
+    unit = Path(yaml.safe_load(node.read_text())["nodes"]["sim"]["sim_root"]) / "node/etc/systemd/system"
+    assert not unit.exists()
+    dry = cli("provision", "host500", "--gpus", "all", "--boot-unit", "--dry-run", "--inventory", str(node)).stdout
+    assert "# node sim: write /etc/systemd/system/dflash-ops-nvidia-devices.service" in dry
+    assert "# node sim: systemctl enable dflash-ops-nvidia-devices.service" in dry
+    fixed = cli("doctor", "host500", "--fix", "--yes", "--config", TINY_CPU, "--inventory", str(node))
+    assert "host500: fixing boot unit" in fixed.stderr
+    assert rows(fixed.stdout)["boot unit"][:2] == ["✔", "dflash-ops-nvidia-devices.service: enabled"]
+    assert "Before=pve-guests.service" in (unit / "dflash-ops-nvidia-devices.service").read_text()
+
+    rebooted = cli("sim-reboot", "--inventory", str(node)).stdout.splitlines()
+    assert rebooted == ["simulated node sim: dflash-ops-nvidia-devices.service: made /dev/nvidia0, /dev/nvidia1, "
+                        "/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools",
+                        "simulated node sim: pve-guests: CT 500 started"]
+    assert pct(node, "status", "500").stdout == "status: running\n"
+    again = cli("provision", "host500", "--gpus", "all", "--boot-unit", "--inventory", str(node)).stdout
+    assert again.splitlines() == ["provision host500: 0 changes (as wanted already)"]

@@ -566,9 +566,12 @@ def pull(
     checkpoint_: Annotated[str, typer.Option("--checkpoint", help="'latest' or a step number.")] = "latest",
     inventory: InventoryOption = None,
 ) -> None:
-    """Copy a checkpoint out, each file verified against its manifest; a second pull resumes."""
+    """Copy a checkpoint out, each file verified against its manifest; a second pull resumes. The run's
+    tracker files (TensorBoard event files, an MLflow file store) come along into DEST/tensorboard and
+    DEST/mlruns."""
     from dflash_ops.runs import pull_checkpoint
     from dflash_ops.runs.group import pull_group
+    from dflash_ops.runs.pull import pull_tracker_files
 
     if checkpoint_ != "latest" and not checkpoint_.isdigit():
         fail(f"--checkpoint {checkpoint_!r}: expected 'latest' or a step number", 2)
@@ -576,11 +579,16 @@ def pull(
     if found is not None:
         member, local = pull_group(found, run, checkpoint_, dest)
         typer.echo(f"from {member.target}:", err=True)
+        trackers = pull_tracker_files(member.container, run, dest)
     else:
-        local = pull_checkpoint(open_target(inventory, target), run, checkpoint_, dest)
+        container = open_target(inventory, target)
+        local = pull_checkpoint(container, run, checkpoint_, dest)
+        trackers = pull_tracker_files(container, run, dest)
     manifest = json.loads((local / "manifest.json").read_text())
     size = sum(f["size"] for f in manifest["files"].values())
     typer.echo(f"{local}: {len(manifest['files'])} files, {size / 1e6:.1f} MB, sha256 verified")
+    for path in trackers:
+        typer.echo(f"{path}: the run's {path.name} files")
 
 
 def _members(inventory: Path | None, target: str, run_id: str) -> tuple[list[Member], dict[str, Any] | None]:

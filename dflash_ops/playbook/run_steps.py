@@ -25,6 +25,7 @@ from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
 from dflash_ops.yamlfile import read_yaml_node
+from trainer.run.contract import phase_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -104,6 +105,7 @@ class RunProgress:
         self.step = 0
         self.loss: float | None = None
         self.tau: float | None = None
+        self.phase = "starting"  # what the run does (its `phase` events), shown until the first loss
 
     def on_line(self, line: bytes) -> None:
         event = parse_event(line)
@@ -118,12 +120,14 @@ class RunProgress:
             self.loss = event.get("loss", self.loss)
         elif kind == "eval":
             self.tau = event.get("tau", self.tau)
+        elif kind == "phase":
+            self.phase = phase_text(event) or self.phase
         self._draw()
 
     def _draw(self) -> None:
         if self.bar is None:
             return
-        loss = f"loss {self.loss:.4f}" if isinstance(self.loss, (int, float)) else "starting"
+        loss = f"loss {self.loss:.4f}" if isinstance(self.loss, (int, float)) else self.phase
         if self.task is None:
             self.task = self.bar.add_task(self.run_id, total=self.total, loss=loss)
         self.bar.update(self.task, completed=self.step, total=self.total, loss=loss)

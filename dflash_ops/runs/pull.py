@@ -95,6 +95,27 @@ def pull_checkpoint(container: ContainerAPI, run_id: str, step: int | str, dest:
     return target
 
 
+TRACKER_DIRS = ("tensorboard", "mlruns")  # what run.trackers writes into a run directory (trainer/train/trackers.py)
+
+
+def pull_tracker_files(container: ContainerAPI, run_id: str, dest: Path | str) -> list[Path]:
+    """The run's TensorBoard event files and MLflow file store, each into DEST/<name> (fetch_path:
+    verified, resumable, replacing only an earlier fetch); the ones the run does not have are
+    skipped. Returns the directories fetched."""
+    from dflash_ops.transfer import TransferRefused, fetch_path
+
+    fetched = []
+    for name in TRACKER_DIRS:
+        try:
+            fetch_path(container, f"{run_dir(container, run_id)}/{name}", Path(dest) / name)
+        except TransferRefused as e:
+            if "no such file or directory" in str(e):  # the run logged to no such tracker
+                continue
+            raise RunError(str(e)) from None
+        fetched.append(Path(dest) / name)
+    return fetched
+
+
 def _copy_files(container: ContainerAPI, remote_root: str, manifest: dict, into: Path) -> None:
     """Every manifest file into `into` (kept when it already matches), then manifest.json."""
     for rel, expected in sorted(manifest["files"].items()):

@@ -71,6 +71,8 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
         return f"error at step {step} in {event.get('thread')}: {event.get('message')}"
     if kind == "restart":
         return f"restart {event.get('attempt')} at step {step}: {event.get('reason')}; from {event.get('from') or 'the start'}"
+    if kind == "phase":
+        return f"phase: {phase_text(event)}"
     if kind == "warmup":
         return f"warmup: {len(event.get('shapes') or [])} shapes in {_num(event.get('seconds'), '.1f')}s"
     extra = {k: v for k, v in event.items() if k not in ("event", "time", "step")}

@@ -75,6 +75,8 @@ def test_a_stop_during_the_target_fit_stops_the_run_in_that_phase(tmp_path, how)
     log = (run / "train.log").read_text()
     assert "phase: tokenising" in log and "phase: fitting the target 0/1000000" in log
     assert "stopped while fitting the target" in log
+    fit = [e for e in events(run, "phase") if e["name"] == "fitting the target"]
+    assert fit and fit[0]["done"] == 0 and fit[0]["total"] == 1000000  # play and metrics -f see it
 
 
 def test_a_run_reports_its_phases_and_token_progress(tmp_path):
@@ -85,6 +87,7 @@ def test_a_run_reports_its_phases_and_token_progress(tmp_path):
     names = [line.split("phase: ", 1)[1] for line in log.splitlines() if "phase: " in line]
     assert names == ["tokenising", "loading the target", "building the drafter", "compiling and warming up",
                      "training", "evaluating", "checkpointing", "finished"]
+    assert [e["name"] for e in events(run, "phase")] == names
     st = status(run)
     assert st["phase"]["name"] == "finished" and st["state"] == "done"
     steps = events(run, "step")

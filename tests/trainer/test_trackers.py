@@ -44,13 +44,29 @@ def test_tensorboard_gets_the_scalars_of_metrics_jsonl(tmp_path):
     assert "eval/acc" in logged
 
 
+def test_mlflow_gets_the_same_scalars_in_a_file_store_of_the_run_directory(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "run"
+    assert train(parse_config(tiny_config("optim: {total_steps: 3}\nrun: {trackers: [mlflow, tensorboard]}")),
+                 run) == 0
+    client = MlflowClient(tracking_uri=(run / "mlruns").as_uri())
+    [found] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert found.info.run_name == "run"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [(e["step"], e["loss"]) for e in steps if e["event"] == "step"]
+    history = [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "loss")]
+    assert sorted(history) == [(s, pytest.approx(v)) for s, v in losses] and len(losses) == 3
+    assert "eval/tau" in found.data.metrics and "tracker_error" not in (run / "metrics.jsonl").read_text()
+
+
 def test_a_tracker_not_installed_is_refused_before_the_run(tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text(tiny_config("run: {trackers: [mlflow]}"))
+    config.write_text(tiny_config("run: {trackers: [tensorboard, wandb]}"))  # wandb: not in the dev extras
     assert main(["--config", str(config), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"config error: {config}: run.trackers names mlflow, which is not installed here: "
-                   "pip install mlflow-skinny (or pip install 'dflash-ops[mlflow]')\n")
+    assert err == (f"config error: {config}: run.trackers names wandb, which is not installed here: "
+                   "pip install wandb (or pip install 'dflash-ops[wandb]')\n")
     assert not (tmp_path / "run").exists()
 
 

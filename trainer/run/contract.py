@@ -131,7 +131,7 @@ def tau_by_length_text(by_length: object) -> str:
 
 # metrics.jsonl: every line is {"event": one of these, "time": float, "step": int, ...}
 EVENT_KINDS = ("start", "warmup", "step", "eval", "checkpoint", "checkpoint_failed", "stop", "error",
-               "restart", "tracker_error")  # restart: written by the helpers' supervisor
+               "restart", "tracker_error", "phase")  # restart: written by the helpers' supervisor
 
 
 def status_field_names() -> tuple[str, ...]:

@@ -9,14 +9,17 @@ run goes on.
 
 TensorBoard event files are written with tensorboardX (a pure-Python writer, protobuf and numpy only;
 the `tensorboard` package needs TensorFlow's stub and a server to write the same files) into
-RUN_DIR/tensorboard/, which `dflash-ops pull` fetches with the run. MLflow logs to run.mlflow_uri,
-default a file store in RUN_DIR/mlruns.
+RUN_DIR/tensorboard/, which `dflash-ops pull` fetches with the run. MLflow (mlflow-skinny: the client
+without server and UI) logs to run.mlflow_uri, default a file store in RUN_DIR/mlruns (MLflow 3.x keeps
+that store in maintenance and refuses it unless MLFLOW_ALLOW_FILE_STORE is set: set here for the
+default only; a database URI needs the full mlflow's SQLAlchemy).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,6 +110,8 @@ class _Mlflow:
         import mlflow
 
         self.mlflow = mlflow
+        if cfg.run.mlflow_uri is None:  # MLflow 3.x refuses its file store unless asked (it wants a database,
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # which mlflow-skinny cannot open)
         mlflow.set_tracking_uri(cfg.run.mlflow_uri or (run_dir / "mlruns").resolve().as_uri())
         self.run = mlflow.start_run(run_name=run_dir.name)
 

@@ -181,6 +181,31 @@ def forbid_restarts(run_dir: str, why: str, signal: str | None = None) -> None:
     write_atomic(os.path.join(control, NO_RESTART), json.dumps(doc).encode())
 
 
+def control_request(run_dir: str, kind: str) -> str:
+    """control/<kind> ("checkpoint" or "stop") created atomically (tmp + link); a request already
+    pending is reused. Returns its id. A stop records the operator's intent first (forbid_restarts)."""
+    control = os.path.join(run_dir, "control")
+    os.makedirs(control, exist_ok=True)
+    if kind == "stop":
+        forbid_restarts(run_dir, "stop requested")
+    request_id = os.urandom(6).hex()
+    tmp = os.path.join(control, ".%s.%s.tmp" % (kind, request_id))
+    final = os.path.join(control, kind)
+    nodefacts.write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pending = read_json(final)
+        if pending and pending.get("id"):
+            request_id = pending["id"]
+        else:
+            os.replace(tmp, final)  # not a request (unreadable, no id): this one takes its place
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return request_id
+
+
 def stop_intent(run_dir: str) -> dict | None:
     """The operator's recorded stop ({"why", "time", "signal"}; a control/stop request counts as one
     without a signal), or None. An unreadable record is a stop all the same."""

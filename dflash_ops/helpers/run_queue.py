@@ -41,6 +41,14 @@ def start_queued(base: str, entry: dict, path: str) -> str | None:
     config and release. None: started; "busy": a run took its GPUs meanwhile (it stays queued)."""
     import subprocess
 
+    spec = notify.read_spec(path)
+    if runqueue.stop_requested(path):  # `run stop` came while it was queued: it never starts
+        send_event(base, spec, entry["run_id"], "stopped", reason="removed from the queue before it started")
+        return "stopped by the operator before it started"
+    problem = runqueue.entry_problem(entry)
+    if problem is not None:
+        send_event(base, spec, entry["run_id"], "failed", reason="could not start from the queue: " + problem)
+        return problem
     argv = [sys.executable, run_events.runs_script(), "start", *entry.get("start_args", []),
             "--config", os.path.join(path, runqueue.CONFIG), "--release-root", str(entry.get("release_root")),
             "--wait", "5"]
@@ -50,6 +58,9 @@ def start_queued(base: str, entry: dict, path: str) -> str | None:
     done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           close_fds=True)
     if done.returncode == 0:
+        if runqueue.stop_requested(path):  # `run stop` came while it was starting: the run serves it
+            run_dir = os.path.join(base, "runs", entry["run_id"])
+            run_protocol.control_request(run_dir, "stop")
         return None
     lines = done.stdout.decode("utf-8", "replace").strip().splitlines()
     try:
@@ -62,7 +73,6 @@ def start_queued(base: str, entry: dict, path: str) -> str | None:
         return "its run directory exists already (started before the last worker ended)"
     reason = str(answer.get("error") or "runs.py start exited %d" % done.returncode)
     if done.returncode != EXIT_DIED_AT_START:  # else its supervisor has said so
-        spec = notify.read_spec(path)
         send_event(base, spec, entry["run_id"], "failed", reason="could not start from the queue: " + reason,
                    log_tail=answer.get("log_tail"))
     return reason
@@ -79,6 +89,7 @@ def cmd_unqueue(args: argparse.Namespace) -> None:
     check_run_id(args.run_id)
     entry = runqueue.find(args.base, args.run_id)
     spec = notify.read_spec(entry["path"]) if entry else None
+    runqueue.request_stop(args.base, args.run_id)  # the intent first: the worker may hold the entry now
     result = runqueue.remove(args.base, args.run_id)
     if result == "removed":
         send_event(args.base, spec, args.run_id, "stopped", reason="removed from the queue before it started")

@@ -20,6 +20,9 @@ overtakes an earlier one on a GPU they share, and one on other GPUs is not held 
 
 Claiming is a rename, so the worker and `run stop` of a queued run (remove(): a rename too)
 never both win: a run is either removed from the queue or started, never both and never lost.
+`run stop` records its intent first (request_stop: a `stop` file inside the entry, which travels
+with it through every rename), then tries the rename: an entry the worker holds just then is
+dropped by the worker if it could not start, or its run gets a stop request once started.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ QUEUE_DIR = ".queue"  # BASE/runs/.queue (run_dirs skips names starting with '.'
 ENTRY = "entry.json"
 CONFIG = "config.input.yaml"
 CLAIMED = ".starting"
+STOP = "stop"  # <entry>/stop: `run stop` asked for this queued run (recorded before anything else)
 WORKER_LOCK = "worker.lock"
 WORKER_LOG = "worker.log"
 WORKER_FILE = "worker.json"  # the live worker's pid and pid_start (what `run queue` shows)
@@ -110,6 +114,51 @@ def add(base: str, run_id: str, gpus: list[int], start_args: list[str], config: 
     os.rename(tmp, final)
     nodefacts.fsync_dir(root)
     return find(base, run_id) or doc
+
+
+def request_stop(base: str, run_id: str) -> bool:
+    """Record `run stop` of a queued run in its entry (whichever name it has now: a claim renames
+    it, and the file goes with it). False: no such entry."""
+    for _attempt in range(5):  # a rename between the scan and the write: look again
+        for _seq, rid, _claimed, path in _scan(base):
+            if rid != run_id:
+                continue
+            try:
+                nodefacts.write_atomic(os.path.join(path, STOP), json.dumps({"time": time.time()}).encode())
+                return True
+            except FileNotFoundError:
+                break
+        else:
+            return False
+    return False
+
+
+def stop_requested(path: str) -> bool:
+    return os.path.exists(os.path.join(path, STOP))
+
+
+def entry_problem(entry: dict) -> str | None:
+    """Why an entry cannot be started as it says (None: it can): its GPUs are what it waits for,
+    its start arguments what starts, so the two must agree (a hand-edited entry.json, one written by
+    another version); a disagreement retried every second would block the queue behind it forever."""
+    args = entry.get("start_args")
+    gpus = entry.get("gpus")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        return "entry.json's start_args is not a list of strings"
+    if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) for g in gpus):
+        return "entry.json's gpus is not a list of GPU indices: %r" % (gpus,)
+    named = args[args.index("--gpus") + 1] if "--gpus" in args[:-1] else ""
+    try:
+        started = nodefacts.parse_gpus(named)
+    except ValueError as e:
+        return "entry.json's start arguments: %s" % e
+    if sorted(gpus) != started:
+        return "entry.json waits for GPU %s but its start arguments name %s" % (
+            ",".join(map(str, gpus)) or "none", "--gpus " + named if named else "no GPU")
+    if "--run-id" in args[:-1] and args[args.index("--run-id") + 1] != entry.get("run_id"):
+        return "entry.json's start arguments name run %r, not %r" % (args[args.index("--run-id") + 1],
+                                                                     entry.get("run_id"))
+    return None
 
 
 def remove(base: str, run_id: str) -> str:
@@ -251,15 +300,18 @@ def serve(base: str, busy: Callable[[list[int]], list[dict]], start: Callable[[d
         if not queued:
             return
         for i, entry in enumerate(queued):
-            if waits_for(base, entry, queued[:i], busy):
+            # a stopped entry, or one that cannot start as it says, is served (dropped) at once
+            ready = stop_requested(entry["path"]) or entry_problem(entry) is not None
+            if not ready and waits_for(base, entry, queued[:i], busy):
                 continue
             path = claim(entry)
             if path is None:
                 continue  # removed by `run stop` meanwhile
             why = start(entry, path)
             if why == "busy":
-                unclaim(path)
-                break  # someone started a run on these GPUs meanwhile: look again
+                unclaim(path)  # a run took its GPUs meanwhile: it stays in line
+                sleep(poll)  # and is looked at again in a while, not at once (it was retried in a tight loop)
+                break
             log(base, "%s %s" % (entry["run_id"], "started" if why is None else "not started: " + why))
             drop(path)
             break  # GPUs changed hands: recompute every wait

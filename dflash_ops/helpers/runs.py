@@ -47,7 +47,6 @@ trainer's argv, built once) and run_supervise.py (supervise).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -109,28 +108,10 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 def cmd_control(args: argparse.Namespace) -> None:
     """Create control/<kind> atomically; a request already pending is reused (its id printed)."""
-    control = os.path.join(check_run_dir(args.run_dir), "control")
+    check_run_dir(args.run_dir)
     if not os.path.isdir(args.run_dir):
         raise Refused("no run directory %s" % args.run_dir)
-    os.makedirs(control, exist_ok=True)
-    if args.kind == "stop":
-        forbid_restarts(args.run_dir, "stop requested")
-    request_id = os.urandom(6).hex()
-    tmp = os.path.join(control, ".%s.%s.tmp" % (args.kind, request_id))
-    final = os.path.join(control, args.kind)
-    nodefacts.write_file_synced(tmp, json.dumps({"id": request_id, "time": time.time()}).encode())
-    try:
-        os.link(tmp, final)
-    except FileExistsError:
-        pending = read_json(final)
-        if pending and pending.get("id"):
-            request_id = pending["id"]
-        else:
-            os.replace(tmp, final)  # not a request (unreadable, no id): this one takes its place
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    sys.stdout.write(request_id + "\n")
+    sys.stdout.write(run_protocol.control_request(args.run_dir, args.kind) + "\n")
 
 
 

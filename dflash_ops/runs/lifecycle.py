@@ -282,12 +282,18 @@ def stop_run(container: ContainerAPI, run_id: str, now: bool = False, kill: bool
 def unqueue(container: ContainerAPI, run_id: str, timeout: float = 60.0, poll: float = 1.0) -> RunInfo:
     """Take a queued run out of its queue: a RunInfo `stopped` (removed before it started), or,
     when the queue worker was starting it just then, the run's status once it is a run."""
+    removed = RunInfo(run_id=run_id, effective_state="stopped", reason="removed from the queue before it started")
     result = call_json(container, ["unqueue", container.base_dir, check_run_id(run_id)])["result"]
     if result == "removed":
-        return RunInfo(run_id=run_id, effective_state="stopped", reason="removed from the queue before it started")
+        return removed
     deadline = time.monotonic() + timeout
     while True:
-        info = run_status(container, run_id)
+        try:
+            info = run_status(container, run_id)
+        except RunNotFound:
+            if result == "starting":  # the worker held it, then served the stop recorded in it: never started
+                return removed
+            raise
         if info.effective_state != "queued":
             return info
         if time.monotonic() > deadline:

@@ -193,3 +193,86 @@ def test_checkpoint_events_only_when_asked_one_per_checkpoint_written(container,
     assert len(written) >= 3 and [e["step"] for e in told] == [e["step"] for e in written]
     assert told[0]["reason"] == f"{written[0]['path']} written"
     assert events_of(sink, "saver") == ["started", *["checkpoint"] * len(written), "done"]
+
+
+def test_a_queued_entry_whose_gpus_disagree_with_its_start_arguments_is_dropped_not_retried(container, tmp_path, sink):
+    """entry.json waits for GPU 1 while its start arguments say --gpus 0 (held): the worker found
+    GPU 1 free, its start was refused as busy, and it retried many times a second forever, holding
+    the queue behind it; a stop of it hung (issue 55). It is dropped once, as failed, naming both."""
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, LONG, "blocker")
+    start(container, tmp_path, SHORT, "odd", queue=True, notify=spec)
+    start(container, tmp_path, SHORT, "behind", queue=True)
+    entry = Path(runqueue.find(container.base_dir, "odd")["path"]) / runqueue.ENTRY
+    doc = json.loads(entry.read_text())
+    entry.write_text(json.dumps(dict(doc, gpus=[1])))  # hand-edited, or written by another version
+    wait(lambda: [r.run_id for r in queued_runs(container)], lambda ids: ids == ["behind"], 30)
+    log = (container.base / "runs" / ".queue" / runqueue.WORKER_LOG).read_text()
+    assert log.count("odd not started: entry.json waits for GPU 1 but its start arguments name --gpus 0") == 1
+    wait(lambda: events_of(sink, "odd"), lambda e: e[-1:] == ["failed"], 30)
+    assert "waits for GPU 1 but its start arguments name --gpus 0" in sink.delivered()[-1]["reason"]
+    runs.stop_run(container, "blocker", poll=0.05)  # the run behind it was not held up
+    assert wait(lambda: runs.run_status(container, "behind"), lambda i: i.final and not i.alive).effective_state == "done"
+
+
+def test_a_busy_answer_is_looked_at_again_after_a_pause_not_at_once(tmp_path):
+    """serve() retried a start refused as busy without sleeping: a tight loop."""
+    base = str(tmp_path)
+    runqueue.add(base, "r1", [0], ["--gpus", "0", "--run-id", "r1"], b"x: 1\n")
+    order: list[str] = []
+
+    def start_busy(entry, path):
+        order.append("start")
+        assert order.count("start") < 10, "retried without a pause"
+        return "busy"
+
+    def sleep(_s):
+        order.append("sleep")
+        if order.count("sleep") == 3:
+            runqueue.remove(base, "r1")  # back in line (unclaimed) by now: the queue ends
+
+    runqueue.serve(base, lambda _g: [], start_busy, poll=0.0, sleep=sleep)
+    assert order[:6] == ["start", "sleep", "start", "sleep", "start", "sleep"]
+
+
+def test_stop_of_a_queued_run_the_worker_holds_is_served_when_it_puts_it_back(container, tmp_path, sink):
+    """`run stop` of a queued run that the worker held just then (claimed: "starting") recorded
+    nothing; when the start was refused as busy the entry went back in line and the stop waited
+    for a run that never came (issue 55). The intent is recorded in the entry; the worker serves it."""
+    from dflash_ops.helpers import run_queue
+    from dflash_ops.runs.helper import call_json
+
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, LONG, "blocker")
+    start(container, tmp_path, SHORT, "held", queue=True, notify=spec)
+    worker = container.base / "runs" / ".queue" / "worker.json"
+    wait(lambda: worker.exists(), bool, 10)
+    pid = json.loads(worker.read_text())["pid"]
+    kill_recorded(worker)  # this test is the worker
+    wait(lambda: alive(pid), lambda a: not a, 10)
+    answers: list[str] = []
+
+    calls: list[str] = []
+
+    def start_racing_a_stop(entry, path):
+        calls.append(entry["run_id"])
+        assert len(calls) < 6, "the stop was never served"
+        if not answers:  # the operator's stop lands while the worker holds the entry
+            answers.append(call_json(container, ["unqueue", container.base_dir, "held"])["result"])
+            return "busy"
+        return run_queue.start_queued(container.base_dir, entry, path)
+
+    slept: list[float] = []
+
+    def sleep(s):
+        slept.append(s)
+        assert len(slept) < 5, "the stop was never served"
+
+    # its GPU looks free at first (the blocker ends just then), so the worker claims it and starts it
+    runqueue.serve(container.base_dir, lambda _wanted: [], start_racing_a_stop, poll=0.0, sleep=sleep)
+    assert answers == ["starting"] and runqueue.entries(container.base_dir) == []
+    assert not (container.base / "runs" / "held").exists()
+    assert "held not started: stopped by the operator before it started" in (
+        container.base / "runs" / ".queue" / runqueue.WORKER_LOG).read_text()
+    wait(lambda: events_of(sink, "held"), lambda e: e[-1:] == ["stopped"], 30)
+    assert events_of(sink, "held") == ["queued", "stopped"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,9 +135,11 @@ def select_target_warmup_shapes(
 
 def build_dataset(tokenizer: Any, conversations: list[dict], max_length: int, bucket_edges: list[int],
                   token_budget: int, seed: int, pad_multiple: int = 16,
-                  template_kwargs: dict | None = None, processes: int = 1) -> PreloadedDataset:
-    """processes: encode in that many processes (trainer.data.encoding; 1: in this one)."""
-    encoded = encode_all(tokenizer, conversations, max_length, template_kwargs, processes)
+                  template_kwargs: dict | None = None, processes: int = 1,
+                  progress: Callable[[int], None] | None = None) -> PreloadedDataset:
+    """processes: encode in that many processes (trainer.data.encoding; 1: in this one); progress(n):
+    n conversations encoded so far."""
+    encoded = encode_all(tokenizer, conversations, max_length, template_kwargs, processes, progress)
     samples = [(ids, mask) for ids, mask, _ in encoded]
     return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
 

@@ -29,6 +29,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -60,24 +61,26 @@ def process_count(workers: int | str, conversations: int) -> int:
 
 
 def encode_each(tokenizer: Any, conversations: list[dict], max_length: int,
-                template_kwargs: dict | None = None) -> list[Encoded]:
+                template_kwargs: dict | None = None, progress: Callable[[int], None] | None = None) -> list[Encoded]:
     """encode_conversation on each conversation in order, rendered with its own tools
-    (chat.template_kwargs_for); a DataError names its source (file:line)."""
+    (chat.template_kwargs_for); a DataError names its source (file:line). progress(n): n encoded so far."""
     out = []
     for c in conversations:
         try:
             out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs_for(c, template_kwargs)))
         except DataError as exc:
             raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
+        if progress is not None and (len(out) % 256 == 0 or len(out) == len(conversations)):
+            progress(len(out))
     return out
 
 
 def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, template_kwargs: dict | None = None,
-               processes: int = 1) -> list[Encoded]:
+               processes: int = 1, progress: Callable[[int], None] | None = None) -> list[Encoded]:
     """Every conversation encoded (see encode_each), in input order, by `processes` processes
     (see process_count); 1 runs here."""
     if processes <= 1 or len(conversations) < 2:
-        return encode_each(tokenizer, conversations, max_length, template_kwargs)
+        return encode_each(tokenizer, conversations, max_length, template_kwargs, progress)
     size = max(1, min(MAX_CHUNK, -(-len(conversations) // (processes * TASKS_PER_WORKER))))
     chunks = [conversations[i:i + size] for i in range(0, len(conversations), size)]
     out: list[Encoded] = []
@@ -90,6 +93,8 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
             try:
                 for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                     out.extend(part)
+                    if progress is not None:
+                        progress(len(out))
             except BaseException as exc:  # a bad conversation, Ctrl-C: the chunks not started are dropped
                 pool.shutdown(cancel_futures=True)
                 if isinstance(exc, DataError):  # the worker's message, without its remote traceback

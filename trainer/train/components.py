@@ -323,9 +323,13 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
 
-    def dataset(conversations: list[dict], seed: int, processes: int) -> PreloadedDataset:
+    def dataset(conversations: list[dict], seed: int, processes: int, count: bool = False) -> PreloadedDataset:
+        def progress(done: int) -> None:
+            phase("tokenising", done, len(conversations))
+
         return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
-                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data), processes)
+                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data), processes,
+                             progress if count else None)
 
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
@@ -334,7 +338,7 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     processes = [process_count(cfg.data.workers, len(c)) for c in (train_conv, eval_conv)]
     if processes[0] > 1:  # minutes for a million conversations: say what the wait is
         log(f"tokenizing {len(train_conv)} training conversations in {processes[0]} processes (data.workers)")
-    conversations = dataset(train_conv, cfg.data.seed, processes[0])
+    conversations = dataset(train_conv, cfg.data.seed, processes[0], count=True)
     eval_data = dataset(eval_conv, cfg.data.seed + 1, processes[1])
     log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in "
         f"{time.perf_counter() - began:.1f}s ({max(processes)} process{'es' if max(processes) > 1 else ''})")

@@ -3,7 +3,7 @@
 A helper named `inspect-source` is the file `inspect_source.py` ('-' maps to '_'). Container.helper()
 installs it once per content hash as BASE/helpers/<hash>/<file> and runs it there as a script.
 
-A shared module (SHARED: nodefacts.py, the node-side facts; runqueue.py, the run queue on disk;
+A shared module (SHARED: as_package.py, how a helper run as a script imports the others; nodefacts.py, the node-side facts; runqueue.py, the run queue on disk;
 notify.py, run events and their delivery; venvs.py, the venvs' layout on disk; run_*.py, the parts of the runs helper that runs.py
 dispatches to; destination.py, the replace rule, and
 contract.py, the run directory's contract, whose one copies live in the trainer,
@@ -12,10 +12,13 @@ trainer/run/destination.py and trainer/run/contract.py, as the trainer never imp
 beside it, and <hash> covers both (bundle()), so a change to a shared module is a new version of
 every helper that imports it, and of no other.
 
-The operator's side imports helpers as modules too, for what is named once for both sides:
-nodefacts (FINAL_STATES, parse_gpus), the helpers' exit statuses (runs.py, import_check.py), and
-tree.py, whose staging and swap rules `fetch` applies on the operator's machine as `push` does in
-the container (dflash_ops/transfer.py). They import only the stdlib, so that works anywhere.
+Helpers and shared modules import each other one way, `from . import nodefacts` (as_package.py: in a
+container a helper's directory is made its package first). The operator's side imports helpers as
+modules too, for what is named once for both sides: nodefacts (FINAL_STATES, parse_gpus), the
+helpers' exit statuses (runs.py, import_check.py), and tree.py, whose staging and swap rules `fetch`
+applies on the operator's machine as `push` does in the container (dflash_ops/transfer.py). They
+import only the stdlib, so that works anywhere; here `from . import contract` (and destination) is
+the trainer's own module (__getattr__ below).
 """
 
 from __future__ import annotations
@@ -26,13 +29,28 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 HELPERS_DIR = Path(__file__).resolve().parent
 # modules shipped beside the helpers that import them (never run), and where they live outside HELPERS_DIR
 SHARED_ELSEWHERE = {"destination": ("trainer.run", "destination.py"), "contract": ("trainer.run", "contract.py")}
 # the runs helper's parts (runs.py is their dispatcher): shipped beside it, never run on their own
 RUN_PARTS = ("run_protocol", "run_describe", "run_follow", "run_start", "run_supervise", "run_events", "run_queue")
-SHARED = ("nodefacts", "runqueue", "notify", "venvs", *RUN_PARTS, *SHARED_ELSEWHERE)
+SHARED = ("as_package", "nodefacts", "runqueue", "notify", "venvs", *RUN_PARTS, *SHARED_ELSEWHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """`from . import contract` in a helper imported here (or run in place): the trainer's module of
+    that name (SHARED_ELSEWHERE), its one copy; in a container the copy shipped beside the helper."""
+    if name == "contract":
+        from trainer.run import contract
+
+        return contract
+    if name == "destination":
+        from trainer.run import destination
+
+        return destination
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def shared_path(module: str) -> Path:

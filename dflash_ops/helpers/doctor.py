@@ -30,11 +30,11 @@ import tempfile
 import time
 import types
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.doctor
-    from . import nodefacts, venvs
-else:  # run as a script: nodefacts.py and venvs.py lie beside it (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import venvs  # type: ignore[no-redef]
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
+
+    as_package.enter(globals())
+from . import nodefacts, venvs
 
 VERSION = 1
 _SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.used,driver_version",

@@ -8,12 +8,7 @@ printed the way every helper does.
 It travels with the helpers that import it, the way Ansible ships `module_utils` with a module:
 BASE/helpers/<hash>/ holds the helper and this file beside it, and <hash> covers both, so a
 change here is a new version of every helper that imports it (dflash_ops/helpers/__init__.py).
-A helper imports it with
-
-    if __package__:  # imported by the operator's side, as dflash_ops.helpers.<helper>
-        from . import nodefacts
-    else:  # run as a script: nodefacts.py lies beside it
-        import nodefacts  # type: ignore[no-redef]
+A helper imports it as `from . import nodefacts` (as_package.py says how that works in a container).
 """
 
 from __future__ import annotations
@@ -23,17 +18,11 @@ import os
 import re
 import sys
 
+from . import contract
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms at start on 3.8)
 if TYPE_CHECKING:
     from typing import BinaryIO  # noqa: F401  (the helpers annotate streams as nodefacts.BinaryIO)
-
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.nodefacts
-    from trainer.run import contract
-else:  # run as a script's module: contract.py lies beside it (dflash_ops/helpers/__init__.py)
-    try:
-        import contract  # type: ignore[no-redef]
-    except ImportError:  # run in place from dflash_ops/helpers/ (Container.helpers_in_place): the one copy
-        from trainer.run import contract  # type: ignore[no-redef]
 
 # What the trainer and the helpers agree on has one definition, the run directory's contract
 # (trainer/run/contract.py, shipped beside the helpers): the final states, a process's start time

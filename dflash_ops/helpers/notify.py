@@ -39,10 +39,7 @@ import os
 import re
 import time
 
-if __package__:
-    from . import nodefacts
-else:
-    import nodefacts  # type: ignore[no-redef]
+from . import nodefacts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -34,12 +34,11 @@ import sys
 import tarfile
 import time
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.release_store
-    from . import nodefacts, runqueue, venvs
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import runqueue  # type: ignore[no-redef]
-    import venvs  # type: ignore[no-redef]
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
+
+    as_package.enter(globals())
+from . import nodefacts, runqueue, venvs
 
 RELEASE_META = ".dflash-release.json"
 RELEASE_DELTA = ".dflash-delta.json"

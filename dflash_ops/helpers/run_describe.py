@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import os
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_describe
-    from . import nodefacts, run_protocol
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
+from . import nodefacts, run_protocol
 
 read_json = nodefacts.read_json
 read_json_checked = nodefacts.read_json_checked

@@ -16,17 +16,11 @@ import json
 import os
 import sys
 
+from . import nodefacts, notify, run_protocol, runqueue
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-if __package__:
-    from . import nodefacts, notify, run_protocol, runqueue
-else:
-    import nodefacts  # type: ignore[no-redef]
-    import notify  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
-    import runqueue  # type: ignore[no-redef]
 
 Refused = nodefacts.Refused
 RUNS_SCRIPT = "runs.py"  # the dispatcher beside this file

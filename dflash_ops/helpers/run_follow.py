@@ -13,15 +13,11 @@ import os
 import sys
 import time
 
+from . import nodefacts, run_protocol
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms at start on 3.8)
 if TYPE_CHECKING:
     from typing import BinaryIO
-
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_follow
-    from . import nodefacts, run_protocol
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
 
 CHUNK = 1 << 20
 Refused = nodefacts.Refused

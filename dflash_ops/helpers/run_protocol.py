@@ -15,10 +15,7 @@ import re
 import time
 from collections.abc import Iterator
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_protocol
-    from . import nodefacts
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
+from . import nodefacts
 
 # Exit statuses, named once for both sides: dflash_ops.runs maps them to its exceptions.
 EXIT_NOT_FOUND = nodefacts.EXIT_BAD_INPUT  # bad input, or no such run / file / run directory (Refused's default)

@@ -12,14 +12,7 @@ import json
 import os
 import sys
 
-if __package__:
-    from . import notify, run_events, run_protocol, run_start, runqueue
-else:
-    import notify  # type: ignore[no-redef]
-    import run_events  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
-    import run_start  # type: ignore[no-redef]
-    import runqueue  # type: ignore[no-redef]
+from . import notify, run_events, run_protocol, run_start, runqueue
 
 print_json = run_start.print_json
 check_run_id, gpu_conflicts = run_protocol.check_run_id, run_start.gpu_conflicts

@@ -15,19 +15,11 @@ import re
 import sys
 import time
 
+from . import nodefacts, notify, run_events, run_protocol, runqueue, venvs
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~10 ms at start on 3.8)
 if TYPE_CHECKING:
     import subprocess
-
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_start
-    from . import nodefacts, notify, run_events, run_protocol, runqueue, venvs
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import notify  # type: ignore[no-redef]
-    import run_events  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
-    import runqueue  # type: ignore[no-redef]
-    import venvs  # type: ignore[no-redef]
 
 CHILD_PATH_TAIL = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PASSED_THROUGH_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "HF_HOME", "HF_TOKEN", "TMPDIR", "TZ")

@@ -24,18 +24,12 @@ import signal
 import sys
 import time
 
+from . import nodefacts, notify, run_events, run_protocol
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     import subprocess
     from collections.abc import Callable
-
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.run_supervise
-    from . import nodefacts, notify, run_events, run_protocol
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import notify  # type: ignore[no-redef]
-    import run_events  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
 
 RESTART_DELAY_S = 1.0
 WATCH_S = 0.5  # how often a group member's supervisor reads its rank's new events

@@ -33,10 +33,7 @@ import re
 import shutil
 import time
 
-if __package__:  # imported by the operator's side or by runs.py as a module
-    from . import nodefacts
-else:  # beside runs.py in BASE/helpers/<hash>/
-    import nodefacts  # type: ignore[no-redef]
+from . import nodefacts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

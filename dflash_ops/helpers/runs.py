@@ -54,16 +54,11 @@ import sys
 import time
 from collections.abc import Callable
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.runs
-    from . import nodefacts, run_describe, run_follow, run_protocol, run_queue, run_start, run_supervise
-else:  # run as a script: its shared modules lie beside runs.py (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import run_describe  # type: ignore[no-redef]
-    import run_follow  # type: ignore[no-redef]
-    import run_protocol  # type: ignore[no-redef]
-    import run_queue  # type: ignore[no-redef]
-    import run_start  # type: ignore[no-redef]
-    import run_supervise  # type: ignore[no-redef]
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
+
+    as_package.enter(globals())
+from . import nodefacts, run_describe, run_follow, run_protocol, run_queue, run_start, run_supervise
 
 # Exit statuses, named once for both sides (run_protocol.py): dflash_ops.runs maps them to its exceptions.
 EXIT_NOT_FOUND, EXIT_REFUSED = run_protocol.EXIT_NOT_FOUND, run_protocol.EXIT_REFUSED

@@ -30,10 +30,11 @@ import time
 import urllib.error
 import urllib.request
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.service
-    from . import nodefacts
-else:  # run as a script: nodefacts.py lies beside it (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
+
+    as_package.enter(globals())
+from . import nodefacts
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CHILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

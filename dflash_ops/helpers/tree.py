@@ -45,13 +45,11 @@ import stat
 import sys
 import time
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.tree
-    from trainer.run import destination
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
 
-    from . import nodefacts
-else:  # run as a script: nodefacts.py and destination.py lie beside it (dflash_ops/helpers/__init__.py)
-    import destination  # type: ignore[no-redef]
-    import nodefacts  # type: ignore[no-redef]
+    as_package.enter(globals())
+from . import destination, nodefacts
 
 CHUNK = 1 << 20
 FILE_REL = destination.FILE_REL  # the one entry of a single-file push

@@ -37,11 +37,11 @@ import sysconfig
 import tarfile
 import time
 
-if __package__:  # imported by the operator's side, as dflash_ops.helpers.venv
-    from . import nodefacts, venvs
-else:  # run as a script: nodefacts.py and venvs.py lie beside it (dflash_ops/helpers/__init__.py)
-    import nodefacts  # type: ignore[no-redef]
-    import venvs  # type: ignore[no-redef]
+if not __package__:  # run as a script: its directory becomes its package (as_package.py)
+    import as_package
+
+    as_package.enter(globals())
+from . import nodefacts, venvs
 
 VENV_META = venvs.META
 PARENT_PTH = "_dflash_parent_site.pth"

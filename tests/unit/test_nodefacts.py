@@ -135,7 +135,8 @@ def test_a_helper_ships_with_the_shared_modules_it_imports_and_its_hash_covers_t
     runs = bundle("runs")
     assert [name for name, _ in runs.files] == ["contract.py", "nodefacts.py", "run_protocol.py", "run_describe.py",
                                                "run_follow.py", "notify.py", "runqueue.py", "run_events.py", "venvs.py",
-                                               "run_start.py", "run_queue.py", "run_supervise.py", "runs.py"]
+                                               "run_start.py", "run_queue.py", "run_supervise.py", "as_package.py",
+                                               "runs.py"]
     assert [name for name, _ in bundle("gpu-sample").files] == ["gpu_sample.py"]
     assert "nodefacts" not in helper_names() and "runs" in helper_names()
     with pytest.raises(ValueError):
@@ -165,3 +166,15 @@ def test_an_installed_bundle_runs_as_a_script_from_its_own_directory(tmp_path):
     assert done.returncode == 0, done.stderr
     (run,) = json.loads(done.stdout)["runs"]
     assert run["run_id"] == "r1" and run["effective_state"] == "done" and run["alive"] is False
+
+
+def test_a_helper_runs_in_place_from_the_package_with_the_trainers_contract(tmp_path):
+    """Container.helpers_in_place: the script run from dflash_ops/helpers/ itself, whose contract.py is the
+    trainer's (no copy beside it), from a directory where nothing puts this repository on the path."""
+    base = tmp_path / "base"
+    write_run(base / "runs" / "r1", {"state": "done", "step": 3})
+    done = subprocess.run([sys.executable, str(helpers_pkg.HELPERS_DIR / "runs.py"), "list", str(base)], cwd=tmp_path,
+                          capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert done.returncode == 0, done.stderr
+    assert [run["run_id"] for run in json.loads(done.stdout)["runs"]] == ["r1"]
+    assert not (helpers_pkg.HELPERS_DIR / "contract.py").exists()

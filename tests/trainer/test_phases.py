@@ -108,3 +108,25 @@ def test_eta_is_the_tokens_to_go_over_the_recent_rate():
     assert phase_text({"name": "fitting the target", "done": 3, "total": 200}) == "fitting the target 3/200"
     assert phase_text({"name": "tokenising", "done": None}) == "tokenising"
     assert phase_text("garbage") == "" and phase_text({"name": 3}) == ""
+
+
+def test_a_stop_during_the_final_evaluation_cuts_it_short_and_keeps_the_checkpoint(tmp_path):
+    run, cfg = tmp_path / "run", tmp_path / "c.yaml"
+    cfg.write_text(tiny_config("optim: {total_steps: 2}\neval: {samples: 64, max_new_tokens: 100000, batch: 1}"))
+    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--run-dir", str(run)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        while proc.poll() is None and not ((run / "status.json").exists()
+                                           and (status(run).get("phase") or {}).get("name") == "evaluating"):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    st = status(run)
+    assert st["state"] == "stopped" and st["last_checkpoint"] == "checkpoints/step_2"
+    assert events(run, "stop")[-1] == {**events(run, "stop")[-1], "reason": "signal", "phase": "evaluating"}
+    assert not events(run, "eval")  # cut short: no τ recorded

@@ -20,8 +20,9 @@ SETUP_POLL_S = 0.5  # how often the watcher looks for control/stop while setup i
 
 
 class SetupStop(BaseException):
-    """A stop that came before training began: the run stops in the phase it is in. A BaseException,
-    so that no library's `except Exception` around a load or a compile swallows it."""
+    """A stop that came where there is no step boundary (before training began; during the final
+    evaluation): the run stops in the phase it is in. A BaseException, so that no library's
+    `except Exception` around a load, a compile or a decode swallows it."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)

@@ -343,6 +343,21 @@ class Trainer:
                 return r.reason
         return None
 
+    def final_evaluation(self, c: Components) -> str | None:
+        """The last evaluation, which a stop cuts short (decoding τ on a large target takes minutes):
+        returns the stop's reason, or None when it ran to its end."""
+        self.control.arm_setup()
+        try:
+            self.evaluate(c)
+        except SetupStop as stop:
+            self.rd.log(f"final evaluation stopped ({stop.reason}); writing the final checkpoint")
+            if stop.reason == "control":
+                self.control.done(Request("stop", None, "control"))
+            return stop.reason
+        finally:
+            self.control.disarm_setup()
+        return None
+
     def stopped_in_setup(self, stop: SetupStop) -> int:
         """A stop before the first step (SetupStop): nothing trained, so no checkpoint; the run ends
         `stopped` and says in which phase (a stop request served is removed, so a resume runs)."""
@@ -377,8 +392,14 @@ class Trainer:
                 self.rd.log(f"stopped at step {step} ({stop_reason})")
                 return 0
             self.rd.phase("evaluating")
-            self.evaluate(c)
+            stop_reason = self.final_evaluation(c)
             self.save(c, None)
+            if stop_reason:  # asked during the final evaluation: its checkpoint is written, τ is not
+                self.rd.event("stop", step, reason=stop_reason, phase="evaluating")
+                self.rd.phase("finished")
+                self.rd.update(state="stopped")
+                self.rd.log(f"stopped at step {step} ({stop_reason}) during the final evaluation; checkpoint written")
+                return 0
             self.rd.event("stop", step, reason="done")
             self.rd.phase("finished")
             self.rd.update(state="done")

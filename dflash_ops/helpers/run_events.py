@@ -65,9 +65,25 @@ def send_event(base: str, spec: dict | None, run_id: str, state: str, step: obje
         sys.stderr.write("runs.py: the %s event of %s was not queued: %s\n" % (state, run_id, e))
 
 
+FINAL_TOLD = ".final-told-%d"  # RUNDIR/.final-told-<launch ms>: this start's final event is queued
+
+
+def launch_seq(run_dir: str) -> int:
+    """This start's number (launch.json's time in ms; every start and resume writes a new one, the
+    supervisor's attempts keep it): one final event per start, under one idempotency key."""
+    launch = nodefacts.read_json(os.path.join(run_dir, "launch.json")) or {}
+    started = launch.get("time")
+    return int(started * 1000) if isinstance(started, (int, float)) and started == started else 0
+
+
 def run_events(run_dir: str) -> Callable[..., None]:
     """tell(state, step=, reason=, log_tail=True) for the supervisor: an event of this run to whom
-    RUNDIR/notify.json names (nobody: nothing happens); log_tail=True sends train.log's tail."""
+    RUNDIR/notify.json names (nobody: nothing happens); log_tail=True sends train.log's tail.
+
+    A final state (stopped, failed, done) is told once per start, by whoever sees it first: the
+    supervisor as the run ends, else (a container shutdown ended both) the next `list` that finds
+    it final with nobody alive (tell_derived_final). Its id is `<run>/<state>/<launch ms>`: the
+    same on every path, so a receiver drops a repeat by its Idempotency-Key."""
     base = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
     run_id = os.path.basename(os.path.normpath(run_dir))
 
@@ -76,11 +92,48 @@ def run_events(run_dir: str) -> Callable[..., None]:
         if spec is None:
             return
         tail = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES) if log_tail else None
-        send_event(base, spec, run_id, state, step=step, reason=reason, log_tail=tail)
+        if state in nodefacts.FINAL_STATES:
+            seq = launch_seq(run_dir)
+            marker = os.path.join(run_dir, FINAL_TOLD % seq)
+            try:
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                return  # told already (by the supervisor, or a list that saw it first)
+            except OSError:
+                pass  # cannot record it: tell it all the same (the receiver drops a repeat by its key)
+            try:
+                event = notify.make_event(run_id, spec.get("target") or "", state, step=step, reason=reason,
+                                          log_tail=tail, seq=seq)
+                if notify.emit(base, spec, event):
+                    ensure_deliverer(base)
+            except Exception as e:  # noqa: BLE001 - as send_event: telling comes after the run
+                if os.path.exists(marker):
+                    os.unlink(marker)  # not queued: the next one who sees it tells it
+                sys.stderr.write("runs.py: the %s event of %s was not queued: %s\n" % (state, run_id, e))
+        else:
+            send_event(base, spec, run_id, state, step=step, reason=reason, log_tail=tail)
         if state in nodefacts.FINAL_STATES:
             ensure_worker(base)  # the run's GPUs are free: a killed queue worker is replaced now
 
     return tell
+
+
+def tell_derived_final(run_dir: str, info: dict) -> None:
+    """A run `list` finds final with nobody alive (its trainer and supervisor gone) whose final
+    event was never queued (a container shutdown took the supervisor down with the trainer, a
+    supervisor killed by a signal): tell it now. A group's events are its first member's."""
+    if not info.get("has_status") or info.get("alive") or info.get("effective_state") not in nodefacts.FINAL_STATES:
+        return
+    if not os.path.exists(os.path.join(run_dir, notify.NOTIFY_FILE)):
+        return
+    if os.path.exists(os.path.join(run_dir, FINAL_TOLD % launch_seq(run_dir))):
+        return
+    group = info.get("group")
+    if isinstance(group, dict) and group.get("index") != 0:
+        return
+    state = info["effective_state"]
+    reason = info.get("reason") or ("the run ended %s; its supervisor did not say so (a container shutdown?)" % state)
+    run_events(run_dir)(state, step=info.get("step"), reason=reason, log_tail=state == "failed")
 
 
 def check_notify(text: str, where: str) -> dict:

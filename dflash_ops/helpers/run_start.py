@@ -136,6 +136,10 @@ def cmd_start(args: argparse.Namespace) -> None:
         raise Refused("--group needs --nnodes, --rdzv-endpoint and --local-addr")
     if args.group is not None and args.queue:
         raise Refused("--queue: a run across hosts is not queued (its ranks must start together)")
+    if spec is None and args.resume is not None:
+        # a resume (`run resume`, `patch --restart`) keeps who hears of the run: it was the run's
+        # duty before, and a resume that names nobody new must not switch its events off
+        spec = notify.read_spec(run_dir)
     max_restarts = parse_restart(args.restart)
     if spec is not None and max_restarts is None:
         max_restarts = 0  # supervised all the same: the supervisor sees the end and sends its event
@@ -235,7 +239,7 @@ def launch(args: argparse.Namespace, run_dir: str, release_root: str, python: st
     if spec is not None:
         notify.write_spec(run_dir, spec)
     elif os.path.exists(os.path.join(run_dir, notify.NOTIFY_FILE)):
-        os.unlink(os.path.join(run_dir, notify.NOTIFY_FILE))  # this start tells nobody
+        os.unlink(os.path.join(run_dir, notify.NOTIFY_FILE))  # an unreadable spec (a resume keeps a readable one)
 
     if args.group is not None:
         write_atomic(os.path.join(run_dir, "group.json"), json.dumps(args.group, sort_keys=True).encode())

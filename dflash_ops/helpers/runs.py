@@ -58,7 +58,7 @@ if not __package__:  # run as a script: its directory becomes its package (as_pa
     import as_package
 
     as_package.enter(globals())
-from . import nodefacts, run_describe, run_follow, run_protocol, run_queue, run_start, run_supervise
+from . import nodefacts, run_describe, run_events, run_follow, run_protocol, run_queue, run_start, run_supervise
 
 # Exit statuses, named once for both sides (run_protocol.py): dflash_ops.runs maps them to its exceptions.
 EXIT_NOT_FOUND, EXIT_REFUSED = run_protocol.EXIT_NOT_FOUND, run_protocol.EXIT_REFUSED
@@ -77,6 +77,12 @@ complete_checkpoints, forbid_restarts = run_protocol.complete_checkpoints, run_p
 describe_run = run_describe.describe_run
 
 
+def told(run_dir: str, info: dict) -> dict:
+    """The run as described, its final event told when nobody told it (run_events.tell_derived_final)."""
+    run_events.tell_derived_final(run_dir, info)
+    return info
+
+
 def cmd_list(args: argparse.Namespace) -> None:
     now = time.time()
     queued = run_queue.queued_runs(args.base)  # not yet runs: no run directory
@@ -91,9 +97,9 @@ def cmd_list(args: argparse.Namespace) -> None:
         elif not os.path.isdir(run_dir):
             raise Refused("no run %r under %s" % (args.run, os.path.join(args.base, "runs")))
         else:
-            runs = [describe_run(run_dir, now)]
+            runs = [told(run_dir, describe_run(run_dir, now))]
     else:
-        runs = [describe_run(d, now) for d in run_dirs(args.base)
+        runs = [told(d, describe_run(d, now)) for d in run_dirs(args.base)
                 if RUN_ID_RE.match(os.path.basename(d)) and os.path.basename(d) not in starting]
         runs += [q for q in queued if q["run_id"] in starting]
     print_json({"version": 1, "time": now, "runs": runs})

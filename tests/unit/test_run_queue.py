@@ -276,3 +276,42 @@ def test_stop_of_a_queued_run_the_worker_holds_is_served_when_it_puts_it_back(co
         container.base / "runs" / ".queue" / runqueue.WORKER_LOG).read_text()
     wait(lambda: events_of(sink, "held"), lambda e: e[-1:] == ["stopped"], 30)
     assert events_of(sink, "held") == ["queued", "stopped"]
+
+
+@pytest.mark.parametrize("restart", [None, "on-failure:2"])
+def test_run_resume_keeps_the_runs_notifications(container, tmp_path, sink, restart):
+    """`run resume` (and `patch --restart`, which resumes) named nobody and so removed notify.json:
+    the resumed run's events went nowhere (issue 55). A resume keeps who hears of the run."""
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, "total_steps: 200\nstep_seconds: 0.01\ncheckpoint_every: 5\n", "told",
+          notify=spec, restart=restart)
+    wait(lambda: runs.run_status(container, "told"), lambda i: (i.step or 0) >= 6)
+    runs.stop_run(container, "told", poll=0.05)
+    wait(lambda: events_of(sink, "told"), lambda e: e == ["started", "stopped"], 30)
+    runs.resume_run(container, "told")
+    wait(lambda: runs.run_status(container, "told"), lambda i: i.final and not i.alive)
+    wait(lambda: events_of(sink, "told"), lambda e: e == ["started", "stopped", "started", "done"], 30)
+    assert (container.base / "runs" / "told" / "notify.json").exists()
+
+
+@pytest.mark.parametrize("trainer_signal,final", [(signal.SIGTERM, "stopped"), (signal.SIGKILL, "failed")])
+def test_a_run_ended_with_its_supervisor_still_gets_its_final_event(container, tmp_path, sink, trainer_signal, final):
+    """A container shutdown ends the supervisor and the trainer together (SIGTERM to both; or
+    worse, SIGKILL): the run ended and nobody was told (issue 55). The final state without its
+    event is an event to send: the next `run status`/`list` tells it, once, under one key."""
+    spec = {"target": "local", "webhooks": [sink.url()], "commands": []}
+    start(container, tmp_path, LONG, "shut", notify=spec, restart="on-failure:2")
+    wait(lambda: events_of(sink, "shut"), lambda e: e == ["started"], 30)
+    wait(lambda: runs.run_status(container, "shut"), lambda i: (i.step or 0) >= 3)
+    launch = json.loads((container.base / "runs" / "shut" / "launch.json").read_text())
+    os.kill(launch["supervisor"]["pid"], signal.SIGKILL)  # gone first, as in a shutdown
+    wait(lambda: alive(launch["supervisor"]["pid"]), lambda a: not a, 10)
+    os.kill(launch["pid"], trainer_signal)
+    info = wait(lambda: runs.run_status(container, "shut"), lambda i: i.final and not i.alive)
+    assert info.effective_state == final
+    wait(lambda: events_of(sink, "shut"), lambda e: e == ["started", final], 30)
+    runs.list_runs(container)  # seen again: not told again
+    time.sleep(1.5)
+    assert events_of(sink, "shut") == ["started", final]
+    told = [e for e in sink.delivered() if e["run_id"] == "shut"][-1]
+    assert told["id"].startswith(f"shut/{final}/") and told["step"] >= 3

@@ -346,7 +346,9 @@ def stop(
     check_timeout(timeout)
     found = _group(inventory, target, run)
     if found is not None:
-        infos = stop_group(found, run, now=now, kill=kill, wait=not no_wait, timeout=timeout)
+        waiters = {m.target: _StopWaiter(f"{run} on {m.target}") for m in found}
+        infos = stop_group(found, run, now=now, kill=kill, wait=not no_wait, timeout=timeout,
+                           on_wait=lambda m, info: waiters[m.target](info))
         prefixes = [f"{m.target}: " for m in found]
     else:
         infos = [stop_run(open_target(inventory, target), run, now=now, kill=kill, wait=not no_wait, timeout=timeout,

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,14 +222,16 @@ def _asked(group_members: list[Member]) -> list[tuple[Member, RunInfo]]:
 
 
 def stop_group(group_members: list[Member], run_id: str, now: bool = False, kill: bool = False,
-               wait: bool = True, timeout: float = 600.0, poll: float = 1.0) -> list[RunInfo]:
+               wait: bool = True, timeout: float = 600.0, poll: float = 1.0,
+               on_wait: Callable[[Member, RunInfo], None] | None = None) -> list[RunInfo]:
     """A stop request (or TERM/KILL) to every live member; the ranks agree to stop at one step."""
     for m, info in _asked(group_members):
         if info.alive or not info.final:
             ask_to_stop(m.container, run_id, info, now=now, kill=kill)
     if not wait:
         return [run_status(m.container, run_id) for m in group_members]
-    return [wait_until_final(m.container, run_id, timeout=timeout, poll=poll) for m in group_members]
+    return [wait_until_final(m.container, run_id, timeout=timeout, poll=poll,
+                             on_wait=None if on_wait is None else partial(on_wait, m)) for m in group_members]
 
 
 def checkpoint_group(group_members: list[Member], run_id: str, wait: bool = False, timeout: float = 600.0,

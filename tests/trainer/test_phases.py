@@ -108,6 +108,7 @@ def test_eta_is_the_tokens_to_go_over_the_recent_rate():
     assert phase_text({"name": "fitting the target", "done": 3, "total": 200}) == "fitting the target 3/200"
     assert phase_text({"name": "tokenising", "done": None}) == "tokenising"
     assert phase_text("garbage") == "" and phase_text({"name": 3}) == ""
+    assert phase_text({"name": "x\x1b[2Jy" + "z" * 200}) == "x\ufffd[2Jy" + "z" * 74
 
 
 def test_a_stop_during_the_final_evaluation_cuts_it_short_and_keeps_the_checkpoint(tmp_path):

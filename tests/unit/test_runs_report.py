@@ -77,3 +77,17 @@ def test_a_queued_run_expects_to_start_when_the_runs_it_waits_for_end():
                             "waits_for": ["b (pid 8) holds GPU 1"]})
     q4 = RunInfo.from_json({"run_id": "q4", "effective_state": "queued", "position": 4, "waits_for": []})
     assert expected_starts([live, fresh, q1, q2, q3, q4]) == {"q1": 100.0, "q2": None, "q3": None, "q4": 0.0}
+
+
+def test_run_stop_says_what_it_waits_for():
+    from dflash_ops.runs.lifecycle import waiting_for
+
+    fitting = RunInfo.from_json({"run_id": "r", "effective_state": "starting", "alive": True, "pid": 7,
+                                 "phase": {"name": "fitting the target", "done": 31, "total": 200}})
+    assert waiting_for(fitting) == "state starting, phase fitting the target 31/200"
+    training = RunInfo.from_json({"run_id": "r", "effective_state": "checkpointing", "alive": True, "pid": 7,
+                                  "step": 40, "phase": {"name": "checkpointing"}})
+    assert waiting_for(training) == "state checkpointing, phase checkpointing, step 40"
+    exiting = RunInfo.from_json({"run_id": "r", "state": "stopped", "effective_state": "stopped", "alive": True,
+                                 "pid": 7})
+    assert waiting_for(exiting) == "stopped; waiting for pid 7 to exit"

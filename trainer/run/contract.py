@@ -65,14 +65,16 @@ PHASES = ("starting", "tokenising", "loading the target", "fitting the target", 
 
 
 def phase_text(phase: object) -> str:
-    """`fitting the target 120/300` from status.json's `phase`; empty when absent or malformed."""
+    """`fitting the target 120/300` from status.json's `phase` (or a `phase` event); empty when absent or
+    malformed; control characters replaced, the name cut at 80 characters."""
     if not isinstance(phase, dict) or not isinstance(phase.get("name"), str):
         return ""
     done, total = phase.get("done"), phase.get("total")
     count = ""
     if isinstance(done, int) and not isinstance(done, bool):
         count = " %d/%d" % (done, total) if isinstance(total, int) and not isinstance(total, bool) else " %d" % done
-    return phase["name"] + count
+    name = "".join("\ufffd" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in phase["name"][:80])
+    return name + count  # a run directory's text reaches terminals: no control characters, bounded
 
 
 def eta_seconds(status: dict) -> float | None:

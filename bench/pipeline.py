@@ -200,10 +200,11 @@ def untruncated():
     """Features the previous way: the whole base model with output_hidden_states, final norm included."""
     import trainer.pipeline.features as features
     import trainer.pipeline.workers as workers
+    from trainer.models.frozen_target import as_target
     from trainer.models.target import base_model, packed_mask_mapping
 
     def full(target, x, lo, hi, taps, out, doc_start=None, mapping=None, pending=None, top=None):
-        model = base_model(target)
+        model = base_model(as_target(target).module)
         kwargs = {}
         if doc_start is not None:
             mapping = packed_mask_mapping(model, doc_start)
@@ -301,14 +302,14 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     from trainer.models.target_loading import place, stage_plan
     from trainer.run.config import target_replicas
 
-    place(target, stage_plan(target, drafter.config.target_layer_ids, target_replicas(cfg.devices)[0]))
+    placed = place(target, stage_plan(target, drafter.config.target_layer_ids, target_replicas(cfg.devices)[0]))
     opt = build_optimizer(drafter.parameters(), cfg.optim)
     data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
     if mode != "bucketed":
         data = PackedDataset.from_dataset(data, pack_length, args.pack_rows)
     tr = Trainer(cfg, run_dir, ThreadedPipeline, one_rank_env() if rank else None)
     tr.hosts.join()
-    c = Components(tokenizer=None, target=target, head=FrozenHead.from_target(target, ddev), drafter=drafter,
+    c = Components(tokenizer=None, target=placed, head=FrozenHead.from_target(placed, ddev), drafter=drafter,
                    optimizer=opt, scheduler=build_scheduler(opt, cfg.optim), train_data=data,
                    eval_conversations=[], eval_data=data, gamma=7.0, objective=objective_of(cfg.model), target_device=args.target[0],
                    drafter_device=ddev,
@@ -341,8 +342,11 @@ def build_target(args, shape="8b", precision="bf16"):
 
             check_device(tdev)
         torch.manual_seed(0)
-        return freeze(random_truncated_target(config, tdev, target_run_layers(config), precision,
-                                              torch.float32 if args.tiny else torch.bfloat16))
+        from trainer.models.fp8 import converter_for
+
+        dtype = torch.float32 if args.tiny else torch.bfloat16
+        return freeze(random_truncated_target(config, tdev, target_run_layers(config),
+                                              converter_for(precision, out_dtype=dtype), dtype))
     if shape == "30b-a3b":
         from transformers import Qwen3MoeConfig
 
@@ -372,11 +376,11 @@ def stage_alone(tr, which, n_micro, peak, around=None):
     from trainer.models.target import compile_decoder_layers, uncompile_decoder_layers
 
     if tr.compiled_target:
-        compile_decoder_layers(tr.c.target)
+        compile_decoder_layers(tr.c.target.module)
     try:
         return _stage_alone(tr, which, n_micro, peak, around or contextlib.nullcontext())
     finally:
-        uncompile_decoder_layers(tr.c.target)
+        uncompile_decoder_layers(tr.c.target.module)
 
 
 def _stage_alone(tr, which, n_micro, peak, around):
@@ -400,7 +404,7 @@ def _stage_alone(tr, which, n_micro, peak, around):
     layer_ids = c.drafter.config.target_layer_ids
     width = len(layer_ids) * c.target.config.hidden_size
     numel = max(max(b * s for b, s in tr.warm.shapes()), max(m.shape[0] * m.shape[1] for m in mbs)) * width
-    slot = allocate_slots(1, numel, next(c.target.parameters()).dtype, tdev)[0]
+    slot = allocate_slots(1, numel, c.target.dtype, tdev)[0]
     tokens = sum(m.tokens for m in mbs)
     counts = [micro_batch_flops(c.target.config, c.drafter.config, m.attention_mask, m.doc_start, m.blocks) for m in mbs]
 
@@ -750,17 +754,19 @@ def quantize_target(args, target, precision, emit, prefix):
     fp8fast share the quantized weights, fp8fast only turns on torch._scaled_mm's fast accumulation)."""
     from trainer.models import fp8
 
-    fp8.FP8Linear.fast_accum = precision == "fp8fast"
+    fast = precision == "fp8fast"
     if not args.tiny:
         fp8.check_device(args.target[0])  # refuses with the reason where torch._scaled_mm cannot run
-    if target.__dict__.get("_dflash_precision") == "fp8":
+    converted = [m for m in target.modules() if isinstance(m, fp8.FP8Linear)]
+    if converted:  # quantized already (an earlier precision, or built so): only the accumulation changes
+        for m in converted:
+            m.fast_accum = fast
         return
     began = time.time()
     from trainer.models.target import base_layers, base_model
 
     n = fp8.quantize_layers(base_layers(base_model(target))[:target_run_layers(target.config)],
-                            torch.float32 if args.tiny else torch.bfloat16)
-    target.__dict__["_dflash_precision"] = "fp8"
+                            torch.float32 if args.tiny else torch.bfloat16, fast)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

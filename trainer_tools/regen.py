@@ -417,11 +417,11 @@ def load_decoded(model_path: str, device: str, dtype: torch.dtype) -> Any:
 
     layers = int(AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config().num_hidden_layers)
     plan = StagePlan.single(layers, device)
-    model = load_staged(model_path, plan, dtype, log=lambda _: None)
+    target = load_staged(model_path, plan, dtype, log=lambda _: None)
     said: list[str] = []
-    if not complete_for_decoding(model, plan, log=said.append):
+    if not complete_for_decoding(target, log=said.append):
         raise InputError(f"{model_path}: {' '.join(said)}")
-    return model.eval()
+    return target.module.eval()
 
 
 def supports_static_decode(model: Any) -> bool:

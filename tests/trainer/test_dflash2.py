@@ -214,7 +214,7 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
     c = build_components(cfg, tmp_path, lines.append)
     assert c.drafter.candidate_selector is not None and c.objective.selector == 1.0
     assert any("selector CE" in line for line in lines)
-    report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:3], 6, batch=2)
+    report = acceptance_report(c.target.module, c.drafter, c.head, c.tokenizer, c.eval_conversations[:3], 6, batch=2)
     assert report["lookup_same_output"] is True
     assert sum(report["histogram"]) == report["rounds"] > 0
     assert report["tau"] == pytest.approx(1 + sum(report["acceptance"]))

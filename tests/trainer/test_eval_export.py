@@ -70,9 +70,9 @@ data: {{train_path: {train}, max_length: 64, num_anchors: 4, token_budget: 256, 
 """)
     c = build_components(cfg, tmp_path, lambda *_: None)
     assert c.eval_conversations
-    tau, samples = mean_acceptance_length(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:2], 4)
+    tau, samples = mean_acceptance_length(c.target.module, c.drafter, c.head, c.tokenizer, c.eval_conversations[:2], 4)
     assert samples == 2 and tau >= 1.0
-    report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer, c.eval_conversations[:3], 6, batch=2)
+    report = acceptance_report(c.target.module, c.drafter, c.head, c.tokenizer, c.eval_conversations[:3], 6, batch=2)
     histogram, rounds = report["histogram"], report["rounds"]
     assert len(histogram) == 4 and sum(histogram) == rounds > 0
     assert report["tau"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(histogram)) / rounds)

@@ -163,13 +163,13 @@ def test_an_fp8_checkpoint_loads_at_one_byte_a_weight_and_its_features_stay_clos
     unittest_mock = pytest.MonkeyPatch()
     unittest_mock.setattr(fp8, "check_device", lambda d: None)  # the CPU is refused; the loading is what is tested
     try:
-        kept = load_staged(path, plan, torch.bfloat16, precision="fp8")
+        kept = load_staged(path, plan, torch.bfloat16, fp8=fp8.converter_for("fp8"))
     finally:
         unittest_mock.undo()
     decoded = load_staged(path, plan, torch.bfloat16)
-    q = kept.model.layers[1].mlp.down_proj
+    q = kept.module.model.layers[1].mlp.down_proj
     assert isinstance(q, fp8.FP8Linear) and q.weight.dtype == torch.float8_e4m3fn
-    assert kept.__dict__["_dflash_precision"] == "fp8"
+    assert kept.precision == "fp8" and decoded.precision == "bf16"
     ids = torch.randint(0, 500, (1, 20), generator=torch.Generator().manual_seed(0))
     a = target_context_features(kept, ids, None, [0, 1]).float()
     b = target_context_features(decoded, ids, None, [0, 1]).float()
@@ -280,7 +280,8 @@ def test_fast_accumulation_is_a_choice_of_fp8_only():
     assert cfg.model.target.fp8_fast_accum
     layers = [torch.nn.Sequential(torch.nn.Linear(32, 16)), torch.nn.Sequential(torch.nn.Linear(32, 16))]
     fp8.quantize_layers(layers, fast_accum=True)
-    assert all(layer[0].fast_accum for layer in layers) and not fp8.FP8Linear.fast_accum
+    assert all(layer[0].fast_accum for layer in layers)
+    assert not fp8.FP8Linear.from_linear(torch.nn.Linear(32, 16)).fast_accum  # an instance's choice, off by default
     x = torch.randn(4, 32).to(torch.bfloat16)
     assert layers[0](x).shape == (4, 16)  # the CPU ignores it (the flag is Hopper's kernel choice)
 
@@ -296,8 +297,8 @@ def test_the_trainer_quantizes_the_layers_training_runs(tmp_path: Path, monkeypa
     monkeypatch.setattr(fp8, "check_device", lambda d: None)
     lines: list[str] = []
     target = build_target(cfg, _Tok(), None, tmp_path, lines.append)  # type: ignore[arg-type]
-    layers = target.model.layers
+    layers = target.module.model.layers
     assert isinstance(layers[1].mlp.down_proj, fp8.FP8Linear) and layers[1].mlp.down_proj.fast_accum
     assert type(layers[2].mlp.down_proj) is torch.nn.Linear  # above the last tap: decoding, bf16
-    assert target.__dict__["_dflash_precision"] == "fp8"
+    assert target.precision == "fp8" and target.fast_accum and target.layer_ids == (0, 1)
     assert any(line.startswith("target precision fp8, fast accumulation: 14 linear layers in FP8") for line in lines)

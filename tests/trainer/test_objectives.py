@@ -170,11 +170,11 @@ def test_the_targets_last_hidden_states_give_its_own_logits(tiny, qwen3_model_di
     assert torch.allclose(head.logits(top), out.logits, atol=1e-5)
     assert torch.equal(feats, target_context_features(target, ids, torch.ones_like(ids), layer_ids))
     staged = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1], ["cpu", "cpu"]), torch.float32)
-    assert complete_for_decoding(staged, StagePlan.from_sizes([1, 1], ["cpu", "cpu"]), lambda *_: None)
+    assert complete_for_decoding(staged, lambda *_: None)
     ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(2))
     top = last_hidden_buffer(staged, *ids.shape)
     target_context_features(staged, ids, torch.ones_like(ids), [0, 1], top=top)
-    assert torch.allclose(top @ staged.get_output_embeddings().weight.t(), staged(ids).logits, atol=1e-4)
+    assert torch.allclose(top @ staged.module.get_output_embeddings().weight.t(), staged.module(ids).logits, atol=1e-4)
 
 
 def test_slot_k_reads_the_targets_state_at_the_previous_position(tiny):

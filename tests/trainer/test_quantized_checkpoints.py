@@ -101,11 +101,11 @@ def _same_model(quantized_dir: Path, copy: Path) -> torch.nn.Module:
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     assert torch.equal(target_context_features(packed, ids, None, [0, 2]),
                        target_context_features(plain, ids, None, [0, 2]))
-    assert complete_for_decoding(packed, plan, log=lambda _: None)  # the layer above, read for τ
-    assert complete_for_decoding(plain, plan, log=lambda _: None)
+    assert complete_for_decoding(packed, log=lambda _: None)  # the layer above, read for τ
+    assert complete_for_decoding(plain, log=lambda _: None)
     with torch.no_grad():
-        assert torch.equal(packed(ids).logits, plain(ids).logits)
-    return packed
+        assert torch.equal(packed.module(ids).logits, plain.module(ids).logits)
+    return packed.module
 
 
 def test_fp8_weights_are_their_tiles_times_their_multipliers():
@@ -269,7 +269,7 @@ def test_per_expert_fp8_weights_of_a_moe_checkpoint_are_decoded_then_stacked(tmp
     ids = torch.randint(0, 384, (2, 10), generator=torch.Generator().manual_seed(2))
     assert torch.equal(target_context_features(dirs["fp8"], ids, None, [0, 1]),
                        target_context_features(dirs["plain"], ids, None, [0, 1]))
-    experts = dirs["fp8"].model.layers[1].mlp.experts
+    experts = dirs["fp8"].module.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.abs().max() > 0
 
 
@@ -354,7 +354,7 @@ def test_the_layers_decoding_adds_are_checked_too(fp8_dir, tmp_path):
     plan = StagePlan.single(3, "cpu")
     model = load_staged(broken, plan, torch.float32, log=lambda _: None)  # layer 3 is not read for training
     with pytest.raises(NonFiniteWeights, match=r"model\.layers\.3\.mlp\.up_proj\.weight_scale_inv"):
-        complete_for_decoding(model, plan, log=lambda _: None)
+        complete_for_decoding(model, log=lambda _: None)
 
 
 def test_a_run_on_a_checkpoint_with_nan_scales_fails_at_load_naming_the_tensor(mxfp4_dir, tmp_path):

@@ -103,7 +103,7 @@ def test_a_target_placed_in_three_stages_gives_the_same_features_and_logits(fami
     assert torch.equal(target_context_features(split, ids, None, layer_ids),
                        target_context_features(whole, ids, None, layer_ids))
     with torch.no_grad():
-        assert torch.equal(split(ids).logits, whole(ids).logits)
+        assert torch.equal(split.module(ids).logits, whole(ids).logits)
 
 
 def test_a_model_directory_is_read_stage_by_stage_up_to_the_last_tapped_layer(qwen3_model_dir):
@@ -112,15 +112,15 @@ def test_a_model_directory_is_read_stage_by_stage_up_to_the_last_tapped_layer(qw
     full = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.float32).eval()
     plan = StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3)  # layers 0..2 of 4
     staged = load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None)
-    layers = base_model(staged).layers
+    layers = base_model(staged.module).layers
     assert [layers[i].self_attn.q_proj.weight.is_meta for i in range(4)] == [False, False, False, True]
-    assert staged.lm_head.weight.is_meta and base_model(staged).norm.weight.is_meta
+    assert staged.module.lm_head.weight.is_meta and base_model(staged.module).norm.weight.is_meta
     ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(5))
     assert torch.equal(target_context_features(staged, ids, None, [0, 2]),
                        target_context_features(full, ids, None, [0, 2]))
-    assert complete_for_decoding(staged, plan, log=lambda _: None)  # τ needs the rest: loaded on demand
+    assert complete_for_decoding(staged, log=lambda _: None)  # τ needs the rest: loaded on demand
     with torch.no_grad():
-        assert torch.equal(staged(ids).logits, full(ids).logits)
+        assert torch.equal(staged.module(ids).logits, full(ids).logits)
 
 
 def test_partition_balances_bytes_with_the_embedding_on_the_first_stage():
@@ -315,9 +315,9 @@ def test_a_moe_directory_in_the_hubs_per_expert_format_loads_in_stages(moe_model
     ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(6))
     assert torch.equal(target_context_features(staged, ids, None, [0, 2]),
                        target_context_features(full, ids, None, [0, 2]))
-    assert complete_for_decoding(staged, plan, log=lambda _: None)
+    assert complete_for_decoding(staged, log=lambda _: None)
     with torch.no_grad():
-        assert torch.equal(staged(ids).logits, full(ids).logits)
+        assert torch.equal(staged.module(ids).logits, full(ids).logits)
 
 
 @pytest.mark.parametrize("kind", ["reference", "threaded"])
@@ -349,7 +349,7 @@ def test_the_loader_refuses_a_stage_above_the_budget_before_reading_it(qwen3_mod
         load_staged(qwen3_model_dir, plan, torch.float32, log=lambda _: None, budget=300_000)
     split = load_staged(qwen3_model_dir, StagePlan.from_sizes([1, 1, 1], ["cpu"] * 3), torch.float32,
                         log=lambda _: None, budget=300_000)
-    assert not base_model(split).layers[2].self_attn.q_proj.weight.is_meta
+    assert not base_model(split.module).layers[2].self_attn.q_proj.weight.is_meta
 
 
 def test_taps_for_a_stage_on_another_device_travel_whole_and_are_written_by_the_last_stage():

@@ -284,16 +284,10 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
     return text, spans
 
 
-TEMPLATE_SOURCE = "_dflash_template_source"  # a tokenizer's attribute: where its chat template was read from
-
-
 def template_source(tokenizer: Any) -> str:
     """Where the tokenizer's chat template is written: its model directory's chat_template.jinja
-    or tokenizer_config.json, or what TEMPLATE_SOURCE says (a worker's tokenizer, saved to a
-    temporary directory)."""
-    given = getattr(tokenizer, TEMPLATE_SOURCE, None)
-    if given:
-        return str(given)
+    or tokenizer_config.json (a worker's tokenizer, loaded from a temporary copy, is given the
+    directory it was read from as its name_or_path: trainer.data.encoding)."""
     directory = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
     if str(directory) not in ("", ".") and directory.is_dir():
         if (directory / "chat_template.jinja").is_file():

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from trainer.data.chat import TEMPLATE_SOURCE, DataError, encode_conversation, template_kwargs_for, template_source
+from trainer.data.chat import DataError, encode_conversation, template_kwargs_for
 
 PARALLEL_FROM = 2000  # conversations; fewer are encoded in this process (workers cost ~1 s to start)
 AUTO_MAX = 16  # data.workers auto: at most this many processes
@@ -89,7 +89,7 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
         with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_start_worker,
                                  initargs=(saved, max_length, template_kwargs, os.getpid(),
-                                           template_source(tokenizer))) as pool:
+                                           str(getattr(tokenizer, "name_or_path", "") or ""))) as pool:
             try:
                 for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                     out.extend(part)
@@ -133,15 +133,16 @@ def die_with_parent(parent: int) -> None:
 
 
 def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int, source: str) -> None:
-    """The worker's tokenizer, from the directory the trainer saved it to (its chat template's
-    errors name where the trainer read it: `source`)."""
+    """The worker's tokenizer, from the directory the trainer saved it to, named after the one the
+    trainer read it from (`source`: its name_or_path), so its chat template's errors name that one
+    (trainer.data.chat.template_source)."""
     die_with_parent(parent)
     from transformers import AutoTokenizer
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
     tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
-    setattr(tokenizer, TEMPLATE_SOURCE, source)
+    tokenizer.name_or_path = source
     _worker = (tokenizer, max_length, template_kwargs)
 
 

@@ -151,7 +151,7 @@ class DrafterConfig:
 # while training (grad enabled); eagerly elsewhere: CPU tests need no compiler, and inference
 # (evaluation, drafting) meets a new context length at every call. Static shapes: the pipeline
 # warms each shape once on one thread before its workers start (trainer.pipeline.compile_safety).
-COMPILE_POINTWISE = True  # bench/drafter_mfu.py turns it off for its baseline
+COMPILE_POINTWISE = True  # False: every piece eager (the baseline that fusing them is measured against)
 CPU_BACKEND: str | None = None  # tests: also compile on the CPU with this backend ("aot_eager": no C compiler)
 _compiled: dict[Callable, Callable] = {}
 

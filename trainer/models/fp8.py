@@ -20,6 +20,7 @@ a run may not use it there.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,20 +57,20 @@ class FP8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W in e4m3 and one scale per output channel, x quantized per token at
     each call; y in `out_dtype` (bf16). Frozen: no gradients flow through it."""
 
-    fast_accum = False  # torch._scaled_mm's use_fast_accum (Hopper: no periodic fp32 promotion); bench/pipeline.py fp8fast
-
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> None:
+                 out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> None:
         super().__init__()
         out_features, in_features = weight.shape
         self.in_features, self.out_features, self.out_dtype = in_features, out_features, out_dtype
+        self.fast_accum = fast_accum  # torch._scaled_mm's use_fast_accum (Hopper: no periodic fp32 promotion)
         # parameters (frozen), not buffers: the memory plan and the stage split count them at 1 byte
         self.weight = torch.nn.Parameter(weight, requires_grad=False)  # (out, in) e4m3, row-major
         self.scale = torch.nn.Parameter(scale.reshape(1, out_features).float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(out_dtype), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, out_dtype: torch.dtype = torch.bfloat16) -> "FP8Linear":
+    def from_linear(cls, linear: torch.nn.Linear, out_dtype: torch.dtype = torch.bfloat16,
+                    fast_accum: bool = False) -> "FP8Linear":
         w = linear.weight
         if w.is_meta:  # the memory plan's meta model: shapes only
             q = torch.empty(w.shape, dtype=E4M3, device="meta")
@@ -77,7 +78,7 @@ class FP8Linear(torch.nn.Module):
         else:
             q, scale = quantize_rows(w.detach())
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(q, scale, bias, out_dtype)
+        return cls(q, scale, bias, out_dtype, fast_accum)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel x per-token"
@@ -126,17 +127,18 @@ def quantizable(linear: torch.nn.Module) -> bool:
             and linear.out_features % ALIGN == 0)
 
 
-def quantize_linears(module: torch.nn.Module, out_dtype: torch.dtype = torch.bfloat16) -> int:
+def quantize_linears(module: torch.nn.Module, out_dtype: torch.dtype = torch.bfloat16,
+                     fast_accum: bool = False) -> int:
     """Replace every plain nn.Linear under `module` (both dimensions multiples of 16) by an
     FP8Linear, in place, one at a time (the bf16 weight is freed as its FP8 copy is made).
     Works on meta modules too (the memory plan). Returns how many were replaced."""
     replaced = 0
     for name, child in list(module.named_children()):
         if quantizable(child):
-            setattr(module, name, FP8Linear.from_linear(child, out_dtype))  # type: ignore[arg-type]
+            setattr(module, name, FP8Linear.from_linear(child, out_dtype, fast_accum))  # type: ignore[arg-type]
             replaced += 1
         else:
-            replaced += quantize_linears(child, out_dtype)
+            replaced += quantize_linears(child, out_dtype, fast_accum)
     return replaced
 
 
@@ -144,18 +146,27 @@ def quantize_layers(layers: Iterable[torch.nn.Module], out_dtype: torch.dtype = 
                     fast_accum: bool = False) -> int:
     """quantize_linears over decoder layers; layers still on the meta device (above the last tap
     of a target loaded for training) are quantized as shapes. fast_accum: model.target.fp8_fast_accum."""
-    layers = list(layers)
-    n = sum(quantize_linears(layer, out_dtype) for layer in layers)
-    if fast_accum:
-        set_fast_accum(layers)
-    return n
+    return sum(quantize_linears(layer, out_dtype, fast_accum) for layer in layers)
 
 
-def set_fast_accum(modules: Iterable[torch.nn.Module], on: bool = True) -> None:
-    for module in modules:
-        for m in module.modules():
-            if isinstance(m, FP8Linear):
-                m.fast_accum = on
+@dataclass(frozen=True, kw_only=True)
+class FP8Converter:
+    """model.target.precision fp8, applied by the loaders (trainer.models.target_loading, the targets
+    built in code) to each decoder layer that training runs as it is made: what was converted is
+    known from this value (trainer.models.frozen_target.Target), never found again by scanning.
+    One converter per target: its replicas are loaded with the same one."""
+
+    out_dtype: torch.dtype = torch.bfloat16
+    fast_accum: bool = False  # model.target.fp8_fast_accum
+
+    def check(self, devices: Iterable[torch.device | str]) -> None:
+        """Refuse (FP8Error) before any weight is read where FP8 matmuls cannot run (`check_device`)."""
+        for device in dict.fromkeys(torch.device(d) for d in devices):
+            check_device(device)
+
+    def convert(self, layer: torch.nn.Module) -> int:
+        """The layer's linear layers in FP8, in place; how many were replaced."""
+        return quantize_linears(layer, self.out_dtype, self.fast_accum)
 
 
 def fp8_bytes(module: torch.nn.Module) -> int:
@@ -213,3 +224,14 @@ def fp8_summary(model: Any) -> str:
     size = sum(m.weight.numel() for m in fp8 if not m.weight.is_meta)
     return (f"{len(fp8)} linear layers in FP8 e4m3 ({size / 2**30:.2f} GiB, per-channel weight and per-token "
             f"activation scales), {len(plain)} kept in bf16 (the LM head and what is not a multiple of {ALIGN})")
+
+
+def converter_for(precision: str, fast_accum: bool = False,
+                  out_dtype: torch.dtype = torch.bfloat16) -> FP8Converter | None:
+    """model.target.precision (and fp8_fast_accum) as the converter the loaders apply: None for bf16.
+    The one reading of the precision: the loaders, the replicas and the memory plan all ask here."""
+    if precision == "bf16":
+        return None
+    if precision != "fp8":
+        raise ValueError(f"model.target.precision: {precision!r} is not one of 'bf16', 'fp8'")
+    return FP8Converter(out_dtype=out_dtype, fast_accum=fast_accum)

@@ -175,6 +175,7 @@ class _Sizes:
 
 def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
     from trainer.models.drafter import DFlashDrafter, DrafterConfig
+    from trainer.models.fp8 import converter_for
     from trainer.models.target import tapped_layer_ids
     from trainer.models.target_loading import layer_bytes, module_bytes, stage_plan
 
@@ -187,8 +188,9 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
         stage_plan(target, layer_ids, replica, cfg.devices.target_split)
     run = max(layer_ids) + 1
     per_layer = layer_bytes(target)
-    if cfg.model.target.precision == "fp8":  # the layers training runs hold 1 byte a linear weight; those above
-        per_layer = layer_bytes(target, "fp8")[:run] + per_layer[run:]  # (decoding) load in bf16
+    fp8 = converter_for(cfg.model.target.precision, cfg.model.target.fp8_fast_accum, dtype)
+    if fp8 is not None:  # the layers training runs hold 1 byte a linear weight; those above
+        per_layer = layer_bytes(target, fp8)[:run] + per_layer[run:]  # (decoding) load in bf16
         notes.append(f"precision fp8: layers 0..{run - 1} counted at 1 byte a linear weight (+ fp32 per-channel "
                      "scales), the embedding, norms and the decoding share in bf16")
     base = getattr(target, target.base_model_prefix)

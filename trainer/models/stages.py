@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from trainer.models.hf import hf_config, input_embeddings
+from trainer.models.hf import hf_config
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,6 @@ class StagePlan:
             if lo <= layer < hi:
                 return s
         return len(self.bounds) - 1  # above the tapped layers: with the last stage (evaluation only)
-
-
-def plan_of(target: torch.nn.Module) -> StagePlan:
-    """The stages a target was placed in (trainer.models.target_loading), else one stage on its
-    embedding's device holding every layer."""
-    plan = getattr(target, "_dflash_plan", None)
-    if isinstance(plan, StagePlan):
-        return plan
-    return StagePlan.single(int(hf_config(target).num_hidden_layers), input_embeddings(target).weight.device)
 
 
 def feature_layers(layer_ids: Sequence[int]) -> int:

@@ -16,6 +16,9 @@ from trainer.run.family import LINEAR_MIXER, Family, family_of_dir, read_family
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
+    from trainer.models.fp8 import FP8Converter
+    from trainer.models.frozen_target import Target
+
 # What Qwen3-8B and Qwen3-30B-A3B share (attention heads, vocabulary, positions, norms, rotary base)
 _QWEN3_SHARED: dict[str, Any] = dict(num_attention_heads=32, head_dim=128, vocab_size=151936,
                                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -92,13 +95,13 @@ def random_target(config: Any, device: str, dtype: torch.dtype = torch.bfloat16)
     return model.eval()
 
 
-def random_truncated_target(config: Any, device: str, layers: int, precision: str = "bf16",
+def random_truncated_target(config: Any, device: str, layers: int, fp8: FP8Converter | None = None,
                             dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02) -> Any:
     """A random causal LM of `config`'s architecture with only its embedding, LM head and decoder
     layers 0..layers-1 on `device` (the others stay on the meta device, as a target loaded for
-    training: trainer.models.target_loading), built one layer at a time; precision fp8 quantizes each
-    layer's linear layers as it is made (trainer.models.fp8), so a 70B-shaped target never holds more
-    than one layer in bf16. Weights normal(0, std), norms one, biases zero."""
+    training: trainer.models.target_loading), built one layer at a time; fp8 converts each layer's
+    linear layers as it is made (trainer.models.fp8.FP8Converter), so a 70B-shaped target never holds
+    more than one layer in bf16. Weights normal(0, std), norms one, biases zero."""
     from trainer.models.hf import output_embeddings
     from trainer.models.target_loading import _rebuild_rotary, meta_model
 
@@ -123,15 +126,11 @@ def random_truncated_target(config: Any, device: str, layers: int, precision: st
     _rebuild_rotary(model, torch.device(device))
     for i in range(layers):
         materialize(base.layers[i])
-        if precision == "fp8":
-            from trainer.models.fp8 import quantize_linears
-
-            quantize_linears(base.layers[i], dtype)
+        if fp8 is not None:
+            fp8.convert(base.layers[i])
     materialize(output_embeddings(model))
     if layers == len(base.layers):
         materialize(base.norm)
-    if precision == "fp8":
-        model.__dict__["_dflash_precision"] = "fp8"
     return model.eval()
 
 
@@ -297,7 +296,7 @@ def _documents_apart(model: torch.nn.Module, doc_start: torch.Tensor | None) -> 
 
 @torch.no_grad()
 def target_context_features(
-    target: torch.nn.Module,
+    target: Target | torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | dict | None,  # a tensor, or a prebuilt per-layer-type mapping
     layer_ids: list[int],
@@ -307,6 +306,7 @@ def target_context_features(
 ) -> torch.Tensor:
     """Hidden states after each target layer in `layer_ids`, concatenated: [B, L, n*H].
 
+    target: a Target (its stages), or a module: one stage on its embedding's device.
     Layer id i means the output of decoder layer i (hidden_states[i + 1] of the Hugging Face model;
     index 0 is the embedding), as the published DFlash drafts expect. Only layers 0..max(layer_ids)
     run, no final norm, and only the tapped outputs are kept (trainer.models.stages).
@@ -321,9 +321,10 @@ def target_context_features(
     norm on the last stage, written into `top`: the target's last hidden states, what its LM head reads
     (model.loss kl; the layers must be loaded: trainer.models.target_loading.complete_for_decoding).
     """
-    from trainer.models.stages import feature_layers, plan_of, tap_columns
+    from trainer.models.frozen_target import as_target
+    from trainer.models.stages import feature_layers, tap_columns
 
-    plan = plan_of(target)
+    plan, target = as_target(target).plan, as_target(target).module
     taps = tap_columns(layer_ids)
     last = feature_layers(layer_ids)
     x: torch.Tensor = input_ids
@@ -342,12 +343,13 @@ def target_context_features(
     return out
 
 
-def last_hidden_buffer(target: torch.nn.Module, batch: int, length: int) -> torch.Tensor:
+def last_hidden_buffer(target: Target | torch.nn.Module, batch: int, length: int) -> torch.Tensor:
     """An uninitialised [B, L, H] tensor for `target_context_features(top=...)`, on the last stage."""
-    from trainer.models.stages import plan_of
+    from trainer.models.frozen_target import as_target
 
-    return torch.empty(batch, length, int(hf_config(target).hidden_size), dtype=input_embeddings(target).weight.dtype,
-                       device=plan_of(target).devices[-1])
+    t = as_target(target)
+    return torch.empty(batch, length, int(hf_config(t.module).hidden_size),
+                       dtype=input_embeddings(t.module).weight.dtype, device=t.plan.devices[-1])
 
 
 def stage_context_features(target: torch.nn.Module, x: torch.Tensor, lo: int, hi: int, taps: dict[int, list[int]],
@@ -393,9 +395,8 @@ def compile_decoder_layers(target: torch.nn.Module) -> int:
     for layer, kind in zip(base_layers(model), _kinds(model)):
         if kind == "linear_attention":
             continue
-        if not getattr(layer, "_dflash_compiled", False):
+        if not _compiled(layer):
             layer.compile(dynamic=False)
-            layer._dflash_compiled = True
         wrapped += 1
     return wrapped
 
@@ -403,9 +404,13 @@ def compile_decoder_layers(target: torch.nn.Module) -> int:
 def uncompile_decoder_layers(target: torch.nn.Module) -> None:
     """Undo `compile_decoder_layers` (evaluation and drafting meet a new length at every call)."""
     for layer in base_model(target).layers:
-        if getattr(layer, "_dflash_compiled", False):
+        if _compiled(layer):
             layer._compiled_call_impl = None
-            layer._dflash_compiled = False
+
+
+def _compiled(layer: torch.nn.Module) -> bool:
+    """Whether `nn.Module.compile` wrapped the layer: torch's own record of it (what its __call__ runs)."""
+    return getattr(layer, "_compiled_call_impl", None) is not None
 
 
 class FrozenHead(torch.nn.Module):
@@ -420,7 +425,7 @@ class FrozenHead(torch.nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
 
     @classmethod
-    def from_target(cls, target: torch.nn.Module, device: str | torch.device) -> "FrozenHead":
+    def from_target(cls, target: Target | torch.nn.Module, device: str | torch.device) -> "FrozenHead":
         from trainer.models.target_loading import head_weights
 
         return cls(*head_weights(target, device))

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from trainer.models import quantized
+from trainer.models.fp8 import FP8Converter
+from trainer.models.frozen_target import Target, as_target
 from trainer.models.hf import base_model, input_embeddings, output_embeddings
 from trainer.models.stages import StagePlan
 from trainer.run.family import ModelDirError, check_model_dir
@@ -239,12 +241,13 @@ def _rebuild_rotary(model: torch.nn.Module, device: torch.device) -> None:
 
 def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
                 log: Callable[[str], None] = print, budget: int | None = None,
-                precision: str = "bf16") -> torch.nn.Module:
+                fp8: FP8Converter | None = None, layer_ids: Sequence[int] = ()) -> Target:
     """The target with the embedding on stage 0 and layers [lo, hi) of each stage on its device;
     everything above the plan's last layer stays on the meta device (`complete_for_decoding`).
     budget: bytes per device (devices.memory_gib); a stage whose weights exceed it is refused before
-    any of its tensors is read. precision fp8: each layer's linear weights are quantized to e4m3 as
-    the layer loads (trainer.models.fp8), so a device never holds more than one layer in bf16."""
+    any of its tensors is read. fp8 (model.target.precision fp8): each layer's linear weights are
+    converted to e4m3 as the layer loads (trainer.models.fp8.FP8Converter), so a device never holds
+    more than one layer in bf16. layer_ids: the tapped layers, kept on the Target."""
     from transformers import AutoConfig
 
     from trainer.run.family import read_family
@@ -258,13 +261,10 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
     model = meta_model(config, dtype)
     reader = ShardReader(path)
     base, prefix = _base(model)
-    if precision == "fp8":
-        from trainer.models.fp8 import check_device
-
-        for device in dict.fromkeys(plan.devices):
-            check_device(device)
+    if fp8 is not None:
+        fp8.check(plan.devices)
     if budget is not None:
-        per_layer = layer_bytes(model, precision)
+        per_layer = layer_bytes(model, fp8)
         for s, ((lo, hi), device) in enumerate(zip(plan.bounds, plan.devices)):
             need = sum(per_layer[lo:hi]) + (module_bytes(base.embed_tokens) if s == 0 else 0)
             if need > budget:
@@ -278,30 +278,25 @@ def load_staged(path: str | Path, plan: StagePlan, dtype: torch.dtype,
         for i in range(lo, hi):
             layer = base.layers[i]
             fill(layer, _module_tensors(reader, f"{prefix}layers.{i}.", layer, device, dtype))
-            if precision == "fp8":
-                from trainer.models.fp8 import quantize_linears
-
-                quantize_linears(layer, dtype)
+            if fp8 is not None:
+                fp8.convert(layer)
     if plan.layers == len(base.layers):  # the last layer is tapped: its features are read after the norm
         fill(base.norm, _module_tensors(reader, f"{prefix}norm.", base.norm, plan.devices[-1], dtype))
-    model.__dict__["_dflash_source"] = str(path)  # where complete_for_decoding reads the rest
-    model.__dict__["_dflash_precision"] = precision  # replica_target loads replicas the same way
-    model.__dict__["_dflash_plan"] = plan  # trainer.models.stages.plan_of
     if len(set(plan.devices)) > 1:
         align_devices(model)
-    return model
+    return Target(module=model, plan=plan, dtype=dtype, layer_ids=tuple(layer_ids), fp8=fp8, source=Path(path))
 
 
 def is_complete(model: torch.nn.Module) -> bool:
     return not any(p.is_meta for p in model.parameters())
 
 
-def complete_for_decoding(model: torch.nn.Module, plan: StagePlan, log: Callable[[str], None] = print) -> bool:
+def complete_for_decoding(target: Target, log: Callable[[str], None] = print) -> bool:
     """Load the layers above the plan's last, the final norm and the LM head onto the last stage, once.
     False (and one log line) when the model directory does not have them: τ cannot be measured."""
+    model, plan, source = target.module, target.plan, target.source
     if is_complete(model):
         return True
-    source = getattr(model, "_dflash_source", None)
     if source is None:
         return False
     reader, device = ShardReader(source), plan.devices[-1]
@@ -312,7 +307,7 @@ def complete_for_decoding(model: torch.nn.Module, plan: StagePlan, log: Callable
     head = output_embeddings(model)
     try:
         loaded = [(m, _module_tensors(reader, name, m, device, dtype)) for name, m in rest if _is_meta(m)]
-        head_weight = _head_tensor(model, device) if head.weight.is_meta else None
+        head_weight = _head_tensor(target, device) if head.weight.is_meta else None
     except (MissingWeights, KeyError) as exc:
         log(f"τ not measured: decoding needs the target's layers above {plan.layers - 1}, its final norm and "
             f"LM head, and {source} lacks some ({exc})")
@@ -354,27 +349,40 @@ def _base(model: torch.nn.Module) -> tuple[Any, str]:
     return base_model(model), f"{model.base_model_prefix}."
 
 
+class _ToDevice:
+    """A forward pre-hook moving a module's inputs to `device` (where its weights are). The hook itself
+    says what it is, so aligning again (more layers loaded, or a deep copy placed elsewhere) updates it
+    in place instead of adding a second one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, _m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return _move(args, self.device), _move(kwargs, self.device)
+
+
 def align_devices(model: torch.nn.Module) -> None:
     """Pre-hooks moving each decoder layer's, the final norm's and the head's inputs to its device."""
     base, _ = _base(model)
     for module in [*base.layers, base.norm, output_embeddings(model)]:
         device = _device_of(module)
-        old = module.__dict__.pop("_dflash_align", None)  # a hook id (survives copy.deepcopy, a handle would not)
-        if old is not None:
-            module._forward_pre_hooks.pop(old, None)
-            module._forward_pre_hooks_with_kwargs.pop(old, None)
-        if device is None:
-            continue
+        hooks = {k: h for k, h in module._forward_pre_hooks.items() if isinstance(h, _ToDevice)}
+        if device is None:  # nothing of it loaded: no hook
+            for k in hooks:
+                module._forward_pre_hooks.pop(k)
+                module._forward_pre_hooks_with_kwargs.pop(k, None)
+        elif hooks:
+            for h in hooks.values():
+                h.device = device
+        else:
+            module.register_forward_pre_hook(_ToDevice(device), with_kwargs=True)
 
-        def hook(_m: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device = device) -> tuple:
-            return _move(args, device), _move(kwargs, device)
 
-        module.__dict__["_dflash_align"] = module.register_forward_pre_hook(hook, with_kwargs=True).id
-
-
-def place(model: torch.nn.Module, plan: StagePlan) -> torch.nn.Module:
+def place(model: torch.nn.Module, plan: StagePlan, layer_ids: Sequence[int] = (),
+          fp8: FP8Converter | None = None) -> Target:
     """An in-memory target (built in code) moved onto the plan's devices; layers above the plan stay
-    with the last stage (they are already there to decode)."""
+    with the last stage (they are already there to decode). fp8: its layers up to the plan's last
+    converted (trainer.models.fp8.FP8Converter), after the move (each on its own device)."""
     base, _ = _base(model)
     base.embed_tokens.to(plan.devices[0])
     _rebuild_rotary(model, plan.devices[0])
@@ -384,10 +392,14 @@ def place(model: torch.nn.Module, plan: StagePlan) -> torch.nn.Module:
     for module in (base.norm, output_embeddings(model)):
         if not _is_meta(module):
             module.to(plan.devices[-1])
-    model.__dict__["_dflash_plan"] = plan
+    if fp8 is not None:
+        fp8.check(plan.devices)
+        for layer in list(base.layers)[:plan.layers]:
+            fp8.convert(layer)
     if len(set(plan.devices)) > 1:
         align_devices(model)
-    return model
+    return Target(module=model, plan=plan, dtype=input_embeddings(model).weight.dtype, layer_ids=tuple(layer_ids),
+                  fp8=fp8)
 
 
 def partition(layer_bytes: Sequence[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
@@ -421,10 +433,10 @@ def partition(layer_bytes: Sequence[int], stages: int, first_extra: int = 0, las
     return sizes[::-1]
 
 
-def layer_bytes(model: torch.nn.Module, precision: str = "bf16") -> list[int]:
-    """Parameter bytes of each decoder layer (from the meta model: no weights read); precision fp8:
-    as the layer holds them once quantized (trainer.models.fp8: 1 byte a linear weight + its scales)."""
-    if precision == "fp8":
+def layer_bytes(model: torch.nn.Module, fp8: FP8Converter | None = None) -> list[int]:
+    """Parameter bytes of each decoder layer (from the meta model: no weights read); fp8: as the layer
+    holds them once converted (trainer.models.fp8: 1 byte a linear weight + its scales)."""
+    if fp8 is not None:
         from trainer.models.fp8 import fp8_bytes
 
         return [fp8_bytes(layer) for layer in _base(model)[0].layers]
@@ -457,34 +469,37 @@ def stage_plan(model: torch.nn.Module, layer_ids: Sequence[int], devices: Sequen
     return StagePlan.from_sizes(sizes, devices)
 
 
-def head_weights(model: torch.nn.Module, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def head_weights(target: Target | torch.nn.Module, device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The input embedding and LM head weights on `device` (the drafter's): the head is read from the
     shards when the target holds it only on the meta device (a target loaded for training)."""
-    embed = input_embeddings(model).weight.detach().to(device)
-    head = output_embeddings(model).weight
+    target = as_target(target)
+    embed = input_embeddings(target.module).weight.detach().to(device)
+    head = output_embeddings(target.module).weight
     if not head.is_meta:
         return embed, head.detach().to(device)
-    return embed, _head_tensor(model, torch.device(device))
+    return embed, _head_tensor(target, torch.device(device))
 
 
-def _head_tensor(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    reader = ShardReader(model.__dict__["_dflash_source"])  # set by load_staged
+def _head_tensor(target: Target, device: torch.device) -> torch.Tensor:
+    if target.source is None:
+        raise MissingWeights("the target's LM head is not loaded and it was not read from a model directory")
+    reader, model = ShardReader(target.source), target.module
     name = "lm_head.weight" if "lm_head.weight" in reader else f"{_base(model)[1]}embed_tokens.weight"  # tied
     return reader.read([name], device, input_embeddings(model).weight.dtype)[name]
 
 
-def replica_target(target: torch.nn.Module, plan: StagePlan, dtype: str) -> torch.nn.Module:
-    """Another replica of `target` on the plan's devices: read again from its model directory stage by
-    stage, or (a target built in code) copied and moved."""
+def replica_target(target: Target, plan: StagePlan) -> Target:
+    """Another replica of `target` on the plan's devices, with its facts: read again from its model
+    directory stage by stage with the same converter and experts, or (a target built in code) copied
+    and moved (its converted layers and experts come with the copy)."""
     import copy
+    import dataclasses
 
-    source = getattr(target, "_dflash_source", None)
-    if source is not None:
-        replica = load_staged(source, plan, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-                              precision=target.__dict__.get("_dflash_precision", "bf16"))
-        from trainer.models.fp8 import FP8Linear, set_fast_accum
+    if target.source is None:
+        return dataclasses.replace(target, module=place(copy.deepcopy(target.module), plan).module, plan=plan)
+    replica = load_staged(target.source, plan, target.dtype, fp8=target.fp8, layer_ids=target.layer_ids)
+    if target.experts is not None:
+        from trainer.models.moe import set_experts
 
-        if any(isinstance(m, FP8Linear) and m.fast_accum for m in target.modules()):
-            set_fast_accum([replica])
-        return replica
-    return place(copy.deepcopy(target), plan)
+        set_experts(replica.module, target.experts)
+    return dataclasses.replace(replica, experts=target.experts)

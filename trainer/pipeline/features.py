@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.models.frozen_target import Target, as_target
 from trainer.models.target import base_model, packed_mask_mapping, target_context_features
 
 
@@ -31,7 +32,7 @@ def allocate_slots(count: int, numel: int, dtype: torch.dtype, device: torch.dev
     return [FeatureSlot(i, torch.zeros(numel, dtype=dtype, device=device)) for i in range(count)]
 
 
-def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
+def pack_context_features(target: Target | torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None,
                           layer_ids: list[int], out: torch.Tensor | None, doc_start: torch.Tensor | None = None,
                           top: torch.Tensor | None = None) -> torch.Tensor:
     """Like `trainer.models.target.target_context_features`, but writes the concatenation into `out`.
@@ -43,5 +44,5 @@ def pack_context_features(target: torch.nn.Module, input_ids: torch.Tensor, atte
     is skipped. doc_start [B, L]: packed rows (causal per document, positions restart per
     document; see trainer.data.packing). top: the target's last hidden states too (model.loss kl)."""
     if attention_mask is None and doc_start is None:
-        attention_mask = packed_mask_mapping(base_model(target), None)
+        attention_mask = packed_mask_mapping(base_model(as_target(target).module), None)
     return target_context_features(target, input_ids, attention_mask, layer_ids, doc_start, out=out, top=top)

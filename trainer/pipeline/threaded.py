@@ -16,10 +16,10 @@ import torch
 from trainer.data.batches import Batch, PreloadedDataset
 from trainer.data.packing import row_anchors, warmup_packed_batch
 from trainer.distributed.grad_sync import FlatGrads, ReplicaAllReduce
-from trainer.models.hf import hf_config, input_embeddings
+from trainer.models.hf import hf_config
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums, selector_metrics
-from trainer.models.stages import StagePlan, feature_layers, plan_of, tap_columns
+from trainer.models.stages import StagePlan, feature_layers, tap_columns
 from trainer.models.target import FrozenHead, compile_decoder_layers, uncompile_decoder_layers
 from trainer.models.target_loading import replica_target
 from trainer.pipeline.compile_safety import CompileGuard
@@ -91,13 +91,13 @@ class ThreadedPipeline:
     def __init__(self, trainer: Trainer, c: Components) -> None:
         cfg = self.cfg = trainer.cfg
         self.trainer, self.c = trainer, c
-        first = plan_of(c.target)
+        first = c.target.plan
         self.target_plans = [StagePlan(first.bounds, tuple(torch.device(d) for d in devices))
                              for devices in target_replicas(cfg.devices)]
         self.replica_devices = [plan.devices[0] for plan in self.target_plans]  # where each replica's input goes
         self.target_devices = list(dict.fromkeys(d for plan in self.target_plans for d in plan.devices))
         self.drafter_devices = [torch.device(d) for d in cfg.devices.drafter]
-        self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan, cfg.model.dtype)
+        self.targets = [c.target if plan.devices == first.devices else replica_target(c.target, plan)
                         for plan in self.target_plans]
         if c.objective.needs_target:  # model.loss kl: every replica runs its layers above the tapped ones
             for target in self.targets[1:]:
@@ -126,7 +126,7 @@ class ThreadedPipeline:
     def top_width(self) -> int:
         """Columns a feature slot holds after the features: the target's hidden size when the loss
         reads its logits (its last hidden states, trainer.pipeline.workers.split_features), else 0."""
-        return int(hf_config(self.c.target).hidden_size) if self.c.objective.needs_target else 0
+        return int(hf_config(self.c.target.module).hidden_size) if self.c.objective.needs_target else 0
 
     def devices(self) -> list[torch.device]:
         return list(dict.fromkeys(self.target_devices + self.drafter_devices))
@@ -138,7 +138,7 @@ class ThreadedPipeline:
         packed = bool(cfg.data.pack_length)
         if self.compiled_target:
             for target in dict.fromkeys(self.targets):
-                compile_decoder_layers(target)
+                compile_decoder_layers(target.module)
         shapes = self.warm.shapes()
         rd.update(state="warmup")
         began = time.time()
@@ -153,7 +153,7 @@ class ThreadedPipeline:
             ids = torch.randint(0, c.drafter.config.vocab_size, (b, seq), generator=gen)
             return ids, None, torch.ones_like(ids, dtype=torch.bool)
 
-        width = len(layer_ids) * int(hf_config(c.target).hidden_size)
+        width = len(layer_ids) * int(hf_config(c.target.module).hidden_size)
         top_width = self.top_width()
 
         def features(t: int, ids: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
@@ -161,7 +161,7 @@ class ThreadedPipeline:
             compiled target meets nothing new."""
             tdev = self.replica_devices[t]
             target = self.targets[t]
-            out = torch.empty(*ids.shape, width + top_width, dtype=input_embeddings(target).weight.dtype,
+            out = torch.empty(*ids.shape, width + top_width, dtype=target.dtype,
                               device=self.target_plans[t].devices[-1])
             with torch.inference_mode():
                 return pack_context_features(target, ids.to(tdev), None, layer_ids, out,
@@ -232,7 +232,7 @@ class ThreadedPipeline:
             checkpointer.wait(raise_failure=False)  # a stop's checkpoint is on disk before the run ends
             self.guard.unfreeze()
             for target in dict.fromkeys(self.targets):  # evaluation meets new lengths: run it eagerly
-                uncompile_decoder_layers(target)
+                uncompile_decoder_layers(target.module)
         if stop.error is not None:
             raise stop.error
         checkpointer.wait()  # a failed requested checkpoint fails the run
@@ -282,12 +282,12 @@ class _Stages:
                                      on_built=record)
         self.busy = {d: BusyMeter(d) for d in p.devices()}
         layer_ids = c.drafter.config.target_layer_ids
-        width = len(layer_ids) * int(hf_config(c.target).hidden_size)
+        width = len(layer_ids) * int(hf_config(c.target.module).hidden_size)
         top_width = p.top_width()
         max_numel = max(b * s for b, s in p.warm.shapes()) * (width + top_width)
         if not p.pad:
             max_numel = max(max_numel, cfg.data.token_budget * (width + top_width))
-        target_dtype = input_embeddings(c.target).weight.dtype
+        target_dtype = c.target.dtype
         route = lambda index: (index % M) % R  # noqa: E731 - micro-batch j of a step goes to replica j % R
         self.target_workers: list[TargetWorker] = []
         self.stage_queues: list[StageQueue] = []
@@ -303,7 +303,7 @@ class _Stages:
                                     next_device=None if s == S - 1 else plan.devices[s + 1])
                 outputs = [self.feature_queues[r][t] for r in range(R)] if s == S - 1 else [hops[s]]
                 worker = TargetWorker(TargetSettings(rank=t, device=d, layer_ids=layer_ids, width=width,
-                                                     top_width=top_width, count=n, route=route), p.targets[t],
+                                                     top_width=top_width, count=n, route=route), p.targets[t].module,
                                       self.target_inputs[t] if s == 0 else hops[s - 1], outputs, pool,
                                       WorkerLinks(stop=stop, busy=self.busy[d], guard=p.guard), stage)
                 pool = worker.free

@@ -16,14 +16,15 @@ from trainer.data.encoding import process_count
 from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
 from trainer.data.tokenizer import synthetic_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
-from trainer.models.hf import base_model, hf_config
+from trainer.models.fp8 import converter_for
+from trainer.models.frozen_target import Target, as_target
+from trainer.models.hf import hf_config
 from trainer.models.masks import resolve_backend
 from trainer.models.memory_plan import drafter_checkpointing
 from trainer.models.objective import Objective, base_gamma, objective_of
 from trainer.models.target import (
     QWEN3_8B_MASK_TOKEN_ID,
     FrozenHead,
-    base_layers,
     fit_tiny_target,
     freeze,
     num_layers,
@@ -65,7 +66,7 @@ def _no_phase(name: str, done: int | None = None, total: int | None = None) -> N
 @dataclass
 class Components:
     tokenizer: object
-    target: torch.nn.Module
+    target: Target  # the frozen target and its facts (trainer.models.frozen_target)
     head: FrozenHead
     drafter: DFlashDrafter
     optimizer: torch.optim.Optimizer
@@ -111,8 +112,9 @@ def target_layer_ids(cfg: TrainerConfig, layers: int) -> list[int]:
 
 def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDataset, run_dir: Path,
                  log: Callable[[str], None], devices: list[str] | None = None,
-                 phase: Phase = _no_phase) -> torch.nn.Module:
-    """The frozen target of one replica (default the first) in its layer stages (trainer.models.stages).
+                 phase: Phase = _no_phase) -> Target:
+    """The frozen target of one replica (default the first) in its layer stages (trainer.models.stages),
+    as one Target value: its converter (model.target.precision), experts, stages and tapped layers.
 
     A model directory is read stage by stage, only the layers training runs (the rest is read when
     evaluation decodes); a tiny target with fit_steps > 0 is fitted once and kept in run_dir/target/."""
@@ -120,31 +122,29 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
     devices = devices or target_replicas(cfg.devices)[0]
     device = devices[0]
     dtype = TORCH_DTYPES[cfg.model.dtype]
+    fp8 = converter_for(t.precision, t.fp8_fast_accum, dtype)
     if t.path is not None:
         from transformers import AutoConfig
 
         began = time.perf_counter()
         config = AutoConfig.from_pretrained(t.path, local_files_only=True)
         meta = meta_model(config, dtype)
-        plan = stage_plan(meta, target_layer_ids(cfg, num_layers(meta)), devices, cfg.devices.target_split)
+        layer_ids = target_layer_ids(cfg, num_layers(meta))
+        plan = stage_plan(meta, layer_ids, devices, cfg.devices.target_split)
         budget = None if cfg.devices.memory_gib is None else int(cfg.devices.memory_gib * 2**30)
-        model = load_staged(t.path, plan, dtype, log, budget, t.precision)
-        if t.fp8_fast_accum:
-            from trainer.models.fp8 import set_fast_accum
-
-            set_fast_accum(base_layers(base_model(model))[:plan.layers])
+        loaded = load_staged(t.path, plan, dtype, log, budget, fp8, layer_ids)
         fam = target_family(meta)
         log(f"target family: {fam.summary()}; layers: {fam.layer_table()}")
-        target_kernels(model, cfg, log)
+        target = target_kernels(loaded, cfg, log)
         peak = ""
         for d in dict.fromkeys(plan.devices):
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
                 peak += f", {torch.cuda.max_memory_allocated(d) / 2**30:.1f} GiB peak on {d}"
         stages = f" in {len(plan)} stages {[hi - lo for lo, hi in plan.bounds]}" if len(plan) > 1 else ""
-        log(f"target {t.path}: layers 0..{plan.layers - 1} of {num_layers(model)} loaded{stages} in "
+        log(f"target {t.path}: layers 0..{plan.layers - 1} of {num_layers(target.module)} loaded{stages} in "
             f"{time.perf_counter() - began:.1f}s{peak}")
-        return model
+        return target
     if t.random_8b_shape:
         model = freeze(random_8b_shape_target(device, dtype))
     else:
@@ -169,32 +169,28 @@ def build_target(cfg: TrainerConfig, tokenizer: Any, train_data: PreloadedDatase
                 save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
                 tmp.rename(saved)
         model = freeze(model.to(dtype).eval())  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
-    plan = stage_plan(model, target_layer_ids(cfg, num_layers(model)), devices, cfg.devices.target_split)
-    model = place(model, plan)
-    if t.precision == "fp8":
-        from trainer.models.fp8 import check_device, quantize_layers
-
-        for d in dict.fromkeys(plan.devices):
-            check_device(d)
-        quantize_layers(base_layers(base_model(model))[:plan.layers], dtype, t.fp8_fast_accum)
-        model.__dict__["_dflash_precision"] = "fp8"
-    target_kernels(model, cfg, log)
-    return model
+    layer_ids = target_layer_ids(cfg, num_layers(model))
+    plan = stage_plan(model, layer_ids, devices, cfg.devices.target_split)
+    return target_kernels(place(model, plan, layer_ids, fp8), cfg, log)
 
 
-def target_kernels(model: torch.nn.Module, cfg: TrainerConfig, log: Callable[[str], None]) -> None:
-    """A MoE target's experts implementation (model.target.experts, trainer.models.moe) and, at
-    precision fp8, what runs in FP8; one log line each."""
+def target_kernels(target: Target, cfg: TrainerConfig, log: Callable[[str], None]) -> Target:
+    """`target` with a MoE target's experts implementation set (model.target.experts,
+    trainer.models.moe) and kept on the value (its replicas run the same); one log line each for
+    the experts and, at precision fp8, what runs in FP8."""
+    import dataclasses
+
     from trainer.models.moe import set_experts
 
-    experts = set_experts(model, cfg.model.target.experts)
+    experts = set_experts(target.module, cfg.model.target.experts)
     if experts is not None:
         log(f"target experts: {experts} (model.target.experts: {cfg.model.target.experts})")
-    if cfg.model.target.precision == "fp8":
+    if target.fp8 is not None:
         from trainer.models.fp8 import fp8_summary
 
-        fast = ", fast accumulation" if cfg.model.target.fp8_fast_accum else ""
-        log(f"target precision fp8{fast}: {fp8_summary(model)}")
+        fast = ", fast accumulation" if target.fast_accum else ""
+        log(f"target precision fp8{fast}: {fp8_summary(target.module)}")
+    return dataclasses.replace(target, experts=experts)
 
 
 def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | None = None) -> int:
@@ -216,17 +212,18 @@ def resolve_mask_token_id(cfg: TrainerConfig, tokenizer: Any, vocab_size: int | 
                      "unused row; set one in the config")
 
 
-def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: int, device: str,
+def build_drafter(cfg: TrainerConfig, target: Target | torch.nn.Module, mask_token_id: int, device: str,
                   log: Callable[[str], None] | None = None) -> DFlashDrafter:
     """The drafter model.drafter describes, or model.drafter_init's draft: its weights; a DFlash draft
     (a published directory or a trainer checkpoint) under kind dflash2 is a warm start: the shared
     weights loaded, the DFlash2 parts initialised (trainer.models.dflash2: identity convolutions,
     a selector adding nothing yet), said in the log."""
-    layer_ids = target_layer_ids(cfg, num_layers(target))
+    target_config = as_target(target).config
+    layer_ids = target_layer_ids(cfg, int(target_config.num_hidden_layers))
     published = read_init(cfg.model.drafter_init) if cfg.model.drafter_init else None
     warm = False
     if published is None:
-        dcfg = DrafterConfig.from_target(target.config, cfg.model.drafter_layers, cfg.model.block_size,
+        dcfg = DrafterConfig.from_target(target_config, cfg.model.drafter_layers, cfg.model.block_size,
                                          mask_token_id, layer_ids, **drafter_own(cfg.model))
         weights = None
     else:  # the draft's own config decides its architecture (model.drafter agreed at config load)
@@ -239,7 +236,7 @@ def build_drafter(cfg: TrainerConfig, target: torch.nn.Module, mask_token_id: in
         elif cfg.model.drafter.kind != fields.get("kind", "dflash"):
             raise ConfigError(f"model.drafter_init: {cfg.model.drafter_init} is a {fields.get('kind')} draft, "
                               f"model.drafter.kind is {cfg.model.drafter.kind}")
-        dcfg = DrafterConfig.from_target(target.config, fields["num_hidden_layers"], cfg.model.block_size,
+        dcfg = DrafterConfig.from_target(target_config, fields["num_hidden_layers"], cfg.model.block_size,
                                          mask_token_id, layer_ids, **own)
         check_init(cfg, fields, dcfg)
     torch.manual_seed(cfg.run.seed)
@@ -305,13 +302,12 @@ def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
         raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
 
 
-def require_logits(target: torch.nn.Module, log: Callable[[str], None]) -> None:
+def require_logits(target: Target, log: Callable[[str], None]) -> None:
     """model.loss kl reads the target's logits: its layers above the last tapped one, its final norm
     and LM head, loaded onto the last stage now (training alone would leave them unread)."""
-    from trainer.models.stages import plan_of
     from trainer.run.config import ConfigError
 
-    if not complete_for_decoding(target, plan_of(target), log):
+    if not complete_for_decoding(target, log):
         raise ConfigError("model.loss: kl needs the target's layers above the last tapped one, its final norm "
                           "and LM head, and the model directory lacks some; use loss: ce")
 
@@ -354,7 +350,7 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
             f"{cfg.data.pack_rows} per micro-batch: {packed.pad_share():.1%} padding")
         train_data = packed
     drafter_device = cfg.devices.drafter[0]
-    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target).vocab_size),
+    drafter = build_drafter(cfg, target, resolve_mask_token_id(cfg, tokenizer, hf_config(target.module).vocab_size),
                             drafter_device, log)
     if drafter.checkpoint_layers:
         log(f"drafter layers checkpointed: the first {drafter.checkpoint_layers} of {cfg.model.drafter_layers} "

@@ -33,7 +33,6 @@ from trainer.generate.evaluate import acceptance_report
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums, selector_metrics, selector_sums_of
-from trainer.models.stages import plan_of
 from trainer.models.target import last_hidden_buffer, target_context_features
 from trainer.models.target_loading import SplitError, complete_for_decoding
 from trainer.run import checkpoint as ckpt
@@ -218,8 +217,8 @@ class Trainer:
             return {}
         e = self.cfg.eval
         report: dict
-        if complete_for_decoding(c.target, plan_of(c.target), self.rd.log):
-            report = acceptance_report(c.target, c.drafter, c.head, c.tokenizer,
+        if complete_for_decoding(c.target, self.rd.log):
+            report = acceptance_report(c.target.module, c.drafter, c.head, c.tokenizer,
                                        c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
                                        template_kwargs=template_kwargs(self.cfg.data))
         else:  # the model directory holds only the layers training runs

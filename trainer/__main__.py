@@ -2,7 +2,7 @@
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
 python -m trainer data-report --config CONFIG
-python -m trainer plan --config CONFIG [--gpus N --gpu-gib G] [--gpu h100|h200] [--calibrate N]
+python -m trainer plan --config CONFIG [--gpus N --gpu-gib G] [--gpu h100|h200] [--calibrate N] [--data]
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
 """
 
@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 # Before torch initialises CUDA: fewer fragmentation OOMs with many batch shapes (issue #5).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -137,6 +138,17 @@ def _entry_train() -> Callable[..., int]:
     return train
 
 
+def _data_tokens(cfg: Any) -> tuple[int, int]:
+    """(conversations, tokens after truncation) of the training data (trainer.data.report)."""
+    if cfg.data.synthetic is not None:
+        raise ValueError("--data: the config generates synthetic data (data.synthetic); nothing to count")
+    from trainer.data.report import build_report
+    from trainer.train.components import build_tokenizer
+
+    train = next(r for r in build_report(cfg, build_tokenizer(cfg)) if r.name == "train")
+    return train.conversations, train.kept_tokens
+
+
 def _plan(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer plan",
                                 description="Time, cost and memory of a config: tokens, tokens/s, wall time and "
@@ -150,7 +162,11 @@ def _plan(argv: list[str]) -> int:
                    help="the GPU kind the time plan is for (default: this host's, else h200)")
     p.add_argument("--calibrate", type=int, default=None, metavar="N",
                    help="measure the rate with N training steps of this config on this host's devices")
+    p.add_argument("--data", action="store_true",
+                   help="also count the training data's tokens (loads the tokenizer, as data-report does) and "
+                        "say how many epochs the run covers")
     args = p.parse_args(argv)
+    from trainer.data.chat import DataError
     from trainer.run.config import ConfigError, load_config
 
     if (args.gpus is None) != (args.gpu_gib is None):
@@ -165,14 +181,15 @@ def _plan(argv: list[str]) -> int:
 
         try:
             measured = calibrate(cfg, args.calibrate, _entry_train()) if args.calibrate else None
-            print(format_time_plan(build_time_plan(cfg, args.gpu, measured)), flush=True)
+            data = _data_tokens(cfg) if args.data else None
+            print(format_time_plan(build_time_plan(cfg, args.gpu, measured, data)), flush=True)
         except NoThroughput as exc:
             print(f"time and cost: {exc}", flush=True)
         from trainer.models.memory_plan import build_plan, format_plan
 
         gpu_bytes = None if args.gpus is None else {i: int(args.gpu_gib * 2**30) for i in range(args.gpus)}
         plan = build_plan(cfg, gpu_bytes=gpu_bytes)
-    except (ConfigError, OSError, ValueError) as exc:
+    except (ConfigError, DataError, OSError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr, flush=True)
         return 2
     print(format_plan(plan))

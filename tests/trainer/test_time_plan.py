@@ -65,3 +65,30 @@ def test_the_cpu_has_no_figure_and_calibration_measures_one(tmp_path, capsys):
     assert "measured: 4 steps of this config on this host (--calibrate)" in out
     rate = float(out.split("rate: ")[1].split(" real")[0].replace(",", ""))
     assert rate > 0
+
+
+def test_plan_data_counts_the_training_tokens_and_the_epochs_the_run_covers(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from tests.trainer.tiny_config import tiny_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                     {"role": "assistant", "content": "an answer " * 5}]}) + "\n"
+                            for i in range(20)))
+    doc = yaml.safe_load(tiny_config("optim: {total_steps: 100}\ndevices: {target: [cuda:0], drafter: [cuda:0]}"))
+    doc["data"].pop("synthetic")
+    doc["data"]["train_path"] = str(data)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    main(["plan", "--config", str(config), "--data", "--gpu", "h200"])
+    out = capsys.readouterr().out
+    cfg = parse_config(config.read_text())
+    from trainer.data.report import build_report
+    from trainer.train.components import build_tokenizer
+
+    train = next(r for r in build_report(cfg, build_tokenizer(cfg)) if r.name == "train")
+    planned = time_plan.build_time_plan(cfg, "h200").tokens
+    assert f"data: {train.kept_tokens:,} tokens in 20 conversations: the run covers {planned / train.kept_tokens:.2f} epochs" in out

@@ -55,6 +55,8 @@ class TimePlan:
     gpu_kind: str
     basis: str  # where the rate comes from
     notes: list[str] = field(default_factory=list)
+    data_tokens: int | None = None  # the training data's tokens after truncation (plan --data), else unknown
+    data_conversations: int | None = None
 
     @property
     def train_seconds(self) -> float:
@@ -148,14 +150,17 @@ def gpu_kind_here() -> str | None:
     return "h200" if "H200" in name else "h100" if "H100" in name else None
 
 
-def build_time_plan(cfg: TrainerConfig, gpu_kind: str | None = None, measured: dict | None = None) -> TimePlan:
+def build_time_plan(cfg: TrainerConfig, gpu_kind: str | None = None, measured: dict | None = None,
+                    data: tuple[int, int] | None = None) -> TimePlan:
     """gpu_kind: h100 | h200 (default this host's, else h200); measured: a calibration's
-    {"tokens_per_s", "pad_share", "steps"} (calibrate), which replaces the model."""
+    {"tokens_per_s", "pad_share", "steps"} (calibrate), which replaces the model; data: the training
+    data's (conversations, tokens after truncation), for the epochs the run covers."""
     notes: list[str] = []
     kind = gpu_kind or gpu_kind_here()
     if kind is None:
         kind = "h200"
-        notes.append("no H100 or H200 on this host: planned for an H200 (--gpu h100 for an H100)")
+        if measured is None and gpu_devices(cfg):
+            notes.append("no H100 or H200 on this host: planned for an H200 (--gpu h100 for an H100)")
     positions = positions_per_step(cfg)
     if measured is not None:
         rate = float(measured["tokens_per_s"])
@@ -167,7 +172,8 @@ def build_time_plan(cfg: TrainerConfig, gpu_kind: str | None = None, measured: d
         basis = f"model: {MEASURED_KINDS[kind]}, scaled to this config's shape and devices"
     tokens = round(cfg.optim.total_steps * positions * (1 - pad))
     return TimePlan(steps=cfg.optim.total_steps, positions_per_step=positions, tokens=tokens, tokens_per_s=rate,
-                    gpus=len(gpu_devices(cfg)), gpu_kind=kind, basis=basis, notes=notes)
+                    gpus=len(gpu_devices(cfg)), gpu_kind=kind, basis=basis, notes=notes,
+                    data_conversations=None if data is None else data[0], data_tokens=None if data is None else data[1])
 
 
 def duration(seconds: float) -> str:
@@ -180,6 +186,8 @@ def format_time_plan(p: TimePlan) -> str:
     lines = [
         "time and cost:",
         f"  tokens: {p.tokens:,} real ({p.steps:,} steps x {p.positions_per_step:,} positions a step, less padding)",
+        *([f"  data: {p.data_tokens:,} tokens in {p.data_conversations:,} conversations: the run covers "
+           f"{p.tokens / p.data_tokens:.2f} epochs"] if p.data_tokens else []),
         f"  rate: {p.tokens_per_s:,.0f} real tokens/s on {gpus} ({p.basis})",
         f"  wall time: {duration(p.wall_seconds)} ({duration(p.train_seconds)} training + ~{duration(STARTUP_S)} start-up)",
         f"  GPU-hours: {p.gpu_hours:.1f}" + (f" ({p.gpus} GPUs x {p.wall_seconds / 3600:.2f} h)" if p.gpus else ""),

@@ -10,17 +10,22 @@ checker is shown to catch a violation planted in a throw-away tree:
   and a dflash_ops module imports its own floor and lower ones only (the floors docs/architecture.md
   prints, read from it);
 * shell quoting (shlex.quote / shlex.join) happens only in dflash_ops/render.py and dflash_ops/testing/
-  ("render.py: the only place that quotes").
+  ("render.py: the only place that quotes");
+* what is pushed into a container as a helper (dflash_ops/helpers/*.py and the trainer's modules shipped
+  beside them) imports only the standard library of python 3.8 and the files shipped beside it ("stdlib
+  only": README's layout, architecture.md).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
+from dflash_ops import helpers
 from dflash_ops.extras import TRAINER_PACKAGES
 from tests.unit.test_import_graph import TRAINER_FLOORS, imports
 
@@ -200,6 +205,46 @@ def quoting_outside_render(root: Path = ROOT) -> list[str]:
     return found
 
 
+# -- a helper takes only the standard library and what is shipped beside it -------------------------------
+
+NEWER_THAN_38 = {"graphlib", "zoneinfo", "tomllib"}  # standard modules a container's python 3.8 lacks
+# what a helper probes for inside a function, working on without it
+PROBES = {"torch": "doctor.py: the venv's torch, its answer when broken",
+          "pynvml": "gpu_sample.py: NVML first, else nvidia-smi"}
+
+
+def shipped_files() -> dict[str, Path]:
+    """What a container may receive as a helper or beside one: file name -> source."""
+    found = {p.name: p for p in sorted(helpers.HELPERS_DIR.glob("*.py")) if p.name != "__init__.py"}
+    return {**found, **{f"{m}.py": helpers.shared_path(m) for m in helpers.SHARED_ELSEWHERE}}
+
+
+def helper_imports_outside_stdlib(files: dict[str, Path]) -> list[str]:
+    """file:line of each import, also inside a function, of neither a python 3.8 standard module nor
+    a file of `files` (imported as `from . import m`, `from .m import x`, or `import m` beside it);
+    a PROBES module only inside a function."""
+    siblings = {name.removesuffix(".py") for name in files}
+    found: list[tuple[str, int, str]] = []
+    for name, path in sorted(files.items()):
+        tree = ast.parse(path.read_text(), name)
+        at_import = {id(node) for node in _executed(tree.body)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                wanted = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                wanted = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                wanted = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            for module in wanted:
+                standard = module in sys.stdlib_module_names and module not in NEWER_THAN_38
+                probe = module in PROBES and id(node) not in at_import
+                if not (standard or module in siblings or probe):
+                    found.append((name, node.lineno, module))
+    return [f"{name}:{line}: {module}" for name, line, module in sorted(found)]
+
+
 # -- the rules on this repository -------------------------------------------------------------------------
 
 def test_the_trainer_never_imports_dflash_ops():
@@ -226,6 +271,12 @@ def test_the_trainer_floors_the_doc_prints_are_the_ones_checked():
 
 def test_only_render_and_the_test_harness_quote_for_a_shell():
     assert quoting_outside_render() == []
+
+
+def test_what_is_pushed_as_a_helper_takes_only_the_standard_library_and_its_siblings():
+    files = shipped_files()
+    assert {"runs.py", "nodefacts.py", "as_package.py", "contract.py", "destination.py"} <= set(files)
+    assert helper_imports_outside_stdlib(files) == []
 
 
 # -- each checker catches a planted violation --------------------------------------------------------------
@@ -299,6 +350,15 @@ def test_an_upward_import_and_a_module_on_no_floor_are_caught(tree):
     floors = [["dflash_ops.render", "dflash_ops.testing"], ["dflash_ops.container"]]
     assert operator_floor_violations(graph(tree), floors) == [
         "dflash_ops.render -> dflash_ops.container (floor 0 imports floor 1)", "dflash_ops.stray is on no floor"]
+
+
+def test_a_helper_importing_beyond_the_stdlib_is_caught(tmp_path):
+    files = plant(tmp_path, {"h/runs.py": "import json\nfrom . import nodefacts\n\ndef f():\n    import yaml\n"
+                                          "    import torch  # a probe\nimport pynvml\n",
+                             "h/nodefacts.py": "from .contract import X\nimport tomllib\nfrom trainer.run import contract\n",
+                             "h/contract.py": "from __future__ import annotations\nimport os.path\n"})
+    assert helper_imports_outside_stdlib({p.name: p for p in sorted((files / "h").glob("*.py"))}) == [
+        "nodefacts.py:2: tomllib", "nodefacts.py:3: trainer", "runs.py:5: yaml", "runs.py:7: pynvml"]
 
 
 def test_quoting_outside_render_is_caught(tree):

@@ -4,15 +4,16 @@ Every user turn of every conversation is answered by the target, in order, with 
 so far as context; the dataset's own assistant turns are dropped. A row's `tools` go with every
 request (the server's chat template renders them, as training does).
 
-Agentic traces (assistant `tool_calls`, `tool` results): the tools were run when the trace was
-made and cannot be run again here, so the trace's tool calls and tool results are kept as they are,
-and the target answers after each user turn and after each run of tool results (the turns the
-trace's own text answers held). With `--agentic` the target acts on its own instead: only the
-system and user turns are kept, and the conversation ends at the target's first tool call (there
-is no result to continue with); either way a record that ends at a tool call of the target's says
-so (`"stopped": "tool_call"`) and the summary counts them. A tool call is the server's parsed
-`tool_calls`, or a `<tool_call>` block in the text (Qwen3/Hermes templates; the HF engine), kept as
-the text the target wrote. Two engines answer:
+Agentic traces (assistant `tool_calls`, `tool` results): without `--agentic` the trace's tool
+calls and tool results are kept as they are, and the target answers after each user turn and after
+each run of tool results (the turns the trace's own text answers held); a record that ends at a
+tool call of the target's says so (`"stopped": "tool_call"`). With `--agentic` the target acts on
+its own from the trace's system and user turns, whole trajectories: each call it makes is answered
+by the trace's recorded result (the same call), else by the `--tool-exec` executor, else the
+trajectory ends there (`"stopped": "diverged"`); see trainer_tools.agentic and docs/agent-regen.md.
+With `--check-tokens DIR` (by default with --agentic --engine hf) every conversation is rendered by
+the training template and checked against the tokens the engine produced (trainer_tools.token_check);
+one that differs goes to the rejected file (`--rejected`), not the output. Two engines answer:
 
 * `OpenAIEngine`: any OpenAI-compatible server (SGLang, vLLM) at /v1/chat/completions, over
   stdlib urllib from worker threads (no dependency beyond the standard library);
@@ -23,7 +24,8 @@ The output is JSONL, one finished conversation per line, appended whole and fsyn
 batches by one writer. A rerun skips the ids already in the output (a torn last line from a
 crash is cut off first), so an interrupted regeneration resumes where it stopped and the
 output never holds a half line or a duplicate. Failed conversations are never written:
-a rerun retries them.
+a rerun retries them (a trajectory cut short by a failure or Ctrl-C is retried whole; its tool
+calls are executed again).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
 
 from trainer.data.chat import DataError, jsonl_records, prompt_messages, row_tools
+from trainer_tools.agentic import Agent, ToolExecError, ToolExecutor, parse_tool_exec, run_trajectory
+from trainer_tools.token_check import TokenChecker
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +89,7 @@ class Completion:
     completion_tokens: int = 0
     retries: int = 0
     tool_calls: list | None = None  # the server's parsed calls (OpenAI's form), when it parses them
+    token_ids: list[int] | None = None  # the tokens produced, end-of-turn token included (HF; a server asked for them)
 
     @property
     def calls_tool(self) -> bool:
@@ -110,6 +115,7 @@ class Prompt:
     messages: list[dict]  # the turns kept, in order: system, user, tool results, the trace's tool calls
     line: int
     tools: list[dict] | None = None  # the row's function schemas (OpenAI's form)
+    trace: list[dict] = field(default_factory=list)  # --agentic: the whole trace (its calls and results to replay)
 
 
 def _prompt_id(row: dict, messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -159,14 +165,15 @@ def read_prompts(path: str | Path, agentic: bool = False) -> tuple[list[Prompt],
             if not any(m["role"] == "user" for m in kept):
                 raise InputError(f"{where}: no user turn to answer")
             tools = row_tools(row, where)
-            pid = _prompt_id(row, kept, tools)
+            # --agentic: the trace's calls and results decide the trajectory too, so they make its id
+            pid = _prompt_id(row, messages if agentic else kept, tools)
             if pid in seen:
                 if not pid.startswith("sha256:"):
                     raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
                 duplicates += 1
                 continue
             seen[pid] = lineno
-            prompts.append(Prompt(pid, kept, lineno, tools))
+            prompts.append(Prompt(pid, kept, lineno, tools, messages if agentic else []))
     except DataError as e:
         raise InputError(str(e)) from None
     return prompts, duplicates
@@ -251,7 +258,8 @@ class OpenAIEngine:
     each request whole (connect, send, every byte of the answer), not one socket read."""
 
     def __init__(self, endpoints: list[str], model: str, sampling: Sampling, *, api_key: str | None = None,
-                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0):
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, token_ids: bool = False):
+        self.token_ids = token_ids  # ask for the produced tokens (vLLM's return_token_ids) for the token check
         self.urls = [chat_url(e) for e in endpoints]
         self.model = model
         self.sampling = sampling
@@ -270,7 +278,8 @@ class OpenAIEngine:
     def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
         s = self.sampling
         body = {**s.extra, "model": self.model, "messages": messages, "max_tokens": s.max_tokens,
-                "temperature": s.temperature, "top_p": s.top_p, "stream": False, **({"tools": tools} if tools else {})}
+                "temperature": s.temperature, "top_p": s.top_p, "stream": False, **({"tools": tools} if tools else {}),
+                **({"return_token_ids": True} if self.token_ids else {})}
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -392,9 +401,12 @@ def _completion(reply: object, retries: int, limit: int, max_tokens: int | None 
     if max_tokens is not None and tokens.get("completion_tokens", 0) > max_tokens:
         raise Retry(f"the server reports {tokens['completion_tokens']} completion tokens, more than the "
                     f"--max-tokens {max_tokens} asked for: not an answer to this request")
+    ids = choice.get("token_ids")  # vLLM's return_token_ids
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        raise Retry(f"the answer's token_ids is {type(ids).__name__}, not a list of token ids")
     return Completion(content=content, finish_reason=finish, reasoning_content=reasoning,
                       prompt_tokens=tokens.get("prompt_tokens", 0), completion_tokens=tokens.get("completion_tokens", 0),
-                      retries=retries, tool_calls=calls)
+                      retries=retries, tool_calls=calls, token_ids=ids)
 
 
 def quantized_checkpoint(model_path: str) -> bool:
@@ -601,7 +613,8 @@ class HFEngine:
         assert isinstance(text, str), "one row of ids decodes to one string"
         return Completion(content=text,
                           finish_reason="length" if stop is None else "stop",
-                          prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None))
+                          prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None),
+                          token_ids=row if stop is None else row[:stop + 1])
 
     def close(self) -> None:
         """Finish the batch being decoded (at most 60 s), then fail whatever is still queued."""
@@ -630,6 +643,15 @@ class Summary:
     errors: list[str] = field(default_factory=list)  # the first few distinct failures
     last_error: str | None = None
     stopped: str | None = None  # why it stopped before the end (N failures in a row)
+    agentic: bool = False  # whole trajectories (trainer_tools.agentic): the counts below are reported
+    turns: int = 0  # assistant turns written
+    replayed: int = 0  # tool calls answered with the trace's recorded result
+    executed: int = 0  # tool calls answered by the --tool-exec executor
+    tool_errors: int = 0  # executed calls whose result is an error (non-zero exit, timeout)
+    diverged: int = 0  # trajectories ended at a call neither the trace nor an executor answers
+    limits: dict = field(default_factory=dict)  # trajectories ended by a limit: {"max_turns": n, ...}
+    rejected: int = 0  # regenerated, kept out of the output: the training template's tokens differ
+    rejected_path: str | None = None
 
     def line(self) -> str:
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
@@ -638,6 +660,13 @@ class Summary:
                 f"{self.completion_tokens} tokens in {self.seconds:.1f}s ({rate:.1f} tokens/s)")
         if self.tool_stops:
             text += f"; {self.tool_stops} stopped at the target's first tool call (no result to continue with)"
+        if self.agentic:
+            text += (f"; {self.done + self.rejected} trajectories, {self.turns} turns, {self.replayed} calls replayed, "
+                     f"{self.executed} executed, {self.diverged} diverged, {self.tool_errors} tool errors")
+            text += "".join(f", {n} stopped at {LIMITS[k]}" for k, n in sorted(self.limits.items()))
+        if self.rejected:
+            text += (f"; {self.rejected} kept out: the training template's tokens differ from the engine's "
+                     f"(in {self.rejected_path})")
         if self.duplicates:
             text += f"; {self.duplicates} duplicate rows skipped"
         if self.repaired_bytes:
@@ -645,10 +674,23 @@ class Summary:
         return text
 
 
-def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Completion]:
-    """Answer where the target answers (answers_after), in order, up to its first tool call;
-    returns the output record and the summed completion."""
+LIMITS = {"max_turns": "the turn limit (--max-turns)", "token_limit": "the token limit (--max-context-tokens)"}
+
+
+@dataclass
+class Regenerated:
+    """One conversation done: the record, the summed completion, and what the engine produced for
+    each assistant message (index, token ids or None, finish reason) for the token check."""
+
+    record: dict
+    total: Completion
+    produced: list[tuple[int, list[int] | None, str]]
+
+
+def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> Regenerated:
+    """Answer where the target answers (answers_after), in order, up to its first tool call."""
     history: list[dict] = []
+    produced: list[tuple[int, list[int] | None, str]] = []
     finish_reasons: list[str] = []
     total = Completion(content="", finish_reason="stop")
     stopped = None
@@ -663,6 +705,7 @@ def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Co
         if c.tool_calls:
             answer["tool_calls"] = c.tool_calls
         history.append(answer)
+        produced.append((len(history) - 1, c.token_ids, c.finish_reason))
         finish_reasons.append(c.finish_reason)
         total.completion_tokens += c.completion_tokens
         total.prompt_tokens += c.prompt_tokens
@@ -674,7 +717,27 @@ def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> tuple[dict, Co
             break
     record = {"id": prompt.id, "messages": history, **({"tools": prompt.tools} if prompt.tools else {}),
               "finish_reasons": finish_reasons, "model": model, **({"stopped": stopped} if stopped else {})}
-    return record, total
+    return Regenerated(record, total, produced)
+
+
+def regenerate_trajectory(engine: Engine, prompt: Prompt, model: str, agent: Agent) -> Regenerated:
+    """The target's whole trajectory (trainer_tools.agentic.run_trajectory)."""
+    t = run_trajectory(engine, prompt, model, agent)
+    total = Completion(content="", finish_reason="length" if t.truncated else "stop",
+                       completion_tokens=t.completion_tokens, retries=t.retries)
+    return Regenerated(t.record, total, [(turn.message, turn.token_ids, turn.finish_reason) for turn in t.turns])
+
+
+def checked(done: Regenerated, checker: TokenChecker | None) -> Regenerated:
+    """The record marked with its first token mismatch (`token_mismatch`), when the engine gave
+    the tokens of its turns and the training template renders others."""
+    produced = [(i, ids, finish) for i, ids, finish in done.produced if ids is not None]
+    if checker is None or not produced:
+        return done
+    mismatch = checker.check(done.record["messages"], done.record.get("tools"), produced)
+    if mismatch is not None:
+        done.record["token_mismatch"] = mismatch.to_json(checker.tokenizer)
+    return done
 
 
 class Progress:
@@ -711,22 +774,28 @@ class Progress:
 
 def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: str, concurrency: int = 8,
                on_progress: Callable[[Summary], None] | None = None, max_errors: int = 5,
-               max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES) -> Summary:
-    """Regenerate every prompt not in `output.finished`, `concurrency` conversations at a time.
+               max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES, agent: Agent | None = None,
+               checker: TokenChecker | None = None, rejected: Output | None = None) -> Summary:
+    """Regenerate every prompt not in `output.finished` (nor `rejected.finished`), `concurrency`
+    conversations at a time: whole trajectories with `agent` (trainer_tools.agentic), else the
+    answers after the trace's turns (regenerate_one). With `checker`, a conversation whose
+    training-template tokens differ from the engine's is written to `rejected`, not `output`.
 
     The calling thread is the only writer. The workers are daemon threads: on Ctrl-C (or any
     error from `on_progress`) the answers already complete are written and this returns at
     once, leaving requests in flight behind (the output holds whole lines only). After
     `max_consecutive_failures` failures in a row (a dead server) it stops early and says so in
     `s.stopped`."""
-    s = Summary(total=len(prompts), repaired_bytes=output.repaired_bytes)
-    todo = [p for p in prompts if p.id not in output.finished]
+    s = Summary(total=len(prompts), repaired_bytes=output.repaired_bytes, agentic=agent is not None,
+                rejected_path=str(rejected.path) if rejected is not None else None)
+    finished = output.finished | (rejected.finished if rejected is not None else set())
+    todo = [p for p in prompts if p.id not in finished]
     s.skipped = len(prompts) - len(todo)
     started = time.monotonic()
     jobs: queue.Queue[Prompt] = queue.Queue()
     for p in todo:
         jobs.put(p)
-    results: queue.Queue[tuple[Prompt, tuple[dict, Completion] | None, str | None]] = queue.Queue()
+    results: queue.Queue[tuple[Prompt, Regenerated | None, str | None]] = queue.Queue()
     stop = threading.Event()
 
     def work() -> None:
@@ -736,7 +805,9 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
             except queue.Empty:
                 return
             try:
-                results.put((prompt, regenerate_one(engine, prompt, model), None))
+                done = regenerate_trajectory(engine, prompt, model, agent) if agent is not None \
+                    else regenerate_one(engine, prompt, model)
+                results.put((prompt, checked(done, checker), None))
             except RegenError as e:
                 results.put((prompt, None, str(e)))
             except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
@@ -746,17 +817,29 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         threading.Thread(target=work, name=f"regen-{i}", daemon=True).start()
     consecutive = 0
 
-    def take(result: tuple[Prompt, tuple[dict, Completion] | None, str | None]) -> None:
+    def take(result: tuple[Prompt, Regenerated | None, str | None]) -> None:
         nonlocal consecutive
         prompt, answer, error = result
         if answer is None:
             _failed(s, prompt, error or "failed", max_errors)
             consecutive += 1
             return
-        record, c = answer
-        output.append(record)
+        record, c = answer.record, answer.total
         consecutive = 0
-        s.done += 1
+        if "token_mismatch" in record and rejected is not None:
+            rejected.append(record)
+            s.rejected += 1
+        else:
+            output.append(record)
+            s.done += 1
+        s.turns += len(record["finish_reasons"])
+        calls = record.get("calls") or {}
+        s.replayed += calls.get("replayed", 0)
+        s.executed += calls.get("executed", 0)
+        s.tool_errors += calls.get("errors", 0)
+        s.diverged += record.get("stopped") == "diverged"
+        if record.get("stopped") in LIMITS:
+            s.limits[record["stopped"]] = s.limits.get(record["stopped"], 0) + 1
         s.retries += c.retries
         s.completion_tokens += c.completion_tokens
         s.truncated += c.finish_reason == "length"
@@ -823,8 +906,24 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds for a whole request (connect, send, the complete answer), each attempt")
     p.add_argument("--retries", type=int, default=3, help="retries per request on connection errors, 408/429/5xx")
     p.add_argument("--agentic", action="store_true",
-                   help="the target acts on its own: keep only system and user turns (not the trace's tool calls "
-                        "and results) and end each conversation at the target's first tool call")
+                   help="whole trajectories: the target acts on its own from the trace's system and user turns; its "
+                        "tool calls are answered by the trace's recorded result (same call), else --tool-exec, else "
+                        "the trajectory ends there (stopped: diverged)")
+    p.add_argument("--tool-exec", metavar="CMD", default=None,
+                   help="--agentic: the tool executor, run once per call without a shell: a JSON array of strings "
+                        "or a command line split by POSIX shell-word rules; the call {id, name, arguments} as JSON "
+                        "on stdin, the result on stdout; a non-zero exit or a timeout is an error result")
+    p.add_argument("--tool-timeout", type=float, default=30.0, help="--tool-exec: seconds per call")
+    p.add_argument("--max-turns", type=int, default=16, help="--agentic: assistant turns per trajectory at most")
+    p.add_argument("--max-context-tokens", type=int, default=32768,
+                   help="--agentic: end a trajectory once a request's prompt and answer reach this many tokens")
+    p.add_argument("--check-tokens", metavar="DIR", default=None,
+                   help="the training tokenizer and chat template (a model directory): every conversation, rendered "
+                        "by it, must hold at each assistant turn exactly the tokens the engine produced; others go "
+                        "to --rejected. Default with --agentic --engine hf: --model-path; a server is asked for its "
+                        "tokens (vLLM's return_token_ids) only when this is given")
+    p.add_argument("--rejected", default=None,
+                   help="where conversations failing the token check go (default: OUT's name with .rejected.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="only the first N conversations of the input")
     p.add_argument("--max-consecutive-failures", type=int, default=MAX_CONSECUTIVE_FAILURES,
                    help="stop early after this many conversations failed in a row (a dead server)")
@@ -842,8 +941,12 @@ def _sampling(args: argparse.Namespace) -> Sampling:
             raise InputError("--extra-body must be a JSON object")
     if args.max_tokens < 1 or args.concurrency < 1 or args.max_consecutive_failures < 1:
         raise InputError("--max-tokens, --concurrency and --max-consecutive-failures must be at least 1")
-    if not args.timeout > 0:
-        raise InputError("--timeout must be more than 0 seconds")
+    if not args.timeout > 0 or not args.tool_timeout > 0:
+        raise InputError("--timeout and --tool-timeout must be more than 0 seconds")
+    if args.max_turns < 1 or args.max_context_tokens < 1:
+        raise InputError("--max-turns and --max-context-tokens must be at least 1")
+    if args.tool_exec is not None and not args.agentic:
+        raise InputError("--tool-exec answers the target's own calls: it needs --agentic")
     return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
 
 
@@ -857,7 +960,8 @@ def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, 
         if args.model_path:
             raise InputError("--model-path is for --engine hf; the server already holds its model")
         return OpenAIEngine(args.endpoint, args.model, sampling, api_key=os.environ.get(args.api_key_env) or None,
-                            timeout=args.timeout, retries=args.retries), args.model
+                            timeout=args.timeout, retries=args.retries,
+                            token_ids=args.check_tokens is not None), args.model
     if args.endpoint:
         raise InputError("--engine hf generates locally; drop --endpoint")
     if not args.model_path or not os.path.isdir(args.model_path):
@@ -867,14 +971,62 @@ def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, 
                     max_model_len=args.max_model_len, decode=args.decode), name
 
 
+def build_agent(args: argparse.Namespace) -> Agent | None:
+    """--agentic's executor and limits (None without --agentic)."""
+    if not args.agentic:
+        return None
+    try:
+        executor = ToolExecutor(parse_tool_exec(args.tool_exec), args.tool_timeout) if args.tool_exec else None
+    except ToolExecError as e:
+        raise InputError(str(e)) from None
+    return Agent(executor=executor, max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)
+
+
+def build_checker(args: argparse.Namespace, sampling: Sampling) -> TokenChecker | None:
+    """The token check's training tokenizer: --check-tokens DIR, else with --agentic the HF
+    engine's model (regenerating a trace's answers is checked only when asked: a random or
+    undertrained model's answers often do not re-tokenize to its own tokens)."""
+    where = args.check_tokens
+    if where is None and args.agentic and args.engine == "hf" and args.model_path and os.path.isdir(args.model_path):
+        where = args.model_path
+    if where is None:
+        return None
+    if not os.path.isdir(where):
+        raise InputError(f"--check-tokens: {where}: not a model directory")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise InputError(f"--check-tokens: {where}: cannot load its tokenizer: {e}") from None
+    return TokenChecker(tokenizer, sampling.extra.get("chat_template_kwargs") or {})
+
+
+def rejected_path(args: argparse.Namespace) -> str:
+    if args.rejected:
+        return args.rejected
+    out = Path(args.out)
+    return str(out.with_name((out.name[:-len(".jsonl")] if out.name.endswith(".jsonl") else out.name)
+                             + ".rejected.jsonl"))
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    rejected = None
     try:
         sampling = _sampling(args)
+        agent = build_agent(args)
         prompts, duplicates = read_prompts(args.inp, agentic=args.agentic)
         if args.limit is not None:
             prompts = prompts[: args.limit]
+        checker = build_checker(args, sampling)
         output = Output(args.out)
+        if checker is not None:
+            try:
+                rejected = Output(rejected_path(args))
+            except InputError:
+                output.close()
+                raise
     except InputError as e:
         print(f"regen: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -891,7 +1043,8 @@ def main(argv: list[str]) -> int:
               f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
         try:
             summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,
-                                 on_progress=progress.update, max_consecutive_failures=args.max_consecutive_failures)
+                                 on_progress=progress.update, max_consecutive_failures=args.max_consecutive_failures,
+                                 agent=agent, checker=checker, rejected=rejected)
         except KeyboardInterrupt:
             interrupted = True  # requests in flight are left behind (daemon threads), not waited for
             print("\nregen: interrupted; the answers that were complete are written, the output holds whole "
@@ -901,6 +1054,8 @@ def main(argv: list[str]) -> int:
         progress.update(summary, final=True)
     finally:
         output.close()
+        if rejected is not None:
+            rejected.close()
         if engine is not None and not interrupted:
             interrupted = not close_engine(engine)
     if interrupted:

@@ -74,3 +74,28 @@ class FamilyDirs(dict):
 def family_dirs(tmp_path_factory):
     """A tiny fp32 hub-format model directory of every target family (trainer_tools.fixtures.hub_model.FAMILIES)."""
     return FamilyDirs(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def agent_fixture(request, tmp_path_factory):
+    """The agent fixture (trainer_tools.fixtures.agent): model, files, traces. Its model is fitted
+    once (about a minute of CPU) and kept in pytest's cache under the hash of the code that makes
+    it, so a later session reuses it; a lock lets parallel workers build it once."""
+    import fcntl
+    import hashlib
+    from pathlib import Path
+
+    import trainer_tools.fixtures as fixtures
+    from trainer_tools.fixtures.agent import write_agent_fixture
+
+    sources = sorted(Path(fixtures.__file__).parent.glob("*.py"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    cache = Path(request.config.cache.mkdir(f"agent-fixture-{digest}"))
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        paths = write_agent_fixture(cache)
+    out = tmp_path_factory.mktemp("agent")  # traces and files a test may not change in the shared cache
+    import shutil
+
+    return {"model": paths["model"], "files": Path(shutil.copytree(paths["files"], out / "files")),
+            "traces": Path(shutil.copy(paths["traces"], out / "traces.jsonl"))}

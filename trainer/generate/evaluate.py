@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from trainer.data.chat import template_kwargs_for
+from trainer.data.turns import TurnMode, turn_prompts
 from trainer.generate.speculative import Generation
 from trainer.models.drafter import DFlashDrafter, propose
 from trainer.models.target import FrozenHead
@@ -71,14 +72,19 @@ def prompt_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict | Non
     `enable_thinking: false` pre-fills an empty think block) - the prompt training saw and the
     engine will serve."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True,
+    return generation_prompt_ids(tokenizer, messages[:last], template_kwargs)
+
+
+def generation_prompt_ids(tokenizer: Any, before: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The turns `before` an assistant turn, rendered with the generation prompt (see prompt_ids)."""
+    text = tokenizer.apply_chat_template(before, tokenize=False, add_generation_prompt=True,
                                          **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                       conversations: list[dict], max_new_tokens: int, batch: int = 16,
-                      template_kwargs: dict | None = None, baseline: bool = True) -> dict:
+                      template_kwargs: dict | None = None, baseline: bool = True, turns: TurnMode = "last") -> dict:
     """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once.
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
@@ -91,12 +97,18 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     training, what vLLM and SGLang ship), the same target and verification: tau_lookup,
     tau_lookup_per_prompt, lookup_rounds, lookup_histogram, tau_ratio = tau / tau_lookup (what the
     drafter's training bought), and lookup_same_output (both decodings gave the same tokens, as
-    greedy verification must); tau_by_length: the same per prompt-length bucket (tau_by_length)."""
+    greedy verification must); tau_by_length: the same per prompt-length bucket (tau_by_length).
+
+    turns: where each conversation is judged (trainer.data.turns): at its last assistant turn, or at
+    every one (agent conversations: after each tool result); prompts: how many were decoded; with
+    more than one turn of a conversation, tau_by_turn: the same per assistant turn index."""
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    prompts = [prompt_ids(tokenizer, conv["messages"], template_kwargs_for(conv, template_kwargs))
-               for conv in conversations]  # with the row's tools, as training rendered it
+    chosen = turn_prompts(conversations, turns)
+    prompts = [generation_prompt_ids(tokenizer, t.messages, template_kwargs_for(conversations[t.conversation],
+                                                                                template_kwargs))
+               for t in chosen]  # with the row's tools, as training rendered it
     was_training = drafter.training
     drafter.eval()
     groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * drafter.config.block_size)
@@ -107,7 +119,7 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     finally:
         drafter.train(was_training)
     block_size = drafter.config.block_size
-    report = {**_tau(generations, block_size), "samples": len(conversations),
+    report = {**_tau(generations, block_size), "samples": len(conversations), "prompts": len(prompts),
               "prompt_tokens": sum(len(p) for p in prompts)}
     looked = None
     if baseline:
@@ -121,6 +133,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
                       lookup_same_output=[g.tokens for g in looked] == [g.tokens for g in generations])
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
+    if len(chosen) > len({t.conversation for t in chosen}):
+        report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)
     return report
 
 
@@ -152,11 +166,26 @@ def tau_by_length(prompts: list[list[int]], generations: list, looked: list | No
     {bucket: {"prompts", "prompt_tokens", "tau", "tau_lookup", "tau_ratio"}}."""
     from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
 
+    return _tau_by([length_bucket(len(p)) for p in prompts], [name for name, _ in PROMPT_LENGTH_BUCKETS], prompts,
+                   generations, looked, block_size)
+
+
+def tau_by_turn(turns: list[int], prompts: list[list[int]], generations: list, looked: list | None,
+                block_size: int) -> dict:
+    """The same as tau_by_length per assistant turn index, counted from 1 ("1": the first answer,
+    "2": the one after the first tool result, ...), the turns that hold prompts."""
+    return _tau_by([str(t + 1) for t in turns], [str(t + 1) for t in sorted(set(turns))], prompts, generations,
+                   looked, block_size)
+
+
+def _tau_by(keys: list[str], order: list[str], prompts: list[list[int]], generations: list, looked: list | None,
+            block_size: int) -> dict:
+    """{key: {"prompts", "prompt_tokens", "tau", "tau_lookup", "tau_ratio"}} over the prompts of each key, in `order`."""
     members: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        members.setdefault(length_bucket(len(p)), []).append(i)
+    for i, key in enumerate(keys):
+        members.setdefault(key, []).append(i)
     out = {}
-    for name, _ in PROMPT_LENGTH_BUCKETS:
+    for name in order:
         if name not in members:
             continue
         idx = members[name]

@@ -226,6 +226,9 @@ class EvalConfig:
     samples: int = 16  # held-out conversations decoded
     max_new_tokens: int = 64  # tokens generated per conversation
     batch: int = 16  # conversations decoded at once (rounds are launch-bound: more is faster, and takes more memory)
+    # where a conversation is judged (trainer.data.turns): its last assistant turn, every one, or auto (every
+    # turn of a conversation holding tool results: an agent's answers after each result; the last otherwise)
+    turns: Literal["auto", "last", "every"] = "auto"
 
 
 @dataclass

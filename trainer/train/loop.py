@@ -220,7 +220,7 @@ class Trainer:
         if complete_for_decoding(c.target, self.rd.log):
             report = acceptance_report(c.target.module, c.drafter, c.head, c.tokenizer,
                                        c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
-                                       template_kwargs=template_kwargs(self.cfg.data))
+                                       template_kwargs=template_kwargs(self.cfg.data), turns=e.turns)
         else:  # the model directory holds only the layers training runs
             report = {"tau": None, "tau_per_prompt": None, "acceptance": None, "samples": 0}
         data = c.eval_data

@@ -109,9 +109,14 @@ class Metrics:
                         if result.get("acceptance") else "")
             self.rd.log(f"eval step {step}: tau {result['tau']:.2f} (mean acceptance length; per-prompt mean "
                         f"{result['tau_per_prompt']:.2f}{lookup}){accepted}, acc {result['acc']:.3f}, "
-                        f"{result['samples']} conversations")
+                        f"{result['samples']} conversations"
+                        + (f" ({result['prompts']} assistant turns)" if result.get("prompts", result["samples"])
+                           != result["samples"] else ""))
             if result.get("tau_by_length"):
                 self.rd.log(f"eval step {step}: tau by prompt length: {tau_by_length_text(result['tau_by_length'])}")
+            if result.get("tau_by_turn"):  # keys are turn numbers: the bucket text reads "turn 2 3.10 (...)"
+                by_turn = {f"turn {k}": v for k, v in result["tau_by_turn"].items()}
+                self.rd.log(f"eval step {step}: tau by assistant turn: {tau_by_length_text(by_turn)}")
 
     def tracker_failed(self, name: str, stage: str, exc: BaseException) -> None:
         """A tracker failed (opening, logging or closing): a `tracker_error` event and a log line; the

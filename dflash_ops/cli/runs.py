@@ -72,12 +72,14 @@ def _print_table(runs: list[RunInfo], targets: list[str] | None = None) -> None:
     """The runs table (rich, one row per run; a first column `target` when targets are given)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from dflash_ops.runs.report import STATUS_COLUMNS, status_row
 
     table = Table(*(("target",) if targets is not None else ()), *STATUS_COLUMNS, box=None)
-    for i, info in enumerate(runs):
-        table.add_row(*((targets[i],) if targets is not None else ()), *status_row(info))
+    for i, info in enumerate(runs):  # Text cells: a value from a run directory is not rich markup
+        table.add_row(*(Text(c) for c in ((targets[i],) if targets is not None else ())),
+                      *(Text(cell) for cell in status_row(info)))
     console = Console() if sys.stdout.isatty() else Console(width=1000)
     console.print(table)
 
@@ -229,10 +231,11 @@ def status(
         return
     _print_table([info])
     for line in status_detail(info):
-        typer.echo(line)
+        typer.echo(line)  # status_detail escapes what came from the run directory
 
 
 def _print_members(found: list[Member], group: dict[str, Any]) -> None:
+    from dflash_ops.printable import printable_lines
     from dflash_ops.runs.report import status_detail
 
     shown = [(m, m.info) for m in found if m.info is not None]
@@ -250,7 +253,7 @@ def _print_members(found: list[Member], group: dict[str, Any]) -> None:
     for m in found:
         if m.info is not None and m.info.effective_state == "failed" and m.info.log_tail:
             typer.echo(f"{m.target} log tail:")
-            for line in m.info.log_tail.rstrip("\n").splitlines()[-8:]:
+            for line in printable_lines(m.info.log_tail)[-8:]:
                 typer.echo("  " + line)
 
 

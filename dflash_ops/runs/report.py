@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from dflash_ops.printable import printable
 from dflash_ops.runs.info import RunInfo
 from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text
 
@@ -112,9 +113,10 @@ def progress_line(info: RunInfo) -> str | None:
 def status_row(info: RunInfo) -> tuple[str, ...]:
     step = "-" if info.step is None else (f"{info.step}/{info.total_steps}" if info.total_steps else str(info.step))
     state = f"queued #{info.position}" if info.effective_state == "queued" else info.effective_state
-    return (info.run_id, state, phase_text(info.phase) or "-", step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
-            _rate(info.tokens_per_s), duration_text(run_eta(info)),
-            _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
+    row = (info.run_id, state, phase_text(info.phase) or "-", step, _num(info.loss, ".4f"), _num(info.tau, ".2f"),
+           _rate(info.tokens_per_s), duration_text(run_eta(info)),
+           _age(info.heartbeat_age) if not info.final else "-", info.release or "-")
+    return tuple(printable(cell) for cell in row)  # a release file, a phase: read from the run directory
 
 
 def restart_line(restart: dict[str, Any]) -> str:
@@ -154,4 +156,6 @@ def status_detail(info: RunInfo) -> list[str]:
     if info.effective_state == "failed" and info.log_tail:
         lines.append("log tail:")
         lines += ["  " + line for line in info.log_tail.rstrip("\n").splitlines()]
-    return lines
+    # a reason, an error, a log line: text from the run directory (a chat template's ESC sequences
+    # reached the terminal raw and retitled it), shown escaped, one line each
+    return [printable(line) for line in lines]

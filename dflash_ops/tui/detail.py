@@ -16,6 +16,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Log, Static
 from textual_plotext import PlotextPlot
 
+from dflash_ops.printable import printable
 from dflash_ops.runs.report import acceptance_text
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
 from dflash_ops.tui.source import DashSource, GpuSample, RunRow
@@ -105,6 +106,7 @@ class RunDetailScreen(Screen):
     def tick(self) -> None:
         metrics, _ = self.metrics_sink.drain()
         lines, dropped = self.log_sink.drain()
+        lines = [printable(line) for line in lines]  # train.log is data: no ESC sequence reaches the terminal
         samples = self.dash.host_gpus.get(self.target)
         if samples is not self._samples_applied:  # a new poll result, not the same one again
             self._samples_applied = samples

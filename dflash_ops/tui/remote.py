@@ -20,6 +20,7 @@ from typing import Callable
 from dflash_ops import runs
 from dflash_ops.container import Container, ContainerAPI
 from dflash_ops.inventory import Node, Target
+from dflash_ops.printable import printable
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.local_notify import LocalNotifier
 from dflash_ops.transport.local import LocalTransport
@@ -42,11 +43,13 @@ def run_row_from_info(target: str, info: RunInfo) -> RunRow:
     """A RunRow from `dflash_ops.runs.RunInfo` (its effective state: dead runs show failed); the
     contract's status fields pass through as they are."""
     error = info.reason or ((info.error or {}).get("message") if isinstance(info.error, dict) else None)
+    error = printable(error) if error is not None else None  # text from the run directory: escaped
+    release = printable(info.release) if info.release is not None else None
     if info.effective_state == "queued":  # not an error: its place in line and what it waits for
         return RunRow(target=target, run_id=info.run_id, state=f"queued #{info.position}", gpus=tuple(info.gpus or ()),
-                      release=info.release, waits_for="; ".join(info.waits_for) or "nothing: starting")
+                      release=release, waits_for=printable("; ".join(info.waits_for) or "nothing: starting"))
     return RunRow(target=target, run_id=info.run_id, state=info.effective_state, step=info.step or 0,
-                  release=info.release, recompiles=info.recompiles or 0, gpus=tuple(info.gpus or ()), error=error,
+                  release=release, recompiles=info.recompiles or 0, gpus=tuple(info.gpus or ()), error=error,
                   restarts=len(info.restarts), status=dict(info.status), **group_fields(info.raw))
 
 

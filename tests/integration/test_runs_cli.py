@@ -439,6 +439,27 @@ def test_run_stop_between_two_attempts_stops_the_run_for_good(tier, tmp_path, ho
     assert not status["alive"] and len(status["restarts"]) <= 2  # the stop landed in the gap (1), or just after the restart (2)
 
 
+EVIL = "{{ '\x1b]0;pwned\x07' }}\x1b[2J\x9b31m\rtemplate"  # a chat template's OSC title, a clear, C1 CSI, CR
+
+
+def test_run_status_shows_text_from_the_run_directory_escaped(tier, tmp_path):
+    """Control sequences in a model's chat template reached the operator's terminal raw through
+    `run status` (its error, reason and log tail) and retitled it (issue 55): now shown as \\xNN."""
+    deployed(tier)
+    run = tier.base / "runs" / "evil"
+    run.mkdir(parents=True)
+    (run / "status.json").write_text(json.dumps({
+        "version": 1, "run_id": "evil", "state": "failed", "pid": 0, "step": 3, "phase": None,
+        "error": {"message": "bad chat template: " + EVIL, "thread": "data"}}))
+    (run / "release").write_text("rel[bold]\x1b[5m\n")
+    (run / "train.log").write_text("loading template " + EVIL + "\nTraceback\n")
+    shown = tier.cli("run", "status", "host200", "evil").stdout
+    assert "\x1b" not in shown and "\x07" not in shown and "\x9b" not in shown and "\r" not in shown
+    assert "\\x1b]0;pwned\\x07" in shown and "\\x9b31m" in shown  # still there, readable
+    assert "rel[bold]\\x1b[5m" in shown  # a release file's text is not rich markup either
+    assert json.loads(tier.cli("run", "status", "host200", "evil", "--json").stdout)["error"]["message"].endswith(EVIL)
+
+
 def test_restart_policy_is_checked(tier, tmp_path):
     deployed(tier)
     bad = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--restart", "always", code=1)

@@ -62,7 +62,9 @@ async def test_checkpoint_and_confirmed_stop_write_control_files(static_run, wai
         assert not isinstance(app.screen, ConfirmScreen)
         await pilot.press("s", "y")
         await wait_for(pilot, lambda: (control / "stop").exists(), "control/stop")
-    assert sorted(p.name for p in control.iterdir()) == ["checkpoint", "stop"]
+    # the requests; control/.no-restart (the stop recorded first, for a supervisor) is no request
+    assert sorted(p.name for p in control.iterdir() if not p.name.startswith(".")) == ["checkpoint", "stop"]
+    assert (control / ".no-restart").exists()
 
 
 async def test_filter_shows_only_matching_log_lines(static_run, wait_for):

@@ -91,3 +91,16 @@ def test_run_stop_says_what_it_waits_for():
     exiting = RunInfo.from_json({"run_id": "r", "state": "stopped", "effective_state": "stopped", "alive": True,
                                  "pid": 7})
     assert waiting_for(exiting) == "stopped; waiting for pid 7 to exit"
+
+
+def test_the_dashboards_row_shows_a_run_directorys_text_escaped():
+    """The dashboard's row (its error and waits-for text) drew a chat template's OSC title
+    sequence raw, retitling the operator's terminal (issue 55)."""
+    from dflash_ops.runs.info import RunInfo
+    from dflash_ops.tui.remote import run_row_from_info
+
+    evil = "template \x1b]0;pwned\x07\x9b2J\rend"
+    info = RunInfo.from_json({"run_id": "r", "effective_state": "failed", "state": "failed", "alive": False,
+                              "has_status": True, "error": {"message": evil}, "release": "abc\x1b[5m"})
+    row = run_row_from_info("t", info)
+    assert row.error == "template \\x1b]0;pwned\\x07\\x9b2J\\x0dend" and row.release == "abc\\x1b[5m"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.test_packing import assert_tiles_cover, doc_start_of
-from trainer.models.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, serving_mask
+from trainer.models.drafter import DFlashDrafter, DrafterConfig, serving_mask
 from trainer.models.masks import (
     block_attention,
     dense_attention,
@@ -20,6 +20,7 @@ from trainer.models.masks import (
     sample_packed_anchors,
 )
 from trainer.models.target import target_context_features
+from trainer.run.layout import FULL, SLIDING
 
 VOCAB, MASK_ID = 97, 96
 

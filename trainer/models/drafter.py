@@ -32,7 +32,7 @@ def drafter_intermediate_size(target_config: Any) -> int:
     return int(getattr(target_config, "intermediate_size", None) or 3 * target_config.hidden_size)
 
 
-from trainer.run.layout import FULL, SLIDING  # noqa: E402 - the published layer_types
+from trainer.run.layout import Layout, checked_layout  # noqa: E402 - the layout and its one check
 
 
 @dataclass
@@ -84,33 +84,20 @@ class DrafterConfig:
         elif (self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping or 0.0) != (1.0, 1.0, 0.0):
             raise ValueError("input_embedding_scale, output_multiplier and final_logit_softcapping are DFlash2 fields: "
                              "a DFlash draft has none")
-        if self.layer_types is not None:
-            if len(self.layer_types) != n or not set(self.layer_types) <= {FULL, SLIDING}:
-                raise ValueError(f"layer_types {self.layer_types} must list {n} of {FULL!r} / {SLIDING!r}")
-            if SLIDING not in self.layer_types:
-                self.layer_types = None
-        if self.layer_types is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
-            raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window!r}")
-        if self.layer_types is None:
-            self.sliding_window = None
-        if self.causal is not None:
-            if len(self.causal) != n:
-                raise ValueError(f"causal {self.causal} must list {n} layers")
-            sliding = [t == SLIDING for t in self.layer_types or [FULL] * n]
-            if list(self.causal) != sliding and len(set(self.causal)) > 1:
-                raise ValueError(f"per-layer causality {self.causal} is neither every layer alike nor causal exactly "
-                                 "on the sliding layers: vLLM cannot serve it (dflash_config.causal sets all layers)")
-            if not any(self.causal):
-                self.causal = None
+        layout = checked_layout(self.layer_types, self.sliding_window, self.causal, self.attention_sink, n)
+        self.layer_types, self.sliding_window, self.causal = layout.layer_types, layout.sliding_window, layout.causal
         if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
             raise ValueError(f"attention heads {self.num_attention_heads} must be a multiple of the key/value heads "
                              f"{self.num_key_value_heads}, and head_dim {self.head_dim} even (RoPE)")
 
+    @property
+    def layout(self) -> Layout:
+        """The draft's layout as trainer.run.layout holds it (checked there once, at construction)."""
+        return Layout(self.layer_types, self.sliding_window, self.causal, self.attention_sink)
+
     def kinds(self) -> list[tuple[int | None, bool]]:
         """(sliding window or None, causal inside the block) of each layer."""
-        n = self.num_hidden_layers
-        return [(self.sliding_window if t == SLIDING else None, bool(c))
-                for t, c in zip(self.layer_types or [FULL] * n, self.causal or [False] * n)]
+        return self.layout.kinds(self.num_hidden_layers)
 
     @classmethod
     def from_target(cls, target_config: Any, num_layers: int, block_size: int, mask_token_id: int,

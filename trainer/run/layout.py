@@ -62,6 +62,33 @@ class Layout:
         return layer_kinds(self.layer_types, self.sliding_window, self.causal, layers)
 
 
+def checked_layout(layer_types: list[str] | None, sliding_window: int | None, causal: list[bool] | None,
+                   attention_sink: bool, layers: int) -> Layout:
+    """The one check of a drafter's layout (trainer.models.drafter.DrafterConfig builds its own here):
+    `layers` layer types of full / sliding attention, a positive window where a layer slides, a
+    causality per layer that vLLM can serve (`causal_refusal`). Normalised: no sliding layer is no
+    layer_types and no window; no causal layer is no causal list. Raises LayoutError naming the field."""
+    if layer_types is not None:
+        if len(layer_types) != layers or not set(layer_types) <= {FULL, SLIDING}:
+            raise LayoutError(f"layer_types {layer_types} must list {layers} of {FULL!r} / {SLIDING!r}")
+        if SLIDING not in layer_types:
+            layer_types = None
+    if layer_types is not None and not _positive_int(sliding_window):
+        raise LayoutError(f"sliding layers need a positive sliding_window, got {sliding_window!r}")
+    if layer_types is None:
+        sliding_window = None
+    if causal is not None:
+        if len(causal) != layers:
+            raise LayoutError(f"causal {causal} must list {layers} layers")
+        refusal = causal_refusal(layer_types, list(causal), layers)
+        if refusal:
+            raise LayoutError(refusal)
+        if not any(causal):
+            causal = None
+    return Layout(None if layer_types is None else list(layer_types), sliding_window,
+                  None if causal is None else list(causal), attention_sink)
+
+
 def layer_kinds(layer_types: list[str] | None, sliding_window: int | None, causal: list[bool] | None,
                 layers: int) -> list[tuple[int | None, bool]]:
     """(window or None, causal) of each layer."""

@@ -173,7 +173,7 @@ def operator_floor_violations(g: dict[str, set[str]], floors: list[list[str]]) -
             continue
         here = floor_of(m)
         if here is None:
-            found.append(f"{m} is on no floor")
+            found.append(f"{m} is on no floor (add it to {DOC.name}'s {OPERATOR_FLOORS_LINE!r})")
             continue
         for t in sorted(ts):
             there = floor_of(t) if in_package(t, "dflash_ops") and t != "dflash_ops" else None
@@ -349,7 +349,8 @@ def test_an_upward_import_and_a_module_on_no_floor_are_caught(tree):
     plant(tree, {"dflash_ops/render.py": "from dflash_ops.container import plan\n", "dflash_ops/stray.py": ""})
     floors = [["dflash_ops.render", "dflash_ops.testing"], ["dflash_ops.container"]]
     assert operator_floor_violations(graph(tree), floors) == [
-        "dflash_ops.render -> dflash_ops.container (floor 0 imports floor 1)", "dflash_ops.stray is on no floor"]
+        "dflash_ops.render -> dflash_ops.container (floor 0 imports floor 1)",
+        f"dflash_ops.stray is on no floor (add it to {DOC.name}'s {OPERATOR_FLOORS_LINE!r})"]
 
 
 def test_a_helper_importing_beyond_the_stdlib_is_caught(tmp_path):

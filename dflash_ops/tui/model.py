@@ -5,6 +5,7 @@ Pure data, no Textual: the screens feed lines in and read series out, tests do t
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,25 @@ from dflash_ops.tui.source import GpuSample
 
 SERIES_POINTS = 5000  # per series; older points are dropped
 GPU_HISTORY = 40  # samples of busy% kept per GPU
+PLOT_LIMIT = 1e15  # a plotted value is clamped to +-this: 1e308 overflowed the plot's axis arithmetic
+
+
+def plottable(value: object) -> float | None:
+    """A number read back from metrics.jsonl as a plot may draw it: finite, clamped to
+    +-PLOT_LIMIT; None for NaN, +-Infinity or not a number (drawn as a gap; the summary shows the
+    value itself). NaN, Infinity and 1e308 in metrics.jsonl ended `dflash-ops dash` (issue 55)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    number = float(value)
+    if not math.isfinite(number):
+        return None
+    return max(-PLOT_LIMIT, min(PLOT_LIMIT, number))
+
+
+def percent(value: object) -> float | None:
+    """A busy share as drawn (bar, sparkline): finite, 0..100; None otherwise."""
+    number = plottable(value)
+    return None if number is None else max(0.0, min(100.0, number))
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -35,6 +55,7 @@ class GpuTrack:
     from_trainer: bool = False
 
     def record(self, busy: float | None) -> None:
+        busy = percent(busy)  # a host sample too: what a bar or sparkline draws is 0..100
         self.busy = busy
         if busy is not None:
             self.history.append(busy)
@@ -86,12 +107,13 @@ class RunHistory:
         kind = event.get("event")
         step = event.get("step", 0)
         if kind == "step":
-            if isinstance(event.get("loss"), (int, float)):
+            loss, tps = plottable(event.get("loss")), plottable(event.get("tokens_per_s"))
+            if loss is not None and plottable(step) is not None:
                 self.loss_steps.append(step)
-                self.loss.append(float(event["loss"]))
-            if isinstance(event.get("tokens_per_s"), (int, float)):
+                self.loss.append(loss)
+            if tps is not None and plottable(step) is not None:
                 self.tps_steps.append(step)
-                self.tps.append(float(event["tokens_per_s"]))
+                self.tps.append(tps)
             if isinstance(event.get("recompiles"), int):
                 self.recompiles = event["recompiles"]
             for gpu in event.get("gpus") or ():
@@ -121,10 +143,10 @@ class RunHistory:
         track.from_trainer = True
         track.role = str(gpu.get("role") or track.role)
         track.mem_gb = gpu.get("mem_gb", track.mem_gb)
-        busy = gpu.get("busy")
-        if isinstance(busy, (int, float)):
+        busy = plottable(gpu.get("busy"))
+        if busy is not None:
             # the trainer may report a 0..1 fraction or a percentage
-            track.record(float(busy) * 100 if busy <= 1 else float(busy))
+            track.record(percent(busy * 100 if busy <= 1 else busy))
 
     def apply_host_samples(self, samples: list[GpuSample] | None, held: tuple[int, ...] = ()) -> None:
         """Merge host-side samples; `held` limits them to the run's GPUs when known."""
@@ -140,16 +162,17 @@ class RunHistory:
             self.version += 1
 
 
-def bar(percent: float | None, width: int = 20) -> str:
-    if percent is None:
+def bar(share: float | None, width: int = 20) -> str:
+    shown = percent(share)
+    if shown is None:
         return "·" * width
-    filled = round(max(0.0, min(100.0, percent)) / 100 * width)
+    filled = round(shown / 100 * width)
     return "█" * filled + "░" * (width - filled)
 
 
 def sparkline(values: Sequence[float], width: int = GPU_HISTORY) -> str:
     values = list(values)[-width:]
-    chars = [_SPARK[min(len(_SPARK) - 1, int(max(0.0, v) / 100 * len(_SPARK)))] for v in values]
+    chars = [_SPARK[min(len(_SPARK) - 1, int((percent(v) or 0.0) / 100 * len(_SPARK)))] for v in values]
     return "".join(chars).rjust(width)
 
 
@@ -167,8 +190,10 @@ def fmt_age(seconds: float | None) -> str:
 
 
 def fmt_num(value: float | None, digits: int = 3) -> str:
-    if value is None:
-        return "-"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"  # None, or a value of the wrong type read back from a run directory
+    if not math.isfinite(value):
+        return str(value)  # nan, inf, -inf: said, not drawn
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return f"{value:.{digits}g}"

@@ -247,3 +247,27 @@ async def test_a_bad_metrics_line_shows_as_bad_and_the_dashboard_goes_on(static_
         await wait_for(pilot, lambda: "metrics: 1 bad line skipped" in str(summary.render()), "the bad line named")
         await pilot.pause(0.6)  # a replot and a summary after it
         assert detail.history.bad_lines == 1 and app.return_code is None
+
+
+ODD_VALUES = ["NaN", "Infinity", "-Infinity", "1e308", "-1e308"]
+
+
+@pytest.mark.parametrize("value", ODD_VALUES)
+async def test_odd_numbers_in_metrics_are_said_and_never_end_the_dashboard(static_run, wait_for, value):
+    """NaN, +-Infinity or 1e308 in metrics.jsonl (a loss that diverged, a broken counter) ended
+    `dflash-ops dash` (the plot's axis and the GPU sparkline overflowed; issue 55): the value is a
+    gap in the plot, clamped when finite, a GPU's busy share 0..100, and the lines after it plot."""
+    with open(static_run.dir / "metrics.jsonl", "a") as f:
+        f.write('{"event": "step", "step": 31, "time": 1.0, "loss": %s, "tokens_per_s": %s, '
+                '"gpus": [{"index": 0, "busy": %s, "mem_gb": %s}]}\n' % (value, value, value, value))
+        f.write('{"event": "step", "step": %s, "time": 1.0, "loss": 0.5}\n' % value)
+        f.write(json.dumps({"event": "step", "step": 32, "time": 1.0, "loss": 0.125, "tokens_per_s": 10.0}) + "\n")
+    async with dashboard(static_run, wait_for) as (app, pilot):
+        await pilot.press("enter")
+        detail = app.screen
+        await wait_for(pilot, lambda: detail.history.loss and detail.history.loss[-1] == 0.125, "the good line after it")
+        await pilot.pause(1.2)  # a replot, a GPU panel and a summary after it
+        assert app.return_code is None
+        h = detail.history
+        assert all(abs(v) <= 1e15 for v in [*h.loss, *h.tps]) and all(0 <= b <= 100 for t in h.gpus.values()
+                                                                       for b in t.history)

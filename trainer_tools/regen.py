@@ -651,6 +651,7 @@ class Summary:
     diverged: int = 0  # trajectories ended at a call neither the trace nor an executor answers
     limits: dict = field(default_factory=dict)  # trajectories ended by a limit: {"max_turns": n, ...}
     rejected: int = 0  # regenerated, kept out of the output: the training template's tokens differ
+    unchecked: int = 0  # assistant turns the token check could not compare (the engine gave no token ids)
     rejected_path: str | None = None
 
     def line(self) -> str:
@@ -667,6 +668,8 @@ class Summary:
         if self.rejected:
             text += (f"; {self.rejected} kept out: the training template's tokens differ from the engine's "
                      f"(in {self.rejected_path})")
+        if self.unchecked:
+            text += f"; {self.unchecked} turns not token-checked (the engine gave no token ids)"
         if self.duplicates:
             text += f"; {self.duplicates} duplicate rows skipped"
         if self.repaired_bytes:
@@ -685,6 +688,7 @@ class Regenerated:
     record: dict
     total: Completion
     produced: list[tuple[int, list[int] | None, str]]
+    unchecked: int = 0  # turns the token check could not compare
 
 
 def regenerate_one(engine: Engine, prompt: Prompt, model: str) -> Regenerated:
@@ -732,7 +736,10 @@ def checked(done: Regenerated, checker: TokenChecker | None) -> Regenerated:
     """The record marked with its first token mismatch (`token_mismatch`), when the engine gave
     the tokens of its turns and the training template renders others."""
     produced = [(i, ids, finish) for i, ids, finish in done.produced if ids is not None]
-    if checker is None or not produced:
+    if checker is None:
+        return done
+    done.unchecked = len(done.produced) - len(produced)
+    if not produced:
         return done
     mismatch = checker.check(done.record["messages"], done.record.get("tools"), produced)
     if mismatch is not None:
@@ -833,6 +840,7 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
             output.append(record)
             s.done += 1
         s.turns += len(record["finish_reasons"])
+        s.unchecked += answer.unchecked
         calls = record.get("calls") or {}
         s.replayed += calls.get("replayed", 0)
         s.executed += calls.get("executed", 0)
@@ -1039,7 +1047,8 @@ def main(argv: list[str]) -> int:
             print(f"regen: {e}", file=sys.stderr)
             return EXIT_USAGE
         progress = Progress(len(prompts))
-        print(f"regen: {len(prompts)} conversations, {len(output.finished & {p.id for p in prompts})} already in "
+        done = output.finished | (rejected.finished if rejected is not None else set())
+        print(f"regen: {len(prompts)} conversations, {len(done & {p.id for p in prompts})} already in "
               f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
         try:
             summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,

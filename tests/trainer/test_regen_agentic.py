@@ -240,3 +240,21 @@ def test_bad_agentic_arguments_are_one_line(tmp_path, capsys, args, message):
                             "--out", tmp_path / "o.jsonl", *args], capsys)
     assert code == regen.EXIT_USAGE
     assert err.strip() == f"regen: {message}"
+
+
+def test_turns_whose_tokens_the_engine_did_not_give_are_counted_as_unchecked(agent_fixture):
+    """A server that ignores return_token_ids (or an older vLLM) leaves turns unchecked: counted and
+    said in the summary, never passed as checked."""
+    from transformers import AutoTokenizer
+
+    from trainer_tools.token_check import TokenChecker
+
+    checker = TokenChecker(AutoTokenizer.from_pretrained(agent_fixture["model"], local_files_only=True))
+    record = {"id": "x", "messages": [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi"}],
+              "finish_reasons": ["stop"]}
+    done = regen.checked(regen.Regenerated(record, regen.Completion("", "stop"), [(1, None, "stop")]), checker)
+    assert done.unchecked == 1 and "token_mismatch" not in done.record
+    s = regen.Summary(unchecked=1)
+    assert "1 turns not token-checked (the engine gave no token ids)" in s.line()
+    wrong = regen.checked(regen.Regenerated(record, regen.Completion("", "stop"), [(1, [5, 6], "stop")]), checker)
+    assert wrong.unchecked == 0 and wrong.record["token_mismatch"]["turn"] == 0

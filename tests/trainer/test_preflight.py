@@ -188,3 +188,24 @@ def test_a_number_out_of_its_range_is_refused_at_its_line(line, key, message):
     with pytest.raises(ConfigError) as err:
         parse_config(tiny_config(line), "c.yaml")
     assert re.match(rf"^c\.yaml:\d+: {re.escape(key)} {re.escape(message)}", str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("drafter", ["{layer_types: []}", "{layer_types: [], causal: []}"])
+def test_a_drafter_of_no_layers_is_refused_after_derivation(drafter):
+    """`layer_types: []` (model.drafter_layers not given) derived drafter_layers = 0 after its own
+    range was checked: a drafter of no layers was built (issue 55). The derived value is checked
+    again, at the key that set it."""
+    text = tiny_config(f"model: {{drafter: {drafter}}}").replace("  drafter_layers: 1\n", "")
+    with pytest.raises(ConfigError, match=r"^c\.yaml:\d+: model\.drafter\.layer_types gives the drafter 0 layers"):
+        parse_config(text, "c.yaml")
+
+
+@pytest.mark.parametrize("line, key", [
+    ("optim: {total_steps: 100000000000000000000000000000}", "optim.total_steps"),
+    ("run: {seed: -100000000000000000000000000000}", "run.seed"),
+    ("model: {drafter_layers: 99999999999999999999}", "model.drafter_layers"),
+])
+def test_a_huge_integer_is_refused_at_its_line(line, key):
+    """A 30-digit integer passed every `>= 1` (YAML reads any length) and overflowed far from its line."""
+    with pytest.raises(ConfigError, match=rf"^c\.yaml:\d+: {key} must be at most 9223372036854775807 in magnitude"):
+        parse_config(tiny_config(line), "c.yaml")

@@ -436,6 +436,22 @@ def _non_finite(obj: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[st
             yield from _non_finite(v, keys)
 
 
+INT_LIMIT = 2**63 - 1  # what a torch int64 (a step, a count, a seed) holds
+
+
+def _huge_ints(obj: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], int]]:
+    """(keys, value) of every integer beyond +-INT_LIMIT (YAML reads any length of digits): such a
+    value passed every `>= 1` and overflowed later, far from the user's line."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _huge_ints(getattr(obj, f.name), (*keys, f.name))
+    elif isinstance(obj, int) and not isinstance(obj, bool) and abs(obj) > INT_LIMIT:
+        yield keys, obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _huge_ints(v, keys)
+
+
 class _Check:
     """Raises the first problem as `file:line: section.key message`; every section's validator gets one."""
 
@@ -453,6 +469,8 @@ def _validate(c: TrainerConfig, raw: dict, source: str) -> None:
     check = _Check(raw, source)
     for keys, value in _non_finite(c):  # .inf / .nan parse as floats: every range below would take them
         check(False, keys, f"must be a finite number, got {value}")
+    for keys, big in _huge_ints(c):
+        check(False, keys, f"must be at most {INT_LIMIT} in magnitude, got a {len(str(abs(big)))}-digit number")
     _validate_target(c, check)
     _validate_model(c, check)
     _validate_drafter(c, check)
@@ -654,6 +672,8 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
                 check(False, ("model", "drafter_init"), f"cannot be trained as served: {message}")
                 return
             n = published["num_hidden_layers"]
+            check(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= INT_LIMIT, ("model", "drafter_init"),
+                  f"{path}: num_hidden_layers is {n!r}: a drafter needs at least 1 layer")
             theirs: dict[str, Any] = {
                 "drafter_layers": n, "layer_types": layout.layer_types or ["full_attention"] * n,
                 "sliding_window": layout.sliding_window, "causal": layout.causal or [False] * n,
@@ -705,6 +725,9 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
               f"must divide num_attention_heads ({d.num_attention_heads})")
     if d.causal is None and sliding:
         d.causal = default_causal(d.layer_types, m.drafter_layers)
+    # checked again after derivation: `layer_types: []` set drafter_layers to 0 past _validate_model
+    check(m.drafter_layers >= 1, ("model", "drafter", "layer_types") if d.layer_types is not None
+          else ("model", "drafter_layers"), f"gives the drafter {m.drafter_layers} layers: it needs at least 1")
     _validate_kind(c, drafter_raw, _checkpoint_generation(m.drafter_init), check)
 
 

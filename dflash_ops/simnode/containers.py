@@ -8,7 +8,6 @@ directory with its own python), its python's path, where a path inside it is on 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -91,29 +90,15 @@ def is_running(sim_root: str | Path, ctid: int | str) -> bool:
     return SimNode(Path(sim_root)).running(str(ctid))
 
 
-_PACKAGES_MOUNT = re.compile(r"^mp0: (?P<source>[^,\n]+),mp=(?P<target>/usr/local/lib/python3\.\d+/dist-packages),ro=1$",
-                             re.M)
-
-
 def mend_packages(sim_root: str | Path, ctid: int | str) -> list[str]:
-    """Point a created container's trainer packages at this interpreter's where the site-packages
-    they came from is gone (the venv that created the container was removed), as an admin would
-    mend the node; a line per change. An LXC container binds that site-packages as mp0: a stopped
-    one's mp0 is rewritten (a running one is left as it is: its processes hold what they loaded);
-    a directory container links the packages: its dangling links are made again from this
-    interpreter's distributions."""
+    """Point a created directory container's trainer packages at this interpreter's where the
+    site-packages they came from is gone (the venv that created the container was removed), as an
+    admin would mend the node; a line per change. The container's python links the packages: its
+    dangling links are made again from this interpreter's distributions. (An LXC container's
+    package binds are checked by the stand-in at every start: pct.py _packages_to_bind.)"""
     node, vmid = SimNode(Path(sim_root)), str(ctid)
-    text = node.conf(vmid).read_text()
     if node.backend(vmid) == "lxc":
-        found = _PACKAGES_MOUNT.search(text)
-        rootfs_dir = re.search(r"; backend: lxc; rootfs: (\S+)$", text, re.M)
-        if found is None or rootfs_dir is None or os.path.isdir(found["source"]) or node.running(vmid):
-            return []
-        source = sim_pct._site_packages_for(rootfs_dir[1])
-        with node.lock(vmid):
-            sim_pct.write_atomically(node.conf(vmid), text.replace(
-                found[0], f"mp0: {source},mp={found['target']},ro=1"))
-        return [f"CT {ctid}: mp0 bound {found['source']}, which is gone; it binds {source} now"]
+        return []
     sites = sorted((node.ct_root(vmid) / "usr" / "lib").glob("python3.*/site-packages"))
     dangling = [link for site in sites for link in site.iterdir() if link.is_symlink() and not link.exists()]
     if not dangling:
@@ -142,7 +127,8 @@ def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = N
     points; the test tiers bind each container's test directory so tests read what it wrote).
     `python` (directory containers): the base interpreter of the container's python3 (default:
     the stand-in's); `packages`: what its python sees besides the stdlib (default: the trainer's;
-    () for none): for an LXC container the operator's whole site-packages, bound read-only.
+    () for none): an LXC container gets exactly their files bound read-only, nothing else of this
+    interpreter's.
     """
     backend = backend or pick_backend()
     argv = [*pct, "create", str(ctid), SIM_TEMPLATE, "--start", "1", "--sim-backend", backend]
@@ -153,7 +139,7 @@ def create_argv(pct: Sequence[str], ctid: int | str, *, hostname: str | None = N
     if memory_mb is not None:
         argv += ["--memory", str(memory_mb)]
     if backend == "lxc":
-        for index, directory in enumerate(binds, start=1):  # mp0: the trainer's packages
+        for index, directory in enumerate(binds, start=1):
             argv += [f"--mp{index}", f"{directory},mp={directory}"]
     if hostname:
         argv += ["--hostname", hostname]

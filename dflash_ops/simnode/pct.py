@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -549,8 +550,10 @@ def cmd_create(node: Node, words: list[str]) -> int:
     python sees besides the stdlib. A directory container's python3 is made from --sim-python
     PATH (default: the interpreter running this stand-in) and the packages are linked into its
     site-packages from this interpreter's installed distributions with everything they require;
-    an LXC container gets this interpreter's whole site-packages bound read-only (mp0) as its
-    /usr/local/lib/python3.X/dist-packages, which needs the same python minor version as the rootfs's.
+    an LXC container gets exactly those files (each top-level module, package and .dist-info of
+    the closure) bound read-only into its /usr/local/lib/python3.X/dist-packages, and nothing else
+    of this interpreter's (no textual, no fabric, no editable finder of dflash_ops), which needs the
+    same python minor version as the rootfs's.
     """
     mount_points = {f"mp{i}" for i in range(10)}
     positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages",
@@ -579,11 +582,11 @@ def cmd_create(node: Node, words: list[str]) -> int:
                 raise PctError(f"sim-rootfs: no LXC rootfs at {rootfs!r} (run `dflash-ops sim-rootfs`)\n")
             if "sim-python" in opts:
                 raise PctError("sim-python: an LXC container runs its rootfs's python3\n")
-            if names:
-                if "mp0" in opts:
-                    raise PctError("mp0: taken by the trainer's packages (--sim-packages); use mp1..mp9\n")
-                extra.insert(0, f"mp0: {_site_packages_for(rootfs)},mp=/usr/local/lib/python{_rootfs_python(rootfs)}/dist-packages,ro=1\n")
             node.upper_dir(vmid).mkdir(parents=True, exist_ok=True)
+            if names:  # what `apt install python3-torch` would have put there: lxc_config binds it
+                _site_packages_for(rootfs)  # the same python minor version, or refused here
+                write_atomically(_packages_record(node, vmid), json.dumps(
+                    {"names": names, "python": _rootfs_python(rootfs), "files": _package_files(names)}) + "\n")
             # recorded as asked, run privileged: an idmapped CT needs a shifted rootfs (lxc_config)
             unprivileged = _boolean(opts, "unprivileged", True)
             described = f"backend: lxc; rootfs: {rootfs}"
@@ -906,6 +909,9 @@ def lxc_config(node: Node, vmid: str) -> str:
         fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         flags = "bind,ro" if fields.get("ro") == "1" else "bind"
         lines.append(f"lxc.mount.entry = {parts[0]} {fields['mp'].lstrip('/')} none {flags},create=dir 0 0")
+    for top, source in _packages_to_bind(node, vmid):
+        kind = "dir" if os.path.isdir(source) else "file"
+        lines.append(f"lxc.mount.entry = {source} {top} none bind,ro,create={kind} 0 0")
     for key in sorted((k for k in options if re.fullmatch(r"dev\d+", k)), key=lambda k: int(k[3:])):
         # devN: pve-container's autodev hook makes the node with the entry's uid, gid and mode (else
         # root:root 0660); here a file of the container's own with them, a copy of the node's, is bound
@@ -924,6 +930,28 @@ def lxc_config(node: Node, vmid: str) -> str:
             continue
         lines.append(f"{key} = {value}")
     return "".join(line + "\n" for line in lines)
+
+
+def _packages_record(node: Node, vmid: str) -> Path:
+    return node.ct_root(vmid) / "sim-packages.json"
+
+
+def _packages_to_bind(node: Node, vmid: str) -> list[tuple[str, str]]:
+    """(path in the container, path here) of each file tree of the container's packages (its
+    create's --sim-packages and what they require). A record whose files are gone (the venv that
+    created the container was removed) is made again from this interpreter's distributions, as an
+    admin would reinstall the packages."""
+    record_path = _packages_record(node, vmid)
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return []
+    files = record.get("files") or []
+    if any(not os.path.exists(source) for _, source in files):
+        files = _package_files(list(record.get("names") or []))
+        write_atomically(record_path, json.dumps({**record, "files": files}) + "\n")
+    site = f"usr/local/lib/python{record.get('python', '3')}/dist-packages"
+    return [(f"{site}/{top}", source) for top, source in files]
 
 
 def _device_node(node: Node, vmid: str, path: str, fields: dict[str, str]) -> Path:

@@ -6,8 +6,8 @@ failure under CI=true (.ci/run installs lxc and builds the rootfs).
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -46,7 +46,11 @@ def test_a_real_container_behind_pct(lxc_root):
     assert int(ps) < 10  # its own PID namespace: init, sleep, this shell and ls
     python = pct(lxc_root, "exec", "200", "--", "python3", "-c", "import sys, torch; print(sys.prefix, torch.__file__)")
     assert python.stdout == "/usr /usr/local/lib/python3.11/dist-packages/torch/__init__.py\n", python.stderr
-    assert pct(lxc_root, "exec", "200", "--", "touch", "/usr/local/lib/python3.11/dist-packages/x").returncode == 1
+    assert pct(lxc_root, "exec", "200", "--", "touch", "/usr/local/lib/python3.11/dist-packages/torch/x").returncode == 1
+    # only the trainer's packages and what they require, nothing else of the operator's interpreter
+    for name in ("textual", "fabric", "paramiko", "dflash_ops", "pytest"):
+        found = pct(lxc_root, "exec", "200", "--", "python3", "-c", f"import {name}")
+        assert found.returncode == 1 and f"No module named '{name}'" in found.stderr, name
     assert pct(lxc_root, "exec", "200", "--", "no-such-command").returncode == 127
     assert pct(lxc_root, "exec", "200", "--", "/etc/passwd").returncode == 126
     assert pct(lxc_root, "exec", "200", "--", "sh", "-c", "kill -9 $$").returncode == 137
@@ -138,25 +142,25 @@ def test_the_node_kind_creates_listed_containers_as_lxc(tmp_path):
         pct(root, "destroy", "200")
 
 
-def test_a_listed_lxc_container_found_stopped_with_its_packages_gone_is_mended_and_started(tmp_path, capsys):
+def test_a_listed_lxc_container_found_stopped_with_its_packages_gone_is_mended_and_started(tmp_path):
     """After this machine restarts the default node's LXC CT is stopped, and the venv whose
-    site-packages it binds (mp0) may be gone: the next first use rebinds this interpreter's and
-    starts it, where `pct exec` said "container '200' not running!"."""
+    packages it binds may be gone: its next start binds this interpreter's again and the first
+    use starts it, where `pct exec` said "container '200' not running!"."""
     unavailable(rootfs.unavailable_reason(), "the LXC backend")
     path, root = write_listed_sim_inventory(tmp_path, "lxc"), tmp_path / "sim"
-    conf = root / "lxc" / "200.conf"
+    record = root / "ct" / "200" / "sim-packages.json"
     try:
         inventory = load_inventory(path)
         open_container(inventory, "host200")
-        bound = re.search(r"^mp0: ([^,]+),", conf.read_text(), re.M)[1]
+        bound = json.loads(record.read_text())
         assert pct(root, "stop", "200").returncode == 0
-        conf.write_text(conf.read_text().replace(f"mp0: {bound},", f"mp0: {tmp_path / 'removed-venv'},"))
+        gone = {**bound, "files": [[top, str(tmp_path / "removed-venv" / top)] for top, _ in bound["files"]]}
+        record.write_text(json.dumps(gone))
         assert "not running" in pct(root, "exec", "200", "--", "true").stderr  # what the next command met
 
         container = open_container(inventory, "host200")
-        assert container.exec(["python3", "-c", "import yaml"]).ok
-        assert f"mp0: {bound}," in conf.read_text()
-        assert f"mp0 bound {tmp_path / 'removed-venv'}, which is gone" in capsys.readouterr().err
+        assert container.exec(["python3", "-c", "import yaml, torch"]).ok
+        assert json.loads(record.read_text())["files"] == bound["files"]
     finally:
         pct(root, "stop", "200")
         pct(root, "destroy", "200")

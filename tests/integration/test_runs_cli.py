@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import threading
 import time
@@ -479,3 +481,32 @@ def test_metrics_before_the_run_wrote_any_says_so(tier, tmp_path):
         result = tier.cli("metrics", "host200", "loading")
     assert "run loading (starting) has not written metrics.jsonl yet" in result.stderr
     assert "no such file" not in result.stderr + result.stdout
+
+
+HINT = re.compile(r"dflash-ops ([a-z][^;()\n]*?)(?=\s*(?:\(|;|$))", re.M)
+
+
+def run_hints(tier: Tier, stderr: str) -> list[str]:
+    """Run every command a CLI message names (`... follow it: dflash-ops logs host200 RUN -f`): a
+    hint the CLI prints must be one it accepts. Returns the hints run."""
+    hints = HINT.findall(stderr)
+    for hint in hints:
+        tier.cli(*shlex.split(hint))
+    return hints
+
+
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
+def test_every_hint_of_run_start_resume_and_a_group_is_a_command_the_cli_accepts(tier, tmp_path, capsys):
+    """Issue #54: `run start host200 host300` printed `logs host200 host300 RUN -f`, which `logs`
+    rejects (one target). Each hint printed by start, resume and a group start is run here."""
+    deployed(tier)
+    short = config(tmp_path, "total_steps: 30\nstep_seconds: 0.005\n")
+    started = tier.cli("run", "start", "host200", "--config", short)
+    run_id = started.stdout.strip()
+    assert run_hints(tier, started.stderr) == [f"logs host200 {run_id} -f"]
+    longer = config(tmp_path, "total_steps: 60\nstep_seconds: 0.005\n")
+    resumed = tier.cli("run", "resume", "host200", run_id, "--config", longer)
+    assert run_hints(tier, resumed.stderr) == [f"logs host200 {run_id} -f"]
+    cli_runs._announce(run_id, "started", ["host200", "host300"])  # a group's announcement, as start_group's
+    group = capsys.readouterr().err
+    assert run_hints(tier, group) == [f"logs host200 {run_id} -f"] and "--rank N" in group

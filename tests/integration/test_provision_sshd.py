@@ -47,3 +47,34 @@ def test_provision_over_sshd_then_a_rerun_changes_nothing(sshd_node):
     finally:
         transport.close()
         SimNode(root).set_state(str(CTID), "stopped")
+
+
+def test_a_device_group_idmap_and_boot_unit_over_sshd(sshd_node):
+    """#54 items 1 and 2 through the login shell: gid=/mode= on every devN entry, the idmap lines, the
+    node's /etc/subgid appended in place, the boot unit written and enabled; a rerun changes nothing."""
+    from dflash_ops.provision.config import DeviceAccess
+
+    root = sshd_node.sim_root
+    simgpus.install_gpus(root, 2, "550.54.14")
+    host = load_inventory(sshd_node.inventory).target("host200")
+    kind = SimulatedNode(pct=host.node.pct, root=str(root), backend_choice="directory")
+    node = dataclasses.replace(host.node, kind=kind)
+    defaults = kind.target_defaults(CTID + 1)
+    target = dataclasses.replace(host, name="host521", node=node, ctid=CTID + 1, base_dir=defaults["base_dir"],
+                                 python=defaults["python"], gpus=(0, 1))
+    request = Request(gpus="all", device=DeviceAccess(gid=44, mode="0660"), features="nesting=1", boot_unit="install")
+    transport = SSHTransport(node)
+    try:
+        c = Container(target, transport)
+        done = provision(c, request, yes=True, say=lambda line: None)
+        assert any(change.endswith("add `root:44:1` to /etc/subgid") for change in done.changes), done.changes
+        config = SimNode(root).conf(str(CTID + 1)).read_text()
+        assert "dev0: /dev/nvidia0,gid=44,mode=0660" in config and "features: nesting=1" in config
+        assert "lxc.idmap: g 44 44 1" in config
+        assert "root:44:1\n" in (root / "node" / "etc" / "subgid").read_text()
+        units = root / "node" / "etc" / "systemd" / "system"
+        assert (units / "multi-user.target.wants" / "dflash-ops-nvidia-devices.service").is_symlink()
+        assert provision(c, request, yes=True, say=lambda line: None).changes == []
+    finally:
+        transport.close()
+        SimNode(root).set_state(str(CTID + 1), "stopped")

@@ -245,22 +245,78 @@ class Failed(Exception):
         self.retry = retry
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """(the URL without its `user:token@`, the Authorization header value for it, or None). A
+    webhook URL's user info is sent as HTTP Basic authentication, as curl does; urllib sent it to
+    nobody (the request failed on the host name, or went out without it) (issue 55)."""
+    import base64
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, token = userinfo.partition(":")
+    secret = "%s:%s" % (urllib.parse.unquote(user), urllib.parse.unquote(token))
+    bare = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    return bare, "Basic " + base64.b64encode(secret.encode("utf-8")).decode("ascii")
+
+
+class _Deadline(Exception):
+    pass
+
+
+def _time_up(_signum: int, _frame: object) -> None:
+    raise _Deadline()
+
+
 def post(url: str, event: dict, timeout: float = TIMEOUT_S) -> None:
-    """POST the event as JSON; Failed on anything but a 2xx answer."""
+    """POST the event as JSON; Failed on anything but a 2xx answer. A redirect is not followed
+    (urllib turned a redirected POST into a GET without the event, or refused a 307/308, and a 2xx
+    of that counted as delivered): it fails, naming where it points, so the URL is fixed. The whole
+    attempt (connect, answer, body) has `timeout` in all: a receiver that trickles bytes no longer
+    holds the deliverer (the deliverer is its own single-threaded process: SIGALRM is its own)."""
+    import signal
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, data=json.dumps(event, sort_keys=True).encode(), method="POST", headers={
-        "Content-Type": "application/json", "Idempotency-Key": event["id"], "User-Agent": "dflash-ops-notify/1"})
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+            raise Failed("HTTP %d: redirected to %s; give the webhook's final URL (a redirect is not followed)"
+                         % (code, redact_url(newurl)), retry=False)
+
+    bare, authorization = split_credentials(url)
+    headers = {"Content-Type": "application/json", "Idempotency-Key": event["id"], "User-Agent": "dflash-ops-notify/1"}
+    if authorization:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(bare, data=json.dumps(event, sort_keys=True).encode(), method="POST",
+                                     headers=headers)
+    opener = urllib.request.build_opener(NoRedirect)
+    on_main = signal.getsignal(signal.SIGALRM) is not None and _main_thread()
+    if on_main:
+        previous = signal.signal(signal.SIGALRM, _time_up)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310 (http/https checked)
+        with opener.open(request, timeout=timeout) as answer:  # noqa: S310 (http/https checked)
             answer.read(65536)
+    except _Deadline:
+        raise Failed("no complete answer within %gs" % timeout) from None
     except urllib.error.HTTPError as e:
         raise Failed("HTTP %d %s" % (e.code, e.reason), retry=e.code in (408, 429) or e.code >= 500) from None
     except urllib.error.URLError as e:
         raise Failed("cannot reach: %s" % (e.reason,)) from None
     except (OSError, ValueError) as e:  # timeouts, resets, a bad URL
         raise Failed("%s: %s" % (type(e).__name__, e)) from None
+    finally:
+        if on_main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def run_command(argv: list[str], event: dict, timeout: float = COMMAND_TIMEOUT_S) -> None:

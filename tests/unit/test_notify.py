@@ -144,3 +144,99 @@ def test_a_follower_runs_local_commands_on_the_changes_it_sees(tmp_path):
     failing.see(RunInfo(run_id="r", effective_state="done"))
     failing.wait()
     assert len(errors) == 1 and "done event of r" in errors[0] and "exited 4" in errors[0]
+
+
+class _Receiver:
+    """A webhook receiver on 127.0.0.1 whose answer the test chooses: a redirect, a Basic-auth
+    check, or an answer trickled a byte at a time."""
+
+    def __init__(self, mode: str) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[tuple[str, dict, bytes]] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.requests.append((self.path, dict(self.headers), body))
+                self._answer()
+
+            def do_GET(self) -> None:  # noqa: N802 - where urllib sent a redirected POST, without its body
+                receiver.requests.append((self.path, dict(self.headers), b""))
+                self.send_response(200)
+                self.end_headers()
+
+            def _answer(self) -> None:
+                import time
+
+                if mode == "redirect" and self.path == "/old":
+                    self.send_response(302)
+                    self.send_header("Location", "/new")
+                    self.end_headers()
+                elif mode == "trickle":
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    try:
+                        for _ in range(60):
+                            self.wfile.write(b"X-Slow: 1\r\n")
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    except OSError:
+                        pass  # the deliverer gave up
+                else:
+                    self.send_response(200)
+                    self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = "127.0.0.1:%d" % self.server.server_address[1]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_webhook_behind_a_redirect_is_not_counted_as_delivered():
+    """urllib turned the redirected POST into a GET without the event, the GET answered 200, and
+    the delivery counted as done (issue 55): a redirect is a failure naming where it points."""
+    r = _Receiver("redirect")
+    try:
+        failures: list[dict] = []
+        event = notify.make_event("r1", "t", "done")
+        spec = {"target": "t", "webhooks": [f"http://{r.base}/old"], "commands": []}
+        assert notify.deliver(spec, event, failures.append, sleep=lambda _s: None) is False
+        assert [p for p, _h, _b in r.requests] == ["/old"]  # no GET to /new
+        assert failures[-1]["event"] == "notify_gave_up" and "redirected to http://127.0.0.1" in failures[-1]["error"]
+    finally:
+        r.close()
+
+
+def test_user_and_token_in_a_webhook_url_are_sent_as_basic_authentication():
+    import base64
+
+    r = _Receiver("ok")
+    try:
+        event = notify.make_event("r1", "t", "done")
+        spec = {"target": "t", "webhooks": [f"http://hook:s3cret%40x@{r.base}/in"], "commands": []}
+        assert notify.deliver(spec, event, lambda _f: None, sleep=lambda _s: None) is True
+        (path, headers, body), = r.requests
+        assert path == "/in" and json.loads(body)["id"] == event["id"]
+        assert headers["Authorization"] == "Basic " + base64.b64encode(b"hook:s3cret@x").decode()
+    finally:
+        r.close()
+
+
+def test_a_trickling_webhook_is_given_up_on_at_the_attempts_deadline():
+    """An answer trickled a header every 0.1 s never hit the per-read timeout and held the
+    deliverer (and every event behind it) for as long as it trickled: each attempt has a deadline."""
+    r = _Receiver("trickle")
+    try:
+        # (without a deadline the 6 s trickle ends in a dropped connection, another message)
+        with pytest.raises(notify.Failed, match="no complete answer within 1s"):
+            notify.post(f"http://{r.base}/in", notify.make_event("r1", "t", "done"), timeout=1.0)
+    finally:
+        r.close()

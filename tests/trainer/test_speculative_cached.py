@@ -140,9 +140,10 @@ def test_static_equals_dynamic_on_a_llama_target(llama3_model_dir):
 def test_a_round_is_cut_after_a_stop_token_and_at_max_new_tokens():
     """The one round cut every decoder applies (Generation.add_round)."""
     g = Generation([1], [], [])
-    assert g.add_round([2, 3], 1, stop_ids={9}, max_new_tokens=10)
-    assert not g.add_round([4, 9, 5], 2, stop_ids={9}, max_new_tokens=10)  # cut after the stop token
+    assert g.add_round([2, 3], 1, stop_ids={9}, max_new_tokens=10, drafts=[2, 7, 7])
+    assert not g.add_round([4, 9, 5], 2, stop_ids={9}, max_new_tokens=10, drafts=[4, 9, 6])  # cut after the stop
     assert (g.tokens, g.acceptance_lengths, g.accepted) == ([1, 2, 3, 4, 9], [2, 2], [1, 2])
+    assert g.expected_lengths == [2.0, 2.0]  # the greedy expected length is the produced length
     h = Generation([1], [], [])
-    assert not h.add_round([2, 3, 4], 3, stop_ids=set(), max_new_tokens=3)  # cut at max_new_tokens
-    assert (h.tokens, h.acceptance_lengths, h.accepted) == ([1, 2, 3], [2], [3])
+    assert not h.add_round([2, 3, 4], 3, stop_ids=set(), max_new_tokens=3, drafts=[2, 3, 4])  # cut at max_new_tokens
+    assert (h.tokens, h.acceptance_lengths, h.accepted, h.expected_lengths) == ([1, 2, 3], [2], [3], [2.0])

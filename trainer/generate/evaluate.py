@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with target + drafter, reporting the mean acceptance length τ.
+"""Speculative decoding with target + drafter, greedy or sampled, reporting the mean acceptance length τ.
 
 This is the inference path, written independently of the training forward: one block is
 drafted in a single `draft_block` call after the context of all accepted tokens, the target
@@ -15,40 +15,50 @@ import torch
 
 from trainer.data.chat import template_kwargs_for
 from trainer.data.turns import TurnMode, turn_prompts
+from trainer.generate.sampling import GREEDY, Noise, Sampling, propose_sampled, sample_next, verify
 from trainer.generate.speculative import Generation
-from trainer.models.drafter import DFlashDrafter, propose
+from trainer.models.drafter import DFlashDrafter
 from trainer.models.target import FrozenHead
 
 
 def _target_pass(target: torch.nn.Module, ids: list[int], device: torch.device | str,
-                 layer_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+                 layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits [T, V] over ids and the drafter's features of them [1, T, n*H]."""
     x = torch.tensor([ids], device=device)
     out = target(input_ids=x, output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    return out.logits[0].argmax(dim=-1).tolist(), feats
+    return out.logits[0], feats
 
 
 @torch.no_grad()
 def speculative_generate(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompt: list[int],
-                         max_new_tokens: int, stop_ids: set[int]) -> Generation:
+                         max_new_tokens: int, stop_ids: set[int], sampling: Sampling = GREEDY,
+                         stream: int = 0) -> Generation:
+    """The uncached reference: one prompt, the target re-run on the whole sequence every round;
+    sampling (trainer.generate.sampling) as the engine samples, with the noise of `stream`."""
     c = drafter.config
     tdev = next(target.parameters()).device
     ddev = head.embed_weight.device
-    greedy, feats = _target_pass(target, prompt, tdev, c.target_layer_ids)
-    seq = list(prompt) + [greedy[-1]]
-    g = Generation([greedy[-1]], [], [])
+    noise = Noise.of(sampling.seed, [stream], tdev)
+    logits, feats = _target_pass(target, prompt, tdev, c.target_layer_ids)
+    first = int(sample_next(logits[-1:], sampling, noise, torch.tensor([len(prompt)], device=tdev))[0])
+    seq = list(prompt) + [first]
+    g = Generation([first], [], [])
     going = not (seq[-1] in stop_ids or max_new_tokens <= 1)
+    offsets = torch.arange(c.block_size, device=ddev)
     while going:
         start = len(seq) - 1  # the anchor: last accepted token, whose features are not needed
         block = torch.tensor([[seq[start]] + [c.mask_token_id] * (c.block_size - 1)], device=ddev)
         hidden = drafter.draft_block(feats[:, :start].to(ddev), drafter.embed_block(head.embed, block), start)
-        drafts = propose(drafter, head.logits, hidden[:, 1:], block[:, 0])[0].tolist()
-        greedy, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
-        posterior = greedy[start:]  # posterior[i] = target's choice for position start+i+1
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
-            accepted += 1
-        going = g.add_round(drafts[:accepted] + [posterior[accepted]], accepted, stop_ids, max_new_tokens)
+        drafted, proposal = propose_sampled(drafter, head.logits, hidden[:, 1:], block[:, 0], sampling,
+                                            noise.to(ddev), (start + offsets[1:])[None])
+        drafts = drafted[0].tolist()
+        logits, feats = _target_pass(target, seq + drafts, tdev, c.target_layer_ids)
+        verdict = verify(logits[None, start:], drafted.to(tdev), sampling, noise, torch.tensor([start], device=tdev),
+                         None if proposal is None else proposal.to(tdev))
+        accepted = int(verdict.accepted[0])
+        going = g.add_round(drafts[:accepted] + [int(verdict.token[0])], accepted, stop_ids, max_new_tokens,
+                            drafts, verdict.probs[0].tolist())
         seq = list(prompt) + g.tokens
     return g
 
@@ -84,20 +94,28 @@ def generation_prompt_ids(tokenizer: Any, before: list[dict], template_kwargs: d
 
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                       conversations: list[dict], max_new_tokens: int, batch: int = 16,
-                      template_kwargs: dict | None = None, baseline: bool = True, turns: TurnMode = "last") -> dict:
-    """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once.
+                      template_kwargs: dict | None = None, baseline: bool = True, turns: TurnMode = "last",
+                      sampling: Sampling = GREEDY) -> dict:
+    """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once,
+    at `sampling` (greedy by default; trainer.generate.sampling: the engine's sampling and accept rule,
+    prompt i decoded with noise stream i, so a prompt's figures do not depend on its batch).
 
     tau: pooled, total produced tokens / verification rounds; tau_per_prompt: the mean of each
     prompt's own τ (what the DFlash authors' benchmark reports); histogram[k]: rounds that
     produced k + 1 tokens (k drafts accepted, then the target's own token); acceptance[k-1]: the
     share of rounds that accepted draft position k (`position_acceptance`); prompt_tokens: the
     prompts' length in tokens, rendered with `template_kwargs` (the data config's).
+    tau_expected, tau_expected_per_prompt, acceptance_expected: the same from each round's expected
+    length (its drafts scored by the target's probabilities, trainer.generate.sampling.reach: no
+    sampling noise within a round); at T = 0 equal to tau, tau_per_prompt and acceptance.
+    temperature, top_p, top_k, sampling: the settings (sampling: their label).
 
     baseline: also decode the same prompts with n-gram prompt lookup (trainer.generate.lookup: no
-    training, what vLLM and SGLang ship), the same target and verification: tau_lookup,
-    tau_lookup_per_prompt, lookup_rounds, lookup_histogram, tau_ratio = tau / tau_lookup (what the
-    drafter's training bought), and lookup_same_output (both decodings gave the same tokens, as
-    greedy verification must); tau_by_length: the same per prompt-length bucket (tau_by_length).
+    training, what vLLM and SGLang ship), the same target, sampling and verification: tau_lookup,
+    tau_lookup_per_prompt, tau_lookup_expected, lookup_rounds, lookup_histogram, tau_ratio = tau /
+    tau_lookup (what the drafter's training bought), and lookup_same_output (greedy: both decodings
+    gave the same tokens, as greedy verification must; None at a temperature); tau_by_length: the
+    same per prompt-length bucket (tau_by_length).
 
     turns: where each conversation is judged (trainer.data.turns): at its last assistant turn, or at
     every one (agent conversations: after each tool result); prompts: how many were decoded; with
@@ -114,28 +132,55 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * drafter.config.block_size)
     try:
         generations = [g for i, j in groups
-                       for g in speculative_generate_cached(target, drafter, head, prompts[i:j],
-                                                            max_new_tokens, stop_ids)]
+                       for g in speculative_generate_cached(target, drafter, head, prompts[i:j], max_new_tokens,
+                                                            stop_ids, sampling=sampling, streams=list(range(i, j)))]
     finally:
         drafter.train(was_training)
     block_size = drafter.config.block_size
     report = {**_tau(generations, block_size), "samples": len(conversations), "prompts": len(prompts),
-              "prompt_tokens": sum(len(p) for p in prompts)}
+              "prompt_tokens": sum(len(p) for p in prompts), **settings(sampling)}
     looked = None
     if baseline:
         from trainer.generate.lookup import lookup_generate
 
         looked = [g for i, j in groups
-                  for g in lookup_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size)]
+                  for g in lookup_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size,
+                                           sampling=sampling, streams=list(range(i, j)))]
         lookup = _tau(looked, block_size)
         report.update(tau_lookup=lookup["tau"], tau_lookup_per_prompt=lookup["tau_per_prompt"],
-                      lookup_rounds=lookup["rounds"], lookup_histogram=lookup["histogram"],
+                      tau_lookup_expected=lookup["tau_expected"], lookup_rounds=lookup["rounds"],
+                      lookup_histogram=lookup["histogram"],
                       tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
-                      lookup_same_output=[g.tokens for g in looked] == [g.tokens for g in generations])
+                      lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
+                                          if sampling.greedy else None))
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
     if len(chosen) > len({t.conversation for t in chosen}):
         report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)
     return report
+
+
+def settings(sampling: Sampling) -> dict:
+    """A report's record of its sampling settings."""
+    return {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "sampling": sampling.label()}
+
+
+def temperature_label(temperature: float) -> str:
+    """How reports key a temperature: "0", "0.7", "1"."""
+    return f"{float(temperature):g}"
+
+
+def temperature_reports(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
+                        conversations: list[dict], max_new_tokens: int, temperatures: list[float],
+                        base: Sampling = GREEDY, **kwargs: Any) -> dict:
+    """`acceptance_report` at each temperature (top_p, top_k, seed and draft sampling of `base`):
+    the first temperature's report, with "temperatures": {temperature_label(t): the report at t}
+    for all of them (the first included)."""
+    reports = {temperature_label(t): acceptance_report(target, drafter, head, tokenizer, conversations,
+                                                       max_new_tokens, sampling=base.at(t), **kwargs)
+               for t in temperatures}
+    first = reports[temperature_label(temperatures[0])]
+    return {**first, "temperatures": reports}
 
 
 PREFILL_MASK_ELEMENTS = 1 << 31  # a decode batch's prefill mask [rows, longest, slots] holds at most this many booleans
@@ -161,9 +206,10 @@ def decode_batches(lengths: list[int], batch: int, extra_slots: int,
 
 
 def tau_by_length(prompts: list[list[int]], generations: list, looked: list | None, block_size: int) -> dict:
-    """Pooled τ (and the lookup baseline's, when it ran) per prompt-length bucket
-    (trainer.run.contract.PROMPT_LENGTH_BUCKETS), only the buckets that hold prompts:
-    {bucket: {"prompts", "prompt_tokens", "tau", "tau_lookup", "tau_ratio"}}."""
+    """Pooled τ, sampled and expected (and the lookup baseline's, when it ran) per prompt-length
+    bucket (trainer.run.contract.PROMPT_LENGTH_BUCKETS), only the buckets that hold prompts:
+    {bucket: {"prompts", "prompt_tokens", "tau", "tau_expected", "tau_lookup", "tau_lookup_expected",
+    "tau_ratio"}}."""
     from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
 
     return _tau_by([length_bucket(len(p)) for p in prompts], [name for name, _ in PROMPT_LENGTH_BUCKETS], prompts,
@@ -180,7 +226,8 @@ def tau_by_turn(turns: list[int], prompts: list[list[int]], generations: list, l
 
 def _tau_by(keys: list[str], order: list[str], prompts: list[list[int]], generations: list, looked: list | None,
             block_size: int) -> dict:
-    """{key: {"prompts", "prompt_tokens", "tau", "tau_lookup", "tau_ratio"}} over the prompts of each key, in `order`."""
+    """{key: {"prompts", "prompt_tokens", "tau", "tau_expected", "tau_lookup", "tau_lookup_expected", "tau_ratio"}}
+    over the prompts of each key, in `order`."""
     members: dict[str, list[int]] = {}
     for i, key in enumerate(keys):
         members.setdefault(key, []).append(i)
@@ -189,23 +236,34 @@ def _tau_by(keys: list[str], order: list[str], prompts: list[list[int]], generat
         if name not in members:
             continue
         idx = members[name]
-        tau = _tau([generations[i] for i in idx], block_size)["tau"]
-        lookup = _tau([looked[i] for i in idx], block_size)["tau"] if looked is not None else None
-        out[name] = {"prompts": len(idx), "prompt_tokens": sum(len(prompts[i]) for i in idx), "tau": tau,
-                     "tau_lookup": lookup, "tau_ratio": tau / lookup if lookup else None}
+        mine = _tau([generations[i] for i in idx], block_size)
+        lookup = _tau([looked[i] for i in idx], block_size) if looked is not None else None
+        tau_lookup = lookup["tau"] if lookup else None
+        out[name] = {"prompts": len(idx), "prompt_tokens": sum(len(prompts[i]) for i in idx), "tau": mine["tau"],
+                     "tau_expected": mine["tau_expected"], "tau_lookup": tau_lookup,
+                     "tau_lookup_expected": lookup["tau_expected"] if lookup else None,
+                     "tau_ratio": mine["tau"] / tau_lookup if tau_lookup else None}
     return out
 
 
 def _tau(generations: list, block_size: int) -> dict:
-    """Pooled and per-prompt τ, histogram and rounds of some decodings (see acceptance_report)."""
+    """Pooled and per-prompt τ, sampled and expected, histogram, position acceptance and rounds of
+    some decodings (see acceptance_report)."""
     rounds = [n for g in generations for n in g.acceptance_lengths]
     per_prompt = [sum(g.acceptance_lengths) / len(g.acceptance_lengths) for g in generations if g.acceptance_lengths]
     histogram = [0] * block_size
     for n in rounds:
         histogram[n - 1] += 1
+    reach = [r + [0.0] * (block_size - 1 - len(r)) for g in generations for r in g.reach]  # lookup: short rounds
+    expected = [1.0 + sum(r) for r in reach]
+    expected_per_prompt = [sum(g.expected_lengths) / len(g.reach) for g in generations if g.reach]
     return {"tau": sum(rounds) / len(rounds) if rounds else 0.0,
             "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
-            "histogram": histogram, "rounds": len(rounds), "acceptance": position_acceptance(histogram)}
+            "histogram": histogram, "rounds": len(rounds), "acceptance": position_acceptance(histogram),
+            "tau_expected": sum(expected) / len(expected) if expected else 0.0,
+            "tau_expected_per_prompt": (sum(expected_per_prompt) / len(expected_per_prompt)
+                                        if expected_per_prompt else 0.0),
+            "acceptance_expected": [sum(r[k] for r in reach) / max(len(reach), 1) for k in range(block_size - 1)]}
 
 
 def position_acceptance(histogram: list[int]) -> list[float]:

@@ -4,9 +4,10 @@ What vLLM (`method: ngram`) and SGLang ship and what costs no GPU hour: the last
 sequence (prompt + generated), else the last 2, else the last 1, are looked up at their earliest
 occurrence in the sequence (vLLM's rule: the longest n-gram, its earliest position); the up to `block_size - 1` tokens that followed it are the
 drafts. The target verifies them exactly as it verifies a DFlash block (greedy: the matching
-prefix plus the target's own next token are kept), so the output is the target's greedy output
-and τ (tokens per verification round) is directly comparable with the drafter's. A round with no
-match verifies the anchor alone and produces one token.
+prefix plus the target's own next token are kept, so the output is the target's greedy output; at
+a temperature: the engine's rule for argmax proposals, trainer.generate.sampling, vLLM's
+`draft_probs is None`), and τ (tokens per verification round) is directly comparable with the
+drafter's. A round with no match verifies the anchor alone and produces one token.
 
 The target runs through the one target decoder (`trainer.models.decoder`) on a slot-addressed
 KV cache, the whole batch at once, each round a fixed [B, block_size] verification (rows with
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from trainer.generate.sampling import GREEDY, Noise, Sampling, sample_next, verify
 from trainer.generate.speculative import Generation
 from trainer.models import decoder
 
@@ -39,10 +41,13 @@ def lookup_drafts(seq: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> l
 
 @torch.no_grad()
 def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                    block_size: int) -> list[Generation]:
-    """Greedy decoding of every prompt with n-gram prompt lookup drafts (see the module doc)."""
+                    block_size: int, sampling: Sampling = GREEDY, streams: list[int] | None = None) -> list[Generation]:
+    """Decoding of every prompt with n-gram prompt lookup drafts (see the module doc); sampling and
+    streams as trainer.generate.speculative.speculative_generate_cached."""
+    streams = list(range(len(prompts))) if streams is None else list(streams)
     if not decoder.supports(target) or len({p.device for p in target.parameters()}) != 1:
-        return [_lookup_uncached(target, p, max_new_tokens, stop_ids, block_size) for p in prompts]
+        return [_lookup_uncached(target, p, max_new_tokens, stop_ids, block_size, sampling, stream)
+                for p, stream in zip(prompts, streams, strict=True)]
     d = decoder.TargetDecoder(target)
     dev, bs, n = d.device, block_size, len(prompts)
     longest = max(len(p) for p in prompts)
@@ -59,7 +64,8 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
     visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
         torch.eye(longest, dtype=torch.bool, device=dev)
     logits, _ = d.forward(ids, positions, cache, index, visible, last_only=True, expand_kv=dev.type == "cuda")
-    first = logits[:, -1].argmax(dim=-1).tolist()
+    noise = Noise.of(sampling.seed, streams, dev)
+    first = sample_next(logits[:, -1], sampling, noise, torch.tensor([len(p) for p in prompts], device=dev)).tolist()
     valid = torch.zeros(n, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
     valid[:, :longest] = key_valid
     results = [Generation([first[r]], [], []) for r in range(n)]
@@ -87,15 +93,14 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
         in_block = (slot[None, :] >= used) & (slot[None, :] <= slots[:, None])  # [bs, capacity]
         context = valid & (slot < used)
         logits, _ = d.forward(block, anchor_pos[:, None] + offsets, cache, slots, context[:, None, :] | in_block[None])
-        target_tokens = logits.argmax(dim=-1)
-        matched = (block[:, 1:] == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-        accepted = torch.minimum(matched, counts)
-        acc, tt = accepted.tolist(), target_tokens.tolist()
+        verdict = verify(logits, block[:, 1:], sampling, noise, anchor_pos, valid=offsets[None, :-1] < counts[:, None])
+        accepted = verdict.accepted
+        acc, own, probs = accepted.tolist(), verdict.token.tolist(), verdict.probs.tolist()
         still = []
         for r in live:
             a = acc[r]
-            new = drafts[r][:a] + [tt[r][a]]
-            if results[r].add_round(new, a, stop_ids, max_new_tokens):
+            new = drafts[r][:a] + [own[r]]
+            if results[r].add_round(new, a, stop_ids, max_new_tokens, drafts[r], probs[r][:len(drafts[r])]):
                 still.append(r)
             seqs[r] += new
         valid[:, used:used + bs] = offsets[None, :] <= accepted[:, None]
@@ -105,23 +110,28 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
 
 
 def _lookup_uncached(target: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
-                     block_size: int) -> Generation:
+                     block_size: int, sampling: Sampling = GREEDY, stream: int = 0) -> Generation:
     """The same rounds with the target re-run on the whole sequence (any causal LM)."""
     dev = next(target.parameters()).device
+    noise = Noise.of(sampling.seed, [stream], dev)
 
-    def greedy_after(ids: list[int]) -> list[int]:
-        return target(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits[0].argmax(dim=-1).tolist()
+    def logits_of(ids: list[int]) -> torch.Tensor:
+        return target(input_ids=torch.tensor([ids], device=dev), use_cache=False).logits
 
-    seq = list(prompt) + [greedy_after(prompt)[-1]]
-    g = Generation([seq[-1]], [], [])
+    first = int(sample_next(logits_of(prompt)[:, -1], sampling, noise, torch.tensor([len(prompt)], device=dev))[0])
+    seq = list(prompt) + [first]
+    g = Generation([first], [], [])
     going = not (seq[-1] in stop_ids or max_new_tokens <= 1)
     while going:
         drafts = lookup_drafts(seq, block_size - 1)
-        posterior = greedy_after(seq + drafts)[len(seq) - 1:]
-        a = 0
-        while a < len(drafts) and drafts[a] == posterior[a]:
-            a += 1
-        new = drafts[:a] + [posterior[a]]
-        going = g.add_round(new, a, stop_ids, max_new_tokens)
+        logits = logits_of(seq + drafts)[:, len(seq) - 1:]
+        padded = torch.tensor([drafts + [0] * (block_size - 1 - len(drafts))], device=dev)
+        if len(drafts) < block_size - 1:  # a fixed-shape block, as the cached decoder verifies
+            logits = torch.cat([logits, logits[:, -1:].expand(1, block_size - 1 - len(drafts), -1)], dim=1)
+        valid = torch.arange(block_size - 1, device=dev)[None] < len(drafts)
+        verdict = verify(logits, padded, sampling, noise, torch.tensor([len(seq) - 1], device=dev), valid=valid)
+        a = int(verdict.accepted[0])
+        new = drafts[:a] + [int(verdict.token[0])]
+        going = g.add_round(new, a, stop_ids, max_new_tokens, drafts, verdict.probs[0, :len(drafts)].tolist())
         seq += new
     return g

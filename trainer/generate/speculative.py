@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with KV caches for target and drafter, many prompts at once.
+"""Speculative decoding with KV caches for target and drafter, many prompts at once, greedy or sampled.
 
 Same algorithm and result as the uncached reference (`trainer.generate.evaluate.speculative_generate`),
 which re-runs the target on the whole sequence every round; here each round feeds only the
@@ -40,25 +40,38 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from trainer.generate.sampling import GREEDY, Noise, Sampling, propose_sampled, reach, sample_next, verify
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
-from trainer.models.drafter import Attention, DFlashDrafter, _rotate, propose, rope_cos_sin, serving_attention
+from trainer.models.drafter import Attention, DFlashDrafter, _rotate, rope_cos_sin, serving_attention
 from trainer.models.hf import hf_config
 from trainer.models.target import FrozenHead
 
 
 @dataclass
 class Generation:
-    """One prompt's greedy decoding, round by round: what every decoder here returns (the cached
-    ones, the uncached reference `trainer.generate.evaluate.speculative_generate`, n-gram lookup)."""
+    """One prompt's speculative decoding, round by round: what every decoder here returns (the cached
+    ones, the uncached reference `trainer.generate.evaluate.speculative_generate`, n-gram lookup),
+    greedy or sampled (trainer.generate.sampling)."""
 
     tokens: list[int]  # generated tokens (prompt excluded)
     acceptance_lengths: list[int]  # tokens produced per verification round (accepted drafts + 1)
     accepted: list[int] = field(default_factory=list)  # drafts accepted per round (before any stop cut)
+    # per round, P(the round produces more than k tokens) for k = 1..drafts (trainer.generate.sampling.reach):
+    # the expected length 1 + sum; at T = 0 exactly the produced length
+    reach: list[list[float]] = field(default_factory=list)
 
-    def add_round(self, new: list[int], accepted: int, stop_ids: set[int], max_new_tokens: int) -> bool:
+    def add_round(self, new: list[int], accepted: int, stop_ids: set[int], max_new_tokens: int,
+                  drafts: list[int], probs: list[float] | None = None) -> bool:
         """One verification round's tokens (the accepted drafts, then the target's own), cut after
-        the first stop token and at max_new_tokens; whether the decoding goes on."""
+        the first stop token and at max_new_tokens; drafts: the round's drafts, probs: each one's
+        acceptance probability (None: greedy, 1 for the accepted ones and 0 after); whether the
+        decoding goes on."""
+        if probs is None:
+            probs = [1.0] * accepted + [0.0] * (len(drafts) - accepted)
+        limit = max_new_tokens - len(self.tokens)
+        limit = min([limit] + [j for j, tok in enumerate(drafts, start=1) if tok in stop_ids])
+        self.reach.append(reach(probs, limit))
         for j, tok in enumerate(new):
             if tok in stop_ids:
                 new = new[: j + 1]
@@ -68,6 +81,11 @@ class Generation:
         self.acceptance_lengths.append(len(new))
         self.accepted.append(accepted)
         return not (self.tokens[-1] in stop_ids or len(self.tokens) >= max_new_tokens)
+
+    @property
+    def expected_lengths(self) -> list[float]:
+        """Each round's expected length, 1 + sum of its reach."""
+        return [1.0 + sum(r) for r in self.reach]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -173,12 +191,13 @@ class _StaticRounds:
     """The fixed buffers and the fixed-shape round of the static implementation."""
 
     def __init__(self, target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, batch: int, capacity: int,
-                 ddtype: torch.dtype) -> None:
-        self.drafter, self.head = drafter, head
+                 ddtype: torch.dtype, sampling: Sampling, streams: list[int]) -> None:
+        self.drafter, self.head, self.sampling = drafter, head, sampling
         self.decoder = decoder.TargetDecoder(target)
         c = drafter.config
         self.bs, self.layer_ids, self.capacity, self.ddtype = c.block_size, list(c.target_layer_ids), capacity, ddtype
         dev = self.dev = self.decoder.device
+        self.noise = Noise.of(sampling.seed, streams, dev)
         self.target_cache = self.decoder.cache(batch, capacity)
         self.drafter_cache = decoder.KVCache(len(drafter.layers), batch, c.num_key_value_heads, capacity, c.head_dim,
                                              dev, ddtype)
@@ -234,37 +253,40 @@ class _StaticRounds:
                                         expand_kv=dev.type == "cuda")  # long prompts: no score matrix
         self._context(features, positions, index)
         self.valid[:, :longest] = key_valid
-        first = logits[:, -1].argmax(dim=-1)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        first = sample_next(logits[:, -1], self.sampling, self.noise, lengths)
         self.anchor_token.copy_(first)
-        self.anchor_pos.copy_(torch.tensor([len(p) for p in prompts], device=dev))
+        self.anchor_pos.copy_(lengths)
         return first.tolist()
 
-    def round(self) -> torch.Tensor:
-        """One round at write pointer `start`: [B, 2*bs] = drafts (bs-1) | target tokens (bs) | accepted drafts.
-        Fixed shapes, no host sync, writes only slots start..start+bs-1: what a CUDA graph captures
-        (the target cache's snapshot/restore hooks included)."""
+    def round(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round at write pointer `start`: ([B, bs + 1] = drafts (bs-1) | the round's own token |
+        accepted drafts, [B, bs-1] each draft's acceptance probability). Fixed shapes, no host sync,
+        writes only slots start..start+bs-1: what a CUDA graph captures (the target cache's
+        snapshot/restore hooks included; the noise is a function of its inputs)."""
         slots = self.start + self.offsets
         positions = self.anchor_pos[:, None] + self.offsets
         context = self.valid & (self.slot < self.start)  # [B, capacity]: accepted entries before the block
         block = torch.cat([self.anchor_token[:, None], self.masks], dim=1)
-        drafts = propose(self.drafter, self.head.logits, self._draft(block, positions, context)[:, 1:],
-                         self.anchor_token).to(block.device)
+        drafts, proposal = propose_sampled(self.drafter, self.head.logits, self._draft(block, positions, context)[:, 1:],
+                                           self.anchor_token, self.sampling, self.noise, positions[:, 1:])
+        drafts = drafts.to(block.device)
         in_block = (self.slot[None, :] >= self.start) & (self.slot[None, :] <= slots[:, None])  # [bs, capacity]
         snapshot = self.target_cache.snapshot()
         logits, features = self._target(torch.cat([block[:, :1], drafts], dim=1), positions, slots,
                                         context[:, None, :] | in_block[None], last_only=False)
-        target_tokens = logits.argmax(dim=-1)
-        accepted = (drafts == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        verdict = verify(logits, drafts, self.sampling, self.noise, self.anchor_pos, proposal)
+        accepted = verdict.accepted
         self.target_cache.restore(snapshot, accepted)
         self._context(features, positions, slots)
-        return torch.cat([drafts, target_tokens, accepted[:, None]], dim=1)
+        return torch.cat([drafts, verdict.token[:, None], accepted[:, None]], dim=1), verdict.probs
 
     def advance(self, start: int, result: torch.Tensor) -> None:
         """After a round at `start`: the block's accepted slots become context; the next anchors."""
         bs = self.bs
         accepted = result[:, -1]
         self.valid[:, start:start + bs] = self.offsets[None, :] <= accepted[:, None]
-        self.anchor_token.copy_(result[:, bs - 1:2 * bs - 1].gather(1, accepted[:, None])[:, 0])
+        self.anchor_token.copy_(result[:, bs - 1])
         self.anchor_pos += accepted + 1
 
     def compact(self, live: list[int], used: int) -> int:
@@ -283,7 +305,7 @@ class _StaticRounds:
         self.valid[:, :packed] = self.slot[None, :packed] < counts[:, None]
         return packed
 
-    def capture(self) -> Callable[[], torch.Tensor]:
+    def capture(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The round as a CUDA graph (warmed on a side stream first); returns a replaying callable."""
         stream = torch.cuda.Stream(self.dev)
         stream.wait_stream(torch.cuda.current_stream(self.dev))
@@ -295,7 +317,7 @@ class _StaticRounds:
         with torch.cuda.graph(graph):
             out = self.round()
 
-        def replay() -> torch.Tensor:
+        def replay() -> tuple[torch.Tensor, torch.Tensor]:
             graph.replay()
             return out
 
@@ -304,14 +326,14 @@ class _StaticRounds:
 
 def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                      max_new_tokens: int, stop_ids: set[int], cuda_graph: bool | None, capacity: int | None,
-                     ddtype: torch.dtype, info: dict) -> list[Generation]:
+                     ddtype: torch.dtype, info: dict, sampling: Sampling, streams: list[int]) -> list[Generation]:
     bs, n = drafter.config.block_size, len(prompts)
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens + bs
     capacity = capacity or -(-(need + 3 * bs) // 16) * 16
     if capacity < need:
         raise ValueError(f"capacity {capacity} < longest prompt + max_new_tokens + block_size = {need}")
-    s = _StaticRounds(target, drafter, head, n, capacity, ddtype)
+    s = _StaticRounds(target, drafter, head, n, capacity, ddtype, sampling, streams)
     first = s.prefill(prompts)
     results = [Generation([first[r]], [], []) for r in range(n)]
     live = [r for r in range(n) if not (first[r] in stop_ids or max_new_tokens <= 1)]
@@ -332,13 +354,13 @@ def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: Froz
                 if cuda_graph:
                     raise
                 info["cuda_graph_error"] = f"{type(exc).__name__}: {exc}"
-        result = step()
-        rows = result.tolist()
+        result, probs = step()
+        rows, row_probs = result.tolist(), probs.tolist()
         still = []
         for r in live:
             row = rows[r]
-            a = row[-1]  # accepted drafts, then the target's own token:
-            if results[r].add_round(row[:a] + [row[bs - 1 + a]], a, stop_ids, max_new_tokens):
+            a = row[-1]  # accepted drafts, then the round's own token:
+            if results[r].add_round(row[:a] + [row[bs - 1]], a, stop_ids, max_new_tokens, row[:bs - 1], row_probs[r]):
                 still.append(r)
         if not still:
             break
@@ -409,7 +431,8 @@ class _HFTarget:
 
 
 def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
-                      max_new_tokens: int, stop_ids: set[int]) -> list[Generation]:
+                      max_new_tokens: int, stop_ids: set[int], sampling: Sampling,
+                      streams: list[int]) -> list[Generation]:
     """The general decoder (any Hugging Face causal LM): a growing `DynamicCache`, rows leave the batch."""
     c = drafter.config
     bs, layer_ids = c.block_size, c.target_layer_ids
@@ -433,7 +456,9 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     mask = (key_valid[:, None, :] & causal) | torch.eye(longest, dtype=torch.bool, device=tdev)[None]
     padded = key_valid if bool((pads > 0).any()) else None  # linear attention: zeroed padding leaves the state at 0
     out = hf.forward(ids, hf.masks(mask, positions, positions, padded), positions, keep=1)
-    first = out.logits[:, -1].argmax(dim=-1).tolist()
+    noise = Noise.of(sampling.seed, streams, tdev)
+    first = sample_next(out.logits[:, -1], sampling, noise,
+                        torch.tensor([len(p) for p in prompts], device=tdev)).tolist()
     dcache = DrafterCache(drafter, n, ddev, ddtype)
     dcache.append(_features(out.hidden_states, layer_ids).to(ddev), positions.to(ddev), key_valid.to(ddev))
 
@@ -445,6 +470,7 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         hf.select(keep)
         key_valid, key_pos = key_valid[keep], key_pos[keep]
         dcache.select(keep.to(ddev))
+        noise = noise.select(keep)
     offsets = torch.arange(bs, device=tdev)
     while rows:
         b = len(rows)
@@ -452,9 +478,11 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         block = torch.full((b, bs), c.mask_token_id, dtype=torch.long, device=ddev)
         block[:, 0] = torch.tensor([results[r].tokens[-1] for r in rows], device=ddev)
         hidden = dcache.draft(drafter.embed_block(head.embed, block), (anchor_pos[:, None] + offsets).to(ddev))
-        drafts = propose(drafter, head.logits, hidden[:, 1:], block[:, 0]).to(tdev)  # [b, bs-1]
+        drafts, proposal = propose_sampled(drafter, head.logits, hidden[:, 1:], block[:, 0], sampling, noise.to(ddev),
+                                           (anchor_pos[:, None] + offsets[1:]).to(ddev))
+        drafts = drafts.to(tdev)  # [b, bs-1]
 
-        verify = torch.cat([block[:, :1].to(tdev), drafts], dim=1)
+        checked = torch.cat([block[:, :1].to(tdev), drafts], dim=1)
         past = key_valid.shape[1]
         q_index = past + offsets
         q_pos = anchor_pos[:, None] + offsets
@@ -464,24 +492,24 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
         if hf.recurrent:  # one position at a time, keeping the linear layers' state after each
             steps = []
             for t in range(bs):
-                steps.append(hf.forward(verify[:, t:t + 1], hf.masks(mask[:, t:t + 1, :past + t + 1], q_pos[:, t:t + 1],
+                steps.append(hf.forward(checked[:, t:t + 1], hf.masks(mask[:, t:t + 1, :past + t + 1], q_pos[:, t:t + 1],
                                                                       all_pos[:, :past + t + 1]),
                                         q_pos[:, t:t + 1], keep=1))
                 hf.states.snapshot()
             logits = torch.cat([s.logits for s in steps], dim=1)
             hidden_states = tuple(torch.cat(h, dim=1) for h in zip(*(s.hidden_states for s in steps)))
         else:
-            out = hf.forward(verify, hf.masks(mask, q_pos, all_pos), q_pos, keep=bs)
+            out = hf.forward(checked, hf.masks(mask, q_pos, all_pos), q_pos, keep=bs)
             logits, hidden_states = out.logits, out.hidden_states
-        posterior = logits.argmax(dim=-1)  # [b, bs]: target's token for position anchor+k+1
-        matches = (drafts == posterior[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # accepted drafts per row
-        accepted = matches.tolist()
-        post, drf = posterior.tolist(), drafts.tolist()
+        verdict = verify(logits, drafts, sampling, noise, anchor_pos, None if proposal is None else proposal.to(tdev))
+        matches = verdict.accepted  # accepted drafts per row
+        accepted, own = matches.tolist(), verdict.token.tolist()
+        drf, probs = drafts.tolist(), verdict.probs.tolist()
 
         still = []
         for i, r in enumerate(rows):
             a = accepted[i]
-            going = results[r].add_round(drf[i][:a] + [post[i][a]], a, stop_ids, max_new_tokens)
+            going = results[r].add_round(drf[i][:a] + [own[i]], a, stop_ids, max_new_tokens, drf[i], probs[i])
             lengths[r] = len(prompts[r]) + len(results[r].tokens)
             if going:
                 still.append(i)
@@ -502,6 +530,7 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
             hf.select(keep)
             key_valid, key_pos = key_valid[keep], key_pos[keep]
             dcache.select(keep.to(ddev))
+            noise = noise.select(keep)
         rows = [rows[i] for i in still]
     return results
 
@@ -510,8 +539,13 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
 def speculative_generate_cached(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, prompts: list[list[int]],
                                 max_new_tokens: int, stop_ids: set[int], *, cuda_graph: bool | None = None,
                                 capacity: int | None = None, implementation: str = "auto",
-                                info: dict | None = None) -> list[Generation]:
-    """Greedy speculative decoding of every prompt (one batch), with KV caches; see the module doc.
+                                info: dict | None = None, sampling: Sampling = GREEDY,
+                                streams: list[int] | None = None) -> list[Generation]:
+    """Speculative decoding of every prompt (one batch), with KV caches; see the module doc.
+
+    sampling: greedy (the default) or the engine's sampling and accept rule (trainer.generate.sampling);
+    streams: each prompt's noise stream (default 0..n-1; give the prompts' indices among all those
+    evaluated, and a prompt decodes the same whatever batch it is in).
 
     implementation: auto (static where `static_supported`, else dynamic) | static | dynamic.
     cuda_graph (static on CUDA): None = capture the round, falling back to eager rounds if capture
@@ -519,12 +553,15 @@ def speculative_generate_cached(target: torch.nn.Module, drafter: DFlashDrafter,
     the longest prompt + max_new_tokens + 4 blocks, rounded up to 16). info, when given, receives
     what ran (implementation, cuda_graph, capacity, compactions)."""
     info = {} if info is None else info
+    streams = list(range(len(prompts))) if streams is None else list(streams)
+    if len(streams) != len(prompts):
+        raise ValueError(f"{len(streams)} noise streams for {len(prompts)} prompts")
     ddev = head.embed_weight.device
     ddtype = torch.get_autocast_dtype(ddev.type) if torch.is_autocast_enabled(ddev.type) else drafter.fc.weight.dtype
     if implementation not in ("auto", "static", "dynamic"):
         raise ValueError(f"implementation must be auto, static or dynamic, not {implementation!r}")
     if implementation == "static" or (implementation == "auto" and static_supported(target, ddev)):
         return _generate_static(target, drafter, head, prompts, max_new_tokens, stop_ids, cuda_graph, capacity,
-                                ddtype, info)
+                                ddtype, info, sampling, streams)
     info.update(implementation="dynamic", cuda_graph=False)
-    return _generate_dynamic(target, drafter, head, prompts, max_new_tokens, stop_ids)
+    return _generate_dynamic(target, drafter, head, prompts, max_new_tokens, stop_ids, sampling, streams)

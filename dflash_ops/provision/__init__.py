@@ -72,6 +72,13 @@ class Request:
     boot_unit: Literal["", "install", "offer"] = ""
     create: bool = True  # doctor --fix repairs; it never creates
 
+    def __post_init__(self) -> None:
+        """Ranges where the values enter (the CLI checks them too): `--shm -1` wrote size=-1G into
+        a running container's config, which then did not start again (issue 55)."""
+        for name, value, low in (("shm_gib", self.shm_gib, 1), ("cores", self.cores, 1), ("memory_mib", self.memory_mib, 16)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}")
+
 
 def default_shm_gib(gpus: tuple[int, ...]) -> int:
     return max(1, math.ceil(len(gpus) / 2))

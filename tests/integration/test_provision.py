@@ -275,3 +275,15 @@ def test_dry_run_of_a_target_not_in_the_inventory_plans_it_and_writes_nothing(no
     assert "# pct create 500 from local:vztmpl/dflash-sim-debian.tar.zst" in out
     assert out.rstrip().splitlines()[-1].startswith("provision host500: 4 changes (would change: pct create 500")
     assert node.read_text() == text and pct(node, "status", "500").returncode == 255
+
+
+@pytest.mark.parametrize("option, value", [("--shm", "-1"), ("--shm", "0"), ("--cores", "0"), ("--memory", "-5")])
+def test_a_size_out_of_range_is_refused_before_anything_is_written(node, option, value):
+    """`provision --shm -1` wrote size=-1G into the container's config and it did not start again
+    (issue 55): the range is checked where the value enters, and nothing is created or written."""
+    refused = cli("provision", "host500", "--inventory", str(node), option, value, "--yes", code=2)
+    assert f"Invalid value for '{option}'" in refused.stderr and "Traceback" not in refused.stderr
+    assert not conf(node).exists()
+    with pytest.raises(ValueError, match=f"{option.lstrip('-').replace('shm', 'shm_gib').replace('memory', 'memory_mib')} "
+                                         "must be an integer of at least"):
+        Request(**{option.lstrip("-").replace("shm", "shm_gib").replace("memory", "memory_mib"): int(value)})

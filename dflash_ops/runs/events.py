@@ -49,6 +49,13 @@ def _by_length(value: Any) -> bool:
         for b in value.values())
 
 
+def _by_temperature(value: Any) -> bool:
+    """An eval's temperatures: {label: {tau, tau_expected, tau_lookup, tau_lookup_expected: number or null, ...}}."""
+    return isinstance(value, dict) and all(
+        isinstance(t, dict) and all(_optional(_number)(t.get(k)) for k in ("tau", "tau_expected", "tau_lookup", "tau_lookup_expected"))
+        for t in value.values())
+
+
 def _str(value: Any) -> bool:
     return isinstance(value, str)
 
@@ -75,6 +82,7 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "histogram": (_list_of(_int), "a list of integers"),
     "tau_by_length": (_by_length, "an object of {prompts: int, tau: number, tau_lookup: number or null} by bucket"),
     "acceptance": (_optional(_list_of(_number)), "a list of numbers or null"),
+    "temperatures": (_by_temperature, "an object of {tau, tau_expected, tau_lookup, ...: number or null} by temperature"),
 }
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from dflash_ops.printable import printable
 from dflash_ops.runs.info import RunInfo
-from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text
+from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text, tau_by_temperature_text
 
 
 def _num(value: Any, spec: str) -> str:
@@ -62,7 +62,9 @@ def metric_line(event: dict[str, Any], total_steps: int | None = None) -> str:
         return (f"eval at step {step}: acceptance length tau {_num(event.get('tau'), '.3f')}{lookup}"
                 f"{acceptance_text(event.get('acceptance'), '  by position ')}"
                 f"  acc {_num(event.get('acc'), '.3f')}  samples {event.get('samples', '-')}"
-                + (f"  by prompt length: {by_length}" if by_length else ""))
+                + (f"  by prompt length: {by_length}" if by_length else "")
+                + (f"  by temperature: {tau_by_temperature_text(event.get('temperatures'))}"
+                   if tau_by_temperature_text(event.get("temperatures")) else ""))
     if kind == "checkpoint":
         request = f" (request {event['request']})" if event.get("request") else ""
         return f"checkpoint at step {step}: {event.get('path')} in {_num(event.get('seconds'), '.1f')}s{request}"
@@ -142,6 +144,8 @@ def status_detail(info: RunInfo) -> list[str]:
         lines.append(f"error ({info.error.get('thread', '?')}): {info.error.get('message')}")
     if tau_by_length_text(info.tau_by_length):
         lines.append(f"tau by prompt length: {tau_by_length_text(info.tau_by_length)}")
+    if tau_by_temperature_text(info.tau_by_temperature):
+        lines.append(f"tau by temperature: {tau_by_temperature_text(info.tau_by_temperature)}")
     if acceptance_text(info.acceptance):
         lines.append(f"accepted by draft position (last eval, tau {_num(info.tau, '.2f')}): "
                      f"{acceptance_text(info.acceptance)}")

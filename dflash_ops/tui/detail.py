@@ -21,7 +21,7 @@ from dflash_ops.runs.report import acceptance_text
 from dflash_ops.tui.model import RunHistory, bar, downsample, fmt_age, fmt_num, sparkline
 from dflash_ops.tui.source import DashSource, GpuSample, RunRow
 from dflash_ops.tui.streams import LineSink, LinkState, follow_forever
-from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text
+from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text, tau_by_temperature_text
 
 LOG_BUFFER = 20_000  # lines kept for filtering and the full log
 LOG_VIEW = 2_000  # lines in the detail's tail
@@ -171,6 +171,9 @@ class RunDetailScreen(Screen):
         by_length = tau_by_length_text(h.tau_by_length)
         if by_length:
             text.append(f"\ntau by prompt length: {by_length}")
+        by_temperature = tau_by_temperature_text(h.tau_by_temperature or (row.status.get("tau_by_temperature") if row else None))
+        if by_temperature:
+            text.append(f"\ntau by temperature: {by_temperature}")
         text.append(f"\nwarm-up: {warm}   recompiles: ")
         text.append(str(recompiles), style="bold red" if recompiles else "")
         ckpts = ", ".join(c.path.rsplit("/", 1)[-1] for c in h.checkpoints[-4:]) or "none"

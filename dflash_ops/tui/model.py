@@ -85,6 +85,7 @@ class RunHistory:
         self.tau_lookup: float | None = None  # n-gram prompt lookup on the same prompts
         self.tau_ratio: float | None = None
         self.tau_by_length: dict | None = None  # {bucket: {prompts, tau, tau_lookup}} (trainer/run/contract.py)
+        self.tau_by_temperature: dict | None = None  # {"0.7": {tau, tau_expected, tau_lookup, ...}} (the eval's temperatures)
         self.acceptance: list | None = None  # share of rounds accepting draft position k = 1.. (last eval)
         self.error: str | None = None
         self.restarts: list[dict] = []  # `restart` events of a run started with --restart
@@ -124,6 +125,7 @@ class RunHistory:
             self.tau = event.get("tau")
             self.tau_lookup, self.tau_ratio = event.get("tau_lookup"), event.get("tau_ratio")
             self.tau_by_length = event.get("tau_by_length")
+            self.tau_by_temperature = event.get("temperatures")
             self.acceptance = event.get("acceptance")
         elif kind == "checkpoint":
             checkpoint = Checkpoint(step, str(event.get("path")), event.get("seconds"), event.get("request"))

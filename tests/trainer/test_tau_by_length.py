@@ -74,3 +74,21 @@ def test_data_report_prints_each_length_bucket_and_what_it_cuts(qwen3_model_dir,
     assert "  <=2K        3 conversations (75.0%); truncated 0 (0.0%), 0 of" in out
     assert f"  2-8K        1 conversations (25.0%); truncated 1 (100.0%), {full - 2048} of {full} tokens cut" in out
     assert "8-32K" not in out.split("by length bucket")[1]
+
+
+def test_tau_by_temperature_in_status_text_events_and_trackers():
+    from dflash_ops.runs.events import BadLine, parse_event
+    from trainer.run.contract import tau_by_temperature, tau_by_temperature_text
+    from trainer.train.trackers import scalars
+
+    reports = {"0": {"tau": 3.0, "tau_expected": 3.0, "tau_lookup": 1.5, "tau_lookup_expected": 1.5, "rounds": 9},
+               "0.7": {"tau": 2.5, "tau_expected": 2.4, "tau_lookup": 1.2, "tau_lookup_expected": None}}
+    assert tau_by_temperature(reports)["0.7"] == {"tau": 2.5, "tau_expected": 2.4, "tau_lookup": 1.2,
+                                                   "tau_lookup_expected": None}
+    assert tau_by_temperature_text(reports) == ("T=0 3.00 (expected 3.00, lookup 1.50); "
+                                                "T=0.7 2.50 (expected 2.40, lookup 1.20)")
+    assert tau_by_temperature_text({"1": {"tau": None}, "x": 3}) == ""  # a reader's view: odd entries left out
+    event = {"event": "eval", "time": 1.0, "step": 4, "tau": 3.0, "temperatures": reports}
+    assert not isinstance(parse_event(json.dumps(event)), BadLine)
+    assert isinstance(parse_event(json.dumps({**event, "temperatures": {"1": {"tau": "high"}}})), BadLine)
+    assert scalars({"eval": event})["eval/temperatures/0.7/tau_expected"] == 2.4

@@ -170,6 +170,12 @@ def temperature_label(temperature: float) -> str:
     return f"{float(temperature):g}"
 
 
+def eval_sampling(e: Any) -> Sampling:
+    """The sampling settings of an eval config section (trainer.run.config.EvalConfig: top_p, top_k,
+    seed, draft_sample_method) at T = 0; temperature_reports sets each temperature."""
+    return Sampling(top_p=e.top_p, top_k=e.top_k, seed=e.seed, draft=e.draft_sample_method)
+
+
 def temperature_reports(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                         conversations: list[dict], max_new_tokens: int, temperatures: list[float],
                         base: Sampling = GREEDY, **kwargs: Any) -> dict:

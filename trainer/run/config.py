@@ -229,6 +229,13 @@ class EvalConfig:
     # where a conversation is judged (trainer.data.turns): its last assistant turn, every one, or auto (every
     # turn of a conversation holding tool results: an agent's answers after each result; the last otherwise)
     turns: Literal["auto", "last", "every"] = "auto"
+    # τ at each temperature, sampled as the engine samples (trainer.generate.sampling; 0: greedy); the first
+    # is the run's τ (status tau, keep_best), each is reported (eval event `temperatures`)
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    top_p: float = 1.0  # the engine's top-p at T > 0 (1: off)
+    top_k: int = 0  # the engine's top-k at T > 0 (0: off)
+    seed: int = 0  # the sampling noise's seed (prompt i draws from stream i: the same figures for any batch)
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"  # vLLM's: argmax drafts, or sampled with q
 
 
 @dataclass
@@ -625,6 +632,13 @@ def _validate_eval(c: TrainerConfig, check: _Check) -> None:
     check(e.samples >= 1, ("eval", "samples"), "must be at least 1")
     check(e.max_new_tokens >= 1, ("eval", "max_new_tokens"), "must be at least 1")
     check(e.batch >= 1, ("eval", "batch"), "must be at least 1")
+    check(bool(e.temperatures), ("eval", "temperatures"), "must name at least one temperature (0: greedy)")
+    check(len(set(e.temperatures)) == len(e.temperatures), ("eval", "temperatures"), "names a temperature twice")
+    for i, t in enumerate(e.temperatures):
+        check(0 <= t <= 100, ("eval", "temperatures"), f"[{i}] must be in [0, 100], got {t}")
+    check(0 < e.top_p <= 1, ("eval", "top_p"), "must be in (0, 1] (1: off)")
+    check(e.top_k >= 0, ("eval", "top_k"), "must be at least 0 (0: off)")
+    check(0 <= e.seed < 2**32, ("eval", "seed"), "must be in 0..2**32-1")
 
 
 def _validate_pipeline(c: TrainerConfig, check: _Check) -> None:

@@ -40,6 +40,7 @@ STATUS_FIELDS = (
     ("tau_lookup", float),  # n-gram prompt lookup's tau on the same prompts
     ("tau_ratio", float),  # tau / tau_lookup
     ("tau_by_length", dict),  # {bucket: {prompts, tau, tau_lookup}} per PROMPT_LENGTH_BUCKETS, buckets with prompts
+    ("tau_by_temperature", dict),  # {"0.7": {tau, tau_expected, tau_lookup, tau_lookup_expected}} per eval.temperatures
     ("acceptance", list),  # the last evaluation's share of rounds accepting draft position k, k = 1..block-1
     ("tokens_per_s", float),
     ("tokens_per_s_steady", float),
@@ -128,6 +129,30 @@ def tau_by_length_text(by_length: object) -> str:
         lookup_text = "lookup %.2f, " % lookup if isinstance(lookup, (int, float)) else ""
         n = b.get("prompts", "?")
         parts.append("%s %.2f (%s%s prompt%s)" % (name, b["tau"], lookup_text, n, "" if n == 1 else "s"))
+    return "; ".join(parts)
+
+
+TEMPERATURE_FIELDS = ("tau", "tau_expected", "tau_lookup", "tau_lookup_expected")
+
+
+def tau_by_temperature(reports: object) -> dict:
+    """An evaluation's `temperatures` ({label: report}) cut to status.json's tau_by_temperature:
+    {label: {tau, tau_expected, tau_lookup, tau_lookup_expected}}."""
+    return {str(label): {k: r.get(k) for k in TEMPERATURE_FIELDS}
+            for label, r in (reports.items() if isinstance(reports, dict) else ()) if isinstance(r, dict)}
+
+
+def tau_by_temperature_text(by_temperature: object) -> str:
+    """`T=0 3.21 (expected 3.21, lookup 1.50); T=1 2.40 (expected 2.38, lookup 1.31)` from an eval's
+    `temperatures` or status.json's tau_by_temperature (sampled τ, then the expected τ, lookup's
+    sampled τ); entries not of the contract's shape are left out."""
+    parts = []
+    for label, t in (by_temperature.items() if isinstance(by_temperature, dict) else ()):
+        if not isinstance(t, dict) or not isinstance(t.get("tau"), (int, float)):
+            continue
+        extra = ["%s %.2f" % (name, t[key]) for name, key in (("expected", "tau_expected"), ("lookup", "tau_lookup"))
+                 if isinstance(t.get(key), (int, float))]
+        parts.append("T=%s %.2f" % (label, t["tau"]) + (" (%s)" % ", ".join(extra) if extra else ""))
     return "; ".join(parts)
 
 

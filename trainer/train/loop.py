@@ -29,7 +29,7 @@ from trainer.data.packing import row_anchors
 from trainer.distributed.group import GroupEnv
 from trainer.distributed.hosts import Hosts, OneHost
 from trainer.distributed.multihost import HostGroupMember
-from trainer.generate.evaluate import acceptance_report
+from trainer.generate.evaluate import eval_sampling, temperature_reports
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.masks import Blocks, prepare_blocks
 from trainer.models.objective import drafter_loss_sums, selector_metrics, selector_sums_of
@@ -218,9 +218,10 @@ class Trainer:
         e = self.cfg.eval
         report: dict
         if complete_for_decoding(c.target, self.rd.log):
-            report = acceptance_report(c.target.module, c.drafter, c.head, c.tokenizer,
-                                       c.eval_conversations[: e.samples], e.max_new_tokens, batch=e.batch,
-                                       template_kwargs=template_kwargs(self.cfg.data), turns=e.turns)
+            report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer,
+                                         c.eval_conversations[: e.samples], e.max_new_tokens, e.temperatures,
+                                         eval_sampling(e), batch=e.batch, template_kwargs=template_kwargs(self.cfg.data),
+                                         turns=e.turns)
         else:  # the model directory holds only the layers training runs
             report = {"tau": None, "tau_per_prompt": None, "acceptance": None, "samples": 0}
         data = c.eval_data

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any
 
 from trainer.run.config import TrainerConfig
-from trainer.run.contract import tau_by_length_text
+from trainer.run.contract import tau_by_length_text, tau_by_temperature, tau_by_temperature_text
 from trainer.run.rundir import RunDir
 from trainer.train.trackers import Trackers
 
@@ -99,7 +99,8 @@ class Metrics:
         self.trackers.log({"eval": result}, step)
         self.rd.update(tau=result["tau"], tau_per_prompt=result["tau_per_prompt"], tau_lookup=result.get("tau_lookup"),
                        tau_ratio=result.get("tau_ratio"), acceptance=result.get("acceptance"),
-                       tau_by_length=result.get("tau_by_length"))
+                       tau_by_length=result.get("tau_by_length"),
+                       tau_by_temperature=tau_by_temperature(result["temperatures"]) if result.get("temperatures") else None)
         if result["tau"] is None:  # not measured: the target holds only the layers training runs
             self.rd.log(f"eval step {step}: tau not measured, acc {result['acc']:.3f}")
         else:
@@ -117,6 +118,8 @@ class Metrics:
             if result.get("tau_by_turn"):  # keys are turn numbers: the bucket text reads "turn 2 3.10 (...)"
                 by_turn = {f"turn {k}": v for k, v in result["tau_by_turn"].items()}
                 self.rd.log(f"eval step {step}: tau by assistant turn: {tau_by_length_text(by_turn)}")
+            if result.get("temperatures"):
+                self.rd.log(f"eval step {step}: tau by temperature: {tau_by_temperature_text(result['temperatures'])}")
 
     def tracker_failed(self, name: str, stage: str, exc: BaseException) -> None:
         """A tracker failed (opening, logging or closing): a `tracker_error` event and a log line; the

@@ -26,11 +26,18 @@ crash is cut off first), so an interrupted regeneration resumes where it stopped
 output never holds a half line or a duplicate. Failed conversations are never written:
 a rerun retries them (a trajectory cut short by a failure or Ctrl-C is retried whole; its tool
 calls are executed again).
+
+Several answers per prompt (`--samples-per-prompt N`, at `--temperature` > 0): each prompt becomes N
+rows, keyed by (prompt, sample index): id `<prompt id>#<k>`, with `prompt_id`, `sample` and `seed`.
+Sample k's seed is a hash of (`--seed`, the prompt's id, k), sent with each of its requests (the
+server's `seed`; the HF engine seeds each batch from its rows' seeds), so samples differ from each
+other and a rerun, with N the same or larger, adds only the rows still missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import hashlib
 import http.client
@@ -116,6 +123,34 @@ class Prompt:
     line: int
     tools: list[dict] | None = None  # the row's function schemas (OpenAI's form)
     trace: list[dict] = field(default_factory=list)  # --agentic: the whole trace (its calls and results to replay)
+    sample: int | None = None  # --samples-per-prompt: this row's sample index (its id is `<prompt id>#<k>`)
+    seed: int | None = None  # the seed every request of this sample carries
+
+
+def sample_seed(seed: int, prompt_id: str, k: int) -> int:
+    """Sample k's seed: distinct per (prompt, k), the same on every rerun (31 bits: servers take an int)."""
+    digest = hashlib.sha256(f"{seed}:{prompt_id}:{k}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def samples(prompts: list[Prompt], n: int, seed: int) -> list[Prompt]:
+    """Each prompt as n rows keyed by (prompt, sample index), the samples of a prompt side by side."""
+    return [dataclasses.replace(p, id=f"{p.id}#{k}", sample=k, seed=sample_seed(seed, p.id, k))
+            for p in prompts for k in range(n)]
+
+
+@dataclass
+class Seeded:
+    """One sample's view of an engine: every request carries the sample's seed."""
+
+    engine: Any  # OpenAIEngine or HFEngine (complete takes seed=)
+    seed: int
+
+    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
+        return self.engine.complete(messages, tools, seed=self.seed)
+
+    def close(self) -> None:
+        pass
 
 
 def _prompt_id(row: dict, messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -275,10 +310,11 @@ class OpenAIEngine:
             self._next += 1
             return self.urls[self._next % len(self.urls)]
 
-    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, *, seed: int | None = None) -> Completion:
         s = self.sampling
         body = {**s.extra, "model": self.model, "messages": messages, "max_tokens": s.max_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "stream": False, **({"tools": tools} if tools else {}),
+                **({"seed": seed} if seed is not None else {}),
                 **({"return_token_ids": True} if self.token_ids else {})}
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -523,13 +559,13 @@ class HFEngine:
                  for m, tools in conversations]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def complete(self, messages: list[dict], tools: list[dict] | None = None) -> Completion:
+    def complete(self, messages: list[dict], tools: list[dict] | None = None, *, seed: int | None = None) -> Completion:
         """Queue one conversation for the generation thread, which renders and decodes a batch at a
         time (thousands of worker threads rendering prompts under one GIL starved the GPU)."""
         if self._closed:
             raise RegenError("the engine is closed")
         done: Future = Future()
-        self._queue.put(((messages, tools), done))
+        self._queue.put(((messages, tools), done, seed))
         return done.result()
 
     def _serve(self) -> None:
@@ -552,28 +588,28 @@ class HFEngine:
                     break
                 batch.append(more)
             try:
-                ids = self.prompt_ids_batch([request for request, _ in batch])  # (messages, tools) each
+                ids = self.prompt_ids_batch([request for request, _, _ in batch])  # (messages, tools) each
             except Exception as e:  # noqa: BLE001 - a template error fails the batch's requests
-                for _, done in batch:
+                for _, done, _ in batch:
                     done.set_exception(RegenError(f"chat template failed: {type(e).__name__}: {e}"))
                 continue
             limit, fits = self.max_model_len, []
-            for prompt, (_, done) in zip(ids, batch):
+            for prompt, (_, done, seed) in zip(ids, batch):
                 if limit is not None and len(prompt) + self.sampling.max_tokens > limit:
                     done.set_exception(RegenError(
                         f"prompt of {len(prompt)} tokens + max_tokens {self.sampling.max_tokens} exceeds "
                         f"the model's context length {limit}"))
                 else:
-                    fits.append((prompt, done))
+                    fits.append((prompt, done, seed))
             if not fits:
                 continue
             try:
-                results = self.generate([prompt for prompt, _ in fits])
+                results = self.generate([prompt for prompt, _, _ in fits], [seed for _, _, seed in fits])
             except Exception as e:  # noqa: BLE001 - every waiting request fails with it
-                for _, done in fits:
+                for _, done, _ in fits:
                     done.set_exception(RegenError(f"generate failed: {type(e).__name__}: {e}"))
                 continue
-            for (_, done), result in zip(fits, results):
+            for (_, done, _), result in zip(fits, results):
                 done.set_result(result)
 
     def _fail_queued(self) -> None:
@@ -586,10 +622,14 @@ class HFEngine:
             if item is not None:
                 item[1].set_exception(RegenError("the engine is closed"))
 
-    def generate(self, prompts: list[list[int]]) -> list[Completion]:
-        """Left-padded batch generation; each row's answer ends at its first stop token."""
+    def generate(self, prompts: list[list[int]], seeds: list[int | None] | None = None) -> list[Completion]:
+        """Left-padded batch generation; each row's answer ends at its first stop token. Sampled, the
+        batch is seeded from its rows' seeds (`seeds`, --samples-per-prompt) and the engine's seed:
+        transformers draws one generator for the whole batch, so a sample differs from the other
+        samples of its prompt (another row, or another batch seed) but is reproduced only when it is
+        decoded in the same batch again."""
         torch, s = self.torch, self.sampling
-        if self.static:
+        if self.static and s.temperature <= 0:  # the stand-in server sets each request's sampling
             rows = static_greedy_generate(self.model, prompts, s.max_tokens, self.stop_ids).tolist()
             return [self._completion(prompt, row) for prompt, row in zip(prompts, rows)]
         width = max(len(p) for p in prompts)
@@ -598,7 +638,8 @@ class HFEngine:
         sample = s.temperature > 0
         options = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p) if sample else dict(do_sample=False)
         if sample:
-            torch.manual_seed(self.seed)
+            key = ",".join(map(str, seeds or []))
+            torch.manual_seed(sample_seed(self.seed, key, 0) if seeds and any(x is not None for x in seeds) else self.seed)
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=s.max_tokens,
                                       eos_token_id=sorted(self.stop_ids) or None, pad_token_id=self.pad_id,
@@ -732,6 +773,15 @@ def regenerate_trajectory(engine: Engine, prompt: Prompt, model: str, agent: Age
     return Regenerated(t.record, total, [(turn.message, turn.token_ids, turn.finish_reason) for turn in t.turns])
 
 
+def sampled(done: Regenerated, prompt: Prompt) -> Regenerated:
+    """A sample's record keyed by (prompt, sample index): `prompt_id`, `sample`, `seed` after its id."""
+    if prompt.sample is not None:
+        record = done.record
+        done.record = {"id": record["id"], "prompt_id": prompt.id.rsplit("#", 1)[0], "sample": prompt.sample,
+                       "seed": prompt.seed, **record}
+    return done
+
+
 def checked(done: Regenerated, checker: TokenChecker | None) -> Regenerated:
     """The record marked with its first token mismatch (`token_mismatch`), when the engine gave
     the tokens of its turns and the training template renders others."""
@@ -812,9 +862,10 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
             except queue.Empty:
                 return
             try:
-                done = regenerate_trajectory(engine, prompt, model, agent) if agent is not None \
-                    else regenerate_one(engine, prompt, model)
-                results.put((prompt, checked(done, checker), None))
+                asked = engine if prompt.seed is None else Seeded(engine, prompt.seed)
+                done = regenerate_trajectory(asked, prompt, model, agent) if agent is not None \
+                    else regenerate_one(asked, prompt, model)
+                results.put((prompt, checked(sampled(done, prompt), checker), None))
             except RegenError as e:
                 results.put((prompt, None, str(e)))
             except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
@@ -907,6 +958,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per answer; longer answers count as truncated")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--samples-per-prompt", type=int, default=None, metavar="N",
+                   help="N answers per prompt (needs --temperature > 0), each its own row keyed by (prompt, sample "
+                        "index) with its own seed; a rerun adds only the missing samples")
+    p.add_argument("--seed", type=int, default=0, help="the seed the samples' seeds derive from (hf: also unsampled)")
     p.add_argument("--extra-body", default=None,
                    help='JSON object merged into each request, e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\'')
     p.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key, if any")
@@ -953,6 +1008,11 @@ def _sampling(args: argparse.Namespace) -> Sampling:
         raise InputError("--timeout and --tool-timeout must be more than 0 seconds")
     if args.max_turns < 1 or args.max_context_tokens < 1:
         raise InputError("--max-turns and --max-context-tokens must be at least 1")
+    if args.samples_per_prompt is not None and args.samples_per_prompt < 1:
+        raise InputError(f"--samples-per-prompt must be at least 1, got {args.samples_per_prompt}")
+    if (args.samples_per_prompt or 1) > 1 and not args.temperature > 0:
+        raise InputError("--samples-per-prompt above 1 needs --temperature > 0 (greedy answers to a prompt are all "
+                         "the same)")
     if args.tool_exec is not None and not args.agentic:
         raise InputError("--tool-exec answers the target's own calls: it needs --agentic")
     return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
@@ -976,7 +1036,7 @@ def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, 
         raise InputError(f"--engine hf needs --model-path DIR (a local model directory), got {args.model_path!r}")
     name = args.model or os.path.basename(os.path.normpath(args.model_path))
     return HFEngine(args.model_path, sampling, device=args.device, dtype=args.dtype, batch_size=args.concurrency,
-                    max_model_len=args.max_model_len, decode=args.decode), name
+                    max_model_len=args.max_model_len, seed=args.seed, decode=args.decode), name
 
 
 def build_agent(args: argparse.Namespace) -> Agent | None:
@@ -1027,6 +1087,8 @@ def main(argv: list[str]) -> int:
         prompts, duplicates = read_prompts(args.inp, agentic=args.agentic)
         if args.limit is not None:
             prompts = prompts[: args.limit]
+        if args.samples_per_prompt is not None:
+            prompts = samples(prompts, args.samples_per_prompt, args.seed)
         checker = build_checker(args, sampling)
         output = Output(args.out)
         if checker is not None:

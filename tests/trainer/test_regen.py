@@ -334,3 +334,64 @@ def test_the_hf_engine_refuses_a_model_whose_weights_hold_nan(model_dir, tmp_pat
     [said] = [line for line in err.splitlines() if line.startswith("regen: ")]  # beside transformers' progress bar
     assert said.startswith(f"regen: {broken}: tensor model.layers.1.mlp.down_proj.weight holds 1 NaN/inf value(s)")
     assert "Traceback" not in err
+
+
+def answers(rows: list[dict]) -> dict[str, list[str]]:
+    """Each prompt's sampled answers (the last assistant turn), by sample index."""
+    by_prompt: dict[str, dict[int, str]] = {}
+    for r in rows:
+        assert r["id"] == f"{r['prompt_id']}#{r['sample']}"
+        by_prompt.setdefault(r["prompt_id"], {})[r["sample"]] = r["messages"][-1]["content"]
+    return {pid: [got[k] for k in sorted(got)] for pid, got in by_prompt.items()}
+
+
+def test_samples_per_prompt_are_distinct_seeded_rows_and_resume_adds_only_the_missing(server, tmp_path, capsys):
+    url, _ = server
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:9])
+    out = tmp_path / "regen.jsonl"
+    sampled = ["--endpoint", url, "--model", "tiny", "--in", prompts, "--out", out, "-n", 3, "--max-tokens", 6,
+               "--temperature", 1.0, "--top-p", 0.95]
+    code, stdout, err = run_cli([*sampled, "--samples-per-prompt", 2], capsys)
+    assert code == 0, err
+    assert "12 regenerated, 0 already done" in stdout
+    first = records(out)
+    assert len({r["seed"] for r in first}) == 12
+    # a rerun asking for 4 samples adds samples 2 and 3 of every prompt, repeating none
+    code, stdout, err = run_cli([*sampled, "--samples-per-prompt", 4], capsys)
+    assert code == 0, err
+    assert "12 regenerated, 12 already done" in stdout
+    final = records(out)
+    assert final[:12] == first
+    got = answers(final)
+    assert sorted(got) == [f"p{i}" for i in range(6)] and all(len(a) == 4 for a in got.values())
+    assert all(len(set(a)) > 1 for a in got.values()), got  # distinct seeds give distinct answers
+    # each sample's seed travels with its request: regenerated alone, sample 3 of p0 is the same answer
+    again = tmp_path / "again.jsonl"
+    one = write_prompts(tmp_path / "one.jsonl", [PROMPTS[3]])
+    assert run_cli(["--endpoint", url, "--model", "tiny", "--in", one, "--out", again, "--max-tokens", 6,
+                    "--temperature", 1.0, "--top-p", 0.95, "--samples-per-prompt", 4], capsys)[0] == 0
+    assert answers(records(again))["p0"] == got["p0"]
+
+
+def test_samples_per_prompt_with_the_hf_engine(model_dir, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:7])
+    out = tmp_path / "regen.jsonl"
+    code, stdout, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
+                                 "-n", 4, "--max-tokens", 6, "--temperature", 1.0, "--samples-per-prompt", 3], capsys)
+    assert code == 0, err
+    assert "12 regenerated" in stdout
+    got = answers(records(out))
+    assert sorted(got) == ["p0", "p1", "p2", "p3"] and all(len(a) == 3 for a in got.values())
+    assert all(len(set(a)) > 1 for a in got.values()), got
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples-per-prompt", "2"], "--samples-per-prompt above 1 needs --temperature > 0"),
+    (["--samples-per-prompt", "0", "--temperature", "1"], "--samples-per-prompt must be at least 1, got 0"),
+])
+def test_samples_per_prompt_is_checked(tmp_path, capsys, args, message):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    code, _, err = run_cli(["--endpoint", "http://127.0.0.1:9", "--model", "m", "--in", prompts,
+                            "--out", tmp_path / "o.jsonl", *args], capsys)
+    assert code == regen.EXIT_USAGE
+    assert message in err

@@ -44,8 +44,11 @@ def test_run_list_over_targets_shows_each_and_reports_the_unreachable_one(tmp_pa
     connect.close_all()
     assert result.exit_code == 255, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:2] == ["target", "run"]
-    assert [line.split()[:4] for line in lines[1:]] == [["host200", "r200", "done", "200"], ["host201", "r201", "done", "201"]]
+    header = lines[0].split()
+    assert header[:3] == ["target", "run", "state"]
+    step = header.index("step")
+    assert [line.split()[:3] + [line.split()[step]] for line in lines[1:]] == [
+        ["host200", "r200", "done", "200"], ["host201", "r201", "done", "201"]]
     assert result.stderr.startswith("dflash-ops: error: dead200: node 'dead': cannot connect to 127.0.0.1:")
     assert "Connection refused" in result.stderr and "Traceback" not in result.stderr
 

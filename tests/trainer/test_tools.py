@@ -135,3 +135,29 @@ def test_training_evaluation_and_data_report_render_the_rows_tools(qwen3_model_d
     (tmp_path / "c.yaml").write_text(config)
     assert main(["data-report", "--config", str(tmp_path / "c.yaml")]) == 0
     assert "with tools (schemas rendered by the chat template): 4 of 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_data_report_counts_tools_as_rendered_only_when_the_template_renders_them(
+        family, qwen3_model_dir, llama3_model_dir, tmp_path, capsys):
+    """data-report counted every row with tools as "rendered by the chat template", also under a
+    template that ignores `tools` (Llama 3's) (issue 55): the text with and without them is compared."""
+    from trainer.__main__ import main
+
+    model = qwen3_model_dir if family == "qwen3" else llama3_model_dir
+    plain = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    data = _write(tmp_path / "chat.jsonl", [OPENAI_ROW] * 3 + [plain])
+    (tmp_path / "c.yaml").write_text(
+        f"model: {{target: {{path: {model}}}, drafter_layers: 1, block_size: 4, dtype: fp32}}\n"
+        f"data: {{train_path: {data}, max_length: 512, token_budget: 1024, bucket_edges: [512]}}\n")
+    assert main(["data-report", "--config", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    renders = (tok.apply_chat_template(OPENAI_ROW["messages"], tools=OPENAI_ROW["tools"], tokenize=False)
+               != tok.apply_chat_template(OPENAI_ROW["messages"], tokenize=False))
+    assert renders == (family == "qwen3")  # the premise: Llama 3's template has no tools block
+    if renders:
+        assert "with tools (schemas rendered by the chat template): 3 of 4" in out and "ignores" not in out
+    else:
+        assert "schemas rendered" not in out
+        assert "with tools the chat template ignores (its text is the same without them): 3 of 4" in out

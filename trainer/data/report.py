@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.data.chat import file_format, read_conversations
+from trainer.data.chat import file_format, read_conversations, template_kwargs_for
 from trainer.data.encoding import encode_all, process_count
 from trainer.run.config import TrainerConfig, data_paths, template_kwargs
 from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
@@ -28,10 +28,26 @@ class SplitReport:
     loss_tokens: int = 0  # of those, tokens on assistant turns
     no_loss: int = 0  # conversations left with fewer than 2 loss tokens (dropped by the trainer)
     with_tools: int = 0  # conversations whose row carries function schemas (rendered by the template)
+    tools_ignored: int = 0  # conversations with schemas the chat template does not render
+
 
     @property
     def conversations(self) -> int:
         return len(self.lengths)
+
+
+def tools_rendered(tokenizer: Any, conversation: dict, kwargs: dict) -> bool:
+    """Whether the chat template renders a row's tool schemas: its text with them differs from its
+    text without them. Handing schemas to a template that ignores them is not rendering them (a
+    file's first row with tools decides for the file: a template's tools block does not depend on
+    the row). A template that cannot render the row at all counts as rendering (encode says why)."""
+    messages = conversation["messages"]
+    try:
+        with_tools = tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs_for(conversation, kwargs))
+        without = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception:  # noqa: BLE001 - the encoding below reports the template's own error
+        return True
+    return bool(with_tools != without)
 
 
 def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
@@ -44,7 +60,11 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
         for path in paths:
             conversations = read_conversations(path)
             report.files.append((path, file_format(path), len(conversations)))
-            report.with_tools += sum(bool(c.get("tools")) for c in conversations)
+            with_tools = [c for c in conversations if c.get("tools")]
+            if with_tools and tools_rendered(tokenizer, with_tools[0], kwargs):
+                report.with_tools += len(with_tools)
+            elif with_tools:
+                report.tools_ignored += len(with_tools)
             processes = process_count(cfg.data.workers, len(conversations))
             for ids, mask, full in encode_all(tokenizer, conversations, cfg.data.max_length, kwargs, processes):
                 report.lengths.append(full)
@@ -120,6 +140,9 @@ def format_report(splits: list[SplitReport], cfg: TrainerConfig, tokenizer_name:
                    f"({s.loss_tokens / max(s.kept_tokens, 1):.1%})")
         if s.with_tools:
             out.append(f"  with tools (schemas rendered by the chat template): {s.with_tools} of {s.conversations}")
+        if s.tools_ignored:
+            out.append(f"  with tools the chat template ignores (its text is the same without them): "
+                       f"{s.tools_ignored} of {s.conversations}; the schemas are not trained on")
         if s.no_loss:
             out.append(f"  {s.no_loss} conversations have fewer than 2 loss tokens after truncation "
                        "and are skipped by the trainer")

@@ -153,7 +153,10 @@ def wanted_lxc(*, gpus: tuple[int, ...], devices: tuple[str, ...], devn: bool, u
 
 
 def gpu_device_paths(gpus: tuple[int, ...], devices: tuple[str, ...]) -> list[str]:
-    """/dev/nvidiaN of the GPUs, then the control and uvm nodes the node has."""
+    """/dev/nvidiaN of the GPUs, then the control and uvm nodes the node has; none without GPUs (a
+    container is a GPU container because GPUs were asked for, not because the node has the nodes)."""
+    if not gpus:
+        return []
     extra = [f"/dev/{n}" for n in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools") if n in devices]
     return [f"/dev/nvidia{g}" for g in gpus] + extra
 

@@ -287,3 +287,15 @@ def test_a_size_out_of_range_is_refused_before_anything_is_written(node, option,
     with pytest.raises(ValueError, match=f"{option.lstrip('-').replace('shm', 'shm_gib').replace('memory', 'memory_mib')} "
                                          "must be an integer of at least"):
         Request(**{option.lstrip("-").replace("shm", "shm_gib").replace("memory", "memory_mib"): int(value)})
+
+
+def test_provision_without_gpus_passes_no_nvidia_device_node_and_a_rerun_installs_nothing(node):
+    """`provision` without --gpus passed the node's NVIDIA control and UVM nodes into the CPU
+    container, and a rerun then installed the driver's user-space in it (issue 55)."""
+    first = cli("provision", "host500", "--inventory", str(node)).stdout
+    config = pct(node, "config", "500").stdout
+    assert "nvidia" not in config, config
+    assert "NVIDIA user-space" not in first
+    again = cli("provision", "host500", "--inventory", str(node)).stdout
+    assert "NVIDIA user-space" not in again and "nvidia" not in pct(node, "config", "500").stdout
+    assert "0 changes" in again.rstrip().splitlines()[-1] or "nothing" in again.rstrip().splitlines()[-1], again

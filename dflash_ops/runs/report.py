@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -10,14 +11,24 @@ from dflash_ops.printable import printable
 from dflash_ops.runs.info import RunInfo
 from trainer.run.contract import duration_text, eta_seconds, phase_text, tau_by_length_text, tau_by_temperature_text
 
+TABLE_LIMIT = 1e12  # beyond it a number is shown in 3 significant digits: 1e308 with .4f was 313 characters
+
 
 def _num(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
+    """A number read back from status.json or metrics.jsonl as a table cell: '-' when it is none,
+    nan / inf as such, a huge one short (the dashboard's model.plottable is the plots' twin)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    if not math.isfinite(value) or abs(value) >= TABLE_LIMIT:
+        return format(value, ".3g")
+    return format(value, spec)
 
 
 def _rate(value: Any) -> str:
-    if not isinstance(value, (int, float)):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "-"
+    if not math.isfinite(value) or abs(value) >= TABLE_LIMIT:
+        return format(value, ".3g")
     return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
 
 

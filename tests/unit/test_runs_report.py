@@ -1,5 +1,7 @@
 """The human lines of `metrics` and `run status`."""
 
+import pytest
+
 from dflash_ops.runs import RunInfo, latest_run
 from dflash_ops.runs.report import STATUS_COLUMNS, metric_line, status_detail, status_row
 
@@ -104,3 +106,18 @@ def test_the_dashboards_row_shows_a_run_directorys_text_escaped():
                               "has_status": True, "error": {"message": evil}, "release": "abc\x1b[5m"})
     row = run_row_from_info("t", info)
     assert row.error == "template \\x1b]0;pwned\\x07\\x9b2J\\x0dend" and row.release == "abc\\x1b[5m"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e308, -1e308])
+def test_run_status_and_metrics_show_odd_numbers_short(value):
+    """The other readers of the numbers the dashboard now clamps (issue 55): `run status`'s row and
+    `metrics`' lines printed 1e308 as 313 characters; nan and inf are said as such."""
+    from dflash_ops.runs.report import metric_line, status_row
+
+    info = RunInfo.from_json({"run_id": "r", "effective_state": "running", "state": "running", "alive": True,
+                              "step": 3, "loss": value, "tau": value, "tokens_per_s": value})
+    row = status_row(info)
+    assert all(len(cell) <= 24 for cell in row), row
+    line = metric_line({"event": "step", "step": 3, "loss": value, "acc": value, "lr": value, "grad_norm": value,
+                        "tokens_per_s": value})
+    assert len(line) < 120 and ("nan" in line or "inf" in line or "e+308" in line), line

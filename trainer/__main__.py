@@ -1,6 +1,7 @@
 """python -m trainer --config CONFIG --run-dir DIR [--resume latest|STEP|auto]
 python -m trainer synth --out FILE --n N [--seed S]
 python -m trainer export --checkpoint DIR --out DIR
+python -m trainer eval --config CONFIG (--checkpoint DIR | --export DIR) [--temperature T ...] [--json OUT]
 python -m trainer data-report --config CONFIG
 python -m trainer plan --config CONFIG [--gpus N --gpu-gib G] [--gpu h100|h200] [--calibrate N] [--data]
 python -m trainer launch --nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID --config CONFIG --run-dir DIR
@@ -12,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Before torch initialises CUDA: fewer fragmentation OOMs with many batch shapes (issue #5).
@@ -196,7 +198,54 @@ def _plan(argv: list[str]) -> int:
     return 0 if plan.fits else 1
 
 
+def _eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer eval",
+                                description="τ of a checkpoint or a draft (an export, a published draft) against the "
+                                "config's target, at each temperature, sampled and expected, beside n-gram lookup; "
+                                "no training. One table on stdout, the same as JSON with --json.")
+    p.add_argument("--config", required=True, help="trainer YAML config: the target, the held-out data, eval settings")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="checkpoints/step_N directory (or a run directory: its latest)")
+    which.add_argument("--export", help="a draft directory: this project's export or a published DFlash/DFlash2 draft")
+    p.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures (default eval.temperatures)")
+    p.add_argument("--top-p", type=float, default=None, help="the engine's top-p (default eval.top_p)")
+    p.add_argument("--top-k", type=int, default=None, help="the engine's top-k, 0 off (default eval.top_k)")
+    p.add_argument("--samples", type=int, default=None, help="held-out conversations decoded (default eval.samples)")
+    p.add_argument("--data", default=None, help="held-out conversations (JSONL) instead of the config's")
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    args = p.parse_args(argv)
+    import dataclasses
+
+    from trainer.generate.sampling import sampling_problem
+    from trainer.run.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+        e = dataclasses.replace(cfg.eval, top_p=cfg.eval.top_p if args.top_p is None else args.top_p,
+                                top_k=cfg.eval.top_k if args.top_k is None else args.top_k)
+        for t in args.temperature or e.temperatures:
+            problem = sampling_problem(t, e.top_p, e.top_k, e.seed, e.draft_sample_method)
+            if problem:
+                raise ConfigError(problem)
+        if args.samples is not None and args.samples < 1:
+            raise ConfigError(f"--samples must be at least 1, not {args.samples}")
+        if args.json and not Path(args.json).resolve().parent.is_dir():
+            raise ConfigError(f"--json {args.json}: its directory does not exist")
+        from trainer.train.draft_eval import evaluate_draft, table, write_json
+
+        report = evaluate_draft(dataclasses.replace(cfg, eval=e), args.checkpoint or args.export, args.temperature,
+                                args.samples, args.data, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(table(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
 SUMMARIES = {  # what `python -m trainer --help` lists beside training
+    "eval": "τ of a checkpoint or draft at each temperature (sampled, expected, lookup's); no training",
     "plan": "tokens, wall time and GPU-hours; bytes per target stage, drafter replica and GPU (no weights read)",
     "data-report": "count, measure and mask the configured chat data (loads the tokenizer only)",
     "export": "export a checkpoint as a DFlash (or DFlash2) draft an engine serves",
@@ -208,7 +257,7 @@ SUMMARIES = {  # what `python -m trainer --help` lists beside training
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"launch": _launch, "synth": _synth, "export": _export, "regen": _regen, "data-report": _data_report,
-                "plan": _plan}
+                "plan": _plan, "eval": _eval}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return _train(argv)

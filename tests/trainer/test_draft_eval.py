@@ -1,0 +1,78 @@
+"""`python -m trainer eval`: τ of a checkpoint and of its export at each temperature, without training,
+run as a user runs it (a fresh process from the repository root)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trainer
+from tests.trainer.tiny_config import tiny_config
+
+ROOT = Path(trainer.__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step tiny run's config and its final checkpoint."""
+    from trainer.entry import train
+    from trainer.run.config import parse_config
+
+    root = tmp_path_factory.mktemp("eval")
+    text = tiny_config("optim: {total_steps: 2}", "data: {synthetic: {n_eval: 3}}",
+                       "eval: {samples: 3, max_new_tokens: 10, temperatures: [0, 1.0]}")
+    config = root / "tiny.yaml"
+    config.write_text(text)
+    assert train(parse_config(text), root / "run") == 0
+    (checkpoint,) = sorted((root / "run" / "checkpoints").glob("step_*"))
+    return config, checkpoint, root
+
+
+def test_eval_of_a_checkpoint_and_of_its_export(trained):
+    config, checkpoint, root = trained
+    out = run_cli("eval", "--config", str(config), "--checkpoint", str(checkpoint), "--temperature", "0", "0.7",
+                  "--json", str(root / "ck.json"))
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[:4] == ["T", "tau", "tau_expected", "tau_per_prompt"] and "lookup" in header
+    assert rows[0].split()[0] == "0" and rows[1].split()[0] == "0.7"
+    report = json.loads((root / "ck.json").read_text())
+    assert list(report["temperatures"]) == ["0", "0.7"] and report["samples"] == 3
+    zero = report["temperatures"]["0"]
+    assert zero["tau"] == zero["tau_expected"] == report["tau"] >= 1
+    assert report["temperatures"]["0.7"]["temperature"] == 0.7 and report["temperatures"]["0.7"]["tau_lookup"] >= 1
+    # the run's own evaluation at T = 0 (its end) decoded the same prompts with the same weights
+    run_eval = [json.loads(line) for line in (checkpoint.parents[1] / "metrics.jsonl").read_text().splitlines()
+                if '"event": "eval"' in line][-1]
+    assert run_eval["temperatures"]["0"]["tau"] == zero["tau"]
+
+    exported = root / "export"
+    assert run_cli("export", "--checkpoint", str(checkpoint), "--out", str(exported)).returncode == 0
+    out = run_cli("eval", "--config", str(config), "--export", str(exported), "--samples", "3",
+                  "--json", str(root / "ex.json"))
+    assert out.returncode == 0, out.stderr
+    again = json.loads((root / "ex.json").read_text())
+    assert list(again["temperatures"]) == ["0", "1"]  # the config's eval.temperatures
+    assert again["temperatures"]["0"]["tau"] == zero["tau"]  # the export drafts what the checkpoint drafts
+
+
+def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
+    config, checkpoint, _ = trained
+    for args, says in [(["--checkpoint", str(tmp_path / "nothing")], "not a draft model directory"),
+                       (["--checkpoint", str(checkpoint), "--top-p", "0"], "top_p must be in (0, 1]"),
+                       (["--checkpoint", str(checkpoint), "--temperature", "-1"], "temperature must be"),
+                       (["--checkpoint", str(checkpoint), "--data", str(tmp_path / "none.jsonl")], "no such file"),
+                       (["--checkpoint", str(checkpoint), "--json", str(tmp_path / "no" / "r.json")], "does not exist")]:
+        out = run_cli("eval", "--config", str(config), *args)
+        assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out)
+    assert not (tmp_path / "no").exists()

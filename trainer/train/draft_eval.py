@@ -1,0 +1,101 @@
+"""τ of any draft without training: `python -m trainer eval` (trainer/__main__.py is its skin).
+
+A draft is a trainer checkpoint (checkpoints/step_N, or a run directory: its latest), this
+project's export or any published DFlash/DFlash2 draft (read by trainer.models.export.read_published,
+whose layout is trainer.run.layout's reading of config.json). It is decoded against the config's
+target on the config's held-out conversations (or a given JSONL file) at each temperature, sampled
+and expected τ beside n-gram prompt lookup's (trainer.generate.evaluate.temperature_reports). The
+draft decides its own architecture, kind and block size; the config gives the target, the data, the
+chat template and the eval settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.generate.evaluate import eval_sampling, temperature_reports
+from trainer.run.config import ConfigError, DrafterShapeConfig, TrainerConfig, template_kwargs
+
+
+def draft_config(cfg: TrainerConfig, draft: str | Path, data: str | None = None) -> TrainerConfig:
+    """cfg with `draft` as the drafter (its kind, layers and block size) and, when given, `data` as
+    the held-out conversations."""
+    from trainer.models.export import read_published
+
+    try:
+        fields, _ = read_published(draft)
+    except ValueError as e:
+        raise ConfigError(f"{draft}: {e}") from None
+    model = dataclasses.replace(cfg.model, drafter_init=str(draft), drafter_layers=fields["num_hidden_layers"],
+                                block_size=fields["block_size"],
+                                drafter=DrafterShapeConfig(kind=fields.get("kind", "dflash")))
+    out = dataclasses.replace(cfg, model=model)
+    if data is not None:
+        if not Path(data).is_file():
+            raise ConfigError(f"--data {data}: no such file")
+        d = dataclasses.replace(cfg.data, eval_path=str(data), train_path=cfg.data.train_path or str(data),
+                                synthetic=None)
+        out = dataclasses.replace(out, data=d)
+    return out
+
+
+def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[float] | None = None,
+                   samples: int | None = None, data: str | None = None,
+                   log: Callable[[str], None] = print) -> dict:
+    """The draft's τ report at each temperature (default the config's eval.temperatures), on
+    `samples` held-out conversations (default eval.samples): temperature_reports' dict plus "draft"."""
+    cfg = draft_config(cfg, draft, data)
+    e = cfg.eval
+    if temperatures:
+        e = dataclasses.replace(e, temperatures=[float(t) for t in temperatures])
+    from trainer.train.components import build_components
+
+    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as run_dir:
+        c = build_components(cfg, Path(run_dir), log)
+        conversations = c.eval_conversations[: samples or e.samples]
+        report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer, conversations, e.max_new_tokens,
+                                     e.temperatures, eval_sampling(e), batch=e.batch,
+                                     template_kwargs=template_kwargs(cfg.data))
+    return {"draft": str(draft), "kind": cfg.model.drafter.kind, "block_size": cfg.model.block_size, **report}
+
+
+COLUMNS = (("T", "temperature", "g"), ("tau", "tau", ".3f"), ("tau_expected", "tau_expected", ".3f"),
+           ("tau_per_prompt", "tau_per_prompt", ".3f"), ("lookup", "tau_lookup", ".3f"),
+           ("lookup_expected", "tau_lookup_expected", ".3f"), ("ratio", "tau_ratio", ".2f"), ("rounds", "rounds", "d"))
+
+
+def table(report: dict) -> str:
+    """One row per temperature: sampled and expected τ, lookup's, the ratio; then the expected
+    acceptance by draft position and τ by prompt length at each temperature."""
+    rows = [[name for name, _, _ in COLUMNS]]
+    for r in report["temperatures"].values():
+        rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    for label, r in report["temperatures"].items():
+        lines.append(f"T={label} accepted by position (expected): "
+                     + " ".join(f"{a:.2f}" for a in r.get("acceptance_expected") or []))
+        for bucket, b in (r.get("tau_by_length") or {}).items():
+            lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
+            lines.append(f"T={label} {bucket}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
+                         f"({b['prompts']} prompts)")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    """The report as JSON at `path`, complete or not at all (a temp file beside it, then renamed)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -50,14 +50,18 @@ import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the trainer, imported where it is used
+if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where they are used)
     sys.path.insert(0, str(ROOT))
+
+from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
+from trainer.run.contract import read_events, read_status  # noqa: E402
 
 TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests"}
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -892,8 +896,9 @@ def main_steps(p: Preset, deadline: float | None) -> int:
 
 
 def read_run(run_dir: Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    events = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()] if path.exists() else []
+    """A trainer run's figures from its metrics.jsonl: its last evaluation's τ, its last step's loss and
+    throughput, its steps (from its stop event, else its last logged step)."""
+    events = read_events(run_dir)
     evals = [e for e in events if e.get("event") == "eval"]
     steps = [e for e in events if e.get("event") == "step"]
     last = steps[-1] if steps else {}
@@ -919,10 +924,7 @@ def job(name: str, cfg: dict, runs: Path) -> dict:
 
 
 def started_training(j: dict) -> bool:
-    try:
-        status = json.loads((j["run_dir"] / "status.json").read_text())
-    except (OSError, ValueError):
-        return False
+    status = read_status(j["run_dir"]) or {}
     return status.get("state") in ("running", "done", "stopped", "failed") and (status.get("step") or 0) > 0
 
 
@@ -1011,17 +1013,15 @@ class CheckpointEvaluator:
         self.lookup_by_length: dict = {}  # and per prompt-length bucket
 
     def __call__(self, ck: Path) -> dict:
-        from safetensors.torch import load_file
-
         from trainer.generate.evaluate import acceptance_report
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
         from trainer.train.loop import autocast_for
 
         p = self.p
-        cfg = DrafterConfig(**json.loads((ck / "drafter_config.json").read_text()))
+        weights = load_weights(ck)  # checked against its manifest
         with torch.device(p.device):
-            drafter = DFlashDrafter(cfg)
-        drafter.load_state_dict(load_file(str(ck / "drafter.safetensors"), device=p.device))
+            drafter = DFlashDrafter(DrafterConfig(**weights["drafter_config"]))
+        drafter.load_state_dict(weights["model"])
         drafter.float().eval()
         started = time.time()
         with autocast_for(p.device, p.dtype):
@@ -1036,7 +1036,7 @@ class CheckpointEvaluator:
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
                             else None} for name, b in r["tau_by_length"].items()}
-        return {"step": int(ck.name.split("_")[1]), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
+        return {"step": step_of(ck), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length,
                 "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
                 "eval_seconds": round(time.time() - started, 1),
@@ -1061,7 +1061,7 @@ def bench_evaluates(j: dict, compared: list[dict], tau_from_checkpoints: bool) -
     before its own τ, a run on FP8 features (its own τ was measured against the FP8 target; served, the
     drafter meets the bf16 one), a run the FP8 cost compares, or every run with tau_from_checkpoints."""
     return (read_run(j["run_dir"])["tau"] is None or fp8_run(j) or j in compared or tau_from_checkpoints) \
-        and bool(checkpoints(j["run_dir"]))
+        and bool(complete_checkpoints(j["run_dir"]))
 
 
 def precision_cost(results: dict, main_job: dict, compared: list[dict], evaluated: dict, main_ckpts: list) -> dict | None:
@@ -1074,7 +1074,8 @@ def precision_cost(results: dict, main_job: dict, compared: list[dict], evaluate
     by_precision: dict[str, list[dict]] = {}
     unevaluated = []
     for j in compared:
-        ck = main_ckpts[-1] if j is main_job and main_ckpts else (checkpoints(j["run_dir"]) or [None])[-1]
+        ckpts = main_ckpts if j is main_job and main_ckpts else complete_checkpoints(j["run_dir"])
+        ck = ckpts[-1] if ckpts else None
         run = results.get("main", {}) if j is main_job else results["ablations"].get(j["name"], {})
         if ck not in evaluated:
             unevaluated.append(j["name"])
@@ -1102,17 +1103,13 @@ def precision_line(cost: dict) -> str:
     spread = "" if seeds == 1 else f" (means of {seeds} drafter seeds; their own spread " + ", ".join(
         f"{name} {100 * v:.1f} %" for name, v in cost["seed_spread"].items()) + ")"
     served = "" if cost.get("tau_fp8_served") is None else (
-        f"; the fp8 drafters served by the FP8 target {_f(cost['tau_fp8_served'])} "
-        f"({_f(cost['fp8_served_over_bf16'], 4)} of bf16's)")
+        f"; the fp8 drafters served by the FP8 target {fmt(cost['tau_fp8_served'])} "
+        f"({fmt(cost['fp8_served_over_bf16'], 4)} of bf16's)")
     left = "" if not cost.get("unevaluated") else (
         f"; left out, their last checkpoint not evaluated in time: {', '.join(cost['unevaluated'])}")
     return (f"τ cost of FP8 features (the drafters evaluated against the bf16 target, {cost['steps']} steps each): "
-            f"bf16 {_f(cost['tau_bf16'])}, fp8 {_f(cost['tau_fp8'])}: fp8/bf16 {_f(cost['fp8_over_bf16'], 4)} "
+            f"bf16 {fmt(cost['tau_bf16'])}, fp8 {fmt(cost['tau_fp8'])}: fp8/bf16 {fmt(cost['fp8_over_bf16'], 4)} "
             f"(goal >= 0.98){spread}{served}{left}")
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "checkpoints").glob("step_*"), key=lambda d: int(d.name.split("_")[1]))
 
 
 def spread(items: list, n: int) -> list:
@@ -1126,7 +1123,8 @@ def spread(items: list, n: int) -> list:
 # ---------------------------------------------------------------------------- report
 
 
-def _f(v, digits: int = 3) -> str:
+def fmt(v: Any, digits: int = 3) -> str:
+    """A figure as the tables print it: floats to `digits` places, None as '-'."""
     return f"{v:.{digits}f}" if isinstance(v, float) else ("-" if v is None else str(v))
 
 
@@ -1136,7 +1134,7 @@ def by_length_rows(by_length: dict | None) -> list[str]:
     if not by_length:
         return []
     rows = ["", "| prompt length | prompts | tau pooled | n-gram lookup tau | ratio |", "|---|---:|---:|---:|---:|"]
-    rows += [f"| {name} | {b['prompts']} | {_f(b['tau'])} | {_f(b.get('tau_lookup'))} | {_f(b.get('tau_ratio'), 2)} |"
+    rows += [f"| {name} | {b['prompts']} | {fmt(b['tau'])} | {fmt(b.get('tau_lookup'))} | {fmt(b.get('tau_ratio'), 2)} |"
              for name, b in by_length.items()]
     return rows
 
@@ -1152,9 +1150,9 @@ def by_length_side_by_side(runs: dict) -> list[str]:
                                                       for b in buckets) + " |",
             "|---|---:|---:|" + "---:|" * len(buckets)]
     for name, r in runs.items():
-        rows.append(f"| {name} | {_f(r['steps'])} | {_f(r['tau'])} | "
-                    + " | ".join(_f(r["tau_by_length"].get(b, {}).get("tau")) for b in buckets) + " |")
-    rows.append("| n-gram prompt lookup | - | - | " + " | ".join(_f(first.get(b, {}).get("tau_lookup")) for b in buckets) + " |")
+        rows.append(f"| {name} | {fmt(r['steps'])} | {fmt(r['tau'])} | "
+                    + " | ".join(fmt(r["tau_by_length"].get(b, {}).get("tau")) for b in buckets) + " |")
+    rows.append("| n-gram prompt lookup | - | - | " + " | ".join(fmt(first.get(b, {}).get("tau_lookup")) for b in buckets) + " |")
     return rows
 
 
@@ -1169,18 +1167,18 @@ def markdown(results: dict) -> str:
              f"{t['train_seconds']} s, {t['tokens_per_s']} tok/s; LM loss {t['lm_loss_seen_train_rows']} on rows it "
              f"trained on, {t['lm_loss_heldout_rows']} on held-out files",
              f"* regen: {r['summary']} (exit {r['exit']}, {r['seconds']} s wall incl. model load)",
-             f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {_f(m['tau'])} pooled / "
-             f"{_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
-             f"lookup on the same prompts {_f(m.get('tau_lookup'))}: ratio {_f(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
-             f"{m['histogram']}, train acc {_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}, "
-             f"{_f(m['tokens_per_s_steady'], 0)} tok/s",
+             f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {fmt(m['tau'])} pooled / "
+             f"{fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
+             f"lookup on the same prompts {fmt(m.get('tau_lookup'))}: ratio {fmt(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
+             f"{m['histogram']}, train acc {fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}, "
+             f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
              *by_length_rows(m.get("tau_by_length")), ""]
     if results.get("curve"):
         lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
                   "histogram (1..block) |", "|---:|---:|---:|---:|---:|---:|---|"]
         for x in results["curve"]:
-            lines.append(f"| {x['step']} | {_f(x.get('tokens'))} | {x['tau']:.3f} | {x['tau_per_prompt']:.3f} | "
-                         f"{_f(x.get('tau_lookup'))} | {_f(x.get('tau_ratio'), 2)} | {x['histogram']} |")
+            lines.append(f"| {x['step']} | {fmt(x.get('tokens'))} | {x['tau']:.3f} | {x['tau_per_prompt']:.3f} | "
+                         f"{fmt(x.get('tau_lookup'))} | {fmt(x.get('tau_ratio'), 2)} | {x['histogram']} |")
         lines.append("")
     if results.get("by_length") and results["preset"].get("long"):
         lines += ["τ by prompt length (tokens), each drafter's last checkpoint:", "",
@@ -1189,9 +1187,9 @@ def markdown(results: dict) -> str:
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
                   "held-out acc | tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name, a in results["ablations"].items():
-            lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {_f(a['tau'])} | {_f(a.get('tau_ratio'), 2)} | "
-                         f"{_f(a['tau_per_prompt'])} | "
-                         f"{_f(a['train_acc'])} | {_f(a['eval_acc'])} | {_f(a['tokens_per_s_steady'], 0)} |")
+            lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {fmt(a['tau'])} | {fmt(a.get('tau_ratio'), 2)} | "
+                         f"{fmt(a['tau_per_prompt'])} | "
+                         f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'], 0)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1222,7 +1220,10 @@ TUPLE_FIELDS = {"prefix_chars", "target_prefix_chars", "doc_tokens", "train_prom
                 "eval_per_bucket"}
 
 
-def main(argv: list[str] | None = None) -> dict:
+# ---------------------------------------------------------------------------- the stages main runs
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     ap.add_argument("--out", type=Path, required=True, help="work directory (created)")
@@ -1233,7 +1234,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stop-after", choices=["target", "regen"], default=None)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="whole-bench wall budget in seconds (the preset's budget_s; 0: none)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
+    """The preset --preset names with --set, --budget-s and --ablations applied. An unknown field or
+    ablation, or a budget that leaves the drafters no time, is refused (ap.error) before anything runs."""
     p = dataclasses.replace(PRESETS[args.preset])
     fields = {f.name for f in dataclasses.fields(Preset)}
     for item in args.set:
@@ -1261,38 +1267,28 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             ap.error(f"--ablations: unknown {unknown}; known: {', '.join(known)}")
         p.ablations = {n: known[n] for n in names}
-    out = args.out.resolve()
-    data, runs = out / "data", out / "runs"
-    for d in (out, data, runs):
-        d.mkdir(parents=True, exist_ok=True)
-    command = "PYTHONPATH=. python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    started = time.time()
-    budget_end = started + p.budget_s if p.budget_s else None
-    results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
-                     "device_name": torch.cuda.get_device_name(p.device) if p.device.startswith("cuda") else "cpu"}
-    rng = random.Random(p.seed)
-    random.seed(p.seed)
-    torch.manual_seed(p.seed)
+    return p
 
-    def save() -> None:
-        results["seconds"] = round(time.time() - started, 1)
-        (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-        say(f"[t={results['seconds']:.0f}s]")
 
-    # 1. corpus
+def gather_corpus(p: Preset, out: Path) -> dict:
+    """Stage 1: the train and held-out source files (SystemExit when either is empty)."""
     t0 = time.time()
     source = (str(write_synthetic_corpus(out / "corpus", p.seed, p.synthetic_files)) if p.corpus == "synthetic"
               else p.corpus)
     corpus = collect_sources(int(p.corpus_mb * 1e6), p.max_file_kb * 1024, p.heldout_permille, p.seed, source)
-    results["corpus"] = corpus["stats"]
     s = corpus["stats"]
     say(f"corpus: {s['train_files']} train files ({s['train_mb']} MB) + {s['heldout_files']} held-out files "
         f"({s['heldout_mb']} MB) of {s['files_found']} .py files under {s['roots']}; skipped {s['skipped']} "
         f"[{time.time() - t0:.0f}s]")
     if not corpus["train"] or not corpus["heldout"]:
         raise SystemExit("quality: no Python sources found for train or held-out")
+    return corpus
 
-    # 2. tokenizer
+
+def fit_tokenizer(p: Preset, corpus: dict) -> tuple[Any, dict]:
+    """Stage 2: a byte-level BPE trained on a sample of the train files, and its figures. Long presets:
+    the corpus's long documents too (corpus["train_docs"], ["heldout_docs"]), their lengths in
+    characters from the tokenizer's characters per token."""
     from trainer_tools.fixtures.hub_model import train_tokenizer
 
     t0 = time.time()
@@ -1315,47 +1311,42 @@ def main(argv: list[str] | None = None) -> dict:
                                                 random.Random(p.seed + 1))
         say(f"long documents: {len(corpus['train_docs'])} train documents of {chars[0]}-{chars[1]} chars "
             f"(~{p.doc_tokens[0]}-{p.doc_tokens[1]} tokens), {len(corpus['heldout_docs'])} held-out of {longest} chars")
-    results["tokenizer"] = {"vocab": tok.get_vocab_size(), "sample_mb": round(size / 1e6, 2),
-                            "heldout_chars_per_token": round(sum(map(len, probe)) / max(n_tokens, 1), 2),
-                            "seconds": round(time.time() - t0, 1)}
+    stats = {"vocab": tok.get_vocab_size(), "sample_mb": round(size / 1e6, 2),
+             "heldout_chars_per_token": round(sum(map(len, probe)) / max(n_tokens, 1), 2),
+             "seconds": round(time.time() - t0, 1)}
     say(f"tokenizer: byte-level BPE, {tok.get_vocab_size()} tokens trained on {size / 1e6:.1f} MB of train files; "
-        f"{results['tokenizer']['heldout_chars_per_token']} chars/token on held-out files [{time.time() - t0:.0f}s]")
+        f"{stats['heldout_chars_per_token']} chars/token on held-out files [{time.time() - t0:.0f}s]")
+    return tok, stats
 
-    # 3. target
-    model_dir, results["target"] = train_target(p, tok, corpus, out, rng,
-                                                results["tokenizer"]["heldout_chars_per_token"])
-    save()
-    if args.stop_after == "target":
-        return results
 
-    # 4. prompts (the fast chat rendering is checked against the saved template first)
+def checked_prompts(p: Preset, tok: Any, corpus: dict, model_dir: Path, data: Path, rng: random.Random) -> dict:
+    """Stage 4: the regen and held-out prompts, the fast chat rendering checked against the saved template."""
     from transformers import AutoTokenizer
 
     hf_tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     prompts = (write_long_prompts if p.long else write_prompts)(p, tok, corpus, data, rng)
     check_render(hf_tok, prompts["check"])
-    results["prompts"] = prompts["stats"]
-    del corpus
+    return prompts
 
-    # 5. regen (stopped at its deadline with the answers written so far)
-    regen_deadline = started + p.regen_end_s if p.regen_end_s else None
-    results["regen"] = regenerate(p, model_dir, data, out, regen_deadline)
-    save()
-    if args.stop_after == "regen":
-        return results
-    regen_ok = results["regen"]["conversations"] >= max(1, len(prompts["ids"]) // 10)
-    main_file = data / ("regen.jsonl" if regen_ok else "original.jsonl")
-    if not regen_ok:
+
+def training_answers(regen: dict, prompts: dict, data: Path) -> Path:
+    """What the main run trains on: the regenerated answers, or the original ones when regen wrote
+    too few (a tenth of the prompts); beside the regenerated ones, the original answers of the same
+    prompts (original-same.jsonl)."""
+    if regen["conversations"] < max(1, len(prompts["ids"]) // 10):
         say("regen wrote too few answers: the main run trains on the original answers instead")
-    main_ids = [r.get("id") for r in read_records(main_file)] if regen_ok else None
-    if regen_ok:  # the original answers of the same prompts
-        subset(data / "original.jsonl", data / "original-same.jsonl", main_ids, len(main_ids))
+        return data / "original.jsonl"
+    main_file = data / "regen.jsonl"
+    ids = [r.get("id") for r in read_records(main_file)]
+    subset(data / "original.jsonl", data / "original-same.jsonl", ids, len(ids))
+    return main_file
 
-    # 6. drafter: the main run (checkpoints for the curve), then the ablations on a subset
-    deadline = budget_end - p.eval_reserve_s if budget_end else None
-    steps = main_steps(p, deadline)
-    if p.ablation_steps_as_main:
-        p.ablation_steps = steps
+
+def drafter_jobs(p: Preset, model_dir: Path, main_file: Path, data: Path, runs: Path,
+                 steps: int) -> tuple[list[dict], bool]:
+    """Stage 6's trainer runs: the main run first (checkpoints for the curve), then the ablations on a
+    subset of the answers; and whether the main run is the ablations' "base" row (then it trains on
+    their subset too)."""
     every = max(1, steps // max(p.curve_points, 1))
     base_is_main = "base" in p.ablations and p.ablation_steps == steps
     if p.ablations:
@@ -1364,6 +1355,7 @@ def main(argv: list[str] | None = None) -> dict:
         if base_is_main:  # the main run is the base row: same data as the other rows
             main_file = sub_regen
     jobs = [job("main", trainer_config(p, model_dir, main_file, data, steps, {}, every), runs)]
+    jobs[0]["train_file"] = main_file
     for name, over in p.ablations.items():
         if name == "base" and base_is_main:
             continue
@@ -1371,48 +1363,63 @@ def main(argv: list[str] | None = None) -> dict:
         # an FP8-features run also checkpoints halfway: τ against the bf16 target is read from checkpoints
         halfway = max(1, p.ablation_steps // 2) if over.get("precision", "bf16") != "bf16" else 0
         jobs.append(job(name, trainer_config(p, model_dir, train, data, p.ablation_steps, over, halfway), runs))
-    say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
-        f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
-        + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
-    run_all(p, jobs, deadline, first_alone=p.first_alone)
+    return jobs, base_is_main
+
+
+def say_failed(jobs: list[dict]) -> None:
+    """The tail of each failed trainer run's output and train.log."""
     for j in jobs:
         if j.get("rc") not in (0,):
             tail = j["log"].read_text().strip().splitlines()[-12:] if j["log"].exists() else []
             log = j["run_dir"] / "train.log"
             tail += log.read_text().strip().splitlines()[-12:] if log.exists() else []
             say(f"trainer run {j['name']!r}: exit {j.get('rc')}:\n" + "\n".join(tail))
-    main_job = jobs[0]
-    if not checkpoints(main_job["run_dir"]) and not read_run(main_job["run_dir"])["tau"]:
+
+
+def main_run(main_job: dict, steps: int) -> dict:
+    """The main run's figures as its trainer left them (SystemExit when it left neither a checkpoint nor a τ)."""
+    figures = read_run(main_job["run_dir"])
+    if not complete_checkpoints(main_job["run_dir"]) and not figures["tau"]:
         raise SystemExit(f"quality: drafter: the main run ended (exit {main_job.get('rc')}) without a checkpoint or "
                          f"a τ; its log: {main_job['run_dir'] / 'train.log'}")
-    results["main"] = {**read_run(main_job["run_dir"]), "train_file": main_file.name,
-                       "command": "python -m trainer " + " ".join(main_job["argv"]), "config": main_job["cfg"],
-                       "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1),
-                       "planned_steps": steps}
-    save()
+    return {**figures, "train_file": main_job["train_file"].name,
+            "command": "python -m trainer " + " ".join(main_job["argv"]), "config": main_job["cfg"],
+            "exit": main_job.get("rc"), "seconds": round(main_job.get("seconds", 0.0), 1), "planned_steps": steps}
 
-    # 7. τ of the checkpoints: the main run's curve, and the last checkpoint of runs stopped early
-    evaluator = CheckpointEvaluator(p, model_dir, data) if any(checkpoints(j["run_dir"]) for j in jobs) else None
-    per_step = None
-    m = results["main"]
-    if m["pad_share"] is not None and p.pack_length:
-        per_step = p.pack_length * p.pack_rows * p.micro_batches * (1 - m["pad_share"])
+
+def evaluate_checkpoints(p: Preset, jobs: list[dict], compared: list[dict], model_dir: Path, data: Path,
+                         budget_end: float | None) -> tuple[dict[Path, dict], list[Path]]:
+    """Stage 7: τ of checkpoints by one CheckpointEvaluator, while the budget lasts: the main run's last
+    one first, the last one of each run the bench evaluates itself (bench_evaluates) next, then the
+    rest of the main run's curve. Returns {checkpoint: its evaluation} and the curve's checkpoints."""
+    if not any(complete_checkpoints(j["run_dir"]) for j in jobs):
+        return {}, []
+    evaluator = CheckpointEvaluator(p, model_dir, data)
+
     def time_left() -> bool:
         return budget_end is None or time.time() < budget_end - 10
 
-    # the main run's last checkpoint first, the stopped ablations' next, then the rest of the curve
-    main_ckpts = spread(checkpoints(main_job["run_dir"]), p.curve_points + 1)
+    main_ckpts = spread(complete_checkpoints(jobs[0]["run_dir"]), p.curve_points + 1)
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
-    compared = precision_runs(main_job, jobs, p.ablations)
-    stopped = [j for j in jobs[1:] if bench_evaluates(j, compared, p.tau_from_checkpoints)]
-    for j in stopped:
-        if time_left():
-            evaluated[checkpoints(j["run_dir"])[-1]] = evaluator(checkpoints(j["run_dir"])[-1])
+    for j in jobs[1:]:
+        if bench_evaluates(j, compared, p.tau_from_checkpoints) and time_left():
+            last = complete_checkpoints(j["run_dir"])[-1]
+            evaluated[last] = evaluator(last)
     for ck in main_ckpts[:-1]:
         if time_left():
             evaluated[ck] = evaluator(ck)
+    return evaluated, main_ckpts
+
+
+def tau_curve(p: Preset, main_ckpts: list[Path], evaluated: dict[Path, dict], pad_share: float | None,
+              out: Path) -> list[dict]:
+    """The main run's evaluated checkpoints in step order, each with the real (not padding) training
+    tokens it had seen when packed rows tell them."""
+    per_step = None
+    if pad_share is not None and p.pack_length:
+        per_step = p.pack_length * p.pack_rows * p.micro_batches * (1 - pad_share)
     curve = []
     for ck in main_ckpts:
         if ck not in evaluated:
@@ -1420,47 +1427,122 @@ def main(argv: list[str] | None = None) -> dict:
         point = evaluated[ck]
         point["tokens"] = round(point["step"] * per_step) if per_step else None
         curve.append(point)
-        say(f"curve: step {point['step']} (~{_f(point['tokens'])} real tokens): tau {point['tau']:.3f} pooled "
-            f"({_f(point['tau_ratio'], 2)}x n-gram lookup's {_f(point['tau_lookup'])}), "
+        say(f"curve: step {point['step']} (~{fmt(point['tokens'])} real tokens): tau {point['tau']:.3f} pooled "
+            f"({fmt(point['tau_ratio'], 2)}x n-gram lookup's {fmt(point['tau_lookup'])}), "
             f"{point['tau_per_prompt']:.3f} per-prompt mean ({point['samples']} held-out prompts, {p.eval_new_tokens} "
             f"new tokens; {ck.relative_to(out)}) [{point['eval_seconds']}s]")
-    results["curve"] = curve
-    if fp8_run(main_job) and curve:  # FP8 features: τ against the bf16 target, from its last checkpoint
-        m["tau_fp8_target"], m["tau"] = m["tau"], None
-    # stopped at the deadline, or FP8 features, or the trainer evaluated only a few short prompts, or a run
-    # of the FP8 comparison (one evaluator for all its figures): its last checkpoint stands for it
-    if (m["tau"] is None or p.tau_from_checkpoints or main_job in compared) and curve:
-        last = curve[-1]
-        m.update(tau=last["tau"], tau_per_prompt=last["tau_per_prompt"], histogram=last["histogram"],
-                 eval_samples=last["samples"], tau_from=last["checkpoint"], tau_lookup=last["tau_lookup"],
-                 tau_ratio=last["tau_ratio"], tau_by_length=last["tau_by_length"])
-    say(f"main drafter vs n-gram prompt lookup: tau {_f(m['tau'])} vs {_f(m.get('tau_lookup'))} pooled on the same "
-        f"held-out prompts: ratio {_f(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
+    return curve
+
+
+def checkpoint_figures(point: dict) -> dict:
+    """The figures a run takes from the bench's evaluation of its last checkpoint."""
+    return {"tau": point["tau"], "tau_per_prompt": point["tau_per_prompt"], "histogram": point["histogram"],
+            "eval_samples": point["samples"], "tau_from": point["checkpoint"], "tau_lookup": point["tau_lookup"],
+            "tau_ratio": point["tau_ratio"], "tau_by_length": point["tau_by_length"]}
+
+
+def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_from_checkpoints: bool) -> bool:
+    """A run's τ from the evaluation of its last checkpoint (`last`, None when not evaluated): with FP8
+    features (its trainer's own τ, against the FP8 target, is kept as tau_fp8_target), stopped before
+    its own τ, every run with tau_from_checkpoints, or a run of the FP8 comparison (one evaluator for
+    all its figures). Whether it took them."""
+    if last is None:
+        return False
+    if fp8_run(j):
+        row["tau_fp8_target"], row["tau"] = row["tau"], None
+    if row["tau"] is None or tau_from_checkpoints or j in compared:
+        row.update(checkpoint_figures(last))
+        return True
+    return False
+
+
+def say_main(p: Preset, m: dict, steps: int) -> None:
+    say(f"main drafter vs n-gram prompt lookup: tau {fmt(m['tau'])} vs {fmt(m.get('tau_lookup'))} pooled on the same "
+        f"held-out prompts: ratio {fmt(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
     if m.get("tau_by_length"):
         from trainer.run.contract import tau_by_length_text
 
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
-    say(f"main drafter: tau {_f(m['tau'])} pooled, {_f(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
+    say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
-        f"{m['steps']} steps of {steps}, {main_file.name}); histogram {m['histogram']}; train acc "
-        f"{_f(m['train_acc'])}, held-out acc {_f(m['eval_acc'])}; {_f(m['tokens_per_s_steady'], 0)} tok/s")
-    results["ablations"] = {}
-    if base_is_main:
-        results["ablations"]["base (the main run)"] = {**m, "overrides": {}}
+        f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "
+        f"{fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}; {fmt(m['tokens_per_s_steady'], 0)} tok/s")
+
+
+def ablation_results(p: Preset, jobs: list[dict], evaluated: dict[Path, dict], compared: list[dict], m: dict,
+                     base_is_main: bool) -> dict:
+    """Each ablation's row: its trainer's figures, its τ from its last checkpoint where settle_tau says."""
+    rows = {"base (the main run)": {**m, "overrides": {}}} if base_is_main else {}
     for j in jobs[1:]:
         a = {**read_run(j["run_dir"]), "overrides": p.ablations[j["name"]], "exit": j.get("rc")}
-        last = checkpoints(j["run_dir"])[-1] if checkpoints(j["run_dir"]) else None
-        if fp8_run(j) and last in evaluated:
-            a["tau_fp8_target"], a["tau"] = a["tau"], None
-        if (a["tau"] is None or p.tau_from_checkpoints or j in compared) and last in evaluated:
-            point = evaluated[last]
-            a.update(tau=point["tau"], tau_per_prompt=point["tau_per_prompt"], histogram=point["histogram"],
-                     tau_from=point["checkpoint"], steps=point["step"], tau_lookup=point["tau_lookup"],
-                     tau_ratio=point["tau_ratio"], tau_by_length=point["tau_by_length"], eval_samples=point["samples"])
-        results["ablations"][j["name"]] = a
+        ckpts = complete_checkpoints(j["run_dir"])
+        last = evaluated.get(ckpts[-1]) if ckpts else None
+        if settle_tau(a, j, last, compared, p.tau_from_checkpoints) and last is not None:
+            a["steps"] = last["step"]
+        rows[j["name"]] = a
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
-            f"{_f(a['tau'])} pooled ({_f(a.get('tau_ratio'), 2)}x lookup), {_f(a['tau_per_prompt'])} per-prompt mean; train acc {_f(a['train_acc'])}, "
-            f"held-out acc {_f(a['eval_acc'])}")
+            f"{fmt(a['tau'])} pooled ({fmt(a.get('tau_ratio'), 2)}x lookup), {fmt(a['tau_per_prompt'])} per-prompt mean; "
+            f"train acc {fmt(a['train_acc'])}, held-out acc {fmt(a['eval_acc'])}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    p = preset_of(ap, args)
+    out = args.out.resolve()
+    data, runs = out / "data", out / "runs"
+    for d in (out, data, runs):
+        d.mkdir(parents=True, exist_ok=True)
+    command = "PYTHONPATH=. python bench/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    started = time.time()
+    budget_end = started + p.budget_s if p.budget_s else None
+    results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
+                     "device_name": torch.cuda.get_device_name(p.device) if p.device.startswith("cuda") else "cpu"}
+    rng = random.Random(p.seed)
+    random.seed(p.seed)
+    torch.manual_seed(p.seed)
+
+    def save() -> None:
+        results["seconds"] = round(time.time() - started, 1)
+        (out / "quality.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        say(f"[t={results['seconds']:.0f}s]")
+
+    corpus = gather_corpus(p, out)
+    results["corpus"] = corpus["stats"]
+    tok, results["tokenizer"] = fit_tokenizer(p, corpus)
+    model_dir, results["target"] = train_target(p, tok, corpus, out, rng,
+                                                results["tokenizer"]["heldout_chars_per_token"])
+    save()
+    if args.stop_after == "target":
+        return results
+    prompts = checked_prompts(p, tok, corpus, model_dir, data, rng)
+    results["prompts"] = prompts["stats"]
+    del corpus
+    # regen, stopped at its deadline with the answers written so far
+    results["regen"] = regenerate(p, model_dir, data, out, started + p.regen_end_s if p.regen_end_s else None)
+    save()
+    if args.stop_after == "regen":
+        return results
+    deadline = budget_end - p.eval_reserve_s if budget_end else None
+    steps = main_steps(p, deadline)
+    if p.ablation_steps_as_main:
+        p.ablation_steps = steps
+    jobs, base_is_main = drafter_jobs(p, model_dir, training_answers(results["regen"], prompts, data), data, runs, steps)
+    say(f"drafter: {len(jobs)} trainer runs (`python -m trainer --config CFG --run-dir RUN`), main first, then "
+        f"{p.parallel} at a time: " + ", ".join(j["name"] for j in jobs)
+        + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
+    run_all(p, jobs, deadline, first_alone=p.first_alone)
+    say_failed(jobs)
+    main_job = jobs[0]
+    results["main"] = m = main_run(main_job, steps)
+    save()
+    compared = precision_runs(main_job, jobs, p.ablations)
+    evaluated, main_ckpts = evaluate_checkpoints(p, jobs, compared, model_dir, data, budget_end)
+    results["curve"] = curve = tau_curve(p, main_ckpts, evaluated, m["pad_share"], out)
+    settle_tau(m, main_job, curve[-1] if curve else None, compared, p.tau_from_checkpoints)
+    say_main(p, m, steps)
+    results["ablations"] = ablation_results(p, jobs, evaluated, compared, m, base_is_main)
     results["by_length"] = {name: {"steps": a.get("steps"), "overrides": a.get("overrides"), "tau": a.get("tau"),
                                    "tau_by_length": a.get("tau_by_length")}
                             for name, a in results["ablations"].items() if a.get("tau_by_length")}

@@ -64,6 +64,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402
+from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
+from trainer.run.contract import read_events  # noqa: E402
 
 # name -> the model section's objective keys (trainer/run/config.py ModelConfig)
 OBJECTIVES = {
@@ -303,8 +305,7 @@ def step_seconds(steppers: dict, steps: int, warmup: int, rounds: int = 3) -> di
 def training_pace(run_dir: Path) -> dict:
     """A run's training wall seconds (its start to its last step) and its tokens/s as the mean of its logged
     intervals' (the last interval alone, quality.read_run's steady figure, is a few steps on a CPU)."""
-    path = run_dir / "metrics.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    events = read_events(run_dir)
     start = next((e["time"] for e in events if e.get("event") == "start"), None)
     steps = [e for e in events if e.get("event") == "step"]
     rates = [e["tokens_per_s"] for e in steps[1:] if e.get("tokens_per_s")]  # the first includes the warm-up
@@ -542,7 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed, name = j["seed"], j["objective"]
         r = {**quality.read_run(j["run_dir"]), **training_pace(j["run_dir"]), "seed": seed, "exit": j.get("rc"), "planned_steps": plan.steps[name],
              "seconds": round(j.get("seconds", 0.0), 1)}
-        last = quality.checkpoints(j["run_dir"])
+        last = complete_checkpoints(j["run_dir"])
         if last and (budget_end is None or time.time() < budget_end - 5):
             point = evaluator(last[-1])
             r.update(tau_code=point["tau"], tau_code_lookup=point["tau_lookup"], acceptance_code=point.get("acceptance"),
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name].append(r)
         rows[name].sort(key=lambda x: x["seed"])
         say(f"{j['name']}: exit {r['exit']}, {r['steps']} of {plan.steps[name]} steps in {r['seconds']:.0f}s, tau "
-            f"held-out {quality._f(r.get('tau'))}, code {quality._f(r.get('tau_code'))}, acceptance {r.get('acceptance')}")
+            f"held-out {quality.fmt(r.get('tau'))}, code {quality.fmt(r.get('tau_code'))}, acceptance {r.get('acceptance')}")
         results["table"] = summarise(rows, timing, p.baseline)
         results["partial"] = f"{sum(map(len, rows.values()))} of {len(jobs)} runs ended"
         save()

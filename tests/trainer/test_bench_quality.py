@@ -117,9 +117,13 @@ def test_the_fp8_drafter_preset_differs_from_its_bf16_twin_in_the_drafters_preci
 
 
 def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp_path):
+    import torch
+
+    from trainer.run.checkpoint import CheckpointManager
+
     def job(name, precision):
         run = tmp_path / name
-        (run / "checkpoints" / "step_40").mkdir(parents=True)
+        CheckpointManager(run, keep=1).save(40, {"w": torch.zeros(1)}, {}, {}, {})  # a complete step_40
         target = {"path": "m", **({"precision": precision} if precision != "bf16" else {})}
         return {"name": name, "run_dir": run, "cfg": {"model": {"target": target}}}
 
@@ -275,3 +279,32 @@ def test_a_run_read_back_counts_its_steps_from_its_stop_not_its_last_logged_step
     run = quality.read_run(logged(tmp_path / "done", stopped=True))
     assert (run["steps"], run["stop"], run["train_loss"]) == (125, "done", 1.0)
     assert quality.read_run(logged(tmp_path / "killed", stopped=False))["steps"] == 124  # before its stop: what it logged
+
+
+def test_the_command_line_edits_the_preset_and_refuses_an_unknown_field_or_ablation(capsys):
+    ap = quality.parser()
+    p = quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", "target_steps=800", "--set", "prefix_chars=[5, 9]",
+                                             "--ablations", "depth 1, gamma 20", "--budget-s", "0"]))
+    assert (p.target_steps, p.prefix_chars, list(p.ablations), p.budget_s) == (800, (5, 9), ["depth 1", "gamma 20"], 0)
+    assert quality.PRESETS["h200"].target_steps == 640  # the preset itself is left as it was
+    assert quality.preset_of(ap, ap.parse_args(["--out", "x", "--no-ablations"])).ablations == {}
+    for argv, message in ((["--set", "nope=1"], "--set nope=1: no preset field 'nope'"),
+                          (["--ablations", "depth 9"], "--ablations: unknown ['depth 9']")):
+        with pytest.raises(SystemExit):
+            quality.preset_of(ap, ap.parse_args(["--out", "x", *argv]))
+        assert message in capsys.readouterr().err
+
+
+def test_a_run_takes_its_checkpoint_s_tau_only_where_its_own_cannot_stand(tmp_path):
+    point = {"tau": 4.0, "tau_per_prompt": 3.9, "histogram": [1], "samples": 8, "checkpoint": "ck", "tau_lookup": 2.0,
+             "tau_ratio": 2.0, "tau_by_length": {}, "step": 40}
+    bf16 = {"name": "depth 1", "cfg": {"model": {"target": {"path": "m"}}}}
+    fp8 = {"name": "fp8 target", "cfg": {"model": {"target": {"path": "m", "precision": "fp8"}}}}
+    row = {"tau": 3.0}
+    assert not quality.settle_tau(row, bf16, point, [], False) and row == {"tau": 3.0}  # its own τ stands
+    assert quality.settle_tau(row, bf16, point, [bf16], False) and row["tau"] == 4.0  # compared: one evaluator
+    row = {"tau": 3.0}
+    assert quality.settle_tau(row, fp8, point, [], False)  # its own τ was against the FP8 target
+    assert (row["tau"], row["tau_fp8_target"], row["tau_from"]) == (4.0, 3.0, "ck")
+    row = {"tau": None}
+    assert not quality.settle_tau(row, bf16, None, [], True) and row == {"tau": None}  # no checkpoint evaluated

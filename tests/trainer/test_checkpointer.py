@@ -220,3 +220,19 @@ def test_buffers_reserved_before_the_first_step_are_the_ones_its_snapshots_use(t
     assert {key: buf.data_ptr() for key, buf in cp._staging.items()} == reserved
     assert torch.equal(job.optim["optimizer"]["state"][0]["exp_avg"], opt.state[model.weight]["exp_avg"])
     cp.close()
+
+
+def test_a_reader_lists_a_run_s_complete_checkpoints_oldest_first_and_creates_nothing(tmp_path):
+    run = tmp_path / "run"
+    assert ckpt.complete_checkpoints(run) == [] and not run.exists()
+    manager = ckpt.CheckpointManager(run, keep=5)
+    for step in (10, 2):
+        manager.save(step, {"w": torch.full((2,), float(step))}, {"x": 1}, {}, {})
+    (run / "checkpoints" / ".tmp-step_20-1").mkdir()  # a write in progress
+    (run / "checkpoints" / "step_30").mkdir()  # never completed: no manifest
+    found = ckpt.complete_checkpoints(run)
+    assert found == [run / "checkpoints" / "step_2", run / "checkpoints" / "step_10"]
+    assert [ckpt.step_of(p) for p in found] == [2, 10]
+    assert ckpt.load_weights(found[-1])["model"]["w"].tolist() == [10.0, 10.0]
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint directory"):
+        ckpt.step_of(run / "checkpoints" / ".tmp-step_20-1")

@@ -111,3 +111,19 @@ def test_write_atomic_leaves_no_tmp_file_when_the_write_fails(tmp_path):
         contract.write_atomic(target, "not bytes")  # type: ignore[arg-type]
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["status.json"]
     assert contract.sha256_file(target) == hashlib.sha256(b"old").hexdigest()
+
+
+def test_a_reader_on_the_run_s_machine_reads_back_what_the_trainer_wrote(tmp_path):
+    run = tmp_path / "run"
+    assert contract.read_status(run) is None and contract.read_events(run) == []  # nothing written yet
+    rd = rundir.RunDir(run, total_steps=3)
+    rd.event("step", 1, loss=2.0)
+    rd.event("eval", 1, tau=3.5)
+    rd.update(state="running", step=1)
+    rd.close()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('\n{"event": "step", "ste')  # a blank line, then the trainer killed mid-line
+    assert contract.read_status(run)["state"] == "running"
+    assert [(e["event"], e["step"]) for e in contract.read_events(run)] == [("step", 1), ("eval", 1)]
+    (run / "status.json").write_text("[1, 2]")
+    assert contract.read_status(run) is None  # JSON, but not a status document

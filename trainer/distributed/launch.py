@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from trainer.run.contract import CONTRACT_VERSION, FINAL_STATES, process_start_ticks, write_atomic
+from trainer.run.contract import CONTRACT_VERSION, FINAL_STATES, process_start_ticks, read_status, write_atomic
 
 SIOCGIFADDR = 0x8915
 GENERATION_KEY = "dflash/generation"
@@ -51,13 +51,6 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(packed[20:24]) == address:
                 return name
     return None
-
-
-def read_status(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def write_status(run_dir: Path, status: dict) -> None:

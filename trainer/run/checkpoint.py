@@ -140,14 +140,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (names starting with '.' are in progress: ignored)."""
-        found = []
-        for p in self.dir.iterdir():
-            if p.name.startswith("step_") and (p / MANIFEST).exists():
-                try:
-                    found.append(int(p.name[len("step_"):]))
-                except ValueError:
-                    continue
-        return sorted(found)
+        return steps_in(self.dir)
 
     def restorable_steps(self) -> list[int]:
         """Steps of the complete checkpoints whose files are all there at the sizes their manifest
@@ -228,6 +221,34 @@ class CheckpointManager:
         if step not in steps:
             raise CheckpointError(f"no complete checkpoint step_{step} in {self.dir} (have: {steps})")
         return self.path(step)
+
+
+def steps_in(checkpoints_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints (step_N with its manifest.json) in a checkpoints/ directory,
+    oldest first; [] when it does not exist."""
+    found = []
+    for p in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else ():
+        if p.name.startswith("step_") and (p / MANIFEST).exists():
+            try:
+                found.append(int(p.name[len("step_"):]))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """A run directory's complete checkpoints, oldest first, for a reader (an evaluation, the lab):
+    nothing is created or pruned, as CheckpointManager, the writer's view, does."""
+    directory = Path(run_dir) / "checkpoints"
+    return [directory / f"step_{step}" for step in steps_in(directory)]
+
+
+def step_of(path: str | Path) -> int:
+    """The step of a checkpoint directory (its name is step_N)."""
+    name = Path(path).name
+    if not name.startswith("step_") or not name[len("step_"):].isdigit():
+        raise CheckpointError(f"{path}: not a checkpoint directory (step_N)")
+    return int(name[len("step_"):])
 
 
 def looks_complete(path: Path) -> bool:

@@ -1,7 +1,8 @@
 """The run directory's contract between the trainer and the helpers (docs/run-directory.md), in code:
 its version, the final states, status.json's fields (names and types, once), the metrics.jsonl
-event kinds, a process's start time (the one liveness rule: a zombie counts as gone), and how a
-file is written (atomic replace, fsync) and hashed.
+event kinds, a process's start time (the one liveness rule: a zombie counts as gone), how a file is
+written (atomic replace, fsync) and hashed, and how a reader on the run's machine reads status.json
+and metrics.jsonl back.
 
 Stdlib only, python 3.8+: the trainer imports it as trainer.run.contract, and dflash-ops ships this
 same file beside its helpers as a shared module (dflash_ops/helpers/__init__.py SHARED_ELSEWHERE),
@@ -11,6 +12,7 @@ here is a new version of every helper that imports it (its hash covers this file
 
 from __future__ import annotations
 
+import json
 import os
 
 CONTRACT_VERSION = 1
@@ -185,6 +187,37 @@ def status_fields(doc: dict) -> dict:
         if value is not None:
             found[name] = value
     return found
+
+
+# ---------------------------------------------------------------- reading a run directory on its machine
+
+def read_status(run_dir: str | os.PathLike[str]) -> dict | None:
+    """A run directory's status.json, or None when it is absent or not a JSON object (the trainer
+    replaces it atomically, so a reader never meets half of one)."""
+    try:
+        with open(os.path.join(run_dir, "status.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def read_events(run_dir: str | os.PathLike[str]) -> list[dict]:
+    """A run directory's metrics.jsonl events in order ([] when it has none yet): every line that is
+    a JSON object; a torn last line (the trainer killed mid-write) or a blank one is skipped."""
+    events = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    events.append(event)
+    except FileNotFoundError:
+        pass
+    return events
 
 
 # ---------------------------------------------------------------- processes

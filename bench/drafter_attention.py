@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from trainer.data.packing import anchors_for_row, warmup_packed_batch
 from trainer.models.masks import TILE, draft_block_mask, prepare_blocks
 from trainer.models.target import QWEN3_8B_DIMS, QWEN3_8B_MASK_TOKEN_ID
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "default": dict(mode=None, options=None),
     "autotune": dict(mode="max-autotune-no-cudagraphs", options=None),
     "bwd_64x128": dict(mode=None, options={"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
@@ -58,6 +59,7 @@ def main() -> None:
                             batch.doc_start).to(dev)
     q_len, kv_len = anchors * 16, args.pack_length + anchors * 16
     mask = draft_block_mask(blocks.anchors, blocks.valid, blocks.starts, args.pack_length, 16)
+    assert mask.full_kv_num_blocks is not None  # draft_block_mask gives full tiles apart
     tiles = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
     fwd_flops = tiles * TILE * TILE * d * 4 * heads  # QK^T and PV over every visited tile
     q = torch.randn(1, heads, q_len, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -67,7 +69,7 @@ def main() -> None:
     print(json.dumps({"torch": torch.__version__, "q_len": q_len, "kv_len": kv_len, "anchors": anchors,
                       "tiles_partial": int(mask.kv_num_blocks.sum()), "tiles_full": int(mask.full_kv_num_blocks.sum())}),
           flush=True)
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name in args.variants:
         spec = VARIANTS[name]
         torch._dynamo.reset()

@@ -18,6 +18,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
@@ -33,7 +34,7 @@ from trainer.run.config import OptimConfig, default_gamma  # noqa: E402
 from trainer.train.optim import build_optimizer, clip_gradients  # noqa: E402
 
 BASELINE = dict(ce="checkpoint", fused_adamw=False, compile_pointwise=False, chunk=2048)
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "fused_adamw": dict(fused_adamw=True),
     "fused_ce": dict(fused_adamw=True, ce="fused"),

@@ -25,11 +25,12 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import transformers
-from _common import hub_model_dir, report
 
+from bench.common import hub_model_dir, report
 from trainer.generate.evaluate import speculative_generate
 from trainer.generate.speculative import speculative_generate_cached
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
@@ -51,7 +52,7 @@ def _agree(runs_a, runs_b) -> str:
     return f"{same}/{total}"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shape", choices=["8b", "tiny"], default="8b")
@@ -68,11 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of 8 static rounds")
-    args = p.parse_args(argv)
-    dev = args.device
-    out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__,
-                 "transformers": transformers.__version__}
+    return p
 
+
+def loaded_target(args: argparse.Namespace, out: dict) -> Any:  # a transformers model: its .config is read
+    """The hub-format target (written to --model-dir, else to a temporary directory gone once it is
+    loaded), frozen in bf16 on the device; its load time and peak memory in `out`."""
+    dev = args.device
     with contextlib.ExitStack() as stack:
         if args.model_dir is None:
             args.model_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-speed-"))) / "target"
@@ -87,6 +90,46 @@ def main(argv: list[str] | None = None) -> dict:
         out["load_target_s"] = round(time.perf_counter() - began, 1)
         if dev.startswith("cuda"):
             out["load_peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 1)
+    return target
+
+
+def timed(dev: str, fn: Callable[[], Any]) -> tuple[Any, float]:
+    """fn's result and its wall seconds, the device synchronised before and after."""
+    sync(dev)
+    t = time.perf_counter()
+    result = fn()
+    sync(dev)
+    return result, time.perf_counter() - t
+
+
+def figures(gens: list, seconds: float, **extra: Any) -> dict:
+    """Throughput of a set of generations: prompts, new tokens, tokens/s, rounds and ms per round."""
+    tokens = sum(len(g.tokens) for g in gens)
+    rounds = max(len(g.acceptance_lengths) for g in gens)
+    return {"prompts": len(gens), "new_tokens": max(len(g.tokens) for g in gens), "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "rounds": rounds,
+            "ms_per_round": round(1000 * seconds / max(rounds, 1), 1), **extra}
+
+
+def print_profile(target: Any, drafter: DFlashDrafter, head: FrozenHead, prompts: list, dev: str) -> None:
+    """A torch.profiler table of 8 static rounds, by self CPU time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        speculative_generate_cached(target, drafter, head, prompts, 9, set())
+        sync(dev)
+    for key in ("self_cpu_time_total", "cuda_time_total" if dev.startswith("cuda") else "cpu_time_total"):
+        print(f"--- profile of 8 static rounds, by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    dev = args.device
+    out: dict = {"device": dev, "shape": args.shape, "torch": torch.__version__,
+                 "transformers": transformers.__version__}
+    target = loaded_target(args, out)
     n_layers = target.config.num_hidden_layers
     layer_ids = default_target_layer_ids(n_layers, args.drafter_layers)
     cfg = DrafterConfig.from_target(target.config, num_layers=args.drafter_layers, block_size=args.block_size,
@@ -98,54 +141,32 @@ def main(argv: list[str] | None = None) -> dict:
     top = min(5000, target.config.vocab_size - 2)
     prompts = [torch.randint(0, top, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
 
-    def timed(fn):
-        sync(dev)
-        t = time.perf_counter()
-        result = fn()
-        sync(dev)
-        return result, time.perf_counter() - t
-
-    def figures(gens, seconds, **extra) -> dict:
-        tokens = sum(len(g.tokens) for g in gens)
-        rounds = max(len(g.acceptance_lengths) for g in gens)
-        return {"prompts": len(gens), "new_tokens": max(len(g.tokens) for g in gens), "seconds": round(seconds, 2),
-                "tokens_per_s": round(tokens / seconds, 1), "rounds": rounds,
-                "ms_per_round": round(1000 * seconds / max(rounds, 1), 1), **extra}
-
     with torch.no_grad():
         for implementation in ("static", "dynamic"):  # warm-up: kernels, cuBLAS handles, allocator
             speculative_generate_cached(target, drafter, head, prompts[:2], 4, set(), implementation=implementation)
         info: dict = {}
-        new, new_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.new, set(),
+        new, new_s = timed(dev, lambda: speculative_generate_cached(target, drafter, head, prompts, args.new, set(),
                                                                info=info))
         out["static"] = figures(new, new_s, **info)
         print(json.dumps({"static": out["static"]}), flush=True)
         if args.eager_new:
             eager_info: dict = {}
-            eager, eager_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.eager_new,
+            eager, eager_s = timed(dev, lambda: speculative_generate_cached(target, drafter, head, prompts, args.eager_new,
                                                                        set(), cuda_graph=False, info=eager_info))
             out["static_eager"] = figures(eager, eager_s, **eager_info)
             print(json.dumps({"static_eager": out["static_eager"]}), flush=True)
         if args.dynamic_new:
-            dyn, dyn_s = timed(lambda: speculative_generate_cached(target, drafter, head, prompts, args.dynamic_new,
+            dyn, dyn_s = timed(dev, lambda: speculative_generate_cached(target, drafter, head, prompts, args.dynamic_new,
                                                                    set(), implementation="dynamic"))
             out["dynamic"] = figures(dyn, dyn_s)
             out["same_tokens_static_vs_dynamic"] = _agree(new, dyn)
             print(json.dumps({"dynamic": out["dynamic"]}), flush=True)
-        old, old_s = timed(lambda: [speculative_generate(target, drafter, head, q, args.old_new, set())
+        old, old_s = timed(dev, lambda: [speculative_generate(target, drafter, head, q, args.old_new, set())
                                     for q in prompts[: args.old_prompts]])
         out["uncached"] = figures(old, old_s)
         out["same_tokens_static_vs_uncached"] = _agree(new, old)
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
-            with profile(activities=activities) as prof:
-                speculative_generate_cached(target, drafter, head, prompts, 9, set())
-                sync(dev)
-            for key in ("self_cpu_time_total", "cuda_time_total" if dev.startswith("cuda") else "cpu_time_total"):
-                print(f"--- profile of 8 static rounds, by {key}")
-                print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+            print_profile(target, drafter, head, prompts, dev)
     for name in ("uncached", "dynamic", "static_eager"):
         if name in out:
             out[f"static_vs_{name}_tokens_per_s"] = round(out["static"]["tokens_per_s"] / out[name]["tokens_per_s"], 1)

@@ -120,7 +120,7 @@ def list_sample(fleet: Fleet, inventory: Path, targets: list[str]) -> Sample:
     bad = [r for r in found if isinstance(r, Exception)]
     if bad:
         raise SystemExit(f"run list failed: {bad[0]}")
-    if any(len(runs) != 3 for runs in found):
+    if any(not isinstance(runs, list) or len(runs) != 3 for runs in found):
         raise SystemExit("run list: expected 3 runs per target")
     sample.commands, sample.connections = _commands(containers), _connections(containers)
     return sample
@@ -155,7 +155,8 @@ def main(argv: list[str]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="dflash-bench-fleet-"))
     fleet = start_fleet(workdir, nodes=args.nodes, ctids=CTIDS, connect_timeout=10, keepalive=15)
     try:
-        inventories = {}
+        assert fleet.inventory is not None  # start_fleet writes it
+        inventories: dict[str, Path] = {}
         for rtt in (float(x) for x in args.rtt.split(",")):
             inventories[f"+{rtt * 1000:g} ms RTT" if rtt else "0 ms"] = fleet.with_latency(rtt) if rtt else fleet.inventory
         sizes = [int(x) for x in args.sizes.split(",")]

@@ -26,7 +26,7 @@ def timed(argv: list[str]) -> tuple[float, int]:
 def through_follow_file(path: Path) -> tuple[float, int]:
     """The local side's line handling, fed by the real helper over a pipe."""
     sys.path.insert(0, str(HELPER.parents[2]))
-    from dflash_ops.runs.follow import _Stream
+    from dflash_ops.runs.follow import LineStream
 
     count = 0
 
@@ -34,9 +34,10 @@ def through_follow_file(path: Path) -> tuple[float, int]:
         nonlocal count
         count += 1
 
-    stream = _Stream(on_line, expected_start=None)
+    stream = LineStream(on_line, expected_start=None)
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(HELPER), "follow", str(path), "--offset", "0"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
     for line in proc.stdout:
         stream.feed(line)
     proc.wait()

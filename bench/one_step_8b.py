@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ def count(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="timed steps after warm-up (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
@@ -56,24 +57,55 @@ def main() -> int:
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--device", default=None, help="default cuda:0, or cpu with --tiny")
     p.add_argument("--tiny", action="store_true", help="tiny target on CPU (smoke test)")
-    args = p.parse_args()
+    return p
+
+
+def built_target(args: argparse.Namespace, device: str) -> tuple[Any, int, str]:  # a transformers model
+    """The frozen target (--tiny: a tiny one, and --seq/--anchors cut to its size; else the 8B shape in
+    bf16, random weights), its mask token id and the drafter's autocast dtype."""
+    if args.tiny:
+        target = freeze(tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                                     intermediate=128), 1000, device))
+        args.seq, args.anchors = min(args.seq, 256), min(args.anchors, 32)
+        return target, 999, "fp32"
+    began = time.perf_counter()
+    target = freeze(random_8b_shape_target(device))
+    sync(device)
+    print(f"built 8B-shaped bf16 target on {device} in {time.perf_counter() - began:.1f}s "
+          f"({count(target) / 1e9:.2f}B params)")
+    return target, QWEN3_8B_MASK_TOKEN_ID, "bf16"
+
+
+def report(args: argparse.Namespace, device: str, target: Any, dcfg: DrafterConfig,
+           times: tuple[list[float], list[float], list[float]]) -> None:
+    """The median step split into the target's forward and the drafter's step, tokens/s, TFLOP/s, and
+    on CUDA the peak memory and MFU."""
+    target_times, drafter_times, step_times = times
+    med_t, med_d, med_s = (statistics.median(x) for x in (target_times, drafter_times, step_times))
+    target_flops = target_forward_flops(target.config, args.batch, args.seq)
+    drafter_flops = drafter_step_flops(dcfg, args.batch, args.seq, args.anchors)
+    achieved = (target_flops + drafter_flops) / med_s / 1e12
+    print("---")
+    print(f"median step {1e3 * med_s:.1f} ms = target forward {1e3 * med_t:.1f} ms ({100 * med_t / med_s:.0f}%) "
+          f"+ drafter step {1e3 * med_d:.1f} ms ({100 * med_d / med_s:.0f}%)  [median of {len(step_times)}]")
+    print(f"tokens/s {args.batch * args.seq / med_s:.0f}; est. TFLOP/step target {target_flops / 1e12:.2f}, "
+          f"drafter {drafter_flops / 1e12:.2f} (trainer.pipeline.flops); achieved {achieved:.1f} TFLOP/s")
+    if device.startswith("cuda"):
+        peak = peak_tflops(torch.cuda.get_device_name(device))
+        print(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+        if peak:
+            print(f"MFU {100 * achieved / peak:.1f}% (target {100 * target_flops / med_t / 1e12 / peak:.1f}%, "
+                  f"drafter {100 * drafter_flops / med_d / 1e12 / peak:.1f}%) of {peak:.0f} TFLOP/s bf16 dense")
+
+
+def main() -> int:
+    args = parser().parse_args()
 
     device = args.device or ("cpu" if args.tiny else "cuda:0")
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device; use --tiny for a CPU smoke run", file=sys.stderr)
         return 2
-    if args.tiny:
-        target = freeze(tiny_target(TinyTargetConfig(layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16,
-                                                     intermediate=128), 1000, device))
-        mask_id, dtype = 999, "fp32"
-        args.seq, args.anchors = min(args.seq, 256), min(args.anchors, 32)
-    else:
-        began = time.perf_counter()
-        target = freeze(random_8b_shape_target(device))
-        sync(device)
-        print(f"built 8B-shaped bf16 target on {device} in {time.perf_counter() - began:.1f}s "
-              f"({count(target) / 1e9:.2f}B params)")
-        mask_id, dtype = QWEN3_8B_MASK_TOKEN_ID, "bf16"
+    target, mask_id, dtype = built_target(args, device)
     layer_ids = default_target_layer_ids(target.config.num_hidden_layers, 5 if not args.tiny else 2)
     dcfg = DrafterConfig.from_target(target.config, args.drafter_layers, args.block, mask_id, layer_ids)
     torch.manual_seed(0)
@@ -120,21 +152,7 @@ def main() -> int:
             drafter_times.append(t2 - t1)
             step_times.append(t2 - t0)
 
-    med_t, med_d, med_s = (statistics.median(x) for x in (target_times, drafter_times, step_times))
-    target_flops = target_forward_flops(target.config, args.batch, args.seq)
-    drafter_flops = drafter_step_flops(dcfg, args.batch, args.seq, args.anchors)
-    achieved = (target_flops + drafter_flops) / med_s / 1e12
-    print("---")
-    print(f"median step {1e3 * med_s:.1f} ms = target forward {1e3 * med_t:.1f} ms ({100 * med_t / med_s:.0f}%) "
-          f"+ drafter step {1e3 * med_d:.1f} ms ({100 * med_d / med_s:.0f}%)  [median of {len(step_times)}]")
-    print(f"tokens/s {args.batch * args.seq / med_s:.0f}; est. TFLOP/step target {target_flops / 1e12:.2f}, "
-          f"drafter {drafter_flops / 1e12:.2f} (trainer.pipeline.flops); achieved {achieved:.1f} TFLOP/s")
-    if device.startswith("cuda"):
-        peak = peak_tflops(torch.cuda.get_device_name(device))
-        print(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-        if peak:
-            print(f"MFU {100 * achieved / peak:.1f}% (target {100 * target_flops / med_t / 1e12 / peak:.1f}%, "
-                  f"drafter {100 * drafter_flops / med_d / 1e12 / peak:.1f}%) of {peak:.0f} TFLOP/s bf16 dense")
+    report(args, device, target, dcfg, (target_times, drafter_times, step_times))
     return 0
 
 

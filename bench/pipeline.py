@@ -96,6 +96,7 @@ from trainer.pipeline.compile_safety import compiled_frames  # noqa: E402
 from trainer.pipeline.flops import micro_batch_flops, peak_tflops  # noqa: E402
 from trainer.pipeline.threaded import ThreadedPipeline  # noqa: E402
 from trainer.run.config import TinyTargetConfig, parse_config  # noqa: E402
+from trainer.run.contract import read_events, read_status  # noqa: E402
 from trainer.train.components import Components, build_drafter  # noqa: E402
 from trainer.train.loop import ReferencePipeline, Trainer  # noqa: E402
 from trainer.train.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -581,8 +582,7 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         sync_all(devices)
         wall = time.time() - t0
     tr.guard.freeze()  # train_steps unfreezes at the end; the stage runs below must not compile either
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        events = list(map(json.loads, f))
+    events = read_events(run_dir)
     windows = [w for w in events if w["event"] == "step"]
     if mode.startswith("all"):  # the periodic checkpoint written while the pipeline ran
         out["checkpoints"] = [{k: e.get(k) for k in ("step", "stall_s", "copy_s", "seconds")} for e in events
@@ -720,10 +720,8 @@ def trainer_cli(args, lengths, results):
     done = subprocess.run([sys.executable, "-m", "trainer", "--config", config, "--run-dir", run_dir], env=env,
                           capture_output=True, text=True)
     wall = time.time() - began
-    with open(os.path.join(run_dir, "status.json")) as f:
-        status = json.load(f)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        events = list(map(json.loads, f))
+    status = read_status(run_dir) or {}
+    events = read_events(run_dir)
     warmup = next((e for e in events if e["event"] == "warmup"), {})
     out = {"exit": done.returncode, "state": status.get("state"), "wall_s": round(wall, 1),
            "steps": status.get("step"), "tokens_per_s_steady": round(status.get("tokens_per_s_steady") or 0, 1),
@@ -887,7 +885,7 @@ def mode_compiles(args, mode):
     return mode.removesuffix("/rank") in ("packed+ct", "all") and torch.device(args.target[0]).type == "cuda"
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--target", nargs="+", default=["cuda:0"])
     p.add_argument("--drafter", nargs="+", default=["cuda:0"])
@@ -959,146 +957,143 @@ def main(argv=None):
                         "swa (all sliding), swaN+M (N sliding causal layers then M full: swa4+1)")
     p.add_argument("--sliding-window", type=int, default=2048, help="window of the sliding drafter layers")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
-    args = p.parse_args(argv)
-    args.out_dir = os.path.dirname(args.out) if args.out else None
-    results = {"devices": {"target": args.target, "drafter": args.drafter}, "torch": torch.__version__,
-               "mix": args.mix}
+    return p
+
+
+def runs_of(args, shape, modes_for):
+    """(mode, pack length) of each measurement of a shape: --modes-for in its order, else --modes; each
+    pack length per packed mode; with --one-rank each also as the rank of a host group (`<mode>/rank`)."""
+    modes = modes_for[shape] if shape in modes_for else sorted(args.modes, key=MODES.index)  # --modes-for: its order
+    runs = [(m, L) for m in modes for L in (args.pack_length if m != "bucketed" else [0])]
+    if args.one_rank:
+        runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
+    return runs
+
+
+def measurement_key(args, mode, length, precision, precisions, experts, layers, layer_counts):
+    """A measurement's key: the mode, `_<pack length>` when several, `@<precision>` when not all bf16,
+    `~<experts>` when several implementations, `#d<layers>` when several drafter depths."""
+    key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
+    if len(set(precisions) | {q for v in args.precisions_of.values() for q in v}) > 1 or precision != "bf16":
+        key += f"@{precision}"
+    if experts is not None and len(args.experts or []) > 1:
+        key += f"~{experts}"
+    if len(layer_counts) > 1:
+        key += f"#d{layers}"
+    return key
+
+
+def free_device_memory():
+    gc.collect()
     if torch.cuda.is_available():
-        results["gpu"] = torch.cuda.get_device_name(0)
+        torch.cuda.empty_cache()
 
-    def emit(key, value):
-        results[key] = value
-        print(json.dumps({key: value}), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
 
-    lengths = sample_lengths(args.samples, args)
-    emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
-                     "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
-    started = time.time()
-    modes_for, steps_for = shape_options(p, args)
+def built_target(args, shape, shape_precisions, prefix, emit):
+    """The shape's random target, its figures emitted (`<prefix>target`); None, the error emitted, when
+    it cannot be built (one GPU run: the other shapes still run)."""
+    try:
+        began = time.time()
+        target = build_target(args, shape, shape_precisions[0].removesuffix("fast") if shape == "70b" else "bf16")
+        built_s = round(time.time() - began, 1)
+    except Exception:  # noqa: BLE001 - one GPU run: a shape that cannot be built is reported, the others run
+        import traceback
 
-    def runs_of(shape):
-        modes = modes_for[shape] if shape in modes_for else sorted(args.modes, key=MODES.index)  # --modes-for: its order
-        runs = [(m, L) for m in modes for L in (args.pack_length if m != "bucketed" else [0])]
-        if args.one_rank:
-            runs = [(m + suffix, L) for m, L in runs for suffix in ("", "/rank")]
-        return runs
+        emit(f"{prefix}target", {"error": traceback.format_exc()[-4000:]})
+        return None
+    args.model_config = None if shape == "8b" else target.config.to_dict()
+    emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters() if not p.is_meta),
+                             "config": type(target.config).__name__, "build_s": built_s,
+                             "layers_run": target_run_layers(target.config),
+                             "mem_gb": round(torch.cuda.memory_allocated(args.target[0]) / 2**30, 1)
+                             if torch.device(args.target[0]).type == "cuda" else None})
+    return target
 
-    default_steps = args.steps
-    cli_after = "8b" if "8b" in args.targets else args.targets[-1]
-    precisions = sorted(dict.fromkeys(args.precisions), key=PRECISIONS.index)
-    for shape in args.targets:
-        prefix = f"{shape}/" if len(args.targets) > 1 else ""
-        runs = runs_of(shape)
-        args.steps = steps_for.get(shape, default_steps)
-        shape_precisions, refusal = precisions_of_shape(args, shape, precisions)
-        if refusal:
-            emit(f"{prefix}bf16", {"error": refusal})
-        if not shape_precisions:
-            continue
+
+def measure(args, margs, name, run, emit):
+    """One measurement reported under `name` (run: run_mode's arguments after args): its figures, or its
+    error (the other measurements still run); an FP8 compiled mode that fails is measured eagerly too
+    (`<name>:eager-fallback`): its figure still says what FP8 gives."""
+    mode, target, samples, results, length, variant, precision, layers, ck, experts = run
+    failed = False
+    try:
+        if experts is not None:
+            from trainer.models.moe import set_experts
+
+            set_experts(target, experts)
+        emit(name, run_mode(margs, mode, target, samples, results, length, variant, precision, layers, ck))
+    except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
+        import traceback
+
+        emit(name, {"error": traceback.format_exc()[-4000:]})
+        failed = True
+    if failed:  # outside the except block: its traceback (holding the mode's tensors) is gone
+        torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
+        free_device_memory()
+    if failed and precision != "bf16" and mode_compiles(args, mode) and not args.tiny:
+        fallback = f"{name}:eager-fallback"
         try:
-            began = time.time()
-            target = build_target(args, shape, shape_precisions[0].removesuffix("fast") if shape == "70b" else "bf16")
-            built_s = round(time.time() - began, 1)
-        except Exception:  # noqa: BLE001 - one GPU run: a shape that cannot be built is reported, the others run
+            emit(fallback, run_mode(args, "packed", target, samples, results, length, variant, precision, layers))
+        except Exception:  # noqa: BLE001 - reported like any mode
             import traceback
 
-            emit(f"{prefix}target", {"error": traceback.format_exc()[-4000:]})
-            continue
-        args.model_config = None if shape == "8b" else target.config.to_dict()
-        emit(f"{prefix}target", {"params": sum(p.numel() for p in target.parameters() if not p.is_meta),
-                                 "config": type(target.config).__name__, "build_s": built_s,
-                                 "layers_run": target_run_layers(target.config),
-                                 "mem_gb": round(torch.cuda.memory_allocated(args.target[0]) / 2**30, 1)
-                                 if torch.device(args.target[0]).type == "cuda" else None})
-        samples = random_samples(lengths, target.config.vocab_size)
-        for precision in shape_precisions:
-            if precision != "bf16":
-                quantize_target(args, target, precision, emit, prefix)
-            layer_counts = drafter_layers_for(args, shape, precision, target, emit, prefix)
-            measured: dict[tuple, str] = {}  # (key, variant, drafter layers checkpointed) -> the measurement's name
-            for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
-                                                    for r in runs]:
-                key = mode if mode.startswith("bucketed") or len(args.pack_length) == 1 else f"{mode}_{length}"
-                if len(set(precisions) | {q for v in args.precisions_of.values() for q in v}) > 1 or precision != "bf16":
-                    key += f"@{precision}"
-                if experts is not None and len(args.experts or []) > 1:
-                    key += f"~{experts}"
-                if len(layer_counts) > 1:
-                    key += f"#d{layers}"
-                if args.budget_s and time.time() - started > args.budget_s:
-                    emit(prefix + key, {"skipped": f"--budget-s {args.budget_s:g}: not started "
-                                                   f"{time.time() - started:.0f}s after the start"})
+            emit(fallback, {"error": traceback.format_exc()[-4000:]})
+        free_device_memory()
+
+
+def measure_shape(args, shape, precisions, runs, lengths, started, results, emit):
+    """Every measurement of one target shape (built once, quantized in place for each FP8 precision);
+    False when none ran (no precision for it, or its target could not be built)."""
+    prefix = f"{shape}/" if len(args.targets) > 1 else ""
+    shape_precisions, refusal = precisions_of_shape(args, shape, precisions)
+    if refusal:
+        emit(f"{prefix}bf16", {"error": refusal})
+    target = built_target(args, shape, shape_precisions, prefix, emit) if shape_precisions else None
+    if target is None:
+        return False
+    samples = random_samples(lengths, target.config.vocab_size)
+    for precision in shape_precisions:
+        if precision != "bf16":
+            quantize_target(args, target, precision, emit, prefix)
+        layer_counts = drafter_layers_for(args, shape, precision, target, emit, prefix)
+        measured: dict[tuple, str] = {}  # (key, variant, drafter layers checkpointed) -> the measurement's name
+        for experts, layers, (mode, length) in [(e, n, r) for e in experts_for(args, target) for n in layer_counts
+                                                for r in runs]:
+            key = measurement_key(args, mode, length, precision, precisions, experts, layers, layer_counts)
+            if args.budget_s and time.time() - started > args.budget_s:
+                emit(prefix + key, {"skipped": f"--budget-s {args.budget_s:g}: not started "
+                                               f"{time.time() - started:.0f}s after the start"})
+                continue
+            if experts == "eager" and mode_compiles(args, mode):
+                emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
+                                               "expert counts): run it with --modes packed"})
+                continue
+            for variant, layout, ck in [(v, lay, c) for v in args.variants for lay in args.drafter_layouts
+                                        for c in args.checkpoint_drafter]:
+                name = prefix + (key if variant == "whole" else f"{key}:{variant}")
+                name += f"@{layout}" if len(args.drafter_layouts) > 1 else ""
+                args.layout = layout
+                if len(args.checkpoint_drafter) > 1:
+                    name += f":ckpt-{ck}"
+                margs = per_length_args(args, length)
+                skip = plan_skip(margs, bench_config(margs, mode, target, length, variant,
+                                                     precision.removesuffix("fast"), layers, ck),
+                                 (key, variant, layout), name, measured)
+                if skip is not None:
+                    emit(name, {"skipped": skip, "pack_length": length, "checkpoint_drafter": ck})
                     continue
-                if experts == "eager" and mode_compiles(args, mode):
-                    emit(prefix + key, {"skipped": "the per-expert loop is not compiled (data-dependent "
-                                                   "expert counts): run it with --modes packed"})
-                    continue
-                for variant, layout, ck in [(v, lay, c) for v in args.variants for lay in args.drafter_layouts
-                                            for c in args.checkpoint_drafter]:
-                    name = prefix + (key if variant == "whole" else f"{key}:{variant}")
-                    name += f"@{layout}" if len(args.drafter_layouts) > 1 else ""
-                    args.layout = layout
-                    if len(args.checkpoint_drafter) > 1:
-                        name += f":ckpt-{ck}"
-                    margs = per_length_args(args, length)
-                    skip = plan_skip(margs, bench_config(margs, mode, target, length, variant,
-                                                         precision.removesuffix("fast"), layers, ck),
-                                     (key, variant, layout), name, measured)
-                    if skip is not None:
-                        emit(name, {"skipped": skip, "pack_length": length, "checkpoint_drafter": ck})
-                        continue
-                    failed = False
-                    try:
-                        if experts is not None:
-                            from trainer.models.moe import set_experts
+                measure(args, margs, name, (mode, target, samples, results, length, variant,
+                                            precision.removesuffix("fast"), layers, ck, experts), emit)
+    return True
 
-                            set_experts(target, experts)
-                        emit(name, run_mode(margs, mode, target, samples, results, length, variant,
-                                            precision.removesuffix("fast"), layers, ck))
-                    except Exception:  # noqa: BLE001 - one GPU run: a failing mode is reported, the others still measured
-                        import traceback
 
-                        emit(name, {"error": traceback.format_exc()[-4000:]})
-                        failed = True
-                    if failed:  # outside the except block: its traceback (holding the mode's tensors) is gone
-                        torch.compiler.set_stance("default")  # a guard left frozen would fail every later mode
-                        gc.collect()
-                        if torch.cuda.is_available():
-                            torch.cuda.empty_cache()
-                    if failed and precision != "bf16" and mode_compiles(args, mode) and not args.tiny:
-                        # the FP8 target compiled failed: its eager figure still says what FP8 gives
-                        fallback = f"{name}:eager-fallback"
-                        try:
-                            emit(fallback, run_mode(args, "packed", target, samples, results, length, variant,
-                                                    precision.removesuffix("fast"), layers))
-                        except Exception:  # noqa: BLE001 - reported like any mode
-                            import traceback
-
-                            emit(fallback, {"error": traceback.format_exc()[-4000:]})
-                        gc.collect()
-                        if torch.cuda.is_available():
-                            torch.cuda.empty_cache()
-        del target, samples
-        if len(args.targets) > 1:  # compiled graphs and their guards may hold the last shape's weights (70B: 66 GB)
-            torch._dynamo.reset()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if args.cli_steps and shape == cli_after:
-            if hasattr(torch._C, "_host_emptyCache"):
-                torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
-            args.steps = default_steps
-            emit("cli", trainer_cli(args, lengths, results))
-    args.steps = default_steps
-    rows = [(k, v) for k, v in results.items() if isinstance(v, dict) and "pipeline" in v]
-    for k, v in results.items():
-        if isinstance(v, dict) and "error" in v:
-            print(f"{k}: FAILED\n{v['error']}", flush=True)
+def summarise(args, results):
+    """Each pipeline measurement's figures in one row: tokens/s (and over the bucketed mode's), padding,
+    warm-up, recompiles, host syncs, peaks, MFU, the memory plan over the peak; long rows' x_shortest."""
     summary = {}
-    for key, v in rows:
+    for key, v in results.items():
+        if not (isinstance(v, dict) and "pipeline" in v):
+            continue
         prefix = key.split("/")[0] + "/" if len(args.targets) > 1 else ""
         base = results.get(prefix + "bucketed", {}).get("pipeline", {}).get("tokens_per_s_steady")
         pipe = v["pipeline"]
@@ -1113,18 +1108,27 @@ def main(argv=None):
             "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts"),
             "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter")}
     long_rows(summary)
-    emit("summary", summary)
+    return summary
+
+
+def _mfu(s):
+    return "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"
+
+
+def _pipe_mfu(m):
+    return "-" if not m else f"{m['target']:.2f}+{m['drafter']:.2f}"
+
+
+def print_summary(summary, results):
+    """The summary table, then the lines about FP8's MFU, long rows, skipped measurements, checkpoints
+    written while `all` ran, and the trainer CLI's run."""
     print(f"{'mode':<36}{'tok/s':>9}{'x bkt':>7}{'pad':>7}{'warm s':>8}{'shapes':>7}{'recomp':>7}{'syncs/st':>9}"
           f"{'t MFU r/p':>12}{'d MFU r/p':>12}{'pipe MFU t+d':>14}{'mem GB':>8}")
-    def pipe_mfu(m):
-        return "-" if not m else f"{m['target']:.2f}+{m['drafter']:.2f}"
-
     for key, v in summary.items():
         ta, da = v["target_alone"], v["drafter_alone"]
-        mfu = lambda s: "-" if s["mfu_real"] is None else f"{s['mfu_real']:.2f}/{s['mfu_padded']:.2f}"  # noqa: E731
         print(f"{key:<36}{v['tokens_per_s']:>9.0f}{v['x_bucketed'] or 0:>7.2f}{v['pad_share']:>7.1%}"
               f"{v['warmup_s']:>8.1f}{v['shapes']:>7}{v['recompiles']:>7}{v['host_syncs_per_step']:>9.2f}"
-              f"{mfu(ta):>12}{mfu(da):>12}{pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
+              f"{_mfu(ta):>12}{_mfu(da):>12}{_pipe_mfu(v['mfu']):>14}{max(v['peak_mem_gb'] or [0]):>8.1f}", flush=True)
     if any((v.get("precision") or "bf16") != "bf16" for v in summary.values()):
         peak = peak_tflops(results.get("gpu"))
         print(f"MFU is against the bf16 dense peak everywhere ({f'{peak:g} TFLOP/s on this GPU' if peak else 'unknown here'}"
@@ -1149,6 +1153,51 @@ def main(argv=None):
               f"({cli.get('cli_over_bench')} x the bench's {cli.get('bench_mode')}), warm-up {cli['warmup_s']}s "
               f"(target compiled: {cli['compile_target']}), recompiles {cli['recompiles']}, checkpoints "
               f"{[c['stall_s'] for c in cli['checkpoints']]} s blocked, state {cli['state']}", flush=True)
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    args.out_dir = os.path.dirname(args.out) if args.out else None
+    results = {"devices": {"target": args.target, "drafter": args.drafter}, "torch": torch.__version__,
+               "mix": args.mix}
+    if torch.cuda.is_available():
+        results["gpu"] = torch.cuda.get_device_name(0)
+
+    def emit(key, value):
+        results[key] = value
+        print(json.dumps({key: value}), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    lengths = sample_lengths(args.samples, args)
+    emit("lengths", {"n": len(lengths), "median": sorted(lengths)[len(lengths) // 2],
+                     "mean": round(sum(lengths) / len(lengths), 1), "min": min(lengths), "max": max(lengths)})
+    started = time.time()
+    modes_for, steps_for = shape_options(p, args)
+    default_steps = args.steps
+    cli_after = "8b" if "8b" in args.targets else args.targets[-1]
+    precisions = sorted(dict.fromkeys(args.precisions), key=PRECISIONS.index)
+    for shape in args.targets:
+        args.steps = steps_for.get(shape, default_steps)
+        if not measure_shape(args, shape, precisions, runs_of(args, shape, modes_for), lengths, started, results, emit):
+            continue
+        if len(args.targets) > 1:  # compiled graphs and their guards may hold the last shape's weights (70B: 66 GB)
+            torch._dynamo.reset()
+        free_device_memory()
+        if args.cli_steps and shape == cli_after:
+            if hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()  # the modes' pinned staging, cached by torch: the CLI pins its own
+            args.steps = default_steps
+            emit("cli", trainer_cli(args, lengths, results))
+    args.steps = default_steps
+    for k, v in results.items():
+        if isinstance(v, dict) and "error" in v:
+            print(f"{k}: FAILED\n{v['error']}", flush=True)
+    summary = summarise(args, results)
+    emit("summary", summary)
+    print_summary(summary, results)
     return results
 
 

@@ -321,7 +321,9 @@ def collect_sources(max_bytes: int, max_file_bytes: int, heldout_permille: int, 
     found = len(files) + skipped["test"]
     random.Random(seed).shuffle(files)  # a byte budget then samples every package, not the first few
     seen: set[str] = set()
-    train, heldout, total = [], [], 0
+    train: list[str] = []
+    heldout: list[str] = []
+    total = 0
     dirs: dict[str, list[str]] = {"train": [], "heldout": []}  # each text's directory: its package
     with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) * 2)) as pool:
         for path, data, digest in pool.map(lambda f: _read(f, max_file_bytes), files, chunksize=64):
@@ -567,6 +569,8 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
         torch.cuda.synchronize()
     train_seconds = time.time() - t0
     stream.close()
+    if seen_rows is None:
+        raise SystemExit(f"quality: target_steps {p.target_steps}: the target trained no step")
     rows_needed = p.target_steps * p.batch_rows
     chars = sum(map(len, texts))
     available = chars / chars_per_token  # estimated: the stream tokenizes only what training takes
@@ -833,12 +837,13 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
     records = len(read_records(path)) if path.exists() else 0
     if path.exists() and rc != 0:  # keep whole lines only, for the trainer
         write_jsonl(path, read_records(path))
+    errors = [line for line in tail if line.startswith("regen: failed")][:3]
     result = {"command": "python -m trainer_tools.regen " + " ".join(argv), "exit": rc, "seconds": round(seconds, 1),
               "summary": summary, "conversations": records,
-              "errors": [line for line in tail if line.startswith("regen: failed")][:3]}
+              "errors": errors}
     say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "
         f"`python -m trainer_tools.regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
-    for e in result["errors"]:
+    for e in errors:
         say(e)
     return result
 
@@ -952,7 +957,7 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
             if on_done:
                 on_done(j)
         return
-    waiting, running = list(jobs), []
+    waiting, running = list(jobs), list[dict]()
     stopping = False
     while waiting or running:
         main_ready = (not first_alone or jobs[0] not in running or started_training(jobs[0])
@@ -1205,7 +1210,7 @@ def read_records(path: Path) -> list[dict]:
     return rows
 
 
-def subset(src: Path, dst: Path, ids: list[str] | None, n: int) -> tuple[Path, list[str]]:
+def subset(src: Path, dst: Path, ids: list[Any] | None, n: int) -> tuple[Path, list[Any]]:
     """The first n records of src (or those with the given ids, in that order) into dst."""
     rows = read_records(src)
     if ids is not None:

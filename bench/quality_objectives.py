@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -409,7 +410,7 @@ def markdown(results: dict) -> str:
 # ---------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     ap.add_argument("--out", type=Path, required=True, help="work directory (created)")
@@ -419,7 +420,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quality-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field of the bench/quality.py preset (target_steps=400)")
     ap.add_argument("--plan-only", action="store_true", help="print what fits the budget and stop")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
+    """The preset --preset names with --set and --budget-s applied; an unknown field or objective, a
+    baseline that is not a row, or parallel < 1 is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
     known = {f.name for f in dataclasses.fields(Preset)}
     for item in args.set:
@@ -437,67 +443,51 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"baseline {p.baseline!r} is not one of the rows {list(p.objectives)}")
     if p.parallel < 1:
         ap.error(f"parallel: {p.parallel}: must be at least 1")
-    started = time.time()
-    budget_end = started + p.budget_s if p.budget_s else None
-    margin = p.eval_reserve_s  # the deadline's stops and the last τ
+    return p
 
-    # 0. the plan, before anything runs
-    ahead = plan_runs(p, p.budget_s - p.prep_s - p.timing_s - margin if p.budget_s else None)
+
+def plan_ahead(p: Preset) -> Plan:
+    """Stage 0: the plan from the preset's estimates, before anything runs."""
+    ahead = plan_runs(p, p.budget_s - p.prep_s - p.timing_s - p.eval_reserve_s if p.budget_s else None)
     say(f"plan (estimated, before the preparation): {ahead.text(p.objectives)}"
-        + (f" of {p.budget_s - p.prep_s - p.timing_s - margin:.0f}s left after ~{p.prep_s:.0f}s of preparation and "
-           f"~{p.timing_s:.0f}s of step timing" if p.budget_s else ""))
+        + (f" of {p.budget_s - p.prep_s - p.timing_s - p.eval_reserve_s:.0f}s left after ~{p.prep_s:.0f}s of "
+           f"preparation and ~{p.timing_s:.0f}s of step timing" if p.budget_s else ""))
     for note in ahead.notes:
         say(f"plan: {note}")
-    if args.plan_only:
-        return {"plan": dataclasses.asdict(ahead)}
-    p.seeds = ahead.seeds
+    return ahead
 
-    out = args.out.resolve()
-    command = "PYTHONPATH=. python bench/quality_objectives.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
-                     "plan_ahead": dataclasses.asdict(ahead)}
 
-    def save() -> None:
-        results["seconds"] = round(time.time() - started, 1)
-        (out / "objectives.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-        if "table" in results:
-            (out / "objectives.md").write_text(markdown(results))
-
-    # 1. target and answers (bench/quality.py's own stages)
-    qset = [f"--set={k}={json.dumps(v)}" for k, v in p.quality_set.items()] + [f"--set={s}" for s in args.quality_set]
+def prepare(p: Preset, quality_set: list[str], out: Path, results: dict, started: float) -> tuple[quality.Preset, Path]:
+    """Stage 1: bench/quality.py up to its regeneration; its preset (as it ran, `parallel` this bench's)
+    and the file of answers every run trains on."""
+    qset = [f"--set={k}={json.dumps(v)}" for k, v in p.quality_set.items()] + [f"--set={s}" for s in quality_set]
     prepared = quality.main(["--preset", p.quality, "--out", str(out), "--stop-after", "regen", *qset])
     qp = dataclasses.replace(quality.PRESETS[p.quality], **{k: v for k, v in prepared["preset"].items()
                                                             if k != "prefix_chars"})
     qp.parallel = p.parallel
     results["quality"] = {k: prepared[k] for k in ("corpus", "tokenizer", "target", "prompts", "regen") if k in prepared}
     results["prep_seconds"] = round(time.time() - started, 1)
-    model_dir, data, runs = out / "model", out / "data", out / "runs-objectives"
-    runs.mkdir(parents=True, exist_ok=True)
-    regen_ok = prepared["regen"]["conversations"] >= 1
-    source = data / ("regen.jsonl" if regen_ok else "original.jsonl")
+    data = out / "data"
+    source = data / ("regen.jsonl" if prepared["regen"]["conversations"] >= 1 else "original.jsonl")
     train_file, _ = quality.subset(source, data / "objectives-train.jsonl", None, p.train_convs)
     results["train_convs"] = len(quality.read_records(train_file))
     results["heldout_prompts"] = len(quality.read_records(data / "eval.jsonl"))
     say(f"objectives: {results['train_convs']} answers ({source.name}) per run; {len(p.objectives)} objectives x "
         f"{len(p.seeds)} seeds; preparation took {results['prep_seconds']:.0f}s (planned ~{p.prep_s:.0f}s)")
+    return qp, train_file
 
-    # 2. the second prompt set
+
+def write_code_prompts(p: Preset, qp: quality.Preset, data: Path, results: dict) -> list[dict]:
+    """Stage 2: the second prompt set (data/code-prompts.jsonl)."""
     code = code_prompts(p.code_prompts, 1000 + qp.seed)
     quality.write_jsonl(data / "code-prompts.jsonl", code)
     results["code_prompts"] = len(code)
     results["code_prompt_example"] = code[0]["messages"][0]["content"]
+    return code
 
-    timing_file, _ = quality.subset(train_file, data / "objectives-timing.jsonl", None, 512)  # quick to tokenise
-    workers = max(1, (os.cpu_count() or 2) // p.parallel)  # the runs tokenise at once: the CPUs shared
 
-    def config(name: str, seed: int, steps: int, train: Path = train_file) -> dict:
-        cfg = quality.trainer_config(qp, model_dir, train, data, steps, {}, max(1, steps))
-        cfg["model"].update(VARIANTS[name])
-        cfg["run"]["seed"], cfg["data"]["seed"] = seed, seed
-        cfg["data"]["workers"] = workers
-        return cfg
-
-    # 3. step time of each objective alone: equal wall clock
+def time_objectives(p: Preset, config: Callable[..., dict], runs: Path, timing_file: Path, results: dict) -> dict[str, float]:
+    """Stage 3: each objective's step time alone (the fastest of 3 rounds), on a small training file."""
     t0 = time.time()
     steppers = {}
     for name in p.objectives:
@@ -511,7 +501,13 @@ def main(argv: list[str] | None = None) -> dict:
     for name, t in timing.items():
         say(f"step time alone: {name} {t * 1000:.1f} ms (the fastest of 3 rounds of {p.timing_steps} steps)")
     results["timing"], results["timing_seconds"] = timing, round(time.time() - t0, 1)
-    left = budget_end - time.time() - margin if budget_end else None
+    return timing
+
+
+def measured_plan(p: Preset, timing: dict[str, float], left: float | None, ahead: Plan, results: dict,
+                  save: Callable[[], None]) -> Plan:
+    """The plan again from the measured step times and the time left; refused (PlanError), with the step
+    times written as the table, when not even min_seeds seeds fit."""
     try:
         plan = plan_runs(p, left, timing)
     except PlanError as e:  # the preparation took longer than planned: the step times are still a figure
@@ -523,9 +519,88 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"plan: {note}")
     results["plan"], results["plan_notes"] = plan.text(p.objectives), ahead.notes + plan.notes
     results["planned_steps"], results["train_s"] = plan.steps, plan.train_s
-    save()
+    return plan
 
-    # 4. the runs (seed after seed: a deadline leaves whole seeds), then τ on the code prompts as each ends
+
+class RunsEnded:
+    """Stage 4's on_done: as each run ends, its row (τ on the code prompts from its last checkpoint, and
+    on the held-out prompts too when it stopped before its own final evaluation) joins the table, which
+    is written again (a call killed later still leaves the table so far)."""
+
+    def __init__(self, p: Preset, plan: Plan, timing: dict[str, float], evaluators: tuple, budget_end: float | None,
+                 results: dict, save: Callable[[], None], total: int):
+        self.p, self.plan, self.timing, self.budget_end, self.results, self.save = p, plan, timing, budget_end, results, save
+        self.total = total  # runs queued
+        self.evaluator, self.heldout = evaluators  # τ on the code prompts; τ on the held-out ones
+        self.rows: dict[str, list[dict]] = {name: [] for name in p.objectives}
+        results["runs"] = self.rows
+
+    def __call__(self, j: dict) -> None:
+        seed, name = j["seed"], j["objective"]
+        r = {**quality.read_run(j["run_dir"]), **training_pace(j["run_dir"]), "seed": seed, "exit": j.get("rc"),
+             "planned_steps": self.plan.steps[name], "seconds": round(j.get("seconds", 0.0), 1)}
+        last = complete_checkpoints(j["run_dir"])
+        if last and (self.budget_end is None or time.time() < self.budget_end - 5):
+            point = self.evaluator(last[-1])
+            r.update(tau_code=point["tau"], tau_code_lookup=point["tau_lookup"], acceptance_code=point.get("acceptance"),
+                     code_checkpoint=str(last[-1]))
+            if r.get("tau") is None:  # stopped at the deadline: the trainer did not measure its held-out τ
+                point = self.heldout(last[-1])
+                r.update(tau=point["tau"], tau_ratio=point["tau_ratio"], acceptance=point["acceptance"],
+                         tau_lookup=point["tau_lookup"], steps=point["step"], tau_from=str(last[-1]))
+        if j.get("rc") not in (0, None):
+            log = j["run_dir"] / "train.log"
+            tail = (log if log.exists() else j["log"]).read_text().strip().splitlines()[-8:] if j["log"].exists() else []
+            say(f"{j['name']}: exit {j.get('rc')}:\n" + "\n".join(tail))
+        self.rows[name].append(r)
+        self.rows[name].sort(key=lambda x: x["seed"])
+        say(f"{j['name']}: exit {r['exit']}, {r['steps']} of {self.plan.steps[name]} steps in {r['seconds']:.0f}s, tau "
+            f"held-out {quality.fmt(r.get('tau'))}, code {quality.fmt(r.get('tau_code'))}, acceptance {r.get('acceptance')}")
+        self.results["table"] = summarise(self.rows, self.timing, self.p.baseline)
+        self.results["partial"] = f"{sum(map(len, self.rows.values()))} of {self.total} runs ended"
+        self.save()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    p = preset_of(ap, args)
+    started = time.time()
+    budget_end = started + p.budget_s if p.budget_s else None
+    margin = p.eval_reserve_s  # the deadline's stops and the last τ
+    ahead = plan_ahead(p)
+    if args.plan_only:
+        return {"plan": dataclasses.asdict(ahead)}
+    p.seeds = ahead.seeds
+    out = args.out.resolve()
+    command = "PYTHONPATH=. python bench/quality_objectives.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict = {"command": command, "preset": dataclasses.asdict(p), "torch": torch.__version__,
+                     "plan_ahead": dataclasses.asdict(ahead)}
+
+    def save() -> None:
+        results["seconds"] = round(time.time() - started, 1)
+        (out / "objectives.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        if "table" in results:
+            (out / "objectives.md").write_text(markdown(results))
+
+    qp, train_file = prepare(p, args.quality_set, out, results, started)
+    model_dir, data, runs = out / "model", out / "data", out / "runs-objectives"
+    runs.mkdir(parents=True, exist_ok=True)
+    code = write_code_prompts(p, qp, data, results)
+    timing_file, _ = quality.subset(train_file, data / "objectives-timing.jsonl", None, 512)  # quick to tokenise
+    workers = max(1, (os.cpu_count() or 2) // p.parallel)  # the runs tokenise at once: the CPUs shared
+
+    def config(name: str, seed: int, steps: int, train: Path = train_file) -> dict:
+        cfg = quality.trainer_config(qp, model_dir, train, data, steps, {}, max(1, steps))
+        cfg["model"].update(VARIANTS[name])
+        cfg["run"]["seed"], cfg["data"]["seed"] = seed, seed
+        cfg["data"]["workers"] = workers
+        return cfg
+
+    timing = time_objectives(p, config, runs, timing_file, results)
+    plan = measured_plan(p, timing, budget_end - time.time() - margin if budget_end else None, ahead, results, save)
+    save()
+    # the runs (seed after seed: a deadline leaves whole seeds), then τ on the code prompts as each ends
     order = [(seed, name) for seed in plan.seeds for name in p.objectives]
     jobs = [quality.job(f"{name} seed {seed}", config(name, seed, plan.steps[name]), runs) for seed, name in order]
     expect = p.startup_s + plan.train_s * p.parallel / max(1.0, min(p.parallel, p.share_gain)) + p.end_s
@@ -536,38 +611,11 @@ def main(argv: list[str] | None = None) -> dict:
     evaluator = quality.CheckpointEvaluator(qp, model_dir, data)
     evaluator.conversations = code
     evaluator.p = dataclasses.replace(qp, eval_new_tokens=p.code_new_tokens)
-    rows: dict[str, list[dict]] = {name: [] for name in p.objectives}
-    results["runs"] = rows
-
-    def finished(j: dict) -> None:
-        seed, name = j["seed"], j["objective"]
-        r = {**quality.read_run(j["run_dir"]), **training_pace(j["run_dir"]), "seed": seed, "exit": j.get("rc"), "planned_steps": plan.steps[name],
-             "seconds": round(j.get("seconds", 0.0), 1)}
-        last = complete_checkpoints(j["run_dir"])
-        if last and (budget_end is None or time.time() < budget_end - 5):
-            point = evaluator(last[-1])
-            r.update(tau_code=point["tau"], tau_code_lookup=point["tau_lookup"], acceptance_code=point.get("acceptance"),
-                     code_checkpoint=str(last[-1]))
-            if r.get("tau") is None:  # stopped at the deadline: the trainer did not measure its held-out τ
-                point = heldout(last[-1])
-                r.update(tau=point["tau"], tau_ratio=point["tau_ratio"], acceptance=point["acceptance"],
-                         tau_lookup=point["tau_lookup"], steps=point["step"], tau_from=str(last[-1]))
-        if j.get("rc") not in (0, None):
-            log = j["run_dir"] / "train.log"
-            tail = (log if log.exists() else j["log"]).read_text().strip().splitlines()[-8:] if j["log"].exists() else []
-            say(f"{j['name']}: exit {j.get('rc')}:\n" + "\n".join(tail))
-        rows[name].append(r)
-        rows[name].sort(key=lambda x: x["seed"])
-        say(f"{j['name']}: exit {r['exit']}, {r['steps']} of {plan.steps[name]} steps in {r['seconds']:.0f}s, tau "
-            f"held-out {quality.fmt(r.get('tau'))}, code {quality.fmt(r.get('tau_code'))}, acceptance {r.get('acceptance')}")
-        results["table"] = summarise(rows, timing, p.baseline)
-        results["partial"] = f"{sum(map(len, rows.values()))} of {len(jobs)} runs ended"
-        save()
-
+    ended = RunsEnded(p, plan, timing, (evaluator, heldout), budget_end, results, save, len(jobs))
     say(f"runs: {len(jobs)} queued, {p.parallel} at a time" + (f"; deadline in {deadline - time.time():.0f}s" if deadline else ""))
-    quality.run_all(qp, jobs, deadline, on_done=finished, first_alone=False)  # each objective compiles its own graphs
+    quality.run_all(qp, jobs, deadline, on_done=ended, first_alone=False)  # each objective compiles its own graphs
     never = [j["name"] for j in jobs if j.get("rc") is None and j.get("seconds", 0.0) == 0.0 and "proc" not in j]
-    results["table"] = summarise(rows, timing, p.baseline)
+    results["table"] = summarise(ended.rows, timing, p.baseline)
     results["verdict"] = verdict(results["table"], p.baseline)
     results.pop("partial", None)
     if never:

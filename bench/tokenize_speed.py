@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # Only light imports at the top: worker processes are spawned and import this script again.
-from _common import report
+from bench.common import report
 
 MAX_LENGTH = 768  # bench/quality.py's h200 preset
 

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import yaml
-from _common import hub_model_dir, report
+
+from bench.common import hub_model_dir, report
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -86,7 +86,7 @@ class FollowCallbacks:
 
 
 @dataclass
-class _Stream:
+class LineStream:
     """Turns the helper's stdout lines into delivered lines and an exact offset."""
 
     on_line: Callable[[bytes], None]
@@ -193,7 +193,7 @@ def follow_file(
             args += ["--follow", "--poll", str(poll), "--until-final", directory]
             if stop is not None:
                 args += ["--max-seconds", str(stop_check_s)]
-        stream = _Stream(hooks.on_line, None if first else position, stop,
+        stream = LineStream(hooks.on_line, None if first else position, stop,
                          partial(on_header, initial=first, resumed=failing_since is not None))
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)

@@ -1,7 +1,7 @@
 """A simulated run that writes a run directory the way the trainer does (contract v1).
 
 It stands in for a tiny CPU run where no trainer is at hand: `dflash-ops dash --demo`,
-the dashboard tests and `bench/dash_load.py` drive it. It honours control requests
+the dashboard tests and its load measurement drive it. It honours control requests
 (`checkpoint`, `stop`) at step boundaries like the trainer. GPU entries mimic the pipeline's
 dead zones: target GPUs that go choppy and a drafter GPU that idles.
 """

@@ -270,7 +270,7 @@ def _attention_inputs_of(x: torch.Tensor, ctx: torch.Tensor, w_norm: torch.Tenso
     fused (the default, `_attention_inputs`): one compiled region (forward and backward) on CUDA,
     keys/values projected apart and concatenated at 1/4 of the width (GQA). Not fused: the
     previous path, each norm and RoPE its own compiled kernel, [context | block] concatenated at
-    full width before the projections (bench/pipeline.py's baseline)."""
+    full width before the projections (model.fuse_drafter false: the baseline fusing is measured against)."""
     norm = _rms_norm if fused else rms_norm
     return _qkv_of(norm(x, w_norm, eps), ctx, wq, wk, wv, w_qnorm, w_knorm, cos_q, sin_q, cos_kv, sin_kv,
                    eps, heads, kv_heads, head_dim, fused, fused, linear)

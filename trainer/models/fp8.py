@@ -7,7 +7,7 @@ rows (tokens) are quantized the same way, one scale per token, and `torch._scale
 the two on the GPU's FP8 tensor cores (Ada 8.9, Hopper 9.0 and later) with fp32 accumulation,
 the per-token and per-channel scales applied to the product, the result in bf16. The tapped
 features therefore stay bf16, as the drafter expects; what changes is the rounding of the
-target's weights and activations (3 mantissa bits), whose cost is τ (bench/quality.py).
+target's weights and activations (3 mantissa bits), whose cost is τ (bench/RESULTS.md, issue #42).
 
 An FP8 checkpoint (block-scaled, Qwen3-FP8) is decoded one tensor at a time and re-quantized
 per channel as its layer loads (trainer.models.target_loading.load_staged): the target then holds

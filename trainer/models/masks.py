@@ -383,7 +383,7 @@ def flex_attention_fn(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, 
 
 
 # The drafter's attention on Hopper at head_dim 128: the tiles inductor's max-autotune picks for a
-# packed row of 8192 (bench/drafter_attention.py: forward + backward 1.135 x the default tiles), set
+# packed row of 8192 (forward + backward 1.135 x the default tiles, bench/RESULTS.md), set
 # here so a run gets them without autotuning in its warm-up.
 FLEX_TILES_SM90_D128 = {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4,
                         "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,

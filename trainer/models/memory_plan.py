@@ -109,7 +109,7 @@ def _meta_target(cfg: TrainerConfig, dtype: torch.dtype, model_config: dict | No
 
     notes = []
     t = cfg.model.target
-    if model_config is not None:  # config.json as read on the node (or a random target's, bench/pipeline.py)
+    if model_config is not None:  # config.json as read on the node (or a random target's)
         from transformers import AutoConfig
 
         doc = dict(model_config)
@@ -219,7 +219,7 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     logits and probabilities); and the layers' backward, which meets the saved layers first (the last
     ones, freed as it goes) and then recomputes one checkpointed layer at a time, beside one layer's
     transient gradients (the MLP's two products, two residual widths). dcfg: the draft's own
-    DrafterConfig. Measured against bench/pipeline.py's peaks at 8,192 to 65,536-token rows,
+    DrafterConfig. Measured against the pipeline's peaks at 8,192 to 65,536-token rows,
     checkpointing off and on (bench/RESULTS.md, issue #35)."""
     elt = 4 if cfg.model.dtype == "fp32" else 2
     hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)

@@ -327,7 +327,7 @@ def drafter_loss_sums(
     `trainer.models.masks.prepare_blocks` (on the drafter's device, its base weights built for
     `objective`: `base_gamma`). Returns (loss_sum, weight_sum, correct_sum) as 0-d fp32 tensors
     (loss_sum differentiable; weight_sum = Σ base); no host sync happens here.
-    ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and the bench).
+    ce: "fused" (default) or "checkpoint" (the reference implementation, kept for parity and as a baseline).
     doc_start [B, L]: packed rows (trainer.data.packing): context positions restart per document, a
     block sees only its own document, and flex builds its mask from tiles (long rows).
     target_hidden [B, L, H]: the target's final (normed) hidden states, what its LM head reads

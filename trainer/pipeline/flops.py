@@ -6,7 +6,7 @@ forward = 2*N*tokens; backward = 2x forward for trainable weights plus input gra
 average visible span: half the sequence for the causal target, half the context plus the own
 block for a draft slot (anchors are uniform over the sequence). Recomputation is not counted
 (model FLOPs, not hardware FLOPs). This is the one count behind every MFU figure: the pipeline's
-`step` events, bench/pipeline.py, bench/one_step_8b.py and bench/drafter_mfu.py.
+`step` events and every measurement in bench/RESULTS.md.
 
 At Qwen3-8B shape (36 layers, 5-layer drafter, 512 anchors x 16, sequence 3072) per sequence
 token: target forward 1.48e10, drafter step 2.34e10.

@@ -122,7 +122,7 @@ class ModelConfig:
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
     # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only).
     # auto: on when every target device is CUDA and the rows are packed (one shape: one compile,
-    # +11% in bench/pipeline.py); off on the CPU and for bucketed lengths
+    # +11% tokens/s, bench/RESULTS.md); off on the CPU and for bucketed lengths
     compile_target: bool | Literal["auto"] = "auto"
     # the drafter's matmuls use bf16 copies of the fp32 master weights made once per optimizer step
     # (not per use under autocast), and each layer runs as two compiled regions around attention on

@@ -147,3 +147,17 @@ def test_tiny_bench_trains_dflash1_and_dflash2_side_by_side(tmp_path):
     log = (tmp_path / "runs-objectives" / "dflash2-seed-0" / "train.log").read_text()
     assert "selector CE" in log
     assert "selector" not in (tmp_path / "runs-objectives" / "dflash1-seed-0" / "train.log").read_text()
+
+
+def test_the_command_line_edits_this_bench_s_preset_and_refuses_what_it_does_not_know(capsys):
+    ap = qo.parser()
+    p = qo.preset_of(ap, ap.parse_args(["--out", "x", "--set", "seeds=[0, 1]", "--set", "parallel=3",
+                                        "--budget-s", "300"]))
+    assert (p.seeds, p.parallel, p.budget_s) == ((0, 1), 3, 300.0)
+    assert qo.PRESETS["h200"].seeds == (0, 1, 2)  # the preset itself is left as it was
+    for argv, message in ((["--set", "nope=1"], "--set nope=1: no preset field 'nope'"),
+                          (["--set", "parallel=0"], "parallel: 0: must be at least 1"),
+                          (["--set", "objectives=[kl, fast]"], "objectives: unknown ['fast']")):
+        with pytest.raises(SystemExit):
+            qo.preset_of(ap, ap.parse_args(["--out", "x", *argv]))
+        assert message in capsys.readouterr().err

@@ -173,3 +173,41 @@ def test_rows_of_several_lengths_with_the_drafter_checkpointed_and_not_in_one_ru
     out = capsys.readouterr().out
     assert "packed_512:ckpt-off: skipped: the memory plan does not fit" in out
     assert "packed_512:ckpt-on: rows of 512, drafter layers checkpointed: 2:" in out
+
+
+def test_a_measurement_s_key_names_only_what_varies_in_the_run():
+    bench = load_bench()
+    args = bench.parser().parse_args(["--tiny", "--one-rank"])
+    args.precisions_of = {}
+    assert bench.runs_of(args, "8b", {}) == [("bucketed", 0), ("bucketed/rank", 0)]
+    args.modes, args.one_rank = ["all", "packed"], False
+    assert bench.runs_of(args, "8b", {}) == [("packed", 8192), ("all", 8192)]  # in MODES' order
+    assert bench.runs_of(args, "70b", {"70b": ["all", "packed"]}) == [("all", 8192), ("packed", 8192)]  # as given
+    key = bench.measurement_key
+    assert key(args, "packed", 8192, "bf16", ["bf16"], None, 5, [5]) == "packed"
+    assert key(args, "packed", 8192, "fp8", ["bf16", "fp8"], None, 5, [5]) == "packed@fp8"
+    assert key(args, "packed", 8192, "bf16", ["bf16", "fp8"], None, 3, [5, 3]) == "packed@bf16#d3"
+    args.pack_length, args.experts = [8192, 16384], ["grouped_mm", "eager"]
+    assert key(args, "all", 16384, "bf16", ["bf16"], "eager", 5, [5]) == "all_16384~eager"
+    assert key(args, "bucketed", 0, "bf16", ["bf16"], None, 5, [5]) == "bucketed"  # no row length of its own
+
+
+def test_the_summary_sets_each_measurement_against_the_bucketed_mode_and_the_shortest_rows():
+    bench = load_bench()
+    args = bench.parser().parse_args(["--tiny"])
+
+    def measured(tokens_per_s, pack_length=None):
+        stage = {"mfu_real": 0.5, "mfu_padded": 0.6}
+        return {"pipeline": {"tokens_per_s_steady": tokens_per_s, "pad_share": 0.1, "recompiles_after_warmup": 0,
+                             "host_syncs_per_step": 1.0, "mfu_steady": [{"target": 0.4, "drafter": 0.3}]},
+                "warmup_s": 2.0, "warm_shapes": [(1, 64)], "peak_mem_gb_all": [3.0], "target_alone": stage,
+                "drafter_alone": stage, "pipeline_over_bound": 0.9, "pack_length": pack_length,
+                "checkpoint_drafter": "auto" if pack_length else None}
+
+    results = {"lengths": {"n": 4}, "bucketed": measured(100.0), "all_8192": measured(150.0, 8192),
+               "all_16384": measured(120.0, 16384), "all_32768": {"skipped": "the plan says it does not fit"}}
+    summary = bench.summarise(args, results)
+    assert list(summary) == ["bucketed", "all_8192", "all_16384"]  # measurements only
+    assert [summary[k]["x_bucketed"] for k in summary] == [1.0, 1.5, 1.2]
+    assert (summary["all_16384"]["shortest"], summary["all_16384"]["x_shortest"]) == (8192, 0.8)
+    assert "x_shortest" not in summary["bucketed"]

@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where t
     sys.path.insert(0, str(ROOT))
 
 from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
-from trainer.run.contract import read_events, read_status  # noqa: E402
+from trainer.run.contract import read_events, read_log, read_status  # noqa: E402
 
 TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests"}
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -1376,8 +1376,7 @@ def say_failed(jobs: list[dict]) -> None:
     for j in jobs:
         if j.get("rc") not in (0,):
             tail = j["log"].read_text().strip().splitlines()[-12:] if j["log"].exists() else []
-            log = j["run_dir"] / "train.log"
-            tail += log.read_text().strip().splitlines()[-12:] if log.exists() else []
+            tail += read_log(j["run_dir"]).strip().splitlines()[-12:]
             say(f"trainer run {j['name']!r}: exit {j.get('rc')}:\n" + "\n".join(tail))
 
 

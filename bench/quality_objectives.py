@@ -66,7 +66,7 @@ if str(ROOT) not in sys.path:
 
 from bench import quality  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
-from trainer.run.contract import read_events  # noqa: E402
+from trainer.run.contract import read_events, read_log  # noqa: E402
 
 # name -> the model section's objective keys (trainer/run/config.py ModelConfig)
 OBJECTIVES = {
@@ -549,8 +549,8 @@ class RunsEnded:
                 r.update(tau=point["tau"], tau_ratio=point["tau_ratio"], acceptance=point["acceptance"],
                          tau_lookup=point["tau_lookup"], steps=point["step"], tau_from=str(last[-1]))
         if j.get("rc") not in (0, None):
-            log = j["run_dir"] / "train.log"
-            tail = (log if log.exists() else j["log"]).read_text().strip().splitlines()[-8:] if j["log"].exists() else []
+            text = read_log(j["run_dir"]) or (j["log"].read_text() if j["log"].exists() else "")
+            tail = text.strip().splitlines()[-8:]
             say(f"{j['name']}: exit {j.get('rc')}:\n" + "\n".join(tail))
         self.rows[name].append(r)
         self.rows[name].sort(key=lambda x: x["seed"])

@@ -16,7 +16,6 @@ metrics.jsonl, warm-up, the end-of-run τ evaluation and checkpoint) and the who
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import hub_model_dir, report
+from trainer.run.contract import read_events, read_log, read_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,10 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     except subprocess.TimeoutExpired:
         out["exit"] = f"timed out after {args.timeout:.0f}s"
     out["wall_s"] = round(time.perf_counter() - began, 1)
-    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    log = read_log(run_dir)
+    status = read_status(run_dir) or {}
+    metrics = read_events(run_dir)
     for key in ("step", "tokens_per_s", "tokens_per_s_steady", "state"):
         if key in status:
             out[key] = status[key]

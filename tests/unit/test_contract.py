@@ -127,3 +127,9 @@ def test_a_reader_on_the_run_s_machine_reads_back_what_the_trainer_wrote(tmp_pat
     assert [(e["event"], e["step"]) for e in contract.read_events(run)] == [("step", 1), ("eval", 1)]
     (run / "status.json").write_text("[1, 2]")
     assert contract.read_status(run) is None  # JSON, but not a status document
+
+
+def test_a_reader_reads_the_run_s_log_as_text_even_before_it_exists(tmp_path):
+    assert contract.read_log(tmp_path) == ""
+    (tmp_path / "train.log").write_bytes(b"step 1\n\xff bad byte\n")
+    assert contract.read_log(tmp_path) == "step 1\n\ufffd bad byte\n"

@@ -2,7 +2,7 @@
 its version, the final states, status.json's fields (names and types, once), the metrics.jsonl
 event kinds, a process's start time (the one liveness rule: a zombie counts as gone), how a file is
 written (atomic replace, fsync) and hashed, and how a reader on the run's machine reads status.json
-and metrics.jsonl back.
+metrics.jsonl and train.log back.
 
 Stdlib only, python 3.8+: the trainer imports it as trainer.run.contract, and dflash-ops ships this
 same file beside its helpers as a shared module (dflash_ops/helpers/__init__.py SHARED_ELSEWHERE),
@@ -218,6 +218,15 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict]:
     except FileNotFoundError:
         pass
     return events
+
+
+def read_log(run_dir: str | os.PathLike[str]) -> str:
+    """A run directory's train.log as text ("" when it has none yet; bytes that are not UTF-8 replaced)."""
+    try:
+        with open(os.path.join(run_dir, "train.log"), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 # ---------------------------------------------------------------- processes

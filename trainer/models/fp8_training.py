@@ -11,7 +11,7 @@ gradient), so each operand is quantized once per call and only transposed.
 What stays as today: the fp32 master weights and AdamW states, the bf16 copies the drafter's
 matmuls take (trainer.models.drafter.LowPrecisionWeights), the norms, attention and the loss. What
 changes is the rounding of the linear layers' inputs, weights and output gradients (3 mantissa
-bits), whose cost is τ (bench/quality.py's drafter precision comparison).
+bits), whose cost is τ (the quality bench's drafter precision comparison, bench/RESULTS.md).
 
 The function also runs on the CPU (torch 2.13's `_scaled_mm`, else the dequantized product): the
 tests check its gradients there; a run is refused FP8 on a CPU drafter at config load

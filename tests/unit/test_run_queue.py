@@ -40,6 +40,9 @@ def container(tmp_path):
             runqueue.remove(c.base_dir, entry["run_id"])
         kill_recorded(c.base / "runs" / ".queue" / "worker.json")
         kill_recorded(c.base / "runs" / ".notify" / "deliver.json")
+        for run in sorted((c.base / "runs").iterdir()):  # a run a test left going (a blocker it never stopped)
+            if run.is_dir() and not run.name.startswith(".") and runs.run_status(c, run.name).alive:
+                runs.stop_run(c, run.name, poll=0.05)
 
 
 def start(container, tmp_path, text, run_id, **kwargs) -> str:

@@ -759,6 +759,58 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
     return {"stats": stats, "check": check_render_pairs, "ids": [f"p{i}" for i in order]}
 
 
+OTHER_STYLES = ("signature", "question", "middle")  # other.jsonl's forms, in turn over the held-out files
+QUOTES = ('"""', "'''")
+
+
+def other_style(text: str, form: str, rng: random.Random, answer_chars: int) -> tuple[str, str] | None:
+    """One held-out file's prompt of another form than every training prompt (a bare code prefix):
+    `signature` a function's signature and docstring alone, asked to be implemented; `question` a prose
+    question about a piece of the file; `middle` the lines around a gap, asked to fill it. The answer is
+    the original text (τ is measured against the target's own answer; it only gives the row its shape)."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 6:
+        return None
+    if form == "signature":
+        for i, line in enumerate(lines[:-2]):
+            quote = lines[i + 1].strip()[:3]
+            if not (line.lstrip().startswith("def ") and quote in QUOTES):
+                continue
+            j = i + 1  # the docstring's last line: where its quotes close
+            while j < len(lines) and "".join(lines[i + 1:j + 1]).count(quote) < 2:
+                j += 1
+            head, body = "".join(lines[i:j + 1]), "".join(lines[j + 1:j + 12])
+            if body.strip():
+                return f"Implement this function:\n\n{head}", body[:answer_chars]
+        return None
+    cut = rng.randint(1, len(lines) - 5)
+    if form == "question":
+        piece = "".join(lines[cut:cut + 3])  # short: the tiny preset's 128-token rows hold it with an answer
+        return f"What does this code do, and what comes next?\n\n{piece}", "".join(lines[cut + 3:cut + 12])[:answer_chars] or piece
+    before, gap, after = "".join(lines[max(0, cut - 6):cut]), "".join(lines[cut:cut + 3]), "".join(lines[cut + 3:cut + 9])
+    return f"Fill in the lines missing at <GAP>:\n\n{before}<GAP>\n{after}", gap[:answer_chars]
+
+
+def write_other_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) -> dict:
+    """other.jsonl: up to p.n_eval held-out prompts in the OTHER_STYLES forms, each held-out file's form in turn
+    (else the next one that the file gives)."""
+    rows, by_form = [], {form: 0 for form in OTHER_STYLES}
+    for i, text in enumerate(corpus["heldout"]):
+        for k in range(len(OTHER_STYLES)):
+            form = OTHER_STYLES[(i + k) % len(OTHER_STYLES)]
+            pair = other_style(text, form, rng, p.answer_tokens * 5)
+            if pair is not None and fits(tok, p, *pair):
+                rows.append({"form": form, "messages": [{"role": "user", "content": pair[0]},
+                                                         {"role": "assistant", "content": pair[1]}]})
+                by_form[form] += 1
+                break
+        if len(rows) >= p.n_eval:
+            break
+    write_jsonl(data / "other.jsonl", rows)
+    say(f"prompts of another style: {len(rows)} held-out prompts in other.jsonl ({by_form})")
+    return {"prompts": len(rows), "by_form": by_form}
+
+
 # ---------------------------------------------------------------------------- 5. regen / 6. trainer
 
 
@@ -1016,6 +1068,9 @@ class CheckpointEvaluator:
         self.conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
         self.lookup: dict | None = None  # n-gram prompt lookup's τ: the same for every checkpoint, measured once
         self.lookup_by_length: dict = {}  # and per prompt-length bucket
+        other = data / "other.jsonl"  # prompts of another style (write_other_prompts); its lookup τ measured once
+        self.others = read_conversations(other)[: p.n_eval] if other.exists() and other.stat().st_size else []
+        self.other_lookup: float | None = None
 
     def __call__(self, ck: Path) -> dict:
         from trainer.generate.evaluate import acceptance_report
@@ -1038,11 +1093,23 @@ class CheckpointEvaluator:
                                              "lookup_same_output")}
             self.lookup_by_length = {name: b["tau_lookup"] for name, b in r["tau_by_length"].items()}
         ratio = r["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
+        by_set = {"heldout": {"tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"], "samples": r["samples"],
+                              "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio}}
+        if self.others:
+            with autocast_for(p.device, p.dtype):
+                o = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
+                                      batch=len(self.others), template_kwargs={"enable_thinking": False},
+                                      baseline=self.other_lookup is None)
+            if self.other_lookup is None:
+                self.other_lookup = o["tau_lookup"]
+            by_set["other"] = {"tau": o["tau"], "tau_per_prompt": o["tau_per_prompt"], "samples": o["samples"],
+                               "tau_lookup": self.other_lookup,
+                               "tau_ratio": o["tau"] / self.other_lookup if self.other_lookup else None}
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
                             else None} for name, b in r["tau_by_length"].items()}
         return {"step": step_of(ck), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
-                **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length,
+                **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length, "tau_by_set": by_set,
                 "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
@@ -1161,6 +1228,12 @@ def by_length_side_by_side(runs: dict) -> list[str]:
     return rows
 
 
+def by_set_text(by_set: dict | None) -> str:
+    """τ per prompt set (held-out prompts, prompts of another style), each beside lookup's on the same prompts."""
+    return "; ".join(f"{name} tau {fmt(b['tau'])} ({fmt(b.get('tau_ratio'), 2)}x lookup's {fmt(b.get('tau_lookup'))}, "
+                     f"{b['samples']} prompts)" for name, b in (by_set or {}).items()) or "-"
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -1177,6 +1250,7 @@ def markdown(results: dict) -> str:
              f"lookup on the same prompts {fmt(m.get('tau_lookup'))}: ratio {fmt(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
              f"{m['histogram']}, train acc {fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}, "
              f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
+             f"* main drafter by prompt set: {by_set_text(m.get('tau_by_set'))}",
              *by_length_rows(m.get("tau_by_length")), ""]
     if results.get("curve"):
         lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
@@ -1190,11 +1264,12 @@ def markdown(results: dict) -> str:
                   *by_length_side_by_side(results["by_length"]), ""]
     if results.get("ablations"):
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
-                  "held-out acc | tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "held-out acc | tok/s | tau by prompt set |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for name, a in results["ablations"].items():
             lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {fmt(a['tau'])} | {fmt(a.get('tau_ratio'), 2)} | "
                          f"{fmt(a['tau_per_prompt'])} | "
-                         f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'], 0)} |")
+                         f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'], 0)} | "
+                         f"{by_set_text(a.get('tau_by_set'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1331,6 +1406,8 @@ def checked_prompts(p: Preset, tok: Any, corpus: dict, model_dir: Path, data: Pa
     hf_tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     prompts = (write_long_prompts if p.long else write_prompts)(p, tok, corpus, data, rng)
     check_render(hf_tok, prompts["check"])
+    if not p.long:  # its own rng: the other draws stay as they were
+        prompts["stats"]["other"] = write_other_prompts(p, tok, corpus, data, random.Random(f"other:{p.seed}"))
     return prompts
 
 
@@ -1452,6 +1529,8 @@ def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_
     all its figures). Whether it took them."""
     if last is None:
         return False
+    if "tau_by_set" in last:  # the held-out and other-style sets: the bench's own evaluation
+        row["tau_by_set"] = last["tau_by_set"]
     if fp8_run(j):
         row["tau_fp8_target"], row["tau"] = row["tau"], None
     if row["tau"] is None or tau_from_checkpoints or j in compared:
@@ -1467,6 +1546,8 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
         from trainer.run.contract import tau_by_length_text
 
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
+    if m.get("tau_by_set"):
+        say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "

@@ -2,6 +2,7 @@
 as a model directory, regen through the CLI, the trainer from that directory, τ and the ablation."""
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,20 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
         assert sum(b["prompts"] for b in point["tau_by_length"].values()) == point["samples"]
         assert all(b["tau_lookup"] is not None for b in point["tau_by_length"].values())
     assert "| prompt length | prompts | tau pooled |" in (tmp_path / "quality.md").read_text()
+    # a third prompt set, of other forms than every training prompt, with τ and lookup's τ of its own
+    other = [json.loads(line) for line in open(tmp_path / "data" / "other.jsonl")]
+    assert r["prompts"]["other"]["prompts"] == len(other) > 0
+    assert {row["form"] for row in other} == set(quality.OTHER_STYLES)
+    train_prompts = {row["messages"][0]["content"] for row in prompts}
+    assert not any(row["messages"][0]["content"] in train_prompts for row in other)
+    for point in r["curve"]:
+        assert set(point["tau_by_set"]) == {"heldout", "other"}
+        assert point["tau_by_set"]["heldout"]["tau"] == pytest.approx(point["tau"])
+        o = point["tau_by_set"]["other"]
+        assert o["samples"] == len(other) and o["tau"] >= 1.0 and o["tau_lookup"] >= 1.0
+    assert m["tau_by_set"] == r["curve"][-1]["tau_by_set"]
+    assert all(set(x.get("tau_by_set") or ("heldout", "other")) == {"heldout", "other"} for x in r["ablations"].values())
+    assert "main drafter by prompt set: heldout tau" in (tmp_path / "quality.md").read_text()
 
 
 def test_split_is_by_file_content():
@@ -308,3 +323,17 @@ def test_a_run_takes_its_checkpoint_s_tau_only_where_its_own_cannot_stand(tmp_pa
     assert (row["tau"], row["tau_fp8_target"], row["tau_from"]) == (4.0, 3.0, "ck")
     row = {"tau": None}
     assert not quality.settle_tau(row, bf16, None, [], True) and row == {"tau": None}  # no checkpoint evaluated
+def test_prompts_of_another_style_take_each_form_from_a_file():
+    text = ('import os\n\n\ndef scale(values, factor=2):\n    """Each value times factor."""\n'
+            '    out = []\n    for v in values:\n        out.append(v * factor)\n    return out\n\n\n'
+            'def total(values):\n    return sum(values)\n')
+    rng = random.Random(0)
+    user, answer = quality.other_style(text, "signature", rng, 200)
+    assert user == 'Implement this function:\n\ndef scale(values, factor=2):\n    """Each value times factor."""\n'
+    assert answer.startswith("    out = []\n")
+    user, _ = quality.other_style(text, "question", rng, 200)
+    assert user.startswith("What does this code do") and user.split("\n\n", 1)[1] in text
+    user, gap = quality.other_style(text, "middle", rng, 200)
+    before, after = user.split("\n\n", 1)[1].split("<GAP>\n")
+    assert before + gap + after in text and gap
+    assert quality.other_style("x = 1\n", "middle", rng, 200) is None  # too short a file gives none

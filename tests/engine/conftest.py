@@ -22,6 +22,10 @@ from tests.conftest import unavailable
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 24
+# The temperatures the tier serves the 1-layer draft at besides greedy (issue 49), seeded: the user's
+# serving settings (Qwen3's non-thinking 0.7, DFlash2's published table at 1.0). The 1-layer draft
+# is immune to vLLM-CPU's k_norm difference, so only the sampling differs from the greedy case.
+SAMPLED: list[dict] = [{"name": f"T{t:g}", "temperature": t, "seed": 0} for t in (0.7, 1.0)]
 
 
 def engine_python() -> Path:
@@ -83,7 +87,7 @@ def with_k_norms(export: Path, out: Path, equal: bool) -> Path:
 def engine_session(tmp_path_factory) -> EngineSession:
     """Target, drafters (1 and 2 layers, and a 1-layer DFlash2 one) trained and exported by the
     project, the held-out prompts rendered as evaluation renders them, and one vLLM process serving:
-    the target alone, each draft, the 2-layer draft with equal and with clearly distinct k_norm
+    the target alone, each draft (the 1-layer one also at each of SAMPLED), the 2-layer draft with equal and with clearly distinct k_norm
     weights, the DFlash2 draft through vLLM's own candidate path (vllm_driver.dflash2_walk; also with
     a strong selector, and with non-neutral DFLASH2_SCALES), and the DFlash2 draft as vLLM-CPU takes
     it, with the V1 and the V2 runner (both refuse it)."""
@@ -108,7 +112,8 @@ def engine_session(tmp_path_factory) -> EngineSession:
     k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor
     spec = {"target": str(target), "prompts": prompts, "max_tokens": MAX_TOKENS,
             "runs": [{"name": "plain"}] + [{"name": name, "draft": str(d), "num_speculative_tokens": k,
-                                            "dflash2_walk": name.startswith("dflash2")}
+                                            "dflash2_walk": name.startswith("dflash2"),
+                                            "sampled": SAMPLED if name == "d1" else []}
                                            for name, d in drafts.items()]
             # vLLM-CPU as it is, on the DFlash2 export: the V1 runner (the default here) and the V2 one
             + [{"name": f"dflash2_{runner}", "draft": str(drafts["dflash2"]), "num_speculative_tokens": k,

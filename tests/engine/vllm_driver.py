@@ -1,4 +1,4 @@
-"""Greedy generation with vLLM in this process, once per engine configuration; run by the engine
+"""Generation with vLLM in this process, once per engine configuration; run by the engine
 tier in the engine venv (vLLM's CPU build), never imported by the tests themselves.
 
     python vllm_driver.py SPEC.json OUT.json
@@ -7,9 +7,13 @@ SPEC: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
        "runs": [{"name": "plain"}, {"name": "d1", "draft": DIR, "num_speculative_tokens": K}, ...]}
        a run with "may_fail": true records {"error": "Type: message"} where vLLM refuses it;
        "env": {NAME: VALUE} sets environment variables for that run only (VLLM_USE_V2_MODEL_RUNNER);
-       "dflash2_walk": true serves a DFlash2 draft through the V1 runner (see dflash2_walk)
+       "dflash2_walk": true serves a DFlash2 draft through the V1 runner (see dflash2_walk);
+       "sampled": [{"name": N, "temperature": T, "top_p": P, "top_k": K, "seed": S}, ...] generates the
+       prompts again on the same engine at each setting (see sampled)
 OUT:  {"runs": {name: {"tokens": [[ids], ...], "num_drafts": D, "num_draft_tokens": T,
-                       "num_accepted_tokens": A, "start_s": S, "generate_s": G}}, "vllm": VERSION,
+                       "num_accepted_tokens": A, "accepted_per_pos": [rounds that accepted position k],
+                       "start_s": S, "generate_s": G, "sampled": {N: {"tokens", counters, "generate_s"}}}},
+       "vllm": VERSION,
        "k_norm": knorm_repro()}
 
 In-process engine (no worker processes: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor),
@@ -35,13 +39,26 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
                  "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"  # a Vector: rounds that accepted position k
 
 
 def counters(llm) -> dict:
-    out = {v: 0 for v in SPEC_COUNTERS.values()}
+    out: dict = {v: 0 for v in SPEC_COUNTERS.values()}
+    out["accepted_per_pos"] = []
     for m in llm.get_metrics():
         if m.name in SPEC_COUNTERS and hasattr(m, "value"):
             out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POSITION and hasattr(m, "values"):
+            values = [int(v) for v in m.values]
+            out["accepted_per_pos"] = [a + b for a, b in zip(out["accepted_per_pos"] + [0] * len(values), values)]
+    return out
+
+
+def since(after: dict, before: dict) -> dict:
+    """What the counters counted between two readings."""
+    out = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+    per_pos = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], per_pos)]
     return out
 
 
@@ -132,9 +149,27 @@ def serve(spec: dict, run: dict) -> dict:
     outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **counters(llm),
               "start_s": round(start_s, 1), "generate_s": round(time.time() - started, 1)}
+    if run.get("sampled"):
+        result["sampled"] = {s["name"]: sampled(llm, spec, s) for s in run["sampled"]}
     del llm
     gc.collect()
     return result
+
+
+def sampled(llm, spec: dict, settings: dict) -> dict:
+    """The same prompts again on the same engine at a temperature (and top_p, top_k), prompt i with
+    seed `seed + i` (vLLM's per-request generator: its draws do not depend on the batch); the
+    counters are this generation's alone."""
+    from vllm import SamplingParams
+
+    before = counters(llm)
+    params = [SamplingParams(temperature=settings["temperature"], top_p=settings.get("top_p", 1.0),
+                             top_k=settings.get("top_k", 0), seed=settings.get("seed", 0) + i,
+                             max_tokens=spec["max_tokens"]) for i in range(len(spec["prompts"]))]
+    started = time.time()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **since(counters(llm), before),
+            "generate_s": round(time.time() - started, 1)}
 
 
 def knorm_repro() -> dict:

@@ -2,14 +2,22 @@
 exported DFlash draft, and with the engine's own n-gram prompt lookup, on the same prompts.
 
     python -m trainer_tools.serve_bench --engine vllm --model DIR --draft EXPORT \\
-        --set mt-bench=mt_bench.jsonl --set gsm8k=gsm8k.jsonl --concurrency 1 8 --out bench.json
+        --set mt-bench=mt_bench.jsonl --set gsm8k=gsm8k.jsonl --concurrency 1 4 16 64 \\
+        --temperature 0 0.7 1.0 --top-p 0.8 --top-k 20 --chat-template-kwargs '{"enable_thinking": false}' \\
+        --out bench.json
 
 For each engine configuration (plain, dflash, ngram) the engine is started (its argv below, or
 `--argv` JSON templates of your own), waited for on /v1/models, sent every set's prompts at each
-concurrency through /v1/chat/completions (greedy, `--max-tokens`), and stopped. Per set it reports
-output tokens/s at each concurrency, the speedup over plain, and τ from the engine's Prometheus
-/metrics counted as the project counts it: (completion tokens - requests) / draft rounds
-(`spec_decode_num_drafts`; vLLM's accepted-token counter also counts drafts past max_tokens).
+concurrency (the sweep `--concurrency`) at each temperature (the sweep `--temperature`; greedy by
+default) through /v1/chat/completions (`--max-tokens`, `--top-p` / `--top-k` at T > 0, request i
+seeded `--seed` + i; with `--chat-template-kwargs`, e.g. thinking off), and stopped. Per
+temperature, set and concurrency (each point beside plain decoding at the same settings) it reports output tokens/s, the speedup over plain, and
+τ from the engine's Prometheus /metrics counted as the project counts it: (completion tokens -
+requests) / draft rounds (`spec_decode_num_drafts`; vLLM's accepted-token counter also counts drafts
+past max_tokens), with the acceptance per draft position from vLLM's
+`spec_decode_num_accepted_tokens_per_pos` (the share of rounds that accepted position k; counted by
+vLLM, so it includes drafts accepted past max_tokens). Texts are compared with plain's at T = 0
+only (sampled texts differ by design).
 Sets are JSONL files the user provides (no downloads): each line {"messages": [...]} (the last
 assistant turn, if any, is dropped), {"prompt": "..."}, {"question": ...} (GSM8K),
 {"turns": [...]} (MT-Bench: the first turn), {"problem": ...} (MATH-500) or {"text": ...} (MBPP).
@@ -39,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("plain", "dflash", "ngram")
@@ -54,6 +63,8 @@ SGLANG["dflash"] = SGLANG["plain"] + ["--speculative-algorithm", "DFLASH", "--sp
 SGLANG["ngram"] = SGLANG["plain"] + ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "{k}"]
 ENGINES = {"vllm": VLLM, "sglang": SGLANG}
 DRAFTS = re.compile(r"^(?:vllm|sglang):spec_decode_num_drafts(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+PER_POSITION = re.compile(r'^vllm:spec_decode_num_accepted_tokens_per_pos(?:_total)?\{[^}]*position="(\d+)"[^}]*\}'
+                          r"\s+([0-9.eE+-]+)$", re.M)
 
 
 def read_set(path: Path) -> list[list[dict]]:
@@ -77,6 +88,30 @@ def read_set(path: Path) -> list[list[dict]]:
     return out
 
 
+def template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object (argparse reports the ValueError as a one-line error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg} at character {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def sampling_problem(temperature: float, top_p: float, top_k: int, concurrency: list[int]) -> str | None:
+    """What is wrong with the sampling settings or the sweep (one line), or None."""
+    if not 0 <= temperature < float("inf"):
+        return f"--temperature must be a finite number >= 0, not {temperature}"
+    if not 0 < top_p <= 1:
+        return f"--top-p must be in (0, 1], not {top_p}"
+    if top_k < 0:
+        return f"--top-k must be at least 0 (0: off), not {top_k}"
+    if min(concurrency) < 1:
+        return f"--concurrency must be at least 1, not {min(concurrency)}"
+    return None
+
+
 def fill(argv: list[str], **values: object) -> list[str]:
     return [a.format(**values) for a in argv]
 
@@ -88,12 +123,20 @@ def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
         return r.read()
 
 
-def drafts_so_far(base: str) -> float:
-    """The engine's draft-round counter (0 when it exposes none: no speculation)."""
+def spec_counters(text: str) -> tuple[float, list[float]]:
+    """Draft rounds and accepted tokens per draft position (summed over engines) in a Prometheus
+    /metrics text; (0, []) where the engine exposes none (no speculation)."""
+    per_pos: dict[int, float] = {}
+    for pos, value in PER_POSITION.findall(text):
+        per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + float(value)
+    return sum(float(v) for v in DRAFTS.findall(text)), [per_pos.get(k, 0.0) for k in range(len(per_pos))]
+
+
+def counters_so_far(base: str) -> tuple[float, list[float]]:
     try:
-        return sum(float(v) for v in DRAFTS.findall(http(f"{base}/metrics").decode()))
+        return spec_counters(http(f"{base}/metrics").decode())
     except (urllib.error.URLError, OSError):
-        return 0.0
+        return 0.0, []
 
 
 def port_in_use(port: int) -> str | None:
@@ -212,57 +255,120 @@ class Engine:
         self.log.close()
 
 
-def run_set(base: str, prompts: list[list[dict]], concurrency: int, max_tokens: int) -> dict:
-    def one(messages: list[dict]) -> tuple[int, str]:
-        body = {"model": "target", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-        answer = json.loads(http(f"{base}/v1/chat/completions", body))
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What every request of a run asks for besides its messages: the sampling (the engine's
+    temperature / top_p / top_k; top_k 0 and top_p 1 are off and not sent; request i has seed + i) and
+    the chat template's kwargs (e.g. {"enable_thinking": false})."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    chat_template_kwargs: dict | None = None
+
+    def body(self, messages: list[dict], index: int) -> dict:
+        body: dict = {"model": "target", "messages": messages, "max_tokens": self.max_tokens,
+                      "temperature": self.temperature}
+        if self.temperature > 0:
+            body["seed"] = self.seed + index
+            if self.top_p < 1:
+                body["top_p"] = self.top_p
+            if self.top_k > 0:
+                body["top_k"] = self.top_k
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        return body
+
+
+def run_set(base: str, prompts: list[list[dict]], concurrency: int, request: Request) -> dict:
+    def one(item: tuple[int, list[dict]]) -> tuple[int, str]:
+        answer = json.loads(http(f"{base}/v1/chat/completions", request.body(item[1], item[0])))
         return answer["usage"]["completion_tokens"], answer["choices"][0]["message"]["content"]
 
-    before = drafts_so_far(base)
+    drafts_before, per_pos_before = counters_so_far(base)
     started = time.time()
     with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(one, prompts))
+        answers = list(pool.map(one, enumerate(prompts)))
     seconds = time.time() - started
-    drafts = drafts_so_far(base) - before
+    drafts_after, per_pos_after = counters_so_far(base)
+    drafts = drafts_after - drafts_before
+    accepted = [a - (per_pos_before[k] if k < len(per_pos_before) else 0.0) for k, a in enumerate(per_pos_after)]
     tokens = sum(n for n, _ in answers)
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": tokens / seconds,
             "tau": (tokens - len(prompts)) / drafts if drafts else None, "draft_rounds": drafts,
+            "acceptance_by_position": [a / drafts for a in accepted] if drafts and accepted else None,
             "texts": [t for _, t in answers]}
 
 
-def bench(argvs: dict[str, list[str]], sets: dict[str, list[list[dict]]], concurrency: list[int], max_tokens: int,
-          port: int, logs: Path, timeout: float) -> dict:
+def bench(argvs: dict[str, list[str]], sets: dict[str, list[list[dict]]], concurrency: list[int],
+          requests: list[Request], port: int, logs: Path, timeout: float) -> dict:
+    """{temperature label ("0", "0.7"): {set: {mode: {concurrency: point}}}}; each engine configuration
+    is started once and serves the whole sweep."""
     results: dict = {}
     for mode, argv in argvs.items():
         engine = Engine(argv, port, logs / f"engine-{mode}.log", timeout)
         try:
-            for name, prompts in sets.items():
-                for c in concurrency:
-                    results.setdefault(name, {}).setdefault(mode, {})[c] = run_set(engine.base, prompts, c, max_tokens)
+            for request in requests:
+                for name, prompts in sets.items():
+                    for c in concurrency:
+                        point = run_set(engine.base, prompts, c, request)
+                        results.setdefault(f"{request.temperature:g}", {}).setdefault(name, {}).setdefault(mode, {})[c] = point
         finally:
             engine.stop()
-    for modes in results.values():
-        for by_c in modes.values():
-            for c, r in by_c.items():
-                plain = modes.get("plain", {}).get(c)
-                r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
-                r["same_text_as_plain"] = plain is not None and r["texts"] == plain["texts"]
+    for label, by_set in results.items():
+        for modes in by_set.values():
+            for by_c in modes.values():
+                for c, r in by_c.items():
+                    plain = modes.get("plain", {}).get(c)
+                    r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+                    r["same_text_as_plain"] = (None if float(label) > 0
+                                               else plain is not None and r["texts"] == plain["texts"])
     return results
 
 
 def table(results: dict, concurrency: list[int]) -> str:
-    head = "| set | engine | tau | " + " | ".join(f"tok/s @{c} | speedup @{c}" for c in concurrency) + " | same text |"
-    lines = [head, "|" + "---|" * (3 + 2 * len(concurrency) + 1)]
-    for name, modes in results.items():
-        for mode, by_c in modes.items():
-            first = by_c[concurrency[0]]
-            tau = "-" if first["tau"] is None else f"{first['tau']:.3f}"
-            cells = " | ".join(f"{by_c[c]['tokens_per_s']:.1f} | "
-                               + ("-" if by_c[c]["speedup"] is None else f"{by_c[c]['speedup']:.2f}x")
-                               for c in concurrency)
-            same = all(r["same_text_as_plain"] for r in by_c.values())
-            lines.append(f"| {name} | {mode} | {tau} | {cells} | {'yes' if same else 'no'} |")
+    """One row per set and engine configuration: τ and the acceptance by draft position pooled over
+    the sweep (every concurrency's rounds), then tokens/s and the speedup over plain at each point."""
+    head = ("| T | set | engine | tau | acceptance by position | "
+            + " | ".join(f"tok/s @{c} | speedup @{c}" for c in concurrency) + " | same text |")
+    lines = [head, "|" + "---|" * (5 + 2 * len(concurrency) + 1)]
+    for label, by_set in results.items():
+        lines += [f"| {label} | {row}" for row in set_rows(by_set, concurrency)]
     return "\n".join(lines)
+
+
+def set_rows(by_set: dict, concurrency: list[int]) -> list[str]:
+    lines = []
+    for name, modes in by_set.items():
+        for mode, by_c in modes.items():
+            points = [by_c[c] for c in concurrency]
+            pooled = pooled_tau(points)
+            tau = "-" if pooled is None else f"{pooled:.3f}"
+            accepted = pooled_acceptance(points)
+            by_pos = "-" if accepted is None else " ".join(f"{a:.2f}" for a in accepted)
+            cells = " | ".join(f"{r['tokens_per_s']:.1f} | " + ("-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+                               for r in points)
+            same_texts = [r["same_text_as_plain"] for r in points]
+            same = "-" if None in same_texts else "yes" if all(same_texts) else "no"
+            lines.append(f"{name} | {mode} | {tau} | {by_pos} | {cells} | {same} |")
+    return lines
+
+
+def pooled_tau(points: list[dict]) -> float | None:
+    """τ over every point's rounds: produced tokens after each request's first / draft rounds."""
+    rounds = sum(r["draft_rounds"] for r in points)
+    return sum(r["tau"] * r["draft_rounds"] for r in points if r["tau"] is not None) / rounds if rounds else None
+
+
+def pooled_acceptance(points: list[dict]) -> list[float] | None:
+    """The share of all the points' rounds that accepted each draft position."""
+    shares = [(r["acceptance_by_position"], r["draft_rounds"]) for r in points if r["acceptance_by_position"]]
+    if not shares:
+        return None
+    rounds = sum(n for _, n in shares)
+    return [sum(a[k] * n for a, n in shares) / rounds for k in range(min(len(a) for a, _ in shares))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,14 +379,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", required=True, help="the exported draft directory (python -m trainer export)")
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's config.json block_size")
     p.add_argument("--set", action="append", required=True, metavar="NAME=FILE.jsonl[,NAME=FILE...]", dest="sets")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="the sweep: e.g. 1 4 16 64")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="the sweep: e.g. 0 0.7 1.0 (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off (default)")
+    p.add_argument("--seed", type=int, default=0, help="request i is seeded SEED + i (at a temperature)")
+    p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
+                   help='e.g. \'{"enable_thinking": false}\' (thinking off), sent with every request')
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per set")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--serve-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, required=True, help="JSON results (engine logs beside it)")
     a = p.parse_args(argv)
+    problem = next(filter(None, (sampling_problem(t, a.top_p, a.top_k, a.concurrency) for t in a.temperature)), None)
+    if problem:
+        p.error(problem)
 
     def terminated(signum: int, _frame: object) -> None:  # SIGTERM (a playbook's stop): the engines stop too
         raise SystemExit(f"serve_bench: terminated by {signal.Signals(signum).name}")
@@ -294,9 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = item.partition("=")
         sets[name] = read_set(Path(path))[: a.limit]
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    results = bench(argvs, sets, sorted(a.concurrency), a.max_tokens, a.port, a.out.parent, a.serve_timeout)
-    a.out.write_text(json.dumps({"argv": argvs, "max_tokens": a.max_tokens, "results": results}, indent=1))
-    print(table(results, sorted(a.concurrency)))
+    requests = [Request(max_tokens=a.max_tokens, temperature=t, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        chat_template_kwargs=a.chat_template_kwargs) for t in dict.fromkeys(a.temperature)]
+    results = bench(argvs, sets, sorted(set(a.concurrency)), requests, a.port, a.out.parent, a.serve_timeout)
+    a.out.write_text(json.dumps({"argv": argvs, "max_tokens": a.max_tokens, "temperatures": a.temperature,
+                                 "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
+                                 "chat_template_kwargs": a.chat_template_kwargs, "results": results}, indent=1))
+    print(table(results, sorted(set(a.concurrency))))
     return 0
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_tools.serve_bench import DRAFTS, ENGINES, fill, read_set
+from trainer_tools.serve_bench import DRAFTS, ENGINES, Request, fill, main, read_set, spec_counters
 
 
 def test_prompt_sets_in_the_shapes_users_have(tmp_path):
@@ -30,6 +30,47 @@ def test_the_draft_round_counter_is_read_from_prometheus_text():
             'vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 154.0\n'
             'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 462.0\n')
     assert [float(v) for v in DRAFTS.findall(text)] == [154.0]
+
+
+def test_rounds_and_acceptance_per_position_are_read_from_prometheus_text():
+    """vLLM's per-position counter (v1/spec_decode/metrics.py: one label "position" per draft
+    position), summed over engines; an engine without speculation has none."""
+    text = ('vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 10.0\n'
+            '# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 7.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 1.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 4.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="0"} 2.0\n')
+    assert spec_counters(text) == (10.0, [9.0, 4.0, 1.0])
+    assert spec_counters("vllm:num_requests_running 0.0\n") == (0.0, [])
+
+
+def test_a_request_carries_the_sampling_and_the_chat_template_kwargs():
+    msgs = [{"role": "user", "content": "hi"}]
+    greedy = Request(max_tokens=8, top_p=0.9, top_k=20).body(msgs, 3)
+    assert greedy == {"model": "target", "messages": msgs, "max_tokens": 8, "temperature": 0.0}
+    sampled = Request(max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=5,
+                      chat_template_kwargs={"enable_thinking": False}).body(msgs, 3)
+    assert sampled == {**greedy, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 8,
+                       "chat_template_kwargs": {"enable_thinking": False}}
+    assert "top_p" not in Request(max_tokens=8, temperature=1.0).body(msgs, 0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, not -1.0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], not 0.0"),
+    (["--top-k", "-2"], "--top-k must be at least 0 (0: off), not -2"),
+    (["--concurrency", "1", "0"], "--concurrency must be at least 1, not 0"),
+    (["--chat-template-kwargs", "{enable"], "argument --chat-template-kwargs: not JSON"),
+    (["--chat-template-kwargs", "[1]"], "argument --chat-template-kwargs: must be a JSON object, not list"),
+])
+def test_bad_sampling_settings_are_one_line_errors_before_any_engine_starts(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "m", "--draft", "d", "--set", f"s={tmp_path / 'none.jsonl'}", "--out", str(tmp_path / "o.json"),
+              *args])
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.json").exists()
 
 
 # A stand-in engine: writes its pid, then (unless told to hang) serves /v1/models on the port.

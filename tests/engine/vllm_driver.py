@@ -14,7 +14,7 @@ OUT:  {"runs": {name: {"tokens": [[ids], ...], "num_drafts": D, "num_draft_token
                        "num_accepted_tokens": A, "accepted_per_pos": [rounds that accepted position k],
                        "start_s": S, "generate_s": G, "sampled": {N: {"tokens", counters, "generate_s"}}}},
        "vllm": VERSION,
-       "k_norm": knorm_repro()}
+       "k_norm": knorm_repro(), "expand": expand_repro()}
 
 In-process engine (no worker processes: VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor),
 a 1 GiB KV cache, offline, fp32, and `generation_config="vllm"` so the only stop token is the
@@ -190,6 +190,21 @@ def knorm_repro() -> dict:
             "layer0_weight_everywhere": bool(torch.allclose(out, normed * weight[0], atol=1e-5))}
 
 
+def expand_repro() -> dict:
+    """The minimal reproduction of vLLM-CPU's sampling-parameter expansion (docs/engine-vllm.md, "At a
+    temperature"): the rejection sampler expands each request's temperature (top_k, top_p) to its
+    draft tokens with `expand_batch_to_tokens`; on CPU `_expand_kernel_impl` hands the C++ op int64
+    copies (`_ensure_int64`) of a float32 / int32 output, so the output is never written."""
+    import torch
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    x = torch.tensor([0.7, 1.0])
+    out = torch.full((4,), -7.0)
+    cpu_tl._expand_kernel_impl(out, x, torch.tensor([2, 4], dtype=torch.int32), 0, 0)
+    return {"writes_output": bool(torch.equal(out, x.repeat_interleave(2))),
+            "output_untouched": bool(torch.equal(out, torch.full((4,), -7.0)))}
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(open(argv[0]).read())
     import vllm
@@ -203,7 +218,7 @@ def main(argv: list[str]) -> int:
                 raise
             runs[run["name"]] = {"error": " | ".join(f"{type(e).__name__}: {e}".splitlines()[:4])[:600]}
     with open(argv[1], "w") as f:
-        json.dump({"runs": runs, "vllm": vllm.__version__, "k_norm": knorm_repro()}, f)
+        json.dump({"runs": runs, "vllm": vllm.__version__, "k_norm": knorm_repro(), "expand": expand_repro()}, f)
     return 0
 
 

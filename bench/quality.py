@@ -112,6 +112,7 @@ class Preset:
     regen_batch: int = 16384  # rows decoded at once: 3x the tokens/s of 4096 on an H200 (bench/decoder_speed.py)
     n_eval: int = 64
     eval_new_tokens: int = 256
+    temperatures: tuple = (0.0,)  # the trainer's evaluation reports τ at each (issue #49; the first is the run's τ)
     # drafter (the trainer's config)
     pipeline: str = "threaded"
     dtype: str = "bf16"
@@ -162,7 +163,7 @@ MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_la
 
 PRESETS = {
     # one H200, one call of < 10 min: the main run alone after target and regen
-    "h200": Preset(),
+    "h200": Preset(temperatures=(0.0, 0.7, 1.0)),  # τ at the temperatures users serve at (issue #49)
     # one H200, one call (issue #42): the drafter trained on the bf16 target's features (the main run, "base")
     # and on the FP8 target's ("fp8 target": model.target.precision fp8) side by side, the same steps and data,
     # both evaluated against the bf16 target (as served): the τ FP8 features cost
@@ -202,7 +203,7 @@ PRESETS = {
                         ablations={"base": {}, "sliding 2048": {"sliding_window": 2048}}, ablation_steps_as_main=True,
                         parallel=2, first_alone=False, eval_reserve_s=90.0, trainer_eval="eval-short.jsonl",
                         tau_from_checkpoints=True),
-    "tiny": Preset(device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
+    "tiny": Preset(temperatures=(0.0, 0.7, 1.0), device="cpu", corpus="synthetic", corpus_mb=0.4, max_file_kb=64, heldout_permille=200, tokenizer_vocab=400,
                    tokenizer_sample_mb=0.2, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64,
                    seq_len=64, batch_rows=4, target_steps=60, target_lr=3e-3, target_warmup=2, window_chars=600,
                    heldout_rows=4, prefix_chars=(60, 200), n_prompts=24, answer_tokens=16, regen_batch=12,
@@ -935,7 +936,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "pipeline": {"kind": p.pipeline},
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": run_seed, **({"threads": 2} if not cuda else {})},
-        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval},  # as CheckpointEvaluator
+        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval,  # as CheckpointEvaluator
+                 "temperatures": list(p.temperatures)},
     }
 
 
@@ -955,6 +957,8 @@ def main_steps(p: Preset, deadline: float | None) -> int:
 def read_run(run_dir: Path) -> dict:
     """A trainer run's figures from its metrics.jsonl: its last evaluation's τ, its last step's loss and
     throughput, its steps (from its stop event, else its last logged step)."""
+    from trainer.run.contract import tau_by_temperature
+
     events = read_events(run_dir)
     evals = [e for e in events if e.get("event") == "eval"]
     steps = [e for e in events if e.get("event") == "step"]
@@ -965,6 +969,7 @@ def read_run(run_dir: Path) -> dict:
             "acceptance": ev.get("acceptance"),
             "tau_lookup": ev.get("tau_lookup"), "tau_ratio": ev.get("tau_ratio"),
             "tau_by_length": ev.get("tau_by_length"),
+            "tau_by_temperature": tau_by_temperature(ev.get("temperatures")) or None,  # sampled, expected, lookup's
             "eval_acc": ev.get("acc"), "eval_samples": ev.get("samples"), "train_loss": last.get("loss"),
             "train_acc": last.get("acc"), "steps": stops[-1]["step"] if stops else last.get("step"),  # steps log every log_every
             "stop": stops[-1].get("reason") if stops else None,
@@ -1234,6 +1239,20 @@ def by_set_text(by_set: dict | None) -> str:
                      f"{b['samples']} prompts)" for name, b in (by_set or {}).items()) or "-"
 
 
+def temperature_rows(by_temperature: dict | None) -> list[str]:
+    """The main drafter's τ at each temperature (the trainer's last evaluation): sampled and expected,
+    the drafter's and n-gram lookup's, as a markdown table."""
+    if not by_temperature:
+        return []
+    rows = ["", "| T | tau (sampled) | tau (expected) | lookup tau (sampled) | lookup tau (expected) | ratio |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for label, t in by_temperature.items():
+        ratio = t["tau"] / t["tau_lookup"] if t.get("tau") and t.get("tau_lookup") else None
+        rows.append(f"| {label} | {fmt(t.get('tau'))} | {fmt(t.get('tau_expected'))} | {fmt(t.get('tau_lookup'))} | "
+                    f"{fmt(t.get('tau_lookup_expected'))} | {fmt(ratio, 2)} |")
+    return rows
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -1251,7 +1270,7 @@ def markdown(results: dict) -> str:
              f"{m['histogram']}, train acc {fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}, "
              f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
              f"* main drafter by prompt set: {by_set_text(m.get('tau_by_set'))}",
-             *by_length_rows(m.get("tau_by_length")), ""]
+             *by_length_rows(m.get("tau_by_length")), *temperature_rows(m.get("tau_by_temperature")), ""]
     if results.get("curve"):
         lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
                   "histogram (1..block) |", "|---:|---:|---:|---:|---:|---:|---|"]
@@ -1297,7 +1316,7 @@ def subset(src: Path, dst: Path, ids: list[Any] | None, n: int) -> tuple[Path, l
 
 
 TUPLE_FIELDS = {"prefix_chars", "target_prefix_chars", "doc_tokens", "train_prompt_tokens", "eval_prompt_tokens",
-                "eval_per_bucket"}
+                "eval_per_bucket", "temperatures"}
 
 
 # ---------------------------------------------------------------------------- the stages main runs
@@ -1548,6 +1567,11 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
     if m.get("tau_by_set"):
         say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
+    if m.get("tau_by_temperature"):  # the trainer's end-of-run evaluation (each temperature, lookup beside)
+        from trainer.run.contract import tau_by_temperature_text
+
+        say(f"main drafter by temperature (the trainer's last evaluation): "
+            f"{tau_by_temperature_text(m['tau_by_temperature'])}")
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "

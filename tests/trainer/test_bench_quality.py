@@ -77,6 +77,11 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     assert m["tau_by_set"] == r["curve"][-1]["tau_by_set"]
     assert all(set(x.get("tau_by_set") or ("heldout", "other")) == {"heldout", "other"} for x in r["ablations"].values())
     assert "main drafter by prompt set: heldout tau" in (tmp_path / "quality.md").read_text()
+    # τ at T = 0, 0.7 and 1.0 (the trainer's last evaluation), sampled and expected, lookup's beside (issue #49)
+    by_t = m["tau_by_temperature"]
+    assert list(by_t) == ["0", "0.7", "1"] and by_t["0"]["tau"] == by_t["0"]["tau_expected"]
+    assert all(t["tau_expected"] >= 1.0 and t["tau_lookup"] >= 1.0 for t in by_t.values())
+    assert "| T | tau (sampled) | tau (expected) |" in (tmp_path / "quality.md").read_text()
 
 
 def test_split_is_by_file_content():

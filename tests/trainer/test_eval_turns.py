@@ -1,9 +1,12 @@
 """τ at every assistant turn of agent conversations: the prompts (trainer.data.turns) and a run on
-trajectories regenerated from the agent fixture reporting τ per assistant turn."""
+trajectories regenerated from the agent fixture reporting τ per assistant turn, as `python -m trainer
+eval` then does for its checkpoint."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,14 +45,15 @@ def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_
     assert regen.main(["--agentic", "--engine", "hf", "--model-path", str(agent_fixture["model"]),
                        "--in", str(agent_fixture["traces"]), "--out", str(data), "--max-tokens", "48",
                        "--tool-exec", json.dumps(tool_exec_argv(agent_fixture["files"]))]) == 0
-    cfg = parse_config(json.dumps({
+    text = json.dumps({
         "model": {"target": {"path": str(agent_fixture["model"])}, "drafter_layers": 1, "block_size": 4,
                   "num_target_layers": 2, "dtype": "fp32", "loss_chunk": 256},
         "data": {"train_path": str(data), "eval_path": str(data), "max_length": 512, "num_anchors": 8,
                  "token_budget": 1024, "bucket_edges": [512], "pad_multiple": 16},
         "optim": {"lr": 3e-3, "total_steps": 2},
         "run": {"threads": 1, "log_every": 2},
-        "eval": {"samples": 6, "max_new_tokens": 8}}))
+        "eval": {"samples": 6, "max_new_tokens": 8}})
+    cfg = parse_config(text)
     run_dir = tmp_path / "run"
     assert train(cfg, run_dir) == 0, (run_dir / "train.log").read_text()[-2000:]
     [event] = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
@@ -63,3 +67,17 @@ def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_
     assert sum(b["prompts"] for b in event["tau_by_length"].values()) == 13
     log = Path(run_dir / "train.log").read_text()
     assert "tau by assistant turn: turn 1 " in log and "(13 assistant turns)" in log
+
+    # `python -m trainer eval` on the run's checkpoint, as a user runs it: the same τ per assistant turn
+    config = tmp_path / "agent.yaml"
+    config.write_text(text)
+    (checkpoint,) = sorted((run_dir / "checkpoints").glob("step_*"))
+    out = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config", str(config), "--checkpoint",
+                          str(checkpoint), "--json", str(tmp_path / "eval.json")],
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert (report["samples"], report["prompts"]) == (6, 13)
+    assert {k: b["tau"] for k, b in report["temperatures"]["0"]["tau_by_turn"].items()} == \
+        {k: b["tau"] for k, b in by_turn.items()}
+    assert "T=0 assistant turn 3: tau " in out.stdout and "(2 prompts)" in out.stdout

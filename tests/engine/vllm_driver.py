@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -190,6 +191,33 @@ def knorm_repro() -> dict:
             "layer0_weight_everywhere": bool(torch.allclose(out, normed * weight[0], atol=1e-5))}
 
 
+def expand_as_the_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """vLLM's Triton `expand_kernel` (v1/sample/rejection_sampler.py) in torch, for the CPU override
+    whose C++ op never writes a float32 / int32 output (`expand_repro`): request i's value, or
+    replace_to where it equals replace_from, in its tokens cu[i-1]..cu[i]; the rest of output untouched."""
+    import torch
+
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(cu[-1]) if cu.numel() else 0
+    output[:n] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def use_the_kernels_expand() -> Callable:
+    """Install expand_as_the_kernel where vLLM-CPU's platform takes its override (read when a worker
+    starts, so before any engine): the tier then verifies drafts at T > 0 with each request's own
+    temperature, top_k and top_p, as vLLM's GPU build does. Returns vLLM's own implementation."""
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    own = cpu_tl._expand_kernel_impl
+    cpu_tl._expand_kernel_impl = expand_as_the_kernel
+    return own
+
+
+_VLLM_EXPAND: "Callable | None" = None  # vLLM's own CPU expand, kept for expand_repro
+
+
 def expand_repro() -> dict:
     """The minimal reproduction of vLLM-CPU's sampling-parameter expansion (docs/engine-vllm.md, "At a
     temperature"): the rejection sampler expands each request's temperature (top_k, top_p) to its
@@ -200,14 +228,17 @@ def expand_repro() -> dict:
 
     x = torch.tensor([0.7, 1.0])
     out = torch.full((4,), -7.0)
-    cpu_tl._expand_kernel_impl(out, x, torch.tensor([2, 4], dtype=torch.int32), 0, 0)
+    (_VLLM_EXPAND or cpu_tl._expand_kernel_impl)(out, x, torch.tensor([2, 4], dtype=torch.int32), 0, 0)
     return {"writes_output": bool(torch.equal(out, x.repeat_interleave(2))),
             "output_untouched": bool(torch.equal(out, torch.full((4,), -7.0)))}
 
 
 def main(argv: list[str]) -> int:
+    global _VLLM_EXPAND
     spec = json.loads(open(argv[0]).read())
     import vllm
+
+    _VLLM_EXPAND = use_the_kernels_expand()
 
     runs = {}
     for run in spec["runs"]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.test_packing import assert_tiles_cover, doc_start_of
+from trainer.generate.sampling import Sampling
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, serving_mask
 from trainer.models.masks import (
     block_attention,
@@ -176,7 +177,7 @@ def test_the_cached_decoders_draft_what_draft_block_drafts(tiny, name):
         got = dyn.draft(drafter.embed_block(head.embed, block), torch.arange(start, start + 8)[None])
         assert torch.allclose(got, ref, atol=1e-5)
         # static: the context written at slots with a hole (a rejected slot) between, positions kept per slot
-        s = _StaticRounds(target, drafter, head, 1, 32, torch.float32)
+        s = _StaticRounds(target, drafter, head, 1, 32, torch.float32, Sampling(), [0])
         slots = torch.tensor(list(range(6)) + list(range(9, 16)))
         s._context(feats[:, :start], torch.arange(start)[None], slots)
         context = torch.zeros(1, 32, dtype=torch.bool)

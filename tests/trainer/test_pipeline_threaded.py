@@ -78,16 +78,18 @@ def test_a_failing_stage_stops_every_thread_and_lands_in_status(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_control_stop_checkpoints_and_stops_cleanly(tmp_path):
+def test_control_stop_before_the_first_step_stops_at_once_and_cleanly(tmp_path):
+    """A stop already there when the run starts acts before any step (docs/run-lifecycle.md: a stop
+    acts in every phase): stopped at step 0, nothing trained so no checkpoint, the request consumed.
+    A stop while training checkpoints first (test_control_checkpoint_and_stop_are_honoured)."""
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True)
     (run / "control" / "stop").write_text(json.dumps({"id": "req-1", "time": 0}))
     assert train(config(), run) == 0
     st = status(run)
-    assert st["state"] == "stopped" and st["step"] == 1
-    assert st["last_checkpoint"] == "checkpoints/step_1"
-    assert (run / "checkpoints" / "step_1" / "manifest.json").exists()
-    assert [e["request"] for e in events(run, "checkpoint")] == ["req-1"]
+    assert st["state"] == "stopped" and st["step"] == 0
+    assert not st.get("last_checkpoint") and not list(run.glob("checkpoints/step_*"))
+    assert events(run, "step") == []
     assert events(run, "stop")[0]["reason"] == "control"
     assert not (run / "control" / "stop").exists()
 

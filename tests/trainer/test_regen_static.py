@@ -43,10 +43,10 @@ def test_close_fails_the_queued_requests_so_their_threads_end(qwen3_model_dir):
     started = threading.Event()
     real = engine.generate
 
-    def slow(prompts):
+    def slow(prompts, seeds=None):
         started.set()
         time.sleep(0.5)
-        return real(prompts)
+        return real(prompts, seeds)
 
     engine.generate = slow
     outcomes = []

@@ -124,7 +124,7 @@ def test_training_evaluation_and_data_report_render_the_rows_tools(qwen3_model_d
     config = (f"model: {{target: {{path: {qwen3_model_dir}}}, drafter_layers: 1, block_size: 4, dtype: fp32}}\n"
               f"data: {{train_path: {data}, max_length: 512, token_budget: 1024, bucket_edges: [512],"
               f" num_anchors: 2, pad_multiple: 16}}\n"
-              f"optim: {{total_steps: 1}}\nrun: {{threads: 1}}\neval: {{samples: 2, max_new_tokens: 2}}\n")
+              f"optim: {{total_steps: 1}}\nrun: {{threads: 1}}\neval: {{samples: 2, max_new_tokens: 2, turns: last}}\n")
     assert train(parse_config(config), tmp_path / "run") == 0
     events = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     (evaluation,) = [e for e in events if e["event"] == "eval"]

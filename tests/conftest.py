@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,7 @@ def sim_inventory(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sshd_node(tmp_path_factory) -> SshdNode:
+def sshd_node(tmp_path_factory) -> Iterator[SshdNode]:
     unavailable(sshd_unavailable_reason(), "the sshd tier")
     node = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield node
@@ -156,7 +157,7 @@ def unavailable(reason: str | None, what: str = "this tier") -> None:
 
 
 @pytest.fixture(scope="session")
-def sudo_sshd_node(tmp_path_factory) -> SshdNode:
+def sudo_sshd_node(tmp_path_factory) -> Iterator[SshdNode]:
     """Like sshd_node, but the login is a throw-away non-root user whose inventory runs `sudo -n pct`."""
     unavailable(sshd_unavailable_reason() or sudo_login_unavailable_reason())
     node = start_sshd(tmp_path_factory.mktemp("sshd-sudo"), sudo_login=f"dfo-sudo-{os.getpid()}")

@@ -55,7 +55,7 @@ import torch
 from transformers import AutoModel
 
 export, inputs, out = sys.argv[1:4]
-x = torch.load(inputs)
+x = torch.load(inputs, weights_only=True)
 model = AutoModel.from_pretrained(export, trust_remote_code=True, dtype=torch.float32)
 with torch.no_grad():
     block = model.embed_block(lambda ids: x["embed"][ids], x["ids"])
@@ -104,7 +104,7 @@ def test_an_export_loads_and_drafts_where_this_repository_cannot_be_imported(tmp
     proc = subprocess.run([sys.executable, "-I", str(tmp_path / "loader.py"), str(out), str(tmp_path / "inputs.pt"),
                            str(tmp_path / "out.pt")], capture_output=True, text=True, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = torch.load(tmp_path / "out.pt")
+    theirs = torch.load(tmp_path / "out.pt", weights_only=True)
     assert theirs["blocked"] and theirs["loaded"] == [] and theirs["class"] == "DFlashDraftModel"
     with torch.no_grad():
         block = drafter.embed_block(lambda ids: x["embed"][ids], x["ids"])

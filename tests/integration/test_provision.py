@@ -22,9 +22,8 @@ from dflash_ops.deploy.push import deploy_target
 from dflash_ops.inventory import load_inventory
 from dflash_ops.provision import ProvisionError, Request, provision
 from dflash_ops.simnode import gpus as simgpus
-from dflash_ops.simnode.containers import PCT_SCRIPT, stop_all
+from dflash_ops.simnode.containers import PCT_SCRIPT
 from dflash_ops.transport.local import LocalTransport
-from tests.conftest import sim_backend
 from tests.integration.deploy_support import fake_package
 from tests.integration.test_doctor import rows
 
@@ -43,17 +42,6 @@ targets:
   # the GPU container, not created yet
   host500: {{node: sim, ctid: 500, gpus: [0, 1]}}
 """
-
-
-@pytest.fixture
-def node(tmp_path):
-    """An inventory naming host500 on a simulated node with 2 fixture GPUs; CT 500 does not exist."""
-    root = tmp_path / "sim"
-    simgpus.install_gpus(root, 2, DRIVER)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(INVENTORY.format(root=root, backend=sim_backend()))
-    yield path
-    stop_all(root)
 
 
 def cli(*args: str, code: int | None = 0, input: str | None = None):

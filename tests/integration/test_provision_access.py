@@ -13,23 +13,12 @@ import pytest
 import yaml
 
 from dflash_ops.simnode import gpus as simgpus
-from dflash_ops.simnode.containers import stop_all
 from tests.conftest import sim_backend
 from tests.integration.test_doctor import rows
-from tests.integration.test_provision import DRIVER, INVENTORY, TINY_CPU, cli, pct
+from tests.integration.test_provision import DRIVER, TINY_CPU, cli, pct
 
 pytestmark = pytest.mark.lxc_tier
 
-
-@pytest.fixture
-def node(tmp_path):
-    """test_provision's: host500 on a simulated node with 2 fixture GPUs; CT 500 does not exist."""
-    root = tmp_path / "sim"
-    simgpus.install_gpus(root, 2, DRIVER)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(INVENTORY.format(root=root, backend=sim_backend()))
-    yield path
-    stop_all(root)
 
 VIDEO = 44  # Debian's `video` group
 

@@ -131,3 +131,22 @@ def test_a_stop_during_the_final_evaluation_cuts_it_short_and_keeps_the_checkpoi
     assert st["state"] == "stopped" and st["last_checkpoint"] == "checkpoints/step_2"
     assert events(run, "stop")[-1] == {**events(run, "stop")[-1], "reason": "signal", "phase": "evaluating"}
     assert not events(run, "eval")  # cut short: no τ recorded
+
+
+def test_a_sigterm_between_the_last_step_and_the_final_evaluation_is_not_lost(tmp_path):
+    """The window CI found: SIGTERM after the last step boundary, before the final evaluation arms. It
+    used to wait for a step boundary that never came (the evaluation then ran to its end)."""
+    from trainer.run.control import ControlPoller, SetupStop
+    control = ControlPoller(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        control.install_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)  # disarmed: noted, for the next step boundary
+        with pytest.raises(SetupStop) as stop:
+            control.arm_setup()
+        assert stop.value.reason == "signal"
+        assert not control.poll()  # served once, not again at a later boundary
+        control.arm_setup()  # nothing pending: arms as before
+        control.disarm_setup()
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -63,7 +63,11 @@ class ControlPoller:
 
     def arm_setup(self) -> None:
         """From here until disarm_setup, a stop (SIGTERM or control/stop) raises SetupStop in the main
-        thread within about SETUP_POLL_S. Call from the main thread after install_sigterm."""
+        thread within about SETUP_POLL_S. Call from the main thread after install_sigterm. A SIGTERM that
+        came while disarmed and found no step boundary after it (the last step had run) acts here, at once."""
+        if self._signalled:
+            self._signalled = False
+            raise SetupStop("signal")
         self._setup.set()
         threading.Thread(target=self._watch_setup, name="setup-stop-watch", daemon=True).start()
 

@@ -346,8 +346,8 @@ class Trainer:
     def final_evaluation(self, c: Components) -> str | None:
         """The last evaluation, which a stop cuts short (decoding τ on a large target takes minutes):
         returns the stop's reason, or None when it ran to its end."""
-        self.control.arm_setup()
         try:
+            self.control.arm_setup()
             self.evaluate(c)
         except SetupStop as stop:
             self.rd.log(f"final evaluation stopped ({stop.reason}); writing the final checkpoint")

@@ -76,3 +76,25 @@ def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
         out = run_cli("eval", "--config", str(config), *args)
         assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out)
     assert not (tmp_path / "no").exists()
+
+
+def test_eval_loads_the_layers_training_left_on_the_meta_device(qwen3_model_dir, tmp_path):
+    """A target directory of 4 layers of which training reads 2 (the taps): the checkpoint's τ needs the
+    layers above, its final norm and LM head, which training never loaded. On the GPU the quality bench's
+    `python -m trainer eval` failed here ("Tensor on device cuda:0 is not on the expected device meta")."""
+    from trainer.entry import train
+    from trainer.run.config import parse_config
+    from trainer.train.draft_eval import evaluate_draft
+
+    text = (f"model: {{target: {{path: {qwen3_model_dir}}}, drafter_layers: 1, block_size: 4, num_target_layers: 1,"
+            f" dtype: fp32}}\n"
+            "data: {synthetic: {n_train: 16, n_eval: 2, seed: 0, min_len: 8, max_len: 30}, max_length: 64,"
+            " num_anchors: 4, token_budget: 128, bucket_edges: [64]}\n"
+            "optim: {total_steps: 1}\nrun: {threads: 1}\n"
+            "eval: {samples: 2, max_new_tokens: 6, temperatures: [0, 1.0]}\n")
+    cfg = parse_config(text)
+    assert train(cfg, tmp_path / "run") == 0
+    (checkpoint,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    report = evaluate_draft(cfg, checkpoint, temperatures=[0.0, 0.7], log=lambda _: None)
+    assert list(report["temperatures"]) == ["0", "0.7"] and report["samples"] == 2
+    assert report["tau"] >= 1 and report["temperatures"]["0.7"]["tau"] >= 1

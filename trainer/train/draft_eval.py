@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.generate.evaluate import eval_sampling, temperature_reports
+from trainer.models.target_loading import complete_for_decoding
 from trainer.run.config import ConfigError, DrafterShapeConfig, TrainerConfig, template_kwargs
 
 
@@ -58,6 +59,9 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
 
     with tempfile.TemporaryDirectory(prefix="dflash-eval-") as run_dir:
         c = build_components(cfg, Path(run_dir), log)
+        if not complete_for_decoding(c.target, log):
+            raise ConfigError(f"model.target: decoding needs the target's layers above the last tapped one, its "
+                              f"final norm and LM head, and {cfg.model.target.path} lacks some: τ cannot be measured")
         conversations = c.eval_conversations[: samples or e.samples]
         report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer, conversations, e.max_new_tokens,
                                      e.temperatures, eval_sampling(e), batch=e.batch,

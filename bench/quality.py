@@ -1077,9 +1077,12 @@ class CheckpointEvaluator:
         self.others = read_conversations(other)[: p.n_eval] if other.exists() and other.stat().st_size else []
         self.other_lookup: float | None = None
 
-    def __call__(self, ck: Path) -> dict:
-        from trainer.generate.evaluate import acceptance_report
+    def __call__(self, ck: Path, temperatures: tuple = (0.0,)) -> dict:
+        """τ of checkpoint `ck` at T = 0 (the held-out and other-style prompts), and with more than one of
+        `temperatures` the held-out prompts' τ at each (sampled and expected, lookup's beside)."""
+        from trainer.generate.evaluate import acceptance_report, temperature_reports
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
+        from trainer.run.contract import tau_by_temperature
         from trainer.train.loop import autocast_for
 
         p = self.p
@@ -1090,9 +1093,10 @@ class CheckpointEvaluator:
         drafter.float().eval()
         started = time.time()
         with autocast_for(p.device, p.dtype):
-            r = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                  p.eval_new_tokens, batch=len(self.conversations),  # rounds are launch-bound
-                                  template_kwargs={"enable_thinking": False}, baseline=self.lookup is None)
+            r = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.conversations,
+                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)],
+                                    batch=len(self.conversations),  # rounds are launch-bound
+                                    template_kwargs={"enable_thinking": False}, baseline=self.lookup is None)
         if self.lookup is None:
             self.lookup = {k: r[k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
                                              "lookup_same_output")}
@@ -1116,6 +1120,7 @@ class CheckpointEvaluator:
         return {"step": step_of(ck), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length, "tau_by_set": by_set,
                 "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
+                "tau_by_temperature": tau_by_temperature(r["temperatures"]) if len(r["temperatures"]) > 1 else None,
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
@@ -1240,7 +1245,7 @@ def by_set_text(by_set: dict | None) -> str:
 
 
 def temperature_rows(by_temperature: dict | None) -> list[str]:
-    """The main drafter's τ at each temperature (the trainer's last evaluation): sampled and expected,
+    """The main drafter's τ at each temperature (its last checkpoint): sampled and expected,
     the drafter's and n-gram lookup's, as a markdown table."""
     if not by_temperature:
         return []
@@ -1502,7 +1507,7 @@ def evaluate_checkpoints(p: Preset, jobs: list[dict], compared: list[dict], mode
     main_ckpts = spread(complete_checkpoints(jobs[0]["run_dir"]), p.curve_points + 1)
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
-        evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1])
+        evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1], p.temperatures)
     for j in jobs[1:]:
         if bench_evaluates(j, compared, p.tau_from_checkpoints) and time_left():
             last = complete_checkpoints(j["run_dir"])[-1]
@@ -1550,6 +1555,8 @@ def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_
         return False
     if "tau_by_set" in last:  # the held-out and other-style sets: the bench's own evaluation
         row["tau_by_set"] = last["tau_by_set"]
+    if last.get("tau_by_temperature"):  # the run's last checkpoint at each temperature: measured even when the
+        row["tau_by_temperature"] = last["tau_by_temperature"]  # deadline's stop cut the trainer's own evaluation
     if fp8_run(j):
         row["tau_fp8_target"], row["tau"] = row["tau"], None
     if row["tau"] is None or tau_from_checkpoints or j in compared:
@@ -1567,10 +1574,10 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
     if m.get("tau_by_set"):
         say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
-    if m.get("tau_by_temperature"):  # the trainer's end-of-run evaluation (each temperature, lookup beside)
+    if m.get("tau_by_temperature"):  # its last checkpoint at each temperature, lookup beside
         from trainer.run.contract import tau_by_temperature_text
 
-        say(f"main drafter by temperature (the trainer's last evaluation): "
+        say(f"main drafter by temperature (its last checkpoint): "
             f"{tau_by_temperature_text(m['tau_by_temperature'])}")
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "

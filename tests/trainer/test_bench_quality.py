@@ -77,8 +77,11 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     assert m["tau_by_set"] == r["curve"][-1]["tau_by_set"]
     assert all(set(x.get("tau_by_set") or ("heldout", "other")) == {"heldout", "other"} for x in r["ablations"].values())
     assert "main drafter by prompt set: heldout tau" in (tmp_path / "quality.md").read_text()
-    # τ at T = 0, 0.7 and 1.0 (the trainer's last evaluation), sampled and expected, lookup's beside (issue #49)
+    # τ at T = 0, 0.7 and 1.0 of the last checkpoint (the bench's own evaluation, kept when a deadline's stop
+    # cuts the trainer's), sampled and expected, lookup's beside (issue #49)
     by_t = m["tau_by_temperature"]
+    assert by_t == r["curve"][-1]["tau_by_temperature"] and by_t["0"]["tau"] == pytest.approx(r["curve"][-1]["tau"])
+    assert all(point["tau_by_temperature"] is None for point in r["curve"][:-1])  # T = 0 alone: the curve's
     assert list(by_t) == ["0", "0.7", "1"] and by_t["0"]["tau"] == by_t["0"]["tau_expected"]
     assert all(t["tau_expected"] >= 1.0 and t["tau_lookup"] >= 1.0 for t in by_t.values())
     assert "| T | tau (sampled) | tau (expected) |" in (tmp_path / "quality.md").read_text()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from . import nodefacts, run_protocol
+from . import nodefacts, notify, run_protocol
 
 read_json = nodefacts.read_json
 read_json_checked = nodefacts.read_json_checked
@@ -88,6 +88,8 @@ def describe_run(run_dir: str, now: float) -> dict:
             "its supervisor (pid %s) is gone without a word (killed by a signal?)" % recorded.get("pid")
         info["unsupervised"] = "no longer supervised: %s" % why  # a crash now is not restarted
         info["reason"] = "%s; %s" % (info["reason"], info["unsupervised"]) if info["reason"] else info["unsupervised"]
+    # what was not told of it (dropped, given up, left at a stop) and what waits to be: run status says so
+    info["notify"] = notify.run_summary(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))), info["run_id"])
     if state == "failed" or info["effective_state"] == "failed":
         info["log_tail"] = tail_lines(os.path.join(run_dir, "train.log"), LOG_TAIL_LINES)
     return info

@@ -2,7 +2,7 @@
 
 The one place that sends a run's events (notify.py: the outbox, then a deliverer) and that keeps
 the container's two background processes going: the queue worker (`runs.py queue-worker BASE`,
-runqueue.py) while runs are queued, the deliverer (`runs.py deliver BASE`) while events wait.
+runqueue.py) while runs are queued, a delivery worker per destination (`runs.py deliver BASE KEY`) while its events wait.
 Both are started detached, in their own session, so they outlive the helper call and the
 operator's connection; a start, a list and the end of a supervised run start one when none runs
 (after a kill -9, say).
@@ -49,8 +49,11 @@ def ensure_worker(base: str) -> None:
 
 
 def ensure_deliverer(base: str) -> None:
-    if notify.pending(base) and not notify.deliverer_running(base):
-        spawn_detached(["deliver", base], os.path.join(notify.notify_root(base), "deliver.log"))
+    """The outbox into the destinations' queues (notify.dispatch), and a worker for each queue
+    that holds events and has none (the first event, or after one was killed or stopped)."""
+    for key in notify.dispatch(base):
+        if not notify.worker_running(base, key):
+            spawn_detached(["deliver", base, key], os.path.join(notify.notify_root(base), "deliver.log"))
 
 
 def send_event(base: str, spec: dict | None, run_id: str, state: str, step: object = None,

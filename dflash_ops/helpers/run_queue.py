@@ -90,4 +90,8 @@ def cmd_unqueue(args: argparse.Namespace) -> None:
 
 
 def cmd_deliver(args: argparse.Namespace) -> None:
-    notify.run_deliverer(args.base)
+    """With a KEY: that destination's worker; without: dispatch and start the workers missing."""
+    if args.key:
+        notify.run_worker(args.base, args.key)
+    else:
+        ensure_deliverer(args.base)

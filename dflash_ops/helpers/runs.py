@@ -28,7 +28,8 @@ Invoked with plain arguments by the operator's side (see docs/run-lifecycle.md):
       reads it from a file; either runs the trainer under `supervise`, which sends the events.
   runs.py queue-worker BASE          (detached) start queued runs as their GPUs come free
   runs.py unqueue BASE ID            take a queued run out of the queue (`run stop` of a queued run)
-  runs.py deliver BASE               (detached) deliver the container's outbox of run events
+  runs.py deliver BASE [KEY]         (detached) deliver one destination's queue of run events
+                                     (no KEY: dispatch the outbox, start the workers missing)
   runs.py address [--toward ADDR]    this container's address (the one routed toward ADDR)
   runs.py free-port --address ADDR   a TCP port free on ADDR now (for the rendezvous)
   runs.py signal RUNDIR TERM|KILL
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("supervise", run_supervise.cmd_supervise, "run_dir")
     command("queue-worker", run_queue.cmd_queue_worker, "base")
     command("unqueue", run_queue.cmd_unqueue, "base", "run_id")
-    command("deliver", run_queue.cmd_deliver, "base")
+    command("deliver", run_queue.cmd_deliver, "base").add_argument("key", nargs="?")
 
     command("address", cmd_address).add_argument("--toward")
     command("free-port", cmd_free_port).add_argument("--address", required=True)

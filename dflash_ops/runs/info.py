@@ -69,6 +69,9 @@ class RunInfo:
     queued: float | None = None
     waits_for: list[str] = field(default_factory=list)
     gpus: list[int] = field(default_factory=list)  # launch.json's, else status.json's
+    # its notifications (helpers/notify.py run_summary): counts dropped / gave_up / undelivered,
+    # waiting (queued for a destination now), last {event, notify, to, error, time}; None: all told
+    notify: dict[str, Any] | None = None
     status: dict[str, Any] = field(default_factory=dict)  # contract.status_fields of the document
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 

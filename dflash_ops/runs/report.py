@@ -140,6 +140,22 @@ def restart_line(restart: dict[str, Any]) -> str:
     return f"restart {restart.get('attempt')} at {when}, step {restart.get('step')}: {restart.get('reason')}; from {source}"
 
 
+def notify_line(summary: Any) -> str | None:
+    """`notifications: 3 dropped, 1 undelivered, 2 waiting; last: notify_dropped of started to
+    https://host/…: ...` for a run some of whose events were not (yet) told; None when all were."""
+    if not isinstance(summary, dict):
+        return None
+    names = (("dropped", "dropped (a destination's queue was full)"), ("gave_up", "given up"),
+             ("undelivered", "left undelivered at a stop"), ("waiting", "waiting"))
+    counts = [f"{summary[k]} {text}" for k, text in names if isinstance(summary.get(k), int) and summary[k] > 0]
+    if not counts:
+        return None
+    last = summary.get("last") if isinstance(summary.get("last"), dict) else None
+    tail = (f"; last: {last.get('event')} of {last.get('notify')} to {last.get('to')}: {last.get('error')}"
+            if last else "")
+    return "notifications: " + ", ".join(counts) + tail
+
+
 def status_detail(info: RunInfo) -> list[str]:
     """The lines `run status TARGET RUN` prints below the row: why it failed, checkpoints, log tail."""
     lines = []
@@ -166,6 +182,8 @@ def status_detail(info: RunInfo) -> list[str]:
     if info.unsupervised and not (info.reason and info.unsupervised in info.reason):
         lines.append(info.unsupervised)
     lines += [f"  {restart_line(r)}" for r in info.restarts]
+    if notify_line(info.notify):
+        lines.append(notify_line(info.notify) or "")
     if info.gpus:
         lines.append(f"gpus: {','.join(map(str, info.gpus))}")
     if info.effective_state == "failed" and info.log_tail:

@@ -100,9 +100,11 @@ def test_the_outbox_is_delivered_in_order_and_failures_land_in_the_runs_metrics(
     box = notify.pending(base)
     assert len(box) == 3 and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in box)
     assert not notify.emit(base, {"webhooks": [], "commands": []}, events[0])  # nobody to tell: nothing queued
-    notify.run_deliverer(base, sleep=no_wait)
+    keys = notify.dispatch(base)
+    assert notify.pending(base) == [] and len(keys) == 1
+    notify.run_worker(base, keys[0], sleep=no_wait)
     assert [e["state"] for e in sink.delivered()] == ["started", "restart", "done"]
-    assert notify.pending(base) == []
+    assert notify.dispatch(base) == []
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["notify"]) for e in logged] == [("notify_failed", "started")]
     assert "s3cret" not in (run_dir / "metrics.jsonl").read_text()
@@ -240,3 +242,149 @@ def test_a_trickling_webhook_is_given_up_on_at_the_attempts_deadline():
             notify.post(f"http://{r.base}/in", notify.make_event("r1", "t", "done"), timeout=1.0)
     finally:
         r.close()
+
+
+class _Hanging:
+    """A webhook receiver on 127.0.0.1 that takes each POST and holds it open, unanswered, until
+    release() (then answers 200): a destination that hangs."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.bodies: list[dict] = []
+        self.answered = 0
+        self.released = threading.Event()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
+                if not receiver.released.wait(120):
+                    return
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    receiver.answered += 1
+                except OSError:
+                    pass  # the worker gave up on this attempt
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self) -> str:
+        return "http://127.0.0.1:%d/slow/s3cret" % self.server.server_address[1]
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _wait_for(get, seconds=60.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not get():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return get()
+
+
+def _workers(base: str) -> list[int]:
+    """The pids of the live delivery workers of base (queues/<key>/worker.json)."""
+    from dflash_ops.helpers import nodefacts
+
+    pids = []
+    for key in os.listdir(notify.queues_root(base)):
+        doc = nodefacts.read_json(os.path.join(notify.queue_dir(base, key), "worker.json")) or {}
+        if nodefacts.process_matches(doc.get("pid"), doc.get("pid_start")):
+            pids.append(doc["pid"])
+    return pids
+
+
+def _stop_workers(base: str) -> None:
+    import signal
+
+    for pid in _workers(base):
+        os.kill(pid, signal.SIGTERM)
+    _wait_for(lambda: not _workers(base) or None)
+
+
+def test_a_hanging_webhook_holds_its_own_events_only(tmp_path, sink):
+    """One queue for every destination meant a webhook that hangs held every other destination's
+    events (8 attempts of 10 s each, backoff between: ~3.5 minutes an event). Each destination has
+    its own worker: the answering webhook gets all five events, in order, while the hanging one
+    still holds the first request open; a SIGTERM then ends the stuck worker within its flush
+    bound, which says what it did not deliver and keeps it for the next worker."""
+    from dflash_ops.helpers import run_describe, run_events
+
+    base = str(tmp_path)
+    (tmp_path / "runs" / "r5").mkdir(parents=True)
+    slow = _Hanging()
+    try:
+        spec = notify.check_spec({"target": "t", "webhooks": [slow.url(), sink.url()]})  # the hanging one first
+        events = [notify.make_event("r5", "t", state) for state in ("queued", "started", "checkpoint", "restart", "done")]
+        for event in events:
+            assert notify.emit(base, spec, event)
+        run_events.ensure_deliverer(base)
+        _wait_for(lambda: len(sink.delivered()) == 5 and slow.bodies)  # (the slow worker may start last)
+        assert [e["id"] for e in sink.delivered()] == [e["id"] for e in events]
+        assert slow.bodies and {b["id"] for b in slow.bodies} == {events[0]["id"]} and slow.answered == 0
+        # the slow destination's five wait (one under way, four behind) once the fast worker unlinked its last
+        _wait_for(lambda: (notify.run_summary(base, "r5") or {}).get("waiting") == 5)
+
+        _stop_workers(base)  # a container shutdown: SIGTERM; the hanging one is cut off at its flush bound
+        logged = [json.loads(line) for line in (tmp_path / "runs" / "r5" / "metrics.jsonl").read_text().splitlines()]
+        undelivered = [e for e in logged if e["event"] == "notify_undelivered"]
+        assert [e["notify_id"] for e in undelivered] == [e["id"] for e in events]
+        assert {e["to"] for e in undelivered} == {notify.redact_url(slow.url())}
+        assert "s3cret" not in json.dumps(logged)
+        info = run_describe.describe_run(str(tmp_path / "runs" / "r5"), 0.0)
+        assert info["notify"]["undelivered"] == 5 and info["notify"]["waiting"] == 5
+        from dflash_ops.runs.info import RunInfo
+        from dflash_ops.runs.report import status_detail
+
+        shown = [line for line in status_detail(RunInfo.from_json(info)) if line.startswith("notifications:")]
+        assert shown and "5 left undelivered at a stop, 5 waiting" in shown[0]
+
+        slow.released.set()  # the receiver is back: the next worker sends what was kept, in order
+        run_events.ensure_deliverer(base)
+        _wait_for(lambda: slow.answered >= 5 and not _workers(base))
+        assert [b["id"] for b in slow.bodies][-5:] == [e["id"] for e in events]
+        assert len(sink.delivered()) == 5  # the answering one got each event once
+        assert notify.run_summary(base, "r5").get("waiting") is None
+    finally:
+        if os.path.isdir(notify.queues_root(base)):
+            _stop_workers(base)
+        slow.close()
+
+
+def test_a_full_destination_queue_drops_its_oldest_and_says_so(tmp_path, sink):
+    """A queue is bounded: past queue_max waiting events the oldest is dropped, each drop recorded
+    in the run's metrics.jsonl and counted where `run status` shows it; the others keep their order."""
+    from dflash_ops.helpers import run_describe
+    from dflash_ops.runs.info import RunInfo
+    from dflash_ops.runs.report import status_detail
+
+    base = str(tmp_path)
+    run_dir = tmp_path / "runs" / "r6"
+    run_dir.mkdir(parents=True)
+    spec = notify.check_spec({"target": "t", "webhooks": [sink.url()]})
+    events = [notify.make_event("r6", "t", "checkpoint", step=i) for i in range(5)]
+    for event in events:
+        notify.emit(base, spec, event)
+    (key,) = notify.dispatch(base, queue_max=3)
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in logged] == [("notify_dropped", 0), ("notify_dropped", 1)]
+    line = [t for t in status_detail(RunInfo.from_json(run_describe.describe_run(str(run_dir), 0.0)))
+            if t.startswith("notifications:")]
+    assert line and line[0].startswith("notifications: 2 dropped (a destination's queue was full), 3 waiting")
+    assert "s3cret" not in line[0]
+    notify.run_worker(base, key, sleep=no_wait)
+    assert [e["step"] for e in sink.delivered()] == [2, 3, 4]

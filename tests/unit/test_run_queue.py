@@ -25,7 +25,7 @@ LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
 
 
 def kill_recorded(path: Path) -> None:
-    """SIGKILL the process a worker.json / deliver.json names, if it is still that process."""
+    """SIGKILL the process a worker.json names, if it is still that process."""
     doc = json.loads(path.read_text()) if path.exists() else {}
     if doc.get("pid") and nodefacts.process_matches(doc["pid"], doc.get("pid_start")):
         os.kill(doc["pid"], signal.SIGKILL)
@@ -39,7 +39,8 @@ def container(tmp_path):
         for entry in runqueue.entries(c.base_dir):
             runqueue.remove(c.base_dir, entry["run_id"])
         kill_recorded(c.base / "runs" / ".queue" / "worker.json")
-        kill_recorded(c.base / "runs" / ".notify" / "deliver.json")
+        for worker in (c.base / "runs" / ".notify" / "queues").glob("*/worker.json"):  # a delivery worker per destination
+            kill_recorded(worker)
         for run in sorted((c.base / "runs").iterdir()):  # a run a test left going (a blocker it never stopped)
             if run.is_dir() and not run.name.startswith(".") and runs.run_status(c, run.name).alive:
                 runs.stop_run(c, run.name, poll=0.05)

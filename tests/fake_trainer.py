@@ -14,6 +14,8 @@ like the real one. Its config is `key: value` lines:
   checkpoint_bytes  size of each checkpoint state file (default 3000)
   gpus              comma-separated GPU indices to report
   dump_env          write env.json (environment and cwd) into the run dir
+  hold_at_step      a run not resumed stops stepping at that step (requests still served) until a stop
+                    comes: a test's requests land mid-run however slow the machine is
 """
 
 import argparse
@@ -147,6 +149,7 @@ class FakeRun:
         crash_at = int(self.config.get("crash_at_step", -1))
         vanish_at = int(self.config.get("vanish_at_step", -1))
         hog_at, hog_mib = (int(x) for x in str(self.config.get("hog_mib_at_step", "-1 0")).split())
+        hold_at = int(self.config.get("hold_at_step", -1)) if self.resumed_from is None else -1
         while self.step < self.total_steps:
             stop = self.take_request("stop")
             if stop is not None or stop_signalled:
@@ -162,6 +165,8 @@ class FakeRun:
             if request is not None:
                 self.checkpoint(request=request["id"])
             time.sleep(self.step_seconds)
+            if self.step == hold_at:
+                continue
             self.step += 1
             if self.step == crash_at:
                 raise RuntimeError("fake crash at step %d" % self.step)

@@ -91,7 +91,7 @@ def test_trainer_crash_is_final_failed(container, tmp_path):
 
 
 def test_checkpoint_request_stop_and_resume(container, tmp_path):
-    run_id = start(container, tmp_path, "total_steps: 400\nstep_seconds: 0.005\n", run_id="cycle")
+    run_id = start(container, tmp_path, "total_steps: 400\nstep_seconds: 0.005\nhold_at_step: 200\n", run_id="cycle")
     request_id = runs.request(container, run_id, "checkpoint")
     path = runs.wait_for_checkpoint(container, run_id, request_id, timeout=60, poll=0.02)
     assert path.startswith("checkpoints/step_")

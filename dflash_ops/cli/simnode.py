@@ -48,11 +48,15 @@ def sim_gpus(
     count: Annotated[int, typer.Option("--count", min=0, max=64, help="How many GPUs: /dev/nvidia0..N-1.")] = 2,
     driver: Annotated[str, typer.Option("--driver", help="The NVIDIA kernel module's version.")] = "550.54.14",
     none: Annotated[bool, typer.Option("--none", help="No NVIDIA module at all (a node without GPUs).")] = False,
+    driver_from: Annotated[str, typer.Option("--driver-from", help="installer: NVIDIA's .run installer on the node; "
+                                             "packages: the distribution's packages (the node's dpkg lists them, "
+                                             "its apt repository has them).")] = "installer",
     inventory: InventoryOption = None,
 ) -> None:
     """Give the simulated node fixture GPUs: the NVIDIA module's version file, /dev/nvidia* (plain
-    files), /proc/devices and an installer stand-in of that version, so that `provision --gpus all`
-    and doctor's GPU checks have a node to read (nothing can open them: docs/provision.md)."""
+    files), /proc/devices and an installer stand-in of that version (or, --driver-from packages, the
+    driver's .debs in the node's apt repository and its dpkg status listing them), so that `provision
+    --gpus all` and doctor's GPU checks have a node to read (nothing can open them: docs/provision.md)."""
     import re
 
     from dflash_ops.inventory import load_inventory
@@ -60,11 +64,21 @@ def sim_gpus(
 
     if not re.fullmatch(r"\d+\.\d+(\.\d+)?", driver):
         fail(f"--driver {driver!r}: a version like 550.54.14", 2)
+    if driver_from not in ("installer", "packages"):
+        fail(f"--driver-from {driver_from!r}: installer or packages", 2)
     chosen = _simulated_node(load_inventory(inventory), node)
     root = chosen.kind.identity()
-    gpus.install_gpus(root, count, None if none else driver)
+    try:
+        gpus.install_gpus(root, count, None if none else driver, driver_from=driver_from)
+    except RuntimeError as e:  # no dpkg-deb to make the packages
+        fail(f"sim-gpus --driver-from packages: {e}")
     typer.echo(f"simulated node {chosen.name}: " + ("no NVIDIA module" if none else
                                                      f"{count} GPU(s), NVIDIA module {driver}") + f" (under {root}/node)")
+    if driver_from == "packages" and not none:
+        from dflash_ops.simnode import aptrepo
+
+        typer.echo(f"simulated node {chosen.name}: driver packages {aptrepo.debian_version(driver)} installed on the node; "
+                   f"its LXC containers reach them with the apt source `{aptrepo.SOURCE_LINE}`")
 
 
 def sim_reboot(

@@ -8,7 +8,9 @@ one into an LXC container), the version file has the kernel module's format. `in
 NVIDIA installers the node has, `NVIDIA-Linux-x86_64-VERSION.run` in /var/lib/dflash-ops/nvidia
 (a stand-in: a shell script that, as the real one with --no-kernel-module, installs the user-space
 libraries of its version and no kernel module; it refuses without that option, as the real one in
-a container fails to load its module).
+a container fails to load its module). `driver_from="packages"`: the node took its driver from the
+distribution's packages instead (simnode/aptrepo.py): its dpkg status database lists them at the
+module's version, the node's apt repository holds their .debs, and there is no installer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
+from dflash_ops.simnode import aptrepo
 from dflash_ops.simnode.pct import Node
 
 UVM_MAJOR = 511
@@ -35,10 +38,14 @@ def version_text(version: str) -> str:
 
 
 def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550.54.14",
-                 installers: tuple[str, ...] | None = None, pve: str | None = None) -> None:
+                 installers: tuple[str, ...] | None = None, pve: str | None = None,
+                 driver_from: str = "installer") -> None:
     """Give the simulated node `count` GPUs and the kernel module `driver` (None: no module loaded:
     no version file, no device nodes), the installers of `installers` (default: `driver`'s) and what
-    `pveversion` prints (`pve`, e.g. "pve-manager/7.4-17/..." for a node without devN entries)."""
+    `pveversion` prints (`pve`, e.g. "pve-manager/7.4-17/..." for a node without devN entries).
+    `driver_from="packages"`: the driver's packages instead of an installer (aptrepo.py)."""
+    if driver_from not in ("installer", "packages"):
+        raise ValueError(f"driver_from must be installer or packages, got {driver_from!r}")
     node = Node(Path(sim_root))
     dev = node.node_path("/dev")
     if dev.is_dir():
@@ -64,6 +71,16 @@ def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550
     if store.is_dir():
         shutil.rmtree(store)
     store.mkdir(parents=True)
+    repo, status = node.node_path(aptrepo.REPO_DIR), node.node_path(aptrepo.STATUS)
+    if repo.is_dir():
+        shutil.rmtree(repo)
+    status.unlink(missing_ok=True)
+    if driver_from == "packages":
+        if driver:
+            aptrepo.build_debs(repo, driver)
+            status.parent.mkdir(parents=True, exist_ok=True)
+            status.write_text(aptrepo.node_status(driver))
+        installers = ()
     for wanted in installers if installers is not None else ((driver,) if driver else ()):
         path = store / f"NVIDIA-Linux-x86_64-{wanted}.run"
         path.write_text(installer_script(wanted))
@@ -112,10 +129,19 @@ def reboot(sim_root: str | Path) -> list[str]:
     return said
 
 
-def upgrade_driver(sim_root: str | Path, driver: str, keep_installers: bool = True) -> None:
-    """A host driver upgrade: the kernel module is now `driver`, and its installer is on the node."""
+def upgrade_driver(sim_root: str | Path, driver: str, keep_installers: bool = True, publish: bool = True) -> None:
+    """A host driver upgrade: the kernel module is now `driver`, and its installer is on the node. A node
+    with the driver's packages (install_gpus driver_from="packages") has them upgraded instead (`apt
+    upgrade` and a reboot): its dpkg status says `driver`, and the node's repository gets that version's
+    .debs beside the old ones (`publish=False`: not, as a mirror that does not carry it yet)."""
     node = Node(Path(sim_root))
     node.node_path("/proc/driver/nvidia/version").write_text(version_text(driver))
+    status = node.node_path(aptrepo.STATUS)
+    if status.is_file():
+        status.write_text(aptrepo.node_status(driver))
+        if publish:
+            aptrepo.build_debs(node.node_path(aptrepo.REPO_DIR), driver)
+        return
     store = node.node_path(INSTALLER_DIR)
     store.mkdir(parents=True, exist_ok=True)
     if not keep_installers:

@@ -100,10 +100,13 @@ class SimulatedNode(NodeKind):
         return os.path.join(self.root, "node", path.lstrip("/"))
 
     def node_tool(self, argv: list[str]) -> list[str]:
-        """pveversion and systemctl are the stand-in's (pveversion_main.py, systemctl_main.py)."""
+        """pveversion and systemctl are the stand-in's (pveversion_main.py, systemctl_main.py);
+        dpkg-query is this machine's, reading the node's status database (simnode/aptrepo.py)."""
         if argv[:1] in (["pveversion"], ["systemctl"]):
             script = os.path.join(os.path.dirname(simct.PCT_SCRIPT), f"{argv[0]}_main.py")
             return [sys.executable, "-I", "-S", script, "--state-root", self.root, *argv[1:]]
+        if argv[:1] == ["dpkg-query"]:
+            return [argv[0], f"--admindir={os.path.dirname(self.node_path('/var/lib/dpkg/status'))}", *argv[1:]]
         return argv
 
     def container_root(self, ctid: int) -> str:

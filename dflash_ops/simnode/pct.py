@@ -752,6 +752,7 @@ def _top_levels(dist: metadata.Distribution) -> set[str]:
 # LXC's init.lxc, commands through lxc-attach, push/pull in its mount namespace.
 
 CLONE_NEWNS = 0x00020000
+SIM_APT_REPO = "/srv/dflash-sim-apt"  # aptrepo.REPO_DIR (this file is stdlib-only and imports nothing of ours)
 MIB = 1 << 20
 
 
@@ -909,6 +910,9 @@ def lxc_config(node: Node, vmid: str) -> str:
         fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         flags = "bind,ro" if fields.get("ro") == "1" else "bind"
         lines.append(f"lxc.mount.entry = {parts[0]} {fields['mp'].lstrip('/')} none {flags},create=dir 0 0")
+    mirror = node.node_path(SIM_APT_REPO)
+    if mirror.is_dir():  # the node's apt repository (simnode/aptrepo.py), as a site mirror containers reach
+        lines.append(f"lxc.mount.entry = {mirror} {SIM_APT_REPO.lstrip('/')} none bind,ro,create=dir 0 0")
     for top, source in _packages_to_bind(node, vmid):
         kind = "dir" if os.path.isdir(source) else "file"
         lines.append(f"lxc.mount.entry = {source} {top} none bind,ro,create={kind} 0 0")

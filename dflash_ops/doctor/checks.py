@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash_ops import render
-from dflash_ops.doctor.node import NVIDIA_MAJOR, UNIT, NodeFacts
+from dflash_ops.doctor.node import NVIDIA_MAJOR, UNIT, DriverPackages, NodeFacts
 from dflash_ops.doctor.plan import GIB, MIB, RunPlan
 from dflash_ops.helpers import venvs
 
@@ -443,14 +443,41 @@ def userspace_check(i: Inputs) -> Check | None:
     given = bool(config and any(p.startswith("/dev/nvidia") for p in config.passthrough_paths() | config.bind_mounted()))
     if not module or not (given or i.plan.needs_gpu):
         return None
-    have = (i.found.get("userspace") or {}).get("versions") or []
+    found = i.found.get("userspace") or {}
+    have = found.get("versions") or []
     name = "driver user-space"
     measured = f"container {', '.join(have) or 'none'}; node kernel module {module}"
+    packages = i.node.driver_packages
+    if packages is not None and packages.installed:
+        return _userspace_packages_check(i, packages, found.get("packages") or {}, module)
     if have == [module]:
         return Check(name, OK, measured, f"{module} (= node kernel module)")
     return Check(name, FAIL, measured, f"{module} (= node kernel module)",
                  f"dflash-ops doctor {i.target.name} --fix (installs NVIDIA-Linux-x86_64-{module}.run in the container "
                  "with --no-kernel-module)")
+
+
+def _userspace_packages_check(i: Inputs, node: DriverPackages, have: dict[str, list], module: str) -> Check:
+    """Where the node has its driver from packages: the container's user-space packages are the node's
+    version and held (provision/driverpkgs.py), else an `apt upgrade` in the container breaks NVML."""
+    name = "driver user-space"
+    version = node.version
+    wanted = node.for_container()
+    needed = f"{', '.join(wanted)} {version} held (= node's packages, module {module})"
+    problem = node.problem(i.target.node.name, module)
+    measured = "container " + (", ".join(f"{p} {v[0]}{'' if v[1] else ' (not held)'}" for p, v in sorted(have.items()))
+                               or "none of them")
+    if problem:
+        return Check(name, FAIL, measured, needed, problem)
+    if all(p in have and have[p][0] == version for p in wanted):
+        loose = [p for p in wanted if not have[p][1]]
+        if not loose:
+            return Check(name, OK, measured, needed)
+        return Check(name, WARN, measured, needed, f"dflash-ops doctor {i.target.name} --fix (apt-mark hold "
+                     f"{' '.join(loose)} in the container: an apt upgrade there would move them off {version})")
+    return Check(name, FAIL, measured, needed,
+                 f"dflash-ops doctor {i.target.name} --fix (apt-get install {' '.join(f'{p}={version}' for p in wanted)} "
+                 "in the container, then apt-mark hold)")
 
 
 def nccl_check(i: Inputs) -> Check | None:

@@ -73,6 +73,93 @@ def parse_module_version(text: str) -> str | None:
     return match.group(1) if match else None  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
 
 
+# The NVIDIA driver from the distribution's packages (Debian's non-free nvidia-graphics-drivers, or
+# NVIDIA's CUDA repository for Debian: the same names), instead of NVIDIA's .run installer: the module
+# comes from a *-dkms package, the user space from libcuda1, libnvidia-ml1, nvidia-smi, ... of one
+# version (their Depends pin each other with `=`). A container needs the user-space ones at exactly
+# the node's version (provision/driverpkgs.py); the kernel ones never.
+DRIVER_KERNEL_PACKAGES = ("nvidia-kernel-dkms", "nvidia-kernel-open-dkms", "nvidia-open-kernel-dkms")
+DRIVER_USERSPACE_PACKAGES = ("libcuda1", "libnvidia-ml1", "nvidia-smi", "libnvidia-ptxjitcompiler1",
+                             "libnvidia-nvvm4", "libcudadebugger1")
+DRIVER_NEEDED = ("libcuda1", "libnvidia-ml1")  # what torch and NVML load: a container gets them always
+DPKG_FORMAT = "${Package}\t${Version}\t${db:Status-Abbrev}\n"
+DPKG_MARKER = "--- dflash-ops driver packages"
+# dpkg-query exits 1 when a name is not known (it still prints the others) and the shell 127 when
+# there is no dpkg at all (a simulated node on a machine without it): neither is a failure here.
+_DPKG = '"$@" 2>/dev/null; s=$?; [ "$s" -le 1 ] || [ "$s" -eq 127 ]'
+
+
+def dpkg_query_argv(names: tuple[str, ...] | list[str], tool: list[str] | None = None) -> list[str]:
+    """What dpkg knows of `names`, a `PACKAGE\tVERSION\tSTATUS-ABBREV` line each (exits 0 unless dpkg
+    itself fails); `tool`: the dpkg-query argv prefix (the node kind's node_tool(["dpkg-query"]))."""
+    return ["sh", "-c", _DPKG, "sh", *(tool or ["dpkg-query"]), "-W", "-f", DPKG_FORMAT, *names]
+
+
+def node_dpkg_argv(kind: NodeKind) -> list[str]:
+    """The node's NVIDIA driver packages, as dpkg_query_argv prints them."""
+    return dpkg_query_argv([*DRIVER_KERNEL_PACKAGES, *DRIVER_USERSPACE_PACKAGES], kind.node_tool(["dpkg-query"]))
+
+
+@dataclass(frozen=True)
+class DpkgPackage:
+    version: str
+    installed: bool  # dpkg's status is `installed` (not config-files, half-installed, ...)
+    held: bool  # selection `hold` (apt-mark hold): apt upgrades and removes it only when told to
+
+
+def parse_dpkg(text: str) -> dict[str, DpkgPackage]:
+    """dpkg_query_argv's lines -> {package: DpkgPackage}; a package dpkg has no version of is left out."""
+    found = {}
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3 and parts[1]:
+            abbrev = parts[2].ljust(2)
+            found[parts[0]] = DpkgPackage(parts[1], abbrev[1] == "i", abbrev[0] == "h")
+    return found
+
+
+def upstream_version(version: str) -> str:
+    """A Debian version's upstream part: `1:550.54.14-1~deb12u1` -> `550.54.14` (the module's version)."""
+    without_epoch = version.partition(":")[2] if ":" in version else version
+    return without_epoch.rsplit("-", 1)[0] if "-" in without_epoch else without_epoch
+
+
+@dataclass(frozen=True)
+class DriverPackages:
+    """The node's installed NVIDIA driver packages ({package: version}); empty: the node has none (an
+    installer, or no driver)."""
+
+    installed: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dpkg(cls, found: dict[str, DpkgPackage]) -> DriverPackages:
+        return cls({name: p.version for name, p in sorted(found.items()) if p.installed})
+
+    @property
+    def version(self) -> str | None:
+        """The user space's package version (else the kernel package's): what a container gets."""
+        for names in (DRIVER_USERSPACE_PACKAGES, DRIVER_KERNEL_PACKAGES):
+            versions = sorted({v for n, v in self.installed.items() if n in names})
+            if versions:
+                return versions[-1] if len(versions) == 1 else None
+        return None
+
+    def for_container(self) -> tuple[str, ...]:
+        """The packages a container gets: the node's user-space ones, and always DRIVER_NEEDED."""
+        return tuple(sorted(set(DRIVER_NEEDED) | {n for n in self.installed if n in DRIVER_USERSPACE_PACKAGES}))
+
+    def problem(self, node: str, module: str | None) -> str | None:
+        """Why a container cannot be given the node's version (one line), or None."""
+        listed = ", ".join(f"{n} {v}" for n, v in self.installed.items())
+        if self.version is None:
+            return (f"node {node}: its NVIDIA packages are of more than one version ({listed}): finish the driver "
+                    "upgrade on the node (apt-get install of one version for all of them), then provision")
+        if module is not None and upstream_version(self.version) != module:
+            return (f"node {node}: its NVIDIA packages are {self.version} ({listed}) but its loaded kernel module is "
+                    f"{module}: reboot the node (or reload the nvidia module) so they agree, then provision")
+        return None
+
+
 @dataclass
 class PctConfig:
     options: dict[str, str] = field(default_factory=dict)
@@ -124,6 +211,7 @@ class NodeFacts:
     config_error: str | None = None
     module: str | None = None  # the node's NVIDIA kernel module version (/proc/driver/nvidia/version)
     boot_unit: str | None = None  # `systemctl is-enabled` of UNIT (enabled, disabled, not-found); None: not read
+    driver_packages: DriverPackages | None = None  # the node's NVIDIA driver packages; None: not read
 
 
 def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> NodeFacts:
@@ -141,7 +229,8 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     module = ["sh", "-c", 'cat "$1" 2>/dev/null; exit 0', "sh", target.node.kind.node_path(MODULE_VERSION)]
     unit_marker = "--- dflash-ops boot unit ---"
     command = render.node_sequence(status, ["echo", marker], config, ["echo", module_marker], module,
-                                   ["echo", unit_marker], *unit_state_argvs(target.node.kind)).command
+                                   ["echo", unit_marker], *unit_state_argvs(target.node.kind),
+                                   ["echo", DPKG_MARKER], node_dpkg_argv(target.node.kind)).command
     try:
         result = transport.run(command, timeout=timeout)
     except TransportError as e:
@@ -153,8 +242,11 @@ def node_facts(target: Target, transport: Transport, timeout: float = 30.0) -> N
     tail, _, module_text = tail.partition(module_marker + "\n")
     module_text, found_unit, unit_text = module_text.partition(unit_marker + "\n")
     facts.module = parse_module_version(module_text)
+    unit_text, found_dpkg, dpkg_text = unit_text.partition(DPKG_MARKER + "\n")
     if found_unit:
         facts.boot_unit = parse_unit_state(unit_text)[1]
+    if found_dpkg:
+        facts.driver_packages = DriverPackages.from_dpkg(parse_dpkg(dpkg_text))
     if sep and result.ok:
         facts.config = parse_pct_config(tail)
     else:

@@ -230,7 +230,8 @@ def proc_driver_version() -> str | None:
 
 
 # Where the NVIDIA user-space libraries are (dflash_ops/provision/userspace.py LIB_DIRS: keep the two equal).
-USERSPACE_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
+USERSPACE_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu",
+                  "usr/lib/x86_64-linux-gnu/nvidia/current")
 USERSPACE_LIBS = ("libnvidia-ml.so", "libcuda.so")
 
 
@@ -250,6 +251,32 @@ def userspace_versions(root: str) -> dict:
                 if match:
                     found.setdefault(match.group(1), []).append(os.path.join(directory, name))
     return {"versions": sorted(found), "files": {v: sorted(f) for v, f in found.items()}}
+
+
+# The driver's user-space packages (dflash_ops/doctor/node.py DRIVER_USERSPACE_PACKAGES: keep the two equal).
+USERSPACE_PACKAGES = ("libcuda1", "libnvidia-ml1", "nvidia-smi", "libnvidia-ptxjitcompiler1", "libnvidia-nvvm4",
+                      "libcudadebugger1")
+
+
+def userspace_packages(root: str) -> dict:
+    """{package: [version, held]} of the NVIDIA user-space packages installed in the container, read from
+    dpkg's status database under `root` (none: a container without dpkg, or without them)."""
+    try:
+        with open(os.path.join(root, "var/lib/dpkg/status"), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    found = {}  # type: dict[str, list]
+    for stanza in text.split("\n\n"):
+        fields = {}
+        for line in stanza.splitlines():
+            key, sep, value = line.partition(": ")
+            if sep and not line[:1].isspace():
+                fields[key] = value.strip()
+        status = fields.get("Status", "").split()
+        if fields.get("Package") in USERSPACE_PACKAGES and len(status) == 3 and status[2] == "installed":
+            found[fields["Package"]] = [fields.get("Version", ""), status[0] == "hold"]
+    return found
 
 
 def libcuda_version() -> dict:
@@ -501,7 +528,7 @@ def facts(args: argparse.Namespace) -> int:
         "devices": device_nodes(),
         "majors": char_majors(),
         "driver": {"proc": proc_driver_version(), "libcuda": libcuda_version()},
-        "userspace": userspace_versions(args.root),
+        "userspace": dict(userspace_versions(args.root), packages=userspace_packages(args.root)),
         "smi": nvidia_smi(),
         "runs": held_gpus(args.runs_helper, args.base, sys.executable),
         "model": model_dims(args.model_config),

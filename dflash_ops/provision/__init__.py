@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 from dflash_ops import render
 from dflash_ops.doctor.node import node_facts
 from dflash_ops.errors import DflashOpsError
-from dflash_ops.provision import bootunit, userspace
+from dflash_ops.provision import bootunit, driverpkgs, userspace
 from dflash_ops.provision.config import (
     ID_BASE,
     ID_RANGE,
@@ -93,8 +93,11 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
     s = _Session(container, dry_run, say)
     kind = target.node.kind
     for argv in node_commands(kind):
-        s.show("the node's PVE version and NVIDIA module (read)", node_rendered(argv))
+        if argv[0] != "echo":  # a section marker of the round trip
+            s.show("the node's PVE version, NVIDIA module and driver packages (read)", node_rendered(argv))
     node = read_node(target.node.name, kind, container.transport)
+    if request.gpus and node.module and node.packages.installed:  # refused before anything changes
+        driverpkgs.plan(node, target, kind.container_root(target.ctid))
     if request.boot_unit:  # asked first: a "no" changes nothing anywhere
         bootunit.ensure(s, target, yes, confirm, required=request.boot_unit == "install")
     gpus = _resolve_gpus(request.gpus, node, target)

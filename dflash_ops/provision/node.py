@@ -1,5 +1,5 @@
 """What provision reads from the node before it changes anything: its PVE version, the NVIDIA kernel
-module and device nodes, and the container's raw config file. Read-only, two round trips."""
+module, device nodes and driver packages, and the container's raw config file. Read-only, two round trips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import re
 from dataclasses import dataclass
 
 from dflash_ops import render
-from dflash_ops.doctor.node import MODULE_VERSION, parse_module_version
+from dflash_ops.doctor.node import (
+    DPKG_MARKER,
+    MODULE_VERSION,
+    DriverPackages,
+    node_dpkg_argv,
+    parse_dpkg,
+    parse_module_version,
+)
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.nodekinds.base import NodeKind
 from dflash_ops.transport.base import Transport
@@ -33,6 +40,7 @@ class NodeInfo:
     gpus: tuple[int, ...]  # /dev/nvidiaN on the node
     devices: tuple[str, ...]  # every /dev/nvidia* node name
     uvm_major: int | None  # nvidia-uvm's char major (dynamic: /proc/devices)
+    packages: DriverPackages = DriverPackages()  # the driver's distribution packages (none: an installer)
 
     @property
     def devn(self) -> bool:
@@ -64,23 +72,25 @@ def node_commands(kind: NodeKind) -> list[list[str]]:
     node_path = kind.node_path
     return [kind.node_tool(["pveversion"]),
             ["sh", "-c", _READ_FILES, "sh", node_path(MODULE_VERSION), node_path("/proc/devices")],
-            ["sh", "-c", _LIST_DEV, "sh", node_path("/dev")]]
+            ["sh", "-c", _LIST_DEV, "sh", node_path("/dev")], ["echo", DPKG_MARKER], node_dpkg_argv(kind)]
 
 
 def read_node(node_name: str, kind: NodeKind, transport: Transport) -> NodeInfo:
-    version, files, dev = node_commands(kind)
+    version, files, dev, marker, dpkg = node_commands(kind)
     result = transport.run(render.node_command(version), timeout=60)
     if not result.ok:
         said = (result.stderr.strip().splitlines() or [f"exit {result.exit_code}"])[-1]
         raise ProvisionError(f"node {node_name}: pveversion failed ({said}): provision needs a Proxmox VE node")
     pve = parse_pveversion(result.stdout)
-    result = transport.run(render.node_sequence(files, dev).command, timeout=60)
+    result = transport.run(render.node_sequence(files, dev, marker, dpkg).command, timeout=60)
     if not result.ok:
         raise ProvisionError(f"node {node_name}: reading the NVIDIA module's files failed: {result.stderr.strip()[-200:]}")
-    sections = _sections(result.stdout)
+    listing, _, dpkg_text = result.stdout.partition(DPKG_MARKER + "\n")
+    sections = _sections(listing)
     module_path, devices_path = files[4], files[5]
     module = parse_module_version(sections.get(module_path, ""))
     names = tuple(sorted(n for n in sections.get("dev", "").split() if n.startswith("nvidia")))
     gpus = tuple(sorted(int(n[6:]) for n in names if n[6:].isdigit()))
     uvm = re.search(r"^\s*(\d+) nvidia-uvm$", sections.get(devices_path, ""), re.M)
-    return NodeInfo(node_name, pve, module, gpus, names, int(uvm.group(1)) if uvm else None)
+    return NodeInfo(node_name, pve, module, gpus, names, int(uvm.group(1)) if uvm else None,
+                    DriverPackages.from_dpkg(parse_dpkg(dpkg_text)))

@@ -4,7 +4,8 @@ The container uses the node's kernel module through its device nodes; its own li
 libcuda must be that module's version, else "Failed to initialize NVML: Driver/library version
 mismatch" (after every host driver upgrade). They come from NVIDIA's installer of that version, run
 inside the container with --no-kernel-module (the module is the node's); provision takes the
-installer from the node (INSTALLER_DIRS), never from the network.
+installer from the node (INSTALLER_DIRS), never from the network. A node that has its driver from the
+distribution's packages gives the container those packages instead (driverpkgs.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from typing import TYPE_CHECKING
 
 from dflash_ops import render
+from dflash_ops.provision import driverpkgs
 from dflash_ops.provision.node import NodeInfo, ProvisionError
 from dflash_ops.provision.session import node_rendered
 
@@ -23,7 +25,9 @@ if TYPE_CHECKING:
 
 # Where provision looks for NVIDIA-Linux-x86_64-VERSION.run on the node, in order.
 INSTALLER_DIRS = ("/var/lib/dflash-ops/nvidia", "/root", "/opt/nvidia")
-LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu")
+# the last: where Debian's nvidia-graphics-drivers packages put them (behind alternatives links)
+LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu",
+            "usr/lib/x86_64-linux-gnu/nvidia/current")
 LIBS = ("libnvidia-ml.so", "libcuda.so")
 _FIND = 'for d; do [ -d "$d" ] && ls -1 "$d"; done 2>/dev/null; exit 0'
 _FOUND = 'for f; do [ -f "$f" ] && echo "$f"; done; exit 0'
@@ -56,8 +60,12 @@ def container_versions(container: Container, root: str) -> set[str]:
 
 
 def ensure(s: _Session, container: Container, node: NodeInfo, root: str) -> None:
-    """Install the user-space of node.module when the container has another version (or none)."""
+    """Install the user-space of node.module when the container has another version (or none): the
+    node's packages where it has its driver from packages, else NVIDIA's installer of that version."""
     target = container.target
+    if node.module and node.packages.installed:
+        driverpkgs.ensure(s, container, node, root)
+        return
     s.show("the container's NVIDIA libraries (read)", container.render(list_argv(root)))
     have = container_versions(container, root)
     want = node.module

@@ -78,3 +78,41 @@ def test_a_device_group_idmap_and_boot_unit_over_sshd(sshd_node):
     finally:
         transport.close()
         SimNode(root).set_state(str(CTID + 1), "stopped")
+
+
+def test_the_nodes_driver_packages_over_sshd_into_an_lxc_container(sshd_node):
+    """#54 item 3 through the login shell: the node's dpkg-query (its format's `${...}` and tabs), the
+    container's dpkg-query, apt-cache, apt-get install PKG=V-REV and apt-mark hold in a real LXC
+    container; a rerun changes nothing."""
+    from dflash_ops.provision.driverpkgs import container_packages
+    from dflash_ops.simnode import aptrepo
+    from dflash_ops.simnode.rootfs import unavailable_reason
+    from tests.conftest import unavailable
+
+    unavailable(unavailable_reason(), "the LXC backend")
+    root = sshd_node.sim_root
+    simgpus.install_gpus(root, 2, "550.54.14", driver_from="packages")
+    host = load_inventory(sshd_node.inventory).target("host200")
+    ctid = CTID + 2
+    kind = SimulatedNode(pct=host.node.pct, root=str(root), backend_choice="lxc")
+    node = dataclasses.replace(host.node, kind=kind)
+    defaults = kind.target_defaults(ctid)
+    target = dataclasses.replace(host, name="host522", node=node, ctid=ctid, base_dir=defaults["base_dir"],
+                                 python=defaults["python"], gpus=(0, 1))
+    transport = SSHTransport(node)
+    version = aptrepo.debian_version("550.54.14")
+    packages = ("libcuda1", "libnvidia-ml1", "nvidia-smi")
+    try:
+        c = Container(target, transport)
+        provision(c, Request(), say=lambda line: None)  # the container; then its admin's only source: the node's
+        c.exec(["sh", "-c", 'rm -f /etc/apt/sources.list && echo "$1" > /etc/apt/sources.list.d/nvidia.list', "sh",
+                aptrepo.SOURCE_LINE], check=True)
+        done = provision(c, Request(gpus="all"), yes=True, say=lambda line: None)
+        assert f"install the NVIDIA user-space {version} from the container's apt sources: libcuda1, libnvidia-ml1, " \
+               "nvidia-smi (was: none)" in done.changes
+        have = container_packages(c, packages)
+        assert {p: (have[p].version, have[p].held) for p in have} == {p: (version, True) for p in packages}
+        assert provision(c, Request(gpus="all"), yes=True, say=lambda line: None).changes == []
+    finally:
+        transport.close()
+        SimNode(root).set_state(str(ctid), "stopped")

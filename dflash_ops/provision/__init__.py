@@ -168,8 +168,13 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
                  node_rendered(list(render.pct_argv(pct, "shutdown", target.ctid))))
         s.change(f"pct start {target.ctid}", node_rendered(list(render.pct_argv(pct, "start", target.ctid))))
     if dry_run and state == "missing":
-        s.say("# then, in the new container: python3 and venv when missing (apt-get), and the NVIDIA user-space "
-              f"{node.module or '-'} (the node's kernel module) when GPUs are given")
+        if gpus and node.module and node.packages.installed:
+            version, names = driverpkgs.plan(node, target, kind.container_root(target.ctid))
+            userspace_line = (f"the node's NVIDIA packages {' '.join(f'{p}={version}' for p in names)} from the "
+                              "container's apt sources, held (apt-get install, apt-mark hold)")
+        else:
+            userspace_line = f"the NVIDIA user-space {node.module or '-'} (the node's kernel module) when GPUs are given"
+        s.say(f"# then, in the new container: python3 and venv when missing (apt-get), and {userspace_line}")
         return s.outcome
     _python(s, container)
     if gpus or (node.module and paths and paths[0] in (config.passthrough() | config.mounted())):

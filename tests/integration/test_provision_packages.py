@@ -63,6 +63,10 @@ def _dpkg(inventory: Path, *names: str) -> dict[str, str]:
 
 
 def test_the_nodes_packages_are_installed_at_its_version_held_and_a_rerun_changes_nothing(lxc_node):
+    plan = cli("provision", "host500", "--gpus", "all", "--dry-run", "--inventory", str(lxc_node)).stdout
+    assert (f"# then, in the new container: python3 and venv when missing (apt-get), and the node's NVIDIA packages "
+            f"libcuda1={V1} libnvidia-ml1={V1} nvidia-smi={V1} from the container's apt sources, held (apt-get "
+            "install, apt-mark hold)") in plan
     cli("provision", "host500", "--inventory", str(lxc_node))  # the container, no GPUs yet
     _only_the_node_repository(lxc_node)
     dry = cli("provision", "host500", "--gpus", "all", "--yes", "--dry-run", "--inventory", str(lxc_node)).stdout

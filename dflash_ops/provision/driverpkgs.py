@@ -57,6 +57,39 @@ def parse_available(text: str) -> tuple[dict[str, list[tuple[str, str]]], list[s
     return versions, sources
 
 
+_SHOW = 'apt-cache show "$@" 2>/dev/null; exit 0'
+_PINNED = re.compile(r"([a-z0-9][a-z0-9+.-]*)(?::[a-z0-9]+)?\s*\(\s*=\s*([^)\s]+)\s*\)")
+
+
+def pinned_by(text: str, version: str) -> set[str]:
+    """The packages that `apt-cache show` stanzas' Depends/Pre-Depends pin to exactly `version` (`nvidia-alternative
+    (= 550.54.14-1)`); an alternative (`a | b`) pins nothing."""
+    found = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(": ")
+        if key not in ("Depends", "Pre-Depends"):
+            continue
+        for item in value.split(","):
+            match = _PINNED.fullmatch(item.strip())
+            if match and match.group(2) == version:
+                found.add(match.group(1))
+    return found
+
+
+def with_pinned(container: Container, packages: tuple[str, ...], version: str) -> tuple[str, ...]:
+    """`packages` and every package they pin to `version`, transitively, as the container's apt knows them.
+
+    apt's resolver takes a dependency's candidate (the newest) version: `apt-get install libcuda1=V` fails
+    ("held broken packages") when libcuda1 V depends on `nvidia-alternative (= V)` and the sources also
+    have a newer one, which a mirror ahead of the node always has. Naming each pinned one at V mends it."""
+    have, todo = set(packages), list(packages)
+    while todo:
+        result = container.exec(["sh", "-c", _SHOW, "sh", *(f"{p}={version}" for p in sorted(todo))], timeout=120)
+        todo = sorted(pinned_by(result.stdout, version) - have)
+        have.update(todo)
+    return tuple(sorted(have))
+
+
 def container_packages(container: Container, packages: tuple[str, ...]) -> dict[str, DpkgPackage]:
     result = container.exec(query_argv(packages), timeout=60)
     if not result.ok:
@@ -100,15 +133,22 @@ def ensure(s: _Session, container: Container, node: NodeInfo, root: str) -> None
     was = ", ".join(f"{p} {have[p].version}" for p in packages if p in have and have[p].installed) or "none"
     s.change(f"apt-get update in CT {target.ctid}", container.render(["apt-get", "update"]), count=False, timeout=600)
     look = container.render(available_argv(packages))
-    if s.dry_run:
+    show = container.render(["sh", "-c", _SHOW, "sh", *pinned])
+    if s.dry_run:  # the lists are not updated: which dependencies they pin is known after the update
         s.show(f"whether the container's apt sources have {version} (read, after the update)", look)
+        s.show(f"the packages they pin to {version} (read, after the update; each is installed at {version} too)", show)
+        every = packages
     else:
         s.show(f"whether the container's apt sources have {version} (read)", look)
         _check_available(container, node, version, packages)
+        s.show(f"the packages they pin to {version} (read)", show)
+        every = with_pinned(container, packages, version)
     argv = ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "--no-install-recommends",
-            "--allow-downgrades", "--allow-change-held-packages", *pinned]
+            "--allow-downgrades", "--allow-change-held-packages", *(f"{p}={version}" for p in every)]
+    also = [p for p in every if p not in packages]
+    pinning = f"; with {', '.join(also)}, which they pin to it" if also else ""
     s.change(f"install the NVIDIA user-space {version} from the container's apt sources: {', '.join(packages)} "
-             f"(was: {was})", container.render(argv), timeout=1800)
+             f"(was: {was}){pinning}", container.render(argv), timeout=1800)
     s.change(f"hold {', '.join(packages)} at {version} (apt-mark hold)", container.render(["apt-mark", "hold", *packages]),
              count=False)
     if not s.dry_run:

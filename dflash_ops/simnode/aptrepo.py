@@ -3,7 +3,8 @@ and the node's dpkg status database saying which of them the node has installed.
 
 A node that took its driver from Debian's packages (or NVIDIA's CUDA repository for Debian) has
 `nvidia-kernel-dkms` for the module and `libnvidia-ml1`, `libcuda1`, `nvidia-smi` for the user space,
-all of one version `V-REV` (their Depends pin each other with `=`). The simulated node records them
+all of one version `V-REV`; their Depends pin each other and `nvidia-alternative` with `=`, so apt
+installs an older version only when each pinned dependency is named at that version too. The simulated node records them
 in ROOT/node/var/lib/dpkg/status, which `dpkg-query --admindir` reads (simnode/kind.py node_tool);
 the repository (ROOT/node/srv/dflash-sim-apt, `deb [trusted=yes] file:/srv/dflash-sim-apt ./`)
 holds the .debs that apt installs into a container: built here by `dpkg-deb --build` (Debian's dpkg,
@@ -39,9 +40,14 @@ def _packages(version: str) -> dict[str, dict[str, object]]:
     return {
         "nvidia-kernel-dkms": {"Depends": "", "files": {f"usr/src/nvidia-current-{upstream}/dkms.conf": "simulated\n"},
                                "Description": "NVIDIA binary kernel module DKMS source"},
-        "libnvidia-ml1": {"Depends": "", "files": {f"{LIB_DIR}/libnvidia-ml.so.{upstream}": f"simulated {upstream}\n"},
+        # Debian's: the alternatives links of the driver's libraries; every library package pins it with `=`
+        "nvidia-alternative": {"Depends": "", "files": {f"usr/share/doc/nvidia-alternative/{upstream}": "simulated\n"},
+                               "Description": "allows the selection of NVIDIA as GLX provider"},
+        "libnvidia-ml1": {"Depends": f"nvidia-alternative (= {version})",
+                          "files": {f"{LIB_DIR}/libnvidia-ml.so.{upstream}": f"simulated {upstream}\n"},
                           "Description": "NVIDIA Management Library (NVML) runtime library"},
-        "libcuda1": {"Depends": "", "Recommends": f"nvidia-kernel-dkms (= {version}), nvidia-smi",
+        "libcuda1": {"Depends": f"nvidia-alternative (= {version})",
+                     "Recommends": f"nvidia-kernel-dkms (= {version}), nvidia-smi",
                      "files": {f"{LIB_DIR}/libcuda.so.{upstream}": f"simulated {upstream}\n"},
                      "Description": "NVIDIA CUDA Driver Library"},
         "nvidia-smi": {"Depends": f"libnvidia-ml1 (= {version})", "files": {"usr/bin/nvidia-smi": smi},
@@ -108,7 +114,8 @@ def write_index(repo: Path) -> None:
     tmp.replace(repo / "Packages")
 
 
-def node_status(driver: str, names: tuple[str, ...] = ("nvidia-kernel-dkms", "libnvidia-ml1", "libcuda1", "nvidia-smi")) -> str:
+def node_status(driver: str, names: tuple[str, ...] = ("nvidia-kernel-dkms", "nvidia-alternative", "libnvidia-ml1",
+                                                      "libcuda1", "nvidia-smi")) -> str:
     """The node's dpkg status database with `names` installed at driver `driver`'s package version."""
     version, arch = debian_version(driver), architecture()
     specs = _packages(version)

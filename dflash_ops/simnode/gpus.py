@@ -72,8 +72,8 @@ def install_gpus(sim_root: str | Path, count: int = 2, driver: str | None = "550
         shutil.rmtree(store)
     store.mkdir(parents=True)
     repo, status = node.node_path(aptrepo.REPO_DIR), node.node_path(aptrepo.STATUS)
-    if repo.is_dir():
-        shutil.rmtree(repo)
+    for old in repo.iterdir() if repo.is_dir() else ():  # emptied, not removed: running containers bind it
+        old.unlink()
     status.unlink(missing_ok=True)
     if driver_from == "packages":
         if driver:

@@ -69,6 +69,8 @@ def test_the_nodes_packages_are_installed_at_its_version_held_and_a_rerun_change
             "install, apt-mark hold)") in plan
     cli("provision", "host500", "--inventory", str(lxc_node))  # the container, no GPUs yet
     _only_the_node_repository(lxc_node)
+    # the mirror is ahead of the node (a newer point release): apt's candidates are not the node's version
+    aptrepo.build_debs(Path(_sim_root(lxc_node)) / "node" / aptrepo.REPO_DIR.lstrip("/"), UPGRADED)
     dry = cli("provision", "host500", "--gpus", "all", "--yes", "--dry-run", "--inventory", str(lxc_node)).stdout
     assert "# apt-get update in CT 500" in dry
     assert (f"# install the NVIDIA user-space {V1} from the container's apt sources: libcuda1, libnvidia-ml1, "
@@ -80,10 +82,12 @@ def test_the_nodes_packages_are_installed_at_its_version_held_and_a_rerun_change
     assert _dpkg(lxc_node, *PACKAGES) == {}  # the dry run installed nothing
 
     done = cli("provision", "host500", "--gpus", "all", "--yes", "--inventory", str(lxc_node)).stdout
+    # the packages pin nvidia-alternative (= V1): named at V1 too, else apt takes its candidate V2 and gives up
     assert done.rstrip().endswith(f"install the NVIDIA user-space {V1} from the container's apt sources: libcuda1, "
-                                  "libnvidia-ml1, nvidia-smi (was: none))")
+                                  "libnvidia-ml1, nvidia-smi (was: none); with nvidia-alternative, which they pin to it)")
     # held ("hi"): an apt upgrade in the container cannot move them off the node's version; no kernel module
-    assert _dpkg(lxc_node, *PACKAGES, "nvidia-kernel-dkms") == {p: f"{V1} hi" for p in PACKAGES}
+    assert _dpkg(lxc_node, *PACKAGES, "nvidia-alternative", "nvidia-kernel-dkms") == {
+        **{p: f"{V1} hi" for p in PACKAGES}, "nvidia-alternative": f"{V1} ii"}
     c = container(lxc_node)
     assert c.exec(["nvidia-smi"]).stdout.startswith(f"NVIDIA-SMI {DRIVER}    Driver Version: {DRIVER}")
     assert c.exec(["ls", "/usr/lib/x86_64-linux-gnu/nvidia/current"]).stdout.split() == [

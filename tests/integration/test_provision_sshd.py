@@ -109,7 +109,7 @@ def test_the_nodes_driver_packages_over_sshd_into_an_lxc_container(sshd_node):
                 aptrepo.SOURCE_LINE], check=True)
         done = provision(c, Request(gpus="all"), yes=True, say=lambda line: None)
         assert f"install the NVIDIA user-space {version} from the container's apt sources: libcuda1, libnvidia-ml1, " \
-               "nvidia-smi (was: none)" in done.changes
+               "nvidia-smi (was: none); with nvidia-alternative, which they pin to it" in done.changes
         have = container_packages(c, packages)
         assert {p: (have[p].version, have[p].held) for p in have} == {p: (version, True) for p in packages}
         assert provision(c, Request(gpus="all"), yes=True, say=lambda line: None).changes == []

@@ -10,7 +10,7 @@ from dflash_ops.container import Container
 from dflash_ops.doctor.node import DriverPackages, parse_dpkg, upstream_version
 from dflash_ops.inventory import Node, Target
 from dflash_ops.provision import ProvisionError, Request, provision
-from dflash_ops.provision.driverpkgs import parse_available
+from dflash_ops.provision.driverpkgs import parse_available, pinned_by
 from dflash_ops.provision.node import read_node
 from dflash_ops.simnode import aptrepo
 from dflash_ops.simnode import gpus as simgpus
@@ -83,6 +83,16 @@ def test_apts_versions_and_sources_are_read_from_madison_and_policy():
                      ("535.183.01-1~deb12u1", "http://deb.debian.org/debian bookworm/non-free amd64")],
         "nvidia-smi": [("535.183.01-1~deb12u1", "file:/srv/nvidia ./")]}
     assert sources == ["file:/srv/nvidia ./", "http://deb.debian.org/debian bookworm/non-free"]
+
+
+def test_the_dependencies_a_package_pins_to_its_version_are_read_from_apt_cache_show():
+    show = ("Package: libcuda1\nVersion: 535.183.01-1~deb12u1\nDepends: nvidia-support, nvidia-alternative (= "
+            "535.183.01-1~deb12u1), libnvidia-ptxjitcompiler1 (= 535.183.01-1~deb12u1), libc6 (>= 2.34), "
+            "libcuda1:i386 (= 535.183.01-1~deb12u1) | ia32-libs\nRecommends: nvidia-kernel-dkms (= 535.183.01-1~deb12u1)\n"
+            "\nPackage: nvidia-smi\nPre-Depends: libnvidia-ml1:amd64 (= 535.183.01-1~deb12u1)\n")
+    # an alternative pins nothing; Recommends are not installed (--no-install-recommends); another version is not it
+    assert pinned_by(show, "535.183.01-1~deb12u1") == {"nvidia-alternative", "libnvidia-ptxjitcompiler1", "libnvidia-ml1"}
+    assert pinned_by(show, "550.54.14-1") == set()
 
 
 @pytest.fixture

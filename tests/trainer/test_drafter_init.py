@@ -78,3 +78,62 @@ def test_keep_best_keeps_the_best_tau_checkpoint_beside_the_latest(tmp_path):
     assert kept == sorted({f"step_{best_step}", "step_4"})
     with pytest.raises(ConfigError, match="multiple of run.checkpoint_every"):
         parse_config(tiny_config("eval: {every: 3}", "run: {checkpoint_every: 2, keep_best: true}"))
+
+
+def _foreign(tmp_path, exported, case):
+    """A directory that is not a drafter of this run's shape, as case makes it."""
+    d = tmp_path / case
+    d.mkdir()
+    config = json.loads((exported / "config.json").read_text())
+    weights = load_file(str(exported / "model.safetensors"))
+    if case == "list-config":
+        (d / "config.json").write_text("[1, 2]")
+        return d, "a JSON list, not an object"
+    if case == "no-hidden-size":
+        del config["hidden_size"]
+    if case == "wrong-shape":
+        weights["fc.weight"] = torch.zeros(5, 7)
+    if case == "integer-tensor":
+        weights["norm.weight"] = torch.ones_like(weights["norm.weight"], dtype=torch.int64)
+    if case == "missing-tensor":
+        del weights["fc.weight"]
+    if case == "extra-layer":
+        weights["layers.7.input_layernorm.weight"] = weights["norm.weight"].clone()
+    (d / "config.json").write_text(json.dumps(config))
+    if case == "corrupt-weights":
+        (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    elif case != "no-weights":
+        save_file(weights, str(d / "model.safetensors"))
+    return d, {"no-hidden-size": "no hidden_size", "wrong-shape": "tensor fc.weight has shape [5, 7]; this drafter's is [32, 64]",
+               "integer-tensor": "tensor norm.weight is int64, not floating point",
+               "missing-tensor": "no tensor fc.weight", "extra-layer": "tensor layers.7.input_layernorm.weight is not one",
+               "corrupt-weights": "not a readable safetensors file", "no-weights": "no model.safetensors"}[case]
+
+
+@pytest.mark.parametrize("case", ["list-config", "no-hidden-size", "wrong-shape", "integer-tensor", "missing-tensor",
+                                  "extra-layer", "corrupt-weights", "no-weights"])
+def test_a_warm_start_from_a_foreign_directory_is_one_line_naming_it_and_what_does_not_fit(exported, tmp_path, case):
+    """A directory that is not a drafter of this shape (another config, tensors of another shape,
+    an integer tensor, no weights) ended in a torch traceback, or trained on an integer tensor cast
+    to float: it is refused at config load or at the start, in one line naming the directory and
+    the field or tensor (#55 item 8)."""
+    d, says = _foreign(tmp_path, exported, case)
+    try:
+        cfg = parse_config(init_config(d))
+    except ConfigError as e:  # what config.json alone shows is refused at load, with the config's line
+        assert says in str(e) and str(d) in str(e) and "\n" not in str(e)
+        return
+    assert train(cfg, tmp_path / "run") == 1
+    error = json.loads((tmp_path / "run" / "status.json").read_text())["error"]
+    assert error["message"].startswith(f"config error: model.drafter_init: {d}") and says in error["message"]
+    assert "\n" not in error["message"] and error["traceback"] is None
+    assert "Traceback" not in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_resume_after_the_drafters_shape_changed_names_the_checkpoint_and_tensor(tmp_path):
+    assert train(parse_config(tiny_config("optim: {total_steps: 1}")), tmp_path / "run") == 0
+    grown = parse_config(tiny_config("optim: {total_steps: 2}", "model: {drafter_layers: 2}"))
+    assert train(grown, tmp_path / "run", resume="latest") == 1
+    error = json.loads((tmp_path / "run" / "status.json").read_text())["error"]
+    assert error["message"].startswith("config error: resume from ") and "step_1: no tensor layers.1." in error["message"]
+    assert error["traceback"] is None

@@ -19,7 +19,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -272,13 +272,32 @@ def _read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """A trainer checkpoint directory (checkpoints/step-N: its drafter_config.json and weights) as
     read_published gives a published draft; an older checkpoint's missing fields are the defaults."""
     from trainer.models.drafter import DrafterConfig
+    from trainer.models.weights_check import float_weights
 
     try:
         state = ckpt.load_weights(d)
         fields = DrafterConfig(**state["drafter_config"]).to_dict()
     except (ckpt.CheckpointError, TypeError, ValueError) as e:
         raise ValueError(f"{d}: not a usable trainer checkpoint ({e})") from None
-    return fields, {k: v.float() for k, v in state["model"].items()}
+    return fields, float_weights(str(d), state["model"])
+
+
+def _weight_files(d: Path) -> list[str]:
+    """The safetensors files of a published draft directory: model.safetensors, or the shards its
+    index lists; ValueError naming the directory when there are none (a config without weights)."""
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    else:
+        files = ["model.safetensors"]
+    for f in files:
+        if not (d / f).is_file():
+            raise ValueError(f"{d}: no {f} (the draft's weights)")
+    return files
 
 
 def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -292,14 +311,20 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     served raises ValueError naming the field."""
     from safetensors.torch import load_file
 
+    from trainer.models.weights_check import float_weights
+
     d = run_checkpoint(model_dir) or Path(model_dir)  # a run directory: its latest checkpoint
     if (d / ckpt.DRAFTER_CONFIG_FILE).is_file() and not (d / "config.json").is_file():
         return _read_checkpoint(d)
     try:
-        config = json.loads((d / "config.json").read_text())
+        raw = json.loads((d / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{d}: not a draft model directory (config.json: {e})") from None
-    dflash = config.get("dflash_config") or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{d}: not a draft model directory (config.json holds a JSON {type(raw).__name__}, "
+                         "not an object)")
+    config: Any = raw
+    dflash: dict = config["dflash_config"] if isinstance(config.get("dflash_config"), dict) else {}
     layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
     mask = dflash.get("mask_token_id", config.get("mask_token_id"))
     missing = [k for k, v in {"dflash_config.target_layer_ids": layer_ids, "dflash_config.mask_token_id": mask,
@@ -310,6 +335,10 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         layout = resolve_published(config, f"{d}/config.json")
     except LayoutError as e:
         raise ValueError(f"cannot be trained as served: {e}") from None
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int) or isinstance(config[key], bool) or config[key] < 1:
+            raise ValueError(f"{d}/config.json: {key} is {config.get(key, 'missing')!r}, not a positive integer "
+                             "(not a DFlash draft's config)")
     fields = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
               "num_hidden_layers": config["num_hidden_layers"],
               "num_attention_heads": config["num_attention_heads"],
@@ -324,14 +353,15 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
               "layer_types": layout.layer_types, "sliding_window": layout.sliding_window, "causal": layout.causal,
               "attention_sink": layout.attention_sink, "mask_embedding": (d / MASK_EMBEDDING).is_file(),
               **generation(config)}
-    index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, tensor in load_file(str(d / f)).items():
-            name = name.removeprefix("model.")
-            if name.split(".")[0] in ("fc", "hidden_norm", "layers", "norm", "candidate_selector"):
-                weights[name] = tensor.float()
+    for f in _weight_files(d):
+        try:
+            tensors = load_file(str(d / f))
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type (a truncated or foreign file)
+            raise ValueError(f"{d / f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        owned = {name.removeprefix("model."): t for name, t in tensors.items()
+                 if name.removeprefix("model.").split(".")[0] in ("fc", "hidden_norm", "layers", "norm", "candidate_selector")}
+        weights.update(float_weights(str(d / f), owned))
     if fields["mask_embedding"]:
         from trainer.models.hf_modeling import load_mask_embedding
 

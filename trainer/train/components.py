@@ -249,6 +249,13 @@ def build_drafter(cfg: TrainerConfig, target: Target | torch.nn.Module, mask_tok
         drafter.linear = fp8_linear
     drafter.checkpoint_layers = drafter_checkpointing(cfg)  # auto: the memory plan decides
     if weights is not None:
+        from trainer.models.weights_check import check_fits
+
+        try:  # one line naming the directory and the tensor, not torch's multi-line RuntimeError
+            check_fits(f"model.drafter_init: {cfg.model.drafter_init}", weights, drafter.state_dict(),
+                       may_miss=drafter.dflash2_parameters() if warm else ())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         result = drafter.load_state_dict(weights, strict=not warm)
         if warm:
             new = drafter.dflash2_parameters()

@@ -177,7 +177,7 @@ class Trainer:
             raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         c = build_components(cfg, self.run_dir, self.rd.log, self.rd.phase)
         if resumed_from is not None:
-            self.restore(c, self.hosts.load(resumed_from, c.drafter_device))
+            self.restore(c, self.hosts.load(resumed_from, c.drafter_device), where=str(resumed_from))
         step = self.state.step
         gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
@@ -197,8 +197,16 @@ class Trainer:
         self.hosts.joined()
         return c, pipeline
 
-    def restore(self, c: Components, state: dict) -> None:
-        """Put a checkpoint's contents (trainer.run.checkpoint.load) into the model, optimizer and data."""
+    def restore(self, c: Components, state: dict, where: str = "the checkpoint") -> None:
+        """Put a checkpoint's contents (trainer.run.checkpoint.load) into the model, optimizer and data.
+        A checkpoint this config's drafter does not fit (a resume after the drafter's shape changed)
+        is one line naming it and the tensor, not torch's multi-line error."""
+        from trainer.models.weights_check import check_fits
+
+        try:
+            check_fits(f"resume from {where}", state["model"], c.drafter.state_dict())
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         c.drafter.load_state_dict(state["model"])
         c.optimizer.load_state_dict(state["optim"]["optimizer"])
         c.scheduler.load_state_dict(state["optim"]["scheduler"])

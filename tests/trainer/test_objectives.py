@@ -209,6 +209,22 @@ def test_the_config_names_the_objective():
             parse_config(tiny_config(overlay), "x.yaml")
 
 
+def test_a_knob_of_another_objective_is_an_error_naming_it_and_the_objective_in_use():
+    """kl_temperature under loss ce, dpace_alpha under decay and gamma under dpace had no effect and
+    said nothing (#55 item 8): each is refused at load with the file's line, the knob and the
+    objective in use; set under its own objective it is taken."""
+    for overlay, message in [
+            ("model: {kl_temperature: 2}", r"model.kl_temperature applies only to a loss with a KL term, and model.loss is ce"),
+            ("model: {loss: {ce: 1, kl: 0}, kl_temperature: 2}", r"model.kl_temperature .* model.loss is \{ce: 1, kl: 0\}"),
+            ("model: {dpace_alpha: 0.3}", r"model.dpace_alpha applies only to position_weight: dpace, and model.position_weight is decay"),
+            ("model: {position_weight: dpace, gamma: 5}", r"model.gamma shapes position_weight: decay, and model.position_weight is dpace")]:
+        with pytest.raises(ConfigError, match=r"^x.yaml:\d+: " + message):
+            parse_config(tiny_config(overlay), "x.yaml")
+    for overlay in ("model: {loss: kl, kl_temperature: 2}", "model: {loss: {ce: 1, kl: 0.5}, kl_temperature: 2}",
+                    "model: {position_weight: dpace, dpace_alpha: 0.3}", "model: {gamma: 5}"):
+        parse_config(tiny_config(overlay), "x.yaml")
+
+
 # ---------------------------------------------------------------------------- both pipelines
 
 OVERLAY = """

@@ -537,6 +537,20 @@ def _validate_model(c: TrainerConfig, check: _Check) -> None:
               f"needs non-negative weights, not all zero (got ce {mix.ce:g}, kl {mix.kl:g})")
     check(m.kl_temperature > 0, ("model", "kl_temperature"), "must be positive")
     check(0 < m.dpace_alpha <= 1, ("model", "dpace_alpha"), "must be in (0, 1]")
+    # a knob of one objective set under another had no effect, silently (#55 item 8): the user meant
+    # that objective, or the knob is left over; either way they are told, with the file's line
+    given: dict = check.raw["model"] if isinstance(check.raw.get("model"), dict) else {}
+    kl_weight = m.loss.kl if isinstance(m.loss, LossMix) else float(m.loss == "kl")
+    loss_text = m.loss if isinstance(m.loss, str) else f"{{ce: {m.loss.ce:g}, kl: {m.loss.kl:g}}}"
+    check("kl_temperature" not in given or kl_weight > 0, ("model", "kl_temperature"),
+          f"applies only to a loss with a KL term, and model.loss is {loss_text}: it would be ignored "
+          "(remove it, or set loss: kl or {ce: a, kl: b})")
+    check("dpace_alpha" not in given or m.position_weight == "dpace", ("model", "dpace_alpha"),
+          f"applies only to position_weight: dpace, and model.position_weight is {m.position_weight}: it would be "
+          "ignored (remove it, or set position_weight: dpace)")
+    check("gamma" not in given or m.gamma is None or m.position_weight == "decay", ("model", "gamma"),
+          f"shapes position_weight: decay, and model.position_weight is {m.position_weight} (its base weights are "
+          "uniform): it would be ignored (remove it, or set position_weight: decay)")
     if m.target_layer_ids is not None:
         check(len(m.target_layer_ids) == m.num_target_layers, ("model", "target_layer_ids"),
               "must list num_target_layers ids")
@@ -664,6 +678,18 @@ def _validate_drafter_precision(c: TrainerConfig, check: _Check) -> None:
             check(reason is None, ("model", "drafter", "precision"), f"fp8 is refused: {reason}")
 
 
+def _not_a_draft_config(doc: object) -> str | None:
+    """What makes a drafter_init's config.json unreadable as a draft's (None: readable): not a JSON
+    object, or a size the drafter is built from missing or not a positive integer."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+        value = doc.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{key} is {value!r}" if key in doc else f"no {key}"
+    return None
+
+
 def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
     """model.drafter, and model.drafter_init's own architecture (which decides: the keys set here must
     agree). Fills model.drafter / drafter_layers from the draft so `plan` and doctor size it."""
@@ -680,10 +706,20 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
 
             try:
                 published = json.loads(path.read_text())
-                layout = resolve_published(published, str(path))
             except (ValueError, OSError) as e:
+                check(False, ("model", "drafter_init"), f"{path}: not a draft's config.json ({e})")
+                return
+            foreign = _not_a_draft_config(published)
+            try:  # first: it names another model's architecture, where there is one
+                layout = resolve_published(published, str(path))
+            except ValueError as e:
                 message = str(e) if isinstance(e, LayoutError) else f"{path}: {e}"
                 check(False, ("model", "drafter_init"), f"cannot be trained as served: {message}")
+                return
+            except (KeyError, TypeError, AttributeError):
+                foreign = foreign or "a field of another type"
+            if foreign:  # another model's directory, or no model's: one line, not a KeyError's traceback
+                check(False, ("model", "drafter_init"), f"{path}: not a DFlash draft's config.json ({foreign})")
                 return
             n = published["num_hidden_layers"]
             check(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= INT_LIMIT, ("model", "drafter_init"),

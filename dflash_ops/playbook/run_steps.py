@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from dflash_ops.playbook.registry import NUMBER, StepContext, StepFailed, StepType, register_step
 from dflash_ops.runs import checkpoint_run, follow_file, run_status, start_run, stop_run
 from dflash_ops.runs.events import BadLine, parse_event
 from dflash_ops.runs.info import RunInfo
 from dflash_ops.runs.lifecycle import check_gpus
 from dflash_ops.yamlfile import read_yaml_node
+from trainer.run import yamlsafe
 from trainer.run.contract import phase_text
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ def with_settings(config: Path, settings: dict) -> bytes:
                 raise StepFailed(f"set {dotted}: {key} is not a mapping in {config}")
             node = child
         node[keys[-1]] = value
-    return yaml.safe_dump(doc, sort_keys=False).encode()
+    return yamlsafe.dump(doc).encode()
 
 
 def _start(ctx: StepContext, params: dict) -> dict:

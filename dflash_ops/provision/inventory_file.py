@@ -20,10 +20,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-import yaml as pyyaml
-
 from dflash_ops.errors import InventoryError
 from dflash_ops.userfile import edit_in_place
+from trainer.run.yamlsafe import reads_back_as_itself
 
 
 def _yaml() -> Any:
@@ -56,11 +55,7 @@ def _scalar(text: str) -> Any:
     """`text` as written: quoted where a YAML 1.1 reader would read it as something else."""
     from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
-    try:
-        plain = pyyaml.safe_load(text)
-    except pyyaml.YAMLError:
-        plain = None
-    return text if plain == text and isinstance(plain, str) else DoubleQuotedScalarString(text)
+    return text if reads_back_as_itself(text) else DoubleQuotedScalarString(text)
 
 
 def _flow(items: tuple[int, ...]) -> Any:

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
-
 from dflash_ops.testing.sshd import SshdNode, kill_all, sshd_unavailable_reason, start_sshd
+from trainer.run import yamlsafe
 
 NETNS_PREFIX = "dflash-"  # namespaces: dflash-<pid>x<k>-n<i>
 LINK_PREFIX = "dfb"  # bridges: dfb<pid>x<k>; veths: dfv<pid>x<k>n<i>
@@ -221,7 +220,7 @@ class Fleet:
                 entry["address"], entry["port"] = addresses[node.name]
             nodes[node.name] = entry
         targets = {f"{node.name}-{ctid}": node.sshd.target_entry(ctid) for node in self.nodes for ctid in node.ctids}
-        path.write_text(yaml.safe_dump({"nodes": nodes, "targets": targets}, sort_keys=False))
+        path.write_text(yamlsafe.dump({"nodes": nodes, "targets": targets}))
         return path
 
     def with_latency(self, rtt: float) -> Path:

@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode.pct import write_atomically as _write
+from trainer.run import yamlsafe
 
 SSHD = "/usr/sbin/sshd"
 # What base-files installs as /root/.bashrc on Debian, so on a fresh Proxmox VE node.
@@ -332,8 +331,7 @@ def start_sshd(
                     pct_prefix=pct_prefix, cleanup=cleanup, login_rc=login_rc)
     _write(node.known_hosts, node.host_key_line(address, port), mode=0o600)
     targets = {f"host{ctid}": node.target_entry(ctid) for ctid in ctids}
-    _write(node.inventory, yaml.safe_dump({"nodes": {node_name: node.node_entry()}, "targets": targets},
-                                          sort_keys=False), mode=0o644)
+    _write(node.inventory, yamlsafe.dump({"nodes": {node_name: node.node_entry()}, "targets": targets}), mode=0o644)
     try:
         _wait_for_banner(address, port, proc, log)
     except BaseException:

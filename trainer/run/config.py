@@ -892,7 +892,9 @@ def config_to_dict(config: Any) -> dict:
 
 
 def dump_config(config: TrainerConfig) -> str:
-    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+    from trainer.run.yamlsafe import dump
+
+    return dump(config_to_dict(config))
 
 
 def data_paths(paths: str | list[str] | None) -> list[str]:

@@ -12,6 +12,7 @@ line that crossed it. Stdlib + PyYAML only (dflash_ops imports it; it imports no
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,37 @@ def read_text(path: Path, max_bytes: int = MAX_BYTES) -> str:
     if len(data) > max_bytes:
         raise YAMLBoundError(f"more than {max_bytes} bytes of YAML, more than this reader takes")
     return data.decode("utf-8")
+
+
+# ---------------------------------------------------------------- writing
+
+YAML11_Y_N = ("y", "Y", "n", "N")  # YAML 1.1 booleans that PyYAML's own resolver leaves strings
+
+
+class QuotingDumper(yaml.SafeDumper):
+    """safe_dump's Dumper, with y / Y / n / N resolving as booleans too: a string the YAML 1.1 spec
+    reads as a boolean is written quoted. PyYAML quotes yes/no/on/off/true/false (its resolver reads
+    them as booleans) but left `y` and `n` plain, which a YAML 1.1 reader of another tool (Go's
+    yaml.v2, for one) reads back as true / false (#55 item 8)."""
+
+
+QuotingDumper.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
+
+
+def dump(doc: Any, sort_keys: bool = False) -> str:
+    """The one way the project writes YAML (a trainer config, a playbook's `set:`, a run
+    directory's config.yaml, a test harness's inventory): safe_dump, every string a YAML 1.1
+    reader would read as something else written quoted, so it reads back as itself."""
+    return yaml.dump(doc, Dumper=QuotingDumper, sort_keys=sort_keys)
+
+
+def reads_back_as_itself(text: str) -> bool:
+    """Would a YAML 1.1 reader read `text`, written plain, as this same string? (The inventory's
+    round-trip writer quotes it when not.)"""
+    if text in YAML11_Y_N:
+        return False
+    try:
+        plain = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(plain, str) and plain == text

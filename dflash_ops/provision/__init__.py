@@ -167,14 +167,17 @@ def provision(container: Container, request: Request, *, dry_run: bool = False, 
         s.change(f"restart CT {target.ctid} (pct shutdown, pct start): the new config applies at start",
                  node_rendered(list(render.pct_argv(pct, "shutdown", target.ctid))))
         s.change(f"pct start {target.ctid}", node_rendered(list(render.pct_argv(pct, "start", target.ctid))))
-    if dry_run and state == "missing":
+    if dry_run and not running:  # missing or stopped: nothing inside it can be read until it runs (a dry run of a
+        # stopped container read python and the libraries through `pct exec`, which fails on it: it planned an
+        # install of python3 the real run never does, then ended in "container not running")
         if gpus and node.module and node.packages.installed:
             version, names = driverpkgs.plan(node, target, kind.container_root(target.ctid))
             userspace_line = (f"the node's NVIDIA packages {' '.join(f'{p}={version}' for p in names)} from the "
                               "container's apt sources, held (apt-get install, apt-mark hold)")
         else:
             userspace_line = f"the NVIDIA user-space {node.module or '-'} (the node's kernel module) when GPUs are given"
-        s.say(f"# then, in the new container: python3 and venv when missing (apt-get), and {userspace_line}")
+        where = "in the new container" if state == "missing" else f"in CT {target.ctid} once started (it is {state})"
+        s.say(f"# then, {where}: python3 and venv when missing (apt-get), and {userspace_line}")
         return s.outcome
     _python(s, container)
     if gpus or (node.module and paths and paths[0] in (config.passthrough() | config.mounted())):

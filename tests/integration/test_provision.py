@@ -265,6 +265,23 @@ def test_dry_run_of_a_target_not_in_the_inventory_plans_it_and_writes_nothing(no
     assert node.read_text() == text and pct(node, "status", "500").returncode == 255
 
 
+def test_dry_run_of_a_stopped_container_plans_its_start_as_the_real_run_does(node):
+    """A dry run of a stopped container read python and the NVIDIA libraries through `pct exec`,
+    which fails on it: it planned an apt-get install of python3 that the real run never does, then
+    ended in "container '500' not running!" (issue 55). It plans the start, says what is checked
+    once it runs, changes nothing, and counts the changes the real run makes."""
+    cli("provision", "host500", "--gpus", "all", "--inventory", str(node))
+    assert pct(node, "stop", "500").returncode == 0
+    config = conf(node).read_text()
+    dry = cli("provision", "host500", "--gpus", "all", "--dry-run", "--inventory", str(node)).stdout
+    assert "# pct start 500" in dry and "apt-get" not in dry.replace("(apt-get)", "")
+    assert "# then, in CT 500 once started (it is stopped): python3 and venv when missing" in dry
+    assert dry.rstrip().splitlines()[-1] == "provision host500: 1 change (would change: pct start 500)"
+    assert pct(node, "status", "500").stdout == "status: stopped\n" and conf(node).read_text() == config
+    real = cli("provision", "host500", "--gpus", "all", "--inventory", str(node)).stdout
+    assert real.rstrip().splitlines()[-1] == "provision host500: 1 change (changed: pct start 500)"
+
+
 @pytest.mark.parametrize("option, value", [("--shm", "-1"), ("--shm", "0"), ("--cores", "0"), ("--memory", "-5")])
 def test_a_size_out_of_range_is_refused_before_anything_is_written(node, option, value):
     """`provision --shm -1` wrote size=-1G into the container's config and it did not start again

@@ -133,8 +133,8 @@ def test_gpu_lists_refused(text):
 
 def test_a_helper_ships_with_the_shared_modules_it_imports_and_its_hash_covers_them(tmp_path, monkeypatch):
     runs = bundle("runs")
-    assert [name for name, _ in runs.files] == ["contract.py", "nodefacts.py", "run_protocol.py", "run_describe.py",
-                                               "notify.py", "runqueue.py", "run_events.py", "run_follow.py", "venvs.py",
+    assert [name for name, _ in runs.files] == ["contract.py", "nodefacts.py", "notify.py", "run_protocol.py",
+                                               "run_describe.py", "runqueue.py", "run_events.py", "run_follow.py", "venvs.py",
                                                "run_start.py", "run_queue.py", "run_supervise.py", "as_package.py",
                                                "runs.py"]  # depth first over the imports, each before what imports it
     assert [name for name, _ in bundle("gpu-sample").files] == ["gpu_sample.py"]

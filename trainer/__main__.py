@@ -65,7 +65,11 @@ def _synth(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from trainer.data.synth import synthetic_conversations, write_jsonl
 
-    path = write_jsonl(synthetic_conversations(args.n, args.seed, args.min_len, args.max_len), args.out)
+    try:
+        path = write_jsonl(synthetic_conversations(args.n, args.seed, args.min_len, args.max_len), args.out)
+    except OSError as e:
+        print(f"synth: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.n} conversations to {path}")
     return 0
 

@@ -27,6 +27,7 @@ import paramiko
 from dflash_ops.errors import CommandTimeout, ConnectionLost, TransportError, Unreachable
 from dflash_ops.inventory import Node
 from dflash_ops.transport.base import CHUNK, BackgroundCall, LineCallback, LineSplitter, Result, Stdin, iter_stdin
+from trainer.run.contract import named_for
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -206,7 +207,8 @@ class SSHTransport:
             os.replace(tmp, local)
         except (OSError, paramiko.SSHException, EOFError) as e:
             tmp.unlink(missing_ok=True)
-            raise TransportError(f"node {self.node.name!r}: download {remote} -> {local} failed: {e}") from None
+            shown = named_for(e, tmp, local)  # a local write's error named the .NAME.tmp-PID copy
+            raise TransportError(f"node {self.node.name!r}: download {remote} -> {local} failed: {shown}") from None
 
     def close(self) -> None:
         with self._lock:

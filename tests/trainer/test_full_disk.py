@@ -122,6 +122,8 @@ def test_a_full_disk_in_any_library_s_writer_is_an_oserror_and_leaves_no_partial
     with pytest.raises(OSError) as err:
         manager.save(3, *_state())
     assert err.value.errno == errno.ENOSPC and "No space left on device" in str(err.value)
+    # named as the user knows it: checkpoints/step_3, not the .tmp-step_3-PID it was built in (#55 item 8)
+    assert str(run / "checkpoints" / "step_3") in str(err.value) and ".tmp-" not in str(err.value)
     assert type(err.value.__cause__).__name__ == library
     assert list((run / "checkpoints").iterdir()) == []  # the partial .tmp-step_3-PID is gone
 
@@ -135,9 +137,10 @@ def test_a_run_whose_checkpoints_do_not_fit_says_so_and_leaves_no_partial(small_
     assert train(config(steps=6, every=2, fit=0), run) == 1
     final = status(run)
     assert final["state"] == "failed" and final["step"] == 6
-    assert "No space left on device" in final["error"]["message"]
+    assert "No space left on device" in final["error"]["message"] and ".tmp-" not in final["error"]["message"]
     assert [e["step"] for e in events(run, "step")] == [1, 2, 3, 4, 5, 6]  # no step lost
     failed = events(run, "checkpoint_failed")
+    assert all(".tmp-" not in e["message"] and f"step_{e['step']}" in e["message"] for e in failed)
     assert [e["step"] for e in failed] == [2, 4, 6] and all("No space left" in e["message"] for e in failed)
     assert list((run / "checkpoints").iterdir()) == []
     assert "training goes on, the next checkpoint tries again" in (run / "train.log").read_text()
@@ -153,4 +156,22 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disks, 
     assert main(["export", "--checkpoint", str(run / "checkpoints" / "step_1"), "--out", str(disk / "draft")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("export: [Errno 28] No space left on device") and err.count("\n") == 1
+    assert f"{disk / 'draft'} (" in err and ".tmp-" not in err  # the --out given, not the build beside it
     assert list(disk.iterdir()) == []  # neither the draft nor its .draft.tmp-PID
+
+
+def test_synth_and_an_atomic_write_onto_a_full_disk_name_the_users_file(small_disks, tmp_path, capsys):
+    """`python -m trainer synth` onto a full disk ended in a traceback; an atomic write's error named
+    its temporary copy (`.NAME.PID.tmp`) or no file at all: one line naming the file asked for, and
+    no temporary copy left (#55 item 8)."""
+    from trainer.__main__ import main
+    from trainer.run.contract import write_atomic
+
+    disk = small_disks(tmp_path / "disk", "16k")
+    assert main(["synth", "--out", str(disk / "syn.jsonl"), "--n", "2000"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"synth: [Errno 28] No space left on device: '{disk / 'syn.jsonl'}'\n"
+    with pytest.raises(OSError) as e:
+        write_atomic(disk / "status.json", b"x" * 40000)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(disk / "status.json")
+    assert list(disk.iterdir()) == []

@@ -12,6 +12,8 @@ import os
 import random
 from pathlib import Path
 
+from trainer.run.contract import named_for
+
 NUM_VALUES = 32
 RULES = {"step1": 1, "step3": 3, "step7": 7}
 
@@ -41,10 +43,14 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no half file left, and the error names the user's path
+        tmp.unlink(missing_ok=True)
+        raise named_for(e, tmp, path) from None
     return path

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
+from trainer.run.contract import named_for
 from trainer.run.layout import (
     MASK_EMBEDDING,
     Layout,
@@ -235,10 +236,12 @@ def built_beside(out: Path, kind: str, *, force: bool = False, check_only: bool 
     try:
         yield tmp
     except BaseException as exc:
-        disk = ckpt.disk_error(exc, tmp) if isinstance(exc, Exception) else None  # before the space is freed
+        disk = ckpt.disk_error(exc, out) if isinstance(exc, Exception) else None  # before the space is freed
         shutil.rmtree(tmp, ignore_errors=True)
-        if disk is not None and disk is not exc:  # a full disk under safetensors / torch.save: an OSError
-            raise disk from exc
+        # a full disk under safetensors / torch.save: an OSError, naming `out`, not the build beside it
+        shown = named_for(disk if disk is not None else exc, tmp, out)
+        if shown is not exc:
+            raise shown from exc
         raise
     files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
     # the marker names the old files too until the swap is done, so a crash between leaves them ours

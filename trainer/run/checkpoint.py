@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.run.contract import fsync_dir, fsync_file, process_start_ticks, sha256_file, write_file_synced
+from trainer.run.contract import (
+    fsync_dir,
+    fsync_file,
+    named_for,
+    process_start_ticks,
+    sha256_file,
+    write_file_synced,
+)
 
 MODEL_FILE = "drafter.safetensors"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
@@ -170,10 +177,11 @@ class CheckpointManager:
             # A full disk: free what this attempt wrote, and say so as an OSError whatever the
             # library raised (a periodic checkpoint is then retried at the next). A kill leaves it,
             # like SIGKILL would; the next start removes it (remove_stale).
-            disk = disk_error(exc, tmp)  # before the space is freed
+            disk = disk_error(exc, final)  # before the space is freed; named as the user knows it
             shutil.rmtree(tmp, ignore_errors=True)
-            if disk is not None and disk is not exc:
-                raise disk from exc
+            shown = named_for(disk if disk is not None else exc, tmp, final)
+            if shown is not exc:
+                raise shown from exc
             raise
         if final.exists():
             self._discard(final)

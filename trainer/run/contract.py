@@ -279,19 +279,45 @@ def write_file_synced(path: str | os.PathLike[str], data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def named_for(exc: BaseException, tmp: str | os.PathLike[str], dest: str | os.PathLike[str]) -> BaseException:
+    """`exc` as the user should read it: an OSError about the temporary copy of an atomic write
+    (`.NAME.PID.tmp`, `.tmp-step_N-PID`: a name the user never gave) names the destination instead,
+    the same errno kept; anything else is returned as it is (#55 item 8: "No space left on device:
+    /out/.model.tmp-14890")."""
+    if not isinstance(exc, OSError):
+        return exc
+    t, d = os.fspath(tmp), os.fspath(dest)
+
+    def swap(value: object) -> object:
+        return value.replace(t, d) if isinstance(value, str) else value
+
+    if exc.errno is not None and exc.strerror is not None and exc.filename is None:
+        return OSError(exc.errno, exc.strerror, d)  # a write's error names no file: name the destination
+    if t not in str(exc):
+        return exc
+    if exc.errno is None or exc.strerror is None:
+        return OSError(swap(str(exc)))
+    renamed = OSError(exc.errno, swap(exc.strerror), swap(exc.filename), None, swap(exc.filename2))
+    return renamed  # OSError(errno, ...) is the errno's subclass (FileNotFoundError, ...), as the original
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace `path` with `data` in one rename, the bytes on disk first: readers see the old or
     the new file, never half of one. The tmp file (.NAME.PID.tmp beside it: readers ignore names
-    starting with '.') is removed when the write fails (a full disk), and the error raised."""
+    starting with '.') is removed when the write fails (a full disk), and the error raised, naming
+    `path` (named_for)."""
     head, name = os.path.split(os.fspath(path))
     tmp = os.path.join(head, ".%s.%d.tmp" % (name, os.getpid()))
     try:
         write_file_synced(tmp, data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-        raise
+        renamed = named_for(e, tmp, path)
+        if renamed is e:
+            raise
+        raise renamed from None
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:

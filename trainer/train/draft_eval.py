@@ -21,6 +21,7 @@ from typing import Any, Callable
 from trainer.generate.evaluate import eval_sampling, temperature_reports
 from trainer.models.target_loading import complete_for_decoding
 from trainer.run.config import ConfigError, DrafterShapeConfig, TrainerConfig, template_kwargs
+from trainer.run.contract import named_for
 
 
 def draft_config(cfg: TrainerConfig, draft: str | Path, data: str | None = None) -> TrainerConfig:
@@ -105,6 +106,9 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
             json.dump(report, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        shown = named_for(e, tmp, path)  # the --out the user gave, not the temp name beside it
+        if shown is e:
+            raise
+        raise shown from None

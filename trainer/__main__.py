@@ -164,6 +164,9 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--config", required=True, help="trainer YAML config")
     p.add_argument("--gpus", type=int, default=None, help="plan for a host with this many GPUs (default: this one's)")
     p.add_argument("--gpu-gib", type=float, default=None, help="with --gpus: each GPU's memory in GiB (H200: 139)")
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="the host's RAM in GiB, which optim.offload host's state must fit (default: this machine's "
+                        "when planning for it, unknown with --gpus)")
     p.add_argument("--gpu", choices=["h100", "h200"], default=None,
                    help="the GPU kind the time plan is for (default: this host's, else h200)")
     p.add_argument("--calibrate", type=int, default=None, metavar="N",
@@ -194,7 +197,8 @@ def _plan(argv: list[str]) -> int:
         from trainer.models.memory_plan import build_plan, format_plan
 
         gpu_bytes = None if args.gpus is None else {i: int(args.gpu_gib * 2**30) for i in range(args.gpus)}
-        plan = build_plan(cfg, gpu_bytes=gpu_bytes)
+        host_bytes = None if args.host_gib is None else int(args.host_gib * 2**30)
+        plan = build_plan(cfg, gpu_bytes=gpu_bytes, host_bytes=host_bytes)
     except (ConfigError, DataError, OSError, ValueError) as exc:
         print(f"plan: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -35,13 +35,19 @@ class FlatGrads:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.device = params[0].device
-        self.flat = torch.zeros(self.numel + len(STATS), dtype=params[0].dtype, device=self.device)
+        # the step's sums stay fp32 whatever the gradients' dtype (bf16 weights under optim.offload
+        # host): a weight sum rounded to bf16's 8 bits would misnormalise the step. Then they are a
+        # buffer of their own, which only a lone replica on one host may have (ReplicaAllReduce).
+        self.own_stats = params[0].dtype != torch.float32
+        self.flat = torch.zeros(self.numel + (0 if self.own_stats else len(STATS)), dtype=params[0].dtype,
+                                device=self.device)
         offset = 0
         for p in params:
             p.grad = self.flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.grads = self.flat[: self.numel]
-        self.stats = self.flat[self.numel :]
+        self.stats = (torch.zeros(len(STATS), dtype=torch.float32, device=self.device) if self.own_stats
+                      else self.flat[self.numel :])
 
     def add_stats(self, loss_sum: torch.Tensor, weight_sum: torch.Tensor, correct_sum: torch.Tensor,
                   selector: tuple[torch.Tensor, ...] = ()) -> None:
@@ -49,10 +55,12 @@ class FlatGrads:
         zero = torch.zeros((), device=self.device)
         extra = [t.detach().float() for t in selector] or [zero] * 3
         values = torch.stack([loss_sum.detach().float(), weight_sum.float(), correct_sum.float(), *extra])
-        self.stats.add_(values.to(self.flat.dtype))
+        self.stats.add_(values.to(self.stats.dtype))
 
     def zero(self) -> None:
         self.flat.zero_()
+        if self.own_stats:
+            self.stats.zero_()
 
     def check_views(self) -> None:
         """Raise if something replaced a `.grad` (e.g. `optimizer.zero_grad(set_to_none=True)`)."""
@@ -89,6 +97,8 @@ class ReplicaAllReduce:
         self._barrier = StopAwareBarrier(len(replicas), stop)
         devices = [r.device for r in replicas]
         self.mode = "none" if len(replicas) == 1 else "local"
+        if any(r.own_stats for r in replicas) and (len(replicas) > 1 or across_hosts is not None):
+            raise ValueError("gradients below fp32 (optim.offload host) are summed only for one replica on one host")
         if len(replicas) > 1 and all(d.type == "cuda" for d in devices):
             if len(set(devices)) != len(devices):
                 raise ValueError(f"drafter replicas must be on distinct GPUs, got {devices}")

@@ -5,6 +5,11 @@ is built on the meta device: shapes, no weights) and its safetensors index (whic
 hold); nothing is read from the weights. Activations are estimated at the configured micro-batch
 shape. A per-device budget (devices.memory_gib, else each GPU's memory; none on the CPU) decides
 whether it fits, and the plan names the smallest split that does.
+
+optim.offload host moves the drafter's fp32 weights and AdamW states to the host (trainer.train.offload):
+the drafter's device keeps its weights and gradients in model.dtype, and the plan gains a `host`
+entry (masters, moments, the pinned transfer buffer, one chunk's fp32 gradients) judged against the
+host's RAM when it is known (this machine's, or host_bytes for another).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ GIB = 2**30
 class DoesNotFit(ValueError):
     """The memory plan exceeds a device's budget (one line naming the device and the shortfall)."""
 ADAM_STATE = 2  # AdamW moments, fp32, per drafter parameter
+HOST = "host"  # the plan's entry for host memory (optim.offload host)
 
 
 @dataclass
@@ -60,6 +66,8 @@ class MemoryPlan:
     largest_pack_length: dict[str, int | None] = field(default_factory=dict)  # checkpointed unless it is off
     largest_pack_length_unchecked: dict[str, int | None] = field(default_factory=dict)  # auto: without, beside it
     missing: str | None = None  # a device the config names that the host lacks (trainer.run.config.missing_devices)
+    offloaded: int = 0  # bytes per drafter replica that optim.offload moves off its device
+    drafter_params: int = 0  # parameters of one drafter replica
 
     @property
     def fits(self) -> bool:
@@ -168,6 +176,7 @@ class _Sizes:
     embed: int
     head: int
     drafter_params: int
+    largest_param: int  # elements of the drafter's largest parameter (offload's update scratch)
     drafter: Any  # the draft's own DrafterConfig (model.drafter: its attention shape and MLP)
     elt: int  # bytes per element of the run's dtype (target weights and activations, drafter autocast)
     notes: list[str]
@@ -197,9 +206,10 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
     dcfg = DrafterConfig.from_target(config, cfg.model.drafter_layers, cfg.model.block_size,
                                      cfg.model.mask_token_id or 0, layer_ids, **drafter_own(cfg.model))
     with torch.device("meta"):
-        params = sum(p.numel() for p in DFlashDrafter(dcfg).parameters())
+        sizes = [p.numel() for p in DFlashDrafter(dcfg).parameters()]
     return _Sizes(config, list(layer_ids), per_layer, module_bytes(base.embed_tokens),
-                  module_bytes(target.get_output_embeddings()), params, dcfg, torch.finfo(dtype).bits // 8, notes)
+                  module_bytes(target.get_output_embeddings()), sum(sizes), max(sizes), dcfg,
+                  torch.finfo(dtype).bits // 8, notes)
 
 
 def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int, block_tokens: int,
@@ -258,8 +268,37 @@ def fp8_operand_bytes(cfg: TrainerConfig, dcfg: Any, params: int, context_tokens
     return params + max(kept, 1 if checkpointed else 0) * per_layer + context_tokens * len(dcfg.target_layer_ids) * hidden
 
 
+def host_ram() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def offload_items(cfg: TrainerConfig, z: _Sizes) -> tuple[dict[str, int], dict[str, int]]:
+    """The drafter's weight, gradient and optimizer bytes on its device, and what the host holds (empty
+    without offload): optim.offload host keeps model.dtype weights and gradients on the device and the
+    fp32 masters, both AdamW moments, the pinned transfer buffer (model.dtype, both directions) and one
+    chunk's fp32 gradients on the host (trainer.train.offload)."""
+    params = z.drafter_params
+    if cfg.optim.offload == "none":
+        return {"weights (fp32)": 4 * params, "gradients (fp32)": 4 * params,
+                "optimizer (fp32)": ADAM_STATE * 4 * params}, {}
+    from trainer.train.offload import CHUNK_ELEMENTS
+
+    dtype = cfg.model.dtype
+    device = {f"weights ({dtype})": z.elt * params, f"gradients ({dtype})": z.elt * params}
+    host = {"drafter master weights (fp32)": 4 * params, "AdamW states (fp32)": ADAM_STATE * 4 * params,
+            f"transfer buffer ({dtype}, pinned)": z.elt * params,
+            "update scratch (fp32, one chunk)": 4 * min(params, max(CHUNK_ELEMENTS, z.largest_param))}
+    return device, host
+
+
 def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[int, int] | None,
-              notes: list[str], find_split: bool = True) -> MemoryPlan:
+              notes: list[str], find_split: bool = True, host_bytes: int | None = None) -> MemoryPlan:
     """The plan for `cfg` with the first `checkpointed` drafter layers checkpointed (find_split: also the
     smallest split that fits)."""
     from trainer.models.target_loading import partition
@@ -303,8 +342,9 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
     params = z.drafter_params
     rows = cfg.data.pack_rows if cfg.data.pack_length else max(1, tokens // cfg.data.max_length)
     block_tokens = row_anchors(cfg.data, cfg.model.block_size) * rows * cfg.model.block_size
+    on_device, on_host = offload_items(cfg, z)
     drafter = {
-        "weights (fp32)": 4 * params, "gradients (fp32)": 4 * params, "optimizer (fp32)": ADAM_STATE * 4 * params,
+        **on_device,
         "embedding + head": embed + head,
         "features": slot_bytes,
         "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
@@ -327,6 +367,10 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
             add(key, {k: v for k, v in st.items() if k not in ("stage", "device", "layers")})
     for r, d in enumerate(cfg.devices.drafter):
         add(d if d != "cpu" else f"cpu:drafter{r}", drafter)
+    offloaded = 0
+    if on_host:
+        by_device[HOST] = DevicePlan(HOST, {k: v * len(cfg.devices.drafter) for k, v in on_host.items()}, host_bytes)
+        offloaded = 16 * params - sum(on_device.values())
     budget = _device_budget(replicas[0][0], cfg, gpu_bytes)
     smallest = None
     for n in range(1, run + 1 if find_split else 1):
@@ -341,7 +385,8 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
     known = gpu_bytes is not None or torch.cuda.is_available()
     return MemoryPlan(stages, drafter, list(by_device.values()), smallest, list(notes), gpus,
                       suggest_devices(gpus, smallest) if gpus and smallest else None, checkpointed,
-                      cfg.model.drafter_layers, missing=missing_devices(cfg.devices, gpus) if known else None)
+                      cfg.model.drafter_layers, missing=missing_devices(cfg.devices, gpus) if known else None,
+                      offloaded=offloaded, drafter_params=params)
 
 
 PACK_STEP = 1024  # the largest pack_length the plan names is a multiple of this
@@ -352,22 +397,24 @@ def _with_pack_length(cfg: TrainerConfig, pack_length: int) -> TrainerConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_length=pack_length))
 
 
-def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None) -> tuple[MemoryPlan, str]:
+def _checkpointing(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int] | None,
+                   host_bytes: int | None = None) -> tuple[MemoryPlan, str]:
     """The plan with model.checkpoint_drafter resolved, and why: true checkpoints every layer; auto
     none when the step fits without, else the fewest first layers with which it fits (each one
     costs its forward again in backward), all of them when none fits."""
     choice, layers = cfg.model.checkpoint_drafter, cfg.model.drafter_layers
     if choice != "auto":
         n = layers if choice else 0
-        return _assemble(cfg, z, n, gpu_bytes, z.notes), f"model.checkpoint_drafter: {str(choice).lower()}"
-    off = _assemble(cfg, z, 0, gpu_bytes, z.notes)
+        return _assemble(cfg, z, n, gpu_bytes, z.notes, host_bytes=host_bytes), \
+            f"model.checkpoint_drafter: {str(choice).lower()}"
+    off = _assemble(cfg, z, 0, gpu_bytes, z.notes, host_bytes=host_bytes)
     if all(d.budget is None for d in off.devices):
         return off, "model.checkpoint_drafter auto: none (no device has a memory budget)"
     if off.fits:
         return off, "model.checkpoint_drafter auto: none (the step fits without)"
     short = off.refusal()
     for n in range(1, layers + 1):
-        plan = _assemble(cfg, z, n, gpu_bytes, z.notes)
+        plan = _assemble(cfg, z, n, gpu_bytes, z.notes, host_bytes=host_bytes)
         if plan.fits:
             break
     return plan, f"model.checkpoint_drafter auto: the fewest that fit (without it {short})"
@@ -395,7 +442,7 @@ def largest_pack_lengths(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int
     def fitting(length: int) -> dict[str, bool]:
         if length not in seen:
             plan = _assemble(_with_pack_length(cfg, length), z, checkpointed, gpu_bytes, [], find_split=False)
-            seen[length] = {d.device: d.shortfall == 0 for d in plan.devices if d.budget is not None}
+            seen[length] = {d.device: d.shortfall == 0 for d in plan.devices if d.budget is not None and d.device != HOST}
         return seen[length]
 
     out: dict[str, int | None] = {}
@@ -415,11 +462,15 @@ def largest_pack_lengths(cfg: TrainerConfig, z: _Sizes, gpu_bytes: dict[int, int
 
 
 def build_plan(cfg: TrainerConfig, model_config: dict | None = None,
-               gpu_bytes: dict[int, int] | None = None) -> MemoryPlan:
+               gpu_bytes: dict[int, int] | None = None, host_bytes: int | None = None) -> MemoryPlan:
     """model_config: the target's config.json as a dict (read elsewhere, e.g. on the node), else read
-    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs."""
+    from model.target.path; gpu_bytes: each GPU's memory by cuda index, else this process's GPUs;
+    host_bytes: the host's RAM (optim.offload host), else this machine's when planning for it (no
+    gpu_bytes), else unknown (not judged)."""
     z = _sizes(cfg, model_config)
-    plan, why = _checkpointing(cfg, z, gpu_bytes)
+    if host_bytes is None and gpu_bytes is None:
+        host_bytes = host_ram()
+    plan, why = _checkpointing(cfg, z, gpu_bytes, host_bytes)
     plan.checkpoint_reason = why
     every = 0 if cfg.model.checkpoint_drafter is False else cfg.model.drafter_layers
     plan.largest_pack_length = largest_pack_lengths(cfg, z, gpu_bytes, every)
@@ -454,6 +505,12 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  stage {st['stage']} on {st['device']}: layers {st['layers'][0]}..{st['layers'][1]}, "
                      + ", ".join(f"{k} {size(v)}" for k, v in items.items()))
     lines.append("drafter replica: " + ", ".join(f"{k} {size(v)}" for k, v in plan.drafter.items()))
+    host = next((d for d in plan.devices if d.device == HOST), None)
+    if host is not None:
+        lines.append(f"optim.offload host: {size(plan.offloaded)} of each drafter replica's device memory moved to the "
+                     "host; the host holds " + ", ".join(f"{k} {size(v)}" for k, v in host.items.items())
+                     + (f" ({size(host.total)} of its {size(host.budget)} RAM)" if host.budget
+                        else " (the host's RAM unknown: not checked)"))
     lines.append("devices:")
     for d in plan.devices:
         budget = "no budget" if d.budget is None else f"of {size(d.budget)}" + (

@@ -102,7 +102,7 @@ def _sizes(cfg: TrainerConfig) -> tuple[list[tuple[str, int]], int]:
     from trainer.models.memory_plan import build_plan
 
     plan = build_plan(cfg)
-    return [(st["device"], int(st["target weights"])) for st in plan.stages], int(plan.drafter["weights (fp32)"])
+    return [(st["device"], int(st["target weights"])) for st in plan.stages], 4 * plan.drafter_params
 
 
 def model_rate(cfg: TrainerConfig, notes: list[str]) -> float:
@@ -134,6 +134,9 @@ def model_rate(cfg: TrainerConfig, notes: list[str]) -> float:
         notes.append("length buckets (no data.pack_length): 1/3.06 of packed rows' rate, as measured (issue #13)")
     if any(len(r) > 1 for r in replicas):
         notes.append("a target split in stages: the hand-off between stages is not modelled (measured 0.997x on one H200)")
+    if cfg.optim.offload != "none":
+        notes.append(f"optim.offload {cfg.optim.offload}: the update on the host's CPU and its copies are not modelled "
+                     "(--calibrate measures them)")
     return rate
 
 

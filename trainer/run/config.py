@@ -180,6 +180,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     total_steps: int = 1000  # optimizer steps in the whole run
     micro_batches: int = 1  # micro-batches per optimizer step (loss normalised over all of them)
+    offload: Literal["none", "host"] = "none"  # host: the drafter's fp32 master weights and AdamW states in host memory, the update on the host's CPU; the device keeps model.dtype weights and gradients (trainer.train.offload)
 
 
 @dataclass
@@ -593,6 +594,10 @@ def _validate_optim(c: TrainerConfig, check: _Check) -> None:
     check(o.weight_decay >= 0, ("optim", "weight_decay"), "must be at least 0")
     check(0 <= o.min_lr_ratio <= 1, ("optim", "min_lr_ratio"), "must be in [0, 1]")
     check(o.grad_clip >= 0, ("optim", "grad_clip"), "must be at least 0 (0: no clipping)")
+    if o.offload == "host":
+        check(len(c.devices.drafter) == 1, ("optim", "offload"),
+              f"host needs one drafter replica (devices.drafter lists {len(c.devices.drafter)}): each replica "
+              "would hold its own host copy of the fp32 weights and AdamW states")
 
 
 def _validate_devices(c: TrainerConfig, check: _Check) -> None:

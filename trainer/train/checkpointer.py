@@ -10,6 +10,11 @@ GPU (a step pre-hook: `stream.wait_event`, no host sync), so the state written i
 one step while the next step's forward and backward already run. The writer thread waits for the
 copies itself. The buffers are allocated once, before training starts (`reserve`, from the warm-up), so
 even the first checkpoint finds them ready.
+
+With stage_host off (optim.offload host: the fp32 weights and AdamW states already live in host
+memory, and a second copy of them may not fit there), host tensors are not copied: the job writes
+them from where they are, and the optimizer's next step waits until the write is done (the next
+forward and backward still run meanwhile).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Job:
     stall_s: float = 0.0
     copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)  # (start, done) per device
     copy_s: float | None = None  # GPU time of the device-to-host copies (CUDA only)
+    written: threading.Event = field(default_factory=threading.Event)  # set once written (or failed)
 
 
 Written = Callable[[Job, Path, float], None]
@@ -55,8 +61,11 @@ class Checkpointer:
     periodic checkpoint is only reported (the run goes on; the next one tries again); any other
     failure is also raised on the training thread at its next `snapshot` or `wait`."""
 
-    def __init__(self, manager: CheckpointManager, on_written: Written, on_failed: Failed) -> None:
+    def __init__(self, manager: CheckpointManager, on_written: Written, on_failed: Failed,
+                 stage_host: bool = True) -> None:
         self.manager, self.on_written, self.on_failed = manager, on_written, on_failed
+        self.stage_host = stage_host  # False: host tensors are written in place (module doc)
+        self._live: list[Job] = []  # jobs writing host tensors in place: the next update waits for them
         self._staging: dict[str, torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: list[tuple[torch.device, torch.cuda.Event]] = []  # copies the next update waits for
@@ -76,7 +85,8 @@ class Checkpointer:
         template: {"model": state_dict, "optim": ...} as `snapshot` gets them; only shapes and
         dtypes are read here (on the calling thread), nothing is copied."""
         specs: list[tuple[str, tuple, torch.dtype, bool]] = []
-        _walk(template, "", lambda key, t: specs.append((key, tuple(t.shape), t.dtype, t.is_cuda)))
+        _walk(template, "", lambda key, t: specs.append((key, tuple(t.shape), t.dtype, t.is_cuda))
+              if t.is_cuda or self.stage_host else None)
 
         def allocate() -> None:
             for key, shape, dtype, pinned in specs:
@@ -101,6 +111,8 @@ class Checkpointer:
         staged_optim = self._stage(optim, "optim", copies)
         job = Job(step, staged_model, drafter_config, staged_optim, copy.deepcopy(trainer_state), request, periodic)
         job.copies = self._copy(copies)
+        if not self.stage_host:
+            self._live.append(job)
         for opt in optimizers:
             self._hook(opt)
         job.stall_s = time.perf_counter() - began
@@ -164,6 +176,8 @@ class Checkpointer:
         """obj with every tensor replaced by its host buffer (the copy is queued in `copies`)."""
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
+            if not (src.is_cuda or self.stage_host):
+                return src  # written from where it lives (the module doc)
             buf = self._buffer(key, tuple(src.shape), src.dtype, src.is_cuda)
             copies.append((buf, src))
             return buf
@@ -207,6 +221,9 @@ class Checkpointer:
             pending, self._pending = self._pending, []
             for device, done in pending:
                 torch.cuda.current_stream(device).wait_event(done)
+            live, self._live = self._live, []
+            for job in live:  # or written in place
+                job.written.wait()
 
         optimizer.register_step_pre_hook(before_step)
 
@@ -227,6 +244,9 @@ class Checkpointer:
                     item()
             except BaseException as exc:  # noqa: BLE001 - reported, never lost with the thread
                 failed = exc
+            finally:
+                if isinstance(item, Job):
+                    item.written.set()
             with self._cond:
                 if failed is not None and not (isinstance(item, Job) and item.periodic and isinstance(failed, OSError)):
                     self._fatal = failed

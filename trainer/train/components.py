@@ -363,7 +363,12 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
         log(f"drafter layers checkpointed: the first {drafter.checkpoint_layers} of {cfg.model.drafter_layers} "
             f"(model.checkpoint_drafter: {cfg.model.checkpoint_drafter}): their forward runs again in backward, "
             "their activations are not kept")
-    optimizer = build_optimizer(drafter.parameters(), cfg.optim)
+    optimizer = build_optimizer(drafter.parameters(), cfg.optim, compute_dtype=TORCH_DTYPES[cfg.model.dtype])
+    if cfg.optim.offload == "host":
+        params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        log(f"optim.offload host: the drafter's fp32 weights and AdamW states in host memory "
+            f"({12 * params / 2**30:.2f} GiB), {cfg.model.dtype} weights and gradients on {drafter_device}; "
+            "the update runs on the host's CPU")
     objective = objective_of(cfg.model)
     if objective.needs_target:
         require_logits(target, log)

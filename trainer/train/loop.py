@@ -52,6 +52,7 @@ from trainer.run.stopping import PipelineFailed, StopSignal
 from trainer.train.checkpointer import Checkpointer, Job, optimizer_state_like
 from trainer.train.components import Components, build_components
 from trainer.train.metrics import LossNotFinite, Metrics
+from trainer.train.offload import load_model_state, model_state
 from trainer.train.optim import clip_gradients
 
 
@@ -147,7 +148,9 @@ class Trainer:
         self.control = ControlPoller(self.run_dir)
         self.checkpoints = ckpt.CheckpointManager(self.run_dir, cfg.run.keep_checkpoints)
         self.served: set[tuple[str, str | None, str]] = set()  # requests taken (a checkpoint's is done once written)
-        self.checkpointer = Checkpointer(self.checkpoints, self._checkpoint_written, self._checkpoint_failed)
+        # optim.offload host: the host state is written from where it lives, not staged (trainer.train.checkpointer)
+        self.checkpointer = Checkpointer(self.checkpoints, self._checkpoint_written, self._checkpoint_failed,
+                                         stage_host=cfg.optim.offload == "none")
         self.metrics = Metrics(cfg, self.rd, self.run_dir.name)
         self.state = TrainState(cfg.data.seed)
         self.stop = StopSignal()  # the pipeline's; a lost peer host stops it too
@@ -166,6 +169,9 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         write_atomic(self.run_dir / "config.yaml", dump_config(cfg).encode())
+        if cfg.optim.offload != "none" and not isinstance(self.hosts, OneHost):
+            raise ConfigError(f"optim.offload: {cfg.optim.offload} trains on one host; this run spans a host group "
+                              "(its gradients are summed across hosts in one fp32 buffer)")
         resumed_from = self.hosts.resolve_resume(self.checkpoints, resume) if resume else None
         from trainer.models.memory_plan import DoesNotFit, build_plan
 
@@ -177,7 +183,9 @@ class Trainer:
             raise DoesNotFit(f"the memory plan does not fit: {refusal} (python -m trainer plan --config C)")
         c = build_components(cfg, self.run_dir, self.rd.log, self.rd.phase)
         if resumed_from is not None:
-            self.restore(c, self.hosts.load(resumed_from, c.drafter_device), where=str(resumed_from))
+            # offloaded: the optimizer state goes to the host; loading it onto the device first may not fit
+            device = "cpu" if cfg.optim.offload == "host" else c.drafter_device
+            self.restore(c, self.hosts.load(resumed_from, device), where=str(resumed_from))
         step = self.state.step
         gpus = sorted({torch.device(d).index or 0 for d in target_replicas(cfg.devices)[0] + cfg.devices.drafter[:1]
                        if d.startswith("cuda")})
@@ -207,8 +215,8 @@ class Trainer:
             check_fits(f"resume from {where}", state["model"], c.drafter.state_dict())
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        c.drafter.load_state_dict(state["model"])
-        c.optimizer.load_state_dict(state["optim"]["optimizer"])
+        load_model_state(c.drafter, c.optimizer, state["model"])  # offloaded: the masters too
+        c.optimizer.load_state_dict(state["optim"]["optimizer"])  # AdamW's, moved to where its weights are
         c.scheduler.load_state_dict(state["optim"]["scheduler"])
         s = state["state"]
         self.state.step = s["step"]
@@ -254,7 +262,7 @@ class Trainer:
         """Stage the step's state for the background writer (trainer.train.checkpointer); training
         goes on while it is written. Blocks only while the previous write is still in flight."""
         return self.checkpointer.snapshot(
-            step, drafter.state_dict(), drafter.config.to_dict(),
+            step, model_state(drafter, optimizer), drafter.config.to_dict(),
             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
             {**trainer_state, "rng": ckpt.rng_state()}, request, periodic, optimizers=(optimizer,))
 
@@ -266,7 +274,7 @@ class Trainer:
         if not self.hosts.is_writer:
             return
         began = time.time()
-        template = {"model": drafter.state_dict(), "optim": {"optimizer": optimizer_state_like(optimizer),
+        template = {"model": model_state(drafter, optimizer), "optim": {"optimizer": optimizer_state_like(optimizer),
                                                              "scheduler": scheduler.state_dict()}}
         self.checkpointer.reserve(template)
         self.checkpointer.wait()

@@ -10,9 +10,19 @@ import torch
 from trainer.run.config import OptimConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
-    """fused (default: when every parameter is on CUDA) runs the update as one kernel per group."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, fused: bool | None = None,
+                    compute_dtype: torch.dtype | None = None) -> torch.optim.AdamW:
+    """fused (default: when every parameter is on CUDA) runs the update as one kernel per group.
+
+    cfg.offload host: the fp32 masters and AdamW states on the host, the parameters narrowed to
+    compute_dtype (model.dtype) in place (trainer.train.offload.HostAdamW)."""
     params = [p for p in params if p.requires_grad]
+    if cfg.offload == "host":
+        from trainer.train.offload import HostAdamW
+
+        if compute_dtype is None:
+            raise ValueError("optim.offload host: build_optimizer needs the compute dtype (model.dtype)")
+        return HostAdamW(params, cfg, compute_dtype)
     if fused is None:
         fused = bool(params) and all(p.is_cuda for p in params)
     beta1, beta2 = cfg.betas

@@ -56,6 +56,14 @@ that range (--mix lognormal, fixed seed). Every mode in --modes runs in this one
 conversations and target: `bucketed` pads length buckets to warmed shapes (the previous default),
 `packed` packs whole conversations into rows of --pack-length tokens (trainer.data.packing), one shape.
 Prints one JSON line per measurement and a summary table; --out also writes them to a file.
+
+Issue #51 item 3: --offload host (optim.offload: the drafter's fp32 weights and AdamW states in host
+memory, the update on the host's CPU) lets --drafter-layers auto fit a 5-layer drafter beside the
+70B-shaped FP8 target on one H200; each measurement reports the host's update per step and the
+process's peak resident memory beside the plan's host entry:
+
+    PYTHONPATH=. python bench/pipeline.py --targets 70b --precisions fp8 --offload host --modes packed+ct \
+        --mix lognormal --min-len 64 --pack-length 8192 --micro 2 --steps 9 --log-every 3 --stage-micro 2
 """
 from __future__ import annotations
 
@@ -122,7 +130,7 @@ data:
   pad_multiple: 64
   pack_length: %(pack_length)d
   pack_rows: %(pack_rows)d
-optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0}
+optim: {lr: 0.0001, total_steps: %(steps)d, micro_batches: %(micro)d, warmup_ratio: 0.0, offload: %(offload)s}
 devices: {target: [%(targets)s], drafter: [%(drafters)s], memory_gib: %(memory_gib)s}
 run: {log_every: %(log_every)d, warmup_shapes: 4, heartbeat_s: 10, checkpoint_every: %(ckpt)d, keep_checkpoints: 1}
 pipeline: {kind: threaded, pad_to_warm_shapes: always}
@@ -289,7 +297,8 @@ def bench_config(args, mode, target, pack_length=0, variant="whole", precision="
         ct="true" if mode in ("packed+ct", "all") else "false", fuse="true" if mode == "all" else "false",
         ckpt=max(args.steps // 2, 1) if mode == "all" and not args.no_save else 0,
         ckpt_drafter=CHECKPOINT_DRAFTER[ckpt_drafter], memory_gib="null" if args.memory_gib is None else args.memory_gib,
-        targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every))
+        targets=variant_targets(args, variant), drafters=", ".join(args.drafter), log_every=args.log_every,
+        offload=args.offload))
 
 
 def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", precision="bf16", drafter_layers=None,
@@ -304,7 +313,8 @@ def build(args, run_dir, mode, target, samples, pack_length=0, variant="whole", 
     from trainer.run.config import target_replicas
 
     placed = place(target, stage_plan(target, drafter.config.target_layer_ids, target_replicas(cfg.devices)[0]))
-    opt = build_optimizer(drafter.parameters(), cfg.optim)
+    opt = build_optimizer(drafter.parameters(), cfg.optim,
+                          compute_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
     data = PreloadedDataset(samples, edges, cfg.data.token_budget, pad_id=0, seed=0, pad_multiple=64)
     if mode != "bucketed":
         data = PackedDataset.from_dataset(data, pack_length, args.pack_rows)
@@ -533,7 +543,11 @@ def plan_against_peak(cfg, devices, model_config=None):
     out = {}
     for d in plan.devices:
         entry = {"plan_gb": round(d.total / 2**30, 2), "items_gb": {k: round(v / 2**30, 3) for k, v in d.items.items()}}
-        if torch.device(d.device.split(":target")[0].split(":drafter")[0]).type == "cuda":
+        if d.device == "host":  # --offload host: beside the whole process's peak resident memory (Linux: KiB)
+            import resource
+
+            entry["process_peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+        elif torch.device(d.device.split(":target")[0].split(":drafter")[0]).type == "cuda":
             peak = torch.cuda.max_memory_allocated(d.device) / 2**30
             entry["peak_gb"] = round(peak, 2)
             entry["plan_over_peak"] = round(d.total / 2**30 / max(peak, 1e-9), 3)
@@ -552,7 +566,7 @@ def run_mode(args, mode, target, samples, results, pack_length=0, variant="whole
 def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whole", precision="bf16",
               drafter_layers=None, ckpt_drafter="auto"):
     run_dir = tempfile.mkdtemp(prefix=f"bench-pipeline-{mode.replace('/', '-')}-")
-    out = {"precision": precision, "drafter_layers": drafter_layers or (2 if args.tiny else 5)}
+    out = {"precision": precision, "drafter_layers": drafter_layers or (2 if args.tiny else 5), "offload": args.offload}
     experts = getattr(target.config, "_experts_implementation", None) if getattr(target.config, "num_experts", 0) else None
     if experts:
         out["experts"] = experts
@@ -582,6 +596,9 @@ def _run_mode(args, mode, target, samples, results, pack_length=0, variant="whol
         sync_all(devices)
         wall = time.time() - t0
     tr.guard.freeze()  # train_steps unfreezes at the end; the stage runs below must not compile either
+    optimizer = tr.replicas[0].optimizer
+    if getattr(optimizer, "steps", 0):  # --offload host: the host's update, copies included, per step
+        out["host_update_s_per_step"] = round(optimizer.step_s / optimizer.steps, 3)
     events = read_events(run_dir)
     windows = [w for w in events if w["event"] == "step"]
     if mode.startswith("all"):  # the periodic checkpoint written while the pipeline ran
@@ -820,7 +837,8 @@ def plan_fields(args, layers, precision, config):
                 pack_length=args.pack_length[0], pack_rows=args.pack_rows, ct="true", fuse="true", ckpt=0,
                 ckpt_drafter="false",  # the layers that fit without checkpointing (#35's switch left as it was)
                 memory_gib="null" if args.memory_gib is None else args.memory_gib,
-                targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every)
+                targets=", ".join(args.target), drafters=", ".join(args.drafter), log_every=args.log_every,
+                offload=args.offload)
 
 
 def experts_for(args, target):
@@ -951,6 +969,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true", help="mode all without its periodic checkpoint (long rows: "
                                                            "16 GB of drafter state written per measurement)")
     p.add_argument("--memory-gib", type=float, default=None, help="devices.memory_gib: the plan's budget per device")
+    p.add_argument("--offload", choices=["none", "host"], default="none",
+                   help="optim.offload (#51): host keeps the drafter's fp32 weights and AdamW states in host memory, "
+                        "so --drafter-layers auto may fit more layers beside the 70B")
     p.add_argument("--force", action="store_true", help="run measurements the memory plan says do not fit")
     p.add_argument("--drafter-layouts", nargs="+", default=["full"],
                    help="drafter layouts, each through every mode (keys <mode>@<layout> when more than one): full, "
@@ -1106,7 +1127,9 @@ def summarise(args, results):
             "pipeline_over_bound": v["pipeline_over_bound"], "mfu": (pipe["mfu_steady"] or [None])[-1],
             "plan_over_peak": {d: e.get("plan_over_peak") for d, e in v.get("memory_plan", {}).items()},
             "precision": v.get("precision"), "drafter_layers": v.get("drafter_layers"), "experts": v.get("experts"),
-            "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter")}
+            "pack_length": v.get("pack_length"), "checkpoint_drafter": v.get("checkpoint_drafter"),
+            "offload": v.get("offload"), "host_update_s_per_step": v.get("host_update_s_per_step"),
+            "host": v.get("memory_plan", {}).get("host")}
     long_rows(summary)
     return summary
 
@@ -1140,6 +1163,13 @@ def print_summary(summary, results):
                   f"{v['tokens_per_s']:.0f} tok/s = {v['x_shortest']:.3f} x rows of {v['shortest']}, peak "
                   f"{max(v['peak_mem_gb'] or [0]):.1f} GiB, plan/peak {v['plan_over_peak']}, recompiles "
                   f"{v['recompiles']}", flush=True)
+    for key, v in summary.items():
+        if v.get("offload") == "host":
+            host = v["host"] or {}
+            print(f"{key}: optim.offload host, {v['drafter_layers']} drafter layers: {v['tokens_per_s']:.0f} tok/s, "
+                  f"GPU peak {max(v['peak_mem_gb'] or [0]):.1f} GiB (plan/peak {v['plan_over_peak']}), the host's "
+                  f"update {v['host_update_s_per_step']}s a step, host plan {host.get('plan_gb')} GiB, process peak "
+                  f"RSS {host.get('process_peak_rss_gb')} GiB", flush=True)
     for key, v in results.items():
         if isinstance(v, dict) and "skipped" in v:
             print(f"{key}: skipped: {v['skipped']}", flush=True)

@@ -211,3 +211,23 @@ def test_the_summary_sets_each_measurement_against_the_bucketed_mode_and_the_sho
     assert [summary[k]["x_bucketed"] for k in summary] == [1.0, 1.5, 1.2]
     assert (summary["all_16384"]["shortest"], summary["all_16384"]["x_shortest"]) == (8192, 0.8)
     assert "x_shortest" not in summary["bucketed"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_issue_51_the_70b_shape_with_the_optimizer_state_on_the_host(tmp_path, capsys):
+    """--offload host (optim.offload): the measurement trains through HostAdamW, reports the host's
+    update per step and the plan's host entry beside the process's peak resident memory."""
+    bench = load_bench()
+    results = bench.main([
+        "--tiny", "--target", "cpu", "--drafter", "cpu", "--steps", "2", "--micro", "2", "--log-every", "1",
+        "--min-len", "16", "--max-len", "128", "--samples", "40", "--anchors", "16", "--modes", "packed",
+        "--pack-length", "256", "--stage-micro", "1", "--targets", "70b", "--precisions", "fp8", "--offload", "host",
+        "--drafter-layers", "auto", "--out", str(tmp_path / "bench.json")])
+    run = results["packed@fp8"]
+    assert run["offload"] == "host" and run["pipeline"]["steps"] == 2 and run["host_update_s_per_step"] > 0
+    host = run["memory_plan"]["host"]
+    assert host["items_gb"].keys() >= {"drafter master weights (fp32)", "AdamW states (fp32)"}
+    assert host["process_peak_rss_gb"] > 0
+    assert "optimizer (fp32)" not in run["memory_plan"]["cpu:drafter0"]["items_gb"]  # the states are on the host
+    assert "packed@fp8: optim.offload host, 5 drafter layers" in capsys.readouterr().out

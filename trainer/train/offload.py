@@ -45,6 +45,7 @@ take seconds and RAM from the OS for no transfer gain.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -107,6 +108,7 @@ class HostAdamW(torch.optim.AdamW):
         self.scratch = torch.empty(largest, dtype=torch.float32)  # one chunk's fp32 gradients
         self.scale = pinned((), torch.float32, self.device)
         self.grad_scale: torch.Tensor | None = None
+        self.step_s, self.steps = 0.0, 0  # seconds in step() from its call (the backward may still run) to the last upload queued (bench/pipeline.py)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # FlatGrads.finish_step hands this optimizer its 1/scale factor (as the fused CUDA AdamW gets it)
         self._step_supports_amp_scaling = True
@@ -124,6 +126,7 @@ class HostAdamW(torch.optim.AdamW):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # closures re-run the forward: not here
         if closure is not None:
             raise ValueError("HostAdamW.step takes no closure")
+        began = time.perf_counter()
         scale, self.grad_scale = self.grad_scale, None
         stream = self.stream
         grads = [p.grad for p in self.device_params]
@@ -163,6 +166,8 @@ class HostAdamW(torch.optim.AdamW):
                         self.device_params[i].copy_(self._view(self.staging, i), non_blocking=True)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.step_s += time.perf_counter() - began
+        self.steps += 1
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """AdamW's state dict from any run (its tensors land on the host); the update stays the fused

@@ -236,3 +236,20 @@ pipeline: {kind: threaded}
     out = capsys.readouterr().out
     assert "optim.offload host: 51.56 GiB of each drafter replica's device memory moved to the host" in out
     assert "fits: yes" in out
+
+
+def test_a_warm_start_puts_the_drafts_weights_into_the_masters(tmp_path):
+    """model.drafter_init under offload: the draft's fp32 weights become the masters (the device's copy
+    is their narrowing), so training starts from the draft, not from a random init."""
+    from trainer.entry import train
+    from trainer.train.components import build_components
+
+    assert train(parse_config(run_config("none", steps=3)), tmp_path / "first") == 0
+    draft = tmp_path / "first" / "checkpoints" / "step_3"
+    weights = ckpt.load(draft)["model"]
+    cfg = parse_config(tiny_config(f"model: {{drafter_init: {draft}, dtype: bf16}}", "optim: {offload: host}"))
+    c = build_components(cfg, tmp_path / "warm", log=lambda _: None)
+    state = model_state(c.drafter, c.optimizer)
+    assert all(torch.equal(state[k], weights[k]) for k in weights) and state.keys() == weights.keys()
+    assert all(p.dtype == torch.bfloat16 for p in c.drafter.parameters())
+    assert torch.equal(c.drafter.fc.weight, weights["fc.weight"].to(torch.bfloat16))

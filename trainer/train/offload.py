@@ -57,8 +57,13 @@ CHUNK_ELEMENTS = 1 << 27  # parameters per chunk (256 MiB of bf16 gradients): co
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host buffer, page-locked when `device` is a GPU (what a non_blocking copy needs to be async)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    """A host buffer, page-locked when `device` is a GPU (what a non_blocking copy needs to be async);
+    pageable where no page-locked memory is left (the copies then wait for the GPU: slower, the same
+    numbers), as the checkpointer's staging does."""
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    except RuntimeError:
+        return torch.empty(shape, dtype=dtype)
 
 
 def chunked(sizes: list[int], limit: int) -> list[list[int]]:

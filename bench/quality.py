@@ -1088,7 +1088,7 @@ class CheckpointEvaluator:
         p = self.p
         weights = load_weights(ck)  # checked against its manifest
         with torch.device(p.device):
-            drafter = DFlashDrafter(DrafterConfig(**weights["drafter_config"]))
+            drafter = DFlashDrafter(DrafterConfig.from_dict(weights["drafter_config"]))
         drafter.load_state_dict(weights["model"])
         drafter.float().eval()
         started = time.time()

@@ -29,13 +29,13 @@ def project_tau(session: EngineSession, name: str) -> tuple[Fraction, int]:
 
     from trainer.data.chat import read_conversations
     from trainer.generate.evaluate import acceptance_report
-    from trainer.models.drafter import DFlashDrafter, DrafterConfig
+    from trainer.models.drafter import DFlashDrafter
     from trainer.models.export import read_published
     from trainer.models.target import FrozenHead, freeze, load_target
 
     target = freeze(load_target(str(session.target), "cpu", torch.float32))
-    fields, weights = read_published(session.drafts[name])
-    drafter = DFlashDrafter(DrafterConfig(**fields))
+    published, weights = read_published(session.drafts[name])
+    drafter = DFlashDrafter(published)
     drafter.load_state_dict(weights)
     tok = AutoTokenizer.from_pretrained(session.target, local_files_only=True)
     report = acceptance_report(target, drafter, FrozenHead.from_target(target, "cpu"), tok,

@@ -255,8 +255,8 @@ def test_export_has_vllms_names_and_reloads_equal(tiny, tmp_path, monkeypatch):
                 f"layers.{i}.mlp_conv.base_kernel", f"layers.{i}.mlp_conv.kernel_projection.weight"} <= names
     assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
             "candidate_selector.hidden_projection.weight"} <= names
-    fields, weights = read_published(out)
-    assert fields["kind"] == "dflash2" and fields["input_embedding_scale"] == 1.5
+    published, weights = read_published(out)
+    assert published.kind == "dflash2" and published.input_embedding_scale == 1.5
     assert weights.keys() == drafter.state_dict().keys()
     assert all(torch.equal(weights[k], v) for k, v in drafter.state_dict().items())
     loaded = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)

@@ -21,7 +21,7 @@ from trainer.models.masks import (
     sample_packed_anchors,
 )
 from trainer.models.target import target_context_features
-from trainer.run.layout import FULL, SLIDING
+from trainer.run.layout import FULL, SLIDING, Layout
 
 VOCAB, MASK_ID = 97, 96
 
@@ -126,12 +126,11 @@ def layout_drafter(tiny, **own):
 
 
 LAYOUTS = {
-    "swa4+1": dict(layer_types=[SLIDING, SLIDING, FULL], sliding_window=5, causal=[True, True, False]),
-    "use_swa": dict(layer_types=[SLIDING] * 3, sliding_window=6),
-    "causal": dict(causal=[True] * 3),
-    "own_shape_sinks_mask": dict(layer_types=[SLIDING] * 3, sliding_window=3, num_attention_heads=6,
-                                 num_key_value_heads=2, head_dim=12, intermediate_size=40, attention_sink=True,
-                                 mask_embedding=True),
+    "swa4+1": dict(layout=Layout([SLIDING, SLIDING, FULL], 5, [True, True, False])),
+    "use_swa": dict(layout=Layout([SLIDING] * 3, 6)),
+    "causal": dict(layout=Layout(causal=[True] * 3)),
+    "own_shape_sinks_mask": dict(layout=Layout([SLIDING] * 3, 3, attention_sink=True), num_attention_heads=6,
+                                 num_key_value_heads=2, head_dim=12, intermediate_size=40, mask_embedding=True),
 }
 
 
@@ -148,7 +147,7 @@ def test_training_forward_equals_inference_for_each_anchor(tiny, name):
     blk = make_blocks(ids, torch.ones_like(ids, dtype=torch.bool), anchors, valid, bs, 7.0, MASK_ID)
     with torch.no_grad():
         for backend in ("sdpa", "flex"):
-            attend = block_attention(backend, anchors, valid, 20, bs, kinds=drafter.config.kinds())
+            attend = block_attention(backend, anchors, valid, 20, bs, kinds=drafter.config.layout.kinds(3))
             embeds = drafter.embed_block(head.embed, blk.input_ids.view(1, -1))
             hidden = drafter.forward_train(feats, embeds, blk.positions.view(1, -1), attend).view(1, 5, bs, -1)
             for i, p in enumerate(anchors[0, :4].tolist()):
@@ -188,7 +187,7 @@ def test_the_cached_decoders_draft_what_draft_block_drafts(tiny, name):
 
 def test_the_draft_shape_is_its_own_and_the_default_is_the_2025_layout(tiny):
     target, _, default, _ = tiny
-    assert default.config.kinds() == [(None, False), (None, False)]
+    assert default.config.layout.kinds(2) == [(None, False), (None, False)]
     assert not any("sink" in n or "mask_embedding" in n for n, _ in default.named_parameters())
     d = layout_drafter(tiny, **LAYOUTS["own_shape_sinks_mask"])
     shapes = {n: tuple(p.shape) for n, p in d.named_parameters()}
@@ -196,8 +195,8 @@ def test_the_draft_shape_is_its_own_and_the_default_is_the_2025_layout(tiny):
     assert shapes["layers.0.self_attn.o_proj.weight"] == (32, 72) and shapes["layers.0.mlp.up_proj.weight"] == (40, 32)
     assert shapes["layers.2.self_attn.attention_sink_bias"] == (6,) and shapes["mask_embedding"] == (32,)
     with pytest.raises(ValueError, match="neither every layer alike nor causal exactly on the sliding layers"):
-        DrafterConfig.from_target(target.config, 3, 8, MASK_ID, [1, 2], layer_types=[SLIDING, FULL, FULL],
-                                  sliding_window=4, causal=[False, True, False])
+        DrafterConfig.from_target(target.config, 3, 8, MASK_ID, [1, 2],
+                                  layout=Layout([SLIDING, FULL, FULL], 4, [False, True, False]))
 
 
 def test_model_flops_count_a_sliding_layers_window_not_the_whole_context(tiny):
@@ -208,7 +207,7 @@ def test_model_flops_count_a_sliding_layers_window_not_the_whole_context(tiny):
     anchors, valid = sample_packed_anchors(torch.ones(1, 1024, dtype=torch.bool), ds, 64, torch.Generator().manual_seed(0))
     blocks = make_blocks(torch.zeros(1, 1024, dtype=torch.long), torch.ones(1, 1024, dtype=torch.bool), anchors, valid,
                          8, 7.0, MASK_ID, ds)
-    cfgs = [DrafterConfig.from_target(target.config, 2, 8, MASK_ID, layer_ids, layer_types=types, sliding_window=w)
+    cfgs = [DrafterConfig.from_target(target.config, 2, 8, MASK_ID, layer_ids, layout=Layout(types, w))
             for types, w in ((None, None), ([SLIDING, SLIDING], 10**6), ([SLIDING, SLIDING], 64))]
     full, huge, small = (micro_batch_flops(target.config, c, torch.ones(1, 1024), ds, blocks)["drafter_real"] for c in cfgs)
     assert full == huge > small

@@ -14,7 +14,7 @@ from trainer.entry import train
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.export import MASK_EMBEDDING, export_checkpoint, hf_config
 from trainer.run.config import ConfigError, parse_config
-from trainer.run.layout import SLIDING, resolve_published
+from trainer.run.layout import SLIDING, Layout, resolve_published
 
 # the tiny target of tiny_config: hidden 32, 4 heads, 2 KV heads, head_dim 8, MLP 64, vocab of the synthetic tokenizer
 TINY = dict(hidden_size=32, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096)
@@ -51,9 +51,7 @@ def write_draft(out, vocab, mask_id, name):
     dcfg = DrafterConfig(**{k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                                    "vocab_size", "block_size", "num_target_layers")},
-                         mask_token_id=mask_id, target_layer_ids=[1, 1], layer_types=layout.layer_types,
-                         sliding_window=layout.sliding_window, causal=layout.causal,
-                         attention_sink=layout.attention_sink)
+                         mask_token_id=mask_id, target_layer_ids=[1, 1], layout=layout)
     torch.manual_seed(5)
     weights = {k: v.normal_() if k.endswith("attention_sink_bias") else v for k, v in DFlashDrafter(dcfg).state_dict().items()}
     out.mkdir(parents=True)
@@ -186,7 +184,7 @@ model:
         params = sum(p.numel() for p in DFlashDrafter(DrafterConfig(
             hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
             head_dim=16, vocab_size=published["vocab_size"], block_size=4, mask_token_id=0, target_layer_ids=[0, 1],
-            num_target_layers=2, layer_types=published["layer_types"], sliding_window=16, attention_sink=True)).parameters())
+            num_target_layers=2, layout=Layout(published["layer_types"], 16, attention_sink=True))).parameters())
     assert build_plan(cfg).drafter["weights (fp32)"] == 4 * params
 
 
@@ -210,7 +208,7 @@ def test_hf_config_of_an_old_checkpoint_is_the_2025_layout():
     d = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, vocab_size=100, block_size=4, mask_token_id=1, target_layer_ids=[0, 1], num_target_layers=2,
              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=4096)
-    c = hf_config(d)
+    c = hf_config(DrafterConfig.from_dict(d))
     assert c["use_sliding_window"] is False and c["sliding_window"] is None and "layer_types" not in c
     assert c["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [0, 1]}
 
@@ -219,10 +217,12 @@ def test_doctor_sizes_the_checkpoint_from_the_drafts_own_shape(tmp_path):
     from dflash_ops.doctor.plan import RunPlan, drafter_params
 
     dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    own = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, intermediate_size=40, attention_sink=True)
+    shape = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16, intermediate_size=40)
+    own = dict(shape, attention_sink=True)
     with torch.device("meta"):
         drafter = DFlashDrafter(DrafterConfig(hidden_size=32, num_hidden_layers=3, vocab_size=100, block_size=4,
-                                              mask_token_id=1, target_layer_ids=[1, 1], num_target_layers=2, **own))
+                                              mask_token_id=1, target_layer_ids=[1, 1], num_target_layers=2,
+                                              **shape, layout=Layout(attention_sink=True)))
     assert drafter_params(dims, 3, 2, own) == sum(p.numel() for p in drafter.parameters())
     config = tmp_path / "run.yaml"
     config.write_text(tiny_config("model: {drafter_layers: 3, drafter: {num_attention_heads: 8, num_key_value_heads: 4, "
@@ -264,9 +264,9 @@ def test_the_exported_model_code_loads_a_layout_draft_and_drafts_as_the_trainer(
     out = export_checkpoint(tmp_path / "run" / "checkpoints" / "step_4", tmp_path / "export", dtype=torch.float32)
     loaded, info = AutoModel.from_pretrained(out, trust_remote_code=True, output_loading_info=True, dtype=torch.float32)
     assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set())
-    assert loaded.dflash.kinds() == [(4, True), (4, True), (None, False)] and loaded.dflash.attention_sink
-    fields, weights = read_published(out)
-    trained = DFlashDrafter(DrafterConfig(**fields))
+    assert loaded.dflash.layout.kinds(3) == [(4, True), (4, True), (None, False)] and loaded.dflash.layout.attention_sink
+    published, weights = read_published(out)
+    trained = DFlashDrafter(published)
     trained.load_state_dict(weights)
     torch.manual_seed(0)
     ctx, block = torch.randn(1, 9, 64), torch.randn(1, 4, 32)

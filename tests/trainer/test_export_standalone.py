@@ -18,15 +18,15 @@ import torch
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, propose
 from trainer.models.export import MODEL_CODE_PACKAGES, ModelCodeError, export_checkpoint, model_code
 from trainer.run import checkpoint as ckpt
-from trainer.run.layout import FULL, SLIDING
+from trainer.run.layout import FULL, SLIDING, Layout
 
 VOCAB, MASK_ID, HIDDEN = 97, 96, 32
 SHAPE = dict(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              vocab_size=VOCAB, block_size=4, mask_token_id=MASK_ID, target_layer_ids=[1, 2], num_target_layers=4)
 DRAFTERS = {
     # the 2026 layout: sliding causal layers beside a full one, attention sinks, its own mask embedding
-    "dflash": dict(num_hidden_layers=3, layer_types=[SLIDING, SLIDING, FULL], sliding_window=4,
-                   causal=[True, True, False], attention_sink=True, mask_embedding=True),
+    "dflash": dict(num_hidden_layers=3, layout=Layout([SLIDING, SLIDING, FULL], 4, [True, True, False], True),
+                   mask_embedding=True),
     "dflash2": dict(num_hidden_layers=2, kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=4,
                     selector_top_k=3, input_embedding_scale=1.5, final_logit_softcapping=30.0),
 }

@@ -171,7 +171,7 @@ class DrafterCache:
         x = block_embeds.to(self.keys[0].dtype)
         b, t, _ = x.shape
         cos, sin = rope_cos_sin(block_positions, c.head_dim, c.rope_theta)
-        attends = serving_attention(c.kinds(), self.valid, self.positions, block_positions)
+        attends = serving_attention(c.layout.kinds(c.num_hidden_layers), self.valid, self.positions, block_positions)
         return _draft_block(d, x, cos, sin, self.keys, self.values, attends)
 
 
@@ -232,7 +232,7 @@ class _StaticRounds:
         c = self.drafter.config
         x = self.drafter.embed_block(self.head.embed, block).to(self.ddtype)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        attends = serving_attention(c.kinds(), context, self.slot_pos, positions)
+        attends = serving_attention(c.layout.kinds(c.num_hidden_layers), context, self.slot_pos, positions)
         return _draft_block(self.drafter, x, cos, sin, self.drafter_cache.keys, self.drafter_cache.values, attends)
 
     # ---------------------------------------------------------------- prefill, rounds, bookkeeping

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, cast
 
 import torch
@@ -32,7 +32,7 @@ def drafter_intermediate_size(target_config: Any) -> int:
     return int(getattr(target_config, "intermediate_size", None) or 3 * target_config.hidden_size)
 
 
-from trainer.run.layout import Layout, checked_layout  # noqa: E402 - the layout and its one check
+from trainer.run.layout import LAYOUT_FIELDS, Layout, checked_layout  # noqa: E402 - the layout and its one check
 
 
 @dataclass
@@ -51,12 +51,10 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_position_embeddings: int = 40960
-    # the draft's own layout (trainer.run.layout: as vLLM resolves the published fields); the
-    # defaults are the 2025 one: every layer full attention, non-causal inside the block, no sinks
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all full
-    sliding_window: int | None = None  # window of the sliding layers
-    causal: list[bool] | None = None  # per layer: causal inside the block; None: none
-    attention_sink: bool = False  # a learned per-head sink logit on every layer (layers.N.self_attn.attention_sink_bias)
+    # the draft's own layout (trainer.run.layout: per layer full or sliding, causal or not inside the
+    # block, sinks; as vLLM resolves the published fields), checked there at construction. The
+    # default is the 2025 one: every layer full attention, non-causal inside the block, no sinks
+    layout: Layout = field(default_factory=Layout)
     mask_embedding: bool = False  # a separate learned embedding of the mask slots (exported as mask_embedding.pt)
     # the draft's generation (trainer.models.dflash2): "dflash" or "dflash2" (grouped convolutions
     # around every layer's attention and MLP, a candidate selector over each slot's top-k); the rest
@@ -84,26 +82,17 @@ class DrafterConfig:
         elif (self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping or 0.0) != (1.0, 1.0, 0.0):
             raise ValueError("input_embedding_scale, output_multiplier and final_logit_softcapping are DFlash2 fields: "
                              "a DFlash draft has none")
-        layout = checked_layout(self.layer_types, self.sliding_window, self.causal, self.attention_sink, n)
-        self.layer_types, self.sliding_window, self.causal = layout.layer_types, layout.sliding_window, layout.causal
+        self.layout = checked_layout(self.layout, n)
         if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
             raise ValueError(f"attention heads {self.num_attention_heads} must be a multiple of the key/value heads "
                              f"{self.num_key_value_heads}, and head_dim {self.head_dim} even (RoPE)")
-
-    @property
-    def layout(self) -> Layout:
-        """The draft's layout as trainer.run.layout holds it (checked there once, at construction)."""
-        return Layout(self.layer_types, self.sliding_window, self.causal, self.attention_sink)
-
-    def kinds(self) -> list[tuple[int | None, bool]]:
-        """(sliding window or None, causal inside the block) of each layer."""
-        return self.layout.kinds(self.num_hidden_layers)
 
     @classmethod
     def from_target(cls, target_config: Any, num_layers: int, block_size: int, mask_token_id: int,
                     target_layer_ids: list[int], **own: Any) -> "DrafterConfig":
         """The drafter for a target; `own`: fields of the draft's own architecture (heads, KV heads,
-        head_dim, MLP width, layout) that replace what the target's config gives (None: the default)."""
+        head_dim, MLP width, `layout`: a trainer.run.layout.Layout) that replace what the target's
+        config gives (None: the default)."""
         rope = getattr(target_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(target_config, "rope_theta", 1000000.0))
         heads = own.pop("num_attention_heads", None) or target_config.num_attention_heads
@@ -131,7 +120,19 @@ class DrafterConfig:
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a checkpoint's drafter_config.json holds them: the layout's flat, under the
+        names and in the places they have always had (older checkpoints and run directories read the same)."""
+        out: dict[str, Any] = {}
+        for name, value in asdict(self).items():
+            out.update(self.layout.to_dict() if name == "layout" else {name: value})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        """A drafter_config as to_dict writes it (an older checkpoint's missing fields: the defaults);
+        a key that is no field raises TypeError."""
+        fields = {k: v for k, v in d.items() if k not in LAYOUT_FIELDS}
+        return cls(**fields, layout=Layout.from_dict(d))
 
 
 # Pointwise pieces run as one fused kernel each (forward and backward) on CUDA via torch.compile
@@ -369,7 +370,7 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         # vLLM's per-head sink logit (a key of value 0 every query also attends to): learned here
-        self.attention_sink_bias = nn.Parameter(torch.zeros(c.num_attention_heads)) if c.attention_sink else None
+        self.attention_sink_bias = nn.Parameter(torch.zeros(c.num_attention_heads)) if c.layout.attention_sink else None
 
 
 class DrafterMLP(nn.Module):
@@ -672,5 +673,5 @@ class DFlashDrafter(nn.Module):
 
         valid = torch.ones(b, length, dtype=torch.bool, device=dev)
         c: DrafterConfig = getattr(self, "dflash", None) or self.config  # the exported model's config is Qwen3Config
-        attends = serving_attention(c.kinds(), valid, ctx_positions, block_positions)
+        attends = serving_attention(c.layout.kinds(c.num_hidden_layers), valid, ctx_positions, block_positions)
         return self._run(ctx_features, block_embeds, ctx_positions, block_positions, attends)

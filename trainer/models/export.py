@@ -24,12 +24,12 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
+from trainer.models.drafter import DrafterConfig
 from trainer.run import checkpoint as ckpt
 from trainer.run import destination
 from trainer.run.contract import named_for
 from trainer.run.layout import (
     MASK_EMBEDDING,
-    Layout,
     LayoutError,
     engine_warnings,
     generation,
@@ -47,15 +47,11 @@ MODEL_FILE = "modeling_dflash"  # ... written as this module beside the weights
 MODEL_CODE_PACKAGES = ("torch", "transformers")
 
 
-def layout_of(d: dict) -> Layout:
-    """The layout of a DrafterConfig dict (a checkpoint's drafter_config; older ones: the 2025 one)."""
-    return Layout(d.get("layer_types"), d.get("sliding_window"), d.get("causal"), bool(d.get("attention_sink")))
-
-
-def hf_config(d: dict, dtype: str = "bfloat16") -> dict:
-    """The published config.json of a DrafterConfig dict: its layout in the fields vLLM resolves
-    back to it (trainer.run.layout.published_fields)."""
-    top, dflash = published_fields(layout_of(d), d["num_hidden_layers"])
+def hf_config(c: DrafterConfig, dtype: str = "bfloat16") -> dict:
+    """The published config.json of a drafter: its layout in the fields vLLM resolves back to it
+    (trainer.run.layout.published_fields)."""
+    top, dflash = published_fields(c.layout, c.num_hidden_layers)
+    d = c.to_dict()
     architectures, generation = published_generation(d)
     return {
         "architectures": architectures,
@@ -98,17 +94,17 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, dtype: to
     with built_beside(out, "export", force=force, check_only=True):
         pass  # refused before the checkpoint is read
     state = ckpt.load_weights(checkpoint_dir)
-    d = state["drafter_config"]
-    for warning in engine_warnings(layout_of(d), d["num_hidden_layers"]):
+    c = DrafterConfig.from_dict(state["drafter_config"])
+    for warning in engine_warnings(c.layout, c.num_hidden_layers):
         print(f"export: warning: {warning}", file=sys.stderr)
     with built_beside(out, "export", force=force) as tmp:
         weights = {k: v.to(dtype).contiguous() for k, v in state["model"].items()}
         mask_embedding = weights.pop("mask_embedding", None)
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if mask_embedding is not None:  # vLLM reads it from this file, not from the weights
-            torch.save({"embedding": mask_embedding, "mask_token_id": d["mask_token_id"]}, tmp / MASK_EMBEDDING)
+            torch.save({"embedding": mask_embedding, "mask_token_id": c.mask_token_id}, tmp / MASK_EMBEDDING)
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(hf_config(d, name), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(c, name), indent=2) + "\n")
         for written, source in model_code().items():
             (tmp / written).write_text(source)
     return out
@@ -271,18 +267,17 @@ def _remove_stale_builds(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_checkpoint(d: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """A trainer checkpoint directory (checkpoints/step-N: its drafter_config.json and weights) as
     read_published gives a published draft; an older checkpoint's missing fields are the defaults."""
-    from trainer.models.drafter import DrafterConfig
     from trainer.models.weights_check import float_weights
 
     try:
         state = ckpt.load_weights(d)
-        fields = DrafterConfig(**state["drafter_config"]).to_dict()
+        config = DrafterConfig.from_dict(state["drafter_config"])
     except (ckpt.CheckpointError, TypeError, ValueError) as e:
         raise ValueError(f"{d}: not a usable trainer checkpoint ({e})") from None
-    return fields, float_weights(str(d), state["model"])
+    return config, float_weights(str(d), state["model"])
 
 
 def _weight_files(d: Path) -> list[str]:
@@ -303,9 +298,9 @@ def _weight_files(d: Path) -> list[str]:
     return files
 
 
-def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_published(model_dir: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """A published-format draft directory (this exporter's, z-lab's, what SGLang and vLLM load)
-    as (DrafterConfig fields, fp32 weights by the trainer's names): config.json's Qwen3 fields with
+    as (its DrafterConfig, fp32 weights by the trainer's names): config.json's Qwen3 fields with
     `dflash_config` {mask_token_id, target_layer_ids} (older drafts: top-level `target_layer_ids`),
     and model.safetensors or shards listed by model.safetensors.index.json. A `model.` prefix
     (SpecForge's wrapper) is dropped; tensors the drafter does not own are left out. The layout
@@ -342,7 +337,8 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         if not isinstance(config.get(key), int) or isinstance(config[key], bool) or config[key] < 1:
             raise ValueError(f"{d}/config.json: {key} is {config.get(key, 'missing')!r}, not a positive integer "
                              "(not a DFlash draft's config)")
-    fields = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+    fields: dict[str, Any] = {
+              "hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
               "num_hidden_layers": config["num_hidden_layers"],
               "num_attention_heads": config["num_attention_heads"],
               "num_key_value_heads": config.get("num_key_value_heads", config["num_attention_heads"]),
@@ -353,9 +349,11 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
               "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
               "rope_theta": float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e6))),
               "max_position_embeddings": config.get("max_position_embeddings", 40960),
-              "layer_types": layout.layer_types, "sliding_window": layout.sliding_window, "causal": layout.causal,
-              "attention_sink": layout.attention_sink, "mask_embedding": (d / MASK_EMBEDDING).is_file(),
-              **generation(config)}
+              "layout": layout, "mask_embedding": (d / MASK_EMBEDDING).is_file(), **generation(config)}
+    try:
+        published = DrafterConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{d}/config.json: cannot be trained as served: {e}") from None
     weights: dict[str, torch.Tensor] = {}
     for f in _weight_files(d):
         try:
@@ -365,8 +363,8 @@ def read_published(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
         owned = {name.removeprefix("model."): t for name, t in tensors.items()
                  if name.removeprefix("model.").split(".")[0] in ("fc", "hidden_norm", "layers", "norm", "candidate_selector")}
         weights.update(float_weights(str(d / f), owned))
-    if fields["mask_embedding"]:
+    if published.mask_embedding:
         from trainer.models.hf_modeling import load_mask_embedding
 
         weights["mask_embedding"] = load_mask_embedding(d / MASK_EMBEDDING, mask)
-    return fields, weights
+    return published, weights

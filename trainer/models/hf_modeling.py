@@ -25,7 +25,7 @@ from transformers.utils import cached_file
 # floor: not those its imports import), so it names every module of the export (export.model_code checks)
 from trainer.models.dflash2 import walk  # noqa: F401 - imported for the copy (drafter.py uses it)
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules, propose
-from trainer.run.layout import MASK_EMBEDDING, generation
+from trainer.run.layout import MASK_EMBEDDING, Layout, generation
 
 
 def load_mask_embedding(path: str | os.PathLike, mask_token_id: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
         target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000000.0))),
-        max_position_embeddings=config.max_position_embeddings, **layout(config),
+        max_position_embeddings=config.max_position_embeddings, layout=Layout(**layout(config)),
         **generation({"architectures": getattr(config, "architectures", None), "dflash_config": dflash,
                       "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}))
 

@@ -432,8 +432,8 @@ def resolve_backend(name: str, device: torch.device | str, needs_grad: bool) -> 
 def block_attention(backend: str, anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int,
                     starts: torch.Tensor | None = None, tiled: bool = False,
                     kinds: list[Kind] | None = None) -> Attention | list[Attention]:
-    """One attention per drafter layer of `kinds` (DrafterConfig.kinds()), a mask built once per
-    distinct (window, causal); kinds None: one attention (full, non-causal) for every layer."""
+    """One attention per drafter layer of `kinds` (the drafter's DrafterConfig.layout.kinds(layers)), a
+    mask built once per distinct (window, causal); kinds None: one attention (full, non-causal) for every layer."""
     built: dict[Kind, Attention] = {}
     out = []
     for kind in kinds or [FULL_KIND]:

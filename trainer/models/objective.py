@@ -341,7 +341,7 @@ def drafter_loss_sums(
     ctx_len = ctx_features.shape[1]
     packed = doc_start is not None
     attend = block_attention(backend, blocks.anchors, blocks.valid, ctx_len, bs, blocks.starts if packed else None,
-                             tiled=packed, kinds=drafter.config.kinds())
+                             tiled=packed, kinds=drafter.config.layout.kinds(drafter.config.num_hidden_layers))
     embeds = drafter.embed_block(head.embed, blocks.input_ids.view(b, a * bs))
     ctx_positions = None
     if doc_start is not None:  # packed

@@ -124,7 +124,7 @@ def micro_batch_flops(target_cfg: Any, drafter_cfg: DrafterConfig, attention_mas
     n_valid = float(valid.sum())
     before = (blocks.anchors.cpu() - blocks.starts.cpu()).double()  # context before each anchor
     # per layer: a sliding layer's slots see at most its window of that context; averaged over the layers
-    kinds = drafter_cfg.kinds() if hasattr(drafter_cfg, "kinds") else [(None, False)]
+    kinds = drafter_cfg.layout.kinds(drafter_cfg.num_hidden_layers)
     pairs_slots = sum(float(((before if w is None else before.clamp(max=w)) + bs).mul(valid).sum()) * bs
                       for w, _ in kinds) / len(kinds)
     n_blocks = valid.numel()

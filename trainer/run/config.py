@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from trainer.run import yamlsafe
+from trainer.run.layout import Layout
 
 
 class ConfigError(ValueError):
@@ -730,21 +731,14 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
             check(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= INT_LIMIT, ("model", "drafter_init"),
                   f"{path}: num_hidden_layers is {n!r}: a drafter needs at least 1 layer")
             theirs: dict[str, Any] = {
-                "drafter_layers": n, "layer_types": layout.layer_types or ["full_attention"] * n,
-                "sliding_window": layout.sliding_window, "causal": layout.causal or [False] * n,
-                "attention_sink": layout.attention_sink,
+                "drafter_layers": n, **layout.spelled(n),
                 "num_attention_heads": published.get("num_attention_heads"),
                 "num_key_value_heads": published.get("num_key_value_heads", published.get("num_attention_heads")),
                 "head_dim": published.get("head_dim") or published["hidden_size"] // published["num_attention_heads"],
                 "intermediate_size": published.get("intermediate_size")}
-            ours: dict[str, Any] = {k: getattr(d, k) for k in ("layer_types", "sliding_window", "attention_sink",
-                                                                *SHAPE_FIELDS) if getattr(d, k) is not None}
-            if d.causal is not None:
-                ours["causal"] = [d.causal] * n if isinstance(d.causal, bool) else d.causal
-            if layers_given:
-                ours["drafter_layers"] = m.drafter_layers
-            differ = [f"{'model.' if k == 'drafter_layers' else 'model.drafter.'}{k} {v!r} (the draft: {theirs[k]!r})"
-                      for k, v in ours.items() if v != theirs[k]]
+            differ = disagreements(d, theirs, n)
+            if layers_given and m.drafter_layers != n:
+                differ.append(f"model.drafter_layers {m.drafter_layers!r} (the draft: {n!r})")
             check(not differ, ("model", "drafter_init"),
                   f"{m.drafter_init}: the draft's own config decides its architecture, and this config differs: "
                   + "; ".join(differ))
@@ -872,13 +866,29 @@ def _validate_kind(c: TrainerConfig, drafter_raw: dict, published: dict | None, 
           f"{top_k} exceeds the target's vocabulary of {vocab}")
 
 
+def disagreements(d: DrafterShapeConfig, theirs: dict[str, Any], layers: int) -> list[str]:
+    """What the model.drafter keys set here say unlike a draft's own architecture (`theirs`: its
+    Layout.spelled and SHAPE_FIELDS), one phrase each; the draft decides (model.drafter_init)."""
+    ours: dict[str, Any] = {k: getattr(d, k) for k in ("layer_types", "sliding_window", "attention_sink", *SHAPE_FIELDS)
+                            if getattr(d, k) is not None}
+    if d.causal is not None:
+        ours["causal"] = [d.causal] * layers if isinstance(d.causal, bool) else d.causal
+    return [f"model.drafter.{k} {v!r} (the draft: {theirs[k]!r})" for k, v in ours.items() if v != theirs[k]]
+
+
+def drafter_layout(c: ModelConfig) -> Layout:
+    """model.drafter's layout keys as the one Layout value (`causal: true` spelled per layer); checked
+    by trainer.run.layout.checked_layout where it is held (DrafterConfig)."""
+    d = c.drafter
+    types: list[str] | None = None if d.layer_types is None else list(d.layer_types)
+    causal = [d.causal] * c.drafter_layers if isinstance(d.causal, bool) else d.causal
+    return Layout(types, d.sliding_window, causal, bool(d.attention_sink))
+
+
 def drafter_own(c: ModelConfig) -> dict[str, Any]:
     """model.drafter as DrafterConfig fields (trainer.models.drafter.DrafterConfig.from_target's `own`)."""
     d = c.drafter
-    causal = [d.causal] * c.drafter_layers if isinstance(d.causal, bool) else d.causal
-    return {"layer_types": d.layer_types, "sliding_window": d.sliding_window, "causal": causal,
-            "attention_sink": bool(d.attention_sink), **{k: getattr(d, k) for k in SHAPE_FIELDS},
-            **generation_own(c)}
+    return {"layout": drafter_layout(c), **{k: getattr(d, k) for k in SHAPE_FIELDS}, **generation_own(c)}
 
 
 GENERATION_FIELDS = ("kind", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

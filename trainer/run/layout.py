@@ -46,47 +46,74 @@ DFLASH2_FIELDS = set(DFLASH2_DEFAULTS) | set(DFLASH2_SCALES)
 
 
 class LayoutError(ValueError):
-    """A draft layout the trainer cannot represent (or a field it does not know), naming the field."""
+    """A draft layout the trainer cannot represent (or a field it does not know), naming the field;
+    `field`: the Layout field at fault where one is (the YAML validator names its key)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+LAYOUT_FIELDS = ("layer_types", "sliding_window", "causal", "attention_sink")  # as saved flat (drafter_config.json)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The resolved architecture of a draft beyond the target's hidden size."""
+    """The resolved architecture of a draft beyond the target's hidden size. The default is the 2025
+    one: every layer full attention, non-causal inside the block, no sinks."""
 
-    layer_types: list[str] | None  # per layer; None: every layer full attention
-    sliding_window: int | None  # the window of the sliding layers
-    causal: list[bool] | None  # per layer, inside the block; None: none causal
+    layer_types: list[str] | None = None  # per layer; None: every layer full attention
+    sliding_window: int | None = None  # the window of the sliding layers
+    causal: list[bool] | None = None  # per layer, inside the block; None: none causal
     attention_sink: bool = False  # a per-head sink bias on every layer (vLLM: dflash_config.attention_sink_bias)
 
     def kinds(self, layers: int) -> list[tuple[int | None, bool]]:
         return layer_kinds(self.layer_types, self.sliding_window, self.causal, layers)
 
+    def spelled(self, layers: int) -> dict[str, Any]:
+        """The layout as model.drafter's keys give it with every per-layer list spelled out."""
+        return {"layer_types": self.layer_types or [FULL] * layers, "sliding_window": self.sliding_window,
+                "causal": self.causal or [False] * layers, "attention_sink": self.attention_sink}
 
-def checked_layout(layer_types: list[str] | None, sliding_window: int | None, causal: list[bool] | None,
-                   attention_sink: bool, layers: int) -> Layout:
-    """The one check of a drafter's layout (trainer.models.drafter.DrafterConfig builds its own here):
-    `layers` layer types of full / sliding attention, a positive window where a layer slides, a
-    causality per layer that vLLM can serve (`causal_refusal`). Normalised: no sliding layer is no
-    layer_types and no window; no causal layer is no causal list. Raises LayoutError naming the field."""
+    def to_dict(self) -> dict[str, Any]:
+        """The flat fields a checkpoint's drafter_config.json holds (LAYOUT_FIELDS)."""
+        return {"layer_types": None if self.layer_types is None else list(self.layer_types),
+                "sliding_window": self.sliding_window,
+                "causal": None if self.causal is None else list(self.causal), "attention_sink": self.attention_sink}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
+        """to_dict's fields out of a drafter_config (an older checkpoint's missing ones: the 2025 layout)."""
+        return cls(d.get("layer_types"), d.get("sliding_window"), d.get("causal"), bool(d.get("attention_sink")))
+
+
+def checked_layout(layout: Layout, layers: int) -> Layout:
+    """The one check of a drafter's layout (DrafterConfig holds what it returns; the YAML validator
+    names the key of what it refuses): `layers` layer types of full / sliding attention, a positive
+    window where a layer slides, a causality per layer that vLLM can serve (`causal_refusal`).
+    Normalised: no sliding layer is no layer_types and no window; no causal layer is no causal list.
+    Raises LayoutError naming the field."""
+    layer_types, sliding_window, causal = layout.layer_types, layout.sliding_window, layout.causal
     if layer_types is not None:
         if len(layer_types) != layers or not set(layer_types) <= {FULL, SLIDING}:
-            raise LayoutError(f"layer_types {layer_types} must list {layers} of {FULL!r} / {SLIDING!r}")
+            raise LayoutError(f"layer_types {layer_types} must list {layers} of {FULL!r} / {SLIDING!r} "
+                              f"(the drafter has {layers} layers)", "layer_types")
         if SLIDING not in layer_types:
             layer_types = None
     if layer_types is not None and not _positive_int(sliding_window):
-        raise LayoutError(f"sliding layers need a positive sliding_window, got {sliding_window!r}")
+        raise LayoutError(f"sliding layers need a positive sliding_window, got {sliding_window!r}", "sliding_window")
     if layer_types is None:
         sliding_window = None
     if causal is not None:
         if len(causal) != layers:
-            raise LayoutError(f"causal {causal} must list {layers} layers")
+            raise LayoutError(f"causal {causal} must list {layers} layers", "causal")
         refusal = causal_refusal(layer_types, list(causal), layers)
         if refusal:
-            raise LayoutError(refusal)
+            raise LayoutError(refusal, "causal")
         if not any(causal):
             causal = None
     return Layout(None if layer_types is None else list(layer_types), sliding_window,
-                  None if causal is None else list(causal), attention_sink)
+                  None if causal is None else list(causal), bool(layout.attention_sink))
 
 
 def layer_kinds(layer_types: list[str] | None, sliding_window: int | None, causal: list[bool] | None,

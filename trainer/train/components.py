@@ -35,10 +35,12 @@ from trainer.models.target import (
 )
 from trainer.models.target_loading import complete_for_decoding, load_staged, meta_model, place, stage_plan
 from trainer.run.config import (
+    SHAPE_FIELDS,
     ConfigError,
     TrainerConfig,
     data_paths,
     default_gamma,
+    disagreements,
     drafter_own,
     generation_own,
     target_replicas,
@@ -227,18 +229,17 @@ def build_drafter(cfg: TrainerConfig, target: Target | torch.nn.Module, mask_tok
                                          mask_token_id, layer_ids, **drafter_own(cfg.model))
         weights = None
     else:  # the draft's own config decides its architecture (model.drafter agreed at config load)
-        fields, weights = published
-        own = {k: fields[k] for k in OWN_FIELDS}
-        own.update({k: fields[k] for k in GENERATION_OWN if k in fields})
-        if cfg.model.drafter.kind == "dflash2" and fields.get("kind", "dflash") != "dflash2":
+        draft, weights = published
+        own = {k: getattr(draft, k) for k in (*OWN_FIELDS, *GENERATION_OWN)}
+        if cfg.model.drafter.kind == "dflash2" and draft.kind != "dflash2":
             own.update(generation_own(cfg.model))  # DFlash -> DFlash2
             warm = True
-        elif cfg.model.drafter.kind != fields.get("kind", "dflash"):
-            raise ConfigError(f"model.drafter_init: {cfg.model.drafter_init} is a {fields.get('kind')} draft, "
+        elif cfg.model.drafter.kind != draft.kind:
+            raise ConfigError(f"model.drafter_init: {cfg.model.drafter_init} is a {draft.kind} draft, "
                               f"model.drafter.kind is {cfg.model.drafter.kind}")
-        dcfg = DrafterConfig.from_target(target_config, fields["num_hidden_layers"], cfg.model.block_size,
+        dcfg = DrafterConfig.from_target(target_config, draft.num_hidden_layers, cfg.model.block_size,
                                          mask_token_id, layer_ids, **own)
-        check_init(cfg, fields, dcfg)
+        check_init(cfg, draft, dcfg)
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
@@ -269,14 +270,13 @@ def build_drafter(cfg: TrainerConfig, target: Target | torch.nn.Module, mask_tok
     return drafter.float().train()
 
 
-# the draft's own architecture, as read_published gives it (DrafterConfig fields)
-OWN_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
-              "sliding_window", "causal", "attention_sink", "mask_embedding")
+# the draft's own architecture (DrafterConfig fields)
+OWN_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layout", "mask_embedding")
 GENERATION_OWN = ("kind", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
                   "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
 
 
-def read_init(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_init(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     from trainer.models.export import read_published
     from trainer.run.config import ConfigError
 
@@ -286,25 +286,22 @@ def read_init(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ConfigError(f"model.drafter_init: {e}") from None
 
 
-def check_init(cfg: TrainerConfig, fields: dict, dcfg: DrafterConfig) -> None:
+def check_init(cfg: TrainerConfig, draft: DrafterConfig, dcfg: DrafterConfig) -> None:
     """model.drafter_init against this run: the target's hidden size and vocab, the tapped target
     layers, the mask token, and what model.drafter / drafter_layers set (the draft decides, they must
     agree). Every mismatch is named in one error (block_size is not a weight: the run's own applies)."""
     from trainer.run.config import ConfigError
 
     path = cfg.model.drafter_init
-    want = {**dcfg.to_dict(), "num_target_layers": fields.get("num_target_layers") or dcfg.num_target_layers}
+    fields = draft.to_dict()
+    want = {**dcfg.to_dict(), "num_target_layers": draft.num_target_layers or dcfg.num_target_layers}
     names = {"hidden_size": "hidden size (the target's)", "vocab_size": "vocab (the target's)",
              "target_layer_ids": "target layer ids (model.target_layer_ids)",
              "num_target_layers": "target layers", "mask_token_id": "mask token (model.mask_token_id)"}
     problems = [f"{label} {fields[key]} (this run: {want[key]})" for key, label in names.items()
                 if fields.get(key) != want[key]]
-    own = {k: v for k, v in drafter_own(cfg.model).items() if v is not None and k not in GENERATION_OWN}
-    own.pop("attention_sink", None) if not cfg.model.drafter.attention_sink else None
-    problems += [f"model.drafter.{k} {v!r} (the draft: {fields[k]!r})" for k, v in own.items()
-                 if k != "causal" and v != fields[k]]
-    if own.get("causal") is not None and own["causal"] != (fields["causal"] or [False] * dcfg.num_hidden_layers):
-        problems.append(f"model.drafter.causal {own['causal']} (the draft: {fields['causal']})")
+    n = draft.num_hidden_layers
+    problems += disagreements(cfg.model.drafter, {**draft.layout.spelled(n), **{k: getattr(draft, k) for k in SHAPE_FIELDS}}, n)
     if problems:
         raise ConfigError(f"model.drafter_init: {path} does not fit this target and config: " + "; ".join(problems))
 

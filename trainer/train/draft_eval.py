@@ -30,12 +30,11 @@ def draft_config(cfg: TrainerConfig, draft: str | Path, data: str | None = None)
     from trainer.models.export import read_published
 
     try:
-        fields, _ = read_published(draft)
+        published, _ = read_published(draft)
     except ValueError as e:
         raise ConfigError(f"{draft}: {e}") from None
-    model = dataclasses.replace(cfg.model, drafter_init=str(draft), drafter_layers=fields["num_hidden_layers"],
-                                block_size=fields["block_size"],
-                                drafter=DrafterShapeConfig(kind=fields.get("kind", "dflash")))
+    model = dataclasses.replace(cfg.model, drafter_init=str(draft), drafter_layers=published.num_hidden_layers,
+                                block_size=published.block_size, drafter=DrafterShapeConfig(kind="dflash2" if published.kind == "dflash2" else "dflash"))
     out = dataclasses.replace(cfg, model=model)
     if data is not None:
         if not Path(data).is_file():

@@ -189,11 +189,11 @@ model:
 
 
 @pytest.mark.parametrize("overlay,says", [
-    ("model: {drafter: {layer_types: [sliding_attention]}}", "sliding_attention layers: model.drafter.sliding_window is needed"),
+    ("model: {drafter: {layer_types: [sliding_attention]}}", "sliding layers need a positive sliding_window, got None"),
     ("model: {drafter: {sliding_window: 8}}", "no layer of model.drafter.layer_types is sliding_attention"),
-    ("model: {drafter_layers: 2, drafter: {layer_types: [full_attention]}}", "lists 1 layers, model.drafter_layers is 2"),
+    ("model: {drafter_layers: 2, drafter: {layer_types: [full_attention]}}", "(the drafter has 2 layers)"),
     ("model: {drafter_layers: 3, drafter: {layer_types: [sliding_attention, full_attention, full_attention], "
-     "sliding_window: 4, causal: [false, true, false]}}", "cannot be served"),
+     "sliding_window: 4, causal: [false, true, false]}}", "vLLM cannot serve it"),
     ("model: {drafter: {head_dim: 7}}", "must be even"),
     ("model: {drafter: {num_attention_heads: 6, num_key_value_heads: 4}}", "must divide num_attention_heads"),
     ("model: {drafter: {layer_types: [swa]}}", "model.drafter.layer_types[0] must be one of"),

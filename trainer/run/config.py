@@ -699,7 +699,7 @@ def _not_a_draft_config(doc: object) -> str | None:
 def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
     """model.drafter, and model.drafter_init's own architecture (which decides: the keys set here must
     agree). Fills model.drafter / drafter_layers from the draft so `plan` and doctor size it."""
-    from trainer.run.layout import LayoutError, causal_refusal, default_causal, resolve_published
+    from trainer.run.layout import LayoutError, checked_layout, default_causal, resolve_published
 
     d, m, raw = c.model.drafter, c.model, check.raw
     model_raw = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}
@@ -749,22 +749,19 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
             if layout.layer_types is None:
                 d.sliding_window = None
             return
-    if d.layer_types is not None:
-        if not layers_given:
-            m.drafter_layers = len(d.layer_types)
-        check(len(d.layer_types) == m.drafter_layers, ("model", "drafter", "layer_types"),
-              f"lists {len(d.layer_types)} layers, model.drafter_layers is {m.drafter_layers}")
+    if d.layer_types is not None and not layers_given:
+        m.drafter_layers = len(d.layer_types)
+    # checked again after derivation: `layer_types: []` set drafter_layers to 0 past _validate_model
+    check(m.drafter_layers >= 1, ("model", "drafter", "layer_types") if d.layer_types is not None
+          else ("model", "drafter_layers"), f"gives the drafter {m.drafter_layers} layers: it needs at least 1")
     sliding = "sliding_attention" in (d.layer_types or [])
-    check(not sliding or d.sliding_window is not None, ("model", "drafter", "layer_types"),
-          "has sliding_attention layers: model.drafter.sliding_window is needed")
     check(d.sliding_window is None or sliding, ("model", "drafter", "sliding_window"),
           "is set, but no layer of model.drafter.layer_types is sliding_attention")
-    check(d.sliding_window is None or d.sliding_window >= 1, ("model", "drafter", "sliding_window"), "must be positive")
-    if isinstance(d.causal, list):
-        check(len(d.causal) == m.drafter_layers, ("model", "drafter", "causal"),
-              f"lists {len(d.causal)} layers, the drafter has {m.drafter_layers}")
-        refusal = causal_refusal(d.layer_types, d.causal, m.drafter_layers)
-        check(refusal is None, ("model", "drafter", "causal"), f"cannot be served: {refusal}")
+    try:  # the layout's rules are trainer.run.layout's: here they name the key at fault, with its line
+        checked_layout(drafter_layout(m), m.drafter_layers)
+    except LayoutError as e:  # named at its key, or at layer_types where that asks for the missing key
+        key = e.field if e.field is not None and e.field in drafter_raw else "layer_types"
+        check(False, ("model", "drafter", key), f"is refused: {e}")
     for key in SHAPE_FIELDS:
         value = getattr(d, key)
         check(value is None or value >= 1, ("model", "drafter", key), "must be positive")
@@ -774,9 +771,6 @@ def _validate_drafter(c: TrainerConfig, check: _Check) -> None:
               f"must divide num_attention_heads ({d.num_attention_heads})")
     if d.causal is None and sliding:
         d.causal = default_causal(d.layer_types, m.drafter_layers)
-    # checked again after derivation: `layer_types: []` set drafter_layers to 0 past _validate_model
-    check(m.drafter_layers >= 1, ("model", "drafter", "layer_types") if d.layer_types is not None
-          else ("model", "drafter_layers"), f"gives the drafter {m.drafter_layers} layers: it needs at least 1")
     _validate_kind(c, drafter_raw, _checkpoint_generation(m.drafter_init), check)
 
 
@@ -878,7 +872,7 @@ def disagreements(d: DrafterShapeConfig, theirs: dict[str, Any], layers: int) ->
 
 def drafter_layout(c: ModelConfig) -> Layout:
     """model.drafter's layout keys as the one Layout value (`causal: true` spelled per layer); checked
-    by trainer.run.layout.checked_layout where it is held (DrafterConfig)."""
+    by trainer.run.layout.checked_layout where it is held (DrafterConfig) and at load (_validate_drafter)."""
     d = c.drafter
     types: list[str] | None = None if d.layer_types is None else list(d.layer_types)
     causal = [d.causal] * c.drafter_layers if isinstance(d.causal, bool) else d.causal

@@ -25,7 +25,7 @@ from transformers.utils import cached_file
 # floor: not those its imports import), so it names every module of the export (export.model_code checks)
 from trainer.models.dflash2 import walk  # noqa: F401 - imported for the copy (drafter.py uses it)
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, build_drafter_modules, propose
-from trainer.run.layout import MASK_EMBEDDING, Layout, generation
+from trainer.run.layout import MASK_EMBEDDING, generation, resolve_published
 
 
 def load_mask_embedding(path: str | os.PathLike, mask_token_id: int) -> torch.Tensor:
@@ -41,7 +41,9 @@ def load_mask_embedding(path: str | os.PathLike, mask_token_id: int) -> torch.Te
 
 
 def drafter_config(config: Qwen3Config) -> DrafterConfig:
-    """The DrafterConfig a published DFlash config.json describes."""
+    """The DrafterConfig a published DFlash config.json describes: its layout and generation as
+    trainer.run.layout reads them for vLLM (resolve_published, generation: written beside this file)."""
+    published = config.to_dict()
     rope = getattr(config, "rope_parameters", None) or {}
     dflash = config.dflash_config
     return DrafterConfig(
@@ -53,27 +55,8 @@ def drafter_config(config: Qwen3Config) -> DrafterConfig:
         target_layer_ids=list(dflash["target_layer_ids"]), num_target_layers=config.num_target_layers,
         rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000000.0))),
-        max_position_embeddings=config.max_position_embeddings, layout=Layout(**layout(config)),
-        **generation({"architectures": getattr(config, "architectures", None), "dflash_config": dflash,
-                      "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}))
-
-
-def layout(config: Qwen3Config) -> dict:
-    """The layer layout vLLM reads from this config (trainer.run.layout.resolve_published, which
-    the trainer checked at export; restated here: the exported model code is torch + transformers)."""
-    dflash = config.dflash_config
-    n = config.num_hidden_layers
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
-    sliding = [dflash.get("use_swa", False)] * n if dflash.get("use_swa") and "sliding_attention" not in types \
-        else [t == "sliding_attention" for t in types]
-    causal = [t == "sliding_attention" for t in types]
-    for value in (dflash.get("causal"), getattr(config, "is_causal", None)):
-        if value is not None:
-            causal = [bool(value)] * n
-    window = dflash.get("swa_window_size", getattr(config, "sliding_window", None)) if any(sliding) else None
-    return {"layer_types": ["sliding_attention" if s else "full_attention" for s in sliding] if any(sliding) else None,
-            "sliding_window": window, "causal": causal if any(causal) else None,
-            "attention_sink": bool(dflash.get("attention_sink_bias", getattr(config, "add_swa_attention_sink_bias", False)))}
+        max_position_embeddings=config.max_position_embeddings, layout=resolve_published(published),
+        **generation(published))
 
 
 class DFlashDraftModel(PreTrainedModel):

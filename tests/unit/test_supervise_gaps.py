@@ -233,3 +233,99 @@ def test_a_signal_that_read_the_last_attempts_record_reaches_the_next_attempt(tm
     assert "an operator's SIGTERM arrived while attempt pid" in log and "not restarted" in log
     attempts = run / "attempts"  # the one attempt may have died of the signal before counting itself
     assert not attempts.exists() or attempts.read_text() == "x"
+
+
+# One member of a run across hosts: its launcher (the supervised child) writes status.json for its
+# rank (another pid, started now), waits until every member's launcher is there (the group fails
+# together: a rank's crash ends the others'), and exits 1.
+GROUP_LAUNCHER = r"""
+import json, os, subprocess, sys, time
+run, shared, members = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open(os.path.join(run, "attempts"), "a") as f:
+    f.write("x")
+rank = subprocess.Popen([sys.executable, "-c", "pass"]); rank.wait()  # the rank: gone with the group
+json.dump({"pid": rank.pid, "state": "running", "step": 1, "started": time.time()},
+          open(os.path.join(run, "status.json"), "w"))
+attempt = len(open(os.path.join(run, "attempts")).read())
+host = os.path.basename(os.path.dirname(os.path.dirname(run)))
+open(os.path.join(shared, "%s-%d" % (host, attempt)), "w").close()
+deadline = time.time() + 30  # bounded: a test that goes wrong ends
+while len([n for n in os.listdir(shared) if n.endswith("-%d" % attempt)]) < members and time.time() < deadline:
+    time.sleep(0.01)
+STOP
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("how", [("control", "stop"), ("signal", "TERM"), ("signal", "KILL")])
+def test_a_group_stop_between_two_restart_attempts_is_served_on_every_member(tmp_path, how):
+    """A group restart: every member's launcher fails, each supervisor records its restart and
+    waits before the next attempt. A `run stop` sent then (to each member, as stop_group does: a
+    stop request, or TERM / KILL with --now / --kill) found no trainer and was lost, and the group
+    trained on (issue 55): each member records the intent first and its supervisor reads it before
+    the restart; no member starts another attempt, and the group's first member tells `stopped`
+    once (the others tell nothing)."""
+    import time
+
+    from dflash_ops.helpers.run_describe import describe_run
+
+    shared = tmp_path / "barrier"
+    shared.mkdir()
+    told = tmp_path / "told.jsonl"
+    runs = []
+    for i in range(2):
+        run = tmp_path / f"host{i}" / "runs" / "g1"
+        (run / "control").mkdir(parents=True)
+        (run / "restarts.json").write_text(json.dumps({"policy": "on-failure:3", "max": 3, "restarts": []}))
+        (run / "launch.json").write_text(json.dumps({"time": time.time()}))
+        (run / "group.json").write_text(json.dumps({"index": i, "size": 2}))
+        runs.append(run)
+    # the group's first member tells its events (a command here: it appends each to told.jsonl)
+    append = "import sys; open(sys.argv[1], 'a').write(sys.stdin.read() + '\\n')"
+    (runs[0] / "notify.json").write_text(json.dumps({"target": "host0", "webhooks": [],
+                                                     "commands": [[sys.executable, "-c", append, str(told)]]}))
+    # member 0's first launcher leaves a process that, once both launchers have exited (inside the
+    # supervisors' 1 s wait before restart 1), sends the stop to every member
+    calls = json.dumps([[sys.executable, str(RUNS), how[0], str(run), how[1]] for run in runs])
+    waiter = ("import json, os, subprocess, sys, time\n"
+              "while os.getppid() == int(sys.argv[2]): time.sleep(0.005)\n"
+              "time.sleep(0.05)\n"
+              "for call in json.loads(sys.argv[1]): subprocess.run(call)\n")
+    stop = ("if os.path.basename(os.path.dirname(os.path.dirname(run))) == 'host0' and "
+            "len(open(os.path.join(run, 'attempts')).read()) == 1:\n"
+            "    subprocess.Popen([sys.executable, '-c', %r, %r, str(os.getpid())])" % (waiter, calls))
+    for run in runs:
+        (run / "trainer.py").write_text(GROUP_LAUNCHER.replace("STOP", stop))
+    procs = []
+    for i, run in enumerate(runs):
+        argv = [sys.executable, str(run / "trainer.py"), str(run), str(shared), "2"]
+        plan = {"argv": argv, "max": 3, "restart_argv": argv, "fresh_argv": argv, "group": {"index": i, "size": 2}}
+        procs.append(subprocess.Popen([sys.executable, str(RUNS), "supervise", str(run)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs[-1].stdin.write(json.dumps(plan).encode())
+        procs[-1].stdin.close()
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0, p.stderr.read().decode()
+    finally:
+        for p in procs:  # what this test started ends with it
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for run in runs:
+        assert (run / "control" / ".no-restart").exists()
+        log = (run / "train.log").read_text()
+        # in the gap: no second attempt; on a loaded machine the stop may come after the restart,
+        # whose attempt is then the last one (before: every restart was used, xxxx)
+        assert (run / "attempts").read_text() in ("x", "xx"), log
+        assert len(json.loads((run / "restarts.json").read_text())["restarts"]) == 1
+        assert "an operator's stop arrived before restart 1" in log or "after an operator's stop" in log
+        info = describe_run(str(run), time.time())
+        assert info["effective_state"] == "stopped" and not info["alive"]
+    for _ in range(400):  # the deliverer's command runs in its own process
+        states = [json.loads(line)["state"] for line in told.read_text().splitlines()] if told.exists() else []
+        if "stopped" in states:
+            break
+        time.sleep(0.05)
+    assert states == ["started", "restart", "stopped"] or states == ["started", "restart", "stopped"][:len(states)]
+    assert states.count("stopped") == 1

@@ -51,9 +51,12 @@ def ensure_worker(base: str) -> None:
 def ensure_deliverer(base: str) -> None:
     """The outbox into the destinations' queues (notify.dispatch), and a worker for each queue
     that holds events and has none (the first event, or after one was killed or stopped)."""
-    for key in notify.dispatch(base):
-        if not notify.worker_running(base, key):
-            spawn_detached(["deliver", base, key], os.path.join(notify.notify_root(base), "deliver.log"))
+    try:
+        for key in notify.dispatch(base):
+            if not notify.worker_running(base, key):
+                spawn_detached(["deliver", base, key], os.path.join(notify.notify_root(base), "deliver.log"))
+    except OSError as e:  # a full disk, say: `list` and a run's start go on; the next call tries again
+        sys.stderr.write("runs.py: the notification outbox was not dispatched: %s\n" % (e,))
 
 
 def send_event(base: str, spec: dict | None, run_id: str, state: str, step: object = None,

@@ -800,10 +800,12 @@ def checked(done: Regenerated, checker: TokenChecker | None) -> Regenerated:
 class Progress:
     """A one-line bar on a terminal; on a pipe or log (a playbook step) a line every 10 s."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, every_s: float = 10.0) -> None:
+    def __init__(self, total: int, stream: TextIO | None = None, every_s: float = 10.0) -> None:
         self.total = total
-        self.stream = stream
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        # sys.stderr as it is now, not at import: an in-process caller's redirect (bench/quality.py's log), and
+        # no stream a test's capture closed after the import
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.every_s = every_s
         self.started = time.monotonic()
         self._last = 0.0

@@ -395,3 +395,14 @@ def test_samples_per_prompt_is_checked(tmp_path, capsys, args, message):
                             "--out", tmp_path / "o.jsonl", *args], capsys)
     assert code == regen.EXIT_USAGE
     assert message in err
+
+
+def test_progress_writes_to_stderr_as_it_is_when_made(monkeypatch):
+    """Not sys.stderr as it was at import: an in-process caller redirects it (bench/quality.py's log), and a
+    test's capture closed after the import broke every later in-process regen (I/O on a closed file)."""
+    import io
+
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    assert regen.Progress(3).stream is later and not regen.Progress(3).tty
+

@@ -873,10 +873,15 @@ def default_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def regen_argv(p: Preset, model_dir: Path, data: Path) -> list[str]:
-    return ["--engine", "hf", "--model-path", str(model_dir), "--in", str(data / "prompts.jsonl"),
-            "--out", str(data / "regen.jsonl"), "-n", str(p.regen_batch), "--max-tokens", str(p.answer_tokens),
-            "--temperature", "0", "--device", p.device, "--dtype", "bf16" if p.dtype == "bf16" else "fp32",
+def regen_argv(p: Preset, model_dir: Path, data: Path, prompts: str = "prompts.jsonl", out: str = "regen.jsonl",
+               samples: int = 0, temperature: float = 1.0, top_p: float = 1.0) -> list[str]:
+    """The regen command line: the greedy answers of data/prompts.jsonl, or with `samples` that many
+    seeded answers per prompt at `temperature` and `top_p` (regen --samples-per-prompt)."""
+    sampling = (["--temperature", f"{temperature:g}", "--top-p", f"{top_p:g}", "--samples-per-prompt", str(samples),
+                 "--seed", str(p.seed)] if samples else ["--temperature", "0"])
+    return ["--engine", "hf", "--model-path", str(model_dir), "--in", str(data / prompts),
+            "--out", str(data / out), "-n", str(p.regen_batch), "--max-tokens", str(p.answer_tokens),
+            *sampling, "--device", p.device, "--dtype", "bf16" if p.dtype == "bf16" else "fp32",
             "--extra-body", json.dumps({"chat_template_kwargs": {"enable_thinking": False}})]
 
 
@@ -1076,11 +1081,13 @@ class CheckpointEvaluator:
         other = data / "other.jsonl"  # prompts of another style (write_other_prompts); its lookup τ measured once
         self.others = read_conversations(other)[: p.n_eval] if other.exists() and other.stat().st_size else []
         self.other_lookup: float | None = None
+        self.set_lookups: dict[str, dict] = {}  # per prompt set and temperature: lookup's τ, measured once
 
     def __call__(self, ck: Path, temperatures: tuple = (0.0,)) -> dict:
         """τ of checkpoint `ck` at T = 0 (the held-out and other-style prompts), and with more than one of
-        `temperatures` the held-out prompts' τ at each (sampled and expected, lookup's beside)."""
-        from trainer.generate.evaluate import acceptance_report, temperature_reports
+        `temperatures` each set's τ at each (sampled and expected, lookup's beside: tau_by_set[set]
+        ["tau_by_temperature"]; the held-out set's also as "tau_by_temperature")."""
+        from trainer.generate.evaluate import temperature_reports
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
         from trainer.run.contract import tau_by_temperature
         from trainer.train.loop import autocast_for
@@ -1103,17 +1110,19 @@ class CheckpointEvaluator:
             self.lookup_by_length = {name: b["tau_lookup"] for name, b in r["tau_by_length"].items()}
         ratio = r["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
         by_set = {"heldout": {"tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"], "samples": r["samples"],
-                              "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio}}
+                              "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio,
+                              "tau_by_temperature": self.beside_lookup("heldout", r["temperatures"])}}
         if self.others:
             with autocast_for(p.device, p.dtype):
-                o = acceptance_report(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
-                                      batch=len(self.others), template_kwargs={"enable_thinking": False},
-                                      baseline=self.other_lookup is None)
+                o = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
+                                        [0.0, *(t for t in temperatures if t)], batch=len(self.others),
+                                        template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None)
             if self.other_lookup is None:
                 self.other_lookup = o["tau_lookup"]
             by_set["other"] = {"tau": o["tau"], "tau_per_prompt": o["tau_per_prompt"], "samples": o["samples"],
                                "tau_lookup": self.other_lookup,
-                               "tau_ratio": o["tau"] / self.other_lookup if self.other_lookup else None}
+                               "tau_ratio": o["tau"] / self.other_lookup if self.other_lookup else None,
+                               "tau_by_temperature": self.beside_lookup("other", o["temperatures"])}
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
                             else None} for name, b in r["tau_by_length"].items()}
@@ -1123,6 +1132,22 @@ class CheckpointEvaluator:
                 "tau_by_temperature": tau_by_temperature(r["temperatures"]) if len(r["temperatures"]) > 1 else None,
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
+
+
+    def beside_lookup(self, name: str, reports: dict) -> dict | None:
+        """One set's τ at each temperature (more than one evaluated; else None) with lookup's τ there, from
+        the first evaluation of the set (the only one that decodes lookup too), and the ratio to it."""
+        from trainer.run.contract import tau_by_temperature
+
+        if len(reports) < 2:
+            return None
+        by_t = tau_by_temperature(reports)
+        lookups = self.set_lookups.setdefault(name, {label: {k: t.get(k) for k in ("tau_lookup", "tau_lookup_expected")}
+                                                     for label, t in by_t.items()})
+        for label, t in by_t.items():
+            t.update({k: v for k, v in lookups.get(label, {}).items() if t.get(k) is None})
+            t["tau_ratio"] = t["tau"] / t["tau_lookup"] if t.get("tau") is not None and t.get("tau_lookup") else None
+        return by_t
 
 
 def fp8_run(j: dict) -> bool:

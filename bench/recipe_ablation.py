@@ -1,0 +1,724 @@
+"""The recipe ablation of issue #50 (docs/objectives.md): candidates (objective x training data) over
+3 seeds at equal device time, τ at T = 0 and T = 1 on the held-out prompts and on prompts of another
+style, beside n-gram lookup's τ there; one run spans several device calls of one warm machine.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py --preset h200 --state /tmp/ablation --out $OUT/recipe
+    ... the same command again, as each call ends by printing it, until it prints "done"
+    PYTHONPATH=. python bench/recipe_ablation.py --preset cpu --state /tmp/ablation --out /tmp/recipe   # CPU (the test)
+    ... --plan-only     # the plan from the preset's stated figures; nothing run
+
+A candidate is `OBJECTIVE/DATA`: the objective one of bench/quality_objectives.py's OBJECTIVES (ce+decay,
+ce+dpace, kl, ce+kl), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
+`mix_prompts` regen prompts, `sampled` `samples_per_prompt` seeded answers of each of the same prompts at
+`sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together. The mix
+(prompts, rows, answer characters, sampling) is recorded in the results beside the table.
+
+**What the presets choose, and why (device time).** One warm machine holds a session's device time: about
+25 minutes, 10 a command. The 12 candidates x 3 seeds = 36 runs at the ~70M tokens where today's τ curve
+flattens would need ~2 hours of one H200 (36 x ~210 s of training alone, bench/RESULTS.md's ~330k
+tokens/s), so the runs come in two stages:
+
+* `h200` (the screen, two calls of 540 s): 4 candidates x 3 seeds = 12 runs, ~55 s of device time each
+  (~1,000 steps, ~17M tokens: 8x the objectives ablation's ~125 steps, a quarter of 70M).
+  `ce+decay/greedy` (today's default, the baseline), `ce+dpace/greedy` (the earlier ablation's closest, to
+  run longer before the default moves), `ce+decay/both` (the data alone), `kl/both` (the peers' objective
+  on the data that carries the target's distribution). Each comparison with the baseline moves one
+  factor, except kl/both, which is read against ce+decay/both.
+* `h200-long` (a session of its own: the state of one machine does not outlive it, so the data is made
+  again): the screen's best beside the baseline (`--candidates BEST,ce+decay/greedy`), 3 seeds, 6 runs in the
+  same two calls: ~100 s of device time each, about twice the screen's (~35M tokens).
+
+`sampled` alone and `ce+kl` stay out of the screen (both holds the greedy answers too; ce+kl cost as much as
+kl and was no better at 125 steps); `--candidates` names any of the 12.
+
+**Equal device time.** Every run trains `train_s` seconds of the device alone: objective o trains
+`train_s / t(o)` optimizer steps, t(o) its step time timed alone on the device in the first call
+(quality_objectives.time_objectives). train_s is fixed once (the preset's, or what `calls` calls hold at the
+stated `rate`), recorded in the state, and never changed by a later call.
+
+**Calls.** Everything lives under `--state` (default /tmp/ablation): the target, its tokenizer and the greedy
+answers (bench/quality.py up to regen), the sampled answers (resumable), the mixes, the step times, and the
+runs under stages/STAGE/. Each call does what is left, in order, until its deadline (`call_s` after its
+start, less `reserve_s` for the stops, the last τ and the table): the preparation once; the sampled answers
+(SIGINT at the deadline: whole rows kept, a rerun adds the missing ones); the timing once; then the runs
+(candidate after candidate, seed after seed; `parallel` at a time), each `python -m trainer --config C
+--run-dir R --resume auto`: a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
+resumes from its last checkpoint in the next call; with `legs` a run trains at most 1/legs of its steps in one
+call (the CPU test's deterministic stop). A run that has all its steps is evaluated once by the bench
+(quality.CheckpointEvaluator: both prompt sets at every temperature), and the table (OUT/recipe.md and .json,
+also STATE/stages/STAGE/recipe.*) is written again. At its end every call prints the command to run next
+and what is left (runs, their device time, the calls that takes at the measured rate: device-time
+seconds trained per second of the runs' wall time, start-ups and evaluations included).
+
+**What the table cannot say.** Anything about another target than the bench's small code model, data sizes
+beyond the bench's (~8K prompts), longer training than the stage ran (the screen stops well before the curve
+flattens: a gain that appears late is not in it), prompts unlike the held-out and other-style sets, or
+serving at other temperatures and top-p than those evaluated (T = 0 and 1, top-p 1). A gain smaller than the
+seed range (3 seeds: max - min) is not a gain. The data axis holds the tokens trained equal, not the epochs:
+`greedy` (one answer a prompt) is seen ~3x as often as `both` in the same steps, so a gain of `both` is more
+distinct answers and fewer repeats together, not the sampling alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import quality, quality_objectives  # noqa: E402
+from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
+from trainer.run.contract import read_log, read_status  # noqa: E402
+
+DATA_MIXES = ("greedy", "sampled", "both")
+SETS = ("heldout", "other")
+SCREEN = ("ce+decay/greedy", "ce+dpace/greedy", "ce+decay/both", "kl/both")
+# what a stage's runs depend on: a later call with other values would not continue the same runs
+PLANNED = ("candidates", "baseline", "seeds", "quality", "quality_set", "mix_prompts", "samples_per_prompt",
+           "sample_temperature", "sample_top_p", "temperatures", "train_s", "base_steps", "calls", "legs", "max_steps")
+
+
+@dataclass
+class Preset:
+    quality: str = "h200"  # the bench/quality.py preset that builds target, greedy answers and the trainer config
+    quality_set: dict = field(default_factory=dict)  # its fields overridden
+    candidates: tuple[str, ...] = SCREEN  # OBJECTIVE/DATA
+    baseline: str = "ce+decay/greedy"  # the row the verdict compares with
+    seeds: tuple[int, ...] = (0, 1, 2)
+    mix_prompts: int = 8192  # regen prompts whose answers the mixes hold
+    samples_per_prompt: int = 2  # the sampled answers of each
+    sample_temperature: float = 1.0
+    sample_top_p: float = 1.0
+    sample_batch: int = 2048  # rows regen samples at once (HF generate grows its cache: a smaller batch than greedy's)
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # τ of every prompt set at each
+    train_s: float = 0.0  # each run's training, seconds of the device alone (0: base_steps, else what `calls` hold)
+    base_steps: int = 0  # with train_s 0: the baseline objective's steps (the others as many as cost the same)
+    calls: int = 2  # the device calls the plan is sized for (train_s and base_steps 0)
+    legs: int = 0  # a run trains at most 1/legs of its steps in one call (0: until done or the deadline)
+    max_steps: int = 20000
+    parallel: int = 6  # trainer processes at once on the device (quality_objectives: 12 at once never trained)
+    call_s: float = 540.0  # one call's wall budget (the device tool: 600 s a command)
+    reserve_s: float = 60.0  # kept at a call's end: the runs' stops (SIGTERM, checkpoint), the last τ, the table
+    timing_steps: int = 12
+    timing_warmup: int = 3
+    # stated figures (seconds), for the plan before they are measured
+    prep_s: float = 190.0  # bench/quality.py up to regen (quality_objectives' h200 estimate, 8,192 prompts)
+    sampled_s: float = 150.0  # the sampled answers (HF generate; not measured on an H200 yet)
+    timing_s: float = 35.0
+    startup_s: float = 40.0  # a trainer run's start before its first step
+    min_leg_s: float = 30.0  # a run is not started with less than startup_s + this left before the deadline
+    eval_s: float = 15.0  # the bench's τ of one finished run (2 sets x 2 temperatures, 64 prompts x 256 tokens)
+    rate: float = 1.0  # device-alone training seconds per second of the runs' wall (parallel runs; start-ups in)
+
+
+PRESETS = {
+    "h200": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}),
+    # the screen's best (name it: --candidates BEST,ce+decay/greedy) beside the baseline, in a session of its own:
+    # 6 runs in the two calls' time, ~2x the screen's device time each
+    "h200-long": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}, candidates=("kl/both", "ce+decay/greedy")),
+    # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
+    "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both"),
+                  seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
+                  call_s=900.0, reserve_s=10.0, timing_steps=2, timing_warmup=1, prep_s=60.0, sampled_s=10.0,
+                  timing_s=20.0, startup_s=5.0, min_leg_s=1.0, eval_s=3.0, max_steps=40),
+}
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------- the state
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Whole or not at all: a call killed mid-write leaves the previous file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def candidate_parts(name: str) -> tuple[str, str]:
+    """`OBJECTIVE/DATA` -> (objective, data); ValueError naming the choices."""
+    objective, _, data = name.partition("/")
+    if objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES:
+        raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA, OBJECTIVE one of "
+                         f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)}")
+    return objective, data
+
+
+def run_name(candidate: str, seed: int) -> str:
+    objective, data = candidate_parts(candidate)
+    return f"{objective} {data} seed {seed}"
+
+
+def planned_fields(p: Preset) -> dict:
+    return json.loads(json.dumps({k: getattr(p, k) for k in PLANNED}))  # as read back from the state
+
+
+def quality_preset(p: Preset) -> quality.Preset:
+    qp = dataclasses.replace(quality.PRESETS[p.quality])
+    for key, value in p.quality_set.items():
+        setattr(qp, key, tuple(value) if isinstance(value, list) and key in quality.TUPLE_FIELDS else value)
+    qp.parallel = p.parallel
+    return qp
+
+
+# ---------------------------------------------------------------------------- the data
+
+
+def prepare(p: Preset, state: Path) -> dict:
+    """bench/quality.py up to its regeneration, into the state directory (corpus, tokenizer, the target
+    as a model directory, prompts, held-out and other-style prompts, greedy answers)."""
+    started = time.time()
+    qset = [f"--set={k}={json.dumps(v)}" for k, v in p.quality_set.items()]
+    prepared = quality.main(["--preset", p.quality, "--out", str(state), "--stop-after", "regen", *qset])
+    if prepared["regen"]["conversations"] < 1:
+        raise SystemExit(f"recipe: regen wrote no greedy answers ({state / 'regen.log'})")
+    return {"quality": p.quality, "quality_set": p.quality_set, "seconds": round(time.time() - started, 1),
+            "regen": prepared["regen"], "prompts": prepared["prompts"]}
+
+
+def mix_prompt_ids(data: Path, n: int, seed: int) -> list[str]:
+    """The regen prompts every mix draws on: n of those with a greedy answer, a seeded draw."""
+    ids = sorted(str(r["id"]) for r in quality.read_records(data / "regen.jsonl"))
+    random.Random(f"mix:{seed}").shuffle(ids)
+    return ids[:n]
+
+
+def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None) -> dict:
+    """The sampled answers of the mix's prompts (data/regen-sampled.jsonl, rows `<id>#<k>`): regen stops at
+    the deadline with whole rows written, and a rerun adds only the missing ones. Done when regen ran to
+    its end."""
+    data = state / "data"
+    ids = set(mix_prompt_ids(data, p.mix_prompts, qp.seed))
+    quality.write_jsonl(data / "prompts-sampled.jsonl",
+                        (r for r in quality.read_records(data / "prompts.jsonl") if str(r.get("id")) in ids))
+    argv = quality.regen_argv(dataclasses.replace(qp, regen_batch=p.sample_batch), state / "model", data, "prompts-sampled.jsonl", "regen-sampled.jsonl",
+                              p.samples_per_prompt, p.sample_temperature, p.sample_top_p)
+    out = data / "regen-sampled.jsonl"
+    rc, seconds = quality.run_cli(qp, argv, state / "regen-sampled.log", deadline,
+                                  started_work=lambda: out.exists() and out.stat().st_size > 0,
+                                  module="trainer_tools.regen")
+    rows = quality.read_records(out) if out.exists() else []
+    if out.exists():
+        quality.write_jsonl(out, rows)  # whole lines only, for the trainer and the next rerun
+    say(f"sampled answers: exit {rc}; {len(rows)} of {len(ids) * p.samples_per_prompt} rows "
+        f"({p.samples_per_prompt} a prompt, T = {p.sample_temperature:g}, top-p {p.sample_top_p:g}) [{seconds:.0f}s]")
+    return {"done": rc == 0, "rows": len(rows), "seconds": round(seconds, 1), "exit": rc,
+            "command": "python -m trainer_tools.regen " + shlex.join(argv)}
+
+
+def write_mixes(p: Preset, data: Path, seed: int) -> dict:
+    """data/mix-{greedy,sampled,both}.jsonl from the same prompts, and what each holds."""
+    ids = set(mix_prompt_ids(data, p.mix_prompts, seed))
+    greedy = [r for r in quality.read_records(data / "regen.jsonl") if str(r.get("id")) in ids]
+    sampled_path = data / "regen-sampled.jsonl"
+    sampled = quality.read_records(sampled_path) if sampled_path.exists() else []
+    mixes = {}
+    for name, rows in (("greedy", greedy), ("sampled", sampled), ("both", greedy + sampled)):
+        if name != "greedy" and not sampled:
+            continue
+        quality.write_jsonl(data / f"mix-{name}.jsonl", rows)
+        chars = [len(r["messages"][-1]["content"]) for r in rows]
+        mixes[name] = {"file": f"data/mix-{name}.jsonl", "rows": len(rows), "prompts": len(ids),
+                       "greedy_rows": len(greedy) if name != "sampled" else 0,
+                       "sampled_rows": len(sampled) if name != "greedy" else 0,
+                       "answer_chars_mean": round(statistics.fmean(chars), 1)}
+    mixes["sampling"] = {"samples_per_prompt": p.samples_per_prompt, "temperature": p.sample_temperature,
+                         "top_p": p.sample_top_p}
+    return mixes
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def plan_train_s(p: Preset, runs: int, first_call_left_s: float, rate: float) -> float:
+    """Each run's device-alone training seconds when `calls` calls are to hold all `runs`: the first call's
+    time left after its preparation and timing plus every later call's, less the reserve, at `rate`
+    (device-alone seconds trained per wall second, start-ups and evaluations in), shared by the runs."""
+    wall = max(0.0, first_call_left_s) + (p.calls - 1) * (p.call_s - p.reserve_s)
+    return max(0.0, wall * rate / max(1, runs))
+
+
+def steps_of(train_s: float, step_s: dict[str, float], max_steps: int) -> tuple[float, dict[str, int]]:
+    """Each objective's steps at equal device time; train_s lowered so the fastest stays within max_steps."""
+    fastest = min(step_s.values())
+    if train_s / fastest > max_steps:
+        train_s = max_steps * fastest
+    return train_s, {o: max(1, round(train_s / t)) for o, t in step_s.items()}
+
+
+def leg_end(step: int, planned: int, legs: int) -> int:
+    """The step a run stops at in this call: its planned steps, or with `legs` the next of the legs'
+    boundaries (planned * k / legs, rounded up) past `step`."""
+    if legs <= 1:
+        return planned
+    return min(b for b in (math.ceil(planned * k / legs) for k in range(1, legs + 1)) if b > step)
+
+
+def calls_left(p: Preset, remaining_s: float, unevaluated: int, legs_left: int, rate: float) -> int:
+    """The calls the rest takes: the device-alone training left at `rate` over each call's time, at least
+    one per leg left, one to evaluate finished runs."""
+    per_call = max(1.0, (p.call_s - p.reserve_s) * rate)
+    need = math.ceil(remaining_s / per_call) if remaining_s > 0 else 0
+    return max(need, legs_left, 1 if unevaluated else 0)
+
+
+# ---------------------------------------------------------------------------- the runs
+
+
+class LegStops:
+    """Writes control/stop into a run directory once its status.json shows the step of its leg's end
+    (the trainer serves it at its next step boundary with a checkpoint). A thread, because the runs may
+    run in this process (the CPU preset), where nothing else gets a turn while they train."""
+
+    def __init__(self, jobs: list[dict]):
+        self.jobs = [j for j in jobs if j["stop_at"] < j["planned"]]
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watch, name="leg-stops", daemon=True)
+
+    def watch(self) -> None:
+        pending = list(self.jobs)
+        while pending and not self.done.is_set():
+            for j in list(pending):
+                status = read_status(j["run_dir"]) or {}
+                if status.get("state") == "running" and (status.get("step") or 0) >= j["stop_at"]:
+                    control = Path(j["run_dir"]) / "control"
+                    control.mkdir(parents=True, exist_ok=True)
+                    write_json(control / "stop", {"id": "recipe-leg"})
+                    pending.remove(j)
+            time.sleep(0.02)
+
+    def __enter__(self) -> LegStops:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def last_step(run_dir: Path) -> int:
+    found = complete_checkpoints(run_dir)
+    return step_of(found[-1]) if found else 0
+
+
+def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, seed: int, steps: int,
+                   train_file: Path | None = None) -> dict:
+    """A run's trainer config: the quality bench's, the candidate's objective and mix, the seed (the
+    drafter's initialisation, the data's order and anchors); the trainer's own final evaluation kept
+    short (the table's τ are the bench's evaluation of the last checkpoint)."""
+    objective, data = candidate_parts(candidate)
+    train = train_file or state / "data" / f"mix-{data}.jsonl"
+    cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps, {}, max(1, steps // 4))
+    cfg["model"].update(quality_objectives.OBJECTIVES[objective])
+    cfg["run"].update(seed=seed, keep_checkpoints=2)
+    cfg["data"]["seed"] = seed
+    cfg["data"]["workers"] = max(1, (os.cpu_count() or 2) // p.parallel)
+    cfg["eval"].update(samples=min(qp.n_eval, 4), batch=min(qp.n_eval, 4), max_new_tokens=min(qp.eval_new_tokens, 16),
+                       temperatures=[0.0])
+    return cfg
+
+
+def time_steps(p: Preset, qp: quality.Preset, state: Path, runs: Path) -> dict[str, float]:
+    """Each objective's optimizer step timed alone on the device (quality_objectives.time_objectives)."""
+    objectives = tuple(dict.fromkeys(candidate_parts(c)[0] for c in p.candidates))
+    timing_file, _ = quality.subset(state / "data" / "mix-greedy.jsonl", state / "data" / "timing.jsonl", None, 512)
+    qo = quality_objectives.Preset(objectives=objectives, baseline=objectives[0], timing_steps=p.timing_steps,
+                                   timing_warmup=p.timing_warmup)
+
+    def config(name: str, seed: int, steps: int, train: Path) -> dict:
+        return trainer_config(p, qp, state, f"{name}/greedy", seed, steps, train)
+
+    return quality_objectives.time_objectives(qo, config, runs, timing_file, {})
+
+
+def point_row(point: dict) -> dict:
+    """A checkpoint's τ per prompt set and temperature label, each beside lookup's τ and the ratio."""
+    out: dict = {}
+    for name, s in (point.get("tau_by_set") or {}).items():
+        by_t = s.get("tau_by_temperature") or {"0": {"tau": s["tau"], "tau_lookup": s.get("tau_lookup"),
+                                                     "tau_ratio": s.get("tau_ratio")}}
+        out[name] = {label: {k: t.get(k) for k in ("tau", "tau_expected", "tau_lookup", "tau_ratio")}
+                     for label, t in by_t.items()}
+    return out
+
+
+class Runs:
+    """The stage's runs and what a call does with them: as each run ends, its progress (and its τ once
+    it has all its steps) goes into the state, and the state and the table are written again."""
+
+    def __init__(self, p: Preset, qp: quality.Preset, state: Path, stage_dir: Path, doc: dict, out: Path):
+        self.p, self.qp, self.state, self.dir, self.doc, self.out = p, qp, state, stage_dir, doc, out
+        self.evaluator: quality.CheckpointEvaluator | None = None
+        self.trained_s = 0.0  # this call's device-alone seconds trained
+        self.queued: list[dict] = []  # this call's runs
+
+    def jobs(self, call: int) -> list[dict]:
+        """The runs this call trains, in order (seed after seed): not finished, not failed twice."""
+        out = []
+        for seed in self.p.seeds:
+            for candidate in self.p.candidates:
+                name = run_name(candidate, seed)
+                r = self.doc["runs"].setdefault(name, {"candidate": candidate, "seed": seed, "legs": [], "failures": 0})
+                planned = self.doc["steps"][candidate_parts(candidate)[0]]
+                r["planned"] = planned
+                if r.get("step", 0) >= planned or r["failures"] >= 2:
+                    continue
+                cfg = trainer_config(self.p, self.qp, self.state, candidate, seed, planned)
+                j = quality.job(name, cfg, self.dir / "runs")
+                j["argv"] += ["--resume", "auto"]
+                (Path(j["run_dir"]) / "control" / "stop").unlink(missing_ok=True)  # a leg's stop never served
+                j.update(candidate=candidate, planned=planned, from_step=last_step(j["run_dir"]), call=call,
+                         expect_s=self.p.startup_s + self.p.min_leg_s)
+                j["stop_at"] = leg_end(j["from_step"], planned, self.p.legs)
+                out.append(j)
+        self.queued = out
+        return out
+
+    def ended(self, j: dict) -> None:
+        """One run's leg ended: its progress, its evaluation once finished (time allowing), the state."""
+        r = self.doc["runs"][j["name"]]
+        step = last_step(j["run_dir"])
+        objective = candidate_parts(j["candidate"])[0]
+        self.trained_s += max(0, step - j["from_step"]) * self.doc["step_s"][objective]
+        r["step"] = step
+        r["legs"].append({"call": j["call"], "from": j["from_step"], "to": step, "exit": j.get("rc"),
+                          "seconds": round(j.get("seconds", 0.0), 1)})
+        if j.get("rc") not in (0, None):
+            r["failures"] += 1
+            tail = read_log(j["run_dir"]).strip().splitlines()[-8:]
+            say(f"{j['name']}: exit {j['rc']} (failure {r['failures']}):\n" + "\n".join(tail))
+        say(f"{j['name']}: steps {j['from_step']} -> {step} of {j['planned']} [{j.get('seconds', 0.0):.0f}s]")
+        if not any("seconds" not in k and "started" not in k for k in self.queued if k is not j):
+            self.evaluate_finished()  # none waits to start: evaluating now delays no run (else at the last runs' ends)
+        save(self.doc, self.p, self.dir, self.out)
+
+    def evaluate_finished(self) -> None:
+        """Every run with all its steps and no τ yet, while the call has time for one more evaluation."""
+        for name in self.doc["runs"]:
+            self.evaluate(name, time.time() + self.p.eval_s < self.doc["call_end"] - 5)
+
+    def evaluate(self, name: str, time_left: bool) -> None:
+        r = self.doc["runs"][name]
+        if r.get("step", 0) < r["planned"] or r.get("result") or not time_left:
+            return
+        if self.evaluator is None:
+            self.evaluator = quality.CheckpointEvaluator(self.qp, self.state / "model", self.state / "data")
+        ck = complete_checkpoints(self.dir / "runs" / name.replace(" ", "-"))[-1]
+        point = self.evaluator(ck, tuple(self.p.temperatures))
+        status = read_status(ck.parent.parent) or {}
+        r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": point_row(point),
+                       "acceptance": point.get("acceptance"), "checkpoint": str(ck)}
+        say(f"{name}: τ " + "; ".join(f"{s} T={t} {quality.fmt(v['tau'])} ({quality.fmt(v['tau_ratio'], 2)}x lookup)"
+                                      for s, by_t in r["result"]["by_set"].items() for t, v in by_t.items()))
+
+    def left(self) -> tuple[float, int, int]:
+        """(device-alone seconds of training left, finished runs not evaluated, most legs any run has left)."""
+        remaining, unevaluated, legs = 0.0, 0, 0
+        for r in self.doc["runs"].values():
+            objective = candidate_parts(r["candidate"])[0]
+            if r["failures"] >= 2:
+                continue
+            rest = r["planned"] - r.get("step", 0)
+            remaining += max(0, rest) * self.doc["step_s"][objective]
+            unevaluated += int(rest <= 0 and not r.get("result"))
+            if rest > 0 and self.p.legs > 1:
+                legs = max(legs, sum(1 for k in range(1, self.p.legs + 1)
+                                     if math.ceil(r["planned"] * k / self.p.legs) > r.get("step", 0)))
+        return remaining, unevaluated, legs
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def summarise(p: Preset, runs: dict) -> dict:
+    """Per candidate: its seeds evaluated, steps and tokens, and per prompt set and temperature the mean
+    τ, its spread over the seeds and the ratio to lookup's τ."""
+    table = {}
+    for candidate in p.candidates:
+        rows = [r for r in runs.values() if r["candidate"] == candidate]
+        done = [r for r in rows if r.get("result")]
+        entry: dict = {"runs": len(rows), "measured": len(done), "seeds": [r["seed"] for r in done],
+                       "steps": [r["result"]["step"] for r in done],
+                       "tokens": statistics.fmean(r["result"]["tokens"] or 0 for r in done) if done else None,
+                       "failed": [r["seed"] for r in rows if r["failures"] >= 2]}
+        for name in SETS:
+            for label in (f"{t:g}" for t in p.temperatures):
+                points = [r["result"]["by_set"].get(name, {}).get(label) for r in done]
+                points = [x for x in points if x and x.get("tau") is not None]
+                if points:
+                    ratios = [x["tau_ratio"] for x in points if x.get("tau_ratio") is not None]
+                    entry[f"{name} T={label}"] = {"tau": quality_objectives.spread([x["tau"] for x in points]),
+                                                  "ratio": quality_objectives.spread(ratios) if ratios else None,
+                                                  "tau_lookup": points[0].get("tau_lookup")}
+        table[candidate] = entry
+    return table
+
+
+def verdict(table: dict, baseline: str) -> list[str]:
+    """Per prompt set and temperature: the candidates whose mean τ beats the baseline's by more than the
+    larger of the two rows' seed ranges (max - min)."""
+    base = table.get(baseline, {})
+    keys = [k for k in base if " T=" in k] or [f"{s} T=0" for s in SETS]
+    lines = []
+    for key in keys:
+        if key not in base or base["measured"] < 2:
+            lines.append(f"{key}: {baseline} has fewer than 2 seeds measured, no verdict")
+            continue
+        b, winners = base[key]["tau"], []
+        for name, e in table.items():
+            if name == baseline or key not in e or e["measured"] < 2:
+                continue
+            gain, bar = e[key]["tau"]["mean"] - b["mean"], max(e[key]["tau"]["max"] - e[key]["tau"]["min"], b["max"] - b["min"])
+            if gain > bar:
+                winners.append(f"{name} (+{gain:.3f}, spread {bar:.3f})")
+        lines.append(f"{key}: " + ("; ".join(winners) + f" beat {baseline} beyond the seed spread" if winners
+                                   else f"nothing beats {baseline} beyond the seed spread"))
+    return lines
+
+
+def cell(e: dict | None) -> str:
+    if not e:
+        return "-"
+    t, r = e["tau"], e.get("ratio")
+    ratio = f"; {r['mean']:.2f}x" if r else ""
+    return f"{t['mean']:.3f} ± {t['std']:.3f} ({t['min']:.3f}-{t['max']:.3f}){ratio}"
+
+
+def markdown(doc: dict) -> str:
+    p, table = doc["preset"], doc["table"]
+    keys = [f"{s} T={t:g}" for s in SETS for t in p["temperatures"]]
+    mixes = doc.get("mixes", {})
+    lines = [f"# Recipe ablation, stage {doc['stage']} ({doc['command']})", "",
+             f"* target and greedy answers: bench/quality.py --preset {p['quality']} {p['quality_set']} (up to regen)",
+             "* data: " + "; ".join(f"{k} {v['rows']} rows of {v['prompts']} prompts (answers {v['answer_chars_mean']} chars)"
+                                   for k, v in mixes.items() if k in DATA_MIXES)
+             + (f"; sampled at T = {mixes['sampling']['temperature']:g}, top-p {mixes['sampling']['top_p']:g}, "
+                f"{mixes['sampling']['samples_per_prompt']} a prompt" if "sampling" in mixes else ""),
+             f"* equal device time: {doc.get('train_s', 0):.1f}s of the device alone per run; steps "
+             f"{doc.get('steps')}; step times alone {({k: round(v * 1000, 2) for k, v in doc.get('step_s', {}).items()})} ms",
+             "* cells: τ mean ± std (range) over the seeds; then the mean ratio to n-gram lookup's τ on the same prompts",
+             "", "| candidate | seeds | steps | tokens (M) | " + " | ".join(f"τ {k}" for k in keys) + " |",
+             "|---|---|---|---:|" + "---|" * len(keys)]
+    for name, e in table.items():
+        tokens = f"{e['tokens'] / 1e6:.2f}" if e.get("tokens") else "-"
+        lines.append(f"| {name} | {e['measured']}/{e['runs']} {e['seeds']} | {e['steps']} | {tokens} | "
+                     + " | ".join(cell(e.get(k)) for k in keys) + " |")
+    lines += ["", *[f"* {v}" for v in doc.get("verdict", [])], "", f"* left: {doc.get('left', '-')}",
+              "* what the table cannot say: another target than the bench's code model, more data than the mixes, "
+              "longer training than this stage's, prompts unlike both sets, other temperatures or top-p; "
+              "a gain inside the seed range is no gain"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    ap.add_argument("--state", type=Path, default=Path("/tmp/ablation"), help="where the calls keep their work")
+    ap.add_argument("--stage", default="screen", help="the runs' directory under STATE/stages (the data is shared)")
+    ap.add_argument("--out", type=Path, required=True, help="this call's output: recipe.md and recipe.json")
+    ap.add_argument("--candidates", default=None, help="comma-separated OBJECTIVE/DATA (the preset's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset field")
+    ap.add_argument("--call-s", type=float, default=None, help="this call's wall budget (the preset's call_s)")
+    ap.add_argument("--plan-only", action="store_true", help="print the plan from the stated figures and stop")
+    return ap
+
+
+def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
+    """The preset with --set, --candidates and --call-s applied; an unknown field or candidate, a baseline
+    not among the candidates, or fewer than 2 seeds is refused (ap.error)."""
+    p = dataclasses.replace(PRESETS[args.preset])
+    known = {f.name for f in dataclasses.fields(Preset)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in known:
+            ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
+        v = yaml.safe_load(value)
+        setattr(p, key, tuple(v) if isinstance(v, list) else v)
+    if args.candidates:
+        p.candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
+    if args.call_s is not None:
+        p.call_s = args.call_s
+    try:
+        [candidate_parts(c) for c in p.candidates]
+    except ValueError as e:
+        ap.error(str(e))
+    if p.baseline not in p.candidates:
+        ap.error(f"baseline {p.baseline!r} is not one of the candidates {list(p.candidates)} (--set baseline=...)")
+    if len(p.seeds) < 2:
+        ap.error(f"seeds {list(p.seeds)}: a spread needs at least 2")
+    return p
+
+
+def stage_doc(p: Preset, stage_dir: Path, command: str) -> dict:
+    """The stage's state: read back (refused when it was planned with other figures), or a new one."""
+    doc = read_json(stage_dir / "state.json")
+    if doc and doc["planned"] != planned_fields(p):
+        was = doc["planned"]
+        changed = sorted(k for k, v in planned_fields(p).items() if was.get(k) != v)
+        raise SystemExit(f"recipe: {stage_dir} was planned with other {', '.join(changed)} "
+                         f"({', '.join(f'{k}={was.get(k)}' for k in changed)}): run the same preset and "
+                         f"--set, or another --stage or --state")
+    return doc or {"planned": planned_fields(p), "command": command, "runs": {}, "calls": []}
+
+
+def next_command(argv: list[str]) -> str:
+    """This call's command line (an --out under $OUT written as $OUT/...)."""
+    out_root = os.environ.get("OUT")
+    shown = [("$OUT" + a[len(out_root):]) if out_root and a.startswith(out_root) else shlex.quote(a) for a in argv]
+    return "PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py " + " ".join(shown)
+
+
+def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) -> dict | None:
+    """The data, once: the preparation, the sampled answers (when a candidate uses them), the mixes; None
+    when the deadline came first (the next call goes on)."""
+    prep = read_json(state / "prep.json")
+    wants = {"quality": p.quality, "quality_set": p.quality_set, "mix_prompts": p.mix_prompts,
+             "samples_per_prompt": p.samples_per_prompt, "sample_temperature": p.sample_temperature,
+             "sample_top_p": p.sample_top_p}
+    wants = json.loads(json.dumps(wants))
+    if prep and prep["wants"] != wants:
+        raise SystemExit(f"recipe: {state} holds data made with {prep['wants']}, this preset asks for {wants}: "
+                         f"use another --state")
+    if not prep:
+        prep = {"wants": wants, **prepare(p, state)}
+        write_json(state / "prep.json", prep)
+    sampled = any(candidate_parts(c)[1] != "greedy" for c in p.candidates)
+    if sampled and not prep.get("sampled", {}).get("done"):
+        if time.time() > deadline:
+            return None
+        prep["sampled"] = sample_answers(p, qp, state, deadline)
+        write_json(state / "prep.json", prep)
+        if not prep["sampled"]["done"]:
+            return None
+    if "mixes" not in prep or (sampled and "sampled" not in prep["mixes"]):
+        prep["mixes"] = write_mixes(p, state / "data", qp.seed)
+        write_json(state / "prep.json", prep)
+    return prep
+
+
+def plan_stage(p: Preset, qp: quality.Preset, state: Path, stage_dir: Path, doc: dict, deadline: float) -> None:
+    """The step times (timed once) and the runs' steps at equal device time, fixed in the state."""
+    if "steps" in doc:
+        return
+    (stage_dir / "timing").mkdir(parents=True, exist_ok=True)
+    doc["step_s"] = time_steps(p, qp, state, stage_dir / "timing")
+    base = doc["step_s"][candidate_parts(p.baseline)[0]]
+    runs = len(p.candidates) * len(p.seeds)
+    train_s = p.train_s or p.base_steps * base or plan_train_s(p, runs, deadline - time.time(), p.rate)
+    doc["train_s"], doc["steps"] = steps_of(train_s, doc["step_s"], p.max_steps)
+    say(f"plan: {runs} runs ({len(p.candidates)} candidates x {len(p.seeds)} seeds), {doc['train_s']:.1f}s of the "
+        f"device alone each: steps {doc['steps']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    p = preset_of(ap, args)
+    started = time.time()
+    call_end, argv = started + p.call_s, list(argv if argv is not None else sys.argv[1:])
+    if args.plan_only:
+        return plan_only(p)
+    state, out = args.state.resolve(), args.out.resolve()
+    stage_dir = state / "stages" / args.stage
+    for d in (state, stage_dir / "runs", out):
+        d.mkdir(parents=True, exist_ok=True)
+    doc = stage_doc(p, stage_dir, next_command(argv))
+    doc.update(stage=args.stage, preset=dataclasses.asdict(p), call_end=call_end)
+    call = len(doc["calls"]) + 1
+    doc["calls"].append({"call": call, "started": started})
+    qp, deadline = quality_preset(p), call_end - p.reserve_s
+    runs = Runs(p, qp, state, stage_dir, doc, out)
+
+    prep = prepare_data(p, qp, state, deadline)
+    if prep is not None:
+        doc["mixes"] = prep["mixes"]
+        plan_stage(p, qp, state, stage_dir, doc, deadline)
+        jobs = runs.jobs(call)
+        say(f"call {call}: {len(jobs)} runs to train, {p.parallel} at a time; deadline in {deadline - time.time():.0f}s")
+        began = time.time()
+        with LegStops(jobs):
+            quality.run_all(qp, jobs, deadline, on_done=runs.ended, first_alone=False)
+        runs.evaluate_finished()  # finished in an earlier call, or too late in this one's
+        wall = time.time() - began
+        doc["calls"][-1].update(trained_s=round(runs.trained_s, 1), runs_wall_s=round(wall, 1))
+        if runs.trained_s > 0 and wall > 0:
+            doc["rate"] = runs.trained_s / wall
+    finish(p, doc, runs, argv, stage_dir, out, prep is not None)
+    return doc
+
+
+def plan_only(p: Preset) -> dict:
+    """The plan from the preset's stated figures (nothing measured, nothing run)."""
+    n = len(p.candidates) * len(p.seeds)
+    first = p.call_s - p.reserve_s - p.prep_s - p.sampled_s - p.timing_s
+    train_s = p.train_s or plan_train_s(p, n, first, p.rate)
+    say(f"plan (stated figures): {n} runs ({len(p.candidates)} candidates x {len(p.seeds)} seeds) in {p.calls} calls "
+        f"of {p.call_s:.0f}s, {p.parallel} at a time: "
+        + (f"{p.base_steps} steps of the baseline each (equal device time)" if p.base_steps and not p.train_s
+           else f"~{train_s:.1f}s of the device alone each (the step times, measured in the first call, give the steps)"))
+    return {"runs": n, "train_s": train_s}
+
+
+def save(doc: dict, p: Preset, stage_dir: Path, out: Path) -> None:
+    """The state, and the table so far (OUT and the stage's directory)."""
+    doc["table"] = summarise(p, doc["runs"])
+    doc["verdict"] = verdict(doc["table"], p.baseline)
+    write_json(stage_dir / "state.json", doc)
+    for d in (stage_dir, out):
+        write_json(d / "recipe.json", doc)
+        (d / "recipe.md").write_text(markdown(doc))
+
+
+def finish(p: Preset, doc: dict, runs: Runs, argv: list[str], stage_dir: Path, out: Path, prepared: bool) -> None:
+    """What is left, the command to run next (or done), the table."""
+    doc["calls"][-1]["seconds"] = round(time.time() - doc["calls"][-1]["started"], 1)
+    if not prepared or "steps" not in doc:
+        doc["left"] = "the data (the sampled answers stopped at the deadline); then the timing and every run"
+        left_calls = p.calls
+    else:
+        remaining, unevaluated, legs = runs.left()
+        rate = doc.get("rate") or p.rate
+        left_calls = calls_left(p, remaining, unevaluated, legs, rate)
+        todo = sum(1 for r in doc["runs"].values() if not r.get("result") and r["failures"] < 2)
+        doc["left"] = (f"{todo} runs not finished or not evaluated, {remaining:.0f}s of device-alone training; "
+                       f"~{left_calls} calls of {p.call_s:.0f}s at {rate:.2f} device-s per wall-s "
+                       f"({'measured' if doc.get('rate') else 'stated'})")
+    save(doc, p, stage_dir, out)
+    for line in doc["verdict"]:
+        say(f"verdict: {line}")
+    say(f"table: {out / 'recipe.md'}, {out / 'recipe.json'}")
+    if left_calls:
+        say(f"left: {doc['left']}")
+        say(f"next: {next_command(argv)}")
+    else:
+        say("done: every run trained and evaluated; the table is final")
+
+
+if __name__ == "__main__":
+    main()

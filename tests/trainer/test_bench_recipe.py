@@ -1,0 +1,214 @@
+"""bench/recipe_ablation.py: the plan's arithmetic, the data mixes, the table and its verdict, the refusals,
+and (slow) the CPU preset's whole multi-call plan: two calls, the second continuing every run from the
+checkpoint the first left, nothing prepared, regenerated or timed twice."""
+import json
+import time
+
+import pytest
+
+from bench import recipe_ablation as ra
+from trainer.run.contract import read_events
+
+
+def test_a_candidate_is_an_objective_and_a_data_mix():
+    assert ra.candidate_parts("kl/both") == ("kl", "both")
+    assert ra.run_name("ce+dpace/greedy", 2) == "ce+dpace greedy seed 2"
+    for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x"):
+        with pytest.raises(ValueError, match="expected OBJECTIVE/DATA"):
+            ra.candidate_parts(bad)
+
+
+def test_legs_stop_a_run_at_its_share_of_the_steps_in_each_call():
+    assert [ra.leg_end(s, 6, 2) for s in (0, 2, 3, 5)] == [3, 3, 6, 6]
+    assert [ra.leg_end(s, 7, 3) for s in (0, 3, 5)] == [3, 5, 7]
+    assert ra.leg_end(0, 6, 0) == 6 and ra.leg_end(4, 6, 1) == 6  # no legs: until done (or the deadline)
+
+
+def test_the_plan_shares_the_calls_time_among_the_runs_at_the_rate():
+    p = ra.Preset(calls=3, call_s=540.0, reserve_s=40.0)
+    # 100 s left in the first call, then 2 x 500 s; at 1.5 device-s per wall-s over 12 runs
+    assert ra.plan_train_s(p, 12, 100.0, 1.5) == pytest.approx(1100 * 1.5 / 12)
+    assert ra.plan_train_s(p, 12, -20.0, 1.0) == pytest.approx(1000 / 12)  # the first call already spent
+    # equal device time: slower objectives train fewer steps; max_steps lowers the time for all
+    assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 5000) == (10.0, {"ce+decay": 1000, "kl": 800})
+    assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 500) == (5.0, {"ce+decay": 500, "kl": 400})
+    # what is left: 1,000 device-s at 1.0 over 500 s a call is 2 calls; legs and evaluations need calls of their own
+    assert ra.calls_left(p, 1000.0, 0, 0, 1.0) == 2
+    assert ra.calls_left(p, 10.0, 0, 3, 1.0) == 3 and ra.calls_left(p, 0.0, 2, 0, 1.0) == 1
+    assert ra.calls_left(p, 0.0, 0, 0, 1.0) == 0
+
+
+def records(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def conv(i, answer, **kw):
+    return {"id": i, **kw, "messages": [{"role": "user", "content": f"prompt {i}"},
+                                        {"role": "assistant", "content": answer}]}
+
+
+def test_the_mixes_hold_the_same_prompts_greedy_sampled_and_both(tmp_path):
+    records(tmp_path / "regen.jsonl", [conv(f"p{i}", "g" * 10) for i in range(6)])
+    p = ra.Preset(mix_prompts=4, samples_per_prompt=2)
+    ids = ra.mix_prompt_ids(tmp_path, 4, 0)
+    assert len(ids) == 4 and ids == ra.mix_prompt_ids(tmp_path, 4, 0) and set(ids) < {f"p{i}" for i in range(6)}
+    only_greedy = ra.write_mixes(p, tmp_path, 0)
+    assert set(only_greedy) == {"greedy", "sampling"} and only_greedy["greedy"]["rows"] == 4
+    assert not (tmp_path / "mix-both.jsonl").exists()
+    records(tmp_path / "regen-sampled.jsonl", [conv(f"{i}#{k}", "s" * 20, prompt_id=i, sample=k)
+                                               for i in ids for k in range(2)])
+    mixes = ra.write_mixes(p, tmp_path, 0)
+    assert (mixes["greedy"]["rows"], mixes["sampled"]["rows"], mixes["both"]["rows"]) == (4, 8, 12)
+    assert mixes["both"]["greedy_rows"] == 4 and mixes["both"]["sampled_rows"] == 8
+    assert mixes["sampled"]["answer_chars_mean"] == 20.0 and mixes["both"]["answer_chars_mean"] == 16.7
+    assert mixes["sampling"] == {"samples_per_prompt": 2, "temperature": 1.0, "top_p": 1.0}
+    both = [json.loads(line)["id"] for line in open(tmp_path / "mix-both.jsonl")]
+    assert sorted(i for i in both if "#" not in i) == sorted(ids)
+
+
+def result(tau0, tau1, other0, other1, step=10):
+    def t(tau, lookup):
+        return {"tau": tau, "tau_expected": tau, "tau_lookup": lookup, "tau_ratio": tau / lookup}
+    return {"step": step, "tokens": 2_000_000, "by_set": {"heldout": {"0": t(tau0, 2.0), "1": t(tau1, 1.5)},
+                                                          "other": {"0": t(other0, 1.6), "1": t(other1, 1.2)}}}
+
+
+def test_the_table_gives_each_set_and_temperature_its_seed_spread_and_the_verdict_needs_more_than_it():
+    p = ra.Preset(candidates=("ce+decay/greedy", "kl/both", "ce+dpace/greedy"), seeds=(0, 1, 2))
+    runs = {}
+    for seed, (base, kl) in enumerate([(3.0, 3.1), (3.2, 3.2), (3.1, 3.3)]):
+        runs[f"b{seed}"] = {"candidate": "ce+decay/greedy", "seed": seed, "failures": 0,
+                            "result": result(base, 2.0, 2.0, 1.5)}
+        runs[f"k{seed}"] = {"candidate": "kl/both", "seed": seed, "failures": 0,
+                            "result": result(kl, 2.6 + seed * 0.05, 2.0, 1.5)}
+    runs["d0"] = {"candidate": "ce+dpace/greedy", "seed": 0, "failures": 0, "result": result(4.0, 3.0, 3.0, 2.0)}
+    runs["d1"] = {"candidate": "ce+dpace/greedy", "seed": 1, "failures": 2}
+    table = ra.summarise(p, runs)
+    base = table["ce+decay/greedy"]
+    assert base["measured"] == 3 and base["seeds"] == [0, 1, 2] and base["tokens"] == 2_000_000
+    assert base["heldout T=0"]["tau"]["mean"] == pytest.approx(3.1) and base["heldout T=0"]["tau"]["std"] == pytest.approx(0.1)
+    assert base["heldout T=0"]["ratio"]["mean"] == pytest.approx(1.55) and base["other T=1"]["tau_lookup"] == 1.2
+    assert table["ce+dpace/greedy"]["measured"] == 1 and table["ce+dpace/greedy"]["failed"] == [1]
+    lines = ra.verdict(table, "ce+decay/greedy")
+    assert [line.split(":")[0] for line in lines] == ["heldout T=0", "heldout T=1", "other T=0", "other T=1"]
+    # kl/both at T = 1 on held-out: +0.65 against a spread of 0.1 -> named; at T = 0: +0.1 inside the 0.2 range
+    assert lines[1] == "heldout T=1: kl/both (+0.650, spread 0.100) beat ce+decay/greedy beyond the seed spread"
+    assert lines[0] == "heldout T=0: nothing beats ce+decay/greedy beyond the seed spread"
+    assert "ce+dpace" not in " ".join(lines)  # one seed measured: no spread, no verdict
+    doc = {"stage": "screen", "command": "c", "table": table, "verdict": lines, "left": "nothing",
+           "preset": {"quality": "tiny", "quality_set": {}, "temperatures": [0.0, 1.0]}, "train_s": 5.0,
+           "steps": {"ce+decay": 10}, "step_s": {"ce+decay": 0.5},
+           "mixes": {"greedy": {"rows": 4, "prompts": 4, "answer_chars_mean": 10.0},
+                     "sampling": {"temperature": 1.0, "top_p": 1.0, "samples_per_prompt": 2}}}
+    md = ra.markdown(doc)
+    assert "| candidate | seeds | steps | tokens (M) | τ heldout T=0 | τ heldout T=1 | τ other T=0 | τ other T=1 |" in md
+    assert "| kl/both | 3/3 [0, 1, 2] | [10, 10, 10] | 2.00 | 3.200 ± 0.100 (3.100-3.300); 1.60x |" in md
+    assert "data: greedy 4 rows of 4 prompts" in md and "what the table cannot say" in md
+
+
+def test_a_stage_planned_with_other_figures_is_refused_in_one_line(tmp_path):
+    p = ra.Preset()
+    doc = ra.stage_doc(p, tmp_path, "cmd")
+    ra.write_json(tmp_path / "state.json", doc)
+    assert ra.stage_doc(ra.Preset(call_s=300.0), tmp_path, "cmd")["planned"] == doc["planned"]  # a call's own budget
+    with pytest.raises(SystemExit, match=r"was planned with other candidates, seeds \(candidates=.*seeds=\[0, 1, 2\]\)"):
+        ra.stage_doc(ra.Preset(seeds=(0, 1), candidates=("ce+decay/greedy",)), tmp_path, "cmd")
+
+
+def test_the_command_line_refuses_unknown_fields_candidates_and_a_single_seed(capsys):
+    ap = ra.parser()
+
+    def preset(*argv):
+        return ra.preset_of(ap, ap.parse_args(["--out", "x", *argv]))
+
+    assert preset("--candidates", "ce+decay/greedy, kl/sampled").candidates == ("ce+decay/greedy", "kl/sampled")
+    assert preset("--set", "seeds=[3,4]", "--call-s", "300").seeds == (3, 4)
+    for argv, message in ((["--set", "nope=1"], "no preset field 'nope'"),
+                          (["--candidates", "kl/mixed"], "candidate 'kl/mixed': expected OBJECTIVE/DATA"),
+                          (["--candidates", "kl/both"], "baseline 'ce+decay/greedy' is not one of the candidates"),
+                          (["--set", "seeds=[0]"], "a spread needs at least 2")):
+        with pytest.raises(SystemExit):
+            preset(*argv)
+        assert message in capsys.readouterr().err
+
+
+def test_the_next_command_names_the_output_under_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    line = ra.next_command(["--preset", "h200", "--out", str(tmp_path / "recipe"), "--set", "seeds=[0, 1]"])
+    assert line == ("PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py --preset h200 --out $OUT/recipe "
+                    "--set 'seeds=[0, 1]'")
+
+
+def test_a_leg_stop_is_written_once_the_run_reaches_its_step(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    ra.write_json(run / "status.json", {"state": "running", "step": 2})
+    with ra.LegStops([{"run_dir": run, "stop_at": 3, "planned": 6}, {"run_dir": tmp_path / "whole", "stop_at": 6,
+                                                                     "planned": 6}]) as stops:
+        time.sleep(0.2)
+        assert not (run / "control" / "stop").exists()
+        ra.write_json(run / "status.json", {"state": "running", "step": 3})
+        for _ in range(100):
+            if (run / "control" / "stop").exists():
+                break
+            time.sleep(0.05)
+    assert json.loads((run / "control" / "stop").read_text()) == {"id": "recipe-leg"}
+    assert len(stops.jobs) == 1  # a run trained whole in this call has no stop to write
+
+
+@pytest.mark.slow
+def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_left(tmp_path, capsys):
+    state = tmp_path / "state"
+    argv = ["--preset", "cpu", "--state", str(state)]
+    first = ra.main([*argv, "--out", str(tmp_path / "out1")])
+    printed = capsys.readouterr().out
+    assert "next: PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py --preset cpu --state" in printed
+    prep = json.loads((state / "prep.json").read_text())
+    assert prep["sampled"]["done"] and {k: prep["mixes"][k]["rows"] for k in ra.DATA_MIXES} == {
+        "greedy": 12, "sampled": 24, "both": 36}
+    made = [*(state / "model").iterdir(), *(state / "data").glob("*.jsonl")]
+    stamps = {f: f.stat().st_mtime_ns for f in made}
+    steps = first["steps"]
+    # equal device time: base_steps of the baseline's step time, each objective as many steps as cost the same
+    assert (first["train_s"], steps) == ra.steps_of(10 * first["step_s"]["ce+decay"], first["step_s"], 40)
+    assert len(first["runs"]) == 4
+    stopped = {}  # each run stops at the first step boundary after its leg's end that sees the request
+    for name, r in first["runs"].items():
+        half = ra.leg_end(0, r["planned"], 2)
+        if half == r["planned"]:  # one step in all (a CPU shared by other work can time kl that slow): done at once
+            assert r["step"] == r["planned"] and r["result"]["step"] == r["planned"]
+            continue
+        stopped[name] = r["step"]
+        assert half <= r["step"] < r["planned"] and "result" not in r
+        assert r["legs"] == [{"call": 1, "from": 0, "to": r["step"], "exit": 0, "seconds": r["legs"][0]["seconds"]}]
+    assert "ce+decay greedy seed 0" in stopped and "ce+decay greedy seed 1" in stopped
+
+    second = ra.main([*argv, "--out", str(tmp_path / "out2")])
+    printed = capsys.readouterr().out
+    assert "done: every run trained and evaluated" in printed and "next:" not in printed
+    assert "corpus:" not in printed and "sampled answers:" not in printed and "step time alone" not in printed
+    assert {f: f.stat().st_mtime_ns for f in made} == stamps  # nothing prepared or regenerated again
+    assert second["step_s"] == first["step_s"] and second["steps"] == steps
+    for name, r in second["runs"].items():
+        starts = [e for e in read_events(state / "stages" / "screen" / "runs" / name.replace(" ", "-"))
+                  if e["event"] == "start"]
+        assert r["step"] == r["planned"]
+        if name in stopped:  # resumed from the checkpoint its first leg left
+            half = stopped[name]
+            assert [(leg["call"], leg["from"], leg["to"]) for leg in r["legs"]] == [(1, 0, half), (2, half, r["planned"])]
+            assert [e.get("resumed_from") for e in starts] == [None, f"checkpoints/step_{half}"]
+        else:  # finished in the first call: never started again
+            assert len(starts) == 1 and len(r["legs"]) == 1
+        assert set(r["result"]["by_set"]) == {"heldout", "other"} and r["result"]["step"] == r["planned"]
+        assert all(set(by_t) == {"0", "1"} for by_t in r["result"]["by_set"].values())
+    for e in second["table"].values():
+        assert e["measured"] == 2 and e["seeds"] == [0, 1]
+        for key in ("heldout T=0", "heldout T=1", "other T=0", "other T=1"):
+            assert e[key]["tau"]["n"] == 2 and e[key]["tau"]["mean"] >= 1.0 and e[key]["ratio"]["mean"] > 0
+    md = (tmp_path / "out2" / "recipe.md").read_text()
+    assert f"| ce+decay/greedy | 2/2 [0, 1] | [{steps['ce+decay']}, {steps['ce+decay']}] |" in md and "sampled 24 rows of 12 prompts" in md
+    assert json.loads((tmp_path / "out2" / "recipe.json").read_text())["mixes"]["both"]["rows"] == 36
+
+    third = ra.main([*argv, "--out", str(tmp_path / "out3")])  # nothing left: nothing trained or evaluated again
+    assert "call 3: 0 runs to train" in capsys.readouterr().out
+    assert third["table"] == second["table"]

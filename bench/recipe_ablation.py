@@ -18,7 +18,7 @@ ce+dpace, kl, ce+kl), the data one of DATA_MIXES: `greedy` the target's greedy a
 flattens would need ~2 hours of one H200 (36 x ~210 s of training alone, bench/RESULTS.md's ~330k
 tokens/s), so the runs come in two stages:
 
-* `h200` (the screen, two calls of 540 s): 4 candidates x 3 seeds = 12 runs, ~55 s of device time each
+* `h200` (the screen, two calls of 540 s): 4 candidates x 3 seeds = 12 runs, ~50 s of device time each
   (~1,000 steps, ~17M tokens: 8x the objectives ablation's ~125 steps, a quarter of 70M).
   `ce+decay/greedy` (today's default, the baseline), `ce+dpace/greedy` (the earlier ablation's closest, to
   run longer before the default moves), `ce+decay/both` (the data alone), `kl/both` (the peers' objective

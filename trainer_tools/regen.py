@@ -802,7 +802,7 @@ class Progress:
 
     def __init__(self, total: int, stream: TextIO | None = None, every_s: float = 10.0) -> None:
         self.total = total
-        # sys.stderr as it is now, not at import: an in-process caller's redirect (bench/quality.py's log), and
+        # sys.stderr as it is now, not at import: an in-process caller's redirect (a log file), and
         # no stream a test's capture closed after the import
         self.stream = stream if stream is not None else sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()

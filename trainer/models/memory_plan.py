@@ -29,6 +29,9 @@ class DoesNotFit(ValueError):
     """The memory plan exceeds a device's budget (one line naming the device and the shortfall)."""
 ADAM_STATE = 2  # AdamW moments, fp32, per drafter parameter
 HOST = "host"  # the plan's entry for host memory (optim.offload host)
+# optim.offload host updates in chunks of this many parameters (256 MiB of bf16 gradients), copies overlapping
+# the update (trainer.train.offload.HostAdamW); the plan counts one chunk's scratch
+OFFLOAD_CHUNK_ELEMENTS = 1 << 27
 
 
 @dataclass
@@ -287,13 +290,11 @@ def offload_items(cfg: TrainerConfig, z: _Sizes) -> tuple[dict[str, int], dict[s
     if cfg.optim.offload == "none":
         return {"weights (fp32)": 4 * params, "gradients (fp32)": 4 * params,
                 "optimizer (fp32)": ADAM_STATE * 4 * params}, {}
-    from trainer.train.offload import CHUNK_ELEMENTS
-
     dtype = cfg.model.dtype
     device = {f"weights ({dtype})": z.elt * params, f"gradients ({dtype})": z.elt * params}
     host = {"drafter master weights (fp32)": 4 * params, "AdamW states (fp32)": ADAM_STATE * 4 * params,
             f"transfer buffer ({dtype}, pinned)": z.elt * params,
-            "update scratch (fp32, one chunk)": 4 * min(params, max(CHUNK_ELEMENTS, z.largest_param))}
+            "update scratch (fp32, one chunk)": 4 * min(params, max(OFFLOAD_CHUNK_ELEMENTS, z.largest_param))}
     return device, host
 
 

@@ -51,9 +51,8 @@ from typing import Any
 
 import torch
 
+from trainer.models.memory_plan import OFFLOAD_CHUNK_ELEMENTS as CHUNK_ELEMENTS
 from trainer.run.config import OptimConfig
-
-CHUNK_ELEMENTS = 1 << 27  # parameters per chunk (256 MiB of bf16 gradients): copies overlap the update in these
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

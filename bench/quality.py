@@ -940,7 +940,7 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "devices": {"target": [p.device], "drafter": [p.device]},
         "pipeline": {"kind": p.pipeline},
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
-                "seed": run_seed, **({"threads": 2} if not cuda else {})},
+                "seed": run_seed, **({"threads": 1} if not cuda else {})},  # tiny CPU shapes: a thread pool only waits
         "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval,  # as CheckpointEvaluator
                  "temperatures": list(p.temperatures)},
     }

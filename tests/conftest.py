@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 # real LXC containers; under CI=true a machine that cannot run them fails). Set before any
 # fixture, module-scoped ones included.
 os.environ.setdefault(simct.BACKEND_ENV, "directory")
+# One torch (OpenMP) thread per process: the suite runs 3 workers on 2 cores, and an intra-op thread
+# pool on busy cores waits for its descheduled threads at every op (the tiny CPU demo: 274 s with 2
+# threads against 38 s with 1 at a load of 4). Set before torch is imported; the trainer processes
+# the tests start inherit it unless their config says `run.threads`.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -125,6 +131,15 @@ def _stop_lxc_containers():
     yield
     for sim_root in list(simct.CREATED_ROOTS):
         simct.stop_all(sim_root)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> None:
+    """Each test starts on one torch thread: a trainer run in the test's process (run.threads) sets the
+    count for the whole worker, and the next test would pay for its thread pool (OMP_NUM_THREADS above)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

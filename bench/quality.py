@@ -1283,6 +1283,13 @@ def temperature_rows(by_temperature: dict | None) -> list[str]:
     return rows
 
 
+def other_temperature_rows(by_set: dict | None) -> list[str]:
+    """The other-style prompts' τ at each temperature (tau_by_set["other"]), as temperature_rows gives the
+    held-out prompts', under a line naming the set; [] when that set was evaluated at T = 0 alone."""
+    rows = temperature_rows(((by_set or {}).get("other") or {}).get("tau_by_temperature"))
+    return ["", "other-style prompts (data/other.jsonl) by temperature:", *rows] if rows else []
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -1300,7 +1307,8 @@ def markdown(results: dict) -> str:
              f"{m['histogram']}, train acc {fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}, "
              f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
              f"* main drafter by prompt set: {by_set_text(m.get('tau_by_set'))}",
-             *by_length_rows(m.get("tau_by_length")), *temperature_rows(m.get("tau_by_temperature")), ""]
+             *by_length_rows(m.get("tau_by_length")), *temperature_rows(m.get("tau_by_temperature")),
+             *other_temperature_rows(m.get("tau_by_set")), ""]
     if results.get("curve"):
         lines += ["| step | training tokens (real) | tau pooled | tau per-prompt | n-gram lookup tau | ratio | "
                   "histogram (1..block) |", "|---:|---:|---:|---:|---:|---:|---|"]
@@ -1604,6 +1612,10 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
 
         say(f"main drafter by temperature (its last checkpoint): "
             f"{tau_by_temperature_text(m['tau_by_temperature'])}")
+        other = (m.get("tau_by_set") or {}).get("other") or {}
+        if other.get("tau_by_temperature"):
+            say(f"main drafter by temperature on the other-style prompts: "
+                f"{tau_by_temperature_text(other['tau_by_temperature'])}")
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "

@@ -85,6 +85,12 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     assert list(by_t) == ["0", "0.7", "1"] and by_t["0"]["tau"] == by_t["0"]["tau_expected"]
     assert all(t["tau_expected"] >= 1.0 and t["tau_lookup"] >= 1.0 for t in by_t.values())
     assert "| T | tau (sampled) | tau (expected) |" in (tmp_path / "quality.md").read_text()
+    # and every prompt set at each temperature, lookup's τ on the same prompts beside (issue #50)
+    for name in ("heldout", "other"):
+        per_t = m["tau_by_set"][name]["tau_by_temperature"]
+        assert list(per_t) == ["0", "0.7", "1"] and all(t["tau_lookup"] >= 1.0 and t["tau_ratio"] > 0 for t in per_t.values())
+    assert m["tau_by_set"]["heldout"]["tau_by_temperature"]["1"]["tau"] == pytest.approx(by_t["1"]["tau"])
+    assert "other-style prompts (data/other.jsonl) by temperature:" in (tmp_path / "quality.md").read_text()
 
 
 def test_split_is_by_file_content():
@@ -345,3 +351,13 @@ def test_prompts_of_another_style_take_each_form_from_a_file():
     before, after = user.split("\n\n", 1)[1].split("<GAP>\n")
     assert before + gap + after in text and gap
     assert quality.other_style("x = 1\n", "middle", rng, 200) is None  # too short a file gives none
+
+
+def test_the_other_style_prompts_get_their_own_temperature_table():
+    by_t = {"0": {"tau": 2.0, "tau_expected": 2.0, "tau_lookup": 1.6, "tau_lookup_expected": 1.6},
+            "1": {"tau": 1.5, "tau_expected": 1.52, "tau_lookup": 1.2, "tau_lookup_expected": 1.25}}
+    rows = quality.other_temperature_rows({"heldout": {"tau": 3.0}, "other": {"tau": 2.0, "tau_by_temperature": by_t}})
+    assert rows[1] == "other-style prompts (data/other.jsonl) by temperature:"
+    assert "| 1 | 1.500 | 1.520 | 1.200 | 1.250 | 1.25 |" in rows
+    assert quality.other_temperature_rows({"other": {"tau": 2.0, "tau_by_temperature": None}}) == []
+    assert quality.other_temperature_rows(None) == []

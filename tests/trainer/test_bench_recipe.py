@@ -212,3 +212,26 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
     third = ra.main([*argv, "--out", str(tmp_path / "out3")])  # nothing left: nothing trained or evaluated again
     assert "call 3: 0 runs to train" in capsys.readouterr().out
     assert third["table"] == second["table"]
+
+
+def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_seed_alone(tmp_path):
+    import yaml
+
+    from trainer.run.config import parse_config
+
+    p = ra.PRESETS["h200"]
+    qp = ra.quality_preset(p)
+    assert qp.n_prompts == p.mix_prompts == 8192 and qp.parallel == p.parallel == 6
+    configs = {(c, s): ra.trainer_config(p, qp, tmp_path, c, s, 1000) for c in p.candidates for s in p.seeds}
+    base = configs[("ce+decay/greedy", 0)]
+    for (candidate, seed), cfg in configs.items():
+        objective, data = ra.candidate_parts(candidate)
+        assert cfg["data"]["train_path"] == str(tmp_path / "data" / f"mix-{data}.jsonl")
+        assert cfg["run"]["seed"] == cfg["data"]["seed"] == seed and cfg["optim"]["total_steps"] == 1000
+        assert {k: v for k, v in cfg["model"].items() if k not in ("loss", "position_weight")} == \
+            {k: v for k, v in base["model"].items() if k not in ("loss", "position_weight")}
+        assert cfg["optim"] == base["optim"] and cfg["eval"] == base["eval"] and cfg["pipeline"] == base["pipeline"]
+        cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}  # parse on a machine without CUDA
+        c = parse_config(yaml.safe_dump(cfg))
+        assert (c.model.loss, c.model.position_weight) == (
+            {"ce+decay": ("ce", "decay"), "ce+dpace": ("ce", "dpace"), "kl": ("kl", "decay")}[objective])

@@ -112,7 +112,7 @@ class HostAdamW(torch.optim.AdamW):
         self.scratch = torch.empty(largest, dtype=torch.float32)  # one chunk's fp32 gradients
         self.scale = pinned((), torch.float32, self.device)
         self.grad_scale: torch.Tensor | None = None
-        self.step_s, self.steps = 0.0, 0  # seconds in step() from its call (the backward may still run) to the last upload queued (bench/pipeline.py)
+        self.step_s, self.steps = 0.0, 0  # seconds in step() from its call (the backward may still run) to the last upload queued (a benchmark reads it)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # FlatGrads.finish_step hands this optimizer its 1/scale factor (as the fused CUDA AdamW gets it)
         self._step_supports_amp_scaling = True

@@ -35,6 +35,14 @@ os.environ.setdefault(simct.BACKEND_ENV, "directory")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow run first, each group in its collection order: xdist hands work out in
+    this order (an xdist_group of many tests before single tests), so the long ones start while the
+    workers are fresh and the end of the run is short tests that even out across the workers, not one
+    trainer run that starts last and keeps the others waiting."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The run log says what the simulated containers were (.ci/run's second pass: real LXC ones);
     printed under -q too, unlike a report header."""

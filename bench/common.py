@@ -1,10 +1,17 @@
-"""What several bench scripts share: the random hub-format target they load, and how they report."""
+"""What several bench scripts share: the random hub-format target they load, how they report, and
+their presets' --set overrides."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import time
+from collections.abc import Container
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 
 def hub_model_dir(model_dir: Path, shape: str, device: str, out: dict) -> Path:
@@ -31,3 +38,18 @@ def report(out: dict, path: Path | None) -> dict:
     if path:
         path.write_text(text)
     return out
+
+
+def apply_sets(ap: argparse.ArgumentParser, preset: Any, items: list[str],
+               tuple_fields: Container[str] | None = None) -> None:
+    """--set KEY=VALUE overrides (each VALUE read as YAML) onto the preset dataclass; a list becomes a tuple
+    (for every field, or only those in `tuple_fields`). An unknown field is refused (ap.error), naming
+    the fields there are."""
+    known = {f.name for f in dataclasses.fields(preset)}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in known:
+            ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
+        v = yaml.safe_load(value)
+        as_tuple = isinstance(v, list) and (tuple_fields is None or key in tuple_fields)
+        setattr(preset, key, tuple(v) if as_tuple else v)

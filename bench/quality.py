@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where they are used)
     sys.path.insert(0, str(ROOT))
 
+from bench.common import apply_sets  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
 from trainer.run.contract import read_events, read_log, read_status  # noqa: E402
 
@@ -1378,13 +1379,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     """The preset --preset names with --set, --budget-s and --ablations applied. An unknown field or
     ablation, or a budget that leaves the drafters no time, is refused (ap.error) before anything runs."""
     p = dataclasses.replace(PRESETS[args.preset])
-    fields = {f.name for f in dataclasses.fields(Preset)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            ap.error(f"--set {item}: no preset field {key!r}")
-        v = yaml.safe_load(value)
-        setattr(p, key, tuple(v) if isinstance(v, list) and key in TUPLE_FIELDS else v)
+    apply_sets(ap, p, args.set, TUPLE_FIELDS)
     if args.budget_s is not None:
         p.budget_s = args.budget_s
     if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget

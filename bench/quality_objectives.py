@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402
+from bench.common import apply_sets  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
 from trainer.run.contract import read_events, read_log  # noqa: E402
 
@@ -427,13 +428,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     """The preset --preset names with --set and --budget-s applied; an unknown field or objective, a
     baseline that is not a row, or parallel < 1 is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
-    known = {f.name for f in dataclasses.fields(Preset)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in known:
-            ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
-        v = yaml.safe_load(value)
-        setattr(p, key, tuple(v) if isinstance(v, list) else v)
+    apply_sets(ap, p, args.set)
     if args.budget_s is not None:
         p.budget_s = args.budget_s
     unknown = [o for o in p.objectives if o not in VARIANTS]

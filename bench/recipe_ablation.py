@@ -76,13 +76,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality, quality_objectives  # noqa: E402
+from bench.common import apply_sets  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.run.contract import read_log, read_status  # noqa: E402
 
@@ -553,13 +552,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     """The preset with --set, --candidates and --call-s applied; an unknown field or candidate, a baseline
     not among the candidates, or fewer than 2 seeds is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
-    known = {f.name for f in dataclasses.fields(Preset)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in known:
-            ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
-        v = yaml.safe_load(value)
-        setattr(p, key, tuple(v) if isinstance(v, list) else v)
+    apply_sets(ap, p, args.set)
     if args.candidates:
         p.candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
     if args.call_s is not None:

@@ -18,24 +18,13 @@ from trainer.pipeline.features import FeatureSlot
 from trainer.pipeline.prefetch import MicroBatch
 from trainer.pipeline.stages import StageQueue
 from trainer.run.stopping import StopSignal
+from trainer.train.streams import on_stream, record_event
 
 METRIC_NAMES = [*STATS, "grad_norm_sum", "steps"]  # the flat buffer's stats, then the step's norm and count
 
 
 def worker_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device) if is_cuda(device) else None
-
-
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 @dataclass

@@ -44,7 +44,6 @@ take seconds and RAM from the OS for no transfer gain.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -53,6 +52,7 @@ import torch
 
 from trainer.models.memory_plan import OFFLOAD_CHUNK_ELEMENTS as CHUNK_ELEMENTS
 from trainer.run.config import OptimConfig
+from trainer.train.streams import on_stream, record_event
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -135,7 +135,7 @@ class HostAdamW(torch.optim.AdamW):
         stream = self.stream
         grads = [p.grad for p in self.device_params]
         events: list[torch.cuda.Event | None] = []
-        with _on(stream):
+        with on_stream(stream):
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             if scale is not None:
@@ -145,7 +145,7 @@ class HostAdamW(torch.optim.AdamW):
                     grad = grads[i]
                     if grad is not None:
                         self._view(self.staging, i).copy_(grad, non_blocking=True)
-                events.append(_record(stream))
+                events.append(record_event(stream))
         for chunk, event in zip(self.chunks, events):
             if event is not None:
                 event.synchronize()
@@ -164,7 +164,7 @@ class HostAdamW(torch.optim.AdamW):
                     continue
                 self.masters[i].grad = None
                 self._view(self.staging, i).copy_(self.masters[i])
-            with _on(stream):
+            with on_stream(stream):
                 for i in chunk:
                     if grads[i] is not None:
                         self.device_params[i].copy_(self._view(self.staging, i), non_blocking=True)
@@ -199,19 +199,6 @@ class HostAdamW(torch.optim.AdamW):
         """Set the masters from a checkpoint's model state (fp32) by the module's parameter names."""
         for name, master in self.master_state(module).items():
             master.copy_(state[name])
-
-
-def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    """Work queued on `stream` (the CPU: at once)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def model_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -73,15 +73,35 @@ def parse_module_version(text: str) -> str | None:
     return match.group(1) if match else None  # /dev/nvidia0..N and /dev/nvidiactl (nvidia-frontend); nvidia-uvm's major is dynamic
 
 
-# The NVIDIA driver from the distribution's packages (Debian's non-free nvidia-graphics-drivers, or
-# NVIDIA's CUDA repository for Debian: the same names), instead of NVIDIA's .run installer: the module
-# comes from a *-dkms package, the user space from libcuda1, libnvidia-ml1, nvidia-smi, ... of one
-# version (their Depends pin each other with `=`). A container needs the user-space ones at exactly
-# the node's version (provision/driverpkgs.py); the kernel ones never.
+# The NVIDIA driver from the distribution's packages instead of NVIDIA's .run installer: the module from
+# a *-dkms package, the user space from packages of one version (their Depends pin each other with `=`).
+# A container needs the user-space ones at exactly the node's version (provision/driverpkgs.py); the
+# kernel ones never. Two families of names:
+# * Debian's non-free nvidia-graphics-drivers (and NVIDIA's CUDA repository for Debian): fixed names,
+#   libcuda1, libnvidia-ml1, nvidia-smi, ...;
+# * Ubuntu's (restricted, and NVIDIA's CUDA repository for Ubuntu): the driver branch and flavour in the
+#   name, libnvidia-compute-550 (libcuda, libnvidia-ml, the PTX JIT, NVVM), nvidia-utils-550
+#   (nvidia-smi), -server for the data-centre branch; the module from nvidia-dkms-550[-server][-open].
+#   Ubuntu's prebuilt linux-modules-nvidia-550-* are versioned by the kernel, not the driver: not read.
 DRIVER_KERNEL_PACKAGES = ("nvidia-kernel-dkms", "nvidia-kernel-open-dkms", "nvidia-open-kernel-dkms")
 DRIVER_USERSPACE_PACKAGES = ("libcuda1", "libnvidia-ml1", "nvidia-smi", "libnvidia-ptxjitcompiler1",
                              "libnvidia-nvvm4", "libcudadebugger1")
 DRIVER_NEEDED = ("libcuda1", "libnvidia-ml1")  # what torch and NVML load: a container gets them always
+# Ubuntu's: (branch, "-server" or None) from the name (helpers/doctor.py UBUNTU_USERSPACE: keep the two equal).
+UBUNTU_USERSPACE = re.compile(r"(?:libnvidia-compute|nvidia-utils)-(\d+)(-server)?")
+UBUNTU_KERNEL = re.compile(r"(?:nvidia-dkms|nvidia-kernel-common)-(\d+)(-server)?(?:-open)?")
+# what dpkg-query -W is asked for Ubuntu's names (its own glob patterns; the names are then matched above)
+UBUNTU_PATTERNS = ("libnvidia-compute-*", "nvidia-utils-*", "nvidia-dkms-*", "nvidia-kernel-common-*")
+
+
+def is_userspace_package(name: str) -> bool:
+    return name in DRIVER_USERSPACE_PACKAGES or UBUNTU_USERSPACE.fullmatch(name) is not None
+
+
+def is_kernel_package(name: str) -> bool:
+    return name in DRIVER_KERNEL_PACKAGES or UBUNTU_KERNEL.fullmatch(name) is not None
+
+
 DPKG_FORMAT = "${Package}\t${Version}\t${db:Status-Abbrev}\n"
 DPKG_MARKER = "--- dflash-ops driver packages"
 # dpkg-query exits 1 when a name is not known (it still prints the others) and the shell 127 when
@@ -97,7 +117,8 @@ def dpkg_query_argv(names: tuple[str, ...] | list[str], tool: list[str] | None =
 
 def node_dpkg_argv(kind: NodeKind) -> list[str]:
     """The node's NVIDIA driver packages, as dpkg_query_argv prints them."""
-    return dpkg_query_argv([*DRIVER_KERNEL_PACKAGES, *DRIVER_USERSPACE_PACKAGES], kind.node_tool(["dpkg-query"]))
+    return dpkg_query_argv([*DRIVER_KERNEL_PACKAGES, *DRIVER_USERSPACE_PACKAGES, *UBUNTU_PATTERNS],
+                           kind.node_tool(["dpkg-query"]))
 
 
 @dataclass(frozen=True)
@@ -133,20 +154,27 @@ class DriverPackages:
 
     @classmethod
     def from_dpkg(cls, found: dict[str, DpkgPackage]) -> DriverPackages:
-        return cls({name: p.version for name, p in sorted(found.items()) if p.installed})
+        return cls({name: p.version for name, p in sorted(found.items())
+                    if p.installed and (is_userspace_package(name) or is_kernel_package(name))})
 
     @property
     def version(self) -> str | None:
         """The user space's package version (else the kernel package's): what a container gets."""
-        for names in (DRIVER_USERSPACE_PACKAGES, DRIVER_KERNEL_PACKAGES):
-            versions = sorted({v for n, v in self.installed.items() if n in names})
+        for wanted in (is_userspace_package, is_kernel_package):
+            versions = sorted({v for n, v in self.installed.items() if wanted(n)})
             if versions:
                 return versions[-1] if len(versions) == 1 else None
         return None
 
     def for_container(self) -> tuple[str, ...]:
-        """The packages a container gets: the node's user-space ones, and always DRIVER_NEEDED."""
-        return tuple(sorted(set(DRIVER_NEEDED) | {n for n in self.installed if n in DRIVER_USERSPACE_PACKAGES}))
+        """The packages a container gets: the node's user-space ones, and always what torch and NVML load:
+        DRIVER_NEEDED (Debian's names), or libnvidia-compute-BRANCH[-server] of the branch and flavour the
+        node's Ubuntu names say."""
+        ubuntu = {m.groups() for m in (UBUNTU_USERSPACE.fullmatch(n) or UBUNTU_KERNEL.fullmatch(n) for n in self.installed)
+                  if m}
+        debian = not ubuntu or any(n in DRIVER_USERSPACE_PACKAGES or n in DRIVER_KERNEL_PACKAGES for n in self.installed)
+        needed = {f"libnvidia-compute-{branch}{server or ''}" for branch, server in ubuntu} | set(DRIVER_NEEDED if debian else ())
+        return tuple(sorted(needed | {n for n in self.installed if is_userspace_package(n)}))
 
     def problem(self, node: str, module: str | None) -> str | None:
         """Why a container cannot be given the node's version (one line), or None."""

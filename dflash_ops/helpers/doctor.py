@@ -253,9 +253,11 @@ def userspace_versions(root: str) -> dict:
     return {"versions": sorted(found), "files": {v: sorted(f) for v, f in found.items()}}
 
 
-# The driver's user-space packages (dflash_ops/doctor/node.py DRIVER_USERSPACE_PACKAGES: keep the two equal).
+# The driver's user-space packages (dflash_ops/doctor/node.py DRIVER_USERSPACE_PACKAGES and UBUNTU_USERSPACE:
+# keep them equal): Debian's names, and Ubuntu's that carry the branch (libnvidia-compute-550, nvidia-utils-550-server).
 USERSPACE_PACKAGES = ("libcuda1", "libnvidia-ml1", "nvidia-smi", "libnvidia-ptxjitcompiler1", "libnvidia-nvvm4",
                       "libcudadebugger1")
+UBUNTU_USERSPACE = re.compile(r"(?:libnvidia-compute|nvidia-utils)-(\d+)(-server)?")
 
 
 def userspace_packages(root: str) -> dict:
@@ -274,7 +276,9 @@ def userspace_packages(root: str) -> dict:
             if sep and not line[:1].isspace():
                 fields[key] = value.strip()
         status = fields.get("Status", "").split()
-        if fields.get("Package") in USERSPACE_PACKAGES and len(status) == 3 and status[2] == "installed":
+        name = fields.get("Package", "")
+        userspace = name in USERSPACE_PACKAGES or UBUNTU_USERSPACE.fullmatch(name) is not None
+        if userspace and len(status) == 3 and status[2] == "installed":
             found[fields["Package"]] = [fields.get("Version", ""), status[0] == "hold"]
     return found
 

@@ -57,6 +57,55 @@ def test_dpkg_lines_say_version_installed_and_held():
     assert DriverPackages().version is None
 
 
+# The same from an Ubuntu node (Ubuntu's restricted drivers, or NVIDIA's CUDA repository for Ubuntu): the
+# branch and flavour are in the names; the prebuilt module package is versioned by the kernel.
+UBUNTU_DPKG = ("nvidia-dkms-550\t550.120-0ubuntu0.24.04.1\tii \nlibnvidia-compute-550\t550.120-0ubuntu0.24.04.1\tii \n"
+               "nvidia-utils-550\t550.120-0ubuntu0.24.04.1\thi \nnvidia-kernel-common-550\t550.120-0ubuntu0.24.04.1\tii \n"
+               "libnvidia-compute-535\t535.183.01-0ubuntu0.24.04.1\trc \n"
+               "linux-modules-nvidia-550-generic\t6.8.0-45.45+1\tii \n")
+UBUNTU_SERVER_DPKG = ("nvidia-dkms-550-server-open\t550.127.05-0ubuntu0.22.04.1\tii \n"
+                      "libnvidia-compute-550-server\t550.127.05-0ubuntu0.22.04.1\tii \n"
+                      "nvidia-utils-550-server\t550.127.05-0ubuntu0.22.04.1\tii \n")
+
+
+def test_ubuntus_names_carry_the_branch_and_are_read_as_debians_are():
+    packages = DriverPackages.from_dpkg(parse_dpkg(UBUNTU_DPKG))
+    # the removed 535 and the kernel-versioned module package are not the driver's packages
+    assert packages.installed == {name: "550.120-0ubuntu0.24.04.1" for name in (
+        "libnvidia-compute-550", "nvidia-dkms-550", "nvidia-kernel-common-550", "nvidia-utils-550")}
+    assert packages.version == "550.120-0ubuntu0.24.04.1" and packages.problem("pve1", "550.120") is None
+    assert packages.for_container() == ("libnvidia-compute-550", "nvidia-utils-550")
+    assert packages.problem("pve1", "550.127.05").startswith("node pve1: its NVIDIA packages are 550.120-0ubuntu0.24.04.1")
+
+    server = DriverPackages.from_dpkg(parse_dpkg(UBUNTU_SERVER_DPKG))
+    assert server.version == "550.127.05-0ubuntu0.22.04.1" and server.problem("pve1", "550.127.05") is None
+    assert server.for_container() == ("libnvidia-compute-550-server", "nvidia-utils-550-server")
+    # a node with only the module's package: the container still gets what torch and NVML load, of its flavour
+    assert DriverPackages({"nvidia-dkms-550-server-open": "550.127.05-0ubuntu1"}).for_container() == (
+        "libnvidia-compute-550-server",)
+    assert DriverPackages({"nvidia-kernel-dkms": "550.54.14-1"}).for_container() == ("libcuda1", "libnvidia-ml1")
+
+
+def test_the_container_helper_reads_both_families_from_dpkgs_status(tmp_path):
+    from dflash_ops.doctor import node as node_facts
+    from dflash_ops.helpers import doctor as helper
+
+    assert helper.USERSPACE_PACKAGES == node_facts.DRIVER_USERSPACE_PACKAGES
+    assert helper.UBUNTU_USERSPACE.pattern == node_facts.UBUNTU_USERSPACE.pattern
+    status = tmp_path / "var" / "lib" / "dpkg" / "status"
+    status.parent.mkdir(parents=True)
+    status.write_text("".join(f"Package: {name}\nStatus: {state}\nVersion: {version}\n\n" for name, state, version in [
+        ("libnvidia-compute-550-server", "hold ok installed", "550.127.05-0ubuntu1"),
+        ("nvidia-utils-550-server", "install ok installed", "550.127.05-0ubuntu1"),
+        ("libcuda1", "hold ok installed", "550.54.14-1"),
+        ("libnvidia-compute-535", "deinstall ok config-files", "535.183.01-0ubuntu1"),
+        ("nvidia-dkms-550", "install ok installed", "550.127.05-0ubuntu1"),  # the module's: not the user space
+        ("libc6", "install ok installed", "2.36-9")]))
+    assert helper.userspace_packages(str(tmp_path)) == {
+        "libnvidia-compute-550-server": ["550.127.05-0ubuntu1", True], "nvidia-utils-550-server": ["550.127.05-0ubuntu1", False],
+        "libcuda1": ["550.54.14-1", True]}
+
+
 @pytest.mark.parametrize("version, upstream", [("550.54.14-1~deb12u1", "550.54.14"), ("1:550.54.14-1", "550.54.14"),
                                                ("535.183.01-1", "535.183.01"), ("570.86.15", "570.86.15")])
 def test_the_upstream_part_of_a_package_version_is_the_modules_version(version, upstream):
@@ -117,6 +166,27 @@ def test_the_nodes_packages_are_read_over_ssh(fake_ssh_node):
     assert node.module == "550.54.14" and node.gpus == (0, 1)
     assert node.packages.installed == {"libcuda1": version, "libnvidia-ml1": version, "nvidia-kernel-dkms": version,
                                        "nvidia-smi": version}
+
+
+def test_an_ubuntu_nodes_packages_are_read_over_ssh_by_dpkg_query(fake_ssh_node):
+    """dpkg-query itself (the node's, reading its status database) finds Ubuntu's names by their patterns."""
+    root, c = fake_ssh_node
+    version = "550.54.14-0ubuntu0.24.04.1"
+    stanzas = [(name, "install ok installed", version) for name in (
+        "libnvidia-compute-550-server", "nvidia-utils-550-server", "nvidia-dkms-550-server-open")]
+    stanzas += [("linux-modules-nvidia-550-server-generic", "install ok installed", "6.8.0-45.45+1"),
+                ("libnvidia-compute-535-server", "deinstall ok config-files", "535.183.01-0ubuntu1")]
+    (root / "node" / aptrepo.STATUS.lstrip("/")).write_text("".join(
+        f"Package: {name}\nStatus: {state}\nPriority: optional\nSection: libs\nMaintainer: Ubuntu\n"
+        f"Architecture: amd64\nVersion: {v}\nDescription: {name}\n\n" for name, state, v in stanzas))
+    node = read_node("pve1", c.target.node.kind, c.transport)
+    assert node.packages.installed == {name: version for name, _, _ in stanzas[:3]}
+    assert node.packages.problem("pve1", node.module) is None
+    assert node.packages.for_container() == ("libnvidia-compute-550-server", "nvidia-utils-550-server")
+    # provision names them, at the node's version (and refuses a directory container, as for Debian's)
+    with pytest.raises(ProvisionError, match=r"needs libnvidia-compute-550-server=550\.54\.14-0ubuntu0\.24\.04\.1 "
+                       r"nvidia-utils-550-server=550\.54\.14-0ubuntu0\.24\.04\.1 from apt"):
+        provision(c, Request(gpus="all"), say=lambda line: None)
 
 
 def test_provision_refuses_a_directory_container_and_a_node_awaiting_its_reboot_before_anything_changes(fake_ssh_node):

@@ -157,4 +157,21 @@ def test_the_memory_plan_counts_the_fp8_operands(monkeypatch):
     fp8 = build_plan(parse_config(tiny_config(cuda, FP8_DRAFTER)))
     item = "fp8 operands (e4m3, kept for backward)"
     assert item not in bf16.drafter and fp8.drafter[item] > 0
-    assert sum(fp8.drafter.values()) == sum(bf16.drafter.values()) + fp8.drafter[item]
+    freed = bf16.drafter["activations"] - fp8.drafter["activations"]
+    assert freed > 0  # the bf16 projection inputs the e4m3 copies replace
+    assert sum(fp8.drafter.values()) == sum(bf16.drafter.values()) + fp8.drafter[item] - freed
+
+
+def test_fp8_layers_save_neither_the_normed_residual_nor_the_mlp_product_in_bf16():
+    """Each uncheckpointed layer frees block_tokens x (hidden + MLP width) bf16 elements."""
+    from types import SimpleNamespace
+
+    from trainer.models.memory_plan import drafter_activation_bytes
+
+    cfg = parse_config(tiny_config("model: {dtype: bf16}\n"))
+    dcfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=16, num_key_value_heads=2,
+                           intermediate_size=160, vocab_size=512, kind="dflash")
+    layers, block = cfg.model.drafter_layers, 48
+    one_layer = block * (64 + 160) * 2
+    bf16 = drafter_activation_bytes(cfg, dcfg, 300, block, 0)
+    assert bf16 - drafter_activation_bytes(cfg, dcfg, 300, block, 0, fp8=True) == layers * one_layer

@@ -216,7 +216,7 @@ def _sizes(cfg: TrainerConfig, model_config: dict | None) -> _Sizes:
 
 
 def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int, block_tokens: int,
-                             checkpointed: int, kl: bool = False) -> int:
+                             checkpointed: int, kl: bool = False, fp8: bool = False) -> int:
     """Peak bytes of one drafter step's activations (the backward's peak), at the autocast dtype.
 
     Each layer keeps for backward what its two compiled regions and attention save: per block slot
@@ -233,13 +233,21 @@ def drafter_activation_bytes(cfg: TrainerConfig, dcfg: Any, context_tokens: int,
     ones, freed as it goes) and then recomputes one checkpointed layer at a time, beside one layer's
     transient gradients (the MLP's two products, two residual widths). dcfg: the draft's own
     DrafterConfig. Measured against the pipeline's peaks at 8,192 to 65,536-token rows,
-    checkpointing off and on (bench/RESULTS.md, issue #35)."""
+    checkpointing off and on (bench/RESULTS.md, issue #35).
+
+    With `fp8` (model.drafter.precision fp8) a layer's projections save their inputs as e4m3
+    (fp8_operand_bytes counts those), so two bf16 tensors kept only as projection inputs are no
+    longer saved: the normed residual and the MLP's product (the norm's and the product's own
+    backward read their inputs, not these); the attention output stays (attention's backward reads
+    it). Measured: the plan was 1.14x the FP8 drafter's peak before this (bench/RESULTS.md, #51)."""
     elt = 4 if cfg.model.dtype == "fp32" else 2
     hidden, heads, head_dim = int(dcfg.hidden_size), int(dcfg.num_attention_heads), int(dcfg.head_dim)
     kv_width = int(dcfg.num_key_value_heads) * head_dim
     mlp = int(dcfg.intermediate_size)
     per_layer = (block_tokens * (3 * hidden + 3 * heads * head_dim + 3 * mlp) * elt
                  + (context_tokens + block_tokens) * 4 * kv_width * elt + block_tokens * heads * 4)
+    if fp8:
+        per_layer -= block_tokens * (hidden + mlp) * elt
     selector = 0
     if getattr(dcfg, "kind", "dflash") == "dflash2":
         # DFlash2 (an estimate, not yet measured): each of a layer's four convolutions keeps its input,
@@ -349,7 +357,8 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
         "embedding + head": embed + head,
         "features": slot_bytes,
         "activations" + (f" ({checkpointed} layers checkpointed)" if checkpointed else ""):
-            drafter_activation_bytes(cfg, z.drafter, tokens, block_tokens, checkpointed, kl),
+            drafter_activation_bytes(cfg, z.drafter, tokens, block_tokens, checkpointed, kl,
+                                     fp8=cfg.model.drafter.precision == "fp8"),
     }
     if cfg.model.drafter.precision == "fp8":
         drafter["fp8 operands (e4m3, kept for backward)"] = fp8_operand_bytes(cfg, z.drafter, params, tokens,

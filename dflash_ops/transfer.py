@@ -80,9 +80,14 @@ class TransferSummary:
                 f"({self.bytes_sent / 1e6:.1f} MB) in {self.seconds:.1f}s, sha256 verified{resumed}")
 
 
-def container_path(path: str, base_dir: str | None = None) -> str:
+def container_path(path: str, base_dir: str | None = None, *, home: str | None = None) -> str:
     """A container path a transfer may write or read: absolute, normalised, not /, no '..',
-    and not inside the tool's own state under BASE (releases, venvs, runs, ...)."""
+    and not inside the tool's own state under BASE (releases, venvs, runs, ...). A relative path is
+    under `home` (the target's base_dir), as scp's is under the login's home: `data/prompts.jsonl` is
+    the same file in an LXC container and in a directory container of the simulated node, whose `/`
+    is this machine's."""
+    if isinstance(path, str) and path and not path.startswith("/") and home:
+        path = f"{home.rstrip('/')}/{path}"
     if not isinstance(path, str) or not path.startswith("/"):
         raise TransferRefused(f"container path must be absolute: {path!r}")
     if "\0" in path or "\n" in path:
@@ -147,7 +152,7 @@ def push_path(container: ContainerAPI, src: Path | str, dest: str, *, force: boo
     """Push a local file or tree to `dest` in the container (see the module docstring)."""
     started = time.monotonic()
     src = Path(src)
-    dest = container_path(dest, container.base_dir)
+    dest = container_path(dest, container.base_dir, home=container.base_dir)
     kind, files, paths = local_manifest(src)
     summary = TransferSummary(src=str(src), dest=dest, kind=kind, files=len(files),
                               bytes_total=sum(f["size"] for f in files.values()))
@@ -195,7 +200,7 @@ def fetch_path(container: ContainerAPI, src: str, dest: Path | str, *, force: bo
                on_progress: ProgressCallback | None = None) -> TransferSummary:
     """Fetch a file or tree from the container to the local path `dest` (see the module docstring)."""
     started = time.monotonic()
-    src = container_path(src)
+    src = container_path(src, home=container.base_dir)
     dest = Path(os.path.normpath(Path(os.path.expanduser(str(dest))).absolute()))
     # the rule first: `fetch ... /`, `.` or `~` is refused before anything is read or staged
     protected = [*tree_helper.protected_paths(), (container.base_dir, "the target's base_dir")]

@@ -20,8 +20,10 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.
 
 
 LocalSrc = Annotated[Path, typer.Argument(help="Local file or directory.")]
-ContainerDest = Annotated[str, typer.Argument(help="Absolute container path SRC will have, e.g. /models/Qwen3-8B.")]
-ContainerSrc = Annotated[str, typer.Argument(help="Absolute container path of a file or directory.")]
+ContainerDest = Annotated[str, typer.Argument(help="Container path SRC will have: absolute (/models/Qwen3-8B), or "
+                                                   "relative to the target's base_dir (data/prompts.jsonl).")]
+ContainerSrc = Annotated[str, typer.Argument(help="Container path of a file or directory: absolute, or relative to "
+                                                  "the target's base_dir.")]
 LocalDest = Annotated[Path, typer.Argument(help="Local path the copy will have.")]
 
 

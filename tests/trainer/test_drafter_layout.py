@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.test_packing import assert_tiles_cover, doc_start_of
-from trainer.generate.sampling import Sampling
+from trainer.generate.sampling_params import Sampling
 from trainer.models.drafter import DFlashDrafter, DrafterConfig, serving_mask
 from trainer.models.masks import (
     block_attention,

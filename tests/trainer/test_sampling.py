@@ -19,7 +19,8 @@ from tests.trainer.test_speculative_cached import OracleHead, bigram_target
 from trainer.generate import sampling
 from trainer.generate.evaluate import acceptance_report, speculative_generate
 from trainer.generate.lookup import lookup_generate
-from trainer.generate.sampling import GREEDY, Noise, Sampling, processed_probs, reach
+from trainer.generate.sampling import Noise, processed_probs, reach
+from trainer.generate.sampling_params import GREEDY, Sampling
 from trainer.generate.speculative import Generation, speculative_generate_cached
 
 V3 = 3

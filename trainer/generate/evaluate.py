@@ -15,7 +15,8 @@ import torch
 
 from trainer.data.chat import template_kwargs_for
 from trainer.data.turns import TurnMode, turn_prompts
-from trainer.generate.sampling import GREEDY, Noise, Sampling, propose_sampled, sample_next, verify
+from trainer.generate.sampling import Noise, propose_sampled, sample_next, verify
+from trainer.generate.sampling_params import GREEDY, Sampling
 from trainer.generate.speculative import Generation
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.target import FrozenHead

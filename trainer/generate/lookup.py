@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.generate.sampling import GREEDY, Noise, Sampling, sample_next, verify
+from trainer.generate.sampling import Noise, sample_next, verify
+from trainer.generate.sampling_params import GREEDY, Sampling
 from trainer.generate.speculative import Generation
 from trainer.models import decoder
 

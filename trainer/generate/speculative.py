@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from trainer.generate.sampling import GREEDY, Noise, Sampling, propose_sampled, reach, sample_next, verify
+from trainer.generate.sampling import Noise, propose_sampled, reach, sample_next, verify
+from trainer.generate.sampling_params import GREEDY, Sampling
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
 from trainer.models.drafter import Attention, DFlashDrafter, _rotate, rope_cos_sin, serving_attention

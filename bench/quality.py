@@ -819,6 +819,7 @@ def write_other_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Ra
 ENV = {"PYTHONUNBUFFERED": "1"}
 MIN_WORK_S = 20.0  # a stage stopped at a deadline runs at least this long after its first output
 KILL_AFTER_S = 60.0  # a trainer run that has not stopped this long after SIGTERM is killed
+SIGINT_KILL_AFTER_S = 30.0  # the fallback: regen cancels its batch in flight and exits within seconds of SIGINT
 
 
 def child_env() -> dict:
@@ -828,9 +829,10 @@ def child_env() -> dict:
 def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None,
             started_work=None, module: str = "trainer") -> tuple[int, float]:
     """`python -m MODULE ARGV` (the trainer, or trainer_tools.regen) as a user runs it (in this process for the CPU test). At the
-    deadline the process gets SIGINT (regen: stops with whole lines written); a deadline that
-    passes before `started_work()` holds (a cold machine still loading and compiling) moves to
-    MIN_WORK_S after it, so the stage always produces something."""
+    deadline the process gets SIGINT (regen: cancels the batch it is decoding and exits 130 with
+    whole lines written, within seconds; SIGKILL SIGINT_KILL_AFTER_S later if not, and the log says
+    how long it took); a deadline that passes before `started_work()` holds (a cold machine still
+    loading and compiling) moves to MIN_WORK_S after it, so the stage always produces something."""
     started = time.time()
     if p.inprocess:
         import contextlib
@@ -846,7 +848,7 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=f, stderr=subprocess.STDOUT,
                                 env=child_env(), cwd=str(ROOT), preexec_fn=default_signals)
-        interrupted = None
+        interrupted = sigint_at = None
         while proc.poll() is None:
             if deadline is not None and started_work is not None:
                 if started_work():
@@ -857,11 +859,14 @@ def run_cli(p: Preset, argv: list[str], log: Path, deadline: float | None = None
                 say(f"deadline: SIGINT to `python -m {module}` (pid {proc.pid})")
                 proc.send_signal(signal.SIGINT)
                 deadline, interrupted = None, time.time()
-            if interrupted is not None and time.time() - interrupted > 30:
-                say(f"deadline: `python -m {module}` still running 30s after SIGINT: SIGKILL")
+                sigint_at = interrupted
+            if interrupted is not None and time.time() - interrupted > SIGINT_KILL_AFTER_S:
+                say(f"deadline: `python -m {module}` still running {SIGINT_KILL_AFTER_S:.0f}s after SIGINT: SIGKILL")
                 proc.kill()
                 interrupted = None
             time.sleep(0.2)
+    if sigint_at is not None:
+        say(f"deadline: `python -m {module}` ended (exit {proc.returncode}) {time.time() - sigint_at:.1f}s after SIGINT")
     return proc.returncode, time.time() - started
 
 

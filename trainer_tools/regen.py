@@ -481,12 +481,33 @@ def supports_static_decode(model: Any) -> bool:
 
 
 def static_greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                           prefill_rows: int = 256) -> torch.Tensor:
+                           prefill_rows: int = 256, cancel: threading.Event | None = None) -> torch.Tensor:
     """Greedy answers of a whole batch from the target decoder's preallocated KV cache
-    (`trainer.models.decoder.greedy`): [B, new] token ids, rows not cut at their stop tokens."""
+    (`trainer.models.decoder.greedy`): [B, new] token ids, rows not cut at their stop tokens;
+    trainer.models.decoder.Cancelled at the next step once `cancel` is set."""
     from trainer.models import decoder
 
-    return decoder.greedy(model, prompts, max_new_tokens, stop_ids, prefill_rows)
+    return decoder.greedy(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel)
+
+
+def cancel_criteria(cancel: threading.Event) -> Any:
+    """transformers' `generate` stopping criteria that raise trainer.models.decoder.Cancelled at the
+    first step after `cancel` is set (generate checks its criteria after every token)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from trainer.models import decoder
+
+    class Cancel(StoppingCriteria):
+        def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+            decoder.check_cancel(cancel)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+    return StoppingCriteriaList([Cancel()])
+
+
+TOKENIZE_ROWS = 1024  # conversations tokenized per call (the engine checks for a close between calls)
+CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread to leave a cancelled batch
 
 
 class HFEngine:
@@ -494,12 +515,16 @@ class HFEngine:
 
     Worker threads call `complete()` concurrently; one generation thread takes up to
     `batch_size` waiting requests at a time, left-pads them and decodes them together.
-    `max_model_len` refuses a prompt that would not fit, as a server does.
+    `max_model_len` refuses a prompt that would not fit, as a server does. `on_batch(rows, width)`
+    is called as each batch starts decoding (Progress.batch: a 16,384-row batch decodes for a
+    minute or more without a finished answer). `close()` cancels the batch in flight at its next
+    decode step: after a Ctrl-C its answers would not be written (with a 16,384-row batch in
+    flight, an interrupted regen twice outlived the quality bench's 30 s before SIGKILL).
     """
 
     def __init__(self, model_path: str, sampling: Sampling, *, device: str = "cpu", dtype: str = "auto",
                  batch_size: int = 8, max_model_len: int | None = None, seed: int = 0, decode: str = "auto",
-                 gather_s: float | None = None):
+                 gather_s: float | None = None, on_batch: Callable[[int, int], None] | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -537,6 +562,8 @@ class HFEngine:
                              "with full attention only")
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
+        self._cancel = threading.Event()  # set by close(): the decode in flight stops at its next step
+        self.on_batch = on_batch
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
 
@@ -588,10 +615,11 @@ class HFEngine:
                     break
                 batch.append(more)
             try:
-                ids = self.prompt_ids_batch([request for request, _, _ in batch])  # (messages, tools) each
+                ids = self._tokenize([request for request, _, _ in batch])  # (messages, tools) each
             except Exception as e:  # noqa: BLE001 - a template error fails the batch's requests
+                why = "the engine is closed" if self._closed else f"chat template failed: {type(e).__name__}: {e}"
                 for _, done, _ in batch:
-                    done.set_exception(RegenError(f"chat template failed: {type(e).__name__}: {e}"))
+                    done.set_exception(RegenError(why))
                 continue
             limit, fits = self.max_model_len, []
             for prompt, (_, done, seed) in zip(ids, batch):
@@ -604,13 +632,27 @@ class HFEngine:
             if not fits:
                 continue
             try:
+                if self.on_batch is not None:
+                    self.on_batch(len(fits), max(len(prompt) for prompt, _, _ in fits))
                 results = self.generate([prompt for prompt, _, _ in fits], [seed for _, _, seed in fits])
-            except Exception as e:  # noqa: BLE001 - every waiting request fails with it
+            except Exception as e:  # noqa: BLE001 - every waiting request fails with it (Cancelled: closed)
+                why = "the engine is closed" if self._closed else f"generate failed: {type(e).__name__}: {e}"
                 for _, done, _ in fits:
-                    done.set_exception(RegenError(f"generate failed: {type(e).__name__}: {e}"))
+                    done.set_exception(RegenError(why))
                 continue
             for (_, done, _), result in zip(fits, results):
                 done.set_result(result)
+
+    def _tokenize(self, conversations: list[tuple[list[dict], list[dict] | None]]) -> list[list[int]]:
+        """prompt_ids_batch in calls of TOKENIZE_ROWS conversations, stopping between them once closed
+        (rendering and tokenizing 16,384 long prompts takes seconds)."""
+        from trainer.models import decoder
+
+        ids: list[list[int]] = []
+        for i in range(0, len(conversations), TOKENIZE_ROWS):
+            decoder.check_cancel(self._cancel)
+            ids += self.prompt_ids_batch(conversations[i:i + TOKENIZE_ROWS])
+        return ids
 
     def _fail_queued(self) -> None:
         """Requests still queued at close fail, so the worker threads waiting on them end."""
@@ -628,13 +670,16 @@ class HFEngine:
         transformers draws one generator for the whole batch, so a sample differs from the other
         samples of its prompt (another row, or another batch seed) but is reproduced only when it is
         decoded in the same batch again."""
+        from trainer.models import decoder
+
         torch, s = self.torch, self.sampling
         if self.static and s.temperature <= 0:  # the stand-in server sets each request's sampling
-            rows = static_greedy_generate(self.model, prompts, s.max_tokens, self.stop_ids).tolist()
-            return [self._completion(prompt, row) for prompt, row in zip(prompts, rows)]
+            rows = static_greedy_generate(self.model, prompts, s.max_tokens, self.stop_ids, cancel=self._cancel).tolist()
+            return self._completions(prompts, rows)
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        input_ids = decoder.left_padded(prompts, width, self.pad_id).to(self.device)
+        starts = torch.tensor([width - len(p) for p in prompts])
+        attention = (torch.arange(width)[None, :] >= starts[:, None]).long().to(self.device)
         sample = s.temperature > 0
         options = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p) if sample else dict(do_sample=False)
         if sample:
@@ -643,8 +688,19 @@ class HFEngine:
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=s.max_tokens,
                                       eos_token_id=sorted(self.stop_ids) or None, pad_token_id=self.pad_id,
-                                      use_cache=True, top_k=None, **options)
-        return [self._completion(prompt, row) for prompt, row in zip(prompts, out[:, width:].tolist())]
+                                      use_cache=True, top_k=None, stopping_criteria=cancel_criteria(self._cancel),
+                                      **options)
+        return self._completions(prompts, out[:, width:].tolist())
+
+    def _completions(self, prompts: list[list[int]], rows: list[list[int]]) -> list[Completion]:
+        """Each row's Completion, stopping once closed (detokenizing 16,384 answers takes seconds)."""
+        from trainer.models import decoder
+
+        done = []
+        for prompt, row in zip(prompts, rows):
+            decoder.check_cancel(self._cancel)
+            done.append(self._completion(prompt, row))
+        return done
 
     def _completion(self, prompt: list[int], row: list[int]) -> Completion:
         """A generated row cut at its first stop token (HF pads finished rows; ours keep decoding)."""
@@ -657,11 +713,14 @@ class HFEngine:
                           prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None),
                           token_ids=row if stop is None else row[:stop + 1])
 
-    def close(self) -> None:
-        """Finish the batch being decoded (at most 60 s), then fail whatever is still queued."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Cancel the batch being decoded (it stops at its next decode step, its requests fail: the
+        caller has stopped reading answers), fail whatever is still queued, and wait for the
+        generation thread to end (at most `wait_s`). A Ctrl-C during the wait raises here."""
         self._closed = True
+        self._cancel.set()
         self._queue.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=wait_s)
         self._fail_queued()
 
 
@@ -798,7 +857,9 @@ def checked(done: Regenerated, checker: TokenChecker | None) -> Regenerated:
 
 
 class Progress:
-    """A one-line bar on a terminal; on a pipe or log (a playbook step) a line every 10 s."""
+    """A one-line bar on a terminal; on a pipe or log (a playbook step) a line every 10 s (`every_s`).
+    The HF engine's batches are announced as they start decoding (`batch`), at most one line per
+    `every_s` besides the first."""
 
     def __init__(self, total: int, stream: TextIO | None = None, every_s: float = 10.0) -> None:
         self.total = total
@@ -809,6 +870,7 @@ class Progress:
         self.every_s = every_s
         self.started = time.monotonic()
         self._last = 0.0
+        self._last_batch = 0.0
 
     def update(self, s: Summary, final: bool = False) -> None:
         now = time.monotonic()
@@ -828,6 +890,17 @@ class Progress:
             self.stream.write("\r" + text + ("\n" if final else ""))
         else:
             self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def batch(self, rows: int, width: int) -> None:
+        """A batch of `rows` conversations, prompts of up to `width` tokens, starts decoding (called
+        from the engine's thread; on a terminal the line goes above the bar)."""
+        now = time.monotonic()
+        if now - self._last_batch < self.every_s:
+            return
+        self._last_batch = now
+        text = f"regen: decoding {rows} conversations at once (prompts of up to {width} tokens)"
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
         self.stream.flush()
 
 
@@ -992,6 +1065,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="only the first N conversations of the input")
     p.add_argument("--max-consecutive-failures", type=int, default=MAX_CONSECUTIVE_FAILURES,
                    help="stop early after this many conversations failed in a row (a dead server)")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                   help="on a pipe or log: a progress line (and a line for a batch starting to decode) at most "
+                        "this often")
     return p
 
 
@@ -1006,6 +1082,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
             raise InputError("--extra-body must be a JSON object")
     if args.max_tokens < 1 or args.concurrency < 1 or args.max_consecutive_failures < 1:
         raise InputError("--max-tokens, --concurrency and --max-consecutive-failures must be at least 1")
+    if not args.progress_every >= 0:
+        raise InputError(f"--progress-every must be 0 or more seconds, got {args.progress_every:g}")
     if not args.timeout > 0 or not args.tool_timeout > 0:
         raise InputError("--timeout and --tool-timeout must be more than 0 seconds")
     if args.max_turns < 1 or args.max_context_tokens < 1:
@@ -1020,7 +1098,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     return Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, extra=extra)
 
 
-def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, str]:
+def build_engine(args: argparse.Namespace, sampling: Sampling,
+                 on_batch: Callable[[int, int], None] | None = None) -> tuple[Engine, str]:
     engine = args.engine or ("openai" if args.endpoint else None)
     if engine is None:
         raise InputError("give --endpoint URL (an OpenAI-compatible server) or --engine hf --model-path DIR")
@@ -1038,7 +1117,7 @@ def build_engine(args: argparse.Namespace, sampling: Sampling) -> tuple[Engine, 
         raise InputError(f"--engine hf needs --model-path DIR (a local model directory), got {args.model_path!r}")
     name = args.model or os.path.basename(os.path.normpath(args.model_path))
     return HFEngine(args.model_path, sampling, device=args.device, dtype=args.dtype, batch_size=args.concurrency,
-                    max_model_len=args.max_model_len, seed=args.seed, decode=args.decode), name
+                    max_model_len=args.max_model_len, seed=args.seed, decode=args.decode, on_batch=on_batch), name
 
 
 def build_agent(args: argparse.Namespace) -> Agent | None:
@@ -1105,12 +1184,12 @@ def main(argv: list[str]) -> int:
     engine = None
     interrupted = False
     try:
+        progress = Progress(len(prompts), every_s=args.progress_every)
         try:
-            engine, model = build_engine(args, sampling)
+            engine, model = build_engine(args, sampling, on_batch=progress.batch)
         except InputError as e:
             print(f"regen: {e}", file=sys.stderr)
             return EXIT_USAGE
-        progress = Progress(len(prompts))
         done = output.finished | (rejected.finished if rejected is not None else set())
         print(f"regen: {len(prompts)} conversations, {len(done & {p.id for p in prompts})} already in "
               f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
@@ -1119,18 +1198,18 @@ def main(argv: list[str]) -> int:
                                  on_progress=progress.update, max_consecutive_failures=args.max_consecutive_failures,
                                  agent=agent, checker=checker, rejected=rejected)
         except KeyboardInterrupt:
-            interrupted = True  # requests in flight are left behind (daemon threads), not waited for
+            interrupted = True  # the output is closed below, then the engine cancels its batch in flight
             print("\nregen: interrupted; the answers that were complete are written, the output holds whole "
                   "lines only - rerun the same command to resume", file=sys.stderr, flush=True)
-            return 130
-        summary.duplicates = duplicates
-        progress.update(summary, final=True)
+        else:
+            summary.duplicates = duplicates
+            progress.update(summary, final=True)
     finally:
-        output.close()
+        output.close()  # first: whole lines on disk, whatever happens to the engine's thread
         if rejected is not None:
             rejected.close()
-        if engine is not None and not interrupted:
-            interrupted = not close_engine(engine)
+        if engine is not None and not close_engine(engine):
+            interrupted = True
     if interrupted:
         return 130
     if summary.stopped:
@@ -1144,14 +1223,27 @@ def main(argv: list[str]) -> int:
 
 
 def close_engine(engine: Engine) -> bool:
-    """engine.close() (the HF engine finishes the batch in flight); False when Ctrl-C cut it short."""
+    """engine.close() (the HF engine cancels its batch in flight and waits for its thread, seconds at
+    most); False when a Ctrl-C cut the wait short: a second Ctrl-C exits at once."""
     try:
         engine.close()
     except KeyboardInterrupt:
-        print("\nregen: interrupted while the batch in flight finished; the output holds whole lines only",
+        print("\nregen: interrupted while the engine stopped; the output holds whole lines only",
               file=sys.stderr, flush=True)
         return False
     return True
+
+
+def exit_interrupted(code: int) -> None:
+    """The command line's exit after a Ctrl-C (130) skips the interpreter's shutdown: its outputs
+    are closed and fsynced by then, and a daemon thread may still be inside torch or a tokenizer
+    (the engine's, when a second Ctrl-C cut the wait short; a worker's token check). Python's
+    shutdown ends such a thread with pthread_exit, whose unwinding through C++ frames aborts:
+    exit -6, "terminate called without an active exception", in place of 130 (every time on the
+    CPU with a tiny model while regen still left the batch in flight decoding at exit)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def iter_records(path: str | Path) -> Iterable[dict]:
@@ -1162,4 +1254,7 @@ def iter_records(path: str | Path) -> Iterable[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if code == 130:
+        exit_interrupted(code)
+    sys.exit(code)

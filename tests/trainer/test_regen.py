@@ -301,10 +301,10 @@ def test_the_stand_in_is_not_ready_until_its_model_is_loaded(model_dir):
         httpd.shutdown()
 
 
-def test_ctrl_c_while_the_last_batch_finishes_exits_130_with_whole_lines(model_dir, tmp_path, capsys, monkeypatch):
-    """A run that stops on its own (here: it is done) waits for the HF engine's batch in flight in
-    close(); a Ctrl-C arriving then (the quality bench's deadline) is an interruption (exit 130 and
-    one line), not a traceback with exit 1."""
+def test_ctrl_c_while_the_engine_stops_exits_130_with_whole_lines(model_dir, tmp_path, capsys, monkeypatch):
+    """A run that stops on its own (here: it is done) waits in close() for the HF engine's thread
+    to leave its batch; a Ctrl-C arriving then (the quality bench's deadline, or a second Ctrl-C)
+    is an interruption (exit 130 and one line), not a traceback with exit 1."""
     close = regen.HFEngine.close
 
     def interrupted_close(self):
@@ -317,7 +317,7 @@ def test_ctrl_c_while_the_last_batch_finishes_exits_130_with_whole_lines(model_d
     code, _, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
                             "-n", 4, "--max-tokens", 3], capsys)
     assert code == 130
-    assert "interrupted while the batch in flight finished" in err and "Traceback" not in err
+    assert "interrupted while the engine stopped" in err and "Traceback" not in err
     assert len({r["id"] for r in records(out)}) == 12
 
 

@@ -27,6 +27,8 @@ recompute: rows accept different counts, and a recompute would need a sub-batch 
 
 from __future__ import annotations
 
+import threading
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +38,30 @@ import torch.nn.functional as F
 from trainer.models.hf import base_model, hf_config, output_embeddings
 
 FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forward` runs from their modules
+
+
+class Cancelled(Exception):
+    """The decode was cancelled (`cancel` set: an interrupted regen); its tokens are no answer."""
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Raise Cancelled once `cancel` is set (a flag read, no device sync: cheap at every step)."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the decode was cancelled")
+
+
+def left_padded(prompts: Sequence[Sequence[int]], width: int, pad: int) -> torch.Tensor:
+    """[B, width] int64 on the CPU: each prompt at the right end of its row, `pad` before it.
+
+    Row by row through the buffer protocol: one `torch.tensor` of the nested list parses every token
+    as a Python object with the GIL held (7.5 s for 4,096 rows of ~7K tokens on this project's CPU
+    box, so a 16,384-row batch held the GIL - and a Ctrl-C - for half a minute); this took 0.9 s and
+    lets other threads (the main thread's signal handler) run between rows."""
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for row, p in zip(ids, prompts):
+        if len(p):
+            row[width - len(p):] = torch.frombuffer(array("q", p), dtype=torch.long)
+    return ids
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -182,21 +208,24 @@ def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes:
 
 
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-           prefill_rows: int = 256, max_rows: int | None = None) -> torch.Tensor:
+           prefill_rows: int = 256, max_rows: int | None = None,
+           cancel: threading.Event | None = None) -> torch.Tensor:
     """Greedy decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many
-    as the free memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]."""
+    as the free memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new].
+    Once `cancel` is set it raises Cancelled at the next prefill chunk or decode step, so an
+    interrupted regen does not decode the rest of a batch whose answers it will not write."""
     d = TargetDecoder(model)
     if max_rows is None and d.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(d.device)
         max_rows = rows_that_fit(d, max(map(len, prompts)) + max_new_tokens, free, total)
     if max_rows is None or len(prompts) <= max_rows:
-        return _greedy(d, prompts, max_new_tokens, stop_ids, prefill_rows)
-    return torch.cat([_greedy(d, prompts[i:i + max_rows], max_new_tokens, stop_ids, prefill_rows)
+        return _greedy(d, prompts, max_new_tokens, stop_ids, prefill_rows, cancel)
+    return torch.cat([_greedy(d, prompts[i:i + max_rows], max_new_tokens, stop_ids, prefill_rows, cancel)
                       for i in range(0, len(prompts), max_rows)])
 
 
 def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-            prefill_rows: int) -> torch.Tensor:
+            prefill_rows: int, cancel: threading.Event | None = None) -> torch.Tensor:
     """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
 
     Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
@@ -210,7 +239,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
     n, width = len(prompts), max(len(p) for p in prompts)
     cache = d.cache(n, width + max_new_tokens)
     pads = torch.tensor([width - len(p) for p in prompts], device=dev)
-    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=dev)
+    ids = left_padded(prompts, width, 0).to(dev)
     slot = torch.arange(width + max_new_tokens, device=dev)
     valid = slot[None, :] >= pads[:, None]  # [B, slots]: padding never attended to
     positions = (slot[None, :width] - pads[:, None]).clamp(min=0)
@@ -220,6 +249,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
     prefill_rows = prefill_rows_for(width, prefill_rows)
     with torch.no_grad():
         for r0 in range(0, n, prefill_rows):
+            check_cancel(cancel)
             rows = slice(r0, min(n, r0 + prefill_rows))
             visible = (valid[rows, None, :width] & causal[None]) | eye[None]
             logits, _ = d.forward(ids[rows], positions[rows], cache, slot[:width], visible, rows=rows, upto=width,
@@ -228,6 +258,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
         stop = torch.tensor(sorted(stop_ids) or [-1], device=dev)
         done = torch.isin(out[:, 0], stop)
         for t in range(1, max_new_tokens):
+            check_cancel(cancel)
             if t % 8 == 0 and bool(done.all()):
                 break
             at = width + t - 1

@@ -1228,7 +1228,7 @@ def close_engine(engine: Engine) -> bool:
     try:
         engine.close()
     except KeyboardInterrupt:
-        print("\nregen: interrupted while the engine stopped; the output holds whole lines only",
+        print("\nregen: interrupted while the engine was stopping; the output holds whole lines only",
               file=sys.stderr, flush=True)
         return False
     return True

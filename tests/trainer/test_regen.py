@@ -317,7 +317,7 @@ def test_ctrl_c_while_the_engine_stops_exits_130_with_whole_lines(model_dir, tmp
     code, _, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
                             "-n", 4, "--max-tokens", 3], capsys)
     assert code == 130
-    assert "interrupted while the engine stopped" in err and "Traceback" not in err
+    assert "interrupted while the engine was stopping" in err and "Traceback" not in err
     assert len({r["id"] for r in records(out)}) == 12
 
 

@@ -161,6 +161,7 @@ def test_a_server_that_is_not_the_engine_started_is_not_taken_for_it(tmp_path):
 def test_an_engine_still_starting_is_stopped_on_every_way_out(tmp_path, how):
     """Ctrl-C (or SIGTERM, or the readiness timeout) while the engine starts used to leave it running,
     holding the GPU."""
+    import os
     import signal
     import subprocess
     import sys
@@ -172,16 +173,25 @@ def test_an_engine_still_starting_is_stopped_on_every_way_out(tmp_path, how):
     root = Path(__file__).resolve().parents[2]
     argv = [sys.executable, "-m", "trainer_tools.serve_bench",
             *_serve_bench_argv(tmp_path, free_port(), "hang", timeout=3 if how == "timeout" else 600)]
-    bench = subprocess.Popen(argv, cwd=root, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's Ctrl-C finds it: a test runner started in the background by a shell (`&`)
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    bench = subprocess.Popen(argv, cwd=root, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid_file = tmp_path / "engine.pid"
-    for _ in range(600):
-        if pid_file.exists() and pid_file.read_text():
-            break
-        time.sleep(0.05)
-    engine = int(pid_file.read_text())
-    if how != "timeout":
-        bench.send_signal(getattr(signal, how))
-    _, err = bench.communicate(timeout=120)
+    try:
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        engine = int(pid_file.read_text())
+        if how != "timeout":
+            bench.send_signal(getattr(signal, how))
+        _, err = bench.communicate(timeout=120)
+    finally:  # a serve_bench that did not stop, and its engine, stopped here
+        bench.kill()
+        bench.wait()
+        if pid_file.exists() and pid_file.read_text() and alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
     assert bench.returncode != 0
     assert not alive(engine), "the engine outlived serve_bench"
     if how == "timeout":

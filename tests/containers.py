@@ -92,10 +92,11 @@ class ContainerProcs:
 def process_inside(container: Container, argv: list[str] | None = None) -> Iterator[int]:
     """`argv` (default: a long sleep) running detached inside the container, a session leader;
     yields its pid as the container sees it (what a trainer's status.json would hold) and kills it
-    at the end, from inside."""
+    at the end, from inside: its whole process group (the pid is the shell that runs argv, whose
+    child outlived a kill of the pid alone by its 300 s)."""
     out = container.exec(render.script(argv or ["sleep", "300"], background=True), check=True).stdout
     pid = int(out.split()[-1])
     try:
         yield pid
     finally:
-        container.exec(["kill", "-KILL", str(pid)])
+        container.exec(["kill", "-KILL", "--", f"-{pid}"])

@@ -46,7 +46,6 @@ import sys
 import termios
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -56,6 +55,7 @@ import yaml
 from dflash_ops.cli import app
 from dflash_ops.simnode import containers as simct
 from dflash_ops.simnode import rootfs
+from tests.http_sink import HttpSink
 
 pytestmark = [pytest.mark.slow, pytest.mark.lxc_tier]
 
@@ -112,31 +112,6 @@ def fresh_clone(work: Path) -> None:
         config["model"]["target"]["tiny"]["fit_steps"] = 20
         config["eval"].update(samples=4, max_new_tokens=16)
         (configs / path.name).write_text(yaml.safe_dump(config))
-
-
-class Webhooks:
-    """A webhook receiver on 127.0.0.1: every JSON document POSTed to it, in order."""
-
-    def __init__(self) -> None:
-        received: list[dict] = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.received = received
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/dflash"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class Tour:
@@ -262,8 +237,8 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_home(tmp_path):
     sim_root = home / ".local" / "state" / "dflash-ops" / "sim"
     user_inventory = home / ".config" / "dflash-ops" / "hosts.yaml"
     lxc_reason = rootfs.unavailable_reason()
-    hooks = Webhooks()
-    tour = Tour(work, env, hooks.url)
+    hooks = HttpSink()
+    tour = Tour(work, env, hooks.url("/dflash"))
     try:
         proc = tour.run("dflash-ops hosts")  # CTs 200 and 300 are created on first use
         rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[1:]}
@@ -386,10 +361,10 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_home(tmp_path):
 
         if backend == "directory":  # an LXC container's 127.0.0.1 is its own: the receiver is not there
             waited = time.monotonic()  # the notifier posts as the run starts: long since, unless it never does
-            while not any(doc["run_id"] == queued and doc["state"] == "started" for doc in hooks.received):
-                assert time.monotonic() - waited < 300, f"no `started` webhook for {queued}: {hooks.received}"
+            while not any(doc["run_id"] == queued and doc["state"] == "started" for doc in hooks.delivered()):
+                assert time.monotonic() - waited < 300, f"no `started` webhook for {queued}: {hooks.delivered()}"
                 time.sleep(0.5)
-            assert all(doc["target"] == "host200" for doc in hooks.received)
+            assert all(doc["target"] == "host200" for doc in hooks.delivered())
 
         ran = {shlex.join(tour.argv(line)) for line in tour.lines}  # a hint the tour runs next (rollback) is run
         for hint in dict.fromkeys(tour.hints):

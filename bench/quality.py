@@ -920,8 +920,9 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
     model = {"target": target, "drafter_layers": o["drafter_layers"],
              "block_size": o["block_size"], "num_target_layers": o["num_target_layers"], "attention": "auto",
              "dtype": p.dtype, "loss_chunk": 4096}
-    if o["gamma"] is not None:
+    if o["gamma"] is not None:  # gamma shapes the decay weights: an ablation of it trains under decay
         model["gamma"] = float(o["gamma"])
+        model["position_weight"] = "decay"
     if o.get("sliding_window"):  # every layer sliding, or the last full_layers of them full
         full = int(o.get("full_layers", 0))
         model["drafter"] = {"layer_types": ["sliding_attention"] * (o["drafter_layers"] - full) + ["full_attention"] * full,

@@ -73,8 +73,8 @@ from trainer.run.contract import read_events, read_log  # noqa: E402
 OBJECTIVES = {
     "ce+decay": {"loss": "ce", "position_weight": "decay"},
     "ce+dpace": {"loss": "ce", "position_weight": "dpace"},
-    "kl": {"loss": "kl"},
-    "ce+kl": {"loss": {"ce": 1.0, "kl": 1.0}},
+    "kl": {"loss": "kl", "position_weight": "decay"},
+    "ce+kl": {"loss": {"ce": 1.0, "kl": 1.0}, "position_weight": "decay"},
 }
 # name -> the model section's drafter generation (issue #37, docs/dflash2.md): DFlash2 beside DFlash1,
 # the same objective (the default), DFlash2 with the trainer's defaults for its five fields

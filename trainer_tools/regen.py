@@ -27,7 +27,7 @@ output never holds a half line or a duplicate. Failed conversations are never wr
 a rerun retries them (a trajectory cut short by a failure or Ctrl-C is retried whole; its tool
 calls are executed again).
 
-Several answers per prompt (`--samples-per-prompt N`, at `--temperature` > 0): each prompt becomes N
+Several answers per prompt (`--samples-per-prompt N`, at `--temperature` > 0, 1 unless given): each prompt becomes N
 rows, keyed by (prompt, sample index): id `<prompt id>#<k>`, with `prompt_id`, `sample` and `seed`.
 Sample k's seed is a hash of (`--seed`, the prompt's id, k), sent with each of its requests (the
 server's `seed`; the HF engine seeds each batch from its rows' seeds), so samples differ from each
@@ -66,6 +66,8 @@ EXIT_FAILURES = 1  # some conversations failed (rerun to retry them)
 EXIT_USAGE = 2  # bad input or arguments
 FSYNC_EVERY_S = 1.0
 RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+# --samples-per-prompt without --temperature: the sampling the recipe ablation's `both` data used (issue #50)
+SAMPLED_TEMPERATURE = 1.0
 FINISHED = ("stop", "length", "tool_calls")  # an answer that ended otherwise (abort, error, none) did not finish
 CHARS_PER_TOKEN = 64  # an answer longer than this many characters per --max-tokens token is not an answer
 MAX_CONSECUTIVE_FAILURES = 16
@@ -1031,7 +1033,9 @@ def _parser() -> argparse.ArgumentParser:
                         "and the model has the Llama/Qwen layout); hf = transformers' generate")
     p.add_argument("-n", "--concurrency", type=int, default=8, help="conversations in flight (hf: the batch size)")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per answer; longer answers count as truncated")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"default: {SAMPLED_TEMPERATURE:g} with --samples-per-prompt (the recipe ablation's sampled "
+                        "answers, docs/objectives.md), else 0 (greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--samples-per-prompt", type=int, default=None, metavar="N",
                    help="N answers per prompt (needs --temperature > 0), each its own row keyed by (prompt, sample "
@@ -1090,6 +1094,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
         raise InputError("--max-turns and --max-context-tokens must be at least 1")
     if args.samples_per_prompt is not None and args.samples_per_prompt < 1:
         raise InputError(f"--samples-per-prompt must be at least 1, got {args.samples_per_prompt}")
+    if args.temperature is None:
+        args.temperature = SAMPLED_TEMPERATURE if args.samples_per_prompt is not None else 0.0
     if (args.samples_per_prompt or 1) > 1 and not args.temperature > 0:
         raise InputError("--samples-per-prompt above 1 needs --temperature > 0 (greedy answers to a prompt are all "
                          "the same)")

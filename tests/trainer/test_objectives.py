@@ -197,8 +197,11 @@ def test_the_config_names_the_objective():
 
     c = parse_config(tiny_config("model: {loss: {ce: 0.25, kl: 1}, kl_temperature: 2, position_weight: dpace}"))
     assert objective_of(c.model) == Objective(ce=0.25, kl=1.0, temperature=2.0, position_weight="dpace")
-    assert objective_of(parse_config(tiny_config("")).model) == CE_DECAY
-    assert objective_of(parse_config(tiny_config("model: {loss: kl}")).model) == Objective(ce=0.0, kl=1.0)
+    # the default is what the recipe ablation supports (#50): cross-entropy with D-PACE position weights
+    assert objective_of(parse_config(tiny_config("")).model) == Objective(position_weight="dpace")
+    assert objective_of(parse_config(tiny_config("model: {position_weight: decay}")).model) == CE_DECAY
+    assert objective_of(parse_config(tiny_config("model: {loss: kl}")).model) == Objective(ce=0.0, kl=1.0,
+                                                                                          position_weight="dpace")
     for overlay, message in [("model: {loss: mse}", r"model.loss must be one of 'ce', 'kl' or a mapping, got 'mse'"),
                              ("model: {loss: {ce: 1, kld: 1}}", r"unknown key 'model.loss.kld' \(did you mean 'kl'\?\)"),
                              ("model: {loss: {ce: 0, kl: 0}}", r"model.loss needs non-negative weights"),
@@ -216,12 +219,16 @@ def test_a_knob_of_another_objective_is_an_error_naming_it_and_the_objective_in_
     for overlay, message in [
             ("model: {kl_temperature: 2}", r"model.kl_temperature applies only to a loss with a KL term, and model.loss is ce"),
             ("model: {loss: {ce: 1, kl: 0}, kl_temperature: 2}", r"model.kl_temperature .* model.loss is \{ce: 1, kl: 0\}"),
-            ("model: {dpace_alpha: 0.3}", r"model.dpace_alpha applies only to position_weight: dpace, and model.position_weight is decay"),
-            ("model: {position_weight: dpace, gamma: 5}", r"model.gamma shapes position_weight: decay, and model.position_weight is dpace")]:
+            ("model: {position_weight: decay, dpace_alpha: 0.3}",
+             r"model.dpace_alpha applies only to position_weight: dpace, and model.position_weight is decay:"),
+            ("model: {position_weight: dpace, gamma: 5}", r"model.gamma shapes position_weight: decay, and model.position_weight is dpace \("),
+            # dpace is the default (the recipe ablation, #50): a gamma left from a decay-era config is named as such
+            ("model: {gamma: 5}", r"model.gamma shapes position_weight: decay, and model.position_weight is dpace \(the default\)")]:
         with pytest.raises(ConfigError, match=r"^x.yaml:\d+: " + message):
             parse_config(tiny_config(overlay), "x.yaml")
     for overlay in ("model: {loss: kl, kl_temperature: 2}", "model: {loss: {ce: 1, kl: 0.5}, kl_temperature: 2}",
-                    "model: {position_weight: dpace, dpace_alpha: 0.3}", "model: {gamma: 5}"):
+                    "model: {position_weight: dpace, dpace_alpha: 0.3}", "model: {dpace_alpha: 0.3}",
+                    "model: {position_weight: decay, gamma: 5}"):
         parse_config(tiny_config(overlay), "x.yaml")
 
 

@@ -374,10 +374,11 @@ def test_samples_per_prompt_are_distinct_seeded_rows_and_resume_adds_only_the_mi
 
 
 def test_samples_per_prompt_with_the_hf_engine(model_dir, tmp_path, capsys):
+    """Without --temperature the samples are drawn at T = 1 (the recipe ablation's sampled data, #50)."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[3:7])
     out = tmp_path / "regen.jsonl"
     code, stdout, err = run_cli(["--engine", "hf", "--model-path", model_dir, "--in", prompts, "--out", out,
-                                 "-n", 4, "--max-tokens", 6, "--temperature", 1.0, "--samples-per-prompt", 3], capsys)
+                                 "-n", 4, "--max-tokens", 6, "--samples-per-prompt", 3], capsys)
     assert code == 0, err
     assert "12 regenerated" in stdout
     got = answers(records(out))
@@ -386,7 +387,7 @@ def test_samples_per_prompt_with_the_hf_engine(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--samples-per-prompt", "2"], "--samples-per-prompt above 1 needs --temperature > 0"),
+    (["--samples-per-prompt", "2", "--temperature", "0"], "--samples-per-prompt above 1 needs --temperature > 0"),
     (["--samples-per-prompt", "0", "--temperature", "1"], "--samples-per-prompt must be at least 1, got 0"),
 ])
 def test_samples_per_prompt_is_checked(tmp_path, capsys, args, message):

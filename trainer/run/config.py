@@ -118,7 +118,9 @@ class ModelConfig:
     # layers above the last tapped one and its head); {ce: a, kl: b} = a·CE + b·KL
     loss: Literal["ce", "kl"] | LossMix = "ce"
     kl_temperature: float = 1.0  # softens target and drafter in the KL term (scaled by T²)
-    position_weight: Literal["decay", "dpace"] = "decay"  # decay: exp(-(k-1)/gamma); dpace: D-PACE weights from the drafter's own confidence (detached)
+    # decay: exp(-(k-1)/gamma); dpace: D-PACE weights from the drafter's own confidence (detached). dpace by
+    # default: the recipe ablation (issue #50, docs/objectives.md) measured it ahead of decay beyond the seed spread
+    position_weight: Literal["decay", "dpace"] = "dpace"
     dpace_alpha: float = 0.5  # D-PACE's smoothing floor, in (0, 1]
     loss_chunk: int = 2048  # block positions per logits chunk (keeps vocab logits small)
     # threaded pipeline on CUDA: torch.compile the target's decoder layers (warmed shapes only).
@@ -547,11 +549,12 @@ def _validate_model(c: TrainerConfig, check: _Check) -> None:
     check("kl_temperature" not in given or kl_weight > 0, ("model", "kl_temperature"),
           f"applies only to a loss with a KL term, and model.loss is {loss_text}: it would be ignored "
           "(remove it, or set loss: kl or {ce: a, kl: b})")
+    weighting = m.position_weight + ("" if "position_weight" in given else " (the default)")
     check("dpace_alpha" not in given or m.position_weight == "dpace", ("model", "dpace_alpha"),
-          f"applies only to position_weight: dpace, and model.position_weight is {m.position_weight}: it would be "
+          f"applies only to position_weight: dpace, and model.position_weight is {weighting}: it would be "
           "ignored (remove it, or set position_weight: dpace)")
     check("gamma" not in given or m.gamma is None or m.position_weight == "decay", ("model", "gamma"),
-          f"shapes position_weight: decay, and model.position_weight is {m.position_weight} (its base weights are "
+          f"shapes position_weight: decay, and model.position_weight is {weighting} (its base weights are "
           "uniform): it would be ignored (remove it, or set position_weight: decay)")
     if m.target_layer_ids is not None:
         check(len(m.target_layer_ids) == m.num_target_layers, ("model", "target_layer_ids"),

@@ -62,6 +62,59 @@ def test_the_host_update_is_the_fused_adamw_update_chunk_by_chunk():
     assert opt.grad_scale is None  # a factor applies to its own step only
 
 
+class RecordingStreams:
+    """torch.cuda's stream calls HostAdamW makes, recorded on a CPU: which stream waited for which,
+    and on which stream each event was recorded (the side stream's copies are what events mark)."""
+
+    class Stream:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self.log = name, log
+
+        def wait_stream(self, other: "RecordingStreams.Stream") -> None:
+            self.log.append(f"{self.name} waits for {other.name}")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import contextlib
+
+        self.log: list[str] = []
+        self.current = [self.Stream("training", self.log)]
+        log, current = self.log, self.current
+
+        class Event:
+            def record(self, stream: RecordingStreams.Stream) -> None:
+                log.append(f"event on {stream.name}")
+
+            def synchronize(self) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def stream(s: RecordingStreams.Stream):
+            current.append(s)
+            try:
+                yield
+            finally:
+                current.pop()
+
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def test_the_gradient_copies_wait_for_the_training_stream_and_the_next_forward_for_the_uploads(monkeypatch):
+    """On a GPU the step's copies run on a side stream: it must wait for the stream the backward ran
+    on before its first copy (waiting inside the side stream for "the current stream" waited for
+    itself: the copies raced the backward and the step factor, and the 8B run's loss went NaN), and
+    the training stream must wait for the uploads before the next forward reads the weights."""
+    cuda = RecordingStreams(monkeypatch)
+    opt = HostAdamW(parameters(0), OPTIM, torch.float32, chunk_elements=50)
+    opt.stream = cuda.Stream("side", cuda.log)  # type: ignore[assignment]
+    for p in opt.device_params:
+        p.grad = torch.ones_like(p)
+    opt.grad_scale = torch.tensor(2.0)
+    opt.step()
+    assert cuda.log == ["side waits for training", *["event on side"] * len(opt.chunks), "training waits for side"]
+
+
 def test_the_device_keeps_the_compute_dtype_and_a_checkpoint_the_fp32_masters():
     module = torch.nn.Linear(16, 8)
     fp32 = {k: v.clone() for k, v in module.state_dict().items()}

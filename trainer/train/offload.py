@@ -13,7 +13,7 @@ the 70B + 5-layer drafter, still more than an H200).
 One step (`HostAdamW.step`), in chunks of about CHUNK_ELEMENTS parameters:
 
 1. down: every chunk's gradients are copied (non_blocking, on a side stream ordered after the
-   backward) into one pinned host buffer in the compute dtype, an event recorded per chunk;
+   backward: trainer.train.streams.after_current) into one pinned host buffer in the compute dtype, an event recorded per chunk;
 2. as each chunk lands: its gradients widened to fp32 (and divided by the step's normalising and
    clipping factor, `grad_scale`, which trainer.distributed.grad_sync.FlatGrads hands an optimizer
    that takes it, as it does the fused CUDA AdamW), the AdamW update on that chunk's masters (torch's
@@ -52,7 +52,7 @@ import torch
 
 from trainer.models.memory_plan import OFFLOAD_CHUNK_ELEMENTS as CHUNK_ELEMENTS
 from trainer.run.config import OptimConfig
-from trainer.train.streams import on_stream, record_event
+from trainer.train.streams import after_current, on_stream, record_event
 
 
 def pinned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -135,9 +135,7 @@ class HostAdamW(torch.optim.AdamW):
         stream = self.stream
         grads = [p.grad for p in self.device_params]
         events: list[torch.cuda.Event | None] = []
-        with on_stream(stream):
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
+        with after_current(stream, self.device):
             if scale is not None:
                 self.scale.copy_(scale.detach().reshape(()), non_blocking=True)
             for chunk in self.chunks:

@@ -18,3 +18,15 @@ def record_event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def after_current(stream: torch.cuda.Stream | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """`stream` made current, ordered after everything queued so far on the stream that was current.
+
+    The wait must name the caller's stream before entering `stream`: inside, current_stream is
+    `stream` itself, and `stream.wait_stream(stream)` orders nothing (optim.offload host's NaN on
+    the GPU: its gradient copies started before the backward that writes them had finished)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,29 @@ os.environ.setdefault(simct.BACKEND_ENV, "directory")
 # threads against 38 s with 1 at a load of 4). Set before torch is imported; the trainer processes
 # the tests start inherit it unless their config says `run.threads`.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+SUITE_TMP = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """What the suite's processes leave in the temp directory (vLLM's IPC sockets and dist dirs, torchrun's
+    rendezvous dirs, the benches' run dirs: ~40 entries a run, 1,200 in /tmp after a day) goes to one
+    directory of this run, removed when it ends. The controller sets it before xdist starts the workers,
+    which inherit TMPDIR; pytest's own tmp_path stays where it was (kept for a failure's post-mortem)."""
+    if hasattr(config, "workerinput"):
+        return
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix="dflash-tests-")
+    config.stash[SUITE_TMP] = path
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(SUITE_TMP, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -37,6 +37,7 @@ other and a rerun, with N the same or larger, adds only the rows still missing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -45,6 +46,7 @@ import json
 import os
 import queue
 import random
+import signal
 import socket
 import sys
 import threading
@@ -53,7 +55,7 @@ import urllib.parse
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, TextIO
 
 from trainer.data.chat import DataError, jsonl_records, prompt_messages, row_tools
 from trainer_tools.agentic import Agent, ToolExecError, ToolExecutor, parse_tool_exec, run_trajectory
@@ -492,9 +494,10 @@ def static_greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens:
     return decoder.greedy(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel)
 
 
-def cancel_criteria(cancel: threading.Event) -> Any:
+def cancel_criteria(cancel: threading.Event, width: int = 0, steps: int = 0) -> Any:
     """transformers' `generate` stopping criteria that raise trainer.models.decoder.Cancelled at the
-    first step after `cancel` is set (generate checks its criteria after every token)."""
+    first step after `cancel` is set (generate checks its criteria after every token); `width` is the
+    prompts' padded width, so the step it says is the tokens generated so far, of `steps`."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -502,12 +505,13 @@ def cancel_criteria(cancel: threading.Event) -> Any:
 
     class Cancel(StoppingCriteria):
         def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-            decoder.check_cancel(cancel)
+            decoder.check_cancel(cancel, input_ids.shape[1] - width, steps)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
     return StoppingCriteriaList([Cancel()])
 
 
+POLL_S = 0.1  # how often the writer looks at the interrupt while it waits for an answer
 TOKENIZE_ROWS = 1024  # conversations tokenized per call (the engine checks for a close between calls)
 CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread to leave a cancelled batch
 
@@ -564,7 +568,8 @@ class HFEngine:
                              "with full attention only")
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        self._cancel = threading.Event()  # set by close(): the decode in flight stops at its next step
+        self._cancel = threading.Event()  # set by cancel(): the decode in flight stops at its next step
+        self.cancelled: tuple[int, int, int] | None = None  # (rows, step, steps) of the batch a cancel stopped
         self.on_batch = on_batch
         self._thread = threading.Thread(target=self._serve, name="hf-generate", daemon=True)
         self._thread.start()
@@ -598,6 +603,8 @@ class HFEngine:
         return done.result()
 
     def _serve(self) -> None:
+        from trainer.models import decoder
+
         while True:
             item = self._queue.get()
             if item is None or self._closed:
@@ -638,6 +645,8 @@ class HFEngine:
                     self.on_batch(len(fits), max(len(prompt) for prompt, _, _ in fits))
                 results = self.generate([prompt for prompt, _, _ in fits], [seed for _, _, seed in fits])
             except Exception as e:  # noqa: BLE001 - every waiting request fails with it (Cancelled: closed)
+                if isinstance(e, decoder.Cancelled):
+                    self.cancelled = (len(fits), e.step, e.steps)
                 why = "the engine is closed" if self._closed else f"generate failed: {type(e).__name__}: {e}"
                 for _, done, _ in fits:
                     done.set_exception(RegenError(why))
@@ -690,7 +699,8 @@ class HFEngine:
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=s.max_tokens,
                                       eos_token_id=sorted(self.stop_ids) or None, pad_token_id=self.pad_id,
-                                      use_cache=True, top_k=None, stopping_criteria=cancel_criteria(self._cancel),
+                                      use_cache=True, top_k=None,
+                                      stopping_criteria=cancel_criteria(self._cancel, width, s.max_tokens),
                                       **options)
         return self._completions(prompts, out[:, width:].tolist())
 
@@ -700,7 +710,7 @@ class HFEngine:
 
         done = []
         for prompt, row in zip(prompts, rows):
-            decoder.check_cancel(self._cancel)
+            decoder.check_cancel(self._cancel, len(row), len(row))  # decoded whole, not yet detokenized
             done.append(self._completion(prompt, row))
         return done
 
@@ -715,12 +725,16 @@ class HFEngine:
                           prompt_tokens=len(prompt), completion_tokens=len(tokens) + (stop is not None),
                           token_ids=row if stop is None else row[:stop + 1])
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        """Cancel the batch being decoded (it stops at its next decode step, its requests fail: the
-        caller has stopped reading answers), fail whatever is still queued, and wait for the
-        generation thread to end (at most `wait_s`). A Ctrl-C during the wait raises here."""
+    def cancel(self) -> None:
+        """Stop at once without waiting: the batch being decoded stops at its next decode step and its
+        requests fail, as do the queued ones and any later one (regen's SIGINT handler calls this)."""
         self._closed = True
         self._cancel.set()
+
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """cancel(), then wait for the generation thread to end (at most `wait_s`: it ends at the next
+        decode step). A Ctrl-C during the wait raises here."""
+        self.cancel()
         self._queue.put(None)
         self._thread.join(timeout=wait_s)
         self._fail_queued()
@@ -745,6 +759,7 @@ class Summary:
     errors: list[str] = field(default_factory=list)  # the first few distinct failures
     last_error: str | None = None
     stopped: str | None = None  # why it stopped before the end (N failures in a row)
+    interrupted: bool = False  # a SIGINT stopped it (`regenerate`'s interrupt)
     agentic: bool = False  # whole trajectories (trainer_tools.agentic): the counts below are reported
     turns: int = 0  # assistant turns written
     replayed: int = 0  # tool calls answered with the trace's recorded result
@@ -909,15 +924,27 @@ class Progress:
 def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: str, concurrency: int = 8,
                on_progress: Callable[[Summary], None] | None = None, max_errors: int = 5,
                max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES, agent: Agent | None = None,
-               checker: TokenChecker | None = None, rejected: Output | None = None) -> Summary:
+               checker: TokenChecker | None = None, rejected: Output | None = None,
+               interrupt: threading.Event | None = None) -> Summary:
     """Regenerate every prompt not in `output.finished` (nor `rejected.finished`), `concurrency`
     conversations at a time: whole trajectories with `agent` (trainer_tools.agentic), else the
     answers after the trace's turns (regenerate_one). With `checker`, a conversation whose
     training-template tokens differ from the engine's is written to `rejected`, not `output`.
 
-    The calling thread is the only writer. The workers are daemon threads: on Ctrl-C (or any
-    error from `on_progress`) the answers already complete are written and this returns at
-    once, leaving requests in flight behind (the output holds whole lines only). After
+    The calling thread is the only writer. The workers are daemon threads, all started before any
+    of them asks the engine: the HF engine's first batch is then (nearly) the whole of `concurrency`,
+    and no thread starts while it decodes (on the CPU, -n 8192 made first batches of 1,660 to 6,435
+    rows, and one of 4,444 decoded in 77 s while the other threads started, the next 3,748 in 15 s).
+
+    Once `interrupt` is set (regen's SIGINT handler, which has cancelled the engine already) this
+    stops within POLL_S: no conversation starts, `engine.close()` waits for the batch in flight to
+    stop at its next decode step, the answers complete by then are written and `s.interrupted`
+    says so (the output holds whole lines only). The wait for results is polled rather than
+    blocking: a SIGINT the kernel delivers to another thread (the engine's, a worker's) does not
+    wake a main thread blocked in a lock, and its handler then ran only when the next answer came,
+    after the whole batch in flight had decoded (tests/trainer/test_regen_interrupt.py). On Ctrl-C
+    as a KeyboardInterrupt (or any error from `on_progress`) the answers already complete are
+    written and this returns at once, leaving requests in flight behind. After
     `max_consecutive_failures` failures in a row (a dead server) it stops early and says so in
     `s.stopped`."""
     s = Summary(total=len(prompts), repaired_bytes=output.repaired_bytes, agentic=agent is not None,
@@ -930,9 +957,11 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
     for p in todo:
         jobs.put(p)
     results: queue.Queue[tuple[Prompt, Regenerated | None, str | None]] = queue.Queue()
-    stop = threading.Event()
+    stop, go = threading.Event(), threading.Event()
+    interrupt = interrupt if interrupt is not None else threading.Event()
 
     def work() -> None:
+        go.wait()
         while not stop.is_set():
             try:
                 prompt = jobs.get_nowait()
@@ -948,8 +977,6 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
             except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
                 results.put((prompt, None, f"{type(e).__name__}: {e}"))
 
-    for i in range(min(max(1, concurrency), len(todo))):
-        threading.Thread(target=work, name=f"regen-{i}", daemon=True).start()
     consecutive = 0
 
     def take(result: tuple[Prompt, Regenerated | None, str | None]) -> None:
@@ -982,8 +1009,19 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         s.tool_stops += record.get("stopped") == "tool_call"
 
     try:
-        for _ in range(len(todo)):
-            take(results.get())
+        for i in range(min(max(1, concurrency), len(todo))):
+            if interrupt.is_set():
+                break
+            threading.Thread(target=work, name=f"regen-{i}", daemon=True).start()
+        go.set()
+        left = len(todo)
+        while left and not interrupt.is_set():
+            try:
+                result = results.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            left -= 1
+            take(result)
             s.seconds = time.monotonic() - started
             if consecutive >= max_consecutive_failures:
                 s.stopped = (f"stopped after {consecutive} conversations failed in a row (last: "
@@ -991,8 +1029,13 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
                 break
             if on_progress is not None:
                 on_progress(s)
+        if left and interrupt.is_set():
+            s.interrupted = True
+            stop.set()
+            engine.close()  # the batch in flight stops at its next decode step; its requests fail
     finally:
         stop.set()
+        go.set()
         while True:  # answers that completed meanwhile are written, whatever ended the loop
             try:
                 result = results.get_nowait()
@@ -1199,14 +1242,19 @@ def main(argv: list[str]) -> int:
         done = output.finished | (rejected.finished if rejected is not None else set())
         print(f"regen: {len(prompts)} conversations, {len(done & {p.id for p in prompts})} already in "
               f"{args.out}; {args.concurrency} at a time", file=sys.stderr, flush=True)
+        interrupt = threading.Event()
         try:
-            summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,
-                                 on_progress=progress.update, max_consecutive_failures=args.max_consecutive_failures,
-                                 agent=agent, checker=checker, rejected=rejected)
-        except KeyboardInterrupt:
+            with sigint_interrupts(interrupt, engine):
+                summary = regenerate(prompts, engine, output, model=model, concurrency=args.concurrency,
+                                     on_progress=progress.update,
+                                     max_consecutive_failures=args.max_consecutive_failures, agent=agent,
+                                     checker=checker, rejected=rejected, interrupt=interrupt)
+            interrupted = summary.interrupted
+        except KeyboardInterrupt:  # a second Ctrl-C, or one that came as a KeyboardInterrupt
             interrupted = True  # the output is closed below, then the engine cancels its batch in flight
-            print("\nregen: interrupted; the answers that were complete are written, the output holds whole "
-                  "lines only - rerun the same command to resume", file=sys.stderr, flush=True)
+        if interrupted:
+            print(f"\nregen: interrupted{cancelled_line(engine)}; the answers that were complete are written, "
+                  "the output holds whole lines only - rerun the same command to resume", file=sys.stderr, flush=True)
         else:
             summary.duplicates = duplicates
             progress.update(summary, final=True)
@@ -1226,6 +1274,41 @@ def main(argv: list[str]) -> int:
         print(f"regen: failed {error}", file=sys.stderr)
     print(summary.line(), flush=True)
     return EXIT_FAILURES if summary.failed else 0
+
+
+@contextlib.contextmanager
+def sigint_interrupts(interrupt: threading.Event, engine: Engine) -> Iterator[None]:
+    """While regenerating, SIGINT sets `interrupt` and cancels the engine (the HF engine's batch in
+    flight stops at its next decode step) in the handler itself, whatever the main thread is doing;
+    `regenerate` sees `interrupt` within POLL_S and stops. A second SIGINT raises KeyboardInterrupt
+    (exit at once). Left alone where SIGINT is ignored (a background job) or off the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        yield
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if interrupt.is_set():
+            raise KeyboardInterrupt
+        interrupt.set()
+        cancel = getattr(engine, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cancelled_line(engine: Engine | None) -> str:
+    """': cancelled a batch of R conversations at decode step S of N' when a cancel stopped the HF
+    engine's batch in flight (how much of it the stop saved), else ''."""
+    cancelled = getattr(engine, "cancelled", None)
+    if not cancelled:
+        return ""
+    rows, step, steps = cancelled
+    return f": cancelled a batch of {rows} conversations at decode step {step} of {steps}"
 
 
 def close_engine(engine: Engine) -> bool:

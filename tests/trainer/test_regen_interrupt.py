@@ -1,15 +1,21 @@
 """Ctrl-C (the quality bench's deadline SIGINT) stops `python -m trainer_tools.regen --engine hf`
-mid-batch, with either decoder, in a small part of the time the batch would have taken: the
-batch in flight is cancelled at its next decode step (its answers would not be written).
+mid-batch: the batch in flight is cancelled at its next decode step (its answers would not be
+written), the answers complete by then are written whole, and a rerun resumes.
 
-On the GPU a 16,384-row batch decoded to its end after the SIGINT and the bench SIGKILLed regen
-30 s later (bench/RESULTS.md, 2026-12-06); on the CPU, regen left that batch decoding in a daemon
-thread, and the interpreter's shutdown then aborted it (exit -6, not 130)."""
+On the GPU a 16,384-row batch, then a 4,300-row one, decoded to its end after the SIGINT and the bench
+SIGKILLed regen 30 s later (bench/RESULTS.md, 2026-12-06; notes of the recipe ablation's first call).
+Reproduced on the CPU by delivering the SIGINT to another thread than the main one (the kernel may:
+a process-directed signal goes to any thread that does not block it): the main thread, blocked in
+an untimed wait for the next answer, ran Python's handler only when that answer came - after the
+whole batch in flight had decoded. Progress, not time, is asserted: the decode step regen says it
+cancelled at, and which conversations the output holds."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +23,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+SIGINT_BIT = 1 << (signal.SIGINT - 1)
 
 
 def conversations(singles: int, doubles: int) -> list[dict]:
@@ -41,14 +50,32 @@ def whole_lines(path: Path) -> list[str]:
 
 def start(argv: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def test_sigint_mid_batch_exits_130_in_a_fraction_of_the_batch_time_and_a_rerun_resumes(qwen3_model_dir, tmp_path):
+def sigint_another_thread(pid: int) -> None:
+    """SIGINT to one of the process's threads other than the main one (tgkill), one that does not
+    block it: where the kernel may deliver a `kill`."""
+    for tid in sorted((int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid), reverse=True):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:  # the thread ended
+            continue
+        blocked = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+        if not blocked & SIGINT_BIT:
+            if ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGINT) == 0:
+                return
+    raise AssertionError(f"no thread of {pid} besides the main one takes SIGINT")
+
+
+@pytest.mark.parametrize("to", ["the process", "another thread"])
+def test_sigint_mid_batch_cancels_the_batch_at_its_next_step_and_a_rerun_resumes(qwen3_model_dir, tmp_path, to):
     """The greedy run's default decoder (static). The one-turn conversations finish in the first
     batch; the SIGINT comes once one of them is written (a progress line) and the next batch (the
-    two-turn conversations' second turns) has started decoding (regen's own line). How long that
-    batch would have taken: the rerun, which decodes what the interrupt cut off."""
+    two-turn conversations' second turns, 191 decode steps) has started decoding (regen's own
+    line). regen says at which step it cancelled that batch: before its end, and no two-turn
+    conversation is written; the rerun writes exactly the rest."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "regen.jsonl"
     rows = conversations(64, 64)
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -64,27 +91,28 @@ def test_sigint_mid_batch_exits_130_in_a_fraction_of_the_batch_time_and_a_rerun_
             if batches >= 2 and written:
                 break
         assert batches >= 2 and written, "regen ended before its second batch"
-        proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        _, rest = proc.communicate(timeout=60)
-        stop_s = time.monotonic() - sent
+        if to == "the process":
+            proc.send_signal(signal.SIGINT)
+        else:
+            sigint_another_thread(proc.pid)
+        _, rest = proc.communicate(timeout=120)
     finally:
         proc.kill()
         proc.wait()
     assert proc.returncode == 130, rest
-    assert "regen: interrupted" in rest and "Traceback" not in rest
+    assert "Traceback" not in rest
     before = whole_lines(out)
     assert before and set(before) <= {f"s{i}" for i in range(64)}  # no two-turn conversation got its second answer
+    cancelled = re.search(r"regen: interrupted: cancelled a batch of (\d+) conversations at decode step (\d+) of (\d+)",
+                          rest)
+    assert cancelled, rest
+    assert int(cancelled[1]) == 64 and int(cancelled[3]) == 192 and int(cancelled[2]) < 191
 
     rerun = start(argv)
-    assert rerun.stderr is not None
-    decoding = next(time.monotonic() for line in rerun.stderr if line.startswith("regen: decoding"))
     summary, _ = rerun.communicate(timeout=120)
-    rest_s = time.monotonic() - decoding
     assert rerun.returncode == 0
     assert f"{128 - len(before)} regenerated, {len(before)} already done" in summary
     assert sorted(whole_lines(out)) == sorted(r["id"] for r in rows)
-    assert stop_s < rest_s / 4, f"stopped {stop_s:.2f}s after SIGINT; the rest took {rest_s:.2f}s to decode"
 
 
 def test_close_cancels_transformers_generate_mid_batch(qwen3_model_dir):

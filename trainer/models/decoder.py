@@ -41,13 +41,19 @@ FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forw
 
 
 class Cancelled(Exception):
-    """The decode was cancelled (`cancel` set: an interrupted regen); its tokens are no answer."""
+    """The decode was cancelled (`cancel` set: an interrupted regen); its tokens are no answer.
+    `step` of `steps`: the decode steps the batch had run (0: still in its prefill) of the most it
+    would have run, so a caller can say how much of the batch the cancel saved."""
+
+    def __init__(self, step: int = 0, steps: int = 0) -> None:
+        super().__init__(f"the decode was cancelled at step {step} of {steps}")
+        self.step, self.steps = step, steps
 
 
-def check_cancel(cancel: threading.Event | None) -> None:
+def check_cancel(cancel: threading.Event | None, step: int = 0, steps: int = 0) -> None:
     """Raise Cancelled once `cancel` is set (a flag read, no device sync: cheap at every step)."""
     if cancel is not None and cancel.is_set():
-        raise Cancelled("the decode was cancelled")
+        raise Cancelled(step, steps)
 
 
 def left_padded(prompts: Sequence[Sequence[int]], width: int, pad: int) -> torch.Tensor:
@@ -249,7 +255,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
     prefill_rows = prefill_rows_for(width, prefill_rows)
     with torch.no_grad():
         for r0 in range(0, n, prefill_rows):
-            check_cancel(cancel)
+            check_cancel(cancel, 0, max_new_tokens)
             rows = slice(r0, min(n, r0 + prefill_rows))
             visible = (valid[rows, None, :width] & causal[None]) | eye[None]
             logits, _ = d.forward(ids[rows], positions[rows], cache, slot[:width], visible, rows=rows, upto=width,
@@ -258,7 +264,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
         stop = torch.tensor(sorted(stop_ids) or [-1], device=dev)
         done = torch.isin(out[:, 0], stop)
         for t in range(1, max_new_tokens):
-            check_cancel(cancel)
+            check_cancel(cancel, t, max_new_tokens)
             if t % 8 == 0 and bool(done.all()):
                 break
             at = width + t - 1

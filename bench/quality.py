@@ -1375,7 +1375,9 @@ def parser() -> argparse.ArgumentParser:
                     help="override a preset field, e.g. --set target_steps=800 (YAML value)")
     ap.add_argument("--no-ablations", action="store_true")
     ap.add_argument("--ablations", default=None, help="comma-separated names of the preset's ablations to run")
-    ap.add_argument("--stop-after", choices=["target", "regen"], default=None)
+    ap.add_argument("--stop-after", choices=["target", "prompts", "regen"], default=None,
+                    help="stop after this stage (prompts: the regen, held-out and other-style prompts written, "
+                         "regen not run)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="whole-bench wall budget in seconds (the preset's budget_s; 0: none)")
     return ap
@@ -1673,6 +1675,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = checked_prompts(p, tok, corpus, model_dir, data, rng)
     results["prompts"] = prompts["stats"]
     del corpus
+    if args.stop_after == "prompts":
+        save()
+        return results
     # regen, stopped at its deadline with the answers written so far
     results["regen"] = regenerate(p, model_dir, data, out, started + p.regen_end_s if p.regen_end_s else None)
     save()

@@ -18,15 +18,17 @@ ce+dpace, kl, ce+kl), the data one of DATA_MIXES: `greedy` the target's greedy a
 flattens would need ~2 hours of one H200 (36 x ~210 s of training alone, bench/RESULTS.md's ~330k
 tokens/s), so the runs come in two stages:
 
-* `h200` (the screen, two calls of 540 s): 4 candidates x 3 seeds = 12 runs, ~50 s of device time each
-  (~1,000 steps, ~17M tokens: 8x the objectives ablation's ~125 steps, a quarter of 70M).
+* `h200` (the screen, three calls of 540 s, the data's ~630 s included: target and prompts ~120 s, 8,192
+  greedy answers ~240 s, 16,384 sampled ~220 s, step times ~50 s, measured on an H100): 4 candidates x 3
+  seeds = 12 runs, ~65 s of device time each (~1,800 ce+decay steps at an H100's 37 ms: 1.5x the 1,225 of the
+  table of 2026-12-06, whose preparation was cut to half the planned data, and 14x the objectives ablation's).
   `ce+decay/greedy` (today's default, the baseline), `ce+dpace/greedy` (the earlier ablation's closest, to
   run longer before the default moves), `ce+decay/both` (the data alone), `kl/both` (the peers' objective
   on the data that carries the target's distribution). Each comparison with the baseline moves one
   factor, except kl/both, which is read against ce+decay/both.
 * `h200-long` (a session of its own: the state of one machine does not outlive it, so the data is made
   again): the screen's best beside the baseline (`--candidates BEST,ce+decay/greedy`), 3 seeds, 6 runs in the
-  same two calls: ~100 s of device time each, about twice the screen's (~35M tokens).
+  same three calls: ~135 s of device time each, about twice the screen's (~50M tokens).
 
 `sampled` alone and `ce+kl` stay out of the screen (both holds the greedy answers too; ce+kl cost as much as
 kl and was no better at 125 steps); `--candidates` names any of the 12.
@@ -36,11 +38,14 @@ kl and was no better at 125 steps); `--candidates` names any of the 12.
 (quality_objectives.time_objectives). train_s is fixed once (the preset's, or what `calls` calls hold at the
 stated `rate`), recorded in the state, and never changed by a later call.
 
-**Calls.** Everything lives under `--state` (default /tmp/ablation): the target, its tokenizer and the greedy
-answers (bench/quality.py up to regen), the sampled answers (resumable), the mixes, the step times, and the
-runs under stages/STAGE/. Each call does what is left, in order, until its deadline (`call_s` after its
-start, less `reserve_s` for the stops, the last τ and the table): the preparation once; the sampled answers
-(SIGINT at the deadline: whole rows kept, a rerun adds the missing ones); the timing once; then the runs
+**Calls.** Everything lives under `--state` (default /tmp/ablation): the target, its tokenizer and the prompts
+(bench/quality.py up to its prompts), the greedy answers, the sampled answers, the mixes, the step times, and
+the runs under stages/STAGE/. Each call does what is left, in order, until its deadline (`call_s` after its
+start, less `reserve_s` for the stops, the last τ and the table): the target and prompts once; the greedy
+answers of every prompt, then the sampled answers (regen gets SIGINT at the deadline: it cancels its batch in
+flight and keeps every finished row, and the next call's rerun adds the missing ones; with `regen_legs` the
+greedy regen answers at most 1/regen_legs of the prompts a call, the CPU test's cut); no run starts before the
+data is whole, and the table says how many of the planned prompts it holds; the timing once; then the runs
 (candidate after candidate, seed after seed; `parallel` at a time), each `python -m trainer --config C
 --run-dir R --resume auto`: a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
 resumes from its last checkpoint in the next call; with `legs` a run trains at most 1/legs of its steps in one
@@ -108,8 +113,9 @@ class Preset:
     temperatures: tuple[float, ...] = (0.0, 1.0)  # τ of every prompt set at each
     train_s: float = 0.0  # each run's training, seconds of the device alone (0: base_steps, else what `calls` hold)
     base_steps: int = 0  # with train_s 0: the baseline objective's steps (the others as many as cost the same)
-    calls: int = 2  # the device calls the plan is sized for (train_s and base_steps 0)
+    calls: int = 3  # the device calls the plan is sized for (train_s and base_steps 0), the data's included
     legs: int = 0  # a run trains at most 1/legs of its steps in one call (0: until done or the deadline)
+    regen_legs: int = 0  # the greedy regen answers at most 1/regen_legs of the prompts in one call (the CPU test's cut)
     max_steps: int = 20000
     parallel: int = 6  # trainer processes at once on the device (quality_objectives: 12 at once never trained)
     call_s: float = 540.0  # one call's wall budget (the device tool: 600 s a command)
@@ -117,9 +123,13 @@ class Preset:
     timing_steps: int = 12
     timing_warmup: int = 3
     # stated figures (seconds), for the plan before they are measured
-    prep_s: float = 190.0  # bench/quality.py up to regen (quality_objectives' h200 estimate, 8,192 prompts)
-    sampled_s: float = 150.0  # the sampled answers (HF generate; not measured on an H200 yet)
-    timing_s: float = 35.0
+    # measured on an H100 (2026-12-06, the first call's log): the target and prompts by t = 118 s; the greedy regen
+    # 3,892 answers in ~110 s after its model load (~230 s for 8,192); the sampled answers 7,784 rows in 104 s
+    # (~220 s for 2 x 8,192); the step times ~50 s
+    prep_s: float = 120.0  # bench/quality.py up to its prompts (corpus, tokenizer, target)
+    greedy_s: float = 240.0  # the greedy answers of every prompt (regen, model load included)
+    sampled_s: float = 220.0  # the sampled answers (HF generate)
+    timing_s: float = 50.0
     startup_s: float = 40.0  # a trainer run's start before its first step
     min_leg_s: float = 30.0  # a run is not started with less than startup_s + this left before the deadline
     eval_s: float = 15.0  # the bench's τ of one finished run (2 sets x 2 temperatures, 64 prompts x 256 tokens)
@@ -129,13 +139,13 @@ class Preset:
 PRESETS = {
     "h200": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}),
     # the screen's best (name it: --candidates BEST,ce+decay/greedy) beside the baseline, in a session of its own:
-    # 6 runs in the two calls' time, ~2x the screen's device time each
+    # 6 runs in the three calls' time, ~2x the screen's device time each
     "h200-long": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}, candidates=("kl/both", "ce+decay/greedy")),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
     "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
-                  call_s=900.0, reserve_s=10.0, timing_steps=2, timing_warmup=1, prep_s=60.0, sampled_s=10.0,
-                  timing_s=20.0, startup_s=5.0, min_leg_s=1.0, eval_s=3.0, max_steps=40),
+                  call_s=900.0, reserve_s=10.0, timing_steps=2, timing_warmup=1, prep_s=60.0, greedy_s=5.0,
+                  sampled_s=10.0, timing_s=20.0, startup_s=5.0, min_leg_s=1.0, eval_s=3.0, max_steps=40, calls=2),
 }
 
 
@@ -186,16 +196,49 @@ def quality_preset(p: Preset) -> quality.Preset:
 # ---------------------------------------------------------------------------- the data
 
 
-def prepare(p: Preset, state: Path) -> dict:
-    """bench/quality.py up to its regeneration, into the state directory (corpus, tokenizer, the target
-    as a model directory, prompts, held-out and other-style prompts, greedy answers)."""
+def prepare_target(p: Preset, state: Path) -> dict:
+    """bench/quality.py up to its prompts, into the state directory (corpus, tokenizer, the target as a
+    model directory, the regen, held-out and other-style prompts)."""
     started = time.time()
     qset = [f"--set={k}={json.dumps(v)}" for k, v in p.quality_set.items()]
-    prepared = quality.main(["--preset", p.quality, "--out", str(state), "--stop-after", "regen", *qset])
-    if prepared["regen"]["conversations"] < 1:
-        raise SystemExit(f"recipe: regen wrote no greedy answers ({state / 'regen.log'})")
-    return {"quality": p.quality, "quality_set": p.quality_set, "seconds": round(time.time() - started, 1),
-            "regen": prepared["regen"], "prompts": prepared["prompts"]}
+    prepared = quality.main(["--preset", p.quality, "--out", str(state), "--stop-after", "prompts", *qset])
+    return {"seconds": round(time.time() - started, 1), "prompts": prepared["prompts"]}
+
+
+def run_regen(qp: quality.Preset, argv: list[str], log: Path, out: Path, deadline: float | None) -> tuple[int, float, int]:
+    """`python -m trainer_tools.regen ARGV` as a user runs it, SIGINT at the deadline (it cancels its batch
+    in flight and keeps every finished row; a rerun adds the missing ones), though not before it has
+    written a row this time; then OUT cut to whole lines. (exit, seconds, rows in OUT)"""
+    size = out.stat().st_size if out.exists() else 0
+    rc, seconds = quality.run_cli(qp, argv, log, deadline, module="trainer_tools.regen",
+                                  started_work=lambda: out.exists() and out.stat().st_size > size)
+    rows = quality.read_records(out) if out.exists() else []
+    if out.exists():
+        quality.write_jsonl(out, rows)  # whole lines only, for the trainer and the next rerun
+    if rc == 2:  # regen's usage error: no rerun would do better
+        raise SystemExit(f"recipe: regen refused its arguments (exit 2); see {log}")
+    return rc, seconds, len(rows)
+
+
+def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None, before: dict | None) -> dict:
+    """The target's greedy answer to every regen prompt (data/regen.jsonl). Regen stops at the deadline
+    with whole rows written and the next call's rerun adds the missing ones (with `regen_legs`, at most
+    1/regen_legs of the prompts a call: the CPU test's cut). Done once every prompt has its answer."""
+    data = state / "data"
+    planned = len(quality.read_records(data / "prompts.jsonl"))
+    out = data / "regen.jsonl"
+    argv = quality.regen_argv(qp, state / "model", data)
+    if p.regen_legs > 1:
+        had = len(quality.read_records(out)) if out.exists() else 0
+        argv += ["--limit", str(min(planned, had + math.ceil(planned / p.regen_legs)))]
+    rc, seconds, rows = run_regen(qp, argv, state / "regen.log", out, deadline)
+    done = rc == 0 and rows >= planned
+    say(f"greedy answers: exit {rc}; {rows} of {planned} prompts answered [{seconds:.0f}s]"
+        + ("" if done else "; the next call resumes them" + ("" if rc in (0, 130, -2, -9) else f" (see {state / 'regen.log'})")))
+    calls = (before or {}).get("calls", 0) + 1
+    seconds_all = (before or {}).get("seconds", 0.0) + seconds
+    return {"done": done, "rows": rows, "planned": planned, "exit": rc, "calls": calls, "seconds": round(seconds_all, 1),
+            "command": "python -m trainer_tools.regen " + shlex.join(argv)}
 
 
 def mix_prompt_ids(data: Path, n: int, seed: int) -> list[str]:
@@ -205,26 +248,24 @@ def mix_prompt_ids(data: Path, n: int, seed: int) -> list[str]:
     return ids[:n]
 
 
-def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None) -> dict:
+def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None, before: dict | None) -> dict:
     """The sampled answers of the mix's prompts (data/regen-sampled.jsonl, rows `<id>#<k>`): regen stops at
-    the deadline with whole rows written, and a rerun adds only the missing ones. Done when regen ran to
-    its end."""
+    the deadline with whole rows written, and the next call's rerun adds only the missing ones. Done when
+    regen ran to its end."""
     data = state / "data"
     ids = set(mix_prompt_ids(data, p.mix_prompts, qp.seed))
     quality.write_jsonl(data / "prompts-sampled.jsonl",
                         (r for r in quality.read_records(data / "prompts.jsonl") if str(r.get("id")) in ids))
     argv = quality.regen_argv(dataclasses.replace(qp, regen_batch=p.sample_batch), state / "model", data, "prompts-sampled.jsonl", "regen-sampled.jsonl",
                               p.samples_per_prompt, p.sample_temperature, p.sample_top_p)
-    out = data / "regen-sampled.jsonl"
-    rc, seconds = quality.run_cli(qp, argv, state / "regen-sampled.log", deadline,
-                                  started_work=lambda: out.exists() and out.stat().st_size > 0,
-                                  module="trainer_tools.regen")
-    rows = quality.read_records(out) if out.exists() else []
-    if out.exists():
-        quality.write_jsonl(out, rows)  # whole lines only, for the trainer and the next rerun
-    say(f"sampled answers: exit {rc}; {len(rows)} of {len(ids) * p.samples_per_prompt} rows "
-        f"({p.samples_per_prompt} a prompt, T = {p.sample_temperature:g}, top-p {p.sample_top_p:g}) [{seconds:.0f}s]")
-    return {"done": rc == 0, "rows": len(rows), "seconds": round(seconds, 1), "exit": rc,
+    out, planned = data / "regen-sampled.jsonl", len(ids) * p.samples_per_prompt
+    rc, seconds, rows = run_regen(qp, argv, state / "regen-sampled.log", out, deadline)
+    done = rc == 0 and rows >= planned
+    say(f"sampled answers: exit {rc}; {rows} of {planned} rows ({p.samples_per_prompt} a prompt, "
+        f"T = {p.sample_temperature:g}, top-p {p.sample_top_p:g}) [{seconds:.0f}s]"
+        + ("" if done else "; the next call resumes them"))
+    return {"done": done, "rows": rows, "planned": planned, "exit": rc, "calls": (before or {}).get("calls", 0) + 1,
+            "seconds": round((before or {}).get("seconds", 0.0) + seconds, 1),
             "command": "python -m trainer_tools.regen " + shlex.join(argv)}
 
 
@@ -240,7 +281,7 @@ def write_mixes(p: Preset, data: Path, seed: int) -> dict:
             continue
         quality.write_jsonl(data / f"mix-{name}.jsonl", rows)
         chars = [len(r["messages"][-1]["content"]) for r in rows]
-        mixes[name] = {"file": f"data/mix-{name}.jsonl", "rows": len(rows), "prompts": len(ids),
+        mixes[name] = {"file": f"data/mix-{name}.jsonl", "rows": len(rows), "prompts": len(ids), "planned": p.mix_prompts,
                        "greedy_rows": len(greedy) if name != "sampled" else 0,
                        "sampled_rows": len(sampled) if name != "greedy" else 0,
                        "answer_chars_mean": round(statistics.fmean(chars), 1)}
@@ -252,12 +293,22 @@ def write_mixes(p: Preset, data: Path, seed: int) -> dict:
 # ---------------------------------------------------------------------------- the plan
 
 
-def plan_train_s(p: Preset, runs: int, first_call_left_s: float, rate: float) -> float:
-    """Each run's device-alone training seconds when `calls` calls are to hold all `runs`: the first call's
-    time left after its preparation and timing plus every later call's, less the reserve, at `rate`
-    (device-alone seconds trained per wall second, start-ups and evaluations in), shared by the runs."""
-    wall = max(0.0, first_call_left_s) + (p.calls - 1) * (p.call_s - p.reserve_s)
+def plan_train_s(p: Preset, runs: int, call: int, call_left_s: float, rate: float) -> float:
+    """Each run's device-alone training seconds when the `calls` calls are to hold all `runs`: what is left
+    of this call (number `call`, after its data and timing) plus every later planned call's time less the
+    reserve, at `rate` (device-alone seconds trained per wall second, start-ups and evaluations in),
+    shared by the runs."""
+    wall = max(0.0, call_left_s) + max(0, p.calls - call) * (p.call_s - p.reserve_s)
     return max(0.0, wall * rate / max(1, runs))
+
+
+def uses_sampled(p: Preset) -> bool:
+    return any(candidate_parts(c)[1] != "greedy" for c in p.candidates)
+
+
+def data_s(p: Preset) -> float:
+    """The stated seconds of the data and the timing, before any run: they may take more than one call."""
+    return p.prep_s + p.greedy_s + (p.sampled_s if uses_sampled(p) else 0.0) + p.timing_s
 
 
 def steps_of(train_s: float, step_s: dict[str, float], max_steps: int) -> tuple[float, dict[str, int]]:
@@ -511,11 +562,15 @@ def markdown(doc: dict) -> str:
     keys = [f"{s} T={t:g}" for s in SETS for t in p["temperatures"]]
     mixes = doc.get("mixes", {})
     lines = [f"# Recipe ablation, stage {doc['stage']} ({doc['command']})", "",
-             f"* target and greedy answers: bench/quality.py --preset {p['quality']} {p['quality_set']} (up to regen)",
-             "* data: " + "; ".join(f"{k} {v['rows']} rows of {v['prompts']} prompts (answers {v['answer_chars_mean']} chars)"
-                                   for k, v in mixes.items() if k in DATA_MIXES)
-             + (f"; sampled at T = {mixes['sampling']['temperature']:g}, top-p {mixes['sampling']['top_p']:g}, "
-                f"{mixes['sampling']['samples_per_prompt']} a prompt" if "sampling" in mixes else ""),
+             f"* target and prompts: bench/quality.py --preset {p['quality']} {p['quality_set']} (up to its prompts); "
+             "the greedy and sampled answers by `python -m trainer_tools.regen`, resumed call after call until whole",
+             "* data: " + ("; ".join(f"{k} {v['rows']} rows of {v['prompts']} prompts (of {v.get('planned', '?')} planned; "
+                                    f"answers {v['answer_chars_mean']} chars)" for k, v in mixes.items() if k in DATA_MIXES)
+                         + (f"; sampled at T = {mixes['sampling']['temperature']:g}, top-p {mixes['sampling']['top_p']:g}, "
+                            f"{mixes['sampling']['samples_per_prompt']} a prompt" if "sampling" in mixes else "")
+                         if mixes else "not whole yet, no run started: " + "; ".join(
+                             f"{k} answers {v['rows']} of {v['planned']} {'prompts' if k == 'greedy' else 'rows'}"
+                             for k, v in doc.get("data", {}).items())),
              f"* equal device time: {doc.get('train_s', 0):.1f}s of the device alone per run; steps "
              f"{doc.get('steps')}; step times alone {({k: round(v * 1000, 2) for k, v in doc.get('step_s', {}).items()})} ms",
              "* cells: τ mean ± std (range) over the seeds; then the mean ratio to n-gram lookup's τ on the same prompts",
@@ -587,9 +642,11 @@ def next_command(argv: list[str]) -> str:
     return "PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py " + " ".join(shown)
 
 
-def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) -> dict | None:
-    """The data, once: the preparation, the sampled answers (when a candidate uses them), the mixes; None
-    when the deadline came first (the next call goes on)."""
+def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) -> tuple[dict, bool]:
+    """The data, each part once and in order, a part the deadline cut resumed by the next call: the target
+    and prompts (bench/quality.py up to its prompts), the greedy answers of every prompt, the sampled
+    answers (when a candidate uses them), the mixes. (the state's prep.json, whether all of it is whole):
+    no run starts on part of the data."""
     prep = read_json(state / "prep.json")
     wants = {"quality": p.quality, "quality_set": p.quality_set, "mix_prompts": p.mix_prompts,
              "samples_per_prompt": p.samples_per_prompt, "sample_temperature": p.sample_temperature,
@@ -598,21 +655,44 @@ def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) ->
     if prep and prep["wants"] != wants:
         raise SystemExit(f"recipe: {state} holds data made with {prep['wants']}, this preset asks for {wants}: "
                          f"use another --state")
-    if not prep:
-        prep = {"wants": wants, **prepare(p, state)}
+    if prep and "target" not in prep and "prompts" in prep:  # a state of the first version: its regen not checked
+        prep["target"] = {"seconds": prep.get("seconds"), "prompts": prep["prompts"]}
+    if not prep.get("target"):
+        prep = {"wants": wants, "target": prepare_target(p, state)}
         write_json(state / "prep.json", prep)
-    sampled = any(candidate_parts(c)[1] != "greedy" for c in p.candidates)
+    if not prep.get("greedy", {}).get("done"):
+        if time.time() > deadline:
+            return prep, False
+        prep["greedy"] = greedy_answers(p, qp, state, deadline, prep.get("greedy"))
+        for drawn in ("sampled", "mixes"):  # drawn from the prompts the greedy answers hold
+            prep.pop(drawn, None)
+        write_json(state / "prep.json", prep)
+        if not prep["greedy"]["done"]:
+            return prep, False
+    sampled = uses_sampled(p)
     if sampled and not prep.get("sampled", {}).get("done"):
         if time.time() > deadline:
-            return None
-        prep["sampled"] = sample_answers(p, qp, state, deadline)
+            return prep, False
+        prep["sampled"] = sample_answers(p, qp, state, deadline, prep.get("sampled"))
         write_json(state / "prep.json", prep)
         if not prep["sampled"]["done"]:
-            return None
+            return prep, False
     if "mixes" not in prep or (sampled and "sampled" not in prep["mixes"]):
         prep["mixes"] = write_mixes(p, state / "data", qp.seed)
         write_json(state / "prep.json", prep)
-    return prep
+    return prep, True
+
+
+def data_left(prep: dict) -> str:
+    """What a data not yet whole holds, and what is missing."""
+    parts = []
+    for name, unit in (("greedy", "prompts"), ("sampled", "rows")):
+        part = prep.get(name)
+        if part and not part.get("done"):
+            parts.append(f"{name} answers: {part['rows']} of {part['planned']} {unit}")
+    if not prep.get("greedy"):
+        parts.append("no greedy answers yet")
+    return "; ".join(parts) or "the sampled answers and the mixes"
 
 
 def plan_stage(p: Preset, qp: quality.Preset, state: Path, stage_dir: Path, doc: dict, deadline: float) -> None:
@@ -623,7 +703,7 @@ def plan_stage(p: Preset, qp: quality.Preset, state: Path, stage_dir: Path, doc:
     doc["step_s"] = time_steps(p, qp, state, stage_dir / "timing")
     base = doc["step_s"][candidate_parts(p.baseline)[0]]
     runs = len(p.candidates) * len(p.seeds)
-    train_s = p.train_s or p.base_steps * base or plan_train_s(p, runs, deadline - time.time(), p.rate)
+    train_s = p.train_s or p.base_steps * base or plan_train_s(p, runs, len(doc["calls"]), deadline - time.time(), p.rate)
     doc["train_s"], doc["steps"] = steps_of(train_s, doc["step_s"], p.max_steps)
     say(f"plan: {runs} runs ({len(p.candidates)} candidates x {len(p.seeds)} seeds), {doc['train_s']:.1f}s of the "
         f"device alone each: steps {doc['steps']}")
@@ -648,8 +728,10 @@ def main(argv: list[str] | None = None) -> dict:
     qp, deadline = quality_preset(p), call_end - p.reserve_s
     runs = Runs(p, qp, state, stage_dir, doc, out)
 
-    prep = prepare_data(p, qp, state, deadline)
-    if prep is not None:
+    prep, ready = prepare_data(p, qp, state, deadline)
+    doc["data"] = {k: {f: v.get(f) for f in ("rows", "planned", "done", "calls", "seconds")}
+                   for k, v in prep.items() if k in ("greedy", "sampled")}
+    if ready:
         doc["mixes"] = prep["mixes"]
         plan_stage(p, qp, state, stage_dir, doc, deadline)
         jobs = runs.jobs(call)
@@ -662,15 +744,17 @@ def main(argv: list[str] | None = None) -> dict:
         doc["calls"][-1].update(trained_s=round(runs.trained_s, 1), runs_wall_s=round(wall, 1))
         if runs.trained_s > 0 and wall > 0:
             doc["rate"] = runs.trained_s / wall
-    finish(p, doc, runs, argv, stage_dir, out, prep is not None)
+    finish(p, doc, runs, argv, stage_dir, out, prep if not ready else None)
     return doc
 
 
 def plan_only(p: Preset) -> dict:
     """The plan from the preset's stated figures (nothing measured, nothing run)."""
     n = len(p.candidates) * len(p.seeds)
-    first = p.call_s - p.reserve_s - p.prep_s - p.sampled_s - p.timing_s
-    train_s = p.train_s or plan_train_s(p, n, first, p.rate)
+    train_s = p.train_s or plan_train_s(p, n, p.calls, p.calls * (p.call_s - p.reserve_s) - data_s(p), p.rate)
+    say(f"plan (stated figures): the data and the step times first, ~{data_s(p):.0f}s (target and prompts {p.prep_s:.0f}s, "
+        f"greedy answers {p.greedy_s:.0f}s" + (f", sampled answers {p.sampled_s:.0f}s" if uses_sampled(p) else "")
+        + f", timing {p.timing_s:.0f}s), resumed call after call until whole")
     say(f"plan (stated figures): {n} runs ({len(p.candidates)} candidates x {len(p.seeds)} seeds) in {p.calls} calls "
         f"of {p.call_s:.0f}s, {p.parallel} at a time: "
         + (f"{p.base_steps} steps of the baseline each (equal device time)" if p.base_steps and not p.train_s
@@ -688,12 +772,16 @@ def save(doc: dict, p: Preset, stage_dir: Path, out: Path) -> None:
         (d / "recipe.md").write_text(markdown(doc))
 
 
-def finish(p: Preset, doc: dict, runs: Runs, argv: list[str], stage_dir: Path, out: Path, prepared: bool) -> None:
-    """What is left, the command to run next (or done), the table."""
+def finish(p: Preset, doc: dict, runs: Runs, argv: list[str], stage_dir: Path, out: Path,
+           unfinished: dict | None) -> None:
+    """What is left, the command to run next (or done), the table. `unfinished`: the prep.json of a data
+    not yet whole."""
     doc["calls"][-1]["seconds"] = round(time.time() - doc["calls"][-1]["started"], 1)
-    if not prepared or "steps" not in doc:
-        doc["left"] = "the data (the sampled answers stopped at the deadline); then the timing and every run"
-        left_calls = p.calls
+    if unfinished is not None or "steps" not in doc:
+        doc["left"] = (f"the data ({data_left(unfinished)}; the next call resumes it, no run starts before it is "
+                       f"whole); then the timing and every run" if unfinished is not None
+                       else "the timing and every run")
+        left_calls = max(1, p.calls - len(doc["calls"]) + 1)
     else:
         remaining, unevaluated, legs = runs.left()
         rate = doc.get("rate") or p.rate

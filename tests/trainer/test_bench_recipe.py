@@ -27,8 +27,12 @@ def test_legs_stop_a_run_at_its_share_of_the_steps_in_each_call():
 def test_the_plan_shares_the_calls_time_among_the_runs_at_the_rate():
     p = ra.Preset(calls=3, call_s=540.0, reserve_s=40.0)
     # 100 s left in the first call, then 2 x 500 s; at 1.5 device-s per wall-s over 12 runs
-    assert ra.plan_train_s(p, 12, 100.0, 1.5) == pytest.approx(1100 * 1.5 / 12)
-    assert ra.plan_train_s(p, 12, -20.0, 1.0) == pytest.approx(1000 / 12)  # the first call already spent
+    assert ra.plan_train_s(p, 12, 1, 100.0, 1.5) == pytest.approx(1100 * 1.5 / 12)
+    assert ra.plan_train_s(p, 12, 1, -20.0, 1.0) == pytest.approx(1000 / 12)  # the first call already spent
+    assert ra.plan_train_s(p, 12, 2, 100.0, 1.0) == pytest.approx(600 / 12)  # the data took the first call whole
+    # the stated plan: the data and the timing (~630 s on an H100, more than a call) come out of the calls' time
+    h200 = ra.PRESETS["h200"]
+    assert ra.data_s(h200) == 630.0 and ra.plan_only(h200)["train_s"] == pytest.approx((3 * 480 - 630) / 12)
     # equal device time: slower objectives train fewer steps; max_steps lowers the time for all
     assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 5000) == (10.0, {"ce+decay": 1000, "kl": 800})
     assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 500) == (5.0, {"ce+decay": 500, "kl": 400})
@@ -212,6 +216,45 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
     third = ra.main([*argv, "--out", str(tmp_path / "out3")])  # nothing left: nothing trained or evaluated again
     assert "call 3: 0 runs to train" in capsys.readouterr().out
     assert third["table"] == second["table"]
+
+
+@pytest.mark.slow
+def test_a_preparation_cut_short_is_resumed_by_the_next_call_and_no_run_starts_on_part_of_the_data(tmp_path, capsys):
+    """regen_legs=2: the first call's greedy regen answers half the prompts (as a deadline's SIGINT would cut
+    it): that call trains nothing and says what the data holds; the next call resumes the same regen (the
+    first half kept as written, the target not made again), then the sampled answers and the mixes of all
+    the planned prompts, and only then the runs."""
+    state = tmp_path / "state"
+    argv = ["--preset", "cpu", "--state", str(state), "--set", "regen_legs=2"]
+    first = ra.main([*argv, "--out", str(tmp_path / "out1")])
+    printed = capsys.readouterr().out
+    assert "greedy answers: exit 0; 12 of 24 prompts answered [" in printed and "the next call resumes them" in printed
+    assert "sampled answers:" not in printed and "step time alone" not in printed and "call 1:" not in printed
+    assert "left: the data (greedy answers: 12 of 24 prompts; the next call resumes it" in printed
+    assert "next: PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py --preset cpu" in printed
+    assert first["runs"] == {} and "mixes" not in first and "steps" not in first
+    assert first["data"]["greedy"] == {"rows": 12, "planned": 24, "done": False, "calls": 1,
+                                       "seconds": first["data"]["greedy"]["seconds"]}
+    assert "data: not whole yet, no run started: greedy answers 12 of 24 prompts" in (tmp_path / "out1" / "recipe.md").read_text()
+    model = {f: f.stat().st_mtime_ns for f in (state / "model").iterdir()}
+    kept = (state / "data" / "regen.jsonl").read_text()
+
+    second = ra.main([*argv, "--out", str(tmp_path / "out2")])
+    printed = capsys.readouterr().out
+    assert "corpus:" not in printed and "target step" not in printed  # the target is not made again
+    assert {f: f.stat().st_mtime_ns for f in (state / "model").iterdir()} == model
+    assert "greedy answers: exit 0; 24 of 24 prompts answered [" in printed
+    answers = (state / "data" / "regen.jsonl").read_text()
+    assert answers.startswith(kept)  # the first call's answers as written, the rest added
+    ids = [json.loads(line)["id"] for line in answers.splitlines()]
+    prompts = [json.loads(line)["id"] for line in (state / "data" / "prompts.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(prompts) and len(ids) == 24
+    assert "sampled answers: exit 0; 24 of 24 rows" in printed and "call 2: 4 runs to train" in printed
+    assert second["data"]["greedy"]["done"] and second["data"]["greedy"]["calls"] == 2
+    assert {k: (second["mixes"][k]["rows"], second["mixes"][k]["prompts"], second["mixes"][k]["planned"])
+            for k in ra.DATA_MIXES} == {"greedy": (12, 12, 12), "sampled": (24, 12, 12), "both": (36, 12, 12)}
+    assert all(r["step"] > 0 for r in second["runs"].values()) and len(second["runs"]) == 4
+    assert "data: greedy 12 rows of 12 prompts (of 12 planned;" in (tmp_path / "out2" / "recipe.md").read_text()
 
 
 def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_seed_alone(tmp_path):

@@ -10,12 +10,16 @@ grows: recipe_ablation's sampled batch), greedy, --max-tokens new tokens each. F
 decoder (static: the preallocated-cache loop; hf: transformers' generate), regen runs twice as a
 user runs it: once to the end (batch_s: from regen's "decoding" line to its exit), then on a fresh
 output with a SIGINT half that time after the "decoding" line (stop_s: from the SIGINT to its
-exit; exit 130 and whole lines expected). Prints one JSON line per decoder; OUT/results.jsonl too.
+exit; exit 130 and whole lines expected; `cancelled`: regen's own line, the decode step its batch stopped at).
+`--to thread` delivers that SIGINT to another thread than the main one (tgkill), as the kernel may deliver a
+kill(2); `first_batch` is the rows of regen's first "decoding" line. Prints one JSON line per decoder;
+OUT/results.jsonl too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -27,13 +31,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def regen(argv: list[str], out: Path, log: Path, sigint_after_s: float | None = None) -> dict:
+def sigint(pid: int, to: str) -> None:
+    """SIGINT to the process, or to its newest thread other than the main one that does not block it."""
+    if to == "process":
+        os.kill(pid, signal.SIGINT)
+        return
+    for tid in sorted((int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid), reverse=True):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        if not blocked & (1 << (signal.SIGINT - 1)) and ctypes.CDLL(None, use_errno=True).tgkill(pid, tid, signal.SIGINT) == 0:
+            return
+    os.kill(pid, signal.SIGINT)
+
+
+def regen(argv: list[str], out: Path, log: Path, sigint_after_s: float | None = None, to: str = "process") -> dict:
     """One regen run: seconds from its batch line to its exit, and from the SIGINT (if sent) to its exit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "trainer_tools.regen", *argv, "--out", str(out)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
     assert proc.stderr is not None
-    lines, decoding, width, sent = [], None, None, None
+    lines, decoding, width, sent, first = [], None, None, None, None
     with open(log, "w") as f:
         for line in proc.stderr:
             f.write(line)
@@ -41,14 +61,17 @@ def regen(argv: list[str], out: Path, log: Path, sigint_after_s: float | None = 
             if decoding is None and line.startswith("regen: decoding"):
                 decoding = time.monotonic()
                 width = int(line.split("up to ")[1].split()[0])
+                first = int(line.split("decoding ")[1].split()[0])
                 if sigint_after_s is not None:
                     time.sleep(sigint_after_s)
-                    proc.send_signal(signal.SIGINT)
+                    sigint(proc.pid, to)
                     sent = time.monotonic()
         proc.wait()
     ended = time.monotonic()
     data = out.read_bytes() if out.exists() else b""
-    return {"exit": proc.returncode, "prompt_tokens": width,
+    cancelled = next((line.split("cancelled ")[1].split(";")[0] for line in lines if "regen: interrupted: cancelled" in line),
+                     None)
+    return {"exit": proc.returncode, "prompt_tokens": width, "first_batch": first, "cancelled": cancelled,
             "batch_s": round(ended - decoding, 2) if decoding is not None and sent is None else None,
             "stop_s": round(ended - sent, 2) if sent is not None else None,
             "lines": data.count(b"\n"), "whole_lines": data == b"" or data.endswith(b"\n"),
@@ -63,6 +86,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prompt-words", type=int, default=300, help="words per prompt (about 1.5 tokens each)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--decoders", default="static,hf")
+    p.add_argument("--to", choices=["process", "thread"], default="process",
+                   help="where the SIGINT goes: the process (kill), or another thread than the main one (tgkill)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -89,9 +114,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             path.unlink(missing_ok=True)
         full = regen(argv_, full_out, out / f"{decoder}-full.log")
         after = (full["batch_s"] or 0.0) / 2
-        cut = regen(argv_, cut_out, out / f"{decoder}-cut.log", sigint_after_s=after)
+        cut = regen(argv_, cut_out, out / f"{decoder}-cut.log", sigint_after_s=after, to=args.to)
         row = {"decoder": decoder, "device": args.device, "rows": rows, "prompt_tokens": full["prompt_tokens"],
-               "max_tokens": args.max_tokens, "batch_s": full["batch_s"], "full_exit": full["exit"],
+               "max_tokens": args.max_tokens, "first_batch": full["first_batch"], "batch_s": full["batch_s"],
+               "full_exit": full["exit"], "to": args.to, "cancelled": cut["cancelled"],
                "full_lines": full["lines"], "sigint_after_s": round(after, 2), "stop_s": cut["stop_s"],
                "exit": cut["exit"], "lines_after_sigint": cut["lines"], "whole_lines": cut["whole_lines"],
                "tail": cut["tail"]}

@@ -937,8 +937,10 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
     rows, and one of 4,444 decoded in 77 s while the other threads started, the next 3,748 in 15 s).
 
     Once `interrupt` is set (regen's SIGINT handler, which has cancelled the engine already) this
-    stops within POLL_S: no conversation starts, `engine.close()` waits for the batch in flight to
-    stop at its next decode step, the answers complete by then are written and `s.interrupted`
+    stops within POLL_S: no conversation starts; with an engine that cancels (the HF engine),
+    `engine.close()` waits for the batch in flight to stop at its next decode step and every answer
+    a worker holds by then is written once the workers have ended (CLOSE_WAIT_S at most; a server's
+    requests cannot be cancelled, so then only the answers already complete are); `s.interrupted`
     says so (the output holds whole lines only). The wait for results is polled rather than
     blocking: a SIGINT the kernel delivers to another thread (the engine's, a worker's) does not
     wake a main thread blocked in a lock, and its handler then ran only when the next answer came,
@@ -956,26 +958,30 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
     jobs: queue.Queue[Prompt] = queue.Queue()
     for p in todo:
         jobs.put(p)
-    results: queue.Queue[tuple[Prompt, Regenerated | None, str | None]] = queue.Queue()
+    # a conversation's outcome, or None: a worker ended
+    results: queue.Queue[tuple[Prompt, Regenerated | None, str | None] | None] = queue.Queue()
     stop, go = threading.Event(), threading.Event()
     interrupt = interrupt if interrupt is not None else threading.Event()
 
     def work() -> None:
-        go.wait()
-        while not stop.is_set():
-            try:
-                prompt = jobs.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                asked = engine if prompt.seed is None else Seeded(engine, prompt.seed)
-                done = regenerate_trajectory(asked, prompt, model, agent) if agent is not None \
-                    else regenerate_one(asked, prompt, model)
-                results.put((prompt, checked(sampled(done, prompt), checker), None))
-            except RegenError as e:
-                results.put((prompt, None, str(e)))
-            except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
-                results.put((prompt, None, f"{type(e).__name__}: {e}"))
+        try:
+            go.wait()
+            while not stop.is_set():
+                try:
+                    prompt = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    asked = engine if prompt.seed is None else Seeded(engine, prompt.seed)
+                    done = regenerate_trajectory(asked, prompt, model, agent) if agent is not None \
+                        else regenerate_one(asked, prompt, model)
+                    results.put((prompt, checked(sampled(done, prompt), checker), None))
+                except RegenError as e:
+                    results.put((prompt, None, str(e)))
+                except Exception as e:  # noqa: BLE001 - one bad conversation must not end the run
+                    results.put((prompt, None, f"{type(e).__name__}: {e}"))
+        finally:
+            results.put(None)
 
     consecutive = 0
 
@@ -1008,17 +1014,22 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         s.truncated += c.finish_reason == "length"
         s.tool_stops += record.get("stopped") == "tool_call"
 
+    workers = ended = 0
     try:
         for i in range(min(max(1, concurrency), len(todo))):
             if interrupt.is_set():
                 break
             threading.Thread(target=work, name=f"regen-{i}", daemon=True).start()
+            workers += 1
         go.set()
         left = len(todo)
         while left and not interrupt.is_set():
             try:
                 result = results.get(timeout=POLL_S)
             except queue.Empty:
+                continue
+            if result is None:
+                ended += 1
                 continue
             left -= 1
             take(result)
@@ -1032,7 +1043,18 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         if left and interrupt.is_set():
             s.interrupted = True
             stop.set()
-            engine.close()  # the batch in flight stops at its next decode step; its requests fail
+            if hasattr(engine, "cancel"):  # the HF engine: its requests in flight fail at its next decode step
+                engine.close()
+                give_up = time.monotonic() + CLOSE_WAIT_S
+                while ended < workers and time.monotonic() < give_up:  # an answer a worker holds is written too
+                    try:
+                        result = results.get(timeout=POLL_S)
+                    except queue.Empty:
+                        continue
+                    if result is None:
+                        ended += 1
+                    elif result[1] is not None:
+                        take(result)
     finally:
         stop.set()
         go.set()
@@ -1041,7 +1063,7 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
                 result = results.get_nowait()
             except queue.Empty:
                 break
-            if result[1] is not None:
+            if result is not None and result[1] is not None:
                 take(result)
         s.seconds = time.monotonic() - started
     return s

@@ -12,8 +12,10 @@ Workers are spawned, never forked: the trainer may already hold CUDA state and t
 reads its data, and a forked child of such a process can hang on a lock another thread held.
 A spawned worker loads the tokenizer from a temporary directory the trainer saves it to once
 (save_pretrained: tokenizer.json, settings, chat template), not from a pickle: nothing in the
-trainer unpickles (tests/trainer/test_export_destination.py). Starting one costs about a second
-(importing transformers), which is why small data stays in one process.
+trainer unpickles (tests/trainer/test_export_destination.py); with the trainer's own tokenizer class
+where transformers has it, not through AutoTokenizer, whose import pulls in torch (1.3 CPU-seconds
+to a worker's first conversation instead of 2.8). Starting one costs about a second (importing
+transformers), which is why small data stays in one process.
 
 A worker dies with the trainer, however the trainer ends (SIGKILL, an OOM kill included): the pool's
 queues are pipes every worker holds both ends of, so a worker whose parent is gone would wait on them
@@ -89,7 +91,8 @@ def encode_all(tokenizer: Any, conversations: list[dict], max_length: int, templ
         with ProcessPoolExecutor(min(processes, len(chunks)), mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_start_worker,
                                  initargs=(saved, max_length, template_kwargs, os.getpid(),
-                                           str(getattr(tokenizer, "name_or_path", "") or ""))) as pool:
+                                           str(getattr(tokenizer, "name_or_path", "") or ""),
+                                           (type(tokenizer).__module__, type(tokenizer).__qualname__))) as pool:
             try:
                 for part in pool.map(_encode_chunk, chunks):  # in order: the first failing chunk raises first
                     out.extend(part)
@@ -132,16 +135,23 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int, source: str) -> None:
-    """The worker's tokenizer, from the directory the trainer saved it to, named after the one the
-    trainer read it from (`source`: its name_or_path), so its chat template's errors name that one
-    (trainer.data.chat.template_source)."""
+def _start_worker(saved: str, max_length: int, template_kwargs: dict | None, parent: int, source: str,
+                  kind: tuple[str, str]) -> None:
+    """The worker's tokenizer, from the directory the trainer saved it to, of the trainer's tokenizer
+    class (`kind`: its module and name; AutoTokenizer where that is not one of transformers' own),
+    named after the one the trainer read it from (`source`: its name_or_path), so its chat template's
+    errors name that one (trainer.data.chat.template_source)."""
     die_with_parent(parent)
-    from transformers import AutoTokenizer
+    import importlib
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the pool
-    tokenizer = AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    module, name = kind
+    if module.startswith("transformers.") and "." not in name:
+        cls = getattr(importlib.import_module(module), name)
+    else:  # not one of transformers' classes (a model's own code): as the saved directory names it
+        from transformers import AutoTokenizer as cls
+    tokenizer = cls.from_pretrained(saved, local_files_only=True)
     tokenizer.name_or_path = source
     _worker = (tokenizer, max_length, template_kwargs)
 

@@ -33,7 +33,10 @@ from tests.trainer.tiny_config import two_host_config
 pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.slow, pytest.mark.lxc_tier]
 
 TARGETS = ("n0-200", "n1-200")
-STEPS = 300
+# The run's length: the group must still be training when the test has seen it pass step 12 and, restarted,
+# 8 steps past its restart step (~25): 150 leaves ~125 steps of margin; the resumed life and the one-host
+# run train every step, so 300 cost ~10 CPU-seconds more for nothing the test reads.
+STEPS = 150
 # every checkpoint kept: the test reads the one the ranks resumed from after the resumed run has written
 # more (with the default 3 kept, a fast machine rotated it away before the assertion)
 CONFIG = two_host_config(STEPS, "run: {keep_checkpoints: 100}")

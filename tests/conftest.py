@@ -49,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     path = tempfile.mkdtemp(prefix="dflash-tests-")
+    os.chmod(path, 0o1777)  # as /tmp: the non-root users some tests run as (sudo, pct's root check) read and write in it
     config.stash[SUITE_TMP] = path
     os.environ["TMPDIR"] = path
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again

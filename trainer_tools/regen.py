@@ -1015,6 +1015,18 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         s.tool_stops += record.get("stopped") == "tool_call"
 
     workers = ended = 0
+
+    def poll() -> tuple[Prompt, Regenerated | None, str | None] | None:
+        """The next answer, or None after POLL_S without one (a worker's end marker is counted)."""
+        nonlocal ended
+        try:
+            result = results.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+        if result is None:
+            ended += 1
+        return result
+
     try:
         for i in range(min(max(1, concurrency), len(todo))):
             if interrupt.is_set():
@@ -1024,12 +1036,8 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
         go.set()
         left = len(todo)
         while left and not interrupt.is_set():
-            try:
-                result = results.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
+            result = poll()
             if result is None:
-                ended += 1
                 continue
             left -= 1
             take(result)
@@ -1047,13 +1055,8 @@ def regenerate(prompts: list[Prompt], engine: Engine, output: Output, *, model: 
                 engine.close()
                 give_up = time.monotonic() + CLOSE_WAIT_S
                 while ended < workers and time.monotonic() < give_up:  # an answer a worker holds is written too
-                    try:
-                        result = results.get(timeout=POLL_S)
-                    except queue.Empty:
-                        continue
-                    if result is None:
-                        ended += 1
-                    elif result[1] is not None:
+                    result = poll()
+                    if result is not None and result[1] is not None:
                         take(result)
     finally:
         stop.set()

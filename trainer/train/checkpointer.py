@@ -31,6 +31,7 @@ import torch
 
 from trainer.run.checkpoint import CheckpointManager
 from trainer.train.metrics import LossNotFinite
+from trainer.train.streams import after_current
 
 
 @dataclass
@@ -200,10 +201,9 @@ class Checkpointer:
             side = self._streams.get(device)
             if side is None:
                 side = self._streams[device] = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
             start = torch.cuda.Event(enable_timing=True, blocking=True)
             done = torch.cuda.Event(enable_timing=True, blocking=True)
-            with torch.cuda.stream(side):
+            with after_current(side, device):
                 start.record(side)
                 for buf, src in pairs:
                     buf.copy_(src, non_blocking=True)

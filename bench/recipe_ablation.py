@@ -232,12 +232,18 @@ def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float |
         had = len(quality.read_records(out)) if out.exists() else 0
         argv += ["--limit", str(min(planned, had + math.ceil(planned / p.regen_legs)))]
     rc, seconds, rows = run_regen(qp, argv, state / "regen.log", out, deadline)
-    done = rc == 0 and rows >= planned
+    part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"greedy answers: exit {rc}; {rows} of {planned} prompts answered [{seconds:.0f}s]"
-        + ("" if done else "; the next call resumes them" + ("" if rc in (0, 130, -2, -9) else f" (see {state / 'regen.log'})")))
-    calls = (before or {}).get("calls", 0) + 1
-    seconds_all = (before or {}).get("seconds", 0.0) + seconds
-    return {"done": done, "rows": rows, "planned": planned, "exit": rc, "calls": calls, "seconds": round(seconds_all, 1),
+        + ("" if part["done"] else "; the next call resumes them"
+           + ("" if rc in (0, 130, -2, -9) else f" (see {state / 'regen.log'})")))
+    return part
+
+
+def answers_part(argv: list[str], rc: int, seconds: float, rows: int, planned: int, before: dict | None) -> dict:
+    """A part of the data as the state records it: whole once regen ran to its end with every planned row;
+    its calls and seconds summed over the calls that made it."""
+    return {"done": rc == 0 and rows >= planned, "rows": rows, "planned": planned, "exit": rc,
+            "calls": (before or {}).get("calls", 0) + 1, "seconds": round((before or {}).get("seconds", 0.0) + seconds, 1),
             "command": "python -m trainer_tools.regen " + shlex.join(argv)}
 
 
@@ -260,13 +266,11 @@ def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float |
                               p.samples_per_prompt, p.sample_temperature, p.sample_top_p)
     out, planned = data / "regen-sampled.jsonl", len(ids) * p.samples_per_prompt
     rc, seconds, rows = run_regen(qp, argv, state / "regen-sampled.log", out, deadline)
-    done = rc == 0 and rows >= planned
+    part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"sampled answers: exit {rc}; {rows} of {planned} rows ({p.samples_per_prompt} a prompt, "
         f"T = {p.sample_temperature:g}, top-p {p.sample_top_p:g}) [{seconds:.0f}s]"
-        + ("" if done else "; the next call resumes them"))
-    return {"done": done, "rows": rows, "planned": planned, "exit": rc, "calls": (before or {}).get("calls", 0) + 1,
-            "seconds": round((before or {}).get("seconds", 0.0) + seconds, 1),
-            "command": "python -m trainer_tools.regen " + shlex.join(argv)}
+        + ("" if part["done"] else "; the next call resumes them"))
+    return part
 
 
 def write_mixes(p: Preset, data: Path, seed: int) -> dict:

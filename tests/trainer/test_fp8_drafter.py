@@ -1,6 +1,7 @@
 """The drafter's linear layers trained with FP8 matmuls (model.drafter.precision fp8): each matmul of
-fp8_linear equals its dequantized reference, a drafter step with it trains like bf16, evaluation stays
-bf16, the compiled regions take it without a graph break, and the config refuses it where it cannot run."""
+fp8_linear and of the LM head's FP8Head equals its dequantized reference, a drafter step with them
+trains like bf16, evaluation stays bf16, the compiled regions take them without a graph break, and the
+config refuses it where it cannot run."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.conftest import MASK_ID, VOCAB
+from tests.trainer.test_objectives import OBJECTIVES, head_case
 from tests.trainer.tiny_config import tiny_config
 from trainer.models.drafter import DFlashDrafter
-from trainer.models.fp8_training import E4M3_MAX, fp8_linear, quantize_tensor
+from trainer.models.fp8_training import E4M3_MAX, FP8Head, fp8_linear, quantize_tensor
 from trainer.models.masks import make_blocks, sample_anchors
-from trainer.models.objective import drafter_loss_sums
-from trainer.models.target import target_context_features
+from trainer.models.objective import drafter_loss_sums, fused_objective
+from trainer.models.target import FrozenHead, target_context_features
 from trainer.run.config import ConfigError, parse_config
 
 
@@ -62,6 +64,60 @@ def test_a_wrong_layout_would_be_caught():
     x, g = torch.randn(32, 64), torch.randn(32, 48)
     assert relative(dequantized(g).t() @ dequantized(x), g.t() @ x) < 0.08
     assert relative((dequantized(g).t() @ dequantized(x)).flip(0), g.t() @ x) > 0.5
+
+
+def test_the_fp8_heads_matmuls_equal_their_dequantized_references():
+    torch.manual_seed(0)
+    weight, hidden, grad = torch.randn(48, 32), torch.randn(37, 32), torch.randn(37, 48)
+    head = FP8Head(weight)
+    logits = head.logits(*quantize_tensor(hidden), torch.float32)
+    grad_hidden = head.grad_hidden(*quantize_tensor(grad), torch.float32)
+    wd = dequantized(weight)
+    assert relative(logits, dequantized(hidden) @ wd.t()) < 1e-4
+    assert relative(grad_hidden, dequantized(grad) @ wd) < 1e-4
+    assert relative(logits, hidden @ weight.t()) < 0.08 and relative(grad_hidden, grad @ weight) < 0.08
+    assert relative(grad_hidden, grad @ weight.t().flip(0).t()) > 0.5  # a wrong layout would show
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_objective_through_the_fp8_head_trains_like_the_bf16_head(name):
+    """Sums and the hidden states' gradient within e4m3's rounding of the exact head's, for every objective
+    (kl quantizes the target's logits' inputs too); without a gradient the FP8 head is not used: an
+    evaluation's sums are the exact head's."""
+    hidden, weight, labels, weights, target_rows, slot_rows, block = head_case(vocab=48, width=32)
+    args = (labels, weights, 8, OBJECTIVES[name], target_rows, slot_rows, block)
+    loss, correct = fused_objective(hidden, weight, *args)
+    loss.backward()
+    exact = hidden.grad.clone()
+    hidden.grad = None
+    loss8, correct8 = fused_objective(hidden, weight, *args, fp8_head=FP8Head(weight))
+    loss8.backward()
+    loss, loss8 = loss.detach(), loss8.detach()
+    assert float(loss8) == pytest.approx(float(loss), rel=0.03) and float(loss8) != float(loss)
+    assert F.cosine_similarity(hidden.grad.flatten(), exact.flatten(), dim=0) > 0.98
+    assert abs(float(correct8) - float(correct)) <= 0.1 * float(weights.sum())
+    with torch.no_grad():
+        assert torch.equal(fused_objective(hidden, weight, *args, fp8_head=FP8Head(weight))[0],
+                           fused_objective(hidden, weight, *args)[0])
+
+
+def test_the_frozen_heads_fp8_copies_are_made_once_and_remade_for_a_new_weight():
+    head = FrozenHead(torch.randn(48, 32), torch.randn(48, 32))
+    first = head.fp8()
+    assert head.fp8() is first and first.source is head.lm_head_weight
+    head.to(torch.float64)  # a new tensor: the copies follow it
+    assert head.fp8() is not first and head.fp8().source is head.lm_head_weight
+
+
+def test_an_fp8_drafter_step_takes_the_fp8_head(tiny, monkeypatch):
+    calls = []
+    for method in ("logits", "grad_hidden"):
+        original = getattr(FP8Head, method)
+        monkeypatch.setattr(FP8Head, method, lambda self, *a, _m=method, _o=original: calls.append(_m) or _o(self, *a))
+    _step(tiny, F.linear)
+    assert calls == []
+    _step(tiny, fp8_linear)
+    assert calls.count("logits") == calls.count("grad_hidden") >= 1
 
 
 def _step(tiny, linear, seed=4):
@@ -120,7 +176,7 @@ def test_compiled_regions_take_fp8_matmuls_without_a_graph_break(tiny, monkeypat
     finally:
         torch._dynamo.reset()
     assert drafter_module._compiled and not counters["graph_break"]
-    assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-3)  # the loss's inputs are quantized (FP8Head) too
     # the same numbers up to where a fused region rounds a product differently before it is quantized
     cosines = [float(F.cosine_similarity(compiled[1][n].flatten(), eager[1][n].flatten(), dim=0)) for n in eager[1]]
     assert min(cosines) > 0.995, cosines
@@ -155,11 +211,13 @@ def test_the_memory_plan_counts_the_fp8_operands(monkeypatch):
     monkeypatch.setattr("trainer.run.config._fp8_refusal", lambda d: None)  # no GPU here
     bf16 = build_plan(parse_config(tiny_config(cuda, "model: {dtype: bf16}\n")))
     fp8 = build_plan(parse_config(tiny_config(cuda, FP8_DRAFTER)))
-    item = "fp8 operands (e4m3, kept for backward)"
+    item, head = "fp8 operands (e4m3, kept for backward)", "LM head (e4m3, both layouts: fp8_training.FP8Head)"
     assert item not in bf16.drafter and fp8.drafter[item] > 0
+    # two 1-byte copies of the [vocab, hidden] head, beside the bf16 embedding and head (2 bytes each)
+    assert head not in bf16.drafter and fp8.drafter[head] == fp8.drafter["embedding + head"] // 2 > 0
     freed = bf16.drafter["activations"] - fp8.drafter["activations"]
     assert freed > 0  # the bf16 projection inputs the e4m3 copies replace
-    assert sum(fp8.drafter.values()) == sum(bf16.drafter.values()) + fp8.drafter[item] - freed
+    assert sum(fp8.drafter.values()) == sum(bf16.drafter.values()) + fp8.drafter[item] + fp8.drafter[head] - freed
 
 
 def test_fp8_layers_save_neither_the_normed_residual_nor_the_mlp_product_in_bf16():

@@ -8,10 +8,16 @@ call (the "tensorwise" recipe of float8 training libraries): one scale per tenso
 quantized copy serve both layouts a matmul pair needs (x w^T in the forward, g^T x for the weight's
 gradient), so each operand is quantized once per call and only transposed.
 
+`FP8Head` does the same for the frozen LM head's two matmuls in the fused objective (the logits and
+the hidden states' gradient, a fifth of an 8B-shaped drafter step in bf16): its weight is quantized
+once, both layouts kept (it never changes), and each chunk's hidden states and logit gradients are
+quantized as they are made (trainer.models.objective).
+
 What stays as today: the fp32 master weights and AdamW states, the bf16 copies the drafter's
-matmuls take (trainer.models.drafter.LowPrecisionWeights), the norms, attention and the loss. What
-changes is the rounding of the linear layers' inputs, weights and output gradients (3 mantissa
-bits), whose cost is τ (the quality bench's drafter precision comparison, bench/RESULTS.md).
+matmuls take (trainer.models.drafter.LowPrecisionWeights), the norms, attention and the loss's
+softmax (fp32, from bf16 logits). What changes is the rounding of the linear layers' inputs, weights
+and output gradients, and of the LM head's (3 mantissa bits), whose cost is τ (the quality bench's
+drafter precision comparison, bench/RESULTS.md).
 
 The function also runs on the CPU (torch 2.13's `_scaled_mm`, else the dequantized product): the
 tests check its gradients there; a run is refused FP8 on a CPU drafter at config load
@@ -87,6 +93,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     y = _FP8Linear.apply(x.reshape(-1, shape[-1]), weight)
     return y.reshape(*shape[:-1], weight.shape[0])
+
+
+class FP8Head:
+    """A frozen LM head weight [V, H] in e4m3 for the fused objective's two matmuls: logits = h W^T
+    and grad_h = g W. Quantized once (tensorwise) and kept in both layouts torch._scaled_mm reads, 2 x V x H
+    bytes (1 GB at a 128K vocabulary and H 4,096), beside the bf16 head evaluation uses."""
+
+    def __init__(self, weight: torch.Tensor):
+        with torch.no_grad():
+            rows, self.scale = quantize_tensor(weight)
+            self.rows = rows  # [V, H]: .t() is the column-major [H, V] the logits take
+            self.cols = rows.t().contiguous()  # [H, V]: .t() is the column-major [V, H] the gradient takes
+        self.source = weight
+
+    def logits(self, hidden_q: torch.Tensor, hidden_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """[M, V] logits of quantized hidden states [M, H] (`quantize_tensor`)."""
+        return scaled_mm(hidden_q, hidden_scale, self.rows.t(), self.scale, out_dtype)
+
+    def grad_hidden(self, grad_q: torch.Tensor, grad_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """[M, H] gradient of the hidden states from the quantized logits' gradient [M, V]."""
+        return scaled_mm(grad_q, grad_scale, self.cols.t(), self.scale, out_dtype)
 
 
 def fp8_trainable(weight_shape: tuple[int, ...] | torch.Size) -> bool:

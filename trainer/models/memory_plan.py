@@ -363,6 +363,8 @@ def _assemble(cfg: TrainerConfig, z: _Sizes, checkpointed: int, gpu_bytes: dict[
     if cfg.model.drafter.precision == "fp8":
         drafter["fp8 operands (e4m3, kept for backward)"] = fp8_operand_bytes(cfg, z.drafter, params, tokens,
                                                                               block_tokens, checkpointed)
+        drafter["LM head (e4m3, both layouts: fp8_training.FP8Head)"] = 2 * int(z.drafter.vocab_size) * \
+            int(z.drafter.hidden_size)
     by_device: dict[str, DevicePlan] = {}
 
     def add(device: str, items: dict[str, int]) -> None:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.models.dflash2 import selector_sums
 from trainer.models.drafter import DFlashDrafter, pointwise
+from trainer.models.fp8_training import FP8Head, fp8_linear, quantize_tensor
 from trainer.models.masks import Blocks, block_attention
 from trainer.models.target import FrozenHead
 
@@ -200,6 +201,21 @@ def _mix_slots(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.
     return ce_w * ce + kl_w * kl, ce, correct, grad.to(logits.dtype)
 
 
+def _with_quantized_grad(slots: Any) -> Any:
+    """`slots` (a @pointwise function whose last result is d term / d logits) returning that gradient as
+    e4m3 and its scale instead, quantized in the same compiled pass (FP8Head's gradient matmul)."""
+    def fn(logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        *sums, grad = slots.__wrapped__(logits, *args)
+        return (*sums, *quantize_tensor(grad))
+
+    fn.__name__ = fn.__qualname__ = f"{slots.__name__}_fp8"
+    return pointwise(fn)
+
+
+_ce_slots_fp8, _mix_slots_fp8 = _with_quantized_grad(_ce_slots), _with_quantized_grad(_mix_slots)
+_quantized = pointwise(quantize_tensor)
+
+
 class _HeadLoss(torch.autograd.Function):
     """Σ weight·term through a frozen LM head, with d/d hidden computed chunk by chunk in the forward.
 
@@ -207,13 +223,15 @@ class _HeadLoss(torch.autograd.Function):
     weight x the gradient of its own term, computed here at unit weight and scaled once the weights
     are known: D-PACE's need every slot of a block): the backward is one multiply, the [slots, vocab]
     logits never outlive their chunk, and the LM-head matmul runs twice (logits, grad of hidden), not
-    three times as under checkpointing (three and four with the target's logits under kl)."""
+    three times as under checkpointing (three and four with the target's logits under kl).
+    fp8_head: both matmuls in e4m3 (model.drafter.precision fp8), each chunk's operands quantized where
+    they are made."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, chunk: int, need_grad: bool, objective: Objective,
                 target_rows: torch.Tensor | None, slot_rows: torch.Tensor | None,
-                block: int) -> tuple[torch.Tensor, torch.Tensor]:
+                block: int, fp8_head: FP8Head | None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else hidden.dtype
         n = hidden.shape[0]
@@ -224,20 +242,34 @@ class _HeadLoss(torch.autograd.Function):
             ce = hidden.new_empty(n, dtype=torch.float32)
             correct = hidden.new_empty(n, dtype=torch.float32)
             grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if need_grad else None
+
+            def logits_of(h: torch.Tensor) -> torch.Tensor:
+                if fp8_head is None:
+                    return h.to(dtype) @ w.t()
+                h_q, h_scale = _quantized(h.to(dtype), compiled=True)
+                return fp8_head.logits(h_q, h_scale, dtype)
+
             for start in range(0, n, chunk):
                 sl = slice(start, start + chunk)
-                logits = hidden[sl].to(dtype) @ w.t()
+                logits = logits_of(hidden[sl])
                 if kl:
                     assert target_rows is not None and slot_rows is not None, "fused_objective checks them"
-                    target_logits = target_rows.index_select(0, slot_rows[sl]).to(dtype) @ w.t()
-                    t, e, c, grad_logits = _mix_slots(logits, labels[sl], target_logits, objective.ce, objective.kl,
-                                                      objective.temperature, compiled=need_grad)
+                    target_logits = logits_of(target_rows.index_select(0, slot_rows[sl]))
+                    mix = _mix_slots if fp8_head is None else _mix_slots_fp8
+                    t, e, c, *grad_logits = mix(logits, labels[sl], target_logits, objective.ce, objective.kl,
+                                                objective.temperature, compiled=need_grad)
                     term[sl] = t
                 else:
-                    e, c, grad_logits = _ce_slots(logits, labels[sl], compiled=need_grad)
+                    e, c, *grad_logits = (_ce_slots if fp8_head is None else _ce_slots_fp8)(logits, labels[sl],
+                                                                                      compiled=need_grad)
                 ce[sl], correct[sl] = e, c
-                if need_grad:
-                    torch.matmul(grad_logits, w, out=grad_hidden[sl])  # type: ignore[index]  # allocated when need_grad
+                if grad_hidden is None:
+                    continue
+                if fp8_head is None:
+                    torch.matmul(grad_logits[0], w, out=grad_hidden[sl])
+                else:  # the gradient as e4m3 and its scale
+                    grad_q, grad_scale = grad_logits
+                    grad_hidden[sl] = fp8_head.grad_hidden(grad_q, grad_scale, dtype)
             scale = slot_weights(weights.float(), ce, objective, block)
             if not kl:  # the term is ce_w·CE: the factor folds into the scale
                 term, scale = ce, scale * objective.ce
@@ -255,19 +287,20 @@ class _HeadLoss(torch.autograd.Function):
                  _grad_correct: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         grad = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype)
-        return (grad,) + (None,) * 9
+        return (grad,) + (None,) * 10
 
 
 def fused_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                     weights: torch.Tensor, chunk: int, objective: Objective = CE_DECAY,
                     target_rows: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None,
-                    block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same sums as `chunked_objective`, without recomputing the LM head in backward."""
+                    block: int = 1, fp8_head: FP8Head | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same sums as `chunked_objective`, without recomputing the LM head in backward (fp8_head: its two
+    matmuls in e4m3 while training, `_HeadLoss`)."""
     if objective.needs_target and (target_rows is None or slot_rows is None):
         raise ValueError("model.loss kl needs the target's final hidden states at the block positions")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss_sum, correct_sum = _HeadLoss.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad, objective,
-                                            target_rows, slot_rows, block)
+                                            target_rows, slot_rows, block, fp8_head if need_grad else None)
     return loss_sum, correct_sum.detach()
 
 
@@ -357,8 +390,12 @@ def drafter_loss_sums(
             raise ValueError("model.loss kl needs the target's final hidden states (target_hidden)")
         target_rows = target_hidden.reshape(-1, target_hidden.shape[-1])
         slot_rows = slot_rows_of(blocks, target_hidden.shape[1])
-    loss_sum, correct_sum = OBJECTIVE_PATHS[ce](hidden, head.lm_head_weight, labels, weights, chunk, objective,
-                                                target_rows, slot_rows, bs - 1)
+    args = (hidden, head.lm_head_weight, labels, weights, chunk, objective, target_rows, slot_rows, bs - 1)
+    if ce == "fused":  # model.drafter.precision fp8: the LM head's matmuls too
+        fp8_head = head.fp8() if getattr(drafter, "linear", None) is fp8_linear else None
+        loss_sum, correct_sum = fused_objective(*args, fp8_head=fp8_head)
+    else:
+        loss_sum, correct_sum = OBJECTIVE_PATHS[ce](*args)
     selector = getattr(drafter, "candidate_selector", None)
     if parts is not None:
         parts["token_loss"] = loss_sum.detach()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
     from trainer.models.fp8 import FP8Converter
+    from trainer.models.fp8_training import FP8Head
     from trainer.models.frozen_target import Target
 
 # What Qwen3-8B and Qwen3-30B-A3B share (attention heads, vocabulary, positions, norms, rotary base)
@@ -423,6 +424,7 @@ class FrozenHead(torch.nn.Module):
         super().__init__()
         self.register_buffer("embed_weight", embed_weight, persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+        self.fp8_copies: FP8Head | None = None  # fp8(): made at first use
 
     @classmethod
     def from_target(cls, target: Target | torch.nn.Module, device: str | torch.device) -> "FrozenHead":
@@ -432,6 +434,15 @@ class FrozenHead(torch.nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed_weight)
+
+    def fp8(self) -> FP8Head:
+        """The LM head in e4m3 for FP8 training matmuls (model.drafter.precision fp8), made at first use
+        and kept while the head's weight is the same tensor (it is frozen)."""
+        from trainer.models.fp8_training import FP8Head
+
+        if self.fp8_copies is None or self.fp8_copies.source is not self.lm_head_weight:
+            self.fp8_copies = FP8Head(self.lm_head_weight)
+        return self.fp8_copies
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head_weight.to(hidden.dtype).t()

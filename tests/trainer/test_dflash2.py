@@ -147,6 +147,39 @@ def test_a_few_steps_lower_the_token_and_the_selector_loss(tiny):
     assert 0 < float(parts["selector_recall"]) <= float(weight)
 
 
+def test_the_fused_objective_hands_the_selector_its_candidates_without_a_third_lm_head_pass(tiny, monkeypatch):
+    """The selector's top-k candidates come from the logits the fused token loss computes anyway: the
+    same sums and gradients as the checkpointed path, whose selector takes them from an LM-head pass of
+    its own; the fused path never runs that pass."""
+    import trainer.models.dflash2 as dflash2_module
+
+    target, head, _, layer_ids = tiny
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    own_pass = []
+    original = dflash2_module.candidates
+    monkeypatch.setattr(dflash2_module, "candidates", lambda *a, **k: own_pass.append(1) or original(*a, **k))
+    results = {}
+    for ce in ("checkpoint", "fused"):
+        drafter = dflash2_drafter(target, layer_ids)
+        parts: dict = {}
+        own_pass.clear()
+        loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", chunk=17, ce=ce,
+                                       objective=Objective(selector=1.0), parts=parts)
+        loss.backward()
+        results[ce] = (parts, {n: p.grad for n, p in drafter.named_parameters()}, len(own_pass))
+    (ref, ref_grads, ref_passes), (fused, fused_grads, fused_passes) = results["checkpoint"], results["fused"]
+    assert ref_passes > 0 and fused_passes == 0
+    for key in ("selector_loss", "selector_correct", "selector_recall"):
+        assert torch.allclose(fused[key], ref[key], rtol=1e-5), key
+    for name in ("candidate_selector.hidden_projection.weight", "candidate_selector.successor_codebook",
+                 "layers.0.mlp.up_proj.weight"):
+        assert torch.allclose(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+
+
 class SecondBestHead(OracleHead):
     """The bigram target's greedy chain from each block's anchor as logits, with the true token
     second best (a wrong one best) where (anchor + slot) % 4 == 0: the selector's walk decides."""

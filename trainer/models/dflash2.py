@@ -161,8 +161,9 @@ def walk(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor
 
 def selector_sums(selector: CandidateSelector, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                   labels: torch.Tensor, previous: torch.Tensor, weights: torch.Tensor, chunk: int,
-                  output_multiplier: float = 1.0,
-                  final_logit_softcapping: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  output_multiplier: float = 1.0, final_logit_softcapping: float | None = None,
+                  top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selector's training sums over flat slots (docs/objectives.md, DFlash2): (Σ w·CE, Σ w·correct,
     Σ w·recall) with w the slots' base weights.
 
@@ -171,7 +172,9 @@ def selector_sums(selector: CandidateSelector, hidden: torch.Tensor, lm_head_wei
     the first slot). CE is the K-way cross-entropy of the edge scores against the data's token
     `labels` where it is among the candidates (recall 1), and 0 where it is not: nothing there to
     select. correct: the selector's best candidate is the data's token. The gradient reaches the
-    codebooks, the hidden projection and, through it, the drafter's hidden states."""
+    codebooks, the hidden projection and, through it, the drafter's hidden states. top: each slot's
+    top-k logits and ids [N, K] already computed (the fused objective's, objective.fused_objective_and_top_k),
+    else they are computed here from the LM head."""
     loss = hidden.new_zeros((), dtype=torch.float32)
     correct = hidden.new_zeros((), dtype=torch.float32)
     recall = hidden.new_zeros((), dtype=torch.float32)
@@ -179,9 +182,11 @@ def selector_sums(selector: CandidateSelector, hidden: torch.Tensor, lm_head_wei
         sl = slice(start, start + chunk)
         h = hidden[sl]
         with torch.no_grad():
-            logits = h.detach() @ lm_head_weight.to(h.dtype).t()
-            ids, unary = candidates(logits, selector.top_k, output_multiplier, final_logit_softcapping)
-            del logits
+            if top is None:
+                ids, unary = candidates(h.detach() @ lm_head_weight.to(h.dtype).t(), selector.top_k,
+                                        output_multiplier, final_logit_softcapping)
+            else:
+                ids, unary = top[1][sl], unary_scores(top[0][sl], output_multiplier, final_logit_softcapping)
             match = ids == labels[sl, None]
             present = match.any(dim=-1)
             target = match.to(torch.int8).argmax(dim=-1)

@@ -225,13 +225,15 @@ class _HeadLoss(torch.autograd.Function):
     logits never outlive their chunk, and the LM-head matmul runs twice (logits, grad of hidden), not
     three times as under checkpointing (three and four with the target's logits under kl).
     fp8_head: both matmuls in e4m3 (model.drafter.precision fp8), each chunk's operands quantized where
-    they are made."""
+    they are made. top_k > 0: also each slot's top_k logits and their ids while the chunk's logits exist
+    (DFlash2's selector candidates, which would otherwise take a third LM-head matmul)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, chunk: int, need_grad: bool, objective: Objective,
                 target_rows: torch.Tensor | None, slot_rows: torch.Tensor | None,
-                block: int, fp8_head: FP8Head | None) -> tuple[torch.Tensor, torch.Tensor]:
+                block: int, fp8_head: FP8Head | None,
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else hidden.dtype
         n = hidden.shape[0]
@@ -242,6 +244,8 @@ class _HeadLoss(torch.autograd.Function):
             ce = hidden.new_empty(n, dtype=torch.float32)
             correct = hidden.new_empty(n, dtype=torch.float32)
             grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype) if need_grad else None
+            top_values = hidden.new_empty((n, top_k), dtype=dtype)
+            top_ids = torch.empty((n, top_k), dtype=torch.long, device=hidden.device)
 
             def logits_of(h: torch.Tensor) -> torch.Tensor:
                 if fp8_head is None:
@@ -252,6 +256,8 @@ class _HeadLoss(torch.autograd.Function):
             for start in range(0, n, chunk):
                 sl = slice(start, start + chunk)
                 logits = logits_of(hidden[sl])
+                if top_k:
+                    torch.topk(logits, top_k, dim=-1, out=(top_values[sl], top_ids[sl]))
                 if kl:
                     assert target_rows is not None and slot_rows is not None, "fused_objective checks them"
                     target_logits = logits_of(target_rows.index_select(0, slot_rows[sl]))
@@ -279,15 +285,14 @@ class _HeadLoss(torch.autograd.Function):
                 grad_hidden.mul_(scale[:, None].to(dtype))
         ctx.save_for_backward(grad_hidden)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(correct_sum)
-        return loss_sum, correct_sum
+        ctx.mark_non_differentiable(correct_sum, top_values, top_ids)
+        return loss_sum, correct_sum, top_values, top_ids
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor,
-                 _grad_correct: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_grad_others: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         grad = (grad_hidden * grad_loss.to(grad_hidden.dtype)).to(ctx.hidden_dtype)
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11
 
 
 def fused_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -296,12 +301,25 @@ def fused_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: 
                     block: int = 1, fp8_head: FP8Head | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same sums as `chunked_objective`, without recomputing the LM head in backward (fp8_head: its two
     matmuls in e4m3 while training, `_HeadLoss`)."""
+    loss_sum, correct_sum, _ = fused_objective_and_top_k(hidden, lm_head_weight, labels, weights, chunk, objective,
+                                                         target_rows, slot_rows, block, fp8_head)
+    return loss_sum, correct_sum
+
+
+def fused_objective_and_top_k(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                              weights: torch.Tensor, chunk: int, objective: Objective = CE_DECAY,
+                              target_rows: torch.Tensor | None = None, slot_rows: torch.Tensor | None = None,
+                              block: int = 1, fp8_head: FP8Head | None = None, top_k: int = 0,
+                              ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`fused_objective`'s sums and, with top_k, each slot's top_k logits and their ids [N, top_k] (largest
+    first, as torch.topk; no gradient), from the logits the loss computes anyway."""
     if objective.needs_target and (target_rows is None or slot_rows is None):
         raise ValueError("model.loss kl needs the target's final hidden states at the block positions")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss_sum, correct_sum = _HeadLoss.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad, objective,
-                                            target_rows, slot_rows, block, fp8_head if need_grad else None)
-    return loss_sum, correct_sum.detach()
+    loss_sum, correct_sum, values, ids = _HeadLoss.apply(hidden, lm_head_weight, labels, weights, chunk, need_grad,
+                                                         objective, target_rows, slot_rows, block,
+                                                         fp8_head if need_grad else None, top_k)
+    return loss_sum, correct_sum.detach(), (values, ids) if top_k else None
 
 
 def fused_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
@@ -391,12 +409,14 @@ def drafter_loss_sums(
         target_rows = target_hidden.reshape(-1, target_hidden.shape[-1])
         slot_rows = slot_rows_of(blocks, target_hidden.shape[1])
     args = (hidden, head.lm_head_weight, labels, weights, chunk, objective, target_rows, slot_rows, bs - 1)
+    selector = getattr(drafter, "candidate_selector", None)
+    top_k = selector.top_k if selector is not None and objective.selector else 0
+    top = None
     if ce == "fused":  # model.drafter.precision fp8: the LM head's matmuls too
         fp8_head = head.fp8() if getattr(drafter, "linear", None) is fp8_linear else None
-        loss_sum, correct_sum = fused_objective(*args, fp8_head=fp8_head)
+        loss_sum, correct_sum, top = fused_objective_and_top_k(*args, fp8_head=fp8_head, top_k=top_k)
     else:
         loss_sum, correct_sum = OBJECTIVE_PATHS[ce](*args)
-    selector = getattr(drafter, "candidate_selector", None)
     if parts is not None:
         parts["token_loss"] = loss_sum.detach()
     if selector is not None and objective.selector:
@@ -404,7 +424,7 @@ def drafter_loss_sums(
         previous = blocks.labels[:, :, :-1].reshape(-1)  # slot k's predecessor: the data's token at k - 1
         sel_loss, sel_correct, sel_recall = selector_sums(selector, hidden, head.lm_head_weight, labels, previous,
                                                           weights, chunk, c.output_multiplier,
-                                                          c.final_logit_softcapping)
+                                                          c.final_logit_softcapping, top)
         loss_sum = loss_sum + objective.selector * sel_loss
         if parts is not None:
             parts.update(selector_loss=sel_loss.detach(), selector_correct=sel_correct, selector_recall=sel_recall)

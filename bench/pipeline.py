@@ -706,6 +706,10 @@ def cli_config(args, train_path, run_steps):
         cfg["model"]["target"]["precision"] = "fp8"
     if args.cli_precision == "fp8fast":
         cfg["model"]["target"]["fp8_fast_accum"] = True
+    layers, flow = drafter_layout(args.cli_layout, cfg["model"]["drafter_layers"], args.sliding_window)
+    cfg["model"]["drafter_layers"] = layers
+    if flow:
+        cfg["model"]["drafter"] = yaml.safe_load("{" + flow + "}")
     if args.tiny:
         cfg["model"].update(target={"tiny": {"layers": 6, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
                                              "intermediate": 128, "fit_steps": 0}},
@@ -750,8 +754,8 @@ def trainer_cli(args, lengths, results):
     if done.returncode:
         out["log_tail"] = (done.stdout + done.stderr)[-3000:]
     shutil.rmtree(work, ignore_errors=True)
-    keys = [prefix + k + suffix for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
-            for suffix in (f"@{args.cli_precision.removesuffix('fast')}", "")]
+    keys = [prefix + k + suffix + layout for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
+            for suffix in (f"@{args.cli_precision.removesuffix('fast')}", "") for layout in (f"@{args.cli_layout}", "")]
     bench_mode = next((k for k in keys if "pipeline" in results.get(k, {})), None)
     if bench_mode:
         bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
@@ -949,6 +953,8 @@ def parser() -> argparse.ArgumentParser:
                         "most of 5..1 the memory plan fits (the default for 70b)")
     p.add_argument("--cli-precision", choices=["bf16", "fp8", "fp8fast"], default="bf16",
                    help="model.target.precision of the --cli-steps run (it runs after the 8b shape, else at the end)")
+    p.add_argument("--cli-layout", default="full",
+                   help="the --cli-steps run's drafter, as one of --drafter-layouts names it (full/fp8: FP8 matmuls)")
     p.add_argument("--modes-for", nargs="*", default=[], metavar="SHAPE=MODE,MODE",
                    help="modes of one shape instead of --modes, run in the order given (first what matters most "
                         "under --budget-s), e.g. 30b-a3b=packed+ct,packed 70b=packed+ct")

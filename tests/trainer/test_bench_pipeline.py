@@ -106,7 +106,7 @@ def test_issue_42_fp8_moe_experts_and_the_70b_shape_truncated(tmp_path, capsys):
     assert "an fp8 target's 't MFU' halved is its share of the FP8 peak" in capsys.readouterr().out
 
 
-def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_vocabulary():
+def test_the_cli_run_takes_the_precision_the_drafter_and_the_70b_drafter_a_mask_row_of_its_vocabulary():
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, Qwen3Config
@@ -114,9 +114,13 @@ def test_the_cli_run_takes_the_precision_and_the_70b_drafter_a_mask_row_of_its_v
     bench = load_bench()
     args = bench.argparse.Namespace(max_len=3072, pack_length=[8192], pack_rows=1, anchors=512, micro=2,
                                     log_every=3, target=["cuda:0"], drafter=["cuda:0"], tiny=False,
-                                    cli_precision="fp8")
+                                    cli_precision="fp8", cli_layout="full", sliding_window=2048)
     cfg = bench.cli_config(args, "/tmp/train.jsonl", 24)
     assert cfg["model"]["target"] == {"random_8b_shape": True, "precision": "fp8"}
+    assert "drafter" not in cfg["model"] and cfg["model"]["drafter_layers"] == 5
+    args.cli_layout = "swa4+1/dflash2/fp8"
+    drafter = bench.cli_config(args, "/tmp/train.jsonl", 24)["model"]["drafter"]
+    assert drafter["precision"] == "fp8" and drafter["kind"] == "dflash2" and len(drafter["layer_types"]) == 5
     assert bench.mask_id(args, LlamaConfig(**bench.LLAMA_3_3_70B_DIMS)) == 128255
     assert bench.mask_id(args, Qwen3Config(vocab_size=151936)) == 151669
     assert bench.mask_id(SimpleNamespace(tiny=True), None) == 5

@@ -222,7 +222,9 @@ class Container:
         (with the shared modules it imports: dflash_ops/helpers/__init__.py).
 
         Known installed: one pct exec. Otherwise the first call tries to run it and reports a
-        missing file in the same exec; only then is it sent (one exec a file) and run. `python`
+        missing file in the same exec; only then is it sent (one exec for its bundle) and run. A call
+        with stdin cannot try (a missing helper would leave its stdin half read): it asks whether the
+        file is there first (one exec), as `run start` does on every call from a new process. `python`
         (default: the target's) runs it, e.g. a release's venv python. `helpers_root` installs
         it elsewhere than BASE/helpers (the doctor, when base_dir cannot be written).
         """
@@ -249,6 +251,9 @@ class Container:
                 if check and not result.ok:
                     raise RemoteCommandError(argv, result.exit_code, result.stderr)
                 return result
+        elif self.exec(["test", "-f", remote], timeout=timeout).ok:
+            self._installed_helpers.add(remote)
+            return run(argv)
         self._install_helper(found, directory)
         self._installed_helpers.add(remote)
         return run(argv)
@@ -267,22 +272,27 @@ class Container:
         return f"{self.base_dir}/{bundle(name).rel()}"
 
     def _install_helper(self, found: Bundle, directory: str) -> None:
-        """Each file of the helper's bundle into `directory`, verified; the helper itself last, so
-        that its presence (what a call probes for) means the shared modules beside it are there too."""
-        for filename, content in found.files:
-            remote = f"{directory}/{filename}"
-            tmp = f"{directory}/.{filename}.{uuid.uuid4().hex[:8]}.tmp"
+        """The helper's bundle into `directory` in one exec (one tar stream, unpacked beside it),
+        verified; the helper itself moved into place last, so that its presence (what a call
+        probes for) means the shared modules beside it are there too."""
+        staging = f"{directory}/.install-{uuid.uuid4().hex[:8]}"
+        names = [filename for filename, _content in found.files]
+        with build_tar([], extra=found.files) as tar:
             result = self.exec(
                 render.script(
-                    ["mkdir", "-p", "--", directory],
-                    ["dd", f"of={tmp}", "status=none"],
-                    ["sha256sum", "--", tmp],
-                    ["mv", "-f", "--", tmp, remote],
+                    ["mkdir", "-p", "--", staging],
+                    ["tar", "-x", "-f", "-", "-C", staging],
+                    ["sha256sum", "--", *(f"{staging}/{name}" for name in names)],
+                    *(["mv", "-f", "--", f"{staging}/{name}", f"{directory}/{name}"] for name in names),
+                    ["rmdir", "--", staging],
                 ),
-                stdin=content,
+                stdin=tar,
             )
-            if _parse_sha256(result) != hashlib.sha256(content).hexdigest():
-                raise TransferError(f"installing helper {remote} on {self._target.name} failed: {result.stderr.strip()}")
+        sums = [line.split(maxsplit=1)[0] for line in result.stdout.splitlines() if line.strip()]
+        for (filename, content), got in zip(found.files, sums + [""] * len(found.files)):
+            if got != hashlib.sha256(content).hexdigest():
+                raise TransferError(f"installing helper {directory}/{filename} on {self._target.name} failed: "
+                                    f"{_why(result)}")
 
 
 _WITHOUT_PCT = {

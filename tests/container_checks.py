@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from dflash_ops import render
 from dflash_ops.container import Container
 from dflash_ops.errors import RemoteCommandError, TransferError
+from dflash_ops.helpers import bundle
 
 ECHO_ARGV = str(Path(__file__).resolve().parent / "echo_argv.py")
 
@@ -226,6 +228,22 @@ class ContainerTests:
         assert container.exec(["test", "-f", container.helper_path("inspect-source")]).ok
         with pytest.raises(RemoteCommandError):
             container.helper("inspect-source", ["no_such_module_xyz"], check=True)
+
+    def test_a_helper_called_with_stdin_is_installed_once_in_one_exec(self, container):
+        """A call with stdin (run start's config) cannot try the helper first; it asks whether the
+        file is there. A new process (a new Container) finds the bundle installed: the probe and the
+        call, not one exec for each of the bundle's 14 files as before, every `run start`."""
+        root = f"{container.base_dir}/helpers-{uuid.uuid4().hex[:8]}"  # nothing installed there yet
+        args = ["list", f"{container.base_dir}/no-runs-here"]
+        for execs in (3, 2):  # probe, install (the whole bundle), call; then probe, call
+            fresh = Container(container.target, container.transport)
+            runs_before = container.transport.commands_run
+            result = fresh.helper("runs", args, stdin=b"unread\n", helpers_root=root, check=True)
+            assert container.transport.commands_run - runs_before == execs
+            assert json.loads(result.stdout)["runs"] == []  # it ran, importing its shared modules
+        directory = root + "/" + fresh.helper_path("runs").split("/")[-2]
+        listed = set(container.exec(["ls", "-A", directory], check=True).stdout.split()) - {"__pycache__"}
+        assert listed == {name for name, _content in bundle("runs").files}  # and no staging directory left
 
     def test_exit_status_is_the_commands_own_127_126_and_128_plus_signal(self, container, tmp_path):
         # over SSH a signal must arrive as lxc-attach's exit status 128+N, not as an SSH exit-signal

@@ -239,6 +239,11 @@ def _eval(argv: list[str]) -> int:
             raise ConfigError(f"--samples must be at least 1, not {args.samples}")
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ConfigError(f"--json {args.json}: its directory does not exist")
+        draft = args.checkpoint or args.export
+        if not Path(draft).is_dir():
+            raise ConfigError(f"{draft}: not a draft model directory (no such directory)")
+        if args.data is not None and not Path(args.data).is_file():
+            raise ConfigError(f"--data {args.data}: no such file")
         from trainer.train.draft_eval import evaluate_draft, table, write_json
 
         report = evaluate_draft(dataclasses.replace(cfg, eval=e), args.checkpoint or args.export, args.temperature,

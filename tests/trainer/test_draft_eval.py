@@ -71,12 +71,12 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained):
 
 def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
     config, checkpoint, _ = trained
-    # the sampling settings and --json are refused before torch is imported (1.5 CPU-seconds a process)
-    for args, says, early in [(["--checkpoint", str(tmp_path / "nothing")], "not a draft model directory", False),
+    # every one of these is refused before torch is imported (1.5 CPU-seconds a process)
+    for args, says, early in [(["--checkpoint", str(tmp_path / "nothing")], "not a draft model directory", True),
                               (["--checkpoint", str(checkpoint), "--top-p", "0"], "top_p must be in (0, 1]", True),
                               (["--checkpoint", str(checkpoint), "--temperature", "-1"], "temperature must be", True),
                               (["--checkpoint", str(checkpoint), "--data", str(tmp_path / "none.jsonl")], "no such file",
-                               False),
+                               True),
                               (["--checkpoint", str(checkpoint), "--json", str(tmp_path / "no" / "r.json")],
                                "does not exist", True)]:
         out = run_cli("eval", "--config", str(config), *args, without_torch=early)

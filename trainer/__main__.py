@@ -82,8 +82,14 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="also replace an earlier output of another dflash-ops "
                    "command (a fetch, a push); never files no command wrote")
     args = p.parse_args(argv)
-    from trainer.models.export import export_checkpoint
     from trainer.run import destination
+
+    try:  # a destination it may not replace is refused before torch is imported (1.5 CPU-seconds)
+        destination.refuse_replacing(os.path.normpath(Path(args.out).expanduser().absolute()), "export", args.force)
+    except destination.Refused as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
+    from trainer.models.export import export_checkpoint
     from trainer.run.checkpoint import CheckpointError
 
     try:

@@ -37,10 +37,13 @@ def tree_of(root: Path) -> dict[str, bytes]:
 
 
 def export_cli(*args: str, cwd: Path | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer export ARGS` where `import torch` fails (runpy runs the same trainer/__main__.py
+    that -m runs): a destination it may not replace is refused before torch is imported."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if home is not None:
         env["HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "trainer", "export", *args], capture_output=True, text=True,
+    without_torch = "import runpy, sys; sys.modules['torch'] = None; runpy.run_module('trainer', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", without_torch, "export", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env)
 
 

@@ -159,6 +159,14 @@ def _top_listing(path: str) -> str:
                               ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""))
 
 
+def refuse_replacing(dest: str, kind: str, force: bool = False) -> None:
+    """Raise Refused unless output of `kind` may replace DEST (the rule above), its own record read
+    from the marker beside DEST: the check a writer makes before it reads or builds anything."""
+    refusal = replace_refusal(dest, kind, own=marker_files(read_json(marker_path(dest, kind))), force=force)
+    if refusal:
+        raise Refused(refusal)
+
+
 def replace_refusal(dest: str, command: str, *, own: set[str] | None, force: bool = False,
                     protected: list[tuple[str, str]] | None = None) -> str | None:
     """Why `command` may not replace DEST with its output, or None when it may (the rule above).

@@ -127,7 +127,7 @@ def _data_report(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         from trainer.data.report import build_report, format_report
-        from trainer.train.components import build_tokenizer
+        from trainer.data.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(cfg)
         report = build_report(cfg, tokenizer)
@@ -155,7 +155,7 @@ def _data_tokens(cfg: Any) -> tuple[int, int]:
     if cfg.data.synthetic is not None:
         raise ValueError("--data: the config generates synthetic data (data.synthetic); nothing to count")
     from trainer.data.report import build_report
-    from trainer.train.components import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     train = next(r for r in build_report(cfg, build_tokenizer(cfg)) if r.name == "train")
     return train.conversations, train.kept_tokens

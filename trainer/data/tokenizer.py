@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+from trainer.data.synth import synthetic_words
+from trainer.run.config import TrainerConfig
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 CHAT_TEMPLATE = (
@@ -28,3 +33,17 @@ def synthetic_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def build_tokenizer(cfg: TrainerConfig) -> Any:
+    """The target's tokenizer (model.target.path), else the synthetic word-level one. Here, not beside
+    the model builders, so that what needs only the tokenizer (data-report, plan --data) does not
+    import torch and the model code (3 CPU-seconds a process)."""
+    if cfg.model.target.path is not None:
+        from transformers import AutoTokenizer
+
+        from trainer.run.family import check_model_dir
+
+        check_model_dir(cfg.model.target.path, weights=False)  # one line where transformers reads a hub repo id
+        return AutoTokenizer.from_pretrained(cfg.model.target.path, local_files_only=True)
+    return synthetic_tokenizer(synthetic_words())

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
 from trainer.data.encoding import process_count
-from trainer.data.synth import synthetic_conversations, synthetic_words, write_jsonl
-from trainer.data.tokenizer import synthetic_tokenizer
+from trainer.data.synth import synthetic_conversations, write_jsonl
+from trainer.data.tokenizer import build_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.fp8 import converter_for
 from trainer.models.frozen_target import Target, as_target
@@ -81,17 +81,6 @@ class Components:
     target_device: str
     drafter_device: str
     backend: str  # the drafter's attention kernel: "flex" | "sdpa" (trainer.models.masks.resolve_backend)
-
-
-def build_tokenizer(cfg: TrainerConfig) -> Any:
-    if cfg.model.target.path is not None:
-        from transformers import AutoTokenizer
-
-        from trainer.run.family import check_model_dir
-
-        check_model_dir(cfg.model.target.path, weights=False)  # one line where transformers reads a hub repo id
-        return AutoTokenizer.from_pretrained(cfg.model.target.path, local_files_only=True)
-    return synthetic_tokenizer(synthetic_words())
 
 
 def load_conversations(cfg: TrainerConfig, run_dir: Path) -> tuple[list[dict], list[dict]]:

@@ -425,10 +425,12 @@ def test_run_stop_between_two_attempts_stops_the_run_for_good(tier, tmp_path, ho
     """A run that crashes at step 7 each attempt (resumed from step 6): `run stop` (any form) while
     its supervisor waits to restart it found no trainer to signal and the run trained on until it
     gave up (issue 55). Now the stop is recorded first and the supervisor serves it: `stopped`,
-    no further attempt."""
+    no attempt after the stop was recorded. (Restarts without end: under load the stop may land a few
+    attempts after the test saw `restarting`, never after the policy gave up.)"""
     deployed(tier)
     crash = "total_steps: 40\nstep_seconds: 0.01\ncheckpoint_every: 2\ncrash_at_step: 7\n"
-    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, crash), "--restart", "on-failure:5").stdout.strip()
+    run_id = tier.cli("run", "start", "host200", "--config", config(tmp_path, crash), "--restart",
+                      "on-failure:1000").stdout.strip()
     deadline = time.monotonic() + 60
     while runs.run_status(tier.container, run_id).effective_state != "restarting":
         assert time.monotonic() < deadline
@@ -438,7 +440,8 @@ def test_run_stop_between_two_attempts_stops_the_run_for_good(tier, tmp_path, ho
     status = json.loads(tier.cli("run", "status", "host200", run_id, "--json").stdout)
     # --kill of an attempt already restarted: no checkpoint, the run reads failed (docs/run-lifecycle.md)
     assert status["effective_state"] in (("stopped", "failed") if how == "--kill" else ("stopped",)), status
-    assert not status["alive"] and len(status["restarts"]) <= 2  # the stop landed in the gap (1), or just after the restart (2)
+    stopped_at = json.loads((tier.base / "runs" / run_id / "control" / ".no-restart").read_text())["time"]
+    assert not status["alive"] and status["restarts"] and all(r["time"] < stopped_at for r in status["restarts"])
 
 
 EVIL = "{{ '\x1b]0;pwned\x07' }}\x1b[2J\x9b31m\rtemplate"  # a chat template's OSC title, a clear, C1 CSI, CR

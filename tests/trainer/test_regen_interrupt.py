@@ -71,16 +71,17 @@ def sigint_another_thread(pid: int) -> None:
 
 @pytest.mark.parametrize("to", ["the process", "another thread"])
 def test_sigint_mid_batch_cancels_the_batch_at_its_next_step_and_a_rerun_resumes(qwen3_model_dir, tmp_path, to):
-    """The greedy run's default decoder (static). The one-turn conversations finish in the first
-    batch; the SIGINT comes once one of them is written (a progress line) and the next batch (the
-    two-turn conversations' second turns, 191 decode steps) has started decoding (regen's own
-    line). regen says at which step it cancelled that batch: before its end, and no two-turn
-    conversation is written; the rerun (after the process-directed SIGINT) writes exactly the rest."""
+    """The greedy run's default decoder (static). The one-turn conversations (16: the first batch only
+    has to write one) finish in the first batch; the SIGINT comes once one of them is written (a
+    progress line) and the next batch (the two-turn conversations' second turns, 191 decode steps)
+    has started decoding (regen's own line). regen says at which step it cancelled that batch: before
+    its end, and no two-turn conversation is written; the rerun (after the process-directed SIGINT)
+    writes exactly the rest."""
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "regen.jsonl"
-    rows = conversations(64, 64)
+    rows = conversations(16, 64)
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = [sys.executable, "-m", "trainer_tools.regen", "--engine", "hf", "--model-path", str(qwen3_model_dir),
-            "--in", str(prompts), "--out", str(out), "-n", "128", "--max-tokens", "192", "--progress-every", "0"]
+            "--in", str(prompts), "--out", str(out), "-n", "80", "--max-tokens", "192", "--progress-every", "0"]
     proc = start(argv)
     try:
         assert proc.stderr is not None
@@ -102,7 +103,7 @@ def test_sigint_mid_batch_cancels_the_batch_at_its_next_step_and_a_rerun_resumes
     assert proc.returncode == 130, rest
     assert "Traceback" not in rest
     before = whole_lines(out)
-    assert before and set(before) <= {f"s{i}" for i in range(64)}  # no two-turn conversation got its second answer
+    assert before and set(before) <= {f"s{i}" for i in range(16)}  # no two-turn conversation got its second answer
     cancelled = re.search(r"regen: interrupted: cancelled a batch of (\d+) conversations at decode step (\d+) of (\d+)",
                           rest)
     assert cancelled, rest
@@ -113,7 +114,7 @@ def test_sigint_mid_batch_cancels_the_batch_at_its_next_step_and_a_rerun_resumes
     rerun = start(argv)
     summary, _ = rerun.communicate(timeout=120)
     assert rerun.returncode == 0
-    assert f"{128 - len(before)} regenerated, {len(before)} already done" in summary
+    assert f"{80 - len(before)} regenerated, {len(before)} already done" in summary
     assert sorted(whole_lines(out)) == sorted(r["id"] for r in rows)
 
 

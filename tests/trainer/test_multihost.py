@@ -84,3 +84,56 @@ def test_a_host_rejoins_only_the_store_host_s_new_store():
     del old  # the old attempt's launcher ends, the store host's new one serves the endpoint
     _new, second = host_store(endpoint, 5.0)
     assert second != first and wait_for_new_store(endpoint, first, timeout_s=5.0) == second
+
+
+def test_a_group_stopped_while_one_host_is_in_its_setup_ends_stopped_on_every_host(tmp_path):
+    """`run stop` of a group whose ranks are in different phases: rank 1 still fits its target (a
+    stop there is served at once, with no step to agree on), rank 0 already trains and waits for it in
+    the first collective, which fails when rank 1's process ends. Rank 0 read `failed` (the README
+    tour saw it under load); the stop reached it too and no peer failed, so it ends `stopped`.
+    (Rank 1's config fits its target until it is stopped: the phases differ without a race.)"""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dirs = [tmp_path / f"rank{r}" for r in range(2)]
+    ranks = []
+    for r, fit_steps in enumerate((10, 10**7)):
+        config = tmp_path / f"rank{r}.yaml"
+        config.write_text(two_host_config(50, f"model: {{target: {{tiny: {{fit_steps: {fit_steps}}}}}}}"))
+        ranks.append(subprocess.Popen([sys.executable, "-m", "trainer", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                                       f"127.0.0.1:{port}", "--rdzv-id", "group-stop",
+                                       *(["--store-host"] if r == 0 else []), "--local-addr", "127.0.0.1",
+                                       "--config", str(config), "--run-dir", str(dirs[r])],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def status(r: int) -> dict:
+        try:
+            return json.loads((dirs[r] / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    try:
+        deadline = time.monotonic() + 300
+        while (status(0).get("phase") or {}).get("name") != "training" \
+                or (status(1).get("phase") or {}).get("name") != "fitting the target":
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), (status(0), status(1))
+            time.sleep(0.05)
+        time.sleep(1.0)  # rank 0 waits for rank 1 in its first step's collective
+        for run_dir in dirs:  # what `run stop` leaves on every host of the group
+            (run_dir / "control" / ".no-restart").write_text(json.dumps({"why": "stop requested", "time": time.time()}))
+            (run_dir / "control" / "stop").write_text(json.dumps({"id": "a1", "time": time.time()}))
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finals = [status(r) for r in range(2)]
+    assert [s.get("state") for s in finals] == ["stopped", "stopped"], [(s.get("state"), s.get("error")) for s in finals]
+    assert codes == [0, 0] and finals[0]["phase"]["name"] == "training"
+    assert "the other hosts stopped first" in (dirs[0] / "train.log").read_text()

@@ -62,6 +62,10 @@ class Hosts(Protocol):
     def error_record(self, record: dict) -> dict:
         """status.json's `error` for a failure of this host's run."""
 
+    def stopped_with_peers(self, exc: BaseException) -> str | None:
+        """The reason to end `stopped` when `exc` is how this host learnt of an operator's stop that the
+        other hosts served first; None: `exc` is a failure."""
+
     def finish(self, status: dict[str, Any]) -> None:
         """After the run ended with status.json's `status`."""
 
@@ -109,6 +113,9 @@ class OneHost:
 
     def error_record(self, record: dict) -> dict:
         return record
+
+    def stopped_with_peers(self, exc: BaseException) -> str | None:
+        return None
 
     def finish(self, status: dict[str, Any]) -> None:
         pass

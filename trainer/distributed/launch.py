@@ -34,6 +34,7 @@ from pathlib import Path
 from types import FrameType
 
 from trainer.run.contract import CONTRACT_VERSION, FINAL_STATES, process_start_ticks, read_status, write_atomic
+from trainer.run.control import stop_asked
 
 SIOCGIFADDR = 0x8915
 GENERATION_KEY = "dflash/generation"
@@ -166,12 +167,6 @@ def wait_for_new_store(endpoint: str, last: str | None, timeout_s: float, poll_s
             what = "only the store of the last attempt answers" if generation else "no store answers"
             raise TimeoutError(f"the rendezvous store at {endpoint} did not come up within {timeout_s:.0f} s ({what})")
         time.sleep(poll_s)
-
-
-def stop_asked(run_dir: Path) -> bool:
-    """A stop request (control/stop) or an operator's stop or signal (control/.no-restart, left by
-    the runs helper) is there."""
-    return any((run_dir / "control" / name).exists() for name in ("stop", ".no-restart"))
 
 
 def read_rejoin(run_dir: Path) -> str | None:

@@ -36,7 +36,7 @@ from trainer.run import checkpoint as ckpt
 from trainer.run.config import TrainerConfig
 from trainer.run.control import ControlPoller, Request
 from trainer.run.rundir import RunDir
-from trainer.run.stopping import StopSignal
+from trainer.run.stopping import PipelineFailed, StopSignal
 
 STOP_CODES = {None: 0, "control": 1, "signal": 2}
 STOP_REASONS = {code: reason for reason, code in STOP_CODES.items() if reason is not None}
@@ -201,6 +201,21 @@ class HostGroupMember:
         if self.lost is not None and "PeerLost" not in record["message"]:
             record = {**record, "message": f"PeerLost: {self.lost} (then {record['message']})"}
         return record
+
+    def stopped_with_peers(self, exc: BaseException) -> str | None:
+        """A lost peer that is this host's share of an operator's stop: the stop reached this host too and
+        no peer reported a failure. A peer still in its setup serves a stop at once, without agreeing on a
+        step with the others (they may already be training), so the collective this rank waits in fails
+        when that peer's process ends: `run stop` of a group read `failed` on the hosts that had begun
+        training first. The rank keeps its last checkpoint: the others are gone, the step is not agreed."""
+        cause = exc.cause if isinstance(exc, PipelineFailed) else exc
+        if not (isinstance(cause, PeerLost) or self.lost is not None) or not self.control.stop_pending():
+            return None
+        try:
+            reported = self.group.failures()
+        except Exception:  # noqa: BLE001 - the store may be gone with its host; none reported then
+            reported = []
+        return None if reported else f"stopped by the operator; the other hosts stopped first ({cause})"
 
     def finish(self, status: dict[str, Any]) -> None:
         if status.get("state") == "failed":

@@ -19,6 +19,12 @@ from pathlib import Path
 SETUP_POLL_S = 0.5  # how often the watcher looks for control/stop while setup is armed
 
 
+def stop_asked(run_dir: str | Path) -> bool:
+    """A stop request (control/stop) or an operator's stop or signal (control/.no-restart, left by
+    the runs helper) is there."""
+    return any((Path(run_dir) / "control" / name).exists() for name in ("stop", ".no-restart"))
+
+
 class SetupStop(BaseException):
     """A stop that came where there is no step boundary (before training began; during the final
     evaluation): the run stops in the phase it is in. A BaseException, so that no library's
@@ -84,6 +90,10 @@ class ControlPoller:
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
                 return
             time.sleep(SETUP_POLL_S)
+
+    def stop_pending(self) -> bool:
+        """An operator's stop reached this run (a SIGTERM, control/stop or control/.no-restart), served or not."""
+        return self._signalled or stop_asked(self.dir.parent)
 
     def poll(self) -> list[Request]:
         found = []

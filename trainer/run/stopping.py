@@ -19,11 +19,12 @@ class PipelineFailed(RuntimeError):
     """The first error of a pipeline thread: the trainer raises it once every thread has stopped,
     and status.json's `error` is its record()."""
 
-    def __init__(self, thread: str, message: str, traceback: str) -> None:
+    def __init__(self, thread: str, message: str, traceback: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.thread = thread
         self.message = message
         self.traceback = traceback
+        self.cause = cause  # the thread's exception
 
     def record(self) -> dict:
         return {"message": self.message, "traceback": self.traceback, "thread": self.thread}
@@ -53,7 +54,7 @@ class StopSignal:
         with self._lock:
             if self.error is None:
                 tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-                self.error = PipelineFailed(name, f"{type(exc).__name__}: {exc}", tb)
+                self.error = PipelineFailed(name, f"{type(exc).__name__}: {exc}", tb, exc)
             if self.reason is None:
                 self.reason = "error"
         self._event.set()

@@ -424,6 +424,12 @@ class Trainer:
         except SetupStop as stop:
             return self.stopped_in_setup(stop)
         except BaseException as exc:  # noqa: BLE001 - every failure must land in status.json
+            with_peers = self.hosts.stopped_with_peers(exc)
+            if with_peers is not None:
+                self.rd.event("stop", self.state.step, reason="control", detail=with_peers)
+                self.rd.update(state="stopped")
+                self.rd.log(f"stopped at step {self.state.step}: {with_peers}")
+                return 0
             error = self.hosts.error_record(error_record(exc))
             self.rd.event("error", self.state.step, **error)
             self.rd.update(state="failed", error=error)

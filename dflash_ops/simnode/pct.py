@@ -41,18 +41,20 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable
 
+# Annotations only (typing.TYPE_CHECKING, which mypy reads by its name, without importing typing); json and
+# shutil are imported where used: every `pct exec` starts a Python, and what its path does not use was
+# ~5 of its 30 ms.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from importlib import metadata
+    from typing import BinaryIO, Callable
 
 # pve-common src/PVE/CLIHandler.pm run_cli_handler: `$ENV{'PATH'} = '/sbin:/bin:/usr/sbin:/usr/bin';`
 # before any command runs; `pct exec` then calls lxc-attach --keep-env, which keeps it.
@@ -322,6 +324,7 @@ def lxc_attach(node: Node, vmid: str, argv: list[str], keep_env: bool) -> int:
     This process becomes lxc-attach (as pct's exec does), so killing it kills lxc-attach only:
     the command inside the container goes on running, as on a node.
     """
+    import shutil
     tool = shutil.which("lxc-attach")
     if tool is None:
         raise PctError("lxc-attach not found: install lxc\n")
@@ -524,6 +527,7 @@ def cmd_shutdown(node: Node, words: list[str]) -> int:
 
 
 def cmd_destroy(node: Node, words: list[str]) -> int:
+    import shutil
     (vmid,) = need(words, ["vmid"], "destroy")
     check_vmid(vmid)
     with node.lock(vmid):
@@ -555,6 +559,7 @@ def cmd_create(node: Node, words: list[str]) -> int:
     of this interpreter's (no textual, no fabric, no editable finder of dflash_ops), which needs the
     same python minor version as the rootfs's.
     """
+    import json
     mount_points = {f"mp{i}" for i in range(10)}
     positional, opts = split_options(words, {"hostname", "start", "unprivileged", "sim-python", "sim-packages",
                                              "sim-backend", "sim-rootfs", "memory", "swap", "cores", "net0",
@@ -757,6 +762,7 @@ MIB = 1 << 20
 
 
 def _lxc_tool(name: str) -> str:
+    import shutil
     tool = shutil.which(name)
     if tool is None:
         raise PctError(f"{name} not found: install lxc\n")
@@ -945,6 +951,7 @@ def _packages_to_bind(node: Node, vmid: str) -> list[tuple[str, str]]:
     create's --sim-packages and what they require). A record whose files are gone (the venv that
     created the container was removed) is made again from this interpreter's distributions, as an
     admin would reinstall the packages."""
+    import json
     record_path = _packages_record(node, vmid)
     try:
         record = json.loads(record_path.read_text())

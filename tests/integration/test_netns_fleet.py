@@ -30,7 +30,10 @@ from dflash_ops.transport.ssh import SSHTransport
 from tests.conftest import unavailable
 from tests.integration.deploy_support import fake_package
 
-pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.lxc_tier]
+# One worker runs the module's tests one after another (xdist_group, --dist loadgroup): on their own they
+# were spread over the workers between other modules' tests, and each stretch built the 8-node fleet
+# again (4 builds of 5-9 s in a -n 3 run).
+pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.lxc_tier, pytest.mark.xdist_group("netns")]
 
 CONNECT_TIMEOUT = 2
 DEPLOY_NODES = ("n0", "n1", "n2", "n3")

@@ -77,6 +77,9 @@ def test_the_fp8_heads_matmuls_equal_their_dequantized_references():
     assert relative(grad_hidden, dequantized(grad) @ wd) < 1e-4
     assert relative(logits, hidden @ weight.t()) < 0.08 and relative(grad_hidden, grad @ weight) < 0.08
     assert relative(grad_hidden, grad @ weight.t().flip(0).t()) > 0.5  # a wrong layout would show
+    in_parts = FP8Head(weight, rows_at_once=5)  # quantized a few rows at a time: the same copies
+    assert torch.equal(in_parts.rows.view(torch.uint8), head.rows.view(torch.uint8)) and in_parts.scale == head.scale
+    assert torch.equal(head.rows.view(torch.uint8), quantize_tensor(weight)[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))

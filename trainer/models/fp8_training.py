@@ -100,9 +100,15 @@ class FP8Head:
     and grad_h = g W. Quantized once (tensorwise) and kept in both layouts torch._scaled_mm reads, 2 x V x H
     bytes (1 GB at a 128K vocabulary and H 4,096), beside the bf16 head evaluation uses."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rows_at_once: int = 8192):
+        """Quantized `rows_at_once` rows at a time: made at the first step, beside its activations, the
+        whole head in fp32 would be a 2 GB transient at a 128K vocabulary."""
         with torch.no_grad():
-            rows, self.scale = quantize_tensor(weight)
+            self.scale = torch.clamp(weight.abs().amax().float(), min=_AMAX_FLOOR) / E4M3_MAX
+            rows = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
+            for start in range(0, weight.shape[0], rows_at_once):
+                part = weight[start:start + rows_at_once].float() / self.scale
+                rows[start:start + rows_at_once] = part.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
             self.rows = rows  # [V, H]: .t() is the column-major [H, V] the logits take
             self.cols = rows.t().contiguous()  # [H, V]: .t() is the column-major [V, H] the gradient takes
         self.source = weight

@@ -150,6 +150,9 @@ def test_start_checkpoint_stop_resume_logs_pull(tier, tmp_path, monkeypatch):
     assert list(Path("/tmp").glob(node_temp)) == []
 
 
+# sim only: the death is found and told by the node-side runs helper; the transport carries its JSON and
+# the log tail as any other call does (a run's log over sshd: test_logs_follow_survives_dropped_connections)
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
 def test_dead_run_is_failed_with_its_log_tail(tier, tmp_path):
     deployed(tier)
     run_id = tier.cli("run", "start", "host200", "--config",
@@ -309,6 +312,9 @@ def test_resume_with_a_new_config(tier, tmp_path):
     tier.cli("run", "resume", "host200", run_id, "--config", str(tmp_path / "missing.yaml"), code=2)
 
 
+# sim only: the failure is planted in the operator's own Container.helper_json; what is asserted is the
+# operator-side recovery, the same over any transport
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
 def test_patch_restart_whose_release_fails_resumes_the_run_on_the_old_release(tier, tmp_path, monkeypatch):
     """`patch --restart RUN` stops the run before the new release is built: when that build
     fails, the run must not be left stopped."""
@@ -396,6 +402,9 @@ def test_restart_on_failure_resumes_after_sigkill_with_the_same_losses(tier, tmp
     assert "# dflash-ops supervise" in log and "killed by SIGKILL" in log and "restart 1 of 2" in log
 
 
+# sim only: the restarts and the stop's effect are the node-side supervisor's (the same helper behind
+# either transport); a restart across a transport's follow is test_restart_on_failure_resumes_after_sigkill
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
 def test_restart_gives_up_after_n_and_stop_still_stops_for_good(tier, tmp_path):
     deployed(tier)
     crash = "total_steps: 40\nstep_seconds: 0.01\ncheckpoint_every: 2\ncrash_at_step: 7\n"
@@ -420,6 +429,9 @@ def test_restart_gives_up_after_n_and_stop_still_stops_for_good(tier, tmp_path):
     assert status["effective_state"] == "stopped" and not status["alive"] and status["restarts"] == []
 
 
+# sim only: the stop is recorded and served by the node-side helper and supervisor, whichever transport
+# carried the `run stop`
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
 @pytest.mark.parametrize("how", ["--now", "--kill", None])
 def test_run_stop_between_two_attempts_stops_the_run_for_good(tier, tmp_path, how):
     """A run that crashes at step 7 each attempt (resumed from step 6): `run stop` (any form) while
@@ -465,6 +477,8 @@ def test_run_status_shows_text_from_the_run_directory_escaped(tier, tmp_path):
     assert json.loads(tier.cli("run", "status", "host200", "evil", "--json").stdout)["error"]["message"].endswith(EVIL)
 
 
+# sim only: the policy is refused by the CLI before anything is sent
+@pytest.mark.parametrize("tier", ["sim"], indirect=True)
 def test_restart_policy_is_checked(tier, tmp_path):
     deployed(tier)
     bad = tier.cli("run", "start", "host200", "--config", config(tmp_path, LONG), "--restart", "always", code=1)

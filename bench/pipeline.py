@@ -754,13 +754,20 @@ def trainer_cli(args, lengths, results):
     if done.returncode:
         out["log_tail"] = (done.stdout + done.stderr)[-3000:]
     shutil.rmtree(work, ignore_errors=True)
-    keys = [prefix + k + suffix + layout for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
-            for suffix in (f"@{args.cli_precision.removesuffix('fast')}", "") for layout in (f"@{args.cli_layout}", "")]
-    bench_mode = next((k for k in keys if "pipeline" in results.get(k, {})), None)
+    bench_mode = bench_row_of_cli(args, results)
     if bench_mode:
         bench = results[bench_mode]["pipeline"]["tokens_per_s_steady"]
         out["bench_mode"], out["cli_over_bench"] = bench_mode, round(out["tokens_per_s_steady"] / max(bench, 1e-9), 3)
     return out
+
+
+def bench_row_of_cli(args, results):
+    """The bench's measurement the --cli-steps run compares with: the same mode (all, else the compiled or
+    plain packed one), precision (fp8fast keys read @fp8fast, or @fp8) and drafter layout, or None."""
+    precision = dict.fromkeys((args.cli_precision, args.cli_precision.removesuffix("fast")))
+    keys = [prefix + k + suffix + layout for prefix in ("", "8b/") for k in ("all", "packed+ct", "packed")
+            for suffix in (*(f"@{p}" for p in precision), "") for layout in (f"@{args.cli_layout}", "")]
+    return next((k for k in keys if "pipeline" in results.get(k, {})), None)
 
 
 def events_last_step(events):

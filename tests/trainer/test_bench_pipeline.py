@@ -126,6 +126,21 @@ def test_the_cli_run_takes_the_precision_the_drafter_and_the_70b_drafter_a_mask_
     assert bench.mask_id(SimpleNamespace(tiny=True), None) == 5
 
 
+def test_the_cli_run_is_compared_with_the_bench_row_of_its_precision_and_layout():
+    """The H100 call of 2026-12-06 printed `None x the bench's None` for an fp8fast FP8-drafter CLI run: its
+    row is keyed all@fp8fast@full/fp8, the lookup asked for @fp8 only."""
+    bench = load_bench()
+    row = {"pipeline": {"tokens_per_s_steady": 1.0}}
+    results = {"all@fp8fast@full": row, "all@fp8fast@full/fp8": row, "all@fp8fast@full/dflash2": row}
+    args = bench.argparse.Namespace(cli_precision="fp8fast", cli_layout="full/fp8")
+    assert bench.bench_row_of_cli(args, results) == "all@fp8fast@full/fp8"
+    args.cli_layout = "full"
+    assert bench.bench_row_of_cli(args, results) == "all@fp8fast@full"
+    assert bench.bench_row_of_cli(args, {"all@fp8": row}) == "all@fp8"  # one layout: no @layout in its key
+    args.cli_precision = "bf16"
+    assert bench.bench_row_of_cli(args, results) is None and bench.bench_row_of_cli(args, {"all": row}) == "all"
+
+
 def test_the_70b_runs_at_the_precisions_given_for_it_and_only_bf16_is_refused():
     """--precisions-for 70b=fp8fast is what the 70B runs at, whatever --precisions says (its bf16 refusal
     once read the global list and dropped the shape's own)."""

@@ -39,6 +39,15 @@ def dflash2_drafter(target, layer_ids, seed=1, **own):
     return d
 
 
+def micro_batch(target, layer_ids):
+    """One training micro-batch of 2 rows of 24 random tokens: the target's features and 6 blocks a row."""
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
+    return feats, make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+
+
 def test_convolution_equals_the_direct_formula_and_is_causal_inside_each_block():
     torch.manual_seed(0)
     taps, groups, size, bs = 3, 2, 2, 4
@@ -123,11 +132,7 @@ def test_training_forward_equals_inference_path(tiny):
 def test_a_few_steps_lower_the_token_and_the_selector_loss(tiny):
     target, head, _, layer_ids = tiny
     drafter = dflash2_drafter(target, layer_ids)
-    torch.manual_seed(4)
-    ids = torch.randint(0, VOCAB - 1, (2, 24))
-    lm = torch.ones_like(ids, dtype=torch.bool)
-    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
-    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    feats, blk = micro_batch(target, layer_ids)
     objective = Objective(selector=1.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     seen = []
@@ -154,11 +159,7 @@ def test_the_fused_objective_hands_the_selector_its_candidates_without_a_third_l
     import trainer.models.dflash2 as dflash2_module
 
     target, head, _, layer_ids = tiny
-    torch.manual_seed(4)
-    ids = torch.randint(0, VOCAB - 1, (2, 24))
-    lm = torch.ones_like(ids, dtype=torch.bool)
-    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
-    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    feats, blk = micro_batch(target, layer_ids)
     own_pass = []
     original = dflash2_module.candidates
     monkeypatch.setattr(dflash2_module, "candidates", lambda *a, **k: own_pass.append(1) or original(*a, **k))
@@ -448,11 +449,7 @@ def test_compiled_regions_train_as_eager_and_compile_nothing_after_warm_up(tiny,
     from trainer.pipeline.compile_safety import CompileGuard
 
     target, head, _, layer_ids = tiny
-    torch.manual_seed(4)
-    ids = torch.randint(0, VOCAB - 1, (2, 24))
-    lm = torch.ones_like(ids, dtype=torch.bool)
-    feats = target_context_features(target, ids, torch.ones_like(ids), layer_ids)
-    blk = make_blocks(ids, lm, *sample_anchors(lm, 6, torch.Generator().manual_seed(0)), 8, 7.0, MASK_ID)
+    feats, blk = micro_batch(target, layer_ids)
 
     def step(drafter):
         loss, _, _ = drafter_loss_sums(drafter, head, feats, blk, "sdpa", objective=Objective(selector=1.0))

@@ -34,9 +34,11 @@ pytestmark = [pytest.mark.netns, pytest.mark.sshd, pytest.mark.slow, pytest.mark
 
 TARGETS = ("n0-200", "n1-200")
 # The run's length: the group must still be training when the test has seen it pass step 12 and, restarted,
-# 8 steps past its restart step (~25): 150 leaves ~125 steps of margin; the resumed life and the one-host
-# run train every step, so 300 cost ~10 CPU-seconds more for nothing the test reads.
-STEPS = 150
+# 8 steps past its restart step, and its kill (through `dflash-ops exec`) has landed. In LXC containers the
+# ranks train ~37 steps/s and a kill lands ~1-3 s after the test saw the step: the first landed at steps
+# 39-52, the ranks restarted from step 50, and with 150 steps the run had ended before the second kill.
+# 300 leaves ~240 steps (~6 s) after a restart at 50.
+STEPS = 300
 # every checkpoint kept: the test reads the one the ranks resumed from after the resumed run has written
 # more (with the default 3 kept, a fast machine rotated it away before the assertion)
 CONFIG = two_host_config(STEPS, "run: {keep_checkpoints: 100}")

@@ -87,7 +87,7 @@ def test_plan_data_counts_the_training_tokens_and_the_epochs_the_run_covers(tmp_
     out = capsys.readouterr().out
     cfg = parse_config(config.read_text())
     from trainer.data.report import build_report
-    from trainer.train.components import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     train = next(r for r in build_report(cfg, build_tokenizer(cfg)) if r.name == "train")
     planned = time_plan.build_time_plan(cfg, "h200").tokens

@@ -39,9 +39,18 @@ _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a tiny scale, not a division by z
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x as e4m3 values q and one fp32 scale s (a 0-d tensor) with x ~= q * s: the tensor's largest
     magnitude maps to 448. No host sync: the scale stays on x's device."""
-    amax = x.detach().abs().amax().float()
-    scale = torch.clamp(amax, min=_AMAX_FLOOR) / E4M3_MAX
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    scale = scale_of(x.detach())
+    return to_e4m3(x, scale), scale
+
+
+def scale_of(x: torch.Tensor) -> torch.Tensor:
+    """The tensorwise scale that maps x's largest magnitude to 448 (fp32, 0-d, on x's device)."""
+    return torch.clamp(x.abs().amax().float(), min=_AMAX_FLOOR) / E4M3_MAX
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale as e4m3, saturated at +-448."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -104,11 +113,10 @@ class FP8Head:
         """Quantized `rows_at_once` rows at a time: made at the first step, beside its activations, the
         whole head in fp32 would be a 2 GB transient at a 128K vocabulary."""
         with torch.no_grad():
-            self.scale = torch.clamp(weight.abs().amax().float(), min=_AMAX_FLOOR) / E4M3_MAX
+            self.scale = scale_of(weight)
             rows = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
             for start in range(0, weight.shape[0], rows_at_once):
-                part = weight[start:start + rows_at_once].float() / self.scale
-                rows[start:start + rows_at_once] = part.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+                rows[start:start + rows_at_once] = to_e4m3(weight[start:start + rows_at_once], self.scale)
             self.rows = rows  # [V, H]: .t() is the column-major [H, V] the logits take
             self.cols = rows.t().contiguous()  # [H, V]: .t() is the column-major [V, H] the gradient takes
         self.source = weight

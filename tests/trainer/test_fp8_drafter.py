@@ -15,7 +15,14 @@ from tests.trainer.tiny_config import tiny_config
 from trainer.models.drafter import DFlashDrafter
 from trainer.models.fp8_training import E4M3_MAX, FP8Head, fp8_linear, quantize_tensor
 from trainer.models.masks import make_blocks, sample_anchors
-from trainer.models.objective import drafter_loss_sums, fused_objective
+from trainer.models.objective import (
+    _ce_slots,
+    _ce_slots_fp8,
+    _mix_slots,
+    _mix_slots_fp8,
+    drafter_loss_sums,
+    fused_objective,
+)
 from trainer.models.target import FrozenHead, target_context_features
 from trainer.run.config import ConfigError, parse_config
 
@@ -80,6 +87,31 @@ def test_the_fp8_heads_matmuls_equal_their_dequantized_references():
     in_parts = FP8Head(weight, rows_at_once=5)  # quantized a few rows at a time: the same copies
     assert torch.equal(in_parts.rows.view(torch.uint8), head.rows.view(torch.uint8)) and in_parts.scale == head.scale
     assert torch.equal(head.rows.view(torch.uint8), quantize_tensor(weight)[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("confident", [False, True])
+def test_the_heads_logit_gradient_is_cast_at_its_bound_not_its_measured_largest(confident):
+    """d term / d logits is scaled by its bound by construction (ce_w + kl_w * T, a softmax minus a
+    one-hot lies in [-1, 1]), never saturates, and dequantizes to the exact gradient within e4m3's
+    rounding, also where the largest gradient is far below the bound (a drafter sure of its tokens)."""
+    torch.manual_seed(0)
+    logits = torch.randn(24, 64) * (1.0 if not confident else 0.5)
+    labels = torch.randint(0, 64, (24,))
+    if confident:
+        logits[torch.arange(24), labels] += 12.0  # every label near probability 1: gradients ~1e-5..1e-2
+    target = torch.randn(24, 64)
+    cases = [(_ce_slots, _ce_slots_fp8, (), 1.0), (_mix_slots, _mix_slots_fp8, (target, 0.5, 2.0, 2.0), 4.5)]
+    for exact_fn, fp8_fn, args, bound in cases:
+        *sums, grad = exact_fn(logits, labels, *args, compiled=False)
+        *sums8, grad_q, scale = fp8_fn(logits, labels, *args, compiled=False)
+        assert all(torch.equal(a, b) for a, b in zip(sums, sums8, strict=True))
+        assert float(scale) == pytest.approx(bound / E4M3_MAX) and float(grad.abs().max()) <= bound
+        assert grad_q.dtype == torch.float8_e4m3fn and float(grad_q.float().abs().max()) <= E4M3_MAX
+        error = (grad_q.float() * scale - grad).abs()
+        normal = grad.abs() >= scale * 2 ** -6  # e4m3's normal range: 3 mantissa bits
+        assert normal.sum() > 24 and float((error / grad.abs())[normal].max()) <= 2 ** -4
+        assert (~normal).any() == confident  # a sure drafter's small gradients: e4m3's subnormals
+        assert float(torch.where(normal, 0.0, error).max()) <= float(scale) * 2 ** -10  # half their spacing
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))

@@ -6,7 +6,9 @@ tensor cores (`torch._scaled_mm`, fp32 accumulation, a bf16 result), about twice
 rate. Scales are dynamic and per tensor, computed from each operand's largest magnitude at every
 call (the "tensorwise" recipe of float8 training libraries): one scale per tensor lets the same
 quantized copy serve both layouts a matmul pair needs (x w^T in the forward, g^T x for the weight's
-gradient), so each operand is quantized once per call and only transposed.
+gradient), so each operand is quantized once per call and only transposed. As in those libraries,
+the forward products accumulate fast (`FORWARD_FAST_ACCUM`: Hopper's FP8 tensor cores without the
+periodic promotion to fp32, as the FP8 target's `fp8_fast_accum`), the gradients' products do not.
 
 `FP8Head` does the same for the frozen LM head's two matmuls in the fused objective (the logits and
 the hidden states' gradient, a fifth of an 8B-shaped drafter step in bf16): its weight is quantized
@@ -34,6 +36,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # torch._scaled_mm: every dimension it reads as a matrix's inner or column count
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a tiny scale, not a division by zero
+FORWARD_FAST_ACCUM = True  # the forward products (projections, LM-head logits) with use_fast_accum
 
 
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +64,15 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """(a * sa) @ (b * sb) for e4m3 a [M, K] (row-major) and b [K, N] (column-major), fp32 accumulation.
-    K and N must be multiples of 16 (the callers pad); a CPU torch without the kernel takes the
-    dequantized product (same values up to accumulation order)."""
-    if a.device.type == "cuda" or _cpu_kernel():
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """(a * sa) @ (b * sb) for e4m3 a [M, K] (row-major) and b [K, N] (column-major), fp32 accumulation
+    (fast_accum on CUDA: Hopper's FP8 accumulation, promoted to fp32 at the end only). K and N must be
+    multiples of 16 (the callers pad); a CPU torch without the kernel takes the dequantized product
+    (same values up to accumulation order)."""
+    if a.device.type == "cuda":
+        return torch._scaled_mm(a, b, scale_a=sa.reshape(1, 1), scale_b=sb.reshape(1, 1), out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    if _cpu_kernel():
         return torch._scaled_mm(a, b, scale_a=sa.reshape(1, 1), scale_b=sb.reshape(1, 1), out_dtype=out_dtype)
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
@@ -80,7 +87,7 @@ class _FP8Linear(torch.autograd.Function):
         wq, sw = quantize_tensor(w)
         ctx.save_for_backward(xq, sx, wq, sw)
         ctx.x_dtype, ctx.w_dtype, ctx.m = x.dtype, w.dtype, x.shape[0]
-        return scaled_mm(xq, sx, wq.t(), sw, out_dtype)
+        return scaled_mm(xq, sx, wq.t(), sw, out_dtype, FORWARD_FAST_ACCUM)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -123,7 +130,7 @@ class FP8Head:
 
     def logits(self, hidden_q: torch.Tensor, hidden_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """[M, V] logits of quantized hidden states [M, H] (`quantize_tensor`)."""
-        return scaled_mm(hidden_q, hidden_scale, self.rows.t(), self.scale, out_dtype)
+        return scaled_mm(hidden_q, hidden_scale, self.rows.t(), self.scale, out_dtype, FORWARD_FAST_ACCUM)
 
     def grad_hidden(self, grad_q: torch.Tensor, grad_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """[M, H] gradient of the hidden states from the quantized logits' gradient [M, V]."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.models.dflash2 import selector_sums
 from trainer.models.drafter import DFlashDrafter, pointwise
-from trainer.models.fp8_training import FP8Head, fp8_linear, quantize_tensor
+from trainer.models.fp8_training import E4M3_MAX, FP8Head, fp8_linear, quantize_tensor, to_e4m3
 from trainer.models.masks import Blocks, block_attention
 from trainer.models.target import FrozenHead
 
@@ -201,18 +201,28 @@ def _mix_slots(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.
     return ce_w * ce + kl_w * kl, ce, correct, grad.to(logits.dtype)
 
 
-def _with_quantized_grad(slots: Any) -> Any:
+def _with_quantized_grad(slots: Any, bound: Callable[..., float]) -> Any:
     """`slots` (a @pointwise function whose last result is d term / d logits) returning that gradient as
-    e4m3 and its scale instead, quantized in the same compiled pass (FP8Head's gradient matmul)."""
-    def fn(logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
-        *sums, grad = slots.__wrapped__(logits, *args)
-        return (*sums, *quantize_tensor(grad))
+    e4m3 and its scale instead, cast in the same compiled pass (FP8Head's gradient matmul).
+
+    The scale is not the gradient's measured largest magnitude but its bound by construction (`bound` of
+    the slots' arguments after the labels): a softmax minus a one-hot lies in [-1, 1], so the CE term's
+    gradient never exceeds ce_w and the KL term's kl_w * T. A measured scale would need a reduction over
+    the whole [chunk, vocabulary] gradient before the cast could start, a pass over the logits of its own;
+    the bound's scale lets the cast fuse into the softmax's pass. The two differ only where a chunk's
+    largest gradient is far below the bound (a drafter sure of every token), and there the bound keeps
+    more headroom, not less range: e4m3's subnormals reach 2^-9 of the bound's 448."""
+    def fn(logits: torch.Tensor, labels: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
+        *sums, grad = slots.__wrapped__(logits, labels, *args)
+        scale = torch.full((), bound(*args) / E4M3_MAX, dtype=torch.float32, device=logits.device)
+        return (*sums, to_e4m3(grad, scale), scale)
 
     fn.__name__ = fn.__qualname__ = f"{slots.__name__}_fp8"
     return pointwise(fn)
 
 
-_ce_slots_fp8, _mix_slots_fp8 = _with_quantized_grad(_ce_slots), _with_quantized_grad(_mix_slots)
+_ce_slots_fp8 = _with_quantized_grad(_ce_slots, lambda: 1.0)
+_mix_slots_fp8 = _with_quantized_grad(_mix_slots, lambda _target, ce_w, kl_w, temperature: abs(ce_w) + abs(kl_w) * temperature)
 _quantized = pointwise(quantize_tensor)
 
 

@@ -174,10 +174,15 @@ def selector_sums(selector: CandidateSelector, hidden: torch.Tensor, lm_head_wei
     select. correct: the selector's best candidate is the data's token. The gradient reaches the
     codebooks, the hidden projection and, through it, the drafter's hidden states. top: each slot's
     top-k logits and ids [N, K] already computed (the fused objective's, objective.fused_objective_and_top_k),
-    else they are computed here from the LM head."""
+    else they are computed here from the LM head, `chunk` slots at a time (the chunks bound the [chunk, V]
+    logits; with `top` there are none, and all slots go in one pass: its [N, K, rank] operands hold K x rank
+    = 4,096 values a slot at the defaults, an 8B target's hidden size, and the codebooks' dense [V, rank]
+    gradients are made once, not once a chunk)."""
     loss = hidden.new_zeros((), dtype=torch.float32)
     correct = hidden.new_zeros((), dtype=torch.float32)
     recall = hidden.new_zeros((), dtype=torch.float32)
+    if top is not None:
+        chunk = max(1, hidden.shape[0])
     for start in range(0, hidden.shape[0], chunk):
         sl = slice(start, start + chunk)
         h = hidden[sl]

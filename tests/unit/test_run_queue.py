@@ -22,6 +22,9 @@ from tests.unit.runs_double import released_container
 
 SHORT = "total_steps: 40\nstep_seconds: 0.02\n"
 LONG = "total_steps: 1000000\nstep_seconds: 0.005\n"
+# How often a wait looks again: each look is a `runs.py` helper process (~0.07 CPU-s), so at 20 looks
+# a second the waiting cost more CPU than the runs waited for (the file: 29.5 CPU-s, at this 20.3)
+POLL_S = 0.25
 
 
 def kill_recorded(path: Path) -> None:
@@ -43,7 +46,7 @@ def container(tmp_path):
             kill_recorded(worker)
         for run in sorted((c.base / "runs").iterdir()):  # a run a test left going (a blocker it never stopped)
             if run.is_dir() and not run.name.startswith(".") and runs.run_status(c, run.name).alive:
-                runs.stop_run(c, run.name, poll=0.05)
+                runs.stop_run(c, run.name, poll=POLL_S)
 
 
 def start(container, tmp_path, text, run_id, **kwargs) -> str:
@@ -60,7 +63,7 @@ def wait(get, done, seconds=60.0):
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"condition never met in {seconds}s; last value {value!r}")
-        time.sleep(0.05)
+        time.sleep(POLL_S)
 
 
 def launched_at(container, run_id) -> float:
@@ -82,7 +85,7 @@ def test_three_runs_on_one_gpu_start_one_after_another(container, tmp_path):
     assert line[1].waits_for[-1] == "q2 is queued before it for GPU 0"
     status = runs.run_status(container, "q3")
     assert status.effective_state == "queued" and status.position == 2 and status.release is not None
-    runs.stop_run(container, "q1", poll=0.05)
+    runs.stop_run(container, "q1", poll=POLL_S)
     for run_id in ("q1", "q2", "q3"):
         wait(lambda run_id=run_id: runs.run_status(container, run_id), lambda i: i.final and not i.alive)
     for before, after in (("q1", "q2"), ("q2", "q3")):
@@ -100,7 +103,7 @@ def test_a_queued_run_keeps_its_config_and_release(container, tmp_path):
     os.symlink(container.base / "releases" / "abc123", new)  # a deploy switches current meanwhile
     (container.base / "current").unlink()
     (container.base / "current").symlink_to("releases/def456")
-    runs.stop_run(container, "blocker", poll=0.05)
+    runs.stop_run(container, "blocker", poll=POLL_S)
     info = wait(lambda: runs.run_status(container, "later"), lambda i: i.final and not i.alive)
     assert info.release == "abc123" and info.step == 40
     assert (container.base / "runs" / "later" / "config.input.yaml").read_text() == SHORT + "log_lines: 2\n"
@@ -117,7 +120,7 @@ def test_kill_9_of_the_queue_worker_loses_no_queued_run(container, tmp_path):
     assert [r.run_id for r in queued_runs(container)] == ["w1", "w2"]  # and that list started a new worker
     new_pid = wait(lambda: json.loads(worker.read_text())["pid"], lambda p: p != pid, 10)
     assert alive(new_pid)
-    runs.stop_run(container, "blocker", poll=0.05)
+    runs.stop_run(container, "blocker", poll=POLL_S)
     for run_id in ("w1", "w2"):
         assert wait(lambda run_id=run_id: runs.run_status(container, run_id),
                     lambda i: i.final and not i.alive).effective_state == "done"
@@ -127,14 +130,14 @@ def test_stop_of_a_queued_run_takes_it_out_of_the_queue(container, tmp_path):
     start(container, tmp_path, LONG, "blocker")
     start(container, tmp_path, SHORT, "gone", queue=True)
     start(container, tmp_path, SHORT, "kept", queue=True)
-    info = runs.stop_run(container, "gone", poll=0.05)
+    info = runs.stop_run(container, "gone", poll=POLL_S)
     assert info.effective_state == "stopped" and "removed from the queue" in (info.reason or "")
     assert [(r.run_id, r.position) for r in queued_runs(container)] == [("kept", 1)]
     with pytest.raises(runs.RunNotFound):
         runs.run_status(container, "gone")
     with pytest.raises(runs.RunRefused, match="already exists"):
         start(container, tmp_path, SHORT, "kept", queue=True)
-    runs.stop_run(container, "blocker", poll=0.05)
+    runs.stop_run(container, "blocker", poll=POLL_S)
     wait(lambda: runs.run_status(container, "kept"), lambda i: i.final and not i.alive)
     assert not (container.base / "runs" / "gone").exists()
 
@@ -158,7 +161,7 @@ def test_a_webhook_that_answers_500_twice_gets_one_event_per_transition(containe
     wait(lambda: events_of(sink, "blocker"), lambda e: e == ["started"], 30)
     start(container, tmp_path, SHORT, "next", queue=True, notify=spec)
     wait(lambda: events_of(sink, "next"), lambda e: e == ["queued"], 30)
-    runs.stop_run(container, "blocker", poll=0.05)
+    runs.stop_run(container, "blocker", poll=POLL_S)
     wait(lambda: runs.run_status(container, "next"), lambda i: i.final and not i.alive)
     wait(lambda: events_of(sink, "next"), lambda e: e == ["queued", "started", "done"], 30)
     wait(lambda: events_of(sink, "blocker"), lambda e: e == ["started", "stopped"], 30)
@@ -215,7 +218,7 @@ def test_a_queued_entry_whose_gpus_disagree_with_its_start_arguments_is_dropped_
     assert log.count("odd not started: entry.json waits for GPU 1 but its start arguments name --gpus 0") == 1
     wait(lambda: events_of(sink, "odd"), lambda e: e[-1:] == ["failed"], 30)
     assert "waits for GPU 1 but its start arguments name --gpus 0" in sink.delivered()[-1]["reason"]
-    runs.stop_run(container, "blocker", poll=0.05)  # the run behind it was not held up
+    runs.stop_run(container, "blocker", poll=POLL_S)  # the run behind it was not held up
     assert wait(lambda: runs.run_status(container, "behind"), lambda i: i.final and not i.alive).effective_state == "done"
 
 
@@ -290,7 +293,7 @@ def test_run_resume_keeps_the_runs_notifications(container, tmp_path, sink, rest
     start(container, tmp_path, "total_steps: 200\nstep_seconds: 0.01\ncheckpoint_every: 5\n", "told",
           notify=spec, restart=restart)
     wait(lambda: runs.run_status(container, "told"), lambda i: (i.step or 0) >= 6)
-    runs.stop_run(container, "told", poll=0.05)
+    runs.stop_run(container, "told", poll=POLL_S)
     wait(lambda: events_of(sink, "told"), lambda e: e == ["started", "stopped"], 30)
     runs.resume_run(container, "told")
     wait(lambda: runs.run_status(container, "told"), lambda i: i.final and not i.alive)

@@ -13,7 +13,7 @@ from tests.trainer.conftest import MASK_ID, VOCAB
 from tests.trainer.test_objectives import OBJECTIVES, head_case
 from tests.trainer.tiny_config import tiny_config
 from trainer.models.drafter import DFlashDrafter
-from trainer.models.fp8_training import E4M3_MAX, FP8Head, fp8_linear, quantize_tensor
+from trainer.models.fp8_training import E4M3_MAX, FP8Head, e4m3_transposed, fp8_linear, quantize_tensor
 from trainer.models.masks import make_blocks, sample_anchors
 from trainer.models.objective import (
     _ce_slots,
@@ -71,6 +71,18 @@ def test_a_wrong_layout_would_be_caught():
     x, g = torch.randn(32, 64), torch.randn(32, 48)
     assert relative(dequantized(g).t() @ dequantized(x), g.t() @ x) < 0.08
     assert relative((dequantized(g).t() @ dequantized(x)).flip(0), g.t() @ x) > 0.5
+
+
+def test_the_transposed_e4m3_copy_is_the_transpose_and_a_well_formed_operator():
+    """The weight gradient's transposed operands come from one op of their own (opaque to inductor, a
+    Triton tiled copy on CUDA): the transpose's bytes, any shape, and an operator torch.compile can hold."""
+    for rows, cols in ((37, 16), (16, 48), (1, 1)):
+        x = torch.randn(rows, cols).to(torch.float8_e4m3fn)
+        y = e4m3_transposed(x)
+        assert y.shape == (cols, rows) and y.is_contiguous()
+        assert torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+    torch.library.opcheck(e4m3_transposed, (torch.randn(24, 32).to(torch.float8_e4m3fn),),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))  # test_schema multiplies: no e4m3 mul on a CPU
 
 
 def test_the_fp8_heads_matmuls_equal_their_dequantized_references():

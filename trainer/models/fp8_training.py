@@ -77,6 +77,54 @@ def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
+@torch.library.custom_op("dflash::e4m3_transposed", mutates_args=())
+def e4m3_transposed(x: torch.Tensor) -> torch.Tensor:
+    """The transpose of x [M, N] (e4m3), contiguous: the layout the weight gradient's `_scaled_mm` takes.
+
+    A copy of its own, opaque to inductor on purpose: left to inductor, this copy was fused into the row
+    reductions that make its source (the RMS-norm and SiLU backward), where each row's bytes land a column
+    stride apart (5.2 ms for a [21,888 x 4,096] tensor on an H100, 12 % of the FP8 drafter's step,
+    bench/RESULTS.md); an eager strided copy is slower still. On CUDA a tiled Triton copy (`_transpose`),
+    elsewhere torch's."""
+    if x.device.type != "cuda":
+        return x.t().clone(memory_format=torch.contiguous_format)  # a copy even where .t() is contiguous
+    out = torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device)
+    _transpose()(x.view(torch.uint8), out.view(torch.uint8))
+    return out
+
+
+@e4m3_transposed.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
+_TRANSPOSE: Any = None
+
+
+def _transpose() -> Any:
+    """A launcher of a tiled byte transpose (Triton: each 64 x 64 tile read along rows and written along
+    columns through shared memory, both coalesced). Built at the first CUDA use: a CPU machine has no Triton."""
+    global _TRANSPOSE
+    if _TRANSPOSE is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def kernel(src: Any, dst: Any, m: Any, n: Any, bm: tl.constexpr, bn: tl.constexpr) -> None:
+            rows = tl.program_id(0).to(tl.int64) * bm + tl.arange(0, bm)
+            cols = tl.program_id(1).to(tl.int64) * bn + tl.arange(0, bn)
+            inside = (rows[:, None] < m) & (cols[None, :] < n)
+            tile = tl.load(src + rows[:, None] * n + cols[None, :], mask=inside)
+            tl.store(dst + cols[None, :] * m + rows[:, None], tile, mask=inside)
+
+        def launch(src: torch.Tensor, dst: torch.Tensor) -> None:
+            m, n = src.shape
+            kernel[(triton.cdiv(m, 64), triton.cdiv(n, 64))](src, dst, m, n, bm=64, bn=64)
+
+        _TRANSPOSE = launch
+    return _TRANSPOSE
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x w^T with every matmul in e4m3, tensorwise scales. x [M, K], w [N, K], both 2-D."""
 
@@ -97,8 +145,8 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # g [M, N] @ w [N, K]: w column-major is w^T made contiguous
             dx = scaled_mm(gq, sg, wq.t().contiguous().t(), sw, ctx.x_dtype)
         if ctx.needs_input_grad[1]:  # g^T [N, M] @ x [M, K]: M is the inner dimension, padded to 16
-            g_t = _pad_rows(gq, ALIGN).t().contiguous()
-            x_cols = _pad_rows(xq, ALIGN).t().contiguous().t()
+            g_t = e4m3_transposed(_pad_rows(gq, ALIGN))
+            x_cols = e4m3_transposed(_pad_rows(xq, ALIGN)).t()
             dw = scaled_mm(g_t, sg, x_cols, sx, torch.float32).to(ctx.w_dtype)
         return dx, dw
 

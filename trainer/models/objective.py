@@ -209,9 +209,9 @@ def _with_quantized_grad(slots: Any, bound: Callable[..., float]) -> Any:
     the slots' arguments after the labels): a softmax minus a one-hot lies in [-1, 1], so the CE term's
     gradient never exceeds ce_w and the KL term's kl_w * T. A measured scale would need a reduction over
     the whole [chunk, vocabulary] gradient before the cast could start, a pass over the logits of its own;
-    the bound's scale lets the cast fuse into the softmax's pass. The two differ only where a chunk's
-    largest gradient is far below the bound (a drafter sure of every token), and there the bound keeps
-    more headroom, not less range: e4m3's subnormals reach 2^-9 of the bound's 448."""
+    the bound's scale lets the cast fuse into the softmax's pass. The two differ where a chunk's largest
+    gradient is far below the bound (a drafter sure of every token): its small values are not scaled up
+    but land among e4m3's subnormals, exact to half their spacing (2^-10 x bound / 448; the tests check it)."""
     def fn(logits: torch.Tensor, labels: torch.Tensor, *args: Any) -> tuple[torch.Tensor, ...]:
         *sums, grad = slots.__wrapped__(logits, labels, *args)
         scale = torch.full((), bound(*args) / E4M3_MAX, dtype=torch.float32, device=logits.device)

@@ -69,11 +69,10 @@ def scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tens
     (fast_accum on CUDA: Hopper's FP8 accumulation, promoted to fp32 at the end only). K and N must be
     multiples of 16 (the callers pad); a CPU torch without the kernel takes the dequantized product
     (same values up to accumulation order)."""
-    if a.device.type == "cuda":
+    cuda = a.device.type == "cuda"
+    if cuda or _cpu_kernel():
         return torch._scaled_mm(a, b, scale_a=sa.reshape(1, 1), scale_b=sb.reshape(1, 1), out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    if _cpu_kernel():
-        return torch._scaled_mm(a, b, scale_a=sa.reshape(1, 1), scale_b=sb.reshape(1, 1), out_dtype=out_dtype)
+                                use_fast_accum=fast_accum and cuda)
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 

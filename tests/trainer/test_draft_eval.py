@@ -1,5 +1,9 @@
 """`python -m trainer eval`: τ of a checkpoint and of its export at each temperature, without training,
-run as a user runs it (a fresh process from the repository root)."""
+run as a user runs it (a fresh process from the repository root). The export and its evaluation run
+the same command's main() in the test's process: a fresh process costs ~4 CPU-seconds of imports, and
+what they add (the export drafts what the checkpoint drafts) does not depend on the process; the
+checkpoint's evaluation is the fresh process (a real `python -m trainer export` is
+tests/integration/test_real_path_playbook.py's)."""
 
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ def trained(tmp_path_factory):
     return config, checkpoint, root
 
 
-def test_eval_of_a_checkpoint_and_of_its_export(trained):
+def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
+    from trainer.__main__ import main
+
     config, checkpoint, root = trained
     out = run_cli("eval", "--config", str(config), "--checkpoint", str(checkpoint), "--temperature", "0", "0.7",
                   "--json", str(root / "ck.json"))
@@ -60,10 +66,12 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained):
     assert run_eval["temperatures"]["0"]["tau"] == zero["tau"]
 
     exported = root / "export"
-    assert run_cli("export", "--checkpoint", str(checkpoint), "--out", str(exported)).returncode == 0
-    out = run_cli("eval", "--config", str(config), "--export", str(exported), "--samples", "3",
-                  "--json", str(root / "ex.json"))
-    assert out.returncode == 0, out.stderr
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(exported)]) == 0
+    assert capsys.readouterr().out == f"exported to {exported}\n"
+    assert main(["eval", "--config", str(config), "--export", str(exported), "--samples", "3",
+                 "--json", str(root / "ex.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:4] == ["T", "tau", "tau_expected", "tau_per_prompt"]
     again = json.loads((root / "ex.json").read_text())
     assert list(again["temperatures"]) == ["0", "1"]  # the config's eval.temperatures
     assert again["temperatures"]["0"]["tau"] == zero["tau"]  # the export drafts what the checkpoint drafts

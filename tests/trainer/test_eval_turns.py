@@ -5,8 +5,6 @@ eval` then does for its checkpoint."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +33,8 @@ def test_the_prompts_of_each_mode():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_fixture, tmp_path):
+def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_fixture, tmp_path, capsys):
+    from trainer.__main__ import main
     from trainer.entry import train
     from trainer.run.config import parse_config
     from trainer_tools import regen
@@ -68,14 +67,15 @@ def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_
     log = Path(run_dir / "train.log").read_text()
     assert "tau by assistant turn: turn 1 " in log and "(13 assistant turns)" in log
 
-    # `python -m trainer eval` on the run's checkpoint, as a user runs it: the same τ per assistant turn
+    # `python -m trainer eval` on the run's checkpoint: the same τ per assistant turn (its main() here; the
+    # command in a fresh process, as a user runs it, is tests/trainer/test_draft_eval.py's)
     config = tmp_path / "agent.yaml"
     config.write_text(text)
     (checkpoint,) = sorted((run_dir / "checkpoints").glob("step_*"))
-    out = subprocess.run([sys.executable, "-m", "trainer", "eval", "--config", str(config), "--checkpoint",
-                          str(checkpoint), "--json", str(tmp_path / "eval.json")],
-                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr
+    capsys.readouterr()
+    assert main(["eval", "--config", str(config), "--checkpoint", str(checkpoint),
+                 "--json", str(tmp_path / "eval.json")]) == 0
+    out = capsys.readouterr().out
     report = json.loads((tmp_path / "eval.json").read_text())
     assert (report["samples"], report["prompts"]) == (6, 13)
     # the same prompts per turn as the run's evaluation (τ itself may differ by a flipped near-tie: the
@@ -84,4 +84,4 @@ def test_a_run_on_regenerated_trajectories_reports_tau_per_assistant_turn(agent_
     assert {k: (b["prompts"], b["prompt_tokens"]) for k, b in turns.items()} == \
         {k: (b["prompts"], b["prompt_tokens"]) for k, b in by_turn.items()}
     assert all(b["tau"] >= 1.0 and b["tau_lookup"] >= 1.0 for b in turns.values())
-    assert "T=0 assistant turn 3: tau " in out.stdout and "(2 prompts)" in out.stdout
+    assert "T=0 assistant turn 3: tau " in out and "(2 prompts)" in out

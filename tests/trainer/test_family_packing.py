@@ -64,9 +64,8 @@ def test_packing_is_refused_at_config_load_where_it_cannot_be_exact(tmp_path):
     assert "data.pack_length" in message and "chunked_attention" in message and "\n" not in message
 
 
-def test_data_report_names_the_family_its_layers_and_the_packing_verdict(family_dirs, tmp_path):
-    import subprocess
-    import sys
+def test_data_report_names_the_family_its_layers_and_the_packing_verdict(family_dirs, tmp_path, capsys):
+    from trainer.__main__ import main
 
     data = tmp_path / "pairs.jsonl"
     data.write_text('{"prompt": "Question?", "response": "An answer."}\n')
@@ -74,12 +73,12 @@ def test_data_report_names_the_family_its_layers_and_the_packing_verdict(family_
     config.write_text(f"model: {{target: {{path: {family_dirs['qwen3_next']}}}}}\n"
                       f"data: {{train_path: {data}, max_length: 64, token_budget: 64, bucket_edges: [64], "
                       "pack_length: 128}\n")
-    out = subprocess.run([sys.executable, "-m", "trainer", "data-report", "--config", str(config)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "target: Qwen3-Next (Qwen3NextForCausalLM): 4 layers: 1 full, 3 linear" in out.stdout
-    assert "layers: full 3; linear 0-2; MoE 0-3" in out.stdout and "GiB in bf16" in out.stdout
-    assert "packed rows of 128: exact" in out.stdout
+    capsys.readouterr()
+    assert main(["data-report", "--config", str(config)]) == 0  # `python -m trainer data-report`'s main
+    out = capsys.readouterr().out
+    assert "target: Qwen3-Next (Qwen3NextForCausalLM): 4 layers: 1 full, 3 linear" in out
+    assert "layers: full 3; linear 0-2; MoE 0-3" in out and "GiB in bf16" in out
+    assert "packed rows of 128: exact" in out
 
 
 def test_family_read_from_config_alone_matches_the_loaded_model(family_dirs):

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from dflash_ops.cli import app
 from tests.conftest import write_sim_inventory
+from tests.trainer.test_phases import stopped_during_the_fit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,9 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
 def test_run_stop_now_during_the_target_fit_stops_the_run_in_that_phase(tmp_path):
     """Issue #53: the demo's first seconds name their phase, and `run stop --now` during the target fit
     stops the run (it printed nothing for 10 minutes, then timed out). The 30 s are the command's own
-    --timeout: the stop either lands in them or the command fails."""
+    --timeout: the stop either lands in them or the command fails. The trainer's side of that SIGTERM
+    (what its run directory then says) is asserted here too: tests/trainer/test_phases.py stops a fit
+    with the control file only (one trainer process fewer)."""
     inventory = write_sim_inventory(tmp_path / "simnode")
     cli(inventory, "deploy", "host200")
     config = yaml.safe_load(short_config(tmp_path, 300).read_text())
@@ -116,3 +119,4 @@ def test_run_stop_now_during_the_target_fit_stops_the_run_in_that_phase(tmp_path
     assert f"{run_id}: stopped at step 0 (while fitting the target " in stopped.stdout
     doc = json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
     assert doc["effective_state"] == "stopped" and doc["phase"]["name"] == "fitting the target"
+    stopped_during_the_fit(tmp_path / "simnode" / "ct200" / "opt" / "dflash" / "runs" / run_id, "signal")

@@ -33,26 +33,6 @@ def events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def start_fitting(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """A trainer whose target fit would take hours, once status.json says it is fitting."""
-    run, cfg = tmp_path / "run", tmp_path / "c.yaml"
-    cfg.write_text(FIT_FOREVER)
-    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
-    out = open(tmp_path / "out.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--run-dir", str(run)],
-                            stdout=out, stderr=subprocess.STDOUT, env=env)
-    out.close()
-    seen = []
-    while proc.poll() is None:
-        if (run / "status.json").exists():
-            phase = status(run).get("phase") or {}
-            seen.append(phase.get("name"))
-            if phase.get("name") == "fitting the target" and (phase.get("done") or 0) >= 1:
-                return proc, run
-        time.sleep(0.1)
-    raise AssertionError(f"the trainer ended before fitting: {(tmp_path / 'out.log').read_text()}")
-
-
 def stop_once_fitting(run: Path, ended: threading.Event) -> None:
     """What `run stop` writes, once status.json says the run fits its target (or the run ended)."""
     while not ended.is_set():
@@ -69,32 +49,29 @@ def stop_once_fitting(run: Path, ended: threading.Event) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("how", ["sigterm", "control"])
-def test_a_stop_during_the_target_fit_stops_the_run_in_that_phase(tmp_path, how):
-    """A SIGTERM needs a trainer process of its own; the control file is served by the same code in the
-    test's process (a fresh trainer process costs ~4 CPU-seconds of imports), stopped from a thread."""
-    if how == "sigterm":  # what `run stop --now` sends
-        proc, run = start_fitting(tmp_path)
-        try:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0, (tmp_path / "out.log").read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    else:  # what `run stop` writes
-        run, ended = tmp_path / "run", threading.Event()
-        stopper = threading.Thread(target=stop_once_fitting, args=(run, ended), daemon=True)
-        stopper.start()
-        try:
-            assert train(parse_config(FIT_FOREVER), run) == 0
-        finally:
-            ended.set()
-            stopper.join()
+def test_a_stop_during_the_target_fit_stops_the_run_in_that_phase(tmp_path):
+    """What `run stop` writes, served by the same code in the test's process (a fresh trainer process
+    costs ~4 CPU-seconds of imports), written from a thread. The SIGTERM of `run stop --now` during the
+    fit is tests/integration/test_runs_real_trainer.py's, which asserts stopped_during_the_fit too."""
+    run, ended = tmp_path / "run", threading.Event()
+    stopper = threading.Thread(target=stop_once_fitting, args=(run, ended), daemon=True)
+    stopper.start()
+    try:
+        assert train(parse_config(FIT_FOREVER), run) == 0
+    finally:
+        ended.set()
+        stopper.join()
+    stopped_during_the_fit(run, "control")
+
+
+def stopped_during_the_fit(run: Path, reason: str) -> None:
+    """`run` (a FIT_FOREVER run, or one whose fit_steps is 1000000) stopped while fitting its target, for
+    `reason` (control: the control file; signal: SIGTERM), says so in status.json, metrics.jsonl and its log."""
     st = status(run)
     assert st["state"] == "stopped" and st["step"] == 0 and st["last_checkpoint"] is None
     assert st["phase"]["name"] == "fitting the target" and st["phase"]["total"] == 1000000
     stop = events(run, "stop")[-1]
-    assert stop["reason"] == ("signal" if how == "sigterm" else "control")
+    assert stop["reason"] == reason
     assert stop["phase"].startswith("fitting the target ")
     assert not (run / "control" / "stop").exists()  # served: a resume is not stopped by it again
     log = (run / "train.log").read_text()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainer.data.chat import DataError, encode_conversation, read_conversations, tokenize_conversation  # noqa: F401
+from trainer.data.chat import DataError, encode_conversation, read_conversations, tokenize_conversation, trained_tokens  # noqa: F401
 from trainer.data.encoding import encode_all
 
 
@@ -18,11 +18,18 @@ from trainer.data.encoding import encode_all
 class Batch:
     input_ids: torch.Tensor  # [B, L] right-padded
     attention_mask: torch.Tensor  # [B, L] 1 on real tokens
-    loss_mask: torch.Tensor  # [B, L] 1 on assistant tokens
+    loss_mask: torch.Tensor  # [B, L] bool: 1 on assistant tokens; float32 (their weights) where the data weighs tokens
 
     @property
     def tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def mask_dtype(samples: list[tuple[list[int], list[float]]]) -> torch.dtype:
+    """The batches' loss-mask dtype: bool (0/1, as always), or float32 when a conversation carries
+    per-token weights (trainer.data.chat.answer_weights: its mask is floats) and every batch then
+    carries weights, 1.0 on the tokens of conversations without."""
+    return torch.float32 if any(m and isinstance(m[0], float) for _, m in samples) else torch.bool
 
 
 class PreloadedDataset:
@@ -32,12 +39,13 @@ class PreloadedDataset:
     (epoch, cursor), so a resumed run continues with exactly the next batch.
     """
 
-    def __init__(self, samples: list[tuple[list[int], list[int]]], bucket_edges: list[int], token_budget: int,
+    def __init__(self, samples: list[tuple[list[int], list[float]]], bucket_edges: list[int], token_budget: int,
                  pad_id: int, seed: int = 0, pad_multiple: int = 16):
-        keep = [(ids, m) for ids, m in samples if sum(m) >= 2]
+        keep = [(ids, m) for ids, m in samples if trained_tokens(m) >= 2]
         if not keep:
             raise DataError("no conversation has two or more assistant tokens to train on")
         self.samples = keep
+        self.mask_dtype = mask_dtype(keep)
         self.bucket_edges = list(bucket_edges)
         self.token_budget = token_budget
         self.pad_id = pad_id
@@ -80,12 +88,12 @@ class PreloadedDataset:
         length = self.padded_length(indices)
         ids = torch.full((len(indices), length), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(indices), length), dtype=torch.long)
-        loss = torch.zeros((len(indices), length), dtype=torch.bool)
+        loss = torch.zeros((len(indices), length), dtype=self.mask_dtype)
         for row, i in enumerate(indices):
             t, m = self.samples[i]
             ids[row, : len(t)] = torch.tensor(t)
             attn[row, : len(t)] = 1
-            loss[row, : len(t)] = torch.tensor(m, dtype=torch.bool)
+            loss[row, : len(t)] = torch.tensor(m, dtype=self.mask_dtype)
         return Batch(ids, attn, loss)
 
     def next_batch(self) -> Batch:

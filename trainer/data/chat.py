@@ -18,6 +18,16 @@ rendered (`template_kwargs_for`): training, held-out τ, data-report and regener
 prompt holds the schemas exactly as the template writes them. A ShareGPT `function_call` turn whose
 value is a call ({"name", "arguments"} or a list of them) becomes an assistant turn with
 `tool_calls`; `observation` and `tool` turns are tool results (never trained on).
+
+Per-token loss weights (the on-policy stage, trainer_tools.onpolicy; docs/objectives.md): a record
+may carry `answer_tokens` (the token ids of its last assistant turn, as the target produced them)
+and `loss_weights` (one float > 0 per answer token). The ids make the alignment exact: encoding
+checks that the chat template renders the last assistant turn to exactly these tokens (the ids are
+the first tokens of its span; a span token past them, the end-of-turn the template adds after an
+answer cut at max tokens, weighs 1) and puts the weights on those tokens' loss mask; every other
+trained token weighs 1, as in a row without them. A row whose ids or weights do not fit is refused
+(file:line: what differs). Weights > 0 only: anchors are drawn among the tokens that carry loss, so a
+zero weight would move them.
 """
 
 from __future__ import annotations
@@ -91,6 +101,13 @@ def row_tools(row: dict, where: str) -> list[dict] | None:
                             "\"function\": {\"name\": ...}} or {\"name\": ...})")
         out.append(tool if tool.get("type") == "function" else {"type": "function", "function": tool})
     return out
+
+
+def weighted_answer(conversation: dict) -> tuple[list[int], list[float]] | None:
+    """A read conversation's (answer_tokens, loss_weights) (answer_weights validated them), None without."""
+    if "loss_weights" not in conversation:
+        return None
+    return conversation["answer_tokens"], conversation["loss_weights"]
 
 
 def template_kwargs_for(conversation: dict, template_kwargs: dict | None = None) -> dict:
@@ -208,8 +225,31 @@ def read_conversations(path: str | Path) -> list[dict]:
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: the conversation has no assistant turn to train on")
         tools = row_tools(row, where)
-        rows.append({"messages": messages, "source": where, **({"tools": tools} if tools else {})})
+        weighted = answer_weights(row, where)
+        rows.append({"messages": messages, "source": where, **({"tools": tools} if tools else {}),
+                     **({"answer_tokens": weighted[0], "loss_weights": weighted[1]} if weighted else {})})
     return rows
+
+
+def answer_weights(row: dict, where: str) -> tuple[list[int], list[float]] | None:
+    """A record's (answer_tokens, loss_weights) (see the module docstring), None when it has neither."""
+    tokens, weights = row.get("answer_tokens"), row.get("loss_weights")
+    if tokens is None and weights is None:
+        return None
+    if tokens is None or weights is None:
+        given, needed = ("answer_tokens", "loss_weights") if weights is None else ("loss_weights", "answer_tokens")
+        raise DataError(f"{where}: '{given}' needs '{needed}' beside it (one weight per answer token id)")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                              and t >= 0 for t in tokens):
+        raise DataError(f"{where}: 'answer_tokens' must be a non-empty list of token ids")
+    if not isinstance(weights, list) or len(weights) != len(tokens):
+        count = len(weights) if isinstance(weights, list) else type(weights).__name__
+        raise DataError(f"{where}: 'loss_weights' must hold one weight per answer token: {len(tokens)} tokens, "
+                        f"got {count}")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < float("inf"):
+            raise DataError(f"{where}: loss_weights[{i}] is {w!r}; a weight is a finite number > 0")
+    return tokens, [float(w) for w in weights]
 
 
 def prompt_messages(row: object, where: str) -> list[dict]:
@@ -355,14 +395,19 @@ def _turn_span(render: Any, messages: list[dict], i: int, marked: dict, text: st
 
 
 def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int,
-                        template_kwargs: dict | None = None) -> tuple[list[int], list[int], int]:
+                        template_kwargs: dict | None = None,
+                        weighted: tuple[list[int], list[float]] | None = None) -> tuple[list[int], list[float], int]:
     """Token ids and a 0/1 loss mask that is 1 on the assistant turns' tokens (see assistant_spans),
     both cut at max_length, and the untruncated token count. Tokens map to spans through their
-    character offsets."""
+    character offsets. weighted: the row's (answer_tokens, loss_weights) (answer_weights): the mask
+    is then floats, those weights on the last assistant turn's first tokens, which must be exactly
+    answer_tokens (DataError naming the first token that differs)."""
     text, spans = assistant_spans(tokenizer, messages, template_kwargs)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
-    starts = [start for start, _ in enc["offset_mapping"][:max_length]]
+    every = [start for start, _ in enc["offset_mapping"]]
+    starts = every[:max_length]
+    mask: list[float]
     if all(x <= y for x, y in zip(starts, starts[1:])):  # the usual case: offsets increase
         mask = [0] * len(starts)
         for a, b in spans:  # tokens whose first character lies in an assistant span
@@ -370,10 +415,40 @@ def encode_conversation(tokenizer: Any, messages: list[dict], max_length: int,
             mask[lo:hi] = [1] * (hi - lo)
     else:
         mask = [int(any(a <= start < b for a, b in spans)) for start in starts]
+    if weighted is not None:
+        mask = _weighted_mask(tokenizer, ids, every, spans, mask, weighted)
     return ids[:max_length], mask, len(ids)
 
 
+def _weighted_mask(tokenizer: Any, ids: list[int], starts: list[int], spans: list[tuple[int, int]],
+                   mask: list[float], weighted: tuple[list[int], list[float]]) -> list[float]:
+    """`mask` as floats with the answer's weights on the last assistant span's first tokens (see
+    encode_conversation); ids and starts are the whole conversation's (before the max_length cut)."""
+    tokens, weights = weighted
+    if not spans:
+        raise DataError("'loss_weights' weigh the last assistant turn, and the conversation has none after a prompt")
+    a, b = spans[-1]
+    lo = next((i for i, s in enumerate(starts) if s >= a), len(starts))
+    hi = next((i for i in range(lo, len(starts)) if starts[i] >= b), len(starts))
+    span = ids[lo:hi]
+    for k, token in enumerate(tokens):
+        if k >= len(span) or span[k] != token:
+            rendered = "the turn's end" if k >= len(span) else f"{span[k]} {tokenizer.decode([span[k]])!r}"
+            raise DataError(f"answer_tokens[{k}] is {token} {tokenizer.decode([token])!r}, the chat template renders "
+                            f"the last assistant turn to {rendered} there: the weights would not fall on the "
+                            "tokens trained")
+    out = [float(m) for m in mask]
+    for k, w in enumerate(weights[: max(0, len(out) - lo)]):  # cut at max_length as the mask is
+        out[lo + k] = w
+    return out
+
+
+def trained_tokens(mask: list[float]) -> int:
+    """Tokens that carry loss in a conversation's mask (0/1, or weights > 0)."""
+    return len(mask) - mask.count(0)
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict], max_length: int,
-                          template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+                          template_kwargs: dict | None = None) -> tuple[list[int], list[float]]:
     ids, mask, _ = encode_conversation(tokenizer, messages, max_length, template_kwargs)
     return ids, mask

@@ -35,14 +35,14 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from trainer.data.chat import DataError, encode_conversation, template_kwargs_for
+from trainer.data.chat import DataError, encode_conversation, template_kwargs_for, weighted_answer
 
 PARALLEL_FROM = 2000  # conversations; fewer are encoded in this process (workers cost ~1 s to start)
 AUTO_MAX = 16  # data.workers auto: at most this many processes
 TASKS_PER_WORKER = 8  # chunks per worker: a slow chunk does not leave the others idle at the end
 MAX_CHUNK = 1024  # conversations per task
 
-Encoded = tuple[list[int], list[int], int]  # ids, loss mask (both cut at max_length), untruncated length
+Encoded = tuple[list[int], list[float], int]  # ids, loss mask (both cut at max_length; 0/1, or weights), untruncated length
 
 
 def usable_cpus() -> int:
@@ -69,7 +69,8 @@ def encode_each(tokenizer: Any, conversations: list[dict], max_length: int,
     out = []
     for c in conversations:
         try:
-            out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs_for(c, template_kwargs)))
+            out.append(encode_conversation(tokenizer, c["messages"], max_length, template_kwargs_for(c, template_kwargs),
+                                           weighted_answer(c)))
         except DataError as exc:
             raise DataError(f"{c['source']}: {exc}" if "source" in c else str(exc)) from None
         if progress is not None and (len(out) % 256 == 0 or len(out) == len(conversations)):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data.batches import Batch, DataError, PreloadedDataset
+from trainer.data.batches import Batch, DataError, PreloadedDataset, mask_dtype, trained_tokens
 from trainer.run.config import anchors_for_row, row_anchors  # noqa: F401 - their home is the config; imported from here too
 
 
@@ -60,12 +60,13 @@ class PackedDataset:
     is (epoch, cursor), as for `trainer.data.batches.PreloadedDataset`.
     """
 
-    def __init__(self, samples: list[tuple[list[int], list[int]]], pack_length: int, rows: int, pad_id: int,
+    def __init__(self, samples: list[tuple[list[int], list[float]]], pack_length: int, rows: int, pad_id: int,
                  seed: int = 0, window: int = 16):
-        keep = [(ids[:pack_length], m[:pack_length]) for ids, m in samples if sum(m[:pack_length]) >= 2]
+        keep = [(ids[:pack_length], m[:pack_length]) for ids, m in samples if trained_tokens(m[:pack_length]) >= 2]
         if not keep:
             raise DataError("no conversation has two or more assistant tokens to train on")
         self.samples, self.pack_length, self.rows, self.pad_id = keep, pack_length, rows, pad_id
+        self.mask_dtype = mask_dtype(keep)
         self.seed, self.window = seed, window
         self.epoch, self.cursor = 0, 0
         self._plan = self.plan_epoch(0)
@@ -108,14 +109,14 @@ class PackedDataset:
         b, length = self.rows, self.pack_length
         ids = torch.full((b, length), self.pad_id, dtype=torch.long)
         attn = torch.zeros((b, length), dtype=torch.long)
-        loss = torch.zeros((b, length), dtype=torch.bool)
+        loss = torch.zeros((b, length), dtype=self.mask_dtype)
         doc_start = torch.zeros((b, length), dtype=torch.long)
         for r, members in enumerate(rows):
             at = 0
             for i in members:
                 t, m = self.samples[i]
                 ids[r, at: at + len(t)] = torch.tensor(t)
-                loss[r, at: at + len(t)] = torch.tensor(m, dtype=torch.bool)
+                loss[r, at: at + len(t)] = torch.tensor(m, dtype=self.mask_dtype)
                 at += len(t)
             attn[r, :at] = 1
             doc_start[r] = doc_start_of([len(self.samples[i][0]) for i in members], length)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.data.chat import file_format, read_conversations, template_kwargs_for
+from trainer.data.chat import file_format, read_conversations, template_kwargs_for, trained_tokens
 from trainer.data.encoding import encode_all, process_count
 from trainer.run.config import TrainerConfig, data_paths, template_kwargs
 from trainer.run.contract import PROMPT_LENGTH_BUCKETS, length_bucket
@@ -70,8 +70,8 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
                 report.lengths.append(full)
                 report.kept.append(len(ids))
                 report.kept_tokens += len(ids)
-                report.loss_tokens += sum(mask)
-                report.no_loss += sum(mask) < 2
+                report.loss_tokens += trained_tokens(mask)
+                report.no_loss += trained_tokens(mask) < 2
         splits.append(report)
     return splits
 

@@ -99,7 +99,9 @@ def make_blocks(
     mask_token_id: int,
     doc_start: torch.Tensor | None = None,
 ) -> Blocks:
-    """Build block inputs, positions, labels and loss weights for the given anchors.
+    """Build block inputs, positions, labels and loss weights for the given anchors. A float
+    loss_mask (the data's per-token weights, trainer.data.batches.mask_dtype) multiplies each
+    label's weight by its token's; a bool one leaves the weights what they always were.
 
     doc_start [B, L] (packed rows): the row index where each token's document begins; positions
     are then counted from the anchor's document start, and slots outside that document are out
@@ -117,8 +119,10 @@ def make_blocks(
         starts = torch.gather(doc_start, 1, anchors)
         in_bounds &= torch.gather(doc_start, 1, safe).view_as(absolute) == starts[..., None]
     labels = torch.gather(input_ids.to(dev), 1, safe).view_as(absolute)
-    on_loss = torch.gather(loss_mask.to(dev).bool(), 1, safe).view_as(absolute)
-    weights = loss_decay(block_size, gamma).to(dev) * (valid[..., None] & in_bounds & on_loss)
+    on_loss = torch.gather(loss_mask.to(dev), 1, safe).view_as(absolute)
+    weights = loss_decay(block_size, gamma).to(dev) * (valid[..., None] & in_bounds & on_loss.bool())
+    if loss_mask.is_floating_point():  # per-token weights (trainer.data.chat.answer_weights) scale each label's
+        weights = weights * on_loss
     labels = torch.where(in_bounds, labels, torch.zeros_like(labels))
     block_ids = torch.full_like(absolute, mask_token_id)
     block_ids[..., 0] = torch.where(valid, labels[..., 0], torch.full_like(anchors, mask_token_id))

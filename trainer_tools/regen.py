@@ -157,7 +157,7 @@ class Seeded:
         pass
 
 
-def _prompt_id(row: dict, messages: list[dict], tools: list[dict] | None = None) -> str:
+def prompt_id(row: dict, messages: list[dict], tools: list[dict] | None = None) -> str:
     if isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool):
         return str(row["id"])
     blob = json.dumps({"messages": messages, "tools": tools} if tools else messages,
@@ -205,7 +205,7 @@ def read_prompts(path: str | Path, agentic: bool = False) -> tuple[list[Prompt],
                 raise InputError(f"{where}: no user turn to answer")
             tools = row_tools(row, where)
             # --agentic: the trace's calls and results decide the trajectory too, so they make its id
-            pid = _prompt_id(row, messages if agentic else kept, tools)
+            pid = prompt_id(row, messages if agentic else kept, tools)
             if pid in seen:
                 if not pid.startswith("sha256:"):
                     raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
@@ -1302,7 +1302,7 @@ def main(argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def sigint_interrupts(interrupt: threading.Event, engine: Engine) -> Iterator[None]:
+def sigint_interrupts(interrupt: threading.Event, engine: object) -> Iterator[None]:
     """While regenerating, SIGINT sets `interrupt` and cancels the engine (the HF engine's batch in
     flight stops at its next decode step) in the handler itself, whatever the main thread is doing;
     `regenerate` sees `interrupt` within POLL_S and stops. A second SIGINT raises KeyboardInterrupt

@@ -331,6 +331,9 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     eval_data = dataset(eval_conv, cfg.data.seed + 1, processes[1])
     log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in "
         f"{time.perf_counter() - began:.1f}s ({max(processes)} process{'es' if max(processes) > 1 else ''})")
+    weighted = sum("loss_weights" in c for c in train_conv)
+    if weighted:  # trainer.data.chat.answer_weights: the on-policy stage's rows (trainer_tools.onpolicy)
+        log(f"{weighted} of {len(train_conv)} training conversations weigh their last answer's tokens (loss_weights)")
     phase("loading the target")
     target = build_target(cfg, tokenizer, conversations, run_dir, log, phase=phase)
     phase("building the drafter")

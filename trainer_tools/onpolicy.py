@@ -1,0 +1,358 @@
+"""The drafter's own rollouts as training rows, the positions it missed weighed more
+(`python -m trainer_tools.onpolicy`; the on-policy stage of issue #50, docs/objectives.md).
+
+Every prompt is answered by speculative decoding: the drafter drafts a block, the target verifies it
+with the project's rejection sampler (trainer.generate.sampling, what the engine serves with) at
+`--temperature` (default 1, top-p as given), and the decoded answer is distributed as the target's
+own samples at those settings whatever the drafter proposes. So the rows are target data, like
+regen's, decoded along the paths the drafter actually walks when it is served (Draft-OPD trains on
+the drafter's rollouts with the target as judge). Each row holds the answer's token ids
+(`answer_tokens`) and one loss weight per token (`loss_weights`, trainer.data.chat.answer_weights):
+
+* 1.0 on the drafts the target accepted, on the first token (decoded by the target alone, from the
+  prompt) and on a round's bonus token (every draft accepted);
+* `--miss-weight` (default 2.0) on each round's correction token: the target's own token where the
+  drafter's draft at that position was rejected. These are the positions the drafter has to learn
+  to serve better; 2.0 doubles their share of the loss without letting the few of them (one a round:
+  about 1/τ of the tokens) outweigh the accepted ones, which the drafter must keep getting right (a
+  weight large enough to dominate would trade accepted positions for missed ones). Unmeasured yet:
+  the figure to choose it by is τ after a run on these rows.
+
+It prints the rollouts' mean acceptance length, pooled over rounds (tokens produced per round,
+accepted drafts + 1, the first token excluded): the drafter's on-policy τ at these settings.
+
+Answers are decoded with their special tokens kept (a `<|im_start|>` in the middle of an answer stays
+text that the template renders back to the same token) and every row is checked against the target's
+chat template (trainer_tools.token_check): a row whose template tokens differ from the decoded ones
+would put its weights on other tokens, so it goes to the rejected file (`--rejected`), never to the
+output. Prompts, resumability and Ctrl-C are regen's (trainer_tools.regen): one row per (prompt,
+sample), id `<prompt id>#<k>`, sample k seeded from (`--seed`, prompt id, k) and decoded with that
+seed as its noise stream, so it decodes the same in any batch; a rerun skips the ids in the output and
+the rejected file. Ctrl-C stops after the batch being decoded (its rows are written); a second one
+exits at once. The prompt is a row's turns up to its last user turn (a dataset's answer after it is
+dropped; earlier assistant turns stay as context); only that last answer is decoded and weighed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.data.chat import DataError, jsonl_records, prompt_messages, row_tools, template_kwargs_for
+from trainer_tools.regen import (
+    EXIT_USAGE,
+    InputError,
+    Output,
+    Prompt,
+    exit_interrupted,
+    prompt_id,
+    rejected_path,
+    samples,
+    sigint_interrupts,
+)
+from trainer_tools.token_check import TokenChecker
+
+MISS_WEIGHT = 2.0  # see the module docstring
+
+
+def onpolicy_prompts(path: str | Path) -> list[Prompt]:
+    """Each row's turns up to its last user turn (see the module docstring), keyed as regen keys
+    them: its `id`, else a hash of those turns and its tools; an explicit id used twice is an error."""
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    try:
+        for lineno, row in jsonl_records(path):
+            where = f"{path}:{lineno}"
+            messages = prompt_messages(row, where)
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users:
+                raise InputError(f"{where}: no user turn to answer")
+            turns = messages[: users[-1] + 1]
+            tools = row_tools(row, where)
+            pid = prompt_id(row, turns, tools)
+            if pid in seen:
+                if not pid.startswith("sha256:"):
+                    raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
+                continue
+            seen[pid] = lineno
+            prompts.append(Prompt(pid, turns, lineno, tools))
+    except DataError as e:
+        raise InputError(str(e)) from None
+    return prompts
+
+
+def token_weights(generation: Any, drafts: int, miss_weight: float) -> list[float]:
+    """One weight per generated token (trainer.generate.speculative.Generation: the first token, then
+    each round's tokens, accepted drafts then the target's own): `miss_weight` on a round's own token
+    when fewer than `drafts` drafts were accepted (a rejection), 1.0 elsewhere."""
+    weights = [1.0] * min(1, len(generation.tokens))
+    for produced, accepted in zip(generation.acceptance_lengths, generation.accepted):
+        weights += [miss_weight if j == accepted and accepted < drafts else 1.0 for j in range(produced)]
+    assert len(weights) == len(generation.tokens), "every generated token is the first one or a round's"
+    return weights
+
+
+@dataclass
+class Summary:
+    total: int = 0  # rows asked for (prompts x samples)
+    skipped: int = 0  # already in the output or the rejected file
+    written: int = 0
+    rejected: int = 0  # kept out: the chat template renders the answer to other tokens
+    rounds: int = 0  # verification rounds of this run's rollouts
+    produced: int = 0  # tokens those rounds produced (the first token of each answer excluded)
+    missed: int = 0  # tokens weighed --miss-weight
+    tokens: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+    rejected_path: str = ""
+    examples: list[str] = field(default_factory=list)  # the first few token mismatches
+
+    @property
+    def tau(self) -> float:
+        return self.produced / self.rounds if self.rounds else 0.0
+
+    def line(self) -> str:
+        text = (f"onpolicy: {self.written} rows written, {self.skipped} already done, {self.rejected} kept out "
+                f"(the chat template renders other tokens; in {self.rejected_path}); {self.tokens} tokens in "
+                f"{self.seconds:.1f}s; {self.missed} missed positions weighed; on-policy tau {self.tau:.3f} "
+                f"({self.rounds} rounds)")
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How the rollouts are decoded and weighed."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    miss_weight: float = MISS_WEIGHT
+    max_tokens: int = 512
+    batch: int = 16
+    template_kwargs: dict = field(default_factory=dict)
+
+
+class Models:
+    """Target, tokenizer, drafter and the target's frozen head, on one device."""
+
+    def __init__(self, target_dir: str, drafter_dir: str, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from trainer.models.drafter import DFlashDrafter
+        from trainer.models.export import read_published
+        from trainer.models.hf import hf_config
+        from trainer.models.target import FrozenHead
+        from trainer.run.family import ModelDirError, check_model_dir
+        from trainer_tools.regen import load_decoded
+
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+            dtype if dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")]
+        try:
+            check_model_dir(target_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+            self.target = load_decoded(target_dir, device, torch_dtype)
+        except ModelDirError as e:
+            raise InputError(str(e).replace("model.target.path: ", "--target ")) from None
+        try:
+            config, weights = read_published(drafter_dir)
+        except ValueError as e:
+            raise InputError(f"--drafter {e}") from None
+        tc = hf_config(self.target)
+        problems = [f"{what} {mine} (the target's: {theirs})" for what, mine, theirs in (
+            ("hidden size", config.hidden_size, tc.hidden_size), ("vocab", config.vocab_size, tc.vocab_size))
+            if mine != theirs]
+        if max(config.target_layer_ids) >= tc.num_hidden_layers:
+            problems.append(f"target layers {config.target_layer_ids} (the target has {tc.num_hidden_layers})")
+        if problems:
+            raise InputError(f"--drafter {drafter_dir} was not trained for --target {target_dir}: "
+                             + "; ".join(problems))
+        with torch.device(device):
+            self.drafter = DFlashDrafter(config)
+        self.drafter.load_state_dict(weights)
+        self.drafter = self.drafter.to(torch_dtype).eval()
+        self.head = FrozenHead.from_target(self.target, device)
+        self.stop_ids: set[int] = set()
+        for source in (getattr(self.target, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            self.stop_ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self.name = os.path.basename(os.path.normpath(target_dir))
+
+
+def rollouts(models: Models, prompts: list[Prompt], settings: Settings) -> list[tuple[Any, list[int]]]:
+    """Each prompt's speculative decoding (Generation) and its prompt's token ids."""
+    from trainer.generate.evaluate import generation_prompt_ids
+    from trainer.generate.sampling_params import Sampling
+    from trainer.generate.speculative import speculative_generate_cached
+
+    ids = [generation_prompt_ids(models.tokenizer, p.messages,
+                                 template_kwargs_for({"tools": p.tools}, settings.template_kwargs)) for p in prompts]
+    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
+    streams = [int(p.seed or 0) for p in prompts]
+    generations = speculative_generate_cached(models.target, models.drafter, models.head, ids, settings.max_tokens,
+                                              models.stop_ids, sampling=sampling, streams=streams)
+    return list(zip(generations, ids))
+
+
+def record(models: Models, prompt: Prompt, generation: Any, settings: Settings, drafter: str) -> dict:
+    """The training row of one rollout (see the module docstring)."""
+    tokens = list(generation.tokens)
+    finish = "stop" if tokens and tokens[-1] in models.stop_ids else "length"
+    text = models.tokenizer.decode(tokens[:-1] if finish == "stop" else tokens, skip_special_tokens=False)
+    drafts = models.drafter.config.block_size - 1
+    return {"id": prompt.id, "prompt_id": prompt.id.rsplit("#", 1)[0], "sample": prompt.sample, "seed": prompt.seed,
+            "messages": [*prompt.messages, {"role": "assistant", "content": text}],
+            **({"tools": prompt.tools} if prompt.tools else {}),
+            "answer_tokens": tokens, "loss_weights": token_weights(generation, drafts, settings.miss_weight),
+            "finish_reasons": [finish], "model": models.name, "drafter": drafter,
+            "temperature": settings.temperature, "top_p": settings.top_p, "miss_weight": settings.miss_weight,
+            "rounds": len(generation.acceptance_lengths), "accepted": sum(generation.accepted)}
+
+
+def generate_rows(models: Models, prompts: list[Prompt], output: Output, rejected: Output, settings: Settings,
+                  drafter: str, interrupt: threading.Event | None = None) -> Summary:
+    """Decode every prompt not yet in `output` or `rejected`, `settings.batch` at a time, each row
+    checked against the chat template (trainer_tools.token_check) and appended to the one it
+    belongs in. Once `interrupt` is set, no batch starts."""
+    s = Summary(total=len(prompts), rejected_path=str(rejected.path))
+    done = output.finished | rejected.finished
+    todo = [p for p in prompts if p.id not in done]
+    s.skipped = len(prompts) - len(todo)
+    checker = TokenChecker(models.tokenizer, settings.template_kwargs)
+    started = time.monotonic()
+    for at in range(0, len(todo), settings.batch):
+        if interrupt is not None and interrupt.is_set():
+            s.interrupted = True
+            break
+        batch = todo[at: at + settings.batch]
+        for prompt, (generation, _) in zip(batch, rollouts(models, batch, settings)):
+            row = record(models, prompt, generation, settings, drafter)
+            mismatch = checker.check(row["messages"], prompt.tools,
+                                     [(len(row["messages"]) - 1, row["answer_tokens"], row["finish_reasons"][0])])
+            if mismatch is not None:
+                row["token_mismatch"] = mismatch.to_json(models.tokenizer)
+                rejected.append(row)
+                s.rejected += 1
+                if len(s.examples) < 3:
+                    s.examples.append(f"{prompt.id}: {row['token_mismatch']['text']}")
+            else:
+                output.append(row)
+                s.written += 1
+            s.rounds += len(generation.acceptance_lengths)
+            s.produced += sum(generation.acceptance_lengths)
+            s.missed += sum(w != 1.0 for w in row["loss_weights"])
+            s.tokens += len(row["answer_tokens"])
+        s.seconds = time.monotonic() - started
+        print(f"onpolicy: {s.written + s.rejected}/{len(todo)} decoded, tau so far {s.tau:.3f}", file=sys.stderr,
+              flush=True)
+    s.seconds = time.monotonic() - started
+    return s
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer_tools.onpolicy",
+                                description="Training rows from the drafter's own speculative rollouts against the "
+                                "target, the tokens where its drafts were rejected weighed --miss-weight.")
+    p.add_argument("--target", required=True, help="the target's model directory (its tokenizer and chat template)")
+    p.add_argument("--drafter", required=True,
+                   help="the drafter: a trainer checkpoint (checkpoints/step_N, or a run directory: its latest) or an "
+                        "export")
+    p.add_argument("--in", dest="inp", required=True, help="prompts JSONL (messages, ShareGPT conversations, or prompt)")
+    p.add_argument("--out", required=True, help="output JSONL of training rows; a rerun skips the ids already in it")
+    p.add_argument("--rejected", default=None,
+                   help="rows whose answer the chat template renders to other tokens (default: OUT's name with "
+                        ".rejected.jsonl)")
+    p.add_argument("--samples-per-prompt", type=int, default=1, metavar="N", help="rollouts per prompt, each seeded")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="the seed the samples' seeds derive from")
+    p.add_argument("--miss-weight", type=float, default=MISS_WEIGHT,
+                   help="loss weight of the tokens where the drafter's draft was rejected (others: 1)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer")
+    p.add_argument("--batch", type=int, default=16, help="prompts decoded at once")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the input")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda:0)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="weights dtype (auto: bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help='JSON object for the chat template, as training renders it, e.g. \'{"enable_thinking": false}\'')
+    return p
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The command line's Settings; InputError naming the bad option."""
+    from trainer.generate.sampling_params import sampling_problem
+
+    problem = sampling_problem(args.temperature, args.top_p, 0, args.seed % 2**32, "greedy")
+    if problem:
+        raise InputError(f"--temperature/--top-p: {problem}")
+    if not (args.miss_weight > 0 and math.isfinite(args.miss_weight)):
+        raise InputError(f"--miss-weight must be a finite number > 0 (a weight of the loss), got {args.miss_weight:g}")
+    if min(args.max_tokens, args.batch, args.samples_per_prompt) < 1:
+        raise InputError("--max-tokens, --batch and --samples-per-prompt must be at least 1")
+    if args.samples_per_prompt > 1 and not args.temperature > 0:
+        raise InputError("--samples-per-prompt above 1 needs --temperature > 0 (greedy answers to a prompt are all "
+                         "the same)")
+    kwargs = {}
+    if args.chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            raise InputError(f"--chat-template-kwargs: not JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise InputError("--chat-template-kwargs must be a JSON object")
+    return Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed % 2**32,
+                    miss_weight=args.miss_weight, max_tokens=args.max_tokens, batch=args.batch,
+                    template_kwargs=kwargs)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    output = rejected = None
+    try:
+        settings = settings_of(args)
+        prompts = onpolicy_prompts(args.inp)[: args.limit]
+        prompts = samples(prompts, args.samples_per_prompt, args.seed)
+        models = Models(args.target, args.drafter, args.device, args.dtype)
+        output = Output(args.out)
+        rejected = Output(rejected_path(args))
+    except InputError as e:
+        if output is not None:
+            output.close()
+        print(f"onpolicy: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"onpolicy: {len(prompts)} rollouts ({args.samples_per_prompt} per prompt) at T={settings.temperature:g}, "
+          f"{len((output.finished | rejected.finished) & {p.id for p in prompts})} already done",
+          file=sys.stderr, flush=True)
+    interrupt = threading.Event()
+    try:
+        with sigint_interrupts(interrupt, None):
+            summary = generate_rows(models, prompts, output, rejected, settings, str(args.drafter), interrupt)
+    except KeyboardInterrupt:  # a second Ctrl-C: the rows written so far are whole lines
+        summary = Summary(interrupted=True)
+    finally:
+        output.close()
+        rejected.close()
+    if summary.interrupted:
+        print("onpolicy: interrupted; the rows decoded are written, the output holds whole lines only - rerun the "
+              "same command to resume", file=sys.stderr, flush=True)
+        return 130
+    for example in summary.examples:
+        print(f"onpolicy: kept out {example}", file=sys.stderr)
+    print(summary.line(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    if code == 130:
+        exit_interrupted(code)
+    sys.exit(code)

@@ -42,18 +42,18 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import re
 import signal
 import sys
 import time
-from pathlib import Path
 
-# Annotations only (typing.TYPE_CHECKING, which mypy reads by its name, without importing typing); json and
-# shutil are imported where used: every `pct exec` starts a Python, and what its path does not use was
-# ~5 of its 30 ms.
+# Annotations only (typing.TYPE_CHECKING, which mypy reads by its name, without importing typing); json,
+# shutil, re and pathlib are imported where used: every `pct exec` starts a Python, and what its path does
+# not use was ~5 of its 30 ms (json, shutil), then ~12 of the 30 left (re, pathlib: `exec` reads its files
+# through os.path, see Node).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from importlib import metadata
+    from pathlib import Path
     from typing import BinaryIO, Callable
 
 # pve-common src/PVE/CLIHandler.pm run_cli_handler: `$ENV{'PATH'} = '/sbin:/bin:/usr/sbin:/usr/bin';`
@@ -82,9 +82,27 @@ def perl_die(message: str, line: int) -> PctError:
 
 
 class Node:
-    def __init__(self, root: Path):
-        self.root = root
-        self.lxc = root / "lxc"
+    """The simulated node's state under its state root. `top` is that root as a string: what `pct exec`
+    reads (exists, load_config, backend, running) goes through os.path, without pathlib; `root` and
+    `lxc` are Paths for everything else."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.top = os.fspath(root)
+
+    @property
+    def root(self) -> Path:
+        from pathlib import Path
+
+        return Path(self.top)
+
+    @property
+    def lxc(self) -> Path:
+        return self.root / "lxc"
+
+    def _read(self, *parts: str) -> str:
+        """A state file's text (OSError as Path.read_text raises it)."""
+        with open(os.path.join(self.top, *parts)) as f:
+            return f.read()
 
     def nodename(self) -> str:
         return os.uname().nodename.split(".")[0]  # = gethostname() on Linux
@@ -98,7 +116,7 @@ class Node:
     def exists(self, vmid: str) -> bool:
         # A config from before `pct create` existed (one "status:" line) is not a container.
         try:
-            return "\nrootfs: " in "\n" + self.conf(vmid).read_text()
+            return "\nrootfs: " in "\n" + self._read("lxc", f"{vmid}.conf")
         except OSError:
             return False
 
@@ -107,15 +125,22 @@ class Node:
         if not self.exists(vmid):
             # pve-guest-common src/PVE/AbstractConfig.pm load_config
             raise PctError(f"Configuration file 'nodes/{self.nodename()}/lxc/{vmid}.conf' does not exist\n")
-        return self.conf(vmid).read_text()
+        return self._read("lxc", f"{vmid}.conf")
 
     def backend(self, vmid: str) -> str:
-        """"lxc" or "directory", as `pct create --sim-backend` recorded it (older configs: directory)."""
+        """"lxc" or "directory", as `pct create --sim-backend` recorded it (older configs: directory): the
+        word after the last "; backend: " of the first "# dflash-ops " line that has one (cmd_create)."""
         try:
-            match = re.search(r"^# dflash-ops .*; backend: (\w+)", self.conf(vmid).read_text(), re.M)
+            text = self._read("lxc", f"{vmid}.conf")
         except OSError:
             return "directory"
-        return match.group(1) if match else "directory"
+        for line in text.splitlines():
+            if line.startswith("# dflash-ops ") and line.find("; backend: ", len("# dflash-ops ")) >= 0:
+                value = line.rpartition("; backend: ")[2]
+                end = next((i for i, c in enumerate(value) if not (c.isalnum() or c == "_")), len(value))
+                if end:
+                    return value[:end]
+        return "directory"
 
     def node_path(self, path: str) -> Path:
         """Where a node file (`/dev/nvidia0`, `/proc/driver/nvidia/version`) of the simulated node is."""
@@ -136,7 +161,7 @@ class Node:
         if self.backend(vmid) == "lxc":
             return lxc_init_pid(self, vmid) is not None
         try:
-            return (self.lxc / f"{vmid}.state").read_text().strip() == "running"
+            return self._read("lxc", f"{vmid}.state").strip() == "running"
         except OSError:
             return False
 
@@ -216,6 +241,7 @@ def check_lock(text: str) -> None:
 
 def config_options(text: str) -> dict[str, str]:
     """The options of the current section (no lxc.* keys, no '#' description lines)."""
+    import re
     options = {}
     for line in text.splitlines():
         if line.startswith("["):
@@ -458,6 +484,7 @@ def cmd_list(node: Node, words: list[str]) -> int:
 
 
 def _hostname(node: Node, vmid: str) -> str:
+    import re
     match = re.search(r"^hostname: (.*)$", node.conf(vmid).read_text(), re.M)
     return match.group(1) if match else f"CT{vmid}"
 
@@ -479,6 +506,7 @@ def cmd_start(node: Node, words: list[str]) -> int:
 def check_devices(node: Node, text: str) -> None:
     """pve-container src/PVE/LXC.pm update_lxc_config: each devN's path must exist on the node
     (`die "Device $absolute_path does not exist\n"`); here under ROOT/node."""
+    import re
     for key, value in sorted(config_options(text).items()):
         if re.fullmatch(r"dev\d+", key):
             path = _device_path(value)
@@ -488,6 +516,7 @@ def check_devices(node: Node, text: str) -> None:
 
 def _check_dev(name: str, value: str) -> None:
     """pve-container's `dev` property string: [path=]/dev/X[,deny-write=0|1][,gid=N][,mode=OCTAL][,uid=N]."""
+    import re
     fields = value.split(",")
     if not _device_path(value).startswith("/dev/"):
         raise PctError(f"400 Parameter verification failed.\n{name}: invalid format - {value} is not a device path\n")
@@ -625,6 +654,8 @@ def _rootfs_volume(vmid: str, spec: str) -> str:
 
 def _rootfs_python(rootfs: str) -> str:
     """The python minor version of a rootfs (Debian bookworm: 3.11)."""
+    import re
+    from pathlib import Path
     found = sorted(p.name[len("python"):] for p in Path(rootfs, "usr", "bin").glob("python3.*")
                    if re.fullmatch(r"python3\.\d+", p.name))
     if not found:
@@ -697,6 +728,7 @@ def provision_python(ct_root: Path, base_python: str, packages: list[str]) -> st
 
 def _package_files(names: list[str]) -> list[tuple[str, str]]:
     """(top-level name, path) of every file tree of `names` and their requirements."""
+    import re
     if sys.flags.no_site:
         # Run as `python -I -S` (containers.stand_in_argv: every other command starts faster);
         # the distributions to link are in this interpreter's site-packages.
@@ -853,6 +885,7 @@ def _tail(path: Path) -> str:
 
 
 def _raw_lxc(text: str) -> list[tuple[str, str]]:
+    import re
     found = []
     for line in text.splitlines():
         if line.startswith("["):
@@ -875,6 +908,7 @@ def _cgroup_v1() -> bool:
 
 def lxc_config(node: Node, vmid: str) -> str:
     """The LXC config of a container from its Proxmox-style config (pve-container's update_lxc_config)."""
+    import re
     text = node.conf(vmid).read_text()
     options = config_options(text)
     rootfs = re.search(r"^# dflash-ops .*; rootfs: (\S+)", text, re.M)
@@ -1047,6 +1081,7 @@ def format_config(text: str) -> str:
     """What pct.pm's `config` prints for a config file: options sorted by key (digest left out),
     then the raw lxc.* keys in file order. Only the current section is read ([snapshot] and
     [pve:pending] sections are not); '#' description lines are not printed."""
+    import re
     options, lxc = {}, []
     for line in text.splitlines():
         if line.startswith("["):
@@ -1084,6 +1119,7 @@ def cmd_set(node: Node, words: list[str]) -> int:
     lxc.* lines in their order as `key: value`, then the snapshot sections as they were. A comment
     line anywhere in the file is description, so it moves to the top: nothing can mark a line by a
     comment beside it. A running container takes the change into its config (no pending section)."""
+    import re
     positional, opts = split_options(words, SET_OPTIONS | {"delete"})
     (vmid,) = need(positional, ["vmid"], "set")
     check_vmid(vmid)
@@ -1110,6 +1146,7 @@ def cmd_set(node: Node, words: list[str]) -> int:
 
 def rewrite_config(text: str, changes: dict[str, str], deleted: "list[str] | tuple[str, ...]" = ()) -> str:
     """parse_pct_config + write_pct_config of the current section, with `changes` set and `deleted` removed."""
+    import re
     head, sep, rest = text.partition("\n[")
     description, options, lxc = [], {}, []
     for line in head.splitlines():
@@ -1147,10 +1184,10 @@ COMMANDS = {
 }
 
 
-def node_root_uid(root: Path) -> int:
+def node_root_uid(root: str | os.PathLike[str]) -> int:
     """The simulated node's root: whoever owns its state root (made by the first caller)."""
     try:
-        return root.stat().st_uid
+        return os.stat(root).st_uid
     except FileNotFoundError:
         return os.geteuid()
     except OSError:
@@ -1161,14 +1198,14 @@ def main(args: list[str]) -> int:
     root = os.environ.get("DFLASH_OPS_SIM_ROOT", "~/.local/state/dflash-ops/sim")
     if args[:1] == ["--state-root"] and len(args) >= 2:
         root, args = args[1], args[2:]
-    node = Node(Path(root).expanduser())
+    node = Node(os.path.expanduser(root))
     if not args or args[0] not in COMMANDS:
         shown = f"pct {args[0]}" if args else "pct"
         # pve-common src/PVE/CLIHandler.pm handle_cmd: $abort->("unknown command '$cmd_str'")
         sys.stderr.write(f"ERROR: unknown command '{shown}'\n{USAGE}\n")
         return 255
     # pve-common src/PVE/RESTEnvironment.pm setup_default_cli_env, run before every command.
-    if os.geteuid() not in (0, node_root_uid(node.root)):
+    if os.geteuid() not in (0, node_root_uid(node.top)):
         sys.stderr.write("please run as root\n")
         return 255
     try:

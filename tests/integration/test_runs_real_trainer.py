@@ -52,13 +52,15 @@ def test_train_playbook_reports_final_loss_and_tau(tmp_path):
 def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_run(tmp_path):
     """`run start --restart on-failure`: the real trainer SIGKILLed mid-run is resumed from its last
     checkpoint by the node-side supervisor and finishes with the same per-step losses as a run
-    that was never interrupted."""
+    that was never interrupted. That uninterrupted run evaluates at eval.temperatures [0, 1.0]:
+    `run status` shows τ at both, sampled and expected, beside lookup's, and the eval event carries
+    both (a run of its own, with its own deploy, before)."""
     inventory = write_sim_inventory(tmp_path / "simnode")
     base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
     cli(inventory, "deploy", "host200")
     doc = yaml.safe_load(short_config(tmp_path, 10).read_text())
     doc["run"].update(checkpoint_every=3, log_every=1)
-    doc["eval"].update(samples=1, max_new_tokens=4)
+    doc["eval"].update(samples=2, max_new_tokens=8, temperatures=[0, 1.0])
     path = tmp_path / "every4.yaml"
     path.write_text(yaml.safe_dump(doc))
 
@@ -75,7 +77,16 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
 
     straight = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "straight").stdout.strip()
     cli(inventory, "logs", "host200", straight, "-f")
-    assert status(straight)["effective_state"] == "done"
+    finished = status(straight)
+    assert finished["effective_state"] == "done", finished
+    both = finished["tau_by_temperature"]
+    assert list(both) == ["0", "1"] and both["0"]["tau"] == both["0"]["tau_expected"] == finished["tau"]
+    assert all(t["tau"] >= 1 and t["tau_expected"] >= 1 and t["tau_lookup"] >= 1 for t in both.values()), both
+    shown = cli(inventory, "run", "status", "host200", straight).stdout
+    assert "tau by temperature: T=0 " in shown and "; T=1 " in shown and "expected" in shown, shown
+    (event,) = [e for e in map(json.loads, (base / "runs" / straight / "metrics.jsonl").read_text().splitlines())
+                if e["event"] == "eval"]
+    assert event["temperatures"]["1"]["temperature"] == 1.0 and event["temperatures"]["0"]["sampling"] == "T=0"
     run_id = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "killed",
                  "--restart", "on-failure:1").stdout.strip()
     while not (base / "runs" / run_id / "checkpoints" / "step_3").is_dir() or status(run_id).get("step", 0) < 4:

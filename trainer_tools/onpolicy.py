@@ -22,13 +22,25 @@ It prints the rollouts' mean acceptance length, pooled over rounds (tokens produ
 accepted drafts + 1, the first token excluded): the drafter's on-policy τ at these settings.
 
 Answers are decoded with their special tokens kept (a `<|im_start|>` in the middle of an answer stays
-text that the template renders back to the same token) and every row is checked against the target's
-chat template (trainer_tools.token_check): a row whose template tokens differ from the decoded ones
-would put its weights on other tokens, so it goes to the rejected file (`--rejected`), never to the
-output. Prompts, resumability and Ctrl-C are regen's (trainer_tools.regen): one row per (prompt,
-sample), id `<prompt id>#<k>`, sample k seeded from (`--seed`, prompt id, k) and decoded with that
-seed as its noise stream, so it decodes the same in any batch; a rerun skips the ids in the output and
-the rejected file. Ctrl-C stops after the batch being decoded (its rows are written); a second one
+text that the template renders back to the same token). A row's `answer_tokens` are the answer's
+canonical tokens, the ones the trainer trains on: the conversation rendered by the chat template and
+tokenized as trainer.data.chat.encode_conversation does, the last assistant span's tokens, up to the
+end of the answer's text (its end-of-turn token included when it stopped). They often differ from the
+rollout's own tokens (`rollout_tokens`, weights `rollout_weights`, kept for debugging): at T = 1 the
+target samples non-canonical tokenizations of its own text with a byte-level BPE ("a" then "b" where
+the text encodes to "ab", a run of spaces split otherwise, a character's bytes split), which the
+template's rendering never reproduces; checked token for token, 953 of 1,024 rollouts of the quality
+bench's code target were lost that way. So the weights move by characters (`canonical_weights`):
+each canonical token weighs the max of the weights of the rollout tokens whose characters it
+overlaps. A rollout whose text the template does not render as it is in the last assistant span (a
+template that rewrites content, a stop token that is not the template's end of turn) goes to the
+rejected file (`--rejected`) with the reason (`kept_out`), never to the output; every written row
+passes the trainer's own check (encode_conversation with its weights).
+
+Prompts, resumability and Ctrl-C are regen's (trainer_tools.regen): one row per (prompt, sample), id
+`<prompt id>#<k>`, sample k seeded from (`--seed`, prompt id, k) and decoded with that seed as its
+noise stream, so it decodes the same in any batch; a rerun skips the ids in the output and the
+rejected file. Ctrl-C stops after the batch being decoded (its rows are written); a second one
 exits at once. The prompt is a row's turns up to its last user turn (a dataset's answer after it is
 dropped; earlier assistant turns stay as context); only that last answer is decoded and weighed.
 """
@@ -36,6 +48,7 @@ dropped; earlier assistant turns stay as context); only that last answer is deco
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -46,7 +59,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.data.chat import DataError, jsonl_records, prompt_messages, row_tools, template_kwargs_for
+from trainer.data.chat import (
+    SENTINEL,
+    DataError,
+    assistant_spans,
+    encode_conversation,
+    jsonl_records,
+    prompt_messages,
+    row_tools,
+    template_failure,
+    template_kwargs_for,
+)
 from trainer_tools.regen import (
     EXIT_USAGE,
     InputError,
@@ -58,7 +81,6 @@ from trainer_tools.regen import (
     samples,
     sigint_interrupts,
 )
-from trainer_tools.token_check import TokenChecker
 
 MISS_WEIGHT = 2.0  # see the module docstring
 
@@ -100,12 +122,96 @@ def token_weights(generation: Any, drafts: int, miss_weight: float) -> list[floa
     return weights
 
 
+def token_ranges(tokenizer: Any, tokens: list[int]) -> list[tuple[int, int]]:
+    """Each token's character range [start, end) in tokenizer.decode(tokens) (special tokens kept).
+
+    Decoded incrementally as a streaming detokenizer does (a window from the last point where the
+    text was whole): a byte-level token can end inside a UTF-8 character (its text then ends in
+    U+FFFD), so it is held and shares the range of the text that the tokens up to the one completing
+    the character add; every token of such a group overlaps the character it helped write. Tokens left
+    incomplete at the end share the rest of the text. DataError when the pieces are not the text."""
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    text, ranges, prefix, read = "", [], 0, 0  # tokens[prefix:read] decoded already, text their pieces
+    for i in range(len(tokens)):
+        before, after = decode(tokens[prefix:read]), decode(tokens[prefix: i + 1])
+        if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+            piece = after[len(before):]
+            ranges += [(len(text), len(text) + len(piece))] * (i + 1 - read)
+            text += piece
+            prefix, read = read, i + 1
+    whole = decode(tokens)
+    if not whole.startswith(text):
+        raise DataError("the tokenizer decodes the answer's tokens one by one to other text than all at once")
+    return ranges + [(len(text), len(whole))] * (len(tokens) - read)
+
+
+def canonical_weights(offsets: list[tuple[int, int]], ranges: list[tuple[int, int]],
+                      weights: list[float]) -> list[float]:
+    """One weight per canonical token (character range `offsets`): the max of the weights of the
+    rollout tokens (character ranges `ranges`, same coordinates, both in text order) it overlaps,
+    1.0 when it overlaps none. Max, not a mean or a sum: a missed position merged into a longer
+    canonical token is still a position whose text the drafter failed to draft, and it keeps its
+    weight whole (a mean would dilute it by the accepted pieces beside it, a sum would count a
+    token split in three three times)."""
+    ends = [e for _, e in ranges]
+    starts = [s for s, _ in ranges]
+    out = []
+    for s, e in offsets:
+        lo, hi = bisect.bisect_right(ends, s), bisect.bisect_left(starts, e)  # rollout tokens with end > s, start < e
+        out.append(max((weights[j] for j in range(lo, hi) if ranges[j][0] < ranges[j][1]), default=1.0))
+    return out
+
+
+def canonical_answer(tokenizer: Any, messages: list[dict], template_kwargs: dict, tokens: list[int],
+                     weights: list[float], finish: str) -> tuple[list[int], list[float]]:
+    """(answer_tokens, loss_weights) of a rollout: the canonical tokens of the last assistant turn
+    (whose content is the decoded answer) and their weights (see the module docstring). tokens and
+    weights: the rollout's, its stop token last when finish is "stop". DataError naming why the
+    answer's text is not in the rendered conversation as it is."""
+    content = messages[-1]["content"]
+    body = tokens[:-1] if finish == "stop" else tokens
+    ranges = token_ranges(tokenizer, body)
+    text, spans = assistant_spans(tokenizer, messages, template_kwargs)
+    try:
+        marked = tokenizer.apply_chat_template([*messages[:-1], {**messages[-1], "content": content + SENTINEL}],
+                                               tokenize=False, **template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the template raises, as assistant_spans reports it
+        raise DataError(template_failure(tokenizer, exc)) from None
+    if not spans or marked.count(SENTINEL) != 1 or marked.replace(SENTINEL, "") != text:
+        raise DataError("the chat template does not render the answer's text as it is")
+    end = marked.index(SENTINEL)
+    start = end - len(content)
+    a, b = spans[-1]
+    if text[start:end] != content or start < a or end > b:
+        raise DataError("the chat template does not render the answer's text as it is in the last assistant turn")
+    ranges = [(start + x, start + y) for x, y in ranges]
+    if finish == "stop":
+        eot = tokenizer.decode(tokens[-1:], skip_special_tokens=False)
+        if not text.startswith(eot, end) or end + len(eot) > b:
+            raise DataError(f"the answer stopped with {eot!r}, the chat template ends the turn with {text[end:b]!r}")
+        ranges.append((end, end + len(eot)))
+    last = ranges[-1][1] if ranges else end
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # as encode_conversation does
+    ids, offsets = enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+    lo = next((i for i, (s, _) in enumerate(offsets) if s >= a), len(ids))  # as trainer.data.chat._weighted_mask
+    hi = next((i for i in range(lo, len(ids)) if offsets[i][0] >= last), len(ids))
+    if hi == lo:
+        raise DataError("the last assistant turn renders to no token")
+    answer = (ids[lo:hi], canonical_weights(offsets[lo:hi], ranges, weights))
+    encode_conversation(tokenizer, messages, len(ids) + 1, template_kwargs, answer)  # the trainer's own check
+    return answer
+
+
 @dataclass
 class Summary:
     total: int = 0  # rows asked for (prompts x samples)
     skipped: int = 0  # already in the output or the rejected file
     written: int = 0
-    rejected: int = 0  # kept out: the chat template renders the answer to other tokens
+    retokenized: int = 0  # written with canonical tokens other than the rollout's
+    rejected: int = 0  # kept out: the chat template does not render the answer's text as it is
     rounds: int = 0  # verification rounds of this run's rollouts
     produced: int = 0  # tokens those rounds produced (the first token of each answer excluded)
     missed: int = 0  # tokens weighed --miss-weight
@@ -113,7 +219,7 @@ class Summary:
     seconds: float = 0.0
     interrupted: bool = False
     rejected_path: str = ""
-    examples: list[str] = field(default_factory=list)  # the first few token mismatches
+    examples: list[str] = field(default_factory=list)  # the first few reasons a row was kept out
 
     @property
     def tau(self) -> float:
@@ -121,7 +227,9 @@ class Summary:
 
     def line(self) -> str:
         text = (f"onpolicy: {self.written} rows written, {self.skipped} already done, {self.rejected} kept out "
-                f"(the chat template renders other tokens; in {self.rejected_path}); {self.tokens} tokens in "
+                f"(the chat template does not render the answer's text as it is; in {self.rejected_path}); "
+                f"{self.retokenized} rows re-tokenized (the rollout's tokens not the template's; weights moved by "
+                f"characters); {self.tokens} rollout tokens in "
                 f"{self.seconds:.1f}s; {self.missed} missed positions weighed; on-policy tau {self.tau:.3f} "
                 f"({self.rounds} rounds)")
         return text
@@ -211,7 +319,7 @@ def record(models: Models, prompt: Prompt, generation: Any, settings: Settings, 
     return {"id": prompt.id, "prompt_id": prompt.id.rsplit("#", 1)[0], "sample": prompt.sample, "seed": prompt.seed,
             "messages": [*prompt.messages, {"role": "assistant", "content": text}],
             **({"tools": prompt.tools} if prompt.tools else {}),
-            "answer_tokens": tokens, "loss_weights": token_weights(generation, drafts, settings.miss_weight),
+            "rollout_tokens": tokens, "rollout_weights": token_weights(generation, drafts, settings.miss_weight),
             "finish_reasons": [finish], "model": models.name, "drafter": drafter,
             "temperature": settings.temperature, "top_p": settings.top_p, "miss_weight": settings.miss_weight,
             "rounds": len(generation.acceptance_lengths), "accepted": sum(generation.accepted)}
@@ -220,13 +328,12 @@ def record(models: Models, prompt: Prompt, generation: Any, settings: Settings, 
 def generate_rows(models: Models, prompts: list[Prompt], output: Output, rejected: Output, settings: Settings,
                   drafter: str, interrupt: threading.Event | None = None) -> Summary:
     """Decode every prompt not yet in `output` or `rejected`, `settings.batch` at a time, each row
-    checked against the chat template (trainer_tools.token_check) and appended to the one it
-    belongs in. Once `interrupt` is set, no batch starts."""
+    given its canonical tokens and weights (canonical_answer) and appended to the output, or to
+    `rejected` with the reason when it has none. Once `interrupt` is set, no batch starts."""
     s = Summary(total=len(prompts), rejected_path=str(rejected.path))
     done = output.finished | rejected.finished
     todo = [p for p in prompts if p.id not in done]
     s.skipped = len(prompts) - len(todo)
-    checker = TokenChecker(models.tokenizer, settings.template_kwargs)
     started = time.monotonic()
     for at in range(0, len(todo), settings.batch):
         if interrupt is not None and interrupt.is_set():
@@ -235,21 +342,25 @@ def generate_rows(models: Models, prompts: list[Prompt], output: Output, rejecte
         batch = todo[at: at + settings.batch]
         for prompt, (generation, _) in zip(batch, rollouts(models, batch, settings)):
             row = record(models, prompt, generation, settings, drafter)
-            mismatch = checker.check(row["messages"], prompt.tools,
-                                     [(len(row["messages"]) - 1, row["answer_tokens"], row["finish_reasons"][0])])
-            if mismatch is not None:
-                row["token_mismatch"] = mismatch.to_json(models.tokenizer)
+            try:
+                tokens, weights = canonical_answer(
+                    models.tokenizer, row["messages"], template_kwargs_for({"tools": prompt.tools},
+                                                                           settings.template_kwargs),
+                    row["rollout_tokens"], row["rollout_weights"], row["finish_reasons"][0])
+            except DataError as e:
+                row["kept_out"] = str(e)
                 rejected.append(row)
                 s.rejected += 1
                 if len(s.examples) < 3:
-                    s.examples.append(f"{prompt.id}: {row['token_mismatch']['text']}")
+                    s.examples.append(f"{prompt.id}: {e}")
             else:
-                output.append(row)
+                output.append({**row, "answer_tokens": tokens, "loss_weights": weights})
                 s.written += 1
+                s.retokenized += tokens != row["rollout_tokens"]
             s.rounds += len(generation.acceptance_lengths)
             s.produced += sum(generation.acceptance_lengths)
-            s.missed += sum(w != 1.0 for w in row["loss_weights"])
-            s.tokens += len(row["answer_tokens"])
+            s.missed += sum(w != 1.0 for w in row["rollout_weights"])
+            s.tokens += len(row["rollout_tokens"])
         s.seconds = time.monotonic() - started
         print(f"onpolicy: {s.written + s.rejected}/{len(todo)} decoded, tau so far {s.tau:.3f}", file=sys.stderr,
               flush=True)
@@ -268,7 +379,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in", dest="inp", required=True, help="prompts JSONL (messages, ShareGPT conversations, or prompt)")
     p.add_argument("--out", required=True, help="output JSONL of training rows; a rerun skips the ids already in it")
     p.add_argument("--rejected", default=None,
-                   help="rows whose answer the chat template renders to other tokens (default: OUT's name with "
+                   help="rows whose answer's text the chat template does not render as it is (default: OUT's name with "
                         ".rejected.jsonl)")
     p.add_argument("--samples-per-prompt", type=int, default=1, metavar="N", help="rollouts per prompt, each seeded")
     p.add_argument("--temperature", type=float, default=1.0)

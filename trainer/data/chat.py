@@ -20,7 +20,7 @@ value is a call ({"name", "arguments"} or a list of them) becomes an assistant t
 `tool_calls`; `observation` and `tool` turns are tool results (never trained on).
 
 Per-token loss weights (the on-policy stage, trainer_tools.onpolicy; docs/objectives.md): a record
-may carry `answer_tokens` (the token ids of its last assistant turn, as the target produced them)
+may carry `answer_tokens` (the token ids of its last assistant turn, as the template renders them)
 and `loss_weights` (one float > 0 per answer token). The ids make the alignment exact: encoding
 checks that the chat template renders the last assistant turn to exactly these tokens (the ids are
 the first tokens of its span; a span token past them, the end-of-turn the template adds after an

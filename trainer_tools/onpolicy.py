@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import math
 import os
 import sys
@@ -76,6 +75,7 @@ from trainer_tools.regen import (
     Output,
     Prompt,
     exit_interrupted,
+    json_object_arg,
     prompt_id,
     rejected_path,
     samples,
@@ -412,14 +412,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     if args.samples_per_prompt > 1 and not args.temperature > 0:
         raise InputError("--samples-per-prompt above 1 needs --temperature > 0 (greedy answers to a prompt are all "
                          "the same)")
-    kwargs = {}
-    if args.chat_template_kwargs:
-        try:
-            kwargs = json.loads(args.chat_template_kwargs)
-        except ValueError as e:
-            raise InputError(f"--chat-template-kwargs: not JSON: {e}") from None
-        if not isinstance(kwargs, dict):
-            raise InputError("--chat-template-kwargs must be a JSON object")
+    kwargs = json_object_arg(args.chat_template_kwargs, "--chat-template-kwargs")
     return Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed % 2**32,
                     miss_weight=args.miss_weight, max_tokens=args.max_tokens, batch=args.batch,
                     template_kwargs=kwargs)

@@ -1143,15 +1143,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def json_object_arg(text: str | None, flag: str) -> dict:
+    """A command-line flag's JSON object ({} when not given); InputError naming the flag otherwise."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"{flag}: not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{flag} must be a JSON object")
+    return value
+
+
 def _sampling(args: argparse.Namespace) -> Sampling:
-    extra = {}
-    if args.extra_body:
-        try:
-            extra = json.loads(args.extra_body)
-        except ValueError as e:
-            raise InputError(f"--extra-body: not JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise InputError("--extra-body must be a JSON object")
+    extra = json_object_arg(args.extra_body, "--extra-body")
     if args.max_tokens < 1 or args.concurrency < 1 or args.max_consecutive_failures < 1:
         raise InputError("--max-tokens, --concurrency and --max-consecutive-failures must be at least 1")
     if not args.progress_every >= 0:

@@ -63,9 +63,6 @@ from trainer.data.chat import (
     DataError,
     assistant_spans,
     encode_conversation,
-    jsonl_records,
-    prompt_messages,
-    row_tools,
     template_failure,
     template_kwargs_for,
 )
@@ -76,7 +73,7 @@ from trainer_tools.regen import (
     Prompt,
     exit_interrupted,
     json_object_arg,
-    prompt_id,
+    read_prompts,
     rejected_path,
     samples,
     sigint_interrupts,
@@ -85,30 +82,16 @@ from trainer_tools.regen import (
 MISS_WEIGHT = 2.0  # see the module docstring
 
 
+def up_to_last_user(messages: list[dict]) -> list[dict]:
+    """A row's turns up to its last user turn (see the module docstring): earlier assistant turns stay
+    as context, only the last answer is decoded; no turns when it has no user turn."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[: users[-1] + 1] if users else []
+
+
 def onpolicy_prompts(path: str | Path) -> list[Prompt]:
-    """Each row's turns up to its last user turn (see the module docstring), keyed as regen keys
-    them: its `id`, else a hash of those turns and its tools; an explicit id used twice is an error."""
-    prompts: list[Prompt] = []
-    seen: dict[str, int] = {}
-    try:
-        for lineno, row in jsonl_records(path):
-            where = f"{path}:{lineno}"
-            messages = prompt_messages(row, where)
-            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-            if not users:
-                raise InputError(f"{where}: no user turn to answer")
-            turns = messages[: users[-1] + 1]
-            tools = row_tools(row, where)
-            pid = prompt_id(row, turns, tools)
-            if pid in seen:
-                if not pid.startswith("sha256:"):
-                    raise InputError(f"{where}: id {pid!r} used again (first at line {seen[pid]})")
-                continue
-            seen[pid] = lineno
-            prompts.append(Prompt(pid, turns, lineno, tools))
-    except DataError as e:
-        raise InputError(str(e)) from None
-    return prompts
+    """Each row's turns up to its last user turn, read and keyed as regen reads them (regen.read_prompts)."""
+    return read_prompts(path, turns_of=up_to_last_user)[0]
 
 
 def token_weights(generation: Any, drafts: int, miss_weight: float) -> list[float]:

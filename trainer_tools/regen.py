@@ -185,11 +185,13 @@ def answers_after(turns: list[dict], i: int) -> bool:
     return i + 1 == len(turns) or turns[i + 1]["role"] not in ("tool", "assistant")
 
 
-def read_prompts(path: str | Path, agentic: bool = False) -> tuple[list[Prompt], int]:
+def read_prompts(path: str | Path, agentic: bool = False,
+                 turns_of: Callable[[list[dict]], list[dict]] | None = None) -> tuple[list[Prompt], int]:
     """Every conversation to regenerate, and how many rows repeated an earlier one exactly.
 
     A row's id is its `id` field, else a hash of its kept turns (and tools); an explicit id used
-    twice is an error (resume would silently skip the second row)."""
+    twice is an error (resume would silently skip the second row). turns_of: the turns a row keeps
+    (default kept_turns; trainer_tools.onpolicy keeps everything up to the last user turn)."""
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
     duplicates = 0
@@ -200,7 +202,7 @@ def read_prompts(path: str | Path, agentic: bool = False) -> tuple[list[Prompt],
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise InputError(f"{where}: turn {i + 1} needs a string 'role' and 'content'")
-            kept = kept_turns(messages, agentic)
+            kept = turns_of(messages) if turns_of else kept_turns(messages, agentic)
             if not any(m["role"] == "user" for m in kept):
                 raise InputError(f"{where}: no user turn to answer")
             tools = row_tools(row, where)

@@ -70,8 +70,9 @@ def build_report(cfg: TrainerConfig, tokenizer: Any) -> list[SplitReport]:
                 report.lengths.append(full)
                 report.kept.append(len(ids))
                 report.kept_tokens += len(ids)
-                report.loss_tokens += trained_tokens(mask)
-                report.no_loss += trained_tokens(mask) < 2
+                trained = trained_tokens(mask)
+                report.loss_tokens += trained
+                report.no_loss += trained < 2
         splits.append(report)
     return splits
 

@@ -52,9 +52,13 @@ def test_train_playbook_reports_final_loss_and_tau(tmp_path):
 def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_run(tmp_path):
     """`run start --restart on-failure`: the real trainer SIGKILLed mid-run is resumed from its last
     checkpoint by the node-side supervisor and finishes with the same per-step losses as a run
-    that was never interrupted. That uninterrupted run evaluates at eval.temperatures [0, 1.0]:
-    `run status` shows τ at both, sampled and expected, beside lookup's, and the eval event carries
-    both (a run of its own, with its own deploy, before)."""
+    that was never interrupted (the same config trained by train() in this process: the same code
+    on the same CPU, one trainer process and its ~5 CPU-seconds of imports fewer than a second run on
+    the node). The run evaluates at eval.temperatures [0, 1.0]: `run status` shows τ at both, sampled
+    and expected, beside lookup's, and the eval event carries both."""
+    from trainer.entry import train
+    from trainer.run.config import load_config
+
     inventory = write_sim_inventory(tmp_path / "simnode")
     base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
     cli(inventory, "deploy", "host200")
@@ -64,9 +68,9 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
     path = tmp_path / "every4.yaml"
     path.write_text(yaml.safe_dump(doc))
 
-    def losses(run_id: str) -> dict[int, float]:
+    def losses(run_dir: Path) -> dict[int, float]:
         found = {}
-        for line in (base / "runs" / run_id / "metrics.jsonl").read_text().splitlines():
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             event = json.loads(line)
             if event["event"] == "step":
                 found[event["step"]] = event["loss"]  # a replayed step overwrites the killed attempt's
@@ -75,18 +79,7 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
     def status(run_id: str) -> dict:
         return json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
 
-    straight = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "straight").stdout.strip()
-    cli(inventory, "logs", "host200", straight, "-f")
-    finished = status(straight)
-    assert finished["effective_state"] == "done", finished
-    both = finished["tau_by_temperature"]
-    assert list(both) == ["0", "1"] and both["0"]["tau"] == both["0"]["tau_expected"] == finished["tau"]
-    assert all(t["tau"] >= 1 and t["tau_expected"] >= 1 and t["tau_lookup"] >= 1 for t in both.values()), both
-    shown = cli(inventory, "run", "status", "host200", straight).stdout
-    assert "tau by temperature: T=0 " in shown and "; T=1 " in shown and "expected" in shown, shown
-    (event,) = [e for e in map(json.loads, (base / "runs" / straight / "metrics.jsonl").read_text().splitlines())
-                if e["event"] == "eval"]
-    assert event["temperatures"]["1"]["temperature"] == 1.0 and event["temperatures"]["0"]["sampling"] == "T=0"
+    assert train(load_config(path), tmp_path / "straight") == 0
     run_id = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "killed",
                  "--restart", "on-failure:1").stdout.strip()
     while not (base / "runs" / run_id / "checkpoints" / "step_3").is_dir() or status(run_id).get("step", 0) < 4:
@@ -102,7 +95,17 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
         time.sleep(0.5)
     assert done["effective_state"] == "done" and done["step"] == 10, done
     assert [r["reason"] for r in done["restarts"]] == ["killed by SIGKILL"]
-    assert losses(run_id) == losses(straight) and sorted(losses(run_id)) == list(range(1, 11))
+    assert losses(base / "runs" / run_id) == losses(tmp_path / "straight")
+    assert sorted(losses(base / "runs" / run_id)) == list(range(1, 11))
+
+    both = done["tau_by_temperature"]
+    assert list(both) == ["0", "1"] and both["0"]["tau"] == both["0"]["tau_expected"] == done["tau"]
+    assert all(t["tau"] >= 1 and t["tau_expected"] >= 1 and t["tau_lookup"] >= 1 for t in both.values()), both
+    shown = cli(inventory, "run", "status", "host200", run_id).stdout
+    assert "tau by temperature: T=0 " in shown and "; T=1 " in shown and "expected" in shown, shown
+    (event,) = [e for e in map(json.loads, (base / "runs" / run_id / "metrics.jsonl").read_text().splitlines())
+                if e["event"] == "eval"]
+    assert event["temperatures"]["1"]["temperature"] == 1.0 and event["temperatures"]["0"]["sampling"] == "T=0"
 
 
 def test_run_stop_now_during_the_target_fit_stops_the_run_in_that_phase(tmp_path):

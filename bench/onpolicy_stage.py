@@ -14,7 +14,9 @@ main drafter's last checkpoint,
    seed and settings as the main run: `control` on the regen rows, `onpolicy` on the regen rows and the
    rollouts (mixed in one data set);
 3. `python -m trainer eval` of the main drafter and of both runs on the held-out prompts (eval.jsonl) and
-   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side.
+   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side; the main drafter's with
+   `--ceiling`: the target drafting for itself (its greedy chain as the block), what a drafter that always
+   proposes the target's most likely continuation reaches.
 
 It writes OUT/onpolicy.json and OUT/onpolicy.md. One seed: a difference inside the seed spread of the
 recipe ablation (docs/objectives.md, ~0.1 τ at T = 0, ~0.01-0.02 at T = 1) is no difference.
@@ -106,14 +108,16 @@ def stage(args: argparse.Namespace, q: Path, out: Path) -> dict:
         for label, file in SETS.items():
             key = f"{name} / {label}"
             logs[key] = out / f"eval-{name.split()[0]}-{label}.log"
+            ceiling = ["--ceiling"] if draft == start else []  # the target drafting for itself: once a set
             procs[key] = run(["-m", "trainer", "eval", "--config", str(out / "eval.yaml"), "--checkpoint", draft,
-                              "--data", str(data / file), "--temperature", "0", "1", "--json",
+                              "--data", str(data / file), "--temperature", "0", "1", *ceiling, "--json",
                               str(logs[key].with_suffix(".json"))], logs[key])
     wait(procs, logs)
     table: dict = {}
     for key, log in logs.items():
         report = json.loads(log.with_suffix(".json").read_text())
-        table[key] = {t: {"tau": r["tau"], "tau_lookup": r["tau_lookup"]} for t, r in report["temperatures"].items()}
+        table[key] = {t: {k: r[k] for k in ("tau", "tau_lookup", "tau_ceiling") if k in r}
+                      for t, r in report["temperatures"].items()}
     return {"start": start, "onpolicy": summary, "steps": args.steps, "prompts": args.prompts,
             "temperature": args.temperature, "miss_weight": args.miss_weight, "tau": table}
 
@@ -122,10 +126,12 @@ def markdown(result: dict) -> str:
     lines = [f"On-policy stage from `{result['start']}`: {result['prompts']} rollouts at T={result['temperature']:g}, "
              f"miss weight {result['miss_weight']:g}, then {result['steps']} steps each, one seed.", "",
              f"Rollouts: {result['onpolicy']}", "",
-             "| drafter / prompts | τ T=0 (lookup) | τ T=1 (lookup) |", "|---|---|---|"]
+             "| drafter / prompts | τ T=0 (lookup) | τ T=1 (lookup) | the target drafting for itself T=0 / T=1 |",
+             "|---|---|---|---|"]
     for key, by_t in result["tau"].items():
         cells = [f"{by_t[t]['tau']:.3f} ({by_t[t]['tau_lookup']:.3f})" for t in ("0", "1")]
-        lines.append(f"| {key} | {cells[0]} | {cells[1]} |")
+        best = " / ".join(f"{by_t[t]['tau_ceiling']:.3f}" for t in ("0", "1")) if "tau_ceiling" in by_t["1"] else ""
+        lines.append(f"| {key} | {cells[0]} | {cells[1]} | {best} |")
     return "\n".join(lines) + "\n"
 
 

@@ -227,6 +227,9 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--samples", type=int, default=None, help="held-out conversations decoded (default eval.samples)")
     p.add_argument("--data", default=None, help="held-out conversations (JSONL) instead of the config's")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also decode with the target drafting for itself (its greedy chain as the block): the τ a "
+                   "drafter of this block size reaches at best at each temperature, and that over lookup's")
     args = p.parse_args(argv)
     import dataclasses
 
@@ -253,7 +256,8 @@ def _eval(argv: list[str]) -> int:
         from trainer.train.draft_eval import evaluate_draft, table, write_json
 
         report = evaluate_draft(dataclasses.replace(cfg, eval=e), args.checkpoint or args.export, args.temperature,
-                                args.samples, args.data, log=lambda line: print(line, file=sys.stderr, flush=True))
+                                args.samples, args.data, log=lambda line: print(line, file=sys.stderr, flush=True),
+                                ceiling=args.ceiling)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

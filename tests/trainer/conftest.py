@@ -23,6 +23,17 @@ def tiny():
     return target, FrozenHead.from_target(target, "cpu"), drafter, layer_ids
 
 
+@pytest.fixture(scope="module")
+def components(tmp_path_factory):
+    """A tiny run's components (a random target and drafter, synthetic held-out conversations)."""
+    from tests.trainer.tiny_config import tiny_config
+    from trainer.run.config import parse_config
+    from trainer.train.components import build_components
+
+    cfg = parse_config(tiny_config("data: {synthetic: {n_eval: 4}}"))
+    return build_components(cfg, tmp_path_factory.mktemp("run"), lambda *_: None)
+
+
 @pytest.fixture
 def fx_trace_threads(monkeypatch):
     """Names of the threads that ran an FX trace (make_fx, AOTAutograd, eager flex with grad)."""

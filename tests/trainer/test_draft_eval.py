@@ -69,12 +69,18 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(exported)]) == 0
     assert capsys.readouterr().out == f"exported to {exported}\n"
-    assert main(["eval", "--config", str(config), "--export", str(exported), "--samples", "3",
+    assert main(["eval", "--config", str(config), "--export", str(exported), "--samples", "3", "--ceiling",
                  "--json", str(root / "ex.json")]) == 0
-    assert capsys.readouterr().out.splitlines()[0].split()[:4] == ["T", "tau", "tau_expected", "tau_per_prompt"]
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[:4] == ["T", "tau", "tau_expected", "tau_per_prompt"] and header[-3:] == [
+        "ceiling", "ceiling_expected", "ceiling/lookup"]
     again = json.loads((root / "ex.json").read_text())
     assert list(again["temperatures"]) == ["0", "1"]  # the config's eval.temperatures
     assert again["temperatures"]["0"]["tau"] == zero["tau"]  # the export drafts what the checkpoint drafts
+    # --ceiling: the target drafting for itself, every draft accepted at T = 0, above any drafter's τ
+    assert zero["tau"] <= again["temperatures"]["0"]["tau_ceiling"] == again["temperatures"]["0"]["tau_ceiling_expected"]
+    assert again["temperatures"]["1"]["tau_ceiling_expected"] < again["temperatures"]["0"]["tau_ceiling"]
+    assert "tau_ceiling" not in zero  # only when asked
 
 
 def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):

@@ -308,17 +308,6 @@ def test_reach_is_the_probability_of_each_length():
     assert g.acceptance_lengths == [2] and g.reach == [pytest.approx([0.9, 0.0, 0.0])]
 
 
-@pytest.fixture(scope="module")
-def components(tmp_path_factory):
-    """A tiny run's components (a random target and drafter, synthetic held-out conversations)."""
-    from tests.trainer.tiny_config import tiny_config
-    from trainer.run.config import parse_config
-    from trainer.train.components import build_components
-
-    cfg = parse_config(tiny_config("data: {synthetic: {n_eval: 4}}"))
-    return build_components(cfg, tmp_path_factory.mktemp("run"), lambda *_: None)
-
-
 def test_at_t0_expected_tau_equals_the_greedy_tau_exactly(components):
     """Sampled and expected τ at T = 0 are today's greedy τ, pooled, per prompt, per position and per
     length bucket, the drafter's and lookup's; the default decoding is T = 0."""

@@ -96,7 +96,7 @@ def generation_prompt_ids(tokenizer: Any, before: list[dict], template_kwargs: d
 def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: FrozenHead, tokenizer: Any,
                       conversations: list[dict], max_new_tokens: int, batch: int = 16,
                       template_kwargs: dict | None = None, baseline: bool = True, turns: TurnMode = "last",
-                      sampling: Sampling = GREEDY) -> dict:
+                      sampling: Sampling = GREEDY, ceiling: bool = False) -> dict:
     """τ over held-out conversations, decoded with KV caches (trainer.generate.speculative), `batch` at once,
     at `sampling` (greedy by default; trainer.generate.sampling: the engine's sampling and accept rule,
     prompt i decoded with noise stream i, so a prompt's figures do not depend on its batch).
@@ -120,7 +120,12 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
 
     turns: where each conversation is judged (trainer.data.turns): at its last assistant turn, or at
     every one (agent conversations: after each tool result); prompts: how many were decoded; with
-    more than one turn of a conversation, tau_by_turn: the same per assistant turn index."""
+    more than one turn of a conversation, tau_by_turn: the same per assistant turn index.
+
+    ceiling: also decode the same prompts with the target drafting for itself (trainer.generate.ceiling: its
+    greedy chain as the block, the same sampling and verification): tau_ceiling, tau_ceiling_expected, the τ a
+    drafter of this block size reaches at best at this temperature, and ceiling_over_lookup = tau_ceiling /
+    tau_lookup, the most any drafter's tau_ratio can be here."""
     from trainer.generate.speculative import speculative_generate_cached
 
     stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -154,6 +159,14 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
                       lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
                                           if sampling.greedy else None))
+    if ceiling:
+        from trainer.generate.ceiling import self_draft_generate
+
+        best = _tau([g for i, j in groups
+                     for g in self_draft_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size,
+                                                  sampling=sampling, streams=list(range(i, j)))], block_size)
+        report.update(tau_ceiling=best["tau"], tau_ceiling_expected=best["tau_expected"],
+                      ceiling_over_lookup=best["tau"] / report["tau_lookup"] if report.get("tau_lookup") else None)
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
     if len(chosen) > len({t.conversation for t in chosen}):
         report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)

@@ -370,6 +370,12 @@ def _generate_static(target: torch.nn.Module, drafter: DFlashDrafter, head: Froz
         live = still
     return results
 
+def cache_arg(target: torch.nn.Module) -> str:
+    """The name a transformers model's forward takes its KV cache by: transformers 5.2x renamed
+    past_key_values to cache (the old name warns, and goes in 5.40); the floors know only the old."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 class _HFTarget:
     """A transformers causal LM decoded on its own cache (a `DynamicCache`), for any family.
 
@@ -392,8 +398,7 @@ class _HFTarget:
         # entry); only linear-attention layers need their own cache layers from it
         self.cache = DynamicCache(config=hf_config(target)) if self.recurrent else DynamicCache()
         self.states = RecurrentStates(self.cache)
-        # transformers 5.2x renamed the forward's past_key_values to cache (the old name warns, and goes in 5.40)
-        self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        self.cache_arg = cache_arg(target)
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
               padding: torch.Tensor | None = None) -> dict | torch.Tensor:

@@ -47,10 +47,11 @@ def draft_config(cfg: TrainerConfig, draft: str | Path, data: str | None = None)
 
 def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[float] | None = None,
                    samples: int | None = None, data: str | None = None,
-                   log: Callable[[str], None] = print) -> dict:
+                   log: Callable[[str], None] = print, ceiling: bool = False) -> dict:
     """The draft's τ report at each temperature (default the config's eval.temperatures), on
     `samples` held-out conversations (default eval.samples), judged at the assistant turns eval.turns
-    picks (agent conversations: every one, so "tau_by_turn"): temperature_reports' dict plus "draft"."""
+    picks (agent conversations: every one, so "tau_by_turn"): temperature_reports' dict plus "draft".
+    ceiling: also the target drafting for itself at each temperature (acceptance_report's tau_ceiling)."""
     cfg = draft_config(cfg, draft, data)
     e = cfg.eval
     if temperatures:
@@ -65,23 +66,26 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
         conversations = c.eval_conversations[: samples or e.samples]
         report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer, conversations, e.max_new_tokens,
                                      e.temperatures, eval_sampling(e), batch=e.batch,
-                                     template_kwargs=template_kwargs(cfg.data), turns=e.turns)
+                                     template_kwargs=template_kwargs(cfg.data), turns=e.turns, ceiling=ceiling)
     return {"draft": str(draft), "kind": cfg.model.drafter.kind, "block_size": cfg.model.block_size, **report}
 
 
 COLUMNS = (("T", "temperature", "g"), ("tau", "tau", ".3f"), ("tau_expected", "tau_expected", ".3f"),
            ("tau_per_prompt", "tau_per_prompt", ".3f"), ("lookup", "tau_lookup", ".3f"),
            ("lookup_expected", "tau_lookup_expected", ".3f"), ("ratio", "tau_ratio", ".2f"), ("rounds", "rounds", "d"))
+CEILING_COLUMNS = (("ceiling", "tau_ceiling", ".3f"), ("ceiling_expected", "tau_ceiling_expected", ".3f"),
+                   ("ceiling/lookup", "ceiling_over_lookup", ".2f"))  # with --ceiling
 
 
 def table(report: dict) -> str:
-    """One row per temperature: sampled and expected τ, lookup's, the ratio; then the expected
-    acceptance by draft position, τ by prompt length and (agent data) by assistant turn at each
-    temperature."""
-    rows = [[name for name, _, _ in COLUMNS]]
+    """One row per temperature: sampled and expected τ, lookup's, the ratio (and the target drafting for
+    itself, when measured); then the expected acceptance by draft position, τ by prompt length and (agent
+    data) by assistant turn at each temperature."""
+    columns = COLUMNS + (CEILING_COLUMNS if any("tau_ceiling" in r for r in report["temperatures"].values()) else ())
+    rows = [[name for name, _, _ in columns]]
     for r in report["temperatures"].values():
-        rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in columns])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     for label, r in report["temperatures"].items():
         lines.append(f"T={label} accepted by position (expected): "

@@ -1,18 +1,17 @@
 """No silent phase (issue #53): a run names what it does in status.json from its first second, and a
 stop acts in every phase - here during the demo's target fit, long before the first step boundary."""
 
+import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-import trainer
 from tests.trainer.tiny_config import tiny_config
 from trainer.entry import train
 from trainer.run.config import parse_config
@@ -47,6 +46,43 @@ def stop_once_fitting(run: Path, ended: threading.Event) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)  # the run then stops for a signal, which the test refuses
             return
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sigterm_once(run: Path, ready: Callable[[dict], bool]) -> Iterator[None]:
+    """A SIGTERM to this process, as `run stop` sends one to a trainer, from a thread once the run's
+    status.json satisfies `ready`, while the body runs train() here (the trainer's handler: the same
+    code a fresh process runs, without its ~5 CPU-seconds of imports). A run that would never get there
+    or never stop is a hung test, not a timing assertion: after 120 s the thread writes control/stop,
+    so the run stops for the control file, which the tests refuse. Afterwards SIGTERM's handler is this
+    process's own again."""
+    before, ended = signal.getsignal(signal.SIGTERM), threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while not ended.is_set() and time.monotonic() < deadline:
+            try:
+                now = status(run)
+            except (OSError, ValueError):  # not written yet
+                now = {}
+            if ready(now):
+                os.kill(os.getpid(), signal.SIGTERM)
+                if ended.wait(120):
+                    return
+                break
+            time.sleep(0.05)
+        if not ended.is_set():
+            (run / "control" / ".stop.tmp").write_text(json.dumps({"id": "hung", "time": time.time()}))
+            os.rename(run / "control" / ".stop.tmp", run / "control" / "stop")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        ended.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_stop_during_the_target_fit_stops_the_run_in_that_phase(tmp_path):
@@ -114,21 +150,12 @@ def test_eta_is_the_tokens_to_go_over_the_recent_rate():
 
 
 def test_a_stop_during_the_final_evaluation_cuts_it_short_and_keeps_the_checkpoint(tmp_path):
-    run, cfg = tmp_path / "run", tmp_path / "c.yaml"
-    cfg.write_text(tiny_config("optim: {total_steps: 2}\neval: {samples: 64, max_new_tokens: 100000, batch: 1}"))
-    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
-    with open(tmp_path / "out.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg), "--run-dir", str(run)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        while proc.poll() is None and not ((run / "status.json").exists()
-                                           and (status(run).get("phase") or {}).get("name") == "evaluating"):
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    """`run stop`'s SIGTERM while the run evaluates (an evaluation that would run for hours), served by
+    train() in the test's process (sigterm_once)."""
+    run = tmp_path / "run"
+    cfg = parse_config(tiny_config("optim: {total_steps: 2}\neval: {samples: 64, max_new_tokens: 100000, batch: 1}"))
+    with sigterm_once(run, lambda now: (now.get("phase") or {}).get("name") == "evaluating"):
+        assert train(cfg, run) == 0
     st = status(run)
     assert st["state"] == "stopped" and st["last_checkpoint"] == "checkpoints/step_2"
     assert events(run, "stop")[-1] == {**events(run, "stop")[-1], "reason": "signal", "phase": "evaluating"}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trainer
+from tests.trainer.test_phases import sigterm_once
 from trainer.entry import train
 from trainer.run import checkpoint as ckpt
 from trainer.run.config import parse_config
@@ -144,21 +145,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
 
 
 def test_sigterm_checkpoints_and_stops(tmp_path):
+    """`run stop`'s SIGTERM at step 2 or later of a run of 100,000 steps, served by train() in the test's
+    process (test_phases.sigterm_once)."""
     run = tmp_path / "run"
-    cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(CONFIG.format(steps=100000, every=0, keep=2, fit=0, kind="reference"))
-    env = {**os.environ, "PYTHONPATH": str(Path(trainer.__file__).resolve().parent.parent)}
-    with open(tmp_path / "out.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(cfg_path), "--run-dir", str(run)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            while proc.poll() is None and not ((run / "status.json").exists() and status(run)["step"] >= 2):
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=120) == 0, (tmp_path / "out.log").read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    with sigterm_once(run, lambda now: now.get("step", 0) >= 2):
+        assert train(parse_config(CONFIG.format(steps=100000, every=0, keep=2, fit=0, kind="reference")), run) == 0
     st = status(run)
     assert st["state"] == "stopped" and st["last_checkpoint"] == f"checkpoints/step_{st['step']}"
     assert events(run, "stop")[-1]["reason"] == "signal"

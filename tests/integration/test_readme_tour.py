@@ -10,7 +10,9 @@ doctor fix) is run too, after the tour.
 
 Where: a fresh home (no inventory of the user's, no simulated node yet) and a working directory laid
 out as a fresh clone (each top-level entry git tracks, linked), except that `trainer/configs` there
-holds the tour's two tiny configs with the target's fit and the evaluation shortened, and tiny-cpu.yaml's
+holds the tour's two tiny configs with no target fit (the tiny target's random weights: each of the tour's
+five trainer processes fitted it again, ~1 CPU-second each, and nothing the tour asserts depends on the
+target's answers) and the evaluation shortened, and tiny-cpu.yaml's
 run TOUR_STEPS long instead of 300: the commands are the README's, their runs are shorter. The first
 run trains to its end; what the tour asserts of it (done, the step count continuing across the stop,
 the last checkpoint pulled) holds at any length. TOUR_STEPS leaves `run stop` time to land in a
@@ -105,7 +107,7 @@ def untracked_files() -> list[str]:
 
 def fresh_clone(work: Path) -> None:
     """`work` as a fresh clone looks from its root: each top-level entry git tracks, linked, but
-    trainer/configs, whose tiny configs fit the target briefer and evaluate less."""
+    trainer/configs, whose tiny configs fit no target and evaluate less."""
     names = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True).stdout
     for top in sorted({name.split("/", 1)[0] for name in names.splitlines()}):
         if top != "trainer":
@@ -117,7 +119,7 @@ def fresh_clone(work: Path) -> None:
             (configs / path.name).symlink_to(path)
             continue
         config = yaml.safe_load(path.read_text())
-        config["model"]["target"]["tiny"]["fit_steps"] = 20
+        config["model"]["target"]["tiny"]["fit_steps"] = 0
         config["eval"].update(samples=4, max_new_tokens=16)
         if path.name == "tiny-cpu.yaml":
             config["optim"]["total_steps"] = TOUR_STEPS

@@ -32,14 +32,34 @@ def enter(script: dict) -> None:
     here = os.path.dirname(path)
     if os.path.isfile(os.path.join(here, "__init__.py")):  # in place: the operator's own package
         sys.path.insert(1, os.path.dirname(os.path.dirname(here)))  # the dflash_ops this file is part of
-        importlib.import_module("dflash_ops.helpers")  # whose __getattr__ gives contract and destination
+        # dflash_ops.helpers without running its __init__, the operator's bundling code (dataclasses,
+        # pathlib, hashlib...: ~35 ms of imports a helper never uses, on every run in place): its
+        # __getattr__ is what a helper needs of it, `from . import contract` (and destination)
         name = "dflash_ops.helpers"
+        package = _package(name, here)
+        if package is not None:
+            package.__getattr__ = _trainer_module  # type: ignore[attr-defined]  # PEP 562, as in __init__
     else:
         name = PACKAGE
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [here]  # type: ignore[attr-defined]  # a package: its submodules are found here
-            sys.modules[name] = package
+        _package(name, here)
     script["__package__"] = name  # what `from . import` resolves against (and, from 3.15 on, __spec__)
     script["__spec__"] = importlib.machinery.ModuleSpec(
         f"{name}.{os.path.splitext(os.path.basename(path))[0]}", None, origin=path)
+
+
+def _package(name: str, here: str) -> "types.ModuleType | None":
+    """The package `name` whose submodules are found in `here`, made unless it is imported already (then None)."""
+    if name in sys.modules:
+        return None
+    package = types.ModuleType(name)
+    package.__path__ = [here]  # type: ignore[attr-defined]  # a package: its submodules are found here
+    sys.modules[name] = package
+    return package
+
+
+def _trainer_module(name: str) -> types.ModuleType:
+    """`from . import contract` (or destination) in a helper run in place: the trainer's module of that
+    name, its one copy (dflash_ops/helpers/__init__.py's __getattr__ gives the operator's side the same)."""
+    if name in ("contract", "destination"):
+        return importlib.import_module("trainer.run." + name)
+    raise AttributeError("module 'dflash_ops.helpers' has no attribute %r" % name)

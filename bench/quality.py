@@ -1096,7 +1096,6 @@ class CheckpointEvaluator:
         ["tau_by_temperature"]; the held-out set's also as "tau_by_temperature")."""
         from trainer.generate.evaluate import temperature_reports
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
-        from trainer.run.contract import tau_by_temperature
         from trainer.train.loop import autocast_for
 
         p = self.p
@@ -1110,7 +1109,8 @@ class CheckpointEvaluator:
             r = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.conversations,
                                     p.eval_new_tokens, [0.0, *(t for t in temperatures if t)],
                                     batch=len(self.conversations),  # rounds are launch-bound
-                                    template_kwargs={"enable_thinking": False}, baseline=self.lookup is None)
+                                    template_kwargs={"enable_thinking": False}, baseline=self.lookup is None,
+                                    ceiling=self.lookup is None)
         if self.lookup is None:
             self.lookup = {k: r[k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
                                              "lookup_same_output")}
@@ -1123,7 +1123,8 @@ class CheckpointEvaluator:
             with autocast_for(p.device, p.dtype):
                 o = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
                                         [0.0, *(t for t in temperatures if t)], batch=len(self.others),
-                                        template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None)
+                                        template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None,
+                                        ceiling=self.other_lookup is None)
             if self.other_lookup is None:
                 self.other_lookup = o["tau_lookup"]
             by_set["other"] = {"tau": o["tau"], "tau_per_prompt": o["tau_per_prompt"], "samples": o["samples"],
@@ -1136,21 +1137,23 @@ class CheckpointEvaluator:
         return {"step": step_of(ck), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length, "tau_by_set": by_set,
                 "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
-                "tau_by_temperature": tau_by_temperature(r["temperatures"]) if len(r["temperatures"]) > 1 else None,
+                "tau_by_temperature": by_set["heldout"]["tau_by_temperature"],
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
 
     def beside_lookup(self, name: str, reports: dict) -> dict | None:
-        """One set's τ at each temperature (more than one evaluated; else None) with lookup's τ there, from
-        the first evaluation of the set (the only one that decodes lookup too), and the ratio to it."""
+        """One set's τ at each temperature (more than one evaluated; else None) with lookup's τ there and the
+        target's drafting for itself (tau_ceiling: the most any drafter reaches there), both from the first
+        evaluation of the set (the only one that decodes them), and the ratio to lookup's."""
         from trainer.run.contract import tau_by_temperature
 
         if len(reports) < 2:
             return None
         by_t = tau_by_temperature(reports)
-        lookups = self.set_lookups.setdefault(name, {label: {k: t.get(k) for k in ("tau_lookup", "tau_lookup_expected")}
-                                                     for label, t in by_t.items()})
+        kept = ("tau_lookup", "tau_lookup_expected", "tau_ceiling", "tau_ceiling_expected")
+        lookups = self.set_lookups.setdefault(name, {str(label): {k: r.get(k) for k in kept}
+                                                     for label, r in reports.items()})
         for label, t in by_t.items():
             t.update({k: v for k, v in lookups.get(label, {}).items() if t.get(k) is None})
             t["tau_ratio"] = t["tau"] / t["tau_lookup"] if t.get("tau") is not None and t.get("tau_lookup") else None
@@ -1278,15 +1281,18 @@ def by_set_text(by_set: dict | None) -> str:
 
 def temperature_rows(by_temperature: dict | None) -> list[str]:
     """The main drafter's τ at each temperature (its last checkpoint): sampled and expected,
-    the drafter's and n-gram lookup's, as a markdown table."""
+    the drafter's and n-gram lookup's, and the target drafting for itself (the ceiling, trainer.generate.ceiling:
+    the most a drafter reaches there, over lookup's: the most its ratio can be), as a markdown table."""
     if not by_temperature:
         return []
-    rows = ["", "| T | tau (sampled) | tau (expected) | lookup tau (sampled) | lookup tau (expected) | ratio |",
-            "|---:|---:|---:|---:|---:|---:|"]
+    rows = ["", "| T | tau (sampled) | tau (expected) | lookup tau (sampled) | lookup tau (expected) | ratio | "
+            "ceiling tau (sampled) | ceiling / lookup |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, t in by_temperature.items():
         ratio = t["tau"] / t["tau_lookup"] if t.get("tau") and t.get("tau_lookup") else None
+        most = t["tau_ceiling"] / t["tau_lookup"] if t.get("tau_ceiling") and t.get("tau_lookup") else None
         rows.append(f"| {label} | {fmt(t.get('tau'))} | {fmt(t.get('tau_expected'))} | {fmt(t.get('tau_lookup'))} | "
-                    f"{fmt(t.get('tau_lookup_expected'))} | {fmt(ratio, 2)} |")
+                    f"{fmt(t.get('tau_lookup_expected'))} | {fmt(ratio, 2)} | {fmt(t.get('tau_ceiling'))} | "
+                    f"{fmt(most, 2)} |")
     return rows
 
 
@@ -1619,6 +1625,12 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
         if other.get("tau_by_temperature"):
             say(f"main drafter by temperature on the other-style prompts: "
                 f"{tau_by_temperature_text(other['tau_by_temperature'])}")
+        for name, b in (m.get("tau_by_set") or {}).items():
+            say(f"the target drafting for itself (the most a drafter reaches) on the {name} prompts: "
+                + "; ".join(f"T={label} {fmt(t.get('tau_ceiling'))} ({fmt(t['tau_ceiling'] / t['tau_lookup'], 2)}x "
+                            f"lookup's {fmt(t['tau_lookup'])})"
+                            for label, t in (b.get("tau_by_temperature") or {}).items()
+                            if t.get("tau_ceiling") and t.get("tau_lookup")))
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "

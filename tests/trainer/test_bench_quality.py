@@ -89,6 +89,8 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     for name in ("heldout", "other"):
         per_t = m["tau_by_set"][name]["tau_by_temperature"]
         assert list(per_t) == ["0", "0.7", "1"] and all(t["tau_lookup"] >= 1.0 and t["tau_ratio"] > 0 for t in per_t.values())
+        # the target drafting for itself, measured once a set beside lookup: at T = 0 above any drafter's τ
+        assert all(t["tau_ceiling_expected"] >= 1.0 for t in per_t.values()) and per_t["0"]["tau_ceiling"] >= per_t["0"]["tau"]
     assert m["tau_by_set"]["heldout"]["tau_by_temperature"]["1"]["tau"] == pytest.approx(by_t["1"]["tau"])
     assert "other-style prompts (data/other.jsonl) by temperature:" in (tmp_path / "quality.md").read_text()
 
@@ -355,9 +357,10 @@ def test_prompts_of_another_style_take_each_form_from_a_file():
 
 def test_the_other_style_prompts_get_their_own_temperature_table():
     by_t = {"0": {"tau": 2.0, "tau_expected": 2.0, "tau_lookup": 1.6, "tau_lookup_expected": 1.6},
-            "1": {"tau": 1.5, "tau_expected": 1.52, "tau_lookup": 1.2, "tau_lookup_expected": 1.25}}
+            "1": {"tau": 1.5, "tau_expected": 1.52, "tau_lookup": 1.2, "tau_lookup_expected": 1.25, "tau_ceiling": 1.8}}
     rows = quality.other_temperature_rows({"heldout": {"tau": 3.0}, "other": {"tau": 2.0, "tau_by_temperature": by_t}})
     assert rows[1] == "other-style prompts (data/other.jsonl) by temperature:"
-    assert "| 1 | 1.500 | 1.520 | 1.200 | 1.250 | 1.25 |" in rows
+    assert "| 0 | 2.000 | 2.000 | 1.600 | 1.600 | 1.25 | - | - |" in rows
+    assert "| 1 | 1.500 | 1.520 | 1.200 | 1.250 | 1.25 | 1.800 | 1.50 |" in rows  # the ceiling over lookup's
     assert quality.other_temperature_rows({"other": {"tau": 2.0, "tau_by_temperature": None}}) == []
     assert quality.other_temperature_rows(None) == []

@@ -38,7 +38,7 @@ def enter(script: dict) -> None:
         name = "dflash_ops.helpers"
         package = _package(name, here)
         if package is not None:
-            package.__getattr__ = _trainer_module  # type: ignore[attr-defined]  # PEP 562, as in __init__
+            vars(package)["__getattr__"] = _trainer_module  # PEP 562, as in __init__
     else:
         name = PACKAGE
         _package(name, here)

@@ -26,12 +26,10 @@ only (their manifest names them).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
 import sys
-import tarfile
 import time
 
 if not __package__:  # run as a script: its directory becomes its package (as_package.py)
@@ -194,6 +192,8 @@ def prune_unlocked(base: str, keep: int) -> list[str]:
 
 
 def extract(stream: nodefacts.BinaryIO, dest: str) -> list[str]:
+    import tarfile  # here, not at the top (with hashlib): `query`, every deploy's first call, uses neither
+
     names = []
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
@@ -293,6 +293,8 @@ def fill_release(base: str, release: str, parent: str | None, stream: nodefacts.
 
 def release_hash(files: dict, venv: str | None) -> str:
     """Must equal dflash_ops.deploy.manifest.release_hash (same JSON, same digest)."""
+    import hashlib
+
     blob = json.dumps({"files": files, "venv": venv}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

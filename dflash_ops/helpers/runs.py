@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -120,6 +119,8 @@ def cmd_control(args: argparse.Namespace) -> None:
 def cmd_address(args: argparse.Namespace) -> None:
     """The address other hosts reach this container at: the source address of a route toward
     --toward (a UDP connect sends nothing), else the hostname's address."""
+    import socket  # here, not at the top: only address and free-port use it, not the list, start... of every poll
+
     if args.toward:
         address = sockname(socket.SOCK_DGRAM, "connect", (args.toward, 9),
                            "no route from this container toward %s" % args.toward)[0]
@@ -132,6 +133,8 @@ def cmd_address(args: argparse.Namespace) -> None:
 
 
 def cmd_free_port(args: argparse.Namespace) -> None:
+    import socket
+
     port = sockname(socket.SOCK_STREAM, "bind", (args.address, 0),
                     "cannot bind a port on %s in this container" % args.address)[1]
     print_json({"address": args.address, "port": port})
@@ -139,6 +142,8 @@ def cmd_free_port(args: argparse.Namespace) -> None:
 
 def sockname(kind: int, op: str, address: tuple[str, int], failure: str) -> tuple:
     """The local (address, port) of an IPv4 socket after its `op` ("connect" or "bind") to address."""
+    import socket
+
     with socket.socket(socket.AF_INET, kind) as s:
         try:
             getattr(s, op)(address)

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.anyio
 
 @contextlib.asynccontextmanager
 async def dashboard(run, wait_for, source=None):
-    """The app over `run`'s base directory as target `sim`, driven by a pilot, once the run is in its table."""
-    app = DashApp(source or LocalDirSource({"sim": run.dir.parents[1]}, gpus=False), poll_s=0.05)
+    """The app over `run`'s base directory as target `sim`, driven by a pilot, once the run is in its table.
+    The table's poll every 0.5 s (the app's default: 2): each poll runs the runs helper, a process, and at
+    0.05 s they ran back to back, a core for as long as a test's dashboard was open; what a test waits
+    for is bounded by wait_for, never by the poll's period."""
+    app = DashApp(source or LocalDirSource({"sim": run.dir.parents[1]}, gpus=False), poll_s=0.5)
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_for(pilot, lambda: f"sim/{run.run_id}" in app.rows, "the run in the table")
         yield app, pilot

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_log_stays_at_its_end_when_the_summary_grows_until_the_user_scrolls_up(static_run, wait_for):
-    app = DashApp(LocalDirSource({"sim": static_run.dir.parents[1]}, gpus=False), poll_s=0.05)
+    app = DashApp(LocalDirSource({"sim": static_run.dir.parents[1]}, gpus=False), poll_s=0.5)  # why 0.5: test_app.dashboard
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_for(pilot, lambda: "sim/tiny-run" in app.rows, "the run")
         await pilot.press("enter")

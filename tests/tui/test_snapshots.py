@@ -11,7 +11,7 @@ SIZE = (140, 45)
 
 
 def _app(tmp_path, frozen_clock):
-    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), clock=frozen_clock, poll_s=0.05)
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), clock=frozen_clock, poll_s=0.5)  # why 0.5: test_app.dashboard
 
 
 def test_runs_table(snap_compare, tmp_path, static_run, frozen_clock, wait_for):

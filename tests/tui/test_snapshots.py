@@ -11,7 +11,10 @@ SIZE = (140, 45)
 
 
 def _app(tmp_path, frozen_clock):
-    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), clock=frozen_clock, poll_s=0.5)  # why 0.5: test_app.dashboard
+    # polled every 0.05 s, not test_app's 0.5: the table's column widths are drawn on a later refresh than the one
+    # that sizes them, and the polls' refreshes are what brings that one before the picture (at 0.5 s, one run of
+    # the whole suite took the picture with the old widths)
+    return DashApp(LocalDirSource({"sim": tmp_path}, gpus=False), clock=frozen_clock, poll_s=0.05)
 
 
 def test_runs_table(snap_compare, tmp_path, static_run, frozen_clock, wait_for):

@@ -14,9 +14,9 @@ main drafter's last checkpoint,
    seed and settings as the main run: `control` on the regen rows, `onpolicy` on the regen rows and the
    rollouts (mixed in one data set);
 3. `python -m trainer eval` of the main drafter and of both runs on the held-out prompts (eval.jsonl) and
-   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side; the main drafter's with
-   `--ceiling`: the target drafting for itself (its greedy chain as the block), what a drafter that always
-   proposes the target's most likely continuation reaches.
+   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side; with --ceiling, the main
+   drafter's also with `trainer eval --ceiling`: the target drafting for itself (its greedy chain as the
+   block), what a drafter that always proposes the target's most likely continuation reaches.
 
 It writes OUT/onpolicy.json and OUT/onpolicy.md. One seed: a difference inside the seed spread of the
 recipe ablation (docs/objectives.md, ~0.1 τ at T = 0, ~0.01-0.02 at T = 1) is no difference.
@@ -108,7 +108,7 @@ def stage(args: argparse.Namespace, q: Path, out: Path) -> dict:
         for label, file in SETS.items():
             key = f"{name} / {label}"
             logs[key] = out / f"eval-{name.split()[0]}-{label}.log"
-            ceiling = ["--ceiling"] if draft == start else []  # the target drafting for itself: once a set
+            ceiling = ["--ceiling"] if args.ceiling and draft == start else []  # the target for itself: once a set
             procs[key] = run(["-m", "trainer", "eval", "--config", str(out / "eval.yaml"), "--checkpoint", draft,
                               "--data", str(data / file), "--temperature", "0", "1", *ceiling, "--json",
                               str(logs[key].with_suffix(".json"))], logs[key])
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=256, help="prompts decoded at once")
     ap.add_argument("--steps", type=int, default=1500, help="steps of each warm-started run")
+    ap.add_argument("--ceiling", action="store_true", help="call 2: also the target drafting for itself, with the main "
+                    "drafter's evaluation (trainer eval --ceiling; minutes on the GPU: its own call's time)")
     args = ap.parse_args(argv)
     q, out = args.state / "quality", args.out
     out.mkdir(parents=True, exist_ok=True)

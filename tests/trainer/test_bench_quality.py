@@ -33,7 +33,7 @@ def test_windows_cut_at_line_boundaries_and_cover_the_file_in_order():
 
 @pytest.mark.slow
 def test_tiny_quality_bench_runs_every_stage(tmp_path):
-    r = quality.main(["--preset", "tiny", "--out", str(tmp_path)])
+    r = quality.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "ceiling=true"])
     c = r["corpus"]
     assert c["roots"] == [str(tmp_path / "corpus")]  # generated: the same on every machine and at every commit
     assert c["train_files"] > 0 and c["heldout_files"] > 0 and c["skipped"]["test"] > 0

@@ -64,6 +64,19 @@ def test_a_prompt_decodes_alike_alone_and_in_a_batch_and_its_expected_length_is_
         [x.tokens[0] for x in batch]
 
 
+@pytest.mark.parametrize("s", [Sampling(temperature=1.0, seed=2), Sampling(temperature=0.0)])
+def test_the_carried_cache_decodes_what_rounds_prefilled_anew_decode(tiny, s):
+    """The rounds' KV cache carried with the rejected drafts masked (the default for full attention) gives the
+    tokens and acceptance probabilities of each round prefilled from scratch."""
+    target = tiny[0]
+    carried = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, carried=True)
+    anew = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, carried=False)
+    for a, b in zip(carried, anew, strict=True):
+        assert (a.tokens, a.acceptance_lengths) == (b.tokens, b.acceptance_lengths)
+        assert sum(a.reach, []) == pytest.approx(sum(b.reach, []), abs=1e-5)
+    assert any(0 < n < 4 for g in carried for n in g.acceptance_lengths[:-1]) or s.greedy  # rejections happened
+
+
 def test_the_report_has_the_ceiling_at_each_temperature_above_the_drafters(components):
     c = components
     convs = c.eval_conversations[:3]

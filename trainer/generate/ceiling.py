@@ -14,9 +14,11 @@ position to gain more later could do slightly better, so this is the ceiling of 
 predict the target's most likely continuation, which is what every DFlash objective trains.)
 
 Decoded like every decoder here: the same engine accept rule and noise (a prompt's tokens do not
-depend on its batch), rounds of `block_size - 1` drafts, the Hugging Face forward with its own
-KV cache for the chain (any causal LM; each round prefills its rows anew: a reference, not a
-serving path).
+depend on its batch), rounds of `block_size - 1` drafts, through the Hugging Face forward (any causal
+LM): the KV cache carried from round to round with the rejected drafts masked (`_Chains`), or, for
+targets with sliding windows, each round prefilled anew. A reference, not a serving path: a round is
+`block_size` one-token forwards (on a CPU ~3.7x n-gram lookup's decoding of the same prompts, whose
+round is one forward of the block).
 """
 
 from __future__ import annotations
@@ -36,54 +38,94 @@ def _left_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Ten
     return ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
+class _Chains:
+    """The rows' KV cache, carried from round to round: prefilled once with the prompts, then each round
+    appends the anchor and the chain (one forward a token, every row at once) and masks the drafts the
+    round rejected, so a round costs `width + 1` one-token forwards and no prefill. Positions are explicit,
+    so a masked entry is never seen and moves nothing (full attention; a sliding window, which counts
+    entries, would see the holes: such targets take the same rounds prefilled anew, `greedy_chain`)."""
+
+    def __init__(self, target: torch.nn.Module, prompts: list[list[int]]) -> None:
+        from transformers import DynamicCache
+
+        self.target, self.cache, self.arg = target, DynamicCache(), cache_arg(target)
+        ids, self.mask, positions = _left_padded(prompts, next(target.parameters()).device)
+        self.logits = target(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=1, **{self.arg: self.cache}).logits[:, -1].float()
+
+    def chain(self, anchors: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's greedy chain of `width` tokens after its anchor [B] at positions [B], and the logits
+        [B, width + 1, V] (fp32) at the anchor and at each chain token."""
+        token, logits, chain = anchors, [], []
+        for k in range(width + 1):
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(token), 1)], dim=1)
+            out = self.target(input_ids=token[:, None], attention_mask=self.mask, position_ids=(positions + k)[:, None],
+                              use_cache=True, **{self.arg: self.cache})
+            logits.append(out.logits[:, -1].float())
+            if k < width:
+                token = logits[-1].argmax(dim=-1)
+                chain.append(token)
+        return torch.stack(chain, dim=1), torch.stack(logits, dim=1)
+
+    def keep(self, accepted: torch.Tensor, width: int) -> None:
+        """After a round: each row keeps its anchor and its accepted drafts [B]; the rest of the chain is masked."""
+        drafts = torch.arange(1, width + 1, device=accepted.device)
+        self.mask[:, -width:] = (drafts[None, :] <= accepted[:, None]).to(self.mask.dtype)
+
+
+def _uses_a_window(target: torch.nn.Module) -> bool:
+    config = getattr(target, "config", None)
+    return bool(getattr(config, "sliding_window", None)) and any(
+        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ["sliding_attention"]))
+
+
 def greedy_chain(target: torch.nn.Module, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's greedy continuation of each row, `width` tokens [B, width], and its logits [B, width + 1, V]
-    (fp32) at each row's last token and at each chain token: the logits a verification of that chain sees."""
+    """The target's greedy continuation of each row (at least 2 tokens), `width` tokens [B, width], and its logits
+    [B, width + 1, V] (fp32) at each row's last token and at each chain token: what a verification of that chain
+    sees. The rows are prefilled anew (any causal LM)."""
     device = next(target.parameters()).device
-    ids, mask, positions = _left_padded(rows, device)
-    out = target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    logits = [out.logits[:, -1].float()]
-    position = positions[:, -1:]
-    chain = []
-    for _ in range(width):
-        token = logits[-1].argmax(dim=-1)
-        chain.append(token)
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        position = position + 1
-        out = target(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                     **{cache_arg(target): out.past_key_values}, use_cache=True)
-        logits.append(out.logits[:, -1].float())
-    return torch.stack(chain, dim=1), torch.stack(logits, dim=1)
+    chains = _Chains(target, [r[:-1] for r in rows])
+    return chains.chain(torch.tensor([r[-1] for r in rows], device=device),
+                        torch.tensor([len(r) - 1 for r in rows], device=device), width)
 
 
 @torch.no_grad()
 def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                        block_size: int, sampling: Sampling = GREEDY,
-                        streams: list[int] | None = None) -> list[Generation]:
+                        block_size: int, sampling: Sampling = GREEDY, streams: list[int] | None = None,
+                        carried: bool | None = None) -> list[Generation]:
     """Decoding of every prompt with the target's own greedy chain as each round's `block_size - 1` drafts
-    (see the module doc); sampling and streams as trainer.generate.lookup.lookup_generate."""
+    (see the module doc); sampling and streams as trainer.generate.lookup.lookup_generate. Rows that have
+    ended ride along to the end of the batch (their outputs unused). carried: the KV cache carried from round
+    to round (`_Chains`), or each round prefilled anew; None: carried unless the target has sliding windows."""
     streams = list(range(len(prompts))) if streams is None else list(streams)
     device = next(target.parameters()).device
     noise = Noise.of(sampling.seed, streams, device)
-    ids, mask, positions = _left_padded(prompts, device)
-    logits = target(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                    logits_to_keep=1).logits[:, -1]
-    first = sample_next(logits, sampling, noise, torch.tensor([len(p) for p in prompts], device=device)).tolist()
+    width = block_size - 1
+    chains = _Chains(target, prompts)
+    positions = torch.tensor([len(p) for p in prompts], device=device)  # each row's anchor position
+    anchors = sample_next(chains.logits, sampling, noise, positions)
+    first = anchors.tolist()
     results = [Generation([first[r]], [], []) for r in range(len(prompts))]
-    seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
+    carried = not _uses_a_window(target) if carried is None else carried
+    seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     while live:
-        chain, chain_logits = greedy_chain(target, [seqs[r] for r in live], block_size - 1)
-        rows = torch.tensor(live, device=device)
-        anchors = torch.tensor([len(seqs[r]) - 1 for r in live], device=device)
-        verdict = verify(chain_logits, chain, sampling, noise.select(rows), anchors)
+        if carried:
+            chain, logits = chains.chain(anchors, positions, width)
+        else:
+            chain, logits = greedy_chain(target, seqs, width)
+        verdict = verify(logits, chain, sampling, noise, positions)
         drafts, accepted, own, probs = (chain.tolist(), verdict.accepted.tolist(), verdict.token.tolist(),
                                         verdict.probs.tolist())
         still = []
-        for i, r in enumerate(live):
-            new = drafts[i][:accepted[i]] + [own[i]]
-            if results[r].add_round(new, accepted[i], stop_ids, max_new_tokens, drafts[i], probs[i]):
+        for r in live:
+            new = drafts[r][:accepted[r]] + [own[r]]
+            if results[r].add_round(new, accepted[r], stop_ids, max_new_tokens, drafts[r], probs[r]):
                 still.append(r)
             seqs[r] += new
+        if carried:
+            chains.keep(verdict.accepted, width)
+        positions = positions + verdict.accepted + 1
+        anchors = verdict.token
         live = still
     return results

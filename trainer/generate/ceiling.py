@@ -16,9 +16,9 @@ predict the target's most likely continuation, which is what every DFlash object
 Decoded like every decoder here: the same engine accept rule and noise (a prompt's tokens do not
 depend on its batch), rounds of `block_size - 1` drafts, through the Hugging Face forward (any causal
 LM): the KV cache carried from round to round with the rejected drafts masked (`_Chains`), or, for
-targets with sliding windows, each round prefilled anew. A reference, not a serving path: a round is
-`block_size` one-token forwards (on a CPU ~3.7x n-gram lookup's decoding of the same prompts, whose
-round is one forward of the block).
+targets with sliding-window or linear-attention layers, each round prefilled anew. A reference, not a
+serving path: a round is `block_size` one-token forwards (on a CPU ~3.7x n-gram lookup's decoding of
+the same prompts, whose round is one forward of the block).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class _Chains:
     """The rows' KV cache, carried from round to round: prefilled once with the prompts, then each round
     appends the anchor and the chain (one forward a token, every row at once) and masks the drafts the
     round rejected, so a round costs `width + 1` one-token forwards and no prefill. Positions are explicit,
-    so a masked entry is never seen and moves nothing (full attention; a sliding window, which counts
-    entries, would see the holes: such targets take the same rounds prefilled anew, `greedy_chain`)."""
+    so a masked entry is never seen and moves nothing where every layer is full attention (a sliding window
+    counts entries, linear attention folds them into its state: such targets take the same rounds prefilled
+    anew, `greedy_chain`)."""
 
     def __init__(self, target: torch.nn.Module, prompts: list[list[int]]) -> None:
         from transformers import DynamicCache
@@ -73,10 +74,16 @@ class _Chains:
         self.mask[:, -width:] = (drafts[None, :] <= accepted[:, None]).to(self.mask.dtype)
 
 
-def _uses_a_window(target: torch.nn.Module) -> bool:
-    config = getattr(target, "config", None)
-    return bool(getattr(config, "sliding_window", None)) and any(
-        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ["sliding_attention"]))
+def _every_layer_full_attention(target: torch.nn.Module) -> bool:
+    """Whether a masked cache entry is never seen: every layer full attention (a sliding window counts entries,
+    masked or not; linear attention folds every token into its state). The target's Family, as the cached
+    decoders read it."""
+    from trainer.models.target import target_family
+
+    try:
+        return set(target_family(target).layer_kinds) == {"full_attention"}
+    except (AttributeError, KeyError, TypeError):  # no transformers config: each round prefilled anew (any causal LM)
+        return False
 
 
 def greedy_chain(target: torch.nn.Module, rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +103,7 @@ def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_n
     """Decoding of every prompt with the target's own greedy chain as each round's `block_size - 1` drafts
     (see the module doc); sampling and streams as trainer.generate.lookup.lookup_generate. Rows that have
     ended ride along to the end of the batch (their outputs unused). carried: the KV cache carried from round
-    to round (`_Chains`), or each round prefilled anew; None: carried unless the target has sliding windows."""
+    to round (`_Chains`), or each round prefilled anew; None: carried where every layer is full attention."""
     streams = list(range(len(prompts))) if streams is None else list(streams)
     device = next(target.parameters()).device
     noise = Noise.of(sampling.seed, streams, device)
@@ -107,7 +114,7 @@ def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_n
     first = anchors.tolist()
     results = [Generation([first[r]], [], []) for r in range(len(prompts))]
     live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
-    carried = not _uses_a_window(target) if carried is None else carried
+    carried = _every_layer_full_attention(target) if carried is None else carried
     seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     while live:
         if carried:

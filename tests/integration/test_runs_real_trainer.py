@@ -55,14 +55,19 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
     that was never interrupted (the same config trained by train() in this process: the same code
     on the same CPU, one trainer process and its ~5 CPU-seconds of imports fewer than a second run on
     the node). The run evaluates at eval.temperatures [0, 1.0]: `run status` shows τ at both, sampled
-    and expected, beside lookup's, and the eval event carries both."""
+    and expected, beside lookup's, and the eval event carries both.
+
+    The kill must land while the trainer still trains: it is sent once step 4 is in metrics.jsonl
+    (read here, not through `run status`, whose helper process costs a poll ~0.5 s) and the run has 20
+    steps more to go (~3 s even on an idle CPU; 10 steps in all let one CI run finish before the kill)."""
     from trainer.entry import train
     from trainer.run.config import load_config
 
     inventory = write_sim_inventory(tmp_path / "simnode")
     base = tmp_path / "simnode" / "ct200" / "opt" / "dflash"
     cli(inventory, "deploy", "host200")
-    doc = yaml.safe_load(short_config(tmp_path, 10).read_text())
+    total = 24
+    doc = yaml.safe_load(short_config(tmp_path, total).read_text())
     doc["run"].update(checkpoint_every=3, log_every=1)
     doc["eval"].update(samples=2, max_new_tokens=8, temperatures=[0, 1.0])
     path = tmp_path / "every4.yaml"
@@ -76,16 +81,24 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
                 found[event["step"]] = event["loss"]  # a replayed step overwrites the killed attempt's
         return found
 
+    def last_step(run_dir: Path) -> int:
+        """The last step in metrics.jsonl while it is written: no file yet, or a line half-written, is 0 steps."""
+        try:
+            return max(losses(run_dir), default=0)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
     def status(run_id: str) -> dict:
         return json.loads(cli(inventory, "run", "status", "host200", run_id, "--json").stdout)
 
     assert train(load_config(path), tmp_path / "straight") == 0
     run_id = cli(inventory, "run", "start", "host200", "--config", str(path), "--name", "killed",
                  "--restart", "on-failure:1").stdout.strip()
-    while not (base / "runs" / run_id / "checkpoints" / "step_3").is_dir() or status(run_id).get("step", 0) < 4:
-        time.sleep(0.2)
+    run_dir = base / "runs" / run_id
+    while not (run_dir / "checkpoints" / "step_3").is_dir() or last_step(run_dir) < 4:
+        time.sleep(0.05)
     # killed from inside the container: launch.json's pid is the container's (an LXC container's is not this machine's)
-    trainer = json.loads((base / "runs" / run_id / "launch.json").read_text())["pid"]
+    trainer = json.loads((run_dir / "launch.json").read_text())["pid"]
     killed = CliRunner().invoke(app, ["exec", "--inventory", str(inventory), "host200", "--", "kill", "-KILL", str(trainer)])
     assert killed.exit_code == 0, killed.stderr
     cli(inventory, "logs", "host200", run_id, "-f")  # follows across the restart to the end
@@ -93,17 +106,17 @@ def test_sigkill_mid_run_with_restart_ends_with_the_losses_of_an_uninterrupted_r
     while (done := status(run_id))["effective_state"] not in ("done", "failed"):
         assert time.monotonic() < deadline, done
         time.sleep(0.5)
-    assert done["effective_state"] == "done" and done["step"] == 10, done
+    assert done["effective_state"] == "done" and done["step"] == total, done
     assert [r["reason"] for r in done["restarts"]] == ["killed by SIGKILL"]
-    assert losses(base / "runs" / run_id) == losses(tmp_path / "straight")
-    assert sorted(losses(base / "runs" / run_id)) == list(range(1, 11))
+    assert losses(run_dir) == losses(tmp_path / "straight")
+    assert sorted(losses(run_dir)) == list(range(1, total + 1))
 
     both = done["tau_by_temperature"]
     assert list(both) == ["0", "1"] and both["0"]["tau"] == both["0"]["tau_expected"] == done["tau"]
     assert all(t["tau"] >= 1 and t["tau_expected"] >= 1 and t["tau_lookup"] >= 1 for t in both.values()), both
     shown = cli(inventory, "run", "status", "host200", run_id).stdout
     assert "tau by temperature: T=0 " in shown and "; T=1 " in shown and "expected" in shown, shown
-    (event,) = [e for e in map(json.loads, (base / "runs" / run_id / "metrics.jsonl").read_text().splitlines())
+    (event,) = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                 if e["event"] == "eval"]
     assert event["temperatures"]["1"]["temperature"] == 1.0 and event["temperatures"]["0"]["sampling"] == "T=0"
 

@@ -96,6 +96,9 @@ class Preset:
     compile_target: bool = False  # torch.compile the target for its own training
     target_budget_s: float = 0.0  # with a value: the target's steps are cut (at step RESIZE_AT) to what fits this long since its start
     target_prefix_chars: tuple[int, int] | None = None  # the target's windows' prompt part (default prefix_chars)
+    # the target as it stands after these steps, each also written (out/model-stepN) with its held-out LM loss:
+    # less trained, less sharp targets of the same run beside the final one (bench/headroom.py)
+    target_snapshots: tuple = ()
     # long contexts (issue #35): the texts are documents of one package's files concatenated; prompts and
     # held-out prompts are cut from them at token lengths in these ranges (one range per bucket)
     long: bool = False
@@ -500,11 +503,20 @@ def lm_loss(model, rows: torch.Tensor, device: str, batch: int, autocast) -> flo
 RESIZE_AT = 10  # target steps timed before target_budget_s resizes the schedule
 
 
+def write_target(model: torch.nn.Module, p: Preset, tok: Any, where: Path) -> Path:
+    """The target as a Hugging Face model directory (bf16 weights in two shards, the tokenizer beside them)."""
+    from trainer_tools.fixtures.hub_model import write_hub_model
+
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    return write_hub_model(where, "qwen3", target_dims(p), seed=p.seed, dtype="bfloat16", shards=2, state_dict=state,
+                           tokenizer=tok)
+
+
 def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
                  chars_per_token: float) -> tuple[Path, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer_tools.fixtures.hub_model import model_config, write_hub_model
+    from trainer_tools.fixtures.hub_model import model_config
 
     started = time.time()
     p = dataclasses.replace(p)  # target_steps may be resized to target_budget_s below
@@ -541,6 +553,7 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
     forward = torch.compile(model) if p.compile_target else model
     model.train()
     losses = []
+    snapshots: list[dict] = []
     seen_rows = None
     t0 = time.time()
     step = -1
@@ -571,6 +584,11 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
             losses.append((step, round(loss.item(), 4)))
             say(f"target step {step}/{p.target_steps} loss {losses[-1][1]:.3f} "
                 f"({(step + 1) * p.batch_rows * p.seq_len / (time.time() - t0):.0f} tok/s)")
+        if step + 1 in p.target_snapshots and step + 1 < p.target_steps:
+            held = round(lm_loss(model, held_rows, p.device, p.batch_rows, autocast), 4)
+            snapshots.append({"step": step + 1, "lm_loss_heldout_rows": held,
+                              "model_dir": str(write_target(model, p, tok, out / f"model-step{step + 1}"))})
+            say(f"target snapshot at step {step + 1}: held-out LM loss {held:.3f} ({snapshots[-1]['model_dir']})")
     if cuda:
         torch.cuda.synchronize()
     train_seconds = time.time() - t0
@@ -591,7 +609,7 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
         "loss_curve": losses,
         "lm_loss_seen_train_rows": round(lm_loss(model, seen_rows, p.device, p.batch_rows, autocast), 4),
         "lm_loss_heldout_rows": round(lm_loss(model, held_rows, p.device, p.batch_rows, autocast), 4),
-        "heldout_rows": len(held_rows),
+        "heldout_rows": len(held_rows), "snapshots": snapshots,
     }
     say(f"target: {params / 1e6:.1f}M params (Qwen3, {p.layers} layers, hidden {p.hidden}), {p.target_steps} steps x "
         f"{p.batch_rows * p.seq_len} tokens = {result['tokens_trained'] / 1e6:.1f}M tokens = {epochs:.2f} epochs of "
@@ -599,9 +617,8 @@ def train_target(p: Preset, tok, corpus: dict, out: Path, rng: random.Random,
     say(f"target LM loss: {result['lm_loss_seen_train_rows']:.3f} on {len(seen_rows)} rows it trained on, "
         f"{result['lm_loss_heldout_rows']:.3f} on {len(held_rows)} rows of held-out files "
         f"(nats/token, seq {p.seq_len})")
-    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    model_dir = write_hub_model(out / "model", "qwen3", target_dims(p), seed=p.seed, dtype="bfloat16",
-                                shards=2, state_dict=state, tokenizer=tok)
+    model_dir = write_target(model, p, tok, out / "model")
+    result["model_dir"] = str(model_dir)
     del model, forward, opt
     if cuda:
         torch.cuda.empty_cache()
@@ -1371,7 +1388,7 @@ def subset(src: Path, dst: Path, ids: list[Any] | None, n: int) -> tuple[Path, l
 
 
 TUPLE_FIELDS = {"prefix_chars", "target_prefix_chars", "doc_tokens", "train_prompt_tokens", "eval_prompt_tokens",
-                "eval_per_bucket", "temperatures"}
+                "eval_per_bucket", "temperatures", "target_snapshots"}
 
 
 # ---------------------------------------------------------------------------- the stages main runs

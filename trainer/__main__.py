@@ -216,9 +216,11 @@ def _eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer eval",
                                 description="τ of a checkpoint or a draft (an export, a published draft) against the "
                                 "config's target, at each temperature, sampled and expected, beside n-gram lookup; "
-                                "no training. One table on stdout, the same as JSON with --json.")
+                                "no training. One table on stdout, the same as JSON with --json. With --ceiling and "
+                                "no draft: before training one, lookup's τ and the most a drafter of the config's "
+                                "model.block_size can reach there.")
     p.add_argument("--config", required=True, help="trainer YAML config: the target, the held-out data, eval settings")
-    which = p.add_mutually_exclusive_group(required=True)
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--checkpoint", help="checkpoints/step_N directory (or a run directory: its latest)")
     which.add_argument("--export", help="a draft directory: this project's export or a published DFlash/DFlash2 draft")
     p.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures (default eval.temperatures)")
@@ -229,8 +231,12 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--ceiling", action="store_true",
                    help="also decode with the target drafting for itself (its greedy chain as the block): the τ a "
-                   "drafter of this block size reaches at best at each temperature, and that over lookup's")
+                   "drafter of this block size reaches at best at each temperature, and that over lookup's; "
+                   "without --checkpoint or --export, only lookup and the ceiling")
     args = p.parse_args(argv)
+    if not (args.checkpoint or args.export or args.ceiling):
+        p.error("give the draft (--checkpoint or --export), or --ceiling alone: lookup's τ and the ceiling "
+                "without a draft")
     import dataclasses
 
     from trainer.generate.sampling_params import sampling_problem
@@ -249,15 +255,18 @@ def _eval(argv: list[str]) -> int:
         if args.json and not Path(args.json).resolve().parent.is_dir():
             raise ConfigError(f"--json {args.json}: its directory does not exist")
         draft = args.checkpoint or args.export
-        if not Path(draft).is_dir():
+        if draft and not Path(draft).is_dir():
             raise ConfigError(f"{draft}: not a draft model directory (no such directory)")
         if args.data is not None and not Path(args.data).is_file():
             raise ConfigError(f"--data {args.data}: no such file")
-        from trainer.train.draft_eval import evaluate_draft, table, write_json
+        from trainer.train.draft_eval import evaluate_draft, evaluate_headroom, table, write_json
 
-        report = evaluate_draft(dataclasses.replace(cfg, eval=e), args.checkpoint or args.export, args.temperature,
-                                args.samples, args.data, log=lambda line: print(line, file=sys.stderr, flush=True),
-                                ceiling=args.ceiling)
+        def log(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        cfg = dataclasses.replace(cfg, eval=e)
+        report = (evaluate_draft(cfg, draft, args.temperature, args.samples, args.data, log=log, ceiling=args.ceiling)
+                  if draft else evaluate_headroom(cfg, args.temperature, args.samples, args.data, log=log))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -82,6 +82,21 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
     assert again["temperatures"]["1"]["tau_ceiling_expected"] < again["temperatures"]["0"]["tau_ceiling"]
     assert "tau_ceiling" not in zero  # only when asked
 
+    # --ceiling without a draft: lookup and the ceiling alone, at the config's block size, on the same prompts
+    assert main(["eval", "--config", str(config), "--samples", "3", "--ceiling", "--json", str(root / "hr.json")]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0].split() == ["T", "lookup", "lookup_expected", "ceiling", "ceiling_expected", "ceiling/lookup"]
+    headroom = json.loads((root / "hr.json").read_text())
+    by_position = headroom["temperatures"]["0"]["ceiling_acceptance_expected"]
+    assert shown[3] == "T=0 ceiling accepted by position (expected): " + " ".join(f"{a:.2f}" for a in by_position)
+    assert by_position == sorted(by_position, reverse=True) and len(by_position) == headroom["block_size"] - 1
+    assert headroom["draft"] is None and list(headroom["temperatures"]) == ["0", "1"]
+    for label, beside in again["temperatures"].items():
+        alone = headroom["temperatures"][label]
+        for key in ("tau_lookup", "tau_lookup_expected", "tau_ceiling", "tau_ceiling_expected", "ceiling_over_lookup"):
+            assert alone[key] == beside[key], (label, key)
+        assert "tau" not in alone
+
 
 def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
     config, checkpoint, _ = trained
@@ -96,6 +111,8 @@ def test_eval_refuses_bad_input_in_one_line(trained, tmp_path):
         out = run_cli("eval", "--config", str(config), *args, without_torch=early)
         assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, (args, out)
     assert not (tmp_path / "no").exists()
+    neither = run_cli("eval", "--config", str(config), without_torch=True)
+    assert neither.returncode == 2 and "give the draft (--checkpoint or --export), or --ceiling alone" in neither.stderr
 
 
 def test_eval_loads_the_layers_training_left_on_the_meta_device(qwen3_model_dir, tmp_path):

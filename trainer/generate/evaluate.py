@@ -128,49 +128,90 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     tau_lookup, the most any drafter's tau_ratio can be here."""
     from trainer.generate.speculative import speculative_generate_cached
 
-    stop_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    chosen = turn_prompts(conversations, turns)
-    prompts = [generation_prompt_ids(tokenizer, t.messages, template_kwargs_for(conversations[t.conversation],
-                                                                                template_kwargs))
-               for t in chosen]  # with the row's tools, as training rendered it
+    stop_ids = _stop_ids(tokenizer)
+    chosen, prompts = _prompts(tokenizer, conversations, template_kwargs, turns)
     was_training = drafter.training
     drafter.eval()
-    groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * drafter.config.block_size)
+    block_size = drafter.config.block_size
+    groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * block_size)
     try:
         generations = [g for i, j in groups
                        for g in speculative_generate_cached(target, drafter, head, prompts[i:j], max_new_tokens,
                                                             stop_ids, sampling=sampling, streams=list(range(i, j)))]
     finally:
         drafter.train(was_training)
-    block_size = drafter.config.block_size
     report = {**_tau(generations, block_size), "samples": len(conversations), "prompts": len(prompts),
               "prompt_tokens": sum(len(p) for p in prompts), **settings(sampling)}
+    found, looked = _without_a_drafter(target, prompts, groups, max_new_tokens, stop_ids, block_size, sampling,
+                                       baseline, ceiling)
+    report.update(found)
+    if looked is not None:
+        report.update(tau_ratio=report["tau"] / report["tau_lookup"] if report["tau_lookup"] else None,
+                      lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
+                                          if sampling.greedy else None))
+    report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
+    if len(chosen) > len({t.conversation for t in chosen}):
+        report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)
+    return report
+
+
+def headroom_report(target: torch.nn.Module, tokenizer: Any, conversations: list[dict], max_new_tokens: int,
+                    block_size: int, batch: int = 16, template_kwargs: dict | None = None, turns: TurnMode = "last",
+                    sampling: Sampling = GREEDY) -> dict:
+    """What a drafter of `block_size` can buy on this target and these prompts at `sampling`, before there
+    is one: n-gram lookup's τ (what serving without a drafter gets) and the target drafting for itself (the
+    most a drafter reaches), decoded as acceptance_report decodes them, and their ratio. tau_lookup,
+    tau_lookup_per_prompt, tau_lookup_expected, lookup_rounds, lookup_histogram, tau_ceiling,
+    tau_ceiling_expected, ceiling_rounds, ceiling_acceptance_expected (the expected acceptance of each draft
+    position of the ceiling's blocks), ceiling_over_lookup, and the settings."""
+    _, prompts = _prompts(tokenizer, conversations, template_kwargs, turns)
+    groups = decode_batches([len(p) for p in prompts], batch, max_new_tokens + 4 * block_size)
+    found, _ = _without_a_drafter(target, prompts, groups, max_new_tokens, _stop_ids(tokenizer), block_size,
+                                  sampling, lookup=True, ceiling=True)
+    return {**found, "block_size": block_size, "samples": len(conversations), "prompts": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts), **settings(sampling)}
+
+
+def _stop_ids(tokenizer: Any) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def _prompts(tokenizer: Any, conversations: list[dict], template_kwargs: dict | None,
+             turns: TurnMode) -> tuple[list, list[list[int]]]:
+    """The assistant turns judged (trainer.data.turns) and each one's prompt tokens, with the row's tools, as
+    training rendered it."""
+    chosen = turn_prompts(conversations, turns)
+    return chosen, [generation_prompt_ids(tokenizer, t.messages,
+                                          template_kwargs_for(conversations[t.conversation], template_kwargs))
+                    for t in chosen]
+
+
+def _without_a_drafter(target: torch.nn.Module, prompts: list[list[int]], groups: list[tuple[int, int]],
+                       max_new_tokens: int, stop_ids: set[int], block_size: int, sampling: Sampling, lookup: bool,
+                       ceiling: bool) -> tuple[dict, list | None]:
+    """(lookup's and the ceiling's report fields, lookup's generations or None): the decodings of the same
+    prompts that need no drafter (acceptance_report's baseline and ceiling)."""
+    found: dict[str, Any] = {}
     looked = None
-    if baseline:
+    if lookup:
         from trainer.generate.lookup import lookup_generate
 
         looked = [g for i, j in groups
                   for g in lookup_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size,
                                            sampling=sampling, streams=list(range(i, j)))]
-        lookup = _tau(looked, block_size)
-        report.update(tau_lookup=lookup["tau"], tau_lookup_per_prompt=lookup["tau_per_prompt"],
-                      tau_lookup_expected=lookup["tau_expected"], lookup_rounds=lookup["rounds"],
-                      lookup_histogram=lookup["histogram"],
-                      tau_ratio=report["tau"] / lookup["tau"] if lookup["tau"] else None,
-                      lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
-                                          if sampling.greedy else None))
+        t = _tau(looked, block_size)
+        found.update(tau_lookup=t["tau"], tau_lookup_per_prompt=t["tau_per_prompt"],
+                     tau_lookup_expected=t["tau_expected"], lookup_rounds=t["rounds"], lookup_histogram=t["histogram"])
     if ceiling:
         from trainer.generate.ceiling import self_draft_generate
 
         best = _tau([g for i, j in groups
                      for g in self_draft_generate(target, prompts[i:j], max_new_tokens, stop_ids, block_size,
                                                   sampling=sampling, streams=list(range(i, j)))], block_size)
-        report.update(tau_ceiling=best["tau"], tau_ceiling_expected=best["tau_expected"],
-                      ceiling_over_lookup=best["tau"] / report["tau_lookup"] if report.get("tau_lookup") else None)
-    report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
-    if len(chosen) > len({t.conversation for t in chosen}):
-        report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)
-    return report
+        found.update(tau_ceiling=best["tau"], tau_ceiling_expected=best["tau_expected"], ceiling_rounds=best["rounds"],
+                     ceiling_acceptance_expected=best["acceptance_expected"],
+                     ceiling_over_lookup=best["tau"] / found["tau_lookup"] if found.get("tau_lookup") else None)
+    return found, looked
 
 
 def settings(sampling: Sampling) -> dict:
@@ -201,6 +242,14 @@ def temperature_reports(target: torch.nn.Module, drafter: DFlashDrafter, head: F
                for t in temperatures}
     first = reports[temperature_label(temperatures[0])]
     return {**first, "temperatures": reports}
+
+
+def headroom_reports(target: torch.nn.Module, tokenizer: Any, conversations: list[dict], max_new_tokens: int,
+                     block_size: int, temperatures: list[float], base: Sampling = GREEDY, **kwargs: Any) -> dict:
+    """`headroom_report` at each temperature, as temperature_reports: {"temperatures": {label: report}}."""
+    return {"temperatures": {temperature_label(t): headroom_report(target, tokenizer, conversations, max_new_tokens,
+                                                                   block_size, sampling=base.at(t), **kwargs)
+                             for t in temperatures}}
 
 
 PREFILL_MASK_ELEMENTS = 1 << 31  # a decode batch's prefill mask [rows, longest, slots] holds at most this many booleans

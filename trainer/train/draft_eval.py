@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.generate.evaluate import eval_sampling, temperature_reports
+from trainer.generate.evaluate import eval_sampling, headroom_reports, temperature_reports
 from trainer.models.target_loading import complete_for_decoding
 from trainer.run.config import ConfigError, DrafterShapeConfig, TrainerConfig, template_kwargs
 from trainer.run.contract import named_for
@@ -35,14 +35,17 @@ def draft_config(cfg: TrainerConfig, draft: str | Path, data: str | None = None)
         raise ConfigError(f"{draft}: {e}") from None
     model = dataclasses.replace(cfg.model, drafter_init=str(draft), drafter_layers=published.num_hidden_layers,
                                 block_size=published.block_size, drafter=DrafterShapeConfig(kind="dflash2" if published.kind == "dflash2" else "dflash"))
-    out = dataclasses.replace(cfg, model=model)
-    if data is not None:
-        if not Path(data).is_file():
-            raise ConfigError(f"--data {data}: no such file")
-        d = dataclasses.replace(cfg.data, eval_path=str(data), train_path=cfg.data.train_path or str(data),
-                                synthetic=None)
-        out = dataclasses.replace(out, data=d)
-    return out
+    return with_eval_data(dataclasses.replace(cfg, model=model), data)
+
+
+def with_eval_data(cfg: TrainerConfig, data: str | None) -> TrainerConfig:
+    """cfg with `data` (when given) as the held-out conversations."""
+    if data is None:
+        return cfg
+    if not Path(data).is_file():
+        raise ConfigError(f"--data {data}: no such file")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_path=str(data), synthetic=None,
+                                                             train_path=cfg.data.train_path or str(data)))
 
 
 def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[float] | None = None,
@@ -70,6 +73,28 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
     return {"draft": str(draft), "kind": cfg.model.drafter.kind, "block_size": cfg.model.block_size, **report}
 
 
+def evaluate_headroom(cfg: TrainerConfig, temperatures: list[float] | None = None, samples: int | None = None,
+                      data: str | None = None, log: Callable[[str], None] = print) -> dict:
+    """Before any draft: n-gram lookup's τ and the target drafting for itself (the most a drafter of the
+    config's model.block_size reaches) at each temperature, on the held-out conversations as evaluate_draft
+    picks them (trainer.generate.evaluate.headroom_reports): {"draft": None, "block_size", "temperatures"}."""
+    cfg = with_eval_data(cfg, data)
+    e = cfg.eval
+    if temperatures:
+        e = dataclasses.replace(e, temperatures=[float(t) for t in temperatures])
+    from trainer.train.components import build_components
+
+    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as run_dir:
+        c = build_components(cfg, Path(run_dir), log)
+        if not complete_for_decoding(c.target, log):
+            raise ConfigError(f"model.target: decoding needs the target's final norm and LM head, and "
+                              f"{cfg.model.target.path} lacks them: τ cannot be measured")
+        report = headroom_reports(c.target.module, c.tokenizer, c.eval_conversations[: samples or e.samples],
+                                  e.max_new_tokens, cfg.model.block_size, e.temperatures, eval_sampling(e),
+                                  batch=e.batch, template_kwargs=template_kwargs(cfg.data), turns=e.turns)
+    return {"draft": None, "block_size": cfg.model.block_size, **report}
+
+
 COLUMNS = (("T", "temperature", "g"), ("tau", "tau", ".3f"), ("tau_expected", "tau_expected", ".3f"),
            ("tau_per_prompt", "tau_per_prompt", ".3f"), ("lookup", "tau_lookup", ".3f"),
            ("lookup_expected", "tau_lookup_expected", ".3f"), ("ratio", "tau_ratio", ".2f"), ("rounds", "rounds", "d"))
@@ -77,16 +102,37 @@ CEILING_COLUMNS = (("ceiling", "tau_ceiling", ".3f"), ("ceiling_expected", "tau_
                    ("ceiling/lookup", "ceiling_over_lookup", ".2f"))  # with --ceiling
 
 
+HEADROOM_COLUMNS = (("T", "temperature", "g"), ("lookup", "tau_lookup", ".3f"),
+                    ("lookup_expected", "tau_lookup_expected", ".3f"), *CEILING_COLUMNS)  # without a draft
+
+
+def _aligned(columns: tuple, reports: Any) -> list[str]:
+    """A header of the columns' names and a row per report, right-aligned ("-" where a value is None)."""
+    rows = [[name for name, _, _ in columns]]
+    for r in reports:
+        rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in columns])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+
+
+def headroom_table(report: dict) -> str:
+    """evaluate_headroom's report: one row per temperature, then the ceiling's expected acceptance by draft
+    position at each."""
+    lines = _aligned(HEADROOM_COLUMNS, report["temperatures"].values())
+    for label, r in report["temperatures"].items():
+        lines.append(f"T={label} ceiling accepted by position (expected): "
+                     + " ".join(f"{a:.2f}" for a in r.get("ceiling_acceptance_expected") or []))
+    return "\n".join(lines)
+
+
 def table(report: dict) -> str:
     """One row per temperature: sampled and expected τ, lookup's, the ratio (and the target drafting for
     itself, when measured); then the expected acceptance by draft position, τ by prompt length and (agent
-    data) by assistant turn at each temperature."""
+    data) by assistant turn at each temperature. A report without a draft: headroom_table."""
+    if report.get("draft") is None:
+        return headroom_table(report)
     columns = COLUMNS + (CEILING_COLUMNS if any("tau_ceiling" in r for r in report["temperatures"].values()) else ())
-    rows = [[name for name, _, _ in columns]]
-    for r in report["temperatures"].values():
-        rows.append(["-" if r.get(key) is None else format(r[key], fmt) for _, key, fmt in columns])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = _aligned(columns, report["temperatures"].values())
     for label, r in report["temperatures"].items():
         lines.append(f"T={label} accepted by position (expected): "
                      + " ".join(f"{a:.2f}" for a in r.get("acceptance_expected") or []))

@@ -44,12 +44,18 @@ def apply_sets(ap: argparse.ArgumentParser, preset: Any, items: list[str],
                tuple_fields: Container[str] | None = None) -> None:
     """--set KEY=VALUE overrides (each VALUE read as YAML) onto the preset dataclass; a list becomes a tuple
     (for every field, or only those in `tuple_fields`). An unknown field is refused (ap.error), naming
-    the fields there are."""
+    the fields there are. A number field takes what float() reads too: YAML 1.1 reads `2e-3` as a string."""
     known = {f.name for f in dataclasses.fields(preset)}
     for item in items:
         key, _, value = item.partition("=")
         if key not in known:
             ap.error(f"--set {item}: no preset field {key!r} (known: {', '.join(sorted(known))})")
         v = yaml.safe_load(value)
+        now = getattr(preset, key)
+        if isinstance(now, float) and isinstance(v, (str, int)) and not isinstance(v, bool):
+            try:
+                v = float(v)
+            except ValueError:
+                ap.error(f"--set {item}: {key} is a number, not {value!r}")
         as_tuple = isinstance(v, list) and (tuple_fields is None or key in tuple_fields)
         setattr(preset, key, tuple(v) if as_tuple else v)

@@ -13,8 +13,9 @@ sharper a bench target would have to be.
 1. The quality bench's corpus, tokenizer, target and prompts (`bench/quality.py --stop-after prompts`, its
    --preset and --set), the target also written at each of --snapshots' steps, unless OUT holds them.
 2. Each target's headroom (`trainer.generate.evaluate.headroom_reports`, as `python -m trainer eval --ceiling`
-   without a draft reports it), a target and prompt set at a time, each written to OUT/headroom.json when done:
-   a call that ends (its time limit) keeps what it measured, and the next measures the rest.
+   without a draft reports it), a target and prompt set at a time (the bench's own target first), each written
+   to OUT/headroom.json when done: a call that ends (its time limit) keeps what it measured, and the next
+   measures the rest. The table lists the targets from the least trained.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def targets(q: dict) -> list[dict]:
-    """The snapshots and the final target, least trained first: {"step", "lm_loss_heldout_rows", "model_dir"}."""
+    """The final target, then the snapshots from the most trained down ({"step", "lm_loss_heldout_rows",
+    "model_dir"}): the bench's own target is measured first, in case a call's time runs out."""
     t = q["target"]
-    return [*t["snapshots"], {"step": t["steps"], "lm_loss_heldout_rows": t["lm_loss_heldout_rows"],
-                              "model_dir": t["model_dir"]}]
+    final = {"step": t["steps"], "lm_loss_heldout_rows": t["lm_loss_heldout_rows"], "model_dir": t["model_dir"]}
+    return [final, *sorted(t["snapshots"], key=lambda s: -s["step"])]
 
 
 def measure(p: quality.Preset, model_dir: str, data: Path, temperatures: list[float]) -> dict:
@@ -77,7 +79,7 @@ def rows(found: dict) -> list[str]:
     """The table: a row per target, prompt set and temperature."""
     out = ["| target steps | held-out LM loss | prompts | T | lookup τ | ceiling τ (expected) | ceiling / lookup |",
            "|---:|---:|---|---:|---:|---:|---:|"]
-    for m in found.values():
+    for m in sorted(found.values(), key=lambda m: (m["step"], m["set"] != "held-out")):
         for label, t in m["by_temperature"].items():
             out.append(f"| {m['step']} | {m['lm_loss_heldout_rows']:.3f} | {m['set']} | {label} | {t['tau_lookup']:.3f} "
                        f"| {t['tau_ceiling']:.3f} ({t['tau_ceiling_expected']:.3f}) | {t['ceiling_over_lookup']:.2f}x |")

@@ -31,6 +31,20 @@ def test_windows_cut_at_line_boundaries_and_cover_the_file_in_order():
     assert text.startswith(joined[:1000]) and joined in text
 
 
+def test_a_number_field_takes_what_float_reads_and_refuses_the_rest(capsys):
+    ap = quality.parser()
+
+    def preset(*sets: str) -> quality.Preset:
+        return quality.preset_of(ap, ap.parse_args(["--out", "x", "--stop-after", "target",
+                                                    *[a for s in sets for a in ("--set", s)]]))
+
+    p = preset("target_lr=2e-3", "target_budget_s=60", "target_snapshots=[10, 20]")
+    assert p.target_lr == 0.002 and p.target_budget_s == 60.0 and p.target_snapshots == (10, 20)
+    with pytest.raises(SystemExit):
+        preset("target_lr=fast")
+    assert "--set target_lr=fast: target_lr is a number, not 'fast'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_quality_bench_runs_every_stage(tmp_path):
     r = quality.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "ceiling=true"])

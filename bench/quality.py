@@ -1417,6 +1417,10 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     apply_sets(ap, p, args.set, TUPLE_FIELDS)
     if args.budget_s is not None:
         p.budget_s = args.budget_s
+    wrong = [s for s in p.target_snapshots if not (isinstance(s, int) and 0 < s < p.target_steps)]
+    if wrong:
+        ap.error(f"target_snapshots {list(p.target_snapshots)}: each a step before the last, 1..{p.target_steps - 1} "
+                 f"(target_steps {p.target_steps}); not {wrong}")
     if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget
         left = p.budget_s - p.eval_reserve_s - p.regen_end_s
         if left < p.drafter_startup_s + MIN_WORK_S:

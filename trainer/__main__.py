@@ -277,7 +277,8 @@ def _eval(argv: list[str]) -> int:
 
 
 SUMMARIES = {  # what `python -m trainer --help` lists beside training
-    "eval": "τ of a checkpoint or draft at each temperature (sampled, expected, lookup's); no training",
+    "eval": "τ of a checkpoint or draft at each temperature (sampled, expected, lookup's); --ceiling alone: what any "
+            "drafter could reach; no training",
     "plan": "tokens, wall time and GPU-hours; bytes per target stage, drafter replica and GPU (no weights read)",
     "data-report": "count, measure and mask the configured chat data (loads the tokenizer only)",
     "export": "export a checkpoint as a DFlash (or DFlash2) draft an engine serves",

@@ -11,10 +11,12 @@ chat template and the eval settings.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,14 +50,11 @@ def with_eval_data(cfg: TrainerConfig, data: str | None) -> TrainerConfig:
                                                              train_path=cfg.data.train_path or str(data)))
 
 
-def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[float] | None = None,
-                   samples: int | None = None, data: str | None = None,
-                   log: Callable[[str], None] = print, ceiling: bool = False) -> dict:
-    """The draft's τ report at each temperature (default the config's eval.temperatures), on
-    `samples` held-out conversations (default eval.samples), judged at the assistant turns eval.turns
-    picks (agent conversations: every one, so "tau_by_turn"): temperature_reports' dict plus "draft".
-    ceiling: also the target drafting for itself at each temperature (acceptance_report's tau_ceiling)."""
-    cfg = draft_config(cfg, draft, data)
+@contextlib.contextmanager
+def _decoding(cfg: TrainerConfig, temperatures: list[float] | None,
+              log: Callable[[str], None]) -> Iterator[tuple[Any, Any]]:
+    """(the config's components, its eval section at `temperatures` when given), built in a throwaway run
+    directory; a target that cannot decode is refused."""
     e = cfg.eval
     if temperatures:
         e = dataclasses.replace(e, temperatures=[float(t) for t in temperatures])
@@ -66,10 +65,22 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
         if not complete_for_decoding(c.target, log):
             raise ConfigError(f"model.target: decoding needs the target's layers above the last tapped one, its "
                               f"final norm and LM head, and {cfg.model.target.path} lacks some: τ cannot be measured")
-        conversations = c.eval_conversations[: samples or e.samples]
-        report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer, conversations, e.max_new_tokens,
-                                     e.temperatures, eval_sampling(e), batch=e.batch,
-                                     template_kwargs=template_kwargs(cfg.data), turns=e.turns, ceiling=ceiling)
+        yield c, e
+
+
+def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[float] | None = None,
+                   samples: int | None = None, data: str | None = None,
+                   log: Callable[[str], None] = print, ceiling: bool = False) -> dict:
+    """The draft's τ report at each temperature (default the config's eval.temperatures), on
+    `samples` held-out conversations (default eval.samples), judged at the assistant turns eval.turns
+    picks (agent conversations: every one, so "tau_by_turn"): temperature_reports' dict plus "draft".
+    ceiling: also the target drafting for itself at each temperature (acceptance_report's tau_ceiling)."""
+    cfg = draft_config(cfg, draft, data)
+    with _decoding(cfg, temperatures, log) as (c, e):
+        report = temperature_reports(c.target.module, c.drafter, c.head, c.tokenizer,
+                                     c.eval_conversations[: samples or e.samples], e.max_new_tokens, e.temperatures,
+                                     eval_sampling(e), batch=e.batch, template_kwargs=template_kwargs(cfg.data),
+                                     turns=e.turns, ceiling=ceiling)
     return {"draft": str(draft), "kind": cfg.model.drafter.kind, "block_size": cfg.model.block_size, **report}
 
 
@@ -79,16 +90,7 @@ def evaluate_headroom(cfg: TrainerConfig, temperatures: list[float] | None = Non
     config's model.block_size reaches) at each temperature, on the held-out conversations as evaluate_draft
     picks them (trainer.generate.evaluate.headroom_reports): {"draft": None, "block_size", "temperatures"}."""
     cfg = with_eval_data(cfg, data)
-    e = cfg.eval
-    if temperatures:
-        e = dataclasses.replace(e, temperatures=[float(t) for t in temperatures])
-    from trainer.train.components import build_components
-
-    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as run_dir:
-        c = build_components(cfg, Path(run_dir), log)
-        if not complete_for_decoding(c.target, log):
-            raise ConfigError(f"model.target: decoding needs the target's final norm and LM head, and "
-                              f"{cfg.model.target.path} lacks them: τ cannot be measured")
+    with _decoding(cfg, temperatures, log) as (c, e):
         report = headroom_reports(c.target.module, c.tokenizer, c.eval_conversations[: samples or e.samples],
                                   e.max_new_tokens, cfg.model.block_size, e.temperatures, eval_sampling(e),
                                   batch=e.batch, template_kwargs=template_kwargs(cfg.data), turns=e.turns)

@@ -2,10 +2,12 @@
 and the target drafting for itself (the ceiling, trainer.generate.ceiling) at each temperature, on the held-out
 and the other-style prompts, for the bench's target and for snapshots of the same run less trained.
 
-Every drafter the recipe ablation trained sat at 1.05-1.25x lookup at T = 1, whatever its data or steps. If the
-ceiling over lookup is under #50's goal there, no recipe reaches it on this target and the lever is the target;
-the snapshots say how that ratio moves as the target gets sharper (its held-out LM loss falls), so how much
-sharper a bench target would have to be.
+Every drafter the recipe ablation trained sat at 1.05-1.25x lookup at T = 1, whatever its data or steps, all of
+them evaluated with argmax proposals (the engine's default). If the ceiling over lookup is under #50's goal there,
+no recipe reaches it on this target with argmax proposals: the levers are then the target (the snapshots say how
+the ratio moves as the target gets sharper, its held-out LM loss falling) and sampled proposals
+(`draft_sample_method: probabilistic`, which the ceiling does not bound: `--set draft_sample_method=probabilistic`
+in the quality bench, `--draft-sample-method` in `python -m trainer eval`).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/headroom.py --out /tmp/headroom --snapshots 160,320
     ... the same command again (a later call on the same warm machine) until it prints "done"

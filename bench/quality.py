@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where t
     sys.path.insert(0, str(ROOT))
 
 from bench.common import apply_sets  # noqa: E402
+from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS, DraftSampleMethod  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
 from trainer.run.contract import read_events, read_log, read_status  # noqa: E402
 
@@ -117,6 +118,9 @@ class Preset:
     n_eval: int = 64
     eval_new_tokens: int = 256
     temperatures: tuple = (0.0,)  # the trainer's evaluation reports τ at each (issue #49; the first is the run's τ)
+    # the engine's proposals at T > 0 in every evaluation (vLLM's draft_sample_method): the draft's argmax (its
+    # default), or sampled from the draft and verified with its probabilities, which the ceiling does not bound
+    draft_sample_method: DraftSampleMethod = "greedy"
     # the target drafting for itself beside lookup (trainer.generate.ceiling), once a prompt set, at each temperature:
     # off unless asked (--set ceiling=true), since no preset's plan keeps time for it: its first GPU call (an H100,
     # the h200 preset) was still decoding it past the call's 540 s where τ had ~35 s kept
@@ -970,7 +974,7 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": run_seed, **({"threads": 1} if not cuda else {})},  # tiny CPU shapes: a thread pool only waits
         "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval,  # as CheckpointEvaluator
-                 "temperatures": list(p.temperatures)},
+                 "temperatures": list(p.temperatures), "draft_sample_method": p.draft_sample_method},
     }
 
 
@@ -1110,6 +1114,9 @@ class CheckpointEvaluator:
         self.others = read_conversations(other)[: p.n_eval] if other.exists() and other.stat().st_size else []
         self.other_lookup: float | None = None
         self.set_lookups: dict[str, dict] = {}  # per prompt set and temperature: lookup's τ, measured once
+        from trainer.generate.sampling_params import Sampling
+
+        self.proposals = Sampling(draft=p.draft_sample_method)  # at each temperature
 
     def __call__(self, ck: Path, temperatures: tuple = (0.0,)) -> dict:
         """τ of checkpoint `ck` at T = 0 (the held-out and other-style prompts), and with more than one of
@@ -1128,7 +1135,7 @@ class CheckpointEvaluator:
         started = time.time()
         with autocast_for(p.device, p.dtype):
             r = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)],
+                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)], self.proposals,
                                     batch=len(self.conversations),  # rounds are launch-bound
                                     template_kwargs={"enable_thinking": False}, baseline=self.lookup is None,
                                     ceiling=p.ceiling and self.lookup is None)
@@ -1143,7 +1150,7 @@ class CheckpointEvaluator:
         if self.others:
             with autocast_for(p.device, p.dtype):
                 o = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
-                                        [0.0, *(t for t in temperatures if t)], batch=len(self.others),
+                                        [0.0, *(t for t in temperatures if t)], self.proposals, batch=len(self.others),
                                         template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None,
                                         ceiling=p.ceiling and self.other_lookup is None)
             if self.other_lookup is None:
@@ -1417,6 +1424,8 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     apply_sets(ap, p, args.set, TUPLE_FIELDS)
     if args.budget_s is not None:
         p.budget_s = args.budget_s
+    if p.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        ap.error(f"draft_sample_method {p.draft_sample_method!r}: one of {', '.join(DRAFT_SAMPLE_METHODS)}")
     wrong = [s for s in p.target_snapshots if not (isinstance(s, int) and 0 < s < p.target_steps)]
     if wrong:
         ap.error(f"target_snapshots {list(p.target_snapshots)}: each a step before the last, 1..{p.target_steps - 1} "

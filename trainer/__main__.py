@@ -226,6 +226,10 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures (default eval.temperatures)")
     p.add_argument("--top-p", type=float, default=None, help="the engine's top-p (default eval.top_p)")
     p.add_argument("--top-k", type=int, default=None, help="the engine's top-k, 0 off (default eval.top_k)")
+    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
+                   help="the engine's proposals at T > 0 (vLLM's speculative_config draft_sample_method): the draft's "
+                   "argmax, or sampled from it and verified with its probabilities (default "
+                   "eval.draft_sample_method)")
     p.add_argument("--samples", type=int, default=None, help="held-out conversations decoded (default eval.samples)")
     p.add_argument("--data", default=None, help="held-out conversations (JSONL) instead of the config's")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
@@ -245,7 +249,8 @@ def _eval(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config)
         e = dataclasses.replace(cfg.eval, top_p=cfg.eval.top_p if args.top_p is None else args.top_p,
-                                top_k=cfg.eval.top_k if args.top_k is None else args.top_k)
+                                top_k=cfg.eval.top_k if args.top_k is None else args.top_k,
+                                draft_sample_method=args.draft_sample_method or cfg.eval.draft_sample_method)
         for t in args.temperature or e.temperatures:
             problem = sampling_problem(t, e.top_p, e.top_k, e.seed, e.draft_sample_method)
             if problem:

@@ -43,6 +43,12 @@ def test_a_number_field_takes_what_float_reads_and_refuses_the_rest(capsys):
     with pytest.raises(SystemExit):
         preset("target_lr=fast")
     assert "--set target_lr=fast: target_lr is a number, not 'fast'" in capsys.readouterr().err
+    sampled = preset("draft_sample_method=probabilistic")  # every evaluation's proposals, the runs' own too
+    config = quality.trainer_config(sampled, Path("model"), Path("t.jsonl"), Path("data"), 10, {}, 5)
+    assert config["eval"]["draft_sample_method"] == "probabilistic"
+    with pytest.raises(SystemExit):
+        preset("draft_sample_method=random")
+    assert "draft_sample_method 'random': one of greedy, probabilistic" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the last step's target is the bench's own
         preset("target_steps=100", "target_snapshots=[50, 100]")
     assert "each a step before the last, 1..99 (target_steps 100); not [100]" in capsys.readouterr().err

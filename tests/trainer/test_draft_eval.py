@@ -82,6 +82,16 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
     assert again["temperatures"]["1"]["tau_ceiling_expected"] < again["temperatures"]["0"]["tau_ceiling"]
     assert "tau_ceiling" not in zero  # only when asked
 
+    # --draft-sample-method probabilistic: the draft's proposals sampled and verified with q at T > 0; T = 0 and
+    # lookup (argmax proposals, no q) are what they were
+    assert main(["eval", "--config", str(config), "--export", str(exported), "--samples", "3",
+                 "--draft-sample-method", "probabilistic", "--json", str(root / "pr.json")]) == 0
+    capsys.readouterr()
+    sampled = json.loads((root / "pr.json").read_text())["temperatures"]
+    assert sampled["0"]["tau"] == zero["tau"] and sampled["0"]["sampling"] == "T=0"
+    assert sampled["1"]["sampling"] == "T=1 draft=probabilistic" and again["temperatures"]["1"]["sampling"] == "T=1"
+    assert sampled["1"]["tau_lookup"] == again["temperatures"]["1"]["tau_lookup"]
+
     # --ceiling without a draft: lookup and the ceiling alone, at the config's block size, on the same prompts
     assert main(["eval", "--config", str(config), "--samples", "3", "--ceiling", "--json", str(root / "hr.json")]) == 0
     shown = capsys.readouterr().out.splitlines()

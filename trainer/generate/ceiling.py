@@ -13,6 +13,12 @@ caps every drafter's τ, and its ratio to n-gram lookup, however good the drafte
 position to gain more later could do slightly better, so this is the ceiling of drafters that
 predict the target's most likely continuation, which is what every DFlash objective trains.)
 
+It bounds argmax proposals only, the engine's default. With vLLM's `draft_sample_method:
+probabilistic` the drafts are sampled from the draft's distribution q and accepted with
+min(1, p/q): a draft whose first slot's q is the target's own p is accepted there always, at any
+temperature, where an argmax draft is accepted with max p. Nothing here bounds those; measure them
+with `python -m trainer eval --draft-sample-method probabilistic`.
+
 Decoded like every decoder here: the same engine accept rule and noise (a prompt's tokens do not
 depend on its batch), rounds of `block_size - 1` drafts, through the Hugging Face forward (any causal
 LM): the KV cache carried from round to round with the rejected drafts masked (`_Chains`), or, for

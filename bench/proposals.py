@@ -1,0 +1,166 @@
+"""T = 1's levers side by side on one target (issue #50): the training data (the target's greedy answers, or
+those and sampled ones), the objective, and the engine's proposals (the draft's argmax, or sampled from it:
+vLLM's draft_sample_method), beside n-gram lookup and the ceiling (the target drafting for itself, the bound of
+argmax proposals), over seeds at equal steps.
+
+    PYTHONPATH=. python bench/quality.py --preset tiny --out /tmp/q --no-ablations [--set ...]   # target, prompts, answers
+    PYTHONPATH=. python bench/proposals.py --quality /tmp/q --out /tmp/proposals --steps 600 --seeds 0,1,2
+
+On top of a finished quality bench (its target, prompts, greedy answers and its main run's config): the
+sampled answers (`regen --samples-per-prompt`, T = 1) once, then each candidate (OBJECTIVE/DATA, the recipe
+ablation's names) and seed trained from scratch for --steps, then each run's τ at each temperature with argmax
+and with sampled proposals (`trainer.train.draft_eval.evaluate_draft`), and the target's headroom
+(`evaluate_headroom`) once. A rerun skips the runs that have their last checkpoint. Writes OUT/proposals.json
+and OUT/proposals.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import quality, quality_objectives  # noqa: E402
+from trainer.generate.sampling_params import DraftSampleMethod  # noqa: E402
+from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
+from trainer.train.draft_eval import write_json  # noqa: E402
+
+PROPOSALS: tuple[DraftSampleMethod, ...] = ("greedy", "probabilistic")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quality", type=Path, required=True, help="a finished quality bench's --out")
+    ap.add_argument("--out", type=Path, required=True, help="work directory (created; a rerun resumes in it)")
+    ap.add_argument("--candidates", default="ce+dpace/greedy,kl/greedy,ce+dpace/both,kl/both",
+                    help="OBJECTIVE/DATA, comma-separated (objectives: " + ", ".join(quality_objectives.OBJECTIVES)
+                    + "; data: greedy, both)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--samples-per-prompt", type=int, default=4, help="sampled answers a prompt, T = 1")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
+    return ap
+
+
+def candidates(text: str, ap: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    out = []
+    for name in (c.strip() for c in text.split(",") if c.strip()):
+        objective, _, data = name.partition("/")
+        if objective not in quality_objectives.OBJECTIVES or data not in ("greedy", "both"):
+            ap.error(f"--candidates: {name!r} is not OBJECTIVE/DATA (objectives: "
+                     f"{', '.join(quality_objectives.OBJECTIVES)}; data: greedy, both)")
+        out.append((objective, data))
+    return out
+
+
+def sampled_answers(qp: quality.Preset, q: Path, n: int) -> Path:
+    """QUALITY/data/sampled.jsonl: n answers a prompt at T = 1, made once (regen resumes what is missing)."""
+    out = q / "data" / "sampled.jsonl"
+    argv = quality.regen_argv(qp, q / "model", q / "data", out="sampled.jsonl", samples=n)
+    rc, seconds = quality.run_cli(qp, argv, q / "sampled.log", module="trainer_tools.regen")
+    if rc != 0:
+        raise SystemExit(f"proposals: regen of the sampled answers failed (exit {rc}); {q / 'sampled.log'}")
+    quality.say(f"sampled answers: {sum(1 for _ in out.open())} rows in {seconds:.0f}s ({out})")
+    return out
+
+
+def train(qp: quality.Preset, q: Path, runs: Path, objective: str, data: str, seed: int, steps: int) -> Path:
+    """One candidate's run (skipped when its last checkpoint is there): its run directory."""
+    run = runs / f"{objective}-{data}-s{seed}"
+    if any(step_of(c) == steps for c in complete_checkpoints(run)):
+        return run
+    files = [q / "data" / "regen.jsonl"] + ([q / "data" / "sampled.jsonl"] if data == "both" else [])
+    cfg = quality.trainer_config(qp, q / "model", files[0], q / "data", steps, {}, steps)
+    cfg["model"].update(quality_objectives.OBJECTIVES[objective])
+    cfg["data"].update(train_path=[str(f) for f in files], seed=seed)
+    cfg["run"].update(seed=seed, log_every=max(1, steps // 10))
+    cfg["eval"].update(temperatures=[0.0], samples=min(qp.n_eval, 4))
+    config = runs / f"{run.name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    rc, seconds = quality.run_cli(qp, ["--config", str(config), "--run-dir", str(run)], runs / f"{run.name}.log")
+    if rc != 0:
+        raise SystemExit(f"proposals: {run.name} failed (exit {rc}); {runs / f'{run.name}.log'}")
+    quality.say(f"trained {run.name}: {steps} steps in {seconds:.0f}s")
+    return run
+
+
+def evaluate(qp: quality.Preset, run: Path, temperatures: list[float]) -> dict:
+    """{proposals: {T label: tau, tau_expected, tau_lookup}} of the run's last checkpoint."""
+    from trainer.run.config import load_config
+    from trainer.train.draft_eval import evaluate_draft
+
+    cfg = load_config(run.parent / f"{run.name}.yaml")
+    out = {}
+    for method in PROPOSALS:
+        c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, draft_sample_method=method, samples=qp.n_eval,
+                                                              batch=qp.n_eval))
+        r = evaluate_draft(c, run, temperatures, log=lambda line: None)
+        out[method] = {label: {k: t[k] for k in ("tau", "tau_expected", "tau_lookup")}
+                       for label, t in r["temperatures"].items()}
+    return out
+
+
+def spread(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def table(doc: dict) -> list[str]:
+    """A row per candidate and proposals: mean τ (seed range) and the ratio of the mean to lookup's, per T;
+    then lookup and the ceiling."""
+    labels = list(doc["headroom"])
+    out = ["| candidate | proposals | " + " | ".join(f"τ T={t}" for t in labels) + " |",
+           "|---|---|" + "---:|" * len(labels)]
+    for name, by_seed in doc["runs"].items():
+        for method in PROPOSALS:
+            cells = []
+            for t in labels:
+                taus = [r[method][t]["tau"] for r in by_seed.values()]
+                cells.append(f"{spread(taus)}, {sum(taus) / len(taus) / doc['headroom'][t]['tau_lookup']:.2f}x")
+            out.append(f"| {name} | {method} | " + " | ".join(cells) + " |")
+    h = doc["headroom"]
+    out.append("| n-gram lookup | argmax | " + " | ".join(f"{h[t]['tau_lookup']:.3f}" for t in labels) + " |")
+    out.append("| the ceiling (bounds argmax) | argmax | " + " | ".join(
+        f"{h[t]['tau_ceiling']:.3f}, {h[t]['ceiling_over_lookup']:.2f}x" for t in labels) + " |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = parser()
+    args = ap.parse_args(argv)
+    chosen, seeds = candidates(args.candidates, ap), [int(s) for s in args.seeds.split(",") if s.strip()]
+    q, out = args.quality.resolve(), args.out.resolve()
+    qp = quality.Preset(**json.loads((q / "quality.json").read_text())["preset"])
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    if any(data == "both" for _, data in chosen) and not (q / "data" / "sampled.jsonl").exists():
+        sampled_answers(qp, q, args.samples_per_prompt)
+    doc: dict = {"steps": args.steps, "seeds": seeds, "runs": {}}
+    for objective, data in chosen:
+        for seed in seeds:
+            run = train(qp, q, runs, objective, data, seed, args.steps)
+            doc["runs"].setdefault(f"{objective}/{data}", {})[str(seed)] = evaluate(qp, run, args.temperatures)
+    from trainer.run.config import load_config
+    from trainer.train.draft_eval import evaluate_headroom
+
+    first = next(runs.glob("*.yaml"))
+    cfg = load_config(first)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, samples=qp.n_eval, batch=qp.n_eval))
+    doc["headroom"] = evaluate_headroom(cfg, args.temperatures, log=lambda line: None)["temperatures"]
+    write_json(doc, out / "proposals.json")
+    rows = table(doc)
+    (out / "proposals.md").write_text("\n".join(rows) + "\n")
+    for line in rows:
+        quality.say(line)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

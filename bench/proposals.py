@@ -73,19 +73,21 @@ def sampled_answers(qp: quality.Preset, q: Path, n: int) -> Path:
 
 
 def train(qp: quality.Preset, q: Path, runs: Path, objective: str, data: str, seed: int, steps: int) -> Path:
-    """One candidate's run (skipped when its last checkpoint is there): its run directory."""
+    """One candidate's run (skipped when its last checkpoint is there; one a call's end cut short resumes from its
+    latest checkpoint, written every quarter of the steps): its run directory."""
     run = runs / f"{objective}-{data}-s{seed}"
     if any(step_of(c) == steps for c in complete_checkpoints(run)):
         return run
     files = [q / "data" / "regen.jsonl"] + ([q / "data" / "sampled.jsonl"] if data == "both" else [])
-    cfg = quality.trainer_config(qp, q / "model", files[0], q / "data", steps, {}, steps)
+    cfg = quality.trainer_config(qp, q / "model", files[0], q / "data", steps, {}, max(1, steps // 4))
     cfg["model"].update(quality_objectives.OBJECTIVES[objective])
     cfg["data"].update(train_path=[str(f) for f in files], seed=seed)
     cfg["run"].update(seed=seed, log_every=max(1, steps // 10))
     cfg["eval"].update(temperatures=[0.0], samples=min(qp.n_eval, 4))
     config = runs / f"{run.name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    rc, seconds = quality.run_cli(qp, ["--config", str(config), "--run-dir", str(run)], runs / f"{run.name}.log")
+    rc, seconds = quality.run_cli(qp, ["--config", str(config), "--run-dir", str(run), "--resume", "auto"],
+                                  runs / f"{run.name}.log")
     if rc != 0:
         raise SystemExit(f"proposals: {run.name} failed (exit {rc}); {runs / f'{run.name}.log'}")
     quality.say(f"trained {run.name}: {steps} steps in {seconds:.0f}s")

@@ -62,13 +62,16 @@ def candidates(text: str, ap: argparse.ArgumentParser) -> list[tuple[str, str]]:
 
 
 def sampled_answers(qp: quality.Preset, q: Path, n: int) -> Path:
-    """QUALITY/data/sampled.jsonl: n answers a prompt at T = 1, made once (regen resumes what is missing)."""
+    """QUALITY/data/sampled.jsonl: n answers a prompt at T = 1 (regen resumes what an earlier call left), whole
+    before any run trains on it."""
     out = q / "data" / "sampled.jsonl"
     argv = quality.regen_argv(qp, q / "model", q / "data", out="sampled.jsonl", samples=n)
     rc, seconds = quality.run_cli(qp, argv, q / "sampled.log", module="trainer_tools.regen")
-    if rc != 0:
-        raise SystemExit(f"proposals: regen of the sampled answers failed (exit {rc}); {q / 'sampled.log'}")
-    quality.say(f"sampled answers: {sum(1 for _ in out.open())} rows in {seconds:.0f}s ({out})")
+    rows, prompts = len(out.read_text().splitlines()), len((q / "data" / "prompts.jsonl").read_text().splitlines())
+    if rc != 0 or rows < n * prompts:
+        raise SystemExit(f"proposals: the sampled answers are {rows} of {n * prompts} rows (regen exit {rc}); "
+                         f"{q / 'sampled.log'}")
+    quality.say(f"sampled answers: {rows} rows ({seconds:.0f}s; {out})")
     return out
 
 
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     qp = quality.Preset(**json.loads((q / "quality.json").read_text())["preset"])
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    if any(data == "both" for _, data in chosen) and not (q / "data" / "sampled.jsonl").exists():
+    if any(data == "both" for _, data in chosen):
         sampled_answers(qp, q, args.samples_per_prompt)
     doc: dict = {"steps": args.steps, "seeds": seeds, "runs": {}}
     for objective, data in chosen:

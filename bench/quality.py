@@ -1118,15 +1118,17 @@ class CheckpointEvaluator:
 
         self.proposals = Sampling(draft=p.draft_sample_method)  # at each temperature
 
-    def __call__(self, ck: Path, temperatures: tuple = (0.0,)) -> dict:
+    def __call__(self, ck: Path, temperatures: tuple = (0.0,), proposals: DraftSampleMethod | None = None) -> dict:
         """τ of checkpoint `ck` at T = 0 (the held-out and other-style prompts), and with more than one of
         `temperatures` each set's τ at each (sampled and expected, lookup's beside: tau_by_set[set]
-        ["tau_by_temperature"]; the held-out set's also as "tau_by_temperature")."""
+        ["tau_by_temperature"]; the held-out set's also as "tau_by_temperature"). proposals: the engine's at
+        T > 0 (default the preset's draft_sample_method)."""
         from trainer.generate.evaluate import temperature_reports
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
         from trainer.train.loop import autocast_for
 
         p = self.p
+        base = self.proposals if proposals is None else dataclasses.replace(self.proposals, draft=proposals)
         weights = load_weights(ck)  # checked against its manifest
         with torch.device(p.device):
             drafter = DFlashDrafter(DrafterConfig.from_dict(weights["drafter_config"]))
@@ -1135,7 +1137,7 @@ class CheckpointEvaluator:
         started = time.time()
         with autocast_for(p.device, p.dtype):
             r = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)], self.proposals,
+                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)], base,
                                     batch=len(self.conversations),  # rounds are launch-bound
                                     template_kwargs={"enable_thinking": False}, baseline=self.lookup is None,
                                     ceiling=p.ceiling and self.lookup is None)
@@ -1150,7 +1152,7 @@ class CheckpointEvaluator:
         if self.others:
             with autocast_for(p.device, p.dtype):
                 o = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
-                                        [0.0, *(t for t in temperatures if t)], self.proposals, batch=len(self.others),
+                                        [0.0, *(t for t in temperatures if t)], base, batch=len(self.others),
                                         template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None,
                                         ceiling=p.ceiling and self.other_lookup is None)
             if self.other_lookup is None:

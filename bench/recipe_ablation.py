@@ -1,6 +1,7 @@
 """The recipe ablation of issue #50 (docs/objectives.md): candidates (objective x training data) over
 3 seeds at equal device time, τ at T = 0 and T = 1 on the held-out prompts and on prompts of another
-style, beside n-gram lookup's τ there; one run spans several device calls of one warm machine.
+style, beside n-gram lookup's τ there; at T = 1 with the engine's argmax proposals and again with sampled ones
+(vLLM's draft_sample_method probabilistic; `proposals`); one run spans several device calls of one warm machine.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python bench/recipe_ablation.py --preset h200 --state /tmp/ablation --out $OUT/recipe
     ... the same command again, as each call ends by printing it, until it prints "done"
@@ -111,6 +112,9 @@ class Preset:
     sample_top_p: float = 1.0
     sample_batch: int = 2048  # rows regen samples at once (HF generate grows its cache: a smaller batch than greedy's)
     temperatures: tuple[float, ...] = (0.0, 1.0)  # τ of every prompt set at each
+    # the engine's proposals each run is evaluated with at T > 0 (vLLM's draft_sample_method): the draft's argmax,
+    # and sampled from it (columns "T=1 sampled"), which the ceiling does not bound (docs/objectives.md)
+    proposals: tuple[str, ...] = ("greedy", "probabilistic")
     train_s: float = 0.0  # each run's training, seconds of the device alone (0: base_steps, else what `calls` hold)
     base_steps: int = 0  # with train_s 0: the baseline objective's steps (the others as many as cost the same)
     calls: int = 3  # the device calls the plan is sized for (train_s and base_steps 0), the data's included
@@ -132,7 +136,8 @@ class Preset:
     timing_s: float = 50.0
     startup_s: float = 40.0  # a trainer run's start before its first step
     min_leg_s: float = 30.0  # a run is not started with less than startup_s + this left before the deadline
-    eval_s: float = 15.0  # the bench's τ of one finished run (2 sets x 2 temperatures, 64 prompts x 256 tokens)
+    eval_s: float = 22.0  # the bench's τ of one finished run (2 sets x 2 temperatures, 64 prompts x 256 tokens: ~15 s;
+    # T = 1 again with sampled proposals: ~1.5x, estimated, not measured)
     rate: float = 1.0  # device-alone training seconds per second of the runs' wall (parallel runs; start-ups in)
 
 
@@ -481,9 +486,14 @@ class Runs:
         if self.evaluator is None:
             self.evaluator = quality.CheckpointEvaluator(self.qp, self.state / "model", self.state / "data")
         ck = complete_checkpoints(self.dir / "runs" / name.replace(" ", "-"))[-1]
-        point = self.evaluator(ck, tuple(self.p.temperatures))
+        point = self.evaluator(ck, tuple(self.p.temperatures), "greedy")
+        by_set = point_row(point)
+        if "probabilistic" in self.p.proposals and any(self.p.temperatures):  # T = 0 is greedy whatever the proposals
+            sampled = point_row(self.evaluator(ck, tuple(self.p.temperatures), "probabilistic"))
+            for name, by_t in sampled.items():
+                by_set.setdefault(name, {}).update({f"{t} sampled": v for t, v in by_t.items() if t != "0"})
         status = read_status(ck.parent.parent) or {}
-        r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": point_row(point),
+        r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": by_set,
                        "acceptance": point.get("acceptance"), "checkpoint": str(ck)}
         say(f"{name}: τ " + "; ".join(f"{s} T={t} {quality.fmt(v['tau'])} ({quality.fmt(v['tau_ratio'], 2)}x lookup)"
                                       for s, by_t in r["result"]["by_set"].items() for t, v in by_t.items()))
@@ -519,7 +529,7 @@ def summarise(p: Preset, runs: dict) -> dict:
                        "tokens": statistics.fmean(r["result"]["tokens"] or 0 for r in done) if done else None,
                        "failed": [r["seed"] for r in rows if r["failures"] >= 2]}
         for name in SETS:
-            for label in (f"{t:g}" for t in p.temperatures):
+            for label in labels(p.temperatures, p.proposals):
                 points = [r["result"]["by_set"].get(name, {}).get(label) for r in done]
                 points = [x for x in points if x and x.get("tau") is not None]
                 if points:
@@ -529,6 +539,15 @@ def summarise(p: Preset, runs: dict) -> dict:
                                                   "tau_lookup": points[0].get("tau_lookup")}
         table[candidate] = entry
     return table
+
+
+def labels(temperatures: Any, proposals: Any) -> list[str]:
+    """The table's temperature columns: each temperature ("0", "1") and, with probabilistic proposals, each
+    temperature above 0 again with them ("1 sampled")."""
+    out = [f"{t:g}" for t in temperatures]
+    if "probabilistic" in proposals:
+        out += [f"{t:g} sampled" for t in temperatures if t]
+    return out
 
 
 def verdict(table: dict, baseline: str) -> list[str]:
@@ -563,7 +582,7 @@ def cell(e: dict | None) -> str:
 
 def markdown(doc: dict) -> str:
     p, table = doc["preset"], doc["table"]
-    keys = [f"{s} T={t:g}" for s in SETS for t in p["temperatures"]]
+    keys = [f"{s} T={label}" for s in SETS for label in labels(p["temperatures"], p.get("proposals", ("greedy",)))]
     mixes = doc.get("mixes", {})
     lines = [f"# Recipe ablation, stage {doc['stage']} ({doc['command']})", "",
              f"* target and prompts: bench/quality.py --preset {p['quality']} {p['quality_set']} (up to its prompts); "
@@ -624,6 +643,8 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         ap.error(f"baseline {p.baseline!r} is not one of the candidates {list(p.candidates)} (--set baseline=...)")
     if len(p.seeds) < 2:
         ap.error(f"seeds {list(p.seeds)}: a spread needs at least 2")
+    if "greedy" not in p.proposals or not set(p.proposals) <= {"greedy", "probabilistic"}:
+        ap.error(f"proposals {list(p.proposals)}: greedy (the engine's default), and probabilistic if asked")
     return p
 
 

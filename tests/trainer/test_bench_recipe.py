@@ -204,12 +204,15 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
         else:  # finished in the first call: never started again
             assert len(starts) == 1 and len(r["legs"]) == 1
         assert set(r["result"]["by_set"]) == {"heldout", "other"} and r["result"]["step"] == r["planned"]
-        assert all(set(by_t) == {"0", "1"} for by_t in r["result"]["by_set"].values())
+        # each run evaluated with argmax proposals and, at T = 1, sampled ones; lookup (argmax) alike in both
+        assert all(set(by_t) == {"0", "1", "1 sampled"} for by_t in r["result"]["by_set"].values())
+        assert all(by_t["1 sampled"]["tau_lookup"] == by_t["1"]["tau_lookup"] for by_t in r["result"]["by_set"].values())
     for e in second["table"].values():
         assert e["measured"] == 2 and e["seeds"] == [0, 1]
-        for key in ("heldout T=0", "heldout T=1", "other T=0", "other T=1"):
+        for key in ("heldout T=0", "heldout T=1", "heldout T=1 sampled", "other T=0", "other T=1", "other T=1 sampled"):
             assert e[key]["tau"]["n"] == 2 and e[key]["tau"]["mean"] >= 1.0 and e[key]["ratio"]["mean"] > 0
     md = (tmp_path / "out2" / "recipe.md").read_text()
+    assert "| τ heldout T=1 | τ heldout T=1 sampled | τ other T=0 |" in md
     assert f"| ce+decay/greedy | 2/2 [0, 1] | [{steps['ce+decay']}, {steps['ce+decay']}] |" in md and "sampled 24 rows of 12 prompts" in md
     assert json.loads((tmp_path / "out2" / "recipe.json").read_text())["mixes"]["both"]["rows"] == 36
 

@@ -27,6 +27,7 @@ Default argv (`{model}`, `{draft}`, `{port}`, `{k}` = block_size - 1 are filled 
          dflash: ... --speculative-config {"method": "dflash", "model": "{draft}", "num_speculative_tokens": {k}}
          ngram:  ... --speculative-config {"method": "ngram", "num_speculative_tokens": {k},
                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+         (--draft-sample-method probabilistic adds "draft_sample_method": "probabilistic" to dflash's)
   sglang plain: python3 -m sglang.launch_server --model-path {model} --port {port} --served-model-name target
          dflash: ... --speculative-algorithm DFLASH --speculative-draft-model-path {draft}
          ngram:  ... --speculative-algorithm NGRAM --speculative-num-draft-tokens {k}
@@ -114,6 +115,16 @@ def sampling_problem(temperature: float, top_p: float, top_k: int, concurrency: 
 
 def fill(argv: list[str], **values: object) -> list[str]:
     return [a.format(**values) for a in argv]
+
+
+def with_draft_sampling(argv: list[str], method: str) -> list[str]:
+    """A vLLM argv whose --speculative-config also says how the engine proposes at T > 0 (vLLM's
+    draft_sample_method: the draft's argmax, its default, or sampled from the draft and verified with its
+    probabilities); an argv without --speculative-config as it is (no draft to sample)."""
+    if "--speculative-config" not in argv or method == "greedy":
+        return argv
+    at = argv.index("--speculative-config") + 1
+    return [*argv[:at], json.dumps({**json.loads(argv[at]), "draft_sample_method": method}), *argv[at + 1:]]
 
 
 def http(url: str, body: dict | None = None, timeout: float = 600.0) -> bytes:
@@ -385,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
     p.add_argument("--top-k", type=int, default=0, help="0: off (default)")
     p.add_argument("--seed", type=int, default=0, help="request i is seeded SEED + i (at a temperature)")
+    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
+                   help="vLLM's proposals at T > 0: the draft's argmax (its default), or sampled from the draft")
     p.add_argument("--chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
                    help='e.g. \'{"enable_thinking": false}\' (thinking off), sent with every request')
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per set")
@@ -396,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = next(filter(None, (sampling_problem(t, a.top_p, a.top_k, a.concurrency) for t in a.temperature)), None)
     if problem:
         p.error(problem)
+    if a.draft_sample_method != "greedy" and a.engine != "vllm":
+        p.error(f"--draft-sample-method {a.draft_sample_method}: vLLM's setting; for {a.engine}, its own flag in --argv")
 
     def terminated(signum: int, _frame: object) -> None:  # SIGTERM (a playbook's stop): the engines stop too
         raise SystemExit(f"serve_bench: terminated by {signal.Signals(signum).name}")
@@ -404,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     block = a.block_size or json.loads((Path(a.draft) / "config.json").read_text())["block_size"]
     templates = {**ENGINES[a.engine], **(json.loads(a.argv) if a.argv else {})}  # "{}": the defaults
     argvs = {m: fill(templates[m], model=a.model, draft=a.draft, port=a.port, k=block - 1) for m in a.modes}
+    if "dflash" in argvs:
+        argvs["dflash"] = with_draft_sampling(argvs["dflash"], a.draft_sample_method)
     sets = {}
     for item in (part for given in a.sets for part in given.split(",") if part):
         name, _, path = item.partition("=")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_tools.serve_bench import DRAFTS, ENGINES, Request, fill, main, read_set, spec_counters
+from trainer_tools.serve_bench import DRAFTS, ENGINES, Request, fill, main, read_set, spec_counters, with_draft_sampling
 
 
 def test_prompt_sets_in_the_shapes_users_have(tmp_path):
@@ -23,6 +23,13 @@ def test_vllm_argv_carries_the_speculative_config_as_json():
     assert json.loads(argv[-1]) == {"method": "dflash", "model": "/d", "num_speculative_tokens": 15}
     ngram = json.loads(fill(ENGINES["vllm"]["ngram"], model="/m", draft="/d", port=1, k=7)[-1])
     assert ngram == {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    # --draft-sample-method probabilistic: vLLM's SpeculativeConfig field, in the same JSON; nothing else moves
+    sampled = with_draft_sampling(argv, "probabilistic")
+    assert sampled[:-1] == argv[:-1] and json.loads(sampled[-1]) == {**json.loads(argv[-1]),
+                                                                     "draft_sample_method": "probabilistic"}
+    assert with_draft_sampling(argv, "greedy") == argv
+    plain = fill(ENGINES["vllm"]["plain"], model="/m", draft="/d", port=1, k=7)
+    assert with_draft_sampling(plain, "probabilistic") == plain
 
 
 def test_the_draft_round_counter_is_read_from_prometheus_text():
@@ -63,6 +70,8 @@ def test_a_request_carries_the_sampling_and_the_chat_template_kwargs():
     (["--concurrency", "1", "0"], "--concurrency must be at least 1, not 0"),
     (["--chat-template-kwargs", "{enable"], "argument --chat-template-kwargs: not JSON"),
     (["--chat-template-kwargs", "[1]"], "argument --chat-template-kwargs: must be a JSON object, not list"),
+    (["--engine", "sglang", "--draft-sample-method", "probabilistic"],
+     "--draft-sample-method probabilistic: vLLM's setting; for sglang, its own flag in --argv"),
 ])
 def test_bad_sampling_settings_are_one_line_errors_before_any_engine_starts(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as done:

@@ -26,6 +26,8 @@ MAX_TOKENS = 24
 # serving settings (Qwen3's non-thinking 0.7, DFlash2's published table at 1.0). The 1-layer draft
 # is immune to vLLM-CPU's k_norm difference, so only the sampling differs from the greedy case.
 SAMPLED: list[dict] = [{"name": f"T{t:g}", "temperature": t, "seed": 0} for t in (0.7, 1.0)]
+# the 1-layer draft served again with sampled proposals (draft_sample_method "probabilistic") at T = 1
+PROBABILISTIC: list[dict] = [{"name": "T1", "temperature": 1.0, "seed": 0}]
 
 
 def engine_python() -> Path:
@@ -138,6 +140,8 @@ def engine_session(tmp_path_factory) -> EngineSession:
                                             "dflash2_walk": name.startswith("dflash2"),
                                             "sampled": SAMPLED if name == "d1" else []}
                                            for name, d in drafts.items()]
+            + [{"name": "d1_probabilistic", "draft": str(drafts["d1"]), "num_speculative_tokens": k,
+                "draft_sample_method": "probabilistic", "sampled": PROBABILISTIC}]
             + [{"name": name, "draft": str(layouts[name]), "num_speculative_tokens": k} for name in LAYOUT_DRAFTS]
             # last, the runs vLLM-CPU refuses: the mixed layout needs the V2 runner; the DFlash2 export as
             # it is, with the V1 runner (the default here) and the V2 one

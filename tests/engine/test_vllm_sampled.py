@@ -26,7 +26,8 @@ import math
 import pytest
 import torch
 
-from tests.engine.conftest import MAX_TOKENS, SAMPLED, EngineSession
+from tests.engine.conftest import MAX_TOKENS, PROBABILISTIC, SAMPLED, EngineSession
+from trainer.generate.sampling_params import DraftSampleMethod
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.xdist_group("engine")]
 
@@ -48,8 +49,9 @@ def test_round_length_variance_from_per_position_counts():
     assert round_length_variance(5, [0, 0, 0]) == 0
 
 
-def project_expected(session: EngineSession, temperature: float, seed: int) -> dict:
-    """acceptance_report at the temperature on the 1-layer export's weights (argmax proposals, as vLLM)."""
+def project_expected(session: EngineSession, temperature: float, seed: int, draft: DraftSampleMethod = "greedy") -> dict:
+    """acceptance_report at the temperature on the 1-layer export's weights, with the engine's proposals (argmax,
+    vLLM's default, or sampled from the draft: draft_sample_method)."""
     from transformers import AutoTokenizer
 
     from trainer.data.chat import read_conversations
@@ -66,24 +68,29 @@ def project_expected(session: EngineSession, temperature: float, seed: int) -> d
     tok = AutoTokenizer.from_pretrained(session.target, local_files_only=True)
     return acceptance_report(target, drafter, FrozenHead.from_target(target, "cpu"), tok,
                              read_conversations(session.dir / "eval.jsonl"), MAX_TOKENS, baseline=False,
-                             sampling=Sampling(temperature=temperature, seed=seed))
+                             sampling=Sampling(temperature=temperature, seed=seed, draft=draft))
 
 
-@pytest.mark.parametrize("setting", SAMPLED, ids=[s["name"] for s in SAMPLED])
-def test_sampled_acceptance_agrees_with_the_expected_tau(engine_session, setting):
+CASES: list[tuple[str, DraftSampleMethod, dict]] = [("d1", "greedy", s) for s in SAMPLED] + [("d1_probabilistic", "probabilistic", s) for s in PROBABILISTIC]
+
+
+@pytest.mark.parametrize(("served", "draft", "setting"), CASES, ids=[f"{d}-{s['name']}" for _, d, s in CASES])
+def test_sampled_acceptance_agrees_with_the_expected_tau(engine_session, served, draft, setting):
+    """Argmax proposals at T = 0.7 and 1 and, with vLLM's draft_sample_method probabilistic, sampled ones at
+    T = 1 (drafts x ~ q, accepted with min(1, p/q): the project's expected length scores each round's drafts so)."""
     s: EngineSession = engine_session
     runs = s.out["runs"]
-    run = runs["d1"]["sampled"][setting["name"]]
+    run = runs[served]["sampled"][setting["name"]]
     produced = sum(len(t) for t in run["tokens"]) - len(s.prompts)
     assert run["num_drafts"] > 0 and all(run["tokens"])
     assert run["tokens"] != runs["d1"]["tokens"], "vLLM sampled nothing: the text equals the greedy one"
     per_pos = run["accepted_per_pos"]
     assert sum(per_pos) == run["num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
     engine = produced / run["num_drafts"]
-    report = project_expected(s, setting["temperature"], setting["seed"])
+    report = project_expected(s, setting["temperature"], setting["seed"], draft)
     sigma = math.sqrt(round_length_variance(run["num_drafts"], per_pos))
     bound = 3 * sigma * math.sqrt(1 / run["num_drafts"] + 1 / report["rounds"])
-    summary = (f"T={setting['temperature']:g}: vLLM {engine:.4f} over {run['num_drafts']} rounds, the project's "
+    summary = (f"T={setting['temperature']:g}, {draft} proposals: vLLM {engine:.4f} over {run['num_drafts']} rounds, the project's "
                f"expected {report['tau_expected']:.4f} over {report['rounds']} rounds (sampled {report['tau']:.4f}), "
                f"bound 3 sigma = {bound:.4f} (sigma_L {sigma:.3f})")
     print(summary)

@@ -144,7 +144,8 @@ def serve(spec: dict, run: dict) -> dict:
     kwargs = {}
     if run.get("draft"):
         kwargs["speculative_config"] = {"method": "dflash", "model": run["draft"],
-                                        "num_speculative_tokens": run["num_speculative_tokens"]}
+                                        "num_speculative_tokens": run["num_speculative_tokens"],
+                                        "draft_sample_method": run.get("draft_sample_method", "greedy")}
     started = time.time()
     llm = LLM(model=spec["target"], dtype="float32", distributed_executor_backend="uni",
               max_model_len=spec.get("max_model_len", 512), enforce_eager=True, disable_log_stats=False,

@@ -160,7 +160,8 @@ def headroom_report(target: torch.nn.Module, tokenizer: Any, conversations: list
                     sampling: Sampling = GREEDY) -> dict:
     """What a drafter of `block_size` can buy on this target and these prompts at `sampling`, before there
     is one: n-gram lookup's τ (what serving without a drafter gets) and the target drafting for itself (the
-    most a drafter reaches), decoded as acceptance_report decodes them, and their ratio. tau_lookup,
+    most a drafter proposing its argmax reaches: trainer.generate.ceiling), decoded as acceptance_report
+    decodes them, and their ratio. tau_lookup,
     tau_lookup_per_prompt, tau_lookup_expected, lookup_rounds, lookup_histogram, tau_ceiling,
     tau_ceiling_expected, ceiling_rounds, ceiling_acceptance_expected (the expected acceptance of each draft
     position of the ceiling's blocks), ceiling_over_lookup, and the settings."""

@@ -87,7 +87,7 @@ def evaluate_draft(cfg: TrainerConfig, draft: str | Path, temperatures: list[flo
 def evaluate_headroom(cfg: TrainerConfig, temperatures: list[float] | None = None, samples: int | None = None,
                       data: str | None = None, log: Callable[[str], None] = print) -> dict:
     """Before any draft: n-gram lookup's τ and the target drafting for itself (the most a drafter of the
-    config's model.block_size reaches) at each temperature, on the held-out conversations as evaluate_draft
+    config's model.block_size reaches with argmax proposals) at each temperature, on the held-out conversations as evaluate_draft
     picks them (trainer.generate.evaluate.headroom_reports): {"draft": None, "block_size", "temperatures"}."""
     cfg = with_eval_data(cfg, data)
     with _decoding(cfg, temperatures, log) as (c, e):

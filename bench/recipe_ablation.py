@@ -490,8 +490,8 @@ class Runs:
         by_set = point_row(point)
         if "probabilistic" in self.p.proposals and any(self.p.temperatures):  # T = 0 is greedy whatever the proposals
             sampled = point_row(self.evaluator(ck, tuple(self.p.temperatures), "probabilistic"))
-            for name, by_t in sampled.items():
-                by_set.setdefault(name, {}).update({f"{t} sampled": v for t, v in by_t.items() if t != "0"})
+            for prompt_set, by_t in sampled.items():
+                by_set.setdefault(prompt_set, {}).update({f"{t} sampled": v for t, v in by_t.items() if t != "0"})
         status = read_status(ck.parent.parent) or {}
         r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": by_set,
                        "acceptance": point.get("acceptance"), "checkpoint": str(ck)}

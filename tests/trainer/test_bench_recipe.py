@@ -191,6 +191,9 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
     printed = capsys.readouterr().out
     assert "done: every run trained and evaluated" in printed and "next:" not in printed
     assert "corpus:" not in printed and "sampled answers:" not in printed and "step time alone" not in printed
+    evaluated = [line for line in printed.splitlines() if ": τ heldout T=0 " in line]
+    assert evaluated and all(line.split(": τ ")[0] in second["runs"] and "heldout T=1 sampled " in line
+                             for line in evaluated), evaluated  # each evaluated run's line under its own name
     assert {f: f.stat().st_mtime_ns for f in made} == stamps  # nothing prepared or regenerated again
     assert second["step_s"] == first["step_s"] and second["steps"] == steps
     for name, r in second["runs"].items():

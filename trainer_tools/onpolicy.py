@@ -66,6 +66,7 @@ from trainer.data.chat import (
     template_failure,
     template_kwargs_for,
 )
+from trainer.generate.sampling_params import DraftSampleMethod
 from trainer_tools.regen import (
     EXIT_USAGE,
     InputError,
@@ -225,6 +226,7 @@ class Settings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    draft_sample_method: DraftSampleMethod = "greedy"  # the engine's proposals the rollouts are decoded with
     miss_weight: float = MISS_WEIGHT
     max_tokens: int = 512
     batch: int = 16
@@ -286,7 +288,8 @@ def rollouts(models: Models, prompts: list[Prompt], settings: Settings) -> list[
 
     ids = [generation_prompt_ids(models.tokenizer, p.messages,
                                  template_kwargs_for({"tools": p.tools}, settings.template_kwargs)) for p in prompts]
-    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
+    sampling = Sampling(temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
+                        draft=settings.draft_sample_method)
     streams = [int(p.seed or 0) for p in prompts]
     generations = speculative_generate_cached(models.target, models.drafter, models.head, ids, settings.max_tokens,
                                               models.stop_ids, sampling=sampling, streams=streams)
@@ -304,7 +307,8 @@ def record(models: Models, prompt: Prompt, generation: Any, settings: Settings, 
             **({"tools": prompt.tools} if prompt.tools else {}),
             "rollout_tokens": tokens, "rollout_weights": token_weights(generation, drafts, settings.miss_weight),
             "finish_reasons": [finish], "model": models.name, "drafter": drafter,
-            "temperature": settings.temperature, "top_p": settings.top_p, "miss_weight": settings.miss_weight,
+            "temperature": settings.temperature, "top_p": settings.top_p,
+            "draft_sample_method": settings.draft_sample_method, "miss_weight": settings.miss_weight,
             "rounds": len(generation.acceptance_lengths), "accepted": sum(generation.accepted)}
 
 
@@ -368,6 +372,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="the seed the samples' seeds derive from")
+    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
+                   help="the engine's proposals the rollouts are decoded with, as you serve (vLLM's "
+                   "draft_sample_method: the draft's argmax, or sampled from it)")
     p.add_argument("--miss-weight", type=float, default=MISS_WEIGHT,
                    help="loss weight of the tokens where the drafter's draft was rejected (others: 1)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer")
@@ -397,7 +404,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
                          "the same)")
     kwargs = json_object_arg(args.chat_template_kwargs, "--chat-template-kwargs")
     return Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed % 2**32,
-                    miss_weight=args.miss_weight, max_tokens=args.max_tokens, batch=args.batch,
+                    draft_sample_method=args.draft_sample_method, miss_weight=args.miss_weight, max_tokens=args.max_tokens, batch=args.batch,
                     template_kwargs=kwargs)
 
 

@@ -55,14 +55,14 @@ def rows(path):
 
 def expected_weights(models, row, miss_weight):
     """The row decoded again by the uncached reference (trainer.generate.evaluate.speculative_generate)
-    with the row's noise stream, and the weight each of its tokens should carry: the round's own
-    token after a rejected draft weighs miss_weight."""
+    with the row's noise stream and proposals, and the weight each of its tokens should carry: the round's
+    own token after a rejected draft weighs miss_weight."""
     from trainer.generate.evaluate import generation_prompt_ids, speculative_generate
     from trainer.generate.sampling_params import Sampling
 
     prompt = generation_prompt_ids(models.tokenizer, row["messages"][:-1])
     g = speculative_generate(models.target, models.drafter, models.head, prompt, 24, models.stop_ids,
-                             Sampling(temperature=1.0, seed=0), stream=row["seed"])
+                             Sampling(temperature=1.0, seed=0, draft=row["draft_sample_method"]), stream=row["seed"])
     weights = [1.0]
     for n, accepted in zip(g.acceptance_lengths, g.accepted):
         round_weights = [1.0] * n
@@ -129,6 +129,19 @@ def test_onpolicy_rows_weigh_the_missed_positions_resume_and_train(trained, caps
     assert sorted(r["id"] for r in again) == sorted(f"p{i}#{k}" for i in range(4) for k in range(3))
     by_id = {r["id"]: r for r in again}
     assert all(by_id[r["id"]] == r for r in first)  # a row decodes the same in any batch
+
+    # rollouts decoded with sampled proposals (as served with vLLM's draft_sample_method probabilistic): each row
+    # is the reference decoder's with those proposals, which decode other rollouts than argmax proposals
+    sampled = root / "sampled.jsonl"
+    assert onpolicy.main([*argv[:7], str(sampled), *argv[8:], "--draft-sample-method", "probabilistic"]) == 0
+    capsys.readouterr()
+    differ = 0
+    for r in rows(sampled):
+        assert r["draft_sample_method"] == "probabilistic"
+        assert (r["rollout_tokens"], r["rollout_weights"]) == expected_weights(models, r, 3.0)
+        differ += (r["rollout_tokens"], r["rollout_weights"]) != expected_weights(
+            models, {**r, "draft_sample_method": "greedy"}, 3.0)
+    assert differ
 
     plain = root / "plain.jsonl"
     from trainer.data.synth import synthetic_conversations, write_jsonl

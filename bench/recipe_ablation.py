@@ -9,7 +9,7 @@ style, beside n-gram lookup's τ there; at T = 1 with the engine's argmax propos
     ... --plan-only     # the plan from the preset's stated figures; nothing run
 
 A candidate is `OBJECTIVE/DATA`: the objective one of bench/quality_objectives.py's OBJECTIVES (ce+decay,
-ce+dpace, kl, ce+kl), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
+ce+dpace, kl, ce+kl, kl+dpace), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
 `mix_prompts` regen prompts, `sampled` `samples_per_prompt` seeded answers of each of the same prompts at
 `sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together. The mix
 (prompts, rows, answer characters, sampling) is recorded in the results beside the table.

@@ -100,6 +100,7 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
     by_position = headroom["temperatures"]["0"]["ceiling_acceptance_expected"]
     assert shown[3] == "T=0 ceiling accepted by position (expected): " + " ".join(f"{a:.2f}" for a in by_position)
     assert by_position == sorted(by_position, reverse=True) and len(by_position) == headroom["block_size"] - 1
+    assert shown[-1].startswith("ceiling: the target's own greedy chain") and "argmax" in shown[-1]
     assert headroom["draft"] is None and list(headroom["temperatures"]) == ["0", "1"]
     for label, beside in again["temperatures"].items():
         alone = headroom["temperatures"][label]

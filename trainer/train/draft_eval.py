@@ -124,7 +124,11 @@ def headroom_table(report: dict) -> str:
     for label, r in report["temperatures"].items():
         lines.append(f"T={label} ceiling accepted by position (expected): "
                      + " ".join(f"{a:.2f}" for a in r.get("ceiling_acceptance_expected") or []))
-    return "\n".join(lines)
+    return "\n".join([*lines, CEILING_NOTE])
+
+
+CEILING_NOTE = ("ceiling: the target's own greedy chain as the block, the most a draft proposing its argmax reaches "
+                "(the engine's default); sampled proposals (--draft-sample-method probabilistic) are not bounded by it")
 
 
 def table(report: dict) -> str:
@@ -145,6 +149,8 @@ def table(report: dict) -> str:
         for turn, b in (r.get("tau_by_turn") or {}).items():  # agent data (eval.turns): τ at each assistant turn
             lines.append(f"T={label} assistant turn {turn}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f} "
                          f"({b['prompts']} prompts)")
+    if columns != COLUMNS:
+        lines.append(CEILING_NOTE)
     return "\n".join(lines)
 
 

@@ -30,6 +30,8 @@ OBJECTIVES = {
     "ce+dpace": Objective(position_weight="dpace", dpace_alpha=0.3),
     "kl": Objective(ce=0.0, kl=1.0),
     "ce+kl, T=2, dpace": Objective(ce=0.5, kl=1.0, temperature=2.0, position_weight="dpace"),
+    "tv": Objective(ce=0.0, tv=1.0),
+    "ce+tv, T=2, dpace": Objective(ce=0.5, tv=1.0, temperature=2.0, position_weight="dpace"),
 }
 
 
@@ -86,6 +88,17 @@ def test_chunked_equals_dense_and_fused_equals_checkpointed(name):
         assert torch.allclose(loss, loss0, rtol=1e-5), (path, chunk)
         assert torch.equal(correct, correct0), (path, chunk)
         assert torch.allclose(grad, grad0, atol=1e-6, rtol=1e-4), (path, chunk)
+
+
+def test_tv_is_the_share_of_sampled_proposals_the_engine_rejects():
+    """The TV term at a slot is 1 - Σ min(p, q): a draft x ~ q is accepted with min(1, p(x)/q(x))."""
+    from trainer.models.objective import _tv_terms
+
+    torch.manual_seed(0)
+    logits, target_logits = torch.randn(5, VOCAB) * 3, torch.randn(5, VOCAB) * 3
+    p, q = target_logits.softmax(-1), logits.softmax(-1)
+    assert torch.allclose(_tv_terms(logits, target_logits, 1.0), 1 - torch.minimum(p, q).sum(-1), atol=1e-6)
+    assert torch.allclose(_tv_terms(target_logits, target_logits, 1.0), torch.zeros(5), atol=1e-7)
 
 
 def test_kl_is_zero_when_the_drafters_logits_are_the_targets():
@@ -202,7 +215,9 @@ def test_the_config_names_the_objective():
     assert objective_of(parse_config(tiny_config("model: {position_weight: decay}")).model) == CE_DECAY
     assert objective_of(parse_config(tiny_config("model: {loss: kl}")).model) == Objective(ce=0.0, kl=1.0,
                                                                                           position_weight="dpace")
-    for overlay, message in [("model: {loss: mse}", r"model.loss must be one of 'ce', 'kl' or a mapping, got 'mse'"),
+    assert objective_of(parse_config(tiny_config("model: {loss: {ce: 1, tv: 0.5}}")).model) == Objective(
+        ce=1.0, tv=0.5, position_weight="dpace")
+    for overlay, message in [("model: {loss: mse}", r"model.loss must be one of 'ce', 'kl', 'tv' or a mapping, got 'mse'"),
                              ("model: {loss: {ce: 1, kld: 1}}", r"unknown key 'model.loss.kld' \(did you mean 'kl'\?\)"),
                              ("model: {loss: {ce: 0, kl: 0}}", r"model.loss needs non-negative weights"),
                              ("model: {kl_temperature: 0}", r"model.kl_temperature must be positive"),
@@ -217,7 +232,7 @@ def test_a_knob_of_another_objective_is_an_error_naming_it_and_the_objective_in_
     said nothing (#55 item 8): each is refused at load with the file's line, the knob and the
     objective in use; set under its own objective it is taken."""
     for overlay, message in [
-            ("model: {kl_temperature: 2}", r"model.kl_temperature applies only to a loss with a KL term, and model.loss is ce"),
+            ("model: {kl_temperature: 2}", r"model.kl_temperature applies only to a loss with a KL \(or TV\) term, and model.loss is ce"),
             ("model: {loss: {ce: 1, kl: 0}, kl_temperature: 2}", r"model.kl_temperature .* model.loss is \{ce: 1, kl: 0\}"),
             ("model: {position_weight: decay, dpace_alpha: 0.3}",
              r"model.dpace_alpha applies only to position_weight: dpace, and model.position_weight is decay:"),
@@ -247,7 +262,8 @@ pipeline: {kind: %(kind)s}
 """
 PIPELINE_CASES = {"kl": "model: {loss: kl, kl_temperature: 1.5}",
                   "ce+dpace": "model: {position_weight: dpace}",
-                  "ce+kl": "model: {loss: {ce: 0.5, kl: 2}, position_weight: dpace}"}
+                  "ce+kl": "model: {loss: {ce: 0.5, kl: 2}, position_weight: dpace}",
+                  "ce+tv": "model: {loss: {ce: 0.5, tv: 1}, position_weight: dpace}"}
 
 
 def steps(run_dir):

@@ -3,7 +3,9 @@
 Every block slot k >= 1 carries a loss term and a weight (docs/objectives.md):
 
   term   = a·CE(drafter, the data's token) + b·T²·KL(softmax(target/T) || softmax(drafter/T))
-           (model.loss: `ce` is a=1, b=0; `kl` a=0, b=1; `{ce: a, kl: b}`; T = model.kl_temperature);
+           + c·T·TV(softmax(target/T), softmax(drafter/T))
+           (model.loss: `ce` is a=1, b=c=0; `kl` b=1; `tv` c=1; `{ce: a, kl: b, tv: c}`; T = model.kl_temperature;
+           TV = ½Σ|p - q|, the share of sampled proposals the engine rejects at the slot: 1 - Σ min(p, q));
            the target's logits for slot k are its next-token logits at position anchor+k-1;
   weight = base · dynamic. base is known before any forward (trainer.models.masks: 0 for slot 0,
            padding, out-of-bounds and non-loss tokens; exp(-(k-1)/γ) under `decay`, 1 under `dpace`);
@@ -43,19 +45,21 @@ class Objective:
 
     ce: float = 1.0  # weight of cross-entropy on the data's tokens
     kl: float = 0.0  # weight of forward KL to the target's next-token distribution
-    temperature: float = 1.0  # softens both distributions of the KL term (scaled by T² so its gradient keeps its size)
+    temperature: float = 1.0  # softens both distributions of the KL and TV terms (scaled by T², T: their gradients keep their size)
     position_weight: str = "decay"  # "decay" (static exp(-(k-1)/γ)) | "dpace" (dpace_weights)
     dpace_alpha: float = 0.5  # D-PACE's smoothing floor: q~ = α + (1-α)·q
     selector: float = 0.0  # DFlash2: weight of the candidate selector's K-way CE (trainer.models.dflash2.selector_sums)
+    tv: float = 0.0  # weight of the total variation to the target's distribution (sampled proposals' rejection)
 
     @property
     def needs_target(self) -> bool:
         """Whether the loss reads the target's logits (its layers above the last tapped one and its head)."""
-        return self.kl > 0
+        return self.kl > 0 or self.tv > 0
 
     def describe(self) -> str:
-        terms = [f"{w:g}·{name}" if w != 1 else name for name, w in (("ce", self.ce), ("kl", self.kl)) if w]
-        t = f" (T={self.temperature:g})" if self.kl and self.temperature != 1 else ""
+        terms = [f"{w:g}·{name}" if w != 1 else name
+                 for name, w in (("ce", self.ce), ("kl", self.kl), ("tv", self.tv)) if w]
+        t = f" (T={self.temperature:g})" if self.needs_target and self.temperature != 1 else ""
         weight = f"dpace α={self.dpace_alpha:g}" if self.position_weight == "dpace" else "decay"
         selector = f" + {self.selector:g}·selector CE (top-k, teacher-forced predecessor)" if self.selector else ""
         return f"{' + '.join(terms)}{t}{selector}, {weight}"
@@ -67,10 +71,11 @@ CE_DECAY = Objective()  # the DFlash recipe: hard cross-entropy, exp(-(k-1)/γ) 
 def objective_of(model: ModelConfig) -> Objective:
     """The Objective a model config asks for (trainer.run.config has validated it)."""
     loss = model.loss
-    ce, kl = (1.0, 0.0) if loss == "ce" else (0.0, 1.0) if loss == "kl" else (float(loss.ce), float(loss.kl))  # type: ignore[union-attr]  # LossMix
+    ce, kl, tv = ((float(loss == "ce"), float(loss == "kl"), float(loss == "tv")) if isinstance(loss, str)
+                  else (float(loss.ce), float(loss.kl), float(loss.tv)))
     selector = float(model.drafter.selector_loss_weight or 1.0) if model.drafter.kind == "dflash2" else 0.0
     return Objective(ce=ce, kl=kl, temperature=model.kl_temperature, position_weight=model.position_weight,
-                     dpace_alpha=model.dpace_alpha, selector=selector)
+                     dpace_alpha=model.dpace_alpha, selector=selector, tv=tv)
 
 
 def base_gamma(objective: Objective, gamma: float) -> float:
@@ -113,17 +118,28 @@ def _kl_terms(logits: torch.Tensor, target_logits: torch.Tensor, temperature: fl
     return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * temperature ** 2
 
 
+def _tv_terms(logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T·½Σ|softmax(target/T) - softmax(drafter/T)| per row, fp32."""
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    return 0.5 * (q - p).abs().sum(-1) * temperature
+
+
 def _chunk_terms(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                  target_hidden: torch.Tensor | None, ce_w: float, kl_w: float,
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 temperature: float, tv_w: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(term, CE, correct) per slot of one chunk, from its logits (and the target's)."""
     w = lm_head_weight.to(hidden.dtype)
     logits = (hidden @ w.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     correct = (logits.argmax(dim=-1) == labels).float()
     term = ce * ce_w if ce_w else torch.zeros_like(ce)
-    if target_hidden is not None and kl_w:
-        term = term + kl_w * _kl_terms(logits, (target_hidden.to(hidden.dtype) @ w.t()).float(), temperature)
+    if target_hidden is not None and (kl_w or tv_w):
+        target_logits = (target_hidden.to(hidden.dtype) @ w.t()).float()
+        if kl_w:
+            term = term + kl_w * _kl_terms(logits, target_logits, temperature)
+        if tv_w:
+            term = term + tv_w * _tv_terms(logits, target_logits, temperature)
     return term, ce.detach(), correct
 
 
@@ -145,7 +161,8 @@ def chunked_objective(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels
         th = None
         if target_rows is not None and slot_rows is not None and objective.needs_target:
             th = target_rows.index_select(0, slot_rows[sl])
-        args = (hidden[sl], lm_head_weight, labels[sl], th, objective.ce, objective.kl, objective.temperature)
+        args = (hidden[sl], lm_head_weight, labels[sl], th, objective.ce, objective.kl, objective.temperature,
+                objective.tv)
         if torch.is_grad_enabled() and hidden.requires_grad:
             t, e, c = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
@@ -181,10 +198,11 @@ def _ce_slots(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
 
 @pointwise
 def _mix_slots(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor, ce_w: float, kl_w: float,
-               temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """term, CE, correct and d term / d logits per slot of one chunk, with the KL term (module doc).
+               temperature: float, tv_w: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """term, CE, correct and d term / d logits per slot of one chunk, with the KL and TV terms (module doc).
 
-    d(T²·KL)/d logits = T·(softmax(drafter/T) - softmax(target/T))."""
+    d(T²·KL)/d logits = T·(q - p); d(T·TV)/d logits = q·(g - Σ q·g) with g = ½·sign(q - p), where
+    q = softmax(drafter/T), p = softmax(target/T)."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     picked = logits32.gather(1, labels[:, None]).squeeze(1)
@@ -192,13 +210,18 @@ def _mix_slots(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.
     ce = lse - picked
     log_q = torch.log_softmax(logits32 / temperature, dim=-1)
     log_p = torch.log_softmax(target_logits.float() / temperature, dim=-1)
-    p = torch.exp(log_p)
+    p, q = torch.exp(log_p), torch.exp(log_q)
     kl = (p * (log_p - log_q)).sum(-1) * temperature ** 2
-    grad = (kl_w * temperature) * (torch.exp(log_q) - p)
+    grad = (kl_w * temperature) * (q - p)
+    term = ce_w * ce + kl_w * kl
+    if tv_w:
+        g = 0.5 * torch.sign(q - p)
+        term = term + tv_w * temperature * 0.5 * (q - p).abs().sum(-1)
+        grad = grad + tv_w * q * (g - (q * g).sum(-1, keepdim=True))
     if ce_w:
         grad = grad + ce_w * torch.exp(logits32 - lse[:, None])
         grad = grad.scatter_add(1, labels[:, None], torch.full_like(lse, -ce_w)[:, None])
-    return ce_w * ce + kl_w * kl, ce, correct, grad.to(logits.dtype)
+    return term, ce, correct, grad.to(logits.dtype)
 
 
 def _with_quantized_grad(slots: Any, bound: Callable[..., float]) -> Any:
@@ -207,7 +230,7 @@ def _with_quantized_grad(slots: Any, bound: Callable[..., float]) -> Any:
 
     The scale is not the gradient's measured largest magnitude but its bound by construction (`bound` of
     the slots' arguments after the labels): a softmax minus a one-hot lies in [-1, 1], so the CE term's
-    gradient never exceeds ce_w and the KL term's kl_w * T. A measured scale would need a reduction over
+    gradient never exceeds ce_w, the KL term's kl_w * T and the TV term's tv_w. A measured scale would need a reduction over
     the whole [chunk, vocabulary] gradient before the cast could start, a pass over the logits of its own;
     the bound's scale lets the cast fuse into the softmax's pass. The two differ where a chunk's largest
     gradient is far below the bound (a drafter sure of every token): its small values are not scaled up
@@ -222,7 +245,8 @@ def _with_quantized_grad(slots: Any, bound: Callable[..., float]) -> Any:
 
 
 _ce_slots_fp8 = _with_quantized_grad(_ce_slots, lambda: 1.0)
-_mix_slots_fp8 = _with_quantized_grad(_mix_slots, lambda _target, ce_w, kl_w, temperature: abs(ce_w) + abs(kl_w) * temperature)
+_mix_slots_fp8 = _with_quantized_grad(_mix_slots, lambda _target, ce_w, kl_w, temperature, tv_w=0.0:
+                                      abs(ce_w) + abs(kl_w) * temperature + abs(tv_w))
 _quantized = pointwise(quantize_tensor)
 
 
@@ -273,7 +297,7 @@ class _HeadLoss(torch.autograd.Function):
                     target_logits = logits_of(target_rows.index_select(0, slot_rows[sl]))
                     mix = _mix_slots if fp8_head is None else _mix_slots_fp8
                     t, e, c, *grad_logits = mix(logits, labels[sl], target_logits, objective.ce, objective.kl,
-                                                objective.temperature, compiled=need_grad)
+                                                objective.temperature, objective.tv, compiled=need_grad)
                     term[sl] = t
                 else:
                     e, c, *grad_logits = (_ce_slots if fp8_head is None else _ce_slots_fp8)(logits, labels[sl],

@@ -333,7 +333,7 @@ pipeline: {kind: %s}
     run = tmp_path / "refused"
     assert train(parse_config(tiny_config(overlay % (trimmed, "reference"))), run) == 1
     error = json.loads((run / "status.json").read_text())["error"]
-    assert error["message"].startswith("config error: model.loss: kl needs the target's layers above the last tapped")
+    assert error["message"].startswith("config error: model.loss: kl (or tv) needs the target's layers above the last")
     assert error["traceback"] is None
 
 

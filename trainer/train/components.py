@@ -296,13 +296,13 @@ def check_init(cfg: TrainerConfig, draft: DrafterConfig, dcfg: DrafterConfig) ->
 
 
 def require_logits(target: Target, log: Callable[[str], None]) -> None:
-    """model.loss kl reads the target's logits: its layers above the last tapped one, its final norm
+    """model.loss kl (or tv) reads the target's logits: its layers above the last tapped one, its final norm
     and LM head, loaded onto the last stage now (training alone would leave them unread)."""
     from trainer.run.config import ConfigError
 
     if not complete_for_decoding(target, log):
-        raise ConfigError("model.loss: kl needs the target's layers above the last tapped one, its final norm "
-                          "and LM head, and the model directory lacks some; use loss: ce")
+        raise ConfigError("model.loss: kl (or tv) needs the target's layers above the last tapped one, its final "
+                          "norm and LM head, and the model directory lacks some; use loss: ce")
 
 
 def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], None],

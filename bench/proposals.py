@@ -6,12 +6,12 @@ argmax proposals), over seeds at equal steps.
     PYTHONPATH=. python bench/quality.py --preset tiny --out /tmp/q --no-ablations [--set ...]   # target, prompts, answers
     PYTHONPATH=. python bench/proposals.py --quality /tmp/q --out /tmp/proposals --steps 600 --seeds 0,1,2
 
-On top of a finished quality bench (its target, prompts, greedy answers and its main run's config): the
+On top of a quality bench that ran at least to its regen (its target, prompts and greedy answers): the
 sampled answers (`regen --samples-per-prompt`, T = 1) once, then each candidate (OBJECTIVE/DATA, the recipe
-ablation's names) and seed trained from scratch for --steps, then each run's τ at each temperature with argmax
-and with sampled proposals (`trainer.train.draft_eval.evaluate_draft`), and the target's headroom
-(`evaluate_headroom`) once. A rerun skips the runs that have their last checkpoint. Writes OUT/proposals.json
-and OUT/proposals.md.
+ablation's names) and seed trained from scratch for --steps, then each run's τ on the held-out prompts at each
+temperature with argmax and with sampled proposals, beside lookup's and the ceiling's (the bench's
+`quality.CheckpointEvaluator`: one target load, lookup and the ceiling decoded once). A rerun skips the runs
+that have their last checkpoint. Writes OUT/proposals.json and OUT/proposals.md.
 """
 
 from __future__ import annotations
@@ -97,24 +97,19 @@ def train(qp: quality.Preset, q: Path, runs: Path, objective: str, data: str, se
     return run
 
 
-def evaluate(qp: quality.Preset, run: Path, temperatures: list[float]) -> dict:
-    """{proposals: {T label: tau, tau_expected, tau_lookup}} of the run's last checkpoint."""
-    from trainer.run.config import load_config
-    from trainer.train.draft_eval import evaluate_draft
-
-    cfg = load_config(run.parent / f"{run.name}.yaml")
-    out = {}
-    for method in PROPOSALS:
-        c = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, draft_sample_method=method, samples=qp.n_eval,
-                                                              batch=qp.n_eval))
-        r = evaluate_draft(c, run, temperatures, log=lambda line: None)
-        out[method] = {label: {k: t[k] for k in ("tau", "tau_expected", "tau_lookup")}
-                       for label, t in r["temperatures"].items()}
-    return out
+def evaluate(evaluator: quality.CheckpointEvaluator, run: Path, temperatures: list[float]) -> dict:
+    """{proposals: {T label: tau, tau_expected, tau_lookup}} of the run's last checkpoint on the held-out prompts
+    (the bench's evaluator: one target load for every run, lookup's and the ceiling's τ decoded once)."""
+    ck = complete_checkpoints(run)[-1]
+    return {method: {label: {k: t[k] for k in ("tau", "tau_expected", "tau_lookup")}
+                     for label, t in evaluator(ck, tuple(temperatures), method)["tau_by_temperature"].items()}
+            for method in PROPOSALS}
 
 
 def spread(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+    """mean (min-max) of one row's seeds (quality_objectives.spread)."""
+    s = quality_objectives.spread(values)
+    return f"{s['mean']:.3f} ({s['min']:.3f}-{s['max']:.3f})"
 
 
 def table(doc: dict) -> list[str]:
@@ -133,7 +128,7 @@ def table(doc: dict) -> list[str]:
     h = doc["headroom"]
     out.append("| n-gram lookup | argmax | " + " | ".join(f"{h[t]['tau_lookup']:.3f}" for t in labels) + " |")
     out.append("| the ceiling (bounds argmax) | argmax | " + " | ".join(
-        f"{h[t]['tau_ceiling']:.3f}, {h[t]['ceiling_over_lookup']:.2f}x" for t in labels) + " |")
+        f"{h[t]['tau_ceiling']:.3f}, {h[t]['tau_ceiling'] / h[t]['tau_lookup']:.2f}x" for t in labels) + " |")
     return out
 
 
@@ -141,24 +136,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap = parser()
     args = ap.parse_args(argv)
     chosen, seeds = candidates(args.candidates, ap), [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not any(args.temperatures):
+        ap.error("--temperatures: name at least one above 0 (the proposals differ only there)")
     q, out = args.quality.resolve(), args.out.resolve()
     qp = quality.Preset(**json.loads((q / "quality.json").read_text())["preset"])
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     if any(data == "both" for _, data in chosen):
         sampled_answers(qp, q, args.samples_per_prompt)
+    trained = {(objective, data, seed): train(qp, q, runs, objective, data, seed, args.steps)
+               for objective, data in chosen for seed in seeds}
+    evaluator = quality.CheckpointEvaluator(dataclasses.replace(qp, ceiling=True), q / "model", q / "data", other=False)
     doc: dict = {"steps": args.steps, "seeds": seeds, "runs": {}}
-    for objective, data in chosen:
-        for seed in seeds:
-            run = train(qp, q, runs, objective, data, seed, args.steps)
-            doc["runs"].setdefault(f"{objective}/{data}", {})[str(seed)] = evaluate(qp, run, args.temperatures)
-    from trainer.run.config import load_config
-    from trainer.train.draft_eval import evaluate_headroom
-
-    first = next(runs.glob("*.yaml"))
-    cfg = load_config(first)
-    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, samples=qp.n_eval, batch=qp.n_eval))
-    doc["headroom"] = evaluate_headroom(cfg, args.temperatures, log=lambda line: None)["temperatures"]
+    for (objective, data, seed), run in trained.items():
+        doc["runs"].setdefault(f"{objective}/{data}", {})[str(seed)] = evaluate(evaluator, run, args.temperatures)
+    doc["headroom"] = evaluator.set_lookups["heldout"]  # lookup's and the ceiling's τ at each temperature
     write_json(doc, out / "proposals.json")
     rows = table(doc)
     (out / "proposals.md").write_text("\n".join(rows) + "\n")

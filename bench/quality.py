@@ -1096,7 +1096,8 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
 class CheckpointEvaluator:
     """τ of saved checkpoints with the trainer's own evaluation (one target load for all)."""
 
-    def __init__(self, p: Preset, model_dir: Path, data: Path):
+    def __init__(self, p: Preset, model_dir: Path, data: Path, other: bool = True):
+        """other: also the prompts of another style (data/other.jsonl, when written)."""
         from transformers import AutoTokenizer
 
         from trainer.data.chat import read_conversations
@@ -1110,8 +1111,9 @@ class CheckpointEvaluator:
         self.conversations = read_conversations(data / "eval.jsonl")[: p.n_eval]
         self.lookup: dict | None = None  # n-gram prompt lookup's τ: the same for every checkpoint, measured once
         self.lookup_by_length: dict = {}  # and per prompt-length bucket
-        other = data / "other.jsonl"  # prompts of another style (write_other_prompts); its lookup τ measured once
-        self.others = read_conversations(other)[: p.n_eval] if other.exists() and other.stat().st_size else []
+        others = data / "other.jsonl"  # prompts of another style (write_other_prompts); its lookup τ measured once
+        self.others = (read_conversations(others)[: p.n_eval] if other and others.exists() and others.stat().st_size
+                       else [])
         self.other_lookup: float | None = None
         self.set_lookups: dict[str, dict] = {}  # per prompt set and temperature: lookup's τ, measured once
         from trainer.generate.sampling_params import Sampling

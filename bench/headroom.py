@@ -56,18 +56,24 @@ def targets(q: dict) -> list[dict]:
     return [final, *sorted(t["snapshots"], key=lambda s: -s["step"])]
 
 
-def measure(p: quality.Preset, model_dir: str, data: Path, temperatures: list[float]) -> dict:
-    """headroom_reports of one target on one prompt set: {temperature label: the report's figures}."""
+def load(p: quality.Preset, model_dir: str) -> tuple:
+    """(the target, frozen, in the preset's dtype on its device; its tokenizer)."""
     import torch
     from transformers import AutoTokenizer
 
-    from trainer.data.chat import read_conversations
-    from trainer.generate.evaluate import headroom_reports
     from trainer.models.target import freeze, load_target
-    from trainer.train.loop import autocast_for
 
     target = freeze(load_target(model_dir, p.device, torch.bfloat16 if p.dtype == "bf16" else torch.float32))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return target, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def measure(p: quality.Preset, model: tuple, data: Path, temperatures: list[float]) -> dict:
+    """headroom_reports of one target (`load`'s) on one prompt set: {temperature label: the report's figures}."""
+    from trainer.data.chat import read_conversations
+    from trainer.generate.evaluate import headroom_reports
+    from trainer.train.loop import autocast_for
+
+    target, tokenizer = model
     conversations = read_conversations(data)[: p.n_eval]
     with autocast_for(p.device, p.dtype):
         r = headroom_reports(target, tokenizer, conversations, p.eval_new_tokens, p.block_size, temperatures,
@@ -101,12 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
     done_path = out / "headroom.json"
     found: dict = json.loads(done_path.read_text()) if done_path.exists() else {}
     for t in targets(q):
-        for name, file in SETS.items():
+        missing = {name: out / "data" / file for name, file in SETS.items()
+                   if f"{t['step']}/{name}" not in found and (out / "data" / file).exists()}
+        if not missing:
+            continue
+        model = load(p, t["model_dir"])  # once for both prompt sets
+        for name, data in missing.items():
             key = f"{t['step']}/{name}"
-            if key in found or not (out / "data" / file).exists():
-                continue
-            found[key] = {**t, "set": name,
-                          "by_temperature": measure(p, t["model_dir"], out / "data" / file, args.temperatures)}
+            found[key] = {**t, "set": name, "by_temperature": measure(p, model, data, args.temperatures)}
             write_json(found, done_path)
             quality.say(f"headroom: target step {t['step']}, {name}: " + "; ".join(
                 f"T={label} lookup {m['tau_lookup']:.3f}, ceiling {m['tau_ceiling']:.3f} ({m['ceiling_over_lookup']:.2f}x)"

@@ -14,7 +14,8 @@ main drafter's last checkpoint,
    seed and settings as the main run: `control` on the regen rows, `onpolicy` on the regen rows and the
    rollouts (mixed in one data set);
 3. `python -m trainer eval` of the main drafter and of both runs on the held-out prompts (eval.jsonl) and
-   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side; with --ceiling, the main
+   the other-style prompts (other.jsonl) at T = 0 and T = 1, side by side, and at T = 1 again with sampled
+   proposals (vLLM's draft_sample_method probabilistic; --no-sampled leaves it out); with --ceiling, the main
    drafter's also with `trainer eval --ceiling`: the target drafting for itself (its greedy chain as the
    block), what a drafter that always proposes the target's most likely continuation reaches.
 
@@ -112,12 +113,22 @@ def stage(args: argparse.Namespace, q: Path, out: Path) -> dict:
             procs[key] = run(["-m", "trainer", "eval", "--config", str(out / "eval.yaml"), "--checkpoint", draft,
                               "--data", str(data / file), "--temperature", "0", "1", *ceiling, "--json",
                               str(logs[key].with_suffix(".json"))], logs[key])
+            if args.sampled:  # T = 1 again with sampled proposals (vLLM's draft_sample_method probabilistic)
+                logs[f"{key} sampled"] = out / f"eval-{name.split()[0]}-{label}-sampled.log"
+                procs[f"{key} sampled"] = run(
+                    ["-m", "trainer", "eval", "--config", str(out / "eval.yaml"), "--checkpoint", draft, "--data",
+                     str(data / file), "--temperature", "1", "--draft-sample-method", "probabilistic", "--json",
+                     str(logs[f"{key} sampled"].with_suffix(".json"))], logs[f"{key} sampled"])
     wait(procs, logs)
     table: dict = {}
     for key, log in logs.items():
         report = json.loads(log.with_suffix(".json").read_text())
-        table[key] = {t: {k: r[k] for k in ("tau", "tau_lookup", "tau_ceiling") if k in r}
-                      for t, r in report["temperatures"].items()}
+        by_t = {t: {k: r[k] for k in ("tau", "tau_lookup", "tau_ceiling") if k in r}
+                for t, r in report["temperatures"].items()}
+        if key.endswith(" sampled"):
+            table[key.removesuffix(" sampled")]["1 sampled"] = by_t["1"]
+        else:
+            table[key] = by_t
     return {"start": start, "onpolicy": summary, "steps": args.steps, "prompts": args.prompts,
             "temperature": args.temperature, "miss_weight": args.miss_weight, "tau": table}
 
@@ -126,12 +137,14 @@ def markdown(result: dict) -> str:
     lines = [f"On-policy stage from `{result['start']}`: {result['prompts']} rollouts at T={result['temperature']:g}, "
              f"miss weight {result['miss_weight']:g}, then {result['steps']} steps each, one seed.", "",
              f"Rollouts: {result['onpolicy']}", "",
-             "| drafter / prompts | τ T=0 (lookup) | τ T=1 (lookup) | the target drafting for itself T=0 / T=1 |",
-             "|---|---|---|---|"]
+             "| drafter / prompts | τ T=0 (lookup) | τ T=1 (lookup) | τ T=1, sampled proposals | the target drafting "
+             "for itself T=0 / T=1 |",
+             "|---|---|---|---|---|"]
     for key, by_t in result["tau"].items():
-        cells = [f"{by_t[t]['tau']:.3f} ({by_t[t]['tau_lookup']:.3f})" for t in ("0", "1")]
+        cells = [f"{by_t[t]['tau']:.3f} ({by_t[t]['tau_lookup']:.3f})" if t in by_t else ""
+                 for t in ("0", "1", "1 sampled")]
         best = " / ".join(f"{by_t[t]['tau_ceiling']:.3f}" for t in ("0", "1")) if "tau_ceiling" in by_t["1"] else ""
-        lines.append(f"| {key} | {cells[0]} | {cells[1]} | {best} |")
+        lines.append(f"| {key} | {' | '.join(cells)} | {best} |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1500, help="steps of each warm-started run")
     ap.add_argument("--ceiling", action="store_true", help="call 2: also the target drafting for itself, with the main "
                     "drafter's evaluation (trainer eval --ceiling; minutes on the GPU: its own call's time)")
+    ap.add_argument("--no-sampled", dest="sampled", action="store_false", help="call 2: leave out T = 1 with sampled "
+                    "proposals (the engine's draft_sample_method probabilistic) beside the argmax ones")
     args = ap.parse_args(argv)
     q, out = args.state / "quality", args.out
     out.mkdir(parents=True, exist_ok=True)

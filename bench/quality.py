@@ -1365,13 +1365,17 @@ def markdown(results: dict) -> str:
         lines += ["τ by prompt length (tokens), each drafter's last checkpoint:", "",
                   *by_length_side_by_side(results["by_length"]), ""]
     if results.get("ablations"):
+        from trainer.run.contract import tau_by_temperature_text
+
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
-                  "held-out acc | tok/s | tau by prompt set |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "held-out acc | tok/s | tau by prompt set | tau by temperature (held-out) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for name, a in results["ablations"].items():
             lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {fmt(a['tau'])} | {fmt(a.get('tau_ratio'), 2)} | "
                          f"{fmt(a['tau_per_prompt'])} | "
                          f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'], 0)} | "
-                         f"{by_set_text(a.get('tau_by_set'))} |")
+                         f"{by_set_text(a.get('tau_by_set'))} | "
+                         f"{tau_by_temperature_text(a.get('tau_by_temperature')) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1664,11 +1668,13 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
             say(f"main drafter by temperature on the other-style prompts: "
                 f"{tau_by_temperature_text(other['tau_by_temperature'])}")
         for name, b in (m.get("tau_by_set") or {}).items():
-            say(f"the target drafting for itself (the most a drafter reaches) on the {name} prompts: "
-                + "; ".join(f"T={label} {fmt(t.get('tau_ceiling'))} ({fmt(t['tau_ceiling'] / t['tau_lookup'], 2)}x "
-                            f"lookup's {fmt(t['tau_lookup'])})"
-                            for label, t in (b.get("tau_by_temperature") or {}).items()
-                            if t.get("tau_ceiling") and t.get("tau_lookup")))
+            ceilings = [f"T={label} {fmt(t['tau_ceiling'])} ({fmt(t['tau_ceiling'] / t['tau_lookup'], 2)}x "
+                        f"lookup's {fmt(t['tau_lookup'])})"
+                        for label, t in (b.get("tau_by_temperature") or {}).items()
+                        if t.get("tau_ceiling") and t.get("tau_lookup")]
+            if ceilings:  # measured only with the preset's ceiling on
+                say(f"the target drafting for itself (the most a drafter reaches) on the {name} prompts: "
+                    + "; ".join(ceilings))
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
         f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "

@@ -1116,6 +1116,7 @@ class CheckpointEvaluator:
                        else [])
         self.other_lookup: float | None = None
         self.set_lookups: dict[str, dict] = {}  # per prompt set and temperature: lookup's τ, measured once
+        self.form_lookups: dict[str, dict] = {}  # the other-style set's per temperature and form of prompt
         from trainer.generate.sampling_params import Sampling
 
         self.proposals = Sampling(draft=p.draft_sample_method)  # at each temperature
@@ -1162,7 +1163,8 @@ class CheckpointEvaluator:
             by_set["other"] = {"tau": o["tau"], "tau_per_prompt": o["tau_per_prompt"], "samples": o["samples"],
                                "tau_lookup": self.other_lookup,
                                "tau_ratio": o["tau"] / self.other_lookup if self.other_lookup else None,
-                               "tau_by_temperature": self.beside_lookup("other", o["temperatures"])}
+                               "tau_by_temperature": self.beside_lookup("other", o["temperatures"]),
+                               "tau_by_form": self.by_form_beside_lookup(o["temperatures"])}
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
                             else None} for name, b in r["tau_by_length"].items()}
@@ -1173,6 +1175,18 @@ class CheckpointEvaluator:
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
+
+    def by_form_beside_lookup(self, reports: dict) -> dict:
+        """The other-style set's τ per form of prompt (signature, question, middle) at each temperature, with
+        lookup's τ there from the set's first evaluation (the only one that decodes lookup)."""
+        out = {}
+        for label, r in reports.items():
+            lookups = self.form_lookups.setdefault(label, {form: b.get("tau_lookup")
+                                                           for form, b in (r.get("tau_by_form") or {}).items()})
+            out[label] = {form: {**b, "tau_lookup": lookups.get(form),
+                                 "tau_ratio": b["tau"] / lookups[form] if lookups.get(form) else None}
+                          for form, b in (r.get("tau_by_form") or {}).items()}
+        return {label: by_form for label, by_form in out.items() if by_form}
 
     def beside_lookup(self, name: str, reports: dict) -> dict | None:
         """One set's τ at each temperature (more than one evaluated; else None) with lookup's τ there and the
@@ -1652,18 +1666,18 @@ def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_
 def say_main(p: Preset, m: dict, steps: int) -> None:
     say(f"main drafter vs n-gram prompt lookup: tau {fmt(m['tau'])} vs {fmt(m.get('tau_lookup'))} pooled on the same "
         f"held-out prompts: ratio {fmt(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
-    if m.get("tau_by_length"):
-        from trainer.run.contract import tau_by_length_text
+    from trainer.run.contract import tau_by_length_text, tau_by_temperature_text
 
+    if m.get("tau_by_length"):
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
+    other = (m.get("tau_by_set") or {}).get("other") or {}
     if m.get("tau_by_set"):
         say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
+    for label, by_form in (other.get("tau_by_form") or {}).items():
+        say(f"main drafter on the other-style prompts by form at T={label}: {tau_by_length_text(by_form)}")
     if m.get("tau_by_temperature"):  # its last checkpoint at each temperature, lookup beside
-        from trainer.run.contract import tau_by_temperature_text
-
         say(f"main drafter by temperature (its last checkpoint): "
             f"{tau_by_temperature_text(m['tau_by_temperature'])}")
-        other = (m.get("tau_by_set") or {}).get("other") or {}
         if other.get("tau_by_temperature"):
             say(f"main drafter by temperature on the other-style prompts: "
                 f"{tau_by_temperature_text(other['tau_by_temperature'])}")

@@ -97,6 +97,10 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
         assert point["tau_by_set"]["heldout"]["tau"] == pytest.approx(point["tau"])
         o = point["tau_by_set"]["other"]
         assert o["samples"] == len(other) and o["tau"] >= 1.0 and o["tau_lookup"] >= 1.0
+        by_form = o["tau_by_form"]["0"]  # τ per form of prompt, lookup's beside, pooling to the set's
+        assert set(by_form) == {row["form"] for row in other}
+        assert sum(b["prompts"] for b in by_form.values()) == len(other)
+        assert all(b["tau"] >= 1.0 and b["tau_lookup"] >= 1.0 for b in by_form.values())
     assert m["tau_by_set"] == r["curve"][-1]["tau_by_set"]
     assert all(set(x.get("tau_by_set") or ("heldout", "other")) == {"heldout", "other"} for x in r["ablations"].values())
     assert "main drafter by prompt set: heldout tau" in (tmp_path / "quality.md").read_text()

@@ -5,7 +5,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from trainer.generate.evaluate import tau_by_length
+from trainer.generate.evaluate import tau_by_form, tau_by_length
 from trainer.generate.speculative import Generation
 from trainer.run.contract import length_bucket, tau_by_length_text
 
@@ -29,6 +29,16 @@ def test_tau_per_bucket_pools_the_rounds_of_its_prompts_only_buckets_with_prompt
     assert tau_by_length_text(got) == ("<=2K 4.00 (lookup 2.00, 1 prompt); 2-8K 2.00 (lookup 1.00, 2 prompts); "
                                        ">32K 1.00 (lookup 1.00, 1 prompt)")
     assert tau_by_length_text({"<=2K": {"tau": "high"}, "x": 3}) == ""  # a reader's view: odd entries left out
+
+
+def test_tau_per_form_pools_its_prompts_in_the_order_forms_first_appear():
+    prompts = [[0] * 10] * 4
+    drafted = [Generation([], [3, 5]), Generation([], [1]), Generation([], [2, 2]), Generation([], [6])]
+    looked = [Generation([], [1, 1]), Generation([], [2]), Generation([], [2, 2]), Generation([], [1])]
+    got = tau_by_form(["middle", "question", None, "middle"], prompts, drafted, looked, block_size=8)
+    assert list(got) == ["middle", "question", "-"]
+    assert got["middle"]["prompts"] == 2 and got["middle"]["tau"] == 14 / 3 and got["middle"]["tau_lookup"] == 1.0
+    assert got["question"]["tau_ratio"] == 0.5 and got["-"]["tau"] == 2.0
 
 
 def test_a_runs_evaluation_reports_tau_by_length_in_its_event_status_and_log(qwen3_model_dir, tmp_path):

@@ -226,8 +226,10 @@ def read_conversations(path: str | Path) -> list[dict]:
             raise DataError(f"{where}: the conversation has no assistant turn to train on")
         tools = row_tools(row, where)
         weighted = answer_weights(row, where)
+        form = row.get("form") if isinstance(row, dict) else None  # how the prompt is put: τ is reported per form
         rows.append({"messages": messages, "source": where, **({"tools": tools} if tools else {}),
-                     **({"answer_tokens": weighted[0], "loss_weights": weighted[1]} if weighted else {})})
+                     **({"answer_tokens": weighted[0], "loss_weights": weighted[1]} if weighted else {}),
+                     **({"form": form} if isinstance(form, str) else {})})
     return rows
 
 

@@ -116,7 +116,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     tau_lookup_per_prompt, tau_lookup_expected, lookup_rounds, lookup_histogram, tau_ratio = tau /
     tau_lookup (what the drafter's training bought), and lookup_same_output (greedy: both decodings
     gave the same tokens, as greedy verification must; None at a temperature); tau_by_length: the
-    same per prompt-length bucket (tau_by_length).
+    same per prompt-length bucket (tau_by_length), and per prompt form where conversations carry a "form"
+    (the quality bench's other-style prompts: tau_by_form).
 
     turns: where each conversation is judged (trainer.data.turns): at its last assistant turn, or at
     every one (agent conversations: after each tool result); prompts: how many were decoded; with
@@ -150,6 +151,9 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
                                           if sampling.greedy else None))
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
+    forms = [conversations[t.conversation].get("form") for t in chosen]
+    if any(isinstance(f, str) for f in forms):
+        report["tau_by_form"] = tau_by_form(forms, prompts, generations, looked, block_size)
     if len(chosen) > len({t.conversation for t in chosen}):
         report["tau_by_turn"] = tau_by_turn([t.turn for t in chosen], prompts, generations, looked, block_size)
     return report
@@ -284,6 +288,14 @@ def tau_by_length(prompts: list[list[int]], generations: list, looked: list | No
 
     return _tau_by([length_bucket(len(p)) for p in prompts], [name for name, _ in PROMPT_LENGTH_BUCKETS], prompts,
                    generations, looked, block_size)
+
+
+def tau_by_form(forms: list, prompts: list[list[int]], generations: list, looked: list | None,
+                block_size: int) -> dict:
+    """The same as tau_by_length per conversation form (a conversation's "form": how its prompt is put, e.g.
+    the quality bench's signature / question / middle), in the order the forms first appear; "-" for none."""
+    keys = [f if isinstance(f, str) else "-" for f in forms]
+    return _tau_by(keys, list(dict.fromkeys(keys)), prompts, generations, looked, block_size)
 
 
 def tau_by_turn(turns: list[int], prompts: list[list[int]], generations: list, looked: list | None,

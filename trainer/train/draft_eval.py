@@ -133,8 +133,8 @@ CEILING_NOTE = ("ceiling: the target's own greedy chain as the block, the most a
 
 def table(report: dict) -> str:
     """One row per temperature: sampled and expected τ, lookup's, the ratio (and the target drafting for
-    itself, when measured); then the expected acceptance by draft position, τ by prompt length and (agent
-    data) by assistant turn at each temperature. A report without a draft: headroom_table."""
+    itself, when measured); then the expected acceptance by draft position, τ by prompt length, by prompt form
+    (conversations with a "form") and (agent data) by assistant turn at each temperature. A report without a draft: headroom_table."""
     if report.get("draft") is None:
         return headroom_table(report)
     columns = COLUMNS + (CEILING_COLUMNS if any("tau_ceiling" in r for r in report["temperatures"].values()) else ())
@@ -145,6 +145,10 @@ def table(report: dict) -> str:
         for bucket, b in (r.get("tau_by_length") or {}).items():
             lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
             lines.append(f"T={label} {bucket}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
+                         f"({b['prompts']} prompts)")
+        for form, b in (r.get("tau_by_form") or {}).items():  # conversations with a "form" (how the prompt is put)
+            lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
+            lines.append(f"T={label} form {form}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
                          f"({b['prompts']} prompts)")
         for turn, b in (r.get("tau_by_turn") or {}).items():  # agent data (eval.turns): τ at each assistant turn
             lines.append(f"T={label} assistant turn {turn}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f} "

@@ -65,16 +65,38 @@ def test_a_prompt_decodes_alike_alone_and_in_a_batch_and_its_expected_length_is_
 
 
 @pytest.mark.parametrize("s", [Sampling(temperature=1.0, seed=2), Sampling(temperature=0.0)])
-def test_the_carried_cache_decodes_what_rounds_prefilled_anew_decode(tiny, s):
-    """The rounds' KV cache carried with the rejected drafts masked (the default for full attention) gives the
-    tokens and acceptance probabilities of each round prefilled from scratch."""
+@pytest.mark.parametrize("cache", ["slots", "carried"])
+def test_a_kept_cache_decodes_what_rounds_prefilled_anew_decode(tiny, s, cache):
+    """The rounds' KV cache kept with the rejected drafts masked (the decoder's slots, the default for the families
+    it runs, or the Hugging Face cache carried) gives the tokens and acceptance probabilities of each round
+    prefilled from scratch."""
     target = tiny[0]
-    carried = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, carried=True)
-    anew = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, carried=False)
-    for a, b in zip(carried, anew, strict=True):
+    kept = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, cache=cache)
+    anew = self_draft_generate(target, PROMPTS, 20, set(), 4, sampling=s, cache="anew")
+    for a, b in zip(kept, anew, strict=True):
         assert (a.tokens, a.acceptance_lengths) == (b.tokens, b.acceptance_lengths)
         assert sum(a.reach, []) == pytest.approx(sum(b.reach, []), abs=1e-5)
-    assert any(0 < n < 4 for g in carried for n in g.acceptance_lengths[:-1]) or s.greedy  # rejections happened
+    assert any(0 < n < 4 for g in kept for n in g.acceptance_lengths[:-1]) or s.greedy  # rejections happened
+
+
+def test_the_slots_are_the_default_where_the_decoder_runs_and_they_are_packed_when_full(tiny, monkeypatch):
+    from trainer.generate import slot_batch
+
+    packs = []
+    real = slot_batch.SlotBatch.make_room
+
+    def counting(self, live):
+        before = self.used
+        real(self, live)
+        packs.extend([before] if self.used < before else [])
+
+    monkeypatch.setattr(slot_batch.SlotBatch, "make_room", counting)
+    s, prompts = Sampling(temperature=0.1, seed=3), (PROMPTS * 6)[:16]
+    default = self_draft_generate(tiny[0], prompts, 40, set(), 4, sampling=s)
+    # the pointer moves by the longest accepted run of 16 rows, a row's tokens by its own: the slots were packed
+    assert packs
+    anew = self_draft_generate(tiny[0], prompts, 40, set(), 4, sampling=s, cache="anew")
+    assert [(g.tokens, g.acceptance_lengths) for g in default] == [(g.tokens, g.acceptance_lengths) for g in anew]
 
 
 def test_the_report_has_the_ceiling_at_each_temperature_above_the_drafters(components):

@@ -20,20 +20,26 @@ temperature, where an argmax draft is accepted with max p. Nothing here bounds t
 with `python -m trainer eval --draft-sample-method probabilistic`.
 
 Decoded like every decoder here: the same engine accept rule and noise (a prompt's tokens do not
-depend on its batch), rounds of `block_size - 1` drafts, through the Hugging Face forward (any causal
-LM): the KV cache carried from round to round with the rejected drafts masked (`_Chains`), or, for
-targets with sliding-window or linear-attention layers, each round prefilled anew. A reference, not a
-serving path: a round is `block_size` one-token forwards (on a CPU ~3.7x n-gram lookup's decoding of
-the same prompts, whose round is one forward of the block).
+depend on its batch), rounds of `block_size - 1` drafts: on the target decoder's slot-addressed cache as
+n-gram lookup decodes (trainer.generate.slot_batch; the families the decoder runs, on one device), else
+through the Hugging Face forward (any causal LM): its KV cache carried from round to round with the
+rejected drafts masked (`_Chains`), or, for targets with sliding-window or linear-attention layers, each
+round prefilled anew. A reference, not a serving path: a round is `block_size` one-token forwards.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
 from trainer.generate.sampling import Noise, sample_next, verify
 from trainer.generate.sampling_params import GREEDY, Sampling
+from trainer.generate.slot_batch import SlotBatch
 from trainer.generate.speculative import Generation, cache_arg
+from trainer.models import decoder
+
+Cache = Literal["slots", "carried", "anew"]  # how self_draft_generate keeps the target's cache between rounds
 
 
 def _left_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,22 +111,26 @@ def greedy_chain(target: torch.nn.Module, rows: list[list[int]], width: int) -> 
 @torch.no_grad()
 def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
                         block_size: int, sampling: Sampling = GREEDY, streams: list[int] | None = None,
-                        carried: bool | None = None) -> list[Generation]:
+                        cache: Cache | None = None) -> list[Generation]:
     """Decoding of every prompt with the target's own greedy chain as each round's `block_size - 1` drafts
     (see the module doc); sampling and streams as trainer.generate.lookup.lookup_generate. Rows that have
-    ended ride along to the end of the batch (their outputs unused). carried: the KV cache carried from round
-    to round (`_Chains`), or each round prefilled anew; None: carried where every layer is full attention."""
+    ended ride along to the end of the batch (their outputs unused). cache: "slots" (the target decoder's
+    slot-addressed cache, as lookup decodes), "carried" (the Hugging Face forward's cache carried from round
+    to round, `_Chains`) or "anew" (each round prefilled); None: the first of them the target allows."""
     streams = list(range(len(prompts))) if streams is None else list(streams)
     device = next(target.parameters()).device
     noise = Noise.of(sampling.seed, streams, device)
     width = block_size - 1
+    cache = cache or _cache_for(target)
+    if cache == "slots":
+        return _slot_rounds(target, prompts, max_new_tokens, stop_ids, block_size, sampling, noise)
     chains = _Chains(target, prompts)
     positions = torch.tensor([len(p) for p in prompts], device=device)  # each row's anchor position
     anchors = sample_next(chains.logits, sampling, noise, positions)
     first = anchors.tolist()
     results = [Generation([first[r]], [], []) for r in range(len(prompts))]
     live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
-    carried = _every_layer_full_attention(target) if carried is None else carried
+    carried = cache == "carried"
     seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     while live:
         if carried:
@@ -138,6 +148,46 @@ def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_n
             seqs[r] += new
         if carried:
             chains.keep(verdict.accepted, width)
+        positions = positions + verdict.accepted + 1
+        anchors = verdict.token
+        live = still
+    return results
+
+
+def _cache_for(target: torch.nn.Module) -> Cache:
+    """The fastest way the target allows: the decoder's slots (one device, a family it runs), else the carried
+    Hugging Face cache where every layer is full attention, else rounds prefilled anew."""
+    if decoder.supports(target) and len({p.device for p in target.parameters()}) == 1:
+        return "slots"
+    return "carried" if _every_layer_full_attention(target) else "anew"
+
+
+def _slot_rounds(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                 block_size: int, sampling: Sampling, noise: Noise) -> list[Generation]:
+    """self_draft_generate's rounds on the target decoder's slot-addressed cache (trainer.generate.slot_batch):
+    a round is `block_size` one-token forwards written at the shared pointer, no cache growing by concatenation
+    and no per-round prefill (on a GPU the Hugging Face cache's concatenations grow with every round)."""
+    b = SlotBatch(target, prompts, max_new_tokens, block_size)
+    width = block_size - 1
+    positions = torch.tensor([len(p) for p in prompts], device=b.device)  # each row's anchor position
+    anchors = sample_next(b.logits.float(), sampling, noise, positions)
+    first = anchors.tolist()
+    results = [Generation([first[r]], [], []) for r in range(len(prompts))]
+    live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
+    while live:
+        b.make_room(live)
+        token, logits, chain = anchors, [], []
+        for k in range(width + 1):
+            logits.append(b.forward(token[:, None], positions, at=k)[:, -1].float())
+            if k < width:
+                token = logits[-1].argmax(dim=-1)
+                chain.append(token)
+        verdict = verify(torch.stack(logits, dim=1), torch.stack(chain, dim=1), sampling, noise, positions)
+        drafts, accepted, own, probs = (torch.stack(chain, dim=1).tolist(), verdict.accepted.tolist(),
+                                        verdict.token.tolist(), verdict.probs.tolist())
+        still = [r for r in live if results[r].add_round(drafts[r][:accepted[r]] + [own[r]], accepted[r], stop_ids,
+                                                         max_new_tokens, drafts[r], probs[r])]
+        b.keep(verdict.accepted, still)
         positions = positions + verdict.accepted + 1
         anchors = verdict.token
         live = still

@@ -10,7 +10,7 @@ a temperature: the engine's rule for argmax proposals, trainer.generate.sampling
 drafter's. A round with no match verifies the anchor alone and produces one token.
 
 The target runs through the one target decoder (`trainer.models.decoder`) on a slot-addressed
-KV cache, the whole batch at once, each round a fixed [B, block_size] verification (rows with
+KV cache (`trainer.generate.slot_batch`), the whole batch at once, each round a fixed [B, block_size] verification (rows with
 fewer drafts pad their block; padding is never accepted). Targets the decoder does not support
 are verified by the Hugging Face forward on the whole sequence (no cache: slower, same tokens).
 """
@@ -21,6 +21,7 @@ import torch
 
 from trainer.generate.sampling import Noise, sample_next, verify
 from trainer.generate.sampling_params import GREEDY, Sampling
+from trainer.generate.slot_batch import SlotBatch
 from trainer.generate.speculative import Generation
 from trainer.models import decoder
 
@@ -49,54 +50,23 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
     if not decoder.supports(target) or len({p.device for p in target.parameters()}) != 1:
         return [_lookup_uncached(target, p, max_new_tokens, stop_ids, block_size, sampling, stream)
                 for p, stream in zip(prompts, streams, strict=True)]
-    d = decoder.TargetDecoder(target)
-    dev, bs, n = d.device, block_size, len(prompts)
-    longest = max(len(p) for p in prompts)
-    capacity = -(-(longest + max_new_tokens + 4 * bs) // 16) * 16
-    cache = d.cache(n, capacity)
-    slot = torch.arange(capacity, device=dev)
-    offsets = torch.arange(bs, device=dev)
-    pads = torch.tensor([longest - len(p) for p in prompts], device=dev)
-    ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=dev)
-    index = slot[:longest]
-    key_valid = index[None, :] >= pads[:, None]
-    positions = (index[None, :] - pads[:, None]).clamp(min=0)
-    visible = torch.zeros(n, longest, capacity, dtype=torch.bool, device=dev)
-    visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
-        torch.eye(longest, dtype=torch.bool, device=dev)
-    logits, _ = d.forward(ids, positions, cache, index, visible, last_only=True, expand_kv=dev.type == "cuda")
+    b = SlotBatch(target, prompts, max_new_tokens, block_size)
+    dev, bs, n = b.device, block_size, len(prompts)
     noise = Noise.of(sampling.seed, streams, dev)
-    first = sample_next(logits[:, -1], sampling, noise, torch.tensor([len(p) for p in prompts], device=dev)).tolist()
-    valid = torch.zeros(n, capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry
-    valid[:, :longest] = key_valid
+    first = sample_next(b.logits, sampling, noise, torch.tensor([len(p) for p in prompts], device=dev)).tolist()
     results = [Generation([first[r]], [], []) for r in range(n)]
     seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     live = [r for r in range(n) if not (first[r] in stop_ids or max_new_tokens <= 1)]
-    used = longest
     while live:
-        if used + bs > capacity:  # pack each live row's accepted slots to the front
-            alive = torch.zeros(n, dtype=torch.bool, device=dev)
-            alive[live] = True
-            kept = valid[:, :used] & alive[:, None]
-            order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
-            kept_counts = kept.sum(dim=1)
-            packed = int(kept_counts.max())
-            cache.compact(order, packed, used)
-            valid.zero_()
-            valid[:, :packed] = slot[None, :packed] < kept_counts[:, None]
-            used = packed
+        b.make_room(live)
         drafts = [lookup_drafts(seqs[r], bs - 1) if r in live else [] for r in range(n)]
         block = torch.tensor([[seqs[r][-1]] + dr + [0] * (bs - 1 - len(dr)) for r, dr in enumerate(drafts)],
                              device=dev)
         counts = torch.tensor([len(dr) for dr in drafts], device=dev)
         anchor_pos = torch.tensor([len(s) - 1 for s in seqs], device=dev)
-        slots = used + offsets
-        in_block = (slot[None, :] >= used) & (slot[None, :] <= slots[:, None])  # [bs, capacity]
-        context = valid & (slot < used)
-        logits, _ = d.forward(block, anchor_pos[:, None] + offsets, cache, slots, context[:, None, :] | in_block[None])
-        verdict = verify(logits, block[:, 1:], sampling, noise, anchor_pos, valid=offsets[None, :-1] < counts[:, None])
-        accepted = verdict.accepted
-        acc, own, probs = accepted.tolist(), verdict.token.tolist(), verdict.probs.tolist()
+        logits = b.forward(block, anchor_pos)
+        verdict = verify(logits, block[:, 1:], sampling, noise, anchor_pos, valid=b.offsets[None, :-1] < counts[:, None])
+        acc, own, probs = verdict.accepted.tolist(), verdict.token.tolist(), verdict.probs.tolist()
         still = []
         for r in live:
             a = acc[r]
@@ -104,8 +74,7 @@ def lookup_generate(target: torch.nn.Module, prompts: list[list[int]], max_new_t
             if results[r].add_round(new, a, stop_ids, max_new_tokens, drafts[r], probs[r][:len(drafts[r])]):
                 still.append(r)
             seqs[r] += new
-        valid[:, used:used + bs] = offsets[None, :] <= accepted[:, None]
-        used += (max(acc[r] for r in still) + 1) if still else 0
+        b.keep(verdict.accepted, still)
         live = still
     return results
 

@@ -19,7 +19,8 @@ class SlotBatch:
     def __init__(self, target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, block_size: int):
         """Prefill every prompt; `self.logits` [B, V] are each prompt's last position's."""
         d = self.decoder = decoder.TargetDecoder(target)
-        dev, n = self.device, self.rows = d.device, len(prompts)
+        self.device, self.rows = d.device, len(prompts)
+        dev, n = self.device, self.rows
         longest = max(len(p) for p in prompts)
         self.capacity = -(-(longest + max_new_tokens + 4 * block_size) // 16) * 16
         self.cache = d.cache(n, self.capacity)

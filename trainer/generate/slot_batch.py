@@ -15,6 +15,22 @@ import torch
 from trainer.models import decoder
 
 
+def prefill_layout(prompts: list[list[int]], capacity: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Left-padded prompts in slots 0..L-1 (slot j of row r holds position j - pad_r): ids [B, L], positions
+    [B, L], the slots [L], each query's visible slots [B, L, capacity] (its own row's tokens up to itself; a pad
+    sees itself, so no softmax row is empty) and which slots hold a prompt token [B, L]."""
+    longest = max(len(p) for p in prompts)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    index = torch.arange(longest, device=device)
+    key_valid = index[None, :] >= pads[:, None]
+    positions = (index[None, :] - pads[:, None]).clamp(min=0)
+    visible = torch.zeros(len(prompts), longest, capacity, dtype=torch.bool, device=device)
+    visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
+        torch.eye(longest, dtype=torch.bool, device=device)
+    return ids, positions, index, visible, key_valid
+
+
 class SlotBatch:
     def __init__(self, target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, block_size: int):
         """Prefill every prompt; `self.logits` [B, V] are each prompt's last position's."""
@@ -27,14 +43,7 @@ class SlotBatch:
         self.slot = torch.arange(self.capacity, device=dev)
         self.offsets = torch.arange(block_size, device=dev)
         self.block_size = block_size
-        pads = torch.tensor([longest - len(p) for p in prompts], device=dev)
-        ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=dev)
-        index = self.slot[:longest]
-        key_valid = index[None, :] >= pads[:, None]
-        positions = (index[None, :] - pads[:, None]).clamp(min=0)
-        visible = torch.zeros(n, longest, self.capacity, dtype=torch.bool, device=dev)
-        visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
-            torch.eye(longest, dtype=torch.bool, device=dev)
+        ids, positions, index, visible, key_valid = prefill_layout(prompts, self.capacity, dev)
         logits, _ = d.forward(ids, positions, self.cache, index, visible, last_only=True, expand_kv=dev.type == "cuda")
         self.logits = logits[:, -1]
         self.valid = torch.zeros(n, self.capacity, dtype=torch.bool, device=dev)  # slot holds an accepted entry

@@ -42,6 +42,7 @@ from transformers import DynamicCache
 
 from trainer.generate.sampling import Noise, propose_sampled, reach, sample_next, verify
 from trainer.generate.sampling_params import GREEDY, Sampling
+from trainer.generate.slot_batch import prefill_layout
 from trainer.models import decoder
 from trainer.models.decoder import RecurrentStates
 from trainer.models.drafter import Attention, DFlashDrafter, _rotate, rope_cos_sin, serving_attention
@@ -239,17 +240,8 @@ class _StaticRounds:
     # ---------------------------------------------------------------- prefill, rounds, bookkeeping
     def prefill(self, prompts: list[list[int]]) -> list[int]:
         """Left-padded prompts into slots 0..L-1 (slot j of row r = position j - pad_r); the first tokens."""
-        dev, n, longest = self.dev, len(prompts), max(len(p) for p in prompts)
-        pads = torch.tensor([longest - len(p) for p in prompts], device=dev)
-        ids = torch.zeros(n, longest, dtype=torch.long, device=dev)
-        for r, p in enumerate(prompts):
-            ids[r, longest - len(p):] = torch.tensor(p, device=dev)
-        index = self.slot[:longest]
-        key_valid = index[None, :] >= pads[:, None]
-        positions = (index[None, :] - pads[:, None]).clamp(min=0)
-        visible = torch.zeros(n, longest, self.capacity, dtype=torch.bool, device=dev)
-        visible[:, :, :longest] = (key_valid[:, None, :] & (index[:, None] >= index[None, :])) | \
-            torch.eye(longest, dtype=torch.bool, device=dev)
+        dev, longest = self.dev, max(len(p) for p in prompts)
+        ids, positions, index, visible, key_valid = prefill_layout(prompts, self.capacity, dev)
         logits, features = self._target(ids, positions, index, visible, last_only=True,
                                         expand_kv=dev.type == "cuda")  # long prompts: no score matrix
         self._context(features, positions, index)

@@ -70,6 +70,7 @@ class _Chains:
         """Each row's greedy chain of `width` tokens after its anchor [B] at positions [B], and the logits
         [B, width + 1, V] (fp32) at the anchor and at each chain token."""
         token, logits, chain = anchors, [], []
+        self.width = width
         for k in range(width + 1):
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(token), 1)], dim=1)
             out = self.target(input_ids=token[:, None], attention_mask=self.mask, position_ids=(positions + k)[:, None],
@@ -80,10 +81,34 @@ class _Chains:
                 chain.append(token)
         return torch.stack(chain, dim=1), torch.stack(logits, dim=1)
 
-    def keep(self, accepted: torch.Tensor, width: int) -> None:
-        """After a round: each row keeps its anchor and its accepted drafts [B]; the rest of the chain is masked."""
-        drafts = torch.arange(1, width + 1, device=accepted.device)
-        self.mask[:, -width:] = (drafts[None, :] <= accepted[:, None]).to(self.mask.dtype)
+    def keep(self, accepted: torch.Tensor, still: list[int]) -> None:
+        """After a round: each row keeps its anchor and its accepted drafts [B]; the rest of the chain is masked
+        (`still`, the rows decoding on, matters only to _SlotChains' pointer)."""
+        drafts = torch.arange(1, self.width + 1, device=accepted.device)
+        self.mask[:, -self.width:] = (drafts[None, :] <= accepted[:, None]).to(self.mask.dtype)
+
+
+class _SlotChains:
+    """_Chains' rounds on the target decoder's slot-addressed cache (trainer.generate.slot_batch), as n-gram
+    lookup decodes: each token's entry written at the shared pointer, none concatenated (the Hugging Face
+    cache copies itself at every one-token forward), kept slots packed to the front when a round would not fit."""
+
+    def __init__(self, target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, block_size: int):
+        self.batch = SlotBatch(target, prompts, max_new_tokens, block_size)
+        self.logits = self.batch.logits.float()
+
+    def chain(self, anchors: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        token, logits, chain = anchors, [], []
+        for k in range(width + 1):
+            logits.append(self.batch.forward(token[:, None], positions, at=k)[:, -1].float())
+            if k < width:
+                token = logits[-1].argmax(dim=-1)
+                chain.append(token)
+        return torch.stack(chain, dim=1), torch.stack(logits, dim=1)
+
+    def keep(self, accepted: torch.Tensor, still: list[int]) -> None:
+        self.batch.keep(accepted, still)
+        self.batch.make_room(still)
 
 
 def _every_layer_full_attention(target: torch.nn.Module) -> bool:
@@ -122,21 +147,19 @@ def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_n
     noise = Noise.of(sampling.seed, streams, device)
     width = block_size - 1
     cache = cache or _cache_for(target)
-    if cache == "slots":
-        return _slot_rounds(target, prompts, max_new_tokens, stop_ids, block_size, sampling, noise)
-    chains = _Chains(target, prompts)
+    chains = (_SlotChains(target, prompts, max_new_tokens, block_size) if cache == "slots"
+              else _Chains(target, prompts))
     positions = torch.tensor([len(p) for p in prompts], device=device)  # each row's anchor position
     anchors = sample_next(chains.logits, sampling, noise, positions)
     first = anchors.tolist()
     results = [Generation([first[r]], [], []) for r in range(len(prompts))]
     live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
-    carried = cache == "carried"
     seqs = [list(p) + [first[r]] for r, p in enumerate(prompts)]
     while live:
-        if carried:
-            chain, logits = chains.chain(anchors, positions, width)
-        else:
+        if cache == "anew":
             chain, logits = greedy_chain(target, seqs, width)
+        else:
+            chain, logits = chains.chain(anchors, positions, width)
         verdict = verify(logits, chain, sampling, noise, positions)
         drafts, accepted, own, probs = (chain.tolist(), verdict.accepted.tolist(), verdict.token.tolist(),
                                         verdict.probs.tolist())
@@ -146,8 +169,8 @@ def self_draft_generate(target: torch.nn.Module, prompts: list[list[int]], max_n
             if results[r].add_round(new, accepted[r], stop_ids, max_new_tokens, drafts[r], probs[r]):
                 still.append(r)
             seqs[r] += new
-        if carried:
-            chains.keep(verdict.accepted, width)
+        if cache != "anew":
+            chains.keep(verdict.accepted, still)
         positions = positions + verdict.accepted + 1
         anchors = verdict.token
         live = still
@@ -161,34 +184,3 @@ def _cache_for(target: torch.nn.Module) -> Cache:
         return "slots"
     return "carried" if _every_layer_full_attention(target) else "anew"
 
-
-def _slot_rounds(target: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                 block_size: int, sampling: Sampling, noise: Noise) -> list[Generation]:
-    """self_draft_generate's rounds on the target decoder's slot-addressed cache (trainer.generate.slot_batch):
-    a round is `block_size` one-token forwards written at the shared pointer, no cache growing by concatenation
-    and no per-round prefill (on a GPU the Hugging Face cache's concatenations grow with every round)."""
-    b = SlotBatch(target, prompts, max_new_tokens, block_size)
-    width = block_size - 1
-    positions = torch.tensor([len(p) for p in prompts], device=b.device)  # each row's anchor position
-    anchors = sample_next(b.logits.float(), sampling, noise, positions)
-    first = anchors.tolist()
-    results = [Generation([first[r]], [], []) for r in range(len(prompts))]
-    live = [r for r in range(len(prompts)) if not (first[r] in stop_ids or max_new_tokens <= 1)]
-    while live:
-        b.make_room(live)
-        token, logits, chain = anchors, [], []
-        for k in range(width + 1):
-            logits.append(b.forward(token[:, None], positions, at=k)[:, -1].float())
-            if k < width:
-                token = logits[-1].argmax(dim=-1)
-                chain.append(token)
-        verdict = verify(torch.stack(logits, dim=1), torch.stack(chain, dim=1), sampling, noise, positions)
-        drafts, accepted, own, probs = (torch.stack(chain, dim=1).tolist(), verdict.accepted.tolist(),
-                                        verdict.token.tolist(), verdict.probs.tolist())
-        still = [r for r in live if results[r].add_round(drafts[r][:accepted[r]] + [own[r]], accepted[r], stop_ids,
-                                                         max_new_tokens, drafts[r], probs[r])]
-        b.keep(verdict.accepted, still)
-        positions = positions + verdict.accepted + 1
-        anchors = verdict.token
-        live = still
-    return results

@@ -142,13 +142,11 @@ def table(report: dict) -> str:
     for label, r in report["temperatures"].items():
         lines.append(f"T={label} accepted by position (expected): "
                      + " ".join(f"{a:.2f}" for a in r.get("acceptance_expected") or []))
-        for bucket, b in (r.get("tau_by_length") or {}).items():
+        groups = [*(r.get("tau_by_length") or {}).items(),  # prompt-length buckets, then forms of prompt
+                  *((f"form {form}", b) for form, b in (r.get("tau_by_form") or {}).items())]
+        for name, b in groups:
             lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
-            lines.append(f"T={label} {bucket}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
-                         f"({b['prompts']} prompts)")
-        for form, b in (r.get("tau_by_form") or {}).items():  # conversations with a "form" (how the prompt is put)
-            lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
-            lines.append(f"T={label} form {form}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
+            lines.append(f"T={label} {name}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "
                          f"({b['prompts']} prompts)")
         for turn, b in (r.get("tau_by_turn") or {}).items():  # agent data (eval.turns): τ at each assistant turn
             lines.append(f"T={label} assistant turn {turn}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f} "

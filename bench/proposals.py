@@ -29,11 +29,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality, quality_objectives  # noqa: E402
-from trainer.generate.sampling_params import DraftSampleMethod  # noqa: E402
+from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.train.draft_eval import write_json  # noqa: E402
 
-PROPOSALS: tuple[DraftSampleMethod, ...] = ("greedy", "probabilistic")
+PROPOSALS = DRAFT_SAMPLE_METHODS  # the draft's argmax, then sampled from it
 
 
 def parser() -> argparse.ArgumentParser:

@@ -88,6 +88,7 @@ if str(ROOT) not in sys.path:
 
 from bench import quality, quality_objectives  # noqa: E402
 from bench.common import apply_sets  # noqa: E402
+from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.run.contract import read_log, read_status  # noqa: E402
 
@@ -643,7 +644,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         ap.error(f"baseline {p.baseline!r} is not one of the candidates {list(p.candidates)} (--set baseline=...)")
     if len(p.seeds) < 2:
         ap.error(f"seeds {list(p.seeds)}: a spread needs at least 2")
-    if "greedy" not in p.proposals or not set(p.proposals) <= {"greedy", "probabilistic"}:
+    if "greedy" not in p.proposals or not set(p.proposals) <= set(DRAFT_SAMPLE_METHODS):
         ap.error(f"proposals {list(p.proposals)}: greedy (the engine's default), and probabilistic if asked")
     return p
 

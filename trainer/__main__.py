@@ -213,6 +213,8 @@ def _plan(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
+    from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS, sampling_problem
+
     p = argparse.ArgumentParser(prog="python -m trainer eval",
                                 description="τ of a checkpoint or a draft (an export, a published draft) against the "
                                 "config's target, at each temperature, sampled and expected, beside n-gram lookup; "
@@ -226,7 +228,7 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures (default eval.temperatures)")
     p.add_argument("--top-p", type=float, default=None, help="the engine's top-p (default eval.top_p)")
     p.add_argument("--top-k", type=int, default=None, help="the engine's top-k, 0 off (default eval.top_k)")
-    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default=None,
+    p.add_argument("--draft-sample-method", choices=DRAFT_SAMPLE_METHODS, default=None,
                    help="the engine's proposals at T > 0 (vLLM's speculative_config draft_sample_method): the draft's "
                    "argmax, or sampled from it and verified with its probabilities (default "
                    "eval.draft_sample_method)")
@@ -243,7 +245,6 @@ def _eval(argv: list[str]) -> int:
                 "without a draft")
     import dataclasses
 
-    from trainer.generate.sampling_params import sampling_problem
     from trainer.run.config import ConfigError, load_config
 
     try:

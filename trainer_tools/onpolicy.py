@@ -66,7 +66,7 @@ from trainer.data.chat import (
     template_failure,
     template_kwargs_for,
 )
-from trainer.generate.sampling_params import DraftSampleMethod
+from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS, DraftSampleMethod
 from trainer_tools.regen import (
     EXIT_USAGE,
     InputError,
@@ -372,7 +372,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="the seed the samples' seeds derive from")
-    p.add_argument("--draft-sample-method", choices=["greedy", "probabilistic"], default="greedy",
+    p.add_argument("--draft-sample-method", choices=DRAFT_SAMPLE_METHODS, default="greedy",
                    help="the engine's proposals the rollouts are decoded with, as you serve (vLLM's "
                    "draft_sample_method: the draft's argmax, or sampled from it)")
     p.add_argument("--miss-weight", type=float, default=MISS_WEIGHT,
@@ -404,8 +404,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
                          "the same)")
     kwargs = json_object_arg(args.chat_template_kwargs, "--chat-template-kwargs")
     return Settings(temperature=args.temperature, top_p=args.top_p, seed=args.seed % 2**32,
-                    draft_sample_method=args.draft_sample_method, miss_weight=args.miss_weight, max_tokens=args.max_tokens, batch=args.batch,
-                    template_kwargs=kwargs)
+                    draft_sample_method=args.draft_sample_method, miss_weight=args.miss_weight,
+                    max_tokens=args.max_tokens, batch=args.batch, template_kwargs=kwargs)
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,7 @@ from typing import Literal
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
 DraftSampleMethod = Literal["greedy", "probabilistic"]
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+DRAFT_SAMPLE_METHODS: tuple[DraftSampleMethod, ...] = ("greedy", "probabilistic")
 
 SEED_MAX = 0xFFFFFFFF  # the noise hashes 32-bit seeds (trainer.generate.sampling)
 

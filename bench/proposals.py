@@ -100,10 +100,10 @@ def train(qp: quality.Preset, q: Path, runs: Path, objective: str, data: str, se
 def evaluate(evaluator: quality.CheckpointEvaluator, run: Path, temperatures: list[float]) -> dict:
     """{proposals: {T label: tau, tau_expected, tau_lookup}} of the run's last checkpoint on the held-out prompts
     (the bench's evaluator: one target load for every run, lookup's and the ceiling's τ decoded once)."""
-    ck = complete_checkpoints(run)[-1]
+    point = evaluator(complete_checkpoints(run)[-1], tuple(temperatures), PROPOSALS)
     return {method: {label: {k: t[k] for k in ("tau", "tau_expected", "tau_lookup")}
-                     for label, t in evaluator(ck, tuple(temperatures), method)["tau_by_temperature"].items()}
-            for method in PROPOSALS}
+                     for label, t in by_set["heldout"].items()}
+            for method, by_set in point["tau_by_proposals"].items()}
 
 
 def spread(values: list[float]) -> str:

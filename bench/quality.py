@@ -1121,60 +1121,86 @@ class CheckpointEvaluator:
 
         self.proposals = Sampling(draft=p.draft_sample_method)  # at each temperature
 
-    def __call__(self, ck: Path, temperatures: tuple = (0.0,), proposals: DraftSampleMethod | None = None) -> dict:
+    def __call__(self, ck: Path, temperatures: tuple = (0.0,),
+                 proposals: tuple[DraftSampleMethod, ...] | None = None) -> dict:
         """τ of checkpoint `ck` at T = 0 (the held-out and other-style prompts), and with more than one of
         `temperatures` each set's τ at each (sampled and expected, lookup's beside: tau_by_set[set]
         ["tau_by_temperature"]; the held-out set's also as "tau_by_temperature"). proposals: the engine's at
-        T > 0 (default the preset's draft_sample_method)."""
-        from trainer.generate.evaluate import temperature_reports
+        T > 0 (default the preset's draft_sample_method); the point is the first's, and with more than one,
+        "tau_by_proposals" {method: {set: tau_by_temperature}} holds each's. T = 0 is decoded once: there every
+        method proposes the draft's argmax."""
         from trainer.models.drafter import DFlashDrafter, DrafterConfig
-        from trainer.train.loop import autocast_for
 
         p = self.p
-        base = self.proposals if proposals is None else dataclasses.replace(self.proposals, draft=proposals)
+        methods = proposals or (self.proposals.draft,)
         weights = load_weights(ck)  # checked against its manifest
         with torch.device(p.device):
             drafter = DFlashDrafter(DrafterConfig.from_dict(weights["drafter_config"]))
         drafter.load_state_dict(weights["model"])
         drafter.float().eval()
         started = time.time()
-        with autocast_for(p.device, p.dtype):
-            r = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.conversations,
-                                    p.eval_new_tokens, [0.0, *(t for t in temperatures if t)], base,
-                                    batch=len(self.conversations),  # rounds are launch-bound
-                                    template_kwargs={"enable_thinking": False}, baseline=self.lookup is None,
-                                    ceiling=p.ceiling and self.lookup is None)
+        hot = [t for t in temperatures if t]
+        first_lookup = self.lookup is None
+        r = self.reports(drafter, self.conversations, hot, methods, first_lookup)
         if self.lookup is None:
-            self.lookup = {k: r[k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
-                                             "lookup_same_output")}
-            self.lookup_by_length = {name: b["tau_lookup"] for name, b in r["tau_by_length"].items()}
-        ratio = r["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
-        by_set = {"heldout": {"tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"], "samples": r["samples"],
-                              "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio,
-                              "tau_by_temperature": self.beside_lookup("heldout", r["temperatures"])}}
+            self.lookup = {k: r[methods[0]][k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
+                                                          "lookup_same_output")}
+            self.lookup_by_length = {name: b["tau_lookup"] for name, b in r[methods[0]]["tau_by_length"].items()}
+        by_method = {m: {"heldout": self.beside_lookup("heldout", r[m]["temperatures"])} for m in methods}
+        first = r[methods[0]]
+        ratio = first["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
+        by_set = {"heldout": {"tau": first["tau"], "tau_per_prompt": first["tau_per_prompt"],
+                              "samples": first["samples"], "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio,
+                              "tau_by_temperature": by_method[methods[0]]["heldout"]}}
         if self.others:
-            with autocast_for(p.device, p.dtype):
-                o = temperature_reports(self.target, drafter, self.head, self.tokenizer, self.others, p.eval_new_tokens,
-                                        [0.0, *(t for t in temperatures if t)], base, batch=len(self.others),
-                                        template_kwargs={"enable_thinking": False}, baseline=self.other_lookup is None,
-                                        ceiling=p.ceiling and self.other_lookup is None)
+            o = self.reports(drafter, self.others, hot, methods, self.other_lookup is None)
             if self.other_lookup is None:
-                self.other_lookup = o["tau_lookup"]
-            by_set["other"] = {"tau": o["tau"], "tau_per_prompt": o["tau_per_prompt"], "samples": o["samples"],
+                self.other_lookup = o[methods[0]]["tau_lookup"]
+            for m in methods:
+                by_method[m]["other"] = self.beside_lookup("other", o[m]["temperatures"])
+            oo = o[methods[0]]
+            by_set["other"] = {"tau": oo["tau"], "tau_per_prompt": oo["tau_per_prompt"], "samples": oo["samples"],
                                "tau_lookup": self.other_lookup,
-                               "tau_ratio": o["tau"] / self.other_lookup if self.other_lookup else None,
-                               "tau_by_temperature": self.beside_lookup("other", o["temperatures"]),
-                               "tau_by_form": self.by_form_beside_lookup(o["temperatures"])}
+                               "tau_ratio": oo["tau"] / self.other_lookup if self.other_lookup else None,
+                               "tau_by_temperature": by_method[methods[0]]["other"],
+                               "tau_by_form": self.by_form_beside_lookup(oo["temperatures"])}
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
-                            else None} for name, b in r["tau_by_length"].items()}
-        return {"step": step_of(ck), "tau": r["tau"], "tau_per_prompt": r["tau_per_prompt"],
+                            else None} for name, b in first["tau_by_length"].items()}
+        return {"step": step_of(ck), "tau": first["tau"], "tau_per_prompt": first["tau_per_prompt"],
                 **self.lookup, "tau_ratio": ratio, "tau_by_length": by_length, "tau_by_set": by_set,
-                "histogram": r["histogram"], "acceptance": r["acceptance"], "samples": r["samples"],
+                "histogram": first["histogram"], "acceptance": first["acceptance"], "samples": first["samples"],
                 "tau_by_temperature": by_set["heldout"]["tau_by_temperature"],
+                **({"tau_by_proposals": by_method} if len(methods) > 1 else {}),
                 "eval_seconds": round(time.time() - started, 1),
                 "checkpoint": str(ck)}
 
+    def reports(self, drafter: Any, conversations: list[dict], hot: list[float],
+                methods: tuple[DraftSampleMethod, ...], first: bool) -> dict:
+        """{method: temperature_reports at T = 0 and each of `hot`}: T = 0 decoded once, with the first method
+        (lookup and, with the preset's ceiling, the target drafting for itself beside it when `first`: they are
+        the same for every checkpoint); each later method decodes only `hot` and shares that T = 0 report."""
+        from trainer.generate.evaluate import temperature_label, temperature_reports
+        from trainer.train.loop import autocast_for
+
+        out = {}
+        for i, m in enumerate(methods):
+            temps = [0.0, *hot] if i == 0 else hot
+            if not temps:
+                out[m] = out[methods[0]]
+                continue
+            with autocast_for(self.p.device, self.p.dtype):
+                r = temperature_reports(self.target, drafter, self.head, self.tokenizer, conversations,
+                                        self.p.eval_new_tokens, temps, dataclasses.replace(self.proposals, draft=m),
+                                        batch=len(conversations),  # rounds are launch-bound
+                                        template_kwargs={"enable_thinking": False}, baseline=first and i == 0,
+                                        ceiling=self.p.ceiling and first and i == 0)
+            if i:
+                greedy = out[methods[0]]
+                r = {**greedy, "temperatures": {temperature_label(0.0): greedy["temperatures"][temperature_label(0.0)],
+                                                **r["temperatures"]}}
+            out[m] = r
+        return out
 
     def by_form_beside_lookup(self, reports: dict) -> dict:
         """The other-style set's τ per form of prompt (signature, question, middle) at each temperature, with

@@ -420,9 +420,13 @@ def point_row(point: dict) -> dict:
     for name, s in (point.get("tau_by_set") or {}).items():
         by_t = s.get("tau_by_temperature") or {"0": {"tau": s["tau"], "tau_lookup": s.get("tau_lookup"),
                                                      "tau_ratio": s.get("tau_ratio")}}
-        out[name] = {label: {k: t.get(k) for k in ("tau", "tau_expected", "tau_lookup", "tau_ratio")}
-                     for label, t in by_t.items()}
+        out[name] = {label: cells(t) for label, t in by_t.items()}
     return out
+
+
+def cells(t: dict) -> dict:
+    """A table cell's figures of one set's τ at one temperature."""
+    return {k: t.get(k) for k in ("tau", "tau_expected", "tau_lookup", "tau_ratio")}
 
 
 class Runs:
@@ -487,12 +491,13 @@ class Runs:
         if self.evaluator is None:
             self.evaluator = quality.CheckpointEvaluator(self.qp, self.state / "model", self.state / "data")
         ck = complete_checkpoints(self.dir / "runs" / name.replace(" ", "-"))[-1]
-        point = self.evaluator(ck, tuple(self.p.temperatures), "greedy")
+        sampled = "probabilistic" in self.p.proposals and any(self.p.temperatures)
+        point = self.evaluator(ck, tuple(self.p.temperatures), ("greedy", "probabilistic") if sampled else ("greedy",))
         by_set = point_row(point)
-        if "probabilistic" in self.p.proposals and any(self.p.temperatures):  # T = 0 is greedy whatever the proposals
-            sampled = point_row(self.evaluator(ck, tuple(self.p.temperatures), "probabilistic"))
-            for prompt_set, by_t in sampled.items():
-                by_set.setdefault(prompt_set, {}).update({f"{t} sampled": v for t, v in by_t.items() if t != "0"})
+        if sampled:  # T = 0 is greedy whatever the proposals
+            for prompt_set, by_t in point["tau_by_proposals"]["probabilistic"].items():
+                by_set.setdefault(prompt_set, {}).update({f"{t} sampled": cells(v) for t, v in by_t.items()
+                                                          if t != "0"})
         status = read_status(ck.parent.parent) or {}
         r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": by_set,
                        "acceptance": point.get("acceptance"), "checkpoint": str(ck)}

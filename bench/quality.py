@@ -1183,7 +1183,7 @@ class CheckpointEvaluator:
         from trainer.generate.evaluate import temperature_label, temperature_reports
         from trainer.train.loop import autocast_for
 
-        out = {}
+        out: dict[str, dict] = {}
         for i, m in enumerate(methods):
             temps = [0.0, *hot] if i == 0 else hot
             if not temps:

@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where t
 from bench.common import apply_sets  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS, DraftSampleMethod  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
-from trainer.run.contract import read_events, read_log, read_status  # noqa: E402
+from trainer.run.contract import read_events, read_log, read_status, tau_by_length_text, tau_by_temperature_text  # noqa: E402
 
 TEST_DIRS = {"test", "tests", "testing", "idle_test", "unittests"}
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -158,6 +158,18 @@ class Preset:
     seed: int = 0
 
 
+# name -> the model section's objective keys (trainer/run/config.py ModelConfig); an ablation names one as
+# {"objective": NAME} (the objectives ablation, the proposals bench and the recipe ablation train them too)
+OBJECTIVES: dict[str, dict[str, Any]] = {
+    "ce+decay": {"loss": "ce", "position_weight": "decay"},
+    "ce+dpace": {"loss": "ce", "position_weight": "dpace"},
+    "kl": {"loss": "kl", "position_weight": "decay"},
+    "ce+kl": {"loss": {"ce": 1.0, "kl": 1.0}, "position_weight": "decay"},
+    "kl+dpace": {"loss": "kl", "position_weight": "dpace"},  # the target's distribution, D-PACE's position weights
+    # the total variation to the target's distribution: the share of sampled proposals rejected (DistillSpec's TVD)
+    "ce+tv": {"loss": {"ce": 1.0, "tv": 1.0}, "position_weight": "dpace"},
+}
+
 ABLATIONS = {  # what the h200 preset runs; more can be named with --ablations
     "base": {},
     "original answers": {"train": "original"},
@@ -193,6 +205,17 @@ PRESETS = {
                                                             "fp8 drafter, drafter seed 1": {"drafter_precision": "fp8",
                                                                                             "run_seed": 1}},
                                ablation_steps_as_main=True, parallel=4, curve_points=2),
+    # one H200, one call (issue #50): T = 1 with sampled proposals (vLLM's draft_sample_method probabilistic: a
+    # position's draft accepted with probability 1 - TV(p, q)), where argmax proposals cannot reach the goal on
+    # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
+    # the objectives that train the draft's distribution toward the target's, two drafter seeds each, the same
+    # steps and greedy answers
+    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=5.0,
+                             ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
+                                        "ce+tv": {"objective": "ce+tv"}, "base, drafter seed 1": {"run_seed": 1},
+                                        "kl+dpace, drafter seed 1": {"objective": "kl+dpace", "run_seed": 1},
+                                        "ce+tv, drafter seed 1": {"objective": "ce+tv", "run_seed": 1}},
+                             ablation_steps_as_main=True, parallel=6, curve_points=2),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -952,6 +975,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         full = int(o.get("full_layers", 0))
         model["drafter"] = {"layer_types": ["sliding_attention"] * (o["drafter_layers"] - full) + ["full_attention"] * full,
                             "sliding_window": int(o["sliding_window"])}
+    if o.get("objective"):
+        model.update(OBJECTIVES[o["objective"]])
     if o.get("drafter_precision", "bf16") != "bf16":  # the drafter's matmuls while training (model.drafter.precision)
         model.setdefault("drafter", {})["precision"] = o["drafter_precision"]
     cuda = p.device.startswith("cuda")
@@ -1405,8 +1430,6 @@ def markdown(results: dict) -> str:
         lines += ["τ by prompt length (tokens), each drafter's last checkpoint:", "",
                   *by_length_side_by_side(results["by_length"]), ""]
     if results.get("ablations"):
-        from trainer.run.contract import tau_by_temperature_text
-
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
                   "held-out acc | tok/s | tau by prompt set | tau by temperature (held-out) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -1495,6 +1518,9 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         if unknown:
             ap.error(f"--ablations: unknown {unknown}; known: {', '.join(known)}")
         p.ablations = {n: known[n] for n in names}
+    objectives = {name: o["objective"] for name, o in p.ablations.items() if o.get("objective", "ce+dpace") not in OBJECTIVES}
+    if objectives:
+        ap.error(f"ablations {objectives}: an objective is one of {', '.join(OBJECTIVES)}")
     return p
 
 
@@ -1692,7 +1718,6 @@ def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_
 def say_main(p: Preset, m: dict, steps: int) -> None:
     say(f"main drafter vs n-gram prompt lookup: tau {fmt(m['tau'])} vs {fmt(m.get('tau_lookup'))} pooled on the same "
         f"held-out prompts: ratio {fmt(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
-    from trainer.run.contract import tau_by_length_text, tau_by_temperature_text
 
     if m.get("tau_by_length"):
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
@@ -1734,7 +1759,8 @@ def ablation_results(p: Preset, jobs: list[dict], evaluated: dict[Path, dict], c
         rows[j["name"]] = a
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
             f"{fmt(a['tau'])} pooled ({fmt(a.get('tau_ratio'), 2)}x lookup), {fmt(a['tau_per_prompt'])} per-prompt mean; "
-            f"train acc {fmt(a['train_acc'])}, held-out acc {fmt(a['eval_acc'])}")
+            f"train acc {fmt(a['train_acc'])}, held-out acc {fmt(a['eval_acc'])}"
+            + (f"; {tau_by_temperature_text(a['tau_by_temperature'])}" if a.get("tau_by_temperature") else ""))
     return rows
 
 

@@ -69,16 +69,7 @@ from bench.common import apply_sets  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
 from trainer.run.contract import read_events, read_log  # noqa: E402
 
-# name -> the model section's objective keys (trainer/run/config.py ModelConfig)
-OBJECTIVES = {
-    "ce+decay": {"loss": "ce", "position_weight": "decay"},
-    "ce+dpace": {"loss": "ce", "position_weight": "dpace"},
-    "kl": {"loss": "kl", "position_weight": "decay"},
-    "ce+kl": {"loss": {"ce": 1.0, "kl": 1.0}, "position_weight": "decay"},
-    "kl+dpace": {"loss": "kl", "position_weight": "dpace"},  # the target's distribution, D-PACE's position weights
-    # the total variation to the target's distribution: the share of sampled proposals rejected (DistillSpec's TVD)
-    "ce+tv": {"loss": {"ce": 1.0, "tv": 1.0}, "position_weight": "dpace"},
-}
+OBJECTIVES = quality.OBJECTIVES  # name -> the model section's objective keys
 # name -> the model section's drafter generation (issue #37, docs/dflash2.md): DFlash2 beside DFlash1,
 # the same objective (the default), DFlash2 with the trainer's defaults for its five fields
 GENERATIONS = {

@@ -1165,8 +1165,7 @@ class CheckpointEvaluator:
         drafter.float().eval()
         started = time.time()
         hot = [t for t in temperatures if t]
-        first_lookup = self.lookup is None
-        r = self.reports(drafter, self.conversations, hot, methods, first_lookup)
+        r = self.reports(drafter, self.conversations, hot, methods, self.lookup is None)
         if self.lookup is None:
             self.lookup = {k: r[methods[0]][k] for k in ("tau_lookup", "tau_lookup_per_prompt", "lookup_histogram",
                                                           "lookup_same_output")}

@@ -208,14 +208,16 @@ PRESETS = {
     # one H200, one call (issue #50): T = 1 with sampled proposals (vLLM's draft_sample_method probabilistic: a
     # position's draft accepted with probability 1 - TV(p, q)), where argmax proposals cannot reach the goal on
     # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
-    # the objectives that train the draft's distribution toward the target's, two drafter seeds each, the same
-    # steps and greedy answers
-    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=5.0,
-                             ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
-                                        "ce+tv": {"objective": "ce+tv"}, "base, drafter seed 1": {"run_seed": 1},
-                                        "kl+dpace, drafter seed 1": {"objective": "kl+dpace", "run_seed": 1},
-                                        "ce+tv, drafter seed 1": {"objective": "ce+tv", "run_seed": 1}},
-                             ablation_steps_as_main=True, parallel=6, curve_points=2),
+    # the objectives that train the draft's distribution toward the target's, and DFlash2, whose sampled walk
+    # draws each slot after the candidate drawn before (DFlash1 samples every position alone), two drafter seeds
+    # each, the same steps and greedy answers; 8 runs at once train ~1.5x slower than the fp8 presets' 4
+    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=3.5,
+                             ablations={name + seed: {**o, **({"run_seed": 1} if seed else {})}
+                                        for seed in ("", ", drafter seed 1")
+                                        for name, o in (("base", {}), ("kl+dpace", {"objective": "kl+dpace"}),
+                                                        ("ce+tv", {"objective": "ce+tv"}),
+                                                        ("dflash2", {"drafter_kind": "dflash2"}))},
+                             ablation_steps_as_main=True, parallel=8, curve_points=2),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -979,6 +981,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         model.update(OBJECTIVES[o["objective"]])
     if o.get("drafter_precision", "bf16") != "bf16":  # the drafter's matmuls while training (model.drafter.precision)
         model.setdefault("drafter", {})["precision"] = o["drafter_precision"]
+    if o.get("drafter_kind", "dflash") != "dflash":  # the drafter's generation (model.drafter.kind: dflash2)
+        model.setdefault("drafter", {})["kind"] = o["drafter_kind"]
     cuda = p.device.startswith("cuda")
     data_cfg = {"train_path": str(train_file), "eval_path": str(data / p.trainer_eval),
                 "max_length": p.max_length, "num_anchors": p.num_anchors, "token_budget": max(p.max_length, 1024),

@@ -178,7 +178,7 @@ def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alon
     from trainer.run.config import parse_config
 
     p = quality.PRESETS["h200-proposals"]
-    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 6
+    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 8
     assert p.draft_sample_method == "probabilistic" and 1.0 in p.temperatures
     args = (p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100)
     cpu = {"devices": {"target": ["cpu"], "drafter": ["cpu"]}}  # parse on a machine without CUDA
@@ -195,6 +195,10 @@ def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alon
             assert objective(cfg) == expected
             assert {k: cfg["model"].pop(k) for k in ("loss", "position_weight")} == quality.OBJECTIVES[name]
             assert cfg == twin  # nothing else differs
+        dflash2 = quality.trainer_config(*args, p.ablations["dflash2" + seed_twin.removeprefix("base")], 50)
+        assert dflash2["model"].pop("drafter") == {"kind": "dflash2"} and dflash2 == twin
+        assert parse_config(yaml.safe_dump(quality.trainer_config(
+            *args, p.ablations["dflash2" + seed_twin.removeprefix("base")], 50) | cpu)).model.drafter.kind == "dflash2"
     ap = quality.parser()
     with pytest.raises(SystemExit):
         quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", 'ablations={"a": {"objective": "ce+nope"}}']))

@@ -210,8 +210,10 @@ PRESETS = {
     # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
     # the objectives that train the draft's distribution toward the target's, and DFlash2, whose sampled walk
     # draws each slot after the candidate drawn before (DFlash1 samples every position alone), two drafter seeds
-    # each, the same steps and greedy answers; 8 runs at once train ~1.5x slower than the fp8 presets' 4
+    # each, the same steps and greedy answers; 8 runs at once (their compiles too) sized below the fp8 presets' 4
+    # (those ran 858 steps in 114-137 s each, start-up included, on an H200)
     "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=3.5,
+                             drafter_startup_s=80.0,
                              ablations={name + seed: {**o, **({"run_seed": 1} if seed else {})}
                                         for seed in ("", ", drafter seed 1")
                                         for name, o in (("base", {}), ("kl+dpace", {"objective": "kl+dpace"}),

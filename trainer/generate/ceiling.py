@@ -183,4 +183,3 @@ def _cache_for(target: torch.nn.Module) -> Cache:
     if decoder.supports(target) and len({p.device for p in target.parameters()}) == 1:
         return "slots"
     return "carried" if _every_layer_full_attention(target) else "anew"
-

@@ -10,9 +10,9 @@ a temperature: the engine's rule for argmax proposals, trainer.generate.sampling
 drafter's. A round with no match verifies the anchor alone and produces one token.
 
 The target runs through the one target decoder (`trainer.models.decoder`) on a slot-addressed
-KV cache (`trainer.generate.slot_batch`), the whole batch at once, each round a fixed [B, block_size] verification (rows with
-fewer drafts pad their block; padding is never accepted). Targets the decoder does not support
-are verified by the Hugging Face forward on the whole sequence (no cache: slower, same tokens).
+KV cache (`trainer.generate.slot_batch`), the whole batch at once, each round a fixed [B, block_size]
+verification (rows with fewer drafts pad their block; padding is never accepted). Targets the decoder does
+not support are verified by the Hugging Face forward on the whole sequence (no cache: slower, same tokens).
 """
 
 from __future__ import annotations

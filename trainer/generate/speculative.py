@@ -438,21 +438,12 @@ def _generate_dynamic(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     ddev = head.embed_weight.device
     ddtype = torch.get_autocast_dtype(ddev.type) if torch.is_autocast_enabled(ddev.type) else drafter.fc.weight.dtype
     n = len(prompts)
-    longest = max(len(p) for p in prompts)
     hf = _HFTarget(target)
 
-    # prefill, left-padded: cache index j of row r holds position j - pad_r
-    pads = torch.tensor([longest - len(p) for p in prompts], device=tdev)
-    ids = torch.zeros(n, longest, dtype=torch.long, device=tdev)
-    for r, p in enumerate(prompts):
-        ids[r, longest - len(p):] = torch.tensor(p, device=tdev)
-    index = torch.arange(longest, device=tdev)
-    key_valid = index[None, :] >= pads[:, None]  # [B, L]
-    positions = (index[None, :] - pads[:, None]).clamp(min=0)
+    # prefill, left-padded: cache index j of row r holds position j - pad_r (the cache as long as the prompts)
+    ids, positions, _, mask, key_valid = prefill_layout(prompts, max(len(p) for p in prompts), tdev)
     key_pos = positions.clone()  # position of every cache entry, per row
-    causal = index[None, :, None] >= index[None, None, :]
-    mask = (key_valid[:, None, :] & causal) | torch.eye(longest, dtype=torch.bool, device=tdev)[None]
-    padded = key_valid if bool((pads > 0).any()) else None  # linear attention: zeroed padding leaves the state at 0
+    padded = None if bool(key_valid.all()) else key_valid  # linear attention: zeroed padding leaves the state at 0
     out = hf.forward(ids, hf.masks(mask, positions, positions, padded), positions, keep=1)
     noise = Noise.of(sampling.seed, streams, tdev)
     first = sample_next(out.logits[:, -1], sampling, noise,

@@ -134,7 +134,8 @@ CEILING_NOTE = ("ceiling: the target's own greedy chain as the block, the most a
 def table(report: dict) -> str:
     """One row per temperature: sampled and expected τ, lookup's, the ratio (and the target drafting for
     itself, when measured); then the expected acceptance by draft position, τ by prompt length, by prompt form
-    (conversations with a "form") and (agent data) by assistant turn at each temperature. A report without a draft: headroom_table."""
+    (conversations with a "form") and (agent data) by assistant turn at each temperature. A report without a
+    draft: headroom_table."""
     if report.get("draft") is None:
         return headroom_table(report)
     columns = COLUMNS + (CEILING_COLUMNS if any("tau_ceiling" in r for r in report["temperatures"].values()) else ())

@@ -196,9 +196,8 @@ def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alon
             assert {k: cfg["model"].pop(k) for k in ("loss", "position_weight")} == quality.OBJECTIVES[name]
             assert cfg == twin  # nothing else differs
         dflash2 = quality.trainer_config(*args, p.ablations["dflash2" + seed_twin.removeprefix("base")], 50)
+        assert parse_config(yaml.safe_dump(dflash2 | cpu)).model.drafter.kind == "dflash2"
         assert dflash2["model"].pop("drafter") == {"kind": "dflash2"} and dflash2 == twin
-        assert parse_config(yaml.safe_dump(quality.trainer_config(
-            *args, p.ablations["dflash2" + seed_twin.removeprefix("base")], 50) | cpu)).model.drafter.kind == "dflash2"
     ap = quality.parser()
     with pytest.raises(SystemExit):
         quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", 'ablations={"a": {"objective": "ce+nope"}}']))

@@ -115,6 +115,10 @@ class Preset:
     n_prompts: int = 65536  # 4 regen batches of 16384: ~110 s on an H200
     answer_tokens: int = 256
     regen_batch: int = 16384  # rows decoded at once: 3x the tokens/s of 4096 on an H200 (bench/decoder_speed.py)
+    # the data docs/objectives.md makes the default (issue #50's recipe ablation): besides each prompt's greedy
+    # answer, this many answers of it sampled at T = 1 (regen --samples-per-prompt), the runs train on both;
+    # regen's time up to regen_end_s is shared by the two in proportion to their answers
+    sampled_answers: int = 0
     n_eval: int = 64
     eval_new_tokens: int = 256
     temperatures: tuple = (0.0,)  # the trainer's evaluation reports τ at each (issue #49; the first is the run's τ)
@@ -210,16 +214,22 @@ PRESETS = {
     # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
     # the objectives that train the draft's distribution toward the target's, and DFlash2, whose sampled walk
     # draws each slot after the candidate drawn before (DFlash1 samples every position alone), two drafter seeds
-    # each, the same steps and greedy answers; 8 runs at once (their compiles too) sized below the fp8 presets' 4
+    # each, the same steps and the default data (16,384 prompts, each one's greedy answer and one sampled at T = 1:
+    # the recipe ablation's gain at T = 1); 8 runs at once (their compiles too) sized below the fp8 presets' 4
     # (those ran 858 steps in 114-137 s each, start-up included, on an H200)
     "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=3.5,
-                             drafter_startup_s=80.0,
+                             drafter_startup_s=80.0, n_prompts=16384, sampled_answers=1, ablation_convs=32768,
                              ablations={name + seed: {**o, **({"run_seed": 1} if seed else {})}
                                         for seed in ("", ", drafter seed 1")
                                         for name, o in (("base", {}), ("kl+dpace", {"objective": "kl+dpace"}),
                                                         ("ce+tv", {"objective": "ce+tv"}),
                                                         ("dflash2", {"drafter_kind": "dflash2"}))},
                              ablation_steps_as_main=True, parallel=8, curve_points=2),
+    # one H200, one call (issue #50's done-when): the default recipe (ce + dpace on each prompt's greedy answer and
+    # one sampled at T = 1), the main run alone for as long as the call allows (the h200 preset's ~60M tokens on
+    # 65,536 answers), τ at T = 0 and at T = 1 with sampled proposals on both prompt sets; a seed a call
+    "h200-recipe": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", n_prompts=32768,
+                          sampled_answers=1, curve_points=2, eval_reserve_s=50.0),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -943,12 +953,15 @@ def regen_argv(p: Preset, model_dir: Path, data: Path, prompts: str = "prompts.j
             "--extra-body", json.dumps({"chat_template_kwargs": {"enable_thinking": False}})]
 
 
-def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: float | None) -> dict:
-    argv = regen_argv(p, model_dir, data)
-    path = data / "regen.jsonl"
-    rc, seconds = run_cli(p, argv, out / "regen.log", deadline,
+def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: float | None, samples: int = 0) -> dict:
+    """regen.jsonl, the greedy answers of the prompts; with `samples`, regen-sampled.jsonl: that many
+    answers of each prompt sampled at T = 1. Stopped at the deadline with the rows written so far."""
+    name = "regen-sampled" if samples else "regen"
+    argv = regen_argv(p, model_dir, data, out=f"{name}.jsonl", samples=samples)
+    path, log = data / f"{name}.jsonl", out / f"{name}.log"
+    rc, seconds = run_cli(p, argv, log, deadline,
                           started_work=lambda: path.exists() and path.stat().st_size > 0, module="trainer_tools.regen")
-    tail = (out / "regen.log").read_text().strip().splitlines()
+    tail = log.read_text().strip().splitlines()
     summary = next((line for line in reversed(tail) if line.startswith("regen: ") and "regenerated" in line), "")
     records = len(read_records(path)) if path.exists() else 0
     if path.exists() and rc != 0:  # keep whole lines only, for the trainer
@@ -958,7 +971,8 @@ def regenerate(p: Preset, model_dir: Path, data: Path, out: Path, deadline: floa
               "summary": summary, "conversations": records,
               "errors": errors}
     say(f"regen: exit {rc}; {summary}; {records} answers written [wall {seconds:.0f}s incl. model load; "
-        f"`python -m trainer_tools.regen --engine hf`, batch {p.regen_batch}, greedy, max {p.answer_tokens} tokens]")
+        f"`python -m trainer_tools.regen --engine hf`, batch {p.regen_batch}, "
+        f"{f'{samples} sampled a prompt at T = 1' if samples else 'greedy'}, max {p.answer_tokens} tokens]")
     for e in errors:
         say(e)
     return result
@@ -1416,6 +1430,8 @@ def markdown(results: dict) -> str:
              f"{t['train_seconds']} s, {t['tokens_per_s']} tok/s; LM loss {t['lm_loss_seen_train_rows']} on rows it "
              f"trained on, {t['lm_loss_heldout_rows']} on held-out files",
              f"* regen: {r['summary']} (exit {r['exit']}, {r['seconds']} s wall incl. model load)",
+             *([f"* regen, sampled answers: {rs['summary']} (exit {rs['exit']}, {rs['seconds']} s wall)"]
+               if (rs := results.get("regen_sampled")) else []),
              f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {fmt(m['tau'])} pooled / "
              f"{fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
              f"lookup on the same prompts {fmt(m.get('tau_lookup'))}: ratio {fmt(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
@@ -1593,14 +1609,24 @@ def checked_prompts(p: Preset, tok: Any, corpus: dict, model_dir: Path, data: Pa
 def training_answers(regen: dict, prompts: dict, data: Path) -> Path:
     """What the main run trains on: the regenerated answers, or the original ones when regen wrote
     too few (a tenth of the prompts); beside the regenerated ones, the original answers of the same
-    prompts (original-same.jsonl)."""
+    prompts (original-same.jsonl). With sampled answers (regen-sampled.jsonl), regen-both.jsonl: each
+    greedy answer followed by the sampled ones of its prompt, so any first n rows hold the mix."""
     if regen["conversations"] < max(1, len(prompts["ids"]) // 10):
         say("regen wrote too few answers: the main run trains on the original answers instead")
         return data / "original.jsonl"
     main_file = data / "regen.jsonl"
-    ids = [r.get("id") for r in read_records(main_file)]
+    greedy = read_records(main_file)
+    ids = [r.get("id") for r in greedy]
     subset(data / "original.jsonl", data / "original-same.jsonl", ids, len(ids))
-    return main_file
+    sampled_file = data / "regen-sampled.jsonl"
+    if not sampled_file.exists():
+        return main_file
+    by_prompt: dict[Any, list[dict]] = {}
+    for r in read_records(sampled_file):
+        by_prompt.setdefault(str(r.get("prompt_id")), []).append(r)
+    rows = [x for r in greedy for x in (r, *sorted(by_prompt.get(str(r.get("id")), ()), key=lambda x: x["sample"]))]
+    say(f"training answers: {len(greedy)} greedy and {len(rows) - len(greedy)} sampled (regen-both.jsonl)")
+    return write_jsonl(data / "regen-both.jsonl", rows)
 
 
 def drafter_jobs(p: Preset, model_dir: Path, main_file: Path, data: Path, runs: Path,
@@ -1806,7 +1832,11 @@ def main(argv: list[str] | None = None) -> dict:
         save()
         return results
     # regen, stopped at its deadline with the answers written so far
-    results["regen"] = regenerate(p, model_dir, data, out, started + p.regen_end_s if p.regen_end_s else None)
+    regen_end = started + p.regen_end_s if p.regen_end_s else None
+    greedy_end = regen_end and time.time() + (regen_end - time.time()) / (1 + p.sampled_answers)
+    results["regen"] = regenerate(p, model_dir, data, out, greedy_end)
+    if p.sampled_answers:
+        results["regen_sampled"] = regenerate(p, model_dir, data, out, regen_end, samples=p.sampled_answers)
     save()
     if args.stop_after == "regen":
         return results

@@ -204,6 +204,31 @@ def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alon
     assert "ablations {'a': 'ce+nope'}: an objective is one of ce+decay, " in capsys.readouterr().err
 
 
+def test_sampled_answers_join_the_greedy_ones_each_prompt_s_samples_after_its_greedy_answer(tmp_path):
+    r = quality.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "sampled_answers=2", "--stop-after", "regen"])
+    data = tmp_path / "data"
+    assert r["regen"]["exit"] == 0 and r["regen_sampled"]["exit"] == 0
+    greedy = quality.read_records(data / "regen.jsonl")
+    assert r["regen_sampled"]["conversations"] == 2 * len(greedy) == 2 * r["prompts"]["prompts"]
+    prompts = {"ids": [x["id"] for x in quality.read_records(data / "prompts.jsonl")]}
+    both = quality.read_records(quality.training_answers(r["regen"], prompts, data))
+    assert len(both) == 3 * len(greedy)
+    for i, g in enumerate(greedy):  # the greedy answer, then samples 0 and 1 of the same prompt, drawn at T = 1
+        group = both[3 * i: 3 * i + 3]
+        assert group[0] == g and [(x["prompt_id"], x["sample"]) for x in group[1:]] == [(str(g["id"]), 0), (str(g["id"]), 1)]
+        assert all(x["messages"][:-1] == g["messages"][:-1] for x in group[1:])
+    assert sum(x["messages"][-1]["content"] != g["messages"][-1]["content"]
+               for x, g in zip(both[1::3], greedy)) > len(greedy) // 2
+    # the runs train on the mix; without sampled answers, on the greedy ones alone
+    jobs, _ = quality.drafter_jobs(quality.PRESETS["tiny"], tmp_path / "model", data / "regen-both.jsonl", data,
+                                   tmp_path / "runs", 2)
+    assert jobs[0]["cfg"]["data"]["train_path"] == str(data / "regen-both.jsonl")
+    (data / "regen-sampled.jsonl").unlink()
+    assert quality.training_answers(r["regen"], prompts, data) == data / "regen.jsonl"
+    for name in ("h200-proposals", "h200-recipe"):
+        assert quality.PRESETS[name].sampled_answers == 1
+
+
 def test_the_tau_cost_compares_both_last_checkpoints_against_the_bf16_target(tmp_path):
     import torch
 

@@ -479,21 +479,24 @@ def load_decoded(model_path: str, device: str, dtype: torch.dtype) -> Any:
 
 
 def supports_static_decode(model: Any) -> bool:
-    """Whether `static_greedy_generate` runs this model (the target decoder's rule,
+    """Whether `static_generate` runs this model (the target decoder's rule,
     `trainer.models.decoder.supports`)."""
     from trainer.models import decoder
 
     return decoder.supports(model)
 
 
-def static_greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                           prefill_rows: int = 256, cancel: threading.Event | None = None) -> torch.Tensor:
-    """Greedy answers of a whole batch from the target decoder's preallocated KV cache
-    (`trainer.models.decoder.greedy`): [B, new] token ids, rows not cut at their stop tokens;
+def static_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                    prefill_rows: int = 256, cancel: threading.Event | None = None, sampling: Any = None,
+                    streams: list[int] | None = None) -> torch.Tensor:
+    """Answers of a whole batch from the target decoder's preallocated KV cache, greedy or sampled
+    with `sampling` (a trainer.generate.sampling_params.Sampling) from each row's noise stream
+    (`trainer.models.decoder.generate`): [B, new] token ids, rows not cut at their stop tokens;
     trainer.models.decoder.Cancelled at the next step once `cancel` is set."""
     from trainer.models import decoder
 
-    return decoder.greedy(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel)
+    return decoder.generate(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel, sampling=sampling,
+                            streams=streams)
 
 
 def cancel_criteria(cancel: threading.Event, width: int = 0, steps: int = 0) -> Any:
@@ -563,11 +566,10 @@ class HFEngine:
         self.max_model_len = max_model_len or getattr(self.model.config, "max_position_embeddings", None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.stop_ids = self._stop_ids()
-        # greedy answers from the preallocated-cache decoder unless told otherwise (or unsupported)
-        self.static = decode != "hf" and sampling.temperature <= 0 and supports_static_decode(self.model)
+        # answers from the preallocated-cache decoder unless told otherwise (or unsupported)
+        self.static = decode != "hf" and supports_static_decode(self.model)
         if decode == "static" and not self.static:
-            raise InputError("--decode static needs greedy sampling (--temperature 0) and a Qwen3/Qwen2/Llama model "
-                             "with full attention only")
+            raise InputError("--decode static needs a Qwen3/Qwen2/Llama model with full attention only")
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._cancel = threading.Event()  # set by cancel(): the decode in flight stops at its next step
@@ -678,16 +680,23 @@ class HFEngine:
                 item[1].set_exception(RegenError("the engine is closed"))
 
     def generate(self, prompts: list[list[int]], seeds: list[int | None] | None = None) -> list[Completion]:
-        """Left-padded batch generation; each row's answer ends at its first stop token. Sampled, the
-        batch is seeded from its rows' seeds (`seeds`, --samples-per-prompt) and the engine's seed:
-        transformers draws one generator for the whole batch, so a sample differs from the other
-        samples of its prompt (another row, or another batch seed) but is reproduced only when it is
-        decoded in the same batch again."""
+        """Left-padded batch generation; each row's answer ends at its first stop token. Sampled by the
+        static decoder, row r draws from the noise stream of its seed (`seeds`, --samples-per-prompt;
+        a row without one, its index in the batch) under the engine's seed: a sample is reproduced
+        in any batch. By transformers (`--decode hf`, or a model the static decoder does not run), the
+        batch is seeded from its rows' seeds and the engine's seed: one generator for the whole batch,
+        so a sample differs from the other samples of its prompt (another row, or another batch seed)
+        but is reproduced only when it is decoded in the same batch again."""
+        from trainer.generate.sampling_params import SEED_MAX
+        from trainer.generate.sampling_params import Sampling as DecodeSampling
         from trainer.models import decoder
 
         torch, s = self.torch, self.sampling
-        if self.static and s.temperature <= 0:  # the stand-in server sets each request's sampling
-            rows = static_greedy_generate(self.model, prompts, s.max_tokens, self.stop_ids, cancel=self._cancel).tolist()
+        if self.static:  # the stand-in server sets each request's sampling
+            how = DecodeSampling(temperature=s.temperature, top_p=s.top_p, seed=self.seed & SEED_MAX)
+            streams = [i if x is None else x for i, x in enumerate(seeds)] if seeds else None
+            rows = static_generate(self.model, prompts, s.max_tokens, self.stop_ids, cancel=self._cancel,
+                                   sampling=how, streams=streams).tolist()
             return self._completions(prompts, rows)
         width = max(len(p) for p in prompts)
         input_ids = decoder.left_padded(prompts, width, self.pad_id).to(self.device)
@@ -1099,8 +1108,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="--engine hf: weights dtype")
     p.add_argument("--max-model-len", type=int, default=None, help="--engine hf: refuse prompts longer than this")
     p.add_argument("--decode", choices=["auto", "static", "hf"], default="auto",
-                   help="--engine hf: static = greedy decoding with a preallocated KV cache (auto: when greedy "
-                        "and the model has the Llama/Qwen layout); hf = transformers' generate")
+                   help="--engine hf: static = greedy or sampled decoding with a preallocated KV cache, each "
+                        "sample reproduced in any batch (auto: when the model has the Llama/Qwen layout); "
+                        "hf = transformers' generate")
     p.add_argument("-n", "--concurrency", type=int, default=8, help="conversations in flight (hf: the batch size)")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per answer; longer answers count as truncated")
     p.add_argument("--temperature", type=float, default=None,

@@ -119,12 +119,13 @@ def test_sigint_mid_batch_cancels_the_batch_at_its_next_step_and_a_rerun_resumes
 
 
 def test_close_cancels_transformers_generate_mid_batch(qwen3_model_dir):
-    """Sampled answers decode through transformers' `generate`: close() stops it at its next token
-    (a stopping criterion), fails the batch's requests and leaves no generation thread behind."""
+    """Answers decoded through transformers' `generate` (`--decode hf`, and any model the static decoder
+    does not run): close() stops it at its next token (a stopping criterion), fails the batch's requests
+    and leaves no generation thread behind."""
     from trainer_tools.regen import HFEngine, RegenError, Sampling
 
     started = threading.Event()
-    engine = HFEngine(str(qwen3_model_dir), Sampling(max_tokens=96, temperature=1.0), batch_size=48,
+    engine = HFEngine(str(qwen3_model_dir), Sampling(max_tokens=96, temperature=1.0), batch_size=48, decode="hf",
                       on_batch=lambda rows, width: started.set())
     assert not engine.static
     chats = [[{"role": "user", "content": f"step{i % 7} v{i}"}] for i in range(48)]

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer_tools.regen import static_greedy_generate, supports_static_decode
+from trainer_tools.regen import static_generate, supports_static_decode
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3"])
@@ -20,7 +20,7 @@ def test_static_decoder_matches_hf_generate_on_left_padded_rows(family, qwen3_mo
         expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                   eos_token_id=None, pad_token_id=0, top_k=None, use_cache=True)[:, width:]
     # prefill two rows at a time: the chunked prefill fills the same cache
-    got = static_greedy_generate(model, prompts, new, stop_ids=set(), prefill_rows=2)
+    got = static_generate(model, prompts, new, stop_ids=set(), prefill_rows=2)
     assert got.tolist() == expected.tolist()
     # a batch larger than the memory holds is decoded in chunks of rows: the same tokens
     from trainer.models import decoder
@@ -28,7 +28,7 @@ def test_static_decoder_matches_hf_generate_on_left_padded_rows(family, qwen3_mo
     assert decoder.greedy(model, prompts, new, set(), max_rows=2).tolist() == expected.tolist()
     # a stop token: every row decodes on; rows are cut by the caller at their first stop
     stop = int(expected[1, 3])
-    cut = static_greedy_generate(model, prompts, new, stop_ids={stop})
+    cut = static_generate(model, prompts, new, stop_ids={stop})
     assert cut[1, :4].tolist() == expected[1, :4].tolist()
 
 
@@ -97,3 +97,58 @@ def test_long_prompts_prefill_fewer_rows_at_once_with_the_same_tokens(qwen3_mode
     monkeypatch.setattr(decoder, "PREFILL_MASK_ELEMENTS", 12 * 12 + 1)  # one row of width 12 at a time
     assert decoder.prefill_rows_for(12, 256) == 1
     assert decoder.greedy(model, prompts, 6, set()).tolist() == expected.tolist()
+
+
+def test_sampled_static_decoding_draws_each_token_from_the_model_s_distribution_whatever_the_batch(
+        qwen3_model_dir, monkeypatch):
+    """Sampled answers from the static decoder: row r's token t is the engine's draw (sample_next) from
+    the model's own next-token distribution after the prompt and the row's tokens so far, with the noise
+    of the row's stream at t, so the rows' order, the chunking of rows or of the sampling's buffers
+    change nothing, and distinct streams give distinct answers."""
+    from trainer.generate.sampling import Noise, sample_next
+    from trainer.generate.sampling_params import Sampling
+    from trainer.models import decoder
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.float32, local_files_only=True).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 9, 3, 9, 7, 4)]
+    streams, new = [11, 7, 123456789, 2**31 - 1, 0, 5], 7
+    for how in (Sampling(temperature=1.0, seed=3), Sampling(temperature=0.7, top_p=0.9, seed=3)):
+        out = decoder.generate(model, prompts, new, set(), sampling=how, streams=streams)
+        noise = Noise.of(how.seed, streams, "cpu")
+        with torch.no_grad():
+            for r, p in enumerate(prompts):
+                for t in range(new):
+                    logits = model(input_ids=torch.tensor([p + out[r, :t].tolist()])).logits[:, -1]
+                    drawn = sample_next(logits, how, noise.select(torch.tensor([r])), torch.tensor([t]))
+                    assert int(drawn) == int(out[r, t]), (how, r, t)
+        order = [3, 0, 5, 1, 4, 2]
+        shuffled = decoder.generate(model, [prompts[i] for i in order], new, set(), sampling=how,
+                                    streams=[streams[i] for i in order], max_rows=4)
+        assert shuffled.tolist() == out[order].tolist()
+        monkeypatch.setattr(decoder, "SAMPLE_BYTES", 1)  # one row's buffers at a time
+        assert decoder.generate(model, prompts, new, set(), sampling=how, streams=streams).tolist() == out.tolist()
+        monkeypatch.undo()
+    same = [prompts[0]] * 4
+    answers = decoder.generate(model, same, new, set(), sampling=Sampling(temperature=1.0), streams=[1, 2, 3, 4])
+    assert len({tuple(a) for a in answers.tolist()}) > 1
+    # greedy sampling is the greedy decoder
+    assert decoder.generate(model, prompts, new, set(), sampling=Sampling(temperature=0.0)).tolist() == \
+        decoder.greedy(model, prompts, new, set()).tolist()
+
+
+def test_the_engine_samples_with_the_static_decoder_and_a_seeded_row_is_the_same_in_any_batch(qwen3_model_dir):
+    from trainer_tools.regen import HFEngine, Sampling
+
+    engine = HFEngine(str(qwen3_model_dir), Sampling(max_tokens=8, temperature=1.0), batch_size=8, seed=4,
+                      gather_s=0.0)
+    try:
+        assert engine.static
+        ids = engine.prompt_ids_batch([([{"role": "user", "content": f"v{i} = {i}"}], None) for i in range(4)])
+        together = engine.generate(ids, seeds=[101, 102, 103, 104])
+        alone = engine.generate(ids[2:3], seeds=[103])
+        assert alone[0].token_ids == together[2].token_ids
+        again = engine.generate([ids[0], ids[0]], seeds=[101, 999])
+        assert again[0].token_ids == together[0].token_ids and again[1].token_ids != again[0].token_ids
+    finally:
+        engine.close()

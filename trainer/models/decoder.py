@@ -1,6 +1,6 @@
 """The target's decoder on preallocated buffers: the one hand-written decoding path of a target.
 
-Regeneration (`trainer_tools.regen`: greedy answers, `greedy`), speculative decoding
+Regeneration (`trainer_tools.regen`: greedy and sampled answers, `generate`), speculative decoding
 (`trainer.generate.speculative`: verification rounds) and evaluation (which decodes through
 speculative decoding) all run the target through `TargetDecoder.forward` on a `KVCache`. It runs
 the target from its own modules (embeddings, norms, projections, rotary embedding, MLP) with the
@@ -30,12 +30,15 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from trainer.models.hf import base_model, hf_config, output_embeddings
+
+if TYPE_CHECKING:
+    from trainer.generate.sampling_params import Sampling
 
 FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forward` runs from their modules
 
@@ -213,28 +216,67 @@ def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes:
     return max(1, int(usable / (1.25 * per_row)))
 
 
+SAMPLE_BYTES = 1 << 30  # the sampling's float64 buffers of one step, per chunk of rows ([rows, vocab] each)
+
+
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
            prefill_rows: int = 256, max_rows: int | None = None,
            cancel: threading.Event | None = None) -> torch.Tensor:
-    """Greedy decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many
-    as the free memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new].
-    Once `cancel` is set it raises Cancelled at the next prefill chunk or decode step, so an
-    interrupted regen does not decode the rest of a batch whose answers it will not write."""
+    """Greedy decoding of a batch (`generate` at T = 0): [B, new]."""
+    return generate(model, prompts, max_new_tokens, stop_ids, prefill_rows, max_rows, cancel)
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+             prefill_rows: int = 256, max_rows: int | None = None, cancel: threading.Event | None = None,
+             sampling: Sampling | None = None, streams: Sequence[int] | None = None) -> torch.Tensor:
+    """Decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many as the free
+    memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]. Greedy, or
+    with `sampling` at a temperature each token drawn as the engine draws it
+    (trainer.generate.sampling.sample_next) from row r's noise stream `streams[r]` (default: its
+    index), keyed by the token's index in the answer: a row's answer depends on its stream and the
+    seed, never on its batch or chunk. Once `cancel` is set it raises Cancelled at the next prefill
+    chunk or decode step, so an interrupted regen does not decode the rest of a batch whose answers
+    it will not write."""
     d = TargetDecoder(model)
+    if sampling is not None and sampling.greedy:
+        sampling = None
+    every = list(streams) if streams is not None else list(range(len(prompts)))
     if max_rows is None and d.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(d.device)
         max_rows = rows_that_fit(d, max(map(len, prompts)) + max_new_tokens, free, total)
-    if max_rows is None or len(prompts) <= max_rows:
-        return _greedy(d, prompts, max_new_tokens, stop_ids, prefill_rows, cancel)
-    return torch.cat([_greedy(d, prompts[i:i + max_rows], max_new_tokens, stop_ids, prefill_rows, cancel)
-                      for i in range(0, len(prompts), max_rows)])
+    step = len(prompts) if max_rows is None else max_rows
+    return torch.cat([_generate(d, prompts[i:i + step], max_new_tokens, stop_ids, prefill_rows, cancel,
+                                _picker(sampling, every[i:i + step], d.device))
+                      for i in range(0, len(prompts), step)])
 
 
-def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-            prefill_rows: int, cancel: threading.Event | None = None) -> torch.Tensor:
-    """Greedy decoding of a whole batch with a preallocated KV cache: [B, new] token ids.
+def _picker(sampling: Sampling | None, streams: list[int], device: torch.device):
+    """pick(logits [n, V], first row, answer index) -> tokens [n]: the argmax, or drawn from the rows'
+    noise streams, SAMPLE_BYTES of float64 [rows, vocab] buffers at a time."""
+    if sampling is None:
+        return lambda logits, row0, t: logits.float().argmax(dim=-1)
+    from trainer.generate.sampling import Noise, sample_next
 
-    Same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
+    noise = Noise.of(sampling.seed, streams, device)
+
+    def pick(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
+        n, chunk = logits.shape[0], max(1, SAMPLE_BYTES // (8 * logits.shape[-1]))
+        out = torch.empty(n, dtype=torch.long, device=logits.device)
+        for i in range(0, n, chunk):
+            rows = torch.arange(row0 + i, row0 + min(n, i + chunk), device=device)
+            out[i:i + len(rows)] = sample_next(logits[i:i + len(rows)], sampling, noise.select(rows),
+                                               torch.full((len(rows),), t, dtype=torch.long, device=device))
+        return out
+
+    return pick
+
+
+def _generate(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+              prefill_rows: int, cancel: threading.Event | None, pick) -> torch.Tensor:
+    """Decoding of a whole batch with a preallocated KV cache: [B, new] token ids, each chosen by
+    pick(logits, first row, answer index).
+
+    Greedy, the same tokens as `model.generate(do_sample=False)` on left-padded prompts (test:
     tests/trainer/test_regen_static.py), without its per-step cache concatenation and mask
     building, which made a batch of 4,096 decode at ~17k tokens/s on an H200. The prompts are
     left-padded into one cache of width + max_new_tokens slots; a key mask hides the padding;
@@ -260,7 +302,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
             visible = (valid[rows, None, :width] & causal[None]) | eye[None]
             logits, _ = d.forward(ids[rows], positions[rows], cache, slot[:width], visible, rows=rows, upto=width,
                                   last_only=True)
-            out[rows, 0] = logits[:, -1].float().argmax(dim=-1)
+            out[rows, 0] = pick(logits[:, -1], r0, 0)
         stop = torch.tensor(sorted(stop_ids) or [-1], device=dev)
         done = torch.isin(out[:, 0], stop)
         for t in range(1, max_new_tokens):
@@ -270,7 +312,7 @@ def _greedy(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, sto
             at = width + t - 1
             logits, _ = d.forward(out[:, t - 1:t], (at - pads)[:, None], cache, slot[at:at + 1],
                                   valid[:, None, :at + 1], upto=at + 1, last_only=True)
-            out[:, t] = logits[:, -1].float().argmax(dim=-1)
+            out[:, t] = pick(logits[:, -1], 0, t)
             done |= torch.isin(out[:, t], stop)
     return out
 

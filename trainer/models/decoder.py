@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -217,6 +217,7 @@ def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes:
 
 
 SAMPLE_BYTES = 1 << 30  # the sampling's float64 buffers of one step, per chunk of rows ([rows, vocab] each)
+Pick = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits [n, V], first row, answer index) -> tokens [n]
 
 
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
@@ -250,7 +251,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: i
                       for i in range(0, len(prompts), step)])
 
 
-def _picker(sampling: Sampling | None, streams: list[int], device: torch.device):
+def _picker(sampling: Sampling | None, streams: list[int], device: torch.device) -> Pick:
     """pick(logits [n, V], first row, answer index) -> tokens [n]: the argmax, or drawn from the rows'
     noise streams, SAMPLE_BYTES of float64 [rows, vocab] buffers at a time."""
     if sampling is None:
@@ -272,7 +273,7 @@ def _picker(sampling: Sampling | None, streams: list[int], device: torch.device)
 
 
 def _generate(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-              prefill_rows: int, cancel: threading.Event | None, pick) -> torch.Tensor:
+              prefill_rows: int, cancel: threading.Event | None, pick: Pick) -> torch.Tensor:
     """Decoding of a whole batch with a preallocated KV cache: [B, new] token ids, each chosen by
     pick(logits, first row, answer index).
 

@@ -794,9 +794,15 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
         if len(pairs) >= 2 * p.n_prompts:
             break
     rng.shuffle(pairs)
-    pairs = pairs[: p.n_prompts]
+    # a window of one enormous line (minified data) is a prompt of thousands of tokens: one in a regen batch of
+    # 16,384 widens every row's cache to it, and the trainer would cut its answer off at max_length anyway
+    sizes = [len(e.ids) for e in tok.encode_batch([render(u, "")[: -len("<|im_end|>\n")] for u, _ in pairs],
+                                                  add_special_tokens=False)]
+    kept = [i for i, n in enumerate(sizes) if n + MIN_EVAL_ANSWER <= p.max_length][: p.n_prompts]
+    too_long = sum(n + MIN_EVAL_ANSWER > p.max_length for n in sizes)
+    pairs, sizes = [pairs[i] for i in kept], [sizes[i] for i in kept]
     answers = cut_tokens(tok, [a for _, a in pairs], p.answer_tokens)
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))  # similar prompt lengths batch together
+    order = sorted(range(len(pairs)), key=lambda i: sizes[i])  # similar prompt lengths batch together
     write_jsonl(data / "prompts.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]}]}
                                          for i in order))
     write_jsonl(data / "original.jsonl", ({"id": f"p{i}", "messages": [{"role": "user", "content": pairs[i][0]},
@@ -817,9 +823,10 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
     check_render_pairs = pairs[:8] + held[:4]
     stats = {"prompts": len(pairs), "eval_prompts": len(held),
              "prompt_chars_mean": round(sum(len(u) for u, _ in pairs) / max(len(pairs), 1)),
-             "eval_files": len(held)}
+             "prompt_tokens_max": max(sizes, default=0), "windows_too_long": too_long, "eval_files": len(held)}
     say(f"prompts: {len(pairs)} code prefixes of train files ({p.prefix_chars[0]}-{p.prefix_chars[1]} chars, mean "
-        f"{stats['prompt_chars_mean']}); {len(held)} held-out prompts, one per held-out file")
+        f"{stats['prompt_chars_mean']}, at most {stats['prompt_tokens_max']} tokens; {too_long} windows left out whose "
+        f"prompt leaves no answer within max_length {p.max_length}); {len(held)} held-out prompts, one per held-out file")
     return {"stats": stats, "check": check_render_pairs, "ids": [f"p{i}" for i in order]}
 
 

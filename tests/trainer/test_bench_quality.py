@@ -143,6 +143,26 @@ def test_held_out_windows_leave_answer_tokens_within_max_length():
     assert not quality.fits(tok, p, short_prompt, "x\n")  # too short an answer to measure anything
 
 
+def test_a_regen_prompt_of_one_enormous_line_is_left_out_and_prompts_go_shortest_first(tmp_path):
+    """One window of minified data in a regen batch widens all its rows' caches to its length (an H100's
+    second batch of 16,384 decoded nothing in 60 s behind a 16,020-token prompt): regen prompts leave an
+    answer within max_length, as held-out ones do, and batch by their token length."""
+    from trainer_tools.fixtures.hub_model import train_tokenizer
+
+    code = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 300))
+    minified = "DATA = [" + ", ".join(f"'{i:x}'" for i in range(5000)) + "]\n" + code[:400]
+    tok = train_tokenizer("qwen3", [code, minified], 300)
+    p = quality.PRESETS["tiny"]
+    corpus = {"train": [minified, code, minified, code], "heldout": [code]}
+    stats = quality.write_prompts(p, tok, corpus, tmp_path, random.Random(0))["stats"]
+    prompts = [r["messages"][0]["content"] for r in quality.read_records(tmp_path / "prompts.jsonl")]
+    assert prompts and not any(u.startswith("DATA = [") for u in prompts)
+    assert stats["windows_too_long"] >= 2 and stats["prompt_tokens_max"] + quality.MIN_EVAL_ANSWER <= p.max_length
+    sizes = [len(tok.encode(quality.render(u, "")[: -len("<|im_end|>\n")], add_special_tokens=False).ids)
+             for u in prompts]
+    assert sizes == sorted(sizes) and max(sizes) == stats["prompt_tokens_max"]
+
+
 def test_the_fp8_preset_trains_both_precisions_at_equal_steps_and_tells_their_trainer_configs_apart(tmp_path):
     p = quality.PRESETS["h200-fp8"]
     assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 4

@@ -213,18 +213,19 @@ PRESETS = {
     # position's draft accepted with probability 1 - TV(p, q)), where argmax proposals cannot reach the goal on
     # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
     # the objectives that train the draft's distribution toward the target's, and DFlash2, whose sampled walk
-    # draws each slot after the candidate drawn before (DFlash1 samples every position alone), two drafter seeds
-    # each, the same steps and the default data (16,384 prompts, each one's greedy answer and one sampled at T = 1:
-    # the recipe ablation's gain at T = 1); 8 runs at once (their compiles too) sized below the fp8 presets' 4
-    # (those ran 858 steps in 114-137 s each, start-up included, on an H200)
-    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=3.5,
+    # draws each slot after the candidate drawn before (DFlash1 samples every position alone), the same steps and
+    # the default data (16,384 prompts, each one's greedy answer and one sampled at T = 1: the recipe ablation's
+    # gain at T = 1), one drafter seed (at T = 1 the seeds moved τ by ~1 %, docs/objectives.md). Sized from its
+    # first call (an H100, twelfth session): each run's last checkpoint takes ~21 s to evaluate (T = 0 and 1, both
+    # prompt sets), so eight runs' 170 s did not fit the 35 s kept and none but the main run's was measured; four
+    # runs at once trained ~7 steps/s each after ~80 s of start-up (the fp8 presets), regen's 16,384 + 16,384
+    # answers took ~170 s
+    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=6.0,
                              drafter_startup_s=80.0, n_prompts=16384, sampled_answers=1, ablation_convs=32768,
-                             ablations={name + seed: {**o, **({"run_seed": 1} if seed else {})}
-                                        for seed in ("", ", drafter seed 1")
-                                        for name, o in (("base", {}), ("kl+dpace", {"objective": "kl+dpace"}),
-                                                        ("ce+tv", {"objective": "ce+tv"}),
-                                                        ("dflash2", {"drafter_kind": "dflash2"}))},
-                             ablation_steps_as_main=True, parallel=8, curve_points=2),
+                             regen_end_s=200.0, eval_reserve_s=110.0,
+                             ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
+                                        "ce+tv": {"objective": "ce+tv"}, "dflash2": {"drafter_kind": "dflash2"}},
+                             ablation_steps_as_main=True, parallel=4, curve_points=1, tau_from_checkpoints=True),
     # one H200, one call (issue #50's done-when): the default recipe (ce + dpace on each prompt's greedy answer and
     # one sampled at T = 1), the main run alone for as long as the call allows (the h200 preset's ~60M tokens on
     # 65,536 answers), τ at T = 0 and at T = 1 with sampled proposals on both prompt sets; a seed a call

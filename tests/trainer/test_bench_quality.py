@@ -194,12 +194,12 @@ def test_the_fp8_drafter_preset_differs_from_its_bf16_twin_in_the_drafters_preci
         assert fp8 == twin
 
 
-def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alone(tmp_path, capsys):
+def test_the_proposals_preset_tells_each_run_from_the_base_by_its_objective_or_generation_alone(tmp_path, capsys):
     from trainer.run.config import parse_config
 
     p = quality.PRESETS["h200-proposals"]
-    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 8
-    assert p.draft_sample_method == "probabilistic" and 1.0 in p.temperatures
+    assert p.ablation_steps_as_main and p.parallel == len(p.ablations) == 4 and p.tau_from_checkpoints
+    assert p.draft_sample_method == "probabilistic" and 1.0 in p.temperatures and p.sampled_answers == 1
     args = (p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100)
     cpu = {"devices": {"target": ["cpu"], "drafter": ["cpu"]}}  # parse on a machine without CUDA
 
@@ -207,17 +207,16 @@ def test_the_proposals_preset_tells_each_run_from_its_twin_by_its_objective_alon
         m = parse_config(yaml.safe_dump(cfg | cpu)).model
         return m.loss if isinstance(m.loss, str) else (m.loss.ce, m.loss.kl, m.loss.tv), m.position_weight
 
-    for seed_twin in ("base", "base, drafter seed 1"):
-        twin = quality.trainer_config(*args, p.ablations[seed_twin], 50)
-        assert objective(twin) == ("ce", "dpace")  # the trainer's default objective
-        for name, expected in (("kl+dpace", ("kl", "dpace")), ("ce+tv", ((1.0, 0.0, 1.0), "dpace"))):
-            cfg = quality.trainer_config(*args, p.ablations[name + seed_twin.removeprefix("base")], 50)
-            assert objective(cfg) == expected
-            assert {k: cfg["model"].pop(k) for k in ("loss", "position_weight")} == quality.OBJECTIVES[name]
-            assert cfg == twin  # nothing else differs
-        dflash2 = quality.trainer_config(*args, p.ablations["dflash2" + seed_twin.removeprefix("base")], 50)
-        assert parse_config(yaml.safe_dump(dflash2 | cpu)).model.drafter.kind == "dflash2"
-        assert dflash2["model"].pop("drafter") == {"kind": "dflash2"} and dflash2 == twin
+    base = quality.trainer_config(*args, p.ablations["base"], 50)
+    assert objective(base) == ("ce", "dpace")  # the trainer's default objective
+    for name, expected in (("kl+dpace", ("kl", "dpace")), ("ce+tv", ((1.0, 0.0, 1.0), "dpace"))):
+        cfg = quality.trainer_config(*args, p.ablations[name], 50)
+        assert objective(cfg) == expected
+        assert {k: cfg["model"].pop(k) for k in ("loss", "position_weight")} == quality.OBJECTIVES[name]
+        assert cfg == base  # nothing else differs
+    dflash2 = quality.trainer_config(*args, p.ablations["dflash2"], 50)
+    assert parse_config(yaml.safe_dump(dflash2 | cpu)).model.drafter.kind == "dflash2"
+    assert dflash2["model"].pop("drafter") == {"kind": "dflash2"} and dflash2 == base
     ap = quality.parser()
     with pytest.raises(SystemExit):
         quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", 'ablations={"a": {"objective": "ce+nope"}}']))

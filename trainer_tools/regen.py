@@ -491,12 +491,16 @@ def static_generate(model: Any, prompts: list[list[int]], max_new_tokens: int, s
                     streams: list[int] | None = None) -> torch.Tensor:
     """Answers of a whole batch from the target decoder's preallocated KV cache, greedy or sampled
     with `sampling` (a trainer.generate.sampling_params.Sampling) from each row's noise stream
-    (`trainer.models.decoder.generate`): [B, new] token ids, rows not cut at their stop tokens;
-    trainer.models.decoder.Cancelled at the next step once `cancel` is set."""
+    `streams[r]` (default: its index; `trainer.models.decoder.generate`): [B, new] token ids, rows
+    not cut at their stop tokens; trainer.models.decoder.Cancelled at the next step once `cancel` is set."""
+    from trainer.generate.sampling import sampled_picks
     from trainer.models import decoder
 
-    return decoder.generate(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel, sampling=sampling,
-                            streams=streams)
+    picks = None
+    if sampling is not None and not sampling.greedy:
+        device = next(model.parameters()).device
+        picks = sampled_picks(sampling, streams if streams is not None else range(len(prompts)), device)
+    return decoder.generate(model, prompts, max_new_tokens, stop_ids, prefill_rows, cancel=cancel, picks=picks)
 
 
 def cancel_criteria(cancel: threading.Event, width: int = 0, steps: int = 0) -> Any:

@@ -105,16 +105,18 @@ def test_sampled_static_decoding_draws_each_token_from_the_model_s_distribution_
     the model's own next-token distribution after the prompt and the row's tokens so far, with the noise
     of the row's stream at t, so the rows' order, the chunking of rows or of the sampling's buffers
     change nothing, and distinct streams give distinct answers."""
+    from trainer.generate import sampling
     from trainer.generate.sampling import Noise, sample_next
     from trainer.generate.sampling_params import Sampling
     from trainer.models import decoder
+    from trainer_tools.regen import static_generate
 
     model = AutoModelForCausalLM.from_pretrained(qwen3_model_dir, dtype=torch.float32, local_files_only=True).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 9, 3, 9, 7, 4)]
     streams, new = [11, 7, 123456789, 2**31 - 1, 0, 5], 7
     for how in (Sampling(temperature=1.0, seed=3), Sampling(temperature=0.7, top_p=0.9, seed=3)):
-        out = decoder.generate(model, prompts, new, set(), sampling=how, streams=streams)
+        out = static_generate(model, prompts, new, set(), sampling=how, streams=streams)
         noise = Noise.of(how.seed, streams, "cpu")
         with torch.no_grad():
             for r, p in enumerate(prompts):
@@ -123,17 +125,17 @@ def test_sampled_static_decoding_draws_each_token_from_the_model_s_distribution_
                     drawn = sample_next(logits, how, noise.select(torch.tensor([r])), torch.tensor([t]))
                     assert int(drawn) == int(out[r, t]), (how, r, t)
         order = [3, 0, 5, 1, 4, 2]
-        shuffled = decoder.generate(model, [prompts[i] for i in order], new, set(), sampling=how,
-                                    streams=[streams[i] for i in order], max_rows=4)
+        shuffled = decoder.generate(model, [prompts[i] for i in order], new, set(), max_rows=4,
+                                    picks=sampling.sampled_picks(how, [streams[i] for i in order], "cpu"))
         assert shuffled.tolist() == out[order].tolist()
-        monkeypatch.setattr(decoder, "SAMPLE_BYTES", 1)  # one row's buffers at a time
-        assert decoder.generate(model, prompts, new, set(), sampling=how, streams=streams).tolist() == out.tolist()
+        monkeypatch.setattr(sampling, "SAMPLE_BYTES", 1)  # one row's buffers at a time
+        assert static_generate(model, prompts, new, set(), sampling=how, streams=streams).tolist() == out.tolist()
         monkeypatch.undo()
     same = [prompts[0]] * 4
-    answers = decoder.generate(model, same, new, set(), sampling=Sampling(temperature=1.0), streams=[1, 2, 3, 4])
+    answers = static_generate(model, same, new, set(), sampling=Sampling(temperature=1.0), streams=[1, 2, 3, 4])
     assert len({tuple(a) for a in answers.tolist()}) > 1
     # greedy sampling is the greedy decoder
-    assert decoder.generate(model, prompts, new, set(), sampling=Sampling(temperature=0.0)).tolist() == \
+    assert static_generate(model, prompts, new, set(), sampling=Sampling(temperature=0.0)).tolist() == \
         decoder.greedy(model, prompts, new, set()).tolist()
 
 

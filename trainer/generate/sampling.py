@@ -44,7 +44,7 @@ equals the target's argmax and 0 otherwise, and the expected length is the greed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,7 @@ import torch
 from trainer.generate.sampling_params import Sampling
 
 if TYPE_CHECKING:
+    from trainer.models.decoder import Pick
     from trainer.models.drafter import DrafterConfig
 
 # noise domains: one stream of numbers per kind of decision
@@ -150,6 +151,31 @@ def sample_next(logits: torch.Tensor, s: Sampling, noise: Noise, positions: torc
     if s.greedy:
         return logits.argmax(dim=-1)
     return draw(processed_probs(logits, s), noise, positions)
+
+
+SAMPLE_BYTES = 1 << 30  # sampled_picks' float64 buffers of one decode step, per chunk of rows ([rows, vocab] each)
+
+
+def sampled_picks(s: Sampling, streams: Sequence[int], device: torch.device | str) -> Callable[[int, int], Pick]:
+    """For trainer.models.decoder.generate: the chooser of rows start..stop-1 of a batch, each row's token
+    `sample_next`'s draw from its noise stream streams[r] keyed by the token's index in the answer, so a
+    row's answer depends on its stream and the seed, never on its batch or chunk; SAMPLE_BYTES of
+    buffers at a time."""
+    noise = Noise.of(s.seed, list(streams), device)
+
+    def picks(start: int, stop: int) -> Pick:
+        def pick(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
+            n, chunk = logits.shape[0], max(1, SAMPLE_BYTES // (8 * logits.shape[-1]))
+            out = torch.empty(n, dtype=torch.long, device=logits.device)
+            for i in range(0, n, chunk):
+                rows = torch.arange(start + row0 + i, start + row0 + min(n, i + chunk), device=noise.streams.device)
+                at = torch.full((len(rows),), t, dtype=torch.long, device=logits.device)
+                out[i:i + len(rows)] = sample_next(logits[i:i + len(rows)], s, noise.select(rows), at)
+            return out
+
+        return pick
+
+    return picks
 
 
 # ---------------------------------------------------------------------------------------------- the accept rule

@@ -30,15 +30,12 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from trainer.models.hf import base_model, hf_config, output_embeddings
-
-if TYPE_CHECKING:
-    from trainer.generate.sampling_params import Sampling
 
 FAMILIES = ("qwen3", "qwen2", "llama")  # model types whose decoder layers `forward` runs from their modules
 
@@ -216,60 +213,38 @@ def rows_that_fit(d: TargetDecoder, capacity: int, free_bytes: int, total_bytes:
     return max(1, int(usable / (1.25 * per_row)))
 
 
-SAMPLE_BYTES = 1 << 30  # the sampling's float64 buffers of one step, per chunk of rows ([rows, vocab] each)
 Pick = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits [n, V], first row, answer index) -> tokens [n]
+
+
+def argmax(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)
 
 
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
            prefill_rows: int = 256, max_rows: int | None = None,
            cancel: threading.Event | None = None) -> torch.Tensor:
-    """Greedy decoding of a batch (`generate` at T = 0): [B, new]."""
+    """Greedy decoding of a batch (`generate` with the argmax): [B, new]."""
     return generate(model, prompts, max_new_tokens, stop_ids, prefill_rows, max_rows, cancel)
 
 
 def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
              prefill_rows: int = 256, max_rows: int | None = None, cancel: threading.Event | None = None,
-             sampling: Sampling | None = None, streams: Sequence[int] | None = None) -> torch.Tensor:
+             picks: Callable[[int, int], Pick] | None = None) -> torch.Tensor:
     """Decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many as the free
-    memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]. Greedy, or
-    with `sampling` at a temperature each token drawn as the engine draws it
-    (trainer.generate.sampling.sample_next) from row r's noise stream `streams[r]` (default: its
-    index), keyed by the token's index in the answer: a row's answer depends on its stream and the
-    seed, never on its batch or chunk. Once `cancel` is set it raises Cancelled at the next prefill
-    chunk or decode step, so an interrupted regen does not decode the rest of a batch whose answers
-    it will not write."""
+    memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]. Each token
+    is the argmax, or chosen by picks(start, stop), the chooser of the batch's rows start..stop-1
+    (trainer.generate.sampling.sampled_picks: the engine's draws, each row from its own noise stream,
+    so a row's answer does not depend on its chunk). Once `cancel` is set it raises Cancelled at the
+    next prefill chunk or decode step, so an interrupted regen does not decode the rest of a batch
+    whose answers it will not write."""
     d = TargetDecoder(model)
-    if sampling is not None and sampling.greedy:
-        sampling = None
-    every = list(streams) if streams is not None else list(range(len(prompts)))
     if max_rows is None and d.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(d.device)
         max_rows = rows_that_fit(d, max(map(len, prompts)) + max_new_tokens, free, total)
     step = len(prompts) if max_rows is None else max_rows
     return torch.cat([_generate(d, prompts[i:i + step], max_new_tokens, stop_ids, prefill_rows, cancel,
-                                _picker(sampling, every[i:i + step], d.device))
+                                picks(i, min(len(prompts), i + step)) if picks else argmax)
                       for i in range(0, len(prompts), step)])
-
-
-def _picker(sampling: Sampling | None, streams: list[int], device: torch.device) -> Pick:
-    """pick(logits [n, V], first row, answer index) -> tokens [n]: the argmax, or drawn from the rows'
-    noise streams, SAMPLE_BYTES of float64 [rows, vocab] buffers at a time."""
-    if sampling is None:
-        return lambda logits, row0, t: logits.float().argmax(dim=-1)
-    from trainer.generate.sampling import Noise, sample_next
-
-    noise = Noise.of(sampling.seed, streams, device)
-
-    def pick(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
-        n, chunk = logits.shape[0], max(1, SAMPLE_BYTES // (8 * logits.shape[-1]))
-        out = torch.empty(n, dtype=torch.long, device=logits.device)
-        for i in range(0, n, chunk):
-            rows = torch.arange(row0 + i, row0 + min(n, i + chunk), device=device)
-            out[i:i + len(rows)] = sample_next(logits[i:i + len(rows)], sampling, noise.select(rows),
-                                               torch.full((len(rows),), t, dtype=torch.long, device=device))
-        return out
-
-    return pick
 
 
 def _generate(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],

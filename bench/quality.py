@@ -116,8 +116,9 @@ class Preset:
     answer_tokens: int = 256
     regen_batch: int = 16384  # rows decoded at once: 3x the tokens/s of 4096 on an H200 (bench/decoder_speed.py)
     # the data docs/objectives.md makes the default (issue #50's recipe ablation): besides each prompt's greedy
-    # answer, this many answers of it sampled at T = 1 (regen --samples-per-prompt), the runs train on both;
-    # regen's time up to regen_end_s is shared by the two in proportion to their answers
+    # answer, this many answers of it sampled at T = 1 (regen --samples-per-prompt), the runs train on both; the
+    # sampled answers are decoded after the greedy ones, both stopped at regen_end_s (a regen batch finishes all
+    # its rows at once, so a deadline of its own would lose the greedy batch whole on a slower card)
     sampled_answers: int = 0
     n_eval: int = 64
     eval_new_tokens: int = 256
@@ -214,25 +215,25 @@ PRESETS = {
     # this target (the ceiling: 1.55x lookup, bench/RESULTS.md eleventh session); the default ce + dpace beside
     # the objectives that train the draft's distribution toward the target's, and DFlash2, whose sampled walk
     # draws each slot after the candidate drawn before (DFlash1 samples every position alone), the same steps and
-    # the default data (16,384 prompts, each one's greedy answer and one sampled at T = 1: the recipe ablation's
+    # the default data (8,192 prompts, each one's greedy answer and one sampled at T = 1: the recipe ablation's
     # gain at T = 1), one drafter seed (at T = 1 the seeds moved τ by ~1 %, docs/objectives.md). Sized from its
     # first call (an H100, twelfth session): each run's last checkpoint takes ~21 s to evaluate (T = 0 and 1, both
     # prompt sets), so eight runs' 170 s did not fit the 35 s kept and none but the main run's was measured; four
-    # runs at once trained ~7 steps/s each after ~80 s of start-up (the fp8 presets), regen's 16,384 + 16,384
-    # answers took ~170 s
+    # runs at once trained ~7 steps/s each after ~80 s of start-up (the fp8 presets); regen wrote 16,384 greedy
+    # and 16,384 sampled answers in ~170 s after the target's 92 s: half of each here (~15M tokens, ~4 passes)
     "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=6.0,
-                             drafter_startup_s=80.0, n_prompts=16384, sampled_answers=1, ablation_convs=32768,
-                             regen_end_s=200.0, eval_reserve_s=110.0,
+                             drafter_startup_s=80.0, n_prompts=8192, sampled_answers=1, ablation_convs=16384,
+                             regen_end_s=220.0, eval_reserve_s=110.0,
                              ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
                                         "ce+tv": {"objective": "ce+tv"}, "dflash2": {"drafter_kind": "dflash2"}},
                              ablation_steps_as_main=True, parallel=4, curve_points=1, tau_from_checkpoints=True),
     # one H200, one call (issue #50's done-when): the default recipe (ce + dpace on each prompt's greedy answer and
     # one sampled at T = 1), the main run alone for as long as the call allows, τ at T = 0 and at T = 1 with sampled
     # proposals on both prompt sets; a seed a call. One regen batch of each kind: 16,384 greedy answers took 86 s
-    # and 16,384 sampled 81 s on an H100 (twelfth session), a batch the deadline cuts is lost whole; its first call
-    # trained ~62M tokens in 169 s (20 steps/s, as sized)
+    # and 16,384 sampled 81 s on an H100 (twelfth session, the target 92 s before them), a batch the deadline cuts
+    # is lost whole; its first call trained ~62M tokens in 169 s (20 steps/s, as sized)
     "h200-recipe": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", n_prompts=16384,
-                          sampled_answers=1, regen_end_s=260.0, curve_points=2, eval_reserve_s=50.0),
+                          sampled_answers=1, regen_end_s=280.0, curve_points=2, eval_reserve_s=50.0),
     # one H200, a second call: the same target and regen, then the ablations side by side at equal
     # steps (the main run, with the base settings, is the "base" row)
     "h200-ablations": Preset(drafter_steps=300, drafter_rate=0.0, ablation_steps=300, ablations=dict(ABLATIONS), parallel=7,
@@ -1843,8 +1844,7 @@ def main(argv: list[str] | None = None) -> dict:
         return results
     # regen, stopped at its deadline with the answers written so far
     regen_end = started + p.regen_end_s if p.regen_end_s else None
-    greedy_end = regen_end and time.time() + (regen_end - time.time()) / (1 + p.sampled_answers)
-    results["regen"] = regenerate(p, model_dir, data, out, greedy_end)
+    results["regen"] = regenerate(p, model_dir, data, out, regen_end)
     if p.sampled_answers:
         results["regen_sampled"] = regenerate(p, model_dir, data, out, regen_end, samples=p.sampled_answers)
     save()

@@ -689,11 +689,17 @@ def cut_tokens(tok, texts: list[str], n: int) -> list[str]:
 MIN_EVAL_ANSWER = 8  # answer tokens a held-out conversation keeps within max_length (the trainer needs 2)
 
 
+def prompt_tokens(tok, users: list[str]) -> list[int]:
+    """Tokens of the prompt the evaluation and regen render for each user turn (render(user, "") up to
+    the generation prompt; enable_thinking false), in one batch (the tokenizer's threads)."""
+    end = len("<|im_end|>\n")
+    return [len(e.ids) for e in tok.encode_batch([render(u, "")[:-end] for u in users], add_special_tokens=False)]
+
+
 def fits(tok, p: Preset, user: str, answer: str) -> bool:
     """Whether a held-out (prompt, answer) keeps MIN_EVAL_ANSWER answer tokens after the trainer
     cuts the rendered conversation to max_length: a window that does not is useless for τ."""
-    prompt = render(user, "")[: -len("<|im_end|>\n")]
-    n_prompt = len(tok.encode(prompt, add_special_tokens=False).ids)
+    [n_prompt] = prompt_tokens(tok, [user])
     n_answer = len(tok.encode(answer, add_special_tokens=False).ids)
     return n_prompt + min(n_answer, MIN_EVAL_ANSWER) <= p.max_length and n_answer >= MIN_EVAL_ANSWER
 
@@ -719,12 +725,6 @@ def long_documents(texts: list[str], dirs: list[str], chars: tuple[int, int], rn
     return docs
 
 
-def prompt_tokens(tok, user: str) -> int:
-    """Tokens of the prompt the evaluation and regen render for a user turn (render(user, "") up to
-    the generation prompt; enable_thinking false)."""
-    return len(tok.encode(render(user, "")[: -len("<|im_end|>\n")], add_special_tokens=False).ids)
-
-
 def long_pairs(tok, docs: list[str], ranges, counts, rng: random.Random, answer_chars: int) -> list[list]:
     """Per token range, up to counts[i] (prompt, continuation) pairs cut from `docs` at a line
     boundary, whose rendered prompt (prompt_tokens) lies inside the range: [[pairs of range 0], ...].
@@ -734,7 +734,6 @@ def long_pairs(tok, docs: list[str], ranges, counts, rng: random.Random, answer_
     rng.shuffle(order)
     sample = [docs[i] for i in order[: max(8, 2 * sum(counts))]]
     encoded = list(zip(sample, tok.encode_batch(sample, add_special_tokens=False)))
-    end = len("<|im_end|>\n")
     out: list[list] = []
     for (lo, hi), count in zip(ranges, counts):
         room = [(d, e) for d, e in encoded if len(e.ids) > lo + 64]
@@ -747,8 +746,7 @@ def long_pairs(tok, docs: list[str], ranges, counts, rng: random.Random, answer_
             cut = d.rfind("\n", 0, e.offsets[n - 16][1]) + 1  # a line boundary just before token n - 16
             if d[:cut].strip() and d[cut:cut + answer_chars].strip():
                 candidates.append((d[:cut], d[cut:cut + answer_chars]))
-        sizes = [len(x.ids) for x in tok.encode_batch([render(u, "")[:-end] for u, _ in candidates],
-                                                      add_special_tokens=False)]
+        sizes = prompt_tokens(tok, [u for u, _ in candidates])
         out.append([c for c, n in zip(candidates, sizes) if lo <= n <= hi][:count])
     return out
 
@@ -800,8 +798,7 @@ def write_prompts(p: Preset, tok, corpus: dict, data: Path, rng: random.Random) 
     rng.shuffle(pairs)
     # a window of one enormous line (minified data) is a prompt of thousands of tokens: one in a regen batch of
     # 16,384 widens every row's cache to it, and the trainer would cut its answer off at max_length anyway
-    sizes = [len(e.ids) for e in tok.encode_batch([render(u, "")[: -len("<|im_end|>\n")] for u, _ in pairs],
-                                                  add_special_tokens=False)]
+    sizes = prompt_tokens(tok, [u for u, _ in pairs])
     kept = [i for i, n in enumerate(sizes) if n + MIN_EVAL_ANSWER <= p.max_length][: p.n_prompts]
     too_long = sum(n + MIN_EVAL_ANSWER > p.max_length for n in sizes)
     pairs, sizes = [pairs[i] for i in kept], [sizes[i] for i in kept]

@@ -158,8 +158,7 @@ def test_a_regen_prompt_of_one_enormous_line_is_left_out_and_prompts_go_shortest
     prompts = [r["messages"][0]["content"] for r in quality.read_records(tmp_path / "prompts.jsonl")]
     assert prompts and not any(u.startswith("DATA = [") for u in prompts)
     assert stats["windows_too_long"] >= 2 and stats["prompt_tokens_max"] + quality.MIN_EVAL_ANSWER <= p.max_length
-    sizes = [len(tok.encode(quality.render(u, "")[: -len("<|im_end|>\n")], add_special_tokens=False).ids)
-             for u in prompts]
+    sizes = quality.prompt_tokens(tok, prompts)
     assert sizes == sorted(sizes) and max(sizes) == stats["prompt_tokens_max"]
 
 
@@ -345,7 +344,7 @@ def test_long_held_out_prompts_fall_in_every_length_bucket():
     assert [len(g) for g in groups] == list(p.eval_per_bucket)
     for (name, _), (lo, hi), pairs in zip(PROMPT_LENGTH_BUCKETS, p.eval_prompt_tokens, groups):
         for user, answer in pairs:
-            n = quality.prompt_tokens(tok, user)
+            [n] = quality.prompt_tokens(tok, [user])
             assert lo <= n <= hi and length_bucket(n) == name and user.endswith("\n") and text.startswith(user + answer)
     # the H200 preset's ranges lie inside the buckets too
     h = quality.PRESETS["h200-long"]

@@ -1460,14 +1460,15 @@ def markdown(results: dict) -> str:
                   *by_length_side_by_side(results["by_length"]), ""]
     if results.get("ablations"):
         lines += ["| ablation | overrides | steps | tau pooled | ratio to lookup | tau per-prompt | train acc | "
-                  "held-out acc | tok/s | tau by prompt set | tau by temperature (held-out) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+                  "held-out acc | tok/s | tau by prompt set | tau by temperature (held-out) | tau by temperature (other) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
         for name, a in results["ablations"].items():
             lines.append(f"| {name} | {a['overrides']} | {a['steps']} | {fmt(a['tau'])} | {fmt(a.get('tau_ratio'), 2)} | "
                          f"{fmt(a['tau_per_prompt'])} | "
                          f"{fmt(a['train_acc'])} | {fmt(a['eval_acc'])} | {fmt(a['tokens_per_s_steady'], 0)} | "
                          f"{by_set_text(a.get('tau_by_set'))} | "
-                         f"{tau_by_temperature_text(a.get('tau_by_temperature')) or '-'} |")
+                         f"{tau_by_temperature_text(a.get('tau_by_temperature')) or '-'} | "
+                         f"{tau_by_temperature_text(other_by_temperature(a)) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1697,10 +1698,10 @@ def evaluate_checkpoints(p: Preset, jobs: list[dict], compared: list[dict], mode
     evaluated: dict[Path, dict] = {}
     if main_ckpts:
         evaluated[main_ckpts[-1]] = evaluator(main_ckpts[-1], p.temperatures)
-    for j in jobs[1:]:
+    for j in jobs[1:]:  # at every temperature: each prompt set's τ at each, as the main run's
         if bench_evaluates(j, compared, p.tau_from_checkpoints) and time_left():
             last = complete_checkpoints(j["run_dir"])[-1]
-            evaluated[last] = evaluator(last)
+            evaluated[last] = evaluator(last, p.temperatures)
     for ck in main_ckpts[:-1]:
         if time_left():
             evaluated[ck] = evaluator(ck)
@@ -1799,8 +1800,15 @@ def ablation_results(p: Preset, jobs: list[dict], evaluated: dict[Path, dict], c
         say(f"ablation {j['name']!r} ({a['overrides']}, {a['steps']} steps of {p.ablation_steps}, {a['stop']}): tau "
             f"{fmt(a['tau'])} pooled ({fmt(a.get('tau_ratio'), 2)}x lookup), {fmt(a['tau_per_prompt'])} per-prompt mean; "
             f"train acc {fmt(a['train_acc'])}, held-out acc {fmt(a['eval_acc'])}"
-            + (f"; {tau_by_temperature_text(a['tau_by_temperature'])}" if a.get("tau_by_temperature") else ""))
+            + (f"; {tau_by_temperature_text(a['tau_by_temperature'])}" if a.get("tau_by_temperature") else "")
+            + (f"; other style {tau_by_temperature_text(other_by_temperature(a))}" if other_by_temperature(a) else ""))
     return rows
+
+
+def other_by_temperature(row: dict) -> dict | None:
+    """A run's τ on the other-style prompts at each temperature (measured where the bench evaluated its last
+    checkpoint at every temperature)."""
+    return ((row.get("tau_by_set") or {}).get("other") or {}).get("tau_by_temperature")
 
 
 def main(argv: list[str] | None = None) -> dict:

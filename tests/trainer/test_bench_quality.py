@@ -56,7 +56,8 @@ def test_a_number_field_takes_what_float_reads_and_refuses_the_rest(capsys):
 
 @pytest.mark.slow
 def test_tiny_quality_bench_runs_every_stage(tmp_path):
-    r = quality.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "ceiling=true"])
+    r = quality.main(["--preset", "tiny", "--out", str(tmp_path), "--set", "ceiling=true",
+                      "--set", "tau_from_checkpoints=true"])
     c = r["corpus"]
     assert c["roots"] == [str(tmp_path / "corpus")]  # generated: the same on every machine and at every commit
     assert c["train_files"] > 0 and c["heldout_files"] > 0 and c["skipped"]["test"] > 0
@@ -80,6 +81,9 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
     assert all(x["tau_lookup"] == pytest.approx(m["tau_lookup"]) and x["lookup_same_output"] for x in r["curve"])
     a = r["ablations"]["original answers"]
     assert a["exit"] == 0 and a["tau"] >= 1.0
+    # an ablation the bench evaluates is measured as the main run is: each prompt set at every temperature
+    assert [list(a["tau_by_set"][name]["tau_by_temperature"]) for name in ("heldout", "other")] == [["0", "0.7", "1"]] * 2
+    assert quality.other_by_temperature(a) == a["tau_by_set"]["other"]["tau_by_temperature"]
     assert "| ablation |" in (tmp_path / "quality.md").read_text()
     # τ per prompt-length bucket, the lookup baseline beside it, in the results and the report
     for point in r["curve"]:

@@ -284,3 +284,25 @@ def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_se
         c = parse_config(yaml.safe_dump(cfg))
         assert (c.model.loss, c.model.position_weight) == (
             {"ce+decay": ("ce", "decay"), "ce+dpace": ("ce", "dpace"), "kl": ("kl", "decay")}[objective])
+
+
+def test_the_default_preset_trains_the_one_call_recipe_s_data_and_objective_beside_one_rival(tmp_path):
+    import yaml
+
+    from bench import quality
+    from trainer.run.config import parse_config
+
+    p = ra.PRESETS["h200-default"]
+    recipe = quality.PRESETS["h200-recipe"]  # the one-call recipe whose τ the done-when asks over 3 seeds
+    qp = ra.quality_preset(p)
+    assert qp.n_prompts == p.mix_prompts == recipe.n_prompts and p.samples_per_prompt == recipe.sampled_answers
+    assert p.baseline == "ce+dpace/both" and len(p.seeds) == 3 and ra.uses_sampled(p)
+    for candidate in p.candidates:
+        cfg = ra.trainer_config(p, qp, tmp_path, candidate, 0, 1000)
+        cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}
+        c = parse_config(yaml.safe_dump(cfg))
+        assert (c.model.loss, c.model.position_weight) == {"ce+dpace": ("ce", "dpace"),
+                                                           "kl+dpace": ("kl", "dpace")}[ra.candidate_parts(candidate)[0]]
+    # the plan from the stated figures: the data in the first call, each run ~2 minutes of the device alone
+    plan = ra.plan_only(p)
+    assert ra.data_s(p) < p.call_s and 100.0 < plan["train_s"] < 200.0

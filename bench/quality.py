@@ -148,6 +148,9 @@ class Preset:
     pack_rows: int = 2
     micro_batches: int = 1
     curve_points: int = 4  # checkpoints of the main run evaluated for the curve (plus the last one)
+    # the main run's own overrides of the drafter config, an ablation's keys (e.g. {"objective": "kl+dpace"} or
+    # {"drafter_kind": "dflash2"}): the one-call recipe with another objective or generation at its full length
+    main_overrides: dict = field(default_factory=dict)
     # ablations: name -> overrides of the drafter config; they run with ablation_steps
     ablation_steps: int = 250
     ablations: dict = field(default_factory=dict)
@@ -1548,9 +1551,15 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         if unknown:
             ap.error(f"--ablations: unknown {unknown}; known: {', '.join(known)}")
         p.ablations = {n: known[n] for n in names}
-    objectives = {name: o["objective"] for name, o in p.ablations.items() if o.get("objective", "ce+dpace") not in OBJECTIVES}
+    if not isinstance(p.main_overrides, dict):
+        ap.error(f"main_overrides {p.main_overrides!r}: a mapping of the drafter config's overrides, e.g. "
+                 "'main_overrides={objective: kl+dpace}'")
+    objectives = {name: o["objective"] for name, o in {**p.ablations, "main_overrides": p.main_overrides}.items()
+                  if o.get("objective", "ce+dpace") not in OBJECTIVES}
     if objectives:
-        ap.error(f"ablations {objectives}: an objective is one of {', '.join(OBJECTIVES)}")
+        ap.error(f"unknown objective {objectives}: an objective is one of {', '.join(OBJECTIVES)}")
+    if "train" in p.main_overrides:
+        ap.error("main_overrides: the main run trains on the regenerated answers; an ablation names other data")
     return p
 
 
@@ -1644,13 +1653,13 @@ def drafter_jobs(p: Preset, model_dir: Path, main_file: Path, data: Path, runs: 
     subset of the answers; and whether the main run is the ablations' "base" row (then it trains on
     their subset too)."""
     every = max(1, steps // max(p.curve_points, 1))
-    base_is_main = "base" in p.ablations and p.ablation_steps == steps
+    base_is_main = "base" in p.ablations and p.ablation_steps == steps and not p.main_overrides
     if p.ablations:
         sub_regen, sub_ids = subset(main_file, data / "ablation-regen.jsonl", None, p.ablation_convs)
         sub_orig, _ = subset(data / "original.jsonl", data / "ablation-original.jsonl", sub_ids, p.ablation_convs)
         if base_is_main:  # the main run is the base row: same data as the other rows
             main_file = sub_regen
-    jobs = [job("main", trainer_config(p, model_dir, main_file, data, steps, {}, every), runs)]
+    jobs = [job("main", trainer_config(p, model_dir, main_file, data, steps, p.main_overrides, every), runs)]
     jobs[0]["train_file"] = main_file
     for name, over in p.ablations.items():
         if name == "base" and base_is_main:
@@ -1782,7 +1791,8 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
                     + "; ".join(ceilings))
     say(f"main drafter: tau {fmt(m['tau'])} pooled, {fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} "
         f"held-out prompts ({p.eval_new_tokens} new tokens, block {p.block_size}, {p.drafter_layers} layers, "
-        f"{m['steps']} steps of {steps}, {m['train_file']}); histogram {m['histogram']}; train acc "
+        f"{m['steps']} steps of {steps}, {m['train_file']}"
+        + (f", overrides {p.main_overrides}" if p.main_overrides else "") + f"); histogram {m['histogram']}; train acc "
         f"{fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}; {fmt(m['tokens_per_s_steady'], 0)} tok/s")
 
 

@@ -223,7 +223,28 @@ def test_the_proposals_preset_tells_each_run_from_the_base_by_its_objective_or_g
     ap = quality.parser()
     with pytest.raises(SystemExit):
         quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", 'ablations={"a": {"objective": "ce+nope"}}']))
-    assert "ablations {'a': 'ce+nope'}: an objective is one of ce+decay, " in capsys.readouterr().err
+    assert "unknown objective {'a': 'ce+nope'}: an objective is one of ce+decay, " in capsys.readouterr().err
+
+
+def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row(tmp_path, capsys):
+    ap = quality.parser()
+    p = quality.preset_of(ap, ap.parse_args(["--preset", "h200-proposals", "--out", "x",
+                                             "--set", "main_overrides={drafter_kind: dflash2, objective: kl+dpace}"]))
+    row = {"id": "p0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "original.jsonl").write_text(json.dumps(row) + "\n")
+    jobs, base_is_main = quality.drafter_jobs(p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, tmp_path, 100)
+    main = jobs[0]["cfg"]["model"]
+    assert main["drafter"] == {"kind": "dflash2"} and main["loss"] == "kl" and main["position_weight"] == "dpace"
+    # the ablations' base row keeps the defaults, so it trains as a run of its own
+    assert not base_is_main and [j["name"] for j in jobs] == ["main", *p.ablations]
+    assert "drafter" not in jobs[1]["cfg"]["model"] and "loss" not in jobs[1]["cfg"]["model"]
+    for bad, says in (("main_overrides=kl", "main_overrides 'kl': a mapping"),
+                      ("main_overrides={objective: nope}", "unknown objective {'main_overrides': 'nope'}"),
+                      ("main_overrides={train: original}", "main_overrides: the main run trains on the regenerated")):
+        with pytest.raises(SystemExit):
+            quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", bad]))
+        assert says in capsys.readouterr().err
 
 
 def test_sampled_answers_join_the_greedy_ones_each_prompt_s_samples_after_its_greedy_answer(tmp_path):

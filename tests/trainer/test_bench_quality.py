@@ -1,5 +1,6 @@
 """bench/quality.py end to end on CPU (the tiny preset): real Python sources, a fitted target saved
 as a model directory, regen through the CLI, the trainer from that directory, τ and the ablation."""
+import dataclasses
 import hashlib
 import json
 import random
@@ -489,3 +490,19 @@ def test_the_other_style_prompts_get_their_own_temperature_table():
     assert "| 1 | 1.500 | 1.520 | 1.200 | 1.250 | 1.25 | 1.800 | 1.50 |" in rows  # the ceiling over lookup's
     assert quality.other_temperature_rows({"other": {"tau": 2.0, "tau_by_temperature": None}}) == []
     assert quality.other_temperature_rows(None) == []
+
+
+def test_a_short_trainer_eval_leaves_the_tau_to_the_bench_s_own_evaluation(tmp_path, capsys):
+    p = quality.PRESETS["h200-recipe"]
+    assert p.short_trainer_eval and p.tau_from_checkpoints  # every τ it reports is the bench's, of the last checkpoint
+    args = (tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100, {}, 50)
+    short = quality.trainer_config(p, *args)["eval"]
+    full = quality.trainer_config(dataclasses.replace(p, short_trainer_eval=False), *args)["eval"]
+    assert full["temperatures"] == [0.0, 1.0] and full["max_new_tokens"] == p.eval_new_tokens == 256
+    assert short["temperatures"] == [0.0] and short["max_new_tokens"] == 64
+    assert {k: v for k, v in short.items() if k not in ("temperatures", "max_new_tokens")} == \
+        {k: v for k, v in full.items() if k not in ("temperatures", "max_new_tokens")}
+    ap = quality.parser()
+    with pytest.raises(SystemExit):  # the trainer's check would be the run's τ
+        quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", "short_trainer_eval=true"]))
+    assert "short_trainer_eval: only where the bench measures every last checkpoint" in capsys.readouterr().err

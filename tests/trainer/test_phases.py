@@ -179,3 +179,27 @@ def test_a_sigterm_between_the_last_step_and_the_final_evaluation_is_not_lost(tm
         control.disarm_setup()
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_setup_stop_a_library_drops_is_served_at_the_next_step_boundary(tmp_path):
+    """SIGTERM while setup is armed raises SetupStop wherever the main thread is; inside a weakref callback or
+    a __del__ (torch._dynamo's weak-key dictionaries) Python prints it and drops it. The stop is not lost."""
+    from trainer.run.control import ControlPoller, SetupStop
+    control = ControlPoller(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        control.install_sigterm()
+        control.arm_setup()
+        try:  # what a weakref callback does with the exception its code raised
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        except SetupStop:
+            pass
+        control.disarm_setup()  # setup went on: training begins
+        assert control.stop_pending()
+        assert [(r.kind, r.reason) for r in control.poll()] == [("stop", "signal")]  # served at the step boundary
+        with pytest.raises(SetupStop):  # or at once, where setup is armed again (the final evaluation)
+            control.arm_setup()
+    finally:
+        control.disarm_setup()
+        signal.signal(signal.SIGTERM, before)

@@ -63,6 +63,11 @@ class ControlPoller:
         file_stop, self._file_stop = self._file_stop, False
         if self._setup.is_set():
             self._setup.clear()
+            # Python runs a handler between any two bytecodes of the main thread, also inside a weakref
+            # callback or a __del__, where a raised exception is printed and dropped ("Exception ignored",
+            # seen in torch._dynamo's weak-key dictionaries). The stop is kept as well, so a dropped
+            # SetupStop is served at the next step boundary (a control/stop file stays until served).
+            self._signalled = self._signalled or not file_stop
             raise SetupStop("control" if file_stop else "signal")
         if not file_stop:  # the watcher's own signal, come late: control/stop is polled at the next step
             self._signalled = True

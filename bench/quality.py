@@ -1567,13 +1567,37 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     if not isinstance(p.main_overrides, dict):
         ap.error(f"main_overrides {p.main_overrides!r}: a mapping of the drafter config's overrides, e.g. "
                  "'main_overrides={objective: kl+dpace}'")
-    objectives = {name: o["objective"] for name, o in {**p.ablations, "main_overrides": p.main_overrides}.items()
-                  if o.get("objective", "ce+dpace") not in OBJECTIVES}
+    overrides = {**p.ablations, "main_overrides": p.main_overrides}
+    objectives = {name: o["objective"] for name, o in overrides.items() if o.get("objective", "ce+dpace") not in OBJECTIVES}
     if objectives:
         ap.error(f"unknown objective {objectives}: an objective is one of {', '.join(OBJECTIVES)}")
     if "train" in p.main_overrides:
         ap.error("main_overrides: the main run trains on the regenerated answers; an ablation names other data")
+    for name, o in overrides.items():  # before the target and regen spend the device's time on a run that cannot start
+        refused = override_refused(p, o)
+        if refused:
+            ap.error(f"{name} {o}: {refused}")
     return p
+
+
+OVERRIDE_KEYS = ("drafter_layers", "block_size", "num_target_layers", "gamma", "precision", "sliding_window",
+                 "full_layers", "objective", "drafter_precision", "drafter_kind", "run_seed", "train")
+
+
+def override_refused(p: Preset, overrides: dict) -> str | None:
+    """Why a run's overrides (an ablation's or main_overrides) cannot make a trainer config: a key
+    trainer_config does not read (a typo would train the defaults under the run's name), or a config the
+    trainer refuses; None when they can."""
+    from trainer.run.config import ConfigError, parse_config
+
+    unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
+    if unknown:
+        return f"unknown key(s) {unknown}; an override is one of {', '.join(OVERRIDE_KEYS)}"
+    try:
+        parse_config(yaml.safe_dump(trainer_config(p, Path("model"), Path("train.jsonl"), Path("data"), 10, overrides, 5)))
+    except ConfigError as exc:
+        return f"the trainer refuses its config: {exc}"
+    return None
 
 
 def gather_corpus(p: Preset, out: Path) -> dict:

@@ -242,7 +242,12 @@ def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row
     assert "drafter" not in jobs[1]["cfg"]["model"] and "loss" not in jobs[1]["cfg"]["model"]
     for bad, says in (("main_overrides=kl", "main_overrides 'kl': a mapping"),
                       ("main_overrides={objective: nope}", "unknown objective {'main_overrides': 'nope'}"),
-                      ("main_overrides={train: original}", "main_overrides: the main run trains on the regenerated")):
+                      ("main_overrides={train: original}", "main_overrides: the main run trains on the regenerated"),
+                      # a typo would train the defaults under the run's name; a value the trainer refuses would
+                      # stop the run after the target and regen had spent the call's time
+                      ("main_overrides={objectve: kl+dpace}", "unknown key(s) ['objectve']; an override is one of"),
+                      ("main_overrides={drafter_kind: dflash3}", "the trainer refuses its config:"),
+                      ('ablations={"a": {"drafter_layers": 0}}', "the trainer refuses its config:")):
         with pytest.raises(SystemExit):
             quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", bad]))
         assert says in capsys.readouterr().err

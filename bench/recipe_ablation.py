@@ -52,7 +52,8 @@ data is whole, and the table says how many of the planned prompts it holds; the 
 resumes from its last checkpoint in the next call; with `legs` a run trains at most 1/legs of its steps in one
 call (the CPU test's deterministic stop). A run that has all its steps is evaluated once by the bench
 (quality.CheckpointEvaluator: both prompt sets at every temperature), and the table (OUT/recipe.md and .json,
-also STATE/stages/STAGE/recipe.*) is written again. At its end every call prints the command to run next
+also STATE/stages/STAGE/recipe.*) is written again, with each candidate's standing against #50's goal
+(held-out 2.0x and other style 1.6x lookup's τ at every temperature; the cells short of it named). At its end every call prints the command to run next
 and what is left (runs, their device time, the calls that takes at the measured rate: device-time
 seconds trained per second of the runs' wall time, start-ups and evaluations included).
 
@@ -589,6 +590,33 @@ def verdict(table: dict, baseline: str) -> list[str]:
     return lines
 
 
+GOAL = {"heldout": 2.0, "other": 1.6}  # issue #50's done-when: the ratio to lookup each prompt set needs, at every T
+
+
+def goal_lines(table: dict) -> list[str]:
+    """Per candidate with a ratio measured: the cells where its mean ratio to lookup is short of #50's goal
+    (held-out 2.0x, other style 1.6x, at each temperature), each with its seeds' range; or that every cell
+    meets it. At T > 0 the engine's argmax proposals and sampled ones are each a way to serve, so a
+    temperature's best column counts."""
+    lines = []
+    for name, e in table.items():
+        best: dict[tuple[str, str], dict] = {}  # (prompt set, temperature) -> its best column's ratio
+        for key, v in e.items():
+            if " T=" not in key or not isinstance(v, dict) or not v.get("ratio"):
+                continue
+            prompt_set, label = key.split(" T=")
+            cell_key = (prompt_set, label.removesuffix(" sampled"))
+            if cell_key not in best or v["ratio"]["mean"] > best[cell_key]["mean"]:
+                best[cell_key] = v["ratio"]
+        if not best:
+            continue
+        short = [f"{prompt_set} T={t} {r['mean']:.2f}x ({r['min']:.2f}-{r['max']:.2f}, goal {GOAL[prompt_set]:g}x)"
+                 for (prompt_set, t), r in best.items() if r["mean"] < GOAL[prompt_set]]
+        lines.append(f"{name} ({e.get('measured', 0)} seeds): " + ("meets #50's goal in every cell" if not short
+                                                                   else "short of #50's goal at " + "; ".join(short)))
+    return lines
+
+
 def cell(e: dict | None) -> str:
     if not e:
         return "-"
@@ -620,7 +648,8 @@ def markdown(doc: dict) -> str:
         tokens = f"{e['tokens'] / 1e6:.2f}" if e.get("tokens") else "-"
         lines.append(f"| {name} | {e['measured']}/{e['runs']} {e['seeds']} | {e['steps']} | {tokens} | "
                      + " | ".join(cell(e.get(k)) for k in keys) + " |")
-    lines += ["", *[f"* {v}" for v in doc.get("verdict", [])], "", f"* left: {doc.get('left', '-')}",
+    lines += ["", *[f"* {v}" for v in doc.get("verdict", [])], *[f"* goal: {v}" for v in doc.get("goal", [])], "",
+              f"* left: {doc.get('left', '-')}",
               "* what the table cannot say: another target than the bench's code model, more data than the mixes, "
               "longer training than this stage's, prompts unlike both sets, other temperatures or top-p; "
               "a gain inside the seed range is no gain"]
@@ -808,6 +837,7 @@ def save(doc: dict, p: Preset, stage_dir: Path, out: Path) -> None:
     """The state, and the table so far (OUT and the stage's directory)."""
     doc["table"] = summarise(p, doc["runs"])
     doc["verdict"] = verdict(doc["table"], p.baseline)
+    doc["goal"] = goal_lines(doc["table"])
     write_json(stage_dir / "state.json", doc)
     for d in (stage_dir, out):
         write_json(d / "recipe.json", doc)
@@ -835,6 +865,8 @@ def finish(p: Preset, doc: dict, runs: Runs, argv: list[str], stage_dir: Path, o
     save(doc, p, stage_dir, out)
     for line in doc["verdict"]:
         say(f"verdict: {line}")
+    for line in doc["goal"]:
+        say(f"goal: {line}")
     say(f"table: {out / 'recipe.md'}, {out / 'recipe.json'}")
     if left_calls:
         say(f"left: {doc['left']}")

@@ -218,6 +218,9 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
     assert "| τ heldout T=1 | τ heldout T=1 sampled | τ other T=0 |" in md
     assert f"| ce+decay/greedy | 2/2 [0, 1] | [{steps['ce+decay']}, {steps['ce+decay']}] |" in md and "sampled 24 rows of 12 prompts" in md
     assert json.loads((tmp_path / "out2" / "recipe.json").read_text())["mixes"]["both"]["rows"] == 36
+    # where each candidate stands against #50's goal, in the table and the call's output
+    assert [line.split(" (")[0] for line in second["goal"]] == list(second["table"])
+    assert all(f"* goal: {line}" in md and f"goal: {line}" in printed for line in second["goal"])
 
     third = ra.main([*argv, "--out", str(tmp_path / "out3")])  # nothing left: nothing trained or evaluated again
     assert "call 3: 0 runs to train" in capsys.readouterr().out
@@ -306,3 +309,23 @@ def test_the_default_preset_trains_the_one_call_recipe_s_data_and_objective_besi
     # the plan from the stated figures: the data in the first call, each run ~2 minutes of the device alone
     plan = ra.plan_only(p)
     assert ra.data_s(p) < p.call_s and 100.0 < plan["train_s"] < 200.0
+
+
+def test_the_goal_names_each_cell_short_of_it_and_a_temperature_counts_its_best_proposals():
+    p = ra.Preset(candidates=("ce+dpace/both", "kl+dpace/both"), seeds=(0, 1), proposals=("greedy", "probabilistic"))
+
+    def run(candidate, seed, tau0, tau1, tau1_sampled, other0, other1):
+        r = result(tau0, tau1, other0, other1)  # lookup: held-out 2.0 / 1.5, other 1.6 / 1.2 at T = 0 / 1
+        r["by_set"]["heldout"]["1 sampled"] = {"tau": tau1_sampled, "tau_lookup": 1.5, "tau_ratio": tau1_sampled / 1.5}
+        return {"candidate": candidate, "seed": seed, "failures": 0, "result": r}
+
+    runs = {"a0": run("ce+dpace/both", 0, 3.0, 2.0, 2.4, 2.4, 1.8), "a1": run("ce+dpace/both", 1, 3.4, 2.1, 2.6, 2.6, 2.0),
+            # argmax proposals short at T = 1 held-out (1.40x), sampled ones over the goal (2.13x): met
+            "b0": run("kl+dpace/both", 0, 4.2, 2.1, 3.2, 2.6, 2.0), "b1": run("kl+dpace/both", 1, 4.0, 2.1, 3.2, 2.6, 2.0)}
+    lines = ra.goal_lines(ra.summarise(p, runs))
+    assert lines[1] == "kl+dpace/both (2 seeds): meets #50's goal in every cell"
+    # held-out T = 0: 1.60x mean (1.50-1.70) short of 2.0x; T = 1's best column 1.67x (sampled); the other style
+    # 1.56x and 1.58x short of 1.6x
+    assert lines[0] == ("ce+dpace/both (2 seeds): short of #50's goal at heldout T=0 1.60x (1.50-1.70, goal 2x); "
+                        "heldout T=1 1.67x (1.60-1.73, goal 2x); other T=0 1.56x (1.50-1.62, goal 1.6x); "
+                        "other T=1 1.58x (1.50-1.67, goal 1.6x)")

@@ -170,6 +170,9 @@ class Preset:
     seed: int = 0
 
 
+GOAL = {"heldout": 2.0, "other": 1.6}  # issue #50's done-when: DFlash / lookup τ on each prompt set, at every T
+
+
 # name -> the model section's objective keys (trainer/run/config.py ModelConfig); an ablation names one as
 # {"objective": NAME} (the objectives ablation, the proposals bench and the recipe ablation train them too)
 OBJECTIVES: dict[str, dict[str, Any]] = {
@@ -1456,10 +1459,11 @@ def markdown(results: dict) -> str:
                if (rs := results.get("regen_sampled")) else []),
              f"* main drafter ({m['train_file']}): {m['steps']} steps ({m['stop']}), tau {fmt(m['tau'])} pooled / "
              f"{fmt(m['tau_per_prompt'])} per-prompt mean over {m['eval_samples']} held-out prompts; n-gram prompt "
-             f"lookup on the same prompts {fmt(m.get('tau_lookup'))}: ratio {fmt(m.get('tau_ratio'), 2)}x (goal 1.6x); histogram "
+             f"lookup on the same prompts {fmt(m.get('tau_lookup'))}: ratio {fmt(m.get('tau_ratio'), 2)}x (goal {GOAL['heldout']:g}x); histogram "
              f"{m['histogram']}, train acc {fmt(m['train_acc'])}, held-out acc {fmt(m['eval_acc'])}, "
              f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
              f"* main drafter by prompt set: {by_set_text(m.get('tau_by_set'))}",
+             *([f"* main drafter against #50's goal: {g}"] if (g := goal_text(m.get("tau_by_set"))) else []),
              *by_length_rows(m.get("tau_by_length")), *temperature_rows(m.get("tau_by_temperature")),
              *other_temperature_rows(m.get("tau_by_set")), ""]
     if results.get("curve"):
@@ -1578,6 +1582,17 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         if refused:
             ap.error(f"{name} {o}: {refused}")
     return p
+
+
+def goal_text(tau_by_set: dict | None) -> str | None:
+    """Where a run's ratios to lookup stand against #50's goal (held-out 2.0x, other style 1.6x at each
+    temperature measured): the cells short of it, or that every cell meets it; None without a temperature table."""
+    cells = {(name, label): t["tau_ratio"] for name, b in (tau_by_set or {}).items() if name in GOAL
+             for label, t in (b.get("tau_by_temperature") or {}).items() if t.get("tau_ratio") is not None}
+    if not cells:
+        return None
+    short = [f"{name} T={label} {r:.2f}x (goal {GOAL[name]:g}x)" for (name, label), r in cells.items() if r < GOAL[name]]
+    return "meets it in every cell" if not short else "short at " + "; ".join(short)
 
 
 OVERRIDE_KEYS = ("drafter_layers", "block_size", "num_target_layers", "gamma", "precision", "sliding_window",
@@ -1803,13 +1818,15 @@ def settle_tau(row: dict, j: dict, last: dict | None, compared: list[dict], tau_
 
 def say_main(p: Preset, m: dict, steps: int) -> None:
     say(f"main drafter vs n-gram prompt lookup: tau {fmt(m['tau'])} vs {fmt(m.get('tau_lookup'))} pooled on the same "
-        f"held-out prompts: ratio {fmt(m.get('tau_ratio'), 2)}x (goal >= 1.6x)")
+        f"held-out prompts: ratio {fmt(m.get('tau_ratio'), 2)}x (goal >= {GOAL['heldout']:g}x)")
 
     if m.get("tau_by_length"):
         say(f"main drafter by prompt length: {tau_by_length_text(m['tau_by_length'])}")
     other = (m.get("tau_by_set") or {}).get("other") or {}
     if m.get("tau_by_set"):
         say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
+    if goal_text(m.get("tau_by_set")):
+        say(f"main drafter against #50's goal: {goal_text(m.get('tau_by_set'))}")
     for label, by_form in (other.get("tau_by_form") or {}).items():
         say(f"main drafter on the other-style prompts by form at T={label}: {tau_by_length_text(by_form)}")
     if m.get("tau_by_temperature"):  # its last checkpoint at each temperature, lookup beside

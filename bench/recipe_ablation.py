@@ -590,9 +590,6 @@ def verdict(table: dict, baseline: str) -> list[str]:
     return lines
 
 
-GOAL = {"heldout": 2.0, "other": 1.6}  # issue #50's done-when: the ratio to lookup each prompt set needs, at every T
-
-
 def goal_lines(table: dict) -> list[str]:
     """Per candidate with a ratio measured: the cells where its mean ratio to lookup is short of #50's goal
     (held-out 2.0x, other style 1.6x, at each temperature), each with its seeds' range; or that every cell
@@ -610,8 +607,8 @@ def goal_lines(table: dict) -> list[str]:
                 best[cell_key] = v["ratio"]
         if not best:
             continue
-        short = [f"{prompt_set} T={t} {r['mean']:.2f}x ({r['min']:.2f}-{r['max']:.2f}, goal {GOAL[prompt_set]:g}x)"
-                 for (prompt_set, t), r in best.items() if r["mean"] < GOAL[prompt_set]]
+        short = [f"{prompt_set} T={t} {r['mean']:.2f}x ({r['min']:.2f}-{r['max']:.2f}, goal {quality.GOAL[prompt_set]:g}x)"
+                 for (prompt_set, t), r in best.items() if r["mean"] < quality.GOAL[prompt_set]]
         lines.append(f"{name} ({e.get('measured', 0)} seeds): " + ("meets #50's goal in every cell" if not short
                                                                    else "short of #50's goal at " + "; ".join(short)))
     return lines

@@ -125,6 +125,7 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
         assert all(t["tau_ceiling_expected"] >= 1.0 for t in per_t.values()) and per_t["0"]["tau_ceiling"] >= per_t["0"]["tau"]
     assert m["tau_by_set"]["heldout"]["tau_by_temperature"]["1"]["tau"] == pytest.approx(by_t["1"]["tau"])
     assert "other-style prompts (data/other.jsonl) by temperature:" in (tmp_path / "quality.md").read_text()
+    assert f"* main drafter against #50's goal: {quality.goal_text(m['tau_by_set'])}" in (tmp_path / "quality.md").read_text()
 
 
 def test_split_is_by_file_content():
@@ -511,3 +512,13 @@ def test_a_short_trainer_eval_leaves_the_tau_to_the_bench_s_own_evaluation(tmp_p
     with pytest.raises(SystemExit):  # the trainer's check would be the run's τ
         quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", "short_trainer_eval=true"]))
     assert "short_trainer_eval: only where the bench measures every last checkpoint" in capsys.readouterr().err
+
+
+def test_the_goal_line_names_each_set_and_temperature_short_of_issue_50_s_ratio():
+    def by_t(*ratios):
+        return {"tau_by_temperature": {label: {"tau_ratio": r} for label, r in zip(("0", "1"), ratios)}}
+
+    assert quality.goal_text({"heldout": by_t(2.1, 2.0), "other": by_t(1.6, 1.7)}) == "meets it in every cell"
+    assert quality.goal_text({"heldout": by_t(1.52, 1.7), "other": by_t(0.99, 1.63)}) == (
+        "short at heldout T=0 1.52x (goal 2x); heldout T=1 1.70x (goal 2x); other T=0 0.99x (goal 1.6x)")
+    assert quality.goal_text({"heldout": {"tau": 3.0}}) is None and quality.goal_text(None) is None

@@ -53,9 +53,10 @@ resumes from its last checkpoint in the next call; with `legs` a run trains at m
 call (the CPU test's deterministic stop). A run that has all its steps is evaluated once by the bench
 (quality.CheckpointEvaluator: both prompt sets at every temperature), and the table (OUT/recipe.md and .json,
 also STATE/stages/STAGE/recipe.*) is written again, with each candidate's standing against #50's goal
-(held-out 2.0x and other style 1.6x lookup's τ at every temperature; the cells short of it named). At its end every call prints the command to run next
-and what is left (runs, their device time, the calls that takes at the measured rate: device-time
-seconds trained per second of the runs' wall time, start-ups and evaluations included).
+(held-out 2.0x and other style 1.6x lookup's τ at every temperature; the cells short of it named). At its
+end every call prints the command to run next and what is left (runs, their device time, the calls that
+takes at the measured rate: device-time seconds trained per second of the runs' wall time, start-ups and
+evaluations included).
 
 **What the table cannot say.** Anything about another target than the bench's small code model, data sizes
 beyond the bench's (~8K prompts), longer training than the stage ran (the screen stops well before the curve

@@ -230,8 +230,10 @@ PRESETS = {
     # first call (an H100, twelfth session): each run's last checkpoint takes ~21 s to evaluate (T = 0 and 1, both
     # prompt sets), so eight runs' 170 s did not fit the 35 s kept and none but the main run's was measured; four
     # runs at once trained ~7 steps/s each after ~80 s of start-up (the fp8 presets); regen wrote 16,384 greedy
-    # and 16,384 sampled answers in ~170 s after the target's 92 s: half of each here (~15M tokens, ~4 passes)
-    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=6.0,
+    # and 16,384 sampled answers in ~170 s after the target's 92 s: half of each here (~15M tokens, ~4 passes).
+    # Its second call (thirteenth session, an H100): the four runs had ended 42 s before their deadline, each
+    # after its own 64 x 256-token evaluation at two temperatures, now a short check: 7 steps/s
+    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=7.0,
                              drafter_startup_s=80.0, n_prompts=8192, sampled_answers=1, ablation_convs=16384,
                              regen_end_s=220.0, eval_reserve_s=110.0,
                              ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},

@@ -1044,9 +1044,10 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
         "pipeline": {"kind": p.pipeline},
         "run": {"log_every": max(1, steps // 50), "checkpoint_every": checkpoint_every, "keep_checkpoints": 100,
                 "seed": run_seed, **({"threads": 1} if not cuda else {})},  # tiny CPU shapes: a thread pool only waits
-        "eval": {"samples": p.n_eval, "max_new_tokens": p.eval_new_tokens, "batch": p.n_eval,  # as CheckpointEvaluator
-                 "temperatures": list(p.temperatures), "draft_sample_method": p.draft_sample_method,
-                 **({"max_new_tokens": min(64, p.eval_new_tokens), "temperatures": [0.0]} if p.short_trainer_eval else {})},
+        "eval": {"samples": p.n_eval, "batch": p.n_eval,  # as CheckpointEvaluator, or with short_trainer_eval a check
+                 "max_new_tokens": min(64, p.eval_new_tokens) if p.short_trainer_eval else p.eval_new_tokens,
+                 "temperatures": [0.0] if p.short_trainer_eval else list(p.temperatures),
+                 "draft_sample_method": p.draft_sample_method},
     }
 
 
@@ -1827,8 +1828,8 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
     other = (m.get("tau_by_set") or {}).get("other") or {}
     if m.get("tau_by_set"):
         say(f"main drafter by prompt set: {by_set_text(m['tau_by_set'])}")
-    if goal_text(m.get("tau_by_set")):
-        say(f"main drafter against #50's goal: {goal_text(m.get('tau_by_set'))}")
+    if goal := goal_text(m.get("tau_by_set")):
+        say(f"main drafter against #50's goal: {goal}")
     for label, by_form in (other.get("tau_by_form") or {}).items():
         say(f"main drafter on the other-style prompts by form at T={label}: {tau_by_length_text(by_form)}")
     if m.get("tau_by_temperature"):  # its last checkpoint at each temperature, lookup beside

@@ -8,8 +8,9 @@ style, beside n-gram lookup's τ there; at T = 1 with the engine's argmax propos
     PYTHONPATH=. python bench/recipe_ablation.py --preset cpu --state /tmp/ablation --out /tmp/recipe   # CPU (the test)
     ... --plan-only     # the plan from the preset's stated figures; nothing run
 
-A candidate is `OBJECTIVE/DATA`: the objective one of bench/quality_objectives.py's OBJECTIVES (ce+decay,
-ce+dpace, kl, ce+kl, kl+dpace), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
+A candidate is `OBJECTIVE/DATA[/KIND]`: the objective one of bench/quality_objectives.py's OBJECTIVES (ce+decay,
+ce+dpace, kl, ce+kl, kl+dpace), the drafter's generation (`model.drafter.kind`: dflash unless `/dflash2`), the
+data one of DATA_MIXES: `greedy` the target's greedy answer of each of
 `mix_prompts` regen prompts, `sampled` `samples_per_prompt` seeded answers of each of the same prompts at
 `sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together. The mix
 (prompts, rows, answer characters, sampling) is recorded in the results beside the table.
@@ -34,9 +35,9 @@ tokens/s), so the runs come in two stages:
 `sampled` alone and `ce+kl` stay out of the screen (both holds the greedy answers too; ce+kl cost as much as
 kl and was no better at 125 steps); `--candidates` names any of the 12.
 
-**Equal device time.** Every run trains `train_s` seconds of the device alone: objective o trains
-`train_s / t(o)` optimizer steps, t(o) its step time timed alone on the device in the first call
-(quality_objectives.time_objectives). train_s is fixed once (the preset's, or what `calls` calls hold at the
+**Equal device time.** Every run trains `train_s` seconds of the device alone: a candidate of objective and
+generation o trains `train_s / t(o)` optimizer steps, t(o) its step time timed alone on the device in the first
+call (quality_objectives.time_objectives). train_s is fixed once (the preset's, or what `calls` calls hold at the
 stated `rate`), recorded in the state, and never changed by a later call.
 
 **Calls.** Everything lives under `--state` (default /tmp/ablation): the target, its tokenizer and the prompts
@@ -91,6 +92,7 @@ if str(ROOT) not in sys.path:
 from bench import quality, quality_objectives  # noqa: E402
 from bench.common import apply_sets  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
+from trainer.models.drafter import DRAFTER_KINDS  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.run.contract import read_log, read_status  # noqa: E402
 
@@ -150,18 +152,19 @@ PRESETS = {
     # 6 runs in the three calls' time, ~2x the screen's device time each
     "h200-long": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}, candidates=("kl/both", "ce+decay/greedy")),
     # issue #50's done-when on one session's machine: the default recipe (ce+dpace/both) over 3 seeds beside the
-    # one objective the quality bench's screen put ahead of it at both temperatures (kl+dpace/both: +21 % τ at
-    # T = 0, +6 % at T = 1 after ~13M tokens, one seed, equal steps), at equal device time, on the data the
-    # one-call recipe trains on (16,384 prompts, each one's greedy answer and one sampled at T = 1). The stated
+    # peers' recipe (speculators: DFlash2 trained with KL) with the dpace weights, which joins the two levers the
+    # quality bench's screen put ahead of the default (after ~13M tokens, one seed, equal steps: kl+dpace +21 %
+    # τ at T = 0 and +6 % at T = 1, DFlash2 +49 % at T = 0 and +1 % at T = 1; the table cannot tell which of
+    # the two a gain comes from), at equal device time, on the data the one-call recipe trains on (16,384 prompts, each one's greedy answer and one sampled at T = 1). The stated
     # figures are the thirteenth session's H100 calls (both kinds of regen on the static decoder, 16,384 rows a
     # batch): the target and prompts by t = 119 s, 16,384 greedy answers in 71-74 s with the model load, 16,384
     # sampled in 66-75 s; a trainer's start ~60 s; three runs at once train ~0.7 of one alone
     "h200-default": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
-                           candidates=("ce+dpace/both", "kl+dpace/both"), baseline="ce+dpace/both",
+                           candidates=("ce+dpace/both", "kl+dpace/both/dflash2"), baseline="ce+dpace/both",
                            mix_prompts=16384, samples_per_prompt=1, sample_batch=16384, parallel=3, rate=0.7,
                            prep_s=120.0, greedy_s=80.0, sampled_s=80.0, startup_s=60.0),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
-    "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both"),
+    "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both/dflash2"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
                   call_s=900.0, reserve_s=10.0, timing_steps=2, timing_warmup=1, prep_s=60.0, greedy_s=5.0,
                   sampled_s=10.0, timing_s=20.0, startup_s=5.0, min_leg_s=1.0, eval_s=3.0, max_steps=40, calls=2),
@@ -186,18 +189,36 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def candidate_parts(name: str) -> tuple[str, str]:
-    """`OBJECTIVE/DATA` -> (objective, data); ValueError naming the choices."""
-    objective, _, data = name.partition("/")
-    if objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES:
-        raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA, OBJECTIVE one of "
-                         f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)}")
-    return objective, data
+def candidate_parts(name: str) -> tuple[str, str, str]:
+    """`OBJECTIVE/DATA[/KIND]` -> (objective, data, drafter kind); ValueError naming the choices. The kind
+    is named only when it is not the default (dflash), so each candidate has one name."""
+    parts = name.split("/")
+    objective, data, kind = (parts + ["dflash"])[:3] if len(parts) in (2, 3) else ("", "", "")
+    named_kinds = DRAFTER_KINDS[1:]
+    if (objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES
+            or (len(parts) == 3 and kind not in named_kinds)):
+        raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA[/KIND], OBJECTIVE one of "
+                         f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)}, "
+                         f"KIND one of {', '.join(named_kinds)} (without it: {DRAFTER_KINDS[0]})")
+    return objective, data, kind
+
+
+def arm(candidate: str) -> str:
+    """What a candidate's step time depends on (its objective and drafter kind, not its data): the key of
+    the step times and the steps."""
+    objective, _, kind = candidate_parts(candidate)
+    return objective if kind == "dflash" else f"{objective}/{kind}"
+
+
+def arm_candidate(name: str, data: str) -> str:
+    """An arm trained on a data mix, as a candidate's name."""
+    objective, _, kind = name.partition("/")
+    return "/".join([objective, data, *([kind] if kind else [])])
 
 
 def run_name(candidate: str, seed: int) -> str:
-    objective, data = candidate_parts(candidate)
-    return f"{objective} {data} seed {seed}"
+    objective, data, kind = candidate_parts(candidate)
+    return " ".join([objective, data, *([kind] if kind != "dflash" else []), f"seed {seed}"])
 
 
 def planned_fields(p: Preset) -> dict:
@@ -402,9 +423,10 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
     """A run's trainer config: the quality bench's, the candidate's objective and mix, the seed (the
     drafter's initialisation, the data's order and anchors); the trainer's own final evaluation kept
     short (the table's τ are the bench's evaluation of the last checkpoint)."""
-    objective, data = candidate_parts(candidate)
+    objective, data, kind = candidate_parts(candidate)
     train = train_file or state / "data" / f"mix-{data}.jsonl"
-    cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps, {}, max(1, steps // 4))
+    cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps, {"drafter_kind": kind},
+                                 max(1, steps // 4))
     cfg["model"].update(quality_objectives.OBJECTIVES[objective])
     cfg["run"].update(seed=seed, keep_checkpoints=2)
     cfg["data"]["seed"] = seed
@@ -415,14 +437,14 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
 
 
 def time_steps(p: Preset, qp: quality.Preset, state: Path, runs: Path) -> dict[str, float]:
-    """Each objective's optimizer step timed alone on the device (quality_objectives.time_objectives)."""
-    objectives = tuple(dict.fromkeys(candidate_parts(c)[0] for c in p.candidates))
+    """Each arm's optimizer step timed alone on the device (quality_objectives.time_objectives)."""
+    arms = tuple(dict.fromkeys(arm(c) for c in p.candidates))
     timing_file, _ = quality.subset(state / "data" / "mix-greedy.jsonl", state / "data" / "timing.jsonl", None, 512)
-    qo = quality_objectives.Preset(objectives=objectives, baseline=objectives[0], timing_steps=p.timing_steps,
+    qo = quality_objectives.Preset(objectives=arms, baseline=arms[0], timing_steps=p.timing_steps,
                                    timing_warmup=p.timing_warmup)
 
     def config(name: str, seed: int, steps: int, train: Path) -> dict:
-        return trainer_config(p, qp, state, f"{name}/greedy", seed, steps, train)
+        return trainer_config(p, qp, state, arm_candidate(name, "greedy"), seed, steps, train)
 
     return quality_objectives.time_objectives(qo, config, runs, timing_file, {})
 
@@ -459,7 +481,7 @@ class Runs:
             for candidate in self.p.candidates:
                 name = run_name(candidate, seed)
                 r = self.doc["runs"].setdefault(name, {"candidate": candidate, "seed": seed, "legs": [], "failures": 0})
-                planned = self.doc["steps"][candidate_parts(candidate)[0]]
+                planned = self.doc["steps"][arm(candidate)]
                 r["planned"] = planned
                 if r.get("step", 0) >= planned or r["failures"] >= 2:
                     continue
@@ -478,8 +500,7 @@ class Runs:
         """One run's leg ended: its progress, its evaluation once finished (time allowing), the state."""
         r = self.doc["runs"][j["name"]]
         step = last_step(j["run_dir"])
-        objective = candidate_parts(j["candidate"])[0]
-        self.trained_s += max(0, step - j["from_step"]) * self.doc["step_s"][objective]
+        self.trained_s += max(0, step - j["from_step"]) * self.doc["step_s"][arm(j["candidate"])]
         r["step"] = step
         r["legs"].append({"call": j["call"], "from": j["from_step"], "to": step, "exit": j.get("rc"),
                           "seconds": round(j.get("seconds", 0.0), 1)})
@@ -521,11 +542,10 @@ class Runs:
         """(device-alone seconds of training left, finished runs not evaluated, most legs any run has left)."""
         remaining, unevaluated, legs = 0.0, 0, 0
         for r in self.doc["runs"].values():
-            objective = candidate_parts(r["candidate"])[0]
             if r["failures"] >= 2:
                 continue
             rest = r["planned"] - r.get("step", 0)
-            remaining += max(0, rest) * self.doc["step_s"][objective]
+            remaining += max(0, rest) * self.doc["step_s"][arm(r["candidate"])]
             unevaluated += int(rest <= 0 and not r.get("result"))
             if rest > 0 and self.p.legs > 1:
                 legs = max(legs, sum(1 for k in range(1, self.p.legs + 1)
@@ -663,7 +683,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--state", type=Path, default=Path("/tmp/ablation"), help="where the calls keep their work")
     ap.add_argument("--stage", default="screen", help="the runs' directory under STATE/stages (the data is shared)")
     ap.add_argument("--out", type=Path, required=True, help="this call's output: recipe.md and recipe.json")
-    ap.add_argument("--candidates", default=None, help="comma-separated OBJECTIVE/DATA (the preset's)")
+    ap.add_argument("--candidates", default=None, help="comma-separated OBJECTIVE/DATA[/KIND] (the preset's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset field")
     ap.add_argument("--call-s", type=float, default=None, help="this call's wall budget (the preset's call_s)")
     ap.add_argument("--plan-only", action="store_true", help="print the plan from the stated figures and stop")
@@ -770,7 +790,7 @@ def plan_stage(p: Preset, qp: quality.Preset, state: Path, stage_dir: Path, doc:
         return
     (stage_dir / "timing").mkdir(parents=True, exist_ok=True)
     doc["step_s"] = time_steps(p, qp, state, stage_dir / "timing")
-    base = doc["step_s"][candidate_parts(p.baseline)[0]]
+    base = doc["step_s"][arm(p.baseline)]
     runs = len(p.candidates) * len(p.seeds)
     train_s = p.train_s or p.base_steps * base or plan_train_s(p, runs, len(doc["calls"]), deadline - time.time(), p.rate)
     doc["train_s"], doc["steps"] = steps_of(train_s, doc["step_s"], p.max_steps)

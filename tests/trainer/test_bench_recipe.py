@@ -10,10 +10,15 @@ from bench import recipe_ablation as ra
 from trainer.run.contract import read_events
 
 
-def test_a_candidate_is_an_objective_and_a_data_mix():
-    assert ra.candidate_parts("kl/both") == ("kl", "both")
+def test_a_candidate_is_an_objective_a_data_mix_and_a_drafter_kind():
+    assert ra.candidate_parts("kl/both") == ("kl", "both", "dflash")
+    assert ra.candidate_parts("kl+dpace/both/dflash2") == ("kl+dpace", "both", "dflash2")
     assert ra.run_name("ce+dpace/greedy", 2) == "ce+dpace greedy seed 2"
-    for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x"):
+    assert ra.run_name("kl+dpace/both/dflash2", 1) == "kl+dpace both dflash2 seed 1"
+    # the step times' key: the data does not change a step's cost, the objective and the generation do
+    assert ra.arm("kl/both") == ra.arm("kl/greedy") == "kl" and ra.arm("kl/sampled/dflash2") == "kl/dflash2"
+    assert ra.arm_candidate("kl/dflash2", "greedy") == "kl/greedy/dflash2" and ra.arm_candidate("kl", "both") == "kl/both"
+    for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x", "kl/both/dflash", "kl/both/dflash2/x", "kl/both/"):
         with pytest.raises(ValueError, match="expected OBJECTIVE/DATA"):
             ra.candidate_parts(bad)
 
@@ -277,7 +282,7 @@ def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_se
     configs = {(c, s): ra.trainer_config(p, qp, tmp_path, c, s, 1000) for c in p.candidates for s in p.seeds}
     base = configs[("ce+decay/greedy", 0)]
     for (candidate, seed), cfg in configs.items():
-        objective, data = ra.candidate_parts(candidate)
+        objective, data, _ = ra.candidate_parts(candidate)
         assert cfg["data"]["train_path"] == str(tmp_path / "data" / f"mix-{data}.jsonl")
         assert cfg["run"]["seed"] == cfg["data"]["seed"] == seed and cfg["optim"]["total_steps"] == 1000
         assert {k: v for k, v in cfg["model"].items() if k not in ("loss", "position_weight")} == \
@@ -300,12 +305,14 @@ def test_the_default_preset_trains_the_one_call_recipe_s_data_and_objective_besi
     qp = ra.quality_preset(p)
     assert qp.n_prompts == p.mix_prompts == recipe.n_prompts and p.samples_per_prompt == recipe.sampled_answers
     assert p.baseline == "ce+dpace/both" and len(p.seeds) == 3 and ra.uses_sampled(p)
+    parsed = {}
     for candidate in p.candidates:
         cfg = ra.trainer_config(p, qp, tmp_path, candidate, 0, 1000)
         cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}
         c = parse_config(yaml.safe_dump(cfg))
-        assert (c.model.loss, c.model.position_weight) == {"ce+dpace": ("ce", "dpace"),
-                                                           "kl+dpace": ("kl", "dpace")}[ra.candidate_parts(candidate)[0]]
+        parsed[candidate] = (c.model.loss, c.model.position_weight, c.model.drafter.kind)
+    # the rival is the peers' recipe: DFlash2 trained with KL (here with the default's dpace weights)
+    assert parsed == {"ce+dpace/both": ("ce", "dpace", "dflash"), "kl+dpace/both/dflash2": ("kl", "dpace", "dflash2")}
     # the plan from the stated figures: the data in the first call, each run ~2 minutes of the device alone
     plan = ra.plan_only(p)
     assert ra.data_s(p) < p.call_s and 100.0 < plan["train_s"] < 200.0

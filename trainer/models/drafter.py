@@ -34,6 +34,8 @@ def drafter_intermediate_size(target_config: Any) -> int:
 
 from trainer.run.layout import LAYOUT_FIELDS, Layout, checked_layout  # noqa: E402 - the layout and its one check
 
+DRAFTER_KINDS = ("dflash", "dflash2")  # the draft's generations (DrafterConfig.kind)
+
 
 @dataclass
 class DrafterConfig:
@@ -70,7 +72,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
-        if self.kind not in ("dflash", "dflash2"):
+        if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter kind {self.kind!r} must be 'dflash' or 'dflash2'")
         if self.kind == "dflash2":
             if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:

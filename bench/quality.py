@@ -1100,14 +1100,18 @@ def started_training(j: dict) -> bool:
     return status.get("state") in ("running", "done", "stopped", "failed") and (status.get("step") or 0) > 0
 
 
-def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, first_alone: bool = True) -> None:
+def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, first_alone: bool = True,
+            on_idle=None) -> None:
     """The first job (the main run) starts alone; the others once it trains (they then find its
     compiled kernels in the on-disk cache and the CPU free of its tokenization), p.parallel at a
     time, in the order given (a queue). At the deadline every run still going gets SIGTERM: the
     trainer saves a checkpoint and stops; runs not started by then never start. In-process (the CPU
     test): one after the other. on_done(job), when given, is called as each run ends (its results
     can be written while the others train); first_alone False: the first `p.parallel` start together. A job
-    with `expect_s` (its expected wall seconds) does not start when less than that is left to the deadline."""
+    with `expect_s` (its expected wall seconds) does not start when less than that is left to the deadline.
+    on_idle(), when given, is called between polls once every run has started, while some still train and the
+    deadline has not come: work that would otherwise hold a run back from starting (an evaluation of a
+    finished run) is done there, not left to the end. A job runs `python -m trainer ARGV`, or its `module`."""
     def too_late(j: dict) -> bool:  # a run expected to take longer than is left would only be stopped half-trained
         if deadline is None or time.time() + j.get("expect_s", 0.0) <= deadline:
             return False
@@ -1134,7 +1138,7 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
             if too_late(j):
                 continue
             j["started"] = time.time()
-            j["proc"] = subprocess.Popen([sys.executable, "-m", "trainer", *j["argv"]], stdout=open(j["log"], "w"),
+            j["proc"] = subprocess.Popen([sys.executable, "-m", j.get("module", "trainer"), *j["argv"]], stdout=open(j["log"], "w"),
                                          stderr=subprocess.STDOUT, env=child_env(), cwd=str(ROOT),
                                          preexec_fn=default_signals)
             running.append(j)
@@ -1161,6 +1165,8 @@ def run_all(p: Preset, jobs: list[dict], deadline: float | None, on_done=None, f
                 say(f"trainer run {j['name']!r}: exit {j['rc']} after {j['seconds']:.0f}s ({read_run(j['run_dir'])['steps']} steps)")
                 if on_done:
                     on_done(j)
+        if on_idle and running and not waiting and not stopping:
+            on_idle()
 
 
 # ---------------------------------------------------------------------------- evaluation of checkpoints

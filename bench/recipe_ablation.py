@@ -472,7 +472,6 @@ class Runs:
         self.p, self.qp, self.state, self.dir, self.doc, self.out = p, qp, state, stage_dir, doc, out
         self.evaluator: quality.CheckpointEvaluator | None = None
         self.trained_s = 0.0  # this call's device-alone seconds trained
-        self.queued: list[dict] = []  # this call's runs
 
     def jobs(self, call: int) -> list[dict]:
         """The runs this call trains, in order (seed after seed): not finished, not failed twice."""
@@ -493,7 +492,6 @@ class Runs:
                          expect_s=self.p.startup_s + self.p.min_leg_s)
                 j["stop_at"] = leg_end(j["from_step"], planned, self.p.legs)
                 out.append(j)
-        self.queued = out
         return out
 
     def ended(self, j: dict) -> None:
@@ -509,19 +507,25 @@ class Runs:
             tail = read_log(j["run_dir"]).strip().splitlines()[-8:]
             say(f"{j['name']}: exit {j['rc']} (failure {r['failures']}):\n" + "\n".join(tail))
         say(f"{j['name']}: steps {j['from_step']} -> {step} of {j['planned']} [{j.get('seconds', 0.0):.0f}s]")
-        if not any("seconds" not in k and "started" not in k for k in self.queued if k is not j):
-            self.evaluate_finished()  # none waits to start: evaluating now delays no run (else at the last runs' ends)
         save(self.doc, self.p, self.dir, self.out)
 
-    def evaluate_finished(self) -> None:
-        """Every run with all its steps and no τ yet, while the call has time for one more evaluation."""
-        for name in self.doc["runs"]:
-            self.evaluate(name, time.time() + self.p.eval_s < self.doc["call_end"] - 5)
+    def idle(self) -> None:
+        """While the last runs train (none waits to start): every finished run's evaluation that ends before
+        the deadline, so its τ is in the state at once, not after the deadline (a machine taken back in
+        the reserve would lose it with the checkpoints)."""
+        if self.evaluate_finished(self.doc["call_end"] - self.p.reserve_s):
+            save(self.doc, self.p, self.dir, self.out)
 
-    def evaluate(self, name: str, time_left: bool) -> None:
+    def evaluate_finished(self, end: float | None = None) -> int:
+        """Every run with all its steps and no τ yet, while an evaluation fits before `end` (the call's end
+        less 5 s unless given). The runs evaluated."""
+        end = self.doc["call_end"] - 5 if end is None else end
+        return sum(self.evaluate(name, time.time() + self.p.eval_s < end) for name in self.doc["runs"])
+
+    def evaluate(self, name: str, time_left: bool) -> bool:
         r = self.doc["runs"][name]
         if r.get("step", 0) < r["planned"] or r.get("result") or not time_left:
-            return
+            return False
         if self.evaluator is None:
             self.evaluator = quality.CheckpointEvaluator(self.qp, self.state / "model", self.state / "data")
         ck = complete_checkpoints(self.dir / "runs" / name.replace(" ", "-"))[-1]
@@ -537,6 +541,7 @@ class Runs:
                        "acceptance": point.get("acceptance"), "checkpoint": str(ck)}
         say(f"{name}: τ " + "; ".join(f"{s} T={t} {quality.fmt(v['tau'])} ({quality.fmt(v['tau_ratio'], 2)}x lookup)"
                                       for s, by_t in r["result"]["by_set"].items() for t, v in by_t.items()))
+        return True
 
     def left(self) -> tuple[float, int, int]:
         """(device-alone seconds of training left, finished runs not evaluated, most legs any run has left)."""
@@ -827,8 +832,9 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"call {call}: {len(jobs)} runs to train, {p.parallel} at a time; deadline in {deadline - time.time():.0f}s")
         began = time.time()
         with LegStops(jobs):
-            quality.run_all(qp, jobs, deadline, on_done=runs.ended, first_alone=False)
-        runs.evaluate_finished()  # finished in an earlier call, or too late in this one's
+            quality.run_all(qp, jobs, deadline, on_done=runs.ended, first_alone=False, on_idle=runs.idle)
+        if runs.evaluate_finished():  # finished in an earlier call, or after the last start in this one
+            save(doc, p, stage_dir, out)
         wall = time.time() - began
         doc["calls"][-1].update(trained_s=round(runs.trained_s, 1), runs_wall_s=round(wall, 1))
         if runs.trained_s > 0 and wall > 0:

@@ -417,6 +417,34 @@ def test_a_queued_run_that_would_not_finish_before_the_deadline_is_not_started(t
     assert re.search(r"trainer run 'run 0' not started: \d+s left, it needs ~100s", capsys.readouterr().out)
 
 
+def test_idle_work_waits_until_every_run_has_started_and_stops_at_the_deadline(tmp_path):
+    """on_idle (the recipe ablation evaluates finished runs there) runs while the last runs train, never
+    while a run waits to start, and not once the deadline has passed. Real processes (a sleep), first one at
+    a time, then two at once past the deadline."""
+    import time
+
+    p = quality.Preset(parallel=1)
+    jobs = [{"name": f"run {i}", "module": "timeit", "argv": ["-n", "1", "-r", "1", "import time; time.sleep(1.5)"],
+             "log": tmp_path / f"{i}.log", "run_dir": tmp_path / f"r{i}"} for i in range(2)]
+    seen = []
+    quality.run_all(p, jobs, time.time() + 120.0, on_done=lambda j: seen.append(("ended", j["name"])),
+                    first_alone=False, on_idle=lambda: seen.append(("idle", [("started" in j) for j in jobs])))
+    idle = [i for i, (what, _) in enumerate(seen) if what == "idle"]
+    assert idle and all(seen[i][1] == [True, True] for i in idle)
+    assert seen.index(("ended", "run 0")) < idle[0] < seen.index(("ended", "run 1"))  # while run 1 trains
+    assert all(j["rc"] == 0 for j in jobs)
+
+    # both start together and the deadline comes while they run; they finish their sleep after its SIGTERM
+    late = [{"name": f"late {i}", "module": "timeit", "log": tmp_path / f"late{i}.log", "run_dir": tmp_path / f"late{i}",
+             "argv": ["-n", "1", "-r", "1", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "time.sleep(2.5)"]} for i in range(2)]
+    calls, deadline = [], time.time() + 1.2
+    quality.run_all(dataclasses.replace(p, parallel=2), late, deadline, first_alone=False,
+                    on_idle=lambda: calls.append(time.time()))
+    assert all("terminated" in j and j["rc"] == 0 for j in late)  # the deadline's SIGTERM, then their own end
+    assert calls and all(t <= deadline for t in calls)  # idle work while they ran, none after the deadline
+
+
 def test_a_budget_that_leaves_the_drafters_no_time_is_refused_up_front(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quality.main(["--preset", "h200-long", "--out", str(tmp_path / "q"), "--budget-s", "400"])

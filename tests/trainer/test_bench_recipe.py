@@ -184,8 +184,9 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
     stopped = {}  # each run stops at the first step boundary after its leg's end that sees the request
     for name, r in first["runs"].items():
         half = ra.leg_end(0, r["planned"], 2)
-        if half == r["planned"]:  # one step in all (a CPU shared by other work can time kl that slow): done at once
-            assert r["step"] == r["planned"] and r["result"]["step"] == r["planned"]
+        if r["step"] == r["planned"]:  # a run of 1-3 steps (a CPU shared by other work can time the rival that
+            # slow) may reach its last step before the stop is served: done in this call, and evaluated
+            assert r["planned"] <= 3 and r["result"]["step"] == r["planned"]
             continue
         stopped[name] = r["step"]
         assert half <= r["step"] < r["planned"] and "result" not in r

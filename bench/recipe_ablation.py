@@ -52,7 +52,8 @@ data is whole, and the table says how many of the planned prompts it holds; the 
 --run-dir R --resume auto`: a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
 resumes from its last checkpoint in the next call; with `legs` a run trains at most 1/legs of its steps in one
 call (the CPU test's deterministic stop). A run that has all its steps is evaluated once by the bench
-(quality.CheckpointEvaluator: both prompt sets at every temperature), and the table (OUT/recipe.md and .json,
+(quality.CheckpointEvaluator: both prompt sets at every temperature), as soon as no run waits to start (while
+the last ones train, before the deadline) or else at the call's end, and the table (OUT/recipe.md and .json,
 also STATE/stages/STAGE/recipe.*) is written again, with each candidate's standing against #50's goal
 (held-out 2.0x and other style 1.6x lookup's τ at every temperature; the cells short of it named). At its
 end every call prints the command to run next and what is left (runs, their device time, the calls that
@@ -155,10 +156,13 @@ PRESETS = {
     # peers' recipe (speculators: DFlash2 trained with KL) with the dpace weights, which joins the two levers the
     # quality bench's screen put ahead of the default (after ~13M tokens, one seed, equal steps: kl+dpace +21 %
     # τ at T = 0 and +6 % at T = 1, DFlash2 +49 % at T = 0 and +1 % at T = 1; the table cannot tell which of
-    # the two a gain comes from), at equal device time, on the data the one-call recipe trains on (16,384 prompts, each one's greedy answer and one sampled at T = 1). The stated
-    # figures are the thirteenth session's H100 calls (both kinds of regen on the static decoder, 16,384 rows a
-    # batch): the target and prompts by t = 119 s, 16,384 greedy answers in 71-74 s with the model load, 16,384
-    # sampled in 66-75 s; a trainer's start ~60 s; three runs at once train ~0.7 of one alone
+    # the two a gain comes from), at equal device time, on the data the one-call recipe trains on (16,384
+    # prompts, each one's greedy answer and one sampled at T = 1). The stated figures are the thirteenth
+    # session's H100 calls (both kinds of regen on the static decoder, 16,384 rows a batch): the target and
+    # prompts by t = 119 s, 16,384 greedy answers in 71-74 s with the model load, 16,384 sampled in 66-75 s; a
+    # trainer's start ~60 s; three runs at once train ~0.7 of one alone. The fourteenth session's first two
+    # calls (an H100) agree: the data by t = 340 s; step times 35.4 ms and 54.1 ms (the peers' recipe); three
+    # runs at once 0.92 of one alone over a whole call (0.69 in the first call's last 117 s)
     "h200-default": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
                            candidates=("ce+dpace/both", "kl+dpace/both/dflash2"), baseline="ce+dpace/both",
                            mix_prompts=16384, samples_per_prompt=1, sample_batch=16384, parallel=3, rate=0.7,
@@ -495,7 +499,8 @@ class Runs:
         return out
 
     def ended(self, j: dict) -> None:
-        """One run's leg ended: its progress, its evaluation once finished (time allowing), the state."""
+        """One run's leg ended: its progress, the state (a finished run is evaluated by `idle` while the last
+        runs train, or at the call's end)."""
         r = self.doc["runs"][j["name"]]
         step = last_step(j["run_dir"])
         self.trained_s += max(0, step - j["from_step"]) * self.doc["step_s"][arm(j["candidate"])]

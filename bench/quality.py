@@ -1012,6 +1012,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
     model = {"target": target, "drafter_layers": o["drafter_layers"],
              "block_size": o["block_size"], "num_target_layers": o["num_target_layers"], "attention": "auto",
              "dtype": p.dtype, "loss_chunk": 4096}
+    if o.get("target_layer_ids"):  # the target layers tapped, named (the default: spaced from 1 to layers-3)
+        model.update(target_layer_ids=[int(i) for i in o["target_layer_ids"]], num_target_layers=len(o["target_layer_ids"]))
     if o["gamma"] is not None:  # gamma shapes the decay weights: an ablation of it trains under decay
         model["gamma"] = float(o["gamma"])
         model["position_weight"] = "decay"
@@ -1604,22 +1606,25 @@ def goal_text(tau_by_set: dict | None) -> str | None:
     return "meets it in every cell" if not short else "short at " + "; ".join(short)
 
 
-OVERRIDE_KEYS = ("drafter_layers", "block_size", "num_target_layers", "gamma", "precision", "sliding_window",
-                 "full_layers", "objective", "drafter_precision", "drafter_kind", "run_seed", "train")
+OVERRIDE_KEYS = ("drafter_layers", "block_size", "num_target_layers", "target_layer_ids", "gamma", "precision",
+                 "sliding_window", "full_layers", "objective", "drafter_precision", "drafter_kind", "run_seed", "train")
 
 
 def override_refused(p: Preset, overrides: dict) -> str | None:
     """Why a run's overrides (an ablation's or main_overrides) cannot make a trainer config: a key
     trainer_config does not read (a typo would train the defaults under the run's name), or a config the
     trainer refuses; None when they can."""
+    from trainer.models.target import tapped_layer_ids
     from trainer.run.config import ConfigError, parse_config
 
     unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
     if unknown:
         return f"unknown key(s) {unknown}; an override is one of {', '.join(OVERRIDE_KEYS)}"
     try:
-        parse_config(yaml.safe_dump(trainer_config(p, Path("model"), Path("train.jsonl"), Path("data"), 10, overrides, 5)))
-    except ConfigError as exc:
+        model = parse_config(yaml.safe_dump(trainer_config(p, Path("model"), Path("train.jsonl"), Path("data"), 10,
+                                                           overrides, 5))).model
+        tapped_layer_ids(model.target_layer_ids, model.num_target_layers, p.layers)  # the bench's target's layers
+    except (ConfigError, ValueError) as exc:
         return f"the trainer refuses its config: {exc}"
     return None
 

@@ -241,6 +241,11 @@ def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row
     # the ablations' base row keeps the defaults, so it trains as a run of its own
     assert not base_is_main and [j["name"] for j in jobs] == ["main", *p.ablations]
     assert "drafter" not in jobs[1]["cfg"]["model"] and "loss" not in jobs[1]["cfg"]["model"]
+    # the target layers tapped, named: the last of the bench's 8 among them (the default stops at 1, 3, 5)
+    deep = quality.preset_of(ap, ap.parse_args(["--preset", "h200-recipe", "--out", "x",
+                                                "--set", "main_overrides={target_layer_ids: [1, 4, 7]}"]))
+    model = quality.drafter_jobs(deep, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, tmp_path, 100)[0][0]["cfg"]["model"]
+    assert (model["target_layer_ids"], model["num_target_layers"]) == ([1, 4, 7], 3)
     for bad, says in (("main_overrides=kl", "main_overrides 'kl': a mapping"),
                       ("main_overrides={objective: nope}", "unknown objective {'main_overrides': 'nope'}"),
                       ("main_overrides={train: original}", "main_overrides: the main run trains on the regenerated"),
@@ -248,6 +253,8 @@ def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row
                       # stop the run after the target and regen had spent the call's time
                       ("main_overrides={objectve: kl+dpace}", "unknown key(s) ['objectve']; an override is one of"),
                       ("main_overrides={drafter_kind: dflash3}", "the trainer refuses its config:"),
+                      ("main_overrides={target_layer_ids: [1, 4, 8]}", "8 is not a layer of the 8-layer target"),
+                      ("main_overrides={target_layer_ids: [4, 1]}", "the trainer refuses its config:"),
                       ('ablations={"a": {"drafter_layers": 0}}', "the trainer refuses its config:")):
         with pytest.raises(SystemExit):
             quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", bad]))

@@ -31,6 +31,11 @@ def test_good_config_and_defaults():
     (GOOD.replace("data:", "data:\n  workers: 0"), "<config>:6: data.workers must be auto or at least 1"),
     (GOOD.replace("data:", "data:\n  workers: all"), "data.workers must be int or one of 'auto', got 'all'"),
     (GOOD + "eval:\n  batch: 0\n", "<config>:8: eval.batch must be at least 1"),
+    # an engine collects the tapped layers in layer order, each once: another order or a repeat is refused
+    (GOOD.replace("model:", "model:\n  num_target_layers: 2\n  target_layer_ids: [1, 0]"),
+     "<config>:4: model.target_layer_ids [1, 0] must be increasing, each layer once"),
+    (GOOD.replace("model:", "model:\n  num_target_layers: 2\n  target_layer_ids: [1, 1]"),
+     "model.target_layer_ids [1, 1] must be increasing"),
 ])
 def test_bad_configs_name_the_problem(text, expected):
     with pytest.raises(ConfigError) as exc:

@@ -561,6 +561,10 @@ def _validate_model(c: TrainerConfig, check: _Check) -> None:
     if m.target_layer_ids is not None:
         check(len(m.target_layer_ids) == m.num_target_layers, ("model", "target_layer_ids"),
               "must list num_target_layers ids")
+        # an engine collects the tapped hidden states as its layers run, each layer once: a drafter trained on
+        # them in another order, or on one twice, would read other features where it is served
+        check(list(m.target_layer_ids) == sorted(set(m.target_layer_ids)), ("model", "target_layer_ids"),
+              f"{list(m.target_layer_ids)} must be increasing, each layer once (the order an engine collects them in)")
 
 
 def _validate_data(c: TrainerConfig, check: _Check) -> None:

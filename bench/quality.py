@@ -1612,8 +1612,8 @@ OVERRIDE_KEYS = ("drafter_layers", "block_size", "num_target_layers", "target_la
 
 def override_refused(p: Preset, overrides: dict) -> str | None:
     """Why a run's overrides (an ablation's or main_overrides) cannot make a trainer config: a key
-    trainer_config does not read (a typo would train the defaults under the run's name), or a config the
-    trainer refuses; None when they can."""
+    trainer_config does not read (a typo would train the defaults under the run's name), a config the
+    trainer refuses, or taps a layer the bench's target does not have; None when they can."""
     from trainer.models.target import tapped_layer_ids
     from trainer.run.config import ConfigError, parse_config
 

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 import time
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +59,10 @@ def apply_sets(ap: argparse.ArgumentParser, preset: Any, items: list[str],
                 ap.error(f"--set {item}: {key} is a number, not {value!r}")
         as_tuple = isinstance(v, list) and (tuple_fields is None or key in tuple_fields)
         setattr(preset, key, tuple(v) if as_tuple else v)
+
+
+def named_twice(field: str, values: Sequence[Any]) -> str | None:
+    """Why a list of a preset's run names (objectives, candidates, seeds) cannot be run: a value named twice
+    would name two runs alike, and a run's name is its directory. None when each is named once."""
+    repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+    return f"{field} {list(values)}: {', '.join(repeated)} named twice" if repeated else None

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402
-from bench.common import apply_sets  # noqa: E402
+from bench.common import apply_sets, named_twice  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
 from trainer.run.contract import read_events, read_log  # noqa: E402
 
@@ -419,8 +419,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
-    """The preset --preset names with --set and --budget-s applied; an unknown field or objective, a
-    baseline that is not a row, or parallel < 1 is refused (ap.error)."""
+    """The preset --preset names with --set and --budget-s applied; an unknown field or objective, an
+    objective or seed named twice, a baseline that is not a row, or parallel < 1 is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
     apply_sets(ap, p, args.set)
     if args.budget_s is not None:
@@ -428,6 +428,9 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     unknown = [o for o in p.objectives if o not in VARIANTS]
     if unknown:
         ap.error(f"objectives: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    for twice in (named_twice("objectives", p.objectives), named_twice("seeds", p.seeds)):
+        if twice:
+            ap.error(twice)
     if p.baseline not in p.objectives:
         ap.error(f"baseline {p.baseline!r} is not one of the rows {list(p.objectives)}")
     if p.parallel < 1:

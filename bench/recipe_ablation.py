@@ -91,7 +91,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality, quality_objectives  # noqa: E402
-from bench.common import apply_sets  # noqa: E402
+from bench.common import apply_sets, named_twice  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
 from trainer.models.drafter import DRAFTER_KINDS  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
@@ -701,8 +701,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
-    """The preset with --set, --candidates and --call-s applied; an unknown field or candidate, a baseline
-    not among the candidates, or fewer than 2 seeds is refused (ap.error)."""
+    """The preset with --set, --candidates and --call-s applied; an unknown field or candidate, a candidate
+    or seed named twice, a baseline not among the candidates, or fewer than 2 seeds is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
     apply_sets(ap, p, args.set)
     if args.candidates:
@@ -713,6 +713,9 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         [candidate_parts(c) for c in p.candidates]
     except ValueError as e:
         ap.error(str(e))
+    for twice in (named_twice("candidates", p.candidates), named_twice("seeds", p.seeds)):
+        if twice:
+            ap.error(twice)
     if p.baseline not in p.candidates:
         ap.error(f"baseline {p.baseline!r} is not one of the candidates {list(p.candidates)} (--set baseline=...)")
     if len(p.seeds) < 2:

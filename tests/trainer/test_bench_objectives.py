@@ -158,7 +158,10 @@ def test_the_command_line_edits_this_bench_s_preset_and_refuses_what_it_does_not
     assert qo.PRESETS["h200"].seeds == (0, 1, 2)  # the preset itself is left as it was
     for argv, message in ((["--set", "nope=1"], "--set nope=1: no preset field 'nope'"),
                           (["--set", "parallel=0"], "parallel: 0: must be at least 1"),
-                          (["--set", "objectives=[kl, fast]"], "objectives: unknown ['fast']")):
+                          (["--set", "objectives=[kl, fast]"], "objectives: unknown ['fast']"),
+                          # two runs of one name would train in one directory
+                          (["--set", "objectives=[ce+decay, kl, kl]"], "objectives ['ce+decay', 'kl', 'kl']: kl named twice"),
+                          (["--set", "seeds=[2, 2]"], "seeds [2, 2]: 2 named twice")):
         with pytest.raises(SystemExit):
             qo.preset_of(ap, ap.parse_args(["--out", "x", *argv]))
         assert message in capsys.readouterr().err

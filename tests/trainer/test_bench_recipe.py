@@ -135,7 +135,10 @@ def test_the_command_line_refuses_unknown_fields_candidates_and_a_single_seed(ca
     for argv, message in ((["--set", "nope=1"], "no preset field 'nope'"),
                           (["--candidates", "kl/mixed"], "candidate 'kl/mixed': expected OBJECTIVE/DATA"),
                           (["--candidates", "kl/both"], "baseline 'ce+decay/greedy' is not one of the candidates"),
-                          (["--set", "seeds=[0]"], "a spread needs at least 2")):
+                          (["--set", "seeds=[0]"], "a spread needs at least 2"),
+                          # a run's directory is its candidate and seed: named twice, two trainers would share one
+                          (["--candidates", "ce+decay/greedy,kl/both,kl/both"], "kl/both named twice"),
+                          (["--set", "seeds=[0, 1, 0]"], "seeds [0, 1, 0]: 0 named twice")):
         with pytest.raises(SystemExit):
             preset(*argv)
         assert message in capsys.readouterr().err

@@ -1197,7 +1197,8 @@ class CheckpointEvaluator:
                        else [])
         self.other_lookup: float | None = None
         self.set_lookups: dict[str, dict] = {}  # per prompt set and temperature: lookup's τ, measured once
-        self.form_lookups: dict[str, dict] = {}  # the other-style set's per temperature and form of prompt
+        # per split of a set's prompts (tau_by_form, tau_by_repetition), set and temperature: lookup's τ per part
+        self.split_lookups: dict[tuple[str, str, str], dict] = {}
         from trainer.generate.sampling_params import Sampling
 
         self.proposals = Sampling(draft=p.draft_sample_method)  # at each temperature
@@ -1231,7 +1232,9 @@ class CheckpointEvaluator:
         ratio = first["tau"] / self.lookup["tau_lookup"] if self.lookup["tau_lookup"] else None
         by_set = {"heldout": {"tau": first["tau"], "tau_per_prompt": first["tau_per_prompt"],
                               "samples": first["samples"], "tau_lookup": self.lookup["tau_lookup"], "tau_ratio": ratio,
-                              "tau_by_temperature": by_method[methods[0]]["heldout"]}}
+                              "tau_by_temperature": by_method[methods[0]]["heldout"],
+                              "tau_by_repetition": self.split_beside_lookup("tau_by_repetition", "heldout",
+                                                                            first["temperatures"])}}
         if self.others:
             o = self.reports(drafter, self.others, hot, methods, self.other_lookup is None)
             if self.other_lookup is None:
@@ -1243,7 +1246,9 @@ class CheckpointEvaluator:
                                "tau_lookup": self.other_lookup,
                                "tau_ratio": oo["tau"] / self.other_lookup if self.other_lookup else None,
                                "tau_by_temperature": by_method[methods[0]]["other"],
-                               "tau_by_form": self.by_form_beside_lookup(oo["temperatures"])}
+                               "tau_by_form": self.split_beside_lookup("tau_by_form", "other", oo["temperatures"]),
+                               "tau_by_repetition": self.split_beside_lookup("tau_by_repetition", "other",
+                                                                             oo["temperatures"])}
         by_length = {name: {**b, "tau_lookup": self.lookup_by_length.get(name),
                             "tau_ratio": b["tau"] / self.lookup_by_length[name] if self.lookup_by_length.get(name)
                             else None} for name, b in first["tau_by_length"].items()}
@@ -1282,17 +1287,19 @@ class CheckpointEvaluator:
             out[m] = r
         return out
 
-    def by_form_beside_lookup(self, reports: dict) -> dict:
-        """The other-style set's τ per form of prompt (signature, question, middle) at each temperature, with
-        lookup's τ there from the set's first evaluation (the only one that decodes lookup)."""
+    def split_beside_lookup(self, split: str, set_name: str, reports: dict) -> dict:
+        """One set's τ per part of a split of its prompts (`split`: tau_by_form, the other-style set's forms;
+        tau_by_repetition, at T = 0, how much of each answer repeats its text) at each temperature that has
+        it, with lookup's τ there from the set's first evaluation (the only one that decodes lookup)."""
         out = {}
         for label, r in reports.items():
-            lookups = self.form_lookups.setdefault(label, {form: b.get("tau_lookup")
-                                                           for form, b in (r.get("tau_by_form") or {}).items()})
-            out[label] = {form: {**b, "tau_lookup": lookups.get(form),
-                                 "tau_ratio": b["tau"] / lookups[form] if lookups.get(form) else None}
-                          for form, b in (r.get("tau_by_form") or {}).items()}
-        return {label: by_form for label, by_form in out.items() if by_form}
+            parts = r.get(split) or {}
+            lookups = self.split_lookups.setdefault((split, set_name, label),
+                                                    {name: b.get("tau_lookup") for name, b in parts.items()})
+            out[label] = {name: {**b, "tau_lookup": lookups.get(name),
+                                 "tau_ratio": b["tau"] / lookups[name] if lookups.get(name) else None}
+                          for name, b in parts.items()}
+        return {label: by_part for label, by_part in out.items() if by_part}
 
     def beside_lookup(self, name: str, reports: dict) -> dict | None:
         """One set's τ at each temperature (more than one evaluated; else None) with lookup's τ there and the
@@ -1455,6 +1462,14 @@ def other_temperature_rows(by_set: dict | None) -> list[str]:
     return ["", "other-style prompts (data/other.jsonl) by temperature:", *rows] if rows else []
 
 
+def repetition_lines(tau_by_set: dict | None) -> list[str]:
+    """Each prompt set's τ per bucket of how much of the answer repeats its own text, lookup's beside: where
+    lookup's τ comes from, and where the drafter falls behind it."""
+    return [f"main drafter on the {name} prompts at T={label} by how much of the answer repeats its text: "
+            f"{tau_by_length_text(by_part)}"
+            for name, b in (tau_by_set or {}).items() for label, by_part in (b.get("tau_by_repetition") or {}).items()]
+
+
 def markdown(results: dict) -> str:
     t, r, m, c = results["target"], results["regen"], results["main"], results["corpus"]
     lines = [f"command: `{results['command']}`", "",
@@ -1475,6 +1490,7 @@ def markdown(results: dict) -> str:
              f"{fmt(m['tokens_per_s_steady'], 0)} tok/s",
              f"* main drafter by prompt set: {by_set_text(m.get('tau_by_set'))}",
              *([f"* main drafter against #50's goal: {g}"] if (g := goal_text(m.get("tau_by_set"))) else []),
+             *(f"* {line}" for line in repetition_lines(m.get("tau_by_set"))),
              *by_length_rows(m.get("tau_by_length")), *temperature_rows(m.get("tau_by_temperature")),
              *other_temperature_rows(m.get("tau_by_set")), ""]
     if results.get("curve"):
@@ -1843,6 +1859,8 @@ def say_main(p: Preset, m: dict, steps: int) -> None:
         say(f"main drafter against #50's goal: {goal}")
     for label, by_form in (other.get("tau_by_form") or {}).items():
         say(f"main drafter on the other-style prompts by form at T={label}: {tau_by_length_text(by_form)}")
+    for line in repetition_lines(m.get("tau_by_set")):
+        say(line)
     if m.get("tau_by_temperature"):  # its last checkpoint at each temperature, lookup beside
         say(f"main drafter by temperature (its last checkpoint): "
             f"{tau_by_temperature_text(m['tau_by_temperature'])}")

@@ -543,7 +543,8 @@ class Runs:
                                                           if t != "0"})
         status = read_status(ck.parent.parent) or {}
         r["result"] = {"step": point["step"], "tokens": status.get("tokens_done"), "by_set": by_set,
-                       "acceptance": point.get("acceptance"), "checkpoint": str(ck)}
+                       "acceptance": point.get("acceptance"), "checkpoint": str(ck),
+                       "by_repetition": {s: b.get("tau_by_repetition") for s, b in point["tau_by_set"].items()}}
         say(f"{name}: τ " + "; ".join(f"{s} T={t} {quality.fmt(v['tau'])} ({quality.fmt(v['tau_ratio'], 2)}x lookup)"
                                       for s, by_t in r["result"]["by_set"].items() for t, v in by_t.items()))
         return True

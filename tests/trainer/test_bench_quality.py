@@ -106,7 +106,16 @@ def test_tiny_quality_bench_runs_every_stage(tmp_path):
         assert set(by_form) == {row["form"] for row in other}
         assert sum(b["prompts"] for b in by_form.values()) == len(other)
         assert all(b["tau"] >= 1.0 and b["tau_lookup"] >= 1.0 for b in by_form.values())
+        # and at T = 0 per bucket of how much of the answer repeats its text: every prompt in one bucket
+        for name in ("heldout", "other"):
+            b = point["tau_by_set"][name]
+            by_repetition = b["tau_by_repetition"]["0"]
+            assert set(by_repetition) <= {"repeats <1/3", "repeats 1/3-2/3", "repeats >=2/3"}
+            assert sum(x["prompts"] for x in by_repetition.values()) == b["samples"]
+            assert all(x["tau"] >= 1.0 and x["tau_lookup"] >= 1.0 for x in by_repetition.values())
     assert m["tau_by_set"] == r["curve"][-1]["tau_by_set"]
+    assert "main drafter on the other prompts at T=0 by how much of the answer repeats its text: repeats" in \
+        (tmp_path / "quality.md").read_text()
     assert all(set(x.get("tau_by_set") or ("heldout", "other")) == {"heldout", "other"} for x in r["ablations"].values())
     assert "main drafter by prompt set: heldout tau" in (tmp_path / "quality.md").read_text()
     # τ at T = 0, 0.7 and 1.0 of the last checkpoint (the bench's own evaluation, kept when a deadline's stop

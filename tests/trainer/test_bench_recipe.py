@@ -216,6 +216,8 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
         else:  # finished in the first call: never started again
             assert len(starts) == 1 and len(r["legs"]) == 1
         assert set(r["result"]["by_set"]) == {"heldout", "other"} and r["result"]["step"] == r["planned"]
+        assert {s: sum(b["prompts"] for b in by["0"].values()) for s, by in r["result"]["by_repetition"].items()} == \
+            {"heldout": 3, "other": 3}  # T = 0 by how much of the answer repeats its text: every prompt once
         # each run evaluated with argmax proposals and, at T = 1, sampled ones; lookup (argmax) alike in both
         assert all(set(by_t) == {"0", "1", "1 sampled"} for by_t in r["result"]["by_set"].values())
         assert all(by_t["1 sampled"]["tau_lookup"] == by_t["1"]["tau_lookup"] for by_t in r["result"]["by_set"].values())

@@ -5,7 +5,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from trainer.generate.evaluate import tau_by_form, tau_by_length
+from trainer.generate.evaluate import repeated_share, tau_by_form, tau_by_length, tau_by_repetition
 from trainer.generate.speculative import Generation
 from trainer.run.contract import length_bucket, tau_by_length_text
 
@@ -39,6 +39,30 @@ def test_tau_per_form_pools_its_prompts_in_the_order_forms_first_appear():
     assert list(got) == ["middle", "question", "-"]
     assert got["middle"]["prompts"] == 2 and got["middle"]["tau"] == 14 / 3 and got["middle"]["tau_lookup"] == 1.0
     assert got["question"]["tau_ratio"] == 0.5 and got["-"]["tau"] == 2.0
+
+
+def test_the_repeated_share_counts_answer_tokens_the_text_already_wrote_after_the_same_three():
+    assert repeated_share([1, 2, 3, 4], [1, 2, 3, 4]) == 0.25  # 1 2 3 -> 4 written in the prompt: the 4 repeats
+    assert repeated_share([], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]) == 0.3  # a loop: 8, 5, 6 after the first turn
+    assert repeated_share([1, 2, 3, 9], [1, 2, 3, 4]) == 0.0  # the same three, another token after them
+    assert repeated_share([1, 2], []) == 0.0
+    # each position counts what any earlier occurrence was followed by, not only the first
+    # (the answer's last 9 follows 1 2 3 as the prompt's first occurrence did, though its latest was followed by 4)
+    assert repeated_share([1, 2, 3, 9, 1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 9]) == 5 / 8
+
+
+def test_tau_per_repetition_bucket_pools_the_prompts_whose_answers_repeat_that_much():
+    prompts = [[1, 2, 3, 4], [7, 7, 8], [1, 2, 3]]
+    answers = [[1, 2, 3, 4] * 3, [9, 10, 11], [1, 2, 3, 1, 2, 3]]  # 9 of 12 repeat; none; 3 of 6
+    drafted = [Generation(answers[0], [6, 6]), Generation(answers[1], [1, 1, 1]), Generation(answers[2], [2, 2, 2])]
+    looked = [Generation(answers[0], [2, 2, 4, 4]), Generation(answers[1], [1, 1, 1]), Generation(answers[2], [1, 1, 4])]
+    got = tau_by_repetition(prompts, drafted, looked, block_size=8)
+    assert list(got) == ["repeats <1/3", "repeats 1/3-2/3", "repeats >=2/3"]
+    assert [got[k]["prompts"] for k in got] == [1, 1, 1]
+    assert got["repeats <1/3"]["tau"] == 1.0 and got["repeats <1/3"]["tau_ratio"] == 1.0
+    assert got["repeats 1/3-2/3"]["tau"] == 2.0 and got["repeats 1/3-2/3"]["tau_lookup"] == 2.0
+    assert got["repeats >=2/3"]["tau"] == 6.0 and got["repeats >=2/3"]["tau_lookup"] == 3.0
+    assert "repeats <1/3" not in tau_by_repetition(prompts[:1], drafted[:1], None, 8)  # buckets with prompts only
 
 
 def test_a_runs_evaluation_reports_tau_by_length_in_its_event_status_and_log(qwen3_model_dir, tmp_path):

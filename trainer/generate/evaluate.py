@@ -116,8 +116,9 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
     tau_lookup_per_prompt, tau_lookup_expected, lookup_rounds, lookup_histogram, tau_ratio = tau /
     tau_lookup (what the drafter's training bought), and lookup_same_output (greedy: both decodings
     gave the same tokens, as greedy verification must; None at a temperature); tau_by_length: the
-    same per prompt-length bucket (tau_by_length), and per prompt form where conversations carry a "form"
-    (the quality bench's other-style prompts: tau_by_form).
+    same per prompt-length bucket (tau_by_length), per prompt form where conversations carry a "form"
+    (the quality bench's other-style prompts: tau_by_form), and greedy, per bucket of how much of the answer
+    repeats its own text (tau_by_repetition).
 
     turns: where each conversation is judged (trainer.data.turns): at its last assistant turn, or at
     every one (agent conversations: after each tool result); prompts: how many were decoded; with
@@ -151,6 +152,8 @@ def acceptance_report(target: torch.nn.Module, drafter: DFlashDrafter, head: Fro
                       lookup_same_output=([g.tokens for g in looked] == [g.tokens for g in generations]
                                           if sampling.greedy else None))
     report["tau_by_length"] = tau_by_length(prompts, generations, looked, block_size)
+    if sampling.greedy:  # one answer a prompt, whichever decoding: the buckets are the same prompts for all
+        report["tau_by_repetition"] = tau_by_repetition(prompts, generations, looked, block_size)
     forms = [conversations[t.conversation].get("form") for t in chosen]
     if any(isinstance(f, str) for f in forms):
         report["tau_by_form"] = tau_by_form(forms, prompts, generations, looked, block_size)
@@ -296,6 +299,38 @@ def tau_by_form(forms: list, prompts: list[list[int]], generations: list, looked
     the quality bench's signature / question / middle), in the order the forms first appear; "-" for none."""
     keys = [f if isinstance(f, str) else "-" for f in forms]
     return _tau_by(keys, list(dict.fromkeys(keys)), prompts, generations, looked, block_size)
+
+
+# (name, upper bound) of the share of an answer's tokens that repeat its own text (repeated_share)
+REPETITION_BUCKETS = (("repeats <1/3", 1 / 3), ("repeats 1/3-2/3", 2 / 3), ("repeats >=2/3", float("inf")))
+
+
+def repeated_share(prompt: list[int], tokens: list[int], n: int = 3) -> float:
+    """The share of the answer's tokens that its text had already written after the same n tokens (token t
+    counts when the n tokens before it occurred earlier in prompt + answer followed by t): how much of the
+    answer repeats its own text, the part n-gram lookup can draft. 0 for an empty answer."""
+    seq = prompt + tokens
+    followers: dict[tuple[int, ...], set[int]] = {}
+    repeated = 0
+    for i in range(n, len(seq)):
+        key = tuple(seq[i - n:i])
+        if i >= len(prompt) and seq[i] in followers.get(key, ()):
+            repeated += 1
+        followers.setdefault(key, set()).add(seq[i])
+    return repeated / len(tokens) if tokens else 0.0
+
+
+def tau_by_repetition(prompts: list[list[int]], generations: list, looked: list | None, block_size: int) -> dict:
+    """The same as tau_by_length per bucket of how much of the answer repeats its own text
+    (REPETITION_BUCKETS over repeated_share of each prompt's decoded answer): where lookup's τ comes from,
+    and whether the drafter loses to it on repeating answers or on new text. Meant for greedy decoding,
+    where every decoding of a prompt gives the same answer, so the buckets hold the same prompts for the
+    drafter and for lookup."""
+    def bucket(share: float) -> str:
+        return next(name for name, bound in REPETITION_BUCKETS if share < bound)
+
+    keys = [bucket(repeated_share(p, g.tokens)) for p, g in zip(prompts, generations)]
+    return _tau_by(keys, [name for name, _ in REPETITION_BUCKETS], prompts, generations, looked, block_size)
 
 
 def tau_by_turn(turns: list[int], prompts: list[list[int]], generations: list, looked: list | None,

@@ -134,7 +134,8 @@ CEILING_NOTE = ("ceiling: the target's own greedy chain as the block, the most a
 def table(report: dict) -> str:
     """One row per temperature: sampled and expected τ, lookup's, the ratio (and the target drafting for
     itself, when measured); then the expected acceptance by draft position, τ by prompt length, by prompt form
-    (conversations with a "form") and (agent data) by assistant turn at each temperature. A report without a
+    (conversations with a "form"), at T = 0 by how much of the answer repeats its text, and (agent data) by
+    assistant turn at each temperature. A report without a
     draft: headroom_table."""
     if report.get("draft") is None:
         return headroom_table(report)
@@ -143,8 +144,9 @@ def table(report: dict) -> str:
     for label, r in report["temperatures"].items():
         lines.append(f"T={label} accepted by position (expected): "
                      + " ".join(f"{a:.2f}" for a in r.get("acceptance_expected") or []))
-        groups = [*(r.get("tau_by_length") or {}).items(),  # prompt-length buckets, then forms of prompt
-                  *((f"form {form}", b) for form, b in (r.get("tau_by_form") or {}).items())]
+        groups = [*(r.get("tau_by_length") or {}).items(),  # prompt-length buckets, forms of prompt, repetition
+                  *((f"form {form}", b) for form, b in (r.get("tau_by_form") or {}).items()),
+                  *((f"answer {part} of its text", b) for part, b in (r.get("tau_by_repetition") or {}).items())]
         for name, b in groups:
             lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
             lines.append(f"T={label} {name}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "

@@ -63,8 +63,8 @@ def test_eval_of_a_checkpoint_and_of_its_export(trained, capsys):
     # at T = 0 (one answer a prompt for every decoding) τ by how much of the answer repeats its own text
     by_repetition = zero["tau_by_repetition"]
     assert sum(b["prompts"] for b in by_repetition.values()) == 3 and "tau_by_repetition" not in report["temperatures"]["0.7"]
-    assert [line for line in rows if line.startswith("T=0 answer repeats")] == [
-        f"T=0 answer {part} of its text: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}, lookup "
+    assert [line for line in rows if line.startswith("T=0 answers repeating")] == [
+        f"T=0 answers repeating {part} of their text: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}, lookup "
         f"{b['tau_lookup']:.3f} ({b['prompts']} prompts)" for part, b in by_repetition.items()]
     # the run's own evaluation at T = 0 (its end) decoded the same prompts with the same weights
     run_eval = [json.loads(line) for line in (checkpoint.parents[1] / "metrics.jsonl").read_text().splitlines()

@@ -57,12 +57,12 @@ def test_tau_per_repetition_bucket_pools_the_prompts_whose_answers_repeat_that_m
     drafted = [Generation(answers[0], [6, 6]), Generation(answers[1], [1, 1, 1]), Generation(answers[2], [2, 2, 2])]
     looked = [Generation(answers[0], [2, 2, 4, 4]), Generation(answers[1], [1, 1, 1]), Generation(answers[2], [1, 1, 4])]
     got = tau_by_repetition(prompts, drafted, looked, block_size=8)
-    assert list(got) == ["repeats <1/3", "repeats 1/3-2/3", "repeats >=2/3"]
+    assert list(got) == ["under a third", "a third to two thirds", "two thirds or more"]
     assert [got[k]["prompts"] for k in got] == [1, 1, 1]
-    assert got["repeats <1/3"]["tau"] == 1.0 and got["repeats <1/3"]["tau_ratio"] == 1.0
-    assert got["repeats 1/3-2/3"]["tau"] == 2.0 and got["repeats 1/3-2/3"]["tau_lookup"] == 2.0
-    assert got["repeats >=2/3"]["tau"] == 6.0 and got["repeats >=2/3"]["tau_lookup"] == 3.0
-    assert "repeats <1/3" not in tau_by_repetition(prompts[:1], drafted[:1], None, 8)  # buckets with prompts only
+    assert got["under a third"]["tau"] == 1.0 and got["under a third"]["tau_ratio"] == 1.0
+    assert got["a third to two thirds"]["tau"] == 2.0 and got["a third to two thirds"]["tau_lookup"] == 2.0
+    assert got["two thirds or more"]["tau"] == 6.0 and got["two thirds or more"]["tau_lookup"] == 3.0
+    assert "under a third" not in tau_by_repetition(prompts[:1], drafted[:1], None, 8)  # buckets with prompts only
 
 
 def test_a_runs_evaluation_reports_tau_by_length_in_its_event_status_and_log(qwen3_model_dir, tmp_path):

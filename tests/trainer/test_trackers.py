@@ -60,6 +60,16 @@ def test_mlflow_gets_the_same_scalars_in_a_file_store_of_the_run_directory(tmp_p
     assert "eval/tau" in found.data.metrics and "tracker_error" not in (run / "metrics.jsonl").read_text()
 
 
+def test_mlflow_names_keep_the_bucket_signs_readable_and_replace_what_mlflow_refuses():
+    from trainer.train.trackers import mlflow_name
+
+    assert mlflow_name("eval/tau_by_length/<=2K/tau") == "eval/tau_by_length/le2K/tau"
+    assert mlflow_name("eval/tau_by_length/>32K/tau") == "eval/tau_by_length/gt32K/tau"
+    assert mlflow_name("eval/tau_by_form/a<b>=c/tau") == "eval/tau_by_form/altbgec/tau"
+    # a data file's own form of prompt may hold anything: what MLflow refuses becomes _
+    assert mlflow_name("eval/tau_by_form/q&a (50%)/tau") == "eval/tau_by_form/q_a _50__/tau"
+
+
 def test_a_tracker_not_installed_is_refused_before_the_run(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(tiny_config("run: {trackers: [tensorboard, wandb]}"))  # wandb: not in the dev extras

@@ -302,7 +302,7 @@ def tau_by_form(forms: list, prompts: list[list[int]], generations: list, looked
 
 
 # (name, upper bound) of the share of an answer's tokens that repeat its own text (repeated_share)
-REPETITION_BUCKETS = (("repeats <1/3", 1 / 3), ("repeats 1/3-2/3", 2 / 3), ("repeats >=2/3", float("inf")))
+REPETITION_BUCKETS = (("under a third", 1 / 3), ("a third to two thirds", 2 / 3), ("two thirds or more", float("inf")))
 
 
 def repeated_share(prompt: list[int], tokens: list[int], n: int = 3) -> float:

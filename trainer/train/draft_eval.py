@@ -146,7 +146,7 @@ def table(report: dict) -> str:
                      + " ".join(f"{a:.2f}" for a in r.get("acceptance_expected") or []))
         groups = [*(r.get("tau_by_length") or {}).items(),  # prompt-length buckets, forms of prompt, repetition
                   *((f"form {form}", b) for form, b in (r.get("tau_by_form") or {}).items()),
-                  *((f"answer {part} of its text", b) for part, b in (r.get("tau_by_repetition") or {}).items())]
+                  *((f"answers repeating {part} of their text", b) for part, b in (r.get("tau_by_repetition") or {}).items())]
         for name, b in groups:
             lookup = "" if b.get("tau_lookup") is None else f", lookup {b['tau_lookup']:.3f}"
             lines.append(f"T={label} {name}: tau {b['tau']:.3f}, expected {b['tau_expected']:.3f}{lookup} "

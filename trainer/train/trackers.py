@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,6 +106,13 @@ class _TensorBoard:
         self.writer.close()
 
 
+def mlflow_name(name: str) -> str:
+    """A flattened key as MLflow takes a metric's name (alphanumerics, `_ - . : /` and spaces): the bucket
+    signs spelled out (`<=2K` -> `le2K`), any other character as `_` (a data file's own form of prompt)."""
+    readable = name.replace("<=", "le").replace(">=", "ge").replace("<", "lt").replace(">", "gt")
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", readable)
+
+
 class _Mlflow:
     def __init__(self, cfg: TrainerConfig, run_dir: Path) -> None:
         import mlflow
@@ -116,7 +124,7 @@ class _Mlflow:
         self.run = mlflow.start_run(run_name=run_dir.name)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics({k.replace("<=", "le").replace(">", "gt"): v for k, v in scalars.items()}, step=step)
+        self.mlflow.log_metrics({mlflow_name(k): v for k, v in scalars.items()}, step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()

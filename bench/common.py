@@ -61,6 +61,14 @@ def apply_sets(ap: argparse.ArgumentParser, preset: Any, items: list[str],
         setattr(preset, key, tuple(v) if as_tuple else v)
 
 
+def seeds_refused(seeds: Sequence[Any]) -> str | None:
+    """Why a preset's seeds cannot seed runs (each an integer, each once: a seed names its runs); None when
+    they can."""
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        return f"seeds {list(seeds)}: integers only"
+    return named_twice("seeds", seeds)
+
+
 def named_twice(field: str, values: Sequence[Any]) -> str | None:
     """Why a list of a preset's run names (objectives, candidates, seeds) cannot be run: a value named twice
     would name two runs alike, and a run's name is its directory. None when each is named once."""

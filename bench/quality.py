@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import site
 import subprocess
 import sys
@@ -60,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the trainer (its heavier parts imported where they are used)
     sys.path.insert(0, str(ROOT))
 
-from bench.common import apply_sets  # noqa: E402
+from bench.common import apply_sets, named_twice  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS, DraftSampleMethod  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, load_weights, step_of  # noqa: E402
 from trainer.run.contract import read_events, read_log, read_status, tau_by_length_text, tau_by_temperature_text  # noqa: E402
@@ -1089,8 +1090,20 @@ def read_run(run_dir: Path) -> dict:
             "tokens_per_s_steady": last.get("tokens_per_s_steady", last.get("tokens_per_s"))}
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.+=,-]*")  # a run's name, its directory's with - for each space
+
+
+def run_slug(name: str) -> str:
+    """The directory name of a run named `name` (spaces as -); ValueError for a name that is no plain label
+    (a / or a leading dot would put the run's files outside the runs directory)."""
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(f"run name {name!r}: letters, digits, spaces and _ . + = , - only, starting with a letter "
+                         "or digit (it names the run's directory)")
+    return name.replace(" ", "-")
+
+
 def job(name: str, cfg: dict, runs: Path) -> dict:
-    slug = name.replace(" ", "-")
+    slug = run_slug(name)
     cfg_path = runs / f"{slug}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return {"name": name, "argv": ["--config", str(cfg_path), "--run-dir", str(runs / slug)],
@@ -1598,6 +1611,14 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     if not isinstance(p.main_overrides, dict):
         ap.error(f"main_overrides {p.main_overrides!r}: a mapping of the drafter config's overrides, e.g. "
                  "'main_overrides={objective: kl+dpace}'")
+    for name in p.ablations:  # each run's directory is its name's: a path, or the main run's, is refused
+        try:
+            if run_slug(name) == run_slug("main"):
+                raise ValueError(f"run name {name!r} is the main run's")
+        except ValueError as e:
+            ap.error(f"ablations: {e}")
+    if twice := named_twice("ablations' directories", [run_slug(n) for n in p.ablations]):
+        ap.error(twice)
     overrides = {**p.ablations, "main_overrides": p.main_overrides}
     objectives = {name: o["objective"] for name, o in overrides.items() if o.get("objective", "ce+dpace") not in OBJECTIVES}
     if objectives:

@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality  # noqa: E402
-from bench.common import apply_sets, named_twice  # noqa: E402
+from bench.common import apply_sets, named_twice, seeds_refused  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints  # noqa: E402
 from trainer.run.contract import read_events, read_log  # noqa: E402
 
@@ -428,7 +428,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     unknown = [o for o in p.objectives if o not in VARIANTS]
     if unknown:
         ap.error(f"objectives: unknown {unknown}; known: {', '.join(VARIANTS)}")
-    for twice in (named_twice("objectives", p.objectives), named_twice("seeds", p.seeds)):
+    for twice in (named_twice("objectives", p.objectives), seeds_refused(p.seeds)):
         if twice:
             ap.error(twice)
     if p.baseline not in p.objectives:

@@ -91,7 +91,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import quality, quality_objectives  # noqa: E402
-from bench.common import apply_sets, named_twice  # noqa: E402
+from bench.common import apply_sets, named_twice, seeds_refused  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
 from trainer.models.drafter import DRAFTER_KINDS  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
@@ -714,7 +714,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         [candidate_parts(c) for c in p.candidates]
     except ValueError as e:
         ap.error(str(e))
-    for twice in (named_twice("candidates", p.candidates), named_twice("seeds", p.seeds)):
+    for twice in (named_twice("candidates", p.candidates), seeds_refused(p.seeds)):
         if twice:
             ap.error(twice)
     if p.baseline not in p.candidates:

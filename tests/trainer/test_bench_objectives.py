@@ -161,7 +161,8 @@ def test_the_command_line_edits_this_bench_s_preset_and_refuses_what_it_does_not
                           (["--set", "objectives=[kl, fast]"], "objectives: unknown ['fast']"),
                           # two runs of one name would train in one directory
                           (["--set", "objectives=[ce+decay, kl, kl]"], "objectives ['ce+decay', 'kl', 'kl']: kl named twice"),
-                          (["--set", "seeds=[2, 2]"], "seeds [2, 2]: 2 named twice")):
+                          (["--set", "seeds=[2, 2]"], "seeds [2, 2]: 2 named twice"),
+                          (["--set", "seeds=[1, a]"], "seeds [1, 'a']: integers only")):
         with pytest.raises(SystemExit):
             qo.preset_of(ap, ap.parse_args(["--out", "x", *argv]))
         assert message in capsys.readouterr().err

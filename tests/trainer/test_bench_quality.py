@@ -264,7 +264,12 @@ def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row
                       ("main_overrides={drafter_kind: dflash3}", "the trainer refuses its config:"),
                       ("main_overrides={target_layer_ids: [1, 4, 8]}", "8 is not a layer of the 8-layer target"),
                       ("main_overrides={target_layer_ids: [4, 1]}", "the trainer refuses its config:"),
-                      ('ablations={"a": {"drafter_layers": 0}}', "the trainer refuses its config:")):
+                      ('ablations={"a": {"drafter_layers": 0}}', "the trainer refuses its config:"),
+                      # a run's name is its directory's: no path, not the main run's, no two alike
+                      ('ablations={"../../x": {"drafter_layers": 1}}', "run name '../../x': letters, digits"),
+                      ('ablations={"a/b": {"drafter_layers": 1}}', "run name 'a/b': letters"),
+                      ('ablations={"main": {"drafter_layers": 1}}', "run name 'main' is the main run's"),
+                      ('ablations={"a b": {"drafter_layers": 1}, "a-b": {"drafter_layers": 2}}', "a-b named twice")):
         with pytest.raises(SystemExit):
             quality.preset_of(ap, ap.parse_args(["--out", "x", "--set", bad]))
         assert says in capsys.readouterr().err

@@ -138,7 +138,8 @@ def test_the_command_line_refuses_unknown_fields_candidates_and_a_single_seed(ca
                           (["--set", "seeds=[0]"], "a spread needs at least 2"),
                           # a run's directory is its candidate and seed: named twice, two trainers would share one
                           (["--candidates", "ce+decay/greedy,kl/both,kl/both"], "kl/both named twice"),
-                          (["--set", "seeds=[0, 1, 0]"], "seeds [0, 1, 0]: 0 named twice")):
+                          (["--set", "seeds=[0, 1, 0]"], "seeds [0, 1, 0]: 0 named twice"),
+                          (["--set", "seeds=[0, ../x]"], "seeds [0, '../x']: integers only")):
         with pytest.raises(SystemExit):
             preset(*argv)
         assert message in capsys.readouterr().err

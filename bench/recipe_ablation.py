@@ -703,7 +703,8 @@ def parser() -> argparse.ArgumentParser:
 
 def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     """The preset with --set, --candidates and --call-s applied; an unknown field or candidate, a candidate
-    or seed named twice, a baseline not among the candidates, or fewer than 2 seeds is refused (ap.error)."""
+    or seed named twice, a baseline not among the candidates, fewer than 2 seeds, or a stage that is no plain
+    name is refused (ap.error)."""
     p = dataclasses.replace(PRESETS[args.preset])
     apply_sets(ap, p, args.set)
     if args.candidates:
@@ -723,6 +724,9 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         ap.error(f"seeds {list(p.seeds)}: a spread needs at least 2")
     if "greedy" not in p.proposals or not set(p.proposals) <= set(DRAFT_SAMPLE_METHODS):
         ap.error(f"proposals {list(p.proposals)}: greedy (the engine's default), and probabilistic if asked")
+    if not quality.RUN_NAME.fullmatch(args.stage) or " " in args.stage:  # it names a directory under STATE/stages
+        ap.error(f"--stage {args.stage!r}: letters, digits and _ . + = , - only, starting with a letter or digit "
+                 "(it names the stage's directory under STATE/stages)")
     return p
 
 

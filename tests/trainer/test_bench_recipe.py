@@ -139,7 +139,8 @@ def test_the_command_line_refuses_unknown_fields_candidates_and_a_single_seed(ca
                           # a run's directory is its candidate and seed: named twice, two trainers would share one
                           (["--candidates", "ce+decay/greedy,kl/both,kl/both"], "kl/both named twice"),
                           (["--set", "seeds=[0, 1, 0]"], "seeds [0, 1, 0]: 0 named twice"),
-                          (["--set", "seeds=[0, ../x]"], "seeds [0, '../x']: integers only")):
+                          (["--set", "seeds=[0, ../x]"], "seeds [0, '../x']: integers only"),
+                          (["--stage", "../../x"], "--stage '../../x': letters, digits")):
         with pytest.raises(SystemExit):
             preset(*argv)
         assert message in capsys.readouterr().err

@@ -153,6 +153,52 @@ def test_the_next_command_names_the_output_under_out(monkeypatch, tmp_path):
                     "--set 'seeds=[0, 1]'")
 
 
+def test_idle_evaluates_each_finished_run_once_while_an_evaluation_fits_before_the_deadline(tmp_path):
+    """Runs.idle (run_all calls it once every queued run has started): the runs with all their steps and no τ
+    are evaluated, each once, and the state is written at once; with no room for an evaluation before the
+    deadline (the call's end less the reserve), none. The checkpoint evaluator is a stand-in (τ itself is
+    the slow CPU test's); what is under test is which runs are evaluated, when, and that the state keeps it."""
+    import dataclasses
+
+    p = ra.PRESETS["cpu"]
+    stage = tmp_path / "stage"
+    cells = {"tau": 2.0, "tau_expected": 2.0, "tau_lookup": 1.6, "tau_ratio": 1.25}
+    point = {"step": 10, "acceptance": [0.6],
+             "tau_by_set": {s: {"tau_by_temperature": {"0": cells, "1": cells}, "tau_by_repetition": {"0": {}}}
+                            for s in ra.SETS},
+             "tau_by_proposals": {"probabilistic": {s: {"0": cells, "1": cells} for s in ra.SETS}}}
+    evaluated = []
+
+    def evaluator(ck, temperatures, proposals):
+        evaluated.append(ck)
+        return point
+
+    def runs_at(call_end):
+        doc = ra.stage_doc(p, stage, "cmd")
+        doc.update(stage="s", preset=dataclasses.asdict(p), call_end=call_end)
+        for name, step in (("ce+decay greedy seed 0", 10), ("ce+decay greedy seed 1", 4)):
+            doc["runs"][name] = {"candidate": "ce+decay/greedy", "seed": int(name[-1]), "legs": [], "failures": 0,
+                                 "planned": 10, "step": step}
+            ck = stage / "runs" / name.replace(" ", "-") / "checkpoints" / f"step_{step}"
+            ck.mkdir(parents=True, exist_ok=True)
+            (ck / "manifest.json").write_text("{}")
+        runs = ra.Runs(p, ra.quality_preset(p), tmp_path, stage, doc, tmp_path / "out")
+        runs.evaluator = evaluator
+        return runs
+
+    (tmp_path / "out").mkdir()
+    late = runs_at(time.time() + p.reserve_s + p.eval_s - 1)  # an evaluation would end past the deadline
+    late.idle()
+    assert evaluated == [] and not (stage / "state.json").exists()
+    runs = runs_at(time.time() + 100)
+    runs.idle()
+    runs.idle()  # called again at the next poll: nothing left to evaluate
+    assert evaluated == [stage / "runs" / "ce+decay-greedy-seed-0" / "checkpoints" / "step_10"]
+    saved = json.loads((stage / "state.json").read_text())["runs"]
+    assert saved["ce+decay greedy seed 0"]["result"]["by_set"]["heldout"]["1 sampled"] == cells
+    assert "result" not in saved["ce+decay greedy seed 1"]  # 4 of 10 steps: not evaluated
+
+
 def test_a_leg_stop_is_written_once_the_run_reaches_its_step(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

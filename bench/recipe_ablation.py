@@ -214,12 +214,6 @@ def arm(candidate: str) -> str:
     return objective if kind == "dflash" else f"{objective}/{kind}"
 
 
-def arm_candidate(name: str, data: str) -> str:
-    """An arm trained on a data mix, as a candidate's name."""
-    objective, _, kind = name.partition("/")
-    return "/".join([objective, data, *([kind] if kind else [])])
-
-
 def run_name(candidate: str, seed: int) -> str:
     objective, data, kind = candidate_parts(candidate)
     return " ".join([objective, data, *([kind] if kind != "dflash" else []), f"seed {seed}"])
@@ -442,13 +436,15 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
 
 def time_steps(p: Preset, qp: quality.Preset, state: Path, runs: Path) -> dict[str, float]:
     """Each arm's optimizer step timed alone on the device (quality_objectives.time_objectives)."""
-    arms = tuple(dict.fromkeys(arm(c) for c in p.candidates))
+    arms: dict[str, str] = {}  # each arm's first candidate: its config, trained on the timing file
+    for c in p.candidates:
+        arms.setdefault(arm(c), c)
     timing_file, _ = quality.subset(state / "data" / "mix-greedy.jsonl", state / "data" / "timing.jsonl", None, 512)
-    qo = quality_objectives.Preset(objectives=arms, baseline=arms[0], timing_steps=p.timing_steps,
+    qo = quality_objectives.Preset(objectives=tuple(arms), baseline=next(iter(arms)), timing_steps=p.timing_steps,
                                    timing_warmup=p.timing_warmup)
 
     def config(name: str, seed: int, steps: int, train: Path) -> dict:
-        return trainer_config(p, qp, state, arm_candidate(name, "greedy"), seed, steps, train)
+        return trainer_config(p, qp, state, arms[name], seed, steps, train)
 
     return quality_objectives.time_objectives(qo, config, runs, timing_file, {})
 
@@ -846,8 +842,7 @@ def main(argv: list[str] | None = None) -> dict:
         began = time.time()
         with LegStops(jobs):
             quality.run_all(qp, jobs, deadline, on_done=runs.ended, first_alone=False, on_idle=runs.idle)
-        if runs.evaluate_finished():  # finished in an earlier call, or after the last start in this one
-            save(doc, p, stage_dir, out)
+        runs.evaluate_finished()  # finished in an earlier call, or after the last start in this one (finish saves)
         wall = time.time() - began
         doc["calls"][-1].update(trained_s=round(runs.trained_s, 1), runs_wall_s=round(wall, 1))
         if runs.trained_s > 0 and wall > 0:

@@ -17,7 +17,6 @@ def test_a_candidate_is_an_objective_a_data_mix_and_a_drafter_kind():
     assert ra.run_name("kl+dpace/both/dflash2", 1) == "kl+dpace both dflash2 seed 1"
     # the step times' key: the data does not change a step's cost, the objective and the generation do
     assert ra.arm("kl/both") == ra.arm("kl/greedy") == "kl" and ra.arm("kl/sampled/dflash2") == "kl/dflash2"
-    assert ra.arm_candidate("kl/dflash2", "greedy") == "kl/greedy/dflash2" and ra.arm_candidate("kl", "both") == "kl/both"
     for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x", "kl/both/dflash", "kl/both/dflash2/x", "kl/both/"):
         with pytest.raises(ValueError, match="expected OBJECTIVE/DATA"):
             ra.candidate_parts(bad)

@@ -1611,13 +1611,13 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     if not isinstance(p.main_overrides, dict):
         ap.error(f"main_overrides {p.main_overrides!r}: a mapping of the drafter config's overrides, e.g. "
                  "'main_overrides={objective: kl+dpace}'")
-    for name in p.ablations:  # each run's directory is its name's: a path, or the main run's, is refused
-        try:
-            if run_slug(name) == run_slug("main"):
-                raise ValueError(f"run name {name!r} is the main run's")
-        except ValueError as e:
-            ap.error(f"ablations: {e}")
-    if twice := named_twice("ablations' directories", [run_slug(n) for n in p.ablations]):
+    try:  # each run's directory is its name's: a path, the main run's, or one directory for two is refused
+        slugs = {name: run_slug(name) for name in p.ablations}
+    except ValueError as e:
+        ap.error(f"ablations: {e}")
+    if clash := next((name for name, slug in slugs.items() if slug == run_slug("main")), None):
+        ap.error(f"ablations: run name {clash!r} is the main run's")
+    if twice := named_twice("ablations' directories", list(slugs.values())):
         ap.error(twice)
     overrides = {**p.ablations, "main_overrides": p.main_overrides}
     objectives = {name: o["objective"] for name, o in overrides.items() if o.get("objective", "ce+dpace") not in OBJECTIVES}

@@ -8,9 +8,10 @@ style, beside n-gram lookup's τ there; at T = 1 with the engine's argmax propos
     PYTHONPATH=. python bench/recipe_ablation.py --preset cpu --state /tmp/ablation --out /tmp/recipe   # CPU (the test)
     ... --plan-only     # the plan from the preset's stated figures; nothing run
 
-A candidate is `OBJECTIVE/DATA[/KIND]`: the objective one of bench/quality_objectives.py's OBJECTIVES (ce+decay,
-ce+dpace, kl, ce+kl, kl+dpace), the drafter's generation (`model.drafter.kind`: dflash unless `/dflash2`), the
-data one of DATA_MIXES: `greedy` the target's greedy answer of each of
+A candidate is `OBJECTIVE/DATA[/KIND][/TAPS]`: the objective one of bench/quality_objectives.py's OBJECTIVES
+(ce+decay, ce+dpace, kl, ce+kl, kl+dpace), the drafter's generation (`model.drafter.kind`: dflash unless
+`/dflash2`), the target layers it reads (the trainer's default, spaced from layer 1 to layers-3, unless `/deep`:
+spaced from layer 1 to the last, `deep_layer_ids`), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
 `mix_prompts` regen prompts, `sampled` `samples_per_prompt` seeded answers of each of the same prompts at
 `sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together. The mix
 (prompts, rows, answer characters, sampling) is recorded in the results beside the table.
@@ -84,7 +85,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -99,6 +100,18 @@ from trainer.run.contract import read_log, read_status  # noqa: E402
 
 DATA_MIXES = ("greedy", "sampled", "both")
 SETS = ("heldout", "other")
+
+
+def deep_layer_ids(layers: int, count: int) -> list[int]:
+    """`count` target layers spaced evenly from 1 to the last (8 layers, 3 -> 1, 4, 7): the trainer's default
+    stops at layers-3 (DFlash's), which on the bench's 8-layer target leaves 2 of 8 layers unread."""
+    if count == 1:
+        return [layers - 1]
+    return [round(1 + (layers - 2) * i / (count - 1)) for i in range(count)]
+
+
+# a candidate's taps (its TAPS part): the trainer's default, or the deep ones that read the target's last layer
+TAPS: dict[str, Callable[[int, int], list[int] | None]] = {"default": lambda layers, count: None, "deep": deep_layer_ids}
 SCREEN = ("ce+decay/greedy", "ce+dpace/greedy", "ce+decay/both", "kl/both")
 # what a stage's runs depend on: a later call with other values would not continue the same runs
 PLANNED = ("candidates", "baseline", "seeds", "quality", "quality_set", "mix_prompts", "samples_per_prompt",
@@ -109,7 +122,7 @@ PLANNED = ("candidates", "baseline", "seeds", "quality", "quality_set", "mix_pro
 class Preset:
     quality: str = "h200"  # the bench/quality.py preset that builds target, greedy answers and the trainer config
     quality_set: dict = field(default_factory=dict)  # its fields overridden
-    candidates: tuple[str, ...] = SCREEN  # OBJECTIVE/DATA
+    candidates: tuple[str, ...] = SCREEN  # OBJECTIVE/DATA[/KIND][/TAPS]
     baseline: str = "ce+decay/greedy"  # the row the verdict compares with
     seeds: tuple[int, ...] = (0, 1, 2)
     mix_prompts: int = 8192  # regen prompts whose answers the mixes hold
@@ -193,30 +206,50 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def candidate_parts(name: str) -> tuple[str, str, str]:
-    """`OBJECTIVE/DATA[/KIND]` -> (objective, data, drafter kind); ValueError naming the choices. The kind
-    is named only when it is not the default (dflash), so each candidate has one name."""
-    parts = name.split("/")
-    objective, data, kind = (parts + ["dflash"])[:3] if len(parts) in (2, 3) else ("", "", "")
-    named_kinds = DRAFTER_KINDS[1:]
-    if (objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES
-            or (len(parts) == 3 and kind not in named_kinds)):
-        raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA[/KIND], OBJECTIVE one of "
+class Candidate(NamedTuple):
+    objective: str
+    data: str
+    kind: str  # the drafter's generation (model.drafter.kind)
+    taps: str  # the target layers it reads: TAPS
+
+
+def candidate_parts(name: str) -> Candidate:
+    """`OBJECTIVE/DATA[/KIND][/TAPS]` -> its parts; ValueError naming the choices. The kind and the taps
+    are named only when they are not the default (dflash, the trainer's taps), so each candidate has one
+    name."""
+    objective, data, *rest = name.split("/") + [""]
+    kinds, taps = DRAFTER_KINDS[1:], tuple(TAPS)[1:]
+    kind = rest.pop(0) if rest and rest[0] in kinds else DRAFTER_KINDS[0]
+    tapped = rest.pop(0) if rest and rest[0] in taps else next(iter(TAPS))
+    if objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES or rest != [""]:
+        raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA[/KIND][/TAPS], OBJECTIVE one of "
                          f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)}, "
-                         f"KIND one of {', '.join(named_kinds)} (without it: {DRAFTER_KINDS[0]})")
-    return objective, data, kind
+                         f"KIND one of {', '.join(kinds)} (without it: {DRAFTER_KINDS[0]}), TAPS one of "
+                         f"{', '.join(taps)} (without it: {next(iter(TAPS))})")
+    return Candidate(objective, data, kind, tapped)
+
+
+def named_parts(c: Candidate) -> list[str]:
+    """The parts a candidate names beside its objective and data (its kind and taps where not the default)."""
+    return [part for part, default in ((c.kind, DRAFTER_KINDS[0]), (c.taps, next(iter(TAPS)))) if part != default]
 
 
 def arm(candidate: str) -> str:
-    """What a candidate's step time depends on (its objective and drafter kind, not its data): the key of
-    the step times and the steps."""
-    objective, _, kind = candidate_parts(candidate)
-    return objective if kind == "dflash" else f"{objective}/{kind}"
+    """What a candidate's step time depends on (its objective, drafter kind and taps, not its data): the
+    key of the step times and the steps."""
+    c = candidate_parts(candidate)
+    return "/".join([c.objective, *named_parts(c)])
 
 
 def run_name(candidate: str, seed: int) -> str:
-    objective, data, kind = candidate_parts(candidate)
-    return " ".join([objective, data, *([kind] if kind != "dflash" else []), f"seed {seed}"])
+    c = candidate_parts(candidate)
+    return " ".join([c.objective, c.data, *named_parts(c), f"seed {seed}"])
+
+
+def tapped_layers(taps: str, layers: int, count: int) -> list[int] | None:
+    """The target layer ids of a candidate's taps on a `layers`-layer target (`count` of them); None for
+    the trainer's default."""
+    return TAPS[taps](layers, count)
 
 
 def planned_fields(p: Preset) -> dict:
@@ -345,7 +378,7 @@ def plan_train_s(p: Preset, runs: int, call: int, call_left_s: float, rate: floa
 
 
 def uses_sampled(p: Preset) -> bool:
-    return any(candidate_parts(c)[1] != "greedy" for c in p.candidates)
+    return any(candidate_parts(c).data != "greedy" for c in p.candidates)
 
 
 def data_s(p: Preset) -> float:
@@ -421,11 +454,13 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
     """A run's trainer config: the quality bench's, the candidate's objective and mix, the seed (the
     drafter's initialisation, the data's order and anchors); the trainer's own final evaluation kept
     short (the table's τ are the bench's evaluation of the last checkpoint)."""
-    objective, data, kind = candidate_parts(candidate)
-    train = train_file or state / "data" / f"mix-{data}.jsonl"
-    cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps, {"drafter_kind": kind},
+    c = candidate_parts(candidate)
+    train = train_file or state / "data" / f"mix-{c.data}.jsonl"
+    taps = tapped_layers(c.taps, qp.layers, qp.num_target_layers)
+    cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps,
+                                 {"drafter_kind": c.kind, **({"target_layer_ids": taps} if taps else {})},
                                  max(1, steps // 4))
-    cfg["model"].update(quality_objectives.OBJECTIVES[objective])
+    cfg["model"].update(quality_objectives.OBJECTIVES[c.objective])
     cfg["run"].update(seed=seed, keep_checkpoints=2)
     cfg["data"]["seed"] = seed
     cfg["data"]["workers"] = max(1, (os.cpu_count() or 2) // p.parallel)
@@ -690,7 +725,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--state", type=Path, default=Path("/tmp/ablation"), help="where the calls keep their work")
     ap.add_argument("--stage", default="screen", help="the runs' directory under STATE/stages (the data is shared)")
     ap.add_argument("--out", type=Path, required=True, help="this call's output: recipe.md and recipe.json")
-    ap.add_argument("--candidates", default=None, help="comma-separated OBJECTIVE/DATA[/KIND] (the preset's)")
+    ap.add_argument("--candidates", default=None, help="comma-separated OBJECTIVE/DATA[/KIND][/TAPS] (the preset's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a preset field")
     ap.add_argument("--call-s", type=float, default=None, help="this call's wall budget (the preset's call_s)")
     ap.add_argument("--plan-only", action="store_true", help="print the plan from the stated figures and stop")

@@ -10,16 +10,41 @@ from bench import recipe_ablation as ra
 from trainer.run.contract import read_events
 
 
-def test_a_candidate_is_an_objective_a_data_mix_and_a_drafter_kind():
-    assert ra.candidate_parts("kl/both") == ("kl", "both", "dflash")
-    assert ra.candidate_parts("kl+dpace/both/dflash2") == ("kl+dpace", "both", "dflash2")
+def test_a_candidate_is_an_objective_a_data_mix_a_drafter_kind_and_taps():
+    assert ra.candidate_parts("kl/both") == ("kl", "both", "dflash", "default")
+    assert ra.candidate_parts("kl+dpace/both/dflash2") == ("kl+dpace", "both", "dflash2", "default")
+    assert ra.candidate_parts("kl/greedy/deep") == ("kl", "greedy", "dflash", "deep")
+    assert ra.candidate_parts("kl/greedy/dflash2/deep") == ("kl", "greedy", "dflash2", "deep")
     assert ra.run_name("ce+dpace/greedy", 2) == "ce+dpace greedy seed 2"
     assert ra.run_name("kl+dpace/both/dflash2", 1) == "kl+dpace both dflash2 seed 1"
-    # the step times' key: the data does not change a step's cost, the objective and the generation do
+    assert ra.run_name("kl/both/dflash2/deep", 0) == "kl both dflash2 deep seed 0"
+    # the step times' key: the data does not change a step's cost, the objective, generation and taps do
     assert ra.arm("kl/both") == ra.arm("kl/greedy") == "kl" and ra.arm("kl/sampled/dflash2") == "kl/dflash2"
-    for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x", "kl/both/dflash", "kl/both/dflash2/x", "kl/both/"):
+    assert ra.arm("kl/both/deep") == "kl/deep" and ra.arm("kl/both/dflash2/deep") == "kl/dflash2/deep"
+    for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x", "kl/both/dflash", "kl/both/dflash2/x", "kl/both/",
+                "kl/both/default", "kl/both/deep/dflash2", "kl/both/deep/deep", "kl/both/dflash2/deep/x"):
         with pytest.raises(ValueError, match="expected OBJECTIVE/DATA"):
             ra.candidate_parts(bad)
+
+
+def test_deep_taps_read_the_target_s_last_layer_and_reach_the_trainer_config(tmp_path):
+    import yaml
+
+    from trainer.run.config import parse_config
+
+    assert ra.deep_layer_ids(8, 3) == [1, 4, 7] and ra.deep_layer_ids(36, 5)[::4] == [1, 35]
+    assert ra.deep_layer_ids(8, 1) == [7] and ra.deep_layer_ids(4, 3) == [1, 2, 3]
+    for layers, count in ((8, 3), (36, 5), (28, 4), (5, 4)):
+        ids = ra.deep_layer_ids(layers, count)
+        assert len(set(ids)) == count and ids == sorted(ids) and ids[-1] == layers - 1
+    p = ra.PRESETS["h200-default"]
+    qp = ra.quality_preset(p)
+    shallow, deep = (ra.trainer_config(p, qp, tmp_path, c, 0, 100) for c in ("ce+dpace/both", "ce+dpace/both/deep"))
+    assert "target_layer_ids" not in shallow["model"]
+    assert deep["model"]["target_layer_ids"] == ra.deep_layer_ids(qp.layers, qp.num_target_layers)
+    assert {k: v for k, v in deep["model"].items() if k != "target_layer_ids"} == shallow["model"]
+    deep["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}
+    assert parse_config(yaml.safe_dump(deep)).model.target_layer_ids == [1, 4, 7]
 
 
 def test_legs_stop_a_run_at_its_share_of_the_steps_in_each_call():
@@ -335,7 +360,7 @@ def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_se
     configs = {(c, s): ra.trainer_config(p, qp, tmp_path, c, s, 1000) for c in p.candidates for s in p.seeds}
     base = configs[("ce+decay/greedy", 0)]
     for (candidate, seed), cfg in configs.items():
-        objective, data, _ = ra.candidate_parts(candidate)
+        objective, data, *_ = ra.candidate_parts(candidate)
         assert cfg["data"]["train_path"] == str(tmp_path / "data" / f"mix-{data}.jsonl")
         assert cfg["run"]["seed"] == cfg["data"]["seed"] == seed and cfg["optim"]["total_steps"] == 1000
         assert {k: v for k, v in cfg["model"].items() if k not in ("loss", "position_weight")} == \

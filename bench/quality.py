@@ -201,6 +201,15 @@ MORE_ABLATIONS = {"gamma 20": {"gamma": 20.0}, "1 layer tapped": {"num_target_la
                   # the last one full as z-lab's 2026 drafts (swa4+1)
                   "sliding 2048": {"sliding_window": 2048}, "sliding 2048 + full": {"sliding_window": 2048, "full_layers": 1}}
 
+# one call's screen of four drafters side by side at equal steps on the default data (h200-proposals, h200-levers)
+PROPOSALS = Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=7.0,
+                   drafter_startup_s=80.0, n_prompts=8192, sampled_answers=1, ablation_convs=16384,
+                   regen_end_s=220.0, eval_reserve_s=110.0,
+                   ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
+                              "ce+tv": {"objective": "ce+tv"}, "dflash2": {"drafter_kind": "dflash2"}},
+                   ablation_steps_as_main=True, parallel=4, curve_points=1, tau_from_checkpoints=True,
+                   short_trainer_eval=True)
+
 PRESETS = {
     # one H200, one call of < 10 min: the main run alone after target and regen
     "h200": Preset(temperatures=(0.0, 0.7, 1.0)),  # τ at the temperatures users serve at (issue #49)
@@ -234,13 +243,14 @@ PRESETS = {
     # and 16,384 sampled answers in ~170 s after the target's 92 s: half of each here (~15M tokens, ~4 passes).
     # Its second call (thirteenth session, an H100): the four runs had ended 42 s before their deadline, each
     # after its own 64 x 256-token evaluation at two temperatures, now a short check: 7 steps/s
-    "h200-proposals": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", drafter_rate=7.0,
-                             drafter_startup_s=80.0, n_prompts=8192, sampled_answers=1, ablation_convs=16384,
-                             regen_end_s=220.0, eval_reserve_s=110.0,
-                             ablations={"base": {}, "kl+dpace": {"objective": "kl+dpace"},
-                                        "ce+tv": {"objective": "ce+tv"}, "dflash2": {"drafter_kind": "dflash2"}},
-                             ablation_steps_as_main=True, parallel=4, curve_points=1, tau_from_checkpoints=True,
-                             short_trainer_eval=True),
+    "h200-proposals": PROPOSALS,
+    # one call, the two levers of T = 0 crossed (2 x 2, equal steps, one seed): the drafter's generation (DFlash2:
+    # +49 % τ at T = 0 held-out in the screen above) and the target layers it reads (`deep`: 1, 4, 7, the last of
+    # the target's 8 among them, where the default 1, 3, 5 leaves 2 of 8 layers unread); each lever is read twice,
+    # once with the other lever and once without
+    "h200-levers": dataclasses.replace(PROPOSALS, ablations={
+        "base": {}, "deep taps": {"target_layer_ids": [1, 4, 7]}, "dflash2": {"drafter_kind": "dflash2"},
+        "dflash2 deep taps": {"drafter_kind": "dflash2", "target_layer_ids": [1, 4, 7]}}),
     # one H200, one call (issue #50's done-when): the default recipe (ce + dpace on each prompt's greedy answer and
     # one sampled at T = 1), the main run alone for as long as the call allows, τ at T = 0 and at T = 1 with sampled
     # proposals on both prompt sets; a seed a call. One regen batch of each kind: 16,384 greedy answers took 86 s

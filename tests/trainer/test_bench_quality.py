@@ -237,6 +237,24 @@ def test_the_proposals_preset_tells_each_run_from_the_base_by_its_objective_or_g
     assert "unknown objective {'a': 'ce+nope'}: an objective is one of ce+decay, " in capsys.readouterr().err
 
 
+def test_the_levers_preset_crosses_the_generation_with_the_taps_and_nothing_else(tmp_path):
+    from trainer.models.target import tapped_layer_ids
+    from trainer.run.config import parse_config
+
+    p, screen = quality.PRESETS["h200-levers"], quality.PRESETS["h200-proposals"]
+    assert dataclasses.replace(p, ablations=screen.ablations) == screen  # the screen's call, other runs
+    assert p.parallel == len(p.ablations) == 4 and p.ablation_steps_as_main
+    args = (p, tmp_path / "model", tmp_path / "t.jsonl", tmp_path, 100)
+    cpu = {"devices": {"target": ["cpu"], "drafter": ["cpu"]}}
+    seen = set()
+    for over in p.ablations.values():
+        m = parse_config(yaml.safe_dump(quality.trainer_config(*args, over, 50) | cpu)).model
+        taps = tuple(tapped_layer_ids(m.target_layer_ids, m.num_target_layers, p.layers))
+        seen.add((m.drafter.kind, taps))
+        assert (m.loss, m.position_weight, m.num_target_layers) == ("ce", "dpace", 3)
+    assert seen == {(kind, taps) for kind in ("dflash", "dflash2") for taps in ((1, 3, 5), (1, 4, 7))}
+
+
 def test_the_main_run_takes_its_own_overrides_and_is_then_no_ablation_s_base_row(tmp_path, capsys):
     ap = quality.parser()
     p = quality.preset_of(ap, ap.parse_args(["--preset", "h200-proposals", "--out", "x",

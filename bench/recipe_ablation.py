@@ -110,7 +110,8 @@ def deep_layer_ids(layers: int, count: int) -> list[int]:
     return [round(1 + (layers - 2) * i / (count - 1)) for i in range(count)]
 
 
-# a candidate's taps (its TAPS part): the trainer's default, or the deep ones that read the target's last layer
+# a candidate's taps (its TAPS part) -> its target layer ids on a target of (layers, count): None for the
+# trainer's default, or the deep ones that read the target's last layer
 TAPS: dict[str, Callable[[int, int], list[int] | None]] = {"default": lambda layers, count: None, "deep": deep_layer_ids}
 SCREEN = ("ce+decay/greedy", "ce+dpace/greedy", "ce+decay/both", "kl/both")
 # what a stage's runs depend on: a later call with other values would not continue the same runs
@@ -169,7 +170,7 @@ PRESETS = {
     # same recipe with a DFlash2 drafter, at equal device time, on the data the one-call recipe trains on (16,384
     # prompts, each one's greedy answer and one sampled at T = 1). DFlash2 is the one lever two screens at equal
     # steps agree on (the quality bench's h200-proposals and h200-levers, ~13-16M tokens, one seed each: +49 % and
-    # +45 % τ at T = 0 held-out, +41 % and +30 % other style, level at T = 1); its step costs more, so whether the
+    # +46 % τ at T = 0 held-out, +41 % and +30 % other style, level at T = 1); its step costs more, so whether the
     # lead holds at equal device time and at length is this table's question. (The fourteenth session's rival
     # was the peers' recipe, DFlash2 trained with kl+dpace: its step cost 1.53x the default's, and the table
     # could not have told the generation's gain from the objective's.) Stated figures: the thirteenth session's
@@ -245,12 +246,6 @@ def arm(candidate: str) -> str:
 def run_name(candidate: str, seed: int) -> str:
     c = candidate_parts(candidate)
     return " ".join([c.objective, c.data, *named_parts(c), f"seed {seed}"])
-
-
-def tapped_layers(taps: str, layers: int, count: int) -> list[int] | None:
-    """The target layer ids of a candidate's taps on a `layers`-layer target (`count` of them); None for
-    the trainer's default."""
-    return TAPS[taps](layers, count)
 
 
 def planned_fields(p: Preset) -> dict:
@@ -457,7 +452,7 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
     short (the table's τ are the bench's evaluation of the last checkpoint)."""
     c = candidate_parts(candidate)
     train = train_file or state / "data" / f"mix-{c.data}.jsonl"
-    taps = tapped_layers(c.taps, qp.layers, qp.num_target_layers)
+    taps = TAPS[c.taps](qp.layers, qp.num_target_layers)  # None: the trainer's default
     cfg = quality.trainer_config(qp, state / "model", train, state / "data", steps,
                                  {"drafter_kind": c.kind, **({"target_layer_ids": taps} if taps else {})},
                                  max(1, steps // 4))

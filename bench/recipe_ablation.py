@@ -95,6 +95,7 @@ from bench import quality, quality_objectives  # noqa: E402
 from bench.common import apply_sets, named_twice, seeds_refused  # noqa: E402
 from trainer.generate.sampling_params import DRAFT_SAMPLE_METHODS  # noqa: E402
 from trainer.models.drafter import DRAFTER_KINDS  # noqa: E402
+from trainer.models.target import spaced_layer_ids  # noqa: E402
 from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.run.contract import read_log, read_status  # noqa: E402
 
@@ -105,9 +106,7 @@ SETS = ("heldout", "other")
 def deep_layer_ids(layers: int, count: int) -> list[int]:
     """`count` target layers spaced evenly from 1 to the last (8 layers, 3 -> 1, 4, 7): the trainer's default
     stops at layers-3 (DFlash's), which on the bench's 8-layer target leaves 2 of 8 layers unread."""
-    if count == 1:
-        return [layers - 1]
-    return [round(1 + (layers - 2) * i / (count - 1)) for i in range(count)]
+    return [layers - 1] if count == 1 else spaced_layer_ids(1, layers - 1, count)
 
 
 # a candidate's taps (its TAPS part) -> its target layer ids on a target of (layers, count): None for the
@@ -560,7 +559,7 @@ class Runs:
             return False
         if self.evaluator is None:
             self.evaluator = quality.CheckpointEvaluator(self.qp, self.state / "model", self.state / "data")
-        ck = complete_checkpoints(self.dir / "runs" / name.replace(" ", "-"))[-1]
+        ck = complete_checkpoints(self.dir / "runs" / quality.run_slug(name))[-1]
         sampled = "probabilistic" in self.p.proposals and any(self.p.temperatures)
         point = self.evaluator(ck, tuple(self.p.temperatures), ("greedy", "probabilistic") if sampled else ("greedy",))
         by_set = point_row(point)

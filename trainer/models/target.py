@@ -44,8 +44,11 @@ def default_target_layer_ids(num_layers: int, count: int) -> list[int]:
     """`count` layer ids spaced evenly from 1 to num_layers-3 (36 layers, 5 -> 1, 9, 17, 25, 33)."""
     if count == 1:
         return [num_layers // 2]
-    start = 1
-    end = min(num_layers - 1, max(num_layers - 3, start + count - 1))
+    return spaced_layer_ids(1, min(num_layers - 1, max(num_layers - 3, count)), count)
+
+
+def spaced_layer_ids(start: int, end: int, count: int) -> list[int]:
+    """`count` (at least 2) layer ids spaced evenly from `start` to `end`, both included."""
     return [int(round(start + (end - start) * i / (count - 1))) for i in range(count)]
 
 

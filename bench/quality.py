@@ -1064,16 +1064,37 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
     }
 
 
+# What the main run's overrides add to a step and to the start-up, against the default drafter (DFlash, ce + an
+# anchor weighting) that drafter_rate and drafter_startup_s state. Measured on an H100 (bench/RESULTS.md, sixteenth
+# session): DFlash2 trained 17.2 steps/s from a cold compile cache and 20.4 from a warm one, against DFlash's ~27
+# (one-call recipe, 2 x 8,192-token rows), and its cold start-up took ~90 s against ~45; kl's step costs +15 %
+# (thirteenth session's screen). A start-up from a warm cache is shorter: the run then ends its schedule early.
+DFLASH2_STEP_COST = 1.45
+DFLASH2_EXTRA_STARTUP_S = 45.0
+KL_STEP_COST = 1.15
+
+
+def run_pace(p: Preset, overrides: dict) -> tuple[float, float]:
+    """(steps/s, start-up seconds) of a run with these overrides of the drafter config."""
+    rate, startup = p.drafter_rate, p.drafter_startup_s
+    if overrides.get("drafter_kind", "dflash") == "dflash2":
+        rate, startup = rate / DFLASH2_STEP_COST, startup + DFLASH2_EXTRA_STARTUP_S
+    if "kl" in str(overrides.get("objective", "")).split("+"):
+        rate /= KL_STEP_COST
+    return rate, startup
+
+
 def main_steps(p: Preset, deadline: float | None) -> int:
     """The main run's optimizer steps: p.drafter_steps, or with a deadline and p.drafter_rate, as
-    many as fit before it, so the learning-rate schedule ends (decays) inside the budget instead of
-    being cut off halfway by the deadline's SIGTERM."""
+    many as fit before it at the pace of its overrides, so the learning-rate schedule ends (decays)
+    inside the budget instead of being cut off halfway by the deadline's SIGTERM."""
     if deadline is None or not p.drafter_rate:
         return p.drafter_steps
-    fit = int((deadline - time.time() - p.drafter_startup_s) * p.drafter_rate)
+    rate, startup = run_pace(p, p.main_overrides)
+    fit = int((deadline - time.time() - startup) * rate)
     steps = max(p.curve_points + 1, min(p.drafter_steps, fit))
     say(f"drafter: {steps} steps for the main run ({deadline - time.time():.0f}s to its deadline, "
-        f"{p.drafter_startup_s:.0f}s start-up, ~{p.drafter_rate:g} steps/s)")
+        f"{startup:.0f}s start-up, ~{rate:.3g} steps/s)")
     return steps
 
 
@@ -1599,14 +1620,6 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     if wrong:
         ap.error(f"target_snapshots {list(p.target_snapshots)}: each a step before the last, 1..{p.target_steps - 1} "
                  f"(target_steps {p.target_steps}); not {wrong}")
-    if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget
-        left = p.budget_s - p.eval_reserve_s - p.regen_end_s
-        if left < p.drafter_startup_s + MIN_WORK_S:
-            ap.error(f"budget_s {p.budget_s:g}: after regen's end at {p.regen_end_s:g}s and {p.eval_reserve_s:g}s kept "
-                     f"for τ, {left:.0f}s are left for the drafters, less than their start-up {p.drafter_startup_s:g}s "
-                     f"+ {MIN_WORK_S:g}s; raise it or lower regen_end_s (--set regen_end_s=...)")
-        say(f"budget {p.budget_s:g}s: regen ends by t={p.regen_end_s:g}s, the drafters by t={p.budget_s - p.eval_reserve_s:g}s "
-            f"(~{left - p.drafter_startup_s:.0f}s of training after ~{p.drafter_startup_s:g}s of start-up), then τ")
     if args.no_ablations:
         p.ablations = {}
     elif args.ablations:
@@ -1639,6 +1652,15 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         refused = override_refused(p, o)
         if refused:
             ap.error(f"{name} {o}: {refused}")
+    if p.budget_s and p.regen_end_s and args.stop_after is None:  # up front: the drafters' share of the budget
+        left = p.budget_s - p.eval_reserve_s - p.regen_end_s
+        startup = run_pace(p, p.main_overrides)[1]
+        if left < startup + MIN_WORK_S:
+            ap.error(f"budget_s {p.budget_s:g}: after regen's end at {p.regen_end_s:g}s and {p.eval_reserve_s:g}s kept "
+                     f"for τ, {left:.0f}s are left for the drafters, less than their start-up {startup:g}s "
+                     f"+ {MIN_WORK_S:g}s; raise it or lower regen_end_s (--set regen_end_s=...)")
+        say(f"budget {p.budget_s:g}s: regen ends by t={p.regen_end_s:g}s, the drafters by t={p.budget_s - p.eval_reserve_s:g}s "
+            f"(~{left - startup:.0f}s of training after ~{startup:g}s of start-up), then τ")
     return p
 
 

@@ -493,6 +493,33 @@ def test_a_budget_that_leaves_the_drafters_no_time_is_refused_up_front(tmp_path,
     assert not (tmp_path / "q").exists()  # refused before anything ran
 
 
+def test_the_main_run_s_steps_fit_its_deadline_at_the_pace_of_its_generation_and_objective(capsys):
+    """The schedule must decay inside the budget: a DFlash2 run sized at DFlash's pace was cut by the deadline at
+    1,911 of 4,132 steps, its learning rate at 60 % of its peak (sixteenth session)."""
+    import time
+
+    p = quality.Preset(drafter_rate=27.0, drafter_startup_s=45.0, drafter_steps=10**6)
+    ap = quality.parser()
+    deadline = time.time() + 245.0
+
+    def steps(**overrides):
+        return quality.main_steps(dataclasses.replace(p, main_overrides=overrides), deadline)
+
+    base, dflash2, dflash2_kl = steps(), steps(drafter_kind="dflash2"), steps(drafter_kind="dflash2", objective="kl+dpace")
+    assert 199 * 27 <= base <= 200 * 27
+    assert steps(objective="ce+tv") == base and steps(drafter_kind="dflash") == base
+    assert base * 0.5 < dflash2 < base * (200 - quality.DFLASH2_EXTRA_STARTUP_S) / 200 / quality.DFLASH2_STEP_COST + 1
+    assert dflash2_kl == pytest.approx(dflash2 / quality.KL_STEP_COST, abs=2)
+    assert f"{quality.DFLASH2_EXTRA_STARTUP_S + 45:.0f}s start-up" in capsys.readouterr().out
+
+    # a budget that leaves DFlash time to start but not DFlash2 is refused up front, naming the start-up it needs
+    argv = ["--out", "x", "--preset", "h200-recipe", "--budget-s", "420"]
+    assert quality.preset_of(ap, ap.parse_args(argv)).budget_s == 420
+    with pytest.raises(SystemExit):
+        quality.preset_of(ap, ap.parse_args([*argv, "--set", "main_overrides={drafter_kind: dflash2}"]))
+    assert f"less than their start-up {quality.DFLASH2_EXTRA_STARTUP_S + 45:g}s" in capsys.readouterr().err
+
+
 def test_a_run_read_back_counts_its_steps_from_its_stop_not_its_last_logged_step(tmp_path):
     """Steps log every log_every steps: a run of 125 steps logged every 2 last logged step 124 (the H200
     objectives table counted such runs as stopped short and left them out of the table)."""

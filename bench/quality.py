@@ -259,7 +259,8 @@ PRESETS = {
     # session's two H100 calls (both regen halves by t = 256-268 s): the trainer started in ~40 s (tokenising 10 s,
     # compiling 26 s) and stepped at 30-32 steps/s, then spent 28 s on its own evaluation of the checkpoint the bench
     # measures again, and each call ended ~65 s inside its budget: now 27 steps/s after 45 s, the trainer's own
-    # evaluation a short check; an objective or generation that steps slower (kl: +15 %) is given its rate
+    # evaluation a short check. A main run that steps slower (main_overrides: DFlash2, kl) is sized at its own pace
+    # (run_pace; the sixteenth session's DFlash2 runs, sized at DFlash's, were cut at 46 % and 82 % of their steps)
     "h200-recipe": Preset(temperatures=(0.0, 1.0), draft_sample_method="probabilistic", n_prompts=16384,
                           sampled_answers=1, regen_end_s=280.0, curve_points=2, eval_reserve_s=50.0,
                           drafter_rate=27.0, drafter_startup_s=45.0, tau_from_checkpoints=True, short_trainer_eval=True),
@@ -1064,8 +1065,8 @@ def trainer_config(p: Preset, model_dir: Path, train_file: Path, data: Path, ste
     }
 
 
-# What the main run's overrides add to a step and to the start-up, against the default drafter (DFlash, ce + an
-# anchor weighting) that drafter_rate and drafter_startup_s state. Measured on an H100 (bench/RESULTS.md, sixteenth
+# What the main run's overrides add to a step and to the start-up, against the default drafter (DFlash, ce + dpace)
+# that drafter_rate and drafter_startup_s state. Measured on an H100 (bench/RESULTS.md, sixteenth
 # session): DFlash2 trained 17.2 steps/s from a cold compile cache and 20.4 from a warm one, against DFlash's ~27
 # (one-call recipe, 2 x 8,192-token rows), and its cold start-up took ~90 s against ~45; kl's step costs +15 %
 # (thirteenth session's screen). A start-up from a warm cache is shorter: the run then ends its schedule early.

@@ -13,8 +13,10 @@ A candidate is `OBJECTIVE/DATA[/KIND][/TAPS]`: the objective one of bench/qualit
 `/dflash2`), the target layers it reads (the trainer's default, spaced from layer 1 to layers-3, unless `/deep`:
 spaced from layer 1 to the last, `deep_layer_ids`), the data one of DATA_MIXES: `greedy` the target's greedy answer of each of
 `mix_prompts` regen prompts, `sampled` `samples_per_prompt` seeded answers of each of the same prompts at
-`sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together. The mix
-(prompts, rows, answer characters, sampling) is recorded in the results beside the table.
+`sample_temperature` / `sample_top_p` (`regen --samples-per-prompt`), `both` the two together; `sampledK` and
+`bothK` hold only each prompt's first K sampled answers (K at most `samples_per_prompt`: `both1` beside `sampled`
+with 2 a prompt is the greedy answers traded for sampled ones at equal rows). The mix (prompts, rows, answer
+characters, sampling) is recorded in the results beside the table.
 
 **What the presets choose, and why (device time).** One warm machine holds a session's device time: about
 25 minutes, 10 a command. The 12 candidates x 3 seeds = 36 runs at the ~70M tokens where today's τ curve
@@ -78,6 +80,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -100,6 +103,8 @@ from trainer.run.checkpoint import complete_checkpoints, step_of  # noqa: E402
 from trainer.run.contract import read_log, read_status  # noqa: E402
 
 DATA_MIXES = ("greedy", "sampled", "both")
+# a candidate's DATA: a mix, `sampled` and `both` with the sampled answers of each prompt they hold (K: its first K)
+DATA_NAME = re.compile(r"greedy|(?P<mix>sampled|both)(?P<k>[1-9][0-9]*)?")
 SETS = ("heldout", "other")
 
 
@@ -181,6 +186,14 @@ PRESETS = {
                            candidates=("ce+dpace/both", "ce+dpace/both/dflash2"), baseline="ce+dpace/both",
                            mix_prompts=16384, samples_per_prompt=1, sample_batch=16384, parallel=3, rate=0.8,
                            prep_s=120.0, greedy_s=80.0, sampled_s=80.0, startup_s=60.0),
+    # #50's lever left for T = 1 (docs/objectives.md): the data's sampled share. The default recipe's data (each
+    # prompt's greedy answer and its first sampled one: both1) beside two sampled answers a prompt and no greedy
+    # one (sampled): equal rows (32,768), equal device time, the default objective and generation; the data is
+    # made again (another --state: two sampled answers a prompt, ~150 s). The seventeenth session's figures.
+    "h200-data": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
+                        candidates=("ce+dpace/both1", "ce+dpace/sampled"), baseline="ce+dpace/both1",
+                        mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.8,
+                        prep_s=110.0, greedy_s=75.0, sampled_s=150.0, timing_s=40.0, startup_s=60.0),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
     "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both/dflash2"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
@@ -222,12 +235,19 @@ def candidate_parts(name: str) -> Candidate:
     kinds, taps = DRAFTER_KINDS[1:], tuple(TAPS)[1:]
     kind = rest.pop(0) if rest and rest[0] in kinds else DRAFTER_KINDS[0]
     tapped = rest.pop(0) if rest and rest[0] in taps else next(iter(TAPS))
-    if objective not in quality_objectives.OBJECTIVES or data not in DATA_MIXES or rest != [""]:
+    if objective not in quality_objectives.OBJECTIVES or not DATA_NAME.fullmatch(data) or rest != [""]:
         raise ValueError(f"candidate {name!r}: expected OBJECTIVE/DATA[/KIND][/TAPS], OBJECTIVE one of "
-                         f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)}, "
+                         f"{', '.join(quality_objectives.OBJECTIVES)}, DATA one of {', '.join(DATA_MIXES)} "
+                         "(sampled and both may end in K, each prompt's first K sampled answers: both1), "
                          f"KIND one of {', '.join(kinds)} (without it: {DRAFTER_KINDS[0]}), TAPS one of "
                          f"{', '.join(taps)} (without it: {next(iter(TAPS))})")
     return Candidate(objective, data, kind, tapped)
+
+
+def sampled_per_prompt(data: str) -> int | None:
+    """A DATA name's count of each prompt's sampled answers (`both1` -> 1), None where it names none (all)."""
+    match = DATA_NAME.fullmatch(data)
+    return int(match["k"]) if match and match["k"] else None
 
 
 def named_parts(c: Candidate) -> list[str]:
@@ -339,21 +359,29 @@ def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float |
     return part
 
 
+def mix_names(p: Preset) -> list[str]:
+    """The mixes a stage writes: greedy, sampled, both, and any other its candidates name (both1)."""
+    return list(dict.fromkeys([*DATA_MIXES, *(candidate_parts(c).data for c in p.candidates)]))
+
+
 def write_mixes(p: Preset, data: Path, seed: int) -> dict:
-    """data/mix-{greedy,sampled,both}.jsonl from the same prompts, and what each holds."""
+    """data/mix-NAME.jsonl for each of `mix_names` from the same prompts, and what each holds."""
     ids = set(mix_prompt_ids(data, p.mix_prompts, seed))
     greedy = [r for r in quality.read_records(data / "regen.jsonl") if str(r.get("id")) in ids]
     sampled_path = data / "regen-sampled.jsonl"
     sampled = quality.read_records(sampled_path) if sampled_path.exists() else []
     mixes = {}
-    for name, rows in (("greedy", greedy), ("sampled", sampled), ("both", greedy + sampled)):
+    for name in mix_names(p):
         if name != "greedy" and not sampled:
             continue
+        k = sampled_per_prompt(name)
+        drawn = [] if name == "greedy" else [r for r in sampled if k is None or int(r["sample"]) < k]
+        greedy_part = [] if name.startswith("sampled") else greedy
+        rows = greedy_part + drawn
         quality.write_jsonl(data / f"mix-{name}.jsonl", rows)
         chars = [len(r["messages"][-1]["content"]) for r in rows]
         mixes[name] = {"file": f"data/mix-{name}.jsonl", "rows": len(rows), "prompts": len(ids), "planned": p.mix_prompts,
-                       "greedy_rows": len(greedy) if name != "sampled" else 0,
-                       "sampled_rows": len(sampled) if name != "greedy" else 0,
+                       "greedy_rows": len(greedy_part), "sampled_rows": len(drawn),
                        "answer_chars_mean": round(statistics.fmean(chars), 1)}
     mixes["sampling"] = {"samples_per_prompt": p.samples_per_prompt, "temperature": p.sample_temperature,
                          "top_p": p.sample_top_p}
@@ -688,7 +716,7 @@ def markdown(doc: dict) -> str:
              f"* target and prompts: bench/quality.py --preset {p['quality']} {p['quality_set']} (up to its prompts); "
              "the greedy and sampled answers by `python -m trainer_tools.regen`, resumed call after call until whole",
              "* data: " + ("; ".join(f"{k} {v['rows']} rows of {v['prompts']} prompts (of {v.get('planned', '?')} planned; "
-                                    f"answers {v['answer_chars_mean']} chars)" for k, v in mixes.items() if k in DATA_MIXES)
+                                    f"answers {v['answer_chars_mean']} chars)" for k, v in mixes.items() if k != "sampling")
                          + (f"; sampled at T = {mixes['sampling']['temperature']:g}, top-p {mixes['sampling']['top_p']:g}, "
                             f"{mixes['sampling']['samples_per_prompt']} a prompt" if "sampling" in mixes else "")
                          if mixes else "not whole yet, no run started: " + "; ".join(
@@ -741,6 +769,11 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
         [candidate_parts(c) for c in p.candidates]
     except ValueError as e:
         ap.error(str(e))
+    for c in p.candidates:
+        k = sampled_per_prompt(candidate_parts(c).data)
+        if k and k > p.samples_per_prompt:
+            ap.error(f"candidate {c!r}: {k} sampled answers of each prompt, the data holds {p.samples_per_prompt} "
+                     "(--set samples_per_prompt=...)")
     for twice in (named_twice("candidates", p.candidates), seeds_refused(p.seeds)):
         if twice:
             ap.error(twice)
@@ -810,7 +843,7 @@ def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) ->
         write_json(state / "prep.json", prep)
         if not prep["sampled"]["done"]:
             return prep, False
-    if "mixes" not in prep or (sampled and "sampled" not in prep["mixes"]):
+    if "mixes" not in prep or (sampled and not set(mix_names(p)) <= set(prep["mixes"])):
         prep["mixes"] = write_mixes(p, state / "data", qp.seed)
         write_json(state / "prep.json", prep)
     return prep, True

@@ -1,6 +1,7 @@
 """bench/recipe_ablation.py: the plan's arithmetic, the data mixes, the table and its verdict, the refusals,
 and (slow) the CPU preset's whole multi-call plan: two calls, the second continuing every run from the
 checkpoint the first left, nothing prepared, regenerated or timed twice."""
+import dataclasses
 import json
 import time
 
@@ -15,6 +16,11 @@ def test_a_candidate_is_an_objective_a_data_mix_a_drafter_kind_and_taps():
     assert ra.candidate_parts("kl+dpace/both/dflash2") == ("kl+dpace", "both", "dflash2", "default")
     assert ra.candidate_parts("kl/greedy/deep") == ("kl", "greedy", "dflash", "deep")
     assert ra.candidate_parts("kl/greedy/dflash2/deep") == ("kl", "greedy", "dflash2", "deep")
+    # sampled and both may name how many of each prompt's sampled answers they hold
+    assert ra.candidate_parts("ce+dpace/both1") == ("ce+dpace", "both1", "dflash", "default")
+    assert ra.candidate_parts("ce+dpace/sampled12/dflash2") == ("ce+dpace", "sampled12", "dflash2", "default")
+    assert [ra.sampled_per_prompt(d) for d in ("greedy", "both", "both1", "sampled12")] == [None, None, 1, 12]
+    assert ra.run_name("ce+dpace/both1", 0) == "ce+dpace both1 seed 0" and ra.arm("ce+dpace/both1") == "ce+dpace"
     assert ra.run_name("ce+dpace/greedy", 2) == "ce+dpace greedy seed 2"
     assert ra.run_name("kl+dpace/both/dflash2", 1) == "kl+dpace both dflash2 seed 1"
     assert ra.run_name("kl/both/dflash2/deep", 0) == "kl both dflash2 deep seed 0"
@@ -22,7 +28,8 @@ def test_a_candidate_is_an_objective_a_data_mix_a_drafter_kind_and_taps():
     assert ra.arm("kl/both") == ra.arm("kl/greedy") == "kl" and ra.arm("kl/sampled/dflash2") == "kl/dflash2"
     assert ra.arm("kl/both/deep") == "kl/deep" and ra.arm("kl/both/dflash2/deep") == "kl/dflash2/deep"
     for bad in ("kl", "kl/mixed", "ce/greedy", "kl/both/x", "kl/both/dflash", "kl/both/dflash2/x", "kl/both/",
-                "kl/both/default", "kl/both/deep/dflash2", "kl/both/deep/deep", "kl/both/dflash2/deep/x"):
+                "kl/both/default", "kl/both/deep/dflash2", "kl/both/deep/deep", "kl/both/dflash2/deep/x",
+                "kl/greedy1", "kl/both0", "kl/sampled01", "kl/both-1", "kl/1"):
         with pytest.raises(ValueError, match="expected OBJECTIVE/DATA"):
             ra.candidate_parts(bad)
 
@@ -97,6 +104,15 @@ def test_the_mixes_hold_the_same_prompts_greedy_sampled_and_both(tmp_path):
     assert mixes["sampling"] == {"samples_per_prompt": 2, "temperature": 1.0, "top_p": 1.0}
     both = [json.loads(line)["id"] for line in open(tmp_path / "mix-both.jsonl")]
     assert sorted(i for i in both if "#" not in i) == sorted(ids)
+    # a candidate's count keeps each prompt's first sampled answers: both1 is greedy + #0, sampled1 #0 alone
+    p.candidates = ("ce+dpace/both1", "ce+dpace/sampled1", "ce+dpace/sampled")
+    mixes = ra.write_mixes(p, tmp_path, 0)
+    assert set(mixes) == {"greedy", "sampled", "both", "both1", "sampled1", "sampling"}
+    assert {k: (mixes[k]["rows"], mixes[k]["greedy_rows"], mixes[k]["sampled_rows"]) for k in ("both1", "sampled1")} \
+        == {"both1": (8, 4, 4), "sampled1": (4, 0, 4)}
+    both1 = [json.loads(line)["id"] for line in open(tmp_path / "mix-both1.jsonl")]
+    assert sorted(both1) == sorted([*ids, *(f"{i}#0" for i in ids)])
+    assert mixes["sampled1"]["answer_chars_mean"] == 20.0 and mixes["both1"]["answer_chars_mean"] == 15.0
 
 
 def result(tau0, tau1, other0, other1, step=10):
@@ -164,7 +180,10 @@ def test_the_command_line_refuses_unknown_fields_candidates_and_a_single_seed(ca
                           (["--candidates", "ce+decay/greedy,kl/both,kl/both"], "kl/both named twice"),
                           (["--set", "seeds=[0, 1, 0]"], "seeds [0, 1, 0]: 0 named twice"),
                           (["--set", "seeds=[0, ../x]"], "seeds [0, '../x']: integers only"),
-                          (["--stage", "../../x"], "--stage '../../x': letters, digits")):
+                          (["--stage", "../../x"], "--stage '../../x': letters, digits"),
+                          # more of each prompt's sampled answers than the data holds
+                          (["--candidates", "ce+decay/greedy,kl/both3", "--set", "samples_per_prompt=2"],
+                           "candidate 'kl/both3': 3 sampled answers of each prompt, the data holds 2")):
         with pytest.raises(SystemExit):
             preset(*argv)
         assert message in capsys.readouterr().err
@@ -414,3 +433,30 @@ def test_the_goal_names_each_cell_short_of_it_and_a_temperature_counts_its_best_
     assert lines[0] == ("ce+dpace/both (2 seeds): short of #50's goal at heldout T=0 1.60x (1.50-1.70, goal 2x); "
                         "heldout T=1 1.67x (1.60-1.73, goal 2x); other T=0 1.56x (1.50-1.62, goal 1.6x); "
                         "other T=1 1.58x (1.50-1.67, goal 1.6x)")
+
+
+def test_the_data_preset_trades_each_prompt_s_greedy_answer_for_a_sampled_one_at_equal_rows(tmp_path):
+    import yaml
+
+    from trainer.run.config import parse_config
+
+    p = ra.PRESETS["h200-data"]
+    qp = ra.quality_preset(p)
+    assert p.baseline in p.candidates and p.samples_per_prompt == 2 and qp.n_prompts == p.mix_prompts
+    # the mixes of one prompt with both sampled answers: the two candidates hold as many rows
+    records(tmp_path / "regen.jsonl", [conv(f"p{i}", "g") for i in range(3)])
+    records(tmp_path / "regen-sampled.jsonl", [conv(f"p{i}#{k}", "s", prompt_id=f"p{i}", sample=k)
+                                               for i in range(3) for k in range(2)])
+    mixes = ra.write_mixes(dataclasses.replace(p, mix_prompts=3), tmp_path, 0)
+    rows = {ra.candidate_parts(c).data: (mixes[ra.candidate_parts(c).data]["greedy_rows"],
+                                         mixes[ra.candidate_parts(c).data]["sampled_rows"]) for c in p.candidates}
+    assert rows == {"both1": (3, 3), "sampled": (0, 6)}
+    parsed = {}
+    for candidate in p.candidates:
+        cfg = ra.trainer_config(p, qp, tmp_path, candidate, 0, 1000)
+        cfg["devices"] = {"target": ["cpu"], "drafter": ["cpu"]}
+        c = parse_config(yaml.safe_dump(cfg))
+        parsed[candidate] = (c.data.train_path, c.model.loss, c.model.position_weight, c.model.drafter.kind)
+    # the data alone differs: the default objective and generation
+    assert parsed == {c: (str(tmp_path / "data" / f"mix-{ra.candidate_parts(c).data}.jsonl"), "ce", "dpace", "dflash")
+                      for c in p.candidates}

@@ -193,7 +193,7 @@ PRESETS = {
     "h200-data": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
                         candidates=("ce+dpace/both1", "ce+dpace/sampled"), baseline="ce+dpace/both1",
                         mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.8,
-                        prep_s=110.0, greedy_s=75.0, sampled_s=150.0, timing_s=40.0, startup_s=60.0),
+                        prep_s=110.0, greedy_s=75.0, sampled_s=150.0, timing_s=55.0, startup_s=60.0),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
     "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both/dflash2"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,

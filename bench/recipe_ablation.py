@@ -244,10 +244,13 @@ def candidate_parts(name: str) -> Candidate:
     return Candidate(objective, data, kind, tapped)
 
 
-def sampled_per_prompt(data: str) -> int | None:
-    """A DATA name's count of each prompt's sampled answers (`both1` -> 1), None where it names none (all)."""
+def data_parts(data: str) -> tuple[str, int | None]:
+    """A candidate's DATA (checked by candidate_parts) -> (its mix, the count of each prompt's sampled answers
+    it holds, None for all): `both1` -> ("both", 1), `sampled` -> ("sampled", None)."""
     match = DATA_NAME.fullmatch(data)
-    return int(match["k"]) if match and match["k"] else None
+    if not match:
+        raise ValueError(f"data {data!r}: expected greedy, sampled[K] or both[K]")
+    return match["mix"] or "greedy", int(match["k"]) if match["k"] else None
 
 
 def named_parts(c: Candidate) -> list[str]:
@@ -374,9 +377,9 @@ def write_mixes(p: Preset, data: Path, seed: int) -> dict:
     for name in mix_names(p):
         if name != "greedy" and not sampled:
             continue
-        k = sampled_per_prompt(name)
-        drawn = [] if name == "greedy" else [r for r in sampled if k is None or int(r["sample"]) < k]
-        greedy_part = [] if name.startswith("sampled") else greedy
+        mix, k = data_parts(name)
+        drawn = [] if mix == "greedy" else [r for r in sampled if k is None or int(r["sample"]) < k]
+        greedy_part = [] if mix == "sampled" else greedy
         rows = greedy_part + drawn
         quality.write_jsonl(data / f"mix-{name}.jsonl", rows)
         chars = [len(r["messages"][-1]["content"]) for r in rows]
@@ -770,7 +773,7 @@ def preset_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Preset:
     except ValueError as e:
         ap.error(str(e))
     for c in p.candidates:
-        k = sampled_per_prompt(candidate_parts(c).data)
+        k = data_parts(candidate_parts(c).data)[1]
         if k and k > p.samples_per_prompt:
             ap.error(f"candidate {c!r}: {k} sampled answers of each prompt, the data holds {p.samples_per_prompt} "
                      "(--set samples_per_prompt=...)")

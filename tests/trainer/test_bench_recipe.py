@@ -19,7 +19,8 @@ def test_a_candidate_is_an_objective_a_data_mix_a_drafter_kind_and_taps():
     # sampled and both may name how many of each prompt's sampled answers they hold
     assert ra.candidate_parts("ce+dpace/both1") == ("ce+dpace", "both1", "dflash", "default")
     assert ra.candidate_parts("ce+dpace/sampled12/dflash2") == ("ce+dpace", "sampled12", "dflash2", "default")
-    assert [ra.sampled_per_prompt(d) for d in ("greedy", "both", "both1", "sampled12")] == [None, None, 1, 12]
+    assert [ra.data_parts(d) for d in ("greedy", "both", "both1", "sampled12")] == [
+        ("greedy", None), ("both", None), ("both", 1), ("sampled", 12)]
     assert ra.run_name("ce+dpace/both1", 0) == "ce+dpace both1 seed 0" and ra.arm("ce+dpace/both1") == "ce+dpace"
     assert ra.run_name("ce+dpace/greedy", 2) == "ce+dpace greedy seed 2"
     assert ra.run_name("kl+dpace/both/dflash2", 1) == "kl+dpace both dflash2 seed 1"

@@ -47,9 +47,10 @@ stated `rate`), recorded in the state, and never changed by a later call.
 (bench/quality.py up to its prompts), the greedy answers, the sampled answers, the mixes, the step times, and
 the runs under stages/STAGE/. Each call does what is left, in order, until its deadline (`call_s` after its
 start, less `reserve_s` for the stops, the last τ and the table): the target and prompts once; the greedy
-answers of every prompt, then the sampled answers (regen gets SIGINT at the deadline: it cancels its batch in
-flight and keeps every finished row, and the next call's rerun adds the missing ones; with `regen_legs` the
-greedy regen answers at most 1/regen_legs of the prompts a call, the CPU test's cut); no run starts before the
+answers of every prompt, then the sampled answers (regen is given only the batches that end before the
+deadline at the measured, else stated, seconds a batch, and gets SIGINT at the deadline if one runs over: it
+cancels its batch in flight and keeps every finished row; the next call's rerun adds the missing ones; with
+`regen_legs` the greedy regen answers at most 1/regen_legs of the prompts a call, the CPU test's cut); no run starts before the
 data is whole, and the table says how many of the planned prompts it holds; the timing once; then the runs
 (candidate after candidate, seed after seed; `parallel` at a time), each `python -m trainer --config C
 --run-dir R --resume auto`: a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
@@ -189,11 +190,13 @@ PRESETS = {
     # #50's lever left for T = 1 (docs/objectives.md): the data's sampled share. The default recipe's data (each
     # prompt's greedy answer and its first sampled one: both1) beside two sampled answers a prompt and no greedy
     # one (sampled): equal rows (32,768), equal device time, the default objective and generation; the data is
-    # made again (another --state: two sampled answers a prompt, ~150 s). The seventeenth session's figures.
+    # made again (another --state). Its figures as measured on an H100 (eighteenth session): the target and
+    # prompts 123 s, the greedy answers 141 s (74 s the session before), two batches of sampled ones 105 s
+    # each, the timing ~50 s, 0.71 device-s per wall-s over the runs.
     "h200-data": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
                         candidates=("ce+dpace/both1", "ce+dpace/sampled"), baseline="ce+dpace/both1",
-                        mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.8,
-                        prep_s=110.0, greedy_s=75.0, sampled_s=150.0, timing_s=55.0, startup_s=60.0),
+                        mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.7,
+                        prep_s=125.0, greedy_s=140.0, sampled_s=210.0, timing_s=55.0, startup_s=60.0),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
     "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both/dflash2"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
@@ -309,7 +312,24 @@ def run_regen(qp: quality.Preset, argv: list[str], log: Path, out: Path, deadlin
     return rc, seconds, len(rows)
 
 
-def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None, before: dict | None) -> dict:
+def prompts_that_fit(had: int, batch_rows: int, per_prompt: int, batch_s: float, deadline: float) -> int:
+    """How many of the input's first prompts regen may be given so that each batch it starts ends before the
+    deadline: `had` prompts are answered, a batch is `batch_rows` rows of `per_prompt` rows a prompt and takes
+    ~batch_s. A batch the deadline cuts is lost whole (its rows are written at its end), and its device time
+    with it; the call ends earlier instead and the next one makes it."""
+    batches = max(0, math.floor((deadline - time.time()) / batch_s))
+    return had + batches * max(1, batch_rows // per_prompt)
+
+
+def sampled_batch_s(p: Preset, greedy: dict, planned_rows: int) -> float:
+    """The seconds one batch of sampled answers takes: the greedy answers' measured seconds a row (the same
+    model and answer length; model load included) over a sampled batch, or the stated figure if that is more."""
+    stated = p.sampled_s / math.ceil(planned_rows / p.sample_batch)
+    measured = greedy["seconds"] / greedy["rows"] * min(p.sample_batch, planned_rows) if greedy.get("rows") else 0.0
+    return max(stated, measured)
+
+
+def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float, before: dict | None) -> dict | None:
     """The target's greedy answer to every regen prompt (data/regen.jsonl). Regen stops at the deadline
     with whole rows written and the next call's rerun adds the missing ones (with `regen_legs`, at most
     1/regen_legs of the prompts a call: the CPU test's cut). Done once every prompt has its answer."""
@@ -317,9 +337,16 @@ def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float |
     planned = len(quality.read_records(data / "prompts.jsonl"))
     out = data / "regen.jsonl"
     argv = quality.regen_argv(qp, state / "model", data)
-    if p.regen_legs > 1:
-        had = len(quality.read_records(out)) if out.exists() else 0
-        argv += ["--limit", str(min(planned, had + math.ceil(planned / p.regen_legs)))]
+    had = len(quality.read_records(out)) if out.exists() else 0
+    limit = planned if p.regen_legs <= 1 else min(planned, had + math.ceil(planned / p.regen_legs))
+    batch_s = p.greedy_s / math.ceil(planned / qp.regen_batch)
+    limit = min(limit, prompts_that_fit(had, qp.regen_batch, 1, batch_s, deadline))
+    if limit <= had:
+        say(f"greedy answers: a batch takes ~{batch_s:.0f}s (stated), {deadline - time.time():.0f}s are left: "
+            f"the next call makes them")
+        return None
+    if limit < planned:
+        argv += ["--limit", str(limit)]
     rc, seconds, rows = run_regen(qp, argv, state / "regen.log", out, deadline)
     part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"greedy answers: exit {rc}; {rows} of {planned} prompts answered [{seconds:.0f}s]"
@@ -343,7 +370,8 @@ def mix_prompt_ids(data: Path, n: int, seed: int) -> list[str]:
     return ids[:n]
 
 
-def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float | None, before: dict | None) -> dict:
+def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float, greedy: dict,
+                   before: dict | None) -> dict | None:
     """The sampled answers of the mix's prompts (data/regen-sampled.jsonl, rows `<id>#<k>`): regen stops at
     the deadline with whole rows written, and the next call's rerun adds only the missing ones. Done when
     regen ran to its end."""
@@ -354,6 +382,15 @@ def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float |
     argv = quality.regen_argv(dataclasses.replace(qp, regen_batch=p.sample_batch), state / "model", data, "prompts-sampled.jsonl", "regen-sampled.jsonl",
                               p.samples_per_prompt, p.sample_temperature, p.sample_top_p)
     out, planned = data / "regen-sampled.jsonl", len(ids) * p.samples_per_prompt
+    had = (len(quality.read_records(out)) if out.exists() else 0) // p.samples_per_prompt
+    batch_s = sampled_batch_s(p, greedy, planned)
+    limit = prompts_that_fit(had, p.sample_batch, p.samples_per_prompt, batch_s, deadline)
+    if limit <= had:
+        say(f"sampled answers: a batch takes ~{batch_s:.0f}s, {deadline - time.time():.0f}s are left: the next call "
+            f"makes them")
+        return None
+    if limit < len(ids):
+        argv += ["--limit", str(limit)]
     rc, seconds, rows = run_regen(qp, argv, state / "regen-sampled.log", out, deadline)
     part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"sampled answers: exit {rc}; {rows} of {planned} rows ({p.samples_per_prompt} a prompt, "
@@ -830,21 +867,23 @@ def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) ->
         prep = {"wants": wants, "target": prepare_target(p, state)}
         write_json(state / "prep.json", prep)
     if not prep.get("greedy", {}).get("done"):
-        if time.time() > deadline:
+        greedy = greedy_answers(p, qp, state, deadline, prep.get("greedy"))
+        if greedy is None:
             return prep, False
-        prep["greedy"] = greedy_answers(p, qp, state, deadline, prep.get("greedy"))
+        prep["greedy"] = greedy
         for drawn in ("sampled", "mixes"):  # drawn from the prompts the greedy answers hold
             prep.pop(drawn, None)
         write_json(state / "prep.json", prep)
-        if not prep["greedy"]["done"]:
+        if not greedy["done"]:
             return prep, False
     sampled = uses_sampled(p)
     if sampled and not prep.get("sampled", {}).get("done"):
-        if time.time() > deadline:
+        part = sample_answers(p, qp, state, deadline, prep["greedy"], prep.get("sampled"))
+        if part is None:
             return prep, False
-        prep["sampled"] = sample_answers(p, qp, state, deadline, prep.get("sampled"))
+        prep["sampled"] = part
         write_json(state / "prep.json", prep)
-        if not prep["sampled"]["done"]:
+        if not part["done"]:
             return prep, False
     if "mixes" not in prep or (sampled and not set(mix_names(p)) <= set(prep["mixes"])):
         prep["mixes"] = write_mixes(p, state / "data", qp.seed)

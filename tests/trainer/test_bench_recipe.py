@@ -369,6 +369,37 @@ def test_a_preparation_cut_short_is_resumed_by_the_next_call_and_no_run_starts_o
     assert "data: greedy 12 rows of 12 prompts (of 12 planned;" in (tmp_path / "out2" / "recipe.md").read_text()
 
 
+def test_regen_is_given_only_the_batches_that_end_before_the_deadline(monkeypatch):
+    monkeypatch.setattr(ra.time, "time", lambda: 1000.0)
+    # 250 s left, 100 s a batch: two batches of 16,384 rows, 2 a prompt -> 16,384 more prompts
+    assert ra.prompts_that_fit(8192, 16384, 2, 100.0, 1250.0) == 8192 + 16384
+    assert ra.prompts_that_fit(0, 16384, 1, 100.0, 1099.0) == 0  # no batch fits: nothing to start
+    assert ra.prompts_that_fit(0, 16384, 1, 100.0, 900.0) == 0  # past the deadline
+    p = ra.PRESETS["h200-data"]
+    # a sampled batch costs what the greedy answers measured a row (model load in), or the stated figure if more
+    assert ra.sampled_batch_s(p, {"rows": 16384, "seconds": 141.0}, 32768) == pytest.approx(141.0)
+    assert ra.sampled_batch_s(p, {"rows": 16384, "seconds": 10.0}, 32768) == p.sampled_s / 2
+
+
+@pytest.mark.slow
+def test_a_call_without_the_time_for_a_regen_batch_starts_none_and_ends_early(tmp_path, capsys):
+    """A batch the deadline would cut is lost whole with its device time: a call with less time left than a
+    batch takes starts no regen, writes no answers, trains nothing and names the next command."""
+    state = tmp_path / "state"
+    argv = ["--preset", "cpu", "--state", str(state)]
+    ra.main([*argv, "--set", "greedy_s=1e9", "--out", str(tmp_path / "out1")])
+    printed = capsys.readouterr().out
+    assert "greedy answers: a batch takes ~500000000s (stated)" in printed and "the next call makes them" in printed
+    assert not (state / "data" / "regen.jsonl").exists() and "call 1:" not in printed
+    assert "left: the data (no greedy answers yet" in printed and "next: PYTHONUNBUFFERED=1" in printed
+
+    second = ra.main([*argv, "--set", "sampled_s=1e9", "--out", str(tmp_path / "out2")])
+    printed = capsys.readouterr().out
+    assert "greedy answers: exit 0; 24 of 24 prompts answered [" in printed
+    assert "sampled answers: a batch takes ~500000000s" in printed and "sampled answers: exit" not in printed
+    assert not (state / "data" / "regen-sampled.jsonl").exists() and second["runs"] == {} and "call 2:" not in printed
+
+
 def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_seed_alone(tmp_path):
     import yaml
 

@@ -119,6 +119,8 @@ def deep_layer_ids(layers: int, count: int) -> list[int]:
 # trainer's default, or the deep ones that read the target's last layer
 TAPS: dict[str, Callable[[int, int], list[int] | None]] = {"default": lambda layers, count: None, "deep": deep_layer_ids}
 SCREEN = ("ce+decay/greedy", "ce+dpace/greedy", "ce+decay/both", "kl/both")
+# what the data of a state depends on: a preset asking for other values needs another --state
+DATA_FIELDS = ("quality", "quality_set", "mix_prompts", "samples_per_prompt", "sample_temperature", "sample_top_p")
 # what a stage's runs depend on: a later call with other values would not continue the same runs
 PLANNED = ("candidates", "baseline", "seeds", "quality", "quality_set", "mix_prompts", "samples_per_prompt",
            "sample_temperature", "sample_top_p", "temperatures", "train_s", "base_steps", "calls", "legs", "max_steps")
@@ -166,6 +168,17 @@ class Preset:
     rate: float = 1.0  # device-alone training seconds per second of the runs' wall (parallel runs; start-ups in)
 
 
+# The data table (#50's lever for T = 1, docs/objectives.md): the data's sampled share. The default recipe's data
+# (each prompt's greedy answer and its first sampled one: both1) beside two sampled answers a prompt and no greedy
+# one (sampled): equal rows (32,768), equal device time, the default objective and generation; the data is
+# made again (another --state). Its figures as measured on an H100 (eighteenth session): the target and
+# prompts 123 s, the greedy answers 141 s (74 s the session before), two batches of sampled ones 105 s
+# each, the timing ~50 s, 0.71 device-s per wall-s over the runs.
+H200_DATA = Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
+                   candidates=("ce+dpace/both1", "ce+dpace/sampled"), baseline="ce+dpace/both1",
+                   mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.7,
+                   prep_s=125.0, greedy_s=140.0, sampled_s=210.0, timing_s=55.0, startup_s=60.0)
+
 PRESETS = {
     "h200": Preset(quality_set={"n_prompts": 8192, "regen_batch": 8192}),
     # the screen's best (name it: --candidates BEST,ce+decay/greedy) beside the baseline, in a session of its own:
@@ -187,16 +200,14 @@ PRESETS = {
                            candidates=("ce+dpace/both", "ce+dpace/both/dflash2"), baseline="ce+dpace/both",
                            mix_prompts=16384, samples_per_prompt=1, sample_batch=16384, parallel=3, rate=0.8,
                            prep_s=120.0, greedy_s=80.0, sampled_s=80.0, startup_s=60.0),
-    # #50's lever left for T = 1 (docs/objectives.md): the data's sampled share. The default recipe's data (each
-    # prompt's greedy answer and its first sampled one: both1) beside two sampled answers a prompt and no greedy
-    # one (sampled): equal rows (32,768), equal device time, the default objective and generation; the data is
-    # made again (another --state). Its figures as measured on an H100 (eighteenth session): the target and
-    # prompts 123 s, the greedy answers 141 s (74 s the session before), two batches of sampled ones 105 s
-    # each, the timing ~50 s, 0.71 device-s per wall-s over the runs.
-    "h200-data": Preset(quality_set={"n_prompts": 16384, "regen_batch": 16384},
-                        candidates=("ce+dpace/both1", "ce+dpace/sampled"), baseline="ce+dpace/both1",
-                        mix_prompts=16384, samples_per_prompt=2, sample_batch=16384, parallel=3, rate=0.7,
-                        prep_s=125.0, greedy_s=140.0, sampled_s=210.0, timing_s=55.0, startup_s=60.0),
+    "h200-data": H200_DATA,
+    # What the data table left open (eighteenth session: two sampled answers a prompt and no greedy one raise T = 1
+    # by a quarter and cost T = 0 as much): a third of the rows greedy (each prompt's greedy answer and both sampled
+    # ones) beside none, at T = 0, 1 and the 0.6 many users serve at; three calls give each run ~140 s of the device
+    # alone (~55M tokens), so it also says whether the sampled data's T = 1 lead grows with length. Its data is
+    # h200-data's (the same --state serves both on one machine).
+    "h200-mix": dataclasses.replace(H200_DATA, candidates=("ce+dpace/sampled", "ce+dpace/both"),
+                                    baseline="ce+dpace/sampled", temperatures=(0.0, 0.6, 1.0), eval_s=35.0),
     # the tiny target on CPU: in-process runs one at a time, each in two legs (two calls)
     "cpu": Preset(quality="tiny", quality_set={"target_steps": 8}, candidates=("ce+decay/greedy", "kl/both/dflash2"),
                   seeds=(0, 1), mix_prompts=12, samples_per_prompt=2, sample_batch=12, base_steps=10, legs=2, parallel=1,
@@ -854,10 +865,7 @@ def prepare_data(p: Preset, qp: quality.Preset, state: Path, deadline: float) ->
     answers (when a candidate uses them), the mixes. (the state's prep.json, whether all of it is whole):
     no run starts on part of the data."""
     prep = read_json(state / "prep.json")
-    wants = {"quality": p.quality, "quality_set": p.quality_set, "mix_prompts": p.mix_prompts,
-             "samples_per_prompt": p.samples_per_prompt, "sample_temperature": p.sample_temperature,
-             "sample_top_p": p.sample_top_p}
-    wants = json.loads(json.dumps(wants))
+    wants = json.loads(json.dumps({f: getattr(p, f) for f in DATA_FIELDS}))
     if prep and prep["wants"] != wants:
         raise SystemExit(f"recipe: {state} holds data made with {prep['wants']}, this preset asks for {wants}: "
                          f"use another --state")

@@ -467,22 +467,27 @@ def test_the_goal_names_each_cell_short_of_it_and_a_temperature_counts_its_best_
                         "other T=1 1.58x (1.50-1.67, goal 1.6x)")
 
 
-def test_the_data_preset_trades_each_prompt_s_greedy_answer_for_a_sampled_one_at_equal_rows(tmp_path):
+@pytest.mark.parametrize("preset, rows", [
+    ("h200-data", {"both1": (3, 3), "sampled": (0, 6)}),  # each prompt's greedy answer traded for a sampled one
+    ("h200-mix", {"sampled": (0, 6), "both": (3, 6)}),  # none of the rows greedy, or a third
+])
+def test_the_data_presets_differ_in_the_greedy_share_of_the_same_prompts_answers(tmp_path, preset, rows):
     import yaml
 
     from trainer.run.config import parse_config
 
-    p = ra.PRESETS["h200-data"]
+    p = ra.PRESETS[preset]
     qp = ra.quality_preset(p)
     assert p.baseline in p.candidates and p.samples_per_prompt == 2 and qp.n_prompts == p.mix_prompts
+    # one state serves both presets on one machine: the data they ask for is the same
+    assert {f: getattr(p, f) for f in ra.DATA_FIELDS} == {f: getattr(ra.PRESETS["h200-data"], f) for f in ra.DATA_FIELDS}
     # the mixes of one prompt with both sampled answers: the two candidates hold as many rows
     records(tmp_path / "regen.jsonl", [conv(f"p{i}", "g") for i in range(3)])
     records(tmp_path / "regen-sampled.jsonl", [conv(f"p{i}#{k}", "s", prompt_id=f"p{i}", sample=k)
                                                for i in range(3) for k in range(2)])
     mixes = ra.write_mixes(dataclasses.replace(p, mix_prompts=3), tmp_path, 0)
-    rows = {ra.candidate_parts(c).data: (mixes[ra.candidate_parts(c).data]["greedy_rows"],
-                                         mixes[ra.candidate_parts(c).data]["sampled_rows"]) for c in p.candidates}
-    assert rows == {"both1": (3, 3), "sampled": (0, 6)}
+    assert {ra.candidate_parts(c).data: (mixes[ra.candidate_parts(c).data]["greedy_rows"],
+                                         mixes[ra.candidate_parts(c).data]["sampled_rows"]) for c in p.candidates} == rows
     parsed = {}
     for candidate in p.candidates:
         cfg = ra.trainer_config(p, qp, tmp_path, candidate, 0, 1000)

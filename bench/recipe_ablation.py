@@ -203,8 +203,8 @@ PRESETS = {
     "h200-data": H200_DATA,
     # What the data table left open (eighteenth session: two sampled answers a prompt and no greedy one raise T = 1
     # by a quarter and cost T = 0 as much): a third of the rows greedy (each prompt's greedy answer and both sampled
-    # ones) beside none, at T = 0, 1 and the 0.6 many users serve at; three calls give each run ~140 s of the device
-    # alone (~55M tokens), so it also says whether the sampled data's T = 1 lead grows with length. Its data is
+    # ones) beside none, at T = 0, 1 and the 0.6 many users serve at; three calls give each run ~106 s of the device
+    # alone (~40M tokens), so it also says whether the sampled data's T = 1 lead grows with length. Its data is
     # h200-data's (the same --state serves both on one machine).
     "h200-mix": dataclasses.replace(H200_DATA, candidates=("ce+dpace/sampled", "ce+dpace/both"),
                                     baseline="ce+dpace/sampled", temperatures=(0.0, 0.6, 1.0), eval_s=35.0),

@@ -51,6 +51,12 @@ def test_regen_playbook_serves_regenerates_and_stops_the_engine(node, tmp_path):
         assert re.search(r"regen: 6 regenerated, 0 already done, 0 failed, \d+ truncated", result.stdout)
         assert sorted(json.loads(line)["id"] for line in (data / "regen.jsonl").read_text().splitlines()) == \
             [f"q{i}" for i in range(6)]
+        # and the sampled answers beside them, two a prompt at T = 1, each seeded
+        sampled = [json.loads(line) for line in (data / "regen-sampled.jsonl").read_text().splitlines()]
+        assert sorted(r["id"] for r in sampled) == [f"q{i}#{k}" for i in range(6) for k in (0, 1)]
+        assert len({r["seed"] for r in sampled}) == 12
+        assert f"greedy answers in host200:{data}/regen.jsonl; sampled: regen: 12 regenerated" in result.stdout
+        assert f"-> host200:{data}/regen-sampled.jsonl" in result.stdout
         first = engine_state(base)
         assert first["state"] == "stopped" and not procs.alive(first["pid"])
         return

@@ -203,8 +203,8 @@ PRESETS = {
     "h200-data": H200_DATA,
     # What the data table left open (eighteenth session: two sampled answers a prompt and no greedy one raise T = 1
     # by a quarter and cost T = 0 as much): a third of the rows greedy (each prompt's greedy answer and both sampled
-    # ones) beside none, at T = 0, 1 and the 0.6 many users serve at; three calls give each run ~106 s of the device
-    # alone (~40M tokens), so it also says whether the sampled data's T = 1 lead grows with length. Its data is
+    # ones) beside none, at T = 0, 1 and the 0.6 many users serve at; three calls give each run ~94 s of the device
+    # alone (~37M tokens), so it also says whether the sampled data's T = 1 lead grows with length. Its data is
     # h200-data's (the same --state serves both on one machine).
     "h200-mix": dataclasses.replace(H200_DATA, candidates=("ce+dpace/sampled", "ce+dpace/both"),
                                     baseline="ce+dpace/sampled", temperatures=(0.0, 0.6, 1.0), eval_s=35.0),
@@ -445,9 +445,12 @@ def write_mixes(p: Preset, data: Path, seed: int) -> dict:
 def plan_train_s(p: Preset, runs: int, call: int, call_left_s: float, rate: float) -> float:
     """Each run's device-alone training seconds when the `calls` calls are to hold all `runs`: what is left
     of this call (number `call`, after its data and timing) plus every later planned call's time less the
-    reserve, at `rate` (device-alone seconds trained per wall second, start-ups and evaluations in),
+    reserve, less the evaluations of the last runs (they end together, one after another, with nothing left
+    to train beside them: without their time the plan's last call leaves one or two for a call of its own),
+    at `rate` (device-alone seconds trained per wall second, start-ups and the evaluations before in),
     shared by the runs."""
     wall = max(0.0, call_left_s) + max(0, p.calls - call) * (p.call_s - p.reserve_s)
+    wall -= min(p.parallel, runs) * p.eval_s
     return max(0.0, wall * rate / max(1, runs))
 
 

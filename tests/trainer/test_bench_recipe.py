@@ -62,14 +62,18 @@ def test_legs_stop_a_run_at_its_share_of_the_steps_in_each_call():
 
 
 def test_the_plan_shares_the_calls_time_among_the_runs_at_the_rate():
-    p = ra.Preset(calls=3, call_s=540.0, reserve_s=40.0)
-    # 100 s left in the first call, then 2 x 500 s; at 1.5 device-s per wall-s over 12 runs
-    assert ra.plan_train_s(p, 12, 1, 100.0, 1.5) == pytest.approx(1100 * 1.5 / 12)
-    assert ra.plan_train_s(p, 12, 1, -20.0, 1.0) == pytest.approx(1000 / 12)  # the first call already spent
-    assert ra.plan_train_s(p, 12, 2, 100.0, 1.0) == pytest.approx(600 / 12)  # the data took the first call whole
-    # the stated plan: the data and the timing (~630 s on an H100, more than a call) come out of the calls' time
+    p = ra.Preset(calls=3, call_s=540.0, reserve_s=40.0, parallel=3, eval_s=20.0)
+    # 100 s left in the first call, then 2 x 500 s, less the last 3 runs' evaluations (60 s); at 1.5 device-s
+    # per wall-s over 12 runs
+    assert ra.plan_train_s(p, 12, 1, 100.0, 1.5) == pytest.approx(1040 * 1.5 / 12)
+    assert ra.plan_train_s(p, 12, 1, -20.0, 1.0) == pytest.approx(940 / 12)  # the first call already spent
+    assert ra.plan_train_s(p, 12, 2, 100.0, 1.0) == pytest.approx(540 / 12)  # the data took the first call whole
+    assert ra.plan_train_s(p, 2, 3, 100.0, 1.0) == pytest.approx(60 / 2)  # two runs: two evaluations at the end
+    # the stated plan: the data and the timing (~630 s on an H100, more than a call) and the last 6 evaluations
+    # come out of the calls' time
     h200 = ra.PRESETS["h200"]
-    assert ra.data_s(h200) == 630.0 and ra.plan_only(h200)["train_s"] == pytest.approx((3 * 480 - 630) / 12)
+    assert ra.data_s(h200) == 630.0
+    assert ra.plan_only(h200)["train_s"] == pytest.approx((3 * 480 - 630 - 6 * h200.eval_s) / 12)
     # equal device time: slower objectives train fewer steps; max_steps lowers the time for all
     assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 5000) == (10.0, {"ce+decay": 1000, "kl": 800})
     assert ra.steps_of(10.0, {"ce+decay": 0.01, "kl": 0.0125}, 500) == (5.0, {"ce+decay": 500, "kl": 400})

@@ -388,7 +388,8 @@ def test_regen_is_given_only_the_batches_that_end_before_the_deadline(monkeypatc
 @pytest.mark.slow
 def test_a_call_without_the_time_for_a_regen_batch_starts_none_and_ends_early(tmp_path, capsys):
     """A batch the deadline would cut is lost whole with its device time: a call with less time left than a
-    batch takes starts no regen, writes no answers, trains nothing and names the next command."""
+    batch takes starts no regen, writes no answers, trains nothing and names the next command; one with time
+    for some of the batches gives regen those alone (--limit) and leaves the rest to the next call."""
     state = tmp_path / "state"
     argv = ["--preset", "cpu", "--state", str(state)]
     ra.main([*argv, "--set", "greedy_s=1e9", "--out", str(tmp_path / "out1")])
@@ -397,11 +398,18 @@ def test_a_call_without_the_time_for_a_regen_batch_starts_none_and_ends_early(tm
     assert not (state / "data" / "regen.jsonl").exists() and "call 1:" not in printed
     assert "left: the data (no greedy answers yet" in printed and "next: PYTHONUNBUFFERED=1" in printed
 
-    second = ra.main([*argv, "--set", "sampled_s=1e9", "--out", str(tmp_path / "out2")])
+    # ~890 s left and 600 s a sampled batch (2 batches of 12 rows stated at 1,200 s): one batch, then the call ends
+    second = ra.main([*argv, "--set", "sampled_s=1200", "--out", str(tmp_path / "out2")])
     printed = capsys.readouterr().out
     assert "greedy answers: exit 0; 24 of 24 prompts answered [" in printed
+    assert "sampled answers: exit 0; 12 of 24 rows" in printed and "the next call resumes them" in printed
+    assert second["runs"] == {} and "call 2:" not in printed
+    assert "--limit 6" in json.loads((state / "prep.json").read_text())["sampled"]["command"]  # 6 prompts, 2 a prompt
+
+    third = ra.main([*argv, "--set", "sampled_s=1e9", "--out", str(tmp_path / "out3")])
+    printed = capsys.readouterr().out
     assert "sampled answers: a batch takes ~500000000s" in printed and "sampled answers: exit" not in printed
-    assert not (state / "data" / "regen-sampled.jsonl").exists() and second["runs"] == {} and "call 2:" not in printed
+    assert len((state / "data" / "regen-sampled.jsonl").read_text().splitlines()) == 12 and third["runs"] == {}
 
 
 def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_seed_alone(tmp_path):

@@ -122,8 +122,8 @@ SCREEN = ("ce+decay/greedy", "ce+dpace/greedy", "ce+decay/both", "kl/both")
 # what the data of a state depends on: a preset asking for other values needs another --state
 DATA_FIELDS = ("quality", "quality_set", "mix_prompts", "samples_per_prompt", "sample_temperature", "sample_top_p")
 # what a stage's runs depend on: a later call with other values would not continue the same runs
-PLANNED = ("candidates", "baseline", "seeds", "quality", "quality_set", "mix_prompts", "samples_per_prompt",
-           "sample_temperature", "sample_top_p", "temperatures", "train_s", "base_steps", "calls", "legs", "max_steps")
+PLANNED = ("candidates", "baseline", "seeds", *DATA_FIELDS, "temperatures", "train_s", "base_steps", "calls", "legs",
+           "max_steps")
 
 
 @dataclass
@@ -332,6 +332,18 @@ def prompts_that_fit(had: int, batch_rows: int, per_prompt: int, batch_s: float,
     return had + batches * max(1, batch_rows // per_prompt)
 
 
+def limit_args(what: str, note: str, had: int, prompts: int, batch_rows: int, per_prompt: int, batch_s: float,
+               deadline: float, cap: int | None = None) -> list[str] | None:
+    """Regen's `--limit` for a part of `prompts` prompts of which `had` are answered: the batches that end before
+    the deadline (`prompts_that_fit`), at most `cap` prompts; [] for all of them, None (and said) when not one
+    batch fits."""
+    limit = min(prompts if cap is None else cap, prompts_that_fit(had, batch_rows, per_prompt, batch_s, deadline))
+    if limit <= had:
+        say(f"{what}: a batch takes ~{batch_s:.0f}s{note}, {deadline - time.time():.0f}s are left: the next call makes them")
+        return None
+    return ["--limit", str(limit)] if limit < prompts else []
+
+
 def sampled_batch_s(p: Preset, greedy: dict, planned_rows: int) -> float:
     """The seconds one batch of sampled answers takes: the greedy answers' measured seconds a row (the same
     model and answer length; model load included) over a sampled batch, or the stated figure if that is more."""
@@ -349,15 +361,12 @@ def greedy_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float, 
     out = data / "regen.jsonl"
     argv = quality.regen_argv(qp, state / "model", data)
     had = len(quality.read_records(out)) if out.exists() else 0
-    limit = planned if p.regen_legs <= 1 else min(planned, had + math.ceil(planned / p.regen_legs))
-    batch_s = p.greedy_s / math.ceil(planned / qp.regen_batch)
-    limit = min(limit, prompts_that_fit(had, qp.regen_batch, 1, batch_s, deadline))
-    if limit <= had:
-        say(f"greedy answers: a batch takes ~{batch_s:.0f}s (stated), {deadline - time.time():.0f}s are left: "
-            f"the next call makes them")
+    leg = None if p.regen_legs <= 1 else min(planned, had + math.ceil(planned / p.regen_legs))
+    limit = limit_args("greedy answers", " (stated)", had, planned, qp.regen_batch, 1,
+                       p.greedy_s / math.ceil(planned / qp.regen_batch), deadline, leg)
+    if limit is None:
         return None
-    if limit < planned:
-        argv += ["--limit", str(limit)]
+    argv += limit
     rc, seconds, rows = run_regen(qp, argv, state / "regen.log", out, deadline)
     part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"greedy answers: exit {rc}; {rows} of {planned} prompts answered [{seconds:.0f}s]"
@@ -394,14 +403,11 @@ def sample_answers(p: Preset, qp: quality.Preset, state: Path, deadline: float, 
                               p.samples_per_prompt, p.sample_temperature, p.sample_top_p)
     out, planned = data / "regen-sampled.jsonl", len(ids) * p.samples_per_prompt
     had = (len(quality.read_records(out)) if out.exists() else 0) // p.samples_per_prompt
-    batch_s = sampled_batch_s(p, greedy, planned)
-    limit = prompts_that_fit(had, p.sample_batch, p.samples_per_prompt, batch_s, deadline)
-    if limit <= had:
-        say(f"sampled answers: a batch takes ~{batch_s:.0f}s, {deadline - time.time():.0f}s are left: the next call "
-            f"makes them")
+    limit = limit_args("sampled answers", "", had, len(ids), p.sample_batch, p.samples_per_prompt,
+                       sampled_batch_s(p, greedy, planned), deadline)
+    if limit is None:
         return None
-    if limit < len(ids):
-        argv += ["--limit", str(limit)]
+    argv += limit
     rc, seconds, rows = run_regen(qp, argv, state / "regen-sampled.log", out, deadline)
     part = answers_part(argv, rc, seconds, rows, planned, before)
     say(f"sampled answers: exit {rc}; {rows} of {planned} rows ({p.samples_per_prompt} a prompt, "

@@ -535,6 +535,11 @@ class HFEngine:
     minute or more without a finished answer). `close()` cancels the batch in flight at its next
     decode step: after a Ctrl-C its answers would not be written (with a 16,384-row batch in
     flight, an interrupted regen twice outlived the quality bench's 30 s before SIGKILL).
+
+    A batch gathers for as long as requests keep coming (each within `gather_s` of the last; at most
+    `max_gather_s`), not for a fixed window after its first: on an H100 host 16,384 workers queued their
+    requests over more than the 1 s window, and a greedy regen decoded 2,146 rows and then 14,238,
+    256 steps each, in 96 s, where the same prompts' sampled answers, one batch, took 69 s.
     """
 
     def __init__(self, model_path: str, sampling: Sampling, *, device: str = "cpu", dtype: str = "auto",
@@ -547,8 +552,10 @@ class HFEngine:
         self.sampling = sampling
         self.batch_size = max(1, batch_size)
         self.seed = seed
-        # how long a batch waits to fill after its first request
+        # a batch waits for more requests while they keep coming, each within gather_s of the last, until it
+        # is full or has gathered for max_gather_s
         self.gather_s = gather_s if gather_s is not None else min(1.0, 0.02 + 0.0001 * self.batch_size)
+        self.max_gather_s = max(1.0, 10 * self.gather_s)
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         torch_dtype: Any = dtypes[dtype] if dtype != "auto" else "auto"
         from trainer.models.target_loading import check_finite
@@ -621,10 +628,10 @@ class HFEngine:
                 self._fail_queued()
                 return
             batch = [item]
-            deadline = time.monotonic() + self.gather_s
-            while len(batch) < self.batch_size:
+            give_up = time.monotonic() + self.max_gather_s
+            while len(batch) < self.batch_size and time.monotonic() < give_up:
                 try:
-                    more = self._queue.get(timeout=max(0.02, deadline - time.monotonic()))
+                    more = self._queue.get(timeout=max(0.02, min(self.gather_s, give_up - time.monotonic())))
                 except queue.Empty:
                     break
                 if more is None:

@@ -154,3 +154,34 @@ def test_the_engine_samples_with_the_static_decoder_and_a_seeded_row_is_the_same
         assert again[0].token_ids == together[0].token_ids and again[1].token_ids != again[0].token_ids
     finally:
         engine.close()
+
+
+def batches_of_trickle(model_dir, *, batch_size: int, gather_s: float, requests: int, gap_s: float) -> list[int]:
+    """The batch sizes the engine decodes when `requests` conversations arrive one every `gap_s`."""
+    import threading
+    import time
+
+    from trainer_tools.regen import HFEngine, Sampling
+
+    batches: list[int] = []
+    engine = HFEngine(str(model_dir), Sampling(max_tokens=1), batch_size=batch_size, gather_s=gather_s,
+                      on_batch=lambda rows, width: batches.append(rows))
+    threads = [threading.Thread(target=engine.complete, args=([{"role": "user", "content": f"x = {i}"}],))
+               for i in range(requests)]
+    try:
+        for t in threads:
+            t.start()
+            time.sleep(gap_s)
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        engine.close()
+    assert sum(batches) == requests
+    return batches
+
+
+def test_a_batch_gathers_while_requests_keep_coming_and_no_longer_than_its_cap(qwen3_model_dir):
+    # 20 requests over ~1 s, each 0.05 s after the last: one batch, though the first waited longer than gather_s
+    assert batches_of_trickle(qwen3_model_dir, batch_size=64, gather_s=0.4, requests=20, gap_s=0.05) == [20]
+    # a trickle that outlasts max_gather_s (1 s here) is cut into batches there
+    assert len(batches_of_trickle(qwen3_model_dir, batch_size=64, gather_s=0.1, requests=30, gap_s=0.08)) >= 2

@@ -4,13 +4,16 @@
     PYTHONPATH=. python bench/decoder_speed.py --device cuda:0 --shape 8b --rows 1024 --new 128   # H200
     PYTHONPATH=. python bench/decoder_speed.py --device cuda:0 --shape quality --rows 4096 --new 256 --profile
     PYTHONPATH=. python bench/decoder_speed.py --device cpu --shape tiny --rows 8 --new 8         # anywhere
+    PYTHONPATH=. python bench/decoder_speed.py --device cpu --shape quality --rows 128 --min-prompt-len 16 \
+        --prompt-len 512 --new 16 --max-rows 32 --hf-rows 0     # mixed lengths, in chunks (regen's prompts)
 
 --shape quality is bench/quality.py's h200 target (33.6M parameters, vocab 8201): the regen stage's
 decode. --profile also prints torch.profiler's top operators of 8 decode steps (where a step's time goes).
 
-Random weights and random prompts (lengths uniform in [--prompt-len/2, --prompt-len]), no stop
+Random weights and random prompts (lengths uniform in [--min-prompt-len, --prompt-len]), no stop
 token, so every row decodes --new tokens: the figures are tokens per second of the decode and the
-peak memory, not quality. `generate` runs on --hf-rows rows (0: skipped); the tokens of those rows
+peak memory, not quality; tokens_sha1 tells whether two builds decoded the same tokens (in bf16 the
+rows a chunk holds may move a near tie). `generate` runs on --hf-rows rows (0: skipped); the tokens of those rows
 are compared with the decoder's (exactness is the CPU parity test's job: test_regen_static.py).
 Prints one JSON line; --out also writes it.
 """
@@ -18,6 +21,7 @@ Prints one JSON line; --out also writes it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
@@ -56,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shape", choices=["8b", "quality", "tiny"], default="8b")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--min-prompt-len", type=int, default=None, help="prompt lengths' lower end (default --prompt-len/2)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="rows decoded at once (default: what the device memory holds; on the CPU all of them)")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--hf-rows", type=int, default=64, help="rows decoded by transformers' generate too (0: none)")
     p.add_argument("--profile", action="store_true", help="also print the top operators of 8 decode steps")
@@ -76,10 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
     assert decoder.supports(model)
     vocab = int(model.config.vocab_size)
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(args.prompt_len // 2, args.prompt_len))]
-               for _ in range(args.rows)]
-    out: dict = {"shape": args.shape, "device": args.device, "rows": args.rows, "prompt_len": args.prompt_len,
-                 "new": args.new, "torch": torch.__version__}
+    low = args.prompt_len // 2 if args.min_prompt_len is None else args.min_prompt_len
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(low, args.prompt_len))] for _ in range(args.rows)]
+    out: dict = {"shape": args.shape, "device": args.device, "rows": args.rows, "prompt_len": [low, args.prompt_len],
+                 "new": args.new, "max_rows": args.max_rows, "torch": torch.__version__}
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(args.device)
     decoder.greedy(model, prompts[:2], 2, set())  # first call: kernels, allocator
@@ -87,10 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(args.device)
     began = time.perf_counter()
-    tokens = decoder.greedy(model, prompts, args.new, set())
+    tokens = decoder.greedy(model, prompts, args.new, set(), max_rows=args.max_rows)
     sync(args.device)
     seconds = time.perf_counter() - began
-    out["decoder"] = {"seconds": round(seconds, 2), "tokens_per_s": round(args.rows * args.new / seconds, 1)}
+    out["decoder"] = {"seconds": round(seconds, 2), "tokens_per_s": round(args.rows * args.new / seconds, 1),
+                      "tokens_sha1": hashlib.sha1(tokens.cpu().numpy().tobytes()).hexdigest()[:12]}
     if args.device.startswith("cuda"):
         out["decoder"]["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 1)
     if args.hf_rows:

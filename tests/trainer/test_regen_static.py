@@ -185,3 +185,16 @@ def test_a_batch_gathers_while_requests_keep_coming_and_no_longer_than_its_cap(q
     assert batches_of_trickle(qwen3_model_dir, batch_size=64, gather_s=0.4, requests=20, gap_s=0.05) == [20]
     # a trickle that outlasts max_gather_s (1 s here) is cut into batches there
     assert len(batches_of_trickle(qwen3_model_dir, batch_size=64, gather_s=0.1, requests=30, gap_s=0.08)) >= 2
+
+
+def test_rows_are_chunked_shortest_first_each_chunk_as_many_as_fit_at_its_own_width():
+    from trainer.models.decoder import length_chunks
+
+    def fits(capacity):  # rows a device holds at a capacity: 3 narrow ones, 2 wide ones
+        return 3 if capacity < 50 else 2
+
+    # one long prompt among short ones no longer makes every chunk as narrow as its own width allows
+    assert length_chunks([5, 100, 7, 90, 6], 10, fits) == [[0, 4, 2], [3, 1]]
+    assert length_chunks([5, 7, 6, 8], 10, fits) == [[0, 2, 1], [3]]
+    assert length_chunks([], 10, fits) == []
+    assert length_chunks([4, 4], 10, lambda capacity: 1) == [[0], [1]]  # at least one row a chunk

@@ -156,19 +156,21 @@ def sample_next(logits: torch.Tensor, s: Sampling, noise: Noise, positions: torc
 SAMPLE_BYTES = 1 << 30  # sampled_picks' float64 buffers of one decode step, per chunk of rows ([rows, vocab] each)
 
 
-def sampled_picks(s: Sampling, streams: Sequence[int], device: torch.device | str) -> Callable[[int, int], Pick]:
-    """For trainer.models.decoder.generate: the chooser of rows start..stop-1 of a batch, each row's token
-    `sample_next`'s draw from its noise stream streams[r] keyed by the token's index in the answer, so a
-    row's answer depends on its stream and the seed, never on its batch or chunk; SAMPLE_BYTES of
-    buffers at a time."""
+def sampled_picks(s: Sampling, streams: Sequence[int], device: torch.device | str) -> Callable[[Sequence[int]], Pick]:
+    """For trainer.models.decoder.generate: the chooser of a chunk's rows (their indices in the batch), each
+    row's token `sample_next`'s draw from its noise stream streams[r] keyed by the token's index in the
+    answer, so a row's answer depends on its stream and the seed, never on its batch or chunk; SAMPLE_BYTES
+    of buffers at a time."""
     noise = Noise.of(s.seed, list(streams), device)
 
-    def picks(start: int, stop: int) -> Pick:
+    def picks(chunk_rows: Sequence[int]) -> Pick:
+        index = torch.as_tensor(list(chunk_rows), dtype=torch.long, device=noise.streams.device)
+
         def pick(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
             n, chunk = logits.shape[0], max(1, SAMPLE_BYTES // (8 * logits.shape[-1]))
             out = torch.empty(n, dtype=torch.long, device=logits.device)
             for i in range(0, n, chunk):
-                rows = torch.arange(start + row0 + i, start + row0 + min(n, i + chunk), device=noise.streams.device)
+                rows = index[row0 + i:row0 + min(n, i + chunk)]
                 at = torch.full((len(rows),), t, dtype=torch.long, device=logits.device)
                 out[i:i + len(rows)] = sample_next(logits[i:i + len(rows)], s, noise.select(rows), at)
             return out

@@ -220,6 +220,19 @@ def argmax(logits: torch.Tensor, row0: int, t: int) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
+def length_chunks(lengths: Sequence[int], max_new_tokens: int, fits: Callable[[int], int]) -> list[list[int]]:
+    """A batch's rows (indices) in the chunks decoded one after another: shortest prompt first, each chunk as
+    many rows as `fits(capacity)` holds at the capacity (prompt + max_new_tokens slots) of its longest prompt.
+    A chunk is padded to its own longest prompt, not the batch's, and a chunk of short prompts holds more
+    rows: in input order, one long prompt made every chunk as narrow in rows and as wide in slots as its own."""
+    chunks: list[list[int]] = []
+    for r in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if not chunks or len(chunks[-1]) >= fits(lengths[r] + max_new_tokens):
+            chunks.append([])
+        chunks[-1].append(r)
+    return chunks
+
+
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
            prefill_rows: int = 256, max_rows: int | None = None,
            cancel: threading.Event | None = None) -> torch.Tensor:
@@ -229,22 +242,28 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
 
 def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
              prefill_rows: int = 256, max_rows: int | None = None, cancel: threading.Event | None = None,
-             picks: Callable[[int, int], Pick] | None = None) -> torch.Tensor:
-    """Decoding of a batch, in chunks of at most `max_rows` rows (default on CUDA: as many as the free
-    memory holds, `rows_that_fit`; a batch of 16,384 long prompts would not): [B, new]. Each token
-    is the argmax, or chosen by picks(start, stop), the chooser of the batch's rows start..stop-1
-    (trainer.generate.sampling.sampled_picks: the engine's draws, each row from its own noise stream,
-    so a row's answer does not depend on its chunk). Once `cancel` is set it raises Cancelled at the
-    next prefill chunk or decode step, so an interrupted regen does not decode the rest of a batch
-    whose answers it will not write."""
+             picks: Callable[[Sequence[int]], Pick] | None = None) -> torch.Tensor:
+    """Decoding of a batch, in chunks of rows by prompt length (`length_chunks`), each at most `max_rows`
+    rows (default on CUDA: as many as the free memory holds at the chunk's width, `rows_that_fit`; a batch
+    of 16,384 long prompts would not fit at once): [B, new] in the prompts' order. Each token is the
+    argmax, or chosen by picks(rows), the chooser of the batch's rows `rows` (a chunk's, in its order:
+    trainer.generate.sampling.sampled_picks, the engine's draws, each row from its own noise stream, so
+    a row's answer does not depend on its chunk). Once `cancel` is set it raises Cancelled at the next
+    prefill chunk or decode step, so an interrupted regen does not decode the rest of a batch whose
+    answers it will not write."""
     d = TargetDecoder(model)
-    if max_rows is None and d.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(d.device)
-        max_rows = rows_that_fit(d, max(map(len, prompts)) + max_new_tokens, free, total)
-    step = len(prompts) if max_rows is None else max_rows
-    return torch.cat([_generate(d, prompts[i:i + step], max_new_tokens, stop_ids, prefill_rows, cancel,
-                                picks(i, min(len(prompts), i + step)) if picks else argmax)
-                      for i in range(0, len(prompts), step)])
+    memory = torch.cuda.mem_get_info(d.device) if max_rows is None and d.device.type == "cuda" else None
+
+    def fits(capacity: int) -> int:
+        if max_rows is not None:
+            return max_rows
+        return rows_that_fit(d, capacity, *memory) if memory is not None else len(prompts)
+
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=d.device)
+    for rows in length_chunks([len(p) for p in prompts], max_new_tokens, fits):
+        out[torch.tensor(rows, device=d.device)] = _generate(d, [prompts[r] for r in rows], max_new_tokens, stop_ids,
+                                                              prefill_rows, cancel, picks(rows) if picks else argmax)
+    return out
 
 
 def _generate(d: TargetDecoder, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],

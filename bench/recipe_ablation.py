@@ -547,6 +547,7 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
     cfg["run"].update(seed=seed, keep_checkpoints=2)
     cfg["data"]["seed"] = seed
     cfg["data"]["workers"] = max(1, (os.cpu_count() or 2) // p.parallel)
+    cfg["data"]["token_cache"] = str(state / "tokenized")  # a mix's runs (seeds, resumed legs) tokenize it once
     cfg["eval"].update(samples=min(qp.n_eval, 4), batch=min(qp.n_eval, 4), max_new_tokens=min(qp.eval_new_tokens, 16),
                        temperatures=[0.0])
     return cfg

@@ -5,6 +5,8 @@ data.workers), with the same tokenizer and conversations; the outputs must be id
     PYTHONPATH=. python bench/tokenize_speed.py -n 4096                    # one process vs auto
     PYTHONPATH=. python bench/tokenize_speed.py -n 32768 --processes 4,16 --out $OUT/tokenize.json
 
+Last, data.token_cache: what keeping the encoding adds to a first start, and what a next start's read takes.
+
 The conversations are the quality bench's kind (bench/quality.py): a code prefix of a Python
 source file of this machine as the user turn (200-1000 characters), its continuation as the
 answer (~1280 characters), max_length 768, enable_thinking false. The tokenizer is the Qwen3
@@ -91,7 +93,30 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{p} processes: {took:.2f}s, {seconds / took:.2f}x one process, identical: {many == one}", flush=True)
         if not row["identical"]:
             raise SystemExit("tokenize_speed: the workers' ids or masks differ from one process's")
+    out["token_cache"] = token_cache_leg(tokenizer, data, kwargs, seconds, one)
     return report(out, args.out)
+
+
+def token_cache_leg(tokenizer, data: list[dict], kwargs: dict, encode_s: float, encoded: list) -> dict:
+    """data.token_cache (trainer.data.token_cache): a first start's key and entry written beside the one
+    process's encoding (taken as done: `encoded`), then a next start's read, against encoding again."""
+    from trainer.data.token_cache import cached_encode
+
+    with tempfile.TemporaryDirectory() as cache:
+        began = time.perf_counter()
+        cached_encode(cache, tokenizer, data, MAX_LENGTH, kwargs, lambda: encoded)
+        written = time.perf_counter() - began
+        began = time.perf_counter()
+        read, found = cached_encode(cache, tokenizer, data, MAX_LENGTH, kwargs, lambda: [])
+        took = time.perf_counter() - began
+        size = sum(f.stat().st_size for f in Path(cache).glob("*.npz"))
+    row = {"write_s": round(written, 2), "read_s": round(took, 2), "speedup_over_one_process": round(encode_s / took, 1),
+           "entry_mb": round(size / 2**20, 1), "identical": found and read == encoded}
+    print(f"data.token_cache: the first start adds {written:.2f}s (key and entry, {size / 2**20:.1f} MB), a next start "
+          f"reads it in {took:.2f}s ({encode_s / took:.1f}x one process), identical: {row['identical']}", flush=True)
+    if not row["identical"]:
+        raise SystemExit("tokenize_speed: the token cache's entry differs from the encoding")
+    return row
 
 
 if __name__ == "__main__":

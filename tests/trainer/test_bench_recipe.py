@@ -317,6 +317,12 @@ def test_the_cpu_plan_spans_two_calls_and_the_second_continues_what_the_first_le
         # each run evaluated with argmax proposals and, at T = 1, sampled ones; lookup (argmax) alike in both
         assert all(set(by_t) == {"0", "1", "1 sampled"} for by_t in r["result"]["by_set"].values())
         assert all(by_t["1 sampled"]["tau_lookup"] == by_t["1"]["tau_lookup"] for by_t in r["result"]["by_set"].values())
+    # a mix is tokenized once (data.token_cache): the greedy one by the step timing, whose file is its first 512
+    # rows (all 12 here), `both` by its first run's first start; every other start reads it
+    logs = [(d / "train.log").read_text() for d in (state / "stages" / "screen" / "runs").iterdir() if d.is_dir()]
+    starts = sum(len(r["legs"]) for r in second["runs"].values())
+    assert sum(log.count("kept in data.token_cache") for log in logs) == 1
+    assert sum(log.count("tokenized conversations from data.token_cache") for log in logs) == starts - 1
     for e in second["table"].values():
         assert e["measured"] == 2 and e["seeds"] == [0, 1]
         for key in ("heldout T=0", "heldout T=1", "heldout T=1 sampled", "other T=0", "other T=1", "other T=1 sampled"):
@@ -426,6 +432,7 @@ def test_the_h200_runs_trainer_configs_parse_and_differ_in_objective_data_and_se
         objective, data, *_ = ra.candidate_parts(candidate)
         assert cfg["data"]["train_path"] == str(tmp_path / "data" / f"mix-{data}.jsonl")
         assert cfg["run"]["seed"] == cfg["data"]["seed"] == seed and cfg["optim"]["total_steps"] == 1000
+        assert cfg["data"]["token_cache"] == str(tmp_path / "tokenized")  # the seeds of a mix tokenize it once
         assert {k: v for k, v in cfg["model"].items() if k not in ("loss", "position_weight")} == \
             {k: v for k, v in base["model"].items() if k not in ("loss", "position_weight")}
         assert cfg["optim"] == base["optim"] and cfg["eval"] == base["eval"] and cfg["pipeline"] == base["pipeline"]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainer.data.chat import DataError, encode_conversation, read_conversations, tokenize_conversation, trained_tokens  # noqa: F401
-from trainer.data.encoding import encode_all
+from trainer.data.encoding import Encoded, encode_all
 
 
 @dataclass
@@ -148,6 +148,12 @@ def build_dataset(tokenizer: Any, conversations: list[dict], max_length: int, bu
     """processes: encode in that many processes (trainer.data.encoding; 1: in this one); progress(n):
     n conversations encoded so far."""
     encoded = encode_all(tokenizer, conversations, max_length, template_kwargs, processes, progress)
+    return dataset_of(tokenizer, encoded, bucket_edges, token_budget, seed, pad_multiple)
+
+
+def dataset_of(tokenizer: Any, encoded: list[Encoded], bucket_edges: list[int], token_budget: int, seed: int,
+               pad_multiple: int = 16) -> PreloadedDataset:
+    """The dataset of conversations encoded already (trainer.data.encoding, or trainer.data.token_cache)."""
     samples = [(ids, mask) for ids, mask, _ in encoded]
     return PreloadedDataset(samples, bucket_edges, token_budget, pad_id(tokenizer), seed, pad_multiple)
 

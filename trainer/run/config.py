@@ -168,6 +168,7 @@ class DataConfig:
     pack_rows: int = 1  # packed rows per micro-batch
     anchors_per_row: int | None = None  # packed: draft blocks per row; default num_anchors per max_length tokens, same density
     seed: int = 0  # data order and anchor sampling seed
+    token_cache: str | None = None  # a directory: the tokenized conversations are kept there (trainer.data.token_cache), keyed by the data, tokenizer, chat template, max_length and the encoding code, so the run's next start (resume, restart) and other runs on the same data read them instead of tokenizing again; None: not kept
     workers: int | Literal["auto"] = "auto"  # processes that tokenize the conversations (chat template, loss mask) when there are 2,000 or more (fewer: one); auto: min(usable CPUs, 16); 1: in the trainer's process
 
 
@@ -583,6 +584,8 @@ def _validate_data(c: TrainerConfig, check: _Check) -> None:
           ("data", "pack_length"), "must be 0 or a multiple of 128 no shorter than max_length")
     check(data.pack_rows >= 1, ("data", "pack_rows"), "must be at least 1")
     check(data.workers == "auto" or (isinstance(data.workers, int) and data.workers >= 1), ("data", "workers"), "must be auto or at least 1")
+    check(data.token_cache is None or (isinstance(data.token_cache, str) and data.token_cache.strip() != ""),
+          ("data", "token_cache"), "must be a directory path or null")
     if data.pack_length:
         family = _target_family(c)
         check(family is None or family.pack_refusal is None, ("data", "pack_length"),

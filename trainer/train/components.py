@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.data.batches import PreloadedDataset, build_dataset, read_conversations
-from trainer.data.encoding import process_count
+from trainer.data.batches import PreloadedDataset, dataset_of, read_conversations
+from trainer.data.encoding import Encoded, encode_all, process_count
 from trainer.data.synth import synthetic_conversations, write_jsonl
+from trainer.data.token_cache import cached_encode
 from trainer.data.tokenizer import build_tokenizer
 from trainer.models.drafter import DFlashDrafter, DrafterConfig
 from trainer.models.fp8 import converter_for
@@ -312,25 +313,41 @@ def build_components(cfg: TrainerConfig, run_dir: Path, log: Callable[[str], Non
     tokenizer = build_tokenizer(cfg)
     train_conv, eval_conv = load_conversations(cfg, run_dir)
 
-    def dataset(conversations: list[dict], seed: int, processes: int, count: bool = False) -> PreloadedDataset:
+    read: list[bool] = []  # per data set, with data.token_cache: read from it (else encoded and written there)
+
+    def dataset(conversations: list[dict], seed: int, processes: int, training: bool = False) -> PreloadedDataset:
         def progress(done: int) -> None:
             phase("tokenising", done, len(conversations))
 
-        return build_dataset(tokenizer, conversations, cfg.data.max_length, cfg.data.bucket_edges,
-                             cfg.data.token_budget, seed, cfg.data.pad_multiple, template_kwargs(cfg.data), processes,
-                             progress if count else None)
+        def encode() -> list[Encoded]:
+            if training and processes > 1:  # minutes for a million conversations: say what the wait is
+                log(f"tokenizing {len(conversations)} training conversations in {processes} processes (data.workers)")
+            return encode_all(tokenizer, conversations, cfg.data.max_length, template_kwargs(cfg.data), processes,
+                              progress if training else None)
+
+        if cfg.data.token_cache is None:
+            encoded = encode()
+        else:
+            encoded, found = cached_encode(cfg.data.token_cache, tokenizer, conversations, cfg.data.max_length,
+                                           template_kwargs(cfg.data), encode)
+            read.append(found)
+        return dataset_of(tokenizer, encoded, cfg.data.bucket_edges, cfg.data.token_budget, seed, cfg.data.pad_multiple)
 
     if not eval_conv:
         log("no held-out conversations (data.eval_path unset): evaluating on the first 8 training conversations")
         eval_conv = train_conv[:8]
     began = time.perf_counter()  # chat templates and masks: ~2 ms a conversation (trainer.data.encoding)
     processes = [process_count(cfg.data.workers, len(c)) for c in (train_conv, eval_conv)]
-    if processes[0] > 1:  # minutes for a million conversations: say what the wait is
-        log(f"tokenizing {len(train_conv)} training conversations in {processes[0]} processes (data.workers)")
-    conversations = dataset(train_conv, cfg.data.seed, processes[0], count=True)
+    conversations = dataset(train_conv, cfg.data.seed, processes[0], training=True)
     eval_data = dataset(eval_conv, cfg.data.seed + 1, processes[1])
-    log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in "
-        f"{time.perf_counter() - began:.1f}s ({max(processes)} process{'es' if max(processes) > 1 else ''})")
+    seconds = time.perf_counter() - began
+    if read and all(read):
+        log(f"read {len(train_conv)} training and {len(eval_conv)} held-out tokenized conversations from "
+            f"data.token_cache {cfg.data.token_cache} in {seconds:.1f}s")
+    else:
+        log(f"tokenized {len(train_conv)} training and {len(eval_conv)} held-out conversations in {seconds:.1f}s "
+            f"({max(processes)} process{'es' if max(processes) > 1 else ''})"
+            + (f"; kept in data.token_cache {cfg.data.token_cache}" if read else ""))
     weighted = sum("loss_weights" in c for c in train_conv)
     if weighted:  # trainer.data.chat.answer_weights: the on-policy stage's rows (trainer_tools.onpolicy)
         log(f"{weighted} of {len(train_conv)} training conversations weigh their last answer's tokens (loss_weights)")

@@ -109,7 +109,7 @@ def token_cache_leg(tokenizer, data: list[dict], kwargs: dict, encode_s: float, 
         began = time.perf_counter()
         read, found = cached_encode(cache, tokenizer, data, MAX_LENGTH, kwargs, lambda: [])
         took = time.perf_counter() - began
-        size = sum(f.stat().st_size for f in Path(cache).glob("*.npz"))
+        size = sum(f.stat().st_size for f in Path(cache).glob("*.tokens"))
     row = {"write_s": round(written, 2), "read_s": round(took, 2), "speedup_over_one_process": round(encode_s / took, 1),
            "entry_mb": round(size / 2**20, 1), "identical": found and read == encoded}
     print(f"data.token_cache: the first start adds {written:.2f}s (key and entry, {size / 2**20:.1f} MB), a next start "

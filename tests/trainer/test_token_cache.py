@@ -51,7 +51,7 @@ def test_an_entry_reads_back_what_was_encoded_and_a_second_start_does_not_encode
     assert again == first == encode_all(tok, convs, 100)
     # the weighted row keeps float weights, the others 0/1 ints (the batches' mask dtype follows them)
     assert isinstance(again[0][1][-1], float) and {type(m) for m in again[1][1]} == {int}
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [f"{cache_key(tok, convs, 100, None)}.npz"]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [f"{cache_key(tok, convs, 100, None)}.tokens"]
 
 
 def test_the_key_changes_with_what_the_encoding_depends_on_and_not_with_where_rows_were_read(tok):
@@ -72,7 +72,7 @@ def test_a_damaged_entry_is_encoded_again_and_replaced(tok, tmp_path):
     convs = conversations(tok)
     encode = Counting(tok, convs)
     cached_encode(tmp_path, tok, convs, 100, None, encode)
-    entry = tmp_path / f"{cache_key(tok, convs, 100, None)}.npz"
+    entry = tmp_path / f"{cache_key(tok, convs, 100, None)}.tokens"
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a copy cut short
     out, found = cached_encode(tmp_path, tok, convs, 100, None, encode)
     assert not found and encode.calls == 2 and out == encode_all(tok, convs, 100)

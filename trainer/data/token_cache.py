@@ -2,15 +2,16 @@
 data, does not tokenize them again.
 
 Tokenizing is ~2 ms a conversation (trainer.data.encoding): 13 s for 32,768 on 16 processes of an H100 host,
-~7 minutes a start for a million, and three runs starting at once on one host each took three times that.
-An entry is keyed by everything the encoding depends on: the conversations (their content, in order), the
-tokenizer (its vocabulary and merges, special tokens, chat template), max_length, the chat-template
-arguments, and the source of the code that encodes (a changed trainer never reads an older entry). A run that
+~7 minutes a start for a million, and runs starting at once on one host share its cores. An entry is keyed
+by everything the encoding depends on: the conversations (their content, in order), the tokenizer (its
+vocabulary and merges, special tokens, chat template), max_length, the chat-template arguments, the source of
+the code that encodes and the transformers and tokenizers versions that render and tokenize (an upgraded
+trainer never reads an older entry). A run that
 finds its key loads the entry; one that does not encodes and writes it whole (a temporary file renamed into
 place: a reader sees the old entry, the new one, or none, never a part). Runs starting at once on the same
 data take the entry's lock in turn: the first encodes, the others load what it wrote.
 
-Nothing here deletes: an entry is one file `<key>.npz` and its lock file, written by this module only.
+Nothing here deletes: an entry is one file `<key>.tokens` and its lock file, written by this module only.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import threading
-import zipfile
+from array import array
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from trainer.data import chat, encoding
 from trainer.data.chat import DataError
@@ -58,6 +59,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
 
 def cache_key(tokenizer: Any, conversations: list[dict], max_length: int, template_kwargs: dict | None) -> str:
     h = hashlib.sha256(json.dumps({"format": FORMAT, "code": code_digest(), "tokenizer": tokenizer_digest(tokenizer),
+                                   "libraries": [version("transformers"), version("tokenizers"), sys.byteorder],
                                    "max_length": max_length, "template_kwargs": template_kwargs},
                                   sort_keys=True, default=str).encode())
     for c in conversations:  # not where it was read from (`source`, file:line for errors): a copy of the data is the same
@@ -66,41 +68,62 @@ def cache_key(tokenizer: Any, conversations: list[dict], max_length: int, templa
     return h.hexdigest()[:40]
 
 
+MAGIC = b"dflash-token-cache\n"
+# the arrays of an entry after its header, in this order: (name, array typecode)
+ARRAYS = (("lengths", "q"), ("full", "q"), ("weighted", "B"), ("ids", "i"), ("masks", "B"), ("weights", "f"))
+
+
 def write_entry(path: Path, encoded: list[Encoded]) -> None:
-    """The encoded conversations as flat arrays: ids (int32), 0/1 loss masks (uint8), and the float weights
-    (float32, the precision the batches hold them in) of the conversations that weigh their tokens
-    (`weighted`: their masks are floats, the others' 0/1 ints); each conversation's length and untruncated
-    length."""
-    lengths = np.array([len(ids) for ids, _, _ in encoded], dtype=np.int64)
-    weighted = np.array([bool(mask) and isinstance(mask[0], float) for _, mask, _ in encoded], dtype=bool)
-    tokens = int(lengths.sum())
-    ids = np.fromiter((t for row, _, _ in encoded for t in row), dtype=np.int32, count=tokens)
-    masks = np.fromiter((m > 0 for _, mask, _ in encoded for m in mask), dtype=np.uint8, count=tokens)
-    weights = np.fromiter((m for (_, mask, _), w in zip(encoded, weighted) if w for m in mask), dtype=np.float32)
-    full = np.array([n for _, _, n in encoded], dtype=np.int64)
+    """The encoded conversations as flat arrays after a one-line JSON header (their sizes and the payload's
+    sha256): each conversation's length and untruncated length, whether it weighs its tokens (`weighted`:
+    its mask is floats, the others' 0/1 ints), the ids (int32), the 0/1 masks (uint8), and the weighted
+    conversations' weights (float32, the precision the batches hold them in)."""
+    arrays: dict[str, array] = {
+        "lengths": array("q", (len(ids) for ids, _, _ in encoded)),
+        "full": array("q", (n for _, _, n in encoded)),
+        "weighted": array("B", (bool(mask) and isinstance(mask[0], float) for _, mask, _ in encoded)),
+        "ids": array("i", (t for ids, _, _ in encoded for t in ids)),
+        "masks": array("B", (m > 0 for _, mask, _ in encoded for m in mask)),
+    }
+    arrays["weights"] = array("f", (m for (_, mask, _), w in zip(encoded, arrays["weighted"]) if w for m in mask))
+    payload = b"".join(arrays[name].tobytes() for name, _ in ARRAYS)
+    header = {"sizes": {name: len(arrays[name]) for name, _ in ARRAYS}, "sha256": hashlib.sha256(payload).hexdigest()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, ids=ids, masks=masks, weights=weights, lengths=lengths, weighted=weighted, full=full)
+            f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def read_entry(path: Path) -> list[Encoded] | None:
-    """The entry's conversations, or None where it is missing or cannot be read whole."""
+    """The entry's conversations, or None where it cannot be read whole (cut short, damaged, not an entry)."""
     try:
-        with np.load(path) as z:
-            ids, masks, weights = z["ids"].tolist(), z["masks"].tolist(), z["weights"].tolist()
-            lengths, weighted, full = z["lengths"].tolist(), z["weighted"].tolist(), z["full"].tolist()
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            return None
+        line_end = data.index(b"\n", len(MAGIC))
+        header = json.loads(data[len(MAGIC):line_end])
+        payload = memoryview(data)[line_end + 1:]
+        if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            return None
+        arrays, at = {}, 0
+        for name, code in ARRAYS:
+            a = array(code)
+            size = int(header["sizes"][name]) * a.itemsize
+            a.frombytes(payload[at:at + size])
+            arrays[name], at = a.tolist(), at + size
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not len(ids) == len(masks) == sum(lengths) or not len(weighted) == len(full) == len(lengths) \
+    lengths, weighted, ids, masks, weights = (arrays[k] for k in ("lengths", "weighted", "ids", "masks", "weights"))
+    if at != len(payload) or not len(ids) == len(masks) == sum(lengths) \
+            or not len(weighted) == len(arrays["full"]) == len(lengths) \
             or len(weights) != sum(n for n, w in zip(lengths, weighted) if w):
         return None
     out: list[Encoded] = []
     start = weight = 0
-    for n, w, untruncated in zip(lengths, weighted, full):
+    for n, w, untruncated in zip(lengths, weighted, arrays["full"]):
         if w:
             mask: list = weights[weight:weight + n]
             weight += n
@@ -117,7 +140,7 @@ def cached_encode(directory: str | Path, tokenizer: Any, conversations: list[dic
     read where the directory has one, else encoded and written there."""
     root = Path(directory)
     key = cache_key(tokenizer, conversations, max_length, template_kwargs)
-    path = root / f"{key}.npz"
+    path = root / f"{key}.tokens"
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = open(root / f".{key}.lock", "a")

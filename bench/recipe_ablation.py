@@ -53,7 +53,8 @@ cancels its batch in flight and keeps every finished row; the next call's rerun 
 `regen_legs` the greedy regen answers at most 1/regen_legs of the prompts a call, the CPU test's cut); no run starts before the
 data is whole, and the table says how many of the planned prompts it holds; the timing once; then the runs
 (candidate after candidate, seed after seed; `parallel` at a time), each `python -m trainer --config C
---run-dir R --resume auto`: a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
+--run-dir R --resume auto` (a mix is tokenized once, by the first of its runs to start: they share
+`data.token_cache` STATE/tokenized): a run stopped by the deadline (SIGTERM: it checkpoints at its step boundary)
 resumes from its last checkpoint in the next call; with `legs` a run trains at most 1/legs of its steps in one
 call (the CPU test's deterministic stop). A run that has all its steps is evaluated once by the bench
 (quality.CheckpointEvaluator: both prompt sets at every temperature), as soon as no run waits to start (while
@@ -546,8 +547,10 @@ def trainer_config(p: Preset, qp: quality.Preset, state: Path, candidate: str, s
     cfg["model"].update(quality_objectives.OBJECTIVES[c.objective])
     cfg["run"].update(seed=seed, keep_checkpoints=2)
     cfg["data"]["seed"] = seed
-    cfg["data"]["workers"] = max(1, (os.cpu_count() or 2) // p.parallel)
-    cfg["data"]["token_cache"] = str(state / "tokenized")  # a mix's runs (seeds, resumed legs) tokenize it once
+    # a mix's runs (its seeds, resumed legs) tokenize it once: the first to start, on every core (data.workers
+    # auto), while the others starting beside it wait for its entry
+    cfg["data"]["token_cache"] = str(state / "tokenized")
+    cfg["data"]["workers"] = "auto"
     cfg["eval"].update(samples=min(qp.n_eval, 4), batch=min(qp.n_eval, 4), max_new_tokens=min(qp.eval_new_tokens, 16),
                        temperatures=[0.0])
     return cfg

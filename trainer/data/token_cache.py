@@ -19,9 +19,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import sys
-import threading
 from array import array
 from collections.abc import Callable
 from importlib.metadata import version
@@ -31,6 +29,7 @@ from typing import Any
 from trainer.data import chat, encoding
 from trainer.data.chat import DataError
 from trainer.data.encoding import Encoded
+from trainer.run.contract import write_atomic
 
 FORMAT = 1
 
@@ -88,13 +87,7 @@ def write_entry(path: Path, encoded: list[Encoded]) -> None:
     arrays["weights"] = array("f", (m for (_, mask, _), w in zip(encoded, arrays["weighted"]) if w for m in mask))
     payload = b"".join(arrays[name].tobytes() for name, _ in ARRAYS)
     header = {"sizes": {name: len(arrays[name]) for name, _ in ARRAYS}, "sha256": hashlib.sha256(payload).hexdigest()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, MAGIC + json.dumps(header).encode() + b"\n" + payload)
 
 
 def read_entry(path: Path) -> list[Encoded] | None:

@@ -77,14 +77,16 @@ def write_entry(path: Path, encoded: list[Encoded]) -> None:
     sha256): each conversation's length and untruncated length, whether it weighs its tokens (`weighted`:
     its mask is floats, the others' 0/1 ints), the ids (int32), the 0/1 masks (uint8), and the weighted
     conversations' weights (float32, the precision the batches hold them in)."""
-    arrays: dict[str, array] = {
-        "lengths": array("q", (len(ids) for ids, _, _ in encoded)),
-        "full": array("q", (n for _, _, n in encoded)),
-        "weighted": array("B", (bool(mask) and isinstance(mask[0], float) for _, mask, _ in encoded)),
-        "ids": array("i", (t for ids, _, _ in encoded for t in ids)),
-        "masks": array("B", (m > 0 for _, mask, _ in encoded for m in mask)),
+    weighted = [bool(mask) and isinstance(mask[0], float) for _, mask, _ in encoded]
+    values = {
+        "lengths": (len(ids) for ids, _, _ in encoded),
+        "full": (n for _, _, n in encoded),
+        "weighted": weighted,
+        "ids": (t for ids, _, _ in encoded for t in ids),
+        "masks": (m > 0 for _, mask, _ in encoded for m in mask),
+        "weights": (m for (_, mask, _), w in zip(encoded, weighted) if w for m in mask),
     }
-    arrays["weights"] = array("f", (m for (_, mask, _), w in zip(encoded, arrays["weighted"]) if w for m in mask))
+    arrays = {name: array(code, values[name]) for name, code in ARRAYS}  # each array's type named once, in ARRAYS
     payload = b"".join(arrays[name].tobytes() for name, _ in ARRAYS)
     header = {"sizes": {name: len(arrays[name]) for name, _ in ARRAYS}, "sha256": hashlib.sha256(payload).hexdigest()}
     write_atomic(path, MAGIC + json.dumps(header).encode() + b"\n" + payload)
